@@ -1,0 +1,174 @@
+"""Attention interface: backend / metadata-builder / impl split (vLLM v1 style).
+
+Tensor conventions (all on the backend's device):
+
+* ``query``  ``[num_tokens, num_heads, head_size]``
+* ``key``, ``value`` (new tokens) ``[num_tokens, num_kv_heads, head_size]``
+* output ``[num_tokens, num_heads, head_size]``, dtype of ``query``
+* ``layer_kv`` is ``KVCache.layer(i)`` of the layout the backend declared.
+
+Requests in a batch appear in any order and in any of four states, all in one ``forward`` call:
+prefill without cached prefix, prefill chunk on a cached prefix (causal over prefix + chunk),
+decode (query length 1), and mixtures of these. Query token ``j`` of request ``r`` sits at
+absolute position ``seq_lens[r] - query_len[r] + j`` and attends to KV positions ``<=`` its own.
+Heads are grouped: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hwkv.interfaces.layout import KVCacheSpec, KVLayoutKind
+
+
+@dataclass
+class AttentionMetadata:
+    """Hardware-neutral per-step metadata built by core.
+
+    * ``query_start_loc`` int32 ``[num_reqs + 1]`` cumulative query lengths (starts at 0)
+    * ``seq_lens`` int32 ``[num_reqs]`` total KV length per request, new tokens included
+    * ``block_tables`` int32 ``[num_reqs, max_blocks]`` physical block ids (padding is unused)
+    * ``slot_mapping`` int64 ``[num_tokens]`` ``block_table[p // bs] * bs + p % bs`` for each new
+      token's position ``p``; ``-1`` marks a token whose KV must not be written (padding)
+    * host (``*_cpu``) copies let backends build their own metadata without a device sync.
+    """
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    query_start_loc_cpu: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+    block_size: int
+    num_prefills: int
+    num_decodes: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_reqs(self) -> int:
+        return int(self.seq_lens_cpu.numel())
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.numel())
+
+    @property
+    def query_lens_cpu(self) -> torch.Tensor:
+        return self.query_start_loc_cpu[1:] - self.query_start_loc_cpu[:-1]
+
+    @property
+    def context_lens_cpu(self) -> torch.Tensor:
+        """KV tokens already cached before this step, per request."""
+        return self.seq_lens_cpu - self.query_lens_cpu
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int] | torch.Tensor,
+        seq_lens: list[int] | torch.Tensor,
+        block_tables: list[list[int]] | torch.Tensor,
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
+        """Build metadata in bulk (no per-token Python loop) from per-request lists."""
+        ql = torch.as_tensor(query_lens, dtype=torch.int32)
+        sl = torch.as_tensor(seq_lens, dtype=torch.int32)
+        if ql.numel() != sl.numel():
+            raise ValueError(f"{ql.numel()} query lengths but {sl.numel()} seq lengths")
+        if bool((ql < 1).any()) or bool((sl < ql).any()):
+            raise ValueError("every query length must be >= 1 and <= its seq length")
+        if isinstance(block_tables, torch.Tensor):
+            bt = block_tables.to("cpu", torch.int32)
+        else:
+            width = max((len(r) for r in block_tables), default=0)
+            bt = torch.zeros((len(block_tables), max(width, 1)), dtype=torch.int32)
+            for i, row in enumerate(block_tables):
+                bt[i, : len(row)] = torch.as_tensor(row, dtype=torch.int32)
+        need = (sl + block_size - 1) // block_size
+        if bt.shape[0] != sl.numel() or (sl.numel() and int(need.max()) > bt.shape[1]):
+            raise ValueError("block_tables must have one row per request with enough blocks for seq_lens")
+        qsl = torch.zeros(ql.numel() + 1, dtype=torch.int32)
+        torch.cumsum(ql, 0, out=qsl[1:])
+        num_tokens = int(qsl[-1])
+        req = torch.repeat_interleave(torch.arange(ql.numel()), ql.long())
+        pos = torch.arange(num_tokens) - qsl[:-1].long()[req] + (sl - ql).long()[req]
+        slots = bt[req, pos // block_size].long() * block_size + pos % block_size
+        is_dec = ql == 1
+        dev = torch.device(device)
+        return cls(
+            query_start_loc=qsl.to(dev),
+            seq_lens=sl.to(dev),
+            block_tables=bt.to(dev),
+            slot_mapping=slots.to(dev),
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=sl,
+            block_size=block_size,
+            num_prefills=int((~is_dec).sum()),
+            num_decodes=int(is_dec.sum()),
+            num_prefill_tokens=int(ql[~is_dec].sum()),
+            num_decode_tokens=int(ql[is_dec].sum()),
+            max_query_len=int(ql.max()) if ql.numel() else 0,
+            max_seq_len=int(sl.max()) if sl.numel() else 0,
+        )
+
+
+class AttentionMetadataBuilder:
+    """Converts core metadata into the backend's own form (e.g. Ascend cumulative lengths).
+
+    The default passes core metadata through unchanged.
+    """
+
+    def build(self, common: AttentionMetadata) -> Any:
+        return common
+
+
+class AttentionImpl(ABC):
+    """Per-layer attention computation. One instance per (num_heads, head_size, num_kv_heads)."""
+
+    def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float):
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+        self.num_heads, self.head_size, self.num_kv_heads, self.scale = num_heads, head_size, num_kv_heads, scale
+
+    @abstractmethod
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, layer_kv: Any, slot_mapping: torch.Tensor) -> None:
+        """Scatter new K/V tokens into the paged cache at ``slot_mapping``; slot ``-1`` is skipped."""
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        layer_kv: Any,
+        metadata: Any,
+    ) -> torch.Tensor:
+        """Attention of ``query`` over the paged cache (which already holds this step's K/V).
+
+        ``key``/``value`` are this step's new tokens, for backends that attend to them directly
+        when no prefix is cached. ``metadata`` is what this backend's builder returned.
+        """
+
+
+class AttentionBackend(ABC):
+    """Factory for a backend's attention: its KV layout, metadata builder and impl."""
+
+    name: str = "base"
+    kv_layout: KVLayoutKind = KVLayoutKind.PER_LAYER
+
+    def kv_cache_shapes(self, spec: KVCacheSpec) -> list[tuple[int, ...]]:
+        return spec.tensor_shapes(self.kv_layout)
+
+    def metadata_builder(self) -> AttentionMetadataBuilder:
+        return AttentionMetadataBuilder()
+
+    @abstractmethod
+    def make_impl(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float) -> AttentionImpl:
+        """An impl for one attention geometry."""

@@ -1,0 +1,92 @@
+"""Backend: the unit a plugin provides — a Device, an AttentionBackend, Capabilities, and
+factories for Transfer and Store."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from hwkv.interfaces.attention import AttentionBackend
+from hwkv.interfaces.capabilities import Capabilities
+from hwkv.interfaces.device import Device
+
+if TYPE_CHECKING:
+    from hwkv.interfaces.store import Store
+    from hwkv.interfaces.transfer import Transfer
+
+API_VERSION = "1.0"
+
+
+class BackendUnavailable(RuntimeError):
+    """The backend cannot run here; the message says why and how to fix it."""
+
+
+class NotSupported(RuntimeError):
+    """The backend does not support a requested feature; the message names the capability."""
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """What a plugin's ``hwkv_backends`` hook returns.
+
+    ``factory`` is ``"package.module:Class"`` of a :class:`Backend` subclass, imported lazily.
+    ``api_version`` is the hwkv backend API the plugin was written for: a different major version
+    is refused, a newer minor version warns.
+    """
+
+    name: str
+    api_version: str
+    factory: str
+    description: str = ""
+
+
+class Backend(ABC):
+    """A hardware backend.
+
+    Contract:
+    * ``availability()`` is cheap, never raises and imports no more than it must; it returns
+      ``(True, "")`` or ``(False, reason)`` with the reason and the fix.
+    * Constructing a backend that is unavailable raises :class:`BackendUnavailable`.
+    * ``capabilities`` is constant for the backend's lifetime.
+    """
+
+    name: str = "base"
+
+    @classmethod
+    @abstractmethod
+    def availability(cls) -> tuple[bool, str]: ...
+
+    @property
+    @abstractmethod
+    def capabilities(self) -> Capabilities: ...
+
+    @property
+    @abstractmethod
+    def device(self) -> Device: ...
+
+    @property
+    @abstractmethod
+    def attention(self) -> AttentionBackend: ...
+
+    def create_transfer(self, **options: Any) -> Transfer:
+        """A Transfer endpoint on this device; default: Mooncake TransferEngine with the first
+        declared protocol."""
+        caps = self.capabilities
+        if not caps.transfer_protocols:
+            raise NotSupported(f"backend {self.name!r} declares no transfer protocol: {caps.transfer_reason}")
+        from hwkv.transfer.mooncake import MooncakeTransfer
+
+        options.setdefault("protocol", caps.transfer_protocols[0])
+        return MooncakeTransfer(**options)
+
+    def create_store(self, kind: str = "embedded", **options: Any) -> Store:
+        """A Store: ``"embedded"`` (in-process LRU, the default) or ``"mooncake"``."""
+        from hwkv.stores import create_store
+
+        if kind == "mooncake":
+            caps = self.capabilities
+            if not caps.transfer_protocols:
+                raise NotSupported(f"backend {self.name!r} declares no transfer protocol: {caps.transfer_reason}")
+            options.setdefault("protocol", caps.transfer_protocols[0])
+        return create_store(kind, **options)

@@ -1,0 +1,93 @@
+"""Capabilities: what a backend declares it supports.
+
+Capabilities are the *only* source of NOT_SUPPORTED in conformance: a case the backend declares
+is tested; a case it excludes is reported NOT_SUPPORTED with the reason `validate` returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from hwkv.interfaces.layout import KVCacheSpec, KVLayoutKind
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """Frozen declaration of what a backend supports.
+
+    Block sizes: either an explicit tuple ``block_sizes`` (Ascend: ``(128,)``) or every multiple of
+    ``block_size_multiple`` up to ``max_block_size`` (CUDA: multiples of 16).
+    """
+
+    dtypes: tuple[torch.dtype, ...] = (torch.float32,)
+    head_sizes: tuple[int, ...] = (64, 128)
+    block_sizes: tuple[int, ...] | None = None
+    block_size_multiple: int = 1
+    max_block_size: int = 256
+    kv_layouts: tuple[KVLayoutKind, ...] = (KVLayoutKind.PER_LAYER,)
+    transfer_protocols: tuple[str, ...] = ()
+    transfer_reason: str = ""  # why no transfer protocol is available, when empty
+    graph_capture: bool = False
+    max_gqa_ratio: int = 64
+    extras: dict[str, str] = field(default_factory=dict)
+
+    def supports_block_size(self, block_size: int) -> bool:
+        if block_size < 1 or block_size > self.max_block_size:
+            return False
+        if self.block_sizes is not None:
+            return block_size in self.block_sizes
+        return block_size % self.block_size_multiple == 0
+
+    def describe_block_sizes(self) -> str:
+        if self.block_sizes is not None:
+            return "exactly " + " or ".join(str(b) for b in self.block_sizes)
+        if self.block_size_multiple == 1:
+            return f"1..{self.max_block_size}"
+        return f"multiples of {self.block_size_multiple} up to {self.max_block_size}"
+
+    def test_block_sizes(self) -> tuple[int, ...]:
+        """The block sizes conformance exercises: every declared one, or a spread of multiples."""
+        if self.block_sizes is not None:
+            return self.block_sizes
+        cands = (1, 8, 16, 32, 64, 128)
+        return tuple(b for b in cands if self.supports_block_size(b))
+
+    def validate(
+        self,
+        spec: KVCacheSpec,
+        num_heads: int | None = None,
+        layout: KVLayoutKind | None = None,
+        transfer_protocol: str | None = None,
+    ) -> list[str]:
+        """Reasons this configuration is unsupported; an empty list means supported."""
+        reasons: list[str] = []
+        if spec.dtype not in self.dtypes:
+            allowed = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)
+            reasons.append(f"dtype {str(spec.dtype).removeprefix('torch.')} not supported (allowed: {allowed})")
+        if not self.supports_block_size(spec.block_size):
+            reasons.append(f"block_size {spec.block_size} not supported (allowed: {self.describe_block_sizes()})")
+        if spec.head_size not in self.head_sizes:
+            reasons.append(f"head_size {spec.head_size} not supported (allowed: {list(self.head_sizes)})")
+        if num_heads is not None:
+            if num_heads % spec.num_kv_heads:
+                reasons.append(f"num_heads {num_heads} is not a multiple of num_kv_heads {spec.num_kv_heads}")
+            elif num_heads // spec.num_kv_heads > self.max_gqa_ratio:
+                reasons.append(f"GQA ratio {num_heads // spec.num_kv_heads} exceeds {self.max_gqa_ratio}")
+        if layout is not None and layout not in self.kv_layouts:
+            reasons.append(f"KV layout {layout.value} not supported (allowed: {[k.value for k in self.kv_layouts]})")
+        if transfer_protocol is not None and transfer_protocol not in self.transfer_protocols:
+            why = f"; {self.transfer_reason}" if self.transfer_reason else ""
+            reasons.append(
+                f"transfer protocol {transfer_protocol!r} not supported (allowed: {list(self.transfer_protocols)}){why}"
+            )
+        return reasons
+
+    def summary(self) -> str:
+        dt = ",".join(str(d).removeprefix("torch.") for d in self.dtypes)
+        tp = ",".join(self.transfer_protocols) or "none"
+        return (
+            f"dtypes={dt} block={self.describe_block_sizes()} heads={list(self.head_sizes)} "
+            f"layout={'/'.join(k.value for k in self.kv_layouts)} transfer={tp} graphs={'yes' if self.graph_capture else 'no'}"
+        )

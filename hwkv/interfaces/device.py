@@ -1,0 +1,114 @@
+"""Device interface: memory, KV allocation, streams/events, pinned host buffers, block copies."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager
+from typing import Protocol
+
+import torch
+
+from hwkv.interfaces.layout import KVCache, KVCacheSpec, KVLayoutKind
+
+
+class Event(Protocol):
+    """Device event with torch.cuda.Event semantics."""
+
+    def record(self, stream: Stream | None = None) -> None: ...
+    def query(self) -> bool: ...
+    def synchronize(self) -> None: ...
+
+
+class Stream(Protocol):
+    """Device stream with torch.cuda.Stream semantics."""
+
+    def synchronize(self) -> None: ...
+    def wait_event(self, event: Event) -> None: ...
+    def wait_stream(self, stream: Stream) -> None: ...
+
+
+class Device(ABC):
+    """One accelerator (or the host, for the reference backend).
+
+    Contract:
+    * ``allocate_kv_cache`` returns zero-filled, contiguous, block-major tensors of ``spec`` in
+      ``layout`` on this device; ``host=True`` allocates a pinned host mirror (offload tier).
+    * ``copy_blocks(src, dst, pairs)`` copies block ``s`` of every tensor of ``src`` to block ``d``
+      of the same tensor of ``dst`` for each ``(s, d)``; caches must share spec and layout; either
+      may live on the host. It is batched (no per-block launch) and ordered on ``stream`` (the
+      current stream by default); callers synchronise through events.
+    """
+
+    type: str = "cpu"
+    dist_backend: str = "gloo"
+
+    def __init__(self, index: int = 0):
+        self.index = index
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.type, self.index) if self.type != "cpu" else torch.device("cpu")
+
+    @property
+    def name(self) -> str:
+        return f"{self.type}:{self.index}"
+
+    @abstractmethod
+    def description(self) -> str:
+        """Human-readable model of the device (for reports)."""
+
+    @abstractmethod
+    def memory_info(self) -> tuple[int, int]:
+        """``(free_bytes, total_bytes)``."""
+
+    def allocate_kv_cache(self, spec: KVCacheSpec, layout: KVLayoutKind, host: bool = False) -> KVCache:
+        if host:
+            return KVCache.allocate(spec, layout, "cpu", pin_memory=self.type != "cpu")
+        return KVCache.allocate(spec, layout, self.torch_device)
+
+    def pinned_empty(self, nbytes: int) -> torch.Tensor:
+        """A page-locked host uint8 buffer (plain host memory where pinning is meaningless)."""
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.type != "cpu")
+
+    @abstractmethod
+    def new_stream(self) -> Stream: ...
+
+    @abstractmethod
+    def current_stream(self) -> Stream: ...
+
+    @abstractmethod
+    def stream_context(self, stream: Stream) -> AbstractContextManager[None]: ...
+
+    @abstractmethod
+    def new_event(self) -> Event: ...
+
+    @abstractmethod
+    def synchronize(self) -> None: ...
+
+    def seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def copy_blocks(
+        self, src: KVCache, dst: KVCache, pairs: list[tuple[int, int]], stream: Stream | None = None
+    ) -> None:
+        """Batched block copy (see class contract). One indexed copy per tensor."""
+        if src.spec != dst.spec or src.layout != dst.layout:
+            raise ValueError("copy_blocks needs caches of the same spec and layout")
+        if not pairs:
+            return
+        idx = torch.tensor(pairs, dtype=torch.long)
+        s_idx, d_idx = idx[:, 0], idx[:, 1]
+        nb = src.spec.num_blocks
+        if int(idx.min()) < 0 or int(idx.max()) >= nb:
+            raise IndexError(f"block ids must lie in [0, {nb})")
+        ctx = self.stream_context(stream) if stream is not None else _nullcontext()
+        with ctx:
+            for s_t, d_t in zip(src.tensors, dst.tensors):
+                si = s_idx.to(s_t.device, non_blocking=True)
+                di = d_idx.to(d_t.device, non_blocking=True)
+                d_t.index_copy_(0, di, s_t.index_select(0, si).to(d_t.device, non_blocking=True))
+
+
+class _nullcontext(AbstractContextManager[None]):
+    def __exit__(self, *exc: object) -> None:
+        return None

@@ -1,0 +1,158 @@
+"""KV-cache layout: shapes, per-layer views and block byte segments.
+
+Every KV tensor is block-major (dim 0 = block id) and contiguous, so one block of one tensor is one
+contiguous byte range. Three layouts exist:
+
+* ``PER_LAYER``   one tensor per layer, ``[num_blocks, 2, block_size, H_kv, D]`` (K and V together)
+* ``SEPARATE_KV`` two tensors per layer, K and V each ``[num_blocks, block_size, H_kv, D]``
+                  (vllm-ascend style); tensors ordered K0, V0, K1, V1, ...
+* ``CROSS_LAYER`` one tensor for all layers, ``[num_blocks, L, 2, block_size, H_kv, D]``
+
+Transfers, stores and offload touch KV only through :meth:`KVCache.segments`, which derives byte
+ranges from the tensors alone, so they work for any layout.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+
+class KVLayoutKind(str, enum.Enum):
+    PER_LAYER = "per_layer"
+    SEPARATE_KV = "separate_kv"
+    CROSS_LAYER = "cross_layer"
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Shape of a paged KV cache, independent of layout and device."""
+
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_blocks", "block_size", "num_kv_heads", "head_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"KVCacheSpec.{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def elem_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of K and V of one block over all layers."""
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_size * self.elem_size
+
+    def tensor_shapes(self, layout: KVLayoutKind) -> list[tuple[int, ...]]:
+        tok = (self.block_size, self.num_kv_heads, self.head_size)
+        if layout is KVLayoutKind.PER_LAYER:
+            return [(self.num_blocks, 2, *tok)] * self.num_layers
+        if layout is KVLayoutKind.SEPARATE_KV:
+            return [(self.num_blocks, *tok)] * (2 * self.num_layers)
+        if layout is KVLayoutKind.CROSS_LAYER:
+            return [(self.num_blocks, self.num_layers, 2, *tok)]
+        raise ValueError(f"unknown KV layout {layout!r}")
+
+
+class Segment(NamedTuple):
+    """A contiguous byte range of one KV tensor: ``tensor`` index, byte ``offset``, ``nbytes``."""
+
+    tensor: int
+    offset: int
+    nbytes: int
+
+
+def group_concurrent_contiguous(
+    src: list[int], dst: list[int] | None = None
+) -> list[tuple[int, int, int]]:
+    """Merge runs where both ``src`` and ``dst`` ids are consecutive (000 §7.3.3).
+
+    Returns ``(src_start, dst_start, length)`` runs. With ``dst`` omitted, ``dst == src``.
+    """
+    if dst is None:
+        dst = src
+    if len(src) != len(dst):
+        raise ValueError(f"src and dst block lists differ in length: {len(src)} vs {len(dst)}")
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst):
+        if runs:
+            s0, d0, n = runs[-1]
+            if s == s0 + n and d == d0 + n:
+                runs[-1] = (s0, d0, n + 1)
+                continue
+        runs.append((s, d, 1))
+    return runs
+
+
+class KVCache:
+    """The KV tensors of one model on one device, plus the layout that gives them meaning.
+
+    Attention impls receive ``layer(i)``: a ``[num_blocks, 2, bs, H_kv, D]`` tensor (or view, for
+    cross-layer) for PER_LAYER / CROSS_LAYER, a ``(K, V)`` tuple for SEPARATE_KV.
+    """
+
+    def __init__(self, spec: KVCacheSpec, layout: KVLayoutKind, tensors: list[torch.Tensor]):
+        shapes = spec.tensor_shapes(layout)
+        if [tuple(t.shape) for t in tensors] != shapes:
+            raise ValueError(f"KV tensors {[tuple(t.shape) for t in tensors]} do not match layout {layout.value} {shapes}")
+        for t in tensors:
+            if not t.is_contiguous() or t.dtype != spec.dtype:
+                raise ValueError("KV tensors must be contiguous and of the spec's dtype")
+        self.spec, self.layout, self.tensors = spec, layout, tensors
+
+    @classmethod
+    def allocate(
+        cls, spec: KVCacheSpec, layout: KVLayoutKind, device: torch.device | str = "cpu", pin_memory: bool = False
+    ) -> KVCache:
+        ts = [
+            torch.zeros(s, dtype=spec.dtype, device=device, pin_memory=pin_memory and torch.device(device).type == "cpu")
+            for s in spec.tensor_shapes(layout)
+        ]
+        return cls(spec, layout, ts)
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensors[0].device
+
+    def layer(self, i: int) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= i < self.spec.num_layers:
+            raise IndexError(f"layer {i} out of range [0, {self.spec.num_layers})")
+        if self.layout is KVLayoutKind.PER_LAYER:
+            return self.tensors[i]
+        if self.layout is KVLayoutKind.SEPARATE_KV:
+            return self.tensors[2 * i], self.tensors[2 * i + 1]
+        return self.tensors[0][:, i]
+
+    def block_nbytes(self, tensor: int) -> int:
+        t = self.tensors[tensor]
+        return math.prod(t.shape[1:]) * t.element_size()
+
+    def segments(self, block_ids: list[int]) -> list[Segment]:
+        """Byte segments covering exactly ``block_ids`` in every tensor, consecutive ids merged."""
+        for b in block_ids:
+            if not 0 <= b < self.spec.num_blocks:
+                raise IndexError(f"block id {b} out of range [0, {self.spec.num_blocks})")
+        runs = group_concurrent_contiguous(list(block_ids))
+        out: list[Segment] = []
+        for ti in range(len(self.tensors)):
+            nb = self.block_nbytes(ti)
+            out.extend(Segment(ti, s * nb, n * nb) for s, _, n in runs)
+        return out
+
+    def addresses(self, block_ids: list[int]) -> list[tuple[int, int]]:
+        """``(pointer, nbytes)`` of each segment, for transfer engines and stores."""
+        return [(self.tensors[s.tensor].data_ptr() + s.offset, s.nbytes) for s in self.segments(block_ids)]
+
+    def block_bytes(self, block_id: int) -> list[torch.Tensor]:
+        """Raw uint8 views of one block in each tensor (tests, hashing, debugging)."""
+        return [t[block_id].reshape(-1).view(torch.uint8) for t in self.tensors]
