@@ -22,10 +22,11 @@ class Capabilities:
     """
 
     dtypes: tuple[torch.dtype, ...] = (torch.float32,)
-    head_sizes: tuple[int, ...] = (64, 128)
+    head_sizes: tuple[int, ...] | None = None  # None: any head size
     block_sizes: tuple[int, ...] | None = None
     block_size_multiple: int = 1
     max_block_size: int = 256
+    default_block_size: int = 16
     kv_layouts: tuple[KVLayoutKind, ...] = (KVLayoutKind.PER_LAYER,)
     transfer_protocols: tuple[str, ...] = ()
     transfer_reason: str = ""  # why no transfer protocol is available, when empty
@@ -68,7 +69,7 @@ class Capabilities:
             reasons.append(f"dtype {str(spec.dtype).removeprefix('torch.')} not supported (allowed: {allowed})")
         if not self.supports_block_size(spec.block_size):
             reasons.append(f"block_size {spec.block_size} not supported (allowed: {self.describe_block_sizes()})")
-        if spec.head_size not in self.head_sizes:
+        if self.head_sizes is not None and spec.head_size not in self.head_sizes:
             reasons.append(f"head_size {spec.head_size} not supported (allowed: {list(self.head_sizes)})")
         if num_heads is not None:
             if num_heads % spec.num_kv_heads:
@@ -88,6 +89,6 @@ class Capabilities:
         dt = ",".join(str(d).removeprefix("torch.") for d in self.dtypes)
         tp = ",".join(self.transfer_protocols) or "none"
         return (
-            f"dtypes={dt} block={self.describe_block_sizes()} heads={list(self.head_sizes)} "
+            f"dtypes={dt} block={self.describe_block_sizes()} heads={list(self.head_sizes) if self.head_sizes else 'any'} "
             f"layout={'/'.join(k.value for k in self.kv_layouts)} transfer={tp} graphs={'yes' if self.graph_capture else 'no'}"
         )
