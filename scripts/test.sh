@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Install everything the tests need, certify the CPU-runnable backends, run the test suite.
+# This is the README's test command and exactly what CI runs (.ci/run).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+bash scripts/setup.sh --dev || { echo "setup failed" >&2; exit 1; }
+
+fail=0
+# Conformance: the reference and the toy vendor backend must certify (all PASS / NOT_SUPPORTED).
+for b in cpu toy; do
+  "$PY" -m hwkv conformance --backend "$b" --certify --report "reports/conformance-$b" || fail=1
+done
+
+"$PY" -m pytest -q -p no:cacheprovider tests backends/cuda/tests backends/ascend/tests
+rc=$?
+if [[ $rc -eq 5 ]]; then
+  echo "pytest collected no tests: that is a failure" >&2
+  exit 1
+fi
+[[ $fail -ne 0 ]] && { echo "conformance certification failed (see reports/)" >&2; exit 1; }
+exit $rc
