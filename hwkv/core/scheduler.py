@@ -1,0 +1,310 @@
+"""Continuous-batching scheduler: token budget, chunked prefill, preemption by recompute.
+
+One step (000 ch.8, ch.10; vLLM v1 order):
+
+1. RUNNING requests in order (decodes and continuing prefill chunks alike). A request that
+   cannot get blocks preempts the newest running request (its blocks are freed, it restarts from
+   token 0 at the FRONT of the waiting queue; the prefix cache usually rescues its work) until
+   it fits or is itself the newest.
+2. WAITING requests FCFS, unless a preemption happened this step: prefix-cache hit and the
+   connector's external hit first, then ``allocate_slots``; the first one that does not fit
+   (budget, ``max_num_seqs``, blocks, partial-prefill limit) stops the scan — no overtaking.
+
+A request "is computed" up to ``num_computed_tokens``, which the scheduler advances when it
+schedules (so a new step could be planned before the last one's tokens arrive); a token is
+sampled only when the scheduled chunk reaches the request's last token.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from hwkv.connectors.base import KVConnectorBase, NoOpConnector
+from hwkv.core.request import Request, RequestStatus
+from hwkv.core.sched_output import (
+    CachedRequestData,
+    KVConnectorOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # >0: cap on one request's prefill chunk per step
+    max_num_partial_prefills: int = 1  # requests allowed to be mid-prefill at once
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_num_partial_prefills"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
+                f"({self.max_model_len}) when enable_chunked_prefill is off, or a long prompt could never run"
+            )
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: Any, connector: KVConnectorBase | None = None):
+        self.config = config
+        self.kv = kv_cache_manager
+        self.connector = connector or NoOpConnector()
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()  # reported to the runner in the next output
+        self.delayed_free: dict[str, Request] = {}  # finished, blocks held by the connector
+        self.finished_recving: set[str] = set()
+        self.num_preemptions = 0
+
+    # ---- requests ---------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> list[Request]:
+        """Finish (abort, stop-string) requests wherever they are; unknown ids are ignored."""
+        if not status.is_finished:
+            raise ValueError(f"status must be a finished status, got {status.name}")
+        ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
+        done = [r for rid in ids if (r := self.requests.get(rid)) is not None and not r.is_finished]
+        if not done:
+            return []
+        gone = {r.request_id for r in done}
+        self.running = [r for r in self.running if r.request_id not in gone]
+        if any(r.status in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE_KVS, RequestStatus.PREEMPTED)
+               for r in done):
+            self.waiting = deque(r for r in self.waiting if r.request_id not in gone)
+        for r in done:
+            r.status = status
+            self._free(r)
+        return done
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---- scheduling -------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        cfg, kv = self.config, self.kv
+        budget = cfg.max_num_batched_tokens
+        threshold = cfg.long_prefill_token_threshold if cfg.enable_chunked_prefill else 0
+        num_sched: dict[str, int] = {}
+        cached = CachedRequestData()
+        new_reqs: list[NewRequestData] = []
+        preempted: set[str] = set()
+        num_partial = 0
+
+        # 1. running requests, oldest first; preempt from the tail when blocks run out.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = req.num_tokens_with_spec - req.num_computed_tokens
+            if threshold and n > threshold:
+                n = threshold
+            n = min(n, budget)
+            while (blocks := kv.allocate_slots(req, n)) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                if victim is req:
+                    break
+            if blocks is None:
+                break
+            if req.num_computed_tokens + n < req.num_tokens:
+                num_partial += 1
+            num_sched[req.request_id] = n
+            cached.req_ids.append(req.request_id)
+            cached.new_block_ids.append([b.block_id for b in blocks] if blocks else None)
+            cached.num_computed_tokens.append(req.num_computed_tokens)
+            req.num_computed_tokens += n
+            budget -= n
+            i += 1
+
+        # 2. waiting requests, FCFS; none while we are short of blocks.
+        if not preempted:
+            skipped: list[Request] = []
+            while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+                req = self.waiting[0]
+                if req.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+                    if req.request_id not in self.finished_recving:
+                        skipped.append(self.waiting.popleft())
+                        continue
+                    self.finished_recving.discard(req.request_id)
+                    req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+                    req.status = RequestStatus.WAITING
+                new_blocks, num_local, num_ext, load_async = None, 0, 0, False
+                if req.num_computed_tokens == 0:
+                    new_blocks, num_local = kv.get_computed_blocks(req)
+                    num_ext, load_async = self.connector.get_num_new_matched_tokens(req, num_local)
+                num_computed = req.num_computed_tokens or num_local + num_ext
+                if load_async:
+                    n = 0
+                else:
+                    remaining = n = req.num_tokens - num_computed
+                    if threshold and n > threshold:
+                        n = threshold
+                    if n > budget:
+                        if not cfg.enable_chunked_prefill:
+                            break
+                        n = budget
+                    if n < remaining and num_partial >= cfg.max_num_partial_prefills:
+                        break
+                blocks = kv.allocate_slots(
+                    req, n + num_ext, num_local, new_blocks, num_external_tokens=num_ext
+                )
+                if blocks is None:
+                    break
+                self.waiting.popleft()
+                block_ids = kv.get_block_ids(req.request_id)
+                self.connector.update_state_after_alloc(req, block_ids, num_ext)
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = num_computed
+                if load_async:
+                    req.num_computed_tokens = num_computed
+                    req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                    skipped.append(req)
+                    continue
+                if num_computed + n < req.num_tokens:
+                    num_partial += 1
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                num_sched[req.request_id] = n
+                new_reqs.append(
+                    NewRequestData(req.request_id, req.prompt_token_ids, list(req.output_token_ids),
+                                   block_ids, num_computed, req.sampling_params)
+                )
+                req.num_computed_tokens = num_computed + n
+                budget -= n
+            if skipped:
+                self.waiting.extendleft(reversed(skipped))
+
+        if not num_sched and not self.running and self.waiting and not preempted:
+            self._check_servable(self.waiting[0])
+
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_sched,
+            total_num_scheduled_tokens=cfg.max_num_batched_tokens - budget,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=preempted,
+        )
+        self.finished_req_ids = set()
+        out.kv_connector_metadata = self.connector.build_connector_meta(out)
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.spec_token_ids.clear()
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _check_servable(self, req: Request) -> None:
+        """Nothing runs and the head request still cannot start: fail loudly instead of spinning."""
+        if self.delayed_free or req.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+            return  # blocks or KV are on their way back
+        bs = self.kv.block_size
+        need = -(-min(req.num_tokens, self.config.max_model_len) // bs)
+        raise RuntimeError(
+            f"request {req.request_id!r} cannot be scheduled even alone: it needs {need} KV blocks "
+            f"for {req.num_tokens} tokens and only {self.kv.num_free_blocks} are free "
+            f"(raise num_kv_blocks / memory_fraction or lower max_model_len)"
+        )
+
+    # ---- results ----------------------------------------------------------------------------
+    def update_from_output(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[Request]:
+        """Append sampled tokens, apply stop conditions, free finished requests.
+
+        Returns the requests that received tokens this step (finished ones included), in batch order.
+        """
+        sampled = runner_out.sampled_token_ids
+        max_len = self.config.max_model_len
+        updated: list[Request] = []
+        any_finished = False
+        for rid in sched_out.num_scheduled_tokens:
+            toks = sampled.get(rid)
+            if not toks:
+                continue  # partial prefill chunk
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue  # aborted while the step ran
+            if req.first_token_time is None:
+                req.first_token_time = time.monotonic()
+            sp = req.sampling_params
+            stop_ids = sp.stop_token_ids if sp is not None else None
+            check_eos = not (sp is not None and sp.ignore_eos)
+            for tok in toks:
+                req.append_output_token_ids(tok)
+                status = None
+                if check_eos and tok in req.eos_token_ids:
+                    status = RequestStatus.FINISHED_STOPPED
+                elif stop_ids and tok in stop_ids:
+                    status, req.stop_reason = RequestStatus.FINISHED_STOPPED, tok
+                elif req.num_output_tokens >= req.max_tokens or req.num_tokens >= max_len:
+                    status = RequestStatus.FINISHED_LENGTH_CAPPED
+                if status is not None:
+                    req.status = status
+                    any_finished = True
+                    break
+            updated.append(req)
+        if any_finished:
+            self.running = [r for r in self.running if not r.is_finished]
+            for req in updated:
+                if req.is_finished:
+                    self._free(req)
+        if runner_out.kv_connector_output is not None:
+            self._update_connector(runner_out.kv_connector_output)
+        return updated
+
+    def _free(self, req: Request) -> None:
+        if req.finish_time is None:
+            req.finish_time = time.monotonic()
+        delay, _params = self.connector.request_finished(req, self.kv.get_block_ids(req.request_id))
+        self.finished_req_ids.add(req.request_id)
+        if delay:
+            self.delayed_free[req.request_id] = req
+        else:
+            self.kv.free(req)
+        del self.requests[req.request_id]
+
+    def _update_connector(self, out: KVConnectorOutput) -> None:
+        for rid in out.finished_sending:
+            if (req := self.delayed_free.pop(rid, None)) is not None:
+                self.kv.free(req)
+        self.finished_recving |= out.finished_recving
+        for rid in out.failed_recving:
+            req = self.requests.get(rid)
+            if req is not None and req.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+                self.kv.free(req)  # recompute from scratch; the connector must not offer it again
+                req.num_computed_tokens = 0
+                req.status = RequestStatus.WAITING
+        self.connector.update_connector_output(out)
+
+    def stats(self) -> dict[str, int]:
+        return {"num_running": len(self.running), "num_waiting": len(self.waiting),
+                "num_preemptions": self.num_preemptions}
