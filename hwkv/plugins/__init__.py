@@ -1,0 +1,19 @@
+"""Plugin discovery (pluggy, entry-point group ``hwkv.backends``) and backend lookup."""
+
+from hwkv.interfaces.backend import BackendUnavailable
+from hwkv.plugins.hookspecs import ENTRY_POINT_GROUP, ConnectorSpec, StoreSpec, hookimpl, hookspec
+from hwkv.plugins.manager import (
+    BackendConflict,
+    BackendInfo,
+    PluginApiWarning,
+    available_backends,
+    get_backend,
+    list_backends,
+    reset,
+)
+
+__all__ = [
+    "ENTRY_POINT_GROUP", "BackendConflict", "BackendInfo", "BackendUnavailable", "ConnectorSpec",
+    "PluginApiWarning", "StoreSpec", "available_backends", "get_backend", "hookimpl", "hookspec",
+    "list_backends", "reset",
+]

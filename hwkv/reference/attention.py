@@ -1,0 +1,192 @@
+"""Reference paged attention (pure torch): the numerical oracle of conformance.
+
+One code path serves every attention state (prefill, prefill on a cached prefix / chunked prefill,
+decode, mixtures): each request is a query range at absolute positions ``ctx .. seq_len - 1`` that
+attends causally to KV positions ``0 .. pos``. Requests are gathered from the paged cache into padded
+``[g, S, H_kv, D]`` tensors and computed with one batched matmul + masked softmax in float32 (float64
+for float64 input). To bound memory, long queries are cut into tiles (a tile is itself a valid
+"request" with a shorter seq_len, since causality never looks ahead) and tiles are batched in groups
+whose padded score tensor stays under :data:`SCORE_BUDGET` elements.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hwkv.interfaces.attention import AttentionBackend, AttentionImpl
+from hwkv.interfaces.layout import KVLayoutKind
+
+SCORE_BUDGET = 1 << 24  # elements of one group's padded score tensor (64 MiB in float32)
+
+
+def split_kv(layer_kv: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(K, V)`` views ``[num_blocks, block_size, H_kv, D]`` of a PER_LAYER tensor or a SEPARATE_KV pair."""
+    if isinstance(layer_kv, (tuple, list)):
+        k, v = layer_kv
+    else:
+        if layer_kv.dim() != 5 or layer_kv.shape[1] != 2:
+            raise ValueError(f"layer_kv must be [num_blocks, 2, block_size, H_kv, D], got {tuple(layer_kv.shape)}")
+        k, v = layer_kv[:, 0], layer_kv[:, 1]
+    if k.shape != v.shape or k.dim() != 4:
+        raise ValueError(
+            f"K and V caches must both be [num_blocks, block_size, H_kv, D], got {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    return k, v
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, layer_kv: Any, slot_mapping: torch.Tensor) -> None:
+    """Scatter ``key``/``value`` ``[T, H_kv, D]`` into the paged cache at ``slot_mapping``; -1 is skipped."""
+    k_cache, v_cache = split_kv(layer_kv)
+    nb, bs = k_cache.shape[:2]
+    n = slot_mapping.numel()
+    if key.shape != value.shape or key.dim() != 3 or key.shape[0] < n or key.shape[1:] != k_cache.shape[2:]:
+        raise ValueError(
+            f"key/value must be [>= {n}, {k_cache.shape[2]}, {k_cache.shape[3]}] (one row per slot), "
+            f"got {tuple(key.shape)} and {tuple(value.shape)}"
+        )
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    if slots.numel() == 0:
+        return
+    if int(slots.max()) >= nb * bs:
+        raise ValueError(f"slot_mapping value {int(slots.max())} out of range [-1, {nb * bs}) for {nb} blocks of {bs}")
+    blk, off = slots // bs, slots % bs
+    k_cache[blk, off] = key[:n][keep].to(k_cache.dtype)
+    v_cache[blk, off] = value[:n][keep].to(v_cache.dtype)
+
+
+def _tiles(qsl: torch.Tensor, sl: torch.Tensor, tile: int) -> tuple[torch.Tensor, ...]:
+    """Cut each request's query range into tiles of <= ``tile`` tokens.
+
+    Returns per tile: request row, first query token, query length, KV tokens before it (ctx).
+    """
+    ql = qsl[1:] - qsl[:-1]
+    n = (ql + tile - 1) // tile
+    req = torch.repeat_interleave(torch.arange(ql.numel()), n)
+    first = torch.cumsum(n, 0) - n
+    start = (torch.arange(int(n.sum())) - first[req]) * tile
+    tq = torch.minimum(ql[req] - start, torch.full_like(start, tile))
+    return req, qsl[:-1][req] + start, tq, sl[req] - ql[req] + start
+
+
+def _groups(tq: list[int], tsl: list[int], heads: int, budget: int) -> list[list[int]]:
+    """Batch tiles, similar query lengths together, keeping padded score size under ``budget``."""
+    order = sorted(range(len(tq)), key=lambda i: (-tq[i], -tsl[i]))
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    mq = ms = 0
+    for i in order:
+        nq, ns = max(mq, tq[i]), max(ms, tsl[i])
+        if cur and (len(cur) + 1) * nq * ns * heads > budget:
+            groups.append(cur)
+            cur, nq, ns = [], tq[i], tsl[i]
+        cur.append(i)
+        mq, ms = nq, ns
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+def paged_attention(
+    query: torch.Tensor,
+    layer_kv: Any,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    budget: int | None = None,
+) -> torch.Tensor:
+    """Causal GQA attention of ``query`` ``[T, H, D]`` over a paged cache (see module docstring).
+
+    ``query_start_loc`` ``[R+1]`` and ``seq_lens`` ``[R]`` as in AttentionMetadata (host copies
+    preferred); rows of ``query`` past ``query_start_loc[-1]`` (padding) come back zero.
+    Returns ``[T, H, D]`` in ``query``'s dtype.
+    """
+    k_cache, v_cache = split_kv(layer_kv)
+    nb, bs, hkv, d = k_cache.shape
+    if query.dim() != 3 or query.shape[2] != d or query.shape[1] % hkv:
+        raise ValueError(f"query must be [T, H, {d}] with H a multiple of H_kv={hkv}, got {tuple(query.shape)}")
+    t, h = query.shape[:2]
+    qsl, sl = query_start_loc.to("cpu", torch.long), seq_lens.to("cpu", torch.long)
+    ql = qsl[1:] - qsl[:-1]
+    if qsl.numel() != sl.numel() + 1 or int(qsl[0]) != 0 or int(qsl[-1]) > t or bool((ql < 0).any()):
+        raise ValueError(f"query_start_loc {qsl.tolist()} must start at 0, be non-decreasing and end <= {t}")
+    if bool((sl < ql).any()):
+        raise ValueError(f"seq_lens {sl.tolist()} must be >= the query lengths {ql.tolist()}")
+    out = torch.zeros_like(query)
+    if sl.numel() == 0 or int(qsl[-1]) == 0:
+        return out
+    need = (sl + bs - 1) // bs
+    bt = block_tables.long()
+    if bt.dim() != 2 or bt.shape[0] != sl.numel() or bt.shape[1] < int(need.max()):
+        raise ValueError(f"block_tables {tuple(bt.shape)} must be [{sl.numel()}, >= {int(need.max())}]")
+    used = bt[torch.arange(bt.shape[1], device=bt.device)[None] < need.to(bt.device)[:, None]]
+    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= nb):
+        raise ValueError(f"block_tables hold block ids outside [0, {nb})")
+
+    acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+    budget = budget or SCORE_BUDGET
+    dev = k_cache.device
+    tile = max(1, budget // (h * int(sl.max())))
+    req, tok0, tq, ctx = _tiles(qsl, sl, tile)
+    for grp in _groups(tq.tolist(), (ctx + tq).tolist(), h, budget):
+        gi = torch.tensor(grp)
+        g_req, g_tok0, g_q, g_ctx = (x[gi].to(dev) for x in (req, tok0, tq, ctx))
+        g_sl = g_ctx + g_q
+        s_len, q_len = int((ctx + tq)[gi].max()), int(tq[gi].max())
+        nblk = (s_len + bs - 1) // bs
+        blocks = bt[g_req, :nblk]
+        blocks = torch.where(torch.arange(nblk, device=dev)[None] * bs < g_sl[:, None], blocks, 0)
+        k = k_cache[blocks].reshape(len(grp), nblk * bs, hkv, d)[:, :s_len].to(acc)
+        v = v_cache[blocks].reshape(len(grp), nblk * bs, hkv, d)[:, :s_len].to(acc)
+        s = torch.arange(s_len, device=dev)
+        kv_valid = s[None] < g_sl[:, None]  # [g, S]
+        v = v.masked_fill(~kv_valid[:, :, None, None], 0)  # unused slots may hold NaN: keep 0 * NaN out
+        j = torch.arange(q_len, device=dev)
+        q_valid = j[None] < g_q[:, None]  # [g, Q]
+        tok = torch.where(q_valid, g_tok0[:, None] + j, 0)
+        q = (query[tok].to(acc) * scale).view(len(grp), q_len, hkv, h // hkv, d)
+        scores = torch.einsum("gqkhd,gskd->gkhqs", q, k)
+        allowed = (s[None, None] <= (g_ctx[:, None] + j)[:, :, None]) & kv_valid[:, None]  # [g, Q, S]
+        scores.masked_fill_(~allowed[:, None, None], float("-inf"))
+        o = torch.einsum("gkhqs,gskd->gqkhd", scores.softmax(-1), v).reshape(len(grp), q_len, h, d)
+        out[tok[q_valid]] = o[q_valid].to(out.dtype)
+    return out
+
+
+class ReferenceAttentionImpl(AttentionImpl):
+    """Pure-torch paged attention for one geometry; KV layout PER_LAYER (a SEPARATE_KV pair also works)."""
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, layer_kv: Any, slot_mapping: torch.Tensor) -> None:
+        self._check_cache(layer_kv)
+        write_kv(key, value, layer_kv, slot_mapping)
+
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_kv: Any, metadata: Any
+    ) -> torch.Tensor:
+        bs = self._check_cache(layer_kv)
+        if query.dim() != 3 or tuple(query.shape[1:]) != (self.num_heads, self.head_size):
+            raise ValueError(f"query must be [T, {self.num_heads}, {self.head_size}], got {tuple(query.shape)}")
+        if metadata.block_size != bs:
+            raise ValueError(f"metadata.block_size {metadata.block_size} != KV cache block size {bs}")
+        return paged_attention(
+            query, layer_kv, metadata.query_start_loc_cpu, metadata.seq_lens_cpu, metadata.block_tables, self.scale
+        )
+
+    def _check_cache(self, layer_kv: Any) -> int:
+        k_cache, _ = split_kv(layer_kv)
+        if tuple(k_cache.shape[2:]) != (self.num_kv_heads, self.head_size):
+            raise ValueError(
+                f"KV cache heads/head_size {tuple(k_cache.shape[2:])} != ({self.num_kv_heads}, {self.head_size})"
+            )
+        return int(k_cache.shape[1])
+
+
+class ReferenceAttentionBackend(AttentionBackend):
+    name = "reference"
+    kv_layout = KVLayoutKind.PER_LAYER
+
+    def make_impl(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float) -> ReferenceAttentionImpl:
+        return ReferenceAttentionImpl(num_heads, head_size, num_kv_heads, scale)
