@@ -1,0 +1,222 @@
+"""Ascend attention through torch_npu ops (vllm-ascend ``attention_v1.py`` semantics).
+
+* KV write: ``npu_scatter_pa_kv_cache(cache_mode="Norm")`` (A2/A3), ``_npu_reshape_and_cache`` (310P).
+* Decode-only batches: ``_npu_paged_attention`` (ATB PagedAttention).
+* Everything else: ``npu_fused_infer_attention_score`` (FIA) in TND layout, ``sparse_mode=3``
+  (right-down causal) with the 2048x2048 int8 upper-triangular mask; with no cached prefix it reads
+  this step's raw K/V (``block_table=None``, cumulative KV lengths), otherwise the paged cache viewed
+  as ``(num_blocks, block_size, H_kv*D)`` with per-request KV lengths.
+
+Per-step conversion happens once in :class:`AscendMetadataBuilder` from core's host tensors;
+the per-layer ``forward`` only launches ops.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hwkv.interfaces import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    KVCacheSpec,
+    KVLayoutKind,
+)
+from hwkv_ascend import _npu
+
+BLOCK_SIZE = 128  # FIA page attention: block_size multiple of 128 in [128, 512]; ATB PA: bs*D <= 128*128
+MASK_SIZE = 2048  # sparse_mode 2/3/4 take a fixed 2048x2048 "optimised" mask
+
+
+class AscendAttentionState(enum.Enum):
+    PREFILL_NO_CACHE = "prefill_no_cache"  # every request starts at position 0: raw K/V, no block table
+    PREFILL_CACHE_HIT = "prefill_cache_hit"  # prefill chunks on cached prefixes, no decodes: paged FIA
+    DECODE_ONLY = "decode_only"  # every query length is 1: ATB paged attention
+    CHUNKED_PREFILL = "chunked_prefill"  # mixed prefill chunks and decodes: paged FIA
+
+
+@dataclass
+class AscendMetadata:
+    """One step's metadata in the form the ops take. Lists are host values (SymInt[] arguments)."""
+
+    state: AscendAttentionState
+    num_actual_tokens: int  # tokens of real requests; the rest (if any) belong to the dummy request
+    num_tokens: int  # rows of query / key / value == actual_seq_lengths_q[-1]
+    actual_seq_lengths_q: list[int]  # cumulative query ends (TND), dummy request included
+    seq_lens_list: list[int]  # per-request KV length, dummy request included
+    seq_lens: torch.Tensor  # int32 host tensor of seq_lens_list (ATB context_lens)
+    block_tables: torch.Tensor  # int32 device [num_reqs (+ dummy), max_blocks]
+    slot_mapping: torch.Tensor
+    attn_mask: torch.Tensor  # int8 device [2048, 2048], 1 = masked
+    block_size: int
+    num_prefills: int
+    num_decodes: int
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_list)
+
+
+class AscendMetadataBuilder(AttentionMetadataBuilder):
+    """Core metadata → :class:`AscendMetadata`, from the ``*_cpu`` tensors only (no device sync).
+
+    The TND layout needs ``sum(query lengths) == query rows``: when core pads the token dimension
+    (slot ``-1`` tail), a dummy request of the missing length is appended (KV length 1, block 0 —
+    its output rows are padding and its K/V are never written).
+    """
+
+    def __init__(self) -> None:
+        self._masks: dict[torch.device, torch.Tensor] = {}
+
+    def mask(self, device: torch.device) -> torch.Tensor:
+        if device not in self._masks:
+            self._masks[device] = torch.triu(torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.int8), diagonal=1).to(device)
+        return self._masks[device]
+
+    def build(self, common: AttentionMetadata) -> AscendMetadata:
+        if common.block_size != BLOCK_SIZE:
+            raise ValueError(
+                f"block_size {common.block_size} not supported by the Ascend ops (allowed: exactly {BLOCK_SIZE})"
+            )
+        qsl = common.query_start_loc_cpu.to(torch.int64)
+        seq_lens = common.seq_lens_cpu.to(torch.int64)
+        query_lens = qsl[1:] - qsl[:-1]
+        context_lens = seq_lens - query_lens
+        num_actual = int(qsl[-1])
+        num_tokens = common.num_tokens
+        if num_tokens < num_actual:
+            raise ValueError(f"slot_mapping has {num_tokens} tokens but query_start_loc sums to {num_actual}")
+        if bool((context_lens < 0).any()):
+            raise ValueError("seq_lens must be >= the query length of every request")
+
+        if bool((context_lens == 0).all()):
+            state = AscendAttentionState.PREFILL_NO_CACHE
+        elif bool((query_lens == 1).all()):
+            state = AscendAttentionState.DECODE_ONLY
+        elif common.num_decodes == 0:
+            state = AscendAttentionState.PREFILL_CACHE_HIT
+        else:
+            state = AscendAttentionState.CHUNKED_PREFILL
+
+        cum_q = qsl[1:].tolist()
+        kv = seq_lens.tolist()
+        block_tables = common.block_tables
+        pad = num_tokens - num_actual
+        if pad:
+            # ATB PA (decode-only) takes one row per *token*: pad with 1-token requests there.
+            dummy = [1] * pad if state is AscendAttentionState.DECODE_ONLY else [pad]
+            cum_q += list(itertools.accumulate(dummy, initial=num_actual))[1:]
+            kv += [1] * len(dummy)
+            block_tables = torch.cat([block_tables, block_tables.new_zeros((len(dummy), block_tables.shape[1]))])
+        return AscendMetadata(
+            state=state,
+            num_actual_tokens=num_actual,
+            num_tokens=num_tokens,
+            actual_seq_lengths_q=cum_q,
+            seq_lens_list=kv,
+            seq_lens=torch.tensor(kv, dtype=torch.int32),
+            block_tables=block_tables,
+            slot_mapping=common.slot_mapping,
+            attn_mask=self.mask(block_tables.device),
+            block_size=common.block_size,
+            num_prefills=common.num_prefills,
+            num_decodes=common.num_decodes,
+        )
+
+
+class AscendAttentionImpl(AttentionImpl):
+    def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float, use_reshape_and_cache: bool):
+        super().__init__(num_heads, head_size, num_kv_heads, scale)
+        self.use_reshape_and_cache = use_reshape_and_cache  # 310P has no aclnn ScatterPaKvCache
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, layer_kv: Any, slot_mapping: torch.Tensor) -> None:
+        key_cache, value_cache = layer_kv
+        npu = _npu.torch_npu()
+        if self.use_reshape_and_cache:
+            npu._npu_reshape_and_cache(
+                key=key.contiguous(),
+                value=value.contiguous(),
+                key_cache=key_cache,
+                value_cache=value_cache,
+                slot_indices=slot_mapping.to(torch.int32).contiguous(),  # ATB slotMapping is int32
+            )
+            return
+        npu.npu_scatter_pa_kv_cache(
+            key=key.contiguous(),
+            value=value.contiguous(),
+            key_cache=key_cache,
+            value_cache=value_cache,
+            slot_mapping=slot_mapping.contiguous(),
+            cache_mode="Norm",  # ND [num_blocks, block_size, H_kv, D]; the op's default is PA_NZ
+        )
+
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_kv: Any, metadata: Any
+    ) -> torch.Tensor:
+        md: AscendMetadata = metadata
+        key_cache, value_cache = layer_kv
+        npu = _npu.torch_npu()
+        query = query.contiguous()
+        if md.state is AscendAttentionState.DECODE_ONLY:
+            out = torch.empty_like(query)
+            npu._npu_paged_attention(
+                query=query,
+                key_cache=key_cache,
+                value_cache=value_cache,
+                num_kv_heads=self.num_kv_heads,
+                num_heads=self.num_heads,
+                scale_value=self.scale,
+                block_table=md.block_tables,
+                context_lens=md.seq_lens,
+                out=out,
+            )
+            return out
+        if md.state is AscendAttentionState.PREFILL_NO_CACHE:
+            k, v = key.contiguous(), value.contiguous()
+            block_table, block_size = None, md.block_size
+            kv_lens = md.actual_seq_lengths_q  # raw TND K/V: KV lengths are cumulative like the query's
+        else:
+            nb, bs = key_cache.shape[:2]
+            k, v = key_cache.view(nb, bs, -1), value_cache.view(nb, bs, -1)
+            block_table, block_size = md.block_tables, bs
+            kv_lens = md.seq_lens_list  # paged: per-request KV lengths
+        out, _ = npu.npu_fused_infer_attention_score(
+            query=query,
+            key=k,
+            value=v,
+            atten_mask=md.attn_mask,
+            block_table=block_table,
+            input_layout="TND",
+            block_size=block_size,
+            actual_seq_lengths=md.actual_seq_lengths_q,
+            actual_seq_lengths_kv=kv_lens,
+            num_key_value_heads=self.num_kv_heads,
+            num_heads=self.num_heads,
+            scale=self.scale,
+            sparse_mode=3,
+        )
+        return out.view(query.shape[0], self.num_heads, self.head_size)
+
+
+class AscendAttentionBackend(AttentionBackend):
+    name = "ascend"
+    kv_layout = KVLayoutKind.SEPARATE_KV
+
+    def __init__(self, soc: str = "A2"):
+        self.soc = soc
+        self._builder = AscendMetadataBuilder()  # shared: the mask is built once per device
+
+    def kv_cache_shapes(self, spec: KVCacheSpec) -> list[tuple[int, ...]]:
+        return spec.tensor_shapes(self.kv_layout)
+
+    def metadata_builder(self) -> AscendMetadataBuilder:
+        return self._builder
+
+    def make_impl(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float) -> AscendAttentionImpl:
+        return AscendAttentionImpl(num_heads, head_size, num_kv_heads, scale, use_reshape_and_cache=self.soc == "310P")

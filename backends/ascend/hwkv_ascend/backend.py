@@ -1,0 +1,93 @@
+"""AscendBackend: torch_npu attention ops, one NPU, Mooncake transfer over HCCS (protocol "ascend")."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import torch
+
+from hwkv.interfaces import Backend, BackendUnavailable, Capabilities, KVLayoutKind, Store, Transfer
+from hwkv_ascend import _npu
+from hwkv_ascend.attention import BLOCK_SIZE, AscendAttentionBackend
+from hwkv_ascend.device import TRANSFER_ALIGNMENT, AscendDevice
+
+# FIA (fp16/bf16): head dim 16-aligned; ATB PagedAttention: block_size * head_size <= 128 * 128.
+HEAD_SIZES = tuple(range(16, 128 + 1, 16))
+MOONCAKE_MISSING = "mooncake-transfer-engine-npu not installed: pip install 'hwkv-ascend[mooncake]'"
+EMULATED_NO_HCCS = "torch_npu is emulated on the CPU: no HCCS link to transfer over"
+
+
+def _mooncake_installed() -> bool:
+    try:
+        return importlib.util.find_spec("mooncake") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+class AscendBackend(Backend):
+    """The Ascend backend. ``transfer=True`` aligns KV allocations for HCCS registration up front;
+    :meth:`create_transfer` turns it on too (create the transfer before allocating the KV cache)."""
+
+    name = "ascend"
+
+    def __init__(self, device_index: int = 0, transfer: bool = False):
+        ok, reason = self.availability()
+        if not ok:
+            raise BackendUnavailable(reason)
+        npu = _npu.torch_npu()
+        self._device = AscendDevice(device_index, kv_alignment=TRANSFER_ALIGNMENT if transfer else 0)
+        soc = _npu.soc_family(npu)
+        self._attention = AscendAttentionBackend(soc)
+        if self._device.emulated:
+            protocols, why = (), EMULATED_NO_HCCS
+        elif _mooncake_installed():
+            protocols, why = ("ascend",), ""
+        else:
+            protocols, why = (), MOONCAKE_MISSING
+        self._caps = Capabilities(
+            dtypes=(torch.float16, torch.bfloat16),  # FIA / ATB PA take no float32 query
+            head_sizes=HEAD_SIZES,
+            block_sizes=(BLOCK_SIZE,),
+            max_block_size=BLOCK_SIZE,
+            default_block_size=BLOCK_SIZE,
+            kv_layouts=(KVLayoutKind.SEPARATE_KV,),
+            transfer_protocols=protocols,
+            transfer_reason=why,
+            graph_capture=False,
+            max_gqa_ratio=64,  # FIA: num_heads / num_key_value_heads <= 64
+            extras={"torch_npu": str(getattr(npu, "__version__", "?")), "soc": soc,
+                    "emulated": "yes" if self._device.emulated else "no"},
+        )
+
+    @classmethod
+    def availability(cls) -> tuple[bool, str]:
+        try:
+            return _npu.check()
+        except Exception as e:  # the contract: never raises
+            return False, f"torch_npu check failed: {type(e).__name__}: {e}; {_npu.FIX}"
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self._caps
+
+    @property
+    def device(self) -> AscendDevice:
+        return self._device
+
+    @property
+    def attention(self) -> AscendAttentionBackend:
+        return self._attention
+
+    def create_transfer(self, **options: Any) -> Transfer:
+        # Mooncake's "ascend" transport takes the NPU id as device_name (vllm-ascend passes
+        # str(torch.npu.current_device())); registered KV must start on 2 MiB boundaries.
+        options.setdefault("device_name", str(self._device.index))
+        self._device.kv_alignment = TRANSFER_ALIGNMENT
+        return super().create_transfer(**options)
+
+    def create_store(self, kind: str = "embedded", **options: Any) -> Store:
+        if kind == "mooncake":
+            options.setdefault("device_name", str(self._device.index))
+            self._device.kv_alignment = TRANSFER_ALIGNMENT
+        return super().create_store(kind, **options)

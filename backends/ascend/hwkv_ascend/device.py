@@ -1,0 +1,119 @@
+"""AscendDevice: one NPU through ``torch_npu.npu`` (memory, streams, events, pinned host buffers).
+
+``torch.npu`` is ``torch_npu.npu`` once torch_npu is imported; calling it through the module we
+resolved keeps the backend working under the test emulator, where tensors live on the CPU.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+
+from hwkv.interfaces import Device, KVCache, KVCacheSpec, KVLayoutKind, Stream
+from hwkv_ascend import _npu
+
+TRANSFER_ALIGNMENT = 2 * 1024 * 1024  # HCCS / Mooncake-ascend register KV at 2 MiB granularity
+
+
+def visible_devices() -> list[str] | None:
+    """Physical ids listed in ``ASCEND_RT_VISIBLE_DEVICES`` (None when unset)."""
+    env = os.environ.get("ASCEND_RT_VISIBLE_DEVICES")
+    if env is None:
+        return None
+    return [d.strip() for d in env.split(",") if d.strip()]
+
+
+class AscendDevice(Device):
+    """One NPU. ``index`` is the logical id *after* ``ASCEND_RT_VISIBLE_DEVICES`` remapping (the CANN
+    runtime applies the variable; we only validate the index and report the physical id).
+
+    ``kv_alignment`` > 0 makes ``allocate_kv_cache`` start every KV tensor at a multiple of it: a
+    transfer engine registering the cache needs 2 MiB alignment (set by the backend when transfer
+    is enabled).
+    """
+
+    dist_backend = "hccl"
+
+    def __init__(self, index: int = 0, kv_alignment: int = 0):
+        super().__init__(index)
+        self.npu = _npu.torch_npu()
+        self.emulated = _npu.is_emulated(self.npu)
+        self.type = "cpu" if self.emulated else "npu"
+        count = int(self.npu.npu.device_count())
+        if not 0 <= index < count:
+            vis = os.environ.get("ASCEND_RT_VISIBLE_DEVICES")
+            raise ValueError(
+                f"device index {index} out of range: {count} NPU(s) visible"
+                + (f" (ASCEND_RT_VISIBLE_DEVICES={vis!r})" if vis is not None else "")
+            )
+        if kv_alignment < 0 or (kv_alignment & (kv_alignment - 1)):
+            raise ValueError(f"kv_alignment must be 0 or a power of two, got {kv_alignment}")
+        self.kv_alignment = kv_alignment
+        if not self.emulated:
+            self.npu.npu.set_device(index)
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device("cpu") if self.emulated else torch.device("npu", self.index)
+
+    @property
+    def name(self) -> str:
+        return f"npu:{self.index}"
+
+    @property
+    def physical_id(self) -> str:
+        vis = visible_devices()
+        return vis[self.index] if vis and self.index < len(vis) else str(self.index)
+
+    def description(self) -> str:
+        try:
+            model = str(self.npu.npu.get_device_name(self.index))
+        except Exception:
+            model = "Ascend NPU"
+        tag = " [emulated on CPU]" if self.emulated else ""
+        return f"{model} (soc {_npu.soc_family(self.npu)}, physical id {self.physical_id}){tag}"
+
+    def memory_info(self) -> tuple[int, int]:
+        free, total = self.npu.npu.mem_get_info(self.index)
+        return int(free), int(total)
+
+    # -- KV allocation -----------------------------------------------------------------------------
+
+    def allocate_kv_cache(self, spec: KVCacheSpec, layout: KVLayoutKind, host: bool = False) -> KVCache:
+        if host or not self.kv_alignment:
+            return super().allocate_kv_cache(spec, layout, host)
+        return KVCache(spec, layout, [self._aligned_zeros(s, spec.dtype) for s in spec.tensor_shapes(layout)])
+
+    def _aligned_zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Over-allocate by one alignment unit and slice at the first aligned address."""
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        raw = torch.zeros(nbytes + self.kv_alignment, dtype=torch.uint8, device=self.torch_device)
+        off = -raw.data_ptr() % self.kv_alignment
+        return raw[off : off + nbytes].view(dtype).view(shape)
+
+    def pinned_empty(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=not self.emulated)
+
+    # -- streams / events --------------------------------------------------------------------------
+
+    def new_stream(self) -> Stream:
+        return self.npu.npu.Stream(device=self.torch_device)
+
+    def current_stream(self) -> Stream:
+        return self.npu.npu.current_stream(self.torch_device)
+
+    def stream_context(self, stream: Stream) -> AbstractContextManager[Any]:
+        return self.npu.npu.stream(stream)
+
+    def new_event(self) -> Any:
+        return self.npu.npu.Event()
+
+    def synchronize(self) -> None:
+        self.npu.npu.synchronize(self.torch_device)
+
+    def seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+        self.npu.npu.manual_seed_all(seed)
