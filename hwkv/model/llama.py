@@ -1,0 +1,203 @@
+"""Llama-family decoder (Llama 2/3, Qwen2/2.5, Mistral) over a flattened varlen token batch.
+
+Dense layers are torch ops; attention goes through the backend's :class:`AttentionImpl` (per layer:
+``write_kv`` then ``forward``). q/k/v and gate/up projections are fused into one matmul each; the
+loader slices HF's separate tensors into them. The forward has no host synchronisation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hwkv.interfaces.attention import AttentionBackend, AttentionImpl
+from hwkv.interfaces.layout import KVCache, KVCacheSpec
+from hwkv.model.config import ModelConfig
+from hwkv.model.rope import RotaryEmbedding
+
+
+def _param(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, device=device, dtype=dtype), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """``y = x W^T + b``; parameters are allocated uninitialised (the loader fills them)."""
+
+    def __init__(self, n_in: int, n_out: int, bias: bool, device: torch.device, dtype: torch.dtype):
+        super().__init__()
+        self.weight = _param((n_out, n_in), device, dtype)
+        self.bias = _param((n_out,), device, dtype) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, device: torch.device, dtype: torch.dtype):
+        super().__init__()
+        self.weight = _param((dim,), device, dtype)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same op order as HF: normalise in float32, cast back, then scale.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, impl: AttentionImpl, device: torch.device, dtype: torch.dtype):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias, device, dtype)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, cfg.o_bias, device, dtype)
+        self.impl = impl
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, layer_kv: object,
+        metadata: object, slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = rope(positions, q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim))
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        self.impl.write_kv(k, v, layer_kv, slot_mapping)
+        out = self.impl.forward(q, k, v, layer_kv, metadata)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, cfg.mlp_bias, device, dtype)
+        self.down_proj = Linear(self.inter, cfg.hidden_size, cfg.mlp_bias, device, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, impl: AttentionImpl, device: torch.device, dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
+        self.self_attn = Attention(cfg, impl, device, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
+        self.mlp = MLP(cfg, device, dtype)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Parameter names follow HF (``model.layers.0.self_attn.qkv_proj.weight`` is the fused q/k/v)."""
+
+    def __init__(
+        self, config: ModelConfig, attention: AttentionBackend, device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32, max_positions: int | None = None,
+    ):
+        super().__init__()
+        device = torch.device(device)
+        self.config, self.dtype, self.device = config, dtype, device
+        impl = attention.make_impl(config.num_heads, config.head_dim, config.num_kv_heads, config.head_dim**-0.5)
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Module()
+        self.model.embed_tokens.weight = _param((config.vocab_size, config.hidden_size), device, dtype)
+        self.model.layers = nn.ModuleList(DecoderLayer(config, impl, device, dtype) for _ in range(config.num_layers))
+        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
+        if not config.tie_word_embeddings:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, False, device, dtype)
+        self.rotary_emb = RotaryEmbedding(config, max_positions or config.max_model_len, device, dtype)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    def kv_cache_spec(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None) -> KVCacheSpec:
+        return self.config.kv_cache_spec(num_blocks, block_size, dtype or self.dtype)
+
+    def param_bytes(self) -> int:
+        """Bytes of all parameters (a tied embedding counted once)."""
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
+    def decode_read_bytes(self) -> int:
+        """Weight bytes one decode step must read: everything except the untied embedding table,
+        of which only the batch's rows are gathered (for bandwidth accounting)."""
+        emb = self.model.embed_tokens.weight
+        untied = 0 if self.config.tie_word_embeddings else emb.numel() * emb.element_size()
+        return self.param_bytes() - untied
+
+    def forward_hidden(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, attn_metadata: object,
+        slot_mapping: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Final hidden states ``[T, hidden]`` before the last norm. ``slot_mapping`` defaults to
+        ``attn_metadata.slot_mapping`` (every backend's metadata carries it)."""
+        if slot_mapping is None:
+            slot_mapping = attn_metadata.slot_mapping  # type: ignore[attr-defined]
+        h = F.embedding(input_ids, self.model.embed_tokens.weight)
+        for i, layer in enumerate(self.model.layers):
+            x = layer.input_layernorm(h)
+            h = h + layer.self_attn(x, positions, self.rotary_emb, kv_cache.layer(i), attn_metadata, slot_mapping)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits ``[R, vocab]`` of the rows ``logits_indices`` (all rows when ``None``)."""
+        if logits_indices is not None:
+            hidden = hidden.index_select(0, logits_indices)
+        return F.linear(self.model.norm(hidden), self.lm_head_weight).float()
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, attn_metadata: object,
+        logits_indices: torch.Tensor | None = None, slot_mapping: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``input_ids``/``positions`` ``[T]`` long (requests concatenated in ``attn_metadata``
+        order) → float32 logits ``[R, vocab]`` for ``logits_indices [R]`` only."""
+        hidden = self.forward_hidden(input_ids, positions, kv_cache, attn_metadata, slot_mapping)
+        return self.compute_logits(hidden, logits_indices)
+
+    def weight_slots(self) -> dict[str, torch.Tensor]:
+        """Every HF tensor name a complete checkpoint provides → the (view of the) parameter it fills.
+
+        Separate HF ``q/k/v_proj`` and ``gate/up_proj`` tensors land in row slices of the fused ones.
+        """
+        cfg = self.config
+        q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+        fused = {
+            "qkv_proj": (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)),
+            "gate_up_proj": (("gate_proj", 0, inter), ("up_proj", inter, inter)),
+        }
+        slots: dict[str, torch.Tensor] = {}
+        for name, p in self.named_parameters():
+            part = name.split(".")[-2]
+            if part in fused:
+                for hf, start, size in fused[part]:
+                    slots[name.replace(part, hf)] = p.narrow(0, start, size)
+            else:
+                slots[name] = p
+        return slots
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors into the parameters (converting dtype); returns the names consumed.
+
+        Raises ``KeyError(name)`` for a tensor this model has no slot for and ``ValueError`` for a
+        shape mismatch. ``rotary_emb.inv_freq`` buffers of old checkpoints and the stored copy of a
+        tied ``lm_head.weight`` are skipped.
+        """
+        slots = self.weight_slots()
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq") or (self.config.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            if name not in slots:
+                raise KeyError(name)
+            dst = slots[name]
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            loaded.add(name)
+        return loaded

@@ -1,0 +1,164 @@
+"""Load a local Hugging Face model directory: config, safetensors weights, tokenizer, generation config.
+
+Weights are read tensor by tensor with ``safetensors.safe_open`` (memory-mapped) and copied straight
+into preallocated parameters on the backend's device, converting dtype on the way; no second full
+copy of the model is ever held.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hwkv.model.config import ModelConfig, ModelLoadError, parse_dtype, read_json
+from hwkv.model.llama import LlamaForCausalLM
+from hwkv.model.tokenizer import Tokenizer
+
+_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
+
+
+@dataclass
+class GenerationConfig:
+    """``generation_config.json``: stop ids (falling back to config.json / the tokenizer) and the
+    checkpoint's default sampling values (``defaults``, only keys present in the file)."""
+
+    eos_token_ids: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+    pad_token_id: int | None = None
+    defaults: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dir(cls, path: str | Path, config: ModelConfig, tokenizer: Tokenizer | None = None) -> GenerationConfig:
+        file = Path(path) / "generation_config.json"
+        raw = read_json(file) if file.is_file() else {}
+        eos = raw.get("eos_token_id")
+        if eos is None:
+            ids = list(config.eos_token_ids)
+        else:
+            ids = [eos] if isinstance(eos, int) else list(eos)
+            if not all(isinstance(i, int) for i in ids):
+                raise ModelLoadError(f"{file}: eos_token_id must be an int or a list of ints, got {eos!r}")
+        if not ids and tokenizer is not None and tokenizer.eos_token_id is not None:
+            ids = [tokenizer.eos_token_id]
+        bos = raw.get("bos_token_id", config.bos_token_id)
+        return cls(
+            eos_token_ids=ids,
+            bos_token_id=bos if isinstance(bos, int) else None,
+            pad_token_id=raw.get("pad_token_id") if isinstance(raw.get("pad_token_id"), int) else None,
+            defaults={k: raw[k] for k in _DEFAULT_KEYS if raw.get(k) is not None},
+        )
+
+
+def resolve_dtype(
+    requested: str | torch.dtype | None, config: ModelConfig, supported: tuple[torch.dtype, ...] | None = None
+) -> torch.dtype:
+    """Explicit dtype if the backend supports it; for ``None``/``"auto"`` the checkpoint's dtype when
+    supported, else float32, else the backend's first dtype."""
+    dtype = parse_dtype(requested)
+    names = ", ".join(str(d).removeprefix("torch.") for d in supported or ())
+    if dtype is not None:
+        if supported and dtype not in supported:
+            name = str(dtype).removeprefix("torch.")
+            raise ValueError(f"dtype {name} is not supported by the backend (allowed: {names})")
+        return dtype
+    for cand in (config.dtype, torch.float32):
+        if cand is not None and (not supported or cand in supported):
+            return cand
+    return supported[0]  # type: ignore[index]
+
+
+def weight_files(path: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint: ``model.safetensors`` or the shards named by
+    ``model.safetensors.index.json`` (every shard must exist)."""
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelLoadError(f"{index}: missing or empty 'weight_map'")
+        files = [path / f for f in dict.fromkeys(weight_map.values())]
+        for f in files:
+            if not f.is_file():
+                raise ModelLoadError(f"{f}: shard listed in {index.name} not found")
+        return files
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    others = sorted(p.name for p in path.glob("*.safetensors"))
+    if others:
+        return [path / n for n in others]
+    bins = sorted(p.name for p in path.glob("*.bin"))
+    hint = f" (found {', '.join(bins)}: .bin checkpoints are not supported, convert to safetensors)" if bins else ""
+    raise ModelLoadError(f"{single}: file not found and no model.safetensors.index.json{hint}")
+
+
+def iter_weights(files: list[Path], device: torch.device) -> Iterator[tuple[Path, str, torch.Tensor]]:
+    from safetensors import SafetensorError, safe_open
+
+    # safetensors places tensors directly on cpu/cuda; other devices load via host then copy_.
+    where = str(device) if device.type in ("cpu", "cuda") else "cpu"
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt", device=where) as st:
+                for name in st.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                    yield f, name, st.get_tensor(name)
+        except SafetensorError as e:
+            raise ModelLoadError(f"{f}: not a valid safetensors file ({e})") from None
+
+
+def load_weights(model: LlamaForCausalLM, path: str | Path) -> None:
+    """Fill every parameter of ``model`` from the checkpoint at ``path``."""
+    files = weight_files(path)
+    slots = set(model.weight_slots())
+    loaded: set[str] = set()
+    for file, name, tensor in iter_weights(files, model.device):
+        try:
+            loaded |= model.load_weights([(name, tensor)])
+        except KeyError:
+            raise ModelLoadError(
+                f"{file}: unexpected tensor {name!r} for {model.config.architecture} "
+                "(quantized or non-HF checkpoints are not supported)"
+            ) from None
+        except ValueError as e:
+            raise ModelLoadError(f"{file}: {e}") from None
+    missing = sorted(slots - loaded)
+    if missing:
+        hint = " (tie_word_embeddings is false in config.json)" if "lm_head.weight" in missing else ""
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ModelLoadError(f"{Path(path)}: checkpoint lacks {len(missing)} tensors: {shown}{hint}")
+
+
+def load_model(
+    path: str | Path,
+    backend: Any,
+    dtype: str | torch.dtype | None = None,
+    max_model_len: int | None = None,
+    load_tokenizer: bool = True,
+) -> tuple[LlamaForCausalLM, ModelConfig, Tokenizer | None, GenerationConfig]:
+    """``(model, config, tokenizer, generation_config)`` for the HF directory ``path``.
+
+    ``backend`` is a :class:`~hwkv.interfaces.Backend` (or its registered name); the model lives on
+    its device and uses its attention. ``max_model_len`` sizes the RoPE table (default: the
+    config's, capped at a sliding window). The model is in eval mode; call it under
+    ``torch.inference_mode()``.
+    """
+    if isinstance(backend, str):
+        from hwkv.plugins import get_backend
+
+        backend = get_backend(backend)
+    path = Path(path)
+    config = ModelConfig.from_dir(path)
+    if max_model_len is not None:
+        config.check_max_model_len(max_model_len)
+    caps = getattr(backend, "capabilities", None)
+    torch_dtype = resolve_dtype(dtype, config, getattr(caps, "dtypes", None))
+    tokenizer = Tokenizer.from_dir(path) if load_tokenizer else None
+    gen = GenerationConfig.from_dir(path, config, tokenizer)
+    device = backend.device.torch_device
+    model = LlamaForCausalLM(config, backend.attention, device, torch_dtype, max_model_len or config.max_model_len)
+    load_weights(model, path)
+    return model.eval(), config, tokenizer, gen

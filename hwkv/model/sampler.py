@@ -1,0 +1,182 @@
+"""Sampler: logits ``[R, V]`` → one token per row, with vLLM semantics.
+
+Order (as vLLM v1): min_tokens suppression → penalties (repetition over prompt + output,
+frequency/presence over output) → greedy argmax, or temperature → min-p → top-k → top-p → draw.
+
+Draws use the exponential race ``argmax(p / q)``, ``q ~ Exp(1)``, which samples exactly from
+``p``. A seeded request draws its ``q`` row from its own ``torch.Generator`` and every row is
+processed independently, so its tokens do not depend on which other requests share the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from hwkv.sampling_params import SamplingParams
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A request's private generator; create it once per request and pass it every step."""
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row inputs of one :func:`sample` call (row ``i`` ↔ logits row ``i``).
+
+    ``generators[i]`` is row ``i``'s private generator (seeded requests) or ``None`` to draw from
+    the shared ``generator`` (``None``: torch's default). ``prompt_token_ids`` is needed only when
+    a row uses ``repetition_penalty``. ``eos_token_ids`` are suppressed (unless ``ignore_eos``),
+    together with ``stop_token_ids``, while a row has fewer than ``min_tokens`` outputs.
+    """
+
+    params: list[SamplingParams]
+    output_token_ids: list[list[int]]
+    prompt_token_ids: list[list[int]] | None = None
+    generators: list[torch.Generator | None] | None = None
+    generator: torch.Generator | None = None
+    eos_token_ids: Sequence[int] = field(default_factory=tuple)
+
+
+@dataclass
+class SamplerOutput:
+    """``token_ids[i]`` for row ``i``; ``logprobs[i]`` is ``{token: logprob}`` (top-n in descending
+    order, then the sampled token if not among them) for rows that asked, else ``None``."""
+
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None] | None = None
+
+
+def _counts(ids: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """``[R, V]`` float32 occurrence counts of each row's token ids, built without a per-row launch."""
+    lens = torch.tensor([len(r) for r in ids], dtype=torch.long)
+    flat = torch.tensor([t for r in ids for t in r], dtype=torch.long, device=device)
+    rows = torch.repeat_interleave(torch.arange(len(ids)), lens).to(device)
+    counts = torch.zeros(len(ids), vocab, dtype=torch.float32, device=device)
+    return counts.index_put_((rows, flat), torch.ones_like(flat, dtype=torch.float32), accumulate=True)
+
+
+def apply_penalties(
+    logits: torch.Tensor, prompt_ids: list[list[int]] | None, output_ids: list[list[int]],
+    repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor,
+) -> torch.Tensor:
+    """vLLM penalties on float32 ``logits [R, V]`` (modified in place and returned)."""
+    vocab, dev = logits.shape[1], logits.device
+    out_counts = _counts(output_ids, vocab, dev)
+    if bool((repetition != 1.0).any()):
+        seen = out_counts > 0
+        if prompt_ids is not None:
+            seen |= _counts(prompt_ids, vocab, dev) > 0
+        pen = torch.where(seen, repetition.unsqueeze(1), 1.0)
+        logits = torch.where(logits > 0, logits / pen, logits * pen)
+    logits -= frequency.unsqueeze(1) * out_counts
+    logits -= presence.unsqueeze(1) * (out_counts > 0)
+    return logits
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens whose probability is below ``min_p`` × the row's top probability."""
+    probs = logits.softmax(-1)
+    thresh = probs.amax(-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < thresh, float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
+    """Keep each row's ``k`` largest logits (``k == V``: all), then its smallest set of tokens with
+    cumulative probability ``>= p`` (the top token always survives)."""
+    srt, idx = logits.sort(dim=-1, descending=False)
+    if k is not None:
+        kth = srt.gather(1, (srt.shape[1] - k).clamp(min=0).unsqueeze(1))
+        srt = srt.masked_fill(srt < kth, float("-inf"))
+    if p is not None:
+        cum = srt.softmax(-1).cumsum(-1)
+        drop = cum <= (1 - p).unsqueeze(1)
+        drop[:, -1] = False
+        srt = srt.masked_fill(drop, float("-inf"))
+    return srt.scatter(-1, idx, srt)
+
+
+def _exponentials(rows: list[int], vocab: int, batch: SamplingBatch, device: torch.device) -> torch.Tensor:
+    q = torch.empty(len(rows), vocab, dtype=torch.float32, device=device)
+    gens = batch.generators or [None] * len(batch.params)
+    shared = [j for j, r in enumerate(rows) if gens[r] is None]
+    if shared:
+        q[shared] = torch.empty(len(shared), vocab, device=device).exponential_(generator=batch.generator)
+    for j, r in enumerate(rows):
+        if gens[r] is not None:
+            q[j].exponential_(generator=gens[r])
+    # Exp(1) draws can be exactly 0; p / 0 would pick a masked (p == 0) token through NaN.
+    return q.clamp_(min=torch.finfo(torch.float32).tiny)
+
+
+def _suppress_stops(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, (sp, out) in enumerate(zip(batch.params, batch.output_token_ids)):
+        if len(out) < sp.min_tokens:
+            ids = set(sp.stop_token_ids or ()) | (set() if sp.ignore_eos else set(batch.eos_token_ids))
+            rows += [i] * len(ids)
+            cols += sorted(ids)
+    if rows:
+        logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
+    return logits
+
+
+def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]) -> list[dict[int, float] | None]:
+    lp = raw.float().log_softmax(-1)
+    n = max(sp.logprobs or 0 for sp in params)
+    top_v, top_i = lp.topk(n, dim=-1) if n else (lp[:, :0], lp[:, :0].long())
+    chosen = lp.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+    top_v, top_i, toks = top_v.tolist(), top_i.tolist(), tokens.tolist()
+    out: list[dict[int, float] | None] = []
+    for i, sp in enumerate(params):
+        if sp.logprobs is None:
+            out.append(None)
+            continue
+        d = dict(zip(top_i[i][: sp.logprobs], top_v[i][: sp.logprobs]))
+        d.setdefault(toks[i], chosen[i])
+        out.append(d)
+    return out
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    """One token per row of float32 ``logits [R, V]`` following ``batch.params``."""
+    params = batch.params
+    if logits.dim() != 2 or logits.shape[0] != len(params) or len(batch.output_token_ids) != len(params):
+        raise ValueError(f"logits {tuple(logits.shape)} do not match {len(params)} params / output lists")
+    dev, vocab = logits.device, logits.shape[1]
+    raw = logits
+    x = logits.float()
+    if any(len(o) < sp.min_tokens for sp, o in zip(params, batch.output_token_ids)):
+        x = _suppress_stops(x.clone(), batch)
+    if any(sp.uses_penalties for sp in params):
+        f32 = lambda vals: torch.tensor(vals, dtype=torch.float32, device=dev)
+        x = apply_penalties(
+            x.clone() if x is raw else x, batch.prompt_token_ids, batch.output_token_ids,
+            f32([sp.repetition_penalty for sp in params]), f32([sp.frequency_penalty for sp in params]),
+            f32([sp.presence_penalty for sp in params]),
+        )
+    tokens = x.argmax(-1)
+    rand = [i for i, sp in enumerate(params) if not sp.greedy]
+    if rand:
+        sub_params = [params[i] for i in rand]
+        rows = torch.tensor(rand, device=dev)
+        sub = x.index_select(0, rows) / torch.tensor([sp.temperature for sp in sub_params], device=dev).unsqueeze(1)
+        if any(sp.min_p > 0 for sp in sub_params):
+            sub = apply_min_p(sub, torch.tensor([sp.min_p for sp in sub_params], device=dev))
+        use_k = any(sp.top_k > 0 for sp in sub_params)
+        use_p = any(sp.top_p < 1.0 for sp in sub_params)
+        if use_k or use_p:
+            k = torch.tensor([sp.top_k if sp.top_k > 0 else vocab for sp in sub_params], device=dev) if use_k else None
+            p = torch.tensor([sp.top_p for sp in sub_params], dtype=torch.float32, device=dev) if use_p else None
+            sub = apply_top_k_top_p(sub, k, p)
+        probs = sub.softmax(-1)
+        drawn = (probs / _exponentials(rand, vocab, batch, dev)).argmax(-1)
+        tokens = tokens.index_copy(0, rows, drawn)
+    logprobs = _logprobs(raw, tokens, params) if any(sp.logprobs is not None for sp in params) else None
+    return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs)
