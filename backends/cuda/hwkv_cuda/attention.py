@@ -1,0 +1,191 @@
+"""CUDA attention: metadata planning, tile heuristics and the launches of the Triton kernels.
+
+Kernel parameters come from the shape alone (:func:`choose_config`); ``HWKV_CUDA_ATTN_CONFIG``
+(``"BLOCK_N=128,num_warps=8"``) overrides them for tuning sweeps. Everything host-side is computed
+from the ``*_cpu`` tensors, so a forward never syncs the device and can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hwkv.interfaces.attention import AttentionBackend, AttentionImpl, AttentionMetadata, AttentionMetadataBuilder
+from hwkv.interfaces.layout import KVLayoutKind
+
+LOG2E = 1.4426950408889634
+MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the parallelism it adds
+MAX_SPLITS = 64
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int
+    block_q: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def choose_config(max_query_len: int, group: int, head_size: int, dtype: torch.dtype) -> TileConfig:
+    """Tiles by shape: decodes pack the G heads of a KV head into M (>= 16 rows for the MMA);
+    prefills take 128-row tiles (64 for head 256, whose K/V tiles would not fit shared memory)."""
+    hpad = _pow2(group)
+    big_d = head_size > 128
+    wide = dtype == torch.float32
+    if max_query_len == 1:
+        block_m = max(16, hpad)
+        cfg = dict(block_m=block_m, block_q=1, block_n=32 if big_d or wide else 64, num_warps=4, num_stages=3)
+    else:
+        block_m = max(64 if big_d or wide else 128, hpad)
+        cfg = dict(block_m=block_m, block_q=block_m // hpad, block_n=32 if big_d or wide else 64,
+                   num_warps=8 if block_m >= 128 else 4, num_stages=2 if big_d or wide else 3)
+    override = os.environ.get("HWKV_CUDA_ATTN_CONFIG", "")
+    for item in filter(None, override.split(",")):
+        k, _, v = item.partition("=")
+        cfg[k.strip().lower()] = int(v)
+    if cfg["block_m"] // cfg["block_q"] < group:
+        raise ValueError(f"tile config {cfg}: block_m // block_q must be >= the GQA group {group}")
+    return TileConfig(**cfg)
+
+
+@dataclass
+class CudaAttentionMetadata:
+    """Core metadata plus per-tile-shape plans (q-block starts on device, grid sizes on host)."""
+
+    common: AttentionMetadata
+    num_sms: int
+    plans: dict[tuple[int, int, int], tuple[torch.Tensor, int, int, int]] = field(default_factory=dict)
+
+    def plan(self, block_q: int, block_n: int, num_kv_heads: int) -> tuple[torch.Tensor, int, int, int]:
+        """``(qblock_start, num_q_blocks, num_splits, seg_len)`` for one tile shape, cached."""
+        key = (block_q, block_n, num_kv_heads)
+        if key not in self.plans:
+            c = self.common
+            qlen_cpu = c.query_lens_cpu.to(torch.int64)
+            num_q_blocks = int(((qlen_cpu + block_q - 1) // block_q).sum())
+            qlen = (c.query_start_loc[1:] - c.query_start_loc[:-1]).to(torch.int32)
+            qblock_start = torch.zeros(qlen.numel() + 1, dtype=torch.int32, device=qlen.device)
+            torch.cumsum((qlen + block_q - 1) // block_q, 0, out=qblock_start[1:])
+            # flash-decoding: split KV when the grid would leave SMs idle and contexts are long
+            programs = max(1, num_q_blocks * num_kv_heads)
+            splits = min(MAX_SPLITS, -(-4 * self.num_sms // programs), max(1, c.max_seq_len // MIN_SPLIT_TOKENS))
+            splits = max(1, splits)
+            seg_len = -(-max(c.max_seq_len, 1) // splits)
+            seg_len = -(-seg_len // block_n) * block_n
+            splits = -(-max(c.max_seq_len, 1) // seg_len)
+            self.plans[key] = (qblock_start, num_q_blocks, splits, seg_len)
+        return self.plans[key]
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+class CudaMetadataBuilder(AttentionMetadataBuilder):
+    def build(self, common: AttentionMetadata) -> CudaAttentionMetadata:
+        return CudaAttentionMetadata(common, _num_sms(common.seq_lens.device))
+
+
+class TritonAttentionImpl(AttentionImpl):
+    """Triton paged attention over a PER_LAYER (or cross-layer view) ``[nb, 2, bs, H_kv, D]`` cache."""
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, layer_kv: Any, slot_mapping: torch.Tensor) -> None:
+        from hwkv_cuda.kernels.cache import write_kv_kernel
+
+        _check_kv(layer_kv, self.num_kv_heads, self.head_size)
+        n = slot_mapping.numel()
+        if key.shape[0] != n or value.shape[0] != n:
+            raise ValueError(f"key/value have {key.shape[0]}/{value.shape[0]} tokens but slot_mapping has {n}")
+        if n == 0:
+            return
+        if key.stride(-1) != 1 or value.stride(-1) != 1:
+            key, value = key.contiguous(), value.contiguous()
+        nb, _, bs, hkv, d = layer_kv.shape
+        write_kv_kernel[(n,)](
+            key, value, layer_kv, slot_mapping,
+            key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+            layer_kv.stride(0), layer_kv.stride(1), layer_kv.stride(2), layer_kv.stride(3),
+            H_KV=hkv, HEAD_SIZE=d, H_PAD=_pow2(hkv), D_PAD=max(16, _pow2(d)), BS=bs,
+        )
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_kv: Any,
+                metadata: Any) -> torch.Tensor:
+        out = torch.empty_like(query)
+        self.forward_into(out, query, layer_kv, metadata)
+        return out
+
+    def forward_into(self, out: torch.Tensor, query: torch.Tensor, layer_kv: torch.Tensor, metadata: Any) -> None:
+        from hwkv_cuda.kernels.attention import attention_kernel, reduce_kernel
+
+        md = metadata if isinstance(metadata, CudaAttentionMetadata) else CudaMetadataBuilder().build(metadata)
+        c = md.common
+        _check_kv(layer_kv, self.num_kv_heads, self.head_size)
+        if query.dim() != 3 or query.shape[1:] != (self.num_heads, self.head_size) or query.stride(-1) != 1:
+            raise ValueError(f"query must be [tokens, {self.num_heads}, {self.head_size}] with unit last stride, "
+                             f"got {tuple(query.shape)}")
+        if c.num_reqs == 0 or query.shape[0] == 0:
+            return
+        nb, _, bs, hkv, d = layer_kv.shape
+        if bs != c.block_size:
+            raise ValueError(f"KV block size {bs} differs from metadata block_size {c.block_size}")
+        group = self.num_heads // hkv
+        cfg = choose_config(c.max_query_len, group, d, query.dtype)
+        qblock_start, num_q_blocks, splits, seg_len = md.plan(cfg.block_q, cfg.block_n, hkv)
+        d_pad = max(16, _pow2(d))
+        splits_pad = _pow2(splits)
+        if splits > 1:
+            part_acc = torch.empty((query.shape[0], self.num_heads, splits_pad, d_pad), dtype=torch.float32,
+                                   device=query.device)
+            part_ml = torch.empty((query.shape[0], self.num_heads, splits_pad, 2), dtype=torch.float32,
+                                  device=query.device)
+        else:
+            part_acc = part_ml = out  # unused
+        attention_kernel[(num_q_blocks, hkv, splits)](
+            query, layer_kv, out, part_acc, part_ml,
+            qblock_start, c.query_start_loc, c.seq_lens, c.block_tables,
+            c.num_reqs, seg_len, self.scale * LOG2E,
+            query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+            layer_kv.stride(0), layer_kv.stride(1), layer_kv.stride(2), layer_kv.stride(3), c.block_tables.stride(0),
+            G=group, HEAD_SIZE=d, D_PAD=d_pad, BS=bs,
+            BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n,
+            SPLIT=splits > 1, NUM_SPLITS_PAD=splits_pad, IEEE=query.dtype == torch.float32,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        if splits > 1:
+            reduce_kernel[(query.shape[0], self.num_heads)](
+                out, part_acc, part_ml, out.stride(0), out.stride(1), self.num_heads, splits,
+                HEAD_SIZE=d, D_PAD=d_pad, NUM_SPLITS_PAD=splits_pad, num_warps=4,
+            )
+
+
+def _check_kv(layer_kv: Any, num_kv_heads: int, head_size: int) -> None:
+    if not isinstance(layer_kv, torch.Tensor) or layer_kv.dim() != 5 or layer_kv.shape[1] != 2:
+        raise ValueError("layer_kv must be a [num_blocks, 2, block_size, H_kv, D] tensor (PER_LAYER layout)")
+    if layer_kv.shape[3:] != (num_kv_heads, head_size) or layer_kv.stride(-1) != 1:
+        raise ValueError(f"layer_kv heads/head_size {tuple(layer_kv.shape[3:])} != ({num_kv_heads}, {head_size})")
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+    kv_layout = KVLayoutKind.PER_LAYER
+
+    def metadata_builder(self) -> CudaMetadataBuilder:
+        return CudaMetadataBuilder()
+
+    def make_impl(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float) -> TritonAttentionImpl:
+        if head_size < 1 or num_heads < 1 or num_kv_heads < 1:
+            raise ValueError(f"num_heads {num_heads}, head_size {head_size}, num_kv_heads {num_kv_heads} must be >= 1")
+        if not math.isfinite(scale):
+            raise ValueError(f"scale must be finite, got {scale}")
+        return TritonAttentionImpl(num_heads, head_size, num_kv_heads, scale)

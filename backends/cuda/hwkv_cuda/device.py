@@ -1,0 +1,105 @@
+"""CUDA device: torch.cuda memory, streams and events, pinned host buffers, batched block copies."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+
+from hwkv.interfaces.device import Device, Stream
+from hwkv.interfaces.layout import KVCache
+
+COPY_CHUNK = 4096  # elements per program of the block-copy kernel
+
+
+class CudaDevice(Device):
+    type = "cuda"
+    dist_backend = "nccl"
+
+    def description(self) -> str:
+        p = torch.cuda.get_device_properties(self.index)
+        return f"{p.name} ({p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SMs, sm_{p.major}{p.minor})"
+
+    def memory_info(self) -> tuple[int, int]:
+        free, total = torch.cuda.mem_get_info(self.index)
+        return int(free), int(total)
+
+    def new_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.Stream(self.torch_device)
+
+    def current_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self.torch_device)
+
+    def stream_context(self, stream: Stream) -> AbstractContextManager[Any]:
+        return torch.cuda.stream(stream)  # type: ignore[arg-type]
+
+    def new_event(self) -> torch.cuda.Event:
+        return torch.cuda.Event()
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.index)
+
+    def seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+        torch.cuda.manual_seed_all(seed)
+
+    def profile_peak_memory(self, fn: Callable[[], Any]) -> int:
+        """Peak bytes allocated while ``fn`` runs (a profiling forward), for KV sizing by the engine."""
+        torch.cuda.synchronize(self.index)
+        torch.cuda.reset_peak_memory_stats(self.index)
+        base = torch.cuda.memory_allocated(self.index)
+        fn()
+        torch.cuda.synchronize(self.index)
+        return int(torch.cuda.max_memory_allocated(self.index) - base)
+
+    def copy_blocks(self, src: KVCache, dst: KVCache, pairs: list[tuple[int, int]],
+                    stream: Stream | None = None) -> None:
+        """One Triton launch per tensor for every direction: pinned host memory is reached through
+        unified addressing, so device<->host copies are as stream-ordered as in-device ones."""
+        if src.spec != dst.spec or src.layout != dst.layout:
+            raise ValueError("copy_blocks needs caches of the same spec and layout")
+        if not pairs:
+            return
+        nb = src.spec.num_blocks
+        idx = torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2)
+        if int(idx.min()) < 0 or int(idx.max()) >= nb:
+            raise IndexError(f"block ids must lie in [0, {nb})")
+        for t in (*src.tensors, *dst.tensors):
+            if t.device.type == "cpu" and not t.is_pinned():
+                raise ValueError("copy_blocks to or from the host needs pinned host KV (allocate_kv_cache(host=True))")
+        if all(t.device.type == "cpu" for t in (*src.tensors, *dst.tensors)):
+            return super().copy_blocks(src, dst, pairs, stream)
+        from hwkv_cuda.kernels.cache import copy_blocks_kernel
+
+        with torch.cuda.stream(stream) if stream is not None else _null():  # type: ignore[arg-type]
+            # the caching host allocator keeps the pinned index alive until its H2D copy is done
+            pairs_dev = idx.pin_memory().to(self.torch_device, non_blocking=True)
+            for s_t, d_t in zip(src.tensors, dst.tensors):
+                unit = _unit_dtype(s_t)
+                elems = s_t[0].numel() * s_t.element_size() // unit.itemsize
+                grid = (len(pairs), -(-elems // COPY_CHUNK))
+                try:
+                    copy_blocks_kernel[grid](s_t.view(unit), d_t.view(unit), pairs_dev, elems, CHUNK=COPY_CHUNK)
+                except (ValueError, RuntimeError):
+                    if s_t.is_cuda and d_t.is_cuda:
+                        raise
+                    _copy_runs(s_t, d_t, pairs)  # a Triton that refuses host pointers: merged-run copies
+
+
+def _copy_runs(s_t: torch.Tensor, d_t: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+    from hwkv.interfaces.layout import group_concurrent_contiguous
+
+    for s0, d0, n in group_concurrent_contiguous([p[0] for p in pairs], [p[1] for p in pairs]):
+        d_t[d0:d0 + n].copy_(s_t[s0:s0 + n], non_blocking=True)
+
+
+def _unit_dtype(t: torch.Tensor) -> torch.dtype:
+    nbytes = t[0].numel() * t.element_size()
+    return torch.int32 if nbytes % 4 == 0 else torch.uint8
+
+
+class _null(AbstractContextManager[None]):
+    def __exit__(self, *exc: object) -> None:
+        return None

@@ -1,0 +1,17 @@
+"""pluggy entry point (group ``hwkv.backends``): registers the ``cuda`` backend, imported lazily."""
+
+from hwkv.interfaces.backend import API_VERSION, BackendSpec
+from hwkv.plugins import hookimpl
+
+
+@hookimpl
+def hwkv_backends() -> list[BackendSpec]:
+    return [
+        BackendSpec(
+            name="cuda",
+            api_version=API_VERSION,
+            factory="hwkv_cuda.backend:CudaBackend",
+            description="NVIDIA GPUs: Triton unified paged attention (GQA, split-KV), torch.cuda device, "
+                        "Mooncake transfer (rdma when RDMA devices exist, else tcp via pinned host buffers)",
+        )
+    ]
