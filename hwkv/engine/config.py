@@ -1,0 +1,44 @@
+"""EngineConfig: every Engine knob in one validated place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    backend: str = "cpu"
+    dtype: Any = None  # None/"auto": the checkpoint's dtype (float32 when it names none)
+    max_model_len: int | None = None  # None: the model's, capped by the KV pool
+    block_size: int | None = None  # None: the backend's default
+    num_kv_blocks: int | None = None  # None: memory_fraction of free device memory
+    memory_fraction: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    max_num_partial_prefills: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        def need(name: str, ok: bool, allowed: str) -> None:
+            if not ok:
+                raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+
+        def is_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        need("backend", isinstance(self.backend, str) and bool(self.backend), "a backend name")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_num_partial_prefills"):
+            need(name, is_int(getattr(self, name)) and getattr(self, name) >= 1, "an int >= 1")
+        for name in ("max_model_len", "block_size", "num_kv_blocks"):
+            v = getattr(self, name)
+            need(name, v is None or (is_int(v) and v >= 1), "None or an int >= 1")
+        need("memory_fraction", isinstance(self.memory_fraction, (int, float)) and 0 < self.memory_fraction <= 1,
+             "in (0, 1]")
+        need("long_prefill_token_threshold",
+             is_int(self.long_prefill_token_threshold) and self.long_prefill_token_threshold >= 0, "an int >= 0")
+        need("seed", is_int(self.seed), "an int")
