@@ -1,0 +1,153 @@
+"""Kernel-level scenario building, driven only through the public interfaces.
+
+Both the backend under test and the reference get the same inputs: each writes the same K/V through
+its *own* ``write_kv`` (same slot mapping) into a cache of its *own* declared layout, then runs its
+own ``forward``; outputs are compared. Per-token K/V are read back through the layout definitions
+(:func:`read_tokens`), never through a backend's internals.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from hwkv.interfaces import AttentionMetadata, Backend, KVCache, KVCacheSpec
+
+NUM_LAYERS = 2
+LAYER = 1  # the layer under test; layer 0 holds decoy K/V at the same slots
+STATES = ("prefill", "prefix", "decode", "mixed")
+# GQA ratio label -> (num_heads, num_kv_heads)
+GQA = {"1": (4, 4), "4": (8, 2), "8": (16, 2), "mqa": (8, 1)}
+
+
+def generator(seed: int, nodeid: str) -> torch.Generator:
+    return torch.Generator().manual_seed(seed ^ zlib.crc32(nodeid.encode()))
+
+
+def randn(gen: torch.Generator, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Seeded CPU normal values rounded to ``dtype`` (so reference and backend see identical inputs)."""
+    return torch.randn(*shape, generator=gen).to(dtype)
+
+
+def scenario(state: str, bs: int, gen: torch.Generator) -> list[tuple[int, int]]:
+    """``(cached_context_len, query_len)`` per request, ragged and scaled to span several blocks."""
+    if state == "prefill":
+        reqs = [(0, bs + 3), (0, 7), (0, max(2, 2 * bs - 1))]
+    elif state == "prefix":  # block-aligned and unaligned prefixes, chunks shorter/longer than a block
+        reqs = [(bs, 5), (2 * bs + 3, bs + 2), (3, 2)]
+    elif state == "decode":
+        reqs = [(2 * bs, 1), (5, 1), (3 * bs + 1, 1), (max(bs - 1, 1), 1), (0, 1)]
+    elif state == "mixed":
+        reqs = [(bs + 1, 1), (0, bs + 2), (2 * bs + 3, 4), (7, 1), (0, 3)]
+    else:
+        raise ValueError(f"state {state!r} not in {STATES}")
+    order = torch.randperm(len(reqs), generator=gen).tolist()
+    return [reqs[i] for i in order]
+
+
+def block_tables(seq_lens: list[int], bs: int, gen: torch.Generator, spare: int = 3) -> tuple[list[list[int]], int]:
+    """Disjoint, non-contiguous, out-of-order block ids per request; returns (tables, num_blocks)."""
+    need = [math.ceil(s / bs) for s in seq_lens]
+    num_blocks = sum(need) + spare
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, i = [], 0
+    for n in need:
+        row = perm[i : i + n]
+        if n >= 2 and row == sorted(row):
+            row = row[::-1]  # guarantee at least one descending pair
+        tables.append(row)
+        i += n
+    return tables, num_blocks
+
+
+def new_cache(backend: Backend, spec: KVCacheSpec, fill: torch.Generator | None = None) -> KVCache:
+    """The backend's own layout on its device; ``fill`` writes garbage everywhere (catches reads of
+    unwritten slots) through the public tensors."""
+    kv = backend.device.allocate_kv_cache(spec, backend.attention.kv_layout)
+    if fill is not None:
+        for t in kv.tensors:
+            t.copy_(torch.randn(t.shape, generator=fill).mul_(3).to(t.dtype))
+    return kv
+
+
+def read_tokens(kv: KVCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(K, V)`` of every slot of ``layer`` as CPU ``[num_blocks * block_size, H_kv, D]``."""
+    s = kv.spec
+    lk = kv.layer(layer)
+    k, v = lk if isinstance(lk, tuple) else (lk[:, 0], lk[:, 1])
+    n = s.num_blocks * s.block_size
+    return k.reshape(n, s.num_kv_heads, s.head_size).cpu(), v.reshape(n, s.num_kv_heads, s.head_size).cpu()
+
+
+def slots_for(tables: list[list[int]], positions: list[range], bs: int) -> torch.Tensor:
+    out = [tables[r][p // bs] * bs + p % bs for r, rng in enumerate(positions) for p in rng]
+    return torch.tensor(out, dtype=torch.long)
+
+
+@dataclass
+class AttentionCase:
+    reqs: list[tuple[int, int]]
+    tables: list[list[int]]
+    num_blocks: int
+    bs: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    q: torch.Tensor  # [T, H, D]   (float32 values exactly representable in the case dtype)
+    k_new: torch.Tensor  # [T, Hkv, D]
+    v_new: torch.Tensor
+    k_ctx: torch.Tensor  # [C, Hkv, D] cached prefixes of all requests, concatenated
+    v_ctx: torch.Tensor
+    decoy: torch.Tensor  # [C + T, Hkv, D] written to layer 0 at the same slots
+    fill_seed: int
+
+    def spec(self, dtype: torch.dtype) -> KVCacheSpec:
+        return KVCacheSpec(NUM_LAYERS, self.num_blocks, self.bs, self.num_kv_heads, self.head_size, dtype)
+
+
+def make_case(state: str, bs: int, num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtype,
+              gen: torch.Generator) -> AttentionCase:
+    reqs = scenario(state, bs, gen)
+    tables, nb = block_tables([c + q for c, q in reqs], bs, gen)
+    t, c = sum(q for _, q in reqs), sum(c for c, _ in reqs)
+    return AttentionCase(
+        reqs, tables, nb, bs, num_heads, num_kv_heads, head_size,
+        q=randn(gen, t, num_heads, head_size, dtype=dtype).float(),
+        k_new=randn(gen, t, num_kv_heads, head_size, dtype=dtype).float(),
+        v_new=randn(gen, t, num_kv_heads, head_size, dtype=dtype).float(),
+        k_ctx=randn(gen, c, num_kv_heads, head_size, dtype=dtype).float(),
+        v_ctx=randn(gen, c, num_kv_heads, head_size, dtype=dtype).float(),
+        decoy=randn(gen, c + t, num_kv_heads, head_size, dtype=dtype).float(),
+        fill_seed=int(torch.randint(0, 2**31 - 1, (1,), generator=gen)),
+    )
+
+
+def run_attention(backend: Backend, case: AttentionCase, dtype: torch.dtype) -> torch.Tensor:
+    """One forward of ``case`` on ``backend`` in ``dtype``; output as float32 on the CPU."""
+    dev = backend.device.torch_device
+    spec = case.spec(dtype)
+    kv = new_cache(backend, spec, fill=torch.Generator().manual_seed(case.fill_seed))
+    scale = 1.0 / math.sqrt(case.head_size)
+    impl = backend.attention.make_impl(case.num_heads, case.head_size, case.num_kv_heads, scale)
+    ctx_slots = slots_for(case.tables, [range(c) for c, _ in case.reqs], case.bs)
+    common = AttentionMetadata.build(
+        [q for _, q in case.reqs], [c + q for c, q in case.reqs], case.tables, case.bs, device=dev
+    )
+    on = lambda x: x.to(device=dev, dtype=dtype)
+    all_slots = torch.cat([ctx_slots, common.slot_mapping.cpu()])
+    # Decoys in another layer at the same slots: a backend reading the wrong layer fails.
+    impl.write_kv(on(case.decoy), on(case.decoy.flip(0)), kv.layer(0), all_slots.to(dev))
+    if ctx_slots.numel():  # the cached prefix, as earlier steps would have written it
+        impl.write_kv(on(case.k_ctx), on(case.v_ctx), kv.layer(LAYER), ctx_slots.to(dev))
+    md = backend.attention.metadata_builder().build(common)
+    k, v = on(case.k_new), on(case.v_new)
+    impl.write_kv(k, v, kv.layer(LAYER), common.slot_mapping)
+    out = impl.forward(on(case.q), k, v, kv.layer(LAYER), md)
+    backend.device.synchronize()
+    exp = (case.q.shape[0], case.num_heads, case.head_size)
+    assert tuple(out.shape) == exp, f"forward returned shape {tuple(out.shape)}, expected {exp}"
+    assert out.dtype == dtype, f"forward returned dtype {out.dtype}, expected the query's {dtype}"
+    return out.float().cpu()

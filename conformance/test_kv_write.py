@@ -1,0 +1,57 @@
+"""KV write: ``write_kv`` scatters each token to its slot, skips slot -1, touches nothing else."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conformance.harness import LAYER, NUM_LAYERS, new_cache, randn, read_tokens
+from conformance.report import not_supported
+from hwkv.interfaces import KVCacheSpec
+
+pytestmark = pytest.mark.capability("kv_write")
+NUM_KV_HEADS = 2
+
+
+def _write(backend, spec, k, v, slots, fill_k, fill_v):
+    """Pre-fill every slot of every layer with known values via write_kv, then write ``k``/``v``."""
+    dev = backend.device.torch_device
+    kv = new_cache(backend, spec)
+    impl = backend.attention.make_impl(NUM_KV_HEADS, spec.head_size, NUM_KV_HEADS, spec.head_size**-0.5)
+    every = torch.arange(spec.num_blocks * spec.block_size, device=dev)
+    for layer in range(NUM_LAYERS):
+        impl.write_kv(fill_k[layer].to(dev), fill_v[layer].to(dev), kv.layer(layer), every)
+    impl.write_kv(k.to(dev), v.to(dev), kv.layer(LAYER), slots.to(dev))
+    backend.device.synchronize()
+    return [read_tokens(kv, layer) for layer in range(NUM_LAYERS)]
+
+
+@pytest.mark.parametrize("pattern", ["scatter", "with_minus_one", "all_minus_one"])
+def test_write_kv(backend, reference, check, gen, dtype, block_size, head_size, pattern):
+    spec = KVCacheSpec(NUM_LAYERS, 5, block_size, NUM_KV_HEADS, head_size, dtype)
+    reasons = backend.capabilities.validate(spec, num_heads=NUM_KV_HEADS)
+    if reasons:
+        not_supported(reasons)
+    check.capability = f"kv_write/{pattern}"
+    n_slots = spec.num_blocks * block_size
+    n = min(n_slots - 1, 2 * block_size + 3)
+    slots = torch.randperm(n_slots, generator=gen)[:n]  # distinct, out of order, across blocks
+    if pattern == "with_minus_one":
+        slots[torch.randperm(n, generator=gen)[: max(1, n // 3)]] = -1
+    elif pattern == "all_minus_one":
+        slots[:] = -1
+    shape = (spec.num_kv_heads, head_size)
+    k, v = randn(gen, n, *shape, dtype=dtype), randn(gen, n, *shape, dtype=dtype)
+    fill = [[randn(gen, n_slots, *shape, dtype=dtype) for _ in range(NUM_LAYERS)] for _ in range(2)]
+
+    got = _write(backend, spec, k, v, slots, *fill)
+    ref = _write(reference, spec, k, v, slots, *fill)
+    # The definition, independent of both backends: slot s holds its token, every other slot its fill.
+    keep = slots >= 0
+    for layer in range(NUM_LAYERS):
+        want_k, want_v = fill[0][layer].clone(), fill[1][layer].clone()
+        if layer == LAYER:
+            want_k[slots[keep]], want_v[slots[keep]] = k[keep], v[keep]
+        for i, (name, want) in enumerate((("K", want_k), ("V", want_v))):
+            check.exact(ref[layer][i], want, "kv_write", f"reference layer {layer} {name}")
+            check.exact(got[layer][i], ref[layer][i], "kv_write", f"layer {layer} {name} per slot")
