@@ -1,0 +1,7 @@
+from hwkv.interfaces import API_VERSION, BackendSpec
+from hwkv.plugins import hookimpl
+
+
+@hookimpl
+def hwkv_backends():
+    return [BackendSpec("dup", API_VERSION, "hwkv_tp_toy_impl:ToyBackend", "first of two")]

@@ -1,0 +1,192 @@
+"""Plugin discovery through real entry points: test dists are written as .dist-info into a tmp dir
+on sys.path, next to copies of the modules in tests/plugins/."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import hwkv
+from hwkv import plugins
+from hwkv.interfaces import API_VERSION, BackendUnavailable
+from hwkv.plugins import BackendConflict, PluginApiWarning, manager
+from hwkv.reference import CpuBackend
+
+PLUGIN_SRC = Path(__file__).parent / "plugins"
+
+
+def write_dist(site: Path, dist: str, eps: dict[str, str], version: str = "1.0.0") -> None:
+    info = site / f"{dist.replace('-', '_')}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+    (info / "entry_points.txt").write_text("[hwkv.backends]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()))
+
+
+@pytest.fixture
+def site(tmp_path, monkeypatch):
+    """``install(dist, {ep: target}, version)`` makes a plugin dist visible to importlib.metadata."""
+    root = tmp_path / "site"
+    root.mkdir()
+    for f in PLUGIN_SRC.glob("hwkv_tp_*.py"):
+        shutil.copy(f, root / f.name)
+    monkeypatch.delenv("HWKV_PLUGINS", raising=False)
+    monkeypatch.delenv("HWKV_DISABLED_PLUGINS", raising=False)
+    monkeypatch.syspath_prepend(str(root))
+
+    def install(dist: str, eps: dict[str, str], version: str = "1.0.0") -> None:
+        write_dist(root, dist, eps, version)
+        import importlib
+
+        importlib.invalidate_caches()
+        plugins.reset()
+
+    install.root = root
+    plugins.reset()
+    yield install
+    for mod in [m for m in sys.modules if m.startswith("hwkv_tp_")]:
+        del sys.modules[mod]
+    plugins.reset()
+
+
+def rows(name: str | None = None) -> list[plugins.BackendInfo]:
+    return [r for r in plugins.list_backends() if name is None or r.name == name]
+
+
+def test_builtin_cpu_backend_registers_through_the_hook(site):
+    (cpu,) = rows("cpu")
+    assert (cpu.dist, cpu.version, cpu.available, cpu.reason) == ("hwkv", hwkv.__version__, True, "")
+    assert cpu.spec.factory == "hwkv.reference.backend:CpuBackend" and cpu.spec.api_version == API_VERSION
+    assert "float32" in cpu.capabilities and "per_layer" in cpu.capabilities
+    b = plugins.get_backend("cpu")
+    assert isinstance(b, CpuBackend) and plugins.get_backend("cpu") is b  # one instance per discovery
+    assert hwkv.get_backend is plugins.get_backend and "cpu" in hwkv.available_backends()
+    json.dumps([r.to_dict() for r in plugins.list_backends()])
+
+
+def test_builtin_registered_even_without_installed_entry_point(site, monkeypatch):
+    monkeypatch.setattr(manager, "entry_points", lambda group: [])  # running from an uninstalled checkout
+    plugins.reset()
+    assert plugins.available_backends() == ["cpu"] and rows("cpu")[0].dist == "hwkv"
+
+
+def test_broken_plugin_is_reported_and_breaks_nothing(site):
+    site("hwkv-tp-broken", {"broken": "hwkv_tp_broken"})
+    site("hwkv-tp-toy", {"toy": "hwkv_tp_toy"})
+    (row,) = rows("broken")
+    assert row.dist == "hwkv-tp-broken" and not row.available and row.spec is None
+    assert "failed to load" in row.reason and "libfake_driver.so" in row.reason
+    assert {"cpu", "toy"} <= set(plugins.available_backends())
+    with pytest.raises(BackendUnavailable, match="libfake_driver.so"):
+        plugins.get_backend("broken")
+    # A fresh interpreter: `import hwkv` and discovery survive the broken plugin.
+    env = {**os.environ, "PYTHONPATH": f"{site.root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    code = "import hwkv; print(sorted((r.name, r.available) for r in hwkv.list_backends()))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "('broken', False)" in out.stdout and "('cpu', True)" in out.stdout
+
+
+def test_factories_are_imported_lazily(site):
+    site("hwkv-tp-toy", {"toy": "hwkv_tp_toy"}, version="2.3.4")
+    plugins.get_backend("cpu")  # discovery loads plugin modules, but only the requested factory
+    assert "hwkv_tp_toy" in sys.modules and "hwkv_tp_toy_impl" not in sys.modules
+    toy = plugins.get_backend("toy")
+    assert type(toy).__name__ == "ToyBackend" and "hwkv_tp_toy_impl" in sys.modules
+    (row,) = rows("toy")
+    assert (row.dist, row.version, row.available, row.plugin) == ("hwkv-tp-toy", "2.3.4", True, "toy")
+
+
+def test_unavailable_backends_carry_their_reason(site):
+    site("hwkv-tp-toy", {"toy": "hwkv_tp_toy"})
+    reasons = {r.name: r.reason for r in rows() if r.name.startswith("toy")}
+    assert reasons["toy"] == ""
+    assert reasons["toy-down"] == "needs the toy driver: pip install toy-driver"
+    assert reasons["toy-raises"] == "availability check raised RuntimeError: probe exploded"
+    assert "cannot import factory 'hwkv_tp_does_not_exist:Backend'" in reasons["toy-missing"]
+    assert "not a hwkv.interfaces.Backend subclass" in reasons["toy-notbackend"]
+    assert "toy" in plugins.available_backends() and "toy-down" not in plugins.available_backends()
+    with pytest.raises(BackendUnavailable, match="toy-down.*needs the toy driver"):
+        plugins.get_backend("toy-down")
+    with pytest.raises(BackendUnavailable, match="probe exploded"):
+        plugins.get_backend("toy-raises")
+
+
+def test_unknown_backend_is_a_value_error(site):
+    with pytest.raises(ValueError, match=r"unknown backend 'nope'; available: cpu$"):
+        plugins.get_backend("nope")
+
+
+def test_api_major_mismatch_refused_and_newer_minor_warns(site):
+    site("hwkv-tp-versions", {"versions": "hwkv_tp_versions"})
+    site("hwkv-tp-toy", {"toy": "hwkv_tp_toy"})  # impl module for the factories
+    with pytest.warns(PluginApiWarning, match="newminor") as caught:
+        listing = plugins.list_backends()
+    assert len(caught) == 1  # only the newer minor warns; the same minor does not
+    by = {r.name: r for r in listing}
+    major = int(API_VERSION.split(".")[0])
+    nm = by["nextmajor"]
+    assert not nm.available and f"API {major + 1}.0" in nm.reason and f"API {API_VERSION}" in nm.reason
+    assert by["newminor"].available
+    assert not by["badversion"].available and "'one'" in by["badversion"].reason
+    with pytest.raises(BackendUnavailable, match=f"{major + 1}.0"):
+        plugins.get_backend("nextmajor")
+    assert isinstance(plugins.get_backend("newminor"), CpuBackend)
+
+
+def test_allow_list(site, monkeypatch):
+    site("hwkv-tp-toy", {"toy": "hwkv_tp_toy"})
+    site("hwkv-tp-broken", {"broken": "hwkv_tp_broken"})
+    monkeypatch.setenv("HWKV_PLUGINS", "cpu")
+    plugins.reset()
+    assert plugins.available_backends() == ["cpu"]
+    assert "hwkv_tp_toy" not in sys.modules and "hwkv_tp_broken" not in sys.modules  # never imported
+    assert "not in HWKV_PLUGINS=cpu" in rows("toy")[0].reason
+    with pytest.raises(BackendUnavailable, match="HWKV_PLUGINS"):
+        plugins.get_backend("toy")
+    monkeypatch.setenv("HWKV_PLUGINS", " hwkv_tp_toy , cpu")  # distribution names match too, normalised
+    plugins.reset()
+    assert set(plugins.available_backends()) == {"cpu", "toy"}
+
+
+def test_block_list(site, monkeypatch):
+    site("hwkv-tp-toy", {"toy": "hwkv_tp_toy"})
+    site("hwkv-tp-broken", {"broken": "hwkv_tp_broken"})
+    monkeypatch.setenv("HWKV_DISABLED_PLUGINS", "toy,broken")
+    plugins.reset()
+    assert plugins.available_backends() == ["cpu"]
+    assert "hwkv_tp_toy" not in sys.modules and "hwkv_tp_broken" not in sys.modules
+    assert rows("broken")[0].reason == "disabled by HWKV_DISABLED_PLUGINS=toy,broken"
+    monkeypatch.setenv("HWKV_DISABLED_PLUGINS", "cpu")
+    plugins.reset()
+    with pytest.raises(BackendUnavailable, match="disabled by HWKV_DISABLED_PLUGINS"):
+        plugins.get_backend("cpu")
+
+
+def test_duplicate_backend_names_are_a_reported_conflict(site, monkeypatch):
+    site("hwkv-tp-dup-a", {"dupa": "hwkv_tp_dup_a"})
+    site("hwkv-tp-dup-b", {"dupb": "hwkv_tp_dup_b"}, version="0.2")
+    dups = rows("dup")
+    assert len(dups) == 2 and {r.dist for r in dups} == {"hwkv-tp-dup-a", "hwkv-tp-dup-b"}
+    for r in dups:
+        assert not r.available and "hwkv-tp-dup-a 1.0.0" in r.reason and "hwkv-tp-dup-b 0.2" in r.reason
+    assert "dup" not in plugins.available_backends()
+    with pytest.raises(BackendConflict, match="hwkv-tp-dup-a.*hwkv-tp-dup-b"):
+        plugins.get_backend("dup")
+    monkeypatch.setenv("HWKV_DISABLED_PLUGINS", "hwkv-tp-dup-b")  # the fix the message suggests
+    plugins.reset()
+    (r,) = rows("dup")
+    assert r.available and r.dist == "hwkv-tp-dup-a" and r.spec.description == "first of two"
+
+
+def test_misbehaving_plugins_are_reported(site):
+    site("hwkv-tp-odd", {"nohook": "hwkv_tp_odd:NoHook", "badret": "hwkv_tp_odd:BadReturn"})
+    by = {r.name: r for r in rows()}
+    assert "implements no hwkv_backends hook" in by["nohook"].reason
+    assert "expected a BackendSpec" in by["badret"].reason
+    assert plugins.available_backends() == ["cpu"]
