@@ -1,0 +1,215 @@
+"""GPU correctness checks and a tile sweep for hwkv-cuda (run on the device machine).
+
+Correctness: bf16/fp16/fp32 vs a float64 reference on fresh random data, poisoned outputs, all four
+attention states, GQA ratios incl. a non-power-of-two group, MQA, block 16/32/64, head 64/128/256,
+the split-KV path; write_kv; copy_blocks device<->device/host; CUDA-graph replay.
+Usage: python backends/cuda/scripts/gpu_check.py [check] [sweep] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path[:0] = [os.path.join(os.path.dirname(__file__), ".."), os.path.join(os.path.dirname(__file__), "../../..")]
+
+from hwkv_cuda.attention import CudaMetadataBuilder, TritonAttentionBackend  # noqa: E402
+
+from hwkv.interfaces.attention import AttentionMetadata  # noqa: E402
+from hwkv.interfaces.layout import KVCacheSpec, KVLayoutKind  # noqa: E402
+
+TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
+
+
+def reference(q, kv, qlens, slens, tables, scale):
+    out = torch.empty(q.shape, dtype=torch.float64, device=q.device)
+    bs, hkv = kv.shape[2], kv.shape[3]
+    g = q.shape[1] // hkv
+    t0 = 0
+    for ql, sl, bt in zip(qlens, slens, tables):
+        pos = torch.arange(sl, device=q.device)
+        blk = torch.as_tensor(bt, device=q.device)[pos // bs]
+        k = kv[blk, 0, pos % bs].double().repeat_interleave(g, 1)
+        v = kv[blk, 1, pos % bs].double().repeat_interleave(g, 1)
+        s = torch.einsum("qhd,khd->hqk", q[t0:t0 + ql].double(), k) * scale
+        qpos = torch.arange(sl - ql, sl, device=q.device)
+        s = s.masked_fill(pos[None, None, :] > qpos[None, :, None], float("-inf"))
+        out[t0:t0 + ql] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+        t0 += ql
+    return out
+
+
+def one(qlens, slens, h, hkv, d, bs, dtype, gen):
+    need = [-(-s // bs) for s in slens]
+    nb = sum(need) + 7
+    perm = torch.randperm(nb, generator=gen).tolist()
+    tables, i = [], 0
+    for n in need:
+        tables.append(perm[i:i + n])
+        i += n
+    kv = torch.randn(nb, 2, bs, hkv, d, generator=gen).to("cuda", dtype)
+    q = torch.randn(sum(qlens), h, d, generator=gen).to("cuda", dtype)
+    md = CudaMetadataBuilder().build(AttentionMetadata.build(qlens, slens, tables, bs, "cuda"))
+    impl = TritonAttentionBackend().make_impl(h, d, hkv, d ** -0.5)
+    out = torch.full_like(q, float("nan"))
+    impl.forward_into(out, q, kv, md)
+    ref = reference(q, kv, qlens, slens, tables, d ** -0.5)
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    splits = max(p[2] for p in md.plans.values())
+    ok = bool(not out.isnan().any()) and err < TOL[dtype]
+    return dict(qlens=qlens[:6], slens=slens[:6], heads=f"{h}/{hkv}", d=d, bs=bs, dtype=str(dtype)[6:],
+                err=err, splits=splits, ok=ok)
+
+
+BATCHES = {
+    "decode_split": ([1, 1, 1, 1], [1, 17, 3000, 9000]),
+    "prefill_no_cache": ([300, 77], [300, 77]),
+    "prefill_on_prefix": ([64, 513, 1], [2000, 1513, 4000]),
+    "mixed": ([1, 200, 1, 33, 1], [5000, 700, 64, 33, 129]),
+}
+
+
+def check() -> list[dict]:
+    gen = torch.Generator().manual_seed(1234)
+    res = []
+    combos = [((32, 8), 128, 16), ((32, 32), 128, 16), ((16, 1), 64, 32), ((12, 4), 256, 64), ((8, 2), 64, 16)]
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for (h, hkv), d, bs in combos:
+            for name, (ql, sl) in BATCHES.items():
+                r = one(ql, sl, h, hkv, d, bs, dtype, gen)
+                r["state"] = name
+                res.append(r)
+                print(("OK  " if r["ok"] else "FAIL"), name, r["heads"], d, bs, r["dtype"], f"{r['err']:.2e}",
+                      f"splits={r['splits']}", flush=True)
+    res += [check_write_kv(gen), check_copy_blocks(), check_graph(gen)]
+    return res
+
+
+def check_write_kv(gen) -> dict:
+    impl = TritonAttentionBackend().make_impl(8, 128, 4, 1.0)
+    kv = torch.randn(64, 2, 16, 4, 128, generator=gen).to("cuda", torch.bfloat16)
+    exp = kv.clone()
+    qkv = torch.randn(100, 16, 128, generator=gen).to("cuda", torch.bfloat16)
+    key, value = qkv[:, 8:12], qkv[:, 12:]
+    slots = torch.randperm(64 * 16, generator=gen)[:100].cuda()
+    slots[::7] = -1
+    impl.write_kv(key, value, kv, slots)
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            exp[s // 16, 0, s % 16], exp[s // 16, 1, s % 16] = key[t], value[t]
+    ok = torch.equal(kv, exp)
+    print("OK  " if ok else "FAIL", "write_kv with -1 slots", flush=True)
+    return dict(state="write_kv", ok=ok)
+
+
+def check_copy_blocks() -> dict:
+    from hwkv_cuda.device import CudaDevice
+
+    dev = CudaDevice(0)
+    spec = KVCacheSpec(num_layers=4, num_blocks=2048, block_size=16, num_kv_heads=8, head_size=128,
+                       dtype=torch.bfloat16)
+    gpu = dev.allocate_kv_cache(spec, KVLayoutKind.PER_LAYER)
+    for t in gpu.tensors:
+        t.normal_()
+    host = dev.allocate_kv_cache(spec, KVLayoutKind.PER_LAYER, host=True)
+    gpu2 = dev.allocate_kv_cache(spec, KVLayoutKind.PER_LAYER)
+    pairs = [(i, 2047 - i) for i in range(0, 2000, 2)]
+    out: dict = dict(state="copy_blocks")
+    for name, src, dst, ps in (("d2h", gpu, host, pairs), ("h2d", host, gpu2, [(d, s) for s, d in pairs]),
+                               ("d2d", gpu, gpu2, [(s, s + 1) for s, _ in pairs])):
+        dev.copy_blocks(src, dst, ps)
+        dev.synchronize()
+        t0 = time.perf_counter()
+        s = dev.new_stream()
+        dev.copy_blocks(src, dst, ps, stream=s)
+        s.synchronize()
+        dt = time.perf_counter() - t0
+        nbytes = len(ps) * spec.bytes_per_block
+        out[f"{name}_GBps"] = round(nbytes / dt / 1e9, 1)
+    ok = all(torch.equal(gpu2.tensors[i][s], gpu.tensors[i][s]) for i in range(4) for s, _ in pairs[:50])
+    ok = ok and all(torch.equal(host.tensors[i][d].cuda(), gpu.tensors[i][s]) for i in range(4) for s, d in pairs[:50])
+    out["ok"] = ok
+    print("OK  " if ok else "FAIL", "copy_blocks", {k: v for k, v in out.items() if k.endswith("GBps")}, flush=True)
+    return out
+
+
+def check_graph(gen) -> dict:
+    qlens, slens, bs = [1] * 8, [4000 + 37 * i for i in range(8)], 16
+    need = [-(-s // bs) for s in slens]
+    tables = [list(range(sum(need[:i]), sum(need[:i + 1]))) for i in range(8)]
+    kv = torch.randn(sum(need), 2, bs, 8, 128, generator=gen).to("cuda", torch.bfloat16)
+    q = torch.randn(8, 32, 128, generator=gen).to("cuda", torch.bfloat16)
+    md = CudaMetadataBuilder().build(AttentionMetadata.build(qlens, slens, tables, bs, "cuda"))
+    impl = TritonAttentionBackend().make_impl(32, 128, 8, 128 ** -0.5)
+    out = torch.empty_like(q)
+    impl.forward_into(out, q, kv, md)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        impl.forward_into(out, q, kv, md)
+    q.copy_(torch.randn(8, 32, 128, generator=gen).to("cuda", torch.bfloat16))
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    ref = reference(q, kv, qlens, slens, tables, 128 ** -0.5)
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    ok = err < 1e-2
+    print("OK  " if ok else "FAIL", f"cuda graph replay err {err:.2e} splits={max(p[2] for p in md.plans.values())}")
+    return dict(state="graph_replay", err=err, ok=ok)
+
+
+SWEEP = {
+    "decode b64 ctx4k 32/8": (64, 32, 8, 1, 4095),
+    "decode b64 ctx1k 32/8": (64, 32, 8, 1, 1023),
+    "decode b1 ctx16k 32/8": (1, 32, 8, 1, 16383),
+    "decode b64 ctx4k 32/32": (64, 32, 32, 1, 4095),
+    "prefill 4k on 4k 32/8": (1, 32, 8, 4096, 4096),
+    "prefill 2k on 16k 32/32": (1, 32, 32, 2048, 16384),
+}
+DECODE_CFGS = ["", "block_n=32", "block_n=128", "num_warps=2", "num_warps=8", "num_stages=2", "num_stages=4",
+               "block_n=128,num_warps=8", "block_n=32,num_stages=4", "block_n=64,num_stages=5"]
+PREFILL_CFGS = ["", "block_n=128", "block_n=32", "num_stages=2", "num_stages=4", "num_warps=4",
+                "block_m=64,block_q=16,num_warps=4", "block_n=128,num_stages=2", "block_m=128,block_n=128,num_warps=8,"
+                "num_stages=3"]
+
+
+def sweep() -> list[dict]:
+    from hwkv.bench.attention import Case, _time
+
+    res = []
+    for name, (b, h, hkv, ql, pre) in SWEEP.items():
+        case = Case(b, h, hkv, ql, pre, 128, 16, torch.bfloat16)
+        for cfg in (DECODE_CFGS if ql == 1 else PREFILL_CFGS):
+            if ql > 1 and hkv == h and "block_q" in cfg:
+                cfg = cfg.replace("block_q=16", "block_q=64")
+            os.environ["HWKV_CUDA_ATTN_CONFIG"] = cfg
+            try:
+                t = _time(case.ours(), 10)
+                r = dict(shape=name, cfg=cfg or "default", us=round(t * 1e6, 1),
+                         tbps=round(case.bytes / t / 1e12, 3), tflops=round(case.flops / t / 1e12, 1))
+            except Exception as e:  # noqa: BLE001
+                r = dict(shape=name, cfg=cfg, error=str(e).splitlines()[0][:150])
+            print(r, flush=True)
+            res.append(r)
+        os.environ.pop("HWKV_CUDA_ATTN_CONFIG", None)
+        del case
+        torch.cuda.empty_cache()
+    return res
+
+
+if __name__ == "__main__":
+    out_dir = sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else "."
+    print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(), flush=True)
+    results: dict = {}
+    if "check" in sys.argv:
+        results["check"] = check()
+        bad = [r for r in results["check"] if not r["ok"]]
+        print(f"correctness: {len(results['check']) - len(bad)}/{len(results['check'])} OK", flush=True)
+    if "sweep" in sys.argv:
+        results["sweep"] = sweep()
+    with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
+        json.dump(results, f, indent=1, default=str)

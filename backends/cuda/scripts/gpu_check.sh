@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# One device call: GPU pytest, correctness + tile sweep, then `hwkv bench attention` (and conformance
+# when the suite exists). Usage (device machine, repo root): bash backends/cuda/scripts/gpu_check.sh [bench-args]
+set -o pipefail
+OUT=${OUT:-/tmp/hwkv-out}; mkdir -p "$OUT"
+export PYTHONPATH=.:backends/cuda PYTHONUNBUFFERED=1
+STEPS=${STEPS:-pytest,check,sweep,bench}
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+[[ $STEPS == *pytest* ]] && timeout 150 python3 -m pytest -q -p no:cacheprovider backends/cuda/tests 2>&1 | tee "$OUT/pytest.log" | tail -3
+args=""; [[ $STEPS == *check* ]] && args="check"; [[ $STEPS == *sweep* ]] && args="$args sweep"
+[[ -n $args ]] && timeout ${CHECK_S:-240} python3 backends/cuda/scripts/gpu_check.py $args --out "$OUT" 2>&1 | tee "$OUT/check.log" | grep -v "^OK"
+if [[ $STEPS == *bench* ]]; then
+  timeout ${BENCH_S:-330} python3 -m hwkv.bench.attention --out "$OUT/attention.json" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v "^|"
+fi
+if [[ $STEPS == *conformance* ]]; then
+  timeout ${CONF_S:-240} python3 -m hwkv conformance --backend cuda --certify --report "$OUT/conf" 2>&1 | tail -30
+fi
+exit 0
