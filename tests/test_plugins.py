@@ -76,92 +76,94 @@ def test_builtin_registered_even_without_installed_entry_point(site, monkeypatch
 
 
 def test_broken_plugin_is_reported_and_breaks_nothing(site):
-    site("hwkv-tp-broken", {"broken": "hwkv_tp_broken"})
-    site("hwkv-tp-toy", {"toy": "hwkv_tp_toy"})
-    (row,) = rows("broken")
+    site("hwkv-tp-broken", {"tpbroken": "hwkv_tp_broken"})
+    site("hwkv-tp-toy", {"tptoy": "hwkv_tp_toy"})
+    (row,) = rows("tpbroken")
     assert row.dist == "hwkv-tp-broken" and not row.available and row.spec is None
     assert "failed to load" in row.reason and "libfake_driver.so" in row.reason
-    assert {"cpu", "toy"} <= set(plugins.available_backends())
+    assert {"cpu", "tp-toy"} <= set(plugins.available_backends())
     with pytest.raises(BackendUnavailable, match="libfake_driver.so"):
-        plugins.get_backend("broken")
+        plugins.get_backend("tpbroken")
     # A fresh interpreter: `import hwkv` and discovery survive the broken plugin.
     env = {**os.environ, "PYTHONPATH": f"{site.root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     code = "import hwkv; print(sorted((r.name, r.available) for r in hwkv.list_backends()))"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "('broken', False)" in out.stdout and "('cpu', True)" in out.stdout
+    assert "('tpbroken', False)" in out.stdout and "('cpu', True)" in out.stdout
 
 
 def test_factories_are_imported_lazily(site):
-    site("hwkv-tp-toy", {"toy": "hwkv_tp_toy"}, version="2.3.4")
+    site("hwkv-tp-toy", {"tptoy": "hwkv_tp_toy"}, version="2.3.4")
     plugins.get_backend("cpu")  # discovery loads plugin modules, but only the requested factory
     assert "hwkv_tp_toy" in sys.modules and "hwkv_tp_toy_impl" not in sys.modules
-    toy = plugins.get_backend("toy")
+    toy = plugins.get_backend("tp-toy")
     assert type(toy).__name__ == "ToyBackend" and "hwkv_tp_toy_impl" in sys.modules
-    (row,) = rows("toy")
-    assert (row.dist, row.version, row.available, row.plugin) == ("hwkv-tp-toy", "2.3.4", True, "toy")
+    (row,) = rows("tp-toy")
+    assert (row.dist, row.version, row.available, row.plugin) == ("hwkv-tp-toy", "2.3.4", True, "tptoy")
 
 
 def test_unavailable_backends_carry_their_reason(site):
-    site("hwkv-tp-toy", {"toy": "hwkv_tp_toy"})
-    reasons = {r.name: r.reason for r in rows() if r.name.startswith("toy")}
-    assert reasons["toy"] == ""
-    assert reasons["toy-down"] == "needs the toy driver: pip install toy-driver"
-    assert reasons["toy-raises"] == "availability check raised RuntimeError: probe exploded"
-    assert "cannot import factory 'hwkv_tp_does_not_exist:Backend'" in reasons["toy-missing"]
-    assert "not a hwkv.interfaces.Backend subclass" in reasons["toy-notbackend"]
-    assert "toy" in plugins.available_backends() and "toy-down" not in plugins.available_backends()
-    with pytest.raises(BackendUnavailable, match="toy-down.*needs the toy driver"):
-        plugins.get_backend("toy-down")
+    site("hwkv-tp-toy", {"tptoy": "hwkv_tp_toy"})
+    reasons = {r.name: r.reason for r in rows() if r.name.startswith("tp-toy")}
+    assert reasons["tp-toy"] == ""
+    assert reasons["tp-toy-down"] == "needs the toy driver: pip install toy-driver"
+    assert reasons["tp-toy-raises"] == "availability check raised RuntimeError: probe exploded"
+    assert "cannot import factory 'hwkv_tp_does_not_exist:Backend'" in reasons["tp-toy-missing"]
+    assert "not a hwkv.interfaces.Backend subclass" in reasons["tp-toy-notbackend"]
+    assert "tp-toy" in plugins.available_backends() and "tp-toy-down" not in plugins.available_backends()
+    with pytest.raises(BackendUnavailable, match="tp-toy-down.*needs the toy driver"):
+        plugins.get_backend("tp-toy-down")
     with pytest.raises(BackendUnavailable, match="probe exploded"):
-        plugins.get_backend("toy-raises")
+        plugins.get_backend("tp-toy-raises")
 
 
 def test_unknown_backend_is_a_value_error(site):
-    with pytest.raises(ValueError, match=r"unknown backend 'nope'; available: cpu$"):
+    avail = ", ".join(plugins.available_backends())
+    assert "cpu" in avail
+    with pytest.raises(ValueError, match=f"^unknown backend 'nope'; available: {avail}$"):
         plugins.get_backend("nope")
 
 
 def test_api_major_mismatch_refused_and_newer_minor_warns(site):
-    site("hwkv-tp-versions", {"versions": "hwkv_tp_versions"})
-    site("hwkv-tp-toy", {"toy": "hwkv_tp_toy"})  # impl module for the factories
-    with pytest.warns(PluginApiWarning, match="newminor") as caught:
+    site("hwkv-tp-versions", {"tpversions": "hwkv_tp_versions"})
+    site("hwkv-tp-toy", {"tptoy": "hwkv_tp_toy"})  # impl module for the factories
+    with pytest.warns(PluginApiWarning, match="tp-newminor") as caught:
         listing = plugins.list_backends()
     assert len(caught) == 1  # only the newer minor warns; the same minor does not
     by = {r.name: r for r in listing}
     major = int(API_VERSION.split(".")[0])
-    nm = by["nextmajor"]
+    nm = by["tp-nextmajor"]
     assert not nm.available and f"API {major + 1}.0" in nm.reason and f"API {API_VERSION}" in nm.reason
-    assert by["newminor"].available
-    assert not by["badversion"].available and "'one'" in by["badversion"].reason
+    assert by["tp-newminor"].available
+    assert not by["tp-badversion"].available and "'one'" in by["tp-badversion"].reason
     with pytest.raises(BackendUnavailable, match=f"{major + 1}.0"):
-        plugins.get_backend("nextmajor")
-    assert isinstance(plugins.get_backend("newminor"), CpuBackend)
+        plugins.get_backend("tp-nextmajor")
+    assert isinstance(plugins.get_backend("tp-newminor"), CpuBackend)
 
 
 def test_allow_list(site, monkeypatch):
-    site("hwkv-tp-toy", {"toy": "hwkv_tp_toy"})
-    site("hwkv-tp-broken", {"broken": "hwkv_tp_broken"})
+    site("hwkv-tp-toy", {"tptoy": "hwkv_tp_toy"})
+    site("hwkv-tp-broken", {"tpbroken": "hwkv_tp_broken"})
     monkeypatch.setenv("HWKV_PLUGINS", "cpu")
     plugins.reset()
     assert plugins.available_backends() == ["cpu"]
     assert "hwkv_tp_toy" not in sys.modules and "hwkv_tp_broken" not in sys.modules  # never imported
-    assert "not in HWKV_PLUGINS=cpu" in rows("toy")[0].reason
+    assert "not in HWKV_PLUGINS=cpu" in rows("tptoy")[0].reason
     with pytest.raises(BackendUnavailable, match="HWKV_PLUGINS"):
-        plugins.get_backend("toy")
+        plugins.get_backend("tptoy")
     monkeypatch.setenv("HWKV_PLUGINS", " hwkv_tp_toy , cpu")  # distribution names match too, normalised
     plugins.reset()
-    assert set(plugins.available_backends()) == {"cpu", "toy"}
+    assert set(plugins.available_backends()) == {"cpu", "tp-toy"}
 
 
 def test_block_list(site, monkeypatch):
-    site("hwkv-tp-toy", {"toy": "hwkv_tp_toy"})
-    site("hwkv-tp-broken", {"broken": "hwkv_tp_broken"})
-    monkeypatch.setenv("HWKV_DISABLED_PLUGINS", "toy,broken")
+    site("hwkv-tp-toy", {"tptoy": "hwkv_tp_toy"})
+    site("hwkv-tp-broken", {"tpbroken": "hwkv_tp_broken"})
+    monkeypatch.setenv("HWKV_DISABLED_PLUGINS", "tptoy,tpbroken")
     plugins.reset()
-    assert plugins.available_backends() == ["cpu"]
+    assert "cpu" in plugins.available_backends() and "tp-toy" not in plugins.available_backends()
     assert "hwkv_tp_toy" not in sys.modules and "hwkv_tp_broken" not in sys.modules
-    assert rows("broken")[0].reason == "disabled by HWKV_DISABLED_PLUGINS=toy,broken"
+    assert rows("tpbroken")[0].reason == "disabled by HWKV_DISABLED_PLUGINS=tptoy,tpbroken"
     monkeypatch.setenv("HWKV_DISABLED_PLUGINS", "cpu")
     plugins.reset()
     with pytest.raises(BackendUnavailable, match="disabled by HWKV_DISABLED_PLUGINS"):
@@ -169,24 +171,24 @@ def test_block_list(site, monkeypatch):
 
 
 def test_duplicate_backend_names_are_a_reported_conflict(site, monkeypatch):
-    site("hwkv-tp-dup-a", {"dupa": "hwkv_tp_dup_a"})
-    site("hwkv-tp-dup-b", {"dupb": "hwkv_tp_dup_b"}, version="0.2")
-    dups = rows("dup")
+    site("hwkv-tp-dup-a", {"tpdupa": "hwkv_tp_dup_a"})
+    site("hwkv-tp-dup-b", {"tpdupb": "hwkv_tp_dup_b"}, version="0.2")
+    dups = rows("tp-dup")
     assert len(dups) == 2 and {r.dist for r in dups} == {"hwkv-tp-dup-a", "hwkv-tp-dup-b"}
     for r in dups:
         assert not r.available and "hwkv-tp-dup-a 1.0.0" in r.reason and "hwkv-tp-dup-b 0.2" in r.reason
-    assert "dup" not in plugins.available_backends()
+    assert "tp-dup" not in plugins.available_backends()
     with pytest.raises(BackendConflict, match="hwkv-tp-dup-a.*hwkv-tp-dup-b"):
-        plugins.get_backend("dup")
+        plugins.get_backend("tp-dup")
     monkeypatch.setenv("HWKV_DISABLED_PLUGINS", "hwkv-tp-dup-b")  # the fix the message suggests
     plugins.reset()
-    (r,) = rows("dup")
+    (r,) = rows("tp-dup")
     assert r.available and r.dist == "hwkv-tp-dup-a" and r.spec.description == "first of two"
 
 
 def test_misbehaving_plugins_are_reported(site):
-    site("hwkv-tp-odd", {"nohook": "hwkv_tp_odd:NoHook", "badret": "hwkv_tp_odd:BadReturn"})
+    site("hwkv-tp-odd", {"tpnohook": "hwkv_tp_odd:NoHook", "tpbadret": "hwkv_tp_odd:BadReturn"})
     by = {r.name: r for r in rows()}
-    assert "implements no hwkv_backends hook" in by["nohook"].reason
-    assert "expected a BackendSpec" in by["badret"].reason
-    assert plugins.available_backends() == ["cpu"]
+    assert "implements no hwkv_backends hook" in by["tpnohook"].reason
+    assert "expected a BackendSpec" in by["tpbadret"].reason
+    assert not {"tpnohook", "tpbadret", "tp-store", "tp-conn"} & set(plugins.available_backends())

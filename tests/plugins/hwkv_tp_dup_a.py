@@ -4,4 +4,4 @@ from hwkv.plugins import hookimpl
 
 @hookimpl
 def hwkv_backends():
-    return [BackendSpec("dup", API_VERSION, "hwkv_tp_toy_impl:ToyBackend", "first of two")]
+    return [BackendSpec("tp-dup", API_VERSION, "hwkv_tp_toy_impl:ToyBackend", "first of two")]

@@ -16,9 +16,9 @@ class BadReturn:
     @staticmethod
     @hookimpl
     def hwkv_stores():
-        return [StoreSpec("toy-store", "1.0", "x:Y")]
+        return [StoreSpec("tp-store", "1.0", "x:Y")]
 
     @staticmethod
     @hookimpl
     def hwkv_connectors():
-        return [ConnectorSpec("toy-conn", "1.0", "x:Y")]
+        return [ConnectorSpec("tp-conn", "1.0", "x:Y")]

@@ -8,9 +8,9 @@ from hwkv.plugins import hookimpl
 def hwkv_backends():
     impl = "hwkv_tp_toy_impl"
     return [
-        BackendSpec("toy", API_VERSION, f"{impl}:ToyBackend", "toy backend for tests"),
-        BackendSpec("toy-down", API_VERSION, f"{impl}:DownBackend"),
-        BackendSpec("toy-raises", API_VERSION, f"{impl}:RaisingBackend"),
-        BackendSpec("toy-missing", API_VERSION, "hwkv_tp_does_not_exist:Backend"),
-        BackendSpec("toy-notbackend", API_VERSION, f"{impl}:NotABackend"),
+        BackendSpec("tp-toy", API_VERSION, f"{impl}:ToyBackend", "toy backend for tests"),
+        BackendSpec("tp-toy-down", API_VERSION, f"{impl}:DownBackend"),
+        BackendSpec("tp-toy-raises", API_VERSION, f"{impl}:RaisingBackend"),
+        BackendSpec("tp-toy-missing", API_VERSION, "hwkv_tp_does_not_exist:Backend"),
+        BackendSpec("tp-toy-notbackend", API_VERSION, f"{impl}:NotABackend"),
     ]

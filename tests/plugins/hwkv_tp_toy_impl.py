@@ -4,11 +4,11 @@ from hwkv.reference.backend import CpuBackend
 
 
 class ToyBackend(CpuBackend):
-    name = "toy"
+    name = "tp-toy"
 
 
 class DownBackend(CpuBackend):
-    name = "toy-down"
+    name = "tp-toy-down"
 
     @classmethod
     def availability(cls):
@@ -16,7 +16,7 @@ class DownBackend(CpuBackend):
 
 
 class RaisingBackend(CpuBackend):
-    name = "toy-raises"
+    name = "tp-toy-raises"
 
     @classmethod
     def availability(cls):

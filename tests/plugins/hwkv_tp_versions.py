@@ -10,7 +10,7 @@ MAJOR, MINOR = (int(x) for x in API_VERSION.split("."))
 def hwkv_backends():
     factory = "hwkv_tp_toy_impl:ToyBackend"
     return [
-        BackendSpec("nextmajor", f"{MAJOR + 1}.0", factory),
-        BackendSpec("newminor", f"{MAJOR}.{MINOR + 1}", factory),
-        BackendSpec("badversion", "one", factory),
+        BackendSpec("tp-nextmajor", f"{MAJOR + 1}.0", factory),
+        BackendSpec("tp-newminor", f"{MAJOR}.{MINOR + 1}", factory),
+        BackendSpec("tp-badversion", "one", factory),
     ]
