@@ -1,0 +1,2 @@
+"""``hwkv`` subcommands: each module exposes ``add_arguments(parser)`` and ``run(args) -> int``
+(see :mod:`hwkv.cli`)."""

@@ -1,0 +1,105 @@
+"""The ``hwkv`` command: lazy subcommands, ``hwkv backends`` (table / JSON), ``hwkv bench`` dispatch."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from hwkv import cli, plugins
+
+PLUGIN_SRC = Path(__file__).parent / "plugins"
+
+
+def hwkv_cmd() -> list[str]:
+    exe = shutil.which("hwkv")  # the console script of `pip install -e .`
+    return [exe] if exe else [sys.executable, "-c", "import sys; from hwkv.cli import main; sys.exit(main())"]
+
+
+@pytest.fixture(autouse=True)
+def fresh_discovery(monkeypatch):
+    monkeypatch.delenv("HWKV_PLUGINS", raising=False)
+    monkeypatch.delenv("HWKV_DISABLED_PLUGINS", raising=False)
+    plugins.reset()
+    yield
+    plugins.reset()
+
+
+def test_backends_table_via_main(capsys):
+    assert cli.main(["backends"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["NAME", "DISTRIBUTION", "VERSION", "AVAILABLE", "REASON", "CAPABILITIES"]
+    cpu = next(ln for ln in lines if ln.startswith("cpu "))
+    assert cpu.split()[:4] == ["cpu", "hwkv", "0.1.0", "yes"] and "dtypes=float32,float16,bfloat16" in cpu
+
+
+def test_backends_json_via_main(capsys):
+    assert cli.main(["backends", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    cpu = rows["cpu"]
+    assert cpu["available"] is True and cpu["dist"] == "hwkv" and cpu["reason"] == ""
+    assert cpu["spec"]["factory"] == "hwkv.reference.backend:CpuBackend" and "block=1..256" in cpu["capabilities"]
+
+
+def test_backends_subprocess_reports_a_broken_plugin(tmp_path):
+    site = tmp_path / "site"
+    info = site / "hwkv_tp_broken-1.0.dist-info"
+    info.mkdir(parents=True)
+    shutil.copy(PLUGIN_SRC / "hwkv_tp_broken.py", site)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: hwkv-tp-broken\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[hwkv.backends]\ntpbroken = hwkv_tp_broken\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HWKV_")}
+    env["PYTHONPATH"] = f"{site}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    out = subprocess.run([*hwkv_cmd(), "backends"], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    broken = next(ln for ln in out.stdout.splitlines() if ln.startswith("tpbroken "))
+    assert broken.split()[:4] == ["tpbroken", "hwkv-tp-broken", "1.0", "no"] and "libfake_driver.so" in broken
+    assert any(ln.split()[:4] == ["cpu", "hwkv", "0.1.0", "yes"] for ln in out.stdout.splitlines())
+    js = subprocess.run([*hwkv_cmd(), "backends", "--json"], env=env, capture_output=True, text=True, timeout=120)
+    assert {r["name"]: r["available"] for r in json.loads(js.stdout)}["tpbroken"] is False
+
+
+def test_unimportable_command_fails_alone(monkeypatch, capsys):
+    monkeypatch.setitem(cli.COMMANDS, "ghost", ("hwkv.commands.does_not_exist", "a command not written yet"))
+    monkeypatch.setitem(sys.modules, "hwkv_tp_halfcmd", types.ModuleType("hwkv_tp_halfcmd"))
+    monkeypatch.setitem(cli.COMMANDS, "half", ("hwkv_tp_halfcmd", "a module without add_arguments/run"))
+    assert cli.main(["ghost", "--anything"]) == 2
+    err = capsys.readouterr().err
+    assert "command 'ghost' is unavailable" in err and "hwkv.commands.does_not_exist" in err
+    assert cli.main(["half"]) == 2
+    assert "lacks add_arguments(parser) and run(args)" in capsys.readouterr().err
+    assert cli.main(["backends"]) == 0  # the others are unaffected
+
+
+def test_no_command_prints_help_and_version(capsys):
+    assert cli.main([]) == 2
+    err = capsys.readouterr().err
+    for name in ("backends", "generate", "bench", "conformance"):
+        assert name in err
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0 and "hwkv 0.1.0" in capsys.readouterr().out
+
+
+def test_bench_dispatches_to_bench_module(monkeypatch, capsys):
+    seen = {}
+    fake = types.ModuleType("hwkv.bench.cache")
+    fake.add_arguments = lambda p: p.add_argument("--blocks", type=int, default=1)
+    fake.run = lambda args: seen.setdefault("blocks", args.blocks) and 7
+    monkeypatch.setitem(sys.modules, "hwkv.bench.cache", fake)
+    assert cli.main(["bench", "cache", "--blocks", "32"]) == 7 and seen == {"blocks": 32}
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "cache", "--help"])
+    assert e.value.code == 0 and "hwkv bench cache" in capsys.readouterr().out
+    monkeypatch.setitem(sys.modules, "hwkv.bench.scheduler", None)  # an unimportable bench
+    assert cli.main(["bench", "scheduler"]) == 2
+    assert "bench 'scheduler' is unavailable" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "nope"])
+    assert e.value.code == 2
