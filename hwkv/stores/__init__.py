@@ -1,0 +1,30 @@
+"""Store implementations (see :mod:`hwkv.interfaces.store`) and their factory."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from hwkv.interfaces.store import Store
+
+KINDS = ("embedded", "mooncake")
+
+
+def create_store(kind: str = "embedded", **options: Any) -> Store:
+    """``create_store("embedded", capacity_bytes=...)`` or ``create_store("mooncake", master=...,
+    metadata_server=..., protocol=..., global_segment_size=..., ...)``; options are the store
+    class's constructor arguments. Unknown kinds or options raise ``ValueError``."""
+    if kind == "embedded":
+        from hwkv.stores.embedded import EmbeddedStore as cls
+    elif kind == "mooncake":
+        from hwkv.stores.mooncake import MooncakeStore as cls
+    else:
+        raise ValueError(f"kind={kind!r} is not a store kind (allowed: {', '.join(KINDS)})")
+    allowed = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown} for store kind {kind!r} (allowed: {', '.join(allowed)})")
+    return cls(**options)
+
+
+__all__ = ["KINDS", "create_store"]

@@ -1,0 +1,146 @@
+"""EmbeddedStore: the in-process KV pool — a byte-capacity LRU of host copies."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections import OrderedDict
+
+import numpy as np
+
+from hwkv.interfaces.store import Buffers, ItemResult, KeyNotFound, SizeMismatch, Store, StoreError, StoreFull
+
+
+def check_batch(op: str, keys: list[str], buffers: list[Buffers] | None = None) -> None:
+    """ValueError for malformed batches: non-string keys, length mismatch, bad segments."""
+    for k in keys:
+        if not isinstance(k, str) or not k:
+            raise ValueError(f"{op}: key {k!r} is invalid (need a non-empty str)")
+    if buffers is None:
+        return
+    if len(keys) != len(buffers):
+        raise ValueError(f"{op}: {len(keys)} keys but {len(buffers)} buffer lists (need one per key)")
+    for k, segs in zip(keys, buffers):
+        if not segs:
+            raise ValueError(f"{op}: key {k!r} has no segments (need at least one (ptr, nbytes))")
+        for seg in segs:
+            if len(seg) != 2 or not all(isinstance(x, int) and x > 0 for x in seg):
+                raise ValueError(f"{op}: key {k!r} has segment {seg!r} (need (ptr, nbytes) ints > 0)")
+
+
+class EmbeddedStore(Store):
+    """In-process store holding at most ``capacity_bytes`` of values.
+
+    * ``put`` copies the segments into one host array (``ctypes.memmove``, no intermediate bytes
+      objects) and makes room by evicting least-recently used values; a value larger than the whole
+      capacity fails with :class:`StoreFull` and leaves any old value of the key in place.
+    * ``get`` copies into the caller's segments; ``get`` and ``put`` count as use, ``exists`` does not.
+    * Thread-safe: the index is guarded by a lock; copies run outside it (a stored array is never
+      written after it is published, an overwrite publishes a new one).
+    * No registration is needed; ``register_buffer`` is a no-op.
+    """
+
+    def __init__(self, capacity_bytes: int = 1 << 30):
+        if not isinstance(capacity_bytes, int) or capacity_bytes < 1:
+            raise ValueError(f"capacity_bytes={capacity_bytes!r} is invalid (need an int >= 1)")
+        self.capacity_bytes = capacity_bytes
+        self._values: OrderedDict[str, np.ndarray] = OrderedDict()  # LRU first
+        self._used = 0
+        self._lock = threading.Lock()
+        self._closed = False
+        self._stats = dict.fromkeys(("puts", "put_full", "gets", "hits", "misses", "evictions", "evicted_bytes"), 0)
+
+    def _open(self) -> None:
+        if self._closed:
+            raise StoreError("store is closed")
+
+    def put(self, keys: list[str], buffers: list[Buffers]) -> list[ItemResult]:
+        check_batch("put", keys, buffers)
+        self._open()
+        out = []
+        for key, segs in zip(keys, buffers):
+            total = sum(n for _, n in segs)
+            if total > self.capacity_bytes:
+                with self._lock:
+                    self._stats["put_full"] += 1
+                err = StoreFull(f"key {key!r}: {total} B exceeds the capacity of {self.capacity_bytes} B")
+                out.append(ItemResult(key, total, err))
+                continue
+            value = np.empty(total, dtype=np.uint8)
+            base, off = value.ctypes.data, 0
+            for ptr, n in segs:
+                ctypes.memmove(base + off, ptr, n)
+                off += n
+            with self._lock:
+                old = self._values.pop(key, None)
+                if old is not None:
+                    self._used -= old.nbytes
+                while self._used + total > self.capacity_bytes:
+                    _, victim = self._values.popitem(last=False)
+                    self._used -= victim.nbytes
+                    self._stats["evictions"] += 1
+                    self._stats["evicted_bytes"] += victim.nbytes
+                self._values[key] = value
+                self._used += total
+                self._stats["puts"] += 1
+            out.append(ItemResult(key, total))
+        return out
+
+    def get(self, keys: list[str], buffers: list[Buffers]) -> list[ItemResult]:
+        check_batch("get", keys, buffers)
+        self._open()
+        out = []
+        for key, segs in zip(keys, buffers):
+            want = sum(n for _, n in segs)
+            with self._lock:
+                self._stats["gets"] += 1
+                value = self._values.get(key)
+                if value is not None and value.nbytes == want:
+                    self._values.move_to_end(key)
+                    self._stats["hits"] += 1
+                else:
+                    self._stats["misses"] += 1
+            if value is None:
+                out.append(ItemResult(key, 0, KeyNotFound(f"key {key!r} not found")))
+            elif value.nbytes != want:
+                err = SizeMismatch(f"key {key!r}: stored {value.nbytes} B, buffers hold {want} B")
+                out.append(ItemResult(key, value.nbytes, err))
+            else:
+                base, off = value.ctypes.data, 0
+                for ptr, n in segs:
+                    ctypes.memmove(ptr, base + off, n)
+                    off += n
+                out.append(ItemResult(key, want))
+        return out
+
+    def exists(self, keys: list[str]) -> list[bool]:
+        check_batch("exists", keys)
+        self._open()
+        with self._lock:
+            return [k in self._values for k in keys]
+
+    def remove(self, keys: list[str]) -> list[ItemResult]:
+        check_batch("remove", keys)
+        self._open()
+        out = []
+        with self._lock:
+            for key in keys:
+                value = self._values.pop(key, None)
+                if value is None:
+                    out.append(ItemResult(key, 0, KeyNotFound(f"key {key!r} not found")))
+                else:
+                    self._used -= value.nbytes
+                    out.append(ItemResult(key, value.nbytes))
+        return out
+
+    def stats(self) -> dict[str, int]:
+        """Counters plus ``capacity_bytes``, ``used_bytes`` and ``num_keys``."""
+        with self._lock:
+            return {**self._stats, "capacity_bytes": self.capacity_bytes, "used_bytes": self._used,
+                    "num_keys": len(self._values)}
+
+    def close(self) -> None:
+        with self._lock:
+            self._values.clear()
+            self._used = 0
+            self._closed = True

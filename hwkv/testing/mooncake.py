@@ -1,0 +1,163 @@
+"""Run a real ``mooncake_master`` for tests and local experiments.
+
+    with mooncake_master() as m:               # 127.0.0.1, free ports, HTTP metadata server on
+        store = MooncakeStore(master=m.master, metadata_server=m.metadata_server)
+
+pytest::
+
+    @pytest.fixture(scope="module")
+    def master():
+        ok, why = mooncake_available()
+        if not ok:
+            pytest.skip(why)
+        with mooncake_master() as m:
+            yield m
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from hwkv.transfer.mooncake import INSTALL_HINT, free_port
+
+
+@dataclass(frozen=True)
+class MooncakeMaster:
+    """Addresses of a running master: ``master`` (RPC, for clients' ``master_server_addr``),
+    ``metadata_server`` (HTTP metadata URL), ``metrics`` (admin/metrics base URL, ``/health``,
+    ``/metrics``), the process id and its log file."""
+
+    master: str
+    metadata_server: str
+    metrics: str
+    pid: int
+    log_path: str
+
+
+def master_binary() -> str | None:
+    """The ``mooncake_master`` executable shipped inside the wheel, else one on ``PATH``."""
+    spec = importlib.util.find_spec("mooncake")  # locates the package without importing it
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        path = os.path.join(root, "mooncake_master")
+        if os.path.isfile(path):
+            return path
+    return shutil.which("mooncake_master")
+
+
+@functools.lru_cache(maxsize=1)
+def mooncake_available() -> tuple[bool, str]:
+    """``(True, "")`` when the wheel imports and a master binary exists, else ``(False, reason)``."""
+    try:
+        importlib.import_module("mooncake.engine")
+        importlib.import_module("mooncake.store")
+    except (ImportError, OSError) as e:
+        return False, f"Mooncake is not usable ({e}); install: {INSTALL_HINT}"
+    if master_binary() is None:
+        return False, f"mooncake_master not found in the mooncake package or on PATH; install: {INSTALL_HINT}"
+    return True, ""
+
+
+def _port_open(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
+        return True
+    return False
+
+
+def _healthy(metrics: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{metrics}/health", timeout=0.5) as r:
+            return bool(json.loads(r.read() or b"{}").get("service_ready", True))
+    except urllib.error.HTTPError as e:
+        return e.code == 404  # an older master without /health: the open ports must do
+    except (OSError, ValueError):
+        return False
+
+
+def _tail(path: str, n: int = 2000) -> str:
+    with open(path, errors="replace") as f:
+        return f.read()[-n:]
+
+
+@contextlib.contextmanager
+def mooncake_master(
+    *,
+    default_kv_lease_ttl_ms: int | None = None,
+    eviction_high_watermark_ratio: float | None = None,
+    eviction_ratio: float | None = None,
+    client_ttl_s: int | None = None,
+    extra_args: tuple[str, ...] = (),
+    timeout_s: float = 15.0,
+) -> Iterator[MooncakeMaster]:
+    """Start ``mooncake_master`` on 127.0.0.1 (RPC, HTTP metadata server and metrics on free
+    ports), wait until it serves, yield its addresses, then stop it (SIGTERM, SIGKILL after 5 s).
+
+    Raises ``RuntimeError`` (with the master's log tail) if it exits or is not ready in
+    ``timeout_s``; a port taken between picking and binding is retried twice.
+    """
+    binary = master_binary()
+    if binary is None:
+        raise RuntimeError(f"mooncake_master not found; install: {INSTALL_HINT}")
+    opts = {
+        "default_kv_lease_ttl": default_kv_lease_ttl_ms,
+        "eviction_high_watermark_ratio": eviction_high_watermark_ratio,
+        "eviction_ratio": eviction_ratio,
+        "client_ttl": client_ttl_s,
+    }
+    log_fd, log_path = tempfile.mkstemp(prefix="mooncake_master_", suffix=".log")
+    os.close(log_fd)
+    try:
+        yield from _run(binary, opts, extra_args, timeout_s, log_path)
+    finally:
+        os.unlink(log_path)
+
+
+def _run(
+    binary: str, opts: dict, extra_args: tuple[str, ...], timeout_s: float, log_path: str
+) -> Iterator[MooncakeMaster]:
+    for attempt in range(3):
+        rpc, http, metrics_port = free_port(), free_port(), free_port()
+        metrics = f"http://127.0.0.1:{metrics_port}"
+        cmd = [
+            binary,
+            "--rpc_address=127.0.0.1", f"--rpc_port={rpc}",
+            "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
+            f"--http_metadata_server_port={http}",
+            "--metrics_host=127.0.0.1", f"--metrics_port={metrics_port}", "--enable_metric_reporting=false",
+            *(f"--{k}={v}" for k, v in opts.items() if v is not None),
+            *extra_args,
+        ]
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while proc.poll() is None and time.monotonic() < deadline:
+                if _port_open(rpc) and _port_open(http) and _healthy(metrics):
+                    break
+                time.sleep(0.05)
+            else:
+                if proc.poll() is not None and attempt < 2 and "ddress already in use" in _tail(log_path):
+                    continue
+                raise RuntimeError(f"mooncake_master did not become ready ({' '.join(cmd)}):\n{_tail(log_path)}")
+            yield MooncakeMaster(f"127.0.0.1:{rpc}", f"http://127.0.0.1:{http}/metadata", metrics, proc.pid, log_path)
+            return
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(5)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
