@@ -89,7 +89,7 @@ def _check_mask(atten_mask: torch.Tensor | None, sparse_mode: int) -> None:
             raise NotImplementedError("sparse_mode=0 with a full atten_mask is not emulated")
         return
     if sparse_mode != 3:
-        raise NpuOpError(f"TND layout supports sparse_mode=0 without mask or sparse_mode=3 with mask, got {sparse_mode}")
+        raise NpuOpError(f"TND supports sparse_mode=0 without mask or sparse_mode=3 with mask, got {sparse_mode}")
     if atten_mask is None:
         raise NpuOpError("sparse_mode=3 requires atten_mask (the optimised 2048x2048 mask)")
     _contiguous(atten_mask=atten_mask)
@@ -167,10 +167,10 @@ def npu_fused_infer_attention_score(
             raise NpuOpError(f"block_table must be int32 [batch={batch}, max_blocks], got {block_table.dtype} "
                              f"{tuple(block_table.shape)}")
         if key.dim() != 3 or key.shape != value.shape:
-            raise NotImplementedError("paged key/value must be (num_blocks, block_size, H*D) (the BNSD form is not emulated)")
+            raise NotImplementedError("paged key/value must be (num_blocks, block_size, H*D) (BNSD not emulated)")
         nb, bs, hd = key.shape
         if block_size != bs or bs % 128 or not 128 <= bs <= 512:
-            raise NpuOpError(f"block_size {block_size} must equal the cache's {bs} and be a multiple of 128 in [128, 512]")
+            raise NpuOpError(f"block_size {block_size} must equal the cache's {bs}, a multiple of 128 in [128, 512]")
         if hd != nkv * d:
             raise NpuOpError(f"paged K/V last dim {hd} != num_key_value_heads*D = {nkv * d}")
         if any(n < 0 or n > block_table.shape[1] * bs for n in kv_lens):
@@ -189,7 +189,7 @@ def npu_fused_infer_attention_score(
             raise NpuOpError(f"TND key/value must be [T_kv, {nkv}, {d}], got {tuple(key.shape)}/{tuple(value.shape)}")
         kv_lens = _cumulative("actual_seq_lengths_kv", kv_arg)
         if kv_arg[-1] != key.shape[0]:
-            raise NpuOpError(f"TND: actual_seq_lengths_kv[-1] ({kv_arg[-1]}) must equal the key token count {key.shape[0]}")
+            raise NpuOpError(f"TND: actual_seq_lengths_kv[-1] ({kv_arg[-1]}) != key token count {key.shape[0]}")
         starts = [e - n for e, n in zip(kv_arg, kv_lens)]
 
         def kv_of(b: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -238,7 +238,8 @@ def _npu_paged_attention(
         raise NpuOpError(f"block_table must be int32 [num_tokens={t}, max_blocks], got {block_table.dtype} "
                          f"{tuple(block_table.shape)}")
     if context_lens.dtype != torch.int32 or tuple(context_lens.shape) != (t,):
-        raise NpuOpError(f"context_lens must be int32 [num_tokens={t}], got {context_lens.dtype} {tuple(context_lens.shape)}")
+        raise NpuOpError(f"context_lens must be int32 [num_tokens={t}], got {context_lens.dtype} "
+                         f"{tuple(context_lens.shape)}")
     if out.shape != query.shape or out.dtype != query.dtype:
         raise NpuOpError("out must have the query's shape and dtype")
     lens, bt = context_lens.cpu().tolist(), block_table.cpu().long()
