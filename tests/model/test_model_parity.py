@@ -1,0 +1,128 @@
+"""Logits parity with HF transformers on checkpoints written by transformers' own save_pretrained:
+one varlen batch, chunked prefill over a cached prefix, and decode mixed with a fresh prefill."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hwkv.model import load_model
+
+transformers = pytest.importorskip("transformers")
+
+PROMPT_LENS = [7, 19, 1, 33, 12]
+ATOL = 1e-4
+
+CASES = {
+    "llama-llama3": ("llama", {"head_dim": 32, "rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}),
+    "llama-linear": ("llama", {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}}),
+    "llama-yarn": ("llama", {"rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16}}),
+    "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}),
+    "mistral": ("mistral", {}),
+}
+
+
+def hf_checkpoint(path, arch: str, **overrides):
+    """A random float32 HF model (biases and norms randomised too) saved with save_pretrained."""
+    names = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}[arch]
+    cfg_cls = getattr(transformers, f"{names}Config")
+    model_cls = getattr(transformers, f"{names}ForCausalLM")
+    kwargs = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=300, initializer_range=0.1, max_position_embeddings=256,
+                  rms_norm_eps=1e-5)
+    kwargs.update(overrides)
+    torch.manual_seed(0)
+    model = model_cls(cfg_cls(**kwargs)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.1)
+            elif "norm" in name:
+                p.normal_(1, 0.1)
+    model.save_pretrained(path)
+    return model
+
+
+def hf_last_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_match_hf(tmp_path, cpu_backend, paged_runner, case):
+    arch, overrides = CASES[case]
+    hf = hf_checkpoint(tmp_path, arch, **overrides)
+    model, cfg, _, _ = load_model(tmp_path, cpu_backend, load_tokenizer=False)
+    assert cfg.architecture == hf.config.architectures[0] and model.dtype == torch.float32
+    ps = prompts(cfg.vocab_size)
+    ref = torch.stack([hf_last_logits(hf, p) for p in ps])
+
+    # 1. every prompt in one varlen prefill call
+    r = paged_runner(model, cpu_backend, len(ps), 64)
+    got = r.step([(i, p, 0, len(p)) for i, p in enumerate(ps)])
+    assert got.dtype == torch.float32 and got.shape == (len(ps), cfg.vocab_size)
+    torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
+
+    # 2. chunked prefill: first halves, then the rest on top of the cached prefix (last prompt held back)
+    r = paged_runner(model, cpu_backend, len(ps), 64)
+    early = list(range(len(ps) - 1))
+    r.step([(i, ps[i], 0, len(ps[i]) // 2) for i in early if len(ps[i]) // 2 > 0])
+    got = r.step([(i, ps[i], len(ps[i]) // 2, len(ps[i])) for i in early])
+    torch.testing.assert_close(got, ref[early], atol=ATOL, rtol=0)
+
+    # 3. decode steps of the early prompts mixed with the held-back prompt's full prefill
+    seqs = [ps[i] + [int(got[j].argmax())] for j, i in enumerate(early)]
+    last = len(ps) - 1
+    got = r.step([(i, seqs[i], len(seqs[i]) - 1, len(seqs[i])) for i in early] + [(last, ps[last], 0, len(ps[last]))])
+    want = torch.stack([hf_last_logits(hf, s) for s in seqs] + [ref[last]])
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+
+
+def test_rope_theta_and_rope_parameters_formats_load_identically(tmp_path, cpu_backend, paged_runner):
+    new = tmp_path / "new"
+    hf_checkpoint(new, "llama", **CASES["llama-llama3"][1])
+    old = tmp_path / "old"
+    old.mkdir()
+    cfg = json.loads((new / "config.json").read_text())
+    assert "rope_parameters" in cfg  # transformers 5 writes the new form
+    rp = cfg.pop("rope_parameters")
+    cfg["rope_theta"] = rp.pop("rope_theta")
+    rp["type"] = rp.pop("rope_type")  # oldest spelling of the key
+    cfg["rope_scaling"] = rp
+    (old / "config.json").write_text(json.dumps(cfg))
+    (old / "model.safetensors").symlink_to(new / "model.safetensors")
+    m_new, c_new, _, _ = load_model(new, cpu_backend, load_tokenizer=False)
+    m_old, c_old, _, _ = load_model(old, cpu_backend, load_tokenizer=False)
+    assert (c_new.rope_theta, c_new.rope_scaling) == (c_old.rope_theta, c_old.rope_scaling) == (500000.0, {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16})
+    ps = prompts(c_new.vocab_size)
+    work = [(i, p, 0, len(p)) for i, p in enumerate(ps)]
+    a = paged_runner(m_new, cpu_backend, len(ps), 64).step(work)
+    b = paged_runner(m_old, cpu_backend, len(ps), 64).step(work)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_close_to_float32(tmp_path, cpu_backend, paged_runner, dtype):
+    hf_checkpoint(tmp_path, "qwen2")
+    m32, cfg, _, _ = load_model(tmp_path, cpu_backend, dtype="float32", load_tokenizer=False)
+    m16, _, _, _ = load_model(tmp_path, cpu_backend, dtype=dtype, load_tokenizer=False)
+    assert m16.dtype == dtype and all(p.dtype == dtype for p in m16.parameters())
+    ps = prompts(cfg.vocab_size)
+    work = [(i, p, 0, len(p)) for i, p in enumerate(ps)]
+    a = paged_runner(m32, cpu_backend, len(ps), 64).step(work)
+    b = paged_runner(m16, cpu_backend, len(ps), 64).step(work)
+    assert b.dtype == torch.float32
+    tol = 0.1 if dtype == torch.bfloat16 else 0.02
+    torch.testing.assert_close(b, a, atol=tol * float(a.abs().max()), rtol=0)
