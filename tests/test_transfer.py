@@ -1,0 +1,191 @@
+"""MooncakeTransfer against the real Mooncake TransferEngine: two endpoints in this process over tcp
+on loopback (P2P handshake, and through a real mooncake_master's HTTP metadata server)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hwkv.interfaces import KVCache, KVCacheSpec, KVLayoutKind, TransferError
+from hwkv.testing.mooncake import mooncake_available, mooncake_master
+from hwkv.transfer.mooncake import MooncakeTransfer, free_port
+
+pytestmark = pytest.mark.mooncake
+OK, WHY = mooncake_available()
+if not OK:
+    pytest.skip(WHY, allow_module_level=True)
+
+MiB = 1 << 20
+
+
+def ptr(a: np.ndarray) -> int:
+    return a.ctypes.data
+
+
+@pytest.fixture(scope="module")
+def pair():
+    a, b = MooncakeTransfer(protocol="tcp"), MooncakeTransfer(protocol="tcp")
+    yield a, b
+    a.close()
+    b.close()
+    assert a.registered_buffers() == [] and b.registered_buffers() == []
+
+
+@pytest.fixture
+def buffers(pair):
+    """A random 1 MiB source on ``a``, a zeroed 1 MiB destination on ``b``, and a zeroed 1 MiB
+    scratch on ``a``, all registered; unregistered (and checked) after the test."""
+    a, b = pair
+    rng = np.random.default_rng(0)
+    src, dst, back = rng.integers(0, 256, MiB, dtype=np.uint8), np.zeros(MiB, np.uint8), np.zeros(MiB, np.uint8)
+    a.register(ptr(src), MiB)
+    a.register(ptr(back), MiB)
+    b.register(ptr(dst), MiB)
+    yield src, dst, back
+    a.unregister(ptr(src))
+    a.unregister(ptr(back))
+    b.unregister(ptr(dst))
+    assert a.registered_buffers() == [] and b.registered_buffers() == []
+
+
+# (src offset, dst offset, length): disjoint, odd offsets and lengths, up to the last source byte
+SEGMENTS = [(3, 100_001, 1), (4095, 5, 8193), (70_000, 600_000, 65_537), (MiB - 77, 900_000, 77),
+            (200_000, 300_000, 4096)]
+
+
+def test_write_then_read_moves_exact_bytes(pair, buffers):
+    a, b = pair
+    src, dst, back = buffers
+    a.write(b.endpoint(), [ptr(src) + s for s, _, _ in SEGMENTS], [ptr(dst) + d for _, d, _ in SEGMENTS],
+            [n for _, _, n in SEGMENTS])
+    expected = np.zeros(MiB, np.uint8)
+    for s, d, n in SEGMENTS:
+        expected[d:d + n] = src[s:s + n]
+    assert np.array_equal(dst, expected)  # the segments arrived, nothing else was touched
+    # read the same ranges back into the scratch buffer at the source offsets
+    a.read(b.endpoint(), [ptr(back) + s for s, _, _ in SEGMENTS], [ptr(dst) + d for _, d, _ in SEGMENTS],
+           [n for _, _, n in SEGMENTS])
+    for s, _, n in SEGMENTS:
+        assert np.array_equal(back[s:s + n], src[s:s + n])
+    assert int(back.astype(np.int64).sum()) == sum(int(src[s:s + n].astype(np.int64).sum()) for s, _, n in SEGMENTS)
+
+
+def test_async_submit_and_poll(pair, buffers):
+    a, b = pair
+    src, dst, back = buffers
+    n = 64
+    offs = [i * 16_384 + i for i in range(n)]
+    lens = [4096 + 17 * i for i in range(n)]
+    batch = a.submit_write(b.endpoint(), [ptr(src) + o for o in offs], [ptr(dst) + o for o in offs], lens)
+    polls = 0
+    while not a.poll(batch):
+        polls += 1
+        assert polls < 1_000_000
+    for o, ln in zip(offs, lens):
+        assert np.array_equal(dst[o:o + ln], src[o:o + ln])
+    with pytest.raises(ValueError, match="not a pending transfer batch"):
+        a.poll(batch)  # completed batches are forgotten
+    batch = a.submit_read(b.endpoint(), [ptr(back) + o for o in offs], [ptr(dst) + o for o in offs], lens)
+    a.wait(batch, timeout_s=10)
+    for o, ln in zip(offs, lens):
+        assert np.array_equal(back[o:o + ln], src[o:o + ln])
+
+
+def test_unregistered_local_memory_is_refused(pair, buffers):
+    a, b = pair
+    _, dst, _ = buffers
+    stray = np.ones(4096, np.uint8)
+    with pytest.raises(TransferError, match="not inside a registered buffer"):
+        a.write(b.endpoint(), [ptr(stray)], [ptr(dst)], [4096])
+    with pytest.raises(TransferError, match="not inside a registered buffer"):
+        a.submit_read(b.endpoint(), [ptr(stray)], [ptr(dst)], [4096])
+    assert not dst.any()
+
+
+def test_unregistered_remote_memory_fails(pair, buffers):
+    a, b = pair
+    src, _, _ = buffers
+    remote_stray = np.zeros(4096, np.uint8)  # memory of b's process, but never registered with b
+    with pytest.raises(TransferError, match="failed with code"):
+        a.write(b.endpoint(), [ptr(src)], [ptr(remote_stray)], [4096])
+    batch = a.submit_write(b.endpoint(), [ptr(src), ptr(src)], [ptr(remote_stray), ptr(remote_stray)], [100, 100])
+    with pytest.raises(TransferError, match="2 segment"):
+        a.wait(batch)
+    assert not remote_stray.any()
+
+
+def test_bad_peer(pair, buffers):
+    a, _ = pair
+    src, dst, _ = buffers
+    nobody = f"127.0.0.1:{free_port()}"
+    with pytest.raises(TransferError, match=nobody):
+        a.write(nobody, [ptr(src)], [ptr(dst)], [64])
+    with pytest.raises(TransferError, match="could not be submitted"):
+        a.submit_write(nobody, [ptr(src)], [ptr(dst)], [64])
+
+
+def test_bad_input_raises_value_error(pair, buffers):
+    a, b = pair
+    src, dst, _ = buffers
+    with pytest.raises(ValueError, match="differ in length"):
+        a.write(b.endpoint(), [ptr(src)], [ptr(dst), ptr(dst)], [1])
+    with pytest.raises(ValueError, match="length 0"):
+        a.write(b.endpoint(), [ptr(src)], [ptr(dst)], [0])
+    with pytest.raises(ValueError, match="no segments"):
+        a.write(b.endpoint(), [], [], [])
+    with pytest.raises(ValueError, match="overlaps"):
+        a.register(ptr(src) + 10, 10)
+    with pytest.raises(ValueError, match="not a registered buffer"):
+        a.unregister(ptr(src) + 1)
+    with pytest.raises(ValueError, match="protocol='udp'"):
+        MooncakeTransfer(protocol="udp")
+
+
+def test_kv_cache_blocks_round_trip(pair):
+    """The real use: move some blocks of one KV cache into another through ``KVCache.addresses``."""
+    a, b = pair
+    spec = KVCacheSpec(num_layers=3, num_blocks=10, block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float16)
+    g = torch.Generator().manual_seed(0)
+    src = KVCache.allocate(spec, KVLayoutKind.SEPARATE_KV)
+    dst = KVCache.allocate(spec, KVLayoutKind.SEPARATE_KV)
+    for t in src.tensors:
+        t.copy_(torch.randn(t.shape, generator=g, dtype=torch.float32).half())
+    for t in src.tensors:
+        a.register(t.data_ptr(), t.numel() * t.element_size())
+    for t in dst.tensors:
+        b.register(t.data_ptr(), t.numel() * t.element_size())
+    try:
+        ids = [1, 2, 3, 7]
+        s, d = src.addresses(ids), dst.addresses(ids)
+        a.write(b.endpoint(), [p for p, _ in s], [p for p, _ in d], [n for _, n in s])
+        for i in range(spec.num_blocks):
+            same = all(torch.equal(x, y) for x, y in zip(src.block_bytes(i), dst.block_bytes(i)))
+            assert same == (i in ids), i
+    finally:
+        for t in src.tensors:
+            a.unregister(t.data_ptr())
+        for t in dst.tensors:
+            b.unregister(t.data_ptr())
+
+
+def test_http_metadata_server_and_close_releases_everything():
+    """Endpoints named through a real master's HTTP metadata server; close drains and unregisters."""
+    with mooncake_master() as m:
+        a = MooncakeTransfer(metadata_server=m.metadata_server)
+        b = MooncakeTransfer(metadata_server=m.metadata_server)
+        assert a.endpoint() != b.endpoint()
+        src = np.random.default_rng(1).integers(0, 256, 64 * 1024, dtype=np.uint8)
+        dst = np.zeros_like(src)
+        a.register(ptr(src), src.nbytes)
+        b.register(ptr(dst), dst.nbytes)
+        batch = a.submit_write(b.endpoint(), [ptr(src)], [ptr(dst)], [src.nbytes])
+        a.close()  # waits for the in-flight batch before unregistering
+        b.close()
+        b.close()  # idempotent
+        assert np.array_equal(src, dst)
+        assert a.registered_buffers() == [] and b.registered_buffers() == []
+        with pytest.raises(TransferError, match="closed"):
+            a.poll(batch)
+        with pytest.raises(TransferError, match="closed"):
+            a.register(ptr(src), 16)
