@@ -1,0 +1,139 @@
+"""Import safety, availability reasons, the plugin entry, the NPU device (on the emulator)."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from hwkv.interfaces import BackendUnavailable, KVCacheSpec, KVLayoutKind, NotSupported
+
+FIX = "install CANN and torch_npu>=2.8.0,<2.11 (see docs/ascend-backend.md)"
+HAS_REAL_TORCH_NPU = importlib.util.find_spec("torch_npu") is not None
+
+
+@pytest.mark.skipif(HAS_REAL_TORCH_NPU, reason="torch_npu is installed here")
+def test_imports_without_torch_npu_and_reports_the_exact_error():
+    code = textwrap.dedent("""
+        import sys
+        import hwkv, hwkv_ascend, hwkv_ascend.plugin, hwkv_ascend.backend, hwkv_ascend.attention, hwkv_ascend.device
+        assert "torch_npu" not in sys.modules, "a module imported torch_npu at import time"
+        from hwkv_ascend.backend import AscendBackend
+        print(AscendBackend.availability()[1])
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == f"torch_npu import failed: ModuleNotFoundError: No module named 'torch_npu'; {FIX}"
+
+
+def test_unavailable_reason_and_constructor_refusal(no_npu):
+    from hwkv_ascend.backend import AscendBackend
+
+    ok, reason = AscendBackend.availability()
+    assert not ok
+    assert reason.startswith("torch_npu import failed: ModuleNotFoundError: import of torch_npu halted")
+    assert reason.endswith(FIX)
+    with pytest.raises(BackendUnavailable, match="torch_npu import failed"):
+        AscendBackend()
+
+
+def test_registry_lists_ascend_unavailable_with_reason(no_npu):
+    plugins = pytest.importorskip("hwkv.plugins")
+    rows = {b.name: b for b in plugins.list_backends()}
+    if "ascend" not in rows:
+        pytest.skip("hwkv-ascend entry point not installed (pip install -e backends/ascend)")
+    assert rows["ascend"].available is False
+    assert "torch_npu import failed" in rows["ascend"].reason and FIX in rows["ascend"].reason
+    with pytest.raises(BackendUnavailable, match="torch_npu import failed"):
+        plugins.get_backend("ascend")
+
+
+def test_plugin_hook_returns_the_spec():
+    from hwkv_ascend import plugin
+
+    from hwkv.interfaces import API_VERSION
+
+    (spec,) = plugin.hwkv_backends()
+    assert spec.name == "ascend" and spec.api_version == API_VERSION
+    assert spec.factory == "hwkv_ascend.backend:AscendBackend"
+
+
+@pytest.mark.parametrize(
+    "change, expect",
+    [
+        (dict(version="2.6.0"), "torch_npu 2.6.0 is outside the supported range"),
+        (dict(version="2.11.0.post1"), "torch_npu 2.11.0.post1 is outside the supported range"),
+        (dict(device_count=0), "no NPU is visible (check ASCEND_RT_VISIBLE_DEVICES"),
+    ],
+)
+def test_availability_checks_version_and_devices(monkeypatch, emulator, change, expect):
+    from hwkv_ascend.backend import AscendBackend
+
+    monkeypatch.setitem(sys.modules, "torch_npu", emulator.make_module(**change))
+    ok, reason = AscendBackend.availability()
+    assert not ok and expect in reason
+
+
+def test_availability_names_missing_ops(monkeypatch, emulator):
+    from hwkv_ascend.backend import AscendBackend
+
+    mod = emulator.make_module()
+    del mod.npu_scatter_pa_kv_cache
+    monkeypatch.setitem(sys.modules, "torch_npu", mod)
+    ok, reason = AscendBackend.availability()
+    assert not ok and "lacks npu_scatter_pa_kv_cache" in reason
+
+
+def test_backend_on_emulator(npu):
+    from hwkv_ascend.backend import AscendBackend
+
+    b = AscendBackend()
+    assert AscendBackend.availability() == (True, "")
+    caps = b.capabilities
+    assert caps.block_sizes == (128,) and caps.kv_layouts == (KVLayoutKind.SEPARATE_KV,)
+    assert caps.dtypes == (torch.float16, torch.bfloat16)
+    assert caps.transfer_protocols == () and "emulated" in caps.transfer_reason  # no HCCS on a CPU
+    with pytest.raises(NotSupported, match="emulated"):
+        b.create_transfer()
+    assert b.device.dist_backend == "hccl" and b.device.name == "npu:0"
+    assert "emulated" in b.device.description() and "A2" in b.device.description()
+    free, total = b.device.memory_info()
+    assert 0 < free <= total
+
+
+def test_device_index_and_visible_devices(npu, monkeypatch):
+    from hwkv_ascend.device import AscendDevice
+
+    monkeypatch.setenv("ASCEND_RT_VISIBLE_DEVICES", "4,5")
+    assert AscendDevice(0).physical_id == "4"
+    with pytest.raises(ValueError, match=r"device index 1 out of range: 1 NPU\(s\) visible.*ASCEND_RT_VISIBLE_DEVICES"):
+        AscendDevice(1)
+
+
+def test_aligned_kv_allocation_and_block_copies(npu):
+    from hwkv_ascend.backend import AscendBackend
+
+    dev = AscendBackend(transfer=True).device
+    spec = KVCacheSpec(2, 6, 128, 2, 32, torch.float16)
+    cache = dev.allocate_kv_cache(spec, KVLayoutKind.SEPARATE_KV)
+    assert len(cache.tensors) == 4
+    assert all(t.data_ptr() % (2 << 20) == 0 and t.is_contiguous() and not bool(t.any()) for t in cache.tensors)
+    for t in cache.tensors:
+        t.copy_(torch.randn(t.shape).to(t.dtype))
+    host = dev.allocate_kv_cache(spec, KVLayoutKind.SEPARATE_KV, host=True)
+    stream = dev.new_stream()
+    dev.copy_blocks(cache, host, [(1, 0), (4, 5)], stream=stream)
+    ev = dev.new_event()
+    ev.record(stream)
+    ev.synchronize()
+    for s, h in zip(cache.tensors, host.tensors):
+        assert torch.equal(h[0], s[1]) and torch.equal(h[5], s[4]) and not bool(h[1].any())
+    seg = cache.segments([1, 2])
+    assert seg[0].nbytes == 2 * 128 * 2 * 32 * 2  # two consecutive blocks merged into one segment
+    assert dev.pinned_empty(64).numel() == 64
+    with dev.stream_context(stream):
+        dev.synchronize()

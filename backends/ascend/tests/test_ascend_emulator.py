@@ -1,0 +1,141 @@
+"""The emulator itself enforces the documented op contracts (so the glue tests mean something)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def fia_args(t=6, num_heads=4, nkv=2, d=32, dtype=torch.float16):
+    q = torch.randn(t, num_heads, d).to(dtype)
+    k = torch.randn(t, nkv, d).to(dtype)
+    v = torch.randn(t, nkv, d).to(dtype)
+    mask = torch.triu(torch.ones(2048, 2048, dtype=torch.int8), 1)
+    kw = dict(atten_mask=mask, block_table=None, input_layout="TND", block_size=128,
+              actual_seq_lengths=[2, t], actual_seq_lengths_kv=[2, t], num_key_value_heads=nkv,
+              num_heads=num_heads, scale=0.1, sparse_mode=3)
+    return q, k, v, kw
+
+
+def test_fia_rejects_non_contiguous_query(emulator):
+    q, k, v, kw = fia_args()
+    q_nc = torch.randn(4, 6, 32).to(torch.float16).transpose(0, 1)
+    assert not q_nc.is_contiguous()
+    with pytest.raises(RuntimeError, match="query: non-contiguous"):
+        emulator.npu_fused_infer_attention_score(query=q_nc, key=k, value=v, **kw)
+
+
+def test_fia_rejects_query_lengths_that_do_not_sum_to_token_count(emulator):
+    q, k, v, kw = fia_args()
+    kw["actual_seq_lengths"] = [2, 5]  # 5 != 6 query rows
+    with pytest.raises(RuntimeError, match=r"actual_seq_lengths\[-1\] \(5\) must equal the query token count 6"):
+        emulator.npu_fused_infer_attention_score(query=q, key=k, value=v, **kw)
+    kw["actual_seq_lengths"] = [4, 2, 6]  # not cumulative
+    with pytest.raises(RuntimeError, match="must be cumulative"):
+        emulator.npu_fused_infer_attention_score(query=q, key=k, value=v, **kw)
+
+
+def test_fia_length_list_rules(emulator):
+    q, k, v, kw = fia_args()
+    with pytest.raises(RuntimeError, match="actual_seq_lengths_kv has 1 entries, batch"):
+        emulator.npu_fused_infer_attention_score(query=q, key=k, value=v, **{**kw, "actual_seq_lengths_kv": [6]})
+    with pytest.raises(TypeError, match="list of ints"):
+        emulator.npu_fused_infer_attention_score(
+            query=q, key=k, value=v, **{**kw, "actual_seq_lengths": torch.tensor([2, 6])}
+        )
+    with pytest.raises(RuntimeError, match=r"actual_seq_lengths_kv\[-1\]"):  # raw K/V: cumulative kv ends
+        emulator.npu_fused_infer_attention_score(query=q, key=k, value=v, **{**kw, "actual_seq_lengths_kv": [2, 4]})
+
+
+def test_fia_signature_dtype_and_mask(emulator):
+    q, k, v, kw = fia_args()
+    with pytest.raises(TypeError):  # everything after value is keyword-only
+        emulator.npu_fused_infer_attention_score(q, k, v, kw["atten_mask"])
+    with pytest.raises(TypeError, match="unexpected keyword argument 'scale_value'"):
+        emulator.npu_fused_infer_attention_score(query=q, key=k, value=v, scale_value=0.1)
+    with pytest.raises(RuntimeError, match="float16/bfloat16"):
+        emulator.npu_fused_infer_attention_score(query=q.float(), key=k.float(), value=v.float(), **kw)
+    lower = kw["atten_mask"].T.contiguous()
+    with pytest.raises(RuntimeError, match="upper-triangular"):
+        emulator.npu_fused_infer_attention_score(query=q, key=k, value=v, **{**kw, "atten_mask": lower})
+    small = kw["atten_mask"][:6, :6].contiguous()
+    with pytest.raises(RuntimeError, match="2048"):
+        emulator.npu_fused_infer_attention_score(query=q, key=k, value=v, **{**kw, "atten_mask": small})
+    with pytest.raises(NotImplementedError, match="TND only"):
+        emulator.npu_fused_infer_attention_score(query=q, key=k, value=v, **{**kw, "input_layout": "BSH"})
+
+
+def test_fia_paged_needs_block_size_128_multiple_and_int32_table(emulator):
+    q, _, _, kw = fia_args()
+    kc = torch.zeros(4, 64, 2 * 32, dtype=torch.float16)
+    bt = torch.tensor([[0], [1]], dtype=torch.int32)
+    paged = {**kw, "block_table": bt, "block_size": 64, "actual_seq_lengths_kv": [2, 10]}
+    with pytest.raises(RuntimeError, match="multiple of 128"):
+        emulator.npu_fused_infer_attention_score(query=q, key=kc, value=kc, **paged)
+    kc = torch.zeros(4, 128, 2 * 32, dtype=torch.float16)
+    paged["block_size"] = 128
+    with pytest.raises(RuntimeError, match="int32"):
+        emulator.npu_fused_infer_attention_score(query=q, key=kc, value=kc, **{**paged, "block_table": bt.long()})
+    out, lse = emulator.npu_fused_infer_attention_score(query=q, key=kc, value=kc, **paged)
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (1,)
+
+
+def test_fia_right_down_causal_and_fully_masked_rows(emulator):
+    """sparse_mode=3 aligns the causal diagonal to the bottom-right: query row i sees kv j <= i + (kv - q)."""
+    d = 16
+    q = torch.randn(3, 1, d).to(torch.float16)
+    k = torch.randn(5, 1, d).to(torch.float16)
+    v = torch.randn(5, 1, d).to(torch.float16)
+    kc = torch.zeros(1, 128, d, dtype=torch.float16)
+    kc[0, :5], vc = k[:, 0], torch.zeros(1, 128, d, dtype=torch.float16)
+    vc[0, :5] = v[:, 0]
+    mask = torch.triu(torch.ones(2048, 2048, dtype=torch.int8), 1)
+    out, _ = emulator.npu_fused_infer_attention_score(
+        query=q, key=kc, value=vc, atten_mask=mask, block_table=torch.zeros(1, 1, dtype=torch.int32),
+        input_layout="TND", block_size=128, actual_seq_lengths=[3], actual_seq_lengths_kv=[5],
+        num_key_value_heads=1, num_heads=1, scale=1.0, sparse_mode=3)
+    # row 0 sits at position 2 (kv 5 - q 3): it sees kv 0..2
+    s = (k[:3, 0].float() @ q[0, 0].float()).softmax(0)
+    torch.testing.assert_close(out[0, 0].float(), s @ v[:3, 0].float(), atol=2e-3, rtol=5e-3)
+
+
+def test_scatter_rejects_non_contiguous_and_skips_minus_one(emulator):
+    kc = torch.zeros(2, 128, 2, 16, dtype=torch.float16)
+    vc = torch.zeros_like(kc)
+    k = torch.randn(3, 2, 16).to(torch.float16)
+    v = torch.randn(3, 2, 16).to(torch.float16)
+    slots = torch.tensor([5, -1, 130])
+    k_nc = torch.randn(2, 3, 16).to(torch.float16).transpose(0, 1)
+    with pytest.raises(RuntimeError, match="key: non-contiguous"):
+        emulator.npu_scatter_pa_kv_cache(key=k_nc, value=v, key_cache=kc, value_cache=vc, slot_mapping=slots,
+                                         cache_mode="Norm")
+    with pytest.raises(NotImplementedError, match="cache_mode='Norm'"):  # the op defaults to PA_NZ
+        emulator.npu_scatter_pa_kv_cache(key=k, value=v, key_cache=kc, value_cache=vc, slot_mapping=slots)
+    with pytest.raises(RuntimeError, match="unique"):
+        emulator.npu_scatter_pa_kv_cache(key=k, value=v, key_cache=kc, value_cache=vc,
+                                         slot_mapping=torch.tensor([5, 5, 6]), cache_mode="Norm")
+    with pytest.raises(RuntimeError, match=r"\[0, 256\)"):
+        emulator.npu_scatter_pa_kv_cache(key=k, value=v, key_cache=kc, value_cache=vc,
+                                         slot_mapping=torch.tensor([5, 6, 256]), cache_mode="Norm")
+    emulator.npu_scatter_pa_kv_cache(key=k, value=v, key_cache=kc, value_cache=vc, slot_mapping=slots,
+                                     cache_mode="Norm")
+    assert torch.equal(kc[0, 5], k[0]) and torch.equal(kc[1, 2], k[2]) and torch.equal(vc[1, 2], v[2])
+    assert int((kc != 0).any(dim=(2, 3)).sum()) == 2  # the -1 token wrote nothing
+
+
+def test_paged_attention_argument_rules(emulator):
+    q = torch.randn(2, 4, 32).to(torch.float16)
+    kc = torch.zeros(3, 128, 2, 32, dtype=torch.float16)
+    bt = torch.tensor([[0], [1]], dtype=torch.int32)
+    ok = dict(query=q, key_cache=kc, value_cache=kc, num_kv_heads=2, num_heads=4, scale_value=1.0,
+              block_table=bt, context_lens=torch.tensor([3, 4], dtype=torch.int32), out=torch.empty_like(q))
+    emulator._npu_paged_attention(**ok)
+    with pytest.raises(RuntimeError, match="context_lens must be int32"):
+        emulator._npu_paged_attention(**{**ok, "context_lens": torch.tensor([3, 4])})
+    with pytest.raises(RuntimeError, match="block_size \\* head_size <= 128 \\* 128"):
+        big = torch.zeros(3, 128, 2, 256, dtype=torch.float16)
+        q256 = torch.randn(2, 4, 256).to(torch.float16)
+        emulator._npu_paged_attention(**{**ok, "query": q256, "key_cache": big, "value_cache": big,
+                                         "out": torch.empty_like(q256)})
+    with pytest.raises(RuntimeError, match="context_lens\\[1\\]=200"):
+        emulator._npu_paged_attention(**{**ok, "context_lens": torch.tensor([3, 200], dtype=torch.int32)})
