@@ -131,27 +131,34 @@ def paged_attention(
     dev = k_cache.device
     tile = max(1, budget // (h * int(sl.max())))
     req, tok0, tq, ctx = _tiles(qsl, sl, tile)
+    group = h // hkv
+    # Heads-first views: gathering blocks from them yields [H_kv, g, S, D] directly, the layout the
+    # batched matmuls want, so K and V are copied exactly once (the gather).
+    k_heads, v_heads = k_cache.permute(2, 0, 1, 3), v_cache.permute(2, 0, 1, 3)
     for grp in _groups(tq.tolist(), (ctx + tq).tolist(), h, budget):
         gi = torch.tensor(grp)
+        g, s_len, q_len = len(grp), int((ctx + tq)[gi].max()), int(tq[gi].max())
         g_req, g_tok0, g_q, g_ctx = (x[gi].to(dev) for x in (req, tok0, tq, ctx))
         g_sl = g_ctx + g_q
-        s_len, q_len = int((ctx + tq)[gi].max()), int(tq[gi].max())
         nblk = (s_len + bs - 1) // bs
         blocks = bt[g_req, :nblk]
         blocks = torch.where(torch.arange(nblk, device=dev)[None] * bs < g_sl[:, None], blocks, 0)
-        k = k_cache[blocks].reshape(len(grp), nblk * bs, hkv, d)[:, :s_len].to(acc)
-        v = v_cache[blocks].reshape(len(grp), nblk * bs, hkv, d)[:, :s_len].to(acc)
+        flat = blocks.reshape(-1)
+        k = k_heads.index_select(1, flat).view(hkv, g, nblk * bs, d)[:, :, :s_len].to(acc)
+        v = v_heads.index_select(1, flat).view(hkv, g, nblk * bs, d)[:, :, :s_len].to(acc)
         s = torch.arange(s_len, device=dev)
         kv_valid = s[None] < g_sl[:, None]  # [g, S]
-        v = v.masked_fill(~kv_valid[:, :, None, None], 0)  # unused slots may hold NaN: keep 0 * NaN out
+        bad_g, bad_s = torch.nonzero(~kv_valid, as_tuple=True)
+        v[:, bad_g, bad_s] = 0  # unused slots may hold NaN: keep 0 * NaN out of the output
         j = torch.arange(q_len, device=dev)
         q_valid = j[None] < g_q[:, None]  # [g, Q]
         tok = torch.where(q_valid, g_tok0[:, None] + j, 0)
-        q = (query[tok].to(acc) * scale).view(len(grp), q_len, hkv, h // hkv, d)
-        scores = torch.einsum("gqkhd,gskd->gkhqs", q, k)
+        q = (query[tok].to(acc) * scale).view(g, q_len, hkv, group, d).permute(2, 0, 3, 1, 4)
+        scores = torch.matmul(q.reshape(hkv, g, group * q_len, d), k.transpose(-1, -2))
         allowed = (s[None, None] <= (g_ctx[:, None] + j)[:, :, None]) & kv_valid[:, None]  # [g, Q, S]
-        scores.masked_fill_(~allowed[:, None, None], float("-inf"))
-        o = torch.einsum("gkhqs,gskd->gqkhd", scores.softmax(-1), v).reshape(len(grp), q_len, h, d)
+        scores = scores.view(hkv, g, group, q_len, s_len).masked_fill_(~allowed[None, :, None], float("-inf"))
+        o = torch.matmul(scores.softmax(-1).view(hkv, g, group * q_len, s_len), v)
+        o = o.view(hkv, g, group, q_len, d).permute(1, 3, 0, 2, 4).reshape(g, q_len, h, d)
         out[tok[q_valid]] = o[q_valid].to(out.dtype)
     return out
 
