@@ -115,6 +115,10 @@ def test_unavailable_backends_carry_their_reason(site):
         plugins.get_backend("tp-toy-down")
     with pytest.raises(BackendUnavailable, match="probe exploded"):
         plugins.get_backend("tp-toy-raises")
+    # A negative availability is re-checked (not cached): a driver or emulator installed later counts.
+    sys.modules["hwkv_tp_toy_impl"].DRIVER["installed"] = True
+    assert "tp-toy-down" in plugins.available_backends()
+    assert isinstance(plugins.get_backend("tp-toy-down"), CpuBackend)
 
 
 def test_unknown_backend_is_a_value_error(site):

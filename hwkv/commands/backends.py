@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import warnings
 
 
@@ -30,5 +31,5 @@ def run(args: argparse.Namespace) -> int:
                  for i in infos]
         print(format_table(rows))
     for w in caught:
-        print(f"warning: {w.message}")
+        print(f"warning: {w.message}", file=sys.stderr)
     return 0

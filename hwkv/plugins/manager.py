@@ -64,10 +64,8 @@ class BackendInfo:
 class _Entry:
     info: BackendInfo
     refused: str = ""  # set when the backend can never load (plugin error, API major, conflict, disabled)
-    checked: bool = False
     cls: type[Backend] | None = None
     instance: Backend | None = None
-    caps_done: bool = False
     conflict: bool = False
 
 
@@ -155,7 +153,7 @@ class _Registry:
 
     def _refuse(self, row: BackendInfo, reason: str, spec: BackendSpec | None = None) -> None:
         row.reason, row.spec = reason, spec
-        self.entries.append(_Entry(row, refused=reason, checked=True))
+        self.entries.append(_Entry(row, refused=reason))
 
     def _add_spec(self, spec: Any, ep_name: str, dist: str, version: str) -> None:
         row = BackendInfo(name=getattr(spec, "name", ep_name) or ep_name, dist=dist, version=version,
@@ -197,13 +195,14 @@ class _Registry:
                       "or choose with HWKV_PLUGINS / HWKV_DISABLED_PLUGINS")
             for e in group:
                 e.refused = e.info.reason = reason
-                e.checked, e.conflict, e.info.available = True, True, False
+                e.conflict, e.info.available = True, False
 
     # -- lazy checks ---------------------------------------------------------------------------
     def check(self, e: _Entry) -> None:
-        if e.checked:
+        # A positive result is final; a negative one is re-checked on every call (availability() is
+        # cheap) so a driver or emulator that appears later in the process is picked up.
+        if e.refused or e.info.available:
             return
-        e.checked = True
         assert e.info.spec is not None
         try:
             cls = _import_factory(e.info.spec.factory)
@@ -233,11 +232,8 @@ class _Registry:
         return e.instance
 
     def capabilities(self, e: _Entry) -> None:
-        if e.caps_done:
-            return
-        e.caps_done = True
         self.check(e)
-        if not e.info.available:
+        if not e.info.available or e.info.capabilities:
             return
         try:
             e.info.capabilities = self.instance(e).capabilities.summary()

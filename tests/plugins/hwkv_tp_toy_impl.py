@@ -2,6 +2,8 @@
 
 from hwkv.reference.backend import CpuBackend
 
+DRIVER = {"installed": False}  # tests flip it to model a driver/emulator appearing at run time
+
 
 class ToyBackend(CpuBackend):
     name = "tp-toy"
@@ -12,6 +14,8 @@ class DownBackend(CpuBackend):
 
     @classmethod
     def availability(cls):
+        if DRIVER["installed"]:
+            return True, ""
         return False, "needs the toy driver: pip install toy-driver"
 
 
