@@ -21,7 +21,7 @@ import os
 import threading
 import warnings
 from dataclasses import asdict, dataclass
-from importlib.metadata import EntryPoint, entry_points
+from importlib.metadata import entry_points
 from typing import Any
 
 import pluggy
@@ -111,11 +111,12 @@ class _Registry:
     # -- discovery -----------------------------------------------------------------------------
     def _plugin_sources(self) -> list[tuple[str, str, str, Any]]:
         """(entry-point name, dist, version, loader) for every plugin, built-in included."""
+        eps = list(entry_points(group=ENTRY_POINT_GROUP))
         out: list[tuple[str, str, str, Any]] = []
-        for ep in entry_points(group=ENTRY_POINT_GROUP):
+        for ep in eps:
             dist = getattr(ep, "dist", None)
             out.append((ep.name, dist.name if dist else "?", dist.version if dist else "?", ep.load))
-        if not any(_is_builtin(ep) for ep in entry_points(group=ENTRY_POINT_GROUP)):
+        if not any(ep.value.split(":")[0].strip() == BUILTIN_PLUGIN for ep in eps):
             # Running from a source tree that was never pip-installed: register the reference
             # plugin anyway, through the same hook.
             from hwkv import __version__
@@ -244,10 +245,6 @@ class _Registry:
         hits = [e for e in self.entries if e.info.name == name]
         with_spec = [e for e in hits if e.info.spec is not None]
         return (with_spec or hits or [None])[0]
-
-
-def _is_builtin(ep: EntryPoint) -> bool:
-    return ep.value.split(":")[0].strip() == BUILTIN_PLUGIN
 
 
 _lock = threading.RLock()
