@@ -1,0 +1,257 @@
+"""Engine: the user-facing API — add_request / step / abort / generate, validation, outputs, stats.
+
+Request flow: ``add_request`` validates and tokenizes → ``Scheduler.schedule`` picks tokens →
+``ModelRunner.execute`` builds metadata, runs the model and the sampler → ``update_from_output``
+appends tokens and applies token stop conditions → the detokenizer extends the text and checks
+stop strings → ``RequestOutput``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hwkv.core.request import Request, RequestStatus
+from hwkv.core.scheduler import Scheduler, SchedulerConfig
+from hwkv.engine.config import EngineConfig
+from hwkv.engine.detokenizer import IncrementalDetokenizer
+from hwkv.engine.stats import EngineStats
+from hwkv.outputs import CompletionMetrics, RequestOutput
+
+Prompt = str | list[int]
+
+
+@dataclass
+class _Tracked:
+    """Engine-side state of one request: prompt text, detokenizer, logprobs, emitted count."""
+
+    prompt: str | None
+    detok: IncrementalDetokenizer
+    logprobs: list[Any] | None
+    num_seen: int = 0
+    stop_reason: int | str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Engine:
+    def __init__(self, model: str, backend: str = "cpu", dtype: Any = None, max_model_len: int | None = None,
+                 block_size: int | None = None, num_kv_blocks: int | None = None, memory_fraction: float = 0.9,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
+                 enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
+                 max_num_partial_prefills: int = 1, seed: int = 0, kv_connector: Any = None):
+        self.config = cfg = EngineConfig(
+            str(model), backend, dtype, max_model_len, block_size, num_kv_blocks, memory_fraction, max_num_seqs,
+            max_num_batched_tokens, enable_prefix_caching, enable_chunked_prefill, long_prefill_token_threshold,
+            max_num_partial_prefills, seed,
+        )
+        from hwkv.core.hashing import make_block_hasher
+        from hwkv.core.kv_cache_manager import KVCacheManager
+        from hwkv.engine.kv_alloc import allocate_kv_cache
+        from hwkv.engine.model_runner import ModelRunner
+        from hwkv.model import load_model
+        from hwkv.plugins import get_backend
+
+        self.backend = get_backend(backend)  # ValueError (unknown) / BackendUnavailable (why)
+        self.backend.device.seed(seed)
+        has_tok = (Path(cfg.model) / "tokenizer.json").is_file()
+        self.model, self.model_config, self.tokenizer, self.generation_config = load_model(
+            cfg.model, self.backend, dtype=dtype, max_model_len=max_model_len, load_tokenizer=has_tok
+        )
+        mc = self.model_config
+        self.kv_cache, self.block_size, self.max_model_len = allocate_kv_cache(cfg, self.backend, self.model)
+        self.vocab_size = mc.vocab_size
+        self.eos_token_ids = frozenset(_eos_ids(mc, self.generation_config))
+        self.kv_cache_manager = KVCacheManager(self.kv_cache.spec.num_blocks, self.block_size, enable_prefix_caching)
+        self._hasher = make_block_hasher(self.block_size)
+        sched_cfg = SchedulerConfig(max_num_seqs, max_num_batched_tokens, self.max_model_len, enable_chunked_prefill,
+                                    long_prefill_token_threshold, max_num_partial_prefills)
+        self.scheduler = Scheduler(sched_cfg, self.kv_cache_manager, kv_connector)
+        self.runner = ModelRunner(self.model, self.backend, self.kv_cache, self.block_size, max_num_seqs,
+                                  self.max_model_len, tuple(self.eos_token_ids), self.scheduler.connector)
+        self._tracked: dict[str, _Tracked] = {}
+        self._pending: list[RequestOutput] = []  # aborted outputs, returned by the next step()
+        self._ids = itertools.count()
+        self._stats = EngineStats()
+
+    # ---- requests -----------------------------------------------------------------------------
+    def _make_request(self, request_id: str, prompt: Prompt, params: Any) -> tuple[Request, _Tracked]:
+        from hwkv.sampling_params import SamplingParams
+
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
+        if request_id in self._tracked or request_id in self.scheduler.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use (request ids must be unique)")
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        params.validate(self.vocab_size)
+        text, ids = self._tokenize(prompt)
+        n, m, lim = len(ids), params.max_tokens, self.max_model_len
+        if n + m > lim:
+            raise ValueError(
+                f"prompt ({n} tokens) + max_tokens ({m}) = {n + m} exceeds max_model_len {lim} "
+                f"(allowed: prompt length + max_tokens <= {lim})"
+            )
+        req = Request(request_id, ids, params, block_hasher=self._hasher, eos_token_ids=self.eos_token_ids,
+                      max_tokens=m, cache_salt=getattr(params, "cache_salt", None))
+        detok = IncrementalDetokenizer(self.tokenizer, ids, _stop_list(params.stop),
+                                       getattr(params, "skip_special_tokens", True))
+        return req, _Tracked(text, detok, [] if params.logprobs is not None else None)
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty (got '')")
+            if self.tokenizer is None:
+                raise ValueError("prompt is a str but the model has no tokenizer.json; pass token ids")
+            ids = self.tokenizer.encode(prompt)
+            if not ids:
+                raise ValueError(f"prompt {prompt!r} encodes to no tokens")
+            return prompt, ids
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                            for t in prompt):
+            raise ValueError(f"prompt must be a str or a list of int token ids, got {type(prompt).__name__}")
+        if not prompt:
+            raise ValueError("prompt must not be empty (got no token ids)")
+        bad = next((i for i, t in enumerate(prompt) if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(
+                f"prompt token id {prompt[bad]} at index {bad} is outside the vocabulary "
+                f"(allowed: 0..{self.vocab_size - 1})"
+            )
+        return None, list(prompt)
+
+    def add_request(self, request_id: str, prompt: Prompt, params: Any = None) -> None:
+        """Validate and queue a request; on ``ValueError`` nothing is registered."""
+        req, tracked = self._make_request(request_id, prompt, params)
+        self._tracked[request_id] = tracked
+        self.scheduler.add_request(req)
+
+    def abort(self, request_id: str | list[str]) -> None:
+        """Stop requests; each one's final output (finish_reason "abort") comes from the next step()."""
+        for req in self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_ABORTED):
+            self._pending.append(self._output(req, self._tracked.pop(req.request_id)))
+            self.runner.release(req.request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._pending)
+
+    # ---- stepping -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One scheduler + model step; outputs of every request that got a token (or finished)."""
+        t0 = time.perf_counter()
+        so = self.scheduler.schedule()
+        ro = self.runner.execute(so)
+        updated = self.scheduler.update_from_output(so, ro)
+        outputs, self._pending = self._pending, []
+        for req in updated:
+            tr = self._tracked[req.request_id]
+            new = req.output_token_ids[tr.num_seen :]
+            tr.num_seen = req.num_output_tokens
+            if tr.logprobs is not None and ro.logprobs:
+                tr.logprobs.extend(ro.logprobs.get(req.request_id, ()))
+            stop = tr.detok.add_tokens(new)
+            if stop is not None:
+                if not req.is_finished:
+                    self.scheduler.finish_requests(req.request_id, RequestStatus.FINISHED_STOPPED)
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = stop
+            outputs.append(self._output(req, tr))
+            if req.is_finished:
+                del self._tracked[req.request_id]
+                self.runner.release(req.request_id)
+        self._stats.record_step(so, ro, time.perf_counter() - t0)
+        return outputs
+
+    def _output(self, req: Request, tr: _Tracked) -> RequestOutput:
+        metrics = CompletionMetrics(req.arrival_time, req.first_token_time, req.finish_time,
+                                    max(req.num_cached_tokens, 0), req.num_preemptions)
+        return RequestOutput(
+            request_id=req.request_id, prompt=tr.prompt, prompt_token_ids=req.prompt_token_ids,
+            text=tr.detok.text, token_ids=list(req.output_token_ids), finished=req.is_finished,
+            finish_reason=req.status.finish_reason, metrics=metrics, stop_reason=req.stop_reason,
+            logprobs=list(tr.logprobs) if tr.logprobs is not None else None,
+        )
+
+    def generate(self, prompts: Prompt | list[Prompt], sampling_params: Any = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run prompts to completion; outputs in prompt order. All inputs are validated first."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(prompts)} prompts")
+            params_list = list(sampling_params)
+        else:
+            params_list = [sampling_params] * len(prompts)
+        reqs = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                rid = self._next_id()
+                reqs.append(self._make_request(rid, prompt, params))
+                self._tracked[rid] = reqs[-1][1]  # reserve the id while the others validate
+        except ValueError:
+            for req, _ in reqs:
+                del self._tracked[req.request_id]
+            raise
+        for req, _ in reqs:
+            self.scheduler.add_request(req)
+        ids = [r.request_id for r, _ in reqs]
+        wanted, done = set(ids), {}
+        bar = _progress(len(ids), use_tqdm)
+        try:
+            while len(done) < len(ids) and self.has_unfinished():
+                for out in self.step():
+                    if out.finished and out.request_id in wanted:
+                        done[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            self.abort([i for i in ids if i not in done])
+            self._pending = [o for o in self._pending if o.request_id not in wanted]
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [done[i] for i in ids]
+
+    def _next_id(self) -> str:
+        while True:
+            rid = str(next(self._ids))
+            if rid not in self._tracked and rid not in self.scheduler.requests:
+                return rid
+
+    # ---- introspection --------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        kv = self.kv_cache_manager
+        return self._stats.snapshot(
+            kv_usage=kv.usage, num_kv_blocks=self.kv_cache.spec.num_blocks, num_free_blocks=kv.num_free_blocks,
+            prefix_stats=kv.stats, num_preemptions=self.scheduler.num_preemptions,
+            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+        )
+
+
+def _eos_ids(mc: Any, gen_cfg: Any) -> list[int]:
+    ids = list(getattr(mc, "eos_token_ids", None) or [])
+    g = getattr(gen_cfg, "eos_token_ids", None) if not isinstance(gen_cfg, dict) else gen_cfg.get("eos_token_id")
+    if isinstance(g, int):
+        g = [g]
+    return ids + [i for i in (g or []) if i not in ids]
+
+
+def _stop_list(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="generate", unit="req", dynamic_ncols=True)
