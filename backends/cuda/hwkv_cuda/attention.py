@@ -18,7 +18,6 @@ from hwkv.interfaces.attention import AttentionBackend, AttentionImpl, Attention
 from hwkv.interfaces.layout import KVLayoutKind
 
 LOG2E = 1.4426950408889634
-MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the parallelism it adds
 MAX_SPLITS = 64
 
 
@@ -33,6 +32,8 @@ class TileConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    split_target: int = 4  # split KV until the grid has this many programs per SM (0: never split)
+    min_split: int = 256  # fewest KV tokens a split may get
 
 
 def choose_config(max_query_len: int, group: int, head_size: int, dtype: torch.dtype) -> TileConfig:
@@ -63,11 +64,12 @@ class CudaAttentionMetadata:
 
     common: AttentionMetadata
     num_sms: int
-    plans: dict[tuple[int, int, int], tuple[torch.Tensor, int, int, int]] = field(default_factory=dict)
+    plans: dict[tuple[int, ...], tuple[torch.Tensor, int, int, int]] = field(default_factory=dict)
 
-    def plan(self, block_q: int, block_n: int, num_kv_heads: int) -> tuple[torch.Tensor, int, int, int]:
+    def plan(self, block_q: int, block_n: int, num_kv_heads: int, split_target: int = 4,
+             min_split: int = 256) -> tuple[torch.Tensor, int, int, int]:
         """``(qblock_start, num_q_blocks, num_splits, seg_len)`` for one tile shape, cached."""
-        key = (block_q, block_n, num_kv_heads)
+        key = (block_q, block_n, num_kv_heads, split_target, min_split)
         if key not in self.plans:
             c = self.common
             qlen_cpu = c.query_lens_cpu.to(torch.int64)
@@ -77,7 +79,7 @@ class CudaAttentionMetadata:
             torch.cumsum((qlen + block_q - 1) // block_q, 0, out=qblock_start[1:])
             # flash-decoding: split KV when the grid would leave SMs idle and contexts are long
             programs = max(1, num_q_blocks * num_kv_heads)
-            splits = min(MAX_SPLITS, -(-4 * self.num_sms // programs), max(1, c.max_seq_len // MIN_SPLIT_TOKENS))
+            splits = min(MAX_SPLITS, -(-split_target * self.num_sms // programs), c.max_seq_len // min_split)
             splits = max(1, splits)
             seg_len = -(-max(c.max_seq_len, 1) // splits)
             seg_len = -(-seg_len // block_n) * block_n
@@ -141,7 +143,8 @@ class TritonAttentionImpl(AttentionImpl):
             raise ValueError(f"KV block size {bs} differs from metadata block_size {c.block_size}")
         group = self.num_heads // hkv
         cfg = choose_config(c.max_query_len, group, d, query.dtype)
-        qblock_start, num_q_blocks, splits, seg_len = md.plan(cfg.block_q, cfg.block_n, hkv)
+        qblock_start, num_q_blocks, splits, seg_len = md.plan(cfg.block_q, cfg.block_n, hkv, cfg.split_target,
+                                                              cfg.min_split)
         d_pad = max(16, _pow2(d))
         splits_pad = _pow2(splits)
         if splits > 1:

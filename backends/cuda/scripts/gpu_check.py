@@ -73,11 +73,11 @@ BATCHES = {
 }
 
 
-def check() -> list[dict]:
+def check(dtypes=(torch.bfloat16, torch.float16, torch.float32)) -> list[dict]:
     gen = torch.Generator().manual_seed(1234)
-    res = []
+    res = [check_write_kv(gen), check_copy_blocks(), check_graph(gen)]
     combos = [((32, 8), 128, 16), ((32, 32), 128, 16), ((16, 1), 64, 32), ((12, 4), 256, 64), ((8, 2), 64, 16)]
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+    for dtype in dtypes:
         for (h, hkv), d, bs in combos:
             for name, (ql, sl) in BATCHES.items():
                 r = one(ql, sl, h, hkv, d, bs, dtype, gen)
@@ -85,7 +85,6 @@ def check() -> list[dict]:
                 res.append(r)
                 print(("OK  " if r["ok"] else "FAIL"), name, r["heads"], d, bs, r["dtype"], f"{r['err']:.2e}",
                       f"splits={r['splits']}", flush=True)
-    res += [check_write_kv(gen), check_copy_blocks(), check_graph(gen)]
     return res
 
 
@@ -162,30 +161,30 @@ def check_graph(gen) -> dict:
     return dict(state="graph_replay", err=err, ok=ok)
 
 
-SWEEP = {
-    "decode b64 ctx4k 32/8": (64, 32, 8, 1, 4095),
-    "decode b64 ctx1k 32/8": (64, 32, 8, 1, 1023),
-    "decode b1 ctx16k 32/8": (1, 32, 8, 1, 16383),
-    "decode b64 ctx4k 32/32": (64, 32, 32, 1, 4095),
-    "prefill 4k on 4k 32/8": (1, 32, 8, 4096, 4096),
-    "prefill 2k on 16k 32/32": (1, 32, 32, 2048, 16384),
+DECODE_TILES = [f"block_n={n},num_warps={w},num_stages={st}" for n in (32, 64, 128) for w in (4, 8)
+                for st in (2, 3, 4)]
+SPLITS = [f"split_target={t},min_split={m}" for t in (0, 1, 2, 4, 8) for m in (128, 256, 512, 1024)]
+PREFILL_TILES = [f"block_m={m},block_q={m // 4},block_n={n},num_warps={w},num_stages={st}"
+                 for m, w in ((128, 8), (128, 4), (64, 4)) for n in (32, 64, 128) for st in (2, 3, 4)]
+SWEEP = {  # shape: (batch, H, H_kv, q_len, prefix), configs
+    "decode b64 ctx4k 32/8": ((64, 32, 8, 1, 4095), DECODE_TILES + SPLITS[:8]),
+    "decode b64 ctx1k 32/8": ((64, 32, 8, 1, 1023), DECODE_TILES + SPLITS[:8]),
+    "decode b256 ctx1k 32/32": ((256, 32, 32, 1, 1023), DECODE_TILES),
+    "decode b1 ctx16k 32/8": ((1, 32, 8, 1, 16383), SPLITS + ["block_n=128", "block_n=32", "num_warps=8"]),
+    "decode b8 ctx16k 32/8": ((8, 32, 8, 1, 16383), SPLITS + ["block_n=128", "block_n=32", "num_warps=8"]),
+    "decode b1 ctx1k 32/8": ((1, 32, 8, 1, 1023), SPLITS[:12]),
+    "prefill 4k on 0 32/8": ((1, 32, 8, 4096, 0), PREFILL_TILES),
+    "prefill 2k on 16k 32/8": ((1, 32, 8, 2048, 16384), PREFILL_TILES),
 }
-DECODE_CFGS = ["", "block_n=32", "block_n=128", "num_warps=2", "num_warps=8", "num_stages=2", "num_stages=4",
-               "block_n=128,num_warps=8", "block_n=32,num_stages=4", "block_n=64,num_stages=5"]
-PREFILL_CFGS = ["", "block_n=128", "block_n=32", "num_stages=2", "num_stages=4", "num_warps=4",
-                "block_m=64,block_q=16,num_warps=4", "block_n=128,num_stages=2", "block_m=128,block_n=128,num_warps=8,"
-                "num_stages=3"]
 
 
 def sweep() -> list[dict]:
     from hwkv.bench.attention import Case, _time
 
     res = []
-    for name, (b, h, hkv, ql, pre) in SWEEP.items():
+    for name, ((b, h, hkv, ql, pre), cfgs) in SWEEP.items():
         case = Case(b, h, hkv, ql, pre, 128, 16, torch.bfloat16)
-        for cfg in (DECODE_CFGS if ql == 1 else PREFILL_CFGS):
-            if ql > 1 and hkv == h and "block_q" in cfg:
-                cfg = cfg.replace("block_q=16", "block_q=64")
+        for cfg in ["", *cfgs]:
             os.environ["HWKV_CUDA_ATTN_CONFIG"] = cfg
             try:
                 t = _time(case.ours(), 10)
@@ -205,11 +204,19 @@ if __name__ == "__main__":
     out_dir = sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else "."
     print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(), flush=True)
     results: dict = {}
-    if "check" in sys.argv:
-        results["check"] = check()
+    if "check" in sys.argv or "quickcheck" in sys.argv:
+        results["check"] = check() if "check" in sys.argv else check((torch.bfloat16,))
         bad = [r for r in results["check"] if not r["ok"]]
         print(f"correctness: {len(results['check']) - len(bad)}/{len(results['check'])} OK", flush=True)
     if "sweep" in sys.argv:
         results["sweep"] = sweep()
+        best: dict = {}
+        for r in results["sweep"]:
+            if "us" in r and (r["shape"] not in best or r["us"] < best[r["shape"]]["us"]):
+                best[r["shape"]] = r
+        default = {r["shape"]: r for r in results["sweep"] if r.get("cfg") == "default"}
+        for k, r in best.items():
+            print(f"BEST {k}: {r['cfg']} {r['us']}us ({r['tbps']} TB/s, {r['tflops']} TF/s); "
+                  f"default {default.get(k, {}).get('us')}us")
     with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)

@@ -9,11 +9,14 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --fo
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 [[ $STEPS == *pytest* ]] && timeout 150 python3 -m pytest -q -p no:cacheprovider backends/cuda/tests 2>&1 | tee "$OUT/pytest.log" | tail -3
 args=""; [[ $STEPS == *check* ]] && args="check"; [[ $STEPS == *sweep* ]] && args="$args sweep"
-[[ -n $args ]] && timeout ${CHECK_S:-240} python3 backends/cuda/scripts/gpu_check.py $args --out "$OUT" 2>&1 | tee "$OUT/check.log" | grep -v "^OK"
+[[ $STEPS == *quickcheck* ]] && args="quickcheck"; [[ $STEPS == *sweep* ]] && args="$args sweep"
+[[ -n $args ]] && timeout ${CHECK_S:-240} python3 backends/cuda/scripts/gpu_check.py $args --out "$OUT" 2>&1 | tee "$OUT/check.log" | grep -E "BEST|FAIL|correctness|Error|error|Traceback"
 if [[ $STEPS == *bench* ]]; then
   timeout ${BENCH_S:-330} python3 -m hwkv.bench.attention --out "$OUT/attention.json" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v "^|"
 fi
 if [[ $STEPS == *conformance* ]]; then
+  # entry points need installed dists; offline device: no deps, no build isolation
+  python3 -m pip install -q --no-deps --no-build-isolation -e . -e backends/cuda 2>&1 | grep -v WARNING | tail -3
   timeout ${CONF_S:-240} python3 -m hwkv conformance --backend cuda --certify --report "$OUT/conf" 2>&1 | tail -30
 fi
 exit 0

@@ -63,7 +63,7 @@ def attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, NUM_SPLITS_PAD: tl.constexpr, IEEE: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    pid = tl.num_programs(0) - 1 - tl.program_id(0)  # last (longest causal) q blocks first: shorter tail
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     HPAD: tl.constexpr = BLOCK_M // BLOCK_Q
