@@ -28,7 +28,7 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special) if ids else ""
 
-    def add_tokens(self, token_ids: list[int]) -> str | None:
+    def add_tokens(self, token_ids: list[int], check_stop: bool = True) -> str | None:
         """Append tokens; return the matched stop string (text is then truncated before it) or None."""
         if self.tokenizer is None:
             return None
@@ -40,7 +40,7 @@ class IncrementalDetokenizer:
             if len(full) > len(prefix_text) and not full.endswith("\ufffd"):
                 self.text += full[len(prefix_text) :]
                 self.prefix, self.read = self.read, len(self.ids)
-        if not self.stop or len(self.text) == start:
+        if not check_stop or not self.stop or len(self.text) == start:
             return None
         return self._match_stop(start)
 

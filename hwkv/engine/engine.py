@@ -153,7 +153,7 @@ class Engine:
             tr.num_seen = req.num_output_tokens
             if tr.logprobs is not None and ro.logprobs:
                 tr.logprobs.extend(ro.logprobs.get(req.request_id, ()))
-            stop = tr.detok.add_tokens(new)
+            stop = tr.detok.add_tokens(new, req.num_output_tokens >= req.sampling_params.min_tokens)
             if stop is not None:
                 if not req.is_finished:
                     self.scheduler.finish_requests(req.request_id, RequestStatus.FINISHED_STOPPED)
