@@ -130,6 +130,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "block_size" in metafunc.fixturenames:
         bs = _block_sizes(caps)
         metafunc.parametrize("block_size", bs, ids=[f"bs{b}" for b in bs])
+    if "protocol" in metafunc.fixturenames:  # every declared protocol, and tcp as a probe
+        metafunc.parametrize("protocol", sorted(set(caps.transfer_protocols) | {"tcp"}))
     if "head_size" in metafunc.fixturenames:
         hs = _head_sizes(caps)
         metafunc.parametrize("head_size", hs, ids=[f"hd{h}" for h in hs])
@@ -138,6 +140,12 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 @pytest.fixture(scope="session")
 def backend(pytestconfig: pytest.Config):
     return pytestconfig.stash[_BACKEND]
+
+
+@pytest.fixture(scope="session")
+def backend_name(pytestconfig: pytest.Config) -> str:
+    """The registry name under test (what ``Engine(backend=...)`` takes)."""
+    return pytestconfig.option.backend
 
 
 @pytest.fixture(scope="session")

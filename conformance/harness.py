@@ -34,14 +34,16 @@ def randn(gen: torch.Generator, *shape: int, dtype: torch.dtype = torch.float32)
 
 def scenario(state: str, bs: int, gen: torch.Generator) -> list[tuple[int, int]]:
     """``(cached_context_len, query_len)`` per request, ragged and scaled to span several blocks."""
+    # Query lengths are capped (cost grows with tokens x keys); every request that can still spans
+    # several blocks, and chunks cross block boundaries.
     if state == "prefill":
-        reqs = [(0, bs + 3), (0, 7), (0, max(2, 2 * bs - 1))]
+        reqs = [(0, bs + 3), (0, 7), (0, min(max(2, 2 * bs - 1), 40))]
     elif state == "prefix":  # block-aligned and unaligned prefixes, chunks shorter/longer than a block
-        reqs = [(bs, 5), (2 * bs + 3, bs + 2), (3, 2)]
+        reqs = [(bs, 5), (2 * bs - 5 if bs > 5 else 2 * bs + 3, min(bs + 2, 21)), (3, 2)]
     elif state == "decode":
         reqs = [(2 * bs, 1), (5, 1), (3 * bs + 1, 1), (max(bs - 1, 1), 1), (0, 1)]
     elif state == "mixed":
-        reqs = [(bs + 1, 1), (0, bs + 2), (2 * bs + 3, 4), (7, 1), (0, 3)]
+        reqs = [(bs + 1, 1), (0, min(bs + 2, 40)), (2 * bs + 3, 4), (7, 1), (0, 3)]
     else:
         raise ValueError(f"state {state!r} not in {STATES}")
     order = torch.randperm(len(reqs), generator=gen).tolist()

@@ -1,0 +1,87 @@
+"""Store semantics through ``backend.create_store("embedded")``, with KV blocks as values.
+
+Values are a block's byte segments (all tensors) of the backend's host KV mirror, the memory the
+offload and pool connectors hand to stores.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conformance.harness import randn
+from hwkv.interfaces import KeyNotFound, KVCache, KVCacheSpec, SizeMismatch, StoreError, StoreFull
+
+pytestmark = pytest.mark.capability("store")
+NUM_BLOCKS = 8
+
+
+def _caches(backend, gen, n: int) -> list[KVCache]:
+    caps = backend.capabilities
+    head = 64 if caps.head_sizes is None or 64 in caps.head_sizes else caps.head_sizes[0]
+    spec = KVCacheSpec(2, NUM_BLOCKS, caps.default_block_size, 2, head, caps.dtypes[0])
+    out = [backend.device.allocate_kv_cache(spec, backend.attention.kv_layout, host=True) for _ in range(n)]
+    for t in out[0].tensors:
+        t.copy_(randn(gen, *t.shape, dtype=t.dtype))
+    return out
+
+
+def _block(kv: KVCache, b: int) -> list[tuple[int, int]]:
+    return kv.addresses([b])
+
+
+def _same_block(check, got: KVCache, gb: int, want: KVCache, wb: int, what: str) -> None:
+    for ti, (tg, tw) in enumerate(zip(got.tensors, want.tensors)):
+        check.exact(tg[gb], tw[wb], "store", f"{what}: tensor {ti}")
+
+
+def test_put_get_exists_remove(backend, check, gen):
+    src, dst = _caches(backend, gen, 2)
+    store = backend.create_store("embedded")
+    try:
+        keys = [f"blk-{b}" for b in (3, 0, 5)]
+        res = store.put(keys, [_block(src, b) for b in (3, 0, 5)])
+        assert [r.ok for r in res] == [True] * 3, f"put results {res}"
+        assert [r.key for r in res] == keys, "results come back one per key, in order"
+        assert store.exists([*keys, "missing"]) == [True, True, True, False]
+        res = store.get(keys, [_block(dst, b) for b in (1, 2, 7)])
+        assert all(r.ok for r in res), f"get results {res}"
+        for (sb, db) in ((3, 1), (0, 2), (5, 7)):
+            _same_block(check, dst, db, src, sb, f"block {sb} fetched into block {db}")
+        untouched = [b for b in range(NUM_BLOCKS) if b not in (1, 2, 7)]
+        for t in dst.tensors:
+            check.exact(t[untouched], torch.zeros_like(t[untouched]), "store", "get wrote outside its segments")
+        # overwrite: the key now holds block 6
+        assert store.put(["blk-3"], [_block(src, 6)])[0].ok
+        assert store.get(["blk-3"], [_block(dst, 4)])[0].ok
+        _same_block(check, dst, 4, src, 6, "overwritten key")
+        # typed per-item errors, other items unaffected
+        res = store.get(["missing", "blk-0"], [_block(dst, 5), _block(dst, 6)])
+        assert isinstance(res[0].error, KeyNotFound) and res[1].ok, f"get results {res}"
+        half = [_block(dst, 0)[0]]  # one tensor's segment only: too small for a whole block
+        assert isinstance(store.get(["blk-0"], [half])[0].error, SizeMismatch)
+        res = store.remove(["blk-0", "missing"])
+        assert res[0].ok and isinstance(res[1].error, KeyNotFound), f"remove results {res}"
+        assert store.exists(["blk-0", "blk-5"]) == [False, True]
+    finally:
+        store.close()
+    with pytest.raises(StoreError):
+        store.exists(["blk-5"])
+
+
+def test_capacity_lru_and_full(backend, check, gen):
+    (src,) = _caches(backend, gen, 1)
+    block_bytes = sum(n for _, n in _block(src, 0))
+    store = backend.create_store("embedded", capacity_bytes=3 * block_bytes)
+    try:
+        assert all(r.ok for r in store.put(["a", "b", "c"], [_block(src, b) for b in (0, 1, 2)]))
+        assert store.get(["a"], [_block(src, 7)])[0].ok  # "a" becomes most recently used
+        assert store.put(["d"], [_block(src, 3)])[0].ok  # evicts the LRU value: "b"
+        assert store.exists(["a", "b", "c", "d"]) == [True, False, True, True]
+        too_big = _block(src, 4) + _block(src, 5) + _block(src, 6) + _block(src, 1)
+        res = store.put(["huge"], [too_big])
+        assert isinstance(res[0].error, StoreFull), f"a value larger than the capacity must fail: {res}"
+        assert store.exists(["huge"]) == [False]
+        _same_block(check, src, 7, src, 0, "value fetched before eviction")
+    finally:
+        store.close()
