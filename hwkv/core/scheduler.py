@@ -33,6 +33,8 @@ from hwkv.core.sched_output import (
     SchedulerOutput,
 )
 
+_LAST_UNFINISHED = RequestStatus.PREEMPTED
+
 
 @dataclass
 class SchedulerConfig:
@@ -68,6 +70,7 @@ class Scheduler:
         self.delayed_free: dict[str, Request] = {}  # finished, blocks held by the connector
         self.finished_recving: set[str] = set()
         self.num_preemptions = 0
+        self._num_slots: dict[str, int] = {}  # KV slots (blocks x block_size) each request holds
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -117,28 +120,36 @@ class Scheduler:
         num_partial = 0
 
         # 1. running requests, oldest first; preempt from the tail when blocks run out.
+        bs, slots = kv.block_size, self._num_slots
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = req.num_tokens_with_spec - req.num_computed_tokens
+            rid, c = req.request_id, req.num_computed_tokens
+            n = len(req.all_token_ids) + len(req.spec_token_ids) - c
             if threshold and n > threshold:
                 n = threshold
-            n = min(n, budget)
-            while (blocks := kv.allocate_slots(req, n)) is None:
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted.add(victim.request_id)
-                if victim is req:
+            if n > budget:
+                n = budget
+            if c + n <= slots[rid] and (c + n) // bs == c // bs:
+                blocks = None  # fits the held blocks and fills none: allocate_slots would be a no-op
+            else:
+                while (blocks := kv.allocate_slots(req, n)) is None:
+                    victim = self.running.pop()
+                    self._preempt(victim)
+                    preempted.add(victim.request_id)
+                    if victim is req:
+                        break
+                if req.status is RequestStatus.PREEMPTED:
                     break
-            if blocks is None:
-                break
-            if req.num_computed_tokens + n < req.num_tokens:
+                if blocks:
+                    slots[rid] += len(blocks) * bs
+            if c + n < len(req.all_token_ids):
                 num_partial += 1
-            num_sched[req.request_id] = n
-            cached.req_ids.append(req.request_id)
+            num_sched[rid] = n
+            cached.req_ids.append(rid)
             cached.new_block_ids.append([b.block_id for b in blocks] if blocks else None)
-            cached.num_computed_tokens.append(req.num_computed_tokens)
-            req.num_computed_tokens += n
+            cached.num_computed_tokens.append(c)
+            req.num_computed_tokens = c + n
             budget -= n
             i += 1
 
@@ -178,6 +189,7 @@ class Scheduler:
                     break
                 self.waiting.popleft()
                 block_ids = kv.get_block_ids(req.request_id)
+                self._num_slots[req.request_id] = len(block_ids) * kv.block_size
                 self.connector.update_state_after_alloc(req, block_ids, num_ext)
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = num_computed
@@ -217,6 +229,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
+        self._num_slots.pop(req.request_id, None)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -242,16 +255,12 @@ class Scheduler:
 
         Returns the requests that received tokens this step (finished ones included), in batch order.
         """
-        sampled = runner_out.sampled_token_ids
-        max_len = self.config.max_model_len
+        max_len, requests = self.config.max_model_len, self.requests
         updated: list[Request] = []
         any_finished = False
-        for rid in sched_out.num_scheduled_tokens:
-            toks = sampled.get(rid)
-            if not toks:
-                continue  # partial prefill chunk
-            req = self.requests.get(rid)
-            if req is None or req.is_finished:
+        for rid, toks in runner_out.sampled_token_ids.items():  # partial prefill chunks sample nothing
+            req = requests.get(rid)
+            if req is None or req.status > _LAST_UNFINISHED:
                 continue  # aborted while the step ran
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
@@ -265,7 +274,7 @@ class Scheduler:
                     status = RequestStatus.FINISHED_STOPPED
                 elif stop_ids and tok in stop_ids:
                     status, req.stop_reason = RequestStatus.FINISHED_STOPPED, tok
-                elif req.num_output_tokens >= req.max_tokens or req.num_tokens >= max_len:
+                elif len(req.output_token_ids) >= req.max_tokens or len(req.all_token_ids) >= max_len:
                     status = RequestStatus.FINISHED_LENGTH_CAPPED
                 if status is not None:
                     req.status = status
@@ -286,6 +295,7 @@ class Scheduler:
             req.finish_time = time.monotonic()
         delay, _params = self.connector.request_finished(req, self.kv.get_block_ids(req.request_id))
         self.finished_req_ids.add(req.request_id)
+        self._num_slots.pop(req.request_id, None)
         if delay:
             self.delayed_free[req.request_id] = req
         else:
@@ -301,6 +311,7 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is not None and req.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
                 self.kv.free(req)  # recompute from scratch; the connector must not offer it again
+                self._num_slots.pop(rid, None)
                 req.num_computed_tokens = 0
                 req.status = RequestStatus.WAITING
         self.connector.update_connector_output(out)

@@ -1,0 +1,175 @@
+"""`hwkv bench scheduler`: per-step CPU overhead of the engine core, without a model.
+
+One step = ``Scheduler.schedule`` + the model runner's input/metadata build (state update, input
+ids, positions, ``AttentionMetadata.build``, the backend's metadata builder, recording the sampled
+tokens) + ``Scheduler.update_from_output`` (append tokens, hashes, stop checks). Two workloads:
+
+* ``decode``: N running requests (prompts of ``--prompt-len``), every step one token each;
+* ``mixed``: N/2 running decodes plus a stream of long prompts prefilled in chunks under the token
+  budget (chunked prefill), so every step carries decodes and one or more prefill chunks.
+
+The peer (vLLM 0.33 v1 core on this machine class, ../shared/DESIGN.md §9) is quoted, not rerun:
+schedule + update_from_output, 256 running decodes 3.1 ms; mixed chunked-prefill step 3.3 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+PEER = {"source": "vLLM 0.33.0 v1 scheduler (schedule + update_from_output), measured on this 2-core "
+                  "machine class (DESIGN.md §9)", "decode_256_ms": 3.1, "mixed_ms": 3.3}
+BAR_MS = 1.0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-decodes", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--long-prompt-len", type=int, default=4096, help="mixed: prompts prefilled in chunks")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--backend", default="cpu", help="backend whose metadata builder is timed")
+    p.add_argument("--out", default=None, help="JSON path (default bench/results/scheduler-cpu-<date>.json)")
+
+
+class _Harness:
+    """Scheduler + KV manager + a model-less ModelRunner, stepped with fake sampled tokens."""
+
+    def __init__(self, args: argparse.Namespace, max_num_seqs: int):
+        import torch
+
+        from hwkv.core.hashing import make_block_hasher
+        from hwkv.core.kv_cache_manager import KVCacheManager
+        from hwkv.core.scheduler import Scheduler, SchedulerConfig
+        from hwkv.engine.model_runner import ModelRunner
+        from hwkv.plugins import get_backend
+
+        torch.set_num_threads(1)
+        max_len = max(args.long_prompt_len, args.prompt_len) + args.steps + args.warmup + 64
+        blocks = (max_num_seqs + 8) * -(-max_len // args.block_size)
+        self.kv = KVCacheManager(blocks, args.block_size, enable_caching=True)
+        cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                              max_model_len=max_len)
+        self.sched = Scheduler(cfg, self.kv)
+        self.runner = ModelRunner(None, get_backend(args.backend), None, args.block_size, max_num_seqs, max_len)
+        self.hasher = make_block_hasher(args.block_size)
+        self.n = 0
+        self.times: dict[str, list[float]] = {"schedule": [], "runner_inputs": [], "update_from_output": []}
+
+    def add(self, prompt_len: int, max_tokens: int) -> None:
+        from hwkv.core.request import Request
+        from hwkv.sampling_params import SamplingParams
+
+        self.n += 1
+        base = 1000 * self.n  # distinct prompts: no accidental prefix-cache hits
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        ids = [(base + i) % 32000 for i in range(prompt_len)]
+        self.sched.add_request(Request(f"r{self.n}", ids, sp, block_hasher=self.hasher, max_tokens=max_tokens))
+
+    def step(self, record: bool) -> dict[str, int]:
+        from hwkv.core.sched_output import ModelRunnerOutput
+
+        pc = time.perf_counter
+        t0 = pc()
+        so = self.sched.schedule()
+        t1 = pc()
+        states = self.runner.update_states(so)
+        sampled: dict[str, list[int]] = {}
+        if states:
+            *_, sample_idx = self.runner.prepare_inputs(so, states)
+            rids = list(so.num_scheduled_tokens)
+            toks = [7] * len(sample_idx)
+            self.runner.record_sampled([states[i] for i in sample_idx], toks)
+            sampled = {rids[i]: [7] for i in sample_idx}
+        t2 = pc()
+        self.sched.update_from_output(so, ModelRunnerOutput(sampled))
+        t3 = pc()
+        if record:
+            self.times["schedule"].append(1e3 * (t1 - t0))
+            self.times["runner_inputs"].append(1e3 * (t2 - t1))
+            self.times["update_from_output"].append(1e3 * (t3 - t2))
+        return so.num_scheduled_tokens
+
+    def summary(self) -> dict[str, Any]:
+        total = [a + b + c for a, b, c in zip(*self.times.values())]
+        out = {k: {"median_ms": statistics.median(v), "p90_ms": sorted(v)[int(0.9 * len(v))]}
+               for k, v in self.times.items()}
+        out["step"] = {"median_ms": statistics.median(total), "p90_ms": sorted(total)[int(0.9 * len(total))]}
+        return out
+
+
+def bench_decode(args: argparse.Namespace) -> dict[str, Any]:
+    h = _Harness(args, args.num_decodes)
+    for _ in range(args.num_decodes):
+        h.add(args.prompt_len, 10**6)
+    while any(n > 1 for n in h.step(False).values()) or h.sched.num_waiting:
+        pass  # prefill everything first
+    for _ in range(args.warmup):
+        h.step(False)
+    for _ in range(args.steps):
+        sched = h.step(True)
+        assert len(sched) == args.num_decodes and all(n == 1 for n in sched.values())
+    return {"workload": f"{args.num_decodes} running decodes (prompt {args.prompt_len})", **h.summary()}
+
+
+def bench_mixed(args: argparse.Namespace) -> dict[str, Any]:
+    n_dec = args.num_decodes // 2
+    h = _Harness(args, n_dec + 8)
+    for _ in range(n_dec):
+        h.add(args.prompt_len, 10**6)
+    while any(n > 1 for n in h.step(False).values()) or h.sched.num_waiting:
+        pass
+    tokens, chunks = [], []
+    for i in range(args.warmup + args.steps):
+        if h.sched.num_waiting == 0:
+            h.add(args.long_prompt_len, 1)  # prefilled in chunks, then finishes with its first token
+        sched = h.step(i >= args.warmup)
+        if i >= args.warmup:
+            tokens.append(sum(sched.values()))
+            chunks.append(sum(1 for n in sched.values() if n > 1))
+    return {"workload": f"{n_dec} decodes + chunked prefill of {args.long_prompt_len}-token prompts, "
+                        f"budget {args.max_num_batched_tokens}",
+            "mean_tokens_per_step": statistics.mean(tokens), "mean_prefill_chunks_per_step": statistics.mean(chunks),
+            **h.summary()}
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    results = {"decode": bench_decode(args), "mixed": bench_mixed(args)}
+    print(f"hwkv scheduler step (CPU, median of {args.steps} steps; ms)")
+    print(f"{'workload':<10}{'schedule':>10}{'runner':>10}{'update':>10}{'step':>10}{'p90':>8}{'vLLM':>8}")
+    for name, r in results.items():
+        peer = PEER["decode_256_ms"] if name == "decode" else PEER["mixed_ms"]
+        print(f"{name:<10}{r['schedule']['median_ms']:>10.3f}{r['runner_inputs']['median_ms']:>10.3f}"
+              f"{r['update_from_output']['median_ms']:>10.3f}{r['step']['median_ms']:>10.3f}"
+              f"{r['step']['p90_ms']:>8.3f}{peer:>8.1f}")
+    ok = results["decode"]["step"]["median_ms"] <= BAR_MS
+    print(f"bar: <= {BAR_MS} ms per step at {args.num_decodes} decodes: {'PASS' if ok else 'FAIL'}")
+    print(f"peer: {PEER['source']}")
+    day = dt.date.today().isoformat()
+    out = Path(args.out or f"bench/results/scheduler-cpu-{day}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "bench": "scheduler", "date": day, "machine": {"platform": platform.platform(), "cpu": platform.processor(),
+                                                       "python": platform.python_version(), "torch": torch.__version__},
+        "args": {k: v for k, v in vars(args).items() if k != "out"}, "results": results, "peer": PEER,
+        "bar_ms": BAR_MS, "bar_pass": ok,
+    }
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(prog="python -m hwkv.bench.scheduler", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    raise SystemExit(run(p.parse_args()))
