@@ -3,9 +3,9 @@
 Order (as vLLM v1): min_tokens suppression → penalties (repetition over prompt + output,
 frequency/presence over output) → greedy argmax, or temperature → min-p → top-k → top-p → draw.
 
-Draws use the exponential race ``argmax(p / q)``, ``q ~ Exp(1)``, which samples exactly from
-``p``. A seeded request draws its ``q`` row from its own ``torch.Generator`` and every row is
-processed independently, so its tokens do not depend on which other requests share the batch.
+Draws are inverse-CDF with one uniform per row, an exact draw from ``p``. A seeded request draws
+its uniform from its own ``torch.Generator`` and every row is processed independently, so its
+tokens do not depend on which other requests share the batch.
 """
 
 from __future__ import annotations
@@ -87,11 +87,23 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
-    """Keep each row's ``k`` largest logits (``k == V``: all), then its smallest set of tokens with
-    cumulative probability ``>= p`` (the top token always survives)."""
+    """Keep each row's ``k`` largest logits (``k >= V``: all), then its smallest set of tokens with
+    cumulative probability ``>= p`` (the top token always survives); the rest become ``-inf``."""
+    vocab = logits.shape[1]
+    max_k = int(k.max()) if k is not None else vocab
+    if max_k <= vocab // 8:
+        # Every row is k-limited to a few tokens: work on the top-max_k candidates (no full sort).
+        assert k is not None
+        vals, idx = logits.topk(max_k, dim=-1)
+        vals = vals.masked_fill(torch.arange(max_k, device=logits.device) >= k.unsqueeze(1), float("-inf"))
+        if p is not None:
+            probs = vals.softmax(-1)
+            above = probs.cumsum(-1) - probs  # probability mass ranked above each token
+            vals = vals.masked_fill(above >= p.unsqueeze(1), float("-inf"))
+        return torch.full_like(logits, float("-inf")).scatter(-1, idx, vals)
     srt, idx = logits.sort(dim=-1, descending=False)
     if k is not None:
-        kth = srt.gather(1, (srt.shape[1] - k).clamp(min=0).unsqueeze(1))
+        kth = srt.gather(1, (vocab - k).clamp(min=0).unsqueeze(1))
         srt = srt.masked_fill(srt < kth, float("-inf"))
     if p is not None:
         cum = srt.softmax(-1).cumsum(-1)
@@ -101,17 +113,26 @@ def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Ten
     return srt.scatter(-1, idx, srt)
 
 
-def _exponentials(rows: list[int], vocab: int, batch: SamplingBatch, device: torch.device) -> torch.Tensor:
-    q = torch.empty(len(rows), vocab, dtype=torch.float32, device=device)
+def _uniforms(rows: list[int], batch: SamplingBatch, device: torch.device) -> torch.Tensor:
+    """One U[0, 1) per row: from the row's own generator, else from the shared one."""
     gens = batch.generators or [None] * len(batch.params)
-    shared = [j for j, r in enumerate(rows) if gens[r] is None]
-    if shared:
-        q[shared] = torch.empty(len(shared), vocab, device=device).exponential_(generator=batch.generator)
+    u = torch.rand(len(rows), generator=batch.generator, device=device)
     for j, r in enumerate(rows):
         if gens[r] is not None:
-            q[j].exponential_(generator=gens[r])
-    # Exp(1) draws can be exactly 0; p / 0 would pick a masked (p == 0) token through NaN.
-    return q.clamp_(min=torch.finfo(torch.float32).tiny)
+            u[j] = torch.rand((), generator=gens[r], device=device)
+    return u
+
+
+def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw of one token per row of ``probs [n, V]`` from ``u [n]`` ~ U[0, 1).
+
+    Token ``i`` owns the interval ``(cdf[i-1], cdf[i]]`` of length ``p_i``, so zero-probability
+    tokens own nothing; scaling by the row total absorbs float rounding in the cumsum. One random
+    number per row (not one per vocab entry) keeps seeded draws cheap on every device.
+    """
+    cdf = probs.cumsum(-1)
+    x = (u * cdf[:, -1]).clamp_(min=torch.finfo(torch.float32).tiny)
+    return torch.searchsorted(cdf, x.unsqueeze(1)).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
 def _suppress_stops(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -161,12 +182,14 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
             f32([sp.repetition_penalty for sp in params]), f32([sp.frequency_penalty for sp in params]),
             f32([sp.presence_penalty for sp in params]),
         )
-    tokens = x.argmax(-1)
     rand = [i for i, sp in enumerate(params) if not sp.greedy]
+    if len(rand) < len(params):
+        tokens = x.argmax(-1)
     if rand:
         sub_params = [params[i] for i in rand]
         rows = torch.tensor(rand, device=dev)
-        sub = x.index_select(0, rows) / torch.tensor([sp.temperature for sp in sub_params], device=dev).unsqueeze(1)
+        temps = torch.tensor([sp.temperature for sp in sub_params], device=dev).unsqueeze(1)
+        sub = (x if len(rand) == len(params) else x.index_select(0, rows)) / temps
         if any(sp.min_p > 0 for sp in sub_params):
             sub = apply_min_p(sub, torch.tensor([sp.min_p for sp in sub_params], device=dev))
         use_k = any(sp.top_k > 0 for sp in sub_params)
@@ -175,8 +198,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
             k = torch.tensor([sp.top_k if sp.top_k > 0 else vocab for sp in sub_params], device=dev) if use_k else None
             p = torch.tensor([sp.top_p for sp in sub_params], dtype=torch.float32, device=dev) if use_p else None
             sub = apply_top_k_top_p(sub, k, p)
-        probs = sub.softmax(-1)
-        drawn = (probs / _exponentials(rand, vocab, batch, dev)).argmax(-1)
-        tokens = tokens.index_copy(0, rows, drawn)
+        drawn = draw(sub.softmax(-1), _uniforms(rand, batch, dev))
+        tokens = drawn if len(rand) == len(params) else tokens.index_copy(0, rows, drawn)
     logprobs = _logprobs(raw, tokens, params) if any(sp.logprobs is not None for sp in params) else None
     return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs)

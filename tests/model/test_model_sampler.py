@@ -12,6 +12,7 @@ from hwkv.model.sampler import (
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
+    draw,
     make_generator,
     sample,
 )
@@ -50,12 +51,43 @@ def test_top_k_top_p_min_p_masks():
     assert kept(apply_min_p(logits, torch.tensor([0.3, 0.5]))) == [[1, 1, 1, 0], [0, 0, 1, 1]]
 
 
+def naive_top_k_top_p(row: list[float], k: int, p: float) -> set[int]:
+    order = sorted(range(len(row)), key=lambda i: -row[i])[:k]
+    z = sum(math.exp(row[i]) for i in order)
+    kept, mass = set(), 0.0
+    for i in order:
+        kept.add(i)
+        mass += math.exp(row[i]) / z
+        if mass >= p:
+            break
+    return kept
+
+
+@pytest.mark.parametrize("vocab", [40, 400])  # 400: k-limited candidate path; 40: full-sort path
+def test_top_k_top_p_matches_naive(vocab):
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(32, vocab, generator=g, dtype=torch.float64).float() * 3
+    k = torch.randint(1, 40, (32,), generator=g)
+    p = torch.rand(32, generator=g).clamp(min=0.05)
+    got = apply_top_k_top_p(logits, k, p)
+    for r in range(32):
+        assert set(torch.nonzero(got[r] > -INF).flatten().tolist()) == naive_top_k_top_p(
+            logits[r].tolist(), int(k[r]), float(p[r])), r
+        assert torch.equal(got[r][got[r] > -INF], logits[r][got[r] > -INF])  # survivors keep their logits
+
+
 def test_sampling_respects_masks_end_to_end():
     logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]])).repeat(400, 1)
     for sp, allowed in [(SamplingParams(top_k=2), {0, 1}), (SamplingParams(top_p=0.6), {0, 1}),
                         (SamplingParams(min_p=0.6), {0, 1}), (SamplingParams(top_k=3, top_p=0.99), {0, 1, 2})]:
         got = set(sample(logits, batch([sp] * 400, generator=torch.Generator().manual_seed(0))).token_ids)
         assert got == allowed, sp
+
+
+def test_draw_never_picks_zero_probability_tokens():
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]]).repeat(5, 1)
+    u = torch.tensor([0.0, 0.25, 0.4999, 0.5001, 1 - 2**-24])
+    assert draw(probs, u).tolist() == [1, 1, 1, 3, 3]
 
 
 def test_distribution_matches_probabilities():
