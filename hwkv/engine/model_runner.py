@@ -57,6 +57,7 @@ class ModelRunner:
         toks = new.prompt_token_ids + new.output_token_ids
         self.token_ids[slot, : len(toks)] = toks
         self.block_table[slot, : len(new.block_ids)] = new.block_ids
+        self.block_table[slot, len(new.block_ids) :] = 0  # clean padding, not a previous owner's blocks
         sp = new.sampling_params
         self.reqs[new.req_id] = _ReqState(slot, len(toks), len(new.block_ids), len(new.prompt_token_ids),
                                           sp, list(new.output_token_ids))
