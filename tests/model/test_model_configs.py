@@ -1,0 +1,85 @@
+"""config.json files as real checkpoints ship them parse, and their RoPE frequencies equal
+transformers' own (no weights needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hwkv.model.config import ModelConfig
+from hwkv.model.rope import inv_freq_and_scale
+
+LLAMA31_8B = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009], "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+    "intermediate_size": 14336, "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama",
+    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05, "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                            "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.42.3",
+    "use_cache": True, "vocab_size": 128256,
+}
+LLAMA32_1B = {
+    **LLAMA31_8B, "head_dim": 64, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+    "tie_word_embeddings": True, "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                                                  "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+}
+LLAMA2_7B = {
+    "architectures": ["LlamaForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+    "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 11008, "max_position_embeddings": 4096,
+    "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32,
+    "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_scaling": None, "tie_word_embeddings": False,
+    "torch_dtype": "float16", "use_cache": True, "vocab_size": 32000,
+}
+QWEN25_7B = {
+    "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645,
+    "hidden_act": "silu", "hidden_size": 3584, "initializer_range": 0.02, "intermediate_size": 18944,
+    "max_position_embeddings": 32768, "max_window_layers": 28, "model_type": "qwen2", "num_attention_heads": 28,
+    "num_hidden_layers": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+    "sliding_window": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+    "use_sliding_window": False, "vocab_size": 152064,
+}
+QWEN25_YARN = {**QWEN25_7B, "rope_scaling": {"factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"}}
+MISTRAL_7B_V01 = {
+    "architectures": ["MistralForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+    "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 32768,
+    "model_type": "mistral", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "sliding_window": 4096, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 32000,
+}
+REAL = {"llama3.1-8b": LLAMA31_8B, "llama3.2-1b": LLAMA32_1B, "llama2-7b": LLAMA2_7B, "qwen2.5-7b": QWEN25_7B,
+        "qwen2.5-yarn": QWEN25_YARN, "mistral-7b-v0.1": MISTRAL_7B_V01}
+
+
+def test_fields_of_real_configs():
+    l31 = ModelConfig.from_dict(LLAMA31_8B)
+    assert (l31.head_dim, l31.num_kv_heads, l31.rope_theta, l31.dtype) == (128, 8, 500000.0, torch.bfloat16)
+    assert l31.eos_token_ids == [128001, 128008, 128009] and not l31.qkv_bias and l31.max_model_len == 131072
+    assert l31.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2
+    l32 = ModelConfig.from_dict(LLAMA32_1B)
+    assert l32.tie_word_embeddings and l32.head_dim == 64 and l32.rope_scaling["factor"] == 32.0
+    l2 = ModelConfig.from_dict(LLAMA2_7B)
+    assert l2.rope_scaling is None and l2.num_kv_heads == 32 and l2.dtype == torch.float16
+    q = ModelConfig.from_dict(QWEN25_7B)
+    assert q.qkv_bias and not q.o_bias and q.sliding_window is None and q.max_model_len == 32768
+    m = ModelConfig.from_dict(MISTRAL_7B_V01)
+    assert m.sliding_window == 4096 and m.max_model_len == 4096  # window not implemented: capped
+
+
+@pytest.mark.parametrize("name", list(REAL))
+def test_rope_frequencies_equal_transformers(name):
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    raw = REAL[name]
+    hf_cfg = transformers.AutoConfig.for_model(raw["model_type"], **{k: v for k, v in raw.items()
+                                                                       if k != "model_type"})
+    ours = ModelConfig.from_dict(raw)
+    inv, scale = inv_freq_and_scale(ours)
+    kind = hf_cfg.rope_parameters["rope_type"]
+    if kind == "default":
+        want = 1.0 / (ours.rope_theta ** (torch.arange(0, ours.head_dim, 2, dtype=torch.float) / ours.head_dim))
+        want_scale = 1.0
+    else:
+        want, want_scale = ROPE_INIT_FUNCTIONS[kind](hf_cfg, "cpu")
+    assert torch.equal(inv, want) and scale == pytest.approx(want_scale, rel=1e-12)
