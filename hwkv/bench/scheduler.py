@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import platform
 import statistics
 import time
@@ -69,9 +70,9 @@ class _Harness:
         from hwkv.sampling_params import SamplingParams
 
         self.n += 1
-        base = 1000 * self.n  # distinct prompts: no accidental prefix-cache hits
+        base = 100_000 * self.n  # disjoint token ranges: no accidental prefix-cache hits
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        ids = [(base + i) % 32000 for i in range(prompt_len)]
+        ids = list(range(base, base + prompt_len))
         self.sched.add_request(Request(f"r{self.n}", ids, sp, block_hasher=self.hasher, max_tokens=max_tokens))
 
     def step(self, record: bool) -> dict[str, int]:
@@ -160,7 +161,8 @@ def run(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {
         "bench": "scheduler", "date": day, "machine": {"platform": platform.platform(), "cpu": platform.processor(),
-                                                       "python": platform.python_version(), "torch": torch.__version__},
+                                                       "python": platform.python_version(), "torch": torch.__version__,
+                                                       "cpus": os.cpu_count(), "load_average_1m": os.getloadavg()[0]},
         "args": {k: v for k, v in vars(args).items() if k != "out"}, "results": results, "peer": PEER,
         "bar_ms": BAR_MS, "bar_pass": ok,
     }
