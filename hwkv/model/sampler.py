@@ -52,30 +52,36 @@ class SamplerOutput:
     logprobs: list[dict[int, float] | None] | None = None
 
 
-def _counts(ids: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """``[R, V]`` float32 occurrence counts of each row's token ids, built without a per-row launch."""
+def _flat_keys(ids: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """``row * vocab + token`` for every token of every row (one tensor, no per-row launch)."""
     lens = torch.tensor([len(r) for r in ids], dtype=torch.long)
-    flat = torch.tensor([t for r in ids for t in r], dtype=torch.long, device=device)
-    rows = torch.repeat_interleave(torch.arange(len(ids)), lens).to(device)
-    counts = torch.zeros(len(ids), vocab, dtype=torch.float32, device=device)
-    return counts.index_put_((rows, flat), torch.ones_like(flat, dtype=torch.float32), accumulate=True)
+    rows = torch.repeat_interleave(torch.arange(len(ids)), lens)
+    flat = torch.tensor([t for r in ids for t in r], dtype=torch.long)
+    return (rows * vocab + flat).to(device)
 
 
 def apply_penalties(
     logits: torch.Tensor, prompt_ids: list[list[int]] | None, output_ids: list[list[int]],
     repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor,
 ) -> torch.Tensor:
-    """vLLM penalties on float32 ``logits [R, V]`` (modified in place and returned)."""
-    vocab, dev = logits.shape[1], logits.device
-    out_counts = _counts(output_ids, vocab, dev)
+    """vLLM penalties on contiguous float32 ``logits [R, V]`` (modified in place and returned).
+
+    Only (row, token) pairs that occur are touched, so the cost scales with the number of prompt
+    and output tokens, not with ``R × V``.
+    """
+    vocab = logits.shape[1]
+    flat = logits.view(-1)
+    # sort + unique_consecutive: torch.unique(return_counts=True) takes a much slower path on CPU
+    out_keys, out_counts = _flat_keys(output_ids, vocab, logits.device).sort().values.unique_consecutive(
+        return_counts=True)
     if bool((repetition != 1.0).any()):
-        seen = out_counts > 0
+        seen = out_keys
         if prompt_ids is not None:
-            seen |= _counts(prompt_ids, vocab, dev) > 0
-        pen = torch.where(seen, repetition.unsqueeze(1), 1.0)
-        logits = torch.where(logits > 0, logits / pen, logits * pen)
-    logits -= frequency.unsqueeze(1) * out_counts
-    logits -= presence.unsqueeze(1) * (out_counts > 0)
+            seen = torch.cat([out_keys, _flat_keys(prompt_ids, vocab, logits.device)]).unique()
+        vals, pen = flat[seen], repetition[seen // vocab]
+        flat[seen] = torch.where(vals > 0, vals / pen, vals * pen)
+    rows = out_keys // vocab
+    flat[out_keys] -= frequency[rows] * out_counts + presence[rows]
     return logits
 
 
