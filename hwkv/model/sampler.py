@@ -178,7 +178,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         raise ValueError(f"logits {tuple(logits.shape)} do not match {len(params)} params / output lists")
     dev, vocab = logits.device, logits.shape[1]
     raw = logits
-    x = logits.float()
+    x = logits.float().contiguous()
     if any(len(o) < sp.min_tokens for sp, o in zip(params, batch.output_token_ids)):
         x = _suppress_stops(x.clone(), batch)
     if any(sp.uses_penalties for sp in params):
