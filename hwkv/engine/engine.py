@@ -84,7 +84,7 @@ class Engine:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
         if request_id in self._tracked or request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request_id!r} is already in use (request ids must be unique)")
-        params = SamplingParams() if params is None else params
+        params = self.default_sampling_params() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         params.validate(self.vocab_size)
@@ -100,6 +100,23 @@ class Engine:
         detok = IncrementalDetokenizer(self.tokenizer, ids, _stop_list(params.stop),
                                        getattr(params, "skip_special_tokens", True))
         return req, _Tracked(text, detok, [] if params.logprobs is not None else None)
+
+    def default_sampling_params(self) -> Any:
+        """SamplingParams for requests given none: the checkpoint's generation_config.json values
+        (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens → max_tokens) over
+        the SamplingParams defaults; invalid checkpoint values are ignored with a warning."""
+        from hwkv.sampling_params import SamplingParams
+
+        d = dict(getattr(self.generation_config, "defaults", None) or {})
+        if "max_new_tokens" in d:
+            d["max_tokens"] = d.pop("max_new_tokens")
+        try:
+            return SamplingParams(**d)
+        except (TypeError, ValueError) as e:
+            import warnings
+
+            warnings.warn(f"ignoring generation_config.json sampling defaults {d}: {e}", stacklevel=2)
+            return SamplingParams()
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

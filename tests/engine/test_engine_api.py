@@ -200,3 +200,18 @@ def test_duplicate_request_id(engine):
 def test_engine_config_validation(model_dir, kw, match):
     with pytest.raises(ValueError, match=match):
         hwkv.Engine(model_dir, **kw)
+
+
+def test_generation_config_defaults(tmp_path):
+    import json
+
+    d = write_tiny_model(tmp_path / "m", arch="qwen2", max_position_embeddings=128)
+    cfg = json.loads((d / "generation_config.json").read_text())
+    cfg.update(temperature=0.0, max_new_tokens=5)
+    (d / "generation_config.json").write_text(json.dumps(cfg))
+    e = hwkv.Engine(str(d), num_kv_blocks=16)
+    sp = e.default_sampling_params()
+    assert sp.greedy and sp.max_tokens == 5
+    a = e.generate("Hello", use_tqdm=False)[0]
+    b = e.generate("Hello", hwkv.SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0]
+    assert a.token_ids == b.token_ids and len(a.token_ids) <= 5
