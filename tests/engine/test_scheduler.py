@@ -244,3 +244,37 @@ def test_connector_async_load_and_delay_free():
     assert r.is_finished and s.kv.get_block_ids("remote")  # delay_free: blocks still held
     step(s, finished_sending={"remote"})
     assert s.kv.num_free_blocks == 16
+
+
+class SyncLoadConnector(KVConnectorBase):
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return (8, False) if request.request_id == "ext" else (0, False)
+
+
+def test_connector_sync_external_hit():
+    s = make(num_blocks=16, connector=SyncLoadConnector())
+    add(s, req("ext", 10, max_tokens=1))
+    so, sampled = step(s)
+    (new,) = so.scheduled_new_reqs
+    # 8 tokens' KV come from the connector this step; the model computes the last 2 and samples.
+    assert new.num_computed_tokens == 8 and so.num_scheduled_tokens == {"ext": 2} and sampled == {"ext": [7]}
+    assert len(new.block_ids) == 3
+    assert s.kv.num_free_blocks == 16
+
+
+def test_connector_failed_load_falls_back_to_recompute():
+    conn = AsyncLoadConnector()
+    s = make(num_blocks=16, connector=conn)
+    add(s, req("remote", 10, max_tokens=1))
+    step(s)
+    r = s.requests["remote"]
+    assert r.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    so = s.schedule()
+    conn.get_num_new_matched_tokens = lambda request, n: (0, False)  # the connector no longer offers it
+    conn.request_finished = lambda request, block_ids: (False, None)
+    failed = KVConnectorOutput(failed_recving={"remote"})
+    s.update_from_output(so, ModelRunnerOutput({}, kv_connector_output=failed))
+    assert r.status is RequestStatus.WAITING and r.num_computed_tokens == 0 and not s.kv.get_block_ids("remote")
+    so, sampled = step(s)
+    assert so.num_scheduled_tokens == {"remote": 10} and sampled == {"remote": [7]}
+    assert s.kv.num_free_blocks == 16 and not s.has_unfinished_requests()
