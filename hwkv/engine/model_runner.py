@@ -117,21 +117,20 @@ class ModelRunner:
         input_ids = self.token_ids[tok_rows, positions]
         block_table = self.block_table[slots, : -(-int(seq.max()) // bs)]
         slot_mapping = block_table[req_idx, positions // bs].astype(np.int64) * bs + positions % bs
-        is_dec = ql == 1
         sample_idx = np.flatnonzero(seq == total)
-        dev = self.device
-        qsl_t, seq_t = torch.from_numpy(qsl.astype(np.int32)), torch.from_numpy(seq.astype(np.int32))
+        logits_idx = qsl[1:][sample_idx] - 1
+        n_dec = int((ql == 1).sum())
+        # Two host→device copies per step (all int64 arrays, all int32 arrays), sliced on device.
+        qsl32, seq32 = qsl.astype(np.int32), seq.astype(np.int32)
+        i64 = _to_device([input_ids, positions, slot_mapping, logits_idx], np.int64, self.device)
+        i32 = _to_device([qsl32, seq32, block_table], np.int32, self.device)
         common = AttentionMetadata(
-            query_start_loc=qsl_t.to(dev), seq_lens=seq_t.to(dev), block_tables=torch.from_numpy(block_table).to(dev),
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev), query_start_loc_cpu=qsl_t, seq_lens_cpu=seq_t,
-            block_size=bs, num_prefills=R - int(is_dec.sum()), num_decodes=int(is_dec.sum()),
-            num_prefill_tokens=T - int(is_dec.sum()), num_decode_tokens=int(is_dec.sum()),
+            query_start_loc=i32[0], seq_lens=i32[1], block_tables=i32[2], slot_mapping=i64[2],
+            query_start_loc_cpu=torch.from_numpy(qsl32), seq_lens_cpu=torch.from_numpy(seq32), block_size=bs,
+            num_prefills=R - n_dec, num_decodes=n_dec, num_prefill_tokens=T - n_dec, num_decode_tokens=n_dec,
             max_query_len=int(ql.max()), max_seq_len=int(seq.max()),
         )
-        attn_meta = self.meta_builder.build(common)
-        logits_indices = torch.from_numpy(qsl[1:][sample_idx] - 1)
-        return (torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), attn_meta,
-                logits_indices.to(dev), sample_idx.tolist())
+        return i64[0], i64[1], self.meta_builder.build(common), i64[3], sample_idx.tolist()
 
     def record_sampled(self, states: list[_ReqState], toks: list[int]) -> None:
         """Append one sampled token per state (one bulk write into the token table)."""
@@ -180,3 +179,16 @@ class ModelRunner:
             conn.wait_for_save()
             out.kv_connector_output = conn.get_finished(so.finished_req_ids)
         return out
+
+
+def _to_device(arrays: list[np.ndarray], dtype: type, device: torch.device) -> list[torch.Tensor]:
+    """Tensors on ``device`` with the arrays' shapes: zero-copy on the host, else one packed copy."""
+    if device.type == "cpu":
+        return [torch.from_numpy(np.ascontiguousarray(a, dtype=dtype)) for a in arrays]
+    flat = torch.from_numpy(np.concatenate([a.ravel().astype(dtype, copy=False) for a in arrays]))
+    dev = flat.to(device, non_blocking=False)
+    out, off = [], 0
+    for a in arrays:
+        out.append(dev[off : off + a.size].view(a.shape))
+        off += a.size
+    return out
