@@ -26,8 +26,12 @@ def _mooncake_installed() -> bool:
 
 
 class AscendBackend(Backend):
-    """The Ascend backend. ``transfer=True`` aligns KV allocations for HCCS registration up front;
-    :meth:`create_transfer` turns it on too (create the transfer before allocating the KV cache)."""
+    """The Ascend backend.
+
+    KV allocations start on 2 MiB boundaries (what HCCS registration needs) whenever transfer is
+    possible: Mooncake is installed on real hardware, ``transfer=True``, or after
+    :meth:`create_transfer` / a Mooncake store (then create it before allocating the KV cache).
+    """
 
     name = "ascend"
 
@@ -45,6 +49,8 @@ class AscendBackend(Backend):
             protocols, why = ("ascend",), ""
         else:
             protocols, why = (), MOONCAKE_MISSING
+        if protocols:
+            self._device.kv_alignment = TRANSFER_ALIGNMENT
         self._caps = Capabilities(
             dtypes=(torch.float16, torch.bfloat16),  # FIA / ATB PA take no float32 query
             head_sizes=HEAD_SIZES,
