@@ -70,6 +70,21 @@ def mooncake_available() -> tuple[bool, str]:
     return True, ""
 
 
+def master_metrics(master: MooncakeMaster) -> dict[str, float]:
+    """The master's Prometheus counters (``master_key_count``, ``master_evicted_key_count``, ...).
+    Unlike ``exists``/``get`` on a client, reading them grants no lease, so it cannot hold off
+    eviction."""
+    with urllib.request.urlopen(f"{master.metrics}/metrics", timeout=2) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name and not line.startswith("#"):
+            with contextlib.suppress(ValueError):
+                out[name] = float(value)
+    return out
+
+
 def _port_open(port: int) -> bool:
     with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
         return True

@@ -1,0 +1,361 @@
+"""Store semantics: one suite run against the EmbeddedStore and a real Mooncake store behind a real
+mooncake_master, plus what each does on its own (strict LRU vs. Mooncake's background eviction)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from hwkv.interfaces import KeyNotFound, SizeMismatch, StoreError, StoreFull
+from hwkv.stores import create_store
+from hwkv.stores.embedded import EmbeddedStore
+from hwkv.testing.mooncake import master_metrics, mooncake_available, mooncake_master
+from hwkv.transfer.mooncake import free_port
+
+MiB = 1 << 20
+CAP = 16 * MiB  # both stores: Mooncake's smallest global segment
+
+
+class Arena:
+    """Random source bytes and a zeroed destination; every put reads ``src``, every get fills ``dst``."""
+
+    def __init__(self, nbytes: int = 24 * MiB):
+        self.src = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+        self.dst = np.zeros(nbytes, np.uint8)
+
+    def s(self, off: int, n: int) -> tuple[int, int]:
+        return self.src.ctypes.data + off, n
+
+    def d(self, off: int, n: int) -> tuple[int, int]:
+        return self.dst.ctypes.data + off, n
+
+    def value(self, segs: list[tuple[int, int]]) -> np.ndarray:
+        """The bytes a put of ``segs`` (offsets into ``src``) stores."""
+        return np.concatenate([self.src[o:o + n] for o, n in segs])
+
+    def got(self, segs: list[tuple[int, int]]) -> np.ndarray:
+        return np.concatenate([self.dst[o:o + n] for o, n in segs])
+
+
+@pytest.fixture(scope="module")
+def arena():
+    return Arena()
+
+
+@pytest.fixture(scope="module")
+def mooncake(arena):
+    ok, why = mooncake_available()
+    if not ok:
+        pytest.skip(why)
+    # a 2 s lease (default 10 s) keeps the lease test deterministic and eviction tests quick
+    with mooncake_master(default_kv_lease_ttl_ms=2000) as m:
+        store = create_store("mooncake", master=m.master, metadata_server=m.metadata_server, protocol="tcp",
+                             global_segment_size=CAP)
+        for buf in (arena.src, arena.dst):
+            store.register_buffer(buf.ctypes.data, buf.nbytes)
+        yield m, store
+        for buf in (arena.src, arena.dst):
+            store.unregister_buffer(buf.ctypes.data)
+        assert store.registered_buffers() == []
+        store.close()
+
+
+@pytest.fixture(params=["embedded", pytest.param("mooncake", marks=pytest.mark.mooncake)])
+def store(request, arena):
+    arena.dst[:] = 0
+    if request.param == "embedded":
+        s = create_store("embedded", capacity_bytes=CAP)
+        yield s
+        s.close()
+    else:
+        _, s = request.getfixturevalue("mooncake")
+        s.clear()
+        yield s
+        s.clear()
+
+
+@pytest.fixture
+def mstore(mooncake, arena):
+    """The module's Mooncake store, emptied before and after the test."""
+    arena.dst[:] = 0
+    mooncake[1].clear()
+    yield mooncake[1]
+    mooncake[1].clear()
+
+
+def errors(results) -> list[type | None]:
+    return [type(r.error) if r.error else None for r in results]
+
+
+# ---- the shared contract ----------------------------------------------------------------------
+
+
+def test_put_get_exact_bytes_and_missing_key(store, arena):
+    a, b = [(7, 1000)], [(3, 10), (5000, 4096), (70_001, 123)]
+    res = store.put(["a", "b"], [[arena.s(*x) for x in a], [arena.s(*x) for x in b]])
+    assert errors(res) == [None, None] and [r.nbytes for r in res] == [1000, 4229]
+    ga, gb = [(0, 1000)], [(2000, 4229)]
+    res = store.get(["a", "missing", "b"], [[arena.d(*ga[0])], [arena.d(9000, 8)], [arena.d(*gb[0])]])
+    assert errors(res) == [None, KeyNotFound, None]
+    assert np.array_equal(arena.got(ga), arena.value(a)) and np.array_equal(arena.got(gb), arena.value(b))
+    assert not arena.dst[9000:9008].any()  # a failed get writes nothing
+
+
+def test_overwrite_replaces_value(store, arena):
+    assert store.put(["k"], [[arena.s(0, 100)]])[0].ok
+    assert store.put(["k"], [[arena.s(1000, 100)]])[0].ok  # same size, new bytes
+    assert store.get(["k"], [[arena.d(0, 100)]])[0].ok
+    assert np.array_equal(arena.dst[:100], arena.src[1000:1100])
+    multi = [(5, 100), (777, 200)]
+    assert store.put(["k"], [[arena.s(*x) for x in multi]])[0].ok  # different size, two segments
+    res = store.get(["k", "k"], [[arena.d(0, 300)], [arena.d(1000, 100)]])
+    assert errors(res) == [None, SizeMismatch]
+    assert np.array_equal(arena.dst[:300], arena.value(multi))
+    assert store.put(["k"], [[arena.s(4321, 50)]])[0].ok  # and back to one segment
+    assert store.get(["k"], [[arena.d(0, 50)]])[0].ok
+    assert np.array_equal(arena.dst[:50], arena.src[4321:4371])
+
+
+def test_exists_and_remove(store, arena):
+    store.put(["a"], [[arena.s(0, 64)]])
+    assert store.exists(["a", "b"]) == [True, False]
+    assert errors(store.remove(["a", "b"])) == [None, KeyNotFound]
+    assert store.exists(["a", "b"]) == [False, False]
+    assert errors(store.get(["a"], [[arena.d(0, 64)]])) == [KeyNotFound]
+
+
+def test_size_mismatch_reports_stored_size_and_keeps_value(store, arena):
+    store.put(["v"], [[arena.s(11, 4096)]])
+    wrong = [[arena.d(0, 4095)], [arena.d(0, 4097)], [arena.d(0, 2000), arena.d(5000, 2000)],
+             [arena.d(0, 2000), arena.d(5000, 3000)]]
+    for segs in wrong:
+        (r,) = store.get(["v"], [segs])
+        assert isinstance(r.error, SizeMismatch) and r.nbytes == 4096, segs
+    (r,) = store.get(["v"], [[arena.d(100, 1000), arena.d(9000, 3096)]])
+    assert r.ok and np.array_equal(arena.got([(100, 1000), (9000, 3096)]), arena.src[11:4107])
+
+
+def test_multi_segment_values(store, arena):
+    put_segs = [(0, 1), (10, 4095), (100_000, 65_537), (2 * MiB + 3, 300_000), (5 * MiB, 13)]
+    total = sum(n for _, n in put_segs)
+    get_segs = [(1, 12_345), (500_000, total - 12_345 - 7), (3 * MiB, 7)]
+    assert store.put(["m"], [[arena.s(*x) for x in put_segs]])[0].nbytes == total
+    assert store.get(["m"], [[arena.d(*x) for x in get_segs]])[0].ok
+    assert np.array_equal(arena.got(get_segs), arena.value(put_segs))
+
+
+def test_batch_partial_failure(store, arena):
+    res = store.put(["x", "y"], [[arena.s(0, 1000)], [arena.s(50, 10)]])
+    assert errors(res) == [None, None]
+    res = store.get(["y", "nope", "x", "x"], [[arena.d(0, 10)], [arena.d(100, 1)], [arena.d(200, 999)],
+                                              [arena.d(2000, 1000)]])
+    assert errors(res) == [None, KeyNotFound, SizeMismatch, None]
+    assert np.array_equal(arena.dst[:10], arena.src[50:60])
+    assert np.array_equal(arena.dst[2000:3000], arena.src[:1000])
+    assert not arena.dst[100:101].any() and not arena.dst[200:1199].any()
+    # One value larger than the whole capacity fails alone. (What happens to *other* values after
+    # such a failure differs: see test_mooncake_failed_put_evicts_an_unrelated_value.)
+    res = store.put(["z", "huge", "w"], [[arena.s(0, 100)], [arena.s(0, CAP), arena.s(CAP, 1)], [arena.s(7, 10)]])
+    assert errors(res) == [None, StoreFull, None] and res[1].nbytes == CAP + 1
+    assert store.exists(["huge"]) == [False]
+
+
+def put_until_stored(store, key: str, segs, timeout_s: float = 5.0):
+    """Put, retrying while the store answers StoreFull: the embedded store makes room inside the
+    put, Mooncake's master evicts in the background (within ~50 ms here)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        (r,) = store.put([key], [segs])
+        if not isinstance(r.error, StoreFull) or time.monotonic() > deadline:
+            return r
+        time.sleep(0.02)
+
+
+def test_capacity_eviction_keeps_recently_used(store, arena):
+    """Put 20 MiB into 16 MiB after reading the oldest key: both stores stay within capacity,
+    keep the recently read key (embedded: strict LRU; Mooncake: a read leases the value and
+    eviction takes the oldest lease-expired values first), drop the least recently used one, and
+    every survivor reads back exactly."""
+    n, total = CAP // MiB, CAP // MiB + 4
+    offs = [i * 4099 for i in range(total)]
+    for i in range(n - 2):  # 14 MiB: below Mooncake's 90 % eviction watermark
+        assert store.put([f"k{i}"], [[arena.s(offs[i], MiB)]])[0].ok
+    assert store.get(["k0"], [[arena.d(0, MiB)]])[0].ok
+    for i in range(n - 2, total):
+        r = put_until_stored(store, f"k{i}", [arena.s(offs[i], MiB)])
+        assert r.ok, r
+    present = store.exists([f"k{i}" for i in range(total)])
+    assert present[0] and not present[1] and present[-1], present
+    assert sum(present) * MiB <= CAP
+    for i in (i for i, p in enumerate(present) if p):
+        assert store.get([f"k{i}"], [[arena.d(0, MiB)]])[0].ok
+        assert np.array_equal(arena.dst[:MiB], arena.src[offs[i]:offs[i] + MiB]), i
+
+
+def test_bad_input(store, arena):
+    with pytest.raises(ValueError, match="2 keys but 1"):
+        store.put(["a", "b"], [[arena.s(0, 1)]])
+    with pytest.raises(ValueError, match="no segments"):
+        store.get(["a"], [[]])
+    with pytest.raises(ValueError, match="key 5"):
+        store.exists([5])
+    with pytest.raises(ValueError, match="segment"):
+        store.put(["a"], [[(arena.src.ctypes.data, 0)]])
+
+
+# ---- embedded only: strict LRU, threads, factory ----------------------------------------------
+
+
+def test_embedded_strict_lru_order(arena):
+    s = EmbeddedStore(capacity_bytes=4096)
+    for i in range(4):
+        s.put([f"k{i}"], [[arena.s(i, 1024)]])
+    s.get(["k0"], [[arena.d(0, 1024)]])  # k0 becomes most recent: k1 is now the LRU
+    s.put(["k4"], [[arena.s(4, 1024)]])
+    assert s.exists([f"k{i}" for i in range(5)]) == [True, False, True, True, True]
+    s.put(["k2"], [[arena.s(2, 1024)]])  # a put counts as use too: order k3, k0, k4, k2
+    s.put(["big"], [[arena.s(0, 2048)]])
+    assert s.exists(["k3", "k0", "k4", "k2", "big"]) == [False, False, True, True, True]
+    st = s.stats()
+    assert (st["evictions"], st["evicted_bytes"], st["used_bytes"], st["num_keys"]) == (3, 3072, 4096, 3)
+
+
+def test_embedded_oversized_put_keeps_old_value(arena):
+    s = EmbeddedStore(capacity_bytes=1000)
+    s.put(["k"], [[arena.s(0, 500)]])
+    (r,) = s.put(["k"], [[arena.s(0, 1001)]])
+    assert isinstance(r.error, StoreFull) and r.nbytes == 1001
+    assert s.get(["k"], [[arena.d(0, 500)]])[0].ok and s.stats()["used_bytes"] == 500
+    s.close()
+    with pytest.raises(StoreError, match="closed"):
+        s.exists(["k"])
+
+
+def test_embedded_concurrent_use():
+    """Threads putting and getting overlapping keys under eviction pressure never see torn values."""
+    s = EmbeddedStore(capacity_bytes=64 * 1024)
+    bad: list[str] = []
+
+    def worker(t: int) -> None:
+        rng = np.random.default_rng(t)
+        src, dst = np.empty(4096, np.uint8), np.empty(4096, np.uint8)
+        for _ in range(300):
+            k = int(rng.integers(0, 40))
+            if rng.random() < 0.5:
+                src[:] = k  # every value of key k is 4 KiB of byte k, whoever wrote it
+                s.put([f"k{k}"], [[(src.ctypes.data, 4096)]])
+            else:
+                (r,) = s.get([f"k{k}"], [[(dst.ctypes.data, 4096)]])
+                if r.ok and not (dst == k).all():
+                    bad.append(f"k{k}")
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    st = s.stats()
+    assert bad == [] and st["used_bytes"] == 4096 * st["num_keys"] <= 64 * 1024 and st["evictions"] > 0
+
+
+def test_create_store_errors():
+    with pytest.raises(ValueError, match="kind='redis'"):
+        create_store("redis")
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['protocol'\]"):
+        create_store("embedded", protocol="tcp")
+    with pytest.raises(ValueError, match="capacity_bytes=0"):
+        create_store("embedded", capacity_bytes=0)
+
+
+# ---- Mooncake only ------------------------------------------------------------------------------
+
+
+@pytest.mark.mooncake
+def test_mooncake_background_eviction(mstore, arena):
+    """Mooncake never evicts inside a put: a put that finds no space fails with StoreFull, and once
+    usage crosses the high watermark (0.9) the master evicts a batch of the values with the oldest
+    lease (here: the first ones put) in the background, with no client call involved."""
+    s = mstore
+    n = CAP // MiB
+    for i in range(n):
+        assert put_until_stored(s, f"e{i}", [arena.s(i * 4099, MiB)]).ok
+    t = time.monotonic()
+    r = put_until_stored(s, "after", [arena.s(123, MiB)])  # not exists(): it would lease every key
+    assert r.ok and time.monotonic() - t < 5
+    survivors = s.exists([f"e{i}" for i in range(n)])
+    evicted = survivors.index(True)
+    assert 0 < evicted < n and all(survivors[evicted:]), survivors  # a prefix, i.e. oldest first
+    for i in range(evicted, n):
+        assert s.get([f"e{i}"], [[arena.d(0, MiB)]])[0].ok
+        assert np.array_equal(arena.dst[:MiB], arena.src[i * 4099:i * 4099 + MiB])
+
+
+@pytest.mark.mooncake
+def test_mooncake_failed_put_evicts_an_unrelated_value(mooncake, mstore, arena):
+    """A put that finds no space makes the master evict eviction_ratio (5 %, at least one) of the
+    lease-expired values even when the pool is nearly empty: here the only other value."""
+    m, s = mooncake
+    assert s.put(["bystander"], [[arena.s(0, 100)]])[0].ok
+    before = master_metrics(m)["master_evicted_key_count"]
+    (r,) = s.put(["huge"], [[arena.s(0, CAP), arena.s(CAP, 1)]])
+    assert isinstance(r.error, StoreFull)
+    deadline = time.monotonic() + 5
+    while master_metrics(m)["master_evicted_key_count"] == before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert master_metrics(m)["master_evicted_key_count"] == before + 1
+    assert s.exists(["bystander"]) == [False]
+
+
+@pytest.mark.mooncake
+def test_mooncake_two_clients_share_the_pool(mooncake, arena):
+    m, a = mooncake
+    a.clear()
+    buf = np.zeros(MiB, np.uint8)
+    b = create_store("mooncake", master=m.master, metadata_server=m.metadata_server, global_segment_size=0)
+    try:
+        b.register_buffer(buf.ctypes.data, buf.nbytes)
+        assert a.put(["from_a"], [[arena.s(99, 5000)]])[0].ok
+        assert b.get(["from_a"], [[(buf.ctypes.data, 5000)]])[0].ok
+        assert np.array_equal(buf[:5000], arena.src[99:5099])
+        buf[:777] = 7
+        assert b.put(["from_b"], [[(buf.ctypes.data, 777)]])[0].ok  # stored on a's segment: b has none
+        assert a.get(["from_b"], [[arena.d(0, 777)]])[0].ok and (arena.dst[:777] == 7).all()
+        with pytest.raises(ValueError, match="not inside a registered buffer"):
+            b.put(["x"], [[arena.s(0, 10)]])  # a's buffers are not b's
+    finally:
+        b.close()
+    assert b.registered_buffers() == []
+    with pytest.raises(StoreError, match="closed"):
+        b.exists(["from_a"])
+    b.close()  # idempotent
+    a.clear()
+
+
+@pytest.mark.mooncake
+def test_mooncake_remove_of_leased_value_without_force(mstore, arena):
+    s = mstore
+    s.put(["leased"], [[arena.s(0, 100)]])
+    s.get(["leased"], [[arena.d(0, 100)]])  # a read grants a lease (default_kv_lease_ttl: 2 s here)
+    s.force_remove = False
+    try:
+        (r,) = s.remove(["leased"])
+        assert type(r.error) is StoreError and "lease" in str(r.error)
+    finally:
+        s.force_remove = True
+    assert s.remove(["leased"])[0].ok
+
+
+@pytest.mark.mooncake
+def test_mooncake_unreachable_master_fails_fast():
+    ok, why = mooncake_available()
+    if not ok:
+        pytest.skip(why)
+    t = time.monotonic()
+    with pytest.raises(StoreError, match="cannot reach mooncake_master"):
+        create_store("mooncake", master=f"127.0.0.1:{free_port()}", connect_timeout_s=1.0)
+    assert time.monotonic() - t < 5
+    with pytest.raises(ValueError, match="global_segment_size=1024"):
+        create_store("mooncake", master="127.0.0.1:1", global_segment_size=1024)
