@@ -14,7 +14,7 @@ import threading
 
 from hwkv.interfaces.store import Buffers, ItemResult, KeyNotFound, SizeMismatch, Store, StoreError, StoreFull
 from hwkv.stores.embedded import check_batch
-from hwkv.transfer.mooncake import PROTOCOLS, Registrations, load_mooncake
+from hwkv.transfer.mooncake import PROTOCOLS, Registrations, check_segments, load_mooncake
 
 MIN_SEGMENT = 16 << 20  # the wheel refuses smaller global segments ("Total size must be at least 16777216")
 # Mooncake ErrorCode values the adapter maps (mooncake-store/include/types.h).
@@ -110,7 +110,7 @@ class MooncakeStore(Store):
                                          "(call register_buffer first)")
 
     def register_buffer(self, ptr: int, nbytes: int) -> None:
-        check_batch("register_buffer", ["-"], [[(ptr, nbytes)]])
+        check_segments("register_buffer", [ptr], [nbytes])
         store = self._live()
         with self._lock:
             self._regs.add(ptr, nbytes)
@@ -189,6 +189,8 @@ class MooncakeStore(Store):
             return ItemResult(key, 0, KeyNotFound(f"key {key!r} not found"))
         # A wrong-sized buffer shows up as a short read, INVALID_PARAMS or TRANSFER_FAIL: ask the size.
         size = code if code > 0 else store.get_size(key)
+        if size == OBJECT_NOT_FOUND:  # evicted or removed between the get and the size query
+            return ItemResult(key, 0, KeyNotFound(f"key {key!r} not found"))
         if size >= 0 and size != want:
             return ItemResult(key, size, SizeMismatch(f"key {key!r}: stored {size} B, buffers hold {want} B"))
         return ItemResult(key, 0, _error("get", key, code))
