@@ -119,7 +119,7 @@ def _head_sizes(caps: object) -> list[int]:
 def _block_sizes(caps: object) -> list[int]:
     # Every block size the backend declares (a spread for open ranges) plus probes outside it, so
     # an exclusion shows up as NOT_SUPPORTED in the report.
-    sizes = set(caps.test_block_sizes()) | {16, 128}
+    sizes = set(caps.test_block_sizes()) | {1, 16, 128}
     return sorted(sizes)
 
 

@@ -111,6 +111,8 @@ class ReportPlugin:
         def expire(signum: int, frame: Any) -> None:
             raise TestTimeout(f"test exceeded its {limit:g}s time limit")
 
+        outer_left, _ = signal.getitimer(signal.ITIMER_REAL)  # e.g. pytest-timeout around an in-process run
+        t0 = time.monotonic()
         old = signal.signal(signal.SIGALRM, expire)
         signal.setitimer(signal.ITIMER_REAL, limit)
         try:
@@ -118,6 +120,8 @@ class ReportPlugin:
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, old)
+            if outer_left > 0:
+                signal.setitimer(signal.ITIMER_REAL, max(outer_left - (time.monotonic() - t0), 1e-3))
 
     # -- classification -----------------------------------------------------------------------
     @pytest.hookimpl(wrapper=True)
