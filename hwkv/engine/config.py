@@ -9,7 +9,7 @@ from typing import Any
 @dataclass
 class EngineConfig:
     model: str
-    backend: str = "cpu"
+    backend: Any = "cpu"  # a registered backend name, or a Backend instance (emulators, tests)
     dtype: Any = None  # None/"auto": the checkpoint's dtype (float32 when it names none)
     max_model_len: int | None = None  # None: the model's, capped by the KV pool
     block_size: int | None = None  # None: the backend's default
@@ -31,7 +31,8 @@ class EngineConfig:
         def is_int(v: Any) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
 
-        need("backend", isinstance(self.backend, str) and bool(self.backend), "a backend name")
+        need("backend", (isinstance(self.backend, str) and bool(self.backend)) or hasattr(self.backend, "attention"),
+             "a backend name or a Backend instance")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_num_partial_prefills"):
             need(name, is_int(getattr(self, name)) and getattr(self, name) >= 1, "an int >= 1")
         for name in ("max_model_len", "block_size", "num_kv_blocks"):

@@ -37,7 +37,7 @@ class _Tracked:
 
 
 class Engine:
-    def __init__(self, model: str, backend: str = "cpu", dtype: Any = None, max_model_len: int | None = None,
+    def __init__(self, model: str, backend: Any = "cpu", dtype: Any = None, max_model_len: int | None = None,
                  block_size: int | None = None, num_kv_blocks: int | None = None, memory_fraction: float = 0.9,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
@@ -54,7 +54,8 @@ class Engine:
         from hwkv.model import load_model
         from hwkv.plugins import get_backend
 
-        self.backend = get_backend(backend)  # ValueError (unknown) / BackendUnavailable (why)
+        # ValueError (unknown name) / BackendUnavailable (why); an instance is used as given
+        self.backend = get_backend(backend) if isinstance(backend, str) else backend
         self.backend.device.seed(seed)
         has_tok = (Path(cfg.model) / "tokenizer.json").is_file()
         self.model, self.model_config, self.tokenizer, self.generation_config = load_model(

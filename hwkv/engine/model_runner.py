@@ -10,7 +10,7 @@ in numpy (a few µs per op where a small torch op costs ~10 µs) and is handed t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -29,6 +29,15 @@ class _ReqState:
     num_prompt_tokens: int
     params: Any
     output_token_ids: list[int] = field(default_factory=list)
+
+
+class StepInputs(NamedTuple):
+    input_ids: torch.Tensor  # [T] long, on the device
+    positions: torch.Tensor  # [T] long
+    attn_metadata: Any  # what the backend's metadata builder returned
+    logits_indices: torch.Tensor  # [S] long: last scheduled token of each sampling request
+    sample_idx: list[int]  # batch indices of the sampling requests
+    slot_mapping: torch.Tensor  # [T] long, passed explicitly: a backend's metadata need not carry it
 
 
 class ModelRunner:
@@ -96,8 +105,7 @@ class ModelRunner:
         return states
 
     # ---- one step -----------------------------------------------------------------------------
-    def prepare_inputs(self, so: SchedulerOutput, states: list[_ReqState]) -> tuple[Any, ...]:
-        """input_ids, positions, backend metadata, logits_indices, indices of sampling requests."""
+    def prepare_inputs(self, so: SchedulerOutput, states: list[_ReqState]) -> StepInputs:
         R, bs = len(states), self.block_size
         ctx = np.array(so.scheduled_cached_reqs.num_computed_tokens
                        + [n.num_computed_tokens for n in so.scheduled_new_reqs], dtype=np.int64)
@@ -130,7 +138,7 @@ class ModelRunner:
             num_prefills=R - n_dec, num_decodes=n_dec, num_prefill_tokens=T - n_dec, num_decode_tokens=n_dec,
             max_query_len=int(ql.max()), max_seq_len=int(seq.max()),
         )
-        return i64[0], i64[1], self.meta_builder.build(common), i64[3], sample_idx.tolist()
+        return StepInputs(i64[0], i64[1], self.meta_builder.build(common), i64[3], sample_idx.tolist(), i64[2])
 
     def record_sampled(self, states: list[_ReqState], toks: list[int]) -> None:
         """Append one sampled token per state (one bulk write into the token table)."""
@@ -152,6 +160,10 @@ class ModelRunner:
         return SamplingBatch(params, [st.output_token_ids for st in states], prompts, gens,
                              eos_token_ids=self.eos_token_ids)
 
+    def _forward(self, inp: StepInputs) -> torch.Tensor:
+        return self.model.forward(inp.input_ids, inp.positions, self.kv_cache, inp.attn_metadata,
+                                  inp.logits_indices, slot_mapping=inp.slot_mapping)
+
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         states = self.update_states(so)
@@ -161,10 +173,11 @@ class ModelRunner:
             conn.start_load_kv()
         out = ModelRunnerOutput()
         if states:
-            input_ids, positions, attn_meta, logits_indices, sample_idx = self.prepare_inputs(so, states)
+            inp = self.prepare_inputs(so, states)
+            sample_idx = inp.sample_idx
             req_ids = list(so.num_scheduled_tokens)
             if sample_idx:
-                logits = self.model.forward(input_ids, positions, self.kv_cache, attn_meta, logits_indices)
+                logits = self._forward(inp)
                 sampled = [states[i] for i in sample_idx]
                 sampled_ids = [req_ids[i] for i in sample_idx]
                 result = sample(logits, self._sampling_batch(sampled, sampled_ids))
@@ -174,7 +187,7 @@ class ModelRunner:
                 if result.logprobs is not None:
                     out.logprobs = {rid: [lp] for rid, lp in zip(sampled_ids, result.logprobs) if lp is not None}
             else:  # only partial prefill chunks: write their KV, sample nothing
-                self.model.forward(input_ids, positions, self.kv_cache, attn_meta, logits_indices)
+                self._forward(inp)
         if conn is not None:
             conn.wait_for_save()
             out.kv_connector_output = conn.get_finished(so.finished_req_ids)

@@ -40,7 +40,8 @@ def test_prepare_inputs_matches_reference_build():
         states = runner.update_states(so)
         rids = list(so.num_scheduled_tokens)
         before = {rid: reqs[rid].num_computed_tokens - n for rid, n in so.num_scheduled_tokens.items()}
-        input_ids, positions, meta, logits_idx, sample_idx = runner.prepare_inputs(so, states)
+        input_ids, positions, meta, logits_idx, sample_idx, slot_mapping = runner.prepare_inputs(so, states)
+        assert slot_mapping is meta.slot_mapping
         ql = [so.num_scheduled_tokens[r] for r in rids]
         seq = [before[r] + so.num_scheduled_tokens[r] for r in rids]
         ref = AttentionMetadata.build(ql, seq, [kv.get_block_ids(r) for r in rids], BS)
