@@ -85,7 +85,7 @@ class _Harness:
         states = self.runner.update_states(so)
         sampled: dict[str, list[int]] = {}
         if states:
-            *_, sample_idx = self.runner.prepare_inputs(so, states)
+            sample_idx = self.runner.prepare_inputs(so, states).sample_idx
             rids = list(so.num_scheduled_tokens)
             toks = [7] * len(sample_idx)
             self.runner.record_sampled([states[i] for i in sample_idx], toks)
