@@ -155,6 +155,8 @@ def test_write_kv_skips_minus_one_slots():
     impl.write_kv(k, v, layer, torch.full((4,), -1))  # all padding: no-op
     with pytest.raises(ValueError, match="slot_mapping value 12"):
         impl.write_kv(k, v, layer, torch.tensor([12, -1, -1, -1]))
+    with pytest.raises(ValueError, match="slot_mapping value -2"):
+        impl.write_kv(k, v, layer, torch.tensor([1, -2, -1, -1]))
     with pytest.raises(ValueError, match="key/value"):
         impl.write_kv(k[:, :1], v[:, :1], layer, torch.tensor([0, 1, 2, 3]))
 

@@ -50,8 +50,9 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, layer_kv: Any, slot_mapping
     slots = slot_mapping[keep].long()
     if slots.numel() == 0:
         return
-    if int(slots.max()) >= nb * bs:
-        raise ValueError(f"slot_mapping value {int(slots.max())} out of range [-1, {nb * bs}) for {nb} blocks of {bs}")
+    if int(slots.max()) >= nb * bs or bool((slot_mapping < -1).any()):
+        bad = int(slots.max()) if int(slots.max()) >= nb * bs else int(slot_mapping.min())
+        raise ValueError(f"slot_mapping value {bad} out of range [-1, {nb * bs}) for {nb} blocks of {bs}")
     blk, off = slots // bs, slots % bs
     k_cache[blk, off] = key[:n][keep].to(k_cache.dtype)
     v_cache[blk, off] = value[:n][keep].to(v_cache.dtype)
