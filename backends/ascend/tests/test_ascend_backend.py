@@ -137,3 +137,18 @@ def test_aligned_kv_allocation_and_block_copies(npu):
     assert dev.pinned_empty(64).numel() == 64
     with dev.stream_context(stream):
         dev.synchronize()
+
+
+def test_pyproject_pins_the_same_torch_npu_range_and_entry_point():
+    from pathlib import Path
+
+    from hwkv_ascend import _npu
+
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+
+    meta = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    assert meta["name"] == "hwkv-ascend"
+    assert meta["entry-points"]["hwkv.backends"] == {"ascend": "hwkv_ascend.plugin"}
+    assert meta["optional-dependencies"]["npu"] == [_npu.VERSION_RANGE.replace("torch_npu", "torch-npu")]
+    assert meta["optional-dependencies"]["mooncake"] == ["mooncake-transfer-engine-npu"]
+    assert not any("torch-npu" in d or "torch_npu" in d for d in meta["dependencies"])  # import-safe install
