@@ -52,6 +52,19 @@ def test_registry_lists_ascend_unavailable_with_reason(no_npu):
         plugins.get_backend("ascend")
 
 
+def test_hwkv_backends_command_shows_the_reason(no_npu, capsys):
+    import json
+
+    cli = pytest.importorskip("hwkv.cli")
+    plugins = pytest.importorskip("hwkv.plugins")
+    if "ascend" not in {b.name for b in plugins.list_backends()}:
+        pytest.skip("hwkv-ascend entry point not installed (pip install -e backends/ascend)")
+    cli.main(["backends", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    rows = {b["name"]: b for b in (data if isinstance(data, list) else data["backends"])}
+    assert rows["ascend"]["available"] is False and FIX in rows["ascend"]["reason"]
+
+
 def test_plugin_hook_returns_the_spec():
     from hwkv_ascend import plugin
 
