@@ -86,6 +86,7 @@ def _print_stats(st: dict[str, Any]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import hwkv
+    from hwkv.interfaces.backend import BackendUnavailable
 
     if not args.model and not args.demo:
         print("hwkv generate: error: give --model DIR or --demo", file=sys.stderr)
@@ -115,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
         for title, batch in rounds:
             outs = engine.generate(batch, params, use_tqdm=not args.json)
             results.append((title, outs))
-    except ValueError as e:
+    except (ValueError, BackendUnavailable) as e:
         print(f"hwkv generate: error: {e}", file=sys.stderr)
         return 2
     stats = engine.stats()
@@ -132,6 +133,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"model {model} on backend {args.backend!r} ({engine.backend.device.description()}), "
           f"loaded in {load_s:.2f} s; {engine.kv_cache.spec.num_blocks} KV blocks x {engine.block_size} tokens, "
           f"max_model_len {engine.max_model_len}")
+    if args.demo:
+        print("(random weights: the text is noise — the point is the pipeline: batching, prefix cache, stats)")
     for title, outs in results:
         _print_outputs(title, outs)
     _print_stats(stats)
