@@ -315,7 +315,3 @@ class Scheduler:
                 req.num_computed_tokens = 0
                 req.status = RequestStatus.WAITING
         self.connector.update_connector_output(out)
-
-    def stats(self) -> dict[str, int]:
-        return {"num_running": len(self.running), "num_waiting": len(self.waiting),
-                "num_preemptions": self.num_preemptions}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +32,6 @@ class _Tracked:
     detok: IncrementalDetokenizer
     logprobs: list[Any] | None
     num_seen: int = 0
-    stop_reason: int | str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class Engine:
