@@ -49,7 +49,7 @@ class ModelRunner:
         self.meta_builder = backend.attention.metadata_builder()
         self.connector = None if connector is None or type(connector) is NoOpConnector else connector
         max_blocks = -(-max_model_len // block_size)
-        self.token_ids = np.zeros((max_num_seqs, max_model_len), dtype=np.int64)
+        self.token_ids = np.zeros((max_num_seqs, max_model_len), dtype=np.int32)  # widened per step
         self.block_table = np.zeros((max_num_seqs, max_blocks), dtype=np.int32)
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))
         self.reqs: dict[str, _ReqState] = {}
