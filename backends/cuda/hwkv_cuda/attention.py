@@ -32,23 +32,24 @@ class TileConfig:
     block_n: int
     num_warps: int
     num_stages: int
-    split_target: int = 4  # split KV until the grid has this many programs per SM (0: never split)
-    min_split: int = 256  # fewest KV tokens a split may get
+    split_below: int = 2  # split KV only when the grid has fewer programs than this per SM ...
+    split_target: int = 8  # ... and then until it has this many per SM
+    min_split: int = 128  # fewest KV tokens a split may get
 
 
 def choose_config(max_query_len: int, group: int, head_size: int, dtype: torch.dtype) -> TileConfig:
-    """Tiles by shape: decodes pack the G heads of a KV head into M (>= 16 rows for the MMA);
-    prefills take 128-row tiles (64 for head 256, whose K/V tiles would not fit shared memory)."""
+    """Tiles by shape (from an H100/H200 sweep, docs/cuda-backend.md): decodes pack the G heads of a
+    KV head into M (>= 16 rows for the MMA) and stream 128-key tiles; prefills take 128-row tiles with
+    one warpgroup. Head 256 and fp32 halve the key tile so K/V stages fit in shared memory."""
     hpad = _pow2(group)
-    big_d = head_size > 128
-    wide = dtype == torch.float32
+    narrow = head_size > 128 or dtype == torch.float32
     if max_query_len == 1:
         block_m = max(16, hpad)
-        cfg = dict(block_m=block_m, block_q=1, block_n=32 if big_d or wide else 64, num_warps=4, num_stages=3)
+        cfg = dict(block_m=block_m, block_q=1, block_n=32 if narrow else 128, num_warps=4, num_stages=2)
     else:
-        block_m = max(64 if big_d or wide else 128, hpad)
-        cfg = dict(block_m=block_m, block_q=block_m // hpad, block_n=32 if big_d or wide else 64,
-                   num_warps=8 if block_m >= 128 else 4, num_stages=2 if big_d or wide else 3)
+        block_m = max(64 if narrow else 128, hpad)
+        cfg = dict(block_m=block_m, block_q=block_m // hpad, block_n=32 if narrow else 64, num_warps=4,
+                   num_stages=2)
     override = os.environ.get("HWKV_CUDA_ATTN_CONFIG", "")
     for item in filter(None, override.split(",")):
         k, _, v = item.partition("=")
@@ -66,10 +67,10 @@ class CudaAttentionMetadata:
     num_sms: int
     plans: dict[tuple[int, ...], tuple[torch.Tensor, int, int, int]] = field(default_factory=dict)
 
-    def plan(self, block_q: int, block_n: int, num_kv_heads: int, split_target: int = 4,
-             min_split: int = 256) -> tuple[torch.Tensor, int, int, int]:
+    def plan(self, block_q: int, block_n: int, num_kv_heads: int, split_below: int = 2, split_target: int = 8,
+             min_split: int = 128) -> tuple[torch.Tensor, int, int, int]:
         """``(qblock_start, num_q_blocks, num_splits, seg_len)`` for one tile shape, cached."""
-        key = (block_q, block_n, num_kv_heads, split_target, min_split)
+        key = (block_q, block_n, num_kv_heads, split_below, split_target, min_split)
         if key not in self.plans:
             c = self.common
             qlen_cpu = c.query_lens_cpu.to(torch.int64)
@@ -77,10 +78,13 @@ class CudaAttentionMetadata:
             qlen = (c.query_start_loc[1:] - c.query_start_loc[:-1]).to(torch.int32)
             qblock_start = torch.zeros(qlen.numel() + 1, dtype=torch.int32, device=qlen.device)
             torch.cumsum((qlen + block_q - 1) // block_q, 0, out=qblock_start[1:])
-            # flash-decoding: split KV when the grid would leave SMs idle and contexts are long
+            # flash-decoding: split KV when the grid would leave SMs idle and contexts are long; a grid
+            # that already fills the SMs loses more to partials and the reduction than it gains
             programs = max(1, num_q_blocks * num_kv_heads)
-            splits = min(MAX_SPLITS, -(-split_target * self.num_sms // programs), c.max_seq_len // min_split)
-            splits = max(1, splits)
+            splits = 1
+            if programs < split_below * self.num_sms:
+                splits = min(MAX_SPLITS, -(-split_target * self.num_sms // programs), c.max_seq_len // min_split)
+                splits = max(1, splits)
             seg_len = -(-max(c.max_seq_len, 1) // splits)
             seg_len = -(-seg_len // block_n) * block_n
             splits = -(-max(c.max_seq_len, 1) // seg_len)
@@ -143,8 +147,8 @@ class TritonAttentionImpl(AttentionImpl):
             raise ValueError(f"KV block size {bs} differs from metadata block_size {c.block_size}")
         group = self.num_heads // hkv
         cfg = choose_config(c.max_query_len, group, d, query.dtype)
-        qblock_start, num_q_blocks, splits, seg_len = md.plan(cfg.block_q, cfg.block_n, hkv, cfg.split_target,
-                                                              cfg.min_split)
+        qblock_start, num_q_blocks, splits, seg_len = md.plan(cfg.block_q, cfg.block_n, hkv, cfg.split_below,
+                                                              cfg.split_target, cfg.min_split)
         d_pad = max(16, _pow2(d))
         splits_pad = _pow2(splits)
         if splits > 1:

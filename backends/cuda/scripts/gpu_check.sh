@@ -12,11 +12,12 @@ args=""; [[ $STEPS == *check* ]] && args="check"; [[ $STEPS == *sweep* ]] && arg
 [[ $STEPS == *quickcheck* ]] && args="quickcheck"; [[ $STEPS == *sweep* ]] && args="$args sweep"
 [[ -n $args ]] && timeout ${CHECK_S:-240} python3 backends/cuda/scripts/gpu_check.py $args --out "$OUT" 2>&1 | tee "$OUT/check.log" | grep -E "BEST|FAIL|correctness|Error|error|Traceback"
 if [[ $STEPS == *bench* ]]; then
-  timeout ${BENCH_S:-330} python3 -m hwkv.bench.attention --out "$OUT/attention.json" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v "^|"
+  timeout ${BENCH_S:-330} python3 -m hwkv bench attention --out "$OUT/attention.json" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v "^|"
 fi
 if [[ $STEPS == *conformance* ]]; then
   # entry points need installed dists; offline device: no deps, no build isolation
   python3 -m pip install -q --no-deps --no-build-isolation -e . -e backends/cuda 2>&1 | grep -v WARNING | tail -3
-  timeout ${CONF_S:-240} python3 -m hwkv conformance --backend cuda --certify --report "$OUT/conf" 2>&1 | tail -30
+  timeout ${CONF_S:-240} python3 -m hwkv conformance --backend cuda --certify --report "$OUT/conf" 2>&1 \
+    | tee "$OUT/conf.log" | grep -vE "^\.+ +\[" | tail -40
 fi
 exit 0

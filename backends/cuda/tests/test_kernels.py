@@ -40,7 +40,7 @@ CASES = {  # name: (query lens, seq lens, H, H_kv, D, block size)
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_attention_matches_naive(name, monkeypatch):
-    monkeypatch.setenv("HWKV_CUDA_ATTN_CONFIG", "min_split=32")  # reach the split-KV path on small shapes
+    monkeypatch.setenv("HWKV_CUDA_ATTN_CONFIG", "min_split=32,split_below=1000")  # split on small shapes
     qlens, slens, h, hkv, d, bs = CASES[name]
     q, kv, md, tables = _case(qlens, slens, h, hkv, d, bs, seed=len(name))
     impl = TritonAttentionBackend().make_impl(h, d, hkv, d**-0.5)

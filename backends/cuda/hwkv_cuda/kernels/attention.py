@@ -52,7 +52,8 @@ def _tile(acc, l_i, m_i, q, qk_scale, kv_ptr, bt_ptr, start, kv_end, q_pos, kvh_
     return acc, l_i, m_new
 
 
-@triton.jit
+# runtime sizes that vary per batch are not specialised on (%16, ==1): fewer recompiles across batches
+@triton.jit(do_not_specialize=["num_seqs", "seg_len", "stride_bt"])
 def attention_kernel(
     q_ptr, kv_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     qblock_start_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
@@ -127,7 +128,7 @@ def attention_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def reduce_kernel(out_ptr, part_acc_ptr, part_ml_ptr, stride_ot, stride_oh, num_heads, num_splits,
                   HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS_PAD: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
