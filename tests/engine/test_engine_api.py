@@ -215,3 +215,43 @@ def test_generation_config_defaults(tmp_path):
     a = e.generate("Hello", use_tqdm=False)[0]
     b = e.generate("Hello", hwkv.SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0]
     assert a.token_ids == b.token_ids and len(a.token_ids) <= 5
+
+
+def test_connector_hooks_through_the_engine(model_dir):
+    from hwkv.connectors.base import KVConnectorBase
+    from hwkv.core.sched_output import KVConnectorOutput
+
+    class Recorder(KVConnectorBase):
+        """Holds finished requests' blocks (delay_free) until the next get_finished reports them sent."""
+
+        def __init__(self):
+            self.calls, self.sending, self.registered = [], set(), None
+
+        def register_kv_caches(self, kv_cache):
+            self.registered = kv_cache
+
+        def build_connector_meta(self, so):
+            return {"n": len(so.num_scheduled_tokens)}
+
+        def bind_connector_metadata(self, meta):
+            self.calls.append(("bind", meta["n"]))
+
+        def request_finished(self, request, block_ids):
+            assert block_ids
+            self.sending.add(request.request_id)
+            return True, {"sent": True}
+
+        def get_finished(self, finished_req_ids):
+            done, self.sending = self.sending, set()
+            return KVConnectorOutput(finished_sending=done) if done else None
+
+    conn = Recorder()
+    e = hwkv.Engine(model_dir, num_kv_blocks=48, max_model_len=128, kv_connector=conn)
+    ref = hwkv.Engine(model_dir, num_kv_blocks=48, max_model_len=128).generate(PROMPTS, greedy(6), use_tqdm=False)
+    outs = e.generate(PROMPTS, greedy(6), use_tqdm=False)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert conn.registered is e.kv_cache and conn.calls[0] == ("bind", len(PROMPTS))
+    assert e.scheduler.delayed_free  # the last finishers' blocks are still held by the connector
+    e.step()  # the runner's get_finished reports them sent; the scheduler frees them
+    assert not e.scheduler.delayed_free
+    _no_leak(e)
