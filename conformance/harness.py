@@ -71,8 +71,17 @@ def new_cache(backend: Backend, spec: KVCacheSpec, fill: torch.Generator | None 
     kv = backend.device.allocate_kv_cache(spec, backend.attention.kv_layout)
     if fill is not None:
         for t in kv.tensors:
-            t.copy_(torch.randn(t.shape, generator=fill).mul_(3).to(t.dtype))
+            t.copy_(garbage(t.numel(), fill).view(t.shape).to(t.dtype))
     return kv
+
+
+GARBAGE_PERIOD = 65521  # prime: the pattern never lines up with blocks, heads or head sizes
+
+
+def garbage(n: int, gen: torch.Generator) -> torch.Tensor:
+    """``n`` finite, large-ish values: a seeded random pattern repeated (cheap for big caches)."""
+    pat = torch.randn(min(n, GARBAGE_PERIOD), generator=gen).mul_(3)
+    return pat.repeat(-(-n // pat.numel()))[:n]
 
 
 def read_tokens(kv: KVCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,6 +27,7 @@ NS_PREFIX = "NOT_SUPPORTED: "
 STATUSES = ("PASS", "FAIL", "NOT_SUPPORTED", "ERROR", "TIMEOUT", "SKIPPED")
 CERTIFIABLE = {"PASS", "NOT_SUPPORTED"}
 DEFAULT_TIMEOUT_S = 120.0
+SUITE_DIR = Path(__file__).resolve().parent
 
 
 class TestTimeout(BaseException):  # BaseException: a test's `except Exception` must not swallow it
@@ -66,6 +67,12 @@ def _reason(excinfo: pytest.ExceptionInfo[BaseException]) -> str:
     text = str(excinfo.value).strip().splitlines()
     first = text[0] if text else ""
     return f"{excinfo.typename}: {first}"[:500] if first else excinfo.typename
+
+
+def _raised_by_suite(excinfo: pytest.ExceptionInfo[BaseException]) -> bool:
+    """A suite comparison failed (FAIL), as opposed to an ``assert`` inside backend code (ERROR)."""
+    tb = excinfo.traceback
+    return bool(tb) and Path(str(tb[-1].path)).resolve().parent == SUITE_DIR
 
 
 class ReportPlugin:
@@ -138,7 +145,7 @@ class ReportPlugin:
                     status, reason = "SKIPPED", msg
             elif exc.errisinstance(TestTimeout):
                 status, reason = "TIMEOUT", str(exc.value)
-            elif exc.errisinstance(AssertionError) and call.when == "call":
+            elif exc.errisinstance(AssertionError) and call.when == "call" and _raised_by_suite(exc):
                 status, reason = "FAIL", _reason(exc)
             else:
                 status, reason = "ERROR", f"{call.when}: {_reason(exc)}"

@@ -116,6 +116,9 @@ def test_error_and_timeout_statuses(teeth):
     report = conformance.run("teeth-raises", pytest_args=one)
     (t,) = report["tests"]
     assert t["status"] == "ERROR" and "RuntimeError" in t["reason"] and "deliberate" in t["reason"]
+    report = conformance.run("teeth-asserts", pytest_args=one)  # an assert in backend code is no FAIL
+    (t,) = report["tests"]
+    assert t["status"] == "ERROR" and "vendor-side assert" in t["reason"]
     report = conformance.run("teeth-hangs", pytest_args=[*one, "--test-timeout", "1"])
     (t,) = report["tests"]
     assert t["status"] == "TIMEOUT" and "1s" in t["reason"]

@@ -18,7 +18,7 @@ from hwkv.interfaces import API_VERSION, AttentionBackend, BackendSpec
 from hwkv.plugins import hookimpl
 from hwkv.reference import CpuBackend, ReferenceAttentionImpl
 
-BUGS = ("ok", "slot", "causal", "gqa", "blockorder", "raises", "hangs")
+BUGS = ("ok", "slot", "causal", "gqa", "blockorder", "raises", "asserts", "hangs")
 
 
 class NaiveImpl(ReferenceAttentionImpl):
@@ -40,6 +40,8 @@ class NaiveImpl(ReferenceAttentionImpl):
                 metadata: Any) -> torch.Tensor:
         if self.bug == "raises":
             raise RuntimeError("device kernel launch failed (deliberate)")
+        if self.bug == "asserts":
+            assert query.is_contiguous() and False, "vendor-side assert (deliberate)"
         if self.bug == "hangs":
             time.sleep(30)
         k_cache, v_cache = layer_kv[:, 0], layer_kv[:, 1]
