@@ -2,16 +2,19 @@
 
 (a) offline throughput: N requests, input/output lengths uniform in [lo, hi], ignore_eos;
 (b) batch-1 decode: tokens/s and model-bandwidth utilisation (bytes read per step / step time /
-    device-to-device copy bandwidth measured in the same run);
-(c) shared prefix: requests sharing a long system prompt, prefix caching on vs off (TTFT, tok/s).
+    device-to-device copy bandwidth measured in the same run), CUDA graphs and eager;
+(c) shared prefix: requests sharing a long system prompt, prefix caching on vs off (TTFT, tok/s);
+(p) profile: per-step wall time split into scheduling / input prep / graph replay / sample+sync /
+    output, the GPU-only replay time, and the eager kernel mix of a batch-1 decode step.
 
 Random-weight models of realistic shape are written where the bench runs (no downloads) and loaded
-through the normal loader path.
+through the normal loader path. JSON + Markdown land in ``--out-dir``.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import random
@@ -30,6 +33,7 @@ SHAPES: dict[str, dict[str, Any]] = {
                       intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
                       rope_theta=1000000.0, max_position_embeddings=32768),
 }
+ENGINE_DEFAULTS = dict(max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=8192)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,22 +46,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--hf-requests", type=int, default=64, help="requests HF generate runs (time-bounded)")
     p.add_argument("--hf-batch", type=int, default=64)
-    p.add_argument("--parts", default="a,b,c", help="comma list of a (throughput), b (batch-1), c (prefix)")
+    p.add_argument("--b1-tokens", type=int, default=512, help="batch-1 decode length")
+    p.add_argument("--prefix-requests", type=int, default=64)
+    p.add_argument("--prefix-len", type=int, default=2048)
+    p.add_argument("--parts", default="a,b,c", help="comma list of a (throughput), b (batch-1), c (prefix), "
+                                                    "p (profile)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers peer")
-    p.add_argument("--out", default=None, help="JSON output path (default bench/results/e2e-<device>-<date>.json)")
-    p.add_argument("--engine-args", default="{}", help="JSON dict of extra Engine kwargs")
+    p.add_argument("--out-dir", default="bench/results", help="where e2e-<model>-<device>-<date>.{json,md} go")
+    p.add_argument("--engine-args", default="{}", help=f"JSON dict of Engine kwargs over {ENGINE_DEFAULTS}")
 
 
 def _model_dir(args: argparse.Namespace) -> Path:
     if args.model not in SHAPES:
         return Path(args.model)
-    from hwkv.testing.tiny_models import write_tiny_model
-
     import torch
+
+    from hwkv.testing.tiny_models import write_tiny_model
 
     d = Path(args.workdir) / f"{args.model}-{args.dtype}"
     if not (d / "config.json").exists():
-        write_tiny_model(d, dtype=getattr(torch, args.dtype), seed=0, **SHAPES[args.model])
+        write_tiny_model(d, dtype=getattr(torch, args.dtype), seed=0, tokenizer=False, **SHAPES[args.model])
     return d
 
 
@@ -97,6 +105,37 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def _backend(name: str) -> Any:
+    from hwkv.plugins import get_backend
+
+    try:
+        return get_backend(name)
+    except ValueError:
+        if name != "cuda":
+            raise
+        from hwkv_cuda.backend import CudaBackend  # not installed as a plugin: PYTHONPATH=backends/cuda
+
+        return CudaBackend()
+
+
+def make_engine(mdir: Path, args: argparse.Namespace, **kw: Any) -> Any:
+    import hwkv
+
+    opts = {**ENGINE_DEFAULTS, **json.loads(args.engine_args), **kw}
+    return hwkv.Engine(str(mdir), backend=_backend(args.backend), dtype=args.dtype, **opts)
+
+
+def free(engine: Any) -> None:
+    import torch
+
+    if engine is not None and getattr(engine.runner, "graphs", None) is not None:
+        engine.runner.graphs.graphs.clear()
+    del engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def run_engine(engine: Any, work: list[tuple[list[int], int]]) -> dict[str, float]:
     from hwkv.sampling_params import SamplingParams
 
@@ -107,13 +146,15 @@ def run_engine(engine: Any, work: list[tuple[list[int], int]]) -> dict[str, floa
     _sync()
     dt = time.perf_counter() - t0
     ntok = sum(len(o.token_ids) for o in outs)
-    ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outs]
-    return dict(seconds=dt, output_tokens=ntok, tok_per_s=ntok / dt, mean_ttft_s=sum(ttft) / len(ttft))
+    ttft = sorted(o.metrics.first_token_time - o.metrics.arrival_time for o in outs)
+    return dict(seconds=dt, requests=len(work), output_tokens=ntok, tok_per_s=ntok / dt,
+                mean_ttft_s=sum(ttft) / len(ttft), p50_ttft_s=ttft[len(ttft) // 2])
 
 
 def run_hf(model_dir: Path, work: list[tuple[list[int], int]], batch: int, dtype: str) -> dict[str, float]:
-    """HF `generate` at its best simple settings: bf16, SDPA, left padding, batches sorted by
-    output length so padding waste is small; ignore_eos via min_new_tokens."""
+    """HF `generate` at its best simple settings: bf16, SDPA, left padding, static batches sorted by
+    output length so padding waste is small; ignore_eos via min_new_tokens. Only the tokens each
+    request asked for are counted."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -135,16 +176,167 @@ def run_hf(model_dir: Path, work: list[tuple[list[int], int]], batch: int, dtype
             ids[j, L - len(p) :] = torch.tensor(p)
             mask[j, L - len(p) :] = 1
         m = max(o for _, o in chunk)
-        model.generate(
-            ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=m, min_new_tokens=m,
-            do_sample=False, pad_token_id=0,
-        )
-        ntok += sum(o for _, o in chunk)  # only the tokens each request asked for count
+        model.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=m, min_new_tokens=m,
+                       do_sample=False, pad_token_id=0)
+        ntok += sum(o for _, o in chunk)
     _sync()
     dt = time.perf_counter() - t0
     del model
-    torch.cuda.empty_cache()
+    free(None)
     return dict(seconds=dt, output_tokens=ntok, tok_per_s=ntok / dt, batch=batch, requests=len(work))
+
+
+def kv_bytes_per_token(cfg: dict[str, Any], elem: int = 2) -> int:
+    head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head * elem
+
+
+def batch1(engine: Any, cfg: dict[str, Any], vocab: int, n_out: int, copy_bw: float | None) -> dict[str, Any]:
+    """Decode tokens/s of one request and MBU = (weights + mean KV) bytes per step / step / copy BW."""
+    prompt = _workload(1, 128, 128, vocab, seed=1)[0][0]
+    run_engine(engine, [(prompt, 16)])
+    r = run_engine(engine, [(prompt, n_out)])
+    step = (r["seconds"] - r["mean_ttft_s"]) / (n_out - 1)
+    w = engine.model.decode_read_bytes()
+    bytes_step = w + kv_bytes_per_token(cfg) * (len(prompt) + n_out / 2)
+    b = dict(tok_per_s=1 / step, step_ms=step * 1e3, weight_bytes=w, bytes_per_step=bytes_step,
+             graph_steps=engine.runner.num_graph_steps)
+    if copy_bw:
+        b["mbu"] = bytes_step / step / copy_bw
+    return b
+
+
+def profile(engine: Any, vocab: int, batch: int, steps: int = 64) -> dict[str, Any]:
+    """Mean wall ms per decode step by phase (the runner syncs once per step, so phases are serial),
+    plus GPU-only graph replay time for this batch."""
+    import torch
+
+    from hwkv.sampling_params import SamplingParams
+
+    r, sched = engine.runner, engine.scheduler
+    acc: dict[str, float] = {}
+
+    def timed(obj: Any, name: str, key: str) -> None:
+        fn = getattr(obj, name)
+
+        def wrapper(*a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                acc[key] = acc.get(key, 0.0) + time.perf_counter() - t
+        setattr(obj, name, wrapper)
+
+    for obj, name, key in ((sched, "schedule", "schedule"), (r, "decode_batch", "prep_inputs"),
+                           (r, "prepare_inputs", "prep_inputs"), (r, "_forward", "eager_forward"),
+                           (r, "_sample", "sample_sync"), (sched, "update_from_output", "update")):
+        timed(obj, name, key)
+    if r.graphs is not None:
+        timed(r.graphs, "run", "graph_copy_replay")
+    work = _workload(batch, 128, 128, vocab, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
+    for i, (p, _) in enumerate(work):
+        engine.add_request(f"prof{i}", p, params)
+    while len(r.reqs) < batch or not all(st.output_token_ids for st in r.reqs.values()):
+        engine.step()  # prefills (maybe chunked) until every request decodes
+    acc.clear()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    wall = (time.perf_counter() - t0) / steps
+    while engine.has_unfinished():
+        engine.step()
+    for obj in (sched, r, r.graphs):
+        if obj is not None:
+            for name in ("schedule", "decode_batch", "prepare_inputs", "_forward", "_sample", "update_from_output",
+                         "run"):
+                obj.__dict__.pop(name, None)
+    out: dict[str, Any] = {k: v / steps * 1e3 for k, v in acc.items()}
+    out["step_wall"] = wall * 1e3
+    out["other (engine.step outputs, stats)"] = wall * 1e3 - sum(v / steps * 1e3 for v in acc.values())
+    g = r.graphs.graphs.get(batch) if r.graphs is not None else None
+    if g is not None:
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        g[0].replay()
+        s.record()
+        for _ in range(20):
+            g[0].replay()
+        e.record()
+        e.synchronize()
+        out["gpu_replay"] = s.elapsed_time(e) / 20
+    return {k: round(v, 4) for k, v in out.items()}
+
+
+def kernel_mix(engine: Any, top: int = 12) -> dict[str, Any]:
+    """CUDA kernels of one eager batch-1 decode forward (static buffers, torch.profiler)."""
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprof
+
+    g = engine.runner.graphs
+    if g is None:
+        return {}
+    md = g._metadata(1, torch.full((1,), 512, dtype=torch.int32))
+    g.seq_lens[:1].fill_(512)
+    g.d64[2, :1].fill_(-1)  # write no KV
+    with torch.inference_mode():
+        g._forward(1, md)
+        _sync()
+        with tprof(activities=[ProfilerActivity.CUDA]) as prof:
+            g._forward(1, md)
+            _sync()
+    rows = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t and ev.count:
+            rows.append((t, ev.count, ev.key))
+    rows.sort(reverse=True)
+    total = sum(t for t, _, _ in rows)
+    return dict(total_us=round(total, 1), launches=sum(c for _, c, _ in rows),
+                top=[dict(us=round(t, 1), count=c, name=k[:90]) for t, c, k in rows[:top]])
+
+
+def markdown(res: dict[str, Any]) -> str:
+    def f(x: Any, d: int = 1) -> str:
+        return f"{x:,.{d}f}" if isinstance(x, (int, float)) else "—"
+
+    lines = [f"# hwkv bench e2e — {res['model']} ({res['dtype']}) on {res['device']}, {res['date']}", "",
+             f"Command: `{res['command']}`  ", f"torch {res['torch']}, transformers {res.get('transformers')}, "
+             f"copy BW {f(res.get('copy_bw_TBps'), 2)} TB/s (read+write)", "",
+             "| workload | hwkv | HF generate | ratio |", "| --- | --- | --- | --- |"]
+    t = res.get("throughput", {})
+    if t:
+        hf = t.get("hf", {})
+        lines.append(f"| (a) offline {t['hwkv']['requests']} req, in/out U[{res['min_len']},{res['max_len']}], "
+                     f"output tok/s | {f(t['hwkv']['tok_per_s'])} | {f(hf.get('tok_per_s'))} "
+                     f"({hf.get('requests', '—')} req, batch {hf.get('batch', '—')}) | {f(t.get('ratio'))}× |")
+    b = res.get("batch1", {})
+    if b:
+        lines.append(f"| (b) batch-1 decode tok/s (graphs) | {f(b.get('tok_per_s'))} "
+                     f"(step {f(b.get('step_ms'), 3)} ms, "
+                     f"MBU {f(100 * b['mbu'] if 'mbu' in b else None)}%) | {f(b.get('hf_tok_per_s'))} | "
+                     f"{f(b['tok_per_s'] / b['hf_tok_per_s'] if b.get('hf_tok_per_s') else None)}× |")
+        e = b.get("eager", {})
+        if e:
+            lines.append(f"| (b) batch-1 decode tok/s (eager) | {f(e.get('tok_per_s'))} (MBU "
+                         f"{f(100 * e['mbu'] if 'mbu' in e else None)}%) | | |")
+    c = res.get("shared_prefix", {})
+    if c:
+        on, off = c.get("prefix_on", {}), c.get("prefix_off", {})
+        for name, key, scale, unit in (("mean TTFT", "mean_ttft_s", 1e3, "ms"), ("p50 TTFT", "p50_ttft_s", 1e3, "ms"),
+                                       ("output tok/s", "tok_per_s", 1, "")):
+            lines.append(f"| (c) {c.get('workload', '')}: {name} {unit}, prefix cache on / off | "
+                         f"{f(on.get(key, 0) * scale)} / {f(off.get(key, 0) * scale)} | | |")
+    for k, v in res.get("profile", {}).items():
+        lines += ["", f"Profile, {k} (ms per decode step): " + ", ".join(f"{n} {f(x, 3)}" for n, x in v.items())]
+    km = res.get("kernel_mix")
+    if km:
+        lines += ["", f"Eager batch-1 decode forward: {km['launches']} kernels, {f(km['total_us'])} µs GPU; top: "
+                  + "; ".join(f"{r['name']} ×{r['count']} {f(r['us'])} µs" for r in km["top"][:6])]
+    for k in ("errors",):
+        if res.get(k):
+            lines += ["", f"Errors: {res[k]}"]
+    return "\n".join(lines) + "\n"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -152,61 +344,106 @@ def run(args: argparse.Namespace) -> int:
 
     import hwkv
 
-    extra = json.loads(args.engine_args)
     mdir = _model_dir(args)
     cfg = json.loads((mdir / "config.json").read_text())
     vocab = cfg["vocab_size"]
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+    try:
+        import transformers
+
+        tf_version = transformers.__version__
+    except ImportError:
+        tf_version = None
     res: dict[str, Any] = dict(
         bench="e2e", model=args.model, dtype=args.dtype, backend=args.backend, device=dev,
-        date=time.strftime("%Y-%m-%d"), command="hwkv bench e2e " + " ".join(sys.argv[3:]),
-        torch=torch.__version__, hwkv=hwkv.__version__,
+        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), command="hwkv bench e2e " + " ".join(sys.argv[3:]),
+        torch=torch.__version__, transformers=tf_version, hwkv=hwkv.__version__, min_len=args.min_len,
+        max_len=args.max_len, engine={**ENGINE_DEFAULTS, **json.loads(args.engine_args)}, errors=[],
     )
-    if torch.cuda.is_available():
-        res["copy_bw_TBps"] = copy_bandwidth() / 1e12
+    copy_bw = copy_bandwidth() if torch.cuda.is_available() else None
+    res["copy_bw_TBps"] = copy_bw / 1e12 if copy_bw else None
     parts = set(args.parts.split(","))
-    engine = hwkv.Engine(str(mdir), backend=args.backend, dtype=args.dtype, **extra)
-    w_bytes = engine.model_runner.model.param_bytes() if hasattr(engine, "model_runner") else None
+    stem = f"e2e-{args.model}-{dev.replace(' ', '_')}-{time.strftime('%Y-%m-%d')}"
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        (out_dir / f"{stem}.json").write_text(json.dumps(res, indent=2))
+        (out_dir / f"{stem}.md").write_text(markdown(res))
+
+    def part(name: str, fn: Any) -> None:
+        t = time.perf_counter()
+        try:
+            fn()
+        except Exception as e:  # one failing part must not lose the others' numbers
+            import traceback
+
+            traceback.print_exc()
+            res["errors"].append(f"{name}: {type(e).__name__}: {e}")
+        print(f"[e2e] part {name}: {time.perf_counter() - t:.1f} s", flush=True)
+        save()
+
+    t0 = time.perf_counter()
+    engine = make_engine(mdir, args)
+    res["engine_init_s"] = time.perf_counter() - t0
+    res["graph_buckets"] = engine.runner.graphs.buckets if engine.runner.graphs is not None else None
+    work = _workload(args.num_requests, args.min_len, args.max_len, vocab)
+
+    def part_a() -> None:
+        run_engine(engine, work[:8])  # warm-up (Triton compilation of prefill shapes)
+        res["throughput"] = dict(hwkv=run_engine(engine, work), stats=engine.stats())
+
+    def part_b() -> None:
+        res["batch1"] = batch1(engine, cfg, vocab, args.b1_tokens, copy_bw)
+
+    def part_p() -> None:
+        res["profile"] = {f"batch {b}": profile(engine, vocab, b) for b in (1, 64, 256)
+                          if b <= engine.config.max_num_seqs}
+        res["kernel_mix"] = kernel_mix(engine)
 
     if "a" in parts:
-        work = _workload(args.num_requests, args.min_len, args.max_len, vocab)
-        run_engine(engine, work[:8])  # warm-up (compilation, graph capture)
-        res["throughput"] = dict(hwkv=run_engine(engine, work))
-        if not args.no_hf:
+        part("a", part_a)
+    if "b" in parts:
+        part("b", part_b)
+    if "p" in parts:
+        part("p", part_p)
+    free(engine)
+    engine = None
+    if "b" in parts:
+        def part_b_eager() -> None:
+            e = make_engine(mdir, args, enforce_eager=True, max_num_seqs=4)
+            res["batch1"]["eager"] = batch1(e, cfg, vocab, min(args.b1_tokens, 256), copy_bw)
+            free(e)
+        part("b-eager", part_b_eager)
+    if not args.no_hf and "a" in parts:
+        def part_a_hf() -> None:
             hf = run_hf(mdir, work[: args.hf_requests], args.hf_batch, args.dtype)
             res["throughput"]["hf"] = hf
             res["throughput"]["ratio"] = res["throughput"]["hwkv"]["tok_per_s"] / hf["tok_per_s"]
-    if "b" in parts:
-        prompt, n_out = _workload(1, 128, 128, vocab, seed=1)[0][0], 512
-        r = run_engine(engine, [(prompt, n_out)])
-        decode_s = r["seconds"] - r["mean_ttft_s"]
-        step = decode_s / (n_out - 1)
-        kv_tok = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * (
-            cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]) * 2
-        avg_ctx = len(prompt) + n_out / 2
-        bytes_step = (w_bytes or 0) + kv_tok * avg_ctx
-        b = dict(tok_per_s=1 / step, step_ms=step * 1e3, weight_bytes=w_bytes, bytes_per_step=bytes_step)
-        if "copy_bw_TBps" in res:
-            b["mbu"] = bytes_step / step / (res["copy_bw_TBps"] * 1e12)
-        if not args.no_hf:
-            b["hf_tok_per_s"] = run_hf(mdir, [(prompt, 128)], 1, args.dtype)["tok_per_s"]
-        res["batch1"] = b
+        part("a-hf", part_a_hf)
+    if not args.no_hf and "b" in parts:
+        def part_b_hf() -> None:
+            prompt = _workload(1, 128, 128, vocab, seed=1)[0][0]
+            res["batch1"]["hf_tok_per_s"] = run_hf(mdir, [(prompt, 128)], 1, args.dtype)["tok_per_s"]
+        part("b-hf", part_b_hf)
     if "c" in parts:
-        rng = random.Random(2)
-        system = [rng.randrange(100, vocab - 100) for _ in range(2048)]
-        work = [(system + [rng.randrange(100, vocab - 100) for _ in range(64)], 64) for _ in range(64)]
-        c: dict[str, Any] = {}
-        for on in (True, False):
-            e = hwkv.Engine(str(mdir), backend=args.backend, dtype=args.dtype, enable_prefix_caching=on, **extra)
-            run_engine(e, work[:2])
-            c["prefix_on" if on else "prefix_off"] = run_engine(e, work)
-            del e
-        res["shared_prefix"] = c
-    out = Path(args.out or f"bench/results/e2e-{dev.replace(' ', '_')}-{res['date']}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2))
-    print(json.dumps(res, indent=2))
-    return 0
+        def part_c() -> None:
+            rng = random.Random(2)
+            system = [rng.randrange(100, vocab - 100) for _ in range(args.prefix_len)]
+            reqs = [(system + [rng.randrange(100, vocab - 100) for _ in range(64)], 64)
+                    for _ in range(args.prefix_requests)]
+            c: dict[str, Any] = dict(workload=f"{len(reqs)} req × ({args.prefix_len} shared + 64) in, 64 out")
+            for on in (True, False):
+                e = make_engine(mdir, args, enable_prefix_caching=on)
+                run_engine(e, [(rng.sample(range(100, vocab - 100), args.prefix_len + 64), 4)])  # warm-up, unshared
+                c["prefix_on" if on else "prefix_off"] = run_engine(e, reqs)
+                c["stats_on" if on else "stats_off"] = e.stats()
+                free(e)
+            res["shared_prefix"] = c
+        part("c", part_c)
+    save()
+    print(markdown(res))
+    return 0 if not res["errors"] else 1
 
 
 if __name__ == "__main__":

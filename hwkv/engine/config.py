@@ -22,6 +22,7 @@ class EngineConfig:
     long_prefill_token_threshold: int = 0
     max_num_partial_prefills: int = 1
     seed: int = 0
+    enforce_eager: bool = False  # True: never capture CUDA graphs (every step runs eagerly)
 
     def __post_init__(self) -> None:
         def need(name: str, ok: bool, allowed: str) -> None:
@@ -43,3 +44,4 @@ class EngineConfig:
         need("long_prefill_token_threshold",
              is_int(self.long_prefill_token_threshold) and self.long_prefill_token_threshold >= 0, "an int >= 0")
         need("seed", is_int(self.seed), "an int")
+        need("enforce_eager", isinstance(self.enforce_eager, bool), "a bool")

@@ -39,11 +39,12 @@ class Engine:
                  block_size: int | None = None, num_kv_blocks: int | None = None, memory_fraction: float = 0.9,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
-                 max_num_partial_prefills: int = 1, seed: int = 0, kv_connector: Any = None):
+                 max_num_partial_prefills: int = 1, seed: int = 0, kv_connector: Any = None,
+                 enforce_eager: bool = False):
         self.config = cfg = EngineConfig(
             str(model), backend, dtype, max_model_len, block_size, num_kv_blocks, memory_fraction, max_num_seqs,
             max_num_batched_tokens, enable_prefix_caching, enable_chunked_prefill, long_prefill_token_threshold,
-            max_num_partial_prefills, seed,
+            max_num_partial_prefills, seed, enforce_eager,
         )
         from hwkv.core.hashing import make_block_hasher
         from hwkv.core.kv_cache_manager import KVCacheManager
@@ -70,6 +71,11 @@ class Engine:
         self.scheduler = Scheduler(sched_cfg, self.kv_cache_manager, kv_connector)
         self.runner = ModelRunner(self.model, self.backend, self.kv_cache, self.block_size, max_num_seqs,
                                   self.max_model_len, tuple(self.eos_token_ids), self.scheduler.connector)
+        # CUDA graphs for pure-decode steps: only where the backend can be captured, on a CUDA
+        # device, and with no connector (a connector may act inside the forward per layer)
+        if (not enforce_eager and self.backend.capabilities.graph_capture and self.runner.device.type == "cuda"
+                and self.runner.connector is None):
+            self.runner.enable_graphs(min(max_num_seqs, max_num_batched_tokens))
         self._tracked: dict[str, _Tracked] = {}
         self._pending: list[RequestOutput] = []  # aborted outputs, returned by the next step()
         self._ids = itertools.count()

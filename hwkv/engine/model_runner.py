@@ -5,6 +5,10 @@ Per-request state persists across steps in two host arrays indexed by a request'
 bulk (no per-token Python loop): positions from the cumulative query lengths, input ids by one
 indexed gather, block-table rows by one row gather, slot mapping by one more. The index math runs
 in numpy (a few µs per op where a small torch op costs ~10 µs) and is handed to torch zero-copy.
+
+On CUDA the step's inputs go through pinned host memory with non-blocking copies, so the only
+host↔device synchronisation per step is reading the sampled tokens. With :meth:`enable_graphs`,
+pure-decode steps replay a CUDA graph per batch bucket (:mod:`hwkv.engine.cuda_graphs`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 
 from hwkv.connectors.base import KVConnectorBase, NoOpConnector
 from hwkv.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from hwkv.engine.cuda_graphs import DecodeBatch, GraphRunner
 from hwkv.interfaces.attention import AttentionMetadata
 from hwkv.model.sampler import SamplingBatch, make_generator, sample
 
@@ -56,8 +61,18 @@ class ModelRunner:
         # Seeded requests' generators outlive a preemption (dropped only on finish), so a
         # preempted-and-recomputed request draws the same tokens as one that never was.
         self.generators: dict[str, torch.Generator] = {}
+        self.graphs: GraphRunner | None = None
+        self.max_model_len = max_model_len
+        self.num_graph_steps = 0  # pure-decode steps served by the graph path (stats / tests)
         if self.connector is not None:
             self.connector.register_kv_caches(kv_cache)
+
+    def enable_graphs(self, max_batch: int, use_graphs: bool = True) -> None:
+        """Serve pure-decode steps of up to ``max_batch`` requests from static buffers, captured as
+        one CUDA graph per bucket (``use_graphs=False``: the same path run eagerly, for tests)."""
+        self.graphs = GraphRunner(self.model, self.kv_cache, self.meta_builder, self.block_size, max_batch,
+                                  self.max_model_len, self.device, use_graphs)
+        self.graphs.capture()
 
     # ---- persistent state ---------------------------------------------------------------------
     def _add(self, new: NewRequestData) -> None:
@@ -160,6 +175,23 @@ class ModelRunner:
         return SamplingBatch(params, [st.output_token_ids for st in states], prompts, gens,
                              eos_token_ids=self.eos_token_ids)
 
+    def decode_batch(self, so: SchedulerOutput, states: list[_ReqState]) -> DecodeBatch | None:
+        """Host inputs when every request decodes one token and samples it, else ``None``."""
+        R = len(states)
+        if so.total_num_scheduled_tokens != R:
+            return None
+        ctx = np.array(so.scheduled_cached_reqs.num_computed_tokens
+                       + [n.num_computed_tokens for n in so.scheduled_new_reqs], dtype=np.int64)
+        total = np.fromiter((st.num_tokens for st in states), dtype=np.int64, count=R)
+        if not np.array_equal(ctx + 1, total):  # a one-token partial prefill chunk samples nothing
+            return None
+        bs = self.block_size
+        slots = np.fromiter((st.slot for st in states), dtype=np.int64, count=R)
+        bt = self.block_table[slots, : -(-int(total.max()) // bs)]
+        slot_mapping = bt[np.arange(R), ctx // bs].astype(np.int64) * bs + ctx % bs
+        return DecodeBatch(self.token_ids[slots, ctx].astype(np.int64), ctx, slot_mapping,
+                           total.astype(np.int32), bt)
+
     def _forward(self, inp: StepInputs) -> torch.Tensor:
         return self.model.forward(inp.input_ids, inp.positions, self.kv_cache, inp.attn_metadata,
                                   inp.logits_indices, slot_mapping=inp.slot_mapping)
@@ -172,20 +204,19 @@ class ModelRunner:
             conn.bind_connector_metadata(so.kv_connector_metadata)
             conn.start_load_kv()
         out = ModelRunnerOutput()
-        if states:
+        batch = self.decode_batch(so, states) if self.graphs is not None and states else None
+        logits = self.graphs.run(batch) if batch is not None else None  # type: ignore[union-attr]
+        if logits is not None:
+            self.num_graph_steps += 1
+            req_ids = list(so.num_scheduled_tokens)
+            self._sample(logits, states, req_ids, out)
+        elif states:
             inp = self.prepare_inputs(so, states)
             sample_idx = inp.sample_idx
             req_ids = list(so.num_scheduled_tokens)
             if sample_idx:
                 logits = self._forward(inp)
-                sampled = [states[i] for i in sample_idx]
-                sampled_ids = [req_ids[i] for i in sample_idx]
-                result = sample(logits, self._sampling_batch(sampled, sampled_ids))
-                toks = result.token_ids
-                self.record_sampled(sampled, toks)
-                out.sampled_token_ids = {rid: [t] for rid, t in zip(sampled_ids, toks)}
-                if result.logprobs is not None:
-                    out.logprobs = {rid: [lp] for rid, lp in zip(sampled_ids, result.logprobs) if lp is not None}
+                self._sample(logits, [states[i] for i in sample_idx], [req_ids[i] for i in sample_idx], out)
             else:  # only partial prefill chunks: write their KV, sample nothing
                 self._forward(inp)
         if conn is not None:
@@ -193,13 +224,27 @@ class ModelRunner:
             out.kv_connector_output = conn.get_finished(so.finished_req_ids)
         return out
 
+    def _sample(self, logits: torch.Tensor, sampled: list[_ReqState], sampled_ids: list[str],
+                out: ModelRunnerOutput) -> None:
+        """Sample on the device; ``tolist`` of the tokens is the step's one host sync (greedy)."""
+        result = sample(logits, self._sampling_batch(sampled, sampled_ids))
+        toks = result.token_ids
+        self.record_sampled(sampled, toks)
+        out.sampled_token_ids = {rid: [t] for rid, t in zip(sampled_ids, toks)}
+        if result.logprobs is not None:
+            out.logprobs = {rid: [lp] for rid, lp in zip(sampled_ids, result.logprobs) if lp is not None}
+
 
 def _to_device(arrays: list[np.ndarray], dtype: type, device: torch.device) -> list[torch.Tensor]:
     """Tensors on ``device`` with the arrays' shapes: zero-copy on the host, else one packed copy."""
     if device.type == "cpu":
         return [torch.from_numpy(np.ascontiguousarray(a, dtype=dtype)) for a in arrays]
     flat = torch.from_numpy(np.concatenate([a.ravel().astype(dtype, copy=False) for a in arrays]))
-    dev = flat.to(device, non_blocking=False)
+    if device.type == "cuda":
+        # pinned staging from torch's caching host allocator (a block is reused only after the
+        # copy that read it completed), so the copy is asynchronous and the step never waits here
+        flat = flat.pin_memory()
+    dev = flat.to(device, non_blocking=device.type == "cuda")
     out, off = [], 0
     for a in arrays:
         out.append(dev[off : off + a.size].view(a.shape))

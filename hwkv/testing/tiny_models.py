@@ -146,9 +146,13 @@ def write_tiny_model(
     max_position_embeddings: int = 2048,
     sliding_window: int | None = None,
     num_shards: int = 1,
+    rope_theta: float | None = None,
+    tokenizer: bool = True,
 ) -> Path:
     """Write config.json, model.safetensors (or ``num_shards`` shards + index json),
-    generation_config.json, tokenizer.json and tokenizer_config.json to ``path``; return it."""
+    generation_config.json, tokenizer.json and tokenizer_config.json to ``path``; return it.
+    ``rope_theta`` overrides the arch default; ``tokenizer=False`` skips the tokenizer files (a
+    benchmark fed token ids needs none, and a 128k-entry vocabulary is slow to build)."""
     from safetensors.torch import save_file
 
     if arch not in ARCHS:
@@ -160,19 +164,14 @@ def write_tiny_model(
     inter = intermediate_size or 2 * hidden_size
     cfg = _config(arch, hidden_size, num_layers, num_heads, num_kv_heads, head_dim, inter, vocab_size, dtype,
                   tie_word_embeddings, rope_scaling, max_position_embeddings, sliding_window)
-    tok = build_tokenizer(vocab_size, add_bos=arch != "qwen2")
+    if rope_theta is not None:
+        cfg["rope_theta"] = float(rope_theta)
     weights = _weights(cfg, seed, dtype)
     (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     gen = {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]}
     (path / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    tok.save(str(path / "tokenizer.json"))
-    tok_cfg = {
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS if arch != "qwen2" else None,
-        "eos_token": EOS, "pad_token": PAD, "model_max_length": max_position_embeddings,
-        "chat_template": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-        "{% if add_generation_prompt %}assistant:{% endif %}",
-    }
-    (path / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+    if tokenizer:
+        _write_tokenizer(path, arch, vocab_size, max_position_embeddings)
     meta = {"format": "pt"}
     if num_shards == 1:
         save_file(weights, str(path / "model.safetensors"), metadata=meta)
@@ -188,3 +187,15 @@ def write_tiny_model(
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return path
+
+
+def _write_tokenizer(path: Path, arch: str, vocab_size: int, max_position_embeddings: int) -> None:
+    tok = build_tokenizer(vocab_size, add_bos=arch != "qwen2")
+    tok.save(str(path / "tokenizer.json"))
+    tok_cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS if arch != "qwen2" else None,
+        "eos_token": EOS, "pad_token": PAD, "model_max_length": max_position_embeddings,
+        "chat_template": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}",
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")

@@ -1,0 +1,121 @@
+"""Decode fast path: buckets, padding, the static-buffer path (CPU, no capture) and, on a GPU,
+greedy outputs with CUDA graphs identical to eager."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import hwkv
+from hwkv.engine.cuda_graphs import DecodeBatch, batch_buckets, pad_into, pick_bucket
+from hwkv.sampling_params import SamplingParams
+from hwkv.testing.tiny_models import write_tiny_model
+
+
+def test_buckets():
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(8) == [1, 2, 4, 8]
+    assert batch_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert batch_buckets(256)[-3:] == [224, 240, 256]
+    with pytest.raises(ValueError, match="max_batch"):
+        batch_buckets(0)
+    b = batch_buckets(40)
+    assert [pick_bucket(b, n) for n in (1, 3, 8, 9, 17, 33, 40, 41)] == [1, 4, 8, 16, 32, 40, 40, None]
+
+
+def test_pad_into():
+    n, bucket, mb, w = 3, 4, 6, 5
+    batch = DecodeBatch(np.array([7, 8, 9]), np.array([10, 20, 30]), np.array([40, 81, 122]),
+                        np.array([11, 21, 31], dtype=np.int32), np.arange(6, dtype=np.int32).reshape(3, 2) + 1)
+    i64, seq = np.full((3, mb), 99, np.int64), np.full(mb, 99, np.int32)
+    bt = np.full((mb, w), 99, np.int32)
+    pad_into(batch, bucket, i64, seq, bt)
+    assert i64[:, :bucket].tolist() == [[7, 8, 9, 0], [10, 20, 30, 0], [40, 81, 122, -1]]
+    assert (i64[:, bucket:] == 99).all() and (seq[bucket:] == 99).all()  # rows past the bucket untouched
+    assert seq[:bucket].tolist() == [11, 21, 31, 1]
+    assert bt[:n, :2].tolist() == [[1, 2], [3, 4], [5, 6]] and bt[n, 0] == 0
+    with pytest.raises(ValueError, match="does not fit bucket"):
+        pad_into(batch, 2, i64, seq, bt)
+    with pytest.raises(ValueError, match="block table width"):
+        pad_into(batch._replace(block_tables=np.zeros((3, w + 1), np.int32)), bucket, i64, seq, bt)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(write_tiny_model(tmp_path_factory.mktemp("cg") / "llama", arch="llama", max_position_embeddings=256))
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, 500) for _ in range(9)]
+    return [(shared if i % 3 == 0 else []) + [rng.randrange(3, 500) for _ in range(rng.randint(2, 30))]
+            for i in range(n)]
+
+
+def _greedy(n: int) -> list[SamplingParams]:
+    # different lengths: the decode batch shrinks through several buckets and non-bucket sizes
+    return [SamplingParams(temperature=0.0, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(n)]
+
+
+def test_static_buffer_path_matches_eager_cpu(model_dir):
+    """The padded static-buffer decode path (run eagerly on CPU) gives the eager path's tokens;
+    batches above the largest bucket fall back to eager; nothing leaks."""
+    torch.set_num_threads(1)
+    prompts, params = _prompts(11), _greedy(11)
+    kw = dict(num_kv_blocks=64, max_model_len=128, max_num_batched_tokens=64, max_num_seqs=16)
+    ref = hwkv.Engine(model_dir, **kw)
+    assert ref.runner.graphs is None  # the CPU backend cannot capture graphs
+    want = [o.token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
+    e = hwkv.Engine(model_dir, **kw)
+    e.runner.enable_graphs(max_batch=6, use_graphs=False)  # 1, 2, 4, 6: 7..11 running decodes go eager
+    got = [o.token_ids for o in e.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert e.runner.num_graph_steps > 10
+    assert e.kv_cache_manager.num_free_blocks == 64 and not e.runner.reqs
+
+
+def test_sampled_and_seeded_requests_on_static_path(model_dir):
+    """Seeded sampling on the static path draws the same tokens as eager (per-request generators)."""
+    torch.set_num_threads(1)
+    prompts = _prompts(5, seed=1)
+    params = [SamplingParams(temperature=0.8, top_k=20, seed=i, max_tokens=6, ignore_eos=True) for i in range(5)]
+    kw = dict(num_kv_blocks=48, max_model_len=128, max_num_batched_tokens=64)
+    want = [o.token_ids for o in hwkv.Engine(model_dir, **kw).generate(prompts, params, use_tqdm=False)]
+    e = hwkv.Engine(model_dir, **kw)
+    e.runner.enable_graphs(max_batch=8, use_graphs=False)
+    assert [o.token_ids for o in e.generate(prompts, params, use_tqdm=False)] == want
+    assert e.runner.num_graph_steps > 0
+
+
+def test_enforce_eager_validated(model_dir):
+    with pytest.raises(ValueError, match="enforce_eager"):
+        hwkv.Engine(model_dir, num_kv_blocks=16, enforce_eager="yes")
+
+
+def _cuda_backend():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)")
+    try:
+        from hwkv_cuda.backend import CudaBackend
+    except ImportError as e:
+        pytest.skip(f"hwkv_cuda not importable: {e}")
+    return CudaBackend()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_graphs_greedy_identical_to_eager(model_dir, dtype):
+    backend = _cuda_backend()
+    prompts, params = _prompts(11), _greedy(11)
+    kw = dict(dtype=dtype, num_kv_blocks=64, max_model_len=128, max_num_batched_tokens=64, max_num_seqs=16)
+    eager = hwkv.Engine(model_dir, backend=backend, enforce_eager=True, **kw)
+    assert eager.runner.graphs is None
+    want = [o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    g = hwkv.Engine(model_dir, backend=backend, **kw)
+    assert g.runner.graphs is not None and sorted(g.runner.graphs.graphs) == [1, 2, 4, 8, 16]
+    got = [o.token_ids for o in g.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert g.runner.num_graph_steps > 10
+    assert g.kv_cache_manager.num_free_blocks == 64 and not g.runner.reqs
