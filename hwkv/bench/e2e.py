@@ -18,6 +18,7 @@ import gc
 import json
 import platform
 import random
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -356,14 +357,14 @@ def run(args: argparse.Namespace) -> int:
         tf_version = None
     res: dict[str, Any] = dict(
         bench="e2e", model=args.model, dtype=args.dtype, backend=args.backend, device=dev,
-        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), command="hwkv bench e2e " + " ".join(sys.argv[3:]),
+        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), command="hwkv bench e2e " + shlex.join(sys.argv[3:]),
         torch=torch.__version__, transformers=tf_version, hwkv=hwkv.__version__, min_len=args.min_len,
         max_len=args.max_len, engine={**ENGINE_DEFAULTS, **json.loads(args.engine_args)}, errors=[],
     )
     copy_bw = copy_bandwidth() if torch.cuda.is_available() else None
     res["copy_bw_TBps"] = copy_bw / 1e12 if copy_bw else None
     parts = set(args.parts.split(","))
-    stem = f"e2e-{args.model}-{dev.replace(' ', '_')}-{time.strftime('%Y-%m-%d')}"
+    stem = f"e2e-{Path(args.model).name}-{dev.replace(' ', '_')}-{time.strftime('%Y-%m-%d')}"
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
