@@ -119,3 +119,17 @@ def test_cuda_graphs_greedy_identical_to_eager(model_dir, dtype):
     assert got == want
     assert g.runner.num_graph_steps > 10
     assert g.kv_cache_manager.num_free_blocks == 64 and not g.runner.reqs
+
+
+def test_fuse_elementwise_same_tokens(model_dir):
+    """The fused RMSNorm / RoPE / SiLU·mul replacements compute the model's functions (checked
+    through torch.compile's eager backend: no compiler needed on CPU)."""
+    from hwkv.engine.cuda_graphs import fuse_elementwise
+
+    torch.set_num_threads(1)
+    prompts, params = _prompts(4, seed=2), _greedy(4)
+    kw = dict(num_kv_blocks=48, max_model_len=128, max_num_batched_tokens=64)
+    want = [o.token_ids for o in hwkv.Engine(model_dir, **kw).generate(prompts, params, use_tqdm=False)]
+    e = hwkv.Engine(model_dir, **kw)
+    assert fuse_elementwise(e.model, backend="eager") == 2 * 2 + 1 + 1 + 2  # norms, final norm, rope, MLPs
+    assert [o.token_ids for o in e.generate(prompts, params, use_tqdm=False)] == want
