@@ -10,7 +10,7 @@ Scheduler protocol (vLLM v1 style):
 from __future__ import annotations
 
 from functools import partial
-from itertools import takewhile
+from itertools import islice, takewhile
 from operator import attrgetter, is_not
 
 from hwkv.core.block_pool import BlockPool, KVCacheBlock, PrefixCacheStats
@@ -72,7 +72,7 @@ class KVCacheManager:
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = request.block_hashes
         if len(hashes) > max_blocks:
-            hashes = hashes[:max_blocks]
+            hashes = islice(hashes, max_blocks)
         blocks = list(takewhile(_is_block, map(self.block_pool.cached_block_hash_to_block.get, hashes)))
         num_computed = len(blocks) * self.block_size
         stats = self.block_pool.stats
@@ -106,10 +106,16 @@ class KVCacheManager:
         external KV may still be in flight, so registration waits for the request's next
         ``allocate_slots`` (or an explicit ``cache_blocks``).
         """
-        _check_count("num_new_tokens", num_new_tokens)
-        _check_count("num_new_computed_tokens", num_new_computed_tokens)
-        _check_count("num_lookahead_tokens", num_lookahead_tokens)
-        _check_count("num_external_tokens", num_external_tokens)
+        if not (  # inline fast path: this runs for every running request every step
+            type(num_new_tokens) is int and num_new_tokens >= 0
+            and type(num_new_computed_tokens) is int and num_new_computed_tokens >= 0
+            and type(num_lookahead_tokens) is int and num_lookahead_tokens >= 0
+            and type(num_external_tokens) is int and num_external_tokens >= 0
+        ):
+            _check_count("num_new_tokens", num_new_tokens)
+            _check_count("num_new_computed_tokens", num_new_computed_tokens)
+            _check_count("num_lookahead_tokens", num_lookahead_tokens)
+            _check_count("num_external_tokens", num_external_tokens)
         if num_external_tokens > num_new_tokens:
             raise ValueError(
                 f"num_external_tokens={num_external_tokens} must be <= num_new_tokens={num_new_tokens} "

@@ -1,0 +1,226 @@
+"""`hwkv bench cache`: prefix-cache hot paths on the CPU (also `python -m hwkv.bench.cache`).
+
+* hash: sha256 chain per 16-token block, engine path (a 32k-token prompt through ``make_block_hasher``)
+* alloc+free: ``BlockPool.get_new_blocks`` + ``free_blocks`` per block, batches of 16
+* lookup: ``get_computed_blocks`` on a 32k-token prompt, full hit and full miss (hashes precomputed,
+  as in the engine, where a request is hashed once when it arrives)
+* decode step: the cache manager's share of a scheduler step with 256 running decodes — per request
+  ``allocate_slots(req, 1)`` (block growth + registering newly full blocks) and appending the sampled
+  token (which hashes a block whenever one fills)
+
+Median of repeats. vLLM peer figures are quoted from DESIGN.md §9 (same 2-core machine class), not
+re-measured here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+
+PEER = {  # vLLM 0.33.0 v1 core, measured on this machine class (DESIGN.md §9); quoted, not re-measured
+    "hash_us_per_block": 1.85,
+    "alloc_free_us_per_block": 0.45,
+    "lookup_full_hit_us": 1270.0,
+    "lookup_full_miss_us": 25.0,
+    "step_256_decodes_ms": 3.1,  # whole scheduler step (schedule + update_from_output)
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt-tokens", type=int, default=32768)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-running", type=int, default=256, help="running decodes in the step bench")
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--out", default=None, help="JSON path (default bench/results/cache-cpu-<date>.json)")
+    p.add_argument("--no-write", action="store_true", help="print the table only")
+
+
+def _median_time(fn: Callable[[], object], repeats: int, setup: Callable[[], object] | None = None) -> float:
+    times = []
+    for _ in range(repeats):
+        if setup is not None:
+            setup()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_hash(args: argparse.Namespace, rng: random.Random) -> dict:
+    from hwkv.core.hashing import make_block_hasher
+    from hwkv.core.request import Request
+
+    hasher = make_block_hasher(args.block_size)
+    req = Request("h", [rng.randrange(150_000) for _ in range(args.prompt_tokens)])
+    nblocks = args.prompt_tokens // args.block_size
+
+    def run() -> None:
+        req.block_hashes = []
+        req.block_hashes.extend(hasher(req))
+
+    t = _median_time(run, args.repeats)
+    assert len(req.block_hashes) == nblocks
+    return {"hash_us_per_block": t / nblocks * 1e6, "hash_prompt_ms": t * 1e3}
+
+
+def bench_alloc_free(args: argparse.Namespace) -> dict:
+    from hwkv.core.block_pool import BlockPool
+
+    pool = BlockPool(4096)
+    batch, iters = 16, 2000
+
+    def run() -> None:
+        get, free = pool.get_new_blocks, pool.free_blocks
+        for _ in range(iters):
+            free(reversed(get(batch)))
+
+    t = _median_time(run, args.repeats)
+    assert pool.num_free_blocks == 4096
+    return {"alloc_free_us_per_block": t / (iters * batch) * 1e6}
+
+
+def bench_lookup(args: argparse.Namespace, rng: random.Random) -> dict:
+    from hwkv.core.hashing import make_block_hasher
+    from hwkv.core.kv_cache_manager import KVCacheManager
+    from hwkv.core.request import Request
+
+    bs, n = args.block_size, args.prompt_tokens
+    hasher = make_block_hasher(bs)
+    m = KVCacheManager(n // bs + 64, bs)
+    prompt = [rng.randrange(150_000) for _ in range(n)]
+    owner = Request("owner", prompt, block_hasher=hasher)
+    assert m.allocate_slots(owner, n) is not None
+    hit_req = Request("hit", prompt, block_hasher=hasher)
+    miss_req = Request("miss", [prompt[0] + 1] + prompt[1:], block_hasher=hasher)
+    assert m.get_computed_blocks(hit_req)[1] == (n - 1) // bs * bs
+    assert m.get_computed_blocks(miss_req) == ([], 0)
+    reps = max(args.repeats, 50)
+    hit = _median_time(lambda: m.get_computed_blocks(hit_req), reps)
+    miss = _median_time(lambda: m.get_computed_blocks(miss_req), reps)
+    miss_with_hash = _median_time(
+        lambda: m.get_computed_blocks(Request("m", miss_req.prompt_token_ids, block_hasher=hasher)), args.repeats
+    )
+    m.free(owner)
+    return {
+        "lookup_full_hit_us": hit * 1e6,
+        "lookup_full_miss_us": miss * 1e6,
+        "lookup_full_miss_incl_request_hashing_us": miss_with_hash * 1e6,
+    }
+
+
+def bench_decode_step(args: argparse.Namespace, rng: random.Random) -> dict:
+    from hwkv.core.hashing import make_block_hasher
+    from hwkv.core.kv_cache_manager import KVCacheManager
+    from hwkv.core.request import Request
+
+    bs, nreq, steps, prompt_len = args.block_size, args.num_running, 64, 500
+    hasher = make_block_hasher(bs)
+    per_step = []
+    for _ in range(max(3, args.repeats // 3)):
+        m = KVCacheManager(nreq * ((prompt_len + steps) // bs + 2), bs)
+        reqs = []
+        for i in range(nreq):
+            r = Request(f"r{i}", [rng.randrange(150_000) for _ in range(prompt_len)], block_hasher=hasher)
+            assert m.allocate_slots(r, r.num_tokens) is not None
+            r.num_computed_tokens = r.num_tokens
+            reqs.append(r)
+        cached0 = len(m.block_pool.cached_block_hash_to_block)
+        toks = [rng.randrange(150_000) for _ in range(steps)]
+        t0 = time.perf_counter()
+        for s in range(steps):
+            tok = toks[s]
+            for r in reqs:
+                r.append_output_token_ids(tok)  # sampled token of the previous step
+                m.allocate_slots(r, 1)
+                r.num_computed_tokens += 1
+        per_step.append((time.perf_counter() - t0) / steps)
+        assert len(m.block_pool.cached_block_hash_to_block) - cached0 == nreq * ((prompt_len + steps) // bs - 31)
+        for r in reqs:
+            m.free(r)
+        assert m.num_free_blocks == m.block_pool.num_blocks
+    return {"step_256_decodes_ms": statistics.median(per_step) * 1e3}
+
+
+def _program() -> str:
+    prog = Path(sys.argv[0]).name
+    return "python -m hwkv.bench.cache" if prog in ("cache.py", "-m", "-c", "") else prog
+
+
+def machine_info() -> dict:
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+
+
+ROWS = [
+    ("sha256 block hash (µs / 16-token block)", "hash_us_per_block", "≤ 1.0"),
+    ("alloc+free (µs / block, batches of 16)", "alloc_free_us_per_block", ""),
+    ("get_computed_blocks 32k full hit (µs)", "lookup_full_hit_us", ""),
+    ("get_computed_blocks 32k full miss (µs)", "lookup_full_miss_us", "< 5000"),
+    ("  miss incl. hashing the new request (µs)", "lookup_full_miss_incl_request_hashing_us", ""),
+    ("cache-manager share of a step, 256 decodes (ms)", "step_256_decodes_ms", ""),
+]
+
+
+def run(args: argparse.Namespace) -> int:
+    rng = random.Random(0)
+    res: dict = {}
+    res.update(bench_hash(args, rng))
+    res.update(bench_alloc_free(args))
+    res.update(bench_lookup(args, rng))
+    res.update(bench_decode_step(args, rng))
+
+    print(f"{'metric':<50} {'hwkv':>10} {'peer*':>10} {'bar':>8}")
+    for label, key, bar in ROWS:
+        peer = PEER.get(key)
+        print(f"{label:<50} {res[key]:>10.3f} {'' if peer is None else f'{peer:.2f}':>10} {bar:>8}")
+    print("* peer: vLLM 0.33 v1 core, same machine class — quoted from DESIGN.md §9, not re-measured;")
+    print("  its step figure is a whole scheduler step, ours the cache-manager share of one.")
+
+    if not args.no_write:
+        now = datetime.now(timezone.utc)
+        out = Path(args.out or f"bench/results/cache-cpu-{now:%Y-%m-%d}.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        doc = {
+            "bench": "cache",
+            "date": now.isoformat(timespec="seconds"),
+            "command": " ".join([_program(), *sys.argv[1:]]),
+            "machine": machine_info(),
+            "params": {k: v for k, v in vars(args).items() if k not in ("func", "out")},
+            "results": res,
+            "peer_vllm_0_33_quoted": PEER,
+            "bar": {"hash_us_per_block": 1.0, "lookup_full_miss_us": 5000.0},
+        }
+        out.write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"wrote {out}")
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(prog="hwkv bench cache", description=__doc__.split("\n")[0])
+    add_arguments(p)
+    return run(p.parse_args())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
