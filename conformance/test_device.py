@@ -113,6 +113,7 @@ def test_copy_blocks(backend, check, gen, dtype, direction, on_stream):
     dev, layout = backend.device, backend.attention.kv_layout
     src = dev.allocate_kv_cache(spec, layout, host=direction == "host_to_device")
     _fill(src, gen)
+    dev.synchronize()  # the fill ran on the current stream; the copy may run on another
     if direction == "in_place":
         dst = src
         pairs = [(0, 5), (2, 6), (1, 8)]  # sources untouched by the copy
