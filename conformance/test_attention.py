@@ -20,10 +20,10 @@ pytestmark = pytest.mark.capability("attention")
 def test_attention(backend, reference, check, gen, dtype, block_size, head_size, gqa, state):
     num_heads, num_kv_heads = GQA[gqa]
     case = make_case(state, block_size, num_heads, num_kv_heads, head_size, dtype, gen)
+    check.capability = f"attention/{state}"
     reasons = backend.capabilities.validate(case.spec(dtype), num_heads=num_heads)
     if reasons:
         not_supported(reasons)
-    check.capability = f"attention/{state}"
     out = run_attention(backend, case, dtype)
     # The oracle: the reference in float32 on the same (already rounded) inputs.
     expected = run_attention(reference, case, torch.float32)

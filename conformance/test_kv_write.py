@@ -29,10 +29,10 @@ def _write(backend, spec, k, v, slots, fill_k, fill_v):
 @pytest.mark.parametrize("pattern", ["scatter", "with_minus_one", "all_minus_one"])
 def test_write_kv(backend, reference, check, gen, dtype, block_size, head_size, pattern):
     spec = KVCacheSpec(NUM_LAYERS, 5, block_size, NUM_KV_HEADS, head_size, dtype)
+    check.capability = f"kv_write/{pattern}"
     reasons = backend.capabilities.validate(spec, num_heads=NUM_KV_HEADS)
     if reasons:
         not_supported(reasons)
-    check.capability = f"kv_write/{pattern}"
     n_slots = spec.num_blocks * block_size
     n = min(n_slots - 1, 2 * block_size + 3)
     slots = torch.randperm(n_slots, generator=gen)[:n]  # distinct, out of order, across blocks
