@@ -75,8 +75,12 @@ def test_correct_naive_backend_passes(teeth, tmp_path):
     assert "backend `teeth-ok`" in md and f"| {N_KERNEL} |" in md
 
 
-def _attention_ids(got: dict[str, str], pred) -> set[str]:
-    return {i for i in got if i.startswith("test_attention.py::") and pred(i)}
+def test_cross_layer_layout_passes(teeth):
+    """The suite reads K/V through the layout definitions, so a correct CROSS_LAYER backend passes."""
+    got = run_kernel("teeth-crosslayer")
+    assert set(got.values()) == {"PASS"}
+    got = statuses(conformance.run("teeth-crosslayer", pytest_args=["-k", "test_device"]))
+    assert got and set(got.values()) == {"PASS"}, got
 
 
 @pytest.mark.parametrize(

@@ -4,21 +4,24 @@ distribution (entry point group ``hwkv.backends``) so they reach conformance the
 Each is the CPU reference backend with one attention piece replaced by a naive paged attention
 (:class:`NaiveImpl`) carrying exactly one bug. ``teeth-ok`` is the naive attention without a bug:
 it must certify, which shows that every other backend fails because of its bug alone.
+``teeth-crosslayer`` is that same correct attention on the CROSS_LAYER KV layout (not a bug: it shows
+the suite reads every layout through the layout definitions).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from typing import Any
 
 import torch
 
-from hwkv.interfaces import API_VERSION, AttentionBackend, BackendSpec
+from hwkv.interfaces import API_VERSION, AttentionBackend, BackendSpec, KVLayoutKind
 from hwkv.plugins import hookimpl
 from hwkv.reference import CpuBackend, ReferenceAttentionImpl
 
-BUGS = ("ok", "slot", "causal", "gqa", "blockorder", "raises", "asserts", "hangs")
+BUGS = ("ok", "slot", "causal", "gqa", "blockorder", "raises", "asserts", "hangs", "crosslayer")
 
 
 class NaiveImpl(ReferenceAttentionImpl):
@@ -74,8 +77,11 @@ class NaiveImpl(ReferenceAttentionImpl):
 def _backend_class(bug: str) -> type[CpuBackend]:
     impl = type(f"NaiveImpl_{bug}", (NaiveImpl,), {"bug": bug})
 
+    layout = KVLayoutKind.CROSS_LAYER if bug == "crosslayer" else KVLayoutKind.PER_LAYER
+
     class _Attention(AttentionBackend):
         name = f"teeth-{bug}"
+        kv_layout = layout
 
         def make_impl(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float) -> NaiveImpl:
             return impl(num_heads, head_size, num_kv_heads, scale)
@@ -86,6 +92,7 @@ def _backend_class(bug: str) -> type[CpuBackend]:
         def __init__(self) -> None:
             super().__init__()
             self._attention = _Attention()
+            self._caps = dataclasses.replace(self._caps, kv_layouts=(layout,))
 
     _Backend.__name__ = f"TeethBackend_{bug}"
     return _Backend
