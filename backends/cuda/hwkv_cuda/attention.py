@@ -38,18 +38,18 @@ class TileConfig:
 
 
 def choose_config(max_query_len: int, group: int, head_size: int, dtype: torch.dtype) -> TileConfig:
-    """Tiles by shape (from an H100/H200 sweep, docs/cuda-backend.md): decodes pack the G heads of a
-    KV head into M (>= 16 rows for the MMA) and stream 128-key tiles; prefills take 128-row tiles with
-    one warpgroup. Head 256 and fp32 halve the key tile so K/V stages fit in shared memory."""
+    """Tiles by shape (from H100/H200 sweeps, docs/cuda-backend.md): decodes pack the G heads of a KV
+    head into M (>= 16 rows for the MMA) and stream 64-key tiles three stages deep; prefills take
+    128-row tiles on 8 warps. Head 256 and fp32 shrink the tiles so the K/V stages fit shared memory."""
     hpad = _pow2(group)
     narrow = head_size > 128 or dtype == torch.float32
     if max_query_len == 1:
         block_m = max(16, hpad)
-        cfg = dict(block_m=block_m, block_q=1, block_n=32 if narrow else 128, num_warps=4, num_stages=2)
+        cfg = dict(block_m=block_m, block_q=1, block_n=32 if narrow else 64, num_warps=4, num_stages=3)
     else:
         block_m = max(64 if narrow else 128, hpad)
-        cfg = dict(block_m=block_m, block_q=block_m // hpad, block_n=32 if narrow else 64, num_warps=4,
-                   num_stages=2)
+        cfg = dict(block_m=block_m, block_q=block_m // hpad, block_n=32 if narrow else 64,
+                   num_warps=8 if block_m >= 128 else 4, num_stages=2 if narrow else 3)
     override = os.environ.get("HWKV_CUDA_ATTN_CONFIG", "")
     for item in filter(None, override.split(",")):
         k, _, v = item.partition("=")

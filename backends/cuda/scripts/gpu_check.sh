@@ -17,6 +17,9 @@ fi
 if [[ $STEPS == *conformance* ]]; then
   # entry points need installed dists; offline device: no deps, no build isolation
   python3 -m pip install -q --no-deps --no-build-isolation -e . -e backends/cuda 2>&1 | grep -v WARNING | tail -3
+  # warm Triton's kernel cache with the same suite on 12 workers (xdist), then the certify run
+  timeout ${WARM_S:-180} python3 -m pytest -q -p no:cacheprovider conformance --backend cuda -n 12 2>&1 \
+    | tee "$OUT/conf-warm.log" | tail -3
   timeout ${CONF_S:-240} python3 -m hwkv conformance --backend cuda --certify --report "$OUT/conf" 2>&1 \
     | tee "$OUT/conf.log" | grep -vE "^\.+ +\[" | tail -40
 fi
