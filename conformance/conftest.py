@@ -11,6 +11,7 @@ from conformance.check import Check
 from conformance.harness import generator
 from conformance.report import DEFAULT_TIMEOUT_S, ReportPlugin, environment
 from conformance.tolerances import DTYPES, SUITE_VERSION, ToleranceTable
+from hwkv.interfaces import Capabilities
 
 SUITE_DIR = Path(__file__).resolve().parent
 REFERENCE = "cpu"
@@ -111,12 +112,12 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[_TABLE], config.stash[_PLUGIN] = table, plugin
 
 
-def _head_sizes(caps: object) -> list[int]:
+def _head_sizes(caps: Capabilities) -> list[int]:
     declared = [h for h in (caps.head_sizes or ()) if h not in PROBE_HEAD_SIZES][:2]
     return [*PROBE_HEAD_SIZES, *declared]
 
 
-def _block_sizes(caps: object) -> list[int]:
+def _block_sizes(caps: Capabilities) -> list[int]:
     # Every block size the backend declares (a spread for open ranges) plus probes outside it, so
     # an exclusion shows up as NOT_SUPPORTED in the report.
     sizes = set(caps.test_block_sizes()) | {1, 16, 128}
