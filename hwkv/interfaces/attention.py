@@ -122,7 +122,10 @@ class AttentionMetadata:
 class AttentionMetadataBuilder:
     """Converts core metadata into the backend's own form (e.g. Ascend cumulative lengths).
 
-    The default passes core metadata through unchanged.
+    The default passes core metadata through unchanged. Whatever ``build`` returns must expose
+    ``slot_mapping`` (the core ``[num_tokens]`` int64 tensor, on the device): the model passes it to
+    ``write_kv``. ``build`` must not synchronise with the device (read the ``*_cpu`` tensors), so
+    steps can be captured in graphs.
     """
 
     def build(self, common: AttentionMetadata) -> Any:
