@@ -35,6 +35,7 @@ class TileConfig:
     split_below: int = 2  # split KV only when the grid has fewer programs than this per SM ...
     split_target: int = 8  # ... and then until it has this many per SM
     min_split: int = 128  # fewest KV tokens a split may get
+    part_cap: int = 4  # fp32 partials (written + read) stay under KV bytes / part_cap (0: no cap)
 
 
 def choose_config(max_query_len: int, group: int, head_size: int, dtype: torch.dtype) -> TileConfig:
@@ -61,34 +62,40 @@ def choose_config(max_query_len: int, group: int, head_size: int, dtype: torch.d
 
 @dataclass
 class CudaAttentionMetadata:
-    """Core metadata plus per-tile-shape plans (q-block starts on device, grid sizes on host)."""
+    """Core metadata plus per-tile-shape launch plans (host integers only: a captured graph keeps
+    reading the caller's metadata tensors and nothing of ours)."""
 
     common: AttentionMetadata
     num_sms: int
-    plans: dict[tuple[int, ...], tuple[torch.Tensor, int, int, int]] = field(default_factory=dict)
+    plans: dict[tuple[int, ...], tuple[int, int, int]] = field(default_factory=dict)
 
-    def plan(self, block_q: int, block_n: int, num_kv_heads: int, split_below: int = 2, split_target: int = 8,
-             min_split: int = 128) -> tuple[torch.Tensor, int, int, int]:
-        """``(qblock_start, num_q_blocks, num_splits, seg_len)`` for one tile shape, cached."""
-        key = (block_q, block_n, num_kv_heads, split_below, split_target, min_split)
+    def plan(self, block_q: int, block_n: int, num_heads: int, num_kv_heads: int, head_size: int, elem_size: int,
+             split_below: int = 2, split_target: int = 8, min_split: int = 128,
+             part_cap: int = 4) -> tuple[int, int, int]:
+        """``(grid_q_blocks, num_splits, seg_len)`` for one tile shape, from host values only, cached."""
+        key = (block_q, block_n, num_heads, num_kv_heads, head_size, elem_size, split_below, split_target, min_split,
+               part_cap)
         if key not in self.plans:
             c = self.common
-            qlen_cpu = c.query_lens_cpu.to(torch.int64)
-            num_q_blocks = int(((qlen_cpu + block_q - 1) // block_q).sum())
-            qlen = (c.query_start_loc[1:] - c.query_start_loc[:-1]).to(torch.int32)
-            qblock_start = torch.zeros(qlen.numel() + 1, dtype=torch.int32, device=qlen.device)
-            torch.cumsum((qlen + block_q - 1) // block_q, 0, out=qblock_start[1:])
+            num_tokens = int(c.query_start_loc_cpu[-1])
+            grid = num_tokens if block_q == 1 else num_tokens // block_q + c.num_reqs
+            qlen = c.query_lens_cpu.to(torch.int64)
+            programs = max(1, int(((qlen + block_q - 1) // block_q).sum()) * num_kv_heads)
             # flash-decoding: split KV when the grid would leave SMs idle and contexts are long; a grid
-            # that already fills the SMs loses more to partials and the reduction than it gains
-            programs = max(1, num_q_blocks * num_kv_heads)
+            # that already fills the SMs loses more to partials and the reduction than it gains, and
+            # the fp32 partials (written + read) must stay well under the KV bytes the splits share
             splits = 1
             if programs < split_below * self.num_sms:
+                kv_bytes = int(c.seq_lens_cpu.sum()) * num_kv_heads * head_size * 2 * elem_size
+                part_bytes = max(1, num_tokens) * num_heads * head_size * 4 * 2
                 splits = min(MAX_SPLITS, -(-split_target * self.num_sms // programs), c.max_seq_len // min_split)
+                if part_cap:
+                    splits = min(splits, kv_bytes // (part_cap * part_bytes))
                 splits = max(1, splits)
             seg_len = -(-max(c.max_seq_len, 1) // splits)
             seg_len = -(-seg_len // block_n) * block_n
             splits = -(-max(c.max_seq_len, 1) // seg_len)
-            self.plans[key] = (qblock_start, num_q_blocks, splits, seg_len)
+            self.plans[key] = (grid, splits, seg_len)
         return self.plans[key]
 
 
@@ -147,8 +154,8 @@ class TritonAttentionImpl(AttentionImpl):
             raise ValueError(f"KV block size {bs} differs from metadata block_size {c.block_size}")
         group = self.num_heads // hkv
         cfg = choose_config(c.max_query_len, group, d, query.dtype)
-        qblock_start, num_q_blocks, splits, seg_len = md.plan(cfg.block_q, cfg.block_n, hkv, cfg.split_below,
-                                                              cfg.split_target, cfg.min_split)
+        grid_q, splits, seg_len = md.plan(cfg.block_q, cfg.block_n, self.num_heads, hkv, d, query.element_size(),
+                                          cfg.split_below, cfg.split_target, cfg.min_split, cfg.part_cap)
         d_pad = max(16, _pow2(d))
         splits_pad = _pow2(splits)
         if splits > 1:
@@ -158,9 +165,9 @@ class TritonAttentionImpl(AttentionImpl):
                                   device=query.device)
         else:
             part_acc = part_ml = out  # unused
-        attention_kernel[(num_q_blocks, hkv, splits)](
+        attention_kernel[(grid_q, hkv, splits)](
             query, layer_kv, out, part_acc, part_ml,
-            qblock_start, c.query_start_loc, c.seq_lens, c.block_tables,
+            c.query_start_loc, c.seq_lens, c.block_tables,
             c.num_reqs, seg_len, self.scale * LOG2E,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             layer_kv.stride(0), layer_kv.stride(1), layer_kv.stride(2), layer_kv.stride(3), c.block_tables.stride(0),

@@ -40,7 +40,7 @@ CASES = {  # name: (query lens, seq lens, H, H_kv, D, block size)
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_attention_matches_naive(name, monkeypatch):
-    monkeypatch.setenv("HWKV_CUDA_ATTN_CONFIG", "min_split=32,split_below=1000")  # split on small shapes
+    monkeypatch.setenv("HWKV_CUDA_ATTN_CONFIG", "min_split=32,split_below=1000,part_cap=0")  # split on small shapes
     qlens, slens, h, hkv, d, bs = CASES[name]
     q, kv, md, tables = _case(qlens, slens, h, hkv, d, bs, seed=len(name))
     impl = TritonAttentionBackend().make_impl(h, d, hkv, d**-0.5)
@@ -51,18 +51,38 @@ def test_attention_matches_naive(name, monkeypatch):
     err = (out.cpu().double() - ref).norm() / ref.norm()
     assert not out.isnan().any()
     assert err < 1e-5, f"{name}: rel err {err:.2e}"
-    splits = {p[2] for p in built.plans.values()}
+    splits = {p[1] for p in built.plans.values()}
     if "split" in name:
         assert max(splits) > 1, "case meant to exercise split-KV ran unsplit"
 
 
 def test_split_heuristic():
-    # long single decode: split; a big batch already fills the SMs: no split
-    one = cuda_attn.CudaAttentionMetadata(AttentionMetadata.build([1], [16384], [list(range(1024))], 16), 132)
-    assert one.plan(1, 64, 8)[2] > 8
-    many = cuda_attn.CudaAttentionMetadata(
-        AttentionMetadata.build([1] * 256, [1024] * 256, [list(range(64))] * 256, 16), 132)
-    assert many.plan(1, 64, 8)[2] == 1
+    def splits(qlens, slens, block_q=1):
+        tables = [list(range(-(-max(slens) // 16)))] * len(slens)
+        md = cuda_attn.CudaAttentionMetadata(AttentionMetadata.build(qlens, slens, tables, 16), 132)
+        return md.plan(block_q, 64, 32, 8, 128, 2)[1]
+
+    assert splits([1], [16384]) > 8  # one long decode: flash-decoding
+    assert splits([1] * 256, [1024] * 256) == 1  # a big batch already fills the SMs
+    assert splits([512], [4608], block_q=32) == 1  # fp32 partials of 512 queries would outweigh the KV
+
+
+def test_host_bounds_above_device_lengths(monkeypatch):
+    """What a CUDA-graph capture does: host lengths at an upper bound (more splits, a wider grid)
+    while the device holds the real lengths; surplus splits and q blocks must contribute nothing."""
+    monkeypatch.setenv("HWKV_CUDA_ATTN_CONFIG", "min_split=16")
+    qlens, slens, h, hkv, d, bs = [1, 1, 1, 1], [6, 18, 40, 4], 4, 2, 32, 16
+    q, kv, md, tables = _case(qlens, slens, h, hkv, d, bs, seed=3)
+    width = md.block_tables.shape[1]
+    bound = AttentionMetadata.build(qlens, [width * bs] * 4, torch.zeros(4, width, dtype=torch.int32), bs)
+    bound.seq_lens, bound.block_tables, bound.slot_mapping = md.seq_lens, md.block_tables, md.slot_mapping
+    built = cuda_attn.CudaAttentionMetadata(bound, 132)
+    impl = TritonAttentionBackend().make_impl(h, d, hkv, d**-0.5)
+    out = torch.full_like(q, float("nan"), device=DEV)
+    impl.forward_into(out, q.to(DEV), kv.to(DEV), built)
+    assert max(p[1] for p in built.plans.values()) > 1
+    ref = naive_attention(q, kv, qlens, slens, tables, d**-0.5)
+    assert (out.cpu().double() - ref).norm() / ref.norm() < 1e-5
 
 
 @pytest.mark.parametrize("bs", [16, 32])

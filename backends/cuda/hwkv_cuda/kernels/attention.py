@@ -56,7 +56,7 @@ def _tile(acc, l_i, m_i, q, qk_scale, kv_ptr, bt_ptr, start, kv_end, q_pos, kvh_
 @triton.jit(do_not_specialize=["num_seqs", "seg_len", "stride_bt"])
 def attention_kernel(
     q_ptr, kv_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
-    qblock_start_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
     num_seqs, seg_len, qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_blk, stride_kv, stride_tok, stride_head, stride_bt,
@@ -69,16 +69,24 @@ def attention_kernel(
     split = tl.program_id(2)
     HPAD: tl.constexpr = BLOCK_M // BLOCK_Q
 
-    # which request owns this q block: last s with qblock_start[s] <= pid (no host sync)
+    # which request owns this q block, from query_start_loc alone (no planner tensor, so nothing a
+    # captured graph reads can be freed under it): request s owns blocks from qsl[s] // BLOCK_Q + s on
+    # (qsl[s] with BLOCK_Q 1); the grid is that upper bound, and surplus blocks get an empty tile
     lo = 0
     hi = num_seqs - 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        ok = tl.load(qblock_start_ptr + mid) <= pid
+        first = tl.load(query_start_loc_ptr + mid)
+        if BLOCK_Q > 1:
+            first = first // BLOCK_Q + mid
+        ok = first <= pid
         lo = tl.where(ok, mid, lo)
         hi = tl.where(ok, hi, mid - 1)
     seq = lo
-    qb = pid - tl.load(qblock_start_ptr + seq)
+    first = tl.load(query_start_loc_ptr + seq)
+    if BLOCK_Q > 1:
+        first = first // BLOCK_Q + seq
+    qb = pid - first
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -100,6 +108,7 @@ def attention_kernel(
     kv_end = tl.minimum(seq_len, ctx_len + (qb + 1) * BLOCK_Q)
     lo_kv = split * seg_len
     hi_kv = tl.minimum(lo_kv + seg_len, kv_end)
+    hi_kv = tl.where(qb * BLOCK_Q < q_len, hi_kv, lo_kv)  # surplus q block: no KV work, no rows
     free_end = tl.minimum(ctx_len + qb * BLOCK_Q + 1, hi_kv)  # every row sees keys < free_end
     n_free = tl.maximum(free_end - lo_kv, 0) // BLOCK_N
     bt_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
