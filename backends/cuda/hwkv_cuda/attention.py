@@ -38,15 +38,18 @@ class TileConfig:
     part_cap: int = 4  # fp32 partials (written + read) stay under KV bytes / part_cap (0: no cap)
 
 
-def choose_config(max_query_len: int, group: int, head_size: int, dtype: torch.dtype) -> TileConfig:
+def choose_config(max_query_len: int, group: int, head_size: int, dtype: torch.dtype,
+                  split: bool = False) -> TileConfig:
     """Tiles by shape (from H100/H200 sweeps, docs/cuda-backend.md): decodes pack the G heads of a KV
     head into M (>= 16 rows for the MMA) and stream 64-key tiles three stages deep; prefills take
-    128-row tiles on 8 warps. Head 256 and fp32 shrink the tiles so the K/V stages fit shared memory."""
+    128-row tiles on 8 warps. Head 256 and fp32 shrink the tiles so the K/V stages fit shared memory.
+    A split decode (small grid) takes 32-key tiles: a quarter of the shared memory, so every split of
+    a small batch is resident at once instead of queueing in a second wave."""
     hpad = _pow2(group)
     narrow = head_size > 128 or dtype == torch.float32
     if max_query_len == 1:
         block_m = max(16, hpad)
-        cfg = dict(block_m=block_m, block_q=1, block_n=32 if narrow else 64, num_warps=4, num_stages=3)
+        cfg = dict(block_m=block_m, block_q=1, block_n=32 if narrow or split else 64, num_warps=4, num_stages=3)
     else:
         block_m = max(64 if narrow else 128, hpad)
         cfg = dict(block_m=block_m, block_q=block_m // hpad, block_n=32 if narrow else 64,
@@ -154,8 +157,14 @@ class TritonAttentionImpl(AttentionImpl):
             raise ValueError(f"KV block size {bs} differs from metadata block_size {c.block_size}")
         group = self.num_heads // hkv
         cfg = choose_config(c.max_query_len, group, d, query.dtype)
-        grid_q, splits, seg_len = md.plan(cfg.block_q, cfg.block_n, self.num_heads, hkv, d, query.element_size(),
-                                          cfg.split_below, cfg.split_target, cfg.min_split, cfg.part_cap)
+        plan = lambda cfg: md.plan(cfg.block_q, cfg.block_n, self.num_heads, hkv, d, query.element_size(),
+                                   cfg.split_below, cfg.split_target, cfg.min_split, cfg.part_cap)
+        grid_q, splits, seg_len = plan(cfg)
+        if splits > 1:
+            split_cfg = choose_config(c.max_query_len, group, d, query.dtype, split=True)
+            if split_cfg != cfg:
+                cfg = split_cfg
+                grid_q, splits, seg_len = plan(cfg)
         d_pad = max(16, _pow2(d))
         splits_pad = _pow2(splits)
         if splits > 1:
