@@ -422,10 +422,10 @@ def run(args: argparse.Namespace) -> int:
         part("b", part_b)
     if "p" in parts:
         part("p", part_p)
-    if "f" in parts:
-        part("f", part_f)
     if "a" in parts:
         part("a", part_a)
+    if "f" in parts:
+        part("f", part_f)
     free(engine)
     engine = None
     if "b" in parts:

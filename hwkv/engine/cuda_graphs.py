@@ -96,7 +96,9 @@ class GraphRunner:
         self.query_start_loc = torch.arange(mb + 1, dtype=torch.int32, device=device)
         self.logits_indices = torch.arange(mb, dtype=torch.int64, device=device)
         self._copied = torch.cuda.Event() if pin else None
-        self.graphs: dict[int, tuple[Any, torch.Tensor]] = {}
+        # bucket -> (graph, logits, metadata): the metadata must outlive the graph, since it owns
+        # tensors the backend built outside the capture (hwkv-cuda's cached plan) that it reads
+        self.graphs: dict[int, tuple[Any, torch.Tensor, Any]] = {}
         self.pool: Any = None
 
     def _metadata(self, b: int, seq_cpu: torch.Tensor) -> Any:
@@ -133,7 +135,7 @@ class GraphRunner:
                     out = self._forward(b, md)
                 if self.pool is None:
                     self.pool = g.pool()
-                self.graphs[b] = (g, out)
+                self.graphs[b] = (g, out, md)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
 
@@ -158,7 +160,7 @@ class GraphRunner:
         if self._copied is not None:
             self._copied.record()
         if self.use_graphs:
-            g, out = self.graphs[b]
+            g, out, _ = self.graphs[b]
             g.replay()
             return out[:n]
         seq_cpu = torch.from_numpy(h32[:b].copy())
