@@ -25,4 +25,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'hwkv' has no attribute {name!r}")
 
 
-__all__ = ["Engine", "RequestOutput", "SamplingParams", "__version__", "available_backends", "get_backend", "list_backends"]
+__all__ = [
+    "Engine", "RequestOutput", "SamplingParams", "__version__", "available_backends", "get_backend", "list_backends",
+]

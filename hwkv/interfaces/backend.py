@@ -49,25 +49,31 @@ class Backend(ABC):
       ``(True, "")`` or ``(False, reason)`` with the reason and the fix.
     * Constructing a backend that is unavailable raises :class:`BackendUnavailable`.
     * ``capabilities`` is constant for the backend's lifetime.
+
+    Subclasses set ``self._caps``, ``self._device`` and ``self._attention`` in ``__init__`` (or
+    override the three properties).
     """
 
     name: str = "base"
+    _caps: Capabilities
+    _device: Device
+    _attention: AttentionBackend
 
     @classmethod
     @abstractmethod
     def availability(cls) -> tuple[bool, str]: ...
 
     @property
-    @abstractmethod
-    def capabilities(self) -> Capabilities: ...
+    def capabilities(self) -> Capabilities:
+        return self._caps
 
     @property
-    @abstractmethod
-    def device(self) -> Device: ...
+    def device(self) -> Device:
+        return self._device
 
     @property
-    @abstractmethod
-    def attention(self) -> AttentionBackend: ...
+    def attention(self) -> AttentionBackend:
+        return self._attention
 
     def create_transfer(self, **options: Any) -> Transfer:
         """A Transfer endpoint on this device; default: Mooncake TransferEngine with the first

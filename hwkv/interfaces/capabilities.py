@@ -88,7 +88,10 @@ class Capabilities:
     def summary(self) -> str:
         dt = ",".join(str(d).removeprefix("torch.") for d in self.dtypes)
         tp = ",".join(self.transfer_protocols) or "none"
+        heads = list(self.head_sizes) if self.head_sizes else "any"
+        layouts = "/".join(k.value for k in self.kv_layouts)
+        graphs = "yes" if self.graph_capture else "no"
         return (
-            f"dtypes={dt} block={self.describe_block_sizes()} heads={list(self.head_sizes) if self.head_sizes else 'any'} "
-            f"layout={'/'.join(k.value for k in self.kv_layouts)} transfer={tp} graphs={'yes' if self.graph_capture else 'no'}"
+            f"dtypes={dt} block={self.describe_block_sizes()} heads={heads} "
+            f"layout={layouts} transfer={tp} graphs={graphs}"
         )

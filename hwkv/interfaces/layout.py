@@ -104,7 +104,8 @@ class KVCache:
     def __init__(self, spec: KVCacheSpec, layout: KVLayoutKind, tensors: list[torch.Tensor]):
         shapes = spec.tensor_shapes(layout)
         if [tuple(t.shape) for t in tensors] != shapes:
-            raise ValueError(f"KV tensors {[tuple(t.shape) for t in tensors]} do not match layout {layout.value} {shapes}")
+            got = [tuple(t.shape) for t in tensors]
+            raise ValueError(f"KV tensors {got} do not match layout {layout.value} {shapes}")
         for t in tensors:
             if not t.is_contiguous() or t.dtype != spec.dtype:
                 raise ValueError("KV tensors must be contiguous and of the spec's dtype")
@@ -114,10 +115,8 @@ class KVCache:
     def allocate(
         cls, spec: KVCacheSpec, layout: KVLayoutKind, device: torch.device | str = "cpu", pin_memory: bool = False
     ) -> KVCache:
-        ts = [
-            torch.zeros(s, dtype=spec.dtype, device=device, pin_memory=pin_memory and torch.device(device).type == "cpu")
-            for s in spec.tensor_shapes(layout)
-        ]
+        pin = pin_memory and torch.device(device).type == "cpu"
+        ts = [torch.zeros(s, dtype=spec.dtype, device=device, pin_memory=pin) for s in spec.tensor_shapes(layout)]
         return cls(spec, layout, ts)
 
     @property

@@ -63,10 +63,10 @@ class Store(ABC):
     @abstractmethod
     def remove(self, keys: list[str]) -> list[ItemResult]: ...
 
-    def register_buffer(self, ptr: int, nbytes: int) -> None:
+    def register_buffer(self, ptr: int, nbytes: int) -> None:  # noqa: B027 - optional hook
         """Register memory used as put/get buffers (no-op for stores that need none)."""
 
-    def unregister_buffer(self, ptr: int) -> None:
+    def unregister_buffer(self, ptr: int) -> None:  # noqa: B027 - optional hook
         """Undo :meth:`register_buffer`."""
 
     @abstractmethod

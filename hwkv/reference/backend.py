@@ -7,7 +7,6 @@ import importlib.util
 
 import torch
 
-from hwkv.interfaces.attention import AttentionBackend
 from hwkv.interfaces.backend import Backend
 from hwkv.interfaces.capabilities import Capabilities
 from hwkv.interfaces.layout import KVLayoutKind
@@ -51,15 +50,3 @@ class CpuBackend(Backend):
     @classmethod
     def availability(cls) -> tuple[bool, str]:
         return True, ""
-
-    @property
-    def capabilities(self) -> Capabilities:
-        return self._caps
-
-    @property
-    def device(self) -> CpuDevice:
-        return self._device
-
-    @property
-    def attention(self) -> AttentionBackend:
-        return self._attention

@@ -73,18 +73,6 @@ class AscendBackend(Backend):
         except Exception as e:  # the contract: never raises
             return False, f"torch_npu check failed: {type(e).__name__}: {e}; {_npu.FIX}"
 
-    @property
-    def capabilities(self) -> Capabilities:
-        return self._caps
-
-    @property
-    def device(self) -> AscendDevice:
-        return self._device
-
-    @property
-    def attention(self) -> AscendAttentionBackend:
-        return self._attention
-
     def create_transfer(self, **options: Any) -> Transfer:
         # Mooncake's "ascend" transport takes the NPU id as device_name (vllm-ascend passes
         # str(torch.npu.current_device())); registered KV must start on 2 MiB boundaries.

@@ -188,15 +188,3 @@ class ToyBackend(Backend):
     @classmethod
     def availability(cls) -> tuple[bool, str]:
         return True, ""
-
-    @property
-    def capabilities(self) -> Capabilities:
-        return self._caps
-
-    @property
-    def device(self) -> ToyDevice:
-        return self._device
-
-    @property
-    def attention(self) -> ToyAttentionBackend:
-        return self._attention
