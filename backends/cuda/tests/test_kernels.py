@@ -74,7 +74,7 @@ def test_host_bounds_above_device_lengths(monkeypatch):
     qlens, slens, h, hkv, d, bs = [1, 1, 1, 1], [6, 18, 40, 4], 4, 2, 32, 16
     q, kv, md, tables = _case(qlens, slens, h, hkv, d, bs, seed=3)
     width = md.block_tables.shape[1]
-    bound = AttentionMetadata.build(qlens, [width * bs] * 4, torch.zeros(4, width, dtype=torch.int32), bs)
+    bound = AttentionMetadata.build(qlens, [width * bs] * 4, torch.zeros(4, width, dtype=torch.int32), bs, DEV)
     bound.seq_lens, bound.block_tables, bound.slot_mapping = md.seq_lens, md.block_tables, md.slot_mapping
     built = cuda_attn.CudaAttentionMetadata(bound, 132)
     impl = TritonAttentionBackend().make_impl(h, d, hkv, d**-0.5)
