@@ -78,17 +78,5 @@ class CudaBackend(Backend):
                 return False, "triton not installed: pip install triton (it ships with CUDA builds of torch)"
         except Exception as e:  # availability never raises
             return False, f"CUDA probe failed: {e!r}"
-        protocols, why = transfer_choice()
+        _, why = transfer_choice()
         return True, f"transfer: {why}"
-
-    @property
-    def capabilities(self) -> Capabilities:
-        return self._caps
-
-    @property
-    def device(self):  # -> CudaDevice
-        return self._device
-
-    @property
-    def attention(self):  # -> TritonAttentionBackend
-        return self._attention
