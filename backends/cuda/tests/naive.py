@@ -12,8 +12,7 @@ def naive_attention(q, kv, query_lens, seq_lens, block_tables, scale):
     for ql, sl, bt in zip(query_lens, seq_lens, block_tables):
         pos = torch.arange(sl)
         slots = torch.as_tensor(bt)[pos // bs] * bs + pos % bs
-        flat = kv.double().reshape(kv.shape[0] * 0 + kv.shape[0], 2, bs, hkv, -1).transpose(1, 2)
-        flat = flat.reshape(-1, 2, hkv, kv.shape[-1])
+        flat = kv.double().transpose(1, 2).reshape(-1, 2, hkv, kv.shape[-1])  # [slot, K/V, Hkv, D]
         k, v = flat[slots, 0], flat[slots, 1]  # [sl, Hkv, D]
         k = k.repeat_interleave(g, dim=1)
         v = v.repeat_interleave(g, dim=1)
