@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-requests", type=int, default=64)
     p.add_argument("--prefix-len", type=int, default=2048)
     p.add_argument("--parts", default="a,b,c", help="comma list of a (throughput), b (batch-1), c (prefix), "
-                                                    "p (profile), f (fused elementwise ops: batch-1 + profile)")
+                                                    "p (profile)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers peer")
     p.add_argument("--out-dir", default="bench/results", help="where e2e-<model>-<device>-<date>.{json,md} go")
     p.add_argument("--engine-args", default="{}", help=f"JSON dict of Engine kwargs over {ENGINE_DEFAULTS}")
@@ -313,7 +313,7 @@ def markdown(res: dict[str, Any]) -> str:
                      f"({hf.get('requests', '—')} req, batch {hf.get('batch', '—')}) | {f(t.get('ratio'))}× |")
     b = res.get("batch1", {})
     if b:
-        lines.append(f"| (b) batch-1 decode tok/s (graphs) | {f(b.get('tok_per_s'))} "
+        lines.append(f"| (b) batch-1 decode tok/s (graphs + fused elementwise, default) | {f(b.get('tok_per_s'))} "
                      f"(step {f(b.get('step_ms'), 3)} ms, "
                      f"MBU {f(100 * b['mbu'] if 'mbu' in b else None)}%) | {f(b.get('hf_tok_per_s'))} | "
                      f"{f(b['tok_per_s'] / b['hf_tok_per_s'] if b.get('hf_tok_per_s') else None)}× |")
@@ -321,9 +321,9 @@ def markdown(res: dict[str, Any]) -> str:
         if e:
             lines.append(f"| (b) batch-1 decode tok/s (eager) | {f(e.get('tok_per_s'))} (MBU "
                          f"{f(100 * e['mbu'] if 'mbu' in e else None)}%) | | |")
-    bf = res.get("batch1_fused", {})
+    bf = res.get("batch1_graphs_unfused", {})
     if bf:
-        lines.append(f"| (b) batch-1 decode tok/s (graphs + fused elementwise) | {f(bf.get('tok_per_s'))} "
+        lines.append(f"| (b) batch-1 decode tok/s (graphs, elementwise ops not fused) | {f(bf.get('tok_per_s'))} "
                      f"(step {f(bf.get('step_ms'), 3)} ms, MBU {f(100 * bf['mbu'] if 'mbu' in bf else None)}%) | | |")
     c = res.get("shared_prefix", {})
     if c:
@@ -332,7 +332,7 @@ def markdown(res: dict[str, Any]) -> str:
                                        ("output tok/s", "tok_per_s", 1, "")):
             lines.append(f"| (c) {c.get('workload', '')}: {name} {unit}, prefix cache on / off | "
                          f"{f(on.get(key, 0) * scale)} / {f(off.get(key, 0) * scale)} | | |")
-    for title, key in (("Profile", "profile"), ("Profile with fused elementwise ops", "profile_fused")):
+    for title, key in (("Profile", "profile"),):
         for k, v in res.get(key, {}).items():
             lines += ["", f"{title}, {k} (ms per decode step): " + ", ".join(f"{n} {f(x, 3)}" for n, x in v.items())]
     km = res.get("kernel_mix")
@@ -402,17 +402,6 @@ def run(args: argparse.Namespace) -> int:
     def part_b() -> None:
         res["batch1"] = batch1(engine, cfg, vocab, args.b1_tokens, copy_bw)
 
-    def part_f() -> None:
-        from hwkv.engine.cuda_graphs import fuse_elementwise
-
-        t = time.perf_counter()
-        fuse_elementwise(engine.model)
-        engine.runner.enable_graphs(engine.runner.graphs.buckets[-1])  # recapture with the fused ops
-        res["fused_capture_s"] = time.perf_counter() - t
-        res["batch1_fused"] = batch1(engine, cfg, vocab, args.b1_tokens, copy_bw)
-        res["profile_fused"] = {f"batch {b}": profile(engine, vocab, b) for b in (1, 256)
-                                if b <= engine.config.max_num_seqs}
-
     def part_p() -> None:
         res["profile"] = {f"batch {b}": profile(engine, vocab, b) for b in (1, 64, 256)
                           if b <= engine.config.max_num_seqs}
@@ -424,8 +413,6 @@ def run(args: argparse.Namespace) -> int:
         part("p", part_p)
     if "a" in parts:
         part("a", part_a)
-    if "f" in parts:
-        part("f", part_f)
     free(engine)
     engine = None
     if "b" in parts:
@@ -434,6 +421,12 @@ def run(args: argparse.Namespace) -> int:
             res["batch1"]["eager"] = batch1(e, cfg, vocab, min(args.b1_tokens, 256), copy_bw)
             free(e)
         part("b-eager", part_b_eager)
+
+        def part_b_plain() -> None:
+            e = make_engine(mdir, args, fuse_elementwise=False, max_num_seqs=4)
+            res["batch1_graphs_unfused"] = batch1(e, cfg, vocab, args.b1_tokens, copy_bw)
+            free(e)
+        part("b-plain", part_b_plain)
     if not args.no_hf and "a" in parts:
         def part_a_hf() -> None:
             hf = run_hf(mdir, work[: args.hf_requests], args.hf_batch, args.dtype)

@@ -23,6 +23,7 @@ class EngineConfig:
     max_num_partial_prefills: int = 1
     seed: int = 0
     enforce_eager: bool = False  # True: never capture CUDA graphs (every step runs eagerly)
+    fuse_elementwise: bool | None = None  # torch.compile RMSNorm/RoPE/SiLU·mul; None: when graphs are on
 
     def __post_init__(self) -> None:
         def need(name: str, ok: bool, allowed: str) -> None:
@@ -45,3 +46,5 @@ class EngineConfig:
              is_int(self.long_prefill_token_threshold) and self.long_prefill_token_threshold >= 0, "an int >= 0")
         need("seed", is_int(self.seed), "an int")
         need("enforce_eager", isinstance(self.enforce_eager, bool), "a bool")
+        need("fuse_elementwise", self.fuse_elementwise is None or isinstance(self.fuse_elementwise, bool),
+             "None or a bool")

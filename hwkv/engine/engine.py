@@ -40,11 +40,11 @@ class Engine:
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
                  max_num_partial_prefills: int = 1, seed: int = 0, kv_connector: Any = None,
-                 enforce_eager: bool = False):
+                 enforce_eager: bool = False, fuse_elementwise: bool | None = None):
         self.config = cfg = EngineConfig(
             str(model), backend, dtype, max_model_len, block_size, num_kv_blocks, memory_fraction, max_num_seqs,
             max_num_batched_tokens, enable_prefix_caching, enable_chunked_prefill, long_prefill_token_threshold,
-            max_num_partial_prefills, seed, enforce_eager,
+            max_num_partial_prefills, seed, enforce_eager, fuse_elementwise,
         )
         from hwkv.core.hashing import make_block_hasher
         from hwkv.core.kv_cache_manager import KVCacheManager
@@ -73,8 +73,13 @@ class Engine:
                                   self.max_model_len, tuple(self.eos_token_ids), self.scheduler.connector)
         # CUDA graphs for pure-decode steps: only where the backend can be captured, on a CUDA
         # device, and with no connector (a connector may act inside the forward per layer)
-        if (not enforce_eager and self.backend.capabilities.graph_capture and self.runner.device.type == "cuda"
-                and self.runner.connector is None):
+        graphs = (not enforce_eager and self.backend.capabilities.graph_capture
+                  and self.runner.device.type == "cuda" and self.runner.connector is None)
+        if fuse_elementwise or (fuse_elementwise is None and graphs):  # None: together with the graphs
+            from hwkv.engine.cuda_graphs import fuse_elementwise as fuse
+
+            fuse(self.model)
+        if graphs:
             self.runner.enable_graphs(min(max_num_seqs, max_num_batched_tokens))
         self._tracked: dict[str, _Tracked] = {}
         self._pending: list[RequestOutput] = []  # aborted outputs, returned by the next step()

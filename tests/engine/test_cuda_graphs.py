@@ -93,6 +93,8 @@ def test_sampled_and_seeded_requests_on_static_path(model_dir):
 def test_enforce_eager_validated(model_dir):
     with pytest.raises(ValueError, match="enforce_eager"):
         hwkv.Engine(model_dir, num_kv_blocks=16, enforce_eager="yes")
+    with pytest.raises(ValueError, match="fuse_elementwise"):
+        hwkv.Engine(model_dir, num_kv_blocks=16, fuse_elementwise=1)
 
 
 def _cuda_backend():
@@ -105,11 +107,14 @@ def _cuda_backend():
     return CudaBackend()
 
 
+@pytest.mark.parametrize("fuse", [False, True], ids=["plain", "fused"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cuda_graphs_greedy_identical_to_eager(model_dir, dtype):
+def test_cuda_graphs_greedy_identical_to_eager(model_dir, dtype, fuse):
+    """Same model functions on both sides (fused elementwise ops or not); only the step path differs."""
     backend = _cuda_backend()
     prompts, params = _prompts(11), _greedy(11)
-    kw = dict(dtype=dtype, num_kv_blocks=64, max_model_len=128, max_num_batched_tokens=64, max_num_seqs=16)
+    kw = dict(dtype=dtype, num_kv_blocks=64, max_model_len=128, max_num_batched_tokens=64, max_num_seqs=16,
+              fuse_elementwise=fuse)
     eager = hwkv.Engine(model_dir, backend=backend, enforce_eager=True, **kw)
     assert eager.runner.graphs is None
     want = [o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
@@ -119,7 +124,6 @@ def test_cuda_graphs_greedy_identical_to_eager(model_dir, dtype):
     assert got == want
     assert g.runner.num_graph_steps > 10
     assert g.kv_cache_manager.num_free_blocks == 64 and not g.runner.reqs
-
 
 def test_fuse_elementwise_same_tokens(model_dir):
     """The fused RMSNorm / RoPE / SiLU·mul replacements compute the model's functions (checked
