@@ -192,7 +192,9 @@ def _silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
 def fuse_elementwise(model: Any, backend: str = "inductor") -> int:
     """Replace the model's RMSNorm, RoPE and SiLU·mul forwards by ``torch.compile``d functions (one
     fused kernel each instead of 2–12 small ones; a decode step of a small model is dominated by
-    those launches). Same math; shapes are dynamic, so one compilation serves every batch.
+    those launches). Same math; shapes are dynamic, so one compilation (plus one for a single
+    token) serves every batch. Dynamo keeps at most 8 variants per function per process: a process
+    building engines of many dtypes runs the surplus variants uncompiled (correct, slower).
     Returns the number of modules patched."""
     from hwkv.model.llama import MLP, RMSNorm
     from hwkv.model.rope import RotaryEmbedding

@@ -43,6 +43,16 @@ def test_pad_into():
         pad_into(batch._replace(block_tables=np.zeros((3, w + 1), np.int32)), bucket, i64, seq, bt)
 
 
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo keeps 8 compiled variants per function per process; tests compiling the fused ops for
+    several dtypes/devices/backends would exceed that, and a variant past the limit runs uncompiled
+    (bf16 results then differ in the last bits between paths). Each such test starts clean."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return str(write_tiny_model(tmp_path_factory.mktemp("cg") / "llama", arch="llama", max_position_embeddings=256))
@@ -109,7 +119,7 @@ def _cuda_backend():
 
 @pytest.mark.parametrize("fuse", [False, True], ids=["plain", "fused"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cuda_graphs_greedy_identical_to_eager(model_dir, dtype, fuse):
+def test_cuda_graphs_greedy_identical_to_eager(model_dir, dtype, fuse, fresh_dynamo):
     """Same model functions on both sides (fused elementwise ops or not); only the step path differs."""
     backend = _cuda_backend()
     prompts, params = _prompts(11), _greedy(11)
@@ -125,7 +135,7 @@ def test_cuda_graphs_greedy_identical_to_eager(model_dir, dtype, fuse):
     assert g.runner.num_graph_steps > 10
     assert g.kv_cache_manager.num_free_blocks == 64 and not g.runner.reqs
 
-def test_fuse_elementwise_same_tokens(model_dir):
+def test_fuse_elementwise_same_tokens(model_dir, fresh_dynamo):
     """The fused RMSNorm / RoPE / SiLU·mul replacements compute the model's functions (checked
     through torch.compile's eager backend: no compiler needed on CPU)."""
     from hwkv.engine.cuda_graphs import fuse_elementwise
