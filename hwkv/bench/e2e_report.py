@@ -1,0 +1,147 @@
+"""Reporting for `hwkv bench e2e`: per-phase step profile, kernel mix of a decode step, Markdown."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from hwkv.bench.e2e import _sync, _workload
+
+
+def profile(engine: Any, vocab: int, batch: int, steps: int = 64) -> dict[str, Any]:
+    """Mean wall ms per decode step by phase (the runner syncs once per step, so phases are serial),
+    plus GPU-only graph replay time for this batch."""
+    import torch
+
+    from hwkv.sampling_params import SamplingParams
+
+    r, sched = engine.runner, engine.scheduler
+    acc: dict[str, float] = {}
+
+    def timed(obj: Any, name: str, key: str) -> None:
+        fn = getattr(obj, name)
+
+        def wrapper(*a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                acc[key] = acc.get(key, 0.0) + time.perf_counter() - t
+        setattr(obj, name, wrapper)
+
+    for obj, name, key in ((sched, "schedule", "schedule"), (r, "decode_batch", "prep_inputs"),
+                           (r, "prepare_inputs", "prep_inputs"), (r, "_forward", "eager_forward"),
+                           (r, "_sample", "sample_sync"), (sched, "update_from_output", "update")):
+        timed(obj, name, key)
+    if r.graphs is not None:
+        timed(r.graphs, "run", "graph_copy_replay")
+    work = _workload(batch, 128, 128, vocab, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
+    for i, (p, _) in enumerate(work):
+        engine.add_request(f"prof{i}", p, params)
+    while len(r.reqs) < batch or not all(st.output_token_ids for st in r.reqs.values()):
+        engine.step()  # prefills (maybe chunked) until every request decodes
+    acc.clear()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    wall = (time.perf_counter() - t0) / steps
+    while engine.has_unfinished():
+        engine.step()
+    for obj in (sched, r, r.graphs):
+        if obj is not None:
+            for name in ("schedule", "decode_batch", "prepare_inputs", "_forward", "_sample", "update_from_output",
+                         "run"):
+                obj.__dict__.pop(name, None)
+    out: dict[str, Any] = {k: v / steps * 1e3 for k, v in acc.items()}
+    out["step_wall"] = wall * 1e3
+    out["other (engine.step outputs, stats)"] = wall * 1e3 - sum(v / steps * 1e3 for v in acc.values())
+    g = r.graphs.graphs.get(batch) if r.graphs is not None else None
+    if g is not None:
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        g[0].replay()
+        s.record()
+        for _ in range(20):
+            g[0].replay()
+        e.record()
+        e.synchronize()
+        out["gpu_replay"] = s.elapsed_time(e) / 20
+    return {k: round(v, 4) for k, v in out.items()}
+
+
+def kernel_mix(engine: Any, top: int = 12) -> dict[str, Any]:
+    """CUDA kernels of one eager batch-1 decode forward (static buffers, torch.profiler)."""
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprof
+
+    g = engine.runner.graphs
+    if g is None:
+        return {}
+    md = g._metadata(1, torch.full((1,), 512, dtype=torch.int32))
+    g.seq_lens[:1].fill_(512)
+    g.d64[2, :1].fill_(-1)  # write no KV
+    with torch.inference_mode():
+        g._forward(1, md)
+        _sync()
+        with tprof(activities=[ProfilerActivity.CUDA]) as prof:
+            g._forward(1, md)
+            _sync()
+    rows = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t and ev.count:
+            rows.append((t, ev.count, ev.key))
+    rows.sort(reverse=True)
+    total = sum(t for t, _, _ in rows)
+    return dict(total_us=round(total, 1), launches=sum(c for _, c, _ in rows),
+                top=[dict(us=round(t, 1), count=c, name=k[:90]) for t, c, k in rows[:top]])
+
+
+def markdown(res: dict[str, Any]) -> str:
+    def f(x: Any, d: int = 1) -> str:
+        return f"{x:,.{d}f}" if isinstance(x, (int, float)) else "—"
+
+    lines = [f"# hwkv bench e2e — {res['model']} ({res['dtype']}) on {res['device']}, {res['date']}", "",
+             f"Command: `{res['command']}`  ", f"torch {res['torch']}, transformers {res.get('transformers')}, "
+             f"copy BW {f(res.get('copy_bw_TBps'), 2)} TB/s (read+write)", "",
+             "| workload | hwkv | HF generate | ratio |", "| --- | --- | --- | --- |"]
+    t = res.get("throughput", {})
+    if t:
+        hf = t.get("hf", {})
+        lines.append(f"| (a) offline {t['hwkv']['requests']} req, in/out U[{res['min_len']},{res['max_len']}], "
+                     f"output tok/s | {f(t['hwkv']['tok_per_s'])} | {f(hf.get('tok_per_s'))} "
+                     f"({hf.get('requests', '—')} req, batch {hf.get('batch', '—')}) | {f(t.get('ratio'))}× |")
+    b = res.get("batch1", {})
+    if b:
+        mode = "graphs + fused elementwise, default" if res.get("graph_buckets") else "default: no graph capture"
+        lines.append(f"| (b) batch-1 decode tok/s ({mode}) | {f(b.get('tok_per_s'))} "
+                     f"(step {f(b.get('step_ms'), 3)} ms, "
+                     f"MBU {f(100 * b['mbu'] if 'mbu' in b else None)}%) | {f(b.get('hf_tok_per_s'))} | "
+                     f"{f(b['tok_per_s'] / b['hf_tok_per_s'] if b.get('hf_tok_per_s') else None)}× |")
+        e = b.get("eager", {})
+        if e:
+            lines.append(f"| (b) batch-1 decode tok/s (eager) | {f(e.get('tok_per_s'))} (MBU "
+                         f"{f(100 * e['mbu'] if 'mbu' in e else None)}%) | | |")
+    bf = res.get("batch1_graphs_unfused", {})
+    if bf:
+        lines.append(f"| (b) batch-1 decode tok/s (graphs, elementwise ops not fused) | {f(bf.get('tok_per_s'))} "
+                     f"(step {f(bf.get('step_ms'), 3)} ms, MBU {f(100 * bf['mbu'] if 'mbu' in bf else None)}%) | | |")
+    c = res.get("shared_prefix", {})
+    if c:
+        on, off = c.get("prefix_on", {}), c.get("prefix_off", {})
+        for name, key, scale, unit in (("mean TTFT", "mean_ttft_s", 1e3, "ms"), ("p50 TTFT", "p50_ttft_s", 1e3, "ms"),
+                                       ("output tok/s", "tok_per_s", 1, "")):
+            lines.append(f"| (c) {c.get('workload', '')}: {name} {unit}, prefix cache on / off | "
+                         f"{f(on.get(key, 0) * scale)} / {f(off.get(key, 0) * scale)} | | |")
+    for title, key in (("Profile", "profile"),):
+        for k, v in res.get(key, {}).items():
+            lines += ["", f"{title}, {k} (ms per decode step): " + ", ".join(f"{n} {f(x, 3)}" for n, x in v.items())]
+    km = res.get("kernel_mix")
+    if km:
+        lines += ["", f"Eager batch-1 decode forward: {km['launches']} kernels, {f(km['total_us'])} µs GPU; top: "
+                  + "; ".join(f"{r['name']} ×{r['count']} {f(r['us'])} µs" for r in km["top"][:6])]
+    for k in ("errors",):
+        if res.get(k):
+            lines += ["", f"Errors: {res[k]}"]
+    return "\n".join(lines) + "\n"
