@@ -147,3 +147,29 @@ def test_fuse_elementwise_same_tokens(model_dir, fresh_dynamo):
     e = hwkv.Engine(model_dir, **kw)
     assert fuse_elementwise(e.model, backend="eager") == 2 * 2 + 1 + 1 + 2  # norms, final norm, rope, MLPs
     assert [o.token_ids for o in e.generate(prompts, params, use_tqdm=False)] == want
+
+
+def test_bench_e2e_smoke_cpu(model_dir, tmp_path):
+    """`hwkv bench e2e` end to end on the CPU reference backend (tiny workload, no HF peer)."""
+    import argparse
+    import json
+
+    from hwkv.bench import e2e
+
+    torch.set_num_threads(1)
+    ap = argparse.ArgumentParser()
+    e2e.add_arguments(ap)
+    args = ap.parse_args(["--model", model_dir, "--backend", "cpu", "--dtype", "float32", "--num-requests", "6",
+                          "--min-len", "4", "--max-len", "12", "--b1-tokens", "8", "--prefix-requests", "3",
+                          "--prefix-len", "32", "--parts", "a,b,c,p", "--no-hf", "--out-dir", str(tmp_path),
+                          "--engine-args", json.dumps(dict(max_model_len=256, max_num_seqs=4,
+                                                           max_num_batched_tokens=128))])
+    assert e2e.run(args) == 0
+    res = json.loads(next(tmp_path.glob("e2e-*.json")).read_text())
+    assert not res["errors"]
+    assert res["throughput"]["hwkv"]["output_tokens"] == sum(m for _, m in e2e._workload(6, 4, 12, 512))
+    assert res["batch1"]["tok_per_s"] > 0 and res["batch1"]["eager"]["tok_per_s"] > 0
+    assert res["shared_prefix"]["stats_on"]["prefix_cache_hits"] > 0 == res["shared_prefix"]["stats_off"][
+        "prefix_cache_hits"]
+    assert "step_wall" in res["profile"]["batch 1"]
+    assert (tmp_path / next(tmp_path.glob("e2e-*.md")).name).read_text().startswith("# hwkv bench e2e")
