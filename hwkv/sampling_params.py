@@ -22,6 +22,8 @@ class SamplingParams:
     * ``logprobs`` n returns the top-n log-probabilities (of the unmodified model distribution) plus
       the sampled token's; ``None`` returns none.
     * ``min_tokens`` suppresses EOS / stop token ids until that many tokens were generated.
+    * ``cache_salt`` isolates this request's prefix-cache blocks: requests share cached blocks only
+      with requests of the same salt (per-tenant isolation).
     """
 
     temperature: float = 1.0
@@ -39,6 +41,7 @@ class SamplingParams:
     logprobs: int | None = None
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    cache_salt: str | None = None
     n: int = 1
 
     def __post_init__(self) -> None:

@@ -58,7 +58,9 @@ class KVConnectorBase:
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """``(delay_free, kv_transfer_params)``: with ``delay_free`` the scheduler frees the
-        blocks only once the request is reported in ``finished_sending``."""
+        blocks only once the request is reported in ``finished_sending``. A request finished
+        (e.g. aborted) while its load is in flight must return ``delay_free=True`` and be reported
+        in ``finished_sending`` when the load stops writing, or its blocks could be reused under it."""
         return False, None
 
     # ---- worker side ----------------------------------------------------------------------

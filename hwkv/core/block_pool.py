@@ -178,12 +178,12 @@ class BlockPool:
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """ref_cnt -= 1; blocks reaching 0 join the queue tail in the given order (evicted in that order).
         Pass a request's blocks reversed so chain tails are evicted before heads."""
-        to_free = []
-        for block in ordered_blocks:
-            if block.is_null:
-                continue
+        blocks = [b for b in ordered_blocks if not b.is_null]
+        for block in blocks:  # check all first: a double free must not leave the pool half-updated
             if block.ref_cnt <= 0:
                 raise ValueError(f"free_blocks: {block} is already free (double free)")
+        to_free = []
+        for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 to_free.append(block)

@@ -130,6 +130,9 @@ class Scheduler:
                 n = threshold
             if n > budget:
                 n = budget
+            if n <= 0:  # nothing left to compute (a failed step was rolled back elsewhere)
+                i += 1
+                continue
             if c + n <= slots[rid] and (c + n) // bs == c // bs:
                 blocks = None  # fits the held blocks and fills none: allocate_slots would be a no-op
             else:
@@ -169,6 +172,8 @@ class Scheduler:
                 if req.num_computed_tokens == 0:
                     new_blocks, num_local = kv.get_computed_blocks(req)
                     num_ext, load_async = self.connector.get_num_new_matched_tokens(req, num_local)
+                    # At least the last token must be computed to produce logits, whatever is offered.
+                    num_ext = max(0, min(num_ext, req.num_tokens - 1 - num_local))
                 num_computed = req.num_computed_tokens or num_local + num_ext
                 if load_async:
                     n = 0
@@ -226,6 +231,17 @@ class Scheduler:
         self.finished_req_ids = set()
         out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
+
+    def requeue(self, sched_out: SchedulerOutput) -> list[str]:
+        """Undo a step whose execution failed: its requests restart by recompute from the front of
+        the waiting queue (FCFS order kept) and finished ids are reported again. Returns their ids."""
+        scheduled = sched_out.num_scheduled_tokens
+        victims = [r for r in self.running if r.request_id in scheduled]
+        self.running = [r for r in self.running if r.request_id not in scheduled]
+        for req in reversed(victims):
+            self._preempt(req)
+        self.finished_req_ids |= sched_out.finished_req_ids
+        return [r.request_id for r in victims]
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
@@ -295,6 +311,7 @@ class Scheduler:
             req.finish_time = time.monotonic()
         delay, _params = self.connector.request_finished(req, self.kv.get_block_ids(req.request_id))
         self.finished_req_ids.add(req.request_id)
+        self.finished_recving.discard(req.request_id)
         self._num_slots.pop(req.request_id, None)
         if delay:
             self.delayed_free[req.request_id] = req
@@ -306,7 +323,11 @@ class Scheduler:
         for rid in out.finished_sending:
             if (req := self.delayed_free.pop(rid, None)) is not None:
                 self.kv.free(req)
-        self.finished_recving |= out.finished_recving
+        # Only loads of requests still waiting for them count: an aborted request's id may be reused.
+        self.finished_recving |= {
+            rid for rid in out.finished_recving
+            if (r := self.requests.get(rid)) is not None and r.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+        }
         for rid in out.failed_recving:
             req = self.requests.get(rid)
             if req is not None and req.status is RequestStatus.WAITING_FOR_REMOTE_KVS:

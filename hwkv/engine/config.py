@@ -16,7 +16,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # None: memory_fraction of free device memory
     memory_fraction: float = 0.9
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None  # None: 2048, or max_model_len when chunked prefill is off
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
@@ -35,9 +35,9 @@ class EngineConfig:
 
         need("backend", (isinstance(self.backend, str) and bool(self.backend)) or hasattr(self.backend, "attention"),
              "a backend name or a Backend instance")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_num_partial_prefills"):
+        for name in ("max_num_seqs", "max_num_partial_prefills"):
             need(name, is_int(getattr(self, name)) and getattr(self, name) >= 1, "an int >= 1")
-        for name in ("max_model_len", "block_size", "num_kv_blocks"):
+        for name in ("max_model_len", "block_size", "num_kv_blocks", "max_num_batched_tokens"):
             v = getattr(self, name)
             need(name, v is None or (is_int(v) and v >= 1), "None or an int >= 1")
         need("memory_fraction", isinstance(self.memory_fraction, (int, float)) and 0 < self.memory_fraction <= 1,

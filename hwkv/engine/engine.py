@@ -37,7 +37,7 @@ class _Tracked:
 class Engine:
     def __init__(self, model: str, backend: Any = "cpu", dtype: Any = None, max_model_len: int | None = None,
                  block_size: int | None = None, num_kv_blocks: int | None = None, memory_fraction: float = 0.9,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
                  max_num_partial_prefills: int = 1, seed: int = 0, kv_connector: Any = None,
                  enforce_eager: bool = False, fuse_elementwise: bool | None = None):
@@ -66,6 +66,8 @@ class Engine:
         self.eos_token_ids = frozenset(_eos_ids(mc, self.generation_config))
         self.kv_cache_manager = KVCacheManager(self.kv_cache.spec.num_blocks, self.block_size, enable_prefix_caching)
         self._hasher = make_block_hasher(self.block_size)
+        if max_num_batched_tokens is None:  # without chunking a whole prompt must fit one step (as vLLM)
+            max_num_batched_tokens = 2048 if enable_chunked_prefill else max(2048, self.max_model_len)
         sched_cfg = SchedulerConfig(max_num_seqs, max_num_batched_tokens, self.max_model_len, enable_chunked_prefill,
                                     long_prefill_token_threshold, max_num_partial_prefills)
         self.scheduler = Scheduler(sched_cfg, self.kv_cache_manager, kv_connector)
@@ -105,10 +107,14 @@ class Engine:
                 f"prompt ({n} tokens) + max_tokens ({m}) = {n + m} exceeds max_model_len {lim} "
                 f"(allowed: prompt length + max_tokens <= {lim})"
             )
+        if params.stop and self.tokenizer is None:
+            raise ValueError(
+                "SamplingParams.stop needs a tokenizer, and this model directory has no tokenizer.json "
+                "(allowed: stop_token_ids)"
+            )
         req = Request(request_id, ids, params, block_hasher=self._hasher, eos_token_ids=self.eos_token_ids,
-                      max_tokens=m, cache_salt=getattr(params, "cache_salt", None))
-        detok = IncrementalDetokenizer(self.tokenizer, ids, _stop_list(params.stop),
-                                       getattr(params, "skip_special_tokens", True))
+                      max_tokens=m, cache_salt=params.cache_salt)
+        detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens)
         return req, _Tracked(text, detok, [] if params.logprobs is not None else None)
 
     def default_sampling_params(self) -> Any:
@@ -176,7 +182,13 @@ class Engine:
         # milliseconds at a few hundred requests, as much as a GPU decode step.
         t0 = time.perf_counter()
         so = self.scheduler.schedule()
-        ro = self.runner.execute(so)
+        try:
+            ro = self.runner.execute(so)
+        except BaseException:
+            # Leave no request half-advanced: they restart by recompute; the caller sees the error.
+            for rid in self.scheduler.requeue(so):
+                self.runner.release(rid)
+            raise
         updated = self.scheduler.update_from_output(so, ro)
         outputs, self._pending = self._pending, []
         for req in updated:
@@ -235,11 +247,14 @@ class Engine:
             self.scheduler.add_request(req)
         ids = [r.request_id for r, _ in reqs]
         wanted, done = set(ids), {}
+        others: list[RequestOutput] = []  # outputs of requests added via add_request: step() returns them
         bar = _progress(len(ids), use_tqdm)
         try:
             while len(done) < len(ids) and self.has_unfinished():
                 for out in self._step(stream=False):
-                    if out.finished and out.request_id in wanted:
+                    if out.request_id not in wanted:
+                        others.append(out)
+                    elif out.finished:
                         done[out.request_id] = out
                         if bar is not None:
                             bar.update(1)
@@ -248,6 +263,7 @@ class Engine:
             self._pending = [o for o in self._pending if o.request_id not in wanted]
             raise
         finally:
+            self._pending.extend(others)
             if bar is not None:
                 bar.close()
         return [done[i] for i in ids]
@@ -274,12 +290,6 @@ def _eos_ids(mc: Any, gen_cfg: Any) -> list[int]:
     if isinstance(g, int):
         g = [g]
     return ids + [i for i in (g or []) if i not in ids]
-
-
-def _stop_list(stop: Any) -> list[str]:
-    if stop is None:
-        return []
-    return [stop] if isinstance(stop, str) else list(stop)
 
 
 def _progress(total: int, enabled: bool) -> Any:

@@ -106,7 +106,10 @@ class Device(ABC):
             for s_t, d_t in zip(src.tensors, dst.tensors):
                 si = s_idx.to(s_t.device, non_blocking=True)
                 di = d_idx.to(d_t.device, non_blocking=True)
-                d_t.index_copy_(0, di, s_t.index_select(0, si).to(d_t.device, non_blocking=True))
+                # A non-blocking device->host copy returns before the bytes land, and the host-side
+                # index_copy_ that follows is on no stream: it must wait.
+                to_host = d_t.device.type == "cpu" and s_t.device.type != "cpu"
+                d_t.index_copy_(0, di, s_t.index_select(0, si).to(d_t.device, non_blocking=not to_host))
 
 
 class _nullcontext(AbstractContextManager[None]):

@@ -186,7 +186,7 @@ class _Registry:
     def _mark_conflicts(self) -> None:
         by_name: dict[str, list[_Entry]] = {}
         for e in self.entries:
-            if e.info.spec is not None:
+            if e.info.spec is not None and not e.refused:  # a refused (e.g. wrong-major) plugin claims no name
                 by_name.setdefault(e.info.name, []).append(e)
         for name, group in by_name.items():
             if len(group) < 2:

@@ -154,3 +154,14 @@ def test_caching_disabled_never_registers():
     blocks = pool.get_new_blocks(1)
     pool.cache_full_blocks(req, blocks, 0, 1)
     assert blocks[0].block_hash is None and not pool.cached_block_hash_to_block
+
+
+def test_double_free_leaves_the_pool_unchanged():
+    pool = BlockPool(6, enable_caching=False)
+    a, b = pool.get_new_blocks(2)
+    pool.free_blocks([b])
+    with pytest.raises(ValueError, match="double free"):
+        pool.free_blocks([a, b])  # b is already free: a must not be half-freed either
+    assert a.ref_cnt == 1 and pool.num_free_blocks == 5
+    pool.free_blocks([a])
+    assert pool.num_free_blocks == 6
