@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from conformance.report import Record
-from conformance.tolerances import ToleranceTable
+from conformance.tolerances import HALF_NORM_FACTOR, ToleranceTable, dtype_name
 
 
 class Check:
@@ -32,6 +32,17 @@ class Check:
         max_rel = float(rel.max()) if rel.numel() else 0.0
         self.rec.update(max_abs, max_rel, str(tol))
         bad = diff > tol.atol + tol.rtol * e.abs()
+        overridden = (dtype_name(dtype), op) in self.table.overrides
+        factor = None if overridden else HALF_NORM_FACTOR.get(dtype_name(dtype))
+        if factor is not None and not bool(bad.any()):
+            rounding = float((e.to(dtype).float() - e).norm())
+            err = float((a - e).norm())
+            if err > factor * rounding + 1e-6 * float(e.norm()):
+                raise AssertionError(
+                    f"{what}: error norm {err:.3g} is {err / max(rounding, 1e-30):.1f}x the error of rounding the "
+                    f"reference to {dtype_name(dtype)} ({rounding:.3g}); allowed {factor:g}x — a systematic "
+                    f"deviation, not rounding"
+                )
         if bool(bad.any()):
             first = tuple(int(i) for i in bad.nonzero()[0])
             raise AssertionError(

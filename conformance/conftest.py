@@ -72,6 +72,8 @@ def _backend_meta(name: str, backend: object) -> dict[str, object]:
         "backend_version": getattr(info, "version", None),
         "capabilities": backend.capabilities.summary(),
         "device": backend.device.description(),
+        # An emulated device proves glue, not hardware: such a run is never certified.
+        "emulated": backend.capabilities.extras.get("emulated") == "yes",
     }
 
 

@@ -34,11 +34,15 @@ class TestTimeout(BaseException):  # BaseException: a test's `except Exception` 
     __test__ = False
 
 
+class _NotSupported(pytest.skip.Exception):  # type: ignore[misc, name-defined]
+    """Raised only by :func:`not_supported`: a plain skip (from a backend, say) is never NOT_SUPPORTED."""
+
+
 def not_supported(reasons: list[str] | str) -> None:
     """Skip the current test as NOT_SUPPORTED; ``reasons`` come from the backend's Capabilities."""
     if isinstance(reasons, str):
         reasons = [reasons]
-    pytest.skip(NS_PREFIX + "; ".join(reasons))
+    raise _NotSupported(NS_PREFIX + "; ".join(reasons))
 
 
 def short_id(nodeid: str) -> str:
@@ -139,7 +143,7 @@ class ReportPlugin:
         if exc is not None:
             if exc.errisinstance(pytest.skip.Exception):
                 msg = str(exc.value.msg if hasattr(exc.value, "msg") else exc.value)
-                if msg.startswith(NS_PREFIX):
+                if exc.errisinstance(_NotSupported):
                     status, reason = "NOT_SUPPORTED", msg[len(NS_PREFIX) :]
                 else:
                     status, reason = "SKIPPED", msg
@@ -201,7 +205,7 @@ class ReportPlugin:
         meta = dict(self.meta)
         self.report = {
             **meta,
-            "certified": bool(meta.get("certify")) and all_ok,
+            "certified": bool(meta.get("certify")) and all_ok and not meta.get("emulated"),
             "all_pass_or_not_supported": all_ok,
             "duration_s": round(time.time() - self._t0, 2),
             "summary": summary,
@@ -240,8 +244,8 @@ def markdown(report: dict[str, Any]) -> str:
         "| field | value |",
         "| --- | --- |",
     ]
-    for key in ("suite_version", "hwkv_version", "backend", "backend_dist", "backend_version", "device", "seed",
-                "certify", "certified", "tolerance_overrides", "duration_s"):
+    for key in ("suite_version", "hwkv_version", "backend", "backend_dist", "backend_version", "device", "emulated",
+                "seed", "certify", "certified", "tolerance_overrides", "duration_s"):
         lines.append(f"| {key} | {report.get(key)} |")
     lines += ["", "| " + " | ".join(STATUSES) + " | total |", "|" + " --- |" * (len(STATUSES) + 1)]
     lines.append("| " + " | ".join(str(s[k]) for k in STATUSES) + f" | {s['total']} |")

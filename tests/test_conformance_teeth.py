@@ -127,6 +127,9 @@ def test_error_and_timeout_statuses(teeth):
     (t,) = report["tests"]
     assert t["status"] == "TIMEOUT" and "1s" in t["reason"]
     assert report["summary"]["TIMEOUT"] == 1 and not report["all_pass_or_not_supported"]
+    report = conformance.run("teeth-dodges", pytest_args=one)  # only Capabilities make NOT_SUPPORTED
+    (t,) = report["tests"]
+    assert t["status"] == "SKIPPED" and "deliberate" in t["reason"] and not report["all_pass_or_not_supported"]
 
 
 def test_not_supported_comes_from_capabilities():

@@ -15,13 +15,14 @@ import math
 import time
 from typing import Any
 
+import pytest
 import torch
 
 from hwkv.interfaces import API_VERSION, AttentionBackend, BackendSpec, KVLayoutKind
 from hwkv.plugins import hookimpl
 from hwkv.reference import CpuBackend, ReferenceAttentionImpl
 
-BUGS = ("ok", "slot", "causal", "gqa", "blockorder", "raises", "asserts", "hangs", "crosslayer")
+BUGS = ("ok", "slot", "causal", "gqa", "blockorder", "raises", "asserts", "hangs", "crosslayer", "dodges")
 
 
 class NaiveImpl(ReferenceAttentionImpl):
@@ -47,6 +48,8 @@ class NaiveImpl(ReferenceAttentionImpl):
             assert query.is_contiguous() and False, "vendor-side assert (deliberate)"
         if self.bug == "hangs":
             time.sleep(30)
+        if self.bug == "dodges":  # a backend trying to pass a declared case off as unsupported
+            pytest.skip("NOT_SUPPORTED: decode is hard (deliberate)")
         k_cache, v_cache = layer_kv[:, 0], layer_kv[:, 1]
         bs, hkv = k_cache.shape[1], self.num_kv_heads
         group = self.num_heads // hkv

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import re
 
-import pytest
 import torch
+
+import conformance
+import hwkv
+import hwkv.testing.tiny_models as tiny
 
 
 def test_conformance_attention_suite_passes_on_emulator(npu, tmp_path):
-    conformance = pytest.importorskip("conformance")
-    if not hasattr(conformance, "run"):
-        pytest.skip("conformance.run not available yet")
     # float16 over every head size / state / GQA ratio, bfloat16 on one head size: keeps CI fast;
     # `hwkv conformance --backend ascend --certify` on hardware runs everything.
     select = "test_write_kv or (test_attention and not bfloat16) or (test_attention and bfloat16 and hd32)"
@@ -35,8 +35,6 @@ def test_conformance_attention_suite_passes_on_emulator(npu, tmp_path):
 
 
 def test_engine_greedy_parity_with_cpu_reference(npu, tmp_path, monkeypatch):
-    hwkv = pytest.importorskip("hwkv")
-    tiny = pytest.importorskip("hwkv.testing.tiny_models")
     from hwkv_ascend.attention import AscendMetadataBuilder
 
     seen = []
@@ -60,3 +58,10 @@ def test_engine_greedy_parity_with_cpu_reference(npu, tmp_path, monkeypatch):
     assert outs["ascend"] == outs["cpu"]
     states = {m.state.value for m in seen}
     assert states == {"prefill_no_cache", "prefill_cache_hit", "chunked_prefill", "decode_only"}, states
+
+
+def test_an_emulated_run_is_never_certified(npu, tmp_path):
+    report = conformance.run("ascend", certify=True, report_dir=tmp_path)
+    assert report["emulated"] is True and report["certified"] is False
+    assert report["all_pass_or_not_supported"], [t for t in report["tests"] if t["status"] not in
+                                                  ("PASS", "NOT_SUPPORTED")][:3]
