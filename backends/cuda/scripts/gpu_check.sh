@@ -5,14 +5,25 @@ set -o pipefail
 OUT=${OUT:-/tmp/hwkv-out}; mkdir -p "$OUT"
 export PYTHONPATH=.:backends/cuda PYTHONUNBUFFERED=1
 STEPS=${STEPS:-pytest,check,sweep,bench}
+failed=()
+# status of the first command of the last pipeline (tee/grep/tail after it always succeed)
+note() { local rc=${PIPESTATUS[0]}; [[ $rc -ne 0 ]] && failed+=("$1 (rc=$rc)"); return 0; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-[[ $STEPS == *pytest* ]] && timeout 150 python3 -m pytest -q -p no:cacheprovider backends/cuda/tests 2>&1 | tee "$OUT/pytest.log" | tail -3
+if [[ $STEPS == *pytest* ]]; then
+  timeout 150 python3 -m pytest -q -p no:cacheprovider backends/cuda/tests 2>&1 | tee "$OUT/pytest.log" | tail -3
+  note pytest
+fi
 args=""; [[ $STEPS == *check* ]] && args="check"; [[ $STEPS == *sweep* ]] && args="$args sweep"
-[[ $STEPS == *quickcheck* ]] && args="quickcheck"; [[ $STEPS == *sweep* ]] && args="$args sweep"
-[[ -n $args ]] && timeout ${CHECK_S:-240} python3 backends/cuda/scripts/gpu_check.py $args --out "$OUT" 2>&1 | tee "$OUT/check.log" | grep -E "BEST|FAIL|correctness|Error|error|Traceback"
+[[ $STEPS == *quickcheck* ]] && args="quickcheck${args#check}"
+if [[ -n $args ]]; then
+  timeout ${CHECK_S:-240} python3 backends/cuda/scripts/gpu_check.py $args --out "$OUT" 2>&1 | tee "$OUT/check.log" \
+    | grep -E "BEST|FAIL|correctness|Error|error|Traceback"
+  note check
+fi
 if [[ $STEPS == *bench* ]]; then
   timeout ${BENCH_S:-330} python3 -m hwkv bench attention --out "$OUT/attention.json" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v "^|"
+  note bench
 fi
 if [[ $STEPS == *conformance* ]]; then
   # entry points need installed dists; offline device: no deps, no build isolation
@@ -22,5 +33,9 @@ if [[ $STEPS == *conformance* ]]; then
     | tee "$OUT/conf-warm.log" | tail -3
   timeout ${CONF_S:-240} python3 -m hwkv conformance --backend cuda --certify --report "$OUT/conf" 2>&1 \
     | tee "$OUT/conf.log" | grep -vE "^\.+ +\[" | tail -40
+  note conformance
 fi
-exit 0
+if [[ ${#failed[@]} -gt 0 ]]; then
+  echo "FAILED steps: ${failed[*]}" >&2
+  exit 1
+fi
