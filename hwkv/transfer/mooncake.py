@@ -27,6 +27,22 @@ from hwkv.interfaces.transfer import Transfer, TransferError
 
 PROTOCOLS = ("tcp", "rdma", "ascend", "nvlink", "efa", "hip", "cxl", "barex")
 INSTALL_HINT = "pip install 'hwkv[mooncake]' (Debian/Ubuntu also need: apt-get install -y libibverbs1 libnuma1)"
+NOT_INSTALLED = "mooncake-transfer-engine not installed: pip install 'hwkv[mooncake]'"
+
+
+def engine_installed() -> bool:
+    """Whether ``mooncake.engine`` can be imported — found without importing or executing anything,
+    so backends can declare their transfer protocols cheaply."""
+    import importlib.machinery
+    import importlib.util
+
+    try:
+        pkg = importlib.util.find_spec("mooncake")
+    except (ImportError, ValueError):
+        return False
+    if pkg is None or not pkg.submodule_search_locations:
+        return False
+    return importlib.machinery.PathFinder.find_spec("engine", list(pkg.submodule_search_locations)) is not None
 
 
 def load_mooncake(submodule: str) -> ModuleType:

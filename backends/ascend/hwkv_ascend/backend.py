@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 import torch
 
 from hwkv.interfaces import Backend, BackendUnavailable, Capabilities, KVLayoutKind, Store, Transfer
+from hwkv.transfer.mooncake import engine_installed
 from hwkv_ascend import _npu
 from hwkv_ascend.attention import BLOCK_SIZE, AscendAttentionBackend
 from hwkv_ascend.device import TRANSFER_ALIGNMENT, AscendDevice
@@ -16,13 +16,6 @@ from hwkv_ascend.device import TRANSFER_ALIGNMENT, AscendDevice
 HEAD_SIZES = tuple(range(16, 128 + 1, 16))
 MOONCAKE_MISSING = "mooncake-transfer-engine-npu not installed: pip install 'hwkv-ascend[mooncake]'"
 EMULATED_NO_HCCS = "torch_npu is emulated on the CPU: no HCCS link to transfer over"
-
-
-def _mooncake_installed() -> bool:
-    try:
-        return importlib.util.find_spec("mooncake") is not None
-    except (ImportError, ValueError):
-        return False
 
 
 class AscendBackend(Backend):
@@ -45,7 +38,7 @@ class AscendBackend(Backend):
         self._attention = AscendAttentionBackend(soc)
         if self._device.emulated:
             protocols, why = (), EMULATED_NO_HCCS
-        elif _mooncake_installed():
+        elif engine_installed():
             protocols, why = ("ascend",), ""
         else:
             protocols, why = (), MOONCAKE_MISSING

@@ -23,14 +23,10 @@ def rdma_devices() -> list[str]:
 def transfer_choice() -> tuple[tuple[str, ...], str]:
     """``rdma`` (GPU memory registered, GPUDirect) when RDMA devices exist, else ``tcp`` staged
     through pinned host buffers; none without the Mooncake wheel."""
-    try:
-        from hwkv.reference.backend import mooncake_engine_installed
+    from hwkv.transfer.mooncake import NOT_INSTALLED, engine_installed
 
-        installed = mooncake_engine_installed()
-    except ImportError:
-        installed = False
-    if not installed:
-        return (), "mooncake-transfer-engine not installed: pip install 'hwkv[mooncake]'"
+    if not engine_installed():
+        return (), NOT_INSTALLED
     devs = rdma_devices()
     if devs:
         return ("rdma", "tcp"), f"rdma over {', '.join(devs)} with GPU memory registration"
