@@ -167,28 +167,6 @@ class GraphRunner:
         return self._forward(b, self._metadata(b, seq_cpu))[:n]
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
-
-
-def _rope(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, q: torch.Tensor,
-          k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
-
-    def rot(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((-x2, x1), dim=-1)
-
-    return q * c + rot(q) * s, k * c + rot(k) * s
-
-
-def _silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
-    gate, up = gate_up.split([inter, inter], dim=-1)
-    return torch.nn.functional.silu(gate) * up
-
-
 def fuse_elementwise(model: Any, backend: str = "inductor") -> int:
     """Replace the model's RMSNorm, RoPE and SiLU·mul forwards by ``torch.compile``d functions (one
     fused kernel each instead of 2–12 small ones; a decode step of a small model is dominated by
@@ -196,12 +174,12 @@ def fuse_elementwise(model: Any, backend: str = "inductor") -> int:
     token) serves every batch. Dynamo keeps at most 8 variants per function per process: a process
     building engines of many dtypes runs the surplus variants uncompiled (correct, slower).
     Returns the number of modules patched."""
-    from hwkv.model.llama import MLP, RMSNorm
-    from hwkv.model.rope import RotaryEmbedding
+    from hwkv.model.llama import MLP, RMSNorm, rms_norm, silu_mul
+    from hwkv.model.rope import RotaryEmbedding, apply_rope
 
-    rms = torch.compile(_rms_norm, dynamic=True, backend=backend)
-    rope = torch.compile(_rope, dynamic=True, backend=backend)
-    act = torch.compile(_silu_mul, dynamic=True, backend=backend)
+    rms = torch.compile(rms_norm, dynamic=True, backend=backend)
+    rope = torch.compile(apply_rope, dynamic=True, backend=backend)
+    act = torch.compile(silu_mul, dynamic=True, backend=backend)
     n = 0
     for m in model.modules():
         if isinstance(m, RMSNorm):

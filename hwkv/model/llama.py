@@ -42,10 +42,20 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Same op order as HF: normalise in float32, cast back, then scale.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same op order as HF: normalise in float32, cast back, then scale. Free functions here and
+    # below: the engine may torch.compile them (hwkv/engine/cuda_graphs.py:fuse_elementwise).
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+    gate, up = gate_up.split([inter, inter], dim=-1)
+    return F.silu(gate) * up
 
 
 class Attention(nn.Module):
@@ -78,8 +88,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(self.inter, cfg.hidden_size, cfg.mlp_bias, device, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x), self.inter))
 
 
 class DecoderLayer(nn.Module):

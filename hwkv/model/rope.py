@@ -88,6 +88,12 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``q [T, H, D]``, ``k [T, H_kv, D]`` rotated by the angles of ``positions [T]``."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        return apply_rope(self.cos, self.sin, positions, q, k)
+
+
+def apply_rope(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, q: torch.Tensor,
+               k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style rotation by the cached angles of ``positions`` (a free function: the engine may
+    ``torch.compile`` it into one kernel)."""
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
