@@ -25,6 +25,13 @@ class IncrementalDetokenizer:
         self.stop = [s for s in (stop or []) if s]
         self.skip_special = skip_special_tokens
 
+    @property
+    def stable_text(self) -> str:
+        """Text that can no longer change: without the tail a stop string could still claim, so
+        streamed text only ever grows."""
+        hold = max((len(s) for s in self.stop), default=1) - 1
+        return self.text[: len(self.text) - hold] if hold else self.text
+
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special) if ids else ""
 

@@ -216,7 +216,8 @@ class Engine:
                                     max(req.num_cached_tokens, 0), req.num_preemptions)
         return RequestOutput(
             request_id=req.request_id, prompt=tr.prompt, prompt_token_ids=req.prompt_token_ids,
-            text=tr.detok.text, token_ids=list(req.output_token_ids), finished=req.is_finished,
+            text=tr.detok.text if req.is_finished else tr.detok.stable_text,
+            token_ids=list(req.output_token_ids), finished=req.is_finished,
             finish_reason=req.status.finish_reason, metrics=metrics, stop_reason=req.stop_reason,
             logprobs=list(tr.logprobs) if tr.logprobs is not None else None,
         )

@@ -120,3 +120,20 @@ def test_cache_salt_separates_prefix_cache(model_dir):
     e.generate([long], SamplingParams(temperature=0, max_tokens=2, cache_salt="tenant-a"), use_tqdm=False)
     assert e.stats()["prefix_cache_hits"] > hits
     _no_leak(e)
+
+
+def test_streamed_text_only_grows_with_stop_strings(tmp_path):
+    d = str(write_tiny_model(tmp_path / "m", max_position_embeddings=256))
+    e = hwkv.Engine(d, num_kv_blocks=64, max_model_len=128)
+    (full,) = e.generate(["The quick brown fox"], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                         use_tqdm=False)
+    text = full.text
+    assert len(text) > 8
+    stop = text[len(text) // 2 : len(text) // 2 + 4]
+    e.add_request("s", "The quick brown fox", SamplingParams(temperature=0, max_tokens=24, stop=[stop]))
+    seen: list[str] = []
+    while e.has_unfinished():
+        seen += [o.text for o in e.step()]
+    assert all(b.startswith(a) for a, b in zip(seen, seen[1:])), seen  # never retracts a streamed prefix
+    assert seen[-1] == text[: text.find(stop)]
+    _no_leak(e)
