@@ -34,6 +34,16 @@ from dataclasses import dataclass
 from hwkv.transfer.mooncake import INSTALL_HINT, free_port
 
 
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM when the test process dies, even by SIGKILL (Linux), so no master
+    outlives the run that started it."""
+    import ctypes
+    import signal
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 @dataclass(frozen=True)
 class MooncakeMaster:
     """Addresses of a running master: ``master`` (RPC, for clients' ``master_server_addr``),
@@ -155,7 +165,8 @@ def _run(
             *extra_args,
         ]
         with open(log_path, "w") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    preexec_fn=_die_with_parent)
         try:
             deadline = time.monotonic() + timeout_s
             while proc.poll() is None and time.monotonic() < deadline:
