@@ -12,7 +12,7 @@ import pytest
 from hwkv.interfaces import KeyNotFound, SizeMismatch, StoreError, StoreFull
 from hwkv.stores import create_store
 from hwkv.stores.embedded import EmbeddedStore
-from hwkv.testing.mooncake import master_metrics, mooncake_available, mooncake_master
+from hwkv.testing.mooncake import master_metrics, mooncake_master, skip_unless_mooncake
 from hwkv.transfer.mooncake import free_port
 
 MiB = 1 << 20
@@ -47,9 +47,7 @@ def arena():
 
 @pytest.fixture(scope="module")
 def mooncake(arena):
-    ok, why = mooncake_available()
-    if not ok:
-        pytest.skip(why)
+    skip_unless_mooncake()
     # a 2 s lease (default 10 s) keeps the lease test deterministic and eviction tests quick
     with mooncake_master(default_kv_lease_ttl_ms=2000) as m:
         store = create_store("mooncake", master=m.master, metadata_server=m.metadata_server, protocol="tcp",
@@ -370,9 +368,7 @@ def test_mooncake_remove_of_leased_value_without_force(mstore, arena):
 
 @pytest.mark.mooncake
 def test_mooncake_unreachable_master_fails_fast():
-    ok, why = mooncake_available()
-    if not ok:
-        pytest.skip(why)
+    skip_unless_mooncake()
     t = time.monotonic()
     with pytest.raises(StoreError, match="cannot reach mooncake_master"):
         create_store("mooncake", master=f"127.0.0.1:{free_port()}", connect_timeout_s=1.0)

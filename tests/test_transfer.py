@@ -8,13 +8,11 @@ import pytest
 import torch
 
 from hwkv.interfaces import KVCache, KVCacheSpec, KVLayoutKind, TransferError
-from hwkv.testing.mooncake import mooncake_available, mooncake_master
+from hwkv.testing.mooncake import mooncake_master, skip_unless_mooncake
 from hwkv.transfer.mooncake import MooncakeTransfer, free_port
 
 pytestmark = pytest.mark.mooncake
-OK, WHY = mooncake_available()
-if not OK:
-    pytest.skip(WHY, allow_module_level=True)
+skip_unless_mooncake(allow_module_level=True)
 
 MiB = 1 << 20
 

@@ -80,6 +80,19 @@ def mooncake_available() -> tuple[bool, str]:
     return True, ""
 
 
+def skip_unless_mooncake(allow_module_level: bool = False) -> None:
+    """Skip the calling test when Mooncake is unusable — or fail it when ``HWKV_REQUIRE_MOONCAKE=1``
+    (CI sets it: there a missing wheel or ``libibverbs`` is a broken set-up, not a reason to skip)."""
+    import pytest
+
+    ok, why = mooncake_available()
+    if ok:
+        return
+    if os.environ.get("HWKV_REQUIRE_MOONCAKE") == "1":
+        pytest.fail(f"HWKV_REQUIRE_MOONCAKE=1 but {why}", pytrace=False)
+    pytest.skip(why, allow_module_level=allow_module_level)
+
+
 def master_metrics(master: MooncakeMaster) -> dict[str, float]:
     """The master's Prometheus counters (``master_key_count``, ``master_evicted_key_count``, ...).
     Unlike ``exists``/``get`` on a client, reading them grants no lease, so it cannot hold off
