@@ -16,17 +16,63 @@ from hwkv.interfaces import KVCacheSpec
 
 pytestmark = [pytest.mark.capability("engine"), pytest.mark.timeout_s(600)]
 VOCAB, HEADS, KV_HEADS, LAYERS = 512, 4, 2, 2
+HALF_LOGIT_MARGIN = 0.02  # relative logit margin for backends without float32 (see TinySetup.agree)
 
 
 class TinySetup:
     def __init__(self, path: str, dtype: torch.dtype, block_size: int, reasons: list[str]):
         self.path, self.dtype, self.block_size, self.reasons = path, dtype, block_size, reasons
         self._ref: dict[Any, list[list[int]]] = {}
+        self._model: Any = None
 
     def prompts(self, lengths: list[int], seed: int, shared_prefix: int = 0) -> list[list[int]]:
         g = torch.Generator().manual_seed(seed)
         prefix = torch.randint(3, VOCAB, (shared_prefix,), generator=g).tolist()
         return [prefix + torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+    def agree(self, check: Any, got: list[list[int]], prompts: list[list[int]], max_tokens: int, what: str) -> None:
+        """The backend's greedy tokens agree with the reference.
+
+        In float32: identical to the reference engine's tokens. A backend without float32 cannot be
+        held to identity with any reference — near-ties flip under half rounding — so each of its
+        tokens is scored by the float32 reference on the backend's own prefix (teacher forcing): it
+        must be the reference's argmax up to a logit margin covering half-precision rounding.
+        """
+        if self.dtype == torch.float32:
+            check.same_tokens(got, self.reference(prompts, max_tokens), what)
+            return
+        worst = 0.0
+        for i, (prompt, toks) in enumerate(zip(prompts, got)):
+            logits = self._teacher_forced_logits(prompt + toks, len(prompt))
+            best = logits.max(-1).values
+            gap = best - logits[torch.arange(len(toks)), torch.tensor(toks)]
+            worst = max(worst, float(gap.max()))
+            bad = (gap > HALF_LOGIT_MARGIN * best.abs().clamp_min(1.0)).nonzero()
+            if bad.numel():
+                j = int(bad[0])
+                check.rec.update(worst, worst, f"argmax up to {HALF_LOGIT_MARGIN:g} relative logit margin")
+                raise AssertionError(
+                    f"{what}: sequence {i} token {j} is {toks[j]}, whose float32 reference logit is "
+                    f"{float(gap[j]):.4g} below the argmax {int(logits[j].argmax())} (allowed: "
+                    f"{HALF_LOGIT_MARGIN:g} x max(1, |max logit|))"
+                )
+        check.rec.update(worst, worst, f"argmax up to {HALF_LOGIT_MARGIN:g} relative logit margin")
+
+    def _teacher_forced_logits(self, ids: list[int], n_prompt: int) -> torch.Tensor:
+        """float32 reference logits predicting ``ids[n_prompt:]`` from their prefixes (one prefill)."""
+        from hwkv.interfaces import AttentionMetadata, KVCache
+        from hwkv.model import load_model
+        from hwkv.plugins import get_backend
+
+        if self._model is None:
+            self._model = load_model(self.path, get_backend("cpu"), dtype=torch.float32, load_tokenizer=False)[0]
+        model, bs, n = self._model, 16, len(ids)
+        nblocks = -(-n // bs)
+        cache = KVCache.allocate(model.kv_cache_spec(nblocks, bs), get_backend("cpu").attention.kv_layout)
+        meta = AttentionMetadata.build([n], [n], [list(range(nblocks))], bs)
+        with torch.inference_mode():
+            return model.forward(torch.tensor(ids), torch.arange(n), cache, meta,
+                                 torch.arange(n_prompt - 1, n - 1)).float()
 
     def reference(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         """The reference engine's greedy tokens (default configuration), cached per input."""
@@ -77,7 +123,7 @@ def test_greedy_matches_reference(backend_name, check, setup):
     bs = setup.block_size
     prompts = setup.prompts([5, bs + 1, 2 * bs + 7, 3], seed=1)
     got, _ = generate(backend_name, setup, prompts, 12)
-    check.same_tokens(got, setup.reference(prompts, 12), "greedy tokens vs reference")
+    setup.agree(check, got, prompts, 12, "greedy tokens vs reference")
 
 
 def test_prefix_cache_identity(backend_name, check, setup):
@@ -92,10 +138,9 @@ def test_prefix_cache_identity(backend_name, check, setup):
     second, stats = generate(backend_name, setup, prompts, 8, engine=eng)
     assert stats["prefix_cache_hits"] > 0, f"the second pass must hit the prefix cache: {stats}"
     off, _ = generate(backend_name, setup, prompts, 8, enable_prefix_caching=False)
-    ref = setup.reference(prompts, 8)
-    check.same_tokens(first, ref, "prefix cache on, first pass vs reference")
-    check.same_tokens(second, ref, "prefix cache on, cached pass vs reference")
-    check.same_tokens(off, ref, "prefix cache off vs reference")
+    setup.agree(check, first, prompts, 8, "prefix cache on, first pass vs reference")
+    setup.agree(check, second, prompts, 8, "prefix cache on, cached pass vs reference")
+    setup.agree(check, off, prompts, 8, "prefix cache off vs reference")
 
 
 def test_chunked_prefill_identity(backend_name, check, setup):
@@ -106,7 +151,7 @@ def test_chunked_prefill_identity(backend_name, check, setup):
     got, stats = generate(backend_name, setup, prompts, 8, max_num_batched_tokens=budget,
                           long_prefill_token_threshold=budget // 2 + 1, enable_prefix_caching=False)
     assert stats["num_steps"] > (3 * bs + 5) // budget, f"prefill was not chunked: {stats}"
-    check.same_tokens(got, setup.reference(prompts, 8), "chunked prefill vs reference")
+    setup.agree(check, got, prompts, 8, "chunked prefill vs reference")
 
 
 def test_preemption_identity(backend_name, check, setup):
@@ -115,4 +160,4 @@ def test_preemption_identity(backend_name, check, setup):
     prompts = setup.prompts([bs + 4, bs + 3, bs + 5], seed=4)
     got, stats = generate(backend_name, setup, prompts, bs + 4, num_kv_blocks=5, enable_prefix_caching=False)
     assert stats["num_preemptions"] > 0, f"the small pool must force preemption: {stats}"
-    check.same_tokens(got, setup.reference(prompts, bs + 4), "preempted run vs reference")
+    setup.agree(check, got, prompts, bs + 4, "preempted run vs reference")

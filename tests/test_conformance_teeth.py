@@ -115,6 +115,18 @@ def test_engine_level_catches_a_prefix_chunk_bug(teeth):
     }
 
 
+def test_engine_level_catches_the_bug_without_float32(teeth):
+    """The same bug on a float16-only backend: tokens are scored by the float32 reference on the
+    backend's own prefixes (teacher forcing), and the wrong mask still fails exactly those checks."""
+    got = statuses(conformance.run("teeth-halfcausal", pytest_args=["-k", "test_engine"]))
+    assert got == {
+        "test_engine.py::test_greedy_matches_reference": "PASS",
+        "test_engine.py::test_prefix_cache_identity": "FAIL",
+        "test_engine.py::test_chunked_prefill_identity": "FAIL",
+        "test_engine.py::test_preemption_identity": "PASS",
+    }
+
+
 def test_error_and_timeout_statuses(teeth):
     one = ["-k", "test_attention and float32 and bs16 and hd64 and decode and gqa4"]
     report = conformance.run("teeth-raises", pytest_args=one)

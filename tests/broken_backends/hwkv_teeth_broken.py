@@ -22,7 +22,7 @@ from hwkv.interfaces import API_VERSION, AttentionBackend, BackendSpec, KVLayout
 from hwkv.plugins import hookimpl
 from hwkv.reference import CpuBackend, ReferenceAttentionImpl
 
-BUGS = ("ok", "slot", "causal", "gqa", "blockorder", "raises", "asserts", "hangs", "crosslayer", "dodges")
+BUGS = ("ok", "slot", "causal", "gqa", "blockorder", "raises", "asserts", "hangs", "crosslayer", "dodges", "halfcausal")
 
 
 class NaiveImpl(ReferenceAttentionImpl):
@@ -71,7 +71,7 @@ class NaiveImpl(ReferenceAttentionImpl):
             j = torch.arange(ql)[:, None]
             s = torch.arange(seq)[None, :]
             # BUG (causal): a multi-token chunk is masked top-left (as if it started at position 0).
-            allowed = s <= j if self.bug == "causal" and ql > 1 else s <= ctx + j
+            allowed = s <= j if self.bug in ("causal", "halfcausal") and ql > 1 else s <= ctx + j
             scores = scores.masked_fill(~allowed, float("-inf"))
             out[q0:q1] = torch.einsum("hqs,shd->qhd", scores.softmax(-1), v[:, kv_head]).to(out.dtype)
         return out
@@ -96,6 +96,8 @@ def _backend_class(bug: str) -> type[CpuBackend]:
             super().__init__()
             self._attention = _Attention()
             self._caps = dataclasses.replace(self._caps, kv_layouts=(layout,))
+            if bug == "halfcausal":  # no float32: the engine checks take the teacher-forced path
+                self._caps = dataclasses.replace(self._caps, dtypes=(torch.float16,))
 
     _Backend.__name__ = f"TeethBackend_{bug}"
     return _Backend
