@@ -189,6 +189,7 @@ class Engine:
             for rid in self.scheduler.requeue(so):
                 self.runner.release(rid)
             raise
+        self._stats.record_step(so, ro, self.scheduler.requests)
         updated = self.scheduler.update_from_output(so, ro)
         outputs, self._pending = self._pending, []
         for req in updated:
@@ -208,7 +209,7 @@ class Engine:
             if req.is_finished:
                 del self._tracked[req.request_id]
                 self.runner.release(req.request_id)
-        self._stats.record_step(so, ro, time.perf_counter() - t0)
+        self._stats.busy_s += time.perf_counter() - t0 if so.total_num_scheduled_tokens else 0.0
         return outputs
 
     def _output(self, req: Request, tr: _Tracked) -> RequestOutput:

@@ -15,17 +15,21 @@ class EngineStats:
     generation_tokens: int = 0  # tokens sampled
     busy_s: float = 0.0  # wall time inside step()
 
-    def record_step(self, so: SchedulerOutput, ro: ModelRunnerOutput, seconds: float) -> None:
+    def record_step(self, so: SchedulerOutput, ro: ModelRunnerOutput, requests: dict[str, Any]) -> None:
+        """Count this step's tokens; call before ``update_from_output`` (finished requests leave
+        ``requests`` there)."""
         if so.total_num_scheduled_tokens == 0:
             return
         self.num_steps += 1
-        self.busy_s += seconds
-        n_sampled = len(ro.sampled_token_ids)
-        # A decode schedules one token and samples one; everything else scheduled is prefill.
-        n_decode = sum(1 for rid, n in so.num_scheduled_tokens.items() if n == 1 and rid in ro.sampled_token_ids)
-        n_decode -= sum(1 for r in so.scheduled_new_reqs if so.num_scheduled_tokens[r.req_id] == 1)
+        # A decode computes one token past the prompt of an already-running request; everything
+        # else scheduled (prompt chunks, recompute after preemption) is prefill work.
+        cached, sched = so.scheduled_cached_reqs, so.num_scheduled_tokens
+        n_decode = sum(
+            1 for rid, c in zip(cached.req_ids, cached.num_computed_tokens)
+            if sched[rid] == 1 and rid in requests and c >= requests[rid].num_prompt_tokens
+        )
         self.prompt_tokens += so.total_num_scheduled_tokens - n_decode
-        self.generation_tokens += n_sampled
+        self.generation_tokens += len(ro.sampled_token_ids)
 
     def snapshot(self, *, kv_usage: float, num_kv_blocks: int, num_free_blocks: int, prefix_stats: Any,
                  num_preemptions: int, num_running: int, num_waiting: int) -> dict[str, Any]:
