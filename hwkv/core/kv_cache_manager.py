@@ -59,12 +59,14 @@ class KVCacheManager:
                 f"!= KVCacheManager.block_size={self.block_size}"
             )
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+    def get_computed_blocks(self, request: Request, record_stats: bool = True) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of ``request``, as (blocks, num_computed_tokens).
 
         Matches from block 0 and stops at the first miss (000 §6.3.3 Q3). The last token is never
         counted (the model must compute at least one token to produce logits), so at most
         ``(num_tokens - 1) // block_size`` blocks match. Does not touch: ``allocate_slots`` does.
+        With ``record_stats=False`` the caller records the lookup itself (``record_prefix_query``),
+        e.g. only once the request is admitted, so a request retried every step counts once.
         """
         if not self.enable_caching:
             return [], 0
@@ -75,11 +77,15 @@ class KVCacheManager:
             hashes = islice(hashes, max_blocks)
         blocks = list(takewhile(_is_block, map(self.block_pool.cached_block_hash_to_block.get, hashes)))
         num_computed = len(blocks) * self.block_size
+        if record_stats:
+            self.record_prefix_query(request, num_computed)
+        return blocks, num_computed
+
+    def record_prefix_query(self, request: Request, num_hit_tokens: int) -> None:
         stats = self.block_pool.stats
         stats.requests += 1
         stats.queries += request.num_tokens
-        stats.hits += num_computed
-        return blocks, num_computed
+        stats.hits += num_hit_tokens
 
     def allocate_slots(
         self,

@@ -170,7 +170,7 @@ class Scheduler:
                     req.status = RequestStatus.WAITING
                 new_blocks, num_local, num_ext, load_async = None, 0, 0, False
                 if req.num_computed_tokens == 0:
-                    new_blocks, num_local = kv.get_computed_blocks(req)
+                    new_blocks, num_local = kv.get_computed_blocks(req, record_stats=False)
                     num_ext, load_async = self.connector.get_num_new_matched_tokens(req, num_local)
                     # At least the last token must be computed to produce logits, whatever is offered.
                     num_ext = max(0, min(num_ext, req.num_tokens - 1 - num_local))
@@ -196,6 +196,8 @@ class Scheduler:
                 block_ids = kv.get_block_ids(req.request_id)
                 self._num_slots[req.request_id] = len(block_ids) * kv.block_size
                 self.connector.update_state_after_alloc(req, block_ids, num_ext)
+                if new_blocks is not None and kv.enable_caching:  # count a lookup once, on admission
+                    kv.record_prefix_query(req, num_local)
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = num_computed
                 if load_async:

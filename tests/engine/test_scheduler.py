@@ -278,3 +278,16 @@ def test_connector_failed_load_falls_back_to_recompute():
     so, sampled = step(s)
     assert so.num_scheduled_tokens == {"remote": 10} and sampled == {"remote": [7]}
     assert s.kv.num_free_blocks == 16 and not s.has_unfinished_requests()
+
+
+def test_a_request_held_back_for_steps_counts_one_prefix_query():
+    """The head of the waiting queue is looked up every step it waits; the hit rate counts it once."""
+    # a takes 4 of the 8-token budget per step; b fits the rest only as a second partial prefill
+    s = make(max_num_batched_tokens=8, long_prefill_token_threshold=4, max_num_partial_prefills=1)
+    add(s, req("a", 30), req("b", 30))
+    steps = 0
+    while s.requests["b"].status is not RequestStatus.RUNNING:
+        step(s)
+        steps += 1
+    assert steps > 2  # b waited behind a's partial prefill
+    assert s.kv.stats.requests == 2 and s.kv.stats.queries == 60
