@@ -137,3 +137,8 @@ def test_copy_blocks(backend, check, gen, dtype, direction, on_stream):
         check.exact(got.cpu(), want, "copy_blocks", f"tensor {i} after copy_blocks {direction}")
     with pytest.raises((IndexError, ValueError)):
         dev.copy_blocks(src, dst, [(0, NUM_BLOCKS)])
+    with pytest.raises(ValueError):  # contract: destinations distinct (copies run in parallel)
+        dev.copy_blocks(src, dst, [(1, 6), (2, 6)])
+    if direction == "in_place":
+        with pytest.raises(ValueError):  # contract: within one cache no block is source and destination
+            dev.copy_blocks(src, dst, [(1, 2), (2, 3)])

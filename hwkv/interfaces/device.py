@@ -36,7 +36,9 @@ class Device(ABC):
     * ``copy_blocks(src, dst, pairs)`` copies block ``s`` of every tensor of ``src`` to block ``d``
       of the same tensor of ``dst`` for each ``(s, d)``; caches must share spec and layout; either
       may live on the host. It is batched (no per-block launch) and ordered on ``stream`` (the
-      current stream by default); callers synchronise through events.
+      current stream by default); callers synchronise through events. Destinations are distinct,
+      and within one cache no block is both a source and a destination (copies run in parallel);
+      :meth:`check_copy` enforces this.
     """
 
     type: str = "cpu"
@@ -88,19 +90,32 @@ class Device(ABC):
     def seed(self, seed: int) -> None:
         torch.manual_seed(seed)
 
+    @staticmethod
+    def check_copy(src: KVCache, dst: KVCache, pairs: list[tuple[int, int]]) -> torch.Tensor | None:
+        """Validate a ``copy_blocks`` request; the ``[n, 2]`` int64 pairs, or ``None`` when empty."""
+        if src.spec != dst.spec or src.layout != dst.layout:
+            raise ValueError("copy_blocks needs caches of the same spec and layout")
+        if not pairs:
+            return None
+        idx = torch.tensor(pairs, dtype=torch.long).reshape(-1, 2)
+        nb = src.spec.num_blocks
+        if int(idx.min()) < 0 or int(idx.max()) >= nb:
+            raise IndexError(f"block ids must lie in [0, {nb})")
+        dsts = idx[:, 1].tolist()
+        if len(set(dsts)) != len(dsts):
+            raise ValueError("copy_blocks: a destination block appears twice")
+        if src is dst and not set(dsts).isdisjoint(idx[:, 0].tolist()):
+            raise ValueError("copy_blocks within one cache: a block is both a source and a destination")
+        return idx
+
     def copy_blocks(
         self, src: KVCache, dst: KVCache, pairs: list[tuple[int, int]], stream: Stream | None = None
     ) -> None:
         """Batched block copy (see class contract). One indexed copy per tensor."""
-        if src.spec != dst.spec or src.layout != dst.layout:
-            raise ValueError("copy_blocks needs caches of the same spec and layout")
-        if not pairs:
+        idx = self.check_copy(src, dst, pairs)
+        if idx is None:
             return
-        idx = torch.tensor(pairs, dtype=torch.long)
         s_idx, d_idx = idx[:, 0], idx[:, 1]
-        nb = src.spec.num_blocks
-        if int(idx.min()) < 0 or int(idx.max()) >= nb:
-            raise IndexError(f"block ids must lie in [0, {nb})")
         ctx = self.stream_context(stream) if stream is not None else _nullcontext()
         with ctx:
             for s_t, d_t in zip(src.tensors, dst.tensors):

@@ -58,14 +58,9 @@ class CudaDevice(Device):
                     stream: Stream | None = None) -> None:
         """One Triton launch per tensor for every direction: pinned host memory is reached through
         unified addressing, so device<->host copies are as stream-ordered as in-device ones."""
-        if src.spec != dst.spec or src.layout != dst.layout:
-            raise ValueError("copy_blocks needs caches of the same spec and layout")
-        if not pairs:
+        idx = self.check_copy(src, dst, pairs)
+        if idx is None:
             return
-        nb = src.spec.num_blocks
-        idx = torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2)
-        if int(idx.min()) < 0 or int(idx.max()) >= nb:
-            raise IndexError(f"block ids must lie in [0, {nb})")
         for t in (*src.tensors, *dst.tensors):
             if t.device.type == "cpu" and not t.is_pinned():
                 raise ValueError("copy_blocks to or from the host needs pinned host KV (allocate_kv_cache(host=True))")

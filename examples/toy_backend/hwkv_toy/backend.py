@@ -83,17 +83,13 @@ class ToyDevice(Device):
         return None
 
     def copy_blocks(self, src: KVCache, dst: KVCache, pairs: list[tuple[int, int]], stream: object = None) -> None:
-        if src.spec != dst.spec or src.layout != dst.layout:
-            raise ValueError("copy_blocks needs caches of the same spec and layout")
-        nb = src.spec.num_blocks
-        bad = [p for p in pairs if not (0 <= p[0] < nb and 0 <= p[1] < nb)]
-        if bad:
-            raise IndexError(f"copy_blocks pairs {bad} outside block ids [0, {nb})")
+        if self.check_copy(src, dst, pairs) is None:
+            return
         runs = group_concurrent_contiguous([s for s, _ in pairs], [d for _, d in pairs])
         for ts, td in zip(src.tensors, dst.tensors):
             for s, d, n in runs:
                 chunk = ts[s : s + n]
-                td[d : d + n].copy_(chunk.clone() if ts is td else chunk)
+                td[d : d + n].copy_(chunk)  # check_copy: within one cache, sources and destinations are disjoint
 
 
 @dataclass
