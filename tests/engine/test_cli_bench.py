@@ -5,19 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-import pytest
-import torch
-
 from hwkv.bench import scheduler as bench_scheduler
 from hwkv.commands import generate
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def test_generate_demo_json(tmp_path, capsys):

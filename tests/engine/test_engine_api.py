@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 import hwkv
 from hwkv.engine.detokenizer import IncrementalDetokenizer
@@ -13,13 +12,6 @@ from hwkv.testing.tiny_models import write_tiny_model
 PROMPTS = ["Hello, world!", "The quick brown fox jumps over the lazy dog.", "What is two plus two?",
            "Once upon a time there was a little engine", "Water", "In the morning we drink coffee or tea;"]
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ mixing generate() with add_request(), configuration the engine must resolve itse
 from __future__ import annotations
 
 import pytest
-import torch
 
 import hwkv
 from hwkv.connectors.base import NoOpConnector
@@ -14,13 +13,6 @@ from hwkv.testing.tiny_models import write_tiny_model
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[5 + i, 17, 33 + i, 9, 12, 40 + i, 7, 8, 3 + i] for i in range(4)]
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -34,14 +34,6 @@ def _prompts() -> list[list[int]]:
 PROMPTS = _prompts()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Tiny models: intra-op threads only add contention on a small shared CPU (10-20x slower).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def _hf_model(arch: str):
     kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
