@@ -14,7 +14,7 @@ import threading
 
 from hwkv.interfaces.store import Buffers, ItemResult, KeyNotFound, SizeMismatch, Store, StoreError, StoreFull
 from hwkv.stores.embedded import check_batch
-from hwkv.transfer.mooncake import PROTOCOLS, Registrations, check_segments, load_mooncake
+from hwkv.transfer.mooncake import PROTOCOLS, Registrations, load_mooncake
 
 MIN_SEGMENT = 16 << 20  # the wheel refuses smaller global segments ("Total size must be at least 16777216")
 # Mooncake ErrorCode values the adapter maps (mooncake-store/include/types.h).
@@ -110,22 +110,14 @@ class MooncakeStore(Store):
                                          "(call register_buffer first)")
 
     def register_buffer(self, ptr: int, nbytes: int) -> None:
-        check_segments("register_buffer", [ptr], [nbytes])
         store = self._live()
         with self._lock:
-            self._regs.add(ptr, nbytes)
-            rc = store.register_buffer(ptr, nbytes)
-            if rc != 0:
-                self._regs.pop(ptr)
-                raise StoreError(f"register_buffer({ptr:#x}, {nbytes}) failed with code {rc}")
+            self._regs.register(ptr, nbytes, store.register_buffer, StoreError, "register_buffer")
 
     def unregister_buffer(self, ptr: int) -> None:
         store = self._live()
         with self._lock:
-            self._regs.pop(ptr)
-            rc = store.unregister_buffer(ptr)
-        if rc != 0:
-            raise StoreError(f"unregister_buffer({ptr:#x}) failed with code {rc}")
+            self._regs.unregister(ptr, store.unregister_buffer, StoreError, "unregister_buffer")
 
     def registered_buffers(self) -> list[tuple[int, int]]:
         """``(ptr, nbytes)`` of every registered buffer (empty after ``close``)."""

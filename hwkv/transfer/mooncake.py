@@ -21,6 +21,7 @@ import itertools
 import socket
 import threading
 import time
+from collections.abc import Callable
 from types import ModuleType
 
 from hwkv.interfaces.transfer import Transfer, TransferError
@@ -87,6 +88,26 @@ class Registrations:
 
     def items(self) -> list[tuple[int, int]]:
         return [(p, self._sizes[p]) for p in self._starts]
+
+    def register(self, ptr: int, nbytes: int, call: Callable[[int, int], int], error: type[Exception],
+                 what: str) -> None:
+        """Track ``[ptr, +nbytes)`` and register it through ``call`` (a Mooncake int return code);
+        on failure nothing stays tracked and ``error`` is raised."""
+        check_segments(what, [ptr], [nbytes])
+        self.add(ptr, nbytes)
+        rc = call(ptr, nbytes)
+        if rc != 0:
+            self.pop(ptr)
+            raise error(f"{what}({ptr:#x}, {nbytes}) failed with code {rc}")
+
+    def unregister(self, ptr: int, call: Callable[[int], int], error: type[Exception], what: str) -> None:
+        """Unregister through ``call``; the range stays tracked if that fails (it is still registered)."""
+        if ptr not in self._sizes:
+            raise ValueError(f"ptr {ptr:#x} is not a registered buffer (register it first)")
+        rc = call(ptr)
+        if rc != 0:
+            raise error(f"{what}({ptr:#x}) failed with code {rc}")
+        self.pop(ptr)
 
 
 def check_segments(what: str, ptrs: list[int], lengths: list[int], others: list[int] | None = None) -> None:
@@ -157,22 +178,14 @@ class MooncakeTransfer(Transfer):
         return self._engine
 
     def register(self, ptr: int, nbytes: int) -> None:
-        check_segments("register", [ptr], [nbytes])
         engine = self._live()
         with self._lock:
-            self._regs.add(ptr, nbytes)
-            rc = engine.register_memory(ptr, nbytes)
-            if rc != 0:
-                self._regs.pop(ptr)
-                raise TransferError(f"register_memory({ptr:#x}, {nbytes}) failed with code {rc}")
+            self._regs.register(ptr, nbytes, engine.register_memory, TransferError, "register_memory")
 
     def unregister(self, ptr: int) -> None:
         engine = self._live()
         with self._lock:
-            self._regs.pop(ptr)
-            rc = engine.unregister_memory(ptr)
-        if rc != 0:
-            raise TransferError(f"unregister_memory({ptr:#x}) failed with code {rc}")
+            self._regs.unregister(ptr, engine.unregister_memory, TransferError, "unregister_memory")
 
     def registered_buffers(self) -> list[tuple[int, int]]:
         """``(ptr, nbytes)`` of every registered buffer (empty after ``close``)."""
