@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from hwkv.interfaces import AttentionMetadata, Backend, KVCache, KVCacheSpec
+from hwkv.testing.paged import random_block_tables
 
 NUM_LAYERS = 2
 LAYER = 1  # the layer under test; layer 0 holds decoy K/V at the same slots
@@ -48,21 +49,6 @@ def scenario(state: str, bs: int, gen: torch.Generator) -> list[tuple[int, int]]
         raise ValueError(f"state {state!r} not in {STATES}")
     order = torch.randperm(len(reqs), generator=gen).tolist()
     return [reqs[i] for i in order]
-
-
-def block_tables(seq_lens: list[int], bs: int, gen: torch.Generator, spare: int = 3) -> tuple[list[list[int]], int]:
-    """Disjoint, non-contiguous, out-of-order block ids per request; returns (tables, num_blocks)."""
-    need = [math.ceil(s / bs) for s in seq_lens]
-    num_blocks = sum(need) + spare
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, i = [], 0
-    for n in need:
-        row = perm[i : i + n]
-        if n >= 2 and row == sorted(row):
-            row = row[::-1]  # guarantee at least one descending pair
-        tables.append(row)
-        i += n
-    return tables, num_blocks
 
 
 def new_cache(backend: Backend, spec: KVCacheSpec, fill: torch.Generator | None = None) -> KVCache:
@@ -122,7 +108,7 @@ class AttentionCase:
 def make_case(state: str, bs: int, num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtype,
               gen: torch.Generator) -> AttentionCase:
     reqs = scenario(state, bs, gen)
-    tables, nb = block_tables([c + q for c, q in reqs], bs, gen)
+    tables, nb = random_block_tables([c + q for c, q in reqs], bs, gen)
     t, c = sum(q for _, q in reqs), sum(c for c, _ in reqs)
     return AttentionCase(
         reqs, tables, nb, bs, num_heads, num_kv_heads, head_size,

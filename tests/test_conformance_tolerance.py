@@ -11,19 +11,16 @@ from conformance.check import Check
 from conformance.report import Record
 from conformance.tolerances import ToleranceTable
 from hwkv.reference.attention import paged_attention
+from hwkv.testing.paged import random_block_tables
 
 
 def _case(dtype: torch.dtype, seed: int):
     g = torch.Generator().manual_seed(seed)
     bs, hkv, d, sl, ql = 16, 2, 64, [90, 40, 33], [1, 40, 9]
-    nb = sum(-(-s // bs) for s in sl) + 3
-    perm = torch.randperm(nb, generator=g).tolist()
-    bt = torch.zeros(len(sl), max(-(-s // bs) for s in sl), dtype=torch.int32)
-    i = 0
-    for r, s in enumerate(sl):
-        n = -(-s // bs)
-        bt[r, :n] = torch.tensor(perm[i : i + n])
-        i += n
+    tables, nb = random_block_tables(sl, bs, g)
+    bt = torch.zeros(len(sl), max(map(len, tables)), dtype=torch.int32)
+    for r, row in enumerate(tables):
+        bt[r, : len(row)] = torch.tensor(row)
     kv = torch.randn(nb, 2, bs, hkv, d, generator=g).to(dtype)
     q = torch.randn(sum(ql), 8, d, generator=g).to(dtype)
     qsl = torch.tensor([0, *torch.cumsum(torch.tensor(ql), 0).tolist()], dtype=torch.int32)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from hwkv.interfaces import AttentionMetadata, KVCacheSpec, KVLayoutKind
+from hwkv.testing.paged import random_block_tables
 
 BS = 128
 # (context_len, query_len) per request, the state the builder must pick
@@ -41,13 +40,7 @@ def make_case(reqs, num_heads, num_kv_heads, head_size, dtype, seed=0):
     """Random per-request sequences, shuffled physical blocks, the context already in the cache."""
     g = torch.Generator().manual_seed(seed)
     seq_lens = [c + q for c, q in reqs]
-    need = [math.ceil(s / BS) for s in seq_lens]
-    num_blocks = sum(need) + 3
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    tables, at = [], 0
-    for n in need:
-        tables.append(perm[at : at + n])
-        at += n
+    tables, num_blocks = random_block_tables(seq_lens, BS, g)
     k_full = [torch.randn(s, num_kv_heads, head_size, generator=g).to(dtype) for s in seq_lens]
     v_full = [torch.randn(s, num_kv_heads, head_size, generator=g).to(dtype) for s in seq_lens]
     q_new = [torch.randn(q, num_heads, head_size, generator=g).to(dtype) for _, q in reqs]

@@ -10,19 +10,14 @@ from hwkv_cuda.attention import TritonAttentionBackend  # noqa: E402
 from naive import naive_attention  # noqa: E402
 
 from hwkv.interfaces.attention import AttentionMetadata  # noqa: E402
+from hwkv.testing.paged import random_block_tables  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _case(qlens, slens, heads, kv_heads, head_size, bs, seed):
     g = torch.Generator().manual_seed(seed)
-    need = [(s + bs - 1) // bs for s in slens]
-    nb = sum(need) + 3
-    perm = torch.randperm(nb, generator=g).tolist()  # scattered physical blocks
-    tables, i = [], 0
-    for n in need:
-        tables.append(perm[i:i + n])
-        i += n
+    tables, nb = random_block_tables(slens, bs, g)  # scattered physical blocks
     kv = torch.randn(nb, 2, bs, kv_heads, head_size, generator=g)
     q = torch.randn(sum(qlens), heads, head_size, generator=g)
     md = AttentionMetadata.build(qlens, slens, tables, bs, device=DEV)
