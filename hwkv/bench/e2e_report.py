@@ -9,8 +9,9 @@ from hwkv.bench.e2e import _sync, _workload
 
 
 def profile(engine: Any, vocab: int, batch: int, steps: int = 64) -> dict[str, Any]:
-    """Mean wall ms per decode step by phase (the runner syncs once per step, so phases are serial),
-    plus GPU-only graph replay time for this batch."""
+    """Mean wall ms per decode step by phase, plus GPU-only graph replay time for this batch.
+    ``read_tokens`` is the time spent waiting for a step's sampled tokens: with async stepping the
+    GPU runs the next step meanwhile, so the phases add up to the step time only when it is 0."""
     import torch
 
     from hwkv.sampling_params import SamplingParams
@@ -31,7 +32,7 @@ def profile(engine: Any, vocab: int, batch: int, steps: int = 64) -> dict[str, A
 
     for obj, name, key in ((sched, "schedule", "schedule"), (r, "decode_batch", "prep_inputs"),
                            (r, "prepare_inputs", "prep_inputs"), (r, "_forward", "eager_forward"),
-                           (r, "_sample", "sample_sync"), (sched, "update_from_output", "update")):
+                           (r, "_resolve", "read_tokens"), (sched, "update_from_output", "update")):
         timed(obj, name, key)
     if r.graphs is not None:
         timed(r.graphs, "run", "graph_copy_replay")
@@ -50,7 +51,7 @@ def profile(engine: Any, vocab: int, batch: int, steps: int = 64) -> dict[str, A
         engine.step()
     for obj in (sched, r, r.graphs):
         if obj is not None:
-            for name in ("schedule", "decode_batch", "prepare_inputs", "_forward", "_sample", "update_from_output",
+            for name in ("schedule", "decode_batch", "prepare_inputs", "_forward", "_resolve", "update_from_output",
                          "run"):
                 obj.__dict__.pop(name, None)
     out: dict[str, Any] = {k: v / steps * 1e3 for k, v in acc.items()}

@@ -62,6 +62,8 @@ class Request:
     num_preemptions: int = 0
     block_hashes: list[bytes] = field(default_factory=list)
     spec_token_ids: list[int] = field(default_factory=list)
+    # async scheduling: tokens of planned/launched steps not yet appended (<= 1 when planning)
+    num_output_placeholders: int = 0
     stop_reason: int | str | None = None
     first_token_time: float | None = None
     finish_time: float | None = None

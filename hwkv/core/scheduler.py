@@ -11,8 +11,13 @@ One step (000 ch.8, ch.10; vLLM v1 order):
    (budget, ``max_num_seqs``, blocks, partial-prefill limit) stops the scan — no overtaking.
 
 A request "is computed" up to ``num_computed_tokens``, which the scheduler advances when it
-schedules (so a new step could be planned before the last one's tokens arrive); a token is
-sampled only when the scheduled chunk reaches the request's last token.
+schedules; a token is sampled only when the scheduled chunk reaches the request's last token.
+
+Async scheduling (``SchedulerConfig.async_scheduling``): step N+1 is planned while step N runs,
+before N's tokens are known. A request that will sample in a step gets a *placeholder*
+(``num_output_placeholders``) that counts as a token when N+1 is planned and is replaced by the
+real token in ``update_from_output``. A request whose pending token will end it by length is not
+planned again; one that ends by EOS/stop is planned once more and that token is dropped.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # >0: cap on one request's prefill chunk per step
     max_num_partial_prefills: int = 1  # requests allowed to be mid-prefill at once
+    async_scheduling: bool = False  # plan step N+1 before step N's tokens arrive (placeholders)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_num_partial_prefills"):
@@ -120,12 +126,15 @@ class Scheduler:
         num_partial = 0
 
         # 1. running requests, oldest first; preempt from the tail when blocks run out.
-        bs, slots = kv.block_size, self._num_slots
+        bs, slots, max_len = kv.block_size, self._num_slots, cfg.max_model_len
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            rid, c = req.request_id, req.num_computed_tokens
-            n = len(req.all_token_ids) + len(req.spec_token_ids) - c
+            rid, c, ph = req.request_id, req.num_computed_tokens, req.num_output_placeholders
+            if ph and (req.num_output_tokens + ph >= req.max_tokens or req.num_tokens + ph >= max_len):
+                i += 1  # its pending token ends it by length: nothing more to plan
+                continue
+            n = len(req.all_token_ids) + ph + len(req.spec_token_ids) - c
             if threshold and n > threshold:
                 n = threshold
             if n > budget:
@@ -146,8 +155,10 @@ class Scheduler:
                     break
                 if blocks:
                     slots[rid] += len(blocks) * bs
-            if c + n < len(req.all_token_ids):
+            if c + n < len(req.all_token_ids) + ph:
                 num_partial += 1
+            elif cfg.async_scheduling:
+                req.num_output_placeholders += 1
             num_sched[rid] = n
             cached.req_ids.append(rid)
             cached.new_block_ids.append([b.block_id for b in blocks] if blocks else None)
@@ -207,6 +218,8 @@ class Scheduler:
                     continue
                 if num_computed + n < req.num_tokens:
                     num_partial += 1
+                elif cfg.async_scheduling:
+                    req.num_output_placeholders += 1
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 num_sched[req.request_id] = n
@@ -242,6 +255,7 @@ class Scheduler:
         self.running = [r for r in self.running if r.request_id not in scheduled]
         for req in reversed(victims):
             self._preempt(req)
+            req.num_output_placeholders = 0  # the failed step's tokens never arrive
         self.finished_req_ids |= sched_out.finished_req_ids
         return [r.request_id for r in victims]
 
@@ -280,6 +294,8 @@ class Scheduler:
             req = requests.get(rid)
             if req is None or req.status > _LAST_UNFINISHED:
                 continue  # aborted while the step ran
+            if req.num_output_placeholders:
+                req.num_output_placeholders -= len(toks)
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
             sp = req.sampling_params
@@ -301,6 +317,8 @@ class Scheduler:
             updated.append(req)
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
+            if self.config.async_scheduling:  # preempted while its last token was in flight
+                self.waiting = deque(r for r in self.waiting if not r.is_finished)
             for req in updated:
                 if req.is_finished:
                     self._free(req)

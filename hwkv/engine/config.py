@@ -24,6 +24,7 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False  # True: never capture CUDA graphs (every step runs eagerly)
     fuse_elementwise: bool | None = None  # torch.compile RMSNorm/RoPE/SiLU·mul; None: when graphs are on
+    async_scheduling: bool | None = None  # plan step N+1 while step N runs; None: when graphs are on
 
     def __post_init__(self) -> None:
         def need(name: str, ok: bool, allowed: str) -> None:
@@ -46,5 +47,5 @@ class EngineConfig:
              is_int(self.long_prefill_token_threshold) and self.long_prefill_token_threshold >= 0, "an int >= 0")
         need("seed", is_int(self.seed), "an int")
         need("enforce_eager", isinstance(self.enforce_eager, bool), "a bool")
-        need("fuse_elementwise", self.fuse_elementwise is None or isinstance(self.fuse_elementwise, bool),
-             "None or a bool")
+        for name in ("fuse_elementwise", "async_scheduling"):
+            need(name, getattr(self, name) is None or isinstance(getattr(self, name), bool), "None or a bool")

@@ -22,6 +22,7 @@ count is then an upper bound, and splits past a request's real length exit at on
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -139,9 +140,11 @@ class GraphRunner:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
 
-    def run(self, batch: DecodeBatch) -> torch.Tensor | None:
+    def run(self, batch: DecodeBatch, fill: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor | None:
         """float32 logits ``[n, vocab]`` of one pure-decode step, or ``None`` when ``n`` exceeds
-        every bucket or the block table is wider than the static one (the caller runs eagerly)."""
+        every bucket or the block table is wider than the static one (the caller runs eagerly).
+        ``fill(input_ids)`` runs after the inputs are copied in and before the forward: it patches
+        ids that are still on the device (async stepping)."""
         n = batch.input_ids.shape[0]
         b = pick_bucket(self.buckets, n)
         if b is None or batch.block_tables.shape[1] > self.max_blocks:
@@ -159,6 +162,8 @@ class GraphRunner:
         self.d32[:end].copy_(self.h32[:end], non_blocking=async_copy)
         if self._copied is not None:
             self._copied.record()
+        if fill is not None:
+            fill(self.d64[0, :b])
         if self.use_graphs:
             g, out, _ = self.graphs[b]
             g.replay()

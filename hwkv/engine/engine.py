@@ -40,11 +40,12 @@ class Engine:
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
                  max_num_partial_prefills: int = 1, seed: int = 0, kv_connector: Any = None,
-                 enforce_eager: bool = False, fuse_elementwise: bool | None = None):
+                 enforce_eager: bool = False, fuse_elementwise: bool | None = None,
+                 async_scheduling: bool | None = None):
         self.config = cfg = EngineConfig(
             str(model), backend, dtype, max_model_len, block_size, num_kv_blocks, memory_fraction, max_num_seqs,
             max_num_batched_tokens, enable_prefix_caching, enable_chunked_prefill, long_prefill_token_threshold,
-            max_num_partial_prefills, seed, enforce_eager, fuse_elementwise,
+            max_num_partial_prefills, seed, enforce_eager, fuse_elementwise, async_scheduling,
         )
         from hwkv.core.hashing import make_block_hasher
         from hwkv.core.kv_cache_manager import KVCacheManager
@@ -68,15 +69,20 @@ class Engine:
         self._hasher = make_block_hasher(self.block_size)
         if max_num_batched_tokens is None:  # without chunking a whole prompt must fit one step (as vLLM)
             max_num_batched_tokens = 2048 if enable_chunked_prefill else max(2048, self.max_model_len)
+        if async_scheduling and kv_connector is not None:
+            raise ValueError("async_scheduling=True needs kv_connector=None (a connector saves and loads KV "
+                             "in step with the scheduler; allowed: async_scheduling False or None)")
+        device_type = self.backend.device.torch_device.type
+        # CUDA graphs for pure-decode steps: only where the backend can be captured, on a CUDA
+        # device, and with no connector (a connector may act inside the forward per layer)
+        graphs = (not enforce_eager and self.backend.capabilities.graph_capture and device_type == "cuda"
+                  and kv_connector is None)
+        self.async_scheduling = graphs if async_scheduling is None else async_scheduling
         sched_cfg = SchedulerConfig(max_num_seqs, max_num_batched_tokens, self.max_model_len, enable_chunked_prefill,
-                                    long_prefill_token_threshold, max_num_partial_prefills)
+                                    long_prefill_token_threshold, max_num_partial_prefills, self.async_scheduling)
         self.scheduler = Scheduler(sched_cfg, self.kv_cache_manager, kv_connector)
         self.runner = ModelRunner(self.model, self.backend, self.kv_cache, self.block_size, max_num_seqs,
                                   self.max_model_len, tuple(self.eos_token_ids), self.scheduler.connector)
-        # CUDA graphs for pure-decode steps: only where the backend can be captured, on a CUDA
-        # device, and with no connector (a connector may act inside the forward per layer)
-        graphs = (not enforce_eager and self.backend.capabilities.graph_capture
-                  and self.runner.device.type == "cuda" and self.runner.connector is None)
         if fuse_elementwise or (fuse_elementwise is None and graphs):  # None: together with the graphs
             from hwkv.engine.cuda_graphs import fuse_elementwise as fuse
 
@@ -85,6 +91,7 @@ class Engine:
             self.runner.enable_graphs(min(max_num_seqs, max_num_batched_tokens))
         self._tracked: dict[str, _Tracked] = {}
         self._pending: list[RequestOutput] = []  # aborted outputs, returned by the next step()
+        self._inflight: Any = None  # async: the launched step whose tokens the next step() applies
         self._ids = itertools.count()
         self._stats = EngineStats()
 
@@ -94,8 +101,9 @@ class Engine:
 
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
-        if request_id in self._tracked or request_id in self.scheduler.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use (request ids must be unique)")
+        if self._in_use(request_id):
+            raise ValueError(f"request_id {request_id!r} is already in use (request ids must be unique; "
+                             "a finished id is free again once the engine has no launched step with it)")
         params = self.default_sampling_params() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
@@ -174,7 +182,10 @@ class Engine:
 
     # ---- stepping -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One scheduler + model step; outputs of every request that got a token (or finished)."""
+        """One scheduler + model step; outputs of every request that got a token (or finished).
+
+        With async scheduling a step launches the next model step and then applies the tokens of
+        the one before it, so its outputs are one step behind (the first call may return none)."""
         return self._step(stream=True)
 
     def _step(self, stream: bool) -> list[RequestOutput]:
@@ -182,17 +193,31 @@ class Engine:
         # milliseconds at a few hundred requests, as much as a GPU decode step.
         t0 = time.perf_counter()
         so = self.scheduler.schedule()
+        prev_so, self._inflight = self._inflight, None
         try:
-            ro = self.runner.execute(so)
+            if self.async_scheduling:
+                ro = self.runner.execute_async(so)
+                self._inflight, so = so, prev_so
+            else:
+                ro = self.runner.execute(so)
         except BaseException:
-            # Leave no request half-advanced: they restart by recompute; the caller sees the error.
+            # Leave no request half-advanced: the previous step's tokens are applied, this step's
+            # requests restart by recompute; the caller sees the error.
+            if prev_so is not None and (prev := self.runner.flush()) is not None:
+                self._pending.extend(self._apply(prev_so, prev, stream))
             for rid in self.scheduler.requeue(so):
                 self.runner.release(rid)
             raise
+        outputs = self._apply(so, ro, stream) if so is not None and ro is not None else []
+        outputs, self._pending = self._pending + outputs, []
+        self._stats.busy_s += time.perf_counter() - t0 if so is not None and so.total_num_scheduled_tokens else 0.0
+        return outputs
+
+    def _apply(self, so: Any, ro: Any, stream: bool) -> list[RequestOutput]:
+        """Apply one step's tokens: scheduler state, stop strings, outputs (finished ones when not ``stream``)."""
         self._stats.record_step(so, ro, self.scheduler.requests)
-        updated = self.scheduler.update_from_output(so, ro)
-        outputs, self._pending = self._pending, []
-        for req in updated:
+        outputs = []
+        for req in self.scheduler.update_from_output(so, ro):
             tr = self._tracked[req.request_id]
             new = req.output_token_ids[tr.num_seen :]
             tr.num_seen = req.num_output_tokens
@@ -209,7 +234,6 @@ class Engine:
             if req.is_finished:
                 del self._tracked[req.request_id]
                 self.runner.release(req.request_id)
-        self._stats.busy_s += time.perf_counter() - t0 if so.total_num_scheduled_tokens else 0.0
         return outputs
 
     def _output(self, req: Request, tr: _Tracked) -> RequestOutput:
@@ -273,8 +297,13 @@ class Engine:
     def _next_id(self) -> str:
         while True:
             rid = str(next(self._ids))
-            if rid not in self._tracked and rid not in self.scheduler.requests:
+            if not self._in_use(rid):
                 return rid
+
+    def _in_use(self, rid: str) -> bool:
+        # async: a finished request's id stays taken while a launched step still carries its token
+        inflight = self._inflight is not None and rid in self._inflight.num_scheduled_tokens
+        return rid in self._tracked or rid in self.scheduler.requests or inflight
 
     # ---- introspection --------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

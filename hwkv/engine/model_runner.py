@@ -9,10 +9,17 @@ in numpy (a few µs per op where a small torch op costs ~10 µs) and is handed t
 On CUDA the step's inputs go through pinned host memory with non-blocking copies, so the only
 host↔device synchronisation per step is reading the sampled tokens. With :meth:`enable_graphs`,
 pure-decode steps replay a CUDA graph per batch bucket (:mod:`hwkv.engine.cuda_graphs`).
+
+Async stepping: :meth:`execute_async` launches step N+1 *before* reading step N's tokens. Rows
+whose input is step N's sampled token (not yet on the host) get it by a device-side copy from
+N's token tensor; N's tokens are then read (by then the GPU has moved on to N+1's forward) and
+recorded before N+1 is sampled, so the sampler always sees complete histories. :meth:`execute`
+is ``execute_async`` + :meth:`flush`: the synchronous step, one code path.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -23,7 +30,7 @@ from hwkv.connectors.base import KVConnectorBase, NoOpConnector
 from hwkv.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from hwkv.engine.cuda_graphs import DecodeBatch, GraphRunner
 from hwkv.interfaces.attention import AttentionMetadata
-from hwkv.model.sampler import SamplingBatch, make_generator, sample
+from hwkv.model.sampler import SamplingBatch, make_generator, sample_tokens
 
 
 @dataclass
@@ -34,6 +41,33 @@ class _ReqState:
     num_prompt_tokens: int
     params: Any
     output_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Pending:
+    """A launched step's output; ``tokens`` (device, int64 ``[S]``, row ``j`` ↔ ``states[j]``) is
+    set until the host has read and recorded them."""
+
+    out: ModelRunnerOutput
+    states: list[_ReqState] = field(default_factory=list)
+    req_ids: list[str] = field(default_factory=list)
+    tokens: torch.Tensor | None = None
+    host: torch.Tensor | None = None  # pinned copy of ``tokens`` (CUDA), valid once ``event`` fired
+    event: Any = None
+
+    def rows(self, states: list[_ReqState]) -> tuple[np.ndarray, np.ndarray]:
+        """``(batch rows, token rows)`` of the states whose next input is one of these unread tokens."""
+        if self.tokens is None:
+            return _EMPTY, _EMPTY
+        row = {id(st): j for j, st in enumerate(self.states)}
+        pairs = [(i, j) for i, st in enumerate(states) if (j := row.get(id(st))) is not None]
+        if not pairs:
+            return _EMPTY, _EMPTY
+        a = np.array(pairs, dtype=np.int64)
+        return a[:, 0], a[:, 1]
+
+
+_EMPTY = np.zeros(0, dtype=np.int64)
 
 
 class StepInputs(NamedTuple):
@@ -64,6 +98,7 @@ class ModelRunner:
         self.graphs: GraphRunner | None = None
         self.max_model_len = max_model_len
         self.num_graph_steps = 0  # pure-decode steps served by the graph path (stats / tests)
+        self._pending: _Pending | None = None  # the last launched step, until its output is returned
         if self.connector is not None:
             self.connector.register_kv_caches(kv_cache)
 
@@ -120,13 +155,18 @@ class ModelRunner:
         return states
 
     # ---- one step -----------------------------------------------------------------------------
-    def prepare_inputs(self, so: SchedulerOutput, states: list[_ReqState]) -> StepInputs:
+    def prepare_inputs(self, so: SchedulerOutput, states: list[_ReqState],
+                       ahead: np.ndarray | None = None) -> StepInputs:
+        """Step inputs; ``ahead[i]`` = 1 where row ``i``'s last token is still on the device (its
+        input id is then a placeholder the caller fills in)."""
         R, bs = len(states), self.block_size
         ctx = np.array(so.scheduled_cached_reqs.num_computed_tokens
                        + [n.num_computed_tokens for n in so.scheduled_new_reqs], dtype=np.int64)
         ql = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=R)
         slots = np.fromiter((st.slot for st in states), dtype=np.int64, count=R)
         total = np.fromiter((st.num_tokens for st in states), dtype=np.int64, count=R)
+        if ahead is not None:
+            total += ahead
         seq = ctx + ql
         qsl = np.zeros(R + 1, dtype=np.int64)
         np.cumsum(ql, out=qsl[1:])
@@ -175,14 +215,18 @@ class ModelRunner:
         return SamplingBatch(params, [st.output_token_ids for st in states], prompts, gens,
                              eos_token_ids=self.eos_token_ids)
 
-    def decode_batch(self, so: SchedulerOutput, states: list[_ReqState]) -> DecodeBatch | None:
-        """Host inputs when every request decodes one token and samples it, else ``None``."""
+    def decode_batch(self, so: SchedulerOutput, states: list[_ReqState],
+                     ahead: np.ndarray | None = None) -> DecodeBatch | None:
+        """Host inputs when every request decodes one token and samples it, else ``None``
+        (``ahead`` as in :meth:`prepare_inputs`)."""
         R = len(states)
         if so.total_num_scheduled_tokens != R:
             return None
         ctx = np.array(so.scheduled_cached_reqs.num_computed_tokens
                        + [n.num_computed_tokens for n in so.scheduled_new_reqs], dtype=np.int64)
         total = np.fromiter((st.num_tokens for st in states), dtype=np.int64, count=R)
+        if ahead is not None:
+            total += ahead
         if not np.array_equal(ctx + 1, total):  # a one-token partial prefill chunk samples nothing
             return None
         bs = self.block_size
@@ -196,43 +240,104 @@ class ModelRunner:
         return self.model.forward(inp.input_ids, inp.positions, self.kv_cache, inp.attn_metadata,
                                   inp.logits_indices, slot_mapping=inp.slot_mapping)
 
-    @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and return its output (the synchronous step)."""
+        if self._pending is not None:
+            raise RuntimeError("execute() with an async step pending: flush() it first")
+        self.execute_async(so)
+        return self.flush()
+
+    def flush(self) -> ModelRunnerOutput | None:
+        """The pending step's output (reading its tokens if needed), or ``None`` when none is pending."""
+        pend, self._pending = self._pending, None
+        return None if pend is None else self._resolve(pend)
+
+    @torch.inference_mode()
+    def execute_async(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Launch step ``so``, then return the *previous* step's output (``None`` if there was none).
+
+        This step's output stays pending until the next call or :meth:`flush`. On an exception the
+        previous step stays pending (``flush`` returns it) and this step left nothing behind."""
+        pend = self._pending
         states = self.update_states(so)
         conn = self.connector
         if conn is not None:
             conn.bind_connector_metadata(so.kv_connector_metadata)
             conn.start_load_kv()
-        out = ModelRunnerOutput()
-        batch = self.decode_batch(so, states) if self.graphs is not None and states else None
-        logits = self.graphs.run(batch) if batch is not None else None  # type: ignore[union-attr]
+        rows, src = pend.rows(states) if pend is not None else (_EMPTY, _EMPTY)
+        ahead = None
+        if len(rows):
+            ahead = np.zeros(len(states), dtype=np.int64)
+            ahead[rows] = 1
+        fill: Callable[[torch.Tensor, np.ndarray], None] | None = None
+        if len(rows):
+            fill = lambda ids, at: _fill_tokens(ids, at, src, pend.tokens)  # type: ignore[union-attr]  # noqa: E731
+        out, sampled, sampled_ids, logits = ModelRunnerOutput(), [], [], None
+        batch = self.decode_batch(so, states, ahead) if self.graphs is not None and states else None
+        if batch is not None:
+            logits = self.graphs.run(batch, fill and (lambda ids: fill(ids, rows)))  # type: ignore[union-attr]
         if logits is not None:
             self.num_graph_steps += 1
-            req_ids = list(so.num_scheduled_tokens)
-            self._sample(logits, states, req_ids, out)
+            sampled, sampled_ids = states, list(so.num_scheduled_tokens)
         elif states:
-            inp = self.prepare_inputs(so, states)
-            sample_idx = inp.sample_idx
+            inp = self.prepare_inputs(so, states, ahead)
+            if fill is not None:
+                fill(inp.input_ids, _first_token_index(so, rows))
             req_ids = list(so.num_scheduled_tokens)
-            if sample_idx:
-                logits = self._forward(inp)
-                self._sample(logits, [states[i] for i in sample_idx], [req_ids[i] for i in sample_idx], out)
-            else:  # only partial prefill chunks: write their KV, sample nothing
-                self._forward(inp)
+            sampled = [states[i] for i in inp.sample_idx]
+            sampled_ids = [req_ids[i] for i in inp.sample_idx]
+            logits = self._forward(inp)  # only partial prefill chunks: writes their KV, samples nothing
+        prev = self._resolve(pend) if pend is not None else None
+        if sampled:
+            tokens, logprobs = sample_tokens(logits, self._sampling_batch(sampled, sampled_ids))
+            if logprobs is not None:
+                out.logprobs = {rid: [lp] for rid, lp in zip(sampled_ids, logprobs) if lp is not None}
+            new = _Pending(out, sampled, sampled_ids, tokens)
+            if tokens.device.type == "cuda":
+                new.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+                new.host.copy_(tokens, non_blocking=True)
+                new.event = torch.cuda.Event()
+                new.event.record()
+        else:
+            new = _Pending(out)
         if conn is not None:
             conn.wait_for_save()
             out.kv_connector_output = conn.get_finished(so.finished_req_ids)
-        return out
+        self._pending = new
+        return prev
 
-    def _sample(self, logits: torch.Tensor, sampled: list[_ReqState], sampled_ids: list[str],
-                out: ModelRunnerOutput) -> None:
-        """Sample on the device; ``tolist`` of the tokens is the step's one host sync (greedy)."""
-        result = sample(logits, self._sampling_batch(sampled, sampled_ids))
-        toks = result.token_ids
-        self.record_sampled(sampled, toks)
-        out.sampled_token_ids = {rid: [t] for rid, t in zip(sampled_ids, toks)}
-        if result.logprobs is not None:
-            out.logprobs = {rid: [lp] for rid, lp in zip(sampled_ids, result.logprobs) if lp is not None}
+    def _resolve(self, pend: _Pending) -> ModelRunnerOutput:
+        """Read ``pend``'s tokens (waiting for its step), record them for the requests still here."""
+        if pend.tokens is not None:
+            if pend.event is not None:
+                pend.event.synchronize()
+            toks = (pend.host if pend.host is not None else pend.tokens).tolist()
+            live = [(st, t) for st, rid, t in zip(pend.states, pend.req_ids, toks) if self.reqs.get(rid) is st]
+            if live:
+                self.record_sampled([st for st, _ in live], [t for _, t in live])
+            pend.out.sampled_token_ids = {rid: [t] for rid, t in zip(pend.req_ids, toks)}
+            pend.tokens = pend.host = pend.event = None
+        return pend.out
+
+
+def _first_token_index(so: SchedulerOutput, rows: np.ndarray) -> np.ndarray:
+    """Index of each of ``rows``' first scheduled token in the flattened batch."""
+    ql = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(so.num_scheduled_tokens))
+    start = np.zeros(len(ql), dtype=np.int64)
+    np.cumsum(ql[:-1], out=start[1:])
+    return start[rows]
+
+
+def _fill_tokens(input_ids: torch.Tensor, at: np.ndarray, src: np.ndarray, tokens: torch.Tensor) -> None:
+    """``input_ids[at] = tokens[src]`` on the device (one copy when both are the same prefix)."""
+    k = len(at)
+    if at[-1] == k - 1 and src[-1] == k - 1 and np.array_equal(at, src) and np.array_equal(at, np.arange(k)):
+        input_ids[:k].copy_(tokens[:k])
+        return
+    idx = torch.from_numpy(np.stack([at, src]))
+    if input_ids.device.type == "cuda":
+        idx = idx.pin_memory().to(input_ids.device, non_blocking=True)
+    input_ids.index_copy_(0, idx[0], tokens.index_select(0, idx[1]))
 
 
 def _to_device(arrays: list[np.ndarray], dtype: type, device: torch.device) -> list[torch.Tensor]:

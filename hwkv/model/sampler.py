@@ -173,6 +173,16 @@ def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingPara
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     """One token per row of float32 ``logits [R, V]`` following ``batch.params``."""
+    tokens, logprobs = sample_tokens(logits, batch)
+    return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs)
+
+
+Logprobs = list[dict[int, float] | None]
+
+
+def sample_tokens(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, Logprobs | None]:
+    """:func:`sample` leaving the tokens on the device (int64 ``[R]``): no host sync unless a row
+    asks for logprobs (those are returned as host dicts)."""
     params = batch.params
     if logits.dim() != 2 or logits.shape[0] != len(params) or len(batch.output_token_ids) != len(params):
         raise ValueError(f"logits {tuple(logits.shape)} do not match {len(params)} params / output lists")
@@ -207,4 +217,4 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         drawn = draw(sub.softmax(-1), _uniforms(rand, batch, dev))
         tokens = drawn if len(rand) == len(params) else tokens.index_copy(0, rows, drawn)
     logprobs = _logprobs(raw, tokens, params) if any(sp.logprobs is not None for sp in params) else None
-    return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs)
+    return tokens, logprobs

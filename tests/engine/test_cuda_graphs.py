@@ -130,6 +130,7 @@ def test_cuda_graphs_greedy_identical_to_eager(model_dir, dtype, fuse, fresh_dyn
     want = [o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
     g = hwkv.Engine(model_dir, backend=backend, **kw)
     assert g.runner.graphs is not None and sorted(g.runner.graphs.graphs) == [1, 2, 4, 8, 16]
+    assert g.async_scheduling and not eager.async_scheduling  # graphs + async vs the synchronous eager path
     got = [o.token_ids for o in g.generate(prompts, params, use_tqdm=False)]
     assert got == want
     assert g.runner.num_graph_steps > 10
