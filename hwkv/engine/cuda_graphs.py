@@ -173,22 +173,25 @@ class GraphRunner:
 
 
 def fuse_elementwise(model: Any, backend: str = "inductor") -> int:
-    """Replace the model's RMSNorm, RoPE and SiLU·mul forwards by ``torch.compile``d functions (one
-    fused kernel each instead of 2–12 small ones; a decode step of a small model is dominated by
-    those launches). Same math; shapes are dynamic, so one compilation (plus one for a single
-    token) serves every batch. Dynamo keeps at most 8 variants per function per process: a process
-    building engines of many dtypes runs the surplus variants uncompiled (correct, slower).
+    """Replace the model's RMSNorm (with its residual add), RoPE and SiLU·mul forwards by
+    ``torch.compile``d functions (one fused kernel each instead of 2–12 small ones; a decode step
+    of a small model is dominated by those launches). Same math; shapes are dynamic, so one
+    compilation (plus one for a single token) serves every batch. Dynamo keeps at most 8 variants
+    per function per process: a process building engines of many dtypes runs the surplus variants
+    uncompiled (correct, slower).
     Returns the number of modules patched."""
-    from hwkv.model.llama import MLP, RMSNorm, rms_norm, silu_mul
+    from hwkv.model.llama import MLP, RMSNorm, add_rms_norm, rms_norm, silu_mul
     from hwkv.model.rope import RotaryEmbedding, apply_rope
 
     rms = torch.compile(rms_norm, dynamic=True, backend=backend)
+    add_rms = torch.compile(add_rms_norm, dynamic=True, backend=backend)
     rope = torch.compile(apply_rope, dynamic=True, backend=backend)
     act = torch.compile(silu_mul, dynamic=True, backend=backend)
     n = 0
     for m in model.modules():
         if isinstance(m, RMSNorm):
-            m.forward = lambda x, m=m: rms(x, m.weight, m.eps)
+            m.forward = lambda x, residual=None, m=m: (rms(x, m.weight, m.eps) if residual is None
+                                                        else add_rms(x, residual, m.weight, m.eps))
         elif isinstance(m, RotaryEmbedding):
             m.forward = lambda positions, q, k, m=m: rope(m.cos, m.sin, positions, q, k)
         elif isinstance(m, MLP):

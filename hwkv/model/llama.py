@@ -8,6 +8,7 @@ loader slices HF's separate tensors into them. The forward has no host synchroni
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -41,8 +42,18 @@ class RMSNorm(nn.Module):
         self.weight = _param((dim,), device, dtype)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+        """``norm(x)``, or with ``residual``: ``(norm(x + residual), x + residual)``."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    # the residual add folded into the next norm: one fused kernel per pair once compiled
+    h = x + residual
+    return rms_norm(h, weight, eps), h
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -146,12 +157,18 @@ class LlamaForCausalLM(nn.Module):
         ``attn_metadata.slot_mapping`` (every backend's metadata carries it)."""
         if slot_mapping is None:
             slot_mapping = attn_metadata.slot_mapping  # type: ignore[attr-defined]
+        # h is the residual stream; each sublayer's output is added to it inside the next norm
         h = F.embedding(input_ids, self.model.embed_tokens.weight)
+        out = None
         for i, layer in enumerate(self.model.layers):
-            x = layer.input_layernorm(h)
-            h = h + layer.self_attn(x, positions, self.rotary_emb, kv_cache.layer(i), attn_metadata, slot_mapping)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return h
+            if out is None:
+                x = layer.input_layernorm(h)
+            else:
+                x, h = layer.input_layernorm(out, h)
+            out = layer.self_attn(x, positions, self.rotary_emb, kv_cache.layer(i), attn_metadata, slot_mapping)
+            x, h = layer.post_attention_layernorm(out, h)
+            out = layer.mlp(x)
+        return h if out is None else h + out
 
     def compute_logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits ``[R, vocab]`` of the rows ``logits_indices`` (all rows when ``None``)."""

@@ -3,6 +3,8 @@
 Kernel parameters come from the shape alone (:func:`choose_config`); ``HWKV_CUDA_ATTN_CONFIG``
 (``"BLOCK_N=128,num_warps=8"``) overrides them for tuning sweeps. Everything host-side is computed
 from the ``*_cpu`` tensors, so a forward never syncs the device and can be captured in a CUDA graph.
+``HWKV_CUDA_SPLIT_REDUCE`` picks the split-KV reduction (:mod:`hwkv_cuda.splitkv`);
+``HWKV_CUDA_CHECK_SLOTS=1`` makes ``write_kv`` validate slots on the host (a device sync).
 """
 
 from __future__ import annotations
@@ -10,15 +12,17 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from hwkv.interfaces.attention import AttentionBackend, AttentionImpl, AttentionMetadata, AttentionMetadataBuilder
 from hwkv.interfaces.layout import KVLayoutKind
+from hwkv_cuda.splitkv import SplitCounters, merge_tile, reduce_mode
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
+CHECK_SLOTS_ENV = "HWKV_CUDA_CHECK_SLOTS"
 
 
 def _pow2(n: int) -> int:
@@ -36,6 +40,7 @@ class TileConfig:
     split_target: int = 8  # ... and then until it has this many per SM
     min_split: int = 128  # fewest KV tokens a split may get
     part_cap: int = 4  # fp32 partials (written + read) stay under KV bytes / part_cap (0: no cap)
+    merge_cap: int = 1  # fused reduction: one merge reads <= one split's KV bytes / merge_cap (0: no cap)
 
 
 def choose_config(max_query_len: int, group: int, head_size: int, dtype: torch.dtype,
@@ -63,6 +68,12 @@ def choose_config(max_query_len: int, group: int, head_size: int, dtype: torch.d
     return TileConfig(**cfg)
 
 
+class Plan(NamedTuple):
+    grid: int  # q blocks in the grid (an upper bound; surplus blocks do nothing)
+    splits: int  # KV splits per program (grid axis 2)
+    min_seg: int  # fewest keys per split (whole BLOCK_N tiles); the kernel sizes each request's own
+
+
 @dataclass
 class CudaAttentionMetadata:
     """Core metadata plus per-tile-shape launch plans (host integers only: a captured graph keeps
@@ -70,35 +81,45 @@ class CudaAttentionMetadata:
 
     common: AttentionMetadata
     num_sms: int
-    plans: dict[tuple[int, ...], tuple[int, int, int]] = field(default_factory=dict)
+    plans: dict[tuple[int, ...], Plan] = field(default_factory=dict)
 
     def plan(self, block_q: int, block_n: int, num_heads: int, num_kv_heads: int, head_size: int, elem_size: int,
-             split_below: int = 2, split_target: int = 8, min_split: int = 128,
-             part_cap: int = 4) -> tuple[int, int, int]:
-        """``(grid_q_blocks, num_splits, seg_len)`` for one tile shape, from host values only, cached."""
+             split_below: int = 2, split_target: int = 8, min_split: int = 128, part_cap: int = 4,
+             merge_cap: int = 0) -> Plan:
+        """Launch plan for one tile shape, from host values only, cached. Splits (flash-decoding) only
+        when the grid has fewer than ``split_below`` programs per SM, and then the fewest of:
+        ``split_target`` programs per SM; ``max_seq_len // min_split`` (no split shorter than
+        ``min_split``); ``MAX_SPLITS``; fp32 partials (written + read) under the KV bytes / ``part_cap``;
+        and with ``merge_cap`` (fused reduction) the merge one program does after its own split,
+        ``S * BLOCK_Q * G * D * 4`` bytes, under that split's KV bytes ``L / S * D * 2 * elem`` /
+        ``merge_cap``. The segment is then rounded to whole tiles and the count recomputed, so the
+        longest request has no empty split."""
         key = (block_q, block_n, num_heads, num_kv_heads, head_size, elem_size, split_below, split_target, min_split,
-               part_cap)
+               part_cap, merge_cap)
         if key not in self.plans:
             c = self.common
             num_tokens = int(c.query_start_loc_cpu[-1])
             grid = num_tokens if block_q == 1 else num_tokens // block_q + c.num_reqs
             qlen = c.query_lens_cpu.to(torch.int64)
             programs = max(1, int(((qlen + block_q - 1) // block_q).sum()) * num_kv_heads)
-            # flash-decoding: split KV when the grid would leave SMs idle and contexts are long; a grid
-            # that already fills the SMs loses more to partials and the reduction than it gains, and
-            # the fp32 partials (written + read) must stay well under the KV bytes the splits share
+            # a grid that already fills the SMs loses more to partials and their merge than it gains
             splits = 1
+            max_len = max(c.max_seq_len, 1)
             if programs < split_below * self.num_sms:
                 kv_bytes = int(c.seq_lens_cpu.sum()) * num_kv_heads * head_size * 2 * elem_size
                 part_bytes = max(1, num_tokens) * num_heads * head_size * 4 * 2
-                splits = min(MAX_SPLITS, -(-split_target * self.num_sms // programs), c.max_seq_len // min_split)
+                splits = min(MAX_SPLITS, -(-split_target * self.num_sms // programs), max_len // min_split)
                 if part_cap:
                     splits = min(splits, kv_bytes // (part_cap * part_bytes))
+                if merge_cap:  # S^2 * rows * 4 <= L * 2 * elem / merge_cap
+                    rows = block_q * (num_heads // num_kv_heads)
+                    splits = min(splits, math.isqrt(max_len * 2 * elem_size // (merge_cap * rows * 4)))
                 splits = max(1, splits)
-            seg_len = -(-max(c.max_seq_len, 1) // splits)
+            seg_len = -(-max_len // splits)
             seg_len = -(-seg_len // block_n) * block_n
-            splits = -(-max(c.max_seq_len, 1) // seg_len)
-            self.plans[key] = (grid, splits, seg_len)
+            splits = -(-max_len // seg_len)
+            min_seg = -(-max(min_split, 1) // block_n) * block_n
+            self.plans[key] = Plan(grid, splits, min_seg)
         return self.plans[key]
 
 
@@ -116,7 +137,16 @@ class CudaMetadataBuilder(AttentionMetadataBuilder):
 class TritonAttentionImpl(AttentionImpl):
     """Triton paged attention over a PER_LAYER (or cross-layer view) ``[nb, 2, bs, H_kv, D]`` cache."""
 
+    def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float):
+        super().__init__(num_heads, head_size, num_kv_heads, scale)
+        self.counters = SplitCounters()  # per impl: two impls may run on different streams
+
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, layer_kv: Any, slot_mapping: torch.Tensor) -> None:
+        """Scatter ``key``/``value`` into the cache at ``slot_mapping``. A slot must be ``-1`` (skip) or
+        in ``[0, num_blocks * block_size)``; the kernel never writes outside the cache: any other slot
+        is skipped like ``-1`` without a sync. ``HWKV_CUDA_CHECK_SLOTS=1`` checks on the host first and
+        raises ``ValueError`` naming the slot, like the reference (a device sync, so off by default,
+        and skipped while a CUDA graph is being captured)."""
         from hwkv_cuda.kernels.cache import write_kv_kernel
 
         _check_kv(layer_kv, self.num_kv_heads, self.head_size)
@@ -128,8 +158,10 @@ class TritonAttentionImpl(AttentionImpl):
         if key.stride(-1) != 1 or value.stride(-1) != 1:
             key, value = key.contiguous(), value.contiguous()
         nb, _, bs, hkv, d = layer_kv.shape
+        if os.environ.get(CHECK_SLOTS_ENV, "") == "1" and not _capturing(slot_mapping.device):
+            check_slots(slot_mapping, nb, bs)
         write_kv_kernel[(n,)](
-            key, value, layer_kv, slot_mapping,
+            key, value, layer_kv, slot_mapping, nb * bs,
             key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             layer_kv.stride(0), layer_kv.stride(1), layer_kv.stride(2), layer_kv.stride(3),
             H_KV=hkv, HEAD_SIZE=d, H_PAD=_pow2(hkv), D_PAD=max(16, _pow2(d)), BS=bs,
@@ -156,17 +188,22 @@ class TritonAttentionImpl(AttentionImpl):
         if bs != c.block_size:
             raise ValueError(f"KV block size {bs} differs from metadata block_size {c.block_size}")
         group = self.num_heads // hkv
+        fused = reduce_mode() == "fused"
         cfg = choose_config(c.max_query_len, group, d, query.dtype)
         plan = lambda cfg: md.plan(cfg.block_q, cfg.block_n, self.num_heads, hkv, d, query.element_size(),
-                                   cfg.split_below, cfg.split_target, cfg.min_split, cfg.part_cap)
-        grid_q, splits, seg_len = plan(cfg)
+                                   cfg.split_below, cfg.split_target, cfg.min_split, cfg.part_cap,
+                                   cfg.merge_cap if fused else 0)
+        grid_q, splits, min_seg = plan(cfg)
         if splits > 1:
             split_cfg = choose_config(c.max_query_len, group, d, query.dtype, split=True)
             if split_cfg != cfg:
                 cfg = split_cfg
-                grid_q, splits, seg_len = plan(cfg)
+                grid_q, splits, min_seg = plan(cfg)
         d_pad = max(16, _pow2(d))
         splits_pad = _pow2(splits)
+        g_pad = _pow2(group)
+        merge_rows, merge_splits = merge_tile(cfg.block_q, g_pad, splits_pad, d_pad, cfg.num_warps)
+        fused = fused and splits > 1
         if splits > 1:
             part_acc = torch.empty((query.shape[0], self.num_heads, splits_pad, d_pad), dtype=torch.float32,
                                    device=query.device)
@@ -174,22 +211,37 @@ class TritonAttentionImpl(AttentionImpl):
                                   device=query.device)
         else:
             part_acc = part_ml = out  # unused
+        counters = self.counters.get(query.device, grid_q * hkv) if fused else out  # unused unless fused
         attention_kernel[(grid_q, hkv, splits)](
-            query, layer_kv, out, part_acc, part_ml,
+            query, layer_kv, out, part_acc, part_ml, counters,
             c.query_start_loc, c.seq_lens, c.block_tables,
-            c.num_reqs, seg_len, self.scale * LOG2E,
+            c.num_reqs, min_seg, self.scale * LOG2E,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             layer_kv.stride(0), layer_kv.stride(1), layer_kv.stride(2), layer_kv.stride(3), c.block_tables.stride(0),
             G=group, HEAD_SIZE=d, D_PAD=d_pad, BS=bs,
             BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n,
-            SPLIT=splits > 1, NUM_SPLITS_PAD=splits_pad, IEEE=query.dtype == torch.float32,
+            SPLIT=splits > 1, FUSED=fused, NUM_SPLITS_PAD=splits_pad, G_PAD=g_pad,
+            MERGE_ROWS=merge_rows, MERGE_SPLITS=merge_splits, IEEE=query.dtype == torch.float32,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
-        if splits > 1:
+        if splits > 1 and not fused:
             reduce_kernel[(query.shape[0], self.num_heads)](
                 out, part_acc, part_ml, out.stride(0), out.stride(1), self.num_heads, splits,
                 HEAD_SIZE=d, D_PAD=d_pad, NUM_SPLITS_PAD=splits_pad, num_warps=4,
             )
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def check_slots(slot_mapping: torch.Tensor, num_blocks: int, block_size: int) -> None:
+    """Raise ``ValueError`` naming the first slot outside ``[-1, num_blocks * block_size)`` (syncs)."""
+    bad = (slot_mapping < -1) | (slot_mapping >= num_blocks * block_size)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(f"slot_mapping value {int(slot_mapping[i])} (token {i}) out of range "
+                         f"[-1, {num_blocks * block_size}) for {num_blocks} blocks of {block_size}")
 
 
 def _check_kv(layer_kv: Any, num_kv_heads: int, head_size: int) -> None:

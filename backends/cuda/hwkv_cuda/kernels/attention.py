@@ -1,13 +1,17 @@
 """Unified paged attention (Triton): prefill, chunked prefill on a cached prefix, decode and mixes
-of them in one launch, plus the log-sum-exp reduction for split-KV.
+of them in one launch, plus the log-sum-exp merge of split-KV partials.
 
 One program owns ``BLOCK_Q`` query tokens of one request times all ``G`` query heads of one KV head:
 tile row ``r`` is token ``r // HPAD``, head ``r % HPAD`` (``HPAD = BLOCK_M // BLOCK_Q >= G``), so each
 KV block is read once per KV head; a decode packs its ``G`` heads into the M dim of the tile.
-Grid ``(q_blocks, H_kv, splits)``; split ``s`` covers KV ``[s * seg, (s + 1) * seg)``. With one
-split the program writes the normalised output, otherwise ``(acc, max, sum)`` partials that
-:func:`reduce_kernel` combines. The softmax runs in base 2 (``qk_scale = scale * log2(e)``, applied to fp32 scores).
-KV positions below the first row's causal bound need no mask, so they run in a mask-free loop.
+Grid ``(q_blocks, H_kv, splits)``. With one split the program writes the normalised output. With
+several, split ``s`` of a request covers KV ``[s * seg, (s + 1) * seg)`` where ``seg`` comes from the
+request's own length on the device (so a graph captured at an upper bound still spreads a short
+request over the splits); each program writes fp32 ``(acc, max, sum)`` partials, and either the last
+program of its (q block, KV head) to arrive merges them (``FUSED``, one launch: see the comment at the
+counter) or :func:`reduce_kernel` does in a second launch. The softmax runs in base 2
+(``qk_scale = scale * log2(e)``, applied to fp32 scores). KV positions below the first row's causal
+bound need no mask, so they run in a mask-free loop.
 """
 
 import triton
@@ -52,17 +56,60 @@ def _tile(acc, l_i, m_i, q, qk_scale, kv_ptr, bt_ptr, start, kv_end, q_pos, kvh_
     return acc, l_i, m_new
 
 
+@triton.jit
+def _merge(out_ptr, part_acc_ptr, part_ml_ptr, q_start, q_len, qb, kvh, num_heads, num_splits, stride_ot, stride_oh,
+           G: tl.constexpr, G_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr,
+           BLOCK_Q: tl.constexpr, NUM_SPLITS_PAD: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_SPLITS: tl.constexpr):
+    """Merge the partials of one (q block, KV head): ``BLOCK_Q x G`` output rows, ``MERGE_ROWS`` at a
+    time, splits in chunks of ``MERGE_SPLITS`` (a [rows, splits, D] load keeps many bytes in flight in
+    one program). The math is :func:`reduce_kernel`'s: ``m* = max_s m_s``, ``w_s = 2^(m_s - m*)``,
+    ``out = sum_s w_s acc_s / sum_s w_s l_s`` in fp32; only the order of the fp32 sums over splits
+    may differ. Loads are ``.cg`` (L2, not L1): the partials were written by other SMs."""
+    offs_r = tl.arange(0, MERGE_ROWS)
+    offs_c = tl.arange(0, MERGE_SPLITS)
+    offs_s = tl.arange(0, NUM_SPLITS_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    for r0 in range(0, BLOCK_Q * G_PAD, MERGE_ROWS):
+        rr = r0 + offs_r
+        tok = qb * BLOCK_Q + rr // G_PAD
+        h = rr % G_PAD
+        ok = (tok < q_len) & (h < G)
+        head = kvh * G + h
+        q_idx = (q_start + tok).to(tl.int64)
+        row = (q_idx * num_heads + head) * NUM_SPLITS_PAD  # partial row of split 0
+        ml = part_ml_ptr + (row[:, None] + offs_s[None, :]) * 2
+        s_ok = ok[:, None] & (offs_s[None, :] < num_splits)
+        m = tl.load(ml, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
+        l_s = tl.load(ml + 1, mask=s_ok, other=0.0, cache_modifier=".cg")
+        m_max = tl.max(m, 1)
+        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # rows outside the batch: no NaN
+        l_sum = tl.sum(l_s * tl.math.exp2(m - m_max[:, None]), 1)
+        o = tl.zeros([MERGE_ROWS, D_PAD], tl.float32)
+        for c0 in range(0, num_splits, MERGE_SPLITS):
+            sp = row[:, None] + c0 + offs_c[None, :]
+            c_ok = ok[:, None] & (c0 + offs_c[None, :] < num_splits)
+            w = tl.math.exp2(tl.load(part_ml_ptr + sp * 2, mask=c_ok, other=float("-inf"), cache_modifier=".cg")
+                             - m_max[:, None])
+            a = tl.load(part_acc_ptr + sp[:, :, None] * D_PAD + offs_d[None, None, :], mask=c_ok[:, :, None],
+                        other=0.0, cache_modifier=".cg")
+            o += tl.sum(a * w[:, :, None], 1)
+        l_sum = tl.where(l_sum == 0.0, 1.0, l_sum)
+        tl.store(out_ptr + q_idx[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 (o / l_sum[:, None]).to(out_ptr.dtype.element_ty), mask=ok[:, None] & (offs_d[None, :] < HEAD_SIZE))
+
+
 # runtime sizes that vary per batch are not specialised on (%16, ==1): fewer recompiles across batches
-@triton.jit(do_not_specialize=["num_seqs", "seg_len", "stride_bt"])
+@triton.jit(do_not_specialize=["num_seqs", "min_seg", "stride_bt"])
 def attention_kernel(
-    q_ptr, kv_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+    q_ptr, kv_ptr, out_ptr, part_acc_ptr, part_ml_ptr, counter_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-    num_seqs, seg_len, qk_scale,
+    num_seqs, min_seg, qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_blk, stride_kv, stride_tok, stride_head, stride_bt,
     G: tl.constexpr, HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, NUM_SPLITS_PAD: tl.constexpr, IEEE: tl.constexpr,
+    SPLIT: tl.constexpr, FUSED: tl.constexpr, NUM_SPLITS_PAD: tl.constexpr, G_PAD: tl.constexpr,
+    MERGE_ROWS: tl.constexpr, MERGE_SPLITS: tl.constexpr, IEEE: tl.constexpr,
 ):
     pid = tl.num_programs(0) - 1 - tl.program_id(0)  # last (longest causal) q blocks first: shorter tail
     kvh = tl.program_id(1)
@@ -104,10 +151,17 @@ def attention_kernel(
     q = tl.load(q_ptr + q_idx[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None] & d_mask[None, :], other=0.0)
 
-    # KV range of this program: causal bound of the tile's last token, cut to this split
+    # KV range of this program: causal bound of the tile's last token, cut to this split. The segment
+    # follows this request's length (>= min_seg keys, whole BLOCK_N tiles), so the splits cover it
+    # whatever upper bound the host planned with; splits past its end get an empty range
     kv_end = tl.minimum(seq_len, ctx_len + (qb + 1) * BLOCK_Q)
-    lo_kv = split * seg_len
-    hi_kv = tl.minimum(lo_kv + seg_len, kv_end)
+    if SPLIT:
+        seg = (seq_len + tl.num_programs(2) - 1) // tl.num_programs(2)
+        seg = tl.maximum((seg + BLOCK_N - 1) // BLOCK_N * BLOCK_N, min_seg)
+    else:
+        seg = kv_end
+    lo_kv = split * seg
+    hi_kv = tl.minimum(lo_kv + seg, kv_end)
     hi_kv = tl.where(qb * BLOCK_Q < q_len, hi_kv, lo_kv)  # surplus q block: no KV work, no rows
     free_end = tl.minimum(ctx_len + qb * BLOCK_Q + 1, hi_kv)  # every row sees keys < free_end
     n_free = tl.maximum(free_end - lo_kv, 0) // BLOCK_N
@@ -130,6 +184,26 @@ def attention_kernel(
         tl.store(part_acc_ptr + row[:, None] * D_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
         tl.store(part_ml_ptr + row * 2, m_i, mask=row_ok)
         tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=row_ok)
+        if FUSED:
+            # Last split reduces. Every split of this (q block, KV head), empty ones included, bumps one
+            # int32 counter after storing its partials; the program that sees num_splits - 1 is the
+            # last, merges all partials and resets the counter to 0 for the next launch (eager or a
+            # graph replay: launches on a stream do not overlap). Ordering: Triton issues a scalar
+            # atomic from one thread, so the barrier first makes every thread's partial stores precede
+            # it (bar.sync orders the CTA's memory operations; a gpu-scope release is cumulative over
+            # them). The acq_rel atomic then publishes them (release) to whoever increments after it
+            # and, in the last program, acquires everything the earlier splits released; the second
+            # barrier carries that acquire to all of its threads, whose loads bypass L1 (.cg). No
+            # program ever waits for another, so there is no deadlock whatever the residency.
+            tl.debug_barrier()
+            cnt = counter_ptr + tl.program_id(0) * tl.num_programs(1) + kvh
+            arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+            if arrived == tl.num_programs(2) - 1:
+                tl.debug_barrier()
+                _merge(out_ptr, part_acc_ptr, part_ml_ptr, q_start, q_len, qb, kvh, G * tl.num_programs(1),
+                       tl.num_programs(2), stride_ot, stride_oh, G, G_PAD, HEAD_SIZE, D_PAD, BLOCK_Q,
+                       NUM_SPLITS_PAD, MERGE_ROWS, MERGE_SPLITS)
+                tl.store(cnt, 0)
     else:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_safe[:, None]

@@ -6,16 +6,19 @@ import triton.language as tl
 
 
 @triton.jit
-def write_kv_kernel(key_ptr, value_ptr, kv_ptr, slot_ptr,
+def write_kv_kernel(key_ptr, value_ptr, kv_ptr, slot_ptr, num_slots,
                     stride_kt, stride_kh, stride_vt, stride_vh,
                     stride_blk, stride_kv, stride_tok, stride_head,
                     H_KV: tl.constexpr, HEAD_SIZE: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr,
                     BS: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + t)
+    slot = tl.load(slot_ptr + t).to(tl.int64)  # int32 slot maps too: offsets past 2^31 elements
     offs_h = tl.arange(0, H_PAD)
     offs_d = tl.arange(0, D_PAD)
-    valid = (offs_h[:, None] * 0 + slot) >= 0  # slot -1: padding
+    # -1 is padding; anything outside [0, num_slots) is a caller bug, skipped the same way so that a
+    # bad slot can never write past the cache (the host check, when enabled, names it)
+    slots = offs_h[:, None] * 0 + slot
+    valid = (slots >= 0) & (slots < num_slots)
     mask = (offs_h[:, None] < H_KV) & (offs_d[None, :] < HEAD_SIZE) & valid
     blk = tl.maximum(slot, 0) // BS
     dst = kv_ptr + blk * stride_blk + (tl.maximum(slot, 0) % BS) * stride_tok \
