@@ -57,7 +57,9 @@ def profile(engine: Any, vocab: int, batch: int, steps: int = 64) -> dict[str, A
     out: dict[str, Any] = {k: v / steps * 1e3 for k, v in acc.items()}
     out["step_wall"] = wall * 1e3
     out["other (engine.step outputs, stats)"] = wall * 1e3 - sum(v / steps * 1e3 for v in acc.values())
-    g = r.graphs.graphs.get(batch) if r.graphs is not None else None
+    g = None
+    if r.graphs is not None and (key := r.graphs.key(batch, 128 + steps)) is not None:
+        g = r.graphs.graphs.get(key)
     if g is not None:
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         g[0].replay()

@@ -1,4 +1,4 @@
-"""Decode fast path: one CUDA graph per batch-size bucket, replayed for pure-decode steps.
+"""Decode fast path: CUDA graphs per batch-size (and, for small batches, seq-len) bucket.
 
 A pure-decode step (every request schedules one token and samples it) is padded up to the next
 captured bucket and runs by ``graph.replay()``: a decoder of L layers launches ~12·L kernels per
@@ -13,10 +13,13 @@ write nothing (slot ``-1``) and read valid memory (``seq_len`` 1 over block 0).
 
 Host-side launch parameters: a backend may size its grids from the metadata's host values (hwkv-cuda
 picks the number of KV splits from ``max_seq_len``). A graph freezes them, so capture builds the
-metadata with ``max_seq_len = max_model_len`` (and host ``seq_lens`` at that bound): the split
-count is then an upper bound, and splits past a request's real length exit at once and carry weight
-0 in the reduction (see docs/gpu-e2e.md). Inputs are staged in pinned host memory and copied with
-``non_blocking=True``; an event guards the staging buffers against reuse before their copy ran.
+metadata with ``max_seq_len`` at the graph's seq-len bound (and host ``seq_lens`` at that bound):
+the split count is then an upper bound, and splits past a request's real length exit at once and
+carry weight 0 in the reduction (see docs/gpu-e2e.md). Batches of up to ``SMALL_BATCH`` requests
+(where splitting KV matters) get one graph per seq-len bucket (512, 1024, …, ``max_model_len``)
+and replay the smallest bound that covers the step; larger batches one graph at ``max_model_len``.
+Inputs are staged in pinned host memory and copied with ``non_blocking=True``; an event guards the
+staging buffers against reuse before their copy ran.
 """
 
 from __future__ import annotations
@@ -37,6 +40,18 @@ def batch_buckets(max_batch: int) -> list[int]:
         raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
     sizes = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16))
     return sizes + [max_batch]
+
+
+SMALL_BATCH = 8  # batch buckets up to this many requests are also captured per seq-len bucket
+
+
+def seq_buckets(max_model_len: int, first: int = 512) -> list[int]:
+    """Seq-len bounds the small-batch graphs are captured at: ``first`` doubling, then ``max_model_len``."""
+    out, s = [], first
+    while s < max_model_len:
+        out.append(s)
+        s *= 2
+    return out + [max_model_len]
 
 
 def pick_bucket(buckets: list[int], n: int) -> int | None:
@@ -86,6 +101,7 @@ class GraphRunner:
         self.block_size, self.max_model_len, self.device = block_size, max_model_len, device
         self.use_graphs = use_graphs
         self.buckets = batch_buckets(max_batch)
+        self.seq_buckets = seq_buckets(max_model_len)
         mb, self.max_blocks = max_batch, -(-max_model_len // block_size)
         pin = device.type == "cuda"
         self.h64 = torch.zeros((3, mb), dtype=torch.int64, pin_memory=pin)
@@ -97,9 +113,9 @@ class GraphRunner:
         self.query_start_loc = torch.arange(mb + 1, dtype=torch.int32, device=device)
         self.logits_indices = torch.arange(mb, dtype=torch.int64, device=device)
         self._copied = torch.cuda.Event() if pin else None
-        # bucket -> (graph, logits, metadata): the metadata must outlive the graph, since it owns
-        # tensors the backend built outside the capture (hwkv-cuda's cached plan) that it reads
-        self.graphs: dict[int, tuple[Any, torch.Tensor, Any]] = {}
+        # (batch, seq-len bound) -> (graph, logits, metadata): the metadata must outlive the graph,
+        # since it owns tensors the backend built outside the capture (hwkv-cuda's cached plan)
+        self.graphs: dict[tuple[int, int], tuple[Any, torch.Tensor, Any]] = {}
         self.pool: Any = None
 
     def _metadata(self, b: int, seq_cpu: torch.Tensor) -> Any:
@@ -116,27 +132,40 @@ class GraphRunner:
         return self.model.forward(self.d64[0, :b], self.d64[1, :b], self.kv_cache, md, self.logits_indices[:b],
                                   slot_mapping=self.d64[2, :b])
 
+    def keys(self) -> list[tuple[int, int]]:
+        """(batch bucket, seq-len bound) of every graph: small batches at each seq-len bucket (their
+        attention grid may be sized by the bound: short contexts must not pay for the longest),
+        larger ones at ``max_model_len`` only."""
+        return [(b, s) for b in self.buckets
+                for s in (self.seq_buckets if b <= SMALL_BATCH else [self.max_model_len])]
+
+    def key(self, n: int, max_seq_len: int) -> tuple[int, int] | None:
+        b = pick_bucket(self.buckets, n)
+        if b is None:
+            return None
+        s = pick_bucket(self.seq_buckets, max_seq_len) if b <= SMALL_BATCH else self.max_model_len
+        return None if s is None else (b, s)
+
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every bucket, largest first (smaller graphs reuse its memory pool)."""
+        """Capture every key, largest first (smaller graphs reuse its memory pool)."""
         if not self.use_graphs:
             return
-        bound = torch.full((max(self.buckets),), self.max_model_len, dtype=torch.int32)
         self.d64[2].fill_(-1)  # capture-time passes write no KV
         self.seq_lens.fill_(1)
         self.block_tables.zero_()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for b in sorted(self.buckets, reverse=True):
-                md = self._metadata(b, bound[:b])
+            for b, s in sorted(self.keys(), reverse=True):
+                md = self._metadata(b, torch.full((b,), s, dtype=torch.int32))
                 self._forward(b, md)  # warm-up: Triton compiles, allocator settles
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=self.pool, stream=stream):
                     out = self._forward(b, md)
                 if self.pool is None:
                     self.pool = g.pool()
-                self.graphs[b] = (g, out, md)
+                self.graphs[(b, s)] = (g, out, md)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
 
@@ -146,9 +175,10 @@ class GraphRunner:
         ``fill(input_ids)`` runs after the inputs are copied in and before the forward: it patches
         ids that are still on the device (async stepping)."""
         n = batch.input_ids.shape[0]
-        b = pick_bucket(self.buckets, n)
-        if b is None or batch.block_tables.shape[1] > self.max_blocks:
+        key = self.key(n, int(batch.seq_lens.max()))
+        if key is None or batch.block_tables.shape[1] > self.max_blocks:
             return None
+        b = key[0]
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copies have read the staging buffers
         mb = self.h64.shape[1]
@@ -165,7 +195,7 @@ class GraphRunner:
         if fill is not None:
             fill(self.d64[0, :b])
         if self.use_graphs:
-            g, out, _ = self.graphs[b]
+            g, out, _ = self.graphs[key]
             g.replay()
             return out[:n]
         seq_cpu = torch.from_numpy(h32[:b].copy())

@@ -26,6 +26,23 @@ def test_buckets():
     assert [pick_bucket(b, n) for n in (1, 3, 8, 9, 17, 33, 40, 41)] == [1, 4, 8, 16, 32, 40, 40, None]
 
 
+def test_seq_buckets_and_keys():
+    from types import SimpleNamespace
+
+    from hwkv.engine.cuda_graphs import SMALL_BATCH, GraphRunner, seq_buckets
+
+    assert seq_buckets(4096) == [512, 1024, 2048, 4096]
+    assert seq_buckets(3000) == [512, 1024, 2048, 3000]
+    assert seq_buckets(300) == [300]
+    g = SimpleNamespace(buckets=batch_buckets(32), seq_buckets=seq_buckets(4096), max_model_len=4096)
+    keys = GraphRunner.keys(g)
+    assert (1, 512) in keys and (8, 4096) in keys and (16, 4096) in keys and (16, 512) not in keys
+    assert len(keys) == 4 * 4 + 2 and SMALL_BATCH == 8
+    key = lambda n, s: GraphRunner.key(g, n, s)  # noqa: E731
+    assert [key(1, 100), key(3, 513), key(8, 4096), key(9, 10), key(33, 1)] == \
+        [(1, 512), (4, 1024), (8, 4096), (16, 4096), None]
+
+
 def test_pad_into():
     n, bucket, mb, w = 3, 4, 6, 5
     batch = DecodeBatch(np.array([7, 8, 9]), np.array([10, 20, 30]), np.array([40, 81, 122]),
@@ -129,7 +146,7 @@ def test_cuda_graphs_greedy_identical_to_eager(model_dir, dtype, fuse, fresh_dyn
     assert eager.runner.graphs is None
     want = [o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
     g = hwkv.Engine(model_dir, backend=backend, **kw)
-    assert g.runner.graphs is not None and sorted(g.runner.graphs.graphs) == [1, 2, 4, 8, 16]
+    assert g.runner.graphs is not None and sorted({b for b, _ in g.runner.graphs.graphs}) == [1, 2, 4, 8, 16]
     assert g.async_scheduling and not eager.async_scheduling  # graphs + async vs the synchronous eager path
     got = [o.token_ids for o in g.generate(prompts, params, use_tqdm=False)]
     assert got == want
