@@ -2,7 +2,8 @@
 
 (a) offline throughput: N requests, input/output lengths uniform in [lo, hi], ignore_eos;
 (b) batch-1 decode: tokens/s and model-bandwidth utilisation (bytes read per step / step time /
-    device-to-device copy bandwidth measured in the same run), CUDA graphs and eager;
+    device-to-device copy bandwidth measured in the same run): default (CUDA graphs, fused
+    elementwise ops, async scheduling), the same without async scheduling, and eager;
 (c) shared prefix: requests sharing a long system prompt, prefix caching on vs off (TTFT, tok/s);
 (p) profile: per-step wall time split into scheduling / input prep / graph replay / sample+sync /
     output, the GPU-only replay time, and the eager kernel mix of a batch-1 decode step.
@@ -285,11 +286,11 @@ def run(args: argparse.Namespace) -> int:
             free(e)
         part("b-eager", part_b_eager)
 
-        def part_b_plain() -> None:
-            e = make_engine(mdir, args, fuse_elementwise=False, max_num_seqs=4)
-            res["batch1_graphs_unfused"] = batch1(e, cfg, vocab, args.b1_tokens, copy_bw)
+        def part_b_sync() -> None:
+            e = make_engine(mdir, args, async_scheduling=False, max_num_seqs=4)
+            res["batch1_sync"] = batch1(e, cfg, vocab, args.b1_tokens, copy_bw)
             free(e)
-        part("b-plain", part_b_plain)
+        part("b-sync", part_b_sync)
     if not args.no_hf and "a" in parts:
         def part_a_hf() -> None:
             hf = run_hf(mdir, work[: args.hf_requests], args.hf_batch, args.dtype)

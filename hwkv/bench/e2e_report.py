@@ -117,7 +117,8 @@ def markdown(res: dict[str, Any]) -> str:
                      f"({hf.get('requests', '—')} req, batch {hf.get('batch', '—')}) | {f(t.get('ratio'))}× |")
     b = res.get("batch1", {})
     if b:
-        mode = "graphs + fused elementwise, default" if res.get("graph_buckets") else "default: no graph capture"
+        mode = ("graphs + fused elementwise + async scheduling, default" if res.get("graph_buckets")
+                else "default: no graph capture")
         lines.append(f"| (b) batch-1 decode tok/s ({mode}) | {f(b.get('tok_per_s'))} "
                      f"(step {f(b.get('step_ms'), 3)} ms, "
                      f"MBU {f(100 * b['mbu'] if 'mbu' in b else None)}%) | {f(b.get('hf_tok_per_s'))} | "
@@ -126,10 +127,12 @@ def markdown(res: dict[str, Any]) -> str:
         if e:
             lines.append(f"| (b) batch-1 decode tok/s (eager) | {f(e.get('tok_per_s'))} (MBU "
                          f"{f(100 * e['mbu'] if 'mbu' in e else None)}%) | | |")
-    bf = res.get("batch1_graphs_unfused", {})
-    if bf:
-        lines.append(f"| (b) batch-1 decode tok/s (graphs, elementwise ops not fused) | {f(bf.get('tok_per_s'))} "
-                     f"(step {f(bf.get('step_ms'), 3)} ms, MBU {f(100 * bf['mbu'] if 'mbu' in bf else None)}%) | | |")
+    for key, label in (("batch1_sync", "graphs + fused, async scheduling off"),
+                       ("batch1_graphs_unfused", "graphs, elementwise ops not fused")):
+        bf = res.get(key, {})
+        if bf:
+            lines.append(f"| (b) batch-1 decode tok/s ({label}) | {f(bf.get('tok_per_s'))} (step "
+                         f"{f(bf.get('step_ms'), 3)} ms, MBU {f(100 * bf['mbu'] if 'mbu' in bf else None)}%) | | |")
     c = res.get("shared_prefix", {})
     if c:
         on, off = c.get("prefix_on", {}), c.get("prefix_off", {})
