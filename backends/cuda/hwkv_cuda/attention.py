@@ -41,6 +41,7 @@ class TileConfig:
     min_split: int = 128  # fewest KV tokens a split may get
     part_cap: int = 4  # fp32 partials (written + read) stay under KV bytes / part_cap (0: no cap)
     merge_cap: int = 1  # fused reduction: one merge reads <= one split's KV bytes / merge_cap (0: no cap)
+    merge_regs: int = 32  # fp32 values per thread in one load of the fused merge
 
 
 def choose_config(max_query_len: int, group: int, head_size: int, dtype: torch.dtype,
@@ -202,7 +203,8 @@ class TritonAttentionImpl(AttentionImpl):
         d_pad = max(16, _pow2(d))
         splits_pad = _pow2(splits)
         g_pad = _pow2(group)
-        merge_rows, merge_splits = merge_tile(cfg.block_q, g_pad, splits_pad, d_pad, cfg.num_warps)
+        merge_rows, merge_splits = merge_tile(cfg.block_q, g_pad, splits_pad, d_pad, cfg.num_warps,
+                                                 cfg.merge_regs)
         fused = fused and splits > 1
         if splits > 1:
             part_acc = torch.empty((query.shape[0], self.num_heads, splits_pad, d_pad), dtype=torch.float32,

@@ -7,21 +7,15 @@ pytest.importorskip("triton")
 
 import hwkv_cuda.attention as cuda_attn  # noqa: E402
 from hwkv_cuda.attention import TritonAttentionBackend  # noqa: E402
-from naive import naive_attention  # noqa: E402
+from naive import naive_attention, paged_case  # noqa: E402
 
 from hwkv.interfaces.attention import AttentionMetadata  # noqa: E402
-from hwkv.testing.paged import random_block_tables  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _case(qlens, slens, heads, kv_heads, head_size, bs, seed):
-    g = torch.Generator().manual_seed(seed)
-    tables, nb = random_block_tables(slens, bs, g)  # scattered physical blocks
-    kv = torch.randn(nb, 2, bs, kv_heads, head_size, generator=g)
-    q = torch.randn(sum(qlens), heads, head_size, generator=g)
-    md = AttentionMetadata.build(qlens, slens, tables, bs, device=DEV)
-    return q, kv, md, tables
+    return paged_case(qlens, slens, heads, kv_heads, head_size, bs, seed, DEV)
 
 
 CASES = {  # name: (query lens, seq lens, H, H_kv, D, block size)
@@ -33,9 +27,11 @@ CASES = {  # name: (query lens, seq lens, H, H_kv, D, block size)
 }
 
 
+@pytest.mark.parametrize("mode", ["fused", "kernel"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_attention_matches_naive(name, monkeypatch):
+def test_attention_matches_naive(name, mode, monkeypatch):
     monkeypatch.setenv("HWKV_CUDA_ATTN_CONFIG", "min_split=32,split_below=1000,part_cap=0")  # split on small shapes
+    monkeypatch.setenv("HWKV_CUDA_SPLIT_REDUCE", mode)
     qlens, slens, h, hkv, d, bs = CASES[name]
     q, kv, md, tables = _case(qlens, slens, h, hkv, d, bs, seed=len(name))
     impl = TritonAttentionBackend().make_impl(h, d, hkv, d**-0.5)
@@ -52,20 +48,33 @@ def test_attention_matches_naive(name, monkeypatch):
 
 
 def test_split_heuristic():
-    def splits(qlens, slens, block_q=1):
+    def plan(qlens, slens, block_q=1, merge_cap=0):
         tables = [list(range(-(-max(slens) // 16)))] * len(slens)
         md = cuda_attn.CudaAttentionMetadata(AttentionMetadata.build(qlens, slens, tables, 16), 132)
-        return md.plan(block_q, 64, 32, 8, 128, 2)[1]
+        return md.plan(block_q, 32, 32, 8, 128, 2, merge_cap=merge_cap)
 
-    assert splits([1], [16384]) > 8  # one long decode: flash-decoding
-    assert splits([1] * 256, [1024] * 256) == 1  # a big batch already fills the SMs
-    assert splits([512], [4608], block_q=32) == 1  # fp32 partials of 512 queries would outweigh the KV
+    assert plan([1], [16384]).splits > 8  # one long decode: flash-decoding
+    assert plan([1] * 256, [1024] * 256).splits == 1  # a big batch already fills the SMs
+    assert plan([512], [4608], block_q=32).splits == 1  # fp32 partials of 512 queries would outweigh the KV
+    assert plan([1], [8192]).splits == 64
+    # fused merge: S * 4 rows * 4 B <= (8192 / S) * 2 * 2 B  ->  S <= 45 (then whole 32-key tiles: 43)
+    assert plan([1], [8192], merge_cap=1).splits == 43
+    for length in (100, 300, 1000, 5000, 16384):
+        for b in (1, 2, 8):
+            p = plan([1] * b, [length] * b, merge_cap=1)
+            assert p.min_seg == 128
+            # no split shorter than min_split, and none empty for the longest request
+            assert p.splits == 1 or -(-length // p.splits) >= 128
+            assert -(-length // -(-length // p.splits)) == p.splits
+            assert p.splits * 8 * b <= 8 * 132 + 8 * b  # at most ~split_target programs per SM
 
 
-def test_host_bounds_above_device_lengths(monkeypatch):
+@pytest.mark.parametrize("mode", ["fused", "kernel"])
+def test_host_bounds_above_device_lengths(mode, monkeypatch):
     """What a CUDA-graph capture does: host lengths at an upper bound (more splits, a wider grid)
     while the device holds the real lengths; surplus splits and q blocks must contribute nothing."""
     monkeypatch.setenv("HWKV_CUDA_ATTN_CONFIG", "min_split=16")
+    monkeypatch.setenv("HWKV_CUDA_SPLIT_REDUCE", mode)
     qlens, slens, h, hkv, d, bs = [1, 1, 1, 1], [6, 18, 40, 4], 4, 2, 32, 16
     q, kv, md, tables = _case(qlens, slens, h, hkv, d, bs, seed=3)
     width = md.block_tables.shape[1]
@@ -98,6 +107,40 @@ def test_write_kv_skips_padding(bs):
             flat[s, 0], flat[s, 1] = key[t], value[t]
     exp = flat.reshape(nb, bs, 2, hkv, d).transpose(1, 2)
     assert torch.equal(kv_dev.cpu(), exp)
+
+
+def _guarded_cache(nb, bs, hkv, d):
+    """A cache that is a view into a larger buffer: a write past either end lands in a guard block."""
+    big = torch.full((nb + 2, 2, bs, hkv, d), 7.0, device=DEV)
+    return big, big[1:-1]
+
+
+def test_write_kv_never_writes_out_of_range(monkeypatch):
+    monkeypatch.delenv("HWKV_CUDA_CHECK_SLOTS", raising=False)
+    nb, bs, hkv, d = 3, 16, 2, 16
+    key, value = torch.randn(6, hkv, d), torch.randn(6, hkv, d)
+    slots = torch.tensor([5, nb * bs, -2, nb * bs + 17, -1 - bs, nb * bs - 1], dtype=torch.int64)
+    big, kv = _guarded_cache(nb, bs, hkv, d)
+    TritonAttentionBackend().make_impl(4, d, hkv, 1.0).write_kv(key.to(DEV), value.to(DEV), kv, slots.to(DEV))
+    exp = torch.full((nb + 2, 2, bs, hkv, d), 7.0)
+    for t, s in ((0, 5), (5, nb * bs - 1)):  # only the in-range slots are written
+        exp[1 + s // bs, 0, s % bs], exp[1 + s // bs, 1, s % bs] = key[t], value[t]
+    assert torch.equal(big.cpu(), exp)
+
+
+@pytest.mark.parametrize("bad", [48, 1000, -2])
+def test_write_kv_slot_check_names_the_slot(bad, monkeypatch):
+    monkeypatch.setenv("HWKV_CUDA_CHECK_SLOTS", "1")
+    nb, bs, hkv, d = 3, 16, 2, 16
+    big, kv = _guarded_cache(nb, bs, hkv, d)
+    impl = TritonAttentionBackend().make_impl(4, d, hkv, 1.0)
+    k = torch.randn(3, hkv, d, device=DEV)
+    slots = torch.tensor([0, -1, bad], dtype=torch.int64, device=DEV)
+    msg = rf"slot_mapping value {bad} \(token 2\) out of range \[-1, 48\) for 3 blocks of 16"
+    with pytest.raises(ValueError, match=msg):
+        impl.write_kv(k, k, kv, slots)
+    assert bool((big == 7.0).all()), "a refused write_kv must write nothing"
+    impl.write_kv(k, k, kv, torch.tensor([0, -1, 47], dtype=torch.int64, device=DEV))  # in range: no error
 
 
 def test_copy_blocks_kernel():
