@@ -2,7 +2,8 @@
 
 Correctness: bf16/fp16/fp32 vs a float64 reference on fresh random data, poisoned outputs, all four
 attention states, GQA ratios incl. a non-power-of-two group, MQA, block 16/32/64, head 64/128/256,
-the split-KV path; write_kv; copy_blocks device<->device/host; CUDA-graph replay.
+the split-KV path (fused reduction, the default); write_kv; copy_blocks device<->device/host; CUDA-graph
+replay with either split-KV reduction. The float64 reference is backends/cuda/tests/naive.py.
 Usage: python backends/cuda/scripts/gpu_check.py [check] [sweep] [--out DIR]
 """
 
@@ -15,32 +16,17 @@ import time
 
 import torch
 
-sys.path[:0] = [os.path.join(os.path.dirname(__file__), ".."), os.path.join(os.path.dirname(__file__), "../../..")]
+HERE = os.path.dirname(os.path.abspath(__file__))
+# the package, the repo root (hwkv) and the tests' float64 reference (one copy, tests/naive.py)
+sys.path[:0] = [os.path.join(HERE, ".."), os.path.join(HERE, "../../.."), os.path.join(HERE, "../tests")]
 
 from hwkv_cuda.attention import CudaMetadataBuilder, TritonAttentionBackend  # noqa: E402
+from naive import naive_attention as reference  # noqa: E402
 
 from hwkv.interfaces.attention import AttentionMetadata  # noqa: E402
 from hwkv.interfaces.layout import KVCacheSpec, KVLayoutKind  # noqa: E402
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
-
-
-def reference(q, kv, qlens, slens, tables, scale):
-    out = torch.empty(q.shape, dtype=torch.float64, device=q.device)
-    bs, hkv = kv.shape[2], kv.shape[3]
-    g = q.shape[1] // hkv
-    t0 = 0
-    for ql, sl, bt in zip(qlens, slens, tables):
-        pos = torch.arange(sl, device=q.device)
-        blk = torch.as_tensor(bt, device=q.device)[pos // bs]
-        k = kv[blk, 0, pos % bs].double().repeat_interleave(g, 1)
-        v = kv[blk, 1, pos % bs].double().repeat_interleave(g, 1)
-        s = torch.einsum("qhd,khd->hqk", q[t0:t0 + ql].double(), k) * scale
-        qpos = torch.arange(sl - ql, sl, device=q.device)
-        s = s.masked_fill(pos[None, None, :] > qpos[None, :, None], float("-inf"))
-        out[t0:t0 + ql] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
-        t0 += ql
-    return out
 
 
 def one(qlens, slens, h, hkv, d, bs, dtype, gen):
@@ -59,7 +45,7 @@ def one(qlens, slens, h, hkv, d, bs, dtype, gen):
     impl.forward_into(out, q, kv, md)
     ref = reference(q, kv, qlens, slens, tables, d ** -0.5)
     err = ((out.double() - ref).norm() / ref.norm()).item()
-    splits = max(p[1] for p in md.plans.values())
+    splits = max(p.splits for p in md.plans.values())
     ok = bool(not out.isnan().any()) and err < TOL[dtype]
     return dict(qlens=qlens[:6], slens=slens[:6], heads=f"{h}/{hkv}", d=d, bs=bs, dtype=str(dtype)[6:],
                 err=err, splits=splits, ok=ok)
@@ -75,7 +61,7 @@ BATCHES = {
 
 def check(dtypes=(torch.bfloat16, torch.float16, torch.float32)) -> list[dict]:
     gen = torch.Generator().manual_seed(1234)
-    res = [check_write_kv(gen), check_copy_blocks(), check_graph(gen)]
+    res = [check_write_kv(gen), check_copy_blocks(), check_graph(gen, "fused"), check_graph(gen, "kernel")]
     combos = [((32, 8), 128, 16), ((32, 32), 128, 16), ((16, 1), 64, 32), ((12, 4), 256, 64), ((8, 2), 64, 16)]
     for dtype in dtypes:
         for (h, hkv), d, bs in combos:
@@ -89,19 +75,23 @@ def check(dtypes=(torch.bfloat16, torch.float16, torch.float32)) -> list[dict]:
 
 
 def check_write_kv(gen) -> dict:
+    """-1 slots skipped; out-of-range slots (past the end, below -1) skipped too: the cache is a view
+    between two guard blocks that must stay untouched."""
     impl = TritonAttentionBackend().make_impl(8, 128, 4, 1.0)
-    kv = torch.randn(64, 2, 16, 4, 128, generator=gen).to("cuda", torch.bfloat16)
-    exp = kv.clone()
+    big = torch.randn(66, 2, 16, 4, 128, generator=gen).to("cuda", torch.bfloat16)
+    kv = big[1:-1]
+    exp = big.clone()
     qkv = torch.randn(100, 16, 128, generator=gen).to("cuda", torch.bfloat16)
     key, value = qkv[:, 8:12], qkv[:, 12:]
     slots = torch.randperm(64 * 16, generator=gen)[:100].cuda()
     slots[::7] = -1
+    slots[3], slots[5], slots[9] = 64 * 16, 64 * 16 + 5, -17
     impl.write_kv(key, value, kv, slots)
     for t, s in enumerate(slots.tolist()):
-        if s >= 0:
-            exp[s // 16, 0, s % 16], exp[s // 16, 1, s % 16] = key[t], value[t]
-    ok = torch.equal(kv, exp)
-    print("OK  " if ok else "FAIL", "write_kv with -1 slots", flush=True)
+        if 0 <= s < 64 * 16:
+            exp[1 + s // 16, 0, s % 16], exp[1 + s // 16, 1, s % 16] = key[t], value[t]
+    ok = torch.equal(big, exp)
+    print("OK  " if ok else "FAIL", "write_kv with -1 and out-of-range slots", flush=True)
     return dict(state="write_kv", ok=ok)
 
 
@@ -136,7 +126,9 @@ def check_copy_blocks() -> dict:
     return out
 
 
-def check_graph(gen) -> dict:
+def check_graph(gen, mode: str) -> dict:
+    """Capture then replay with new queries, in one split-KV reduction mode (``HWKV_CUDA_SPLIT_REDUCE``)."""
+    os.environ["HWKV_CUDA_SPLIT_REDUCE"] = mode
     qlens, slens, bs = [1] * 8, [4000 + 37 * i for i in range(8)], 16
     need = [-(-s // bs) for s in slens]
     tables = [list(range(sum(need[:i]), sum(need[:i + 1]))) for i in range(8)]
@@ -156,9 +148,11 @@ def check_graph(gen) -> dict:
     torch.cuda.synchronize()
     ref = reference(q, kv, qlens, slens, tables, 128 ** -0.5)
     err = ((out.double() - ref).norm() / ref.norm()).item()
+    os.environ.pop("HWKV_CUDA_SPLIT_REDUCE")
     ok = err < 1e-2
-    print("OK  " if ok else "FAIL", f"cuda graph replay err {err:.2e} splits={max(p[1] for p in md.plans.values())}")
-    return dict(state="graph_replay", err=err, ok=ok)
+    print("OK  " if ok else "FAIL", f"cuda graph replay ({mode} reduce) err {err:.2e} "
+          f"splits={max(p.splits for p in md.plans.values())}")
+    return dict(state=f"graph_replay_{mode}", err=err, ok=ok)
 
 
 DECODE_TILES = [f"block_n={n},num_warps={w},num_stages={st}" for n in (32, 64, 128) for w in (4, 8)

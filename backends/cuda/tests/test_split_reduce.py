@@ -1,0 +1,143 @@
+"""Split-KV reductions: the fused last-split merge and the two-kernel path, against the naive
+reference and each other (interpreter mode on CPU: programs run one after another, so these check
+the merge logic and the counter protocol, not the memory ordering; the GPU test below runs it hot)."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from hwkv_cuda.attention import TritonAttentionBackend  # noqa: E402
+from hwkv_cuda.splitkv import SplitCounters, merge_tile, reduce_mode  # noqa: E402
+from naive import naive_attention, paged_case  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _run(mode, qlens, slens, h, hkv, d, bs, cfg, monkeypatch, seed=0, calls=1):
+    """Outputs of ``calls`` forwards (fresh queries each) with their references, the metadata (its
+    plans) and the impl (its counters)."""
+    monkeypatch.setenv("HWKV_CUDA_SPLIT_REDUCE", mode)
+    monkeypatch.setenv("HWKV_CUDA_ATTN_CONFIG", cfg)
+    q, kv, md, tables = paged_case(qlens, slens, h, hkv, d, bs, seed, DEV)
+    built = TritonAttentionBackend().metadata_builder().build(md)
+    impl = TritonAttentionBackend().make_impl(h, d, hkv, d**-0.5)
+    g = torch.Generator().manual_seed(seed + 1)
+    results = []
+    for i in range(calls):
+        qi = q if i == 0 else torch.randn(q.shape, generator=g)
+        out = torch.full_like(qi, float("nan"), device=DEV)  # poisoned: every element must be written
+        impl.forward_into(out, qi.to(DEV), kv.to(DEV), built)
+        results.append((out.cpu().double(), naive_attention(qi, kv, qlens, slens, tables, d**-0.5)))
+    return results, built, impl
+
+
+def _splits(built):
+    return max(p.splits for p in built.plans.values())
+
+
+def _rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+SPLIT_CASES = {  # name: (query lens, seq lens, H, H_kv, D, block size, HWKV_CUDA_ATTN_CONFIG)
+    # 2 splits; the 5-token request leaves its second split empty
+    "gqa4_2_splits": ([1, 1], [5, 200], 8, 2, 16, 16, "min_split=96,split_below=1000,split_target=2"),
+    # 22 splits (padded to 32): most of the short requests' splits are empty
+    "gqa4_22_splits": ([1, 1, 1], [5, 40, 700], 8, 2, 16, 16, "min_split=16,split_below=1000,split_target=100"),
+    # MHA, 1-row, 1-split merge loads: many row groups and split chunks per merge
+    "mha_tiny_merge_tiles": ([1, 1], [90, 300], 4, 4, 16, 16,
+                             "min_split=16,split_below=1000,split_target=100,merge_regs=1"),
+    # group 3 (padded to 4 rows per token), prefill + decode mixed, prefill tiles merged in row groups
+    "mixed_gqa3": ([1, 12, 1, 30], [50, 12, 300, 90], 6, 2, 16, 16,
+                   "min_split=16,split_below=1000,part_cap=0,merge_cap=0,merge_regs=2"),
+}
+
+
+@pytest.mark.parametrize("name", list(SPLIT_CASES))
+def test_fused_matches_naive_and_kernel_reduce(name, monkeypatch):
+    qlens, slens, h, hkv, d, bs, cfg = SPLIT_CASES[name]
+    fused, built, impl = _run("fused", qlens, slens, h, hkv, d, bs, cfg, monkeypatch, seed=len(name), calls=2)
+    kernel, built_k, _ = _run("kernel", qlens, slens, h, hkv, d, bs, cfg, monkeypatch, seed=len(name))
+    splits, splits_k = _splits(built), _splits(built_k)
+    assert splits > 1 and splits == splits_k, f"{name}: meant to split (fused {splits}, kernel {splits_k})"
+    for out, ref in fused + kernel:
+        assert not out.isnan().any()
+        assert _rel(out, ref) < 1e-5, f"{name}: rel err {_rel(out, ref):.2e}"
+    # same fp32 merge math: the two reductions agree to fp32 rounding of the sums over splits
+    assert _rel(fused[0][0], kernel[0][0]) < 1e-6
+    # every launch hands its counters back at zero (the next call, or a graph replay, starts clean);
+    # the second call reused the first one's buffer
+    (buf,) = impl.counters.buffers.values()
+    assert int(buf.count_nonzero()) == 0 and not impl.counters.retired
+
+
+def test_unsplit_launch_needs_no_counters(monkeypatch):
+    res, built, impl = _run("fused", [1, 4], [40, 60], 4, 2, 16, 16, "split_below=0", monkeypatch)
+    assert _splits(built) == 1 and not impl.counters.buffers
+    assert _rel(*res[0]) < 1e-5
+
+
+def test_reduce_mode_env(monkeypatch):
+    monkeypatch.delenv("HWKV_CUDA_SPLIT_REDUCE", raising=False)
+    assert reduce_mode() == "fused"
+    monkeypatch.setenv("HWKV_CUDA_SPLIT_REDUCE", "Kernel")
+    assert reduce_mode() == "kernel"
+    monkeypatch.setenv("HWKV_CUDA_SPLIT_REDUCE", "two-kernel")
+    with pytest.raises(ValueError, match="HWKV_CUDA_SPLIT_REDUCE='two-kernel': expected one of fused, kernel"):
+        reduce_mode()
+
+
+def test_counters_grow_outside_capture_only(monkeypatch):
+    c = SplitCounters()
+    cpu = torch.device("cpu")
+    small = c.get(cpu, 10)
+    assert small.numel() == 1024 and small.dtype == torch.int32 and int(small.count_nonzero()) == 0
+    assert c.get(cpu, 1024) is small
+    big = c.get(cpu, 3000)
+    assert big.numel() == 4096 and c.retired == [small]  # graphs captured on the old one keep it
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    gpu = torch.device("cuda", 0)
+    with pytest.raises(RuntimeError, match="cannot be allocated during CUDA-graph capture.*eager forward"):
+        c.get(gpu, 8)
+    c.buffers[gpu] = big  # warmed up before the capture: no allocation, no error
+    assert c.get(gpu, 4096) is big
+
+
+def test_merge_tile_fits_its_register_budget():
+    for block_q, g_pad, sp, d_pad, warps in [(1, 4, 64, 128, 4), (1, 16, 8, 64, 4), (32, 4, 8, 128, 8),
+                                              (64, 1, 2, 256, 4), (1, 1, 64, 512, 4)]:
+        rows, splits = merge_tile(block_q, g_pad, sp, d_pad, warps, 32)
+        assert rows <= block_q * g_pad and splits <= sp
+        assert rows * splits * d_pad <= max(32 * 32 * warps, d_pad)
+        assert rows & (rows - 1) == 0 and splits & (splits - 1) == 0
+
+
+def test_plan_merge_cap_only_in_fused_mode(monkeypatch):
+    """The fused merge is serial in one program, so its plan may cap splits; the kernel path's not."""
+    for mode, cap in (("fused", 1), ("kernel", 0)):
+        _, built, _ = _run(mode, [1], [300], 8, 2, 16, 16, "min_split=16,split_below=1000", monkeypatch)
+        assert {key[-1] for key in built.plans} == {cap}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the race needs a GPU")
+@pytest.mark.parametrize("mode", ["fused", "kernel"])
+def test_split_reduce_hot_on_gpu(mode, monkeypatch):
+    """Many back-to-back launches with fresh queries: a merge that read partials before they were
+    visible would read another launch's (or uninitialised) values and miss the reference."""
+    monkeypatch.setenv("HWKV_CUDA_SPLIT_REDUCE", mode)
+    q, kv, md, tables = paged_case([1, 1], [8000, 3000], 32, 8, 128, 16, 11, "cuda")
+    kv = kv.to("cuda", torch.bfloat16)
+    impl = TritonAttentionBackend().make_impl(32, 128, 8, 128**-0.5)
+    built = TritonAttentionBackend().metadata_builder().build(md)
+    qs = torch.randn(100, *q.shape, device="cuda", dtype=torch.bfloat16)
+    outs = torch.empty_like(qs)
+    for i in range(qs.shape[0]):
+        impl.forward_into(outs[i], qs[i], kv, built)
+    torch.cuda.synchronize()
+    assert max(p.splits for p in built.plans.values()) > 8
+    for i in range(0, qs.shape[0], 9):
+        ref = naive_attention(qs[i], kv, [1, 1], [8000, 3000], tables, 128**-0.5)
+        assert _rel(outs[i].double(), ref) < 1e-2, f"call {i}"
+    if mode == "fused":
+        assert int(impl.counters.buffers[qs.device].count_nonzero()) == 0
