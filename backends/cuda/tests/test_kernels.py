@@ -171,8 +171,11 @@ def test_bad_inputs_name_the_field():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_cuda_graph_replay_after_metadata_is_gone():
-    """The engine captures with throw-away metadata: the graph may read only the caller's tensors."""
+@pytest.mark.parametrize("mode", ["fused", "kernel"])
+def test_cuda_graph_replay_after_metadata_is_gone(mode, monkeypatch):
+    """The engine captures with throw-away metadata: the graph may read only the caller's tensors
+    (and, fused, the impl's counters, which every replay must leave at zero)."""
+    monkeypatch.setenv("HWKV_CUDA_SPLIT_REDUCE", mode)
     qlens, slens, h, hkv, d, bs = [1] * 4, [300, 1000, 17, 4000], 32, 8, 128, 16
     q, kv, md, tables = _case(qlens, slens, h, hkv, d, bs, seed=5)
     q, kv = q.to("cuda", torch.bfloat16), kv.to("cuda", torch.bfloat16)
@@ -191,3 +194,6 @@ def test_cuda_graph_replay_after_metadata_is_gone():
     torch.cuda.synchronize()
     ref = naive_attention(q.cpu(), kv.cpu(), qlens, slens, tables, d**-0.5)
     assert (out.cpu().double() - ref).norm() / ref.norm() < 1e-2 and len(junk) == 8
+    g.replay()
+    torch.cuda.synchronize()
+    assert all(int(b.count_nonzero()) == 0 for b in impl.counters.buffers.values())
