@@ -35,11 +35,15 @@ def _pow2_floor(n: int) -> int:
 
 def merge_tile(block_q: int, g_pad: int, splits_pad: int, d_pad: int, num_warps: int,
                regs: int) -> tuple[int, int]:
-    """``(rows, splits)`` of one merge load ``[rows, splits, d_pad]``: as many splits of a row as fit
-    ``regs`` fp32 values per thread, then as many rows; all powers of two. More bytes in flight per
-    load shorten the merge, more registers can spill or cost the main loop occupancy."""
+    """``(rows, splits)`` of one merge load ``[rows, splits, d_pad]`` within ``regs`` fp32 values per
+    thread, all powers of two. Rows first: the merge costs one dependent round of loads per group of
+    rows (the max over its splits) plus one per chunk of splits, and the chunks' total is fixed by the
+    budget, so fewer, larger row groups mean fewer rounds (up to half the budget: the [rows, d_pad] sum
+    stays live next to each load). More bytes per load shorten the merge; more
+    registers can spill or cost the main loop occupancy."""
     budget = regs * 32 * num_warps
-    rows = min(block_q * g_pad, _pow2_floor(budget // (splits_pad * d_pad)))
+    # at most half the budget in rows: the [rows, d_pad] sum is live next to each load
+    rows = min(block_q * g_pad, _pow2_floor(budget // (2 * max(d_pad, splits_pad))))
     return rows, min(splits_pad, _pow2_floor(budget // (rows * d_pad)))
 
 
