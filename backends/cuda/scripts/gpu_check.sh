@@ -11,7 +11,7 @@ note() { local rc=${PIPESTATUS[0]}; [[ $rc -ne 0 ]] && failed+=("$1 (rc=$rc)"); 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 if [[ $STEPS == *pytest* ]]; then
-  timeout 150 python3 -m pytest -q -p no:cacheprovider backends/cuda/tests 2>&1 | tee "$OUT/pytest.log" | tail -3
+  timeout ${PYTEST_S:-240} python3 -m pytest -q -p no:cacheprovider backends/cuda/tests 2>&1 | tee "$OUT/pytest.log" | tail -3
   note pytest
 fi
 args=""; [[ $STEPS == *check* ]] && args="check"; [[ $STEPS == *sweep* ]] && args="$args sweep"

@@ -34,7 +34,7 @@ from naive import naive_attention  # noqa: E402
 
 from hwkv.bench.attention import Case, _time  # noqa: E402
 
-SHAPES = [(1, 1024), (1, 4096), (1, 8192), (1, 16384), (8, 4096), (8, 16384)]  # (batch, context)
+SHAPES = [(1, 8192), (1, 16384), (1, 4096), (1, 1024), (8, 4096), (8, 16384)]  # (batch, context), headline first
 H, HKV, D, BS = 32, 8, 128, 16
 
 
