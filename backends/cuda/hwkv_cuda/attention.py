@@ -203,9 +203,10 @@ class TritonAttentionImpl(AttentionImpl):
         d_pad = max(16, _pow2(d))
         splits_pad = _pow2(splits)
         g_pad = _pow2(group)
-        merge_rows, merge_splits = merge_tile(cfg.block_q, g_pad, splits_pad, d_pad, cfg.num_warps,
-                                                 cfg.merge_regs)
         fused = fused and splits > 1
+        # constant when unused, so the unfused variants do not compile once per merge tile
+        merge_rows, merge_splits = (merge_tile(cfg.block_q, g_pad, splits_pad, d_pad, cfg.num_warps, cfg.merge_regs)
+                                    if fused else (1, 1))
         if splits > 1:
             part_acc = torch.empty((query.shape[0], self.num_heads, splits_pad, d_pad), dtype=torch.float32,
                                    device=query.device)
