@@ -142,7 +142,12 @@ class AttentionImpl(ABC):
 
     @abstractmethod
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, layer_kv: Any, slot_mapping: torch.Tensor) -> None:
-        """Scatter new K/V tokens into the paged cache at ``slot_mapping``; slot ``-1`` is skipped."""
+        """Scatter new K/V tokens into the paged cache at ``slot_mapping``; slot ``-1`` is skipped.
+
+        A slot outside ``[-1, num_blocks * block_size)`` is a caller error; the backend must never
+        write outside the cache for it: it raises ``ValueError`` naming the slot (the reference
+        does) or, where checking would cost a host sync, skips it (hwkv-cuda, unless
+        ``HWKV_CUDA_CHECK_SLOTS=1``)."""
 
     @abstractmethod
     def forward(
