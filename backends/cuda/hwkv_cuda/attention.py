@@ -40,7 +40,8 @@ class TileConfig:
     split_target: int = 8  # ... and then until it has this many per SM
     min_split: int = 128  # fewest KV tokens a split may get
     part_cap: int = 4  # fp32 partials (written + read) stay under KV bytes / part_cap (0: no cap)
-    merge_cap: int = 1  # fused reduction: one merge reads <= one split's KV bytes / merge_cap (0: no cap)
+    merge_cap: int = 0  # fused reduction: one merge reads <= one split's KV bytes / merge_cap (0: no cap;
+    # the H100 A/B (bench/results/reduce-ab-H100-2026-11-21.json) found the cap slower at b1 ctx 8k)
     merge_regs: int = 32  # fp32 values per thread in one load of the fused merge
 
 
