@@ -114,9 +114,10 @@ def test_merge_tile_fits_its_register_budget():
 
 
 def test_plan_merge_cap_only_in_fused_mode(monkeypatch):
-    """The fused merge is serial in one program, so its plan may cap splits; the kernel path's not."""
-    for mode, cap in (("fused", 1), ("kernel", 0)):
-        _, built, _ = _run(mode, [1], [300], 8, 2, 16, 16, "min_split=16,split_below=1000", monkeypatch)
+    """The fused merge is serial in one program, so its plan may cap splits (when asked: the cap is
+    off by default); the kernel path's never."""
+    for mode, extra, cap in (("fused", ",merge_cap=1", 1), ("kernel", ",merge_cap=1", 0), ("fused", "", 0)):
+        _, built, _ = _run(mode, [1], [300], 8, 2, 16, 16, "min_split=16,split_below=1000" + extra, monkeypatch)
         assert {key[-1] for key in built.plans} == {cap}
 
 
