@@ -3,7 +3,8 @@
 (a) offline throughput: N requests, input/output lengths uniform in [lo, hi], ignore_eos;
 (b) batch-1 decode: tokens/s and model-bandwidth utilisation (bytes read per step / step time /
     device-to-device copy bandwidth measured in the same run): default (CUDA graphs, fused
-    elementwise ops, async scheduling), the same without async scheduling, and eager;
+    elementwise ops, async scheduling, weight prefetch), eager, and ``--b1-variants`` (each
+    turning one feature off);
 (c) shared prefix: requests sharing a long system prompt, prefix caching on vs off (TTFT, tok/s);
 (p) profile: per-step wall time split into scheduling / input prep / graph replay / sample+sync /
     output, the GPU-only replay time, and the eager kernel mix of a batch-1 decode step.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import random
 import shlex
@@ -36,6 +38,9 @@ SHAPES: dict[str, dict[str, Any]] = {
                       rope_theta=1000000.0, max_position_embeddings=32768),
 }
 ENGINE_DEFAULTS = dict(max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=8192)
+# batch-1 runs beside the default one, each turning one fast-path feature off
+B1_VARIANTS = [dict(label="async scheduling off", engine=dict(async_scheduling=False)),
+               dict(label="weight prefetch off", engine=dict(prefetch_weights=False))]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -49,6 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-requests", type=int, default=64, help="requests HF generate runs (time-bounded)")
     p.add_argument("--hf-batch", type=int, default=64)
     p.add_argument("--b1-tokens", type=int, default=512, help="batch-1 decode length")
+    p.add_argument("--b1-variants", default=json.dumps(B1_VARIANTS),
+                   help='JSON list of {"label", "engine": {Engine kwargs}, "env": {vars}} batch-1 runs')
     p.add_argument("--prefix-requests", type=int, default=64)
     p.add_argument("--prefix-len", type=int, default=2048)
     p.add_argument("--parts", default="a,b,c", help="comma list of a (throughput), b (batch-1), c (prefix), "
@@ -286,11 +293,19 @@ def run(args: argparse.Namespace) -> int:
             free(e)
         part("b-eager", part_b_eager)
 
-        def part_b_sync() -> None:
-            e = make_engine(mdir, args, async_scheduling=False, max_num_seqs=4)
-            res["batch1_sync"] = batch1(e, cfg, vocab, args.b1_tokens, copy_bw)
-            free(e)
-        part("b-sync", part_b_sync)
+        for v in json.loads(args.b1_variants):
+            def part_b_variant(v: dict[str, Any] = v) -> None:
+                old = {k: os.environ.get(k) for k in v.get("env", {})}
+                os.environ.update(v.get("env", {}))  # read when the engine captures its graphs
+                try:
+                    e = make_engine(mdir, args, max_num_seqs=4, **v.get("engine", {}))
+                    res.setdefault("batch1_variants", {})[v["label"]] = dict(
+                        batch1(e, cfg, vocab, args.b1_tokens, copy_bw), **v)
+                    free(e)
+                finally:
+                    for k, val in old.items():
+                        os.environ.pop(k) if val is None else os.environ.__setitem__(k, val)
+            part(f"b[{v['label']}]", part_b_variant)
     if not args.no_hf and "a" in parts:
         def part_a_hf() -> None:
             hf = run_hf(mdir, work[: args.hf_requests], args.hf_batch, args.dtype)

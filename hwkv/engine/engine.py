@@ -41,11 +41,11 @@ class Engine:
                  enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
                  max_num_partial_prefills: int = 1, seed: int = 0, kv_connector: Any = None,
                  enforce_eager: bool = False, fuse_elementwise: bool | None = None,
-                 async_scheduling: bool | None = None):
+                 async_scheduling: bool | None = None, prefetch_weights: bool | None = None):
         self.config = cfg = EngineConfig(
             str(model), backend, dtype, max_model_len, block_size, num_kv_blocks, memory_fraction, max_num_seqs,
             max_num_batched_tokens, enable_prefix_caching, enable_chunked_prefill, long_prefill_token_threshold,
-            max_num_partial_prefills, seed, enforce_eager, fuse_elementwise, async_scheduling,
+            max_num_partial_prefills, seed, enforce_eager, fuse_elementwise, async_scheduling, prefetch_weights,
         )
         from hwkv.core.hashing import make_block_hasher
         from hwkv.core.kv_cache_manager import KVCacheManager
@@ -87,6 +87,12 @@ class Engine:
             from hwkv.engine.cuda_graphs import fuse_elementwise as fuse
 
             fuse(self.model)
+        dev = self.backend.device
+        if prefetch_weights and not dev.supports_prefetch:
+            raise ValueError(f"prefetch_weights=True but device {dev.name} has no prefetch "
+                             "(allowed: False or None)")
+        if prefetch_weights or (prefetch_weights is None and graphs and dev.supports_prefetch):
+            self.model.set_prefetch(dev.prefetch, dev.join_prefetch)
         if graphs:
             self.runner.enable_graphs(min(max_num_seqs, max_num_batched_tokens))
         self._tracked: dict[str, _Tracked] = {}

@@ -39,10 +39,16 @@ class Device(ABC):
       current stream by default); callers synchronise through events. Destinations are distinct,
       and within one cache no block is both a source and a destination (copies run in parallel);
       :meth:`check_copy` enforces this.
+    * ``prefetch(tensors)`` is a hint (``supports_prefetch``): start pulling tensors that are about
+      to be read (the next layer's weights) into the device's cache, concurrently with the work
+      already queued. Results never depend on it. Work it queues is joined back into the current
+      stream by ``join_prefetch()``, which the caller runs before its forward ends (a CUDA-graph
+      capture needs every side stream joined). The defaults do nothing.
     """
 
     type: str = "cpu"
     dist_backend: str = "gloo"
+    supports_prefetch: bool = False
 
     def __init__(self, index: int = 0):
         self.index = index
@@ -89,6 +95,14 @@ class Device(ABC):
 
     def seed(self, seed: int) -> None:
         torch.manual_seed(seed)
+
+    def prefetch(self, tensors: list[torch.Tensor]) -> None:
+        """Cache hint for ``tensors`` (see class contract); default: nothing."""
+        return None
+
+    def join_prefetch(self) -> None:
+        """Make the current stream wait for the queued prefetches; default: nothing."""
+        return None
 
     @staticmethod
     def check_copy(src: KVCache, dst: KVCache, pairs: list[tuple[int, int]]) -> torch.Tensor | None:

@@ -130,6 +130,7 @@ class LlamaForCausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, False, device, dtype)
         self.rotary_emb = RotaryEmbedding(config, max_positions or config.max_model_len, device, dtype)
+        self.set_prefetch()
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -158,17 +159,31 @@ class LlamaForCausalLM(nn.Module):
         if slot_mapping is None:
             slot_mapping = attn_metadata.slot_mapping  # type: ignore[attr-defined]
         # h is the residual stream; each sublayer's output is added to it inside the next norm
+        layers, pf = self.model.layers, self._prefetch
+        if pf is not None:
+            pf([layers[0].self_attn.qkv_proj.weight])
         h = F.embedding(input_ids, self.model.embed_tokens.weight)
         out = None
-        for i, layer in enumerate(self.model.layers):
+        for i, layer in enumerate(layers):
             if out is None:
                 x = layer.input_layernorm(h)
             else:
                 x, h = layer.input_layernorm(out, h)
+            if pf is not None:  # o_proj comes into cache beside qkv, RoPE and attention
+                pf([layer.self_attn.o_proj.weight])
             out = layer.self_attn(x, positions, self.rotary_emb, kv_cache.layer(i), attn_metadata, slot_mapping)
             x, h = layer.post_attention_layernorm(out, h)
+            if pf is not None and i + 1 < len(layers):  # the next qkv beside this MLP
+                pf([layers[i + 1].self_attn.qkv_proj.weight])
             out = layer.mlp(x)
+        if pf is not None:
+            self._join_prefetch()
         return h if out is None else h + out
+
+    def set_prefetch(self, prefetch: Any = None, join: Any = None) -> None:
+        """Weight-prefetch hooks (``Device.prefetch`` / ``join_prefetch``): the forward asks for each
+        small projection's weights one phase before it reads them. ``None``: off."""
+        self._prefetch, self._join_prefetch = prefetch, join
 
     def compute_logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits ``[R, vocab]`` of the rows ``logits_indices`` (all rows when ``None``)."""

@@ -193,3 +193,26 @@ def test_async_needs_no_connector(model_dir):
         _engine(model_dir, True, kv_connector=NoOpConnector())
     with pytest.raises(ValueError, match="async_scheduling"):
         hwkv.Engine(model_dir, num_kv_blocks=16, async_scheduling="on")
+
+
+def test_weight_prefetch_hooks_order_and_no_effect(model_dir):
+    """The forward asks for qkv of layer 0 first, then per layer o_proj (before attention) and the
+    next layer's qkv (before the MLP), joins once at its end; tokens are unchanged."""
+    prompts, params = _prompts(4, seed=9), _greedy(4)
+    want = _run(_engine(model_dir, False), prompts, params)
+    e = _engine(model_dir, True)
+    calls: list[object] = []
+    e.model.set_prefetch(lambda ts: calls.extend(ts), lambda: calls.append("join"))
+    assert _run(e, prompts, params) == want
+    layers = e.model.model.layers
+    one = [layers[0].self_attn.qkv_proj.weight]
+    for i, layer in enumerate(layers):
+        one.append(layer.self_attn.o_proj.weight)
+        if i + 1 < len(layers):
+            one.append(layers[i + 1].self_attn.qkv_proj.weight)
+    one.append("join")
+    assert len(calls) % len(one) == 0 and len(calls) > 0
+    for k in range(0, len(calls), len(one)):
+        assert all(a is b for a, b in zip(calls[k:k + len(one)], one))
+    with pytest.raises(ValueError, match="prefetch_weights=True but device cpu:0 has no prefetch"):
+        _engine(model_dir, False, prefetch_weights=True)

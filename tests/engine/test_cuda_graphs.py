@@ -147,7 +147,9 @@ def test_cuda_graphs_greedy_identical_to_eager(model_dir, dtype, fuse, fresh_dyn
     want = [o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
     g = hwkv.Engine(model_dir, backend=backend, **kw)
     assert g.runner.graphs is not None and sorted({b for b, _ in g.runner.graphs.graphs}) == [1, 2, 4, 8, 16]
-    assert g.async_scheduling and not eager.async_scheduling  # graphs + async vs the synchronous eager path
+    # graphs + async scheduling + weight prefetch vs the synchronous eager path
+    assert g.async_scheduling and not eager.async_scheduling
+    assert g.model._prefetch is not None and eager.model._prefetch is None
     got = [o.token_ids for o in g.generate(prompts, params, use_tqdm=False)]
     assert got == want
     assert g.runner.num_graph_steps > 10
@@ -187,6 +189,8 @@ def test_bench_e2e_smoke_cpu(model_dir, tmp_path):
     assert not res["errors"]
     assert res["throughput"]["hwkv"]["output_tokens"] == sum(m for _, m in e2e._workload(6, 4, 12, 512))
     assert res["batch1"]["tok_per_s"] > 0 and res["batch1"]["eager"]["tok_per_s"] > 0
+    assert {k: v["tok_per_s"] > 0 for k, v in res["batch1_variants"].items()} == {
+        "async scheduling off": True, "weight prefetch off": True}
     assert res["shared_prefix"]["stats_on"]["prefix_cache_hits"] > 0 == res["shared_prefix"]["stats_off"][
         "prefix_cache_hits"]
     assert "step_wall" in res["profile"]["batch 1"]

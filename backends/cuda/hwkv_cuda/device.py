@@ -14,9 +14,19 @@ from hwkv.interfaces.layout import KVCache
 COPY_CHUNK = 4096  # elements per program of the block-copy kernel
 
 
+PREFETCH_PROGRAMS = 32  # few enough to leave the SMs to the GEMM running beside it
+PREFETCH_BLOCK = 2048  # int32 per program per iteration (8 KiB)
+
+
 class CudaDevice(Device):
     type = "cuda"
     dist_backend = "nccl"
+    supports_prefetch = True
+
+    def __init__(self, index: int = 0):
+        super().__init__(index)
+        self._side: torch.cuda.Stream | None = None
+        self._sink: torch.Tensor | None = None
 
     def description(self) -> str:
         p = torch.cuda.get_device_properties(self.index)
@@ -44,6 +54,29 @@ class CudaDevice(Device):
     def seed(self, seed: int) -> None:
         torch.manual_seed(seed)
         torch.cuda.manual_seed_all(seed)
+
+    def prefetch(self, tensors: list[torch.Tensor]) -> None:
+        """Read ``tensors`` into L2 (evict-last) on a side stream that starts after the work queued
+        so far; :meth:`join_prefetch` joins it. Graph-capturable (fork/join through events)."""
+        from hwkv_cuda.kernels.prefetch import prefetch_kernel
+
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.torch_device)
+            self._sink = torch.zeros(PREFETCH_PROGRAMS, dtype=torch.int32, device=self.torch_device)
+        self._side.wait_stream(torch.cuda.current_stream(self.torch_device))
+        with torch.cuda.stream(self._side):
+            for t in tensors:
+                flat = t.detach().reshape(-1)
+                if (flat.numel() * flat.element_size()) % 4 == 0 and flat.is_contiguous():
+                    flat = flat.view(torch.uint8).view(torch.int32)
+                else:
+                    continue  # odd-sized tensors are not worth a kernel
+                prefetch_kernel[(PREFETCH_PROGRAMS,)](flat, self._sink, flat.numel(), BLOCK=PREFETCH_BLOCK,
+                                                      num_warps=4)
+
+    def join_prefetch(self) -> None:
+        if self._side is not None:
+            torch.cuda.current_stream(self.torch_device).wait_stream(self._side)
 
     def profile_peak_memory(self, fn: Callable[[], Any]) -> int:
         """Peak bytes allocated while ``fn`` runs (a profiling forward), for KV sizing by the engine."""
