@@ -18,5 +18,5 @@ def prefetch_kernel(src_ptr, sink_ptr, n, BLOCK: tl.constexpr):
     acc = tl.zeros((BLOCK,), dtype=tl.int32)
     for start in range(pid * BLOCK, n, step):
         offs = start + tl.arange(0, BLOCK)
-        acc ^= tl.load(src_ptr + offs, mask=offs < n, other=0, cache_modifier=".cg", eviction_policy="evict_last")
+        acc ^= tl.load(src_ptr + offs, mask=offs < n, other=0, eviction_policy="evict_last")
     tl.store(sink_ptr + pid, tl.xor_sum(acc, axis=0))
