@@ -3,8 +3,7 @@
 (a) offline throughput: N requests, input/output lengths uniform in [lo, hi], ignore_eos;
 (b) batch-1 decode: tokens/s and model-bandwidth utilisation (bytes read per step / step time /
     device-to-device copy bandwidth measured in the same run): default (CUDA graphs, fused
-    elementwise ops, async scheduling, weight prefetch), eager, and ``--b1-variants`` (each
-    turning one feature off);
+    elementwise ops, async scheduling), eager, and ``--b1-variants`` (each changing one feature);
 (c) shared prefix: requests sharing a long system prompt, prefix caching on vs off (TTFT, tok/s);
 (p) profile: per-step wall time split into scheduling / input prep / graph replay / sample+sync /
     output, the GPU-only replay time, and the eager kernel mix of a batch-1 decode step.
@@ -38,9 +37,9 @@ SHAPES: dict[str, dict[str, Any]] = {
                       rope_theta=1000000.0, max_position_embeddings=32768),
 }
 ENGINE_DEFAULTS = dict(max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=8192)
-# batch-1 runs beside the default one, each turning one fast-path feature off
+# batch-1 runs beside the default one, each changing one fast-path feature
 B1_VARIANTS = [dict(label="async scheduling off", engine=dict(async_scheduling=False)),
-               dict(label="weight prefetch off", engine=dict(prefetch_weights=False))]
+               dict(label="weight prefetch on", engine=dict(prefetch_weights=True))]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -117,7 +117,7 @@ def markdown(res: dict[str, Any]) -> str:
                      f"({hf.get('requests', '—')} req, batch {hf.get('batch', '—')}) | {f(t.get('ratio'))}× |")
     b = res.get("batch1", {})
     if b:
-        mode = ("default: graphs + fused elementwise + async scheduling + weight prefetch" if res.get("graph_buckets")
+        mode = ("default: graphs + fused elementwise + async scheduling" if res.get("graph_buckets")
                 else "default: no graph capture")
         lines.append(f"| (b) batch-1 decode tok/s ({mode}) | {f(b.get('tok_per_s'))} "
                      f"(step {f(b.get('step_ms'), 3)} ms, "
@@ -127,7 +127,7 @@ def markdown(res: dict[str, Any]) -> str:
         if e:
             lines.append(f"| (b) batch-1 decode tok/s (eager) | {f(e.get('tok_per_s'))} (MBU "
                          f"{f(100 * e['mbu'] if 'mbu' in e else None)}%) | | |")
-    variants = [(f"default but {k}", v) for k, v in res.get("batch1_variants", {}).items()]
+    variants = [(f"default, {k}", v) for k, v in res.get("batch1_variants", {}).items()]
     for label, bf in variants + [("graphs, elementwise ops not fused", res.get("batch1_graphs_unfused"))]:
         if bf:
             lines.append(f"| (b) batch-1 decode tok/s ({label}) | {f(bf.get('tok_per_s'))} (step "

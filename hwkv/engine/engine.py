@@ -91,7 +91,7 @@ class Engine:
         if prefetch_weights and not dev.supports_prefetch:
             raise ValueError(f"prefetch_weights=True but device {dev.name} has no prefetch "
                              "(allowed: False or None)")
-        if prefetch_weights or (prefetch_weights is None and graphs and dev.supports_prefetch):
+        if prefetch_weights:  # opt-in: measured slower on an H100 (docs/gpu-e2e.md)
             self.model.set_prefetch(dev.prefetch, dev.join_prefetch)
         if graphs:
             self.runner.enable_graphs(min(max_num_seqs, max_num_batched_tokens))
