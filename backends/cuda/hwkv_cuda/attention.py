@@ -45,18 +45,28 @@ class TileConfig:
     merge_regs: int = 32  # fp32 values per thread in one load of the fused merge
 
 
+SHORT_SPLIT = 128  # a split of at most this many keys runs as one tile
+
+
 def choose_config(max_query_len: int, group: int, head_size: int, dtype: torch.dtype,
-                  split: bool = False) -> TileConfig:
+                  split: bool = False, seg: int = 0) -> TileConfig:
     """Tiles by shape (from H100/H200 sweeps, docs/cuda-backend.md): decodes pack the G heads of a KV
     head into M (>= 16 rows for the MMA) and stream 64-key tiles three stages deep; prefills take
     128-row tiles on 8 warps. Head 256 and fp32 shrink the tiles so the K/V stages fit shared memory.
     A split decode (small grid) takes 32-key tiles: a quarter of the shared memory, so every split of
-    a small batch is resident at once instead of queueing in a second wave."""
+    a small batch is resident at once instead of queueing in a second wave — unless its splits are
+    short (``seg``, the longest split, <= ``SHORT_SPLIT``): then each is one 128-key tile, since a
+    split's time is its chain of dependent loads (block id → K → V) per tile, not its bandwidth
+    (H100, batch 1: ctx 512 10.7 → 7.3 µs, ctx 4k 15.9 → 15.2 µs; bench/results/
+    e2e-llama-1b-H100-2026-11-21-attn-tiles.md)."""
     hpad = _pow2(group)
     narrow = head_size > 128 or dtype == torch.float32
     if max_query_len == 1:
         block_m = max(16, hpad)
-        cfg = dict(block_m=block_m, block_q=1, block_n=32 if narrow or split else 64, num_warps=4, num_stages=3)
+        block_n = 32 if narrow or split else 64
+        if split and not narrow and 0 < seg <= SHORT_SPLIT:
+            block_n = SHORT_SPLIT
+        cfg = dict(block_m=block_m, block_q=1, block_n=block_n, num_warps=4, num_stages=3)
     else:
         block_m = max(64 if narrow else 128, hpad)
         cfg = dict(block_m=block_m, block_q=block_m // hpad, block_n=32 if narrow else 64,
@@ -197,7 +207,8 @@ class TritonAttentionImpl(AttentionImpl):
                                    cfg.merge_cap if fused else 0)
         grid_q, splits, min_seg = plan(cfg)
         if splits > 1:
-            split_cfg = choose_config(c.max_query_len, group, d, query.dtype, split=True)
+            seg = -(-max(c.max_seq_len, 1) // splits)
+            split_cfg = choose_config(c.max_query_len, group, d, query.dtype, split=True, seg=seg)
             if split_cfg != cfg:
                 cfg = split_cfg
                 grid_q, splits, min_seg = plan(cfg)

@@ -142,3 +142,18 @@ def test_split_reduce_hot_on_gpu(mode, monkeypatch):
         assert _rel(outs[i].double(), ref) < 1e-2, f"call {i}"
     if mode == "fused":
         assert int(impl.counters.buffers[qs.device].count_nonzero()) == 0
+
+
+def test_short_splits_run_as_one_tile(monkeypatch):
+    """Split decodes take 32-key tiles, or one 128-key tile when every split is that short; head 256
+    and fp32 (shared memory) and non-split decodes keep their tiles."""
+    from hwkv_cuda.attention import SHORT_SPLIT, choose_config
+
+    monkeypatch.delenv("HWKV_CUDA_ATTN_CONFIG", raising=False)
+    bf16 = torch.bfloat16
+    assert choose_config(1, 4, 128, bf16).block_n == 64
+    assert choose_config(1, 4, 128, bf16, split=True, seg=256).block_n == 32
+    assert choose_config(1, 4, 64, bf16, split=True, seg=SHORT_SPLIT).block_n == SHORT_SPLIT == 128
+    assert choose_config(1, 4, 256, bf16, split=True, seg=64).block_n == 32
+    assert choose_config(1, 4, 128, torch.float32, split=True, seg=64).block_n == 32
+    assert choose_config(16, 4, 128, bf16, split=True, seg=64).block_n == 64  # prefill tiles unchanged
