@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -38,16 +39,27 @@ def workloads(draw):
     return cfg, num_blocks, reqs, abort_at
 
 
+STOP = 99  # the token a request emits at its chosen stop index (a stop token)
+
+
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
 @settings(max_examples=100, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
-@given(workloads())
-def test_scheduler_invariants(work):
+@given(workloads(), st.data())
+def test_scheduler_invariants(async_, work, data):
+    """Sync: every step's tokens are applied before the next is planned. Async: step N's tokens are
+    applied after step N+1 is planned (placeholders stand in for them), as the engine does."""
     cfg, num_blocks, specs, abort_at = work
+    cfg.async_scheduling = async_
     kv = KVCacheManager(num_blocks, BS)
     s = Scheduler(cfg, kv)
     hasher = make_block_hasher(BS)
-    reqs = [Request(f"r{i}", p, SimpleNamespace(stop_token_ids=None, ignore_eos=True), block_hasher=hasher,
+    reqs = [Request(f"r{i}", p, SimpleNamespace(stop_token_ids=[STOP], ignore_eos=True), block_hasher=hasher,
                     max_tokens=m) for i, (p, m, _) in enumerate(specs)]
+    stop_at = [data.draw(st.one_of(st.none(), st.integers(0, m - 1))) for _, m, _ in specs]
     arrivals = {i: a for i, (_, _, a) in enumerate(specs)}
+    by_id = {r.request_id: r for r in reqs}
+    index = {r.request_id: i for i, r in enumerate(reqs)}
+    pending = None
     step = 0
     while step < 400:
         for i, a in arrivals.items():
@@ -56,30 +68,45 @@ def test_scheduler_invariants(work):
         if abort_at is not None and step == abort_at[1] and abort_at[0] < len(reqs):
             s.finish_requests(reqs[abort_at[0]].request_id, RequestStatus.FINISHED_ABORTED)
         waiting_before = [r.request_id for r in s.waiting]
+        ph_before = {r.request_id: r.num_output_placeholders for r in reqs}
+        assert all(0 <= ph <= (1 if async_ else 0) for ph in ph_before.values())
         so = s.schedule()
         sched = so.num_scheduled_tokens
         assert so.total_num_scheduled_tokens == sum(sched.values()) <= cfg.max_num_batched_tokens
         assert len(s.running) <= cfg.max_num_seqs
         assert all(n >= 1 for n in sched.values())
+        assert not any(r.is_finished for r in (*s.running, *s.waiting))
         # FCFS: the newly admitted requests are a prefix of the waiting queue.
         new_ids = [n.req_id for n in so.scheduled_new_reqs]
         assert new_ids == waiting_before[: len(new_ids)]
         if so.preempted_req_ids:
             assert not new_ids
-        by_id = {r.request_id: r for r in reqs}
         mid = [r for r in s.running if r.num_computed_tokens < r.num_tokens]
         assert len(mid) <= cfg.max_num_partial_prefills
         for rid, n in sched.items():
             r = by_id[rid]
-            assert r.num_computed_tokens <= r.num_tokens
+            assert r.num_computed_tokens <= r.num_tokens + ph_before[rid]
+            assert r.num_computed_tokens <= MAX_LEN  # never planned past max_model_len
+            assert r.num_output_tokens + ph_before[rid] < r.max_tokens  # nor past max_tokens
             if cfg.long_prefill_token_threshold and cfg.enable_chunked_prefill:
                 assert n <= cfg.long_prefill_token_threshold
             if not cfg.enable_chunked_prefill:
-                assert r.num_computed_tokens == r.num_tokens  # whole prompts only
+                assert r.num_computed_tokens == r.num_tokens + ph_before[rid]  # whole prompts only
         held = {b for r in reqs for b in kv.get_block_ids(r.request_id)}  # prefix-shared blocks once
         assert len(held) + kv.num_free_blocks == num_blocks  # no block lost or double counted
-        sampled = {rid: [7] for rid in sched if by_id[rid].num_computed_tokens == by_id[rid].num_tokens}
-        s.update_from_output(so, ModelRunnerOutput(sampled))
+        # the token each sampling request draws: STOP at its stop index, else 7
+        sampled = {}
+        for rid in sched:
+            r = by_id[rid]
+            if (r.num_output_placeholders > ph_before[rid]) if async_ else r.num_computed_tokens == r.num_tokens:
+                out_idx = r.num_computed_tokens - r.num_prompt_tokens
+                sampled[rid] = [STOP if out_idx == stop_at[index[rid]] else 7]
+        if async_:
+            if pending is not None:
+                s.update_from_output(*pending)
+            pending = (so, ModelRunnerOutput(sampled))
+        else:
+            s.update_from_output(so, ModelRunnerOutput(sampled))
         step += 1
         if step > max(arrivals.values()) and not s.has_unfinished_requests():
             break
@@ -88,4 +115,8 @@ def test_scheduler_invariants(work):
     for i, r in enumerate(reqs):
         if r.status is RequestStatus.FINISHED_ABORTED:
             continue
-        assert r.status is RequestStatus.FINISHED_LENGTH_CAPPED and r.num_output_tokens == specs[i][1]
+        m, k = specs[i][1], stop_at[i]
+        if k is None:
+            assert r.status is RequestStatus.FINISHED_LENGTH_CAPPED and r.output_token_ids == [7] * m
+        else:
+            assert r.status is RequestStatus.FINISHED_STOPPED and r.output_token_ids == [7] * k + [STOP]
