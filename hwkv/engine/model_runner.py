@@ -19,8 +19,8 @@ is ``execute_async`` + :meth:`flush`: the synchronous step, one code path.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -269,24 +269,23 @@ class ModelRunner:
         if len(rows):
             ahead = np.zeros(len(states), dtype=np.int64)
             ahead[rows] = 1
-        fill: Callable[[torch.Tensor, np.ndarray], None] | None = None
-        if len(rows):
-            fill = lambda ids, at: _fill_tokens(ids, at, src, pend.tokens)  # type: ignore[union-attr]  # noqa: E731
+        # fill(input_ids, at=...) copies the unread tokens into the inputs on the device
+        fill = partial(_fill_tokens, src=src, tokens=pend.tokens) if len(rows) else None  # type: ignore[union-attr]
         out, sampled, sampled_ids, logits = ModelRunnerOutput(), [], [], None
         batch = self.decode_batch(so, states, ahead) if self.graphs is not None and states else None
         if batch is not None:
-            logits = self.graphs.run(batch, fill and (lambda ids: fill(ids, rows)))  # type: ignore[union-attr]
+            logits = self.graphs.run(batch, partial(fill, at=rows) if fill else None)  # type: ignore[union-attr]
         if logits is not None:
             self.num_graph_steps += 1
             sampled, sampled_ids = states, list(so.num_scheduled_tokens)
         elif states:
             inp = self.prepare_inputs(so, states, ahead)
             if fill is not None:
-                fill(inp.input_ids, _first_token_index(so, rows))
+                fill(inp.input_ids, at=_first_token_index(so, rows))
             req_ids = list(so.num_scheduled_tokens)
             sampled = [states[i] for i in inp.sample_idx]
             sampled_ids = [req_ids[i] for i in inp.sample_idx]
-            logits = self._forward(inp)  # only partial prefill chunks: writes their KV, samples nothing
+            logits = self._forward(inp)  # also when nothing samples: partial prefill chunks write KV
         prev = self._resolve(pend) if pend is not None else None
         if sampled:
             tokens, logprobs = sample_tokens(logits, self._sampling_batch(sampled, sampled_ids))
