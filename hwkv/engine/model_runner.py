@@ -29,6 +29,7 @@ import torch
 from hwkv.connectors.base import KVConnectorBase, NoOpConnector
 from hwkv.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from hwkv.engine.cuda_graphs import DecodeBatch, GraphRunner
+from hwkv.engine.pending import EMPTY, Pending, fill_tokens, first_token_index
 from hwkv.interfaces.attention import AttentionMetadata
 from hwkv.model.sampler import SamplingBatch, make_generator, sample_tokens
 
@@ -41,33 +42,6 @@ class _ReqState:
     num_prompt_tokens: int
     params: Any
     output_token_ids: list[int] = field(default_factory=list)
-
-
-@dataclass
-class _Pending:
-    """A launched step's output; ``tokens`` (device, int64 ``[S]``, row ``j`` ↔ ``states[j]``) is
-    set until the host has read and recorded them."""
-
-    out: ModelRunnerOutput
-    states: list[_ReqState] = field(default_factory=list)
-    req_ids: list[str] = field(default_factory=list)
-    tokens: torch.Tensor | None = None
-    host: torch.Tensor | None = None  # pinned copy of ``tokens`` (CUDA), valid once ``event`` fired
-    event: Any = None
-
-    def rows(self, states: list[_ReqState]) -> tuple[np.ndarray, np.ndarray]:
-        """``(batch rows, token rows)`` of the states whose next input is one of these unread tokens."""
-        if self.tokens is None:
-            return _EMPTY, _EMPTY
-        row = {id(st): j for j, st in enumerate(self.states)}
-        pairs = [(i, j) for i, st in enumerate(states) if (j := row.get(id(st))) is not None]
-        if not pairs:
-            return _EMPTY, _EMPTY
-        a = np.array(pairs, dtype=np.int64)
-        return a[:, 0], a[:, 1]
-
-
-_EMPTY = np.zeros(0, dtype=np.int64)
 
 
 class StepInputs(NamedTuple):
@@ -98,7 +72,7 @@ class ModelRunner:
         self.graphs: GraphRunner | None = None
         self.max_model_len = max_model_len
         self.num_graph_steps = 0  # pure-decode steps served by the graph path (stats / tests)
-        self._pending: _Pending | None = None  # the last launched step, until its output is returned
+        self._pending: Pending | None = None  # the last launched step, until its output is returned
         if self.connector is not None:
             self.connector.register_kv_caches(kv_cache)
 
@@ -264,13 +238,13 @@ class ModelRunner:
         if conn is not None:
             conn.bind_connector_metadata(so.kv_connector_metadata)
             conn.start_load_kv()
-        rows, src = pend.rows(states) if pend is not None else (_EMPTY, _EMPTY)
+        rows, src = pend.rows(states) if pend is not None else (EMPTY, EMPTY)
         ahead = None
         if len(rows):
             ahead = np.zeros(len(states), dtype=np.int64)
             ahead[rows] = 1
         # fill(input_ids, at=...) copies the unread tokens into the inputs on the device
-        fill = partial(_fill_tokens, src=src, tokens=pend.tokens) if len(rows) else None  # type: ignore[union-attr]
+        fill = partial(fill_tokens, src=src, tokens=pend.tokens) if len(rows) else None  # type: ignore[union-attr]
         out, sampled, sampled_ids, logits = ModelRunnerOutput(), [], [], None
         batch = self.decode_batch(so, states, ahead) if self.graphs is not None and states else None
         if batch is not None:
@@ -281,7 +255,7 @@ class ModelRunner:
         elif states:
             inp = self.prepare_inputs(so, states, ahead)
             if fill is not None:
-                fill(inp.input_ids, at=_first_token_index(so, rows))
+                fill(inp.input_ids, at=first_token_index(so, rows))
             req_ids = list(so.num_scheduled_tokens)
             sampled = [states[i] for i in inp.sample_idx]
             sampled_ids = [req_ids[i] for i in inp.sample_idx]
@@ -291,21 +265,21 @@ class ModelRunner:
             tokens, logprobs = sample_tokens(logits, self._sampling_batch(sampled, sampled_ids))
             if logprobs is not None:
                 out.logprobs = {rid: [lp] for rid, lp in zip(sampled_ids, logprobs) if lp is not None}
-            new = _Pending(out, sampled, sampled_ids, tokens)
+            new = Pending(out, sampled, sampled_ids, tokens)
             if tokens.device.type == "cuda":
                 new.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
                 new.host.copy_(tokens, non_blocking=True)
                 new.event = torch.cuda.Event()
                 new.event.record()
         else:
-            new = _Pending(out)
+            new = Pending(out)
         if conn is not None:
             conn.wait_for_save()
             out.kv_connector_output = conn.get_finished(so.finished_req_ids)
         self._pending = new
         return prev
 
-    def _resolve(self, pend: _Pending) -> ModelRunnerOutput:
+    def _resolve(self, pend: Pending) -> ModelRunnerOutput:
         """Read ``pend``'s tokens (waiting for its step), record them for the requests still here."""
         if pend.tokens is not None:
             if pend.event is not None:
@@ -317,26 +291,6 @@ class ModelRunner:
             pend.out.sampled_token_ids = {rid: [t] for rid, t in zip(pend.req_ids, toks)}
             pend.tokens = pend.host = pend.event = None
         return pend.out
-
-
-def _first_token_index(so: SchedulerOutput, rows: np.ndarray) -> np.ndarray:
-    """Index of each of ``rows``' first scheduled token in the flattened batch."""
-    ql = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(so.num_scheduled_tokens))
-    start = np.zeros(len(ql), dtype=np.int64)
-    np.cumsum(ql[:-1], out=start[1:])
-    return start[rows]
-
-
-def _fill_tokens(input_ids: torch.Tensor, at: np.ndarray, src: np.ndarray, tokens: torch.Tensor) -> None:
-    """``input_ids[at] = tokens[src]`` on the device (one copy when both are the same prefix)."""
-    k = len(at)
-    if at[-1] == k - 1 and src[-1] == k - 1 and np.array_equal(at, src) and np.array_equal(at, np.arange(k)):
-        input_ids[:k].copy_(tokens[:k])
-        return
-    idx = torch.from_numpy(np.stack([at, src]))
-    if input_ids.device.type == "cuda":
-        idx = idx.pin_memory().to(input_ids.device, non_blocking=True)
-    input_ids.index_copy_(0, idx[0], tokens.index_select(0, idx[1]))
 
 
 def _to_device(arrays: list[np.ndarray], dtype: type, device: torch.device) -> list[torch.Tensor]:
