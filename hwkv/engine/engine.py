@@ -69,6 +69,10 @@ class Engine:
         self._hasher = make_block_hasher(self.block_size)
         if max_num_batched_tokens is None:  # without chunking a whole prompt must fit one step (as vLLM)
             max_num_batched_tokens = 2048 if enable_chunked_prefill else max(2048, self.max_model_len)
+        from hwkv.connectors.base import NoOpConnector
+
+        if type(kv_connector) is NoOpConnector:  # acts on nothing: the fast paths stay on
+            kv_connector = None
         if async_scheduling and kv_connector is not None:
             raise ValueError("async_scheduling=True needs kv_connector=None (a connector saves and loads KV "
                              "in step with the scheduler; allowed: async_scheduling False or None)")

@@ -189,8 +189,12 @@ def test_finished_id_is_reusable_only_after_its_last_step(model_dir):
 def test_async_needs_no_connector(model_dir):
     from hwkv.connectors.base import NoOpConnector
 
+    class Offload(NoOpConnector):  # any real connector
+        pass
+
     with pytest.raises(ValueError, match="async_scheduling=True needs kv_connector=None"):
-        _engine(model_dir, True, kv_connector=NoOpConnector())
+        _engine(model_dir, True, kv_connector=Offload())
+    assert _engine(model_dir, True, kv_connector=NoOpConnector()).async_scheduling  # the no-op acts on nothing
     with pytest.raises(ValueError, match="async_scheduling"):
         hwkv.Engine(model_dir, num_kv_blocks=16, async_scheduling="on")
 
