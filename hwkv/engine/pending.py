@@ -49,7 +49,7 @@ def first_token_index(so: SchedulerOutput, rows: np.ndarray) -> np.ndarray:
 def fill_tokens(input_ids: torch.Tensor, at: np.ndarray, src: np.ndarray, tokens: torch.Tensor) -> None:
     """``input_ids[at] = tokens[src]`` on the device (one copy when both are the same prefix)."""
     k = len(at)
-    if at[-1] == k - 1 and src[-1] == k - 1 and np.array_equal(at, src) and np.array_equal(at, np.arange(k)):
+    if at[-1] == k - 1 and np.array_equal(at, src):  # rows ascend and are distinct: both are arange(k)
         input_ids[:k].copy_(tokens[:k])
         return
     idx = torch.from_numpy(np.stack([at, src]))
