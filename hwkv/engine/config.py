@@ -26,6 +26,7 @@ class EngineConfig:
     fuse_elementwise: bool | None = None  # torch.compile RMSNorm/RoPE/SiLU·mul; None: when graphs are on
     async_scheduling: bool | None = None  # plan step N+1 while step N runs; None: when graphs are on
     prefetch_weights: bool | None = None  # Device.prefetch hints in the forward; None/False: off
+    decode_ops: bool | None = None  # the backend's fused DecodeOps for forwards of <= 8 tokens; None: if offered
 
     def __post_init__(self) -> None:
         def need(name: str, ok: bool, allowed: str) -> None:
@@ -48,5 +49,5 @@ class EngineConfig:
              is_int(self.long_prefill_token_threshold) and self.long_prefill_token_threshold >= 0, "an int >= 0")
         need("seed", is_int(self.seed), "an int")
         need("enforce_eager", isinstance(self.enforce_eager, bool), "a bool")
-        for name in ("fuse_elementwise", "async_scheduling", "prefetch_weights"):
+        for name in ("fuse_elementwise", "async_scheduling", "prefetch_weights", "decode_ops"):
             need(name, getattr(self, name) is None or isinstance(getattr(self, name), bool), "None or a bool")

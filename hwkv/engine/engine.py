@@ -41,11 +41,13 @@ class Engine:
                  enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
                  max_num_partial_prefills: int = 1, seed: int = 0, kv_connector: Any = None,
                  enforce_eager: bool = False, fuse_elementwise: bool | None = None,
-                 async_scheduling: bool | None = None, prefetch_weights: bool | None = None):
+                 async_scheduling: bool | None = None, prefetch_weights: bool | None = None,
+                 decode_ops: bool | None = None):
         self.config = cfg = EngineConfig(
             str(model), backend, dtype, max_model_len, block_size, num_kv_blocks, memory_fraction, max_num_seqs,
             max_num_batched_tokens, enable_prefix_caching, enable_chunked_prefill, long_prefill_token_threshold,
             max_num_partial_prefills, seed, enforce_eager, fuse_elementwise, async_scheduling, prefetch_weights,
+            decode_ops,
         )
         from hwkv.core.hashing import make_block_hasher
         from hwkv.core.kv_cache_manager import KVCacheManager
@@ -97,6 +99,13 @@ class Engine:
                              "(allowed: False or None)")
         if prefetch_weights:  # opt-in: measured slower on an H100 (docs/gpu-e2e.md)
             self.model.set_prefetch(dev.prefetch, dev.join_prefetch)
+        ops = self.backend.decode_ops() if decode_ops is not False else None
+        if decode_ops and ops is None:
+            raise ValueError(f"decode_ops=True but backend {self.backend.name!r} offers none (allowed: False or None)")
+        if ops is not None and decode_ops is None and ops.validate(
+                mc.num_heads, mc.num_kv_heads, mc.head_dim, self.model.dtype, self.kv_cache.spec.dtype):
+            ops = None  # None: only where they serve this model; True: set_decode_ops says why not
+        self.model.set_decode_ops(ops)
         if graphs:
             self.runner.enable_graphs(min(max_num_seqs, max_num_batched_tokens))
         self._tracked: dict[str, _Tracked] = {}

@@ -12,6 +12,7 @@ from hwkv.interfaces.capabilities import Capabilities
 from hwkv.interfaces.device import Device
 
 if TYPE_CHECKING:
+    from hwkv.interfaces.decode_ops import DecodeOps
     from hwkv.interfaces.store import Store
     from hwkv.interfaces.transfer import Transfer
 
@@ -74,6 +75,11 @@ class Backend(ABC):
     @property
     def attention(self) -> AttentionBackend:
         return self._attention
+
+    def decode_ops(self) -> DecodeOps | None:
+        """Fused dense ops for forwards of a few tokens (:mod:`hwkv.interfaces.decode_ops`), or
+        ``None`` (the default): the model then runs its torch ops."""
+        return None
 
     def create_transfer(self, **options: Any) -> Transfer:
         """A Transfer endpoint on this device; default: Mooncake TransferEngine with the first

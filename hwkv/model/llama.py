@@ -1,7 +1,8 @@
 """Llama-family decoder (Llama 2/3, Qwen2/2.5, Mistral) over a flattened varlen token batch.
 
-Dense layers are torch ops; attention goes through the backend's :class:`AttentionImpl` (per layer:
-``write_kv`` then ``forward``). q/k/v and gate/up projections are fused into one matmul each; the
+Dense layers are torch ops — or, for forwards of a few tokens, the backend's fused
+:class:`DecodeOps` (``set_decode_ops``); attention goes through the backend's :class:`AttentionImpl`
+(per layer: ``write_kv`` then ``forward``). q/k/v and gate/up projections are fused into one matmul each; the
 loader slices HF's separate tensors into them. The forward has no host synchronisation.
 """
 
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hwkv.interfaces.attention import AttentionBackend, AttentionImpl
+from hwkv.interfaces.decode_ops import DecodeOps
 from hwkv.interfaces.layout import KVCache, KVCacheSpec
 from hwkv.model.config import ModelConfig
 from hwkv.model.rope import RotaryEmbedding
@@ -131,6 +133,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = Linear(config.hidden_size, config.vocab_size, False, device, dtype)
         self.rotary_emb = RotaryEmbedding(config, max_positions or config.max_model_len, device, dtype)
         self.set_prefetch()
+        self.decode_ops: DecodeOps | None = None  # fused ops for forwards of few tokens (set_decode_ops)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -158,6 +161,9 @@ class LlamaForCausalLM(nn.Module):
         ``attn_metadata.slot_mapping`` (every backend's metadata carries it)."""
         if slot_mapping is None:
             slot_mapping = attn_metadata.slot_mapping  # type: ignore[attr-defined]
+        ops = self.decode_ops
+        if ops is not None and input_ids.shape[0] <= ops.max_tokens:
+            return self._forward_fused(ops, input_ids, positions, kv_cache, attn_metadata, slot_mapping)
         # h is the residual stream; each sublayer's output is added to it inside the next norm
         layers, pf = self.model.layers, self._prefetch
         if pf is not None:
@@ -180,6 +186,35 @@ class LlamaForCausalLM(nn.Module):
             self._join_prefetch()
         return h if out is None else h + out
 
+    def _forward_fused(self, ops: DecodeOps, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
+                       attn_metadata: object, slot_mapping: torch.Tensor) -> torch.Tensor:
+        # five ops per layer; each residual add rides in the epilogue of the projection before it
+        t, cfg, rope = input_ids.shape[0], self.config, self.rotary_emb
+        h = F.embedding(input_ids, self.model.embed_tokens.weight)
+        for i, layer in enumerate(self.model.layers):
+            a, mlp, layer_kv = layer.self_attn, layer.mlp, kv_cache.layer(i)
+            qkv = ops.qkv(h, layer.input_layernorm.weight, cfg.rms_norm_eps, a.qkv_proj.weight, a.qkv_proj.bias,
+                          rope.cos, rope.sin, positions, a.impl, layer_kv, slot_mapping, a.num_heads,
+                          a.num_kv_heads, a.head_dim)
+            q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
+            out = a.impl.forward(q.view(t, a.num_heads, a.head_dim), k.view(t, a.num_kv_heads, a.head_dim),
+                                 v.view(t, a.num_kv_heads, a.head_dim), layer_kv, attn_metadata)
+            h = ops.linear(out.reshape(t, a.q_size), a.o_proj.weight, a.o_proj.bias, h)
+            x = ops.norm_linear(h, layer.post_attention_layernorm.weight, cfg.rms_norm_eps,
+                                mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
+            h = ops.silu_linear(x, mlp.down_proj.weight, mlp.down_proj.bias, h)
+        return h
+
+    def set_decode_ops(self, ops: DecodeOps | None) -> None:
+        """Use ``ops`` (a backend's :class:`DecodeOps`) for every forward of at most ``ops.max_tokens``
+        tokens; ``None``: off. Raises ``ValueError`` with the reasons when they cannot serve this model."""
+        if ops is not None:
+            cfg = self.config
+            reasons = ops.validate(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.dtype)
+            if reasons:
+                raise ValueError(f"decode ops {type(ops).__name__} cannot serve this model: {'; '.join(reasons)}")
+        self.decode_ops = ops
+
     def set_prefetch(self, prefetch: Any = None, join: Any = None) -> None:
         """Weight-prefetch hooks (``Device.prefetch`` / ``join_prefetch``): the forward asks for each
         small projection's weights one phase before it reads them. ``None``: off."""
@@ -189,7 +224,10 @@ class LlamaForCausalLM(nn.Module):
         """float32 logits ``[R, vocab]`` of the rows ``logits_indices`` (all rows when ``None``)."""
         if logits_indices is not None:
             hidden = hidden.index_select(0, logits_indices)
-        return F.linear(self.model.norm(hidden), self.lm_head_weight).float()
+        ops, norm = self.decode_ops, self.model.norm
+        if ops is not None and hidden.shape[0] <= ops.max_tokens:
+            return ops.norm_linear(hidden, norm.weight, norm.eps, self.lm_head_weight, None).float()
+        return F.linear(norm(hidden), self.lm_head_weight).float()
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, attn_metadata: object,

@@ -1,0 +1,62 @@
+"""DecodeOps: optional fused dense ops for steps of a few tokens (a backend's ``decode_ops()``).
+
+At batch 1–8 a decoder layer's projections are GEMVs bound by their weight read plus a fixed ramp
+per kernel, and the norms, RoPE, activation and KV write around them are nothing but ramp. A backend
+may therefore offer these four ops, each replacing a run of small kernels with one; the model
+(hwkv/model/llama.py) uses them for every forward of at most ``max_tokens`` tokens when the engine
+was built with them (``Engine(decode_ops=...)``).
+
+Contract (the torch reference is :class:`hwkv.model.decode_ops.TorchDecodeOps`):
+
+* Inputs are ``[T, ...]`` token-major with a unit last stride, ``T <= max_tokens``; weights are
+  ``[N, K]`` as in ``F.linear``; biases ``[N]`` or ``None``. Results are new tensors of the
+  activation dtype; inputs are never written.
+* Each op computes exactly the sequence of torch ops named in its docstring, rounding to the
+  activation dtype wherever those ops do; only the order of the summation inside a dot product may
+  differ. Backends are held to this by the conformance suite (tolerance of one dtype rounding step).
+* ``qkv`` also writes the k and v rows (after RoPE on k) into ``layer_kv`` at ``slot_mapping``
+  exactly like ``AttentionImpl.write_kv`` (slot ``-1`` skipped, never a write outside the cache); the
+  model then calls ``AttentionImpl.forward`` without ``write_kv``.
+* No op synchronises with the host, so all of them can be captured in a CUDA graph.
+* ``validate(...)`` returns the reasons a model cannot use the ops (empty list: it can).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+
+class DecodeOps(ABC):
+    max_tokens: int = 8
+
+    def validate(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 kv_dtype: torch.dtype) -> list[str]:
+        """Reasons these ops cannot serve the model (empty: they can)."""
+        return []
+
+    @abstractmethod
+    def qkv(self, h: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+            bias: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+            impl: Any, layer_kv: Any, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
+            head_dim: int) -> torch.Tensor:
+        """``qkv = linear(rms_norm(h), weight, bias)``; q and k heads rotated by ``apply_rope(cos,
+        sin, positions, ...)``; k and v written to ``layer_kv`` at ``slot_mapping`` (as ``impl.
+        write_kv``). Returns ``[T, (H + 2 H_kv) D]``: rotated q | rotated k | v."""
+
+    @abstractmethod
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               residual: torch.Tensor) -> torch.Tensor:
+        """``residual + linear(x, weight, bias)`` (the linear rounded first)."""
+
+    @abstractmethod
+    def norm_linear(self, h: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+        """``linear(rms_norm(h, norm_weight, eps), weight, bias)``."""
+
+    @abstractmethod
+    def silu_linear(self, gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    residual: torch.Tensor) -> torch.Tensor:
+        """``residual + linear(silu(gate) * up, weight, bias)`` with ``gate_up = [gate | up]``."""
