@@ -18,6 +18,7 @@ import torch
 
 from hwkv.interfaces.attention import AttentionBackend, AttentionImpl, AttentionMetadata, AttentionMetadataBuilder
 from hwkv.interfaces.layout import KVLayoutKind
+from hwkv_cuda.decode_ops import pdl_available
 from hwkv_cuda.splitkv import SplitCounters, merge_tile, reduce_mode
 
 LOG2E = 1.4426950408889634
@@ -152,6 +153,7 @@ class TritonAttentionImpl(AttentionImpl):
     def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float):
         super().__init__(num_heads, head_size, num_kv_heads, scale)
         self.counters = SplitCounters()  # per impl: two impls may run on different streams
+        self._pdl: dict[torch.device, bool] = {}  # programmatic dependent launch, per device
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, layer_kv: Any, slot_mapping: torch.Tensor) -> None:
         """Scatter ``key``/``value`` into the cache at ``slot_mapping``. A slot must be ``-1`` (skip) or
@@ -227,6 +229,9 @@ class TritonAttentionImpl(AttentionImpl):
         else:
             part_acc = part_ml = out  # unused
         counters = self.counters.get(query.device, grid_q * hkv) if fused else out  # unused unless fused
+        if query.device not in self._pdl:
+            self._pdl[query.device] = pdl_available(query.device)[0]
+        pdl = self._pdl[query.device]
         attention_kernel[(grid_q, hkv, splits)](
             query, layer_kv, out, part_acc, part_ml, counters,
             c.query_start_loc, c.seq_lens, c.block_tables,
@@ -236,8 +241,8 @@ class TritonAttentionImpl(AttentionImpl):
             G=group, HEAD_SIZE=d, D_PAD=d_pad, BS=bs,
             BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n,
             SPLIT=splits > 1, FUSED=fused, NUM_SPLITS_PAD=splits_pad, G_PAD=g_pad,
-            MERGE_ROWS=merge_rows, MERGE_SPLITS=merge_splits, IEEE=query.dtype == torch.float32,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            MERGE_ROWS=merge_rows, MERGE_SPLITS=merge_splits, IEEE=query.dtype == torch.float32, PDL=pdl,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
         )
         if splits > 1 and not fused:
             reduce_kernel[(query.shape[0], self.num_heads)](

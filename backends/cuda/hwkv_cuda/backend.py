@@ -8,6 +8,7 @@ import torch
 
 from hwkv.interfaces.backend import Backend, BackendUnavailable
 from hwkv.interfaces.capabilities import Capabilities
+from hwkv.interfaces.decode_ops import DecodeOps
 from hwkv.interfaces.layout import KVLayoutKind
 
 IB_DIR = "/sys/class/infiniband"
@@ -60,6 +61,11 @@ class CudaBackend(Backend):
         )
         self._device = CudaDevice(index)
         self._attention = TritonAttentionBackend()
+
+    def decode_ops(self) -> DecodeOps:
+        from hwkv_cuda.decode_ops import TritonDecodeOps
+
+        return TritonDecodeOps()
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:

@@ -17,6 +17,8 @@ bound need no mask, so they run in a mask-free loop.
 import triton
 import triton.language as tl
 
+from hwkv_cuda.kernels.dense import gdc_launch_dependents, gdc_wait
+
 
 @triton.jit
 def _tile(acc, l_i, m_i, q, qk_scale, kv_ptr, bt_ptr, start, kv_end, q_pos, kvh_off, stride_blk, stride_tok,
@@ -109,8 +111,11 @@ def attention_kernel(
     G: tl.constexpr, HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, FUSED: tl.constexpr, NUM_SPLITS_PAD: tl.constexpr, G_PAD: tl.constexpr,
-    MERGE_ROWS: tl.constexpr, MERGE_SPLITS: tl.constexpr, IEEE: tl.constexpr,
+    MERGE_ROWS: tl.constexpr, MERGE_SPLITS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    if PDL:  # launched early beside the previous kernel: wait for its writes before reading anything
+        gdc_wait()
+        gdc_launch_dependents()
     pid = tl.num_programs(0) - 1 - tl.program_id(0)  # last (longest causal) q blocks first: shorter tail
     kvh = tl.program_id(1)
     split = tl.program_id(2)

@@ -1,0 +1,176 @@
+"""Triton :class:`DecodeOps`: every projection of a decode step as one fused GEMV launch
+(:mod:`hwkv_cuda.kernels.dense`), chained by programmatic dependent launch on Hopper and newer.
+
+``HWKV_CUDA_PDL=0`` launches without PDL (for A/B runs); ``HWKV_CUDA_DENSE_CONFIG``
+(``"block_n=16,block_k=1024,num_warps=8"``) overrides the tile choice for tuning sweeps.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, NamedTuple
+
+import torch
+
+from hwkv.interfaces.decode_ops import DecodeOps
+
+PDL_ENV = "HWKV_CUDA_PDL"
+CONFIG_ENV = "HWKV_CUDA_DENSE_CONFIG"
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class DenseConfig(NamedTuple):
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int = 3
+    preload: int = 0
+    persist: int = 0  # programs per SM of the persistent kernel (plain epilogues, K <= block_k); 0: off
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def choose_config(m: int, n: int, k: int) -> DenseConfig:
+    """8 rows per program and a K tile of up to 2048, shrinking with the token count so the weight
+    tile and the fp32 inputs stay in registers. A projection of at most 8M weights (a grid of about
+    one wave) loads its first tile before the PDL wait on 4 warps; a larger one streams a pipelined
+    loop on 8 (H100 sweep, M=1: bench/results/dense-probe-H100-2026-11-22.json)."""
+    block_k = min(max(16, _pow2(k)), 2048 // min(_pow2(m), 4))
+    if n * k <= 8 << 20:
+        cfg = {"block_n": 8, "block_k": block_k, "num_warps": 4, "num_stages": 1, "preload": 1}
+    else:
+        # a long K (the down projection) on 4-row programs: twice the programs in flight
+        cfg = {"block_n": 4 if k > 4096 else 8, "block_k": block_k, "num_warps": 8, "num_stages": 3, "preload": 0}
+    for item in filter(None, os.environ.get(CONFIG_ENV, "").split(",")):
+        name, _, v = item.partition("=")
+        cfg[name.strip().lower()] = int(v)
+    if cfg["block_n"] < 2 or cfg["block_n"] & (cfg["block_n"] - 1):
+        raise ValueError(f"{CONFIG_ENV}: block_n must be a power of two >= 2, got {cfg['block_n']}")
+    return DenseConfig(**cfg)
+
+
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def pdl_available(device: torch.device) -> tuple[bool, str]:
+    """Programmatic dependent launch: sm_90+, a Triton with grid dependency control, not interpreted."""
+    from hwkv_cuda.kernels.dense import gdc_wait
+
+    if os.environ.get(PDL_ENV, "1") == "0":
+        return False, f"{PDL_ENV}=0"
+    if os.environ.get("TRITON_INTERPRET", "0") == "1" or device.type != "cuda":
+        return False, "not on a CUDA device"
+    if gdc_wait is None:
+        return False, "this Triton has no grid dependency control (triton.language.extra.cuda.gdc_wait)"
+    if torch.cuda.get_device_capability(device)[0] < 9:
+        return False, "needs sm_90 or newer"
+    return True, ""
+
+
+class TritonDecodeOps(DecodeOps):
+    max_tokens = 8
+
+    def __init__(self) -> None:
+        self._pdl: dict[torch.device, tuple[bool, int]] = {}  # per device: PDL on, SM count
+
+    def validate(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 kv_dtype: torch.dtype) -> list[str]:
+        reasons = []
+        if dtype not in DTYPES:
+            reasons.append(f"dtype {dtype} (allowed: {', '.join(map(str, DTYPES))})")
+        if head_dim % 2:
+            reasons.append(f"head_dim {head_dim} is odd (RoPE pairs i with i + head_dim/2)")
+        return reasons
+
+    def _launch(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n_in: int,
+                prologue: int, epilogue: int, *, residual: torch.Tensor | None = None,
+                norm_weight: torch.Tensor | None = None, eps: float = 0.0, rope: tuple[Any, ...] | None = None,
+                ) -> torch.Tensor:
+        from hwkv_cuda.kernels.dense import dense_kernel
+
+        m, (n, k) = x.shape[0], weight.shape
+        if x.dim() != 2 or x.shape[1] != n_in or x.stride(-1) != 1:
+            raise ValueError(f"input must be [tokens, {n_in}] with unit last stride, got {tuple(x.shape)}")
+        if m > self.max_tokens:
+            raise ValueError(f"{m} tokens; these ops take at most {self.max_tokens}")
+        if not weight.is_contiguous():
+            raise ValueError("weight must be contiguous [N, K]")
+        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        if m == 0:
+            return y
+        dev = x.device
+        if dev not in self._pdl:
+            self._pdl[dev] = pdl_available(dev)[0], _num_sms(dev)
+        pdl, sms = self._pdl[dev]
+        cfg = choose_config(m, n, k)
+        res = residual if residual is not None else y
+        if cfg.persist and rope is None and cfg.block_k >= k:
+            from hwkv_cuda.kernels.dense import dense_persistent_kernel
+
+            tiles = -(-n // cfg.block_n)
+            dense_persistent_kernel[(min(tiles, cfg.persist * sms),)](
+                x, weight, bias if bias is not None else y, y, res, norm_weight if norm_weight is not None else y,
+                m, n, k, eps, x.stride(0), y.stride(0), res.stride(0), tiles,
+                PROLOGUE=prologue, EPILOGUE=epilogue, HAS_BIAS=bias is not None, M_PAD=_pow2(m),
+                BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=pdl, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
+            )
+            return y
+        if rope is not None:
+            cos, sin, pos, layer_kv, slots, heads, kv_heads, d = rope
+            nb, _, bs = layer_kv.shape[:3]
+            grid, kv_args = -(-n // cfg.block_n), (cos, sin, pos, layer_kv, slots)
+            strides = (layer_kv.stride(0), layer_kv.stride(1), layer_kv.stride(2), layer_kv.stride(3))
+            geo = dict(HEAD=d, Q_N=heads * d, KV_N=kv_heads * d, BS=bs)
+            num_slots, stride_cos = nb * bs, cos.stride(0)
+        else:
+            grid, kv_args, strides = -(-n // cfg.block_n), (y, y, y, y, y), (0, 0, 0, 0)
+            geo, num_slots, stride_cos = dict(HEAD=2, Q_N=0, KV_N=0, BS=1), 0, 0
+        dense_kernel[(grid,)](
+            x, weight, bias if bias is not None else y, y, res, norm_weight if norm_weight is not None else y,
+            *kv_args, m, n, k, eps, num_slots, x.stride(0), y.stride(0), res.stride(0), stride_cos, *strides,
+            PROLOGUE=prologue, EPILOGUE=epilogue, HAS_BIAS=bias is not None, M_PAD=_pow2(m),
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=pdl, PRELOAD=bool(cfg.preload), ONE_TILE=cfg.block_k >= k,
+            **geo,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **({"launch_pdl": True} if pdl else {}),
+        )
+        return y
+
+    def qkv(self, h: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+            bias: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+            impl: Any, layer_kv: Any, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
+            head_dim: int) -> torch.Tensor:
+        from hwkv_cuda.attention import _check_kv
+
+        _check_kv(layer_kv, num_kv_heads, head_dim)
+        n = (num_heads + 2 * num_kv_heads) * head_dim
+        if weight.shape[0] != n:
+            raise ValueError(f"qkv weight has {weight.shape[0]} rows, expected (H + 2 H_kv) * D = {n}")
+        if positions.shape[0] != h.shape[0] or slot_mapping.shape[0] != h.shape[0]:
+            raise ValueError(f"{h.shape[0]} tokens but {positions.shape[0]} positions and "
+                             f"{slot_mapping.shape[0]} slots")
+        rope = (cos, sin, positions, layer_kv, slot_mapping, num_heads, num_kv_heads, head_dim)
+        return self._launch(h, weight, bias, weight.shape[1], 1, 2, norm_weight=norm_weight, eps=eps, rope=rope)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               residual: torch.Tensor) -> torch.Tensor:
+        _same_rows(residual, x, weight.shape[0])
+        return self._launch(x, weight, bias, weight.shape[1], 0, 1, residual=residual)
+
+    def norm_linear(self, h: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+        return self._launch(h, weight, bias, weight.shape[1], 1, 0, norm_weight=norm_weight, eps=eps)
+
+    def silu_linear(self, gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    residual: torch.Tensor) -> torch.Tensor:
+        _same_rows(residual, gate_up, weight.shape[0])
+        return self._launch(gate_up, weight, bias, 2 * weight.shape[1], 2, 1, residual=residual)
+
+
+def _same_rows(residual: torch.Tensor, x: torch.Tensor, n: int) -> None:
+    if residual.shape != (x.shape[0], n) or residual.stride(-1) != 1:
+        raise ValueError(f"residual must be [{x.shape[0]}, {n}] with unit last stride, got {tuple(residual.shape)}")

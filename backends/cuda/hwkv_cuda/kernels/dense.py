@@ -1,0 +1,204 @@
+"""Small-batch dense kernel (Triton) for decode steps: ``y = epilogue(prologue(x) @ W^T)``.
+
+At a handful of tokens a projection is a GEMV: time is the weight read plus a fixed ramp (launch,
+first DRAM round trip, tail wave), and the elementwise kernels around it are pure ramp. This kernel
+folds them in — prologue: the RMSNorm (``PROLOGUE=1``) or SiLU·mul (``2``) of the input; epilogue:
+the residual add (``EPILOGUE=1``) or RoPE on q/k plus the k/v write into the paged cache (``2``) —
+and is launched with programmatic dependent launch (``PDL``): its programs start during the previous
+kernel's tail and wait (``gdc_wait``) only before reading activations; with ``PRELOAD`` the first
+weight tile is loaded before that wait (weights never depend on the previous kernel), otherwise the
+K loop is a plain one that Triton software-pipelines ``num_stages`` deep.
+
+Every intermediate is rounded to the activation dtype where the unfused torch ops round
+(hwkv/model/llama.py, rope.py), so only the dot product's summation order differs from them.
+
+A program owns ``BLOCK_N`` output rows as two halves ``a``/``b``: consecutive rows for the plain
+epilogues; for RoPE the pair ``(i, i + D/2)`` of a head, so the rotation stays inside the program.
+"""
+
+import triton
+import triton.language as tl
+
+try:  # Hopper's grid dependency control; absent from old Triton builds
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - PDL is then reported unavailable (hwkv_cuda.decode_ops)
+    gdc_launch_dependents = gdc_wait = None
+
+
+@triton.jit
+def _prologue(x_ptr, nw_ptr, k0, M, K, eps, stride_xm, rstd, offs_m, offs_k, PROLOGUE: tl.constexpr,
+              ONE_TILE: tl.constexpr):
+    """One ``[M_PAD, BLOCK_K]`` chunk of the GEMV input, as float32 holding dtype-rounded values."""
+    kk = k0 + offs_k
+    mask = (offs_m[:, None] < M) & (kk[None, :] < K)
+    ptrs = x_ptr + offs_m[:, None] * stride_xm + kk[None, :]
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    dt = x.dtype
+    out = x.to(tl.float32)
+    if PROLOGUE == 1:  # rms_norm: normalise in fp32, round, scale by the weight, round
+        if ONE_TILE:  # the whole row is this tile: no separate pass for the mean square
+            rstd = tl.rsqrt(tl.sum(out * out, axis=1) / K + eps)
+        nw = tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+        xn = (out * rstd[:, None]).to(dt).to(tl.float32)
+        out = (nw[None, :] * xn).to(dt).to(tl.float32)
+    if PROLOGUE == 2:  # silu(gate) * up over the [gate | up] row
+        u = tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)
+        s = (out / (1.0 + tl.exp(-out))).to(dt).to(tl.float32)
+        out = (s * u).to(dt).to(tl.float32)
+    return out
+
+
+@triton.jit
+def _rows_dot(w, x, offs_m, acc, M_PAD: tl.constexpr):
+    # rows of x (at most 8) one at a time: a [M, N, K] broadcast would not fit the registers
+    wf = w.to(tl.float32)
+    for m in tl.static_range(M_PAD):
+        xm = tl.sum(tl.where(offs_m[:, None] == m, x, 0.0), axis=0)
+        part = tl.sum(wf * xm[None, :], axis=1)
+        acc += tl.where(offs_m[:, None] == m, part[None, :], 0.0)
+    return acc
+
+
+@triton.jit
+def _store_kv(base, rows, val, s_ok, kv_ptr, N, stride_kv, stride_head, HEAD: tl.constexpr, Q_N: tl.constexpr,
+              KV_N: tl.constexpr):
+    r = rows - Q_N
+    is_kv = (r >= 0) & (r < 2 * KV_N) & (rows < N)
+    which = tl.where(r >= KV_N, 1, 0)
+    rr = tl.where(is_kv, r - which * KV_N, 0)
+    dst = base + (which * stride_kv + (rr // HEAD) * stride_head + rr % HEAD)[None, :]
+    tl.store(dst, val.to(kv_ptr.dtype.element_ty), mask=s_ok & is_kv[None, :])
+
+
+@triton.jit
+def dense_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, nw_ptr, cos_ptr, sin_ptr, pos_ptr, kv_ptr, slot_ptr,
+    M, N, K, eps, num_slots,
+    stride_xm, stride_ym, stride_rm, stride_cos,
+    stride_blk, stride_kv, stride_tok, stride_head,
+    PROLOGUE: tl.constexpr, EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HEAD: tl.constexpr, Q_N: tl.constexpr, KV_N: tl.constexpr, BS: tl.constexpr, PDL: tl.constexpr,
+    PRELOAD: tl.constexpr, ONE_TILE: tl.constexpr,
+):
+    HB: tl.constexpr = BLOCK_N // 2
+    pid = tl.program_id(0)
+    j = tl.arange(0, HB)
+    if EPILOGUE == 2:  # pair g = (head, i): rows head*D + i and head*D + i + D/2
+        g = pid * HB + j
+        rows_a = (g // (HEAD // 2)) * HEAD + g % (HEAD // 2)
+        rows_b = rows_a + HEAD // 2
+    else:
+        rows_a = pid * BLOCK_N + j
+        rows_b = rows_a + HB
+    ok_a, ok_b = rows_a < N, rows_b < N
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_m = tl.arange(0, M_PAD)
+    w_a = w_ptr + rows_a.to(tl.int64)[:, None] * K + offs_k[None, :]
+    w_b = w_ptr + rows_b.to(tl.int64)[:, None] * K + offs_k[None, :]
+    if PRELOAD:  # the first weight tile before the wait: it does not depend on the previous kernel
+        wa = tl.load(w_a, mask=ok_a[:, None] & (offs_k[None, :] < K), other=0.0)
+        wb = tl.load(w_b, mask=ok_b[:, None] & (offs_k[None, :] < K), other=0.0)
+    if PDL:
+        gdc_wait()  # from here on we read what earlier kernels wrote
+        gdc_launch_dependents()
+    m_ok = offs_m[:, None] < M
+    # the epilogue's loads go out now, beside the weight stream, not after it
+    if EPILOGUE == 1:
+        ra = tl.load(res_ptr + offs_m[:, None] * stride_rm + rows_a[None, :], mask=m_ok & ok_a[None, :], other=0.0)
+        rb = tl.load(res_ptr + offs_m[:, None] * stride_rm + rows_b[None, :], mask=m_ok & ok_b[None, :], other=0.0)
+    if EPILOGUE == 2:
+        pos = tl.load(pos_ptr + offs_m, mask=offs_m < M, other=0).to(tl.int64)
+        slot = tl.load(slot_ptr + offs_m, mask=offs_m < M, other=-1).to(tl.int64)
+        i_a = rows_a % HEAD
+        rot = rows_a < Q_N + KV_N
+        cmask = m_ok & rot[None, :]
+        c_row = pos[:, None] * stride_cos
+        ca = tl.load(cos_ptr + c_row + i_a[None, :], mask=cmask, other=1.0).to(tl.float32)
+        sa = tl.load(sin_ptr + c_row + i_a[None, :], mask=cmask, other=0.0).to(tl.float32)
+        cb = tl.load(cos_ptr + c_row + i_a[None, :] + HEAD // 2, mask=cmask, other=1.0).to(tl.float32)
+        sb = tl.load(sin_ptr + c_row + i_a[None, :] + HEAD // 2, mask=cmask, other=0.0).to(tl.float32)
+    rstd = tl.zeros([M_PAD], dtype=tl.float32)
+    if PROLOGUE == 1 and not ONE_TILE:
+        ss = tl.zeros([M_PAD], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + offs_k
+            xs = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :],
+                         mask=(offs_m[:, None] < M) & (kk[None, :] < K), other=0.0).to(tl.float32)
+            ss += tl.sum(xs * xs, axis=1)
+        rstd = tl.rsqrt(ss / K + eps)
+    acc_a = tl.zeros([M_PAD, HB], dtype=tl.float32)
+    acc_b = tl.zeros([M_PAD, HB], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if not PRELOAD:  # plain loads: Triton software-pipelines them num_stages deep
+            kk = k0 + offs_k
+            wa = tl.load(w_a + k0, mask=ok_a[:, None] & (kk[None, :] < K), other=0.0)
+            wb = tl.load(w_b + k0, mask=ok_b[:, None] & (kk[None, :] < K), other=0.0)
+        x = _prologue(x_ptr, nw_ptr, k0, M, K, eps, stride_xm, rstd, offs_m, offs_k, PROLOGUE, ONE_TILE)
+        acc_a = _rows_dot(wa, x, offs_m, acc_a, M_PAD)
+        acc_b = _rows_dot(wb, x, offs_m, acc_b, M_PAD)
+        if PRELOAD:  # the next tile (fully masked after the last)
+            nk = k0 + BLOCK_K + offs_k
+            wa = tl.load(w_a + k0 + BLOCK_K, mask=ok_a[:, None] & (nk[None, :] < K), other=0.0)
+            wb = tl.load(w_b + k0 + BLOCK_K, mask=ok_b[:, None] & (nk[None, :] < K), other=0.0)
+
+    dt = y_ptr.dtype.element_ty
+    if HAS_BIAS:
+        acc_a += tl.load(b_ptr + rows_a, mask=ok_a, other=0.0).to(tl.float32)[None, :]
+        acc_b += tl.load(b_ptr + rows_b, mask=ok_b, other=0.0).to(tl.float32)[None, :]
+    ya = acc_a.to(dt)
+    yb = acc_b.to(dt)
+    if EPILOGUE == 1:  # residual + y, both rounded (as `out` then `h + out` in torch)
+        ya = (ya.to(tl.float32) + ra.to(tl.float32)).to(dt)
+        yb = (yb.to(tl.float32) + rb.to(tl.float32)).to(dt)
+    if EPILOGUE == 2:
+        # neox RoPE on q and k rows, op by op as apply_rope: a*c + rotate_half(a)*s, each rounded
+        fa, fb = ya.to(tl.float32), yb.to(tl.float32)
+        ra = ((fa * ca).to(dt).to(tl.float32) - (fb * sa).to(dt).to(tl.float32)).to(dt)
+        rb = ((fb * cb).to(dt).to(tl.float32) + (fa * sb).to(dt).to(tl.float32)).to(dt)
+        ya = tl.where(rot[None, :], ra, ya)
+        yb = tl.where(rot[None, :], rb, yb)
+        # k and v rows also go to the cache slot of their token; slots outside [0, num_slots) skip
+        s_ok = m_ok & (slot[:, None] >= 0) & (slot[:, None] < num_slots)
+        s0 = tl.maximum(slot, 0)
+        base = kv_ptr + (s0 // BS)[:, None] * stride_blk + (s0 % BS)[:, None] * stride_tok
+        _store_kv(base, rows_a, ya, s_ok, kv_ptr, N, stride_kv, stride_head, HEAD, Q_N, KV_N)
+        _store_kv(base, rows_b, yb, s_ok, kv_ptr, N, stride_kv, stride_head, HEAD, Q_N, KV_N)
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + rows_a[None, :], ya, mask=m_ok & ok_a[None, :])
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + rows_b[None, :], yb, mask=m_ok & ok_b[None, :])
+
+
+@triton.jit
+def dense_persistent_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, nw_ptr, M, N, K, eps, stride_xm, stride_ym, stride_rm, num_tiles,
+    PROLOGUE: tl.constexpr, EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+):
+    """The plain epilogues (0, 1) for ``K <= BLOCK_K``, persistent: a grid of a few programs per SM,
+    each computing the input row (prologue) once and then streaming row tiles ``pid, pid + grid, ...``
+    through a loop Triton pipelines ``num_stages`` deep — weight loads stay in flight across tiles
+    instead of ending with each program."""
+    pid = tl.program_id(0)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_m = tl.arange(0, M_PAD)
+    m_ok = offs_m[:, None] < M
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    x = _prologue(x_ptr, nw_ptr, 0, M, K, eps, stride_xm, tl.zeros([M_PAD], dtype=tl.float32), offs_m, offs_k,
+                  PROLOGUE, True)
+    dt = y_ptr.dtype.element_ty
+    for t in range(pid, num_tiles, tl.num_programs(0)):
+        rows = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        ok = rows < N
+        w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * K + offs_k[None, :], mask=ok[:, None] & (offs_k[None, :] < K),
+                    other=0.0)
+        acc = _rows_dot(w, x, offs_m, tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32), M_PAD)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rows, mask=ok, other=0.0).to(tl.float32)[None, :]
+        y = acc.to(dt)
+        mask = m_ok & ok[None, :]
+        if EPILOGUE == 1:
+            r = tl.load(res_ptr + offs_m[:, None] * stride_rm + rows[None, :], mask=mask, other=0.0)
+            y = (y.to(tl.float32) + r.to(tl.float32)).to(dt)
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + rows[None, :], y, mask=mask)
