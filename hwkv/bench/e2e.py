@@ -39,7 +39,8 @@ SHAPES: dict[str, dict[str, Any]] = {
 ENGINE_DEFAULTS = dict(max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=8192)
 # batch-1 runs beside the default one, each changing one fast-path feature
 B1_VARIANTS = [dict(label="async scheduling off", engine=dict(async_scheduling=False)),
-               dict(label="weight prefetch on", engine=dict(prefetch_weights=True))]
+               dict(label="decode ops off", engine=dict(decode_ops=False)),
+               dict(label="decode ops without PDL", env=dict(HWKV_CUDA_PDL="0"))]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -209,6 +210,11 @@ def batch1(engine: Any, cfg: dict[str, Any], vocab: int, n_out: int, copy_bw: fl
     bytes_step = w + kv_bytes_per_token(cfg) * (len(prompt) + n_out / 2)
     b = dict(tok_per_s=1 / step, step_ms=step * 1e3, weight_bytes=w, bytes_per_step=bytes_step,
              graph_steps=engine.runner.num_graph_steps)
+    from hwkv.bench.e2e_report import replay_ms
+
+    gpu = replay_ms(engine, 1, len(prompt) + n_out)  # the graph of the last (longest) steps
+    if gpu is not None:
+        b["gpu_replay_ms_last"] = gpu
     if copy_bw:
         b["mbu"] = bytes_step / step / copy_bw
     return b
@@ -276,6 +282,9 @@ def run(args: argparse.Namespace) -> int:
         res["profile"] = {f"batch {b}": profile(engine, vocab, b) for b in (1, 64, 256)
                           if b <= engine.config.max_num_seqs}
         res["kernel_mix"] = kernel_mix(engine)
+        from hwkv.bench.timeline import graph_timeline
+
+        res["graph_timeline"] = graph_timeline(engine)
 
     if "b" in parts:
         part("b", part_b)

@@ -12,8 +12,6 @@ def profile(engine: Any, vocab: int, batch: int, steps: int = 64) -> dict[str, A
     """Mean wall ms per decode step by phase, plus GPU-only graph replay time for this batch.
     ``read_tokens`` is the time spent waiting for a step's sampled tokens: with async stepping the
     GPU runs the next step meanwhile, so the phases add up to the step time only when it is 0."""
-    import torch
-
     from hwkv.sampling_params import SamplingParams
 
     r, sched = engine.runner, engine.scheduler
@@ -57,19 +55,30 @@ def profile(engine: Any, vocab: int, batch: int, steps: int = 64) -> dict[str, A
     out: dict[str, Any] = {k: v / steps * 1e3 for k, v in acc.items()}
     out["step_wall"] = wall * 1e3
     out["other (engine.step outputs, stats)"] = wall * 1e3 - sum(v / steps * 1e3 for v in acc.values())
-    g = None
-    if r.graphs is not None and (key := r.graphs.key(batch, 128 + steps)) is not None:
-        g = r.graphs.graphs.get(key)
-    if g is not None:
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        g[0].replay()
-        s.record()
-        for _ in range(20):
-            g[0].replay()
-        e.record()
-        e.synchronize()
-        out["gpu_replay"] = s.elapsed_time(e) / 20
+    gpu = replay_ms(engine, batch, 128 + steps)
+    if gpu is not None:
+        out["gpu_replay"] = gpu
     return {k: round(v, 4) for k, v in out.items()}
+
+
+def replay_ms(engine: Any, batch: int, max_seq_len: int, reps: int = 20) -> float | None:
+    """GPU ms of one replay of the decode graph serving ``batch`` requests up to ``max_seq_len``
+    (its inputs as the last step left them), or ``None`` without such a graph."""
+    import torch
+
+    r = engine.runner
+    key = r.graphs.key(batch, max_seq_len) if r.graphs is not None else None
+    g = r.graphs.graphs.get(key) if key is not None else None
+    if g is None:
+        return None
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    g[0].replay()
+    s.record()
+    for _ in range(reps):
+        g[0].replay()
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e) / reps
 
 
 def kernel_mix(engine: Any, top: int = 12) -> dict[str, Any]:
@@ -117,10 +126,11 @@ def markdown(res: dict[str, Any]) -> str:
                      f"({hf.get('requests', '—')} req, batch {hf.get('batch', '—')}) | {f(t.get('ratio'))}× |")
     b = res.get("batch1", {})
     if b:
-        mode = ("default: graphs + fused elementwise + async scheduling" if res.get("graph_buckets")
+        mode = ("default: graphs + fused decode ops + async scheduling" if res.get("graph_buckets")
                 else "default: no graph capture")
         lines.append(f"| (b) batch-1 decode tok/s ({mode}) | {f(b.get('tok_per_s'))} "
-                     f"(step {f(b.get('step_ms'), 3)} ms, "
+                     f"(step {f(b.get('step_ms'), 3)} ms, GPU replay of the last graph "
+                     f"{f(b.get('gpu_replay_ms_last'), 3)} ms, "
                      f"MBU {f(100 * b['mbu'] if 'mbu' in b else None)}%) | {f(b.get('hf_tok_per_s'))} | "
                      f"{f(b['tok_per_s'] / b['hf_tok_per_s'] if b.get('hf_tok_per_s') else None)}× |")
         e = b.get("eager", {})
@@ -146,6 +156,11 @@ def markdown(res: dict[str, Any]) -> str:
     if km:
         lines += ["", f"Eager batch-1 decode forward: {km['launches']} kernels, {f(km['total_us'])} µs GPU; top: "
                   + "; ".join(f"{r['name']} ×{r['count']} {f(r['us'])} µs" for r in km["top"][:6])]
+    tl = res.get("graph_timeline")
+    if tl:
+        lines += ["", f"Batch-1 graph replay (ctx bucket {tl['max_seq_len']}): {tl['kernels']} kernels, span "
+                  f"{f(tl['span_us'])} µs, idle {f(tl['idle_us'])} µs; critical path by kernel (µs): "
+                  + "; ".join(f"{k} {f(v)}" for k, v in tl["critical_us"].items())]
     for k in ("errors",):
         if res.get(k):
             lines += ["", f"Errors: {res[k]}"]

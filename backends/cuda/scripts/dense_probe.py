@@ -1,0 +1,156 @@
+"""Probe: the fused decode ops (hwkv_cuda.decode_ops) against cuBLAS ``F.linear`` per projection of
+Llama-3.2-1B, over a tile sweep, with and without programmatic dependent launch.
+
+Each op is timed as CUDA-graph replays of a chain over distinct weight copies (a model streams its
+layers: nothing stays in L2), each launch ordered after the previous one as in a forward.
+Prints µs and TB/s of weight + activation bytes; writes dense-probe.json.
+
+    PYTHONPATH=.:backends/cuda python3 backends/cuda/scripts/dense_probe.py --out DIR [--m 1,4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+from hwkv_cuda.decode_ops import CONFIG_ENV, PDL_ENV, TritonDecodeOps
+
+# (name, N, K, copies): Llama-3.2-1B (hidden 2048, 32/8 heads of 64, intermediate 8192, vocab 128256)
+SHAPES = [("qkv", 3072, 2048, 16), ("o_proj", 2048, 2048, 16), ("gate_up", 16384, 2048, 16),
+          ("down", 2048, 8192, 16), ("lm_head", 128256, 2048, 2)]
+H, HKV, D = 32, 8, 64
+
+
+def time_graph(fn, per: int, reps: int = 20) -> float:
+    """µs per op: ``fn`` runs ``per`` ops; captured once, replayed ``reps`` times."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        g.replay()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) * 1e3 / reps / per
+
+
+class Case:
+    def __init__(self, name: str, n: int, k: int, copies: int, m: int):
+        dev, dt = "cuda", torch.bfloat16
+        self.name, self.n, self.k, self.copies, self.m = name, n, k, copies, m
+        self.ws = [torch.randn(n, k, device=dev, dtype=dt) / k**0.5 for _ in range(copies)]
+        k_in = 2 * k if name == "down" else k
+        self.x = torch.randn(m, k_in, device=dev, dtype=dt)
+        self.res = torch.randn(m, n, device=dev, dtype=dt)
+        self.nw = torch.rand(k, device=dev, dtype=dt) + 0.5
+        ang = torch.arange(4096, device=dev)[:, None] * (1.0 / 500000 ** (torch.arange(0, D, 2, device=dev) / D))
+        ang = torch.cat([ang, ang], dim=-1)
+        self.cos, self.sin = ang.cos().to(dt), ang.sin().to(dt)
+        self.pos = torch.arange(m, device=dev) + 1000
+        self.kv = torch.zeros(64, 2, 16, HKV, D, device=dev, dtype=dt)
+        self.slots = torch.arange(m, device=dev) + 100
+        self.bytes = n * k * 2 + m * (n + k_in) * 2
+
+    def fused(self, ops: TritonDecodeOps, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if self.name == "qkv":
+            return ops.qkv(x, self.nw, 1e-5, w, None, self.cos, self.sin, self.pos, None, self.kv, self.slots,
+                           H, HKV, D)
+        if self.name == "o_proj":
+            return ops.linear(x, w, None, self.res)
+        if self.name == "down":
+            return ops.silu_linear(x, w, None, self.res)
+        return ops.norm_linear(x, self.nw, 1e-5, w, None)
+
+    def chain(self, op) -> None:
+        # stream order alone makes each launch wait for the previous one (gdc_wait, without PDL the
+        # launch itself), as in a forward; the data need not flow
+        for w in self.ws:
+            op(w, self.x)
+
+    def cublas(self, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x[:, : self.k], w)
+
+
+def run(c: Case, row: dict, cfg: dict, pdl: str) -> None:
+    """Time ``c``'s fused op under tile ``cfg`` with PDL on ("1") or off ("0"); append to ``row``."""
+    os.environ[CONFIG_ENV] = ",".join(f"{k}={v}" for k, v in cfg.items())
+    os.environ[PDL_ENV] = pdl
+    ops = TritonDecodeOps()
+    try:
+        t = time_graph(partial(c.chain, partial(c.fused, ops)), c.copies)
+    except Exception as e:  # a config may not compile
+        print(f"{c.name} M={c.m} {cfg} pdl={pdl}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+        return
+    row["configs"].append(dict(cfg, pdl=int(pdl), us=t, TBps=c.bytes / t / 1e6))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="/tmp")
+    ap.add_argument("--m", default="1")
+    ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
+    ap.add_argument("--sweep", default="tiles", choices=("tiles", "persist"))
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    res: dict = dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), torch=torch.__version__,
+                     triton=triton.__version__, rows=[])
+    n = 1 << 28
+    src, dst = torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda")
+    res["copy_TBps"] = 2 * n / time_graph(lambda: [dst.copy_(src) for _ in range(16)], 16) / 1e6
+    print(f"copy {res['copy_TBps']:.3f} TB/s", flush=True)
+    if args.sweep == "persist":  # the persistent kernel (plain epilogues, K within one tile)
+        sweep = [dict(block_n=bn, block_k=2048, num_warps=wp, num_stages=st, preload=0, persist=p)
+                 for bn, wp, st, p in itertools.product((4, 8, 16), (4, 8), (2, 3), (2, 4, 8))]
+    else:
+        sweep = [dict(block_n=bn, block_k=bk, num_warps=wp, num_stages=st, preload=pre, persist=0)
+                 for bn, bk, wp, (st, pre) in itertools.product((4, 8, 16), (512, 1024, 2048), (4, 8),
+                                                                 ((3, 0), (1, 1)))]
+    wanted = set(args.shapes.split(","))
+    for name, N, K, copies in SHAPES:
+        if name not in wanted:
+            continue
+        for m in map(int, args.m.split(",")):
+            c = Case(name, N, K, copies, m)
+            t_cublas = time_graph(partial(c.chain, c.cublas), copies)
+            row = dict(shape=name, N=N, K=K, M=m, MB=c.bytes / 1e6, cublas_us=t_cublas,
+                       cublas_TBps=c.bytes / t_cublas / 1e6, configs=[])
+            for cfg in sweep:  # the sweep with PDL, then its best three without
+                if cfg["block_k"] <= triton.next_power_of_2(K) and not (
+                        cfg["preload"] and cfg["block_n"] * cfg["block_k"] > 16384):
+                    run(c, row, cfg, "1")
+            for r in sorted(row["configs"], key=lambda r: r["us"])[:3]:
+                run(c, row, {k: r[k] for k in sweep[0]}, "0")
+            os.environ.pop(CONFIG_ENV, None)
+            os.environ.pop(PDL_ENV, None)
+            best = min(row["configs"], key=lambda r: r["us"])
+            print(json.dumps(dict(shape=name, M=m, cublas_us=round(t_cublas, 2),
+                                  cublas_TBps=round(row["cublas_TBps"], 3), best=best)), flush=True)
+            for pdl in (1, 0):
+                top = sorted((r for r in row["configs"] if r["pdl"] == pdl), key=lambda r: r["us"])[:3]
+                print(f"  pdl={pdl} top3: " + "; ".join(
+                    f"{r['block_n']}/{r['block_k']}/w{r['num_warps']}/s{r['num_stages']}/p{r['preload']}"
+                    f"/P{r['persist']} "
+                    f"{r['us']:.2f}us" for r in top), flush=True)
+            res["rows"].append(row)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / f"dense-probe-{args.sweep}.json").write_text(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""Where a decode step's GPU time goes: a torch.profiler trace of CUDA-graph replays, attributed on
+the critical path.
+
+Kernels chained by programmatic dependent launch overlap (the next one starts during the previous
+one's tail), so their durations do not add up to the step. Each kernel is charged instead with how
+far it moves the frontier, ``end_i - max(end of all earlier kernels)`` (and the idle time before it
+when it starts after that frontier): the charges sum to the replay's span.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _label(names: list[str]) -> list[str]:
+    # the decoder's dense launches carry one kernel name; their order in a layer names them
+    order = ("qkv", "o_proj", "gate_up", "down")
+    labels, i = [], 0
+    for j, n in enumerate(names):
+        if n.startswith("dense_kernel"):
+            last = not any(m.startswith("dense_kernel") for m in names[j + 1:])
+            labels.append("lm_head" if last else order[i % 4])
+            i += 1
+        else:
+            labels.append(n[:60])
+    return labels
+
+
+def graph_timeline(engine: Any, batch: int = 1, max_seq_len: int = 512, reps: int = 5) -> dict[str, Any]:
+    """Critical-path µs per kernel label for one replay of the decode graph of ``batch`` (mean of
+    ``reps``), its span, idle time and kernel count; ``{}`` without graphs or kernel records."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    r = engine.runner
+    key = r.graphs.key(batch, max_seq_len) if r.graphs is not None else None
+    g = r.graphs.graphs.get(key) if key is not None else None
+    if g is None:
+        return {}
+    g[0].replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            g[0].replay()
+            torch.cuda.synchronize()  # separates the replays in the trace
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                      if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
+                      and "Memcpy" not in e.name and "Memset" not in e.name)
+    if not kernels:
+        return {}
+    # split into replays at the host syncs: a gap much longer than any in-graph gap
+    runs, cur = [], [kernels[0]]
+    for k in kernels[1:]:
+        if k[0] - max(c[1] for c in cur) > 20.0:
+            runs.append(cur)
+            cur = []
+        cur.append(k)
+    runs.append(cur)
+    n = len(runs[-1])
+    runs = [x for x in runs if len(x) == n]
+    charge: dict[str, float] = {}
+    idle = span = 0.0
+    for run in runs:
+        frontier = run[0][0]
+        for (s, e, _), label in zip(run, _label([k[2] for k in run])):
+            idle += max(0.0, s - frontier)
+            charge[label] = charge.get(label, 0.0) + max(0.0, e - max(frontier, s))
+            frontier = max(frontier, e)
+        span += frontier - run[0][0]
+    k = len(runs)
+    rows = sorted(((v / k, name) for name, v in charge.items()), reverse=True)
+    return dict(batch=batch, max_seq_len=max_seq_len, kernels=n, span_us=round(span / k, 1),
+                idle_us=round(idle / k, 1), critical_us={name: round(v, 1) for v, name in rows})
