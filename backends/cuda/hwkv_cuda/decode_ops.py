@@ -25,7 +25,6 @@ class DenseConfig(NamedTuple):
     num_warps: int
     num_stages: int = 3
     preload: int = 0
-    persist: int = 0  # programs per SM of the persistent kernel (plain epilogues, K <= block_k); 0: off
 
 
 def _pow2(n: int) -> int:
@@ -33,16 +32,18 @@ def _pow2(n: int) -> int:
 
 
 def choose_config(m: int, n: int, k: int) -> DenseConfig:
-    """8 rows per program and a K tile of up to 2048, shrinking with the token count so the weight
-    tile and the fp32 inputs stay in registers. A projection of at most 8M weights (a grid of about
-    one wave) loads its first tile before the PDL wait on 4 warps; a larger one streams a pipelined
-    loop on 8 (H100 sweep, M=1: bench/results/dense-probe-H100-2026-11-22.json)."""
+    """Tiles by shape, from the H100 sweeps at M=1 (bench/results/dense-probe-*-H100-2026-11-22.json):
+    a K tile of up to 2048, shrinking with the token count so the weight tile and the fp32 inputs
+    stay in registers; see the branches for the rest. (A persistent variant streaming row tiles
+    through a pipelined loop measured 5-20% slower on every shape and was dropped.)"""
     block_k = min(max(16, _pow2(k)), 2048 // min(_pow2(m), 4))
-    if n * k <= 8 << 20:
-        cfg = {"block_n": 8, "block_k": block_k, "num_warps": 4, "num_stages": 1, "preload": 1}
-    else:
-        # a long K (the down projection) on 4-row programs: twice the programs in flight
-        cfg = {"block_n": 4 if k > 4096 else 8, "block_k": block_k, "num_warps": 8, "num_stages": 3, "preload": 0}
+    if k > block_k:  # several K tiles (the down projection): a pipelined loop on 4-row programs
+        cfg = {"block_n": 4, "block_k": block_k, "num_warps": 8, "num_stages": 3, "preload": 0}
+    elif n * k > 64 << 20:  # the LM head: many waves, so a pre-wait load helps only the first
+        cfg = {"block_n": 8, "block_k": block_k, "num_warps": 8, "num_stages": 3, "preload": 0}
+    else:  # one tile, loaded before the PDL wait
+        cfg = {"block_n": 4 if n * k > 8 << 20 else 8, "block_k": block_k, "num_warps": 4, "num_stages": 1,
+               "preload": 1}
     for item in filter(None, os.environ.get(CONFIG_ENV, "").split(",")):
         name, _, v = item.partition("=")
         cfg[name.strip().lower()] = int(v)
@@ -107,18 +108,6 @@ class TritonDecodeOps(DecodeOps):
         pdl, sms = self._pdl[dev]
         cfg = choose_config(m, n, k)
         res = residual if residual is not None else y
-        if cfg.persist and rope is None and cfg.block_k >= k:
-            from hwkv_cuda.kernels.dense import dense_persistent_kernel
-
-            tiles = -(-n // cfg.block_n)
-            dense_persistent_kernel[(min(tiles, cfg.persist * sms),)](
-                x, weight, bias if bias is not None else y, y, res, norm_weight if norm_weight is not None else y,
-                m, n, k, eps, x.stride(0), y.stride(0), res.stride(0), tiles,
-                PROLOGUE=prologue, EPILOGUE=epilogue, HAS_BIAS=bias is not None, M_PAD=_pow2(m),
-                BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=pdl, num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
-            )
-            return y
         if rope is not None:
             cos, sin, pos, layer_kv, slots, heads, kv_heads, d = rope
             nb, _, bs = layer_kv.shape[:3]

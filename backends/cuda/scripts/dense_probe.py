@@ -105,7 +105,6 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp")
     ap.add_argument("--m", default="1")
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
-    ap.add_argument("--sweep", default="tiles", choices=("tiles", "persist"))
     args = ap.parse_args()
     torch.manual_seed(0)
     res: dict = dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), torch=torch.__version__,
@@ -114,13 +113,8 @@ def main() -> None:
     src, dst = torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda")
     res["copy_TBps"] = 2 * n / time_graph(lambda: [dst.copy_(src) for _ in range(16)], 16) / 1e6
     print(f"copy {res['copy_TBps']:.3f} TB/s", flush=True)
-    if args.sweep == "persist":  # the persistent kernel (plain epilogues, K within one tile)
-        sweep = [dict(block_n=bn, block_k=2048, num_warps=wp, num_stages=st, preload=0, persist=p)
-                 for bn, wp, st, p in itertools.product((4, 8, 16), (4, 8), (2, 3), (2, 4, 8))]
-    else:
-        sweep = [dict(block_n=bn, block_k=bk, num_warps=wp, num_stages=st, preload=pre, persist=0)
-                 for bn, bk, wp, (st, pre) in itertools.product((4, 8, 16), (512, 1024, 2048), (4, 8),
-                                                                 ((3, 0), (1, 1)))]
+    sweep = [dict(block_n=bn, block_k=bk, num_warps=wp, num_stages=st, preload=pre)
+             for bn, bk, wp, (st, pre) in itertools.product((4, 8, 16), (512, 1024, 2048), (4, 8), ((3, 0), (1, 1)))]
     wanted = set(args.shapes.split(","))
     for name, N, K, copies in SHAPES:
         if name not in wanted:
@@ -144,12 +138,11 @@ def main() -> None:
             for pdl in (1, 0):
                 top = sorted((r for r in row["configs"] if r["pdl"] == pdl), key=lambda r: r["us"])[:3]
                 print(f"  pdl={pdl} top3: " + "; ".join(
-                    f"{r['block_n']}/{r['block_k']}/w{r['num_warps']}/s{r['num_stages']}/p{r['preload']}"
-                    f"/P{r['persist']} "
+                    f"{r['block_n']}/{r['block_k']}/w{r['num_warps']}/s{r['num_stages']}/p{r['preload']} "
                     f"{r['us']:.2f}us" for r in top), flush=True)
             res["rows"].append(row)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / f"dense-probe-{args.sweep}.json").write_text(json.dumps(res, indent=2))
+    (Path(args.out) / "dense-probe.json").write_text(json.dumps(res, indent=2))
 
 
 if __name__ == "__main__":

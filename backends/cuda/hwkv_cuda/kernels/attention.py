@@ -114,8 +114,8 @@ def attention_kernel(
     MERGE_ROWS: tl.constexpr, MERGE_SPLITS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False,
 ):
     if PDL:  # launched early beside the previous kernel: wait for its writes before reading anything
+        gdc_launch_dependents()  # the next kernel only preloads weights before its own wait
         gdc_wait()
-        gdc_launch_dependents()
     pid = tl.num_programs(0) - 1 - tl.program_id(0)  # last (longest causal) q blocks first: shorter tail
     kvh = tl.program_id(1)
     split = tl.program_id(2)

@@ -100,8 +100,10 @@ def dense_kernel(
         wa = tl.load(w_a, mask=ok_a[:, None] & (offs_k[None, :] < K), other=0.0)
         wb = tl.load(w_b, mask=ok_b[:, None] & (offs_k[None, :] < K), other=0.0)
     if PDL:
-        gdc_wait()  # from here on we read what earlier kernels wrote
+        # let the next kernel's programs start now: before their own wait they only load weights,
+        # so they stream those while this kernel (and the one it waits on) runs
         gdc_launch_dependents()
+        gdc_wait()  # from here on we read what earlier kernels wrote
     m_ok = offs_m[:, None] < M
     # the epilogue's loads go out now, beside the weight stream, not after it
     if EPILOGUE == 1:
@@ -167,38 +169,3 @@ def dense_kernel(
     tl.store(y_ptr + offs_m[:, None] * stride_ym + rows_a[None, :], ya, mask=m_ok & ok_a[None, :])
     tl.store(y_ptr + offs_m[:, None] * stride_ym + rows_b[None, :], yb, mask=m_ok & ok_b[None, :])
 
-
-@triton.jit
-def dense_persistent_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, nw_ptr, M, N, K, eps, stride_xm, stride_ym, stride_rm, num_tiles,
-    PROLOGUE: tl.constexpr, EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-):
-    """The plain epilogues (0, 1) for ``K <= BLOCK_K``, persistent: a grid of a few programs per SM,
-    each computing the input row (prologue) once and then streaming row tiles ``pid, pid + grid, ...``
-    through a loop Triton pipelines ``num_stages`` deep — weight loads stay in flight across tiles
-    instead of ending with each program."""
-    pid = tl.program_id(0)
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_m = tl.arange(0, M_PAD)
-    m_ok = offs_m[:, None] < M
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
-    x = _prologue(x_ptr, nw_ptr, 0, M, K, eps, stride_xm, tl.zeros([M_PAD], dtype=tl.float32), offs_m, offs_k,
-                  PROLOGUE, True)
-    dt = y_ptr.dtype.element_ty
-    for t in range(pid, num_tiles, tl.num_programs(0)):
-        rows = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        ok = rows < N
-        w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * K + offs_k[None, :], mask=ok[:, None] & (offs_k[None, :] < K),
-                    other=0.0)
-        acc = _rows_dot(w, x, offs_m, tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32), M_PAD)
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rows, mask=ok, other=0.0).to(tl.float32)[None, :]
-        y = acc.to(dt)
-        mask = m_ok & ok[None, :]
-        if EPILOGUE == 1:
-            r = tl.load(res_ptr + offs_m[:, None] * stride_rm + rows[None, :], mask=mask, other=0.0)
-            y = (y.to(tl.float32) + r.to(tl.float32)).to(dt)
-        tl.store(y_ptr + offs_m[:, None] * stride_ym + rows[None, :], y, mask=mask)
