@@ -20,8 +20,11 @@ class Check:
     def capability(self, value: str) -> None:
         self.rec.capability = value
 
-    def close(self, actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, op: str, what: str) -> None:
-        """``actual`` within the suite's (dtype, op) tolerance of ``expected`` (elementwise allclose)."""
+    def close(self, actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, op: str, what: str,
+              same_dtype_reference: bool = False) -> None:
+        """``actual`` within the suite's (dtype, op) tolerance of ``expected`` (elementwise allclose).
+        With ``same_dtype_reference`` the reference was computed in ``dtype`` itself (it already holds
+        the rounding), so the aggregate bound is one rounding step: error norm <= eps(dtype) x norm."""
         tol = self.table.get(dtype, op)
         a, e = actual.detach().float().cpu(), expected.detach().float().cpu()
         assert a.shape == e.shape, f"{what}: shape {tuple(a.shape)} != reference {tuple(e.shape)}"
@@ -34,6 +37,12 @@ class Check:
         bad = diff > tol.atol + tol.rtol * e.abs()
         overridden = (dtype_name(dtype), op) in self.table.overrides
         factor = None if overridden else HALF_NORM_FACTOR.get(dtype_name(dtype))
+        if same_dtype_reference and factor is not None and not bool(bad.any()):
+            err, bound = float((a - e).norm()), torch.finfo(dtype).eps * float(e.norm())
+            if err > bound:
+                raise AssertionError(f"{what}: error norm {err:.3g} exceeds one {dtype_name(dtype)} rounding step of "
+                                     f"the reference ({bound:.3g}) — a systematic deviation, not summation order")
+            factor = None
         if factor is not None and not bool(bad.any()):
             rounding = float((e.to(dtype).float() - e).norm())
             err = float((a - e).norm())

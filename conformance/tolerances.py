@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-SUITE_VERSION = "1.1.0"
+SUITE_VERSION = "1.2.0"
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -35,6 +35,12 @@ TABLE: dict[tuple[str, str], Tolerance] = {
     ("float32", "attention"): Tolerance(2e-5, 1e-4),
     ("float16", "attention"): Tolerance(2e-3, 5e-3),
     ("bfloat16", "attention"): Tolerance(1.6e-2, 2e-2),
+    # decode ops are checked against the torch reference ops run in the same dtype (their contract is
+    # to round where those round), so the bounds cover summation order and a rounding flip that
+    # propagates through RoPE or the residual add
+    ("float32", "decode_ops"): Tolerance(2e-5, 1e-4),
+    ("float16", "decode_ops"): Tolerance(4e-3, 1e-2),
+    ("bfloat16", "decode_ops"): Tolerance(3.2e-2, 4e-2),
     **{(d, op): EXACT for d in DTYPES for op in ("kv_write", "copy_blocks", "transfer", "store")},
 }
 

@@ -103,6 +103,19 @@ def test_broken_backend_fails_exactly_its_tests(teeth, bug, expect_fail):
     assert others == {"PASS"}, f"the other tests must still pass: {others}"
 
 
+def test_decode_ops_checks(teeth):
+    """Decode ops: the reference ops pass; ops that skip RoPE fail exactly the qkv checks."""
+    sel = ["-k", "test_decode_op and float32 and hd64"]
+    ok = statuses(conformance.run("teeth-ok", pytest_args=sel))
+    assert len(ok) == 12 and set(ok.values()) == {"PASS"}, ok
+    got = statuses(conformance.run("teeth-norope", pytest_args=sel))
+    assert got.keys() == ok.keys()
+    assert {i for i, s in got.items() if s == "FAIL"} == {i for i in got if "-qkv-" in i}
+    assert {s for i, s in got.items() if "-qkv-" not in i} == {"PASS"}
+    none = statuses(conformance.run("teeth-slot", pytest_args=sel))
+    assert set(none.values()) == {"NOT_SUPPORTED"}
+
+
 def test_engine_level_catches_a_prefix_chunk_bug(teeth):
     """A chunk on a cached prefix masked wrongly: engine prefix-cache and chunked-prefill identity fail;
     one-shot prefill and decode (greedy parity, preemption by recompute) still pass."""

@@ -4,6 +4,7 @@ distribution (entry point group ``hwkv.backends``) so they reach conformance the
 Each is the CPU reference backend with one attention piece replaced by a naive paged attention
 (:class:`NaiveImpl`) carrying exactly one bug. ``teeth-ok`` is the naive attention without a bug:
 it must certify, which shows that every other backend fails because of its bug alone.
+``teeth-ok`` also offers the torch reference DecodeOps, ``teeth-norope`` decode ops without RoPE.
 ``teeth-crosslayer`` is that same correct attention on the CROSS_LAYER KV layout (not a bug: it shows
 the suite reads every layout through the layout definitions).
 """
@@ -19,10 +20,12 @@ import pytest
 import torch
 
 from hwkv.interfaces import API_VERSION, AttentionBackend, BackendSpec, KVLayoutKind
+from hwkv.model.decode_ops import TorchDecodeOps
 from hwkv.plugins import hookimpl
 from hwkv.reference import CpuBackend, ReferenceAttentionImpl
 
-BUGS = ("ok", "slot", "causal", "gqa", "blockorder", "raises", "asserts", "hangs", "crosslayer", "dodges", "halfcausal")
+BUGS = ("ok", "slot", "causal", "gqa", "blockorder", "raises", "asserts", "hangs", "crosslayer", "dodges", "halfcausal",
+        "norope")
 
 
 class NaiveImpl(ReferenceAttentionImpl):
@@ -77,6 +80,13 @@ class NaiveImpl(ReferenceAttentionImpl):
         return out
 
 
+class NoRopeDecodeOps(TorchDecodeOps):
+    """Decode ops whose ``qkv`` rotates every token by position 0 (that is, not at all)."""
+
+    def qkv(self, h, norm_weight, eps, weight, bias, cos, sin, positions, *rest):  # type: ignore[no-untyped-def]
+        return super().qkv(h, norm_weight, eps, weight, bias, cos, sin, torch.zeros_like(positions), *rest)
+
+
 def _backend_class(bug: str) -> type[CpuBackend]:
     impl = type(f"NaiveImpl_{bug}", (NaiveImpl,), {"bug": bug})
 
@@ -98,6 +108,9 @@ def _backend_class(bug: str) -> type[CpuBackend]:
             self._caps = dataclasses.replace(self._caps, kv_layouts=(layout,))
             if bug == "halfcausal":  # no float32: the engine checks take the teacher-forced path
                 self._caps = dataclasses.replace(self._caps, dtypes=(torch.float16,))
+
+        def decode_ops(self) -> TorchDecodeOps | None:  # the correct one offers the reference ops
+            return TorchDecodeOps() if bug == "ok" else NoRopeDecodeOps() if bug == "norope" else None
 
     _Backend.__name__ = f"TeethBackend_{bug}"
     return _Backend
