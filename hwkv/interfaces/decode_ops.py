@@ -3,8 +3,9 @@
 At batch 1–8 a decoder layer's projections are GEMVs bound by their weight read plus a fixed ramp
 per kernel, and the norms, RoPE, activation and KV write around them are nothing but ramp. A backend
 may therefore offer these four ops, each replacing a run of small kernels with one; the model
-(hwkv/model/llama.py) uses them for every forward of at most ``max_tokens`` tokens when the engine
-was built with them (``Engine(decode_ops=...)``).
+(hwkv/model/llama.py) uses them for every forward of at most ``use_up_to`` tokens (``max_tokens``,
+or less where the backend's ``preferred_tokens`` says so) when the engine was built with them
+(``Engine(decode_ops=...)``).
 
 Contract (the torch reference is :class:`hwkv.model.decode_ops.TorchDecodeOps`):
 
@@ -30,7 +31,14 @@ import torch
 
 
 class DecodeOps(ABC):
-    max_tokens: int = 8
+    max_tokens: int = 8  # the most tokens the ops accept (and conformance checks)
+    # the model takes the fused path for forwards of at most this many tokens: where the backend
+    # measured them faster than its plain ops (None: max_tokens)
+    preferred_tokens: int | None = None
+
+    @property
+    def use_up_to(self) -> int:
+        return self.max_tokens if self.preferred_tokens is None else min(self.preferred_tokens, self.max_tokens)
 
     def validate(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  kv_dtype: torch.dtype) -> list[str]:

@@ -162,7 +162,7 @@ class LlamaForCausalLM(nn.Module):
         if slot_mapping is None:
             slot_mapping = attn_metadata.slot_mapping  # type: ignore[attr-defined]
         ops = self.decode_ops
-        if ops is not None and input_ids.shape[0] <= ops.max_tokens:
+        if ops is not None and input_ids.shape[0] <= ops.use_up_to:
             return self._forward_fused(ops, input_ids, positions, kv_cache, attn_metadata, slot_mapping)
         # h is the residual stream; each sublayer's output is added to it inside the next norm
         layers, pf = self.model.layers, self._prefetch
@@ -206,7 +206,7 @@ class LlamaForCausalLM(nn.Module):
         return h
 
     def set_decode_ops(self, ops: DecodeOps | None) -> None:
-        """Use ``ops`` (a backend's :class:`DecodeOps`) for every forward of at most ``ops.max_tokens``
+        """Use ``ops`` (a backend's :class:`DecodeOps`) for every forward of at most ``ops.use_up_to``
         tokens; ``None``: off. Raises ``ValueError`` with the reasons when they cannot serve this model."""
         if ops is not None:
             cfg = self.config
@@ -225,7 +225,7 @@ class LlamaForCausalLM(nn.Module):
         if logits_indices is not None:
             hidden = hidden.index_select(0, logits_indices)
         ops, norm = self.decode_ops, self.model.norm
-        if ops is not None and hidden.shape[0] <= ops.max_tokens:
+        if ops is not None and hidden.shape[0] <= ops.use_up_to:
             return ops.norm_linear(hidden, norm.weight, norm.eps, self.lm_head_weight, None).float()
         return F.linear(norm(hidden), self.lm_head_weight).float()
 

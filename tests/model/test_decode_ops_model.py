@@ -76,3 +76,16 @@ def test_engine_decode_ops_flag(tmp_path, cpu_backend, monkeypatch):
     eng = Engine(str(path), backend=cpu_backend)
     assert isinstance(eng.model.decode_ops, TorchDecodeOps)
     assert Engine(str(path), backend=cpu_backend, decode_ops=False).model.decode_ops is None
+
+
+def test_preferred_tokens_limits_the_fused_path(tmp_path, cpu_backend, paged_runner):
+    model, *_ = load_model(write_tiny_model(tmp_path / "m"), cpu_backend)
+    ops = _Counting()
+    ops.preferred_tokens = 1
+    assert ops.use_up_to == 1 and TorchDecodeOps().use_up_to == 8
+    model.set_decode_ops(ops)
+    r = paged_runner(model, cpu_backend, 2, 16)
+    r.step([(0, [3, 4, 5], 0, 3)])  # 3 tokens, 1 logits row: unfused layers, fused LM head
+    assert ops.calls == 1
+    r.step([(0, [3, 4, 5, 6], 3, 4)])  # 1 token: fused (2 layers + LM head)
+    assert ops.calls == 1 + 3

@@ -73,6 +73,12 @@ def pdl_available(device: torch.device) -> tuple[bool, str]:
 
 class TritonDecodeOps(DecodeOps):
     max_tokens = 8
+    # The model uses them for single-token forwards only: there they win (H100 batch-1 decode, MBU
+    # 73% vs 61% with cuBLAS), while with up to 8 tokens the offline run lost 21% (26.8k vs 34.0k
+    # tok/s, bench/results/e2e-throughput-ab-H100-2026-11-22.md; not profiled yet — the likely cost
+    # is _rows_dot's row-by-row reduction, O(M^2 K) per tile). Up to 8 tokens they are correct
+    # (conformance) but untuned.
+    preferred_tokens = 1
 
     def __init__(self) -> None:
         self._pdl: dict[torch.device, tuple[bool, int]] = {}  # per device: PDL on, SM count
