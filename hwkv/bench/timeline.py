@@ -3,8 +3,8 @@ the critical path.
 
 Kernels chained by programmatic dependent launch overlap (the next one starts during the previous
 one's tail), so their durations do not add up to the step. Each kernel is charged instead with how
-far it moves the frontier, ``end_i - max(end of all earlier kernels)`` (and the idle time before it
-when it starts after that frontier): the charges sum to the replay's span.
+far it moves the frontier, ``end_i - max(end of all earlier kernels, start_i)``; time with no kernel
+running is counted apart (``idle``): charges + idle = the replay's span.
 """
 
 from __future__ import annotations

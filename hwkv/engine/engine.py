@@ -105,7 +105,7 @@ class Engine:
         if ops is not None and decode_ops is None and ops.validate(
                 mc.num_heads, mc.num_kv_heads, mc.head_dim, self.model.dtype, self.kv_cache.spec.dtype):
             ops = None  # None: only where they serve this model; True: set_decode_ops says why not
-        self.model.set_decode_ops(ops)
+        self.model.set_decode_ops(ops, self.kv_cache.spec.dtype)
         if graphs:
             self.runner.enable_graphs(min(max_num_seqs, max_num_batched_tokens))
         self._tracked: dict[str, _Tracked] = {}

@@ -14,7 +14,9 @@ Contract (the torch reference is :class:`hwkv.model.decode_ops.TorchDecodeOps`):
   activation dtype; inputs are never written.
 * Each op computes exactly the sequence of torch ops named in its docstring, rounding to the
   activation dtype wherever those ops do; only the order of the summation inside a dot product may
-  differ. Backends are held to this by the conformance suite (tolerance of one dtype rounding step).
+  differ. The conformance suite compares with those ops run in the same dtype and bounds the error
+  (elementwise, and in norm by one rounding step of the dtype): it checks the error's size, not
+  the rounding order itself.
 * ``qkv`` also writes the k and v rows (after RoPE on k) into ``layer_kv`` at ``slot_mapping``
   exactly like ``AttentionImpl.write_kv`` (slot ``-1`` skipped, never a write outside the cache); the
   model then calls ``AttentionImpl.forward`` without ``write_kv``.

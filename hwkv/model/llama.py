@@ -205,12 +205,13 @@ class LlamaForCausalLM(nn.Module):
             h = ops.silu_linear(x, mlp.down_proj.weight, mlp.down_proj.bias, h)
         return h
 
-    def set_decode_ops(self, ops: DecodeOps | None) -> None:
+    def set_decode_ops(self, ops: DecodeOps | None, kv_dtype: torch.dtype | None = None) -> None:
         """Use ``ops`` (a backend's :class:`DecodeOps`) for every forward of at most ``ops.use_up_to``
-        tokens; ``None``: off. Raises ``ValueError`` with the reasons when they cannot serve this model."""
+        tokens; ``None``: off. ``kv_dtype``: the KV cache's (default: the model dtype). Raises
+        ``ValueError`` with the reasons when they cannot serve this model."""
         if ops is not None:
             cfg = self.config
-            reasons = ops.validate(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.dtype)
+            reasons = ops.validate(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.dtype, kv_dtype or self.dtype)
             if reasons:
                 raise ValueError(f"decode ops {type(ops).__name__} cannot serve this model: {'; '.join(reasons)}")
         self.decode_ops = ops

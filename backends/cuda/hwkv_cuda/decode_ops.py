@@ -52,10 +52,6 @@ def choose_config(m: int, n: int, k: int) -> DenseConfig:
     return DenseConfig(**cfg)
 
 
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
 def pdl_available(device: torch.device) -> tuple[bool, str]:
     """Programmatic dependent launch: sm_90+, a Triton with grid dependency control, not interpreted."""
     from hwkv_cuda.kernels.dense import gdc_wait
@@ -81,7 +77,7 @@ class TritonDecodeOps(DecodeOps):
     preferred_tokens = 1
 
     def __init__(self) -> None:
-        self._pdl: dict[torch.device, tuple[bool, int]] = {}  # per device: PDL on, SM count
+        self._pdl: dict[torch.device, bool] = {}
 
     def validate(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  kv_dtype: torch.dtype) -> list[str]:
@@ -90,6 +86,9 @@ class TritonDecodeOps(DecodeOps):
             reasons.append(f"dtype {dtype} (allowed: {', '.join(map(str, DTYPES))})")
         if head_dim % 2:
             reasons.append(f"head_dim {head_dim} is odd (RoPE pairs i with i + head_dim/2)")
+        if kv_dtype != dtype:
+            reasons.append(f"KV cache dtype {kv_dtype} differs from the activations' {dtype} (the KV write "
+                           "casts without a scale; allowed: the same dtype)")
         return reasons
 
     def _launch(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n_in: int,
@@ -105,13 +104,18 @@ class TritonDecodeOps(DecodeOps):
             raise ValueError(f"{m} tokens; these ops take at most {self.max_tokens}")
         if not weight.is_contiguous():
             raise ValueError("weight must be contiguous [N, K]")
+        for name, t in (("bias", bias), ("norm weight", norm_weight)) + (
+                (("cos", rope[0]), ("sin", rope[1]), ("positions", rope[2]), ("slot_mapping", rope[4]))
+                if rope is not None else ()):
+            if t is not None and t.stride(-1) != 1:
+                raise ValueError(f"{name} must have a unit last stride, got strides {t.stride()}")
         y = torch.empty((m, n), dtype=x.dtype, device=x.device)
         if m == 0:
             return y
         dev = x.device
         if dev not in self._pdl:
-            self._pdl[dev] = pdl_available(dev)[0], _num_sms(dev)
-        pdl, sms = self._pdl[dev]
+            self._pdl[dev] = pdl_available(dev)[0]
+        pdl = self._pdl[dev]
         cfg = choose_config(m, n, k)
         res = residual if residual is not None else y
         if rope is not None:
