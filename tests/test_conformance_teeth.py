@@ -116,22 +116,13 @@ def test_decode_ops_checks(teeth):
     assert set(none.values()) == {"NOT_SUPPORTED"}
 
 
-def test_engine_level_catches_a_prefix_chunk_bug(teeth):
+@pytest.mark.parametrize("name", ["teeth-causal", "teeth-halfcausal"])
+def test_engine_level_catches_a_prefix_chunk_bug(teeth, name):
     """A chunk on a cached prefix masked wrongly: engine prefix-cache and chunked-prefill identity fail;
-    one-shot prefill and decode (greedy parity, preemption by recompute) still pass."""
-    got = statuses(conformance.run("teeth-causal", pytest_args=["-k", "test_engine"]))
-    assert got == {
-        "test_engine.py::test_greedy_matches_reference": "PASS",
-        "test_engine.py::test_prefix_cache_identity": "FAIL",
-        "test_engine.py::test_chunked_prefill_identity": "FAIL",
-        "test_engine.py::test_preemption_identity": "PASS",
-    }
-
-
-def test_engine_level_catches_the_bug_without_float32(teeth):
-    """The same bug on a float16-only backend: tokens are scored by the float32 reference on the
+    one-shot prefill and decode (greedy parity, preemption by recompute) still pass. ``halfcausal`` is
+    the same bug on a float16-only backend: tokens are scored by the float32 reference on the
     backend's own prefixes (teacher forcing), and the wrong mask still fails exactly those checks."""
-    got = statuses(conformance.run("teeth-halfcausal", pytest_args=["-k", "test_engine"]))
+    got = statuses(conformance.run(name, pytest_args=["-k", "test_engine"]))
     assert got == {
         "test_engine.py::test_greedy_matches_reference": "PASS",
         "test_engine.py::test_prefix_cache_identity": "FAIL",

@@ -102,10 +102,11 @@ class Engine:
         ops = self.backend.decode_ops() if decode_ops is not False else None
         if decode_ops and ops is None:
             raise ValueError(f"decode_ops=True but backend {self.backend.name!r} offers none (allowed: False or None)")
-        if ops is not None and decode_ops is None and ops.validate(
-                mc.num_heads, mc.num_kv_heads, mc.head_dim, self.model.dtype, self.kv_cache.spec.dtype):
-            ops = None  # None: only where they serve this model; True: set_decode_ops says why not
-        self.model.set_decode_ops(ops, self.kv_cache.spec.dtype)
+        try:
+            self.model.set_decode_ops(ops, self.kv_cache.spec.dtype)
+        except ValueError:  # the ops cannot serve this model: True says why, None runs without them
+            if decode_ops:
+                raise
         if graphs:
             self.runner.enable_graphs(min(max_num_seqs, max_num_batched_tokens))
         self._tracked: dict[str, _Tracked] = {}

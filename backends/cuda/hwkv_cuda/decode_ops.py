@@ -121,21 +121,19 @@ class TritonDecodeOps(DecodeOps):
         if rope is not None:
             cos, sin, pos, layer_kv, slots, heads, kv_heads, d = rope
             nb, _, bs = layer_kv.shape[:3]
-            grid, kv_args = -(-n // cfg.block_n), (cos, sin, pos, layer_kv, slots)
+            kv_args = (cos, sin, pos, layer_kv, slots)
             strides = (layer_kv.stride(0), layer_kv.stride(1), layer_kv.stride(2), layer_kv.stride(3))
             geo = dict(HEAD=d, Q_N=heads * d, KV_N=kv_heads * d, BS=bs)
             num_slots, stride_cos = nb * bs, cos.stride(0)
         else:
-            grid, kv_args, strides = -(-n // cfg.block_n), (y, y, y, y, y), (0, 0, 0, 0)
+            kv_args, strides = (y, y, y, y, y), (0, 0, 0, 0)
             geo, num_slots, stride_cos = dict(HEAD=2, Q_N=0, KV_N=0, BS=1), 0, 0
-        dense_kernel[(grid,)](
+        dense_kernel[(-(-n // cfg.block_n),)](
             x, weight, bias if bias is not None else y, y, res, norm_weight if norm_weight is not None else y,
             *kv_args, m, n, k, eps, num_slots, x.stride(0), y.stride(0), res.stride(0), stride_cos, *strides,
             PROLOGUE=prologue, EPILOGUE=epilogue, HAS_BIAS=bias is not None, M_PAD=_pow2(m),
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=pdl, PRELOAD=bool(cfg.preload), ONE_TILE=cfg.block_k >= k,
-            **geo,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            **({"launch_pdl": True} if pdl else {}),
+            **geo, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
         )
         return y
 
