@@ -201,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
     shapes = [("decode", b, h, hkv, 1, ctx - 1) for h, hkv in heads
               for b in map(int, args.batches.split(",")) for ctx in map(int, args.contexts.split(","))]
     shapes += [("prefill", 1, h, hkv, int(c), int(p)) for h, hkv in heads
-               for c, p in (x.split(":") for x in args.prefill.split(","))]
+               for c, p in (x.split(":") for x in args.prefill.split(",") if x)]
     results = []
     free = torch.cuda.mem_get_info()[0]
     for kind, b, h, hkv, q_len, prefix in shapes:

@@ -29,8 +29,9 @@ CASES = {  # name: (query lens, seq lens, H, H_kv, D, block size)
 
 @pytest.mark.parametrize("mode", ["fused", "kernel"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_attention_matches_naive(name, mode, monkeypatch):
-    monkeypatch.setenv("HWKV_CUDA_ATTN_CONFIG", "min_split=32,split_below=1000,part_cap=0")  # split on small shapes
+def test_attention_matches_naive(name, mode, monkeypatch, variant=""):
+    # split on small shapes
+    monkeypatch.setenv("HWKV_CUDA_ATTN_CONFIG", "min_split=32,split_below=1000,part_cap=0" + variant)
     monkeypatch.setenv("HWKV_CUDA_SPLIT_REDUCE", mode)
     qlens, slens, h, hkv, d, bs = CASES[name]
     q, kv, md, tables = _case(qlens, slens, h, hkv, d, bs, seed=len(name))
@@ -45,6 +46,13 @@ def test_attention_matches_naive(name, mode, monkeypatch):
     splits = {p[1] for p in built.plans.values()}
     if "split" in name:
         assert max(splits) > 1, "case meant to exercise split-KV ran unsplit"
+
+
+@pytest.mark.parametrize("variant", [",early_v=0,num_stages=3", ",early_v=1,num_stages=3"])
+@pytest.mark.parametrize("name", ["decode_mha_split", "mixed_gqa4_split", "decode_head64_block32"])
+def test_attention_variants_match_naive(name, variant, monkeypatch):
+    """V loaded after the softmax or beside K, pipelined or not: the same results."""
+    test_attention_matches_naive(name, "fused", monkeypatch, variant)
 
 
 def test_split_heuristic():
