@@ -44,7 +44,6 @@ class TileConfig:
     merge_cap: int = 0  # fused reduction: one merge reads <= one split's KV bytes / merge_cap (0: no cap;
     # the H100 A/B (bench/results/reduce-ab-H100-2026-11-21.json) found the cap slower at b1 ctx 8k)
     merge_regs: int = 32  # fp32 values per thread in one load of the fused merge
-    early_v: int = 0  # issue each tile's V load beside its K load
 
 
 SHORT_SPLIT = 128  # a split of at most this many keys runs as one tile
@@ -60,20 +59,21 @@ def choose_config(max_query_len: int, group: int, head_size: int, dtype: torch.d
     short (``seg``, the longest split, <= ``SHORT_SPLIT``): then each is one 128-key tile, since a
     split's time is its chain of dependent loads (block id → K → V) per tile, not its bandwidth
     (H100, batch 1: ctx 512 10.7 → 7.3 µs, ctx 4k 15.9 → 15.2 µs; bench/results/
-    e2e-llama-1b-H100-2026-11-21-attn-tiles.md). For the same reason split decodes run unpipelined
-    (one stage: a 128-key tile's three K/V stages took 192 KB of shared memory, one program per SM)
-    and load each tile's V beside its K (H100, batch 1, ctx 1k/4k/16k: 9.1/15.8/35.2 →
-    7.7/12.5/33.8 µs; bench/results/attention-b1-stages-H100-2026-11-22.txt)."""
+    e2e-llama-1b-H100-2026-11-21-attn-tiles.md). Such a one-tile split runs unpipelined: three K/V
+    stages of a 128-key tile took 192 KB of shared memory, one program per SM, for a loop of one
+    iteration (H100 GQA b1 ctx 1k/4k/8k 9.1/15.7/22.7 → 7.7/12.6/21.5 µs, MHA b1 ctx 1k/4k 14.9/34.9 →
+    12.0/31.8; longer splits keep three stages, as good or better from 8 tiles of 32 keys on; bench/results/
+    attention-b1b8-stages-H100-2026-11-22.txt)."""
     hpad = _pow2(group)
     narrow = head_size > 128 or dtype == torch.float32
     if max_query_len == 1:
         block_m = max(16, hpad)
         block_n = 32 if narrow or split else 64
-        if split and not narrow and 0 < seg <= SHORT_SPLIT:
+        one_tile = split and not narrow and 0 < seg <= SHORT_SPLIT
+        if one_tile:
             block_n = SHORT_SPLIT
-        cfg = dict(block_m=block_m, block_q=1, block_n=block_n, num_warps=4, num_stages=3)
-        if split:  # few keys per program: latency, not bandwidth (see the docstring)
-            cfg.update(num_stages=1, early_v=1)
+        # one tile has no loop to pipeline: three stages would only take shared memory (residency)
+        cfg = dict(block_m=block_m, block_q=1, block_n=block_n, num_warps=4, num_stages=1 if one_tile else 3)
     else:
         block_m = max(64 if narrow else 128, hpad)
         cfg = dict(block_m=block_m, block_q=block_m // hpad, block_n=32 if narrow else 64,
@@ -248,7 +248,6 @@ class TritonAttentionImpl(AttentionImpl):
             BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n,
             SPLIT=splits > 1, FUSED=fused, NUM_SPLITS_PAD=splits_pad, G_PAD=g_pad,
             MERGE_ROWS=merge_rows, MERGE_SPLITS=merge_splits, IEEE=query.dtype == torch.float32, PDL=pdl,
-            EARLY_V=bool(cfg.early_v),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
         )
         if splits > 1 and not fused:

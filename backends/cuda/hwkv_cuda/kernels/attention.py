@@ -21,17 +21,8 @@ from hwkv_cuda.kernels.dense import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
-def _load_v(kv_ptr, stride_kv, off, offs_d, d_mask, kv_pos, kv_end, MASKED: tl.constexpr):
-    if MASKED:
-        return tl.load(kv_ptr + stride_kv + off[:, None] + offs_d[None, :],
-                       mask=(kv_pos < kv_end)[:, None] & d_mask[None, :], other=0.0)
-    return tl.load(kv_ptr + stride_kv + off[:, None] + offs_d[None, :], mask=d_mask[None, :], other=0.0)
-
-
-@triton.jit
 def _tile(acc, l_i, m_i, q, qk_scale, kv_ptr, bt_ptr, start, kv_end, q_pos, kvh_off, stride_blk, stride_tok,
-          stride_kv, offs_n, offs_d, d_mask, BS: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr,
-          EARLY_V: tl.constexpr):
+          stride_kv, offs_n, offs_d, d_mask, BS: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr):
     kv_pos = start + offs_n
     if MASKED:
         n_mask = kv_pos < kv_end
@@ -43,8 +34,6 @@ def _tile(acc, l_i, m_i, q, qk_scale, kv_ptr, bt_ptr, start, kv_end, q_pos, kvh_
         k = tl.load(kv_ptr + off[None, :] + offs_d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0)
     else:
         k = tl.load(kv_ptr + off[None, :] + offs_d[:, None], mask=d_mask[:, None], other=0.0)
-    if EARLY_V:  # V's load in flight with K's: a one-tile split is two dependent round trips shorter
-        v = _load_v(kv_ptr, stride_kv, off, offs_d, d_mask, kv_pos, kv_end, MASKED)
     if IEEE:
         qk = tl.dot(q, k, input_precision="ieee")
     else:
@@ -57,8 +46,11 @@ def _tile(acc, l_i, m_i, q, qk_scale, kv_ptr, bt_ptr, start, kv_end, q_pos, kvh_
     p = tl.math.exp2(qk - m_safe[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if not EARLY_V:
-        v = _load_v(kv_ptr, stride_kv, off, offs_d, d_mask, kv_pos, kv_end, MASKED)
+    if MASKED:
+        v = tl.load(kv_ptr + stride_kv + off[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :],
+                    other=0.0)
+    else:
+        v = tl.load(kv_ptr + stride_kv + off[:, None] + offs_d[None, :], mask=d_mask[None, :], other=0.0)
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
@@ -120,7 +112,6 @@ def attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, FUSED: tl.constexpr, NUM_SPLITS_PAD: tl.constexpr, G_PAD: tl.constexpr,
     MERGE_ROWS: tl.constexpr, MERGE_SPLITS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False,
-    EARLY_V: tl.constexpr = False,
 ):
     if PDL:  # launched early beside the previous kernel: wait for its writes before reading anything
         gdc_launch_dependents()  # the next kernel only preloads weights before its own wait
@@ -187,10 +178,10 @@ def attention_kernel(
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     for i in range(n_free):
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, qk_scale, kv_ptr, bt_ptr, lo_kv + i * BLOCK_N, hi_kv, q_pos, kvh_off,
-                              stride_blk, stride_tok, stride_kv, offs_n, offs_d, d_mask, BS, False, IEEE, EARLY_V)
+                              stride_blk, stride_tok, stride_kv, offs_n, offs_d, d_mask, BS, False, IEEE)
     for start in range(lo_kv + n_free * BLOCK_N, hi_kv, BLOCK_N):
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, qk_scale, kv_ptr, bt_ptr, start, hi_kv, q_pos, kvh_off,
-                              stride_blk, stride_tok, stride_kv, offs_n, offs_d, d_mask, BS, True, IEEE, EARLY_V)
+                              stride_blk, stride_tok, stride_kv, offs_n, offs_d, d_mask, BS, True, IEEE)
 
     if SPLIT:
         # partials [num_tokens, num_heads, NUM_SPLITS_PAD, (D_PAD | 2)]; empty splits write (-inf, 0)
