@@ -1,8 +1,9 @@
 """`hwkv bench attention`: the CUDA backend's paged attention vs torch SDPA and FlexAttention, same run.
 
 Decode (batch x context x heads) and prefill chunks on a cached prefix. Ours reads a paged KV cache
-with scattered blocks; SDPA (default backend) and FlexAttention (compiled, block mask) read
-equivalent contiguous KV. Inputs rotate over several copies so no shape is timed out of L2; each
+with scattered blocks; SDPA (default backend) and FlexAttention (``flex``: compiled, block mask) read
+equivalent contiguous KV; ``flex-paged`` is FlexAttention reading our paged cache in place
+(:mod:`hwkv.bench.flex_paged`). Inputs rotate over several copies so no shape is timed out of L2; each
 implementation is timed as CUDA-graph replays (eager loop where capture fails). Reported: median
 time, achieved TB/s over the bytes that must move (KV + Q + O), % of the device-to-device copy
 bandwidth measured in this run, and causal TFLOP/s for prefill.
@@ -31,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contexts", default="1024,4096,8192,16384")
     p.add_argument("--prefill", default="512:0,512:4096,512:16384,2048:0,2048:4096,2048:16384,4096:0,4096:4096,"
                    "4096:16384", help="comma list of chunk:prefix (batch 1)")
-    p.add_argument("--peers", default="sdpa,flex", help="comma list from sdpa, flex")
+    p.add_argument("--peers", default="sdpa,flex,flex-paged", help="comma list from sdpa, flex, flex-paged")
     p.add_argument("--flex-budget-s", type=float, default=240.0, help="stop compiling FlexAttention after this")
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--out", default=None, help="JSON path (default bench/results/attention-<device>-<date>.json)")
@@ -146,6 +147,19 @@ class Case:
         gqa = self.h != self.hkv
         return [lambda r=r: fn(q[r], k[r], v[r], block_mask=mask, enable_gqa=gqa) for r in range(self.rot)]
 
+    def flex_paged(self) -> list:
+        """FlexAttention on our paged cache (hwkv.bench.flex_paged). One input set: its mask_mod is
+        specialised to one block table, so at shapes under ROTATE_BYTES its KV may sit in L2 (in its favour)."""
+        from torch.nn.attention.flex_attention import flex_attention
+
+        from hwkv.bench.flex_paged import paged_flex_args
+
+        a = paged_flex_args(self.kv, self.md[0].block_tables, self.q_len, self.seq)
+        fn = _compiled_flex(flex_attention)
+        q = self.q[0].view(self.b, self.q_len, self.h, self.d).transpose(1, 2)
+        return [lambda: fn(q, a["k"], a["v"], block_mask=a["block_mask"], enable_gqa=self.h != self.hkv,
+                           kernel_options=a["kernel_options"])]
+
 
 _FLEX = None
 
@@ -165,10 +179,10 @@ def _measure(case: Case, peers: list[str], args, copy_bw: float, flex_deadline: 
     import torch
 
     rows = []
-    impls = [("hwkv-cuda", case.ours), *[(p, getattr(case, p)) for p in peers]]
+    impls = [("hwkv-cuda", case.ours), *[(p, getattr(case, p.replace("-", "_"))) for p in peers]]
     for name, make in impls:
         row: dict[str, Any] = dict(impl=name)
-        if name == "flex" and time.monotonic() > flex_deadline:
+        if name.startswith("flex") and time.monotonic() > flex_deadline:
             row["error"] = "skipped: FlexAttention compile budget spent (--flex-budget-s)"
         else:
             try:
@@ -258,22 +272,23 @@ def to_markdown(meta: dict, results: list[dict]) -> str:
              f"- torch {meta['torch']}, triton {meta['triton']}, {meta['dtype']}, head {meta['head_size']}, "
              f"block {meta['block_size']}",
              f"- device-to-device copy bandwidth (read+write), this run: {meta['copy_tbps']} TB/s", "",
-             "| kind | batch | H/H_kv | q | ctx | impl | µs | TB/s | % copy | TFLOP/s | vs SDPA | vs flex |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| kind | batch | H/H_kv | q | ctx | impl | µs | TB/s | % copy | TFLOP/s | vs SDPA | vs flex "
+             "| vs flex-paged |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         head = f"| {r['kind']} | {r['batch']} | {r['heads']}/{r['kv_heads']} | {r['q_len']} | {r['ctx']} "
         if r.get("skipped"):
-            lines.append(head + f"| — | {r['skipped']} | | | | | |")
+            lines.append(head + f"| — | {r['skipped']} | | | | | | |")
             continue
         t = {row["impl"]: row.get("time_us") for row in r["rows"]}
         for row in r["rows"]:
             if "error" in row:
-                lines.append(head + f"| {row['impl']} | {row['error']} | | | | | |")
+                lines.append(head + f"| {row['impl']} | {row['error']} | | | | | | |")
                 continue
             ours = row["impl"] == "hwkv-cuda"
-            vs = [f"{t[p] / row['time_us']:.2f}x" if ours and t.get(p) else "" for p in ("sdpa", "flex")]
+            vs = [f"{t[p] / row['time_us']:.2f}x" if ours and t.get(p) else "" for p in ("sdpa", "flex", "flex-paged")]
             lines.append(head + f"| {row['impl']} | {row['time_us']} | {row['tbps']} | {row['pct_copy']} | "
-                         f"{row.get('tflops', '')} | {vs[0]} | {vs[1]} |")
+                         f"{row.get('tflops', '')} | {' | '.join(vs)} |")
     return "\n".join(lines) + "\n"
 
 
