@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+PEERS = ("sdpa", "flex", "flex-paged")
 ROTATE_BYTES = 256 << 20  # rotate inputs until at least this much is touched per graph replay
 
 
@@ -32,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contexts", default="1024,4096,8192,16384")
     p.add_argument("--prefill", default="512:0,512:4096,512:16384,2048:0,2048:4096,2048:16384,4096:0,4096:4096,"
                    "4096:16384", help="comma list of chunk:prefix (batch 1)")
-    p.add_argument("--peers", default="sdpa,flex,flex-paged", help="comma list from sdpa, flex, flex-paged")
+    p.add_argument("--peers", default=",".join(PEERS), help=f"comma list from {', '.join(PEERS)}")
     p.add_argument("--flex-budget-s", type=float, default=240.0, help="stop compiling FlexAttention after this")
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--out", default=None, help="JSON path (default bench/results/attention-<device>-<date>.json)")
@@ -201,12 +202,15 @@ def _measure(case: Case, peers: list[str], args, copy_bw: float, flex_deadline: 
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    peers = [p for p in args.peers.split(",") if p]
+    if unknown := [p for p in peers if p not in PEERS]:
+        print(f"unknown --peers {', '.join(unknown)}: choose from {', '.join(PEERS)}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("hwkv bench attention needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
-    peers = [p for p in args.peers.split(",") if p]
     heads = [tuple(int(x) for x in hs.split("/")) for hs in args.heads.split(",")]
     copy_bw = copy_bandwidth()
     dev = torch.cuda.get_device_name()

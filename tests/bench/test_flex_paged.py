@@ -1,5 +1,6 @@
 """The bench's paged FlexAttention peer reads hwkv's interleaved paged cache correctly (CPU, eager)."""
 
+import argparse
 import shutil
 
 import pytest
@@ -58,3 +59,12 @@ def test_paged_flex_matches_naive(batch, h, hkv, q_len, seq_len, bs):
 def test_paged_flex_rejects_other_layouts():
     with pytest.raises(ValueError, match="contiguous"):
         paged_flex_args(torch.randn(4, 16, 2, 2, 8), torch.zeros(1, 1, dtype=torch.int32), 1, 8)
+
+
+def test_bench_rejects_unknown_peers(capsys):
+    from hwkv.bench import attention
+
+    ap = argparse.ArgumentParser()
+    attention.add_arguments(ap)
+    assert attention.run(ap.parse_args(["--peers", "sdpa,flexx"])) == 2
+    assert "unknown --peers flexx: choose from sdpa, flex, flex-paged" in capsys.readouterr().err
