@@ -104,24 +104,31 @@ def test_config_env_override(monkeypatch):
         choose_config(1, 2048, 2048)
 
 
-LLAMA_1B = [("qkv", 3072, 2048), ("o_proj", 2048, 2048), ("gate_up", 16384, 2048), ("down", 2048, 8192),
-            ("lm_head", 128256, 2048)]
+MODEL_SHAPES = {  # (projection, N, K); the qkv bias flag (Qwen2 has one)
+    "llama-1b": ([("qkv", 3072, 2048), ("o_proj", 2048, 2048), ("gate_up", 16384, 2048), ("down", 2048, 8192),
+                  ("lm_head", 128256, 2048)], False),
+    "qwen-0.5b": ([("qkv", 1152, 896), ("o_proj", 896, 896), ("gate_up", 9728, 896), ("down", 896, 4864),
+                   ("lm_head", 151936, 896)], True),
+}
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(DEV != "cuda", reason="the production tile configs compile for a GPU only")
 @pytest.mark.parametrize("m", [1, 2, 5, 8])
-def test_production_tiles_on_llama_1b_shapes(m):
-    """The configs choose_config picks for a real model (pipelined K loop for down, the LM head's,
-    the preloaded ones), bf16, no bias, against the torch ops."""
+@pytest.mark.parametrize("model", list(MODEL_SHAPES))
+def test_production_tiles_on_model_shapes(model, m):
+    """The configs choose_config picks for the bench's models (pipelined K loop for down, the LM
+    head's, the preloaded ones), bf16, against the torch ops."""
     gen, dt, ops, ref = torch.Generator().manual_seed(m), torch.bfloat16, TritonDecodeOps(), TorchDecodeOps()
-    for name, n, k in LLAMA_1B:
+    shapes, qkv_bias = MODEL_SHAPES[model]
+    for name, n, k in shapes:
         w = _rand(n, k, dtype=dt, scale=k**-0.5, gen=gen)
         k_in = 2 * k if name == "down" else k
         x, res, nw = _rand(m, k_in, dtype=dt, gen=gen), _rand(m, n, dtype=dt, gen=gen), _rand(k, dtype=dt, gen=gen)
         if name in ("o_proj",):
-            _close(ops.linear(x, w, None, res), ref.linear(x, w, None, res), dt, name)
+            _close(ops.linear(x, w, None, res), ref.linear(x, w, None, res), dt, f"{model} {name}")
         elif name == "down":
-            _close(ops.silu_linear(x, w, None, res), ref.silu_linear(x, w, None, res), dt, name)
+            _close(ops.silu_linear(x, w, None, res), ref.silu_linear(x, w, None, res), dt, f"{model} {name}")
         else:  # qkv's RoPE/KV epilogue is covered above; here its tile config, as norm_linear
-            _close(ops.norm_linear(x, nw, 1e-5, w, None), ref.norm_linear(x, nw, 1e-5, w, None), dt, name)
+            b = _rand(n, dtype=dt, gen=gen) if name == "qkv" and qkv_bias else None
+            _close(ops.norm_linear(x, nw, 1e-5, w, b), ref.norm_linear(x, nw, 1e-5, w, b), dt, f"{model} {name}")
