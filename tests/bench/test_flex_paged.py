@@ -1,4 +1,4 @@
-"""The bench's paged FlexAttention peer reads hwkv's interleaved paged cache correctly (CPU, eager)."""
+"""The bench's paged FlexAttention peer reads hwkv's interleaved paged cache correctly (CPU: eager and compiled)."""
 
 import argparse
 import shutil
