@@ -7,23 +7,11 @@ import torch
 
 from conformance.harness import randn
 from conformance.report import not_supported
-from hwkv.interfaces import KVCache, KVCacheSpec, group_concurrent_contiguous
+from hwkv.interfaces import KVCacheSpec
 
 pytestmark = [pytest.mark.capability("transfer"), pytest.mark.timeout_s(60)]
 NUM_BLOCKS = 8
 SRC_IDS, DST_IDS = [5, 6, 7, 2, 0], [0, 1, 2, 6, 4]  # two merged runs and scattered singles
-
-
-def _segments(a: KVCache, b: KVCache, a_ids: list[int], b_ids: list[int]) -> tuple[list[int], list[int], list[int]]:
-    """Pointers into ``a`` and ``b`` and lengths per merged run of block pairs, for every tensor."""
-    pa, pb, lens = [], [], []
-    for ti in range(len(a.tensors)):
-        nb = a.block_nbytes(ti)
-        for s, d, n in group_concurrent_contiguous(a_ids, b_ids):
-            pa.append(a.tensors[ti].data_ptr() + s * nb)
-            pb.append(b.tensors[ti].data_ptr() + d * nb)
-            lens.append(n * nb)
-    return pa, pb, lens
 
 
 def test_transfer_round_trip(backend, check, gen, protocol):
@@ -48,7 +36,7 @@ def test_transfer_round_trip(backend, check, gen, protocol):
                 ep.register(t.data_ptr(), t.numel() * t.element_size())
                 regs.append((ep, t.data_ptr()))
         backend.device.synchronize()
-        pa, pb, lens = _segments(src, dst, SRC_IDS, DST_IDS)
+        pa, pb, lens = src.paired_addresses(dst, SRC_IDS, DST_IDS)
         a.write(b.endpoint(), pa, pb, lens)
         for ti, (ts, td) in enumerate(zip(src.tensors, dst.tensors)):
             want = torch.zeros_like(ts).cpu()
@@ -56,7 +44,7 @@ def test_transfer_round_trip(backend, check, gen, protocol):
             check.exact(td.cpu(), want, "transfer", f"tensor {ti} at the peer after write")
         # read back into other blocks, asynchronously
         back_ids = [3, 4, 5, 0, 1]
-        pl, pr, lens = _segments(back, dst, back_ids, DST_IDS)
+        pl, pr, lens = back.paired_addresses(dst, back_ids, DST_IDS)
         batch = a.submit_read(b.endpoint(), pl, pr, lens)
         a.wait(batch)
         for ti, (ts, tb) in enumerate(zip(src.tensors, back.tensors)):

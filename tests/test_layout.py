@@ -115,3 +115,28 @@ def test_group_concurrent_contiguous_property(pairs):
     assert expanded == pairs  # runs reproduce the pairs in order
     for (s0, d0, n0), (s1, d1, _) in zip(runs, runs[1:]):
         assert not (s1 == s0 + n0 and d1 == d0 + n0)  # maximal: adjacent runs could not merge
+
+
+def test_paired_addresses_merge_runs_consecutive_on_both_sides():
+    spec = KVCacheSpec(2, 10, 4, 2, 8, torch.float16)
+    a, b = KVCache.allocate(spec, KVLayoutKind.SEPARATE_KV), KVCache.allocate(spec, KVLayoutKind.SEPARATE_KV)
+    src, dst, lens = a.paired_addresses(b, [5, 6, 7, 2, 0], [0, 1, 2, 6, 4])
+    nb = a.block_nbytes(0)
+    runs = [(5, 0, 3), (2, 6, 1), (0, 4, 1)]  # 5-7 -> 0-2 merged; the singles stay single
+    assert len(src) == len(dst) == len(lens) == len(runs) * len(a.tensors)
+    for ti, (ta, tb) in enumerate(zip(a.tensors, b.tensors)):
+        for j, (s, d, n) in enumerate(runs):
+            k = ti * len(runs) + j
+            assert (src[k], dst[k], lens[k]) == (ta.data_ptr() + s * nb, tb.data_ptr() + d * nb, n * nb)
+
+
+def test_paired_addresses_rejects_mismatches():
+    spec = KVCacheSpec(1, 4, 4, 2, 8, torch.float16)
+    a = KVCache.allocate(spec, KVLayoutKind.PER_LAYER)
+    with pytest.raises(ValueError, match="2 source blocks but 1 destination"):
+        a.paired_addresses(a, [0, 1], [2])
+    with pytest.raises(IndexError, match=r"block id 4 out of range \[0, 4\)"):
+        a.paired_addresses(a, [0], [4])
+    other = KVCache.allocate(KVCacheSpec(1, 4, 8, 2, 8, torch.float16), KVLayoutKind.PER_LAYER)
+    with pytest.raises(ValueError, match="block sizes differ"):
+        a.paired_addresses(other, [0], [0])

@@ -152,6 +152,30 @@ class KVCache:
         """``(pointer, nbytes)`` of each segment, for transfer engines and stores."""
         return [(self.tensors[s.tensor].data_ptr() + s.offset, s.nbytes) for s in self.segments(block_ids)]
 
+    def paired_addresses(self, dst: KVCache, src_ids: list[int], dst_ids: list[int]
+                         ) -> tuple[list[int], list[int], list[int]]:
+        """``(src_ptrs, dst_ptrs, lengths)`` moving block ``src_ids[i]`` of this cache to ``dst_ids[i]``
+        of ``dst`` in every tensor, merging runs consecutive on both sides: the arguments of
+        ``Transfer.write`` / ``read``. Both caches must have the same per-block tensor sizes."""
+        if len(src_ids) != len(dst_ids):
+            raise ValueError(f"{len(src_ids)} source blocks but {len(dst_ids)} destination blocks")
+        sizes = [self.block_nbytes(i) for i in range(len(self.tensors))]
+        if sizes != [dst.block_nbytes(i) for i in range(len(dst.tensors))]:
+            raise ValueError(f"block sizes differ: {sizes} bytes per tensor here, "
+                             f"{[dst.block_nbytes(i) for i in range(len(dst.tensors))]} at the destination")
+        for cache, ids in ((self, src_ids), (dst, dst_ids)):
+            for b in ids:
+                if not 0 <= b < cache.spec.num_blocks:
+                    raise IndexError(f"block id {b} out of range [0, {cache.spec.num_blocks})")
+        runs = group_concurrent_contiguous(list(src_ids), list(dst_ids))
+        src_ptrs, dst_ptrs, lengths = [], [], []
+        for ts, td, nb in zip(self.tensors, dst.tensors, sizes):
+            for s, d, n in runs:
+                src_ptrs.append(ts.data_ptr() + s * nb)
+                dst_ptrs.append(td.data_ptr() + d * nb)
+                lengths.append(n * nb)
+        return src_ptrs, dst_ptrs, lengths
+
     def block_bytes(self, block_id: int) -> list[torch.Tensor]:
         """Raw uint8 views of one block in each tensor (tests, hashing, debugging)."""
         return [t[block_id].reshape(-1).view(torch.uint8) for t in self.tensors]
