@@ -38,12 +38,14 @@ class TileConfig:
     num_warps: int
     num_stages: int
     split_below: int = 2  # split KV only when the grid has fewer programs than this per SM ...
-    split_target: int = 8  # ... and then until it has this many per SM
+    split_target: int = 8  # ... and then until it has this many per SM (half as many from a grid of at
+    # most half the SMs: see CudaAttentionMetadata.plan)
     min_split: int = 128  # fewest KV tokens a split may get
     part_cap: int = 4  # fp32 partials (written + read) stay under KV bytes / part_cap (0: no cap)
     merge_cap: int = 0  # fused reduction: one merge reads <= one split's KV bytes / merge_cap (0: no cap;
     # the H100 A/B (bench/results/reduce-ab-H100-2026-11-21.json) found the cap slower at b1 ctx 8k)
     merge_regs: int = 32  # fp32 values per thread in one load of the fused merge
+    max_splits: int = MAX_SPLITS  # most splits per (q block, KV head)
 
 
 SHORT_SPLIT = 128  # a split of at most this many keys runs as one tile
@@ -104,17 +106,18 @@ class CudaAttentionMetadata:
 
     def plan(self, block_q: int, block_n: int, num_heads: int, num_kv_heads: int, head_size: int, elem_size: int,
              split_below: int = 2, split_target: int = 8, min_split: int = 128, part_cap: int = 4,
-             merge_cap: int = 0) -> Plan:
+             merge_cap: int = 0, max_splits: int = MAX_SPLITS) -> Plan:
         """Launch plan for one tile shape, from host values only, cached. Splits (flash-decoding) only
         when the grid has fewer than ``split_below`` programs per SM, and then the fewest of:
-        ``split_target`` programs per SM; ``max_seq_len // min_split`` (no split shorter than
-        ``min_split``); ``MAX_SPLITS``; fp32 partials (written + read) under the KV bytes / ``part_cap``;
+        ``split_target`` programs per SM (``split_target // 2`` when the unsplit grid fills at most half
+        the SMs); ``max_seq_len // min_split`` (no split shorter than
+        ``min_split``); ``max_splits``; fp32 partials (written + read) under the KV bytes / ``part_cap``;
         and with ``merge_cap`` (fused reduction) the merge one program does after its own split,
         ``S * BLOCK_Q * G * D * 4`` bytes, under that split's KV bytes ``L / S * D * 2 * elem`` /
         ``merge_cap``. The segment is then rounded to whole tiles and the count recomputed, so the
         longest request has no empty split."""
         key = (block_q, block_n, num_heads, num_kv_heads, head_size, elem_size, split_below, split_target, min_split,
-               part_cap, merge_cap)
+               part_cap, max_splits, merge_cap)  # merge_cap last: the tests read it there
         if key not in self.plans:
             c = self.common
             num_tokens = int(c.query_start_loc_cpu[-1])
@@ -127,7 +130,11 @@ class CudaAttentionMetadata:
             if programs < split_below * self.num_sms:
                 kv_bytes = int(c.seq_lens_cpu.sum()) * num_kv_heads * head_size * 2 * elem_size
                 part_bytes = max(1, num_tokens) * num_heads * head_size * 4 * 2
-                splits = min(MAX_SPLITS, -(-split_target * self.num_sms // programs), max_len // min_split)
+                # A small grid (one request, a few KV heads) splits to about one resident wave of the
+                # 32-key split tile (4 per SM); one of 0.5-2 programs per SM did better at two
+                # (H100 GQA/MHA b1-b32, bench/results/attention-split-target-H100-2026-11-22.txt)
+                target = split_target // 2 if 2 * programs <= self.num_sms else split_target
+                splits = min(max_splits, -(-target * self.num_sms // programs), max_len // min_split)
                 if part_cap:
                     splits = min(splits, kv_bytes // (part_cap * part_bytes))
                 if merge_cap:  # S^2 * rows * 4 <= L * 2 * elem / merge_cap
@@ -212,7 +219,7 @@ class TritonAttentionImpl(AttentionImpl):
         cfg = choose_config(c.max_query_len, group, d, query.dtype)
         plan = lambda cfg: md.plan(cfg.block_q, cfg.block_n, self.num_heads, hkv, d, query.element_size(),
                                    cfg.split_below, cfg.split_target, cfg.min_split, cfg.part_cap,
-                                   cfg.merge_cap if fused else 0)
+                                   cfg.merge_cap if fused else 0, cfg.max_splits)
         grid_q, splits, min_seg = plan(cfg)
         if splits > 1:
             seg = -(-max(c.max_seq_len, 1) // splits)

@@ -65,6 +65,9 @@ def test_split_heuristic():
     assert plan([1] * 256, [1024] * 256).splits == 1  # a big batch already fills the SMs
     assert plan([512], [4608], block_q=32).splits == 1  # fp32 partials of 512 queries would outweigh the KV
     assert plan([1], [8192]).splits == 64
+    # a grid of at most half the SMs splits to ~4 programs per SM (one resident wave), a larger one to ~8
+    assert plan([1] * 8, [4096] * 8).splits == 9  # 64 programs: ceil(4 * 132 / 64)
+    assert plan([1] * 9, [4096] * 9).splits == 15  # 72 programs: ceil(8 * 132 / 72), 288-key splits
     # fused merge: S * 4 rows * 4 B <= (8192 / S) * 2 * 2 B  ->  S <= 45 (then whole 32-key tiles: 43)
     assert plan([1], [8192], merge_cap=1).splits == 43
     for length in (100, 300, 1000, 5000, 16384):
