@@ -2,7 +2,7 @@
 # Tile/knob sweep of `hwkv bench attention`: one bench per HWKV_CUDA_ATTN_CONFIG value, rows prefixed
 # with it ("" = defaults). Usage (device, repo root):
 #   CONFIGS="|num_stages=1|block_n=128" bash backends/cuda/scripts/attn_sweep.sh --batches 1 --contexts 8192 ...
-export PYTHONPATH=.:backends/cuda PYTHONUNBUFFERED=1
+export PYTHONPATH=.:backends/cuda${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 IFS='|' read -r -a cfgs <<< "${CONFIGS:-}"
 [[ ${#cfgs[@]} -eq 0 ]] && cfgs=("")
 for cfg in "${cfgs[@]}"; do

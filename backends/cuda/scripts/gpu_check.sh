@@ -3,7 +3,7 @@
 # when the suite exists). Usage (device machine, repo root): bash backends/cuda/scripts/gpu_check.sh [bench-args]
 set -o pipefail
 OUT=${OUT:-/tmp/hwkv-out}; mkdir -p "$OUT"
-export PYTHONPATH=.:backends/cuda PYTHONUNBUFFERED=1
+export PYTHONPATH=.:backends/cuda${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 STEPS=${STEPS:-pytest,check,sweep,bench}
 failed=()
 # status of the first command of the last pipeline (tee/grep/tail after it always succeed)
