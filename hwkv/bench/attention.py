@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--head-size", type=int, default=128)
     p.add_argument("--heads", default="32/8,32/32", help="comma list of H/H_kv")
-    p.add_argument("--batches", default="1,8,64,256")
+    p.add_argument("--batches", default="1,8,64,256", help='comma list; "" runs no decode')
     p.add_argument("--contexts", default="1024,4096,8192,16384")
     p.add_argument("--prefill", default="512:0,512:4096,512:16384,2048:0,2048:4096,2048:16384,4096:0,4096:4096,"
                    "4096:16384", help="comma list of chunk:prefix (batch 1)")
@@ -37,6 +37,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--flex-budget-s", type=float, default=240.0, help="stop compiling FlexAttention after this")
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--out", default=None, help="JSON path (default bench/results/attention-<device>-<date>.json)")
+
+
+def _ints(csv: str) -> list[int]:
+    """``"1,8,"`` -> ``[1, 8]``; an empty list skips that kind of shape."""
+    return [int(x) for x in csv.split(",") if x.strip()]
 
 
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:
@@ -217,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"{dev}: device-to-device copy {copy_bw / 1e12:.3f} TB/s (read+write)", flush=True)
     flex_deadline = time.monotonic() + args.flex_budget_s
     shapes = [("decode", b, h, hkv, 1, ctx - 1) for h, hkv in heads
-              for b in map(int, args.batches.split(",")) for ctx in map(int, args.contexts.split(","))]
+              for b in _ints(args.batches) for ctx in _ints(args.contexts)]
     shapes += [("prefill", 1, h, hkv, int(c), int(p)) for h, hkv in heads
                for c, p in (x.split(":") for x in args.prefill.split(",") if x)]
     results = []
