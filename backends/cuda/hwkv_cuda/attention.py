@@ -52,7 +52,7 @@ SHORT_SPLIT = 128  # a split of at most this many keys runs as one tile
 
 
 def choose_config(max_query_len: int, group: int, head_size: int, dtype: torch.dtype,
-                  split: bool = False, seg: int = 0) -> TileConfig:
+                  split: bool = False, seg: int = 0, wide: bool = False) -> TileConfig:
     """Tiles by shape (from H100/H200 sweeps, docs/cuda-backend.md): decodes pack the G heads of a KV
     head into M (>= 16 rows for the MMA) and stream 64-key tiles three stages deep; prefills take
     128-row tiles on 8 warps. Head 256 and fp32 shrink the tiles so the K/V stages fit shared memory.
@@ -65,7 +65,10 @@ def choose_config(max_query_len: int, group: int, head_size: int, dtype: torch.d
     stages of a 128-key tile took 192 KB of shared memory, one program per SM, for a loop of one
     iteration (H100 GQA b1 ctx 1k/4k/8k 9.1/15.7/22.7 → 7.7/12.6/21.5 µs, MHA b1 ctx 1k/4k 14.9/34.9 →
     12.0/31.8; longer splits keep three stages, as good or better from 8 tiles of 32 keys on; bench/results/
-    attention-b1b8-stages-H100-2026-11-22.txt)."""
+    attention-b1b8-stages-H100-2026-11-22.txt). A prefill grid of at least two programs per SM
+    (``wide``) runs 4 warps over 64-key tiles, a smaller one 8 warps over 128-key tiles (H100, chunk 2k on
+    a 16k prefix 2163 → 1676 µs MHA, 2033 → 1673 GQA; chunk 512 on 4k 151 → 139 µs; bench/results/
+    attention-prefill-tiles-H100-2026-11-22.txt)."""
     hpad = _pow2(group)
     narrow = head_size > 128 or dtype == torch.float32
     if max_query_len == 1:
@@ -78,8 +81,12 @@ def choose_config(max_query_len: int, group: int, head_size: int, dtype: torch.d
         cfg = dict(block_m=block_m, block_q=1, block_n=block_n, num_warps=4, num_stages=1 if one_tile else 3)
     else:
         block_m = max(64 if narrow else 128, hpad)
-        cfg = dict(block_m=block_m, block_q=block_m // hpad, block_n=32 if narrow else 64,
-                   num_warps=8 if block_m >= 128 else 4, num_stages=2 if narrow else 3)
+        if narrow:
+            cfg = dict(block_m=block_m, block_q=block_m // hpad, block_n=32, num_warps=8 if block_m >= 128 else 4,
+                       num_stages=2)
+        else:  # a small grid has SMs to spare: wider tiles, more warps per program
+            cfg = dict(block_m=block_m, block_q=block_m // hpad, block_n=64 if wide else 128,
+                       num_warps=4 if wide else 8, num_stages=3)
     override = os.environ.get("HWKV_CUDA_ATTN_CONFIG", "")
     for item in filter(None, override.split(",")):
         k, _, v = item.partition("=")
@@ -104,6 +111,11 @@ class CudaAttentionMetadata:
     num_sms: int
     plans: dict[tuple[int, ...], Plan] = field(default_factory=dict)
 
+    def q_blocks(self, block_q: int) -> int:
+        """Programs along the grid's q axis: an upper bound (request boundaries may add one each)."""
+        num_tokens = int(self.common.query_start_loc_cpu[-1])
+        return num_tokens if block_q == 1 else num_tokens // block_q + self.common.num_reqs
+
     def plan(self, block_q: int, block_n: int, num_heads: int, num_kv_heads: int, head_size: int, elem_size: int,
              split_below: int = 2, split_target: int = 8, min_split: int = 128, part_cap: int = 4,
              merge_cap: int = 0, max_splits: int = MAX_SPLITS) -> Plan:
@@ -121,7 +133,7 @@ class CudaAttentionMetadata:
         if key not in self.plans:
             c = self.common
             num_tokens = int(c.query_start_loc_cpu[-1])
-            grid = num_tokens if block_q == 1 else num_tokens // block_q + c.num_reqs
+            grid = self.q_blocks(block_q)
             qlen = c.query_lens_cpu.to(torch.int64)
             programs = max(1, int(((qlen + block_q - 1) // block_q).sum()) * num_kv_heads)
             # a grid that already fills the SMs loses more to partials and their merge than it gains
@@ -217,13 +229,17 @@ class TritonAttentionImpl(AttentionImpl):
         group = self.num_heads // hkv
         fused = reduce_mode() == "fused"
         cfg = choose_config(c.max_query_len, group, d, query.dtype)
+        # prefill tiles depend on the grid (q blocks x KV heads), which depends only on BLOCK_Q
+        wide = c.max_query_len > 1 and md.q_blocks(cfg.block_q) * hkv >= 2 * md.num_sms
+        if wide:
+            cfg = choose_config(c.max_query_len, group, d, query.dtype, wide=True)
         plan = lambda cfg: md.plan(cfg.block_q, cfg.block_n, self.num_heads, hkv, d, query.element_size(),
                                    cfg.split_below, cfg.split_target, cfg.min_split, cfg.part_cap,
                                    cfg.merge_cap if fused else 0, cfg.max_splits)
         grid_q, splits, min_seg = plan(cfg)
         if splits > 1:
             seg = -(-max(c.max_seq_len, 1) // splits)
-            split_cfg = choose_config(c.max_query_len, group, d, query.dtype, split=True, seg=seg)
+            split_cfg = choose_config(c.max_query_len, group, d, query.dtype, split=True, seg=seg, wide=wide)
             if split_cfg != cfg:
                 cfg = split_cfg
                 grid_q, splits, min_seg = plan(cfg)

@@ -156,7 +156,12 @@ def test_short_splits_run_as_one_tile(monkeypatch):
     assert choose_config(1, 4, 64, bf16, split=True, seg=SHORT_SPLIT).block_n == SHORT_SPLIT == 128
     assert choose_config(1, 4, 256, bf16, split=True, seg=64).block_n == 32
     assert choose_config(1, 4, 128, torch.float32, split=True, seg=64).block_n == 32
-    assert choose_config(16, 4, 128, bf16, split=True, seg=64).block_n == 64  # prefill tiles unchanged
+    # prefill tiles do not follow the split; they follow the grid: 128-key tiles on 8 warps for a small
+    # one, 64-key tiles on 4 warps from two programs per SM on (wide)
+    assert choose_config(16, 4, 128, bf16, split=True, seg=64) == choose_config(16, 4, 128, bf16)
+    small, wide = choose_config(16, 4, 128, bf16), choose_config(16, 4, 128, bf16, wide=True)
+    assert (small.block_n, small.num_warps, wide.block_n, wide.num_warps) == (128, 8, 64, 4)
+    assert choose_config(16, 4, 256, bf16, wide=True) == choose_config(16, 4, 256, bf16)  # head 256: as before
     # a one-tile split runs unpipelined; longer splits and full grids keep the three-stage pipeline
     assert choose_config(1, 4, 128, bf16, split=True, seg=SHORT_SPLIT).num_stages == 1
     assert choose_config(1, 4, 128, bf16, split=True, seg=256).num_stages == 3
