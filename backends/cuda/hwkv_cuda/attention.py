@@ -67,8 +67,8 @@ def choose_config(max_query_len: int, group: int, head_size: int, dtype: torch.d
     12.0/31.8; longer splits keep three stages, as good or better from 8 tiles of 32 keys on; bench/results/
     attention-b1b8-stages-H100-2026-11-22.txt). A prefill grid of at least two programs per SM
     (``wide``) runs 4 warps over 64-key tiles, a smaller one 8 warps over 128-key tiles (H100, chunk 2k on
-    a 16k prefix 2163 → 1676 µs MHA, 2033 → 1673 GQA; chunk 512 on 4k 151 → 139 µs; bench/results/
-    attention-prefill-tiles-H100-2026-11-22.txt)."""
+    a 16k prefix 2135 → 1659 µs MHA, 2011 → 1656 GQA; chunk 512 on 4k 151 → 138 µs MHA; square causal
+    512 2-5 % slower; bench/results/attention-prefill-tiles-H100-2026-11-22.txt)."""
     hpad = _pow2(group)
     narrow = head_size > 128 or dtype == torch.float32
     if max_query_len == 1:
