@@ -1,7 +1,7 @@
-"""CUDA attention: metadata planning, tile heuristics and the launches of the Triton kernels.
+"""CUDA attention: metadata planning and the launches of the Triton kernels.
 
-Kernel parameters come from the shape alone (:func:`choose_config`); ``HWKV_CUDA_ATTN_CONFIG``
-(``"BLOCK_N=128,num_warps=8"``) overrides them for tuning sweeps. Everything host-side is computed
+Tile shapes come from :mod:`hwkv_cuda.tiles` (the shape, the grid, the device's shared memory;
+``HWKV_CUDA_ATTN_CONFIG`` overrides them for tuning sweeps). Everything host-side is computed
 from the ``*_cpu`` tensors, so a forward never syncs the device and can be captured in a CUDA graph.
 ``HWKV_CUDA_SPLIT_REDUCE`` picks the split-KV reduction (:mod:`hwkv_cuda.splitkv`);
 ``HWKV_CUDA_CHECK_SLOTS=1`` makes ``write_kv`` validate slots on the host (a device sync).
@@ -20,80 +20,10 @@ from hwkv.interfaces.attention import AttentionBackend, AttentionImpl, Attention
 from hwkv.interfaces.layout import KVLayoutKind
 from hwkv_cuda.decode_ops import pdl_available
 from hwkv_cuda.splitkv import SplitCounters, merge_tile, reduce_mode
+from hwkv_cuda.tiles import MAX_SPLITS, _pow2, choose_config, fit_shared_memory
 
 LOG2E = 1.4426950408889634
-MAX_SPLITS = 64
 CHECK_SLOTS_ENV = "HWKV_CUDA_CHECK_SLOTS"
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-@dataclass(frozen=True)
-class TileConfig:
-    block_m: int
-    block_q: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-    split_below: int = 2  # split KV only when the grid has fewer programs than this per SM ...
-    split_target: int = 8  # ... and then until it has this many per SM (half as many from a grid of at
-    # most half the SMs: see CudaAttentionMetadata.plan)
-    min_split: int = 128  # fewest KV tokens a split may get
-    part_cap: int = 4  # fp32 partials (written + read) stay under KV bytes / part_cap (0: no cap)
-    merge_cap: int = 0  # fused reduction: one merge reads <= one split's KV bytes / merge_cap (0: no cap;
-    # the H100 A/B (bench/results/reduce-ab-H100-2026-11-21.json) found the cap slower at b1 ctx 8k)
-    merge_regs: int = 32  # fp32 values per thread in one load of the fused merge
-    max_splits: int = MAX_SPLITS  # most splits per (q block, KV head)
-
-
-SHORT_SPLIT = 128  # a split of at most this many keys runs as one tile
-
-
-def choose_config(max_query_len: int, group: int, head_size: int, dtype: torch.dtype,
-                  split: bool = False, seg: int = 0, wide: bool = False) -> TileConfig:
-    """Tiles by shape (from H100/H200 sweeps, docs/cuda-backend.md): decodes pack the G heads of a KV
-    head into M (>= 16 rows for the MMA) and stream 64-key tiles three stages deep; prefills take
-    128-row tiles on 8 warps. Head 256 and fp32 shrink the tiles so the K/V stages fit shared memory.
-    A split decode (small grid) takes 32-key tiles: a quarter of the shared memory, so every split of
-    a small batch is resident at once instead of queueing in a second wave — unless its splits are
-    short (``seg``, the longest split, <= ``SHORT_SPLIT``): then each is one 128-key tile, since a
-    split's time is its chain of dependent loads (block id → K → V) per tile, not its bandwidth
-    (H100, batch 1: ctx 512 10.7 → 7.3 µs, ctx 4k 15.9 → 15.2 µs; bench/results/
-    e2e-llama-1b-H100-2026-11-21-attn-tiles.md). Such a one-tile split runs unpipelined: three K/V
-    stages of a 128-key tile took 192 KB of shared memory, one program per SM, for a loop of one
-    iteration (H100 GQA b1 ctx 1k/4k/8k 9.1/15.7/22.7 → 7.7/12.6/21.5 µs, MHA b1 ctx 1k/4k 14.9/34.9 →
-    12.0/31.8; longer splits keep three stages, as good or better from 8 tiles of 32 keys on; bench/results/
-    attention-b1b8-stages-H100-2026-11-22.txt). A prefill grid of at least two programs per SM
-    (``wide``) runs 4 warps over 64-key tiles, a smaller one 8 warps over 128-key tiles (H100, chunk 2k on
-    a 16k prefix 2135 → 1659 µs MHA, 2011 → 1656 GQA; chunk 512 on 4k 151 → 138 µs MHA; square causal
-    512 2-5 % slower; bench/results/attention-prefill-tiles-H100-2026-11-22.txt)."""
-    hpad = _pow2(group)
-    narrow = head_size > 128 or dtype == torch.float32
-    if max_query_len == 1:
-        block_m = max(16, hpad)
-        block_n = 32 if narrow or split else 64
-        one_tile = split and not narrow and 0 < seg <= SHORT_SPLIT
-        if one_tile:
-            block_n = SHORT_SPLIT
-        # one tile has no loop to pipeline: three stages would only take shared memory (residency)
-        cfg = dict(block_m=block_m, block_q=1, block_n=block_n, num_warps=4, num_stages=1 if one_tile else 3)
-    else:
-        block_m = max(64 if narrow else 128, hpad)
-        if narrow:
-            cfg = dict(block_m=block_m, block_q=block_m // hpad, block_n=32, num_warps=8 if block_m >= 128 else 4,
-                       num_stages=2)
-        else:  # a small grid has SMs to spare: wider tiles, more warps per program
-            cfg = dict(block_m=block_m, block_q=block_m // hpad, block_n=64 if wide else 128,
-                       num_warps=4 if wide else 8, num_stages=3)
-    override = os.environ.get("HWKV_CUDA_ATTN_CONFIG", "")
-    for item in filter(None, override.split(",")):
-        k, _, v = item.partition("=")
-        cfg[k.strip().lower()] = int(v)
-    if cfg["block_m"] // cfg["block_q"] < group:
-        raise ValueError(f"tile config {cfg}: block_m // block_q must be >= the GQA group {group}")
-    return TileConfig(**cfg)
 
 
 class Plan(NamedTuple):
@@ -179,6 +109,7 @@ class TritonAttentionImpl(AttentionImpl):
         super().__init__(num_heads, head_size, num_kv_heads, scale)
         self.counters = SplitCounters()  # per impl: two impls may run on different streams
         self._pdl: dict[torch.device, bool] = {}  # programmatic dependent launch, per device
+        self._smem: dict[torch.device, int] = {}  # shared memory per block (opt-in), per device
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, layer_kv: Any, slot_mapping: torch.Tensor) -> None:
         """Scatter ``key``/``value`` into the cache at ``slot_mapping``. A slot must be ``-1`` (skip) or
@@ -228,22 +159,26 @@ class TritonAttentionImpl(AttentionImpl):
             raise ValueError(f"KV block size {bs} differs from metadata block_size {c.block_size}")
         group = self.num_heads // hkv
         fused = reduce_mode() == "fused"
-        cfg = choose_config(c.max_query_len, group, d, query.dtype)
+        d_pad = max(16, _pow2(d))
+        if query.device not in self._smem:
+            self._smem[query.device] = _smem_limit(query.device)
+        pick = lambda **kw: fit_shared_memory(choose_config(c.max_query_len, group, d, query.dtype, **kw), d_pad,
+                                              query.element_size(), self._smem[query.device])
+        cfg = pick()
         # prefill tiles depend on the grid (q blocks x KV heads), which depends only on BLOCK_Q
         wide = c.max_query_len > 1 and md.q_blocks(cfg.block_q) * hkv >= 2 * md.num_sms
         if wide:
-            cfg = choose_config(c.max_query_len, group, d, query.dtype, wide=True)
+            cfg = pick(wide=True)
         plan = lambda cfg: md.plan(cfg.block_q, cfg.block_n, self.num_heads, hkv, d, query.element_size(),
                                    cfg.split_below, cfg.split_target, cfg.min_split, cfg.part_cap,
                                    cfg.merge_cap if fused else 0, cfg.max_splits)
         grid_q, splits, min_seg = plan(cfg)
         if splits > 1:
             seg = -(-max(c.max_seq_len, 1) // splits)
-            split_cfg = choose_config(c.max_query_len, group, d, query.dtype, split=True, seg=seg, wide=wide)
+            split_cfg = pick(split=True, seg=seg, wide=wide)
             if split_cfg != cfg:
                 cfg = split_cfg
                 grid_q, splits, min_seg = plan(cfg)
-        d_pad = max(16, _pow2(d))
         splits_pad = _pow2(splits)
         g_pad = _pow2(group)
         fused = fused and splits > 1
@@ -278,6 +213,13 @@ class TritonAttentionImpl(AttentionImpl):
                 out, part_acc, part_ml, out.stride(0), out.stride(1), self.num_heads, splits,
                 HEAD_SIZE=d, D_PAD=d_pad, NUM_SPLITS_PAD=splits_pad, num_warps=4,
             )
+
+
+def _smem_limit(device: torch.device) -> int:
+    """Opt-in shared memory per block of a CUDA device; 0 where unknown (the interpreter, old torch)."""
+    if device.type != "cuda":
+        return 0
+    return int(getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0))
 
 
 def _capturing(device: torch.device) -> bool:

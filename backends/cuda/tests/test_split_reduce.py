@@ -147,7 +147,7 @@ def test_split_reduce_hot_on_gpu(mode, monkeypatch):
 def test_short_splits_run_as_one_tile(monkeypatch):
     """Split decodes take 32-key tiles, or one 128-key tile when every split is that short; head 256
     and fp32 (shared memory) and non-split decodes keep their tiles."""
-    from hwkv_cuda.attention import SHORT_SPLIT, choose_config
+    from hwkv_cuda.tiles import SHORT_SPLIT, choose_config
 
     monkeypatch.delenv("HWKV_CUDA_ATTN_CONFIG", raising=False)
     bf16 = torch.bfloat16
@@ -166,3 +166,31 @@ def test_short_splits_run_as_one_tile(monkeypatch):
     assert choose_config(1, 4, 128, bf16, split=True, seg=SHORT_SPLIT).num_stages == 1
     assert choose_config(1, 4, 128, bf16, split=True, seg=256).num_stages == 3
     assert choose_config(1, 4, 128, bf16).num_stages == 3
+
+
+def test_tiles_fit_the_devices_shared_memory(monkeypatch):
+    """H100 tiles stay as tuned; smaller GPUs drop stages, then keys; nothing fits -> a clear error."""
+    from hwkv_cuda.tiles import choose_config, fit_shared_memory, smem_bytes
+
+    monkeypatch.delenv("HWKV_CUDA_ATTN_CONFIG", raising=False)
+    bf16 = torch.bfloat16
+    h100, a100, ada = 232448, 166912, 101376  # shared_memory_per_block_optin
+    shapes = [dict(max_query_len=q, group=g, head_size=d, dtype=dt, split=sp, seg=seg, wide=w)
+              for q in (1, 64) for g in (1, 4, 8) for d in (64, 128, 256) for dt in (bf16, torch.float32)
+              for sp, seg in ((False, 0), (True, 128), (True, 512)) for w in (False, True)]
+    for kw in shapes:
+        cfg = choose_config(**kw)
+        d_pad, elem = max(16, kw["head_size"]), kw["dtype"].itemsize
+        assert fit_shared_memory(cfg, d_pad, elem, h100) == cfg, kw  # as tuned on the H100
+        assert fit_shared_memory(cfg, d_pad, elem, 0) == cfg  # unknown limit: unchanged
+        for limit in (a100, ada):
+            fit = fit_shared_memory(cfg, d_pad, elem, limit)
+            assert smem_bytes(fit, d_pad, elem) <= limit and fit.block_m == cfg.block_m, (kw, limit)
+            assert fit.block_n <= cfg.block_n and fit.num_stages <= cfg.num_stages
+    prefill = choose_config(64, 4, 128, bf16)  # 128-key tiles, three stages: 224 KB
+    assert (fit_shared_memory(prefill, 128, 2, a100).block_n, fit_shared_memory(prefill, 128, 2, a100).num_stages) \
+        == (128, 2)
+    assert (fit_shared_memory(prefill, 128, 2, ada).block_n, fit_shared_memory(prefill, 128, 2, ada).num_stages) \
+        == (64, 2)
+    with pytest.raises(ValueError, match="needs ~.* bytes of shared memory; the device allows 4096"):
+        fit_shared_memory(prefill, 128, 2, 4096)

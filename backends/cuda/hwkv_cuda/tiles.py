@@ -1,0 +1,111 @@
+"""Tile shapes of the attention kernel: chosen from the shape alone (:func:`choose_config`), overridable
+through ``HWKV_CUDA_ATTN_CONFIG`` (``"BLOCK_N=128,num_warps=8"``) for tuning sweeps, and shrunk to the
+device's shared memory (:func:`fit_shared_memory`) where a GPU has less than the H100s they were tuned on.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+import torch
+
+MAX_SPLITS = 64
+SHORT_SPLIT = 128  # a split of at most this many keys runs as one tile
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int
+    block_q: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    split_below: int = 2  # split KV only when the grid has fewer programs than this per SM ...
+    split_target: int = 8  # ... and then until it has this many per SM (half as many from a grid of at
+    # most half the SMs: see CudaAttentionMetadata.plan)
+    min_split: int = 128  # fewest KV tokens a split may get
+    part_cap: int = 4  # fp32 partials (written + read) stay under KV bytes / part_cap (0: no cap)
+    merge_cap: int = 0  # fused reduction: one merge reads <= one split's KV bytes / merge_cap (0: no cap;
+    # the H100 A/B (bench/results/reduce-ab-H100-2026-11-21.json) found the cap slower at b1 ctx 8k)
+    merge_regs: int = 32  # fp32 values per thread in one load of the fused merge
+    max_splits: int = MAX_SPLITS  # most splits per (q block, KV head)
+
+
+
+def choose_config(max_query_len: int, group: int, head_size: int, dtype: torch.dtype,
+                  split: bool = False, seg: int = 0, wide: bool = False) -> TileConfig:
+    """Tiles by shape (from H100/H200 sweeps, docs/cuda-backend.md): decodes pack the G heads of a KV
+    head into M (>= 16 rows for the MMA) and stream 64-key tiles three stages deep; prefills take
+    128-row tiles on 8 warps. Head 256 and fp32 shrink the tiles so the K/V stages fit shared memory.
+    A split decode (small grid) takes 32-key tiles: a quarter of the shared memory, so every split of
+    a small batch is resident at once instead of queueing in a second wave — unless its splits are
+    short (``seg``, the longest split, <= ``SHORT_SPLIT``): then each is one 128-key tile, since a
+    split's time is its chain of dependent loads (block id → K → V) per tile, not its bandwidth
+    (H100, batch 1: ctx 512 10.7 → 7.3 µs, ctx 4k 15.9 → 15.2 µs; bench/results/
+    e2e-llama-1b-H100-2026-11-21-attn-tiles.md). Such a one-tile split runs unpipelined: three K/V
+    stages of a 128-key tile took 192 KB of shared memory, one program per SM, for a loop of one
+    iteration (H100 GQA b1 ctx 1k/4k/8k 9.1/15.7/22.7 → 7.7/12.6/21.5 µs, MHA b1 ctx 1k/4k 14.9/34.9 →
+    12.0/31.8; longer splits keep three stages, as good or better from 8 tiles of 32 keys on; bench/results/
+    attention-b1b8-stages-H100-2026-11-22.txt). A prefill grid of at least two programs per SM
+    (``wide``) runs 4 warps over 64-key tiles, a smaller one 8 warps over 128-key tiles (H100, chunk 2k on
+    a 16k prefix 2135 → 1659 µs MHA, 2011 → 1656 GQA; chunk 512 on 4k 151 → 138 µs MHA; square causal
+    512 2-5 % slower; bench/results/attention-prefill-tiles-H100-2026-11-22.txt)."""
+    hpad = _pow2(group)
+    narrow = head_size > 128 or dtype == torch.float32
+    if max_query_len == 1:
+        block_m = max(16, hpad)
+        block_n = 32 if narrow or split else 64
+        one_tile = split and not narrow and 0 < seg <= SHORT_SPLIT
+        if one_tile:
+            block_n = SHORT_SPLIT
+        # one tile has no loop to pipeline: three stages would only take shared memory (residency)
+        cfg = dict(block_m=block_m, block_q=1, block_n=block_n, num_warps=4, num_stages=1 if one_tile else 3)
+    else:
+        block_m = max(64 if narrow else 128, hpad)
+        if narrow:
+            cfg = dict(block_m=block_m, block_q=block_m // hpad, block_n=32, num_warps=8 if block_m >= 128 else 4,
+                       num_stages=2)
+        else:  # a small grid has SMs to spare: wider tiles, more warps per program
+            cfg = dict(block_m=block_m, block_q=block_m // hpad, block_n=64 if wide else 128,
+                       num_warps=4 if wide else 8, num_stages=3)
+    override = os.environ.get("HWKV_CUDA_ATTN_CONFIG", "")
+    for item in filter(None, override.split(",")):
+        k, _, v = item.partition("=")
+        cfg[k.strip().lower()] = int(v)
+    if cfg["block_m"] // cfg["block_q"] < group:
+        raise ValueError(f"tile config {cfg}: block_m // block_q must be >= the GQA group {group}")
+    return TileConfig(**cfg)
+
+
+def smem_bytes(cfg: TileConfig, d_pad: int, elem_size: int) -> int:
+    """Shared memory the kernel's tiles take, estimated: the Q tile and ``num_stages`` K and V tiles."""
+    return (cfg.block_m + 2 * cfg.num_stages * cfg.block_n) * d_pad * elem_size
+
+
+def fit_shared_memory(cfg: TileConfig, d_pad: int, elem_size: int, limit: int) -> TileConfig:
+    """``cfg`` shrunk until :func:`smem_bytes` fits ``limit`` (0: unknown, keep it): stages down to two
+    (the pipeline), then half the keys per tile down to 16, then one stage. The tiles were tuned on
+    H100s (227 KB per block), where nothing shrinks; an A100 (163 KB) drops the 128-key prefill tile to
+    two stages, a 99 KB GPU (sm_86/89) to 64 keys. Raises ``ValueError`` when even the smallest tile
+    does not fit."""
+    if limit <= 0:
+        return cfg
+    for rule in ("stages", "keys", "one stage"):
+        while smem_bytes(cfg, d_pad, elem_size) > limit:
+            if rule == "stages" and cfg.num_stages > 2:
+                cfg = replace(cfg, num_stages=cfg.num_stages - 1)
+            elif rule == "keys" and cfg.block_n > 16:
+                cfg = replace(cfg, block_n=cfg.block_n // 2)
+            elif rule == "one stage" and cfg.num_stages > 1:
+                cfg = replace(cfg, num_stages=1)
+            else:
+                break
+    if (need := smem_bytes(cfg, d_pad, elem_size)) > limit:
+        raise ValueError(f"attention tile {cfg} needs ~{need} bytes of shared memory; the device allows {limit} "
+                         f"per block (head size {d_pad} padded, {elem_size}-byte elements)")
+    return cfg
