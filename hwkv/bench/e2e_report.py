@@ -121,8 +121,10 @@ def markdown(res: dict[str, Any]) -> str:
     t = res.get("throughput", {})
     if t:
         hf = t.get("hf", {})
+        hits = t.get("timed_prefix_cache_hits")
         lines.append(f"| (a) offline {t['hwkv']['requests']} req, in/out U[{res['min_len']},{res['max_len']}], "
-                     f"output tok/s | {f(t['hwkv']['tok_per_s'])} | {f(hf.get('tok_per_s'))} "
+                     f"output tok/s (prefix-cache hits in the timed pass: {f(hits, 0)}) | {f(t['hwkv']['tok_per_s'])} "
+                     f"| {f(hf.get('tok_per_s'))} "
                      f"({hf.get('requests', '—')} req, batch {hf.get('batch', '—')}) | {f(t.get('ratio'))}× |")
     b = res.get("batch1", {})
     if b:
