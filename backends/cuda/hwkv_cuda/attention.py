@@ -46,13 +46,18 @@ class CudaAttentionMetadata:
         num_tokens = int(self.common.query_start_loc_cpu[-1])
         return num_tokens if block_q == 1 else num_tokens // block_q + self.common.num_reqs
 
+    def programs(self, block_q: int, num_kv_heads: int) -> int:
+        """Programs with work before any split: each request's q blocks times the KV heads."""
+        qlen = self.common.query_lens_cpu.to(torch.int64)
+        return max(1, int(((qlen + block_q - 1) // block_q).sum()) * num_kv_heads)
+
     def plan(self, block_q: int, block_n: int, num_heads: int, num_kv_heads: int, head_size: int, elem_size: int,
              split_below: int = 2, split_target: int = 8, min_split: int = 128, part_cap: int = 4,
              merge_cap: int = 0, max_splits: int = MAX_SPLITS) -> Plan:
         """Launch plan for one tile shape, from host values only, cached. Splits (flash-decoding) only
         when the grid has fewer than ``split_below`` programs per SM, and then the fewest of:
-        ``split_target`` programs per SM (``split_target // 2`` when the unsplit grid fills at most half
-        the SMs); ``max_seq_len // min_split`` (no split shorter than
+        ``split_target`` programs per SM (``max(1, split_target // 2)`` when the unsplit grid fills at most
+        half the SMs, also for an overridden ``split_target``); ``max_seq_len // min_split`` (no split shorter than
         ``min_split``); ``max_splits``; fp32 partials (written + read) under the KV bytes / ``part_cap``;
         and with ``merge_cap`` (fused reduction) the merge one program does after its own split,
         ``S * BLOCK_Q * G * D * 4`` bytes, under that split's KV bytes ``L / S * D * 2 * elem`` /
@@ -64,8 +69,7 @@ class CudaAttentionMetadata:
             c = self.common
             num_tokens = int(c.query_start_loc_cpu[-1])
             grid = self.q_blocks(block_q)
-            qlen = c.query_lens_cpu.to(torch.int64)
-            programs = max(1, int(((qlen + block_q - 1) // block_q).sum()) * num_kv_heads)
+            programs = self.programs(block_q, num_kv_heads)
             # a grid that already fills the SMs loses more to partials and their merge than it gains
             splits = 1
             max_len = max(c.max_seq_len, 1)
@@ -73,9 +77,10 @@ class CudaAttentionMetadata:
                 kv_bytes = int(c.seq_lens_cpu.sum()) * num_kv_heads * head_size * 2 * elem_size
                 part_bytes = max(1, num_tokens) * num_heads * head_size * 4 * 2
                 # A small grid (one request, a few KV heads) splits to about one resident wave of the
-                # 32-key split tile (4 per SM); one of 0.5-2 programs per SM did better at two
-                # (H100 GQA/MHA b1-b32, bench/results/attention-split-target-H100-2026-11-22.txt)
-                target = split_target // 2 if 2 * programs <= self.num_sms else split_target
+                # 32-key split tile (4 per SM); at 0.5-2 programs per SM the better target flipped with
+                # the shape, so those keep split_target (H100 GQA/MHA b1-b32,
+                # bench/results/attention-split-target-H100-2026-11-22.txt)
+                target = max(1, split_target // 2) if 2 * programs <= self.num_sms else split_target
                 splits = min(max_splits, -(-target * self.num_sms // programs), max_len // min_split)
                 if part_cap:
                     splits = min(splits, kv_bytes // (part_cap * part_bytes))
@@ -166,7 +171,7 @@ class TritonAttentionImpl(AttentionImpl):
                                               query.element_size(), self._smem[query.device])
         cfg = pick()
         # prefill tiles depend on the grid (q blocks x KV heads), which depends only on BLOCK_Q
-        wide = c.max_query_len > 1 and md.q_blocks(cfg.block_q) * hkv >= 2 * md.num_sms
+        wide = c.max_query_len > 1 and md.programs(cfg.block_q, hkv) >= 2 * md.num_sms
         if wide:
             cfg = pick(wide=True)
         plan = lambda cfg: md.plan(cfg.block_q, cfg.block_n, self.num_heads, hkv, d, query.element_size(),

@@ -12,6 +12,7 @@ import torch
 
 MAX_SPLITS = 64
 SHORT_SPLIT = 128  # a split of at most this many keys runs as one tile
+OVERRIDE_ENV = "HWKV_CUDA_ATTN_CONFIG"
 
 
 def _pow2(n: int) -> int:
@@ -41,9 +42,10 @@ def choose_config(max_query_len: int, group: int, head_size: int, dtype: torch.d
                   split: bool = False, seg: int = 0, wide: bool = False) -> TileConfig:
     """Tiles by shape (from H100/H200 sweeps, docs/cuda-backend.md): decodes pack the G heads of a KV
     head into M (>= 16 rows for the MMA) and stream 64-key tiles three stages deep; prefills take
-    128-row tiles on 8 warps. Head 256 and fp32 shrink the tiles so the K/V stages fit shared memory.
-    A split decode (small grid) takes 32-key tiles: a quarter of the shared memory, so every split of
-    a small batch is resident at once instead of queueing in a second wave — unless its splits are
+    128-row tiles (keys per tile and warps by grid size, below). Head 256 and fp32 shrink the tiles so
+    the K/V stages fit shared memory. A split decode (small grid) takes 32-key tiles: a quarter of the
+    shared memory, so every split of a small batch is resident at once instead of queueing in a second
+    wave — unless its splits are
     short (``seg``, the longest split, <= ``SHORT_SPLIT``): then each is one 128-key tile, since a
     split's time is its chain of dependent loads (block id → K → V) per tile, not its bandwidth
     (H100, batch 1: ctx 512 10.7 → 7.3 µs, ctx 4k 15.9 → 15.2 µs; bench/results/
@@ -73,13 +75,19 @@ def choose_config(max_query_len: int, group: int, head_size: int, dtype: torch.d
         else:  # a small grid has SMs to spare: wider tiles, more warps per program
             cfg = dict(block_m=block_m, block_q=block_m // hpad, block_n=64 if wide else 128,
                        num_warps=4 if wide else 8, num_stages=3)
-    override = os.environ.get("HWKV_CUDA_ATTN_CONFIG", "")
-    for item in filter(None, override.split(",")):
-        k, _, v = item.partition("=")
-        cfg[k.strip().lower()] = int(v)
+    cfg.update(overrides())
     if cfg["block_m"] // cfg["block_q"] < group:
         raise ValueError(f"tile config {cfg}: block_m // block_q must be >= the GQA group {group}")
     return TileConfig(**cfg)
+
+
+def overrides() -> dict[str, int]:
+    """``HWKV_CUDA_ATTN_CONFIG`` (``"block_n=128,num_warps=8"``) as a dict (read per call)."""
+    out = {}
+    for item in filter(None, os.environ.get(OVERRIDE_ENV, "").split(",")):
+        k, _, v = item.partition("=")
+        out[k.strip().lower()] = int(v)
+    return out
 
 
 def smem_bytes(cfg: TileConfig, d_pad: int, elem_size: int) -> int:
@@ -91,21 +99,24 @@ def fit_shared_memory(cfg: TileConfig, d_pad: int, elem_size: int, limit: int) -
     """``cfg`` shrunk until :func:`smem_bytes` fits ``limit`` (0: unknown, keep it): stages down to two
     (the pipeline), then half the keys per tile down to 16, then one stage. The tiles were tuned on
     H100s (227 KB per block), where nothing shrinks; an A100 (163 KB) drops the 128-key prefill tile to
-    two stages, a 99 KB GPU (sm_86/89) to 64 keys. Raises ``ValueError`` when even the smallest tile
-    does not fit."""
+    two stages and a 99 KB GPU (sm_86/89) to 64 keys, and the three-stage decode tiles of a 99 KB GPU
+    run two. Fields set by ``HWKV_CUDA_ATTN_CONFIG`` are never changed (a sweep row runs what it is
+    labelled with). Raises ``ValueError`` when even the smallest tile does not fit."""
     if limit <= 0:
         return cfg
+    fixed = overrides()
     for rule in ("stages", "keys", "one stage"):
         while smem_bytes(cfg, d_pad, elem_size) > limit:
-            if rule == "stages" and cfg.num_stages > 2:
+            if rule == "stages" and cfg.num_stages > 2 and "num_stages" not in fixed:
                 cfg = replace(cfg, num_stages=cfg.num_stages - 1)
-            elif rule == "keys" and cfg.block_n > 16:
+            elif rule == "keys" and cfg.block_n > 16 and "block_n" not in fixed:
                 cfg = replace(cfg, block_n=cfg.block_n // 2)
-            elif rule == "one stage" and cfg.num_stages > 1:
+            elif rule == "one stage" and cfg.num_stages > 1 and "num_stages" not in fixed:
                 cfg = replace(cfg, num_stages=1)
             else:
                 break
     if (need := smem_bytes(cfg, d_pad, elem_size)) > limit:
         raise ValueError(f"attention tile {cfg} needs ~{need} bytes of shared memory; the device allows {limit} "
-                         f"per block (head size {d_pad} padded, {elem_size}-byte elements)")
+                         f"per block (head size {d_pad} padded, {elem_size}-byte elements"
+                         + (f"; {OVERRIDE_ENV} fixes {sorted(fixed)}" if fixed else "") + ")")
     return cfg

@@ -68,6 +68,9 @@ def test_split_heuristic():
     # a grid of at most half the SMs splits to ~4 programs per SM (one resident wave), a larger one to ~8
     assert plan([1] * 8, [4096] * 8).splits == 9  # 64 programs: ceil(4 * 132 / 64)
     assert plan([1] * 9, [4096] * 9).splits == 15  # 72 programs: ceil(8 * 132 / 72), 288-key splits
+    # an overridden split_target is halved for small grids too, never to zero
+    md = cuda_attn.CudaAttentionMetadata(AttentionMetadata.build([1], [8192], [list(range(512))], 16), 132)
+    assert md.plan(1, 32, 32, 8, 128, 2, split_target=1).splits == 16  # ceil(132 / 8) = 17, in 512-key splits
     # fused merge: S * 4 rows * 4 B <= (8192 / S) * 2 * 2 B  ->  S <= 45 (then whole 32-key tiles: 43)
     assert plan([1], [8192], merge_cap=1).splits == 43
     for length in (100, 300, 1000, 5000, 16384):
