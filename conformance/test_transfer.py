@@ -52,11 +52,13 @@ def test_transfer_round_trip(backend, check, gen, protocol):
             want[back_ids] = ts[SRC_IDS].cpu()
             check.exact(tb.cpu(), want, "transfer", f"tensor {ti} after read back")
     finally:
-        for ep, ptr in regs:
-            ep.unregister(ptr)
-        a.close()
-        if b is not None:
-            b.close()
+        try:
+            for ep, ptr in regs:
+                ep.unregister(ptr)
+        finally:  # an unregister that fails must not leave the endpoints open
+            a.close()
+            if b is not None:
+                b.close()
 
 
 def _spec(caps) -> KVCacheSpec:

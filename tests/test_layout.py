@@ -135,8 +135,13 @@ def test_paired_addresses_rejects_mismatches():
     a = KVCache.allocate(spec, KVLayoutKind.PER_LAYER)
     with pytest.raises(ValueError, match="2 source blocks but 1 destination"):
         a.paired_addresses(a, [0, 1], [2])
-    with pytest.raises(IndexError, match=r"block id 4 out of range \[0, 4\)"):
+    with pytest.raises(IndexError, match=r"destination block id 4 out of range \[0, 4\)"):
         a.paired_addresses(a, [0], [4])
+    with pytest.raises(IndexError, match=r"source block id -1 out of range"):
+        a.paired_addresses(a, [-1], [0])
     other = KVCache.allocate(KVCacheSpec(1, 4, 8, 2, 8, torch.float16), KVLayoutKind.PER_LAYER)
     with pytest.raises(ValueError, match="block sizes differ"):
         a.paired_addresses(other, [0], [0])
+    two = KVCache.allocate(KVCacheSpec(2, 4, 4, 2, 8, torch.float16), KVLayoutKind.PER_LAYER)
+    with pytest.raises(ValueError, match="1 KV tensors here but 2 at the destination"):
+        a.paired_addresses(two, [0], [0])

@@ -159,14 +159,16 @@ class KVCache:
         ``Transfer.write`` / ``read``. Both caches must have the same per-block tensor sizes."""
         if len(src_ids) != len(dst_ids):
             raise ValueError(f"{len(src_ids)} source blocks but {len(dst_ids)} destination blocks")
+        if len(self.tensors) != len(dst.tensors):
+            raise ValueError(f"{len(self.tensors)} KV tensors here but {len(dst.tensors)} at the destination")
         sizes = [self.block_nbytes(i) for i in range(len(self.tensors))]
         if sizes != [dst.block_nbytes(i) for i in range(len(dst.tensors))]:
             raise ValueError(f"block sizes differ: {sizes} bytes per tensor here, "
                              f"{[dst.block_nbytes(i) for i in range(len(dst.tensors))]} at the destination")
-        for cache, ids in ((self, src_ids), (dst, dst_ids)):
+        for side, cache, ids in (("source", self, src_ids), ("destination", dst, dst_ids)):
             for b in ids:
                 if not 0 <= b < cache.spec.num_blocks:
-                    raise IndexError(f"block id {b} out of range [0, {cache.spec.num_blocks})")
+                    raise IndexError(f"{side} block id {b} out of range [0, {cache.spec.num_blocks})")
         runs = group_concurrent_contiguous(list(src_ids), list(dst_ids))
         src_ptrs, dst_ptrs, lengths = [], [], []
         for ts, td, nb in zip(self.tensors, dst.tensors, sizes):

@@ -37,32 +37,36 @@ def round_trip(backend, spec: KVCacheSpec, src_ids: list[int], dst_ids: list[int
         t.copy_(torch.randn(t.shape, generator=g, device=t.device, dtype=torch.float32).to(t.dtype))
     for t in gpu_dst.tensors:
         t.zero_()
-    a = backend.create_transfer(protocol="tcp")
-    b = backend.create_transfer(protocol="tcp")
-    regs = [(a, t) for t in host_src.tensors] + [(b, t) for t in host_dst.tensors]
     legs: dict[str, list[float]] = {"d2h": [], "tcp": [], "h2d": []}
+    eps = [backend.create_transfer(protocol="tcp")]
     try:
-        for ep, t in regs:
-            ep.register(t.data_ptr(), t.numel() * t.element_size())
-        src_ptrs, dst_ptrs, lengths = host_src.paired_addresses(host_dst, src_ids, dst_ids)
-        for _ in range(repeats):
-            legs["d2h"].append(_leg(lambda: dev.copy_blocks(gpu_src, host_src, [(s, s) for s in src_ids]),
-                                    dev.synchronize))
-            legs["tcp"].append(_leg(lambda: a.write(b.endpoint(), src_ptrs, dst_ptrs, lengths), lambda: None))
-            legs["h2d"].append(_leg(lambda: dev.copy_blocks(host_dst, gpu_dst, [(d, d) for d in dst_ids]),
-                                    dev.synchronize))
-        moved = torch.zeros(spec.num_blocks, dtype=torch.bool)
-        moved[dst_ids] = True
-        for ti, (ts, td) in enumerate(zip(gpu_src.tensors, gpu_dst.tensors)):
-            assert torch.equal(td[dst_ids], ts[src_ids]), f"tensor {ti}: moved blocks differ"
-            assert not td[~moved.to(td.device)].any(), f"tensor {ti}: a block that was not moved changed"
+        eps.append(backend.create_transfer(protocol="tcp"))
+        a, b = eps
+        regs = [(a, t) for t in host_src.tensors] + [(b, t) for t in host_dst.tensors]
+        try:
+            for ep, t in regs:
+                ep.register(t.data_ptr(), t.numel() * t.element_size())
+            src_ptrs, dst_ptrs, lengths = host_src.paired_addresses(host_dst, src_ids, dst_ids)
+            for _ in range(repeats):
+                legs["d2h"].append(_leg(lambda: dev.copy_blocks(gpu_src, host_src, [(s, s) for s in src_ids]),
+                                        dev.synchronize))
+                legs["tcp"].append(_leg(lambda: a.write(b.endpoint(), src_ptrs, dst_ptrs, lengths), lambda: None))
+                legs["h2d"].append(_leg(lambda: dev.copy_blocks(host_dst, gpu_dst, [(d, d) for d in dst_ids]),
+                                        dev.synchronize))
+        finally:
+            for ep, t in regs:
+                if t.data_ptr() in dict(ep.registered_buffers()):
+                    ep.unregister(t.data_ptr())
+        # released by the unregisters themselves (close() would release them anyway)
+        assert a.registered_buffers() == [] and b.registered_buffers() == []
     finally:
-        for ep, t in regs:
-            if t.data_ptr() in dict(ep.registered_buffers()):
-                ep.unregister(t.data_ptr())
-        a.close()
-        b.close()
-    assert a.registered_buffers() == [] and b.registered_buffers() == []
+        for ep in eps:
+            ep.close()
+    moved = torch.zeros(spec.num_blocks, dtype=torch.bool)
+    moved[dst_ids] = True
+    for ti, (ts, td) in enumerate(zip(gpu_src.tensors, gpu_dst.tensors)):
+        assert torch.equal(td[dst_ids], ts[src_ids]), f"tensor {ti}: moved blocks differ"
+        assert not td[~moved.to(td.device)].any(), f"tensor {ti}: a block that was not moved changed"
     nbytes = sum(lengths)
     med = {k: sorted(v)[len(v) // 2] for k, v in legs.items()}
     return {"bytes": nbytes, "segments": len(lengths), "blocks": len(src_ids),
