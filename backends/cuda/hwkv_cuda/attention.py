@@ -20,7 +20,7 @@ from hwkv.interfaces.attention import AttentionBackend, AttentionImpl, Attention
 from hwkv.interfaces.layout import KVLayoutKind
 from hwkv_cuda.decode_ops import pdl_available
 from hwkv_cuda.splitkv import SplitCounters, merge_tile, reduce_mode
-from hwkv_cuda.tiles import MAX_SPLITS, _pow2, choose_config, fit_shared_memory
+from hwkv_cuda.tiles import MAX_SPLITS, choose_config, fit_shared_memory, pow2
 
 LOG2E = 1.4426950408889634
 CHECK_SLOTS_ENV = "HWKV_CUDA_CHECK_SLOTS"
@@ -139,7 +139,7 @@ class TritonAttentionImpl(AttentionImpl):
             key, value, layer_kv, slot_mapping, nb * bs,
             key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             layer_kv.stride(0), layer_kv.stride(1), layer_kv.stride(2), layer_kv.stride(3),
-            H_KV=hkv, HEAD_SIZE=d, H_PAD=_pow2(hkv), D_PAD=max(16, _pow2(d)), BS=bs,
+            H_KV=hkv, HEAD_SIZE=d, H_PAD=pow2(hkv), D_PAD=max(16, pow2(d)), BS=bs,
         )
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_kv: Any,
@@ -164,13 +164,13 @@ class TritonAttentionImpl(AttentionImpl):
             raise ValueError(f"KV block size {bs} differs from metadata block_size {c.block_size}")
         group = self.num_heads // hkv
         fused = reduce_mode() == "fused"
-        d_pad = max(16, _pow2(d))
+        d_pad = max(16, pow2(d))
         if query.device not in self._smem:
             self._smem[query.device] = _smem_limit(query.device)
         pick = lambda **kw: fit_shared_memory(choose_config(c.max_query_len, group, d, query.dtype, **kw), d_pad,
                                               query.element_size(), self._smem[query.device])
         cfg = pick()
-        # prefill tiles depend on the grid (q blocks x KV heads), which depends only on BLOCK_Q
+        # prefill tiles follow the programs with work (q blocks x KV heads), which depend only on BLOCK_Q
         wide = c.max_query_len > 1 and md.programs(cfg.block_q, hkv) >= 2 * md.num_sms
         if wide:
             cfg = pick(wide=True)
@@ -184,8 +184,8 @@ class TritonAttentionImpl(AttentionImpl):
             if split_cfg != cfg:
                 cfg = split_cfg
                 grid_q, splits, min_seg = plan(cfg)
-        splits_pad = _pow2(splits)
-        g_pad = _pow2(group)
+        splits_pad = pow2(splits)
+        g_pad = pow2(group)
         fused = fused and splits > 1
         # constant when unused, so the unfused variants do not compile once per merge tile
         merge_rows, merge_splits = (merge_tile(cfg.block_q, g_pad, splits_pad, d_pad, cfg.num_warps, cfg.merge_regs)

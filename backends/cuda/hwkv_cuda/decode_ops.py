@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import torch
 
 from hwkv.interfaces.decode_ops import DecodeOps
+from hwkv_cuda.tiles import pow2
 
 PDL_ENV = "HWKV_CUDA_PDL"
 CONFIG_ENV = "HWKV_CUDA_DENSE_CONFIG"
@@ -27,16 +28,12 @@ class DenseConfig(NamedTuple):
     preload: int = 0
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def choose_config(m: int, n: int, k: int) -> DenseConfig:
     """Tiles by shape, from the H100 sweeps at M=1 (bench/results/dense-probe-*-H100-2026-11-22.json):
     a K tile of up to 2048, shrinking with the token count so the weight tile and the fp32 inputs
     stay in registers; see the branches for the rest. (A persistent variant streaming row tiles
     through a pipelined loop measured 5-20% slower on every shape and was dropped.)"""
-    block_k = min(max(16, _pow2(k)), 2048 // min(_pow2(m), 4))
+    block_k = min(max(16, pow2(k)), 2048 // min(pow2(m), 4))
     if k > block_k:  # several K tiles (the down projection): a pipelined loop on 4-row programs
         cfg = {"block_n": 4, "block_k": block_k, "num_warps": 8, "num_stages": 3, "preload": 0}
     elif n * k > 64 << 20:  # the LM head: many waves, so a pre-wait load helps only the first
@@ -131,7 +128,7 @@ class TritonDecodeOps(DecodeOps):
         dense_kernel[(-(-n // cfg.block_n),)](
             x, weight, bias if bias is not None else y, y, res, norm_weight if norm_weight is not None else y,
             *kv_args, m, n, k, eps, num_slots, x.stride(0), y.stride(0), res.stride(0), stride_cos, *strides,
-            PROLOGUE=prologue, EPILOGUE=epilogue, HAS_BIAS=bias is not None, M_PAD=_pow2(m),
+            PROLOGUE=prologue, EPILOGUE=epilogue, HAS_BIAS=bias is not None, M_PAD=pow2(m),
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=pdl, PRELOAD=bool(cfg.preload), ONE_TILE=cfg.block_k >= k,
             **geo, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
         )

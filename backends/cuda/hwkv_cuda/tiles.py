@@ -15,7 +15,8 @@ SHORT_SPLIT = 128  # a split of at most this many keys runs as one tile
 OVERRIDE_ENV = "HWKV_CUDA_ATTN_CONFIG"
 
 
-def _pow2(n: int) -> int:
+def pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for n <= 1)."""
     return 1 << max(0, (n - 1).bit_length())
 
 
@@ -45,9 +46,8 @@ def choose_config(max_query_len: int, group: int, head_size: int, dtype: torch.d
     128-row tiles (keys per tile and warps by grid size, below). Head 256 and fp32 shrink the tiles so
     the K/V stages fit shared memory. A split decode (small grid) takes 32-key tiles: a quarter of the
     shared memory, so every split of a small batch is resident at once instead of queueing in a second
-    wave — unless its splits are
-    short (``seg``, the longest split, <= ``SHORT_SPLIT``): then each is one 128-key tile, since a
-    split's time is its chain of dependent loads (block id → K → V) per tile, not its bandwidth
+    wave — unless its splits are short (``seg``, the longest split, <= ``SHORT_SPLIT``): then each is one
+    128-key tile, since a split's time is its chain of dependent loads (block id → K → V) per tile, not its bandwidth
     (H100, batch 1: ctx 512 10.7 → 7.3 µs, ctx 4k 15.9 → 15.2 µs; bench/results/
     e2e-llama-1b-H100-2026-11-21-attn-tiles.md). Such a one-tile split runs unpipelined: three K/V
     stages of a 128-key tile took 192 KB of shared memory, one program per SM, for a loop of one
@@ -57,7 +57,7 @@ def choose_config(max_query_len: int, group: int, head_size: int, dtype: torch.d
     (``wide``) runs 4 warps over 64-key tiles, a smaller one 8 warps over 128-key tiles (H100, chunk 2k on
     a 16k prefix 2135 → 1659 µs MHA, 2011 → 1656 GQA; chunk 512 on 4k 151 → 138 µs MHA; square causal
     512 2-5 % slower; bench/results/attention-prefill-tiles-H100-2026-11-22.txt)."""
-    hpad = _pow2(group)
+    hpad = pow2(group)
     narrow = head_size > 128 or dtype == torch.float32
     if max_query_len == 1:
         block_m = max(16, hpad)
