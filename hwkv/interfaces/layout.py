@@ -138,15 +138,18 @@ class KVCache:
 
     def segments(self, block_ids: list[int]) -> list[Segment]:
         """Byte segments covering exactly ``block_ids`` in every tensor, consecutive ids merged."""
-        for b in block_ids:
-            if not 0 <= b < self.spec.num_blocks:
-                raise IndexError(f"block id {b} out of range [0, {self.spec.num_blocks})")
+        self._check_ids(block_ids)
         runs = group_concurrent_contiguous(list(block_ids))
         out: list[Segment] = []
         for ti in range(len(self.tensors)):
             nb = self.block_nbytes(ti)
             out.extend(Segment(ti, s * nb, n * nb) for s, _, n in runs)
         return out
+
+    def _check_ids(self, block_ids: list[int], side: str = "") -> None:
+        for b in block_ids:
+            if not 0 <= b < self.spec.num_blocks:
+                raise IndexError(f"{side}block id {b} out of range [0, {self.spec.num_blocks})")
 
     def addresses(self, block_ids: list[int]) -> list[tuple[int, int]]:
         """``(pointer, nbytes)`` of each segment, for transfer engines and stores."""
@@ -162,13 +165,10 @@ class KVCache:
         if len(self.tensors) != len(dst.tensors):
             raise ValueError(f"{len(self.tensors)} KV tensors here but {len(dst.tensors)} at the destination")
         sizes = [self.block_nbytes(i) for i in range(len(self.tensors))]
-        if sizes != [dst.block_nbytes(i) for i in range(len(dst.tensors))]:
-            raise ValueError(f"block sizes differ: {sizes} bytes per tensor here, "
-                             f"{[dst.block_nbytes(i) for i in range(len(dst.tensors))]} at the destination")
-        for side, cache, ids in (("source", self, src_ids), ("destination", dst, dst_ids)):
-            for b in ids:
-                if not 0 <= b < cache.spec.num_blocks:
-                    raise IndexError(f"{side} block id {b} out of range [0, {cache.spec.num_blocks})")
+        if sizes != (theirs := [dst.block_nbytes(i) for i in range(len(dst.tensors))]):
+            raise ValueError(f"block sizes differ: {sizes} bytes per tensor here, {theirs} at the destination")
+        self._check_ids(src_ids, "source ")
+        dst._check_ids(dst_ids, "destination ")
         runs = group_concurrent_contiguous(list(src_ids), list(dst_ids))
         src_ptrs, dst_ptrs, lengths = [], [], []
         for ts, td, nb in zip(self.tensors, dst.tensors, sizes):
