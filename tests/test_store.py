@@ -69,19 +69,46 @@ def store(request, arena):
         yield s
         s.close()
     else:
-        _, s = request.getfixturevalue("mooncake")
-        s.clear()
+        m, s = request.getfixturevalue("mooncake")
+        settle(m, s, arena)
         yield s
         s.clear()
 
 
 @pytest.fixture
 def mstore(mooncake, arena):
-    """The module's Mooncake store, emptied before and after the test."""
+    """The module's Mooncake store, emptied (and settled) before and after the test."""
     arena.dst[:] = 0
-    mooncake[1].clear()
+    settle(*mooncake, arena)
     yield mooncake[1]
     mooncake[1].clear()
+
+
+def settle(m, s, arena, rounds: int = 5, timeout_s: float = 5.0) -> None:
+    """Empty the pool and leave the master with no eviction pending.
+
+    A put that found no room sets the master's need-eviction flag, and the flag stays set while
+    nothing is evictable (values leased or being written); ``clear`` does not reset it, the
+    eviction thread's next pass does (every ~10 ms, later on a busy machine). Until then the next
+    test's first value can be evicted (``test_mooncake_pending_eviction_takes_a_later_value``).
+    So: put one evictable sentinel, set the flag with a put larger than the pool, and wait for the
+    pass that evicts the sentinel, which also resets the flag. A round in which a pending pass took
+    the sentinel before our flag was set proves nothing and is repeated."""
+    for _ in range(rounds):
+        s.clear()
+        assert s.put(["__settle__"], [[arena.s(0, 1)]])[0].ok
+        assert isinstance(s.put(["__too_big__"], [[arena.s(0, CAP), arena.s(CAP, 1)]])[0].error, StoreFull)
+        before = master_metrics(m)
+        if before["master_key_count"] != 1:
+            continue
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            now = master_metrics(m)
+            if (now["master_key_count"] == 0
+                    and now["master_successful_evictions_total"] > before["master_successful_evictions_total"]):
+                return
+            time.sleep(0.005)
+    raise AssertionError(f"mooncake_master did not settle its pending eviction in {rounds} rounds")
 
 
 def errors(results) -> list[type | None]:
@@ -328,9 +355,35 @@ def test_mooncake_failed_put_evicts_an_unrelated_value(mooncake, mstore, arena):
 
 
 @pytest.mark.mooncake
+def test_mooncake_pending_eviction_takes_a_later_value(mooncake, mstore, arena):
+    """A failed put while nothing is evictable (both values leased) leaves the need-eviction flag
+    set: the eviction thread keeps trying, and the first evictable value - one written after the
+    failure - is evicted although the pool is nearly empty."""
+    m, s = mooncake
+    assert all(r.ok for r in s.put(["x", "y"], [[arena.s(0, 1000)], [arena.s(50, 10)]]))
+    assert all(r.ok for r in s.get(["x", "y"], [[arena.d(0, 1000)], [arena.d(2000, 10)]]))  # leases, 2 s
+    assert isinstance(s.put(["huge"], [[arena.s(0, CAP), arena.s(CAP, 1)]])[0].error, StoreFull)
+    before = master_metrics(m)
+    deadline = time.monotonic() + 1
+    while master_metrics(m)["master_attempted_evictions_total"] < before["master_attempted_evictions_total"] + 2:
+        assert time.monotonic() < deadline, "the master did not retry the eviction"
+        time.sleep(0.005)
+    assert master_metrics(m)["master_evicted_key_count"] == before["master_evicted_key_count"]  # none evictable
+    assert s.put(["later"], [[arena.s(7, 100)]])[0].ok
+    deadline = time.monotonic() + 1
+    while master_metrics(m)["master_evicted_key_count"] == before["master_evicted_key_count"]:
+        assert time.monotonic() < deadline, "the pending eviction did not happen"
+        time.sleep(0.005)
+    now = master_metrics(m)
+    assert now["master_evicted_key_count"] == before["master_evicted_key_count"] + 1
+    assert now["master_key_count"] == 2  # x and y, still leased; `exists` would lease "later" too
+    assert s.exists(["later"]) == [False]
+
+
+@pytest.mark.mooncake
 def test_mooncake_two_clients_share_the_pool(mooncake, arena):
     m, a = mooncake
-    a.clear()
+    settle(m, a, arena)
     buf = np.zeros(MiB, np.uint8)
     b = create_store("mooncake", master=m.master, metadata_server=m.metadata_server, global_segment_size=0)
     try:
