@@ -101,14 +101,25 @@ def settle(m, s, arena, rounds: int = 5, timeout_s: float = 5.0) -> None:
         before = master_metrics(m)
         if before["master_key_count"] != 1:
             continue
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+
+        def sentinel_evicted(before=before) -> bool:
             now = master_metrics(m)
-            if (now["master_key_count"] == 0
-                    and now["master_successful_evictions_total"] > before["master_successful_evictions_total"]):
-                return
-            time.sleep(0.005)
+            return (now["master_key_count"] == 0
+                    and now["master_successful_evictions_total"] > before["master_successful_evictions_total"])
+
+        if wait_until(sentinel_evicted, timeout_s):
+            return
     raise AssertionError(f"mooncake_master did not settle its pending eviction in {rounds} rounds")
+
+
+def wait_until(cond, timeout_s: float) -> bool:
+    """Poll ``cond`` every 5 ms; whether it held within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
 
 
 def errors(results) -> list[type | None]:
@@ -347,9 +358,7 @@ def test_mooncake_failed_put_evicts_an_unrelated_value(mooncake, mstore, arena):
     before = master_metrics(m)["master_evicted_key_count"]
     (r,) = s.put(["huge"], [[arena.s(0, CAP), arena.s(CAP, 1)]])
     assert isinstance(r.error, StoreFull)
-    deadline = time.monotonic() + 5
-    while master_metrics(m)["master_evicted_key_count"] == before and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_until(lambda: master_metrics(m)["master_evicted_key_count"] != before, 5)
     assert master_metrics(m)["master_evicted_key_count"] == before + 1
     assert s.exists(["bystander"]) == [False]
 
@@ -364,18 +373,15 @@ def test_mooncake_pending_eviction_takes_a_later_value(mooncake, mstore, arena):
     assert all(r.ok for r in s.get(["x", "y"], [[arena.d(0, 1000)], [arena.d(2000, 10)]]))  # leases, 2 s
     assert isinstance(s.put(["huge"], [[arena.s(0, CAP), arena.s(CAP, 1)]])[0].error, StoreFull)
     before = master_metrics(m)
-    deadline = time.monotonic() + 1
-    while master_metrics(m)["master_attempted_evictions_total"] < before["master_attempted_evictions_total"] + 2:
-        assert time.monotonic() < deadline, "the master did not retry the eviction"
-        time.sleep(0.005)
-    assert master_metrics(m)["master_evicted_key_count"] == before["master_evicted_key_count"]  # none evictable
+    attempts, evicted = before["master_attempted_evictions_total"], before["master_evicted_key_count"]
+    assert wait_until(lambda: master_metrics(m)["master_attempted_evictions_total"] >= attempts + 2, 1), \
+        "the master did not retry the eviction"
+    assert master_metrics(m)["master_evicted_key_count"] == evicted  # none evictable
     assert s.put(["later"], [[arena.s(7, 100)]])[0].ok
-    deadline = time.monotonic() + 1
-    while master_metrics(m)["master_evicted_key_count"] == before["master_evicted_key_count"]:
-        assert time.monotonic() < deadline, "the pending eviction did not happen"
-        time.sleep(0.005)
+    assert wait_until(lambda: master_metrics(m)["master_evicted_key_count"] != evicted, 1), \
+        "the pending eviction did not happen"
     now = master_metrics(m)
-    assert now["master_evicted_key_count"] == before["master_evicted_key_count"] + 1
+    assert now["master_evicted_key_count"] == evicted + 1
     assert now["master_key_count"] == 2  # x and y, still leased; `exists` would lease "later" too
     assert s.exists(["later"]) == [False]
 
