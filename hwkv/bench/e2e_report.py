@@ -67,15 +67,14 @@ def replay_ms(engine: Any, batch: int, max_seq_len: int, reps: int = 20) -> floa
     import torch
 
     r = engine.runner
-    key = r.graphs.key(batch, max_seq_len) if r.graphs is not None else None
-    g = r.graphs.graphs.get(key) if key is not None else None
+    g = r.graphs.graph(batch, max_seq_len) if r.graphs is not None else None
     if g is None:
         return None
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    g[0].replay()
+    g.replay()
     s.record()
     for _ in range(reps):
-        g[0].replay()
+        g.replay()
     e.record()
     e.synchronize()
     return s.elapsed_time(e) / reps

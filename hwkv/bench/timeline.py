@@ -33,15 +33,14 @@ def graph_timeline(engine: Any, batch: int = 1, max_seq_len: int = 512, reps: in
     from torch.profiler import ProfilerActivity, profile
 
     r = engine.runner
-    key = r.graphs.key(batch, max_seq_len) if r.graphs is not None else None
-    g = r.graphs.graphs.get(key) if key is not None else None
+    g = r.graphs.graph(batch, max_seq_len) if r.graphs is not None else None
     if g is None:
         return {}
-    g[0].replay()
+    g.replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
-            g[0].replay()
+            g.replay()
             torch.cuda.synchronize()  # separates the replays in the trace
     kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                       if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start

@@ -146,6 +146,12 @@ class GraphRunner:
         s = pick_bucket(self.seq_buckets, max_seq_len) if b <= SMALL_BATCH else self.max_model_len
         return None if s is None else (b, s)
 
+    def graph(self, n: int, max_seq_len: int) -> torch.cuda.CUDAGraph | None:
+        """The captured graph serving ``n`` requests up to ``max_seq_len`` (for benchmarks), if any."""
+        key = self.key(n, max_seq_len)
+        entry = self.graphs.get(key) if key is not None else None
+        return None if entry is None else entry[0]
+
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every key, largest first (smaller graphs reuse its memory pool)."""

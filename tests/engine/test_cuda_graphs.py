@@ -41,6 +41,9 @@ def test_seq_buckets_and_keys():
     key = lambda n, s: GraphRunner.key(g, n, s)  # noqa: E731
     assert [key(1, 100), key(3, 513), key(8, 4096), key(9, 10), key(33, 1)] == \
         [(1, 512), (4, 1024), (8, 4096), (16, 4096), None]
+    g.key, g.graphs = key, {(4, 1024): ("graph of (4, 1024)", None, None)}
+    assert [GraphRunner.graph(g, 3, 513), GraphRunner.graph(g, 3, 100), GraphRunner.graph(g, 33, 1)] == \
+        ["graph of (4, 1024)", None, None]
 
 
 def test_pad_into():
