@@ -42,10 +42,11 @@ def round_trip(backend, spec: KVCacheSpec, src_ids: list[int], dst_ids: list[int
     try:
         eps.append(backend.create_transfer(protocol="tcp"))
         a, b = eps
-        regs = [(a, t) for t in host_src.tensors] + [(b, t) for t in host_dst.tensors]
+        regs = []  # exactly what registered, to release also when a later register fails
         try:
-            for ep, t in regs:
+            for ep, t in [(a, t) for t in host_src.tensors] + [(b, t) for t in host_dst.tensors]:
                 ep.register(t.data_ptr(), t.numel() * t.element_size())
+                regs.append((ep, t.data_ptr()))
             src_ptrs, dst_ptrs, lengths = host_src.paired_addresses(host_dst, src_ids, dst_ids)
             for _ in range(repeats):
                 legs["d2h"].append(_leg(lambda: dev.copy_blocks(gpu_src, host_src, [(s, s) for s in src_ids]),
@@ -54,9 +55,8 @@ def round_trip(backend, spec: KVCacheSpec, src_ids: list[int], dst_ids: list[int
                 legs["h2d"].append(_leg(lambda: dev.copy_blocks(host_dst, gpu_dst, [(d, d) for d in dst_ids]),
                                         dev.synchronize))
         finally:
-            for ep, t in regs:
-                if t.data_ptr() in dict(ep.registered_buffers()):
-                    ep.unregister(t.data_ptr())
+            for ep, ptr in regs:
+                ep.unregister(ptr)
         # released by the unregisters themselves (close() would release them anyway)
         assert a.registered_buffers() == [] and b.registered_buffers() == []
     finally:

@@ -1,5 +1,7 @@
 """GPU KV blocks over a real Mooncake tcp transfer, staged through pinned host buffers (the path the
-backend declares without RDMA devices): every byte checked, every registration released."""
+backend declares without RDMA devices): every byte checked, every registration released. On a CPU
+machine the same script runs with the reference backend (host caches on both sides), which tests
+everything but the GPU copies."""
 
 from __future__ import annotations
 
@@ -10,9 +12,9 @@ import pytest
 import torch
 
 from hwkv.interfaces import KVCacheSpec
+from hwkv.plugins import get_backend
 from hwkv.testing.mooncake import skip_unless_mooncake
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="stages GPU memory: needs a CUDA GPU")
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "staged_transfer.py"
 
 
@@ -23,11 +25,16 @@ def _script():
     return mod
 
 
-def test_gpu_blocks_round_trip_through_pinned_host_and_tcp():
+@pytest.mark.parametrize("name", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="stages GPU memory: needs a CUDA GPU"))])
+def test_blocks_round_trip_through_host_and_tcp(name):
     skip_unless_mooncake()
-    from hwkv_cuda.backend import CudaBackend
+    if name == "cuda":
+        from hwkv_cuda.backend import CudaBackend
 
-    backend = CudaBackend()
+        backend = CudaBackend()
+    else:
+        backend = get_backend(name)
     assert "tcp" in backend.capabilities.transfer_protocols, backend.capabilities.transfer_reason
     spec = KVCacheSpec(3, 16, 16, 2, 64, torch.bfloat16)
     res = _script().round_trip(backend, spec, [5, 6, 7, 2, 0, 15], [0, 1, 2, 9, 4, 10], repeats=2)
