@@ -25,7 +25,7 @@ class EngineConfig:
     enforce_eager: bool = False  # True: never capture CUDA graphs (every step runs eagerly)
     fuse_elementwise: bool | None = None  # torch.compile RMSNorm/RoPE/SiLU·mul; None: when graphs are on
     async_scheduling: bool | None = None  # plan step N+1 while step N runs; None: when graphs are on
-    prefetch_weights: bool | None = None  # Device.prefetch hints in the forward; None/False: off
+    prefetch_weights: bool | None = None  # Device.prefetch hints in the plain (not decode-ops) forward; None/False: off
     decode_ops: bool | None = None  # the backend's fused DecodeOps for forwards of few tokens; None: if offered
 
     def __post_init__(self) -> None:
