@@ -14,8 +14,6 @@ from hwkv.model.rope import apply_rope
 
 
 class TorchDecodeOps(DecodeOps):
-    max_tokens = 8
-
     def qkv(self, h: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
             bias: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
             impl: Any, layer_kv: Any, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,

@@ -18,9 +18,9 @@ import torch
 
 from hwkv.interfaces.attention import AttentionBackend, AttentionImpl, AttentionMetadata, AttentionMetadataBuilder
 from hwkv.interfaces.layout import KVLayoutKind
-from hwkv_cuda.decode_ops import pdl_available
+from hwkv_cuda.launch import device_limits, use_pdl
 from hwkv_cuda.splitkv import SplitCounters, merge_tile, reduce_mode
-from hwkv_cuda.tiles import MAX_SPLITS, choose_config, fit_shared_memory, pow2
+from hwkv_cuda.tiles import MAX_SPLITS, OVERRIDE_ENV, TileConfig, choose_config, fit_shared_memory, pow2
 
 LOG2E = 1.4426950408889634
 CHECK_SLOTS_ENV = "HWKV_CUDA_CHECK_SLOTS"
@@ -32,14 +32,32 @@ class Plan(NamedTuple):
     min_seg: int  # fewest keys per split (whole BLOCK_N tiles); the kernel sizes each request's own
 
 
+class PlanKey(NamedTuple):
+    block_q: int
+    block_n: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    elem_size: int
+    split_below: int
+    split_target: int
+    min_split: int
+    part_cap: int
+    merge_cap: int
+    max_splits: int
+
+
 @dataclass
 class CudaAttentionMetadata:
-    """Core metadata plus per-tile-shape launch plans (host integers only: a captured graph keeps
-    reading the caller's metadata tensors and nothing of ours)."""
+    """Core metadata plus the step's tile choices and launch plans (host integers only: a captured
+    graph keeps reading the caller's metadata tensors and nothing of ours). ``smem``: the device's
+    opt-in shared memory per block (0: unknown, tiles are not shrunk)."""
 
     common: AttentionMetadata
     num_sms: int
-    plans: dict[tuple[int, ...], Plan] = field(default_factory=dict)
+    smem: int = 0
+    plans: dict[PlanKey, Plan] = field(default_factory=dict)
+    launches: dict[tuple[Any, ...], tuple[TileConfig, Plan]] = field(default_factory=dict)
 
     def q_blocks(self, block_q: int) -> int:
         """Programs along the grid's q axis: an upper bound (request boundaries may add one each)."""
@@ -63,8 +81,8 @@ class CudaAttentionMetadata:
         ``S * BLOCK_Q * G * D * 4`` bytes, under that split's KV bytes ``L / S * D * 2 * elem`` /
         ``merge_cap``. The segment is then rounded to whole tiles and the count recomputed, so the
         longest request has no empty split."""
-        key = (block_q, block_n, num_heads, num_kv_heads, head_size, elem_size, split_below, split_target, min_split,
-               part_cap, max_splits, merge_cap)  # merge_cap last: the tests read it there
+        key = PlanKey(block_q, block_n, num_heads, num_kv_heads, head_size, elem_size, split_below, split_target,
+                      min_split, part_cap, merge_cap, max_splits)
         if key not in self.plans:
             c = self.common
             num_tokens = int(c.query_start_loc_cpu[-1])
@@ -95,16 +113,38 @@ class CudaAttentionMetadata:
             self.plans[key] = Plan(grid, splits, min_seg)
         return self.plans[key]
 
+    def launch(self, num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtype,
+               fused: bool) -> tuple[TileConfig, Plan]:
+        """Tiles and plan for one layer shape, chosen once per step (every layer of a model has the
+        same); keyed by ``HWKV_CUDA_ATTN_CONFIG`` as well, so a sweep may change it between calls."""
+        key = (num_heads, num_kv_heads, head_size, dtype, fused, os.environ.get(OVERRIDE_ENV, ""))
+        if key not in self.launches:
+            self.launches[key] = self._choose(num_heads, num_kv_heads, head_size, dtype, fused)
+        return self.launches[key]
 
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
+    def _choose(self, num_heads: int, hkv: int, d: int, dtype: torch.dtype, fused: bool) -> tuple[TileConfig, Plan]:
+        c, elem, d_pad = self.common, dtype.itemsize, max(16, pow2(d))
+        pick = lambda **kw: fit_shared_memory(choose_config(c.max_query_len, num_heads // hkv, d, dtype, **kw), d_pad,
+                                              elem, self.smem)
+        plan = lambda cfg: self.plan(cfg.block_q, cfg.block_n, num_heads, hkv, d, elem, cfg.split_below,
+                                     cfg.split_target, cfg.min_split, cfg.part_cap, cfg.merge_cap if fused else 0,
+                                     cfg.max_splits)
+        cfg = pick()
+        # prefill tiles follow the programs with work (q blocks x KV heads), which depend only on BLOCK_Q
+        wide = c.max_query_len > 1 and self.programs(cfg.block_q, hkv) >= 2 * self.num_sms
+        if wide:
+            cfg = pick(wide=True)
+        p = plan(cfg)
+        if p.splits > 1:
+            split_cfg = pick(split=True, seg=-(-max(c.max_seq_len, 1) // p.splits), wide=wide)
+            if split_cfg != cfg:
+                cfg, p = split_cfg, plan(split_cfg)
+        return cfg, p
 
 
 class CudaMetadataBuilder(AttentionMetadataBuilder):
     def build(self, common: AttentionMetadata) -> CudaAttentionMetadata:
-        return CudaAttentionMetadata(common, _num_sms(common.seq_lens.device))
+        return CudaAttentionMetadata(common, *device_limits(common.seq_lens.device))
 
 
 class TritonAttentionImpl(AttentionImpl):
@@ -113,8 +153,6 @@ class TritonAttentionImpl(AttentionImpl):
     def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float):
         super().__init__(num_heads, head_size, num_kv_heads, scale)
         self.counters = SplitCounters()  # per impl: two impls may run on different streams
-        self._pdl: dict[torch.device, bool] = {}  # programmatic dependent launch, per device
-        self._smem: dict[torch.device, int] = {}  # shared memory per block (opt-in), per device
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, layer_kv: Any, slot_mapping: torch.Tensor) -> None:
         """Scatter ``key``/``value`` into the cache at ``slot_mapping``. A slot must be ``-1`` (skip) or
@@ -163,30 +201,12 @@ class TritonAttentionImpl(AttentionImpl):
         if bs != c.block_size:
             raise ValueError(f"KV block size {bs} differs from metadata block_size {c.block_size}")
         group = self.num_heads // hkv
-        fused = reduce_mode() == "fused"
         d_pad = max(16, pow2(d))
-        if query.device not in self._smem:
-            self._smem[query.device] = _smem_limit(query.device)
-        pick = lambda **kw: fit_shared_memory(choose_config(c.max_query_len, group, d, query.dtype, **kw), d_pad,
-                                              query.element_size(), self._smem[query.device])
-        cfg = pick()
-        # prefill tiles follow the programs with work (q blocks x KV heads), which depend only on BLOCK_Q
-        wide = c.max_query_len > 1 and md.programs(cfg.block_q, hkv) >= 2 * md.num_sms
-        if wide:
-            cfg = pick(wide=True)
-        plan = lambda cfg: md.plan(cfg.block_q, cfg.block_n, self.num_heads, hkv, d, query.element_size(),
-                                   cfg.split_below, cfg.split_target, cfg.min_split, cfg.part_cap,
-                                   cfg.merge_cap if fused else 0, cfg.max_splits)
-        grid_q, splits, min_seg = plan(cfg)
-        if splits > 1:
-            seg = -(-max(c.max_seq_len, 1) // splits)
-            split_cfg = pick(split=True, seg=seg, wide=wide)
-            if split_cfg != cfg:
-                cfg = split_cfg
-                grid_q, splits, min_seg = plan(cfg)
+        fused = reduce_mode() == "fused"
+        cfg, (grid_q, splits, min_seg) = md.launch(self.num_heads, hkv, d, query.dtype, fused)
+        fused = fused and splits > 1
         splits_pad = pow2(splits)
         g_pad = pow2(group)
-        fused = fused and splits > 1
         # constant when unused, so the unfused variants do not compile once per merge tile
         merge_rows, merge_splits = (merge_tile(cfg.block_q, g_pad, splits_pad, d_pad, cfg.num_warps, cfg.merge_regs)
                                     if fused else (1, 1))
@@ -198,9 +218,7 @@ class TritonAttentionImpl(AttentionImpl):
         else:
             part_acc = part_ml = out  # unused
         counters = self.counters.get(query.device, grid_q * hkv) if fused else out  # unused unless fused
-        if query.device not in self._pdl:
-            self._pdl[query.device] = pdl_available(query.device)[0]
-        pdl = self._pdl[query.device]
+        pdl = use_pdl(query.device)
         attention_kernel[(grid_q, hkv, splits)](
             query, layer_kv, out, part_acc, part_ml, counters,
             c.query_start_loc, c.seq_lens, c.block_tables,
@@ -218,13 +236,6 @@ class TritonAttentionImpl(AttentionImpl):
                 out, part_acc, part_ml, out.stride(0), out.stride(1), self.num_heads, splits,
                 HEAD_SIZE=d, D_PAD=d_pad, NUM_SPLITS_PAD=splits_pad, num_warps=4,
             )
-
-
-def _smem_limit(device: torch.device) -> int:
-    """Opt-in shared memory per block of a CUDA device; 0 where unknown (the interpreter, old torch)."""
-    if device.type != "cuda":
-        return 0
-    return int(getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0))
 
 
 def _capturing(device: torch.device) -> bool:

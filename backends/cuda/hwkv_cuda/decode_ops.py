@@ -1,21 +1,21 @@
 """Triton :class:`DecodeOps`: every projection of a decode step as one fused GEMV launch
 (:mod:`hwkv_cuda.kernels.dense`), chained by programmatic dependent launch on Hopper and newer.
 
-``HWKV_CUDA_PDL=0`` launches without PDL (for A/B runs); ``HWKV_CUDA_DENSE_CONFIG``
-(``"block_n=16,block_k=1024,num_warps=8"``) overrides the tile choice for tuning sweeps.
+``HWKV_CUDA_PDL=0`` launches without PDL (for A/B runs; :mod:`hwkv_cuda.launch`);
+``HWKV_CUDA_DENSE_CONFIG`` (``"block_n=16,block_k=1024,num_warps=8"``) overrides the tile choice for
+tuning sweeps.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any, NamedTuple
 
 import torch
 
 from hwkv.interfaces.decode_ops import DecodeOps
+from hwkv_cuda.launch import parse_overrides, use_pdl
 from hwkv_cuda.tiles import pow2
 
-PDL_ENV = "HWKV_CUDA_PDL"
 CONFIG_ENV = "HWKV_CUDA_DENSE_CONFIG"
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -41,40 +41,19 @@ def choose_config(m: int, n: int, k: int) -> DenseConfig:
     else:  # one tile, loaded before the PDL wait
         cfg = {"block_n": 4 if n * k > 8 << 20 else 8, "block_k": block_k, "num_warps": 4, "num_stages": 1,
                "preload": 1}
-    for item in filter(None, os.environ.get(CONFIG_ENV, "").split(",")):
-        name, _, v = item.partition("=")
-        cfg[name.strip().lower()] = int(v)
+    cfg.update(parse_overrides(CONFIG_ENV, DenseConfig._fields))
     if cfg["block_n"] < 2 or cfg["block_n"] & (cfg["block_n"] - 1):
         raise ValueError(f"{CONFIG_ENV}: block_n must be a power of two >= 2, got {cfg['block_n']}")
     return DenseConfig(**cfg)
 
 
-def pdl_available(device: torch.device) -> tuple[bool, str]:
-    """Programmatic dependent launch: sm_90+, a Triton with grid dependency control, not interpreted."""
-    from hwkv_cuda.kernels.dense import gdc_wait
-
-    if os.environ.get(PDL_ENV, "1") == "0":
-        return False, f"{PDL_ENV}=0"
-    if os.environ.get("TRITON_INTERPRET", "0") == "1" or device.type != "cuda":
-        return False, "not on a CUDA device"
-    if gdc_wait is None:
-        return False, "this Triton has no grid dependency control (triton.language.extra.cuda.gdc_wait)"
-    if torch.cuda.get_device_capability(device)[0] < 9:
-        return False, "needs sm_90 or newer"
-    return True, ""
-
-
 class TritonDecodeOps(DecodeOps):
-    max_tokens = 8
     # The model uses them for single-token forwards only: there they win (H100 batch-1 decode, MBU
     # 73% vs 61% with cuBLAS), while with up to 8 tokens the offline run lost 21% (26.8k vs 34.0k
     # tok/s, bench/results/e2e-throughput-ab-H100-2026-11-22.md; not profiled yet — the likely cost
     # is _rows_dot's row-by-row reduction, O(M^2 K) per tile). Up to 8 tokens they are correct
     # (conformance) but untuned.
     preferred_tokens = 1
-
-    def __init__(self) -> None:
-        self._pdl: dict[torch.device, bool] = {}
 
     def validate(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  kv_dtype: torch.dtype) -> list[str]:
@@ -88,19 +67,24 @@ class TritonDecodeOps(DecodeOps):
                            "casts without a scale; allowed: the same dtype)")
         return reasons
 
-    def _launch(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n_in: int,
+    def _launch(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, in_per_k: int,
                 prologue: int, epilogue: int, *, residual: torch.Tensor | None = None,
                 norm_weight: torch.Tensor | None = None, eps: float = 0.0, rope: tuple[Any, ...] | None = None,
                 ) -> torch.Tensor:
         from hwkv_cuda.kernels.dense import dense_kernel
 
-        m, (n, k) = x.shape[0], weight.shape
-        if x.dim() != 2 or x.shape[1] != n_in or x.stride(-1) != 1:
-            raise ValueError(f"input must be [tokens, {n_in}] with unit last stride, got {tuple(x.shape)}")
+        if weight.dim() != 2 or not weight.is_contiguous():
+            raise ValueError(f"weight must be a contiguous [N, K] matrix, got shape {tuple(weight.shape)} "
+                             f"strides {weight.stride()}")
+        n, k = weight.shape
+        if x.dim() != 2 or x.shape[1] != in_per_k * k or x.stride(-1) != 1:
+            raise ValueError(f"input must be [tokens, {in_per_k * k}] with unit last stride, got {tuple(x.shape)}")
+        m = x.shape[0]
         if m > self.max_tokens:
             raise ValueError(f"{m} tokens; these ops take at most {self.max_tokens}")
-        if not weight.is_contiguous():
-            raise ValueError("weight must be contiguous [N, K]")
+        for name, t, want in (("bias", bias, (n,)), ("norm weight", norm_weight, (k,))):
+            if t is not None and tuple(t.shape) != want:
+                raise ValueError(f"{name} must have shape {want} for a [{n}, {k}] weight, got {tuple(t.shape)}")
         for name, t in (("bias", bias), ("norm weight", norm_weight)) + (
                 (("cos", rope[0]), ("sin", rope[1]), ("positions", rope[2]), ("slot_mapping", rope[4]))
                 if rope is not None else ()):
@@ -109,10 +93,7 @@ class TritonDecodeOps(DecodeOps):
         y = torch.empty((m, n), dtype=x.dtype, device=x.device)
         if m == 0:
             return y
-        dev = x.device
-        if dev not in self._pdl:
-            self._pdl[dev] = pdl_available(dev)[0]
-        pdl = self._pdl[dev]
+        pdl = use_pdl(x.device)
         cfg = choose_config(m, n, k)
         res = residual if residual is not None else y
         if rope is not None:
@@ -148,21 +129,21 @@ class TritonDecodeOps(DecodeOps):
             raise ValueError(f"{h.shape[0]} tokens but {positions.shape[0]} positions and "
                              f"{slot_mapping.shape[0]} slots")
         rope = (cos, sin, positions, layer_kv, slot_mapping, num_heads, num_kv_heads, head_dim)
-        return self._launch(h, weight, bias, weight.shape[1], 1, 2, norm_weight=norm_weight, eps=eps, rope=rope)
+        return self._launch(h, weight, bias, 1, 1, 2, norm_weight=norm_weight, eps=eps, rope=rope)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                residual: torch.Tensor) -> torch.Tensor:
         _same_rows(residual, x, weight.shape[0])
-        return self._launch(x, weight, bias, weight.shape[1], 0, 1, residual=residual)
+        return self._launch(x, weight, bias, 1, 0, 1, residual=residual)
 
     def norm_linear(self, h: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
                     bias: torch.Tensor | None) -> torch.Tensor:
-        return self._launch(h, weight, bias, weight.shape[1], 1, 0, norm_weight=norm_weight, eps=eps)
+        return self._launch(h, weight, bias, 1, 1, 0, norm_weight=norm_weight, eps=eps)
 
     def silu_linear(self, gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                     residual: torch.Tensor) -> torch.Tensor:
         _same_rows(residual, gate_up, weight.shape[0])
-        return self._launch(gate_up, weight, bias, 2 * weight.shape[1], 2, 1, residual=residual)
+        return self._launch(gate_up, weight, bias, 2, 2, 1, residual=residual)
 
 
 def _same_rows(residual: torch.Tensor, x: torch.Tensor, n: int) -> None:

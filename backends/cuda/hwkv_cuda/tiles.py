@@ -5,10 +5,11 @@ device's shared memory (:func:`fit_shared_memory`) where a GPU has less than the
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
+
+from hwkv_cuda.launch import parse_overrides
 
 MAX_SPLITS = 64
 SHORT_SPLIT = 128  # a split of at most this many keys runs as one tile
@@ -82,12 +83,9 @@ def choose_config(max_query_len: int, group: int, head_size: int, dtype: torch.d
 
 
 def overrides() -> dict[str, int]:
-    """``HWKV_CUDA_ATTN_CONFIG`` (``"block_n=128,num_warps=8"``) as a dict (read per call)."""
-    out = {}
-    for item in filter(None, os.environ.get(OVERRIDE_ENV, "").split(",")):
-        k, _, v = item.partition("=")
-        out[k.strip().lower()] = int(v)
-    return out
+    """``HWKV_CUDA_ATTN_CONFIG`` (``"block_n=128,num_warps=8"``) as a dict (read per call); names are
+    :class:`TileConfig`'s fields."""
+    return parse_overrides(OVERRIDE_ENV, (f.name for f in fields(TileConfig)))
 
 
 def smem_bytes(cfg: TileConfig, d_pad: int, elem_size: int) -> int:

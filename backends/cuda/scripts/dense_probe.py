@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
-from hwkv_cuda.decode_ops import CONFIG_ENV, PDL_ENV, TritonDecodeOps
+from hwkv_cuda.decode_ops import CONFIG_ENV, TritonDecodeOps
+from hwkv_cuda.launch import PDL_ENV
 
 # (name, N, K, copies): Llama-3.2-1B (hidden 2048, 32/8 heads of 64, intermediate 8192, vocab 128256)
 SHAPES = [("qkv", 3072, 2048, 16), ("o_proj", 2048, 2048, 16), ("gate_up", 16384, 2048, 16),

@@ -82,6 +82,15 @@ def test_bad_inputs_name_the_problem():
         ops.norm_linear(torch.zeros(2, 12, device=DEV), torch.ones(16, device=DEV), 1e-6, w, None)
     with pytest.raises(ValueError, match="residual must be"):
         ops.linear(torch.zeros(2, 16, device=DEV), w, None, torch.zeros(2, 9, device=DEV))
+    # a short bias or norm weight would be read past its end by the kernel
+    with pytest.raises(ValueError, match=r"bias must have shape \(8,\) for a \[8, 16\] weight, got \(7,\)"):
+        ops.linear(torch.zeros(2, 16, device=DEV), w, torch.zeros(7, device=DEV), torch.zeros(2, 8, device=DEV))
+    with pytest.raises(ValueError, match=r"norm weight must have shape \(16,\) for a \[8, 16\] weight, got \(8,\)"):
+        ops.norm_linear(torch.zeros(2, 16, device=DEV), torch.ones(8, device=DEV), 1e-6, w, None)
+    with pytest.raises(ValueError, match=r"weight must be a contiguous \[N, K\] matrix, got shape \(128,\)"):
+        ops.norm_linear(torch.zeros(2, 16, device=DEV), torch.ones(16, device=DEV), 1e-6, w.flatten(), None)
+    with pytest.raises(ValueError, match=r"weight must be a contiguous \[N, K\] matrix, got shape \(16, 8\)"):
+        ops.norm_linear(torch.zeros(2, 8, device=DEV), torch.ones(8, device=DEV), 1e-6, w.t(), None)
     assert ops.validate(4, 2, 15, torch.float32, torch.float32) == [
         "head_dim 15 is odd (RoPE pairs i with i + head_dim/2)"]
     assert "dtype torch.int8" in ops.validate(4, 2, 16, torch.int8, torch.int8)[0]

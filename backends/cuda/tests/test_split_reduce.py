@@ -118,7 +118,7 @@ def test_plan_merge_cap_only_in_fused_mode(monkeypatch):
     off by default); the kernel path's never."""
     for mode, extra, cap in (("fused", ",merge_cap=1", 1), ("kernel", ",merge_cap=1", 0), ("fused", "", 0)):
         _, built, _ = _run(mode, [1], [300], 8, 2, 16, 16, "min_split=16,split_below=1000" + extra, monkeypatch)
-        assert {key[-1] for key in built.plans} == {cap}
+        assert {key.merge_cap for key in built.plans} == {cap}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the race needs a GPU")
@@ -231,3 +231,46 @@ def test_prefill_tiles_follow_the_program_count(qlens, wide, monkeypatch):
     assert seen[-1] is wide and not out.isnan().any()
     ref = naive_attention(q, kv, qlens, slens, tables, 0.25)
     assert _rel(out.cpu().double(), ref) < 1e-5
+
+
+def test_tiles_are_chosen_once_per_step(monkeypatch):
+    """Every layer of a step has the same shape: its tiles and plan are chosen on the first layer's
+    forward and reused; a changed HWKV_CUDA_ATTN_CONFIG (a sweep in one process) chooses again."""
+    import hwkv_cuda.attention as attn
+
+    monkeypatch.delenv("HWKV_CUDA_ATTN_CONFIG", raising=False)
+    calls = []
+    real = attn.choose_config
+    monkeypatch.setattr(attn, "choose_config", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    q, kv, md, tables = paged_case([1, 1], [300, 40], 8, 2, 16, 16, 0, DEV)
+    built = TritonAttentionBackend().metadata_builder().build(md)
+    impl = TritonAttentionBackend().make_impl(8, 16, 2, 0.25)
+    ref = naive_attention(q, kv, [1, 1], [300, 40], tables, 0.25)
+    for layer in range(3):
+        out = torch.full_like(q, float("nan"), device=DEV)
+        impl.forward_into(out, q.to(DEV), kv.to(DEV), built)
+        assert _rel(out.cpu().double(), ref) < 1e-5, layer
+        if layer == 0:
+            first = len(calls)
+    assert first > 0 and len(calls) == first and len(built.launches) == 1
+    monkeypatch.setenv("HWKV_CUDA_ATTN_CONFIG", "min_split=16,split_below=1000")
+    impl.forward_into(out, q.to(DEV), kv.to(DEV), built)
+    assert len(built.launches) == 2 and len(calls) > first
+    assert max(p.splits for p in built.plans.values()) > 1 and _rel(out.cpu().double(), ref) < 1e-5
+
+
+@pytest.mark.parametrize("value,bad", [("blockn=64", "'blockn=64'"), ("block_n=wide", "'block_n=wide'"),
+                                       ("num_warps", "'num_warps'")])
+def test_bad_override_names_the_item_and_the_allowed_names(value, bad, monkeypatch):
+    from hwkv_cuda.decode_ops import choose_config as dense_config
+    from hwkv_cuda.tiles import choose_config
+
+    monkeypatch.setenv("HWKV_CUDA_ATTN_CONFIG", value)
+    with pytest.raises(ValueError, match=f"HWKV_CUDA_ATTN_CONFIG: {bad} is not name=integer with a name among "
+                                         "block_m, block_q, block_n, num_warps, num_stages, split_below"):
+        choose_config(1, 4, 128, torch.bfloat16)
+    monkeypatch.delenv("HWKV_CUDA_ATTN_CONFIG")
+    monkeypatch.setenv("HWKV_CUDA_DENSE_CONFIG", value)
+    with pytest.raises(ValueError, match=f"HWKV_CUDA_DENSE_CONFIG: {bad} is not name=integer with a name among "
+                                         "block_n, block_k, num_warps, num_stages, preload$"):
+        dense_config(1, 2048, 2048)
