@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from hwkv.interfaces.layout import KVCacheSpec
+from hwkv.model.fields import ConfigFields, ModelLoadError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -23,10 +24,6 @@ _DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
-
-
-class ModelLoadError(ValueError):
-    """A model directory cannot be loaded; the message names the file and what is expected."""
 
 
 def parse_dtype(value: str | torch.dtype | None, what: str = "dtype") -> torch.dtype | None:
@@ -52,14 +49,6 @@ def read_json(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ModelLoadError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
-
-
-def _as_id_list(value: Any) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, int):
-        return [value]
-    return [int(v) for v in value]
 
 
 @dataclass(frozen=True)
@@ -123,89 +112,129 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        """Parse and validate ``cfg``; every malformed field raises :class:`ModelLoadError` naming
+        ``source``, the field, its value and the allowed range."""
+        f = ConfigFields(cfg, source)
         archs = cfg.get("architectures") or []
+        if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+            raise f.fail("architectures", archs, "a list of architecture names")
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ModelLoadError(
                 f"{source}: unsupported architecture {archs or cfg.get('model_type')!r} "
                 f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
-
-        def need(key: str) -> Any:
-            if cfg.get(key) is None:
-                raise ModelLoadError(f"{source}: required key {key!r} is missing")
-            return cfg[key]
-
-        act = cfg.get("hidden_act", "silu")
+        act = f.string("hidden_act", "silu")
         if act != "silu":
             raise ModelLoadError(f"{source}: hidden_act {act!r} is not supported (allowed: silu)")
-        hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
-        kv_heads = int(cfg.get("num_key_value_heads") or heads)
-        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        hidden, heads = f.integer("hidden_size"), f.integer("num_attention_heads")
+        kv_heads = f.integer("num_key_value_heads", heads, hi=heads)
         if heads % kv_heads:
             raise ModelLoadError(
-                f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
+                f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads} "
+                f"(allowed: a divisor of {heads})"
             )
-        theta, scaling = _parse_rope(cfg, source)
+        if f.raw("head_dim") is None and hidden % heads:
+            raise ModelLoadError(
+                f"{source}: hidden_size {hidden} is not a multiple of num_attention_heads {heads} and no head_dim "
+                "is given (allowed: set head_dim, or hidden_size divisible by num_attention_heads)"
+            )
+        head_dim = f.integer("head_dim", hidden // heads, lo=2)
+        if head_dim % 2:  # RoPE rotates pairs of dimensions
+            raise f.fail("head_dim", head_dim, "an even integer >= 2")
+        max_pos = f.integer("max_position_embeddings", 2048)
+        theta, scaling = _parse_rope(f, max_pos)
         is_qwen2 = arch == "Qwen2ForCausalLM"
-        window = cfg.get("sliding_window")
-        if is_qwen2 and not cfg.get("use_sliding_window", False):
+        window = f.integer("sliding_window", None)
+        if is_qwen2 and not f.flag("use_sliding_window", False):
             window = None  # Qwen2 carries a window size but only uses it with use_sliding_window
-        attn_bias = bool(cfg.get("attention_bias", False))
-        dtype_s = cfg.get("dtype") or cfg.get("torch_dtype")
+        attn_bias = f.flag("attention_bias", False)
+        dtype_s = f.string("dtype", None) or f.string("torch_dtype", None)
         try:
             dtype = parse_dtype(dtype_s, "dtype") if dtype_s else None
         except ValueError as e:
             raise ModelLoadError(f"{source}: {e}") from None
+        bos = f.token_ids("bos_token_id")
+        if len(bos) > 1:
+            raise f.fail("bos_token_id", cfg["bos_token_id"], "null or an integer >= 0")
         return cls(
             architecture=arch,
-            model_type=str(cfg.get("model_type", "")),
-            vocab_size=int(need("vocab_size")),
+            model_type=f.string("model_type", ""),
+            vocab_size=f.integer("vocab_size"),
             hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")),
+            intermediate_size=f.integer("intermediate_size"),
+            num_layers=f.integer("num_hidden_layers"),
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            rms_norm_eps=f.number("rms_norm_eps", 1e-6, gt=0),
+            max_position_embeddings=max_pos,
             rope_theta=theta,
             rope_scaling=scaling,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=f.flag("tie_word_embeddings", False),
             qkv_bias=is_qwen2 or attn_bias,
             o_bias=attn_bias and not is_qwen2,
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            mlp_bias=f.flag("mlp_bias", False),
             dtype=dtype,
-            sliding_window=int(window) if window else None,
-            bos_token_id=cfg.get("bos_token_id") if isinstance(cfg.get("bos_token_id"), int) else None,
-            eos_token_ids=_as_id_list(cfg.get("eos_token_id")),
+            sliding_window=window,
+            bos_token_id=bos[0] if bos else None,
+            eos_token_ids=f.token_ids("eos_token_id"),
             path=str(Path(source).parent),
         )
 
 
-def _parse_rope(cfg: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None]:
-    """``(rope_theta, scaling)`` from either the ``rope_parameters`` or the ``rope_scaling`` form."""
-    params = cfg.get("rope_parameters")
-    if params and any(isinstance(v, dict) for v in params.values()):
-        raise ModelLoadError(f"{source}: per-layer-type rope_parameters are not supported")
-    params = dict(params or cfg.get("rope_scaling") or {})
-    theta = float(params.pop("rope_theta", None) or cfg.get("rope_theta") or 10000.0)
-    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
-    params.pop("type", None)
-    if cfg.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ModelLoadError(f"{source}: partial_rotary_factor != 1 is not supported")
+# Per rope type: required keys, then optional ones, as (key, kind, bound) — kind "num": a finite
+# number > bound ("num>=": >= bound), "int": an integer >= bound, "bool": true/false.
+_ROPE_KEYS: dict[str, tuple[tuple[tuple[str, str, float], ...], tuple[tuple[str, str, float], ...]]] = {
+    "default": ((), ()),
+    "linear": ((("factor", "num>=", 1.0),), ()),
+    "llama3": ((("factor", "num>=", 1.0), ("low_freq_factor", "num", 0.0), ("high_freq_factor", "num", 0.0)), ()),
+    "yarn": ((), (("factor", "num>=", 1.0), ("attention_factor", "num", 0.0), ("mscale", "num>=", 0.0),
+                  ("mscale_all_dim", "num>=", 0.0), ("beta_fast", "num", 0.0), ("beta_slow", "num", 0.0),
+                  ("truncate", "bool", 0.0))),
+}
+
+
+def _parse_rope(f: ConfigFields, max_pos: int) -> tuple[float, dict[str, Any] | None]:
+    """``(rope_theta, scaling)`` from either the ``rope_parameters`` or the ``rope_scaling`` form,
+    every value validated."""
+    key = "rope_parameters" if f.raw("rope_parameters") else "rope_scaling"
+    params = f.raw(key, {})
+    if not isinstance(params, dict):
+        raise f.fail(key, params, "an object or null")
+    if any(isinstance(v, dict) for v in params.values()):
+        raise f.error("per-layer-type rope_parameters are not supported")
+    p = f.nested(key, params)
+    theta = p.number("rope_theta", None, gt=0) if params.get("rope_theta") is not None else \
+        f.number("rope_theta", 10000.0, gt=0)
+    rope_type = p.string("rope_type", None) or p.string("type", None) or "default"
+    for where in (f, p):
+        if where.raw("partial_rotary_factor", 1.0) != 1.0:
+            raise where.fail("partial_rotary_factor", where.raw("partial_rotary_factor"), "1 (partial RoPE is "
+                             "not supported)")
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ModelLoadError(
-            f"{source}: rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)}); "
+        raise f.error(
+            f"rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)}); "
             "'dynamic' NTK scaling depends on the sequence length and is refused rather than silently ignored"
         )
     if rope_type == "default":
         return theta, None
+    out: dict[str, Any] = {k: v for k, v in params.items() if k not in ("rope_theta", "rope_type", "type")}
+    required, optional = _ROPE_KEYS[rope_type]
+    for name, kind, bound in required + optional:
+        if params.get(name) is None:
+            if any(name == r[0] for r in required):
+                raise f.error(f"rope type {rope_type!r} needs {name!r}")
+            continue
+        if kind == "bool":
+            out[name] = p.flag(name)
+        else:
+            out[name] = p.number(name, gt=None if kind == "num>=" else bound, ge=bound if kind == "num>=" else None)
+    if rope_type == "llama3" and out["high_freq_factor"] <= out["low_freq_factor"]:
+        raise p.fail("high_freq_factor", out["high_freq_factor"],
+                     f"a number > low_freq_factor {out['low_freq_factor']:g}")
     if rope_type in ("llama3", "yarn"):
-        orig = cfg.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
-        params["original_max_position_embeddings"] = int(orig or cfg.get("max_position_embeddings", 2048))
-    required = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor"), "yarn": ()}
-    for key in required[rope_type]:
-        if params.get(key) is None:
-            raise ModelLoadError(f"{source}: rope type {rope_type!r} needs {key!r}")
-    return theta, {"rope_type": rope_type, **params}
+        top = f.integer("original_max_position_embeddings", None)  # transformers: the top-level key wins
+        orig = top if top is not None else p.integer("original_max_position_embeddings", None)
+        out["original_max_position_embeddings"] = max_pos if orig is None else orig
+    return theta, {"rope_type": rope_type, **out}

@@ -7,6 +7,7 @@ copy of the model is ever held.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -111,13 +112,19 @@ def iter_weights(files: list[Path], device: torch.device) -> Iterator[tuple[Path
 
 
 def load_weights(model: LlamaForCausalLM, path: str | Path) -> None:
-    """Fill every parameter of ``model`` from the checkpoint at ``path``."""
+    """Fill every parameter of ``model`` from the checkpoint at ``path``.
+
+    Warns (``RuntimeWarning``) naming every tensor that holds NaN or inf values."""
     files = weight_files(path)
-    slots = set(model.weight_slots())
+    slots = model.weight_slots()
     loaded: set[str] = set()
+    sums: list[tuple[Path, str, torch.Tensor]] = []
     for file, name, tensor in iter_weights(files, model.device):
         try:
-            loaded |= model.load_weights([(name, tensor)])
+            got = model.load_weights([(name, tensor)])
+            loaded |= got
+            # one float32 sum per tensor, read on the device without a sync: NaN/inf propagate into it
+            sums += [(file, n, slots[n].sum(dtype=torch.float32)) for n in got]
         except KeyError:
             raise ModelLoadError(
                 f"{file}: unexpected tensor {name!r} for {model.config.architecture} "
@@ -125,11 +132,29 @@ def load_weights(model: LlamaForCausalLM, path: str | Path) -> None:
             ) from None
         except ValueError as e:
             raise ModelLoadError(f"{file}: {e}") from None
-    missing = sorted(slots - loaded)
+    _warn_non_finite(path, sums, slots)
+    missing = sorted(set(slots) - loaded)
     if missing:
         hint = " (tie_word_embeddings is false in config.json)" if "lm_head.weight" in missing else ""
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ModelLoadError(f"{Path(path)}: checkpoint lacks {len(missing)} tensors: {shown}{hint}")
+
+
+def _warn_non_finite(path: str | Path, sums: list[tuple[Path, str, torch.Tensor]],
+                     slots: dict[str, torch.Tensor]) -> None:
+    if not sums:
+        return
+    finite = torch.isfinite(torch.stack([s for *_, s in sums])).tolist()  # the one host sync
+    bad = []
+    for (file, name, _), ok in zip(sums, finite):
+        t = slots[name]
+        n = 0 if ok else int((~torch.isfinite(t)).sum())
+        if n:  # (a float32 sum may also overflow on huge finite values; only real NaN/inf are reported)
+            bad.append(f"{name!r} in {file.name} ({n} of {t.numel()} values)")
+    if bad:
+        shown = "; ".join(bad[:5]) + (f"; and {len(bad) - 5} more" if len(bad) > 5 else "")
+        warnings.warn(f"{Path(path)}: checkpoint tensors hold NaN or inf values, outputs will be garbage: {shown}",
+                      RuntimeWarning, stacklevel=3)
 
 
 def load_model(
