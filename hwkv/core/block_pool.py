@@ -3,7 +3,9 @@
 A block is in exactly one of three states: ACTIVE (``ref_cnt > 0``, owned by requests), CACHED-FREE
 (``ref_cnt == 0`` with a hash: in the free queue and still matchable) or FREE (``ref_cnt == 0``, no
 hash). Every ``ref_cnt == 0`` block sits in the free queue; eviction is lazy — ``get_new_blocks`` pops
-the LRU head and drops its hash. Callers free a request's blocks in reverse order so a chain's tail is
+the head and drops its hash. A freed block without a hash goes to the HEAD (it holds nothing reusable,
+so it is reused first); a cached one to the TAIL (LRU: the longest-free cached block is evicted first),
+as vLLM's block pool does. Callers free a request's blocks in reverse order so a chain's tail is
 evicted before its head (no orphan chains, 000 §6.3.3 Q2).
 """
 
@@ -75,6 +77,20 @@ class FreeBlockQueue:
         nxt.prev_free_block = prev
         block.prev_free_block = block.next_free_block = None
         self.num_free_blocks -= 1
+
+    def prepend_n(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Insert ``blocks`` at the head, in the given order (``blocks[0]`` is popped first)."""
+        prev = self.head
+        first = prev.next_free_block
+        n = 0
+        for block in blocks:
+            block.prev_free_block = prev
+            prev.next_free_block = block
+            prev = block
+            n += 1
+        prev.next_free_block = first
+        first.prev_free_block = prev
+        self.num_free_blocks += n
 
     def append(self, block: KVCacheBlock) -> None:
         self.append_n((block,))
@@ -176,18 +192,23 @@ class BlockPool:
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """ref_cnt -= 1; blocks reaching 0 join the queue tail in the given order (evicted in that order).
-        Pass a request's blocks reversed so chain tails are evicted before heads."""
+        """ref_cnt -= 1; blocks reaching 0 rejoin the free queue in the given order: cached ones at the
+        tail (evicted in that order, after every older free block), hash-less ones at the head (reused
+        before any cached block). Pass a request's blocks reversed so chain tails are evicted first."""
         blocks = [b for b in ordered_blocks if not b.is_null]
         for block in blocks:  # check all first: a double free must not leave the pool half-updated
             if block.ref_cnt <= 0:
                 raise ValueError(f"free_blocks: {block} is already free (double free)")
-        to_free = []
+        cached: list[KVCacheBlock] = []
+        uncached: list[KVCacheBlock] = []
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                to_free.append(block)
-        self.free_block_queue.append_n(to_free)
+                (uncached if block.block_hash is None else cached).append(block)
+        if uncached:
+            self.free_block_queue.prepend_n(uncached)
+        if cached:
+            self.free_block_queue.append_n(cached)
 
     def cache_full_blocks(
         self, request: Request, blocks: list[KVCacheBlock], num_cached_blocks: int, num_full_blocks: int

@@ -130,6 +130,13 @@ class Engine:
         params.validate(self.vocab_size)
         text, ids = self._tokenize(prompt)
         n, m, lim = len(ids), params.max_tokens, self.max_model_len
+        nb = self.kv_cache.spec.num_blocks
+        if n + m > nb * self.block_size:  # could never run, even alone: refuse now, not at schedule time
+            raise ValueError(
+                f"prompt ({n} tokens) + max_tokens ({m}) = {n + m} exceeds the whole KV cache pool of "
+                f"{nb} blocks x {self.block_size} tokens = {nb * self.block_size} tokens (allowed: prompt length "
+                f"+ max_tokens <= {min(lim, nb * self.block_size)}; raise num_kv_blocks / memory_fraction)"
+            )
         if n + m > lim:
             raise ValueError(
                 f"prompt ({n} tokens) + max_tokens ({m}) = {n + m} exceeds max_model_len {lim} "

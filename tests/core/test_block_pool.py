@@ -61,10 +61,32 @@ def test_basic_alloc_free():
 def test_lru_eviction_order():
     pool = BlockPool(4)
     b0, b1, b2 = pool.get_new_blocks(3)
-    pool.free_blocks([b0, b1, b2])  # b0 released first -> oldest
+    for i, b in enumerate((b0, b1, b2)):
+        cache(pool, b, b"h%d" % i)
+    pool.free_blocks([b0, b1, b2])  # cached blocks join the tail: b0 released first -> oldest
     assert ids(pool.free_block_queue) == [3, 0, 1, 2]
     pool.get_new_blocks(1)  # the never-used block 3 goes first
-    assert pool.get_new_blocks(1)[0] is b0
+    assert pool.get_new_blocks(1)[0] is b0 and pool.get_cached_block(b"h0") is None
+
+
+def test_uncached_blocks_are_reused_before_cached_ones():
+    """vLLM's order: a freed block without a hash goes to the queue head, a cached one to the tail."""
+    pool = BlockPool(5)
+    b0, b1, b2, b3 = pool.get_new_blocks(4)
+    cache(pool, b1, b"h1")
+    cache(pool, b3, b"h3")
+    pool.free_blocks([b3, b2, b1, b0])  # a request's table reversed: tail first
+    # hash-less b2, b0 at the head in the given order, before the never-used 4; cached b3, b1 at the tail
+    assert ids(pool.free_block_queue) == [2, 0, 4, 3, 1]
+    assert ids(pool.get_new_blocks(3)) == [2, 0, 4] and pool.stats.evictions == 0
+    assert pool.get_cached_block(b"h3") is b3 and pool.get_cached_block(b"h1") is b1
+
+
+def test_without_caching_freed_blocks_are_reused_first():
+    pool = BlockPool(4, enable_caching=False)
+    b0, b1 = pool.get_new_blocks(2)
+    pool.free_blocks([b1, b0])
+    assert ids(pool.free_block_queue) == [1, 0, 2, 3]  # a small hot set of block ids is reused (LIFO)
 
 
 def test_prefix_cache_hit_and_eviction_on_alloc():

@@ -61,8 +61,9 @@ def test_hit_flow_6_3_2():
 
 
 def test_q1_timeline_t0_to_t7():
-    """000 §6.3.3 Q1 with 10 blocks. The seed frees forward at t=4/t=5 but Q2 mandates reverse order:
-    the queue after t=5 is [.., B2, B3, B1, B0], so at t=7 the chain tail H1 is evicted before H0."""
+    """000 §6.3.3 Q1 with 10 blocks. The seed frees forward at t=4/t=5 but Q2 mandates reverse order,
+    and hash-less (partial) blocks go to the queue head (vLLM's order): the queue after t=5 is
+    [B3, B2, B4..B9, B1, B0], so at t=7 the chain tail H1 is evicted before H0."""
     m = KVCacheManager(10, 16)
     bp = m.block_pool
     # t=0: all blocks free, oldest first
@@ -83,22 +84,22 @@ def test_q1_timeline_t0_to_t7():
     assert n == 32
     assert [x.block_id for x in m.allocate_slots(b, b.num_tokens - n, n, blocks)] == [3]
     assert refs(m, 0, 1, 3) == [2, 2, 1] and queue_ids(m) == list(range(4, 10))
-    # t=4: A finishes: B0, B1 still shared, only B2 joins the queue
+    # t=4: A finishes: B0, B1 still shared, only the partial (hash-less) B2 joins the queue, at the head
     m.free(a)
-    assert refs(m, 0, 1, 2) == [1, 1, 0] and queue_ids(m) == [4, 5, 6, 7, 8, 9, 2]
-    # t=5: B finishes: its blocks join the tail in reverse (B3, B1, B0); H0/H1 stay cached
+    assert refs(m, 0, 1, 2) == [1, 1, 0] and queue_ids(m) == [2, 4, 5, 6, 7, 8, 9]
+    # t=5: B finishes in reverse: its partial B3 goes to the head, cached B1, B0 to the tail
     m.free(b)
-    assert queue_ids(m) == [4, 5, 6, 7, 8, 9, 2, 3, 1, 0]
+    assert queue_ids(m) == [3, 2, 4, 5, 6, 7, 8, 9, 1, 0]
     assert set(bp.cached_block_hash_to_block) == {h0, h1}
-    # t=6: C needs 5 blocks: B4..B8 (no hash) are popped, nothing evicted
+    # t=6: C needs 5 blocks: B3, B2, B4..B6 (no hash) are popped, nothing evicted
     c = req("C", range(2000, 2070))
     schedule(m, c)
-    assert m.get_block_ids("C") == [4, 5, 6, 7, 8] and queue_ids(m) == [9, 2, 3, 1, 0]
+    assert m.get_block_ids("C") == [3, 2, 4, 5, 6] and queue_ids(m) == [7, 8, 9, 1, 0]
     assert set(bp.cached_block_hash_to_block) >= {h0, h1} and bp.stats.evictions == 0
-    # t=7: D needs 4 blocks: B9, B2, B3 are reused, then B1 is evicted (H1 dropped), B0/H0 survives
+    # t=7: D needs 4 blocks: B7..B9 are reused, then B1 is evicted (H1 dropped), B0/H0 survives
     d = req("D", range(3000, 3060))
     schedule(m, d)
-    assert m.get_block_ids("D") == [9, 2, 3, 1] and queue_ids(m) == [0]
+    assert m.get_block_ids("D") == [7, 8, 9, 1] and queue_ids(m) == [0]
     assert h1 not in bp.cached_block_hash_to_block and bp.cached_block_hash_to_block[h0] is bp.blocks[0]
     assert bp.stats.evictions == 1
     # the surviving cache is still a usable prefix
@@ -107,6 +108,27 @@ def test_q1_timeline_t0_to_t7():
     for r in (c, d):
         m.free(r)
     assert m.num_free_blocks == 10
+
+
+def test_free_queue_order_keeps_a_reusable_prefix():
+    """Issue scenario (pool of 3 blocks of 16): r1 holds a partial block, r2 one full block A; free r2,
+    then r1; a 20-token r3 takes two blocks. vLLM's order reuses r1's hash-less block first, so A
+    survives and a later lookup of A + 2 tokens hits 16 tokens (all-to-the-tail would evict A: 0)."""
+    m = KVCacheManager(3, 16)
+    r1 = req("r1", range(500, 512))
+    r2 = req("r2", range(100, 116))
+    schedule(m, r1)
+    schedule(m, r2)
+    assert len(m.block_pool.cached_block_hash_to_block) == 1  # A
+    m.free(r2)
+    m.free(r1)
+    r3 = req("r3", range(900, 920))
+    assert schedule(m, r3) is not None
+    probe = req("probe", list(range(100, 116)) + [1, 2])
+    blocks, hit = m.get_computed_blocks(probe)
+    assert hit == 16 and blocks[0].block_id == 1 and m.block_pool.stats.evictions == 0
+    m.free(r3)
+    assert m.num_free_blocks == 3
 
 
 def test_q2_reverse_free_evicts_chain_tail_first():
