@@ -17,7 +17,7 @@ if [[ "${1:-}" == "--dev" ]]; then
         || echo "warning: could not install libibverbs1; Mooncake tests will skip" >&2
     fi
   fi
-  pip_q -e ".[dev,mooncake]" -e backends/cuda -e backends/ascend -e examples/toy_backend
+  pip_q -e ".[dev,serve,mooncake]" -e backends/cuda -e backends/ascend -e examples/toy_backend
   # Triton for the CUDA kernels' interpreter-mode tests (TRITON_INTERPRET=1 on the CPU).
   "$PY" -c "import triton" 2>/dev/null || pip_q "triton>=3.2"
 else

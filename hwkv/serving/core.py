@@ -1,0 +1,187 @@
+"""EngineCore: the scheduler + model runner in their own process, busy-looping on work.
+
+Started by :class:`hwkv.serving.client.CoreClient` as ``python -m hwkv.serving.core CONFIG_JSON``
+(a fresh interpreter: no fork of a process holding threads, an event loop or a device context).
+It builds an :class:`hwkv.Engine` with detokenization off, reports ``Ready`` and then loops:
+drain the input socket (blocking only while idle), ``step()``, send each request's new token ids.
+Tokenizing, detokenizing, stop strings and output assembly stay in the front end, so the core's
+host time goes to scheduling and the model. An error in a step is fatal: the core reports ``Dead``
+with the traceback and exits (the front end then fails every pending request); it also exits when
+its parent process is gone, so a killed server leaves no engine behind.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+import sys
+import time
+import traceback
+from typing import Any
+
+import zmq
+
+from hwkv.serving import messages as m
+
+IDLE_POLL_MS = 1000  # while idle: how often the parent-alive check runs
+STATS_INTERVAL_S = 0.25
+# built-in connectors by name; anything else may be given as "package.module:Class"
+CONNECTORS = {"noop": "hwkv.connectors.base:NoOpConnector"}
+
+
+def make_connector(name: str | None, config: dict[str, Any]) -> Any:
+    """A KV connector from ``--kv-connector NAME`` and its JSON config (keyword arguments)."""
+    if name is None:
+        if config:
+            raise ValueError("kv_connector_config is given but kv_connector is not (allowed: set both)")
+        return None
+    factory = CONNECTORS.get(name, name)
+    mod, _, cls = factory.partition(":")
+    if not cls:
+        raise ValueError(f"kv_connector {name!r} is unknown (allowed: {', '.join(CONNECTORS)} or a "
+                         "'package.module:Class' factory)")
+    try:
+        ctor = getattr(importlib.import_module(mod), cls)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"kv_connector {name!r}: cannot import {factory} ({e})") from None
+    return ctor(**config)
+
+
+class EngineCore:
+    def __init__(self, cfg: m.CoreConfig):
+        from hwkv.engine import Engine
+
+        self.cfg = cfg
+        connector = make_connector(cfg.kv_connector, cfg.kv_connector_config)
+        self.engine = Engine(cfg.model, kv_connector=connector, **cfg.engine_kwargs)
+        self.default_params = self.engine.default_sampling_params()
+        # The front end detokenizes: without a tokenizer the engine's detokenizer is a no-op.
+        self.engine.tokenizer = None
+        self.num_sent: dict[str, int] = {}  # output tokens already sent, per request
+        self.last_stats = 0.0
+
+    def ready(self) -> m.Ready:
+        e = self.engine
+        return m.Ready(
+            model=self.cfg.model, backend=e.backend.name, device=e.backend.device.description(),
+            vocab_size=e.vocab_size, max_model_len=e.max_model_len, block_size=e.block_size,
+            num_kv_blocks=e.kv_cache.spec.num_blocks, eos_token_ids=sorted(e.eos_token_ids),
+            default_params=self.default_params, kv_connector=self.cfg.kv_connector, pid=os.getpid(),
+        )
+
+    def handle(self, msg: Any, out: list[m.CoreOutput], replies: list[m.UtilityResult]) -> bool:
+        """Apply one input message; False on Shutdown."""
+        if isinstance(msg, m.AddRequest):
+            try:
+                self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params)
+                self.num_sent[msg.request_id] = 0
+            except ValueError as e:  # the front end validated; this is a race (id reuse) or a bug
+                out.append(m.CoreOutput(msg.request_id, [], "error", error=str(e)))
+        elif isinstance(msg, m.Abort):
+            self.engine.abort(msg.request_ids)
+        elif isinstance(msg, m.Utility):
+            if msg.name == "stats":
+                replies.append(m.UtilityResult(msg.call_id, self.engine.stats()))
+            else:
+                replies.append(m.UtilityResult(msg.call_id, error=f"unknown utility {msg.name!r} (allowed: stats)"))
+        elif isinstance(msg, m.Shutdown):
+            return False
+        return True
+
+    def step(self) -> list[m.CoreOutput]:
+        outs = []
+        for o in self.engine.step():
+            sent = self.num_sent.get(o.request_id, 0)
+            new = o.token_ids[sent:]
+            lps = o.logprobs[sent:] if o.logprobs is not None else None
+            if o.finished:
+                self.num_sent.pop(o.request_id, None)
+            else:
+                self.num_sent[o.request_id] = len(o.token_ids)
+            stop = o.stop_reason if isinstance(o.stop_reason, int) else None
+            outs.append(m.CoreOutput(o.request_id, new, o.finish_reason, stop, o.metrics.num_cached_tokens,
+                                     o.metrics.num_preemptions, lps))
+        return outs
+
+    def maybe_stats(self, force: bool = False) -> dict[str, Any] | None:
+        now = time.monotonic()
+        if not force and now - self.last_stats < STATS_INTERVAL_S:
+            return None
+        self.last_stats = now
+        return self.engine.stats()
+
+
+def run(cfg: m.CoreConfig) -> int:
+    ctx = zmq.Context()
+    inp = ctx.socket(zmq.PULL)
+    inp.connect(cfg.input_addr)
+    out = ctx.socket(zmq.PUSH)
+    out.setsockopt(zmq.LINGER, 2000)
+    out.connect(cfg.output_addr)
+    try:
+        core = EngineCore(cfg)
+    except Exception as e:  # a bad option, a missing model, an unavailable backend: say which
+        out.send(m.encode(m.Failed(f"{type(e).__name__}: {e}")))
+        return 1
+    out.send(m.encode(core.ready()))
+    poller = zmq.Poller()
+    poller.register(inp, zmq.POLLIN)
+    try:
+        while True:
+            busy = core.engine.has_unfinished()
+            outs: list[m.CoreOutput] = []
+            replies: list[m.UtilityResult] = []
+            events = poller.poll(0 if busy else IDLE_POLL_MS)
+            alive = True
+            while events and alive:  # drain everything queued, without waiting
+                alive = core.handle(m.to_core.decode(inp.recv()), outs, replies)
+                events = poller.poll(0)
+            if not alive:
+                return 0
+            if core.engine.has_unfinished():
+                outs.extend(core.step())
+            elif os.getppid() != cfg.parent_pid:  # orphaned: the front end is gone
+                return 0
+            for r in replies:
+                out.send(m.encode(r))
+            if outs or replies:
+                out.send(m.encode(m.StepOutputs(outs, core.maybe_stats(force=not core.engine.has_unfinished()))))
+    except Exception as e:
+        out.send(m.encode(m.Dead(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")))
+        return 1
+    finally:
+        inp.close(0)
+        out.close()
+        ctx.term()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    cfg = _json_config(argv[0])
+    # Ctrl-C reaches the whole process group: the front end shuts the core down, not the signal.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent(cfg.parent_pid)
+    return run(cfg)
+
+
+def _json_config(text: str) -> m.CoreConfig:
+    import msgspec
+
+    return msgspec.json.decode(text, type=m.CoreConfig)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: SIGTERM when the parent dies (also covers a SIGKILLed server mid-step)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:  # it died before prctl took effect
+        os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""AsyncEngine over an engine-core process: same outputs as the in-process Engine, abort and stop
+strings free the core's blocks, bad input is refused before anything is queued, a dead core fails
+requests with a clear error."""
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+import hwkv
+from hwkv.serving import AsyncEngine, EngineDeadError
+
+pytestmark = pytest.mark.timeout(120)
+
+KW = dict(backend="cpu", num_kv_blocks=64, max_num_seqs=16, seed=0)
+PROMPTS = ["Hello, world! How are you", "The quick brown fox", "Once upon a time", [5, 6, 7, 8, 9, 10, 11]]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model, arun):
+    eng = AsyncEngine(tiny_model, **KW)
+    arun(eng.start())
+    yield eng
+    arun(eng.shutdown())
+    assert eng.client.proc.poll() is not None  # no process left behind
+
+
+@pytest.fixture(scope="module")
+def local(tiny_model):
+    return hwkv.Engine(tiny_model, **KW)
+
+
+async def final(eng: AsyncEngine, prompt, params, rid=None) -> tuple[hwkv.RequestOutput, list]:
+    outs = [o async for o in eng.generate(prompt, params, rid)]
+    return outs[-1], outs
+
+
+async def idle(eng: AsyncEngine) -> dict:
+    """The core's stats once it has no request left (a stop-string abort reaches it shortly after)."""
+    for _ in range(200):
+        st = await eng.stats()
+        if st["num_running"] == 0 and st["num_waiting"] == 0:
+            return st
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"engine core still has requests: {st}")
+
+
+def assert_freed(st: dict) -> None:
+    assert st["num_free_blocks"] == st["num_kv_blocks"] and st["kv_usage"] == 0.0, st
+
+
+def test_matches_engine_greedy(engine, local, arun):
+    params = hwkv.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = local.generate(PROMPTS, params, use_tqdm=False)
+
+    async def go():
+        return await asyncio.gather(*(final(engine, p, params) for p in PROMPTS))
+
+    got = arun(go())
+    for w, (out, stream) in zip(want, got):
+        assert out.token_ids == w.token_ids and out.text == w.text and out.finish_reason == "length"
+        assert out.prompt_token_ids == w.prompt_token_ids
+        lens = [len(o.token_ids) for o in stream]
+        assert lens == sorted(lens) and all(o.text.startswith(p.text) for p, o in zip(stream, stream[1:]))
+    assert_freed(arun(idle(engine)))
+
+
+def test_stop_string_ends_request_and_frees_core(engine, local, arun):
+    base = hwkv.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    full = local.generate([PROMPTS[0]], base, use_tqdm=False)[0]
+    stop = full.text[6:9]  # a piece of text the request will produce
+    params = hwkv.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop])
+    want = local.generate([PROMPTS[0]], params, use_tqdm=False)[0]
+    out, stream = arun(final(engine, PROMPTS[0], params))
+    assert (out.text, out.finish_reason, out.stop_reason) == (want.text, "stop", stop)
+    assert out.token_ids == want.token_ids and len(out.token_ids) < 24
+    assert all(stop not in o.text for o in stream)
+    assert_freed(arun(idle(engine)))
+
+
+def test_stop_token_and_logprobs(engine, local, arun):
+    params = hwkv.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    want = local.generate([PROMPTS[1]], params, use_tqdm=False)[0]
+    out, _ = arun(final(engine, PROMPTS[1], params))
+    assert out.token_ids == want.token_ids and len(out.logprobs) == 8
+    assert [sorted(a) for a in out.logprobs] == [sorted(b) for b in want.logprobs]
+    stop_id = want.token_ids[3]
+    p2 = hwkv.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop_token_ids=[stop_id])
+    out, _ = arun(final(engine, PROMPTS[1], p2))
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id and out.token_ids[-1] == stop_id
+
+
+def test_leaving_early_aborts_and_frees(engine, arun):
+    params = hwkv.SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+
+    async def go():
+        before = (await engine.stats())["generation_tokens"]
+        seen = []
+        async for out in engine.generate(PROMPTS[2], params, "leaver"):
+            seen.append(out)
+            if len(seen) == 3:
+                break  # the iterator is closed: generate's cleanup aborts in the core
+        assert not seen[-1].finished
+        st = await idle(engine)
+        assert st["generation_tokens"] - before < 1000  # stopped early, not run to max_tokens
+        return st
+
+    assert_freed(arun(go()))
+    assert engine.num_unfinished == 0
+
+
+def test_abort_by_id(engine, arun):
+    params = hwkv.SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+
+    async def go():
+        outs = []
+        async for out in engine.generate(PROMPTS[2], params, "victim"):
+            outs.append(out)
+            if len(outs) == 2:
+                await engine.abort("victim")
+        return outs[-1], await idle(engine)
+
+    last, st = arun(go())
+    assert last.finished and last.finish_reason == "abort" and len(last.token_ids) < 1000
+    assert_freed(st)
+
+
+@pytest.mark.parametrize("prompt, params, match", [
+    ("", None, "prompt must not be empty"),
+    ([1, 2, 100000], None, "outside the vocabulary"),
+    ("hi", hwkv.SamplingParams(max_tokens=2000), "exceeds max_model_len"),
+    ("hi", {"max_tokens": 2}, "must be a SamplingParams"),
+])
+def test_bad_input_is_refused_before_queueing(engine, arun, prompt, params, match):
+    async def go():
+        async for _ in engine.generate(prompt, params):
+            pass
+
+    with pytest.raises(ValueError, match=match):
+        arun(go())
+    assert engine.num_unfinished == 0
+
+
+def test_start_failure_names_the_reason(tiny_model, arun):
+    eng = AsyncEngine(tiny_model, backend="no-such-backend", num_kv_blocks=16)
+    with pytest.raises(EngineDeadError, match="failed to start.*no-such-backend"):
+        arun(eng.start())
+    assert eng.client.proc.poll() is not None
+
+
+def test_core_crash_fails_pending_requests(tiny_model, arun):
+    params = hwkv.SamplingParams(temperature=0, max_tokens=900, ignore_eos=True)
+
+    async def go():
+        async with AsyncEngine(tiny_model, **KW) as eng:
+            got = []
+
+            async def consume():
+                async for out in eng.generate("Hello", params):
+                    got.append(out)
+
+            task = asyncio.create_task(consume())
+            while not got:
+                await asyncio.sleep(0.01)
+            os.kill(eng.info.pid, signal.SIGKILL)
+            with pytest.raises(EngineDeadError, match=r"exited unexpectedly \(exit code -9\)"):
+                await task
+            assert not eng.is_running
+            with pytest.raises(EngineDeadError):
+                async for _ in eng.generate("Hello", params):
+                    pass
+            with pytest.raises(EngineDeadError):
+                await eng.stats()
+
+    arun(go(), timeout=60)
