@@ -26,7 +26,8 @@ class RequestOutput:
     """Cumulative output of one request (streaming steps return it again as it grows).
 
     ``finish_reason`` is ``"stop"`` (EOS, a stop token or a stop string — then ``stop_reason``
-    names it), ``"length"`` (max_tokens or max_model_len) or ``"abort"``; ``None`` while running.
+    names it), ``"length"`` (max_tokens or max_model_len), ``"abort"`` or ``"error"`` (executing
+    the request failed; ``error`` says how); ``None`` while running.
     ``text`` excludes a matched stop string; ``token_ids`` include the token that completed it.
     """
 
@@ -41,6 +42,7 @@ class RequestOutput:
     stop_reason: int | str | None = None
     logprobs: list[Any] | None = None
     kv_transfer_params: dict[str, Any] | None = field(default=None, repr=False)
+    error: str | None = None  # finish_reason "error": the exception that ended the request
 
     def __repr__(self) -> str:
         return (

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 # Below this a temperature means greedy (as vLLM): dividing by it would overflow.
 GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
+# What torch.Generator.manual_seed accepts (a negative seed is taken modulo 2**64).
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 @dataclass
@@ -17,7 +19,8 @@ class SamplingParams:
     * ``top_k`` -1 or 0 disables; ``top_p`` 1.0 and ``min_p`` 0.0 disable.
     * ``repetition_penalty`` (1.0 = off) scales logits of tokens in prompt + output;
       ``frequency_penalty``/``presence_penalty`` subtract per output-token count / occurrence.
-    * ``seed`` makes this request's draws reproducible regardless of the batch it runs in.
+    * ``seed`` (an integer in ``[-2**63, 2**64 - 1]``) makes this request's draws reproducible
+      regardless of the batch it runs in.
     * ``stop`` strings are not included in the output text; ``stop_token_ids`` end like EOS.
     * ``logprobs`` n returns the top-n log-probabilities (of the unmodified model distribution) plus
       the sampled token's; ``None`` returns none.
@@ -91,8 +94,8 @@ class SamplingParams:
         for name in ("frequency_penalty", "presence_penalty"):
             if not is_num(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
                 bad(name, "in [-2, 2] (0 = off)")
-        if self.seed is not None and not is_int(self.seed):
-            bad("seed", "an integer or None")
+        if self.seed is not None and (not is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
+            bad("seed", f"None or an integer in [{SEED_MIN}, {SEED_MAX}]")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]")
         if not all(isinstance(s, str) and s for s in self.stop):  # type: ignore[union-attr]

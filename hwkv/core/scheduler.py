@@ -10,6 +10,10 @@ One step (000 ch.8, ch.10; vLLM v1 order):
    connector's external hit first, then ``allocate_slots``; the first one that does not fit
    (budget, ``max_num_seqs``, blocks, partial-prefill limit) stops the scan — no overtaking.
 
+Failure containment: the requests of a step whose execution failed are requeued as *suspects*
+(``suspects``). A suspect is admitted only into an otherwise empty step and nothing joins it, so
+a failure while it runs alone is its own; it stops being a suspect once it samples a token.
+
 A request "is computed" up to ``num_computed_tokens``, which the scheduler advances when it
 schedules; a token is sampled only when the scheduled chunk reaches the request's last token.
 
@@ -77,6 +81,7 @@ class Scheduler:
         self.finished_recving: set[str] = set()
         self.num_preemptions = 0
         self._num_slots: dict[str, int] = {}  # KV slots (blocks x block_size) each request holds
+        self.suspects: set[str] = set()  # in a failed step, not yet run alone (module docstring)
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -172,6 +177,9 @@ class Scheduler:
             skipped: list[Request] = []
             while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
                 req = self.waiting[0]
+                suspect = req.request_id in self.suspects
+                if suspect and num_sched:
+                    break  # runs alone: a failure of its step is then its own
                 if req.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
                     if req.request_id not in self.finished_recving:
                         skipped.append(self.waiting.popleft())
@@ -229,6 +237,8 @@ class Scheduler:
                 )
                 req.num_computed_tokens = num_computed + n
                 budget -= n
+                if suspect:
+                    break
             if skipped:
                 self.waiting.extendleft(reversed(skipped))
 
@@ -290,6 +300,8 @@ class Scheduler:
         max_len, requests = self.config.max_model_len, self.requests
         updated: list[Request] = []
         any_finished = False
+        if self.suspects:
+            self.suspects.difference_update(runner_out.sampled_token_ids)
         for rid, toks in runner_out.sampled_token_ids.items():  # partial prefill chunks sample nothing
             req = requests.get(rid)
             if req is None or req.status > _LAST_UNFINISHED:
@@ -332,6 +344,7 @@ class Scheduler:
         delay, _params = self.connector.request_finished(req, self.kv.get_block_ids(req.request_id))
         self.finished_req_ids.add(req.request_id)
         self.finished_recving.discard(req.request_id)
+        self.suspects.discard(req.request_id)
         self._num_slots.pop(req.request_id, None)
         if delay:
             self.delayed_free[req.request_id] = req

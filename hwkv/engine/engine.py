@@ -26,12 +26,15 @@ Prompt = str | list[int]
 
 @dataclass
 class _Tracked:
-    """Engine-side state of one request: prompt text, detokenizer, logprobs, emitted count."""
+    """Engine-side state of one request: the caller's id, prompt text, detokenizer, logprobs,
+    emitted count, and why it failed (finish_reason "error")."""
 
+    request_id: str
     prompt: str | None
     detok: IncrementalDetokenizer
     logprobs: list[Any] | None
     num_seen: int = 0
+    error: str | None = None
 
 
 class Engine:
@@ -109,10 +112,14 @@ class Engine:
                 raise
         if graphs:
             self.runner.enable_graphs(min(max_num_seqs, max_num_batched_tokens))
-        self._tracked: dict[str, _Tracked] = {}
-        self._pending: list[RequestOutput] = []  # aborted outputs, returned by the next step()
+        # Ids: the scheduler, runner and connector see internal ids "<request_id>-<n>", unique per
+        # engine lifetime (as vLLM), so a reused request id can never meet its predecessor's state.
+        self._tracked: dict[str, _Tracked] = {}  # internal id -> state, until finished
+        self._live: dict[str, str] = {}  # request id -> internal id, until finished
+        self._pending: list[RequestOutput] = []  # final outputs (aborted, failed) the next step() returns
         self._inflight: Any = None  # async: the launched step whose tokens the next step() applies
-        self._ids = itertools.count()
+        self._ids = itertools.count()  # generate()'s request ids
+        self._seq = itertools.count()  # internal id suffixes
         self._stats = EngineStats()
 
     # ---- requests -----------------------------------------------------------------------------
@@ -123,7 +130,7 @@ class Engine:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
         if self._in_use(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use (request ids must be unique; "
-                             "a finished id is free again once the engine has no launched step with it)")
+                             "an id is free again once step() returned its final output)")
         params = self.default_sampling_params() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
@@ -147,10 +154,10 @@ class Engine:
                 "SamplingParams.stop needs a tokenizer, and this model directory has no tokenizer.json "
                 "(allowed: stop_token_ids)"
             )
-        req = Request(request_id, ids, params, block_hasher=self._hasher, eos_token_ids=self.eos_token_ids,
-                      max_tokens=m, cache_salt=params.cache_salt)
+        req = Request(f"{request_id}-{next(self._seq)}", ids, params, block_hasher=self._hasher,
+                      eos_token_ids=self.eos_token_ids, max_tokens=m, cache_salt=params.cache_salt)
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens)
-        return req, _Tracked(text, detok, [] if params.logprobs is not None else None)
+        return req, _Tracked(request_id, text, detok, [] if params.logprobs is not None else None)
 
     def default_sampling_params(self) -> Any:
         """SamplingParams for requests given none: the checkpoint's generation_config.json values
@@ -175,7 +182,12 @@ class Engine:
                 raise ValueError("prompt must not be empty (got '')")
             if self.tokenizer is None:
                 raise ValueError("prompt is a str but the model has no tokenizer.json; pass token ids")
-            ids = self.tokenizer.encode(prompt)
+            try:
+                prompt.encode("utf-8")
+                ids = self.tokenizer.encode(prompt)
+            except Exception as e:  # e.g. a lone surrogate: the tokenizer raises TypeError
+                raise ValueError(f"prompt {prompt[:40]!r} cannot be tokenized ({type(e).__name__}: {e}); "
+                                 "allowed: a valid Unicode string") from None
             if not ids:
                 raise ValueError(f"prompt {prompt!r} encodes to no tokens")
             return prompt, ids
@@ -193,16 +205,35 @@ class Engine:
         return None, list(prompt)
 
     def add_request(self, request_id: str, prompt: Prompt, params: Any = None) -> None:
-        """Validate and queue a request; on ``ValueError`` nothing is registered."""
+        """Validate and queue a request; on ``ValueError`` nothing is registered.
+
+        ``request_id`` stays in use until ``step()`` returned the request's final output."""
         req, tracked = self._make_request(request_id, prompt, params)
-        self._tracked[request_id] = tracked
+        self._track(req, tracked)
         self.scheduler.add_request(req)
 
+    def _track(self, req: Request, tracked: _Tracked) -> None:
+        self._tracked[req.request_id] = tracked
+        self._live[tracked.request_id] = req.request_id
+
+    def _untrack(self, internal_id: str) -> _Tracked:
+        tr = self._tracked.pop(internal_id)
+        del self._live[tr.request_id]
+        self.runner.release(internal_id)
+        return tr
+
     def abort(self, request_id: str | list[str]) -> None:
-        """Stop requests; each one's final output (finish_reason "abort") comes from the next step()."""
-        for req in self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_ABORTED):
-            self._pending.append(self._output(req, self._tracked.pop(req.request_id)))
-            self.runner.release(req.request_id)
+        """Stop requests; each one's final output (finish_reason "abort") comes from the next step().
+        Unknown or finished ids are ignored."""
+        ids = [request_id] if isinstance(request_id, str) else request_id
+        self._finish([self._live[i] for i in ids if i in self._live], RequestStatus.FINISHED_ABORTED)
+
+    def _finish(self, internal_ids: list[str], status: RequestStatus, error: str | None = None) -> None:
+        """Finish unfinished requests wherever they are; their final outputs go to the next step()."""
+        for req in self.scheduler.finish_requests(internal_ids, status):
+            tr = self._untrack(req.request_id)
+            tr.error = error
+            self._pending.append(self._output(req, tr))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._pending)
@@ -227,18 +258,36 @@ class Engine:
                 self._inflight, so = so, prev_so
             else:
                 ro = self.runner.execute(so)
+        except Exception as e:
+            self._contain(so, prev_so, stream, e)  # raises unless the failure was one request's
+            ro = None
         except BaseException:
-            # Leave no request half-advanced: the previous step's tokens are applied, this step's
-            # requests restart by recompute; the caller sees the error.
-            if prev_so is not None and (prev := self.runner.flush()) is not None:
-                self._pending.extend(self._apply(prev_so, prev, stream))
-            for rid in self.scheduler.requeue(so):
-                self.runner.release(rid)
+            self._rollback(so, prev_so, stream)
             raise
         outputs = self._apply(so, ro, stream) if so is not None and ro is not None else []
         outputs, self._pending = self._pending + outputs, []
         self._stats.busy_s += time.perf_counter() - t0 if so is not None and so.total_num_scheduled_tokens else 0.0
         return outputs
+
+    def _rollback(self, so: Any, prev_so: Any, stream: bool) -> None:
+        """Leave no request half-advanced: the previous step's tokens are applied, this step's
+        requests restart by recompute (their blocks freed)."""
+        if prev_so is not None and (prev := self.runner.flush()) is not None:
+            self._pending.extend(self._apply(prev_so, prev, stream))
+        for rid in self.scheduler.requeue(so):
+            self.runner.release(rid)
+
+    def _contain(self, so: Any, prev_so: Any, stream: bool, exc: Exception) -> None:
+        """A step failed: roll it back. If it ran a single suspect (a request from an earlier
+        failed step, run alone since), the failure is that request's: it finishes with
+        finish_reason "error". Otherwise its requests become suspects and ``exc`` propagates."""
+        self._rollback(so, prev_so, stream)
+        ran = list(so.num_scheduled_tokens)
+        if len(ran) == 1 and ran[0] in self.scheduler.suspects:
+            self._finish(ran, RequestStatus.FINISHED_ERROR, f"{type(exc).__name__}: {exc}")
+            return
+        self.scheduler.suspects.update(ran)
+        raise exc
 
     def _apply(self, so: Any, ro: Any, stream: bool) -> list[RequestOutput]:
         """Apply one step's tokens: scheduler state, stop strings, outputs (finished ones when not ``stream``)."""
@@ -250,28 +299,35 @@ class Engine:
             tr.num_seen = req.num_output_tokens
             if tr.logprobs is not None and ro.logprobs:
                 tr.logprobs.extend(ro.logprobs.get(req.request_id, ()))
-            stop = tr.detok.add_tokens(new, req.num_output_tokens >= req.sampling_params.min_tokens)
+            try:
+                stop = tr.detok.add_tokens(new, req.num_output_tokens >= req.sampling_params.min_tokens)
+            except Exception as e:  # this request's text cannot be decoded: it alone fails
+                stop, tr.error = None, f"detokenizing failed: {type(e).__name__}: {e}"
+                self._end(req, RequestStatus.FINISHED_ERROR)
             if stop is not None:
-                if not req.is_finished:
-                    self.scheduler.finish_requests(req.request_id, RequestStatus.FINISHED_STOPPED)
-                req.status = RequestStatus.FINISHED_STOPPED
+                self._end(req, RequestStatus.FINISHED_STOPPED)
                 req.stop_reason = stop
             if stream or req.is_finished:
                 outputs.append(self._output(req, tr))
             if req.is_finished:
-                del self._tracked[req.request_id]
-                self.runner.release(req.request_id)
+                self._untrack(req.request_id)
         return outputs
+
+    def _end(self, req: Request, status: RequestStatus) -> None:
+        """Finish a request that just got tokens (the scheduler may have finished it already)."""
+        if not req.is_finished:
+            self.scheduler.finish_requests(req.request_id, status)
+        req.status = status
 
     def _output(self, req: Request, tr: _Tracked) -> RequestOutput:
         metrics = CompletionMetrics(req.arrival_time, req.first_token_time, req.finish_time,
                                     max(req.num_cached_tokens, 0), req.num_preemptions)
         return RequestOutput(
-            request_id=req.request_id, prompt=tr.prompt, prompt_token_ids=req.prompt_token_ids,
+            request_id=tr.request_id, prompt=tr.prompt, prompt_token_ids=req.prompt_token_ids,
             text=tr.detok.text if req.is_finished else tr.detok.stable_text,
             token_ids=list(req.output_token_ids), finished=req.is_finished,
             finish_reason=req.status.finish_reason, metrics=metrics, stop_reason=req.stop_reason,
-            logprobs=list(tr.logprobs) if tr.logprobs is not None else None,
+            logprobs=list(tr.logprobs) if tr.logprobs is not None else None, error=tr.error,
         )
 
     def generate(self, prompts: Prompt | list[Prompt], sampling_params: Any = None,
@@ -289,16 +345,15 @@ class Engine:
         reqs = []
         try:
             for prompt, params in zip(prompts, params_list):
-                rid = self._next_id()
-                reqs.append(self._make_request(rid, prompt, params))
-                self._tracked[rid] = reqs[-1][1]  # reserve the id while the others validate
-        except ValueError:
+                reqs.append(self._make_request(self._next_id(), prompt, params))
+                self._track(*reqs[-1])  # reserve the id while the others validate
+        except BaseException:
             for req, _ in reqs:
-                del self._tracked[req.request_id]
+                self._untrack(req.request_id)
             raise
         for req, _ in reqs:
             self.scheduler.add_request(req)
-        ids = [r.request_id for r, _ in reqs]
+        ids = [tr.request_id for _, tr in reqs]
         wanted, done = set(ids), {}
         others: list[RequestOutput] = []  # outputs of requests added via add_request: step() returns them
         bar = _progress(len(ids), use_tqdm)
@@ -328,9 +383,9 @@ class Engine:
                 return rid
 
     def _in_use(self, rid: str) -> bool:
-        # async: a finished request's id stays taken while a launched step still carries its token
-        inflight = self._inflight is not None and rid in self._inflight.num_scheduled_tokens
-        return rid in self._tracked or rid in self.scheduler.requests or inflight
+        # generate() tells its requests' outputs apart by id: an id whose final output is still
+        # pending must not be handed out again
+        return rid in self._live or any(o.request_id == rid for o in self._pending)
 
     # ---- introspection --------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
