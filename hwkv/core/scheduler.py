@@ -11,8 +11,8 @@ One step (000 ch.8, ch.10; vLLM v1 order):
    (budget, ``max_num_seqs``, blocks, partial-prefill limit) stops the scan — no overtaking.
 
 Failure containment: the requests of a step whose execution failed are requeued as *suspects*
-(``suspects``). A suspect is admitted only into an otherwise empty step and nothing joins it, so
-a failure while it runs alone is its own; it stops being a suspect once it samples a token.
+(``suspects``). A suspect is admitted only into an otherwise empty step and, until it samples a
+token (then it is cleared), nothing else is admitted: a failure while it runs alone is its own.
 
 A request "is computed" up to ``num_computed_tokens``, which the scheduler advances when it
 schedules; a token is sampled only when the scheduled chunk reaches the request's last token.
@@ -173,13 +173,15 @@ class Scheduler:
             i += 1
 
         # 2. waiting requests, FCFS; none while we are short of blocks.
+        # a running suspect keeps its steps to itself until it samples (module docstring)
+        isolated = bool(self.suspects) and any(r.request_id in self.suspects for r in self.running)
         if not preempted:
             skipped: list[Request] = []
             while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
                 req = self.waiting[0]
                 suspect = req.request_id in self.suspects
-                if suspect and num_sched:
-                    break  # runs alone: a failure of its step is then its own
+                if num_sched and (suspect or isolated):
+                    break
                 if req.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
                     if req.request_id not in self.finished_recving:
                         skipped.append(self.waiting.popleft())
