@@ -39,7 +39,8 @@ class Shutdown(msgspec.Struct, tag=True):
 
 class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     """One request's new tokens of one step. ``finish_reason``: ``"stop"``/``"length"``/``"abort"``,
-    or ``"error"`` when the core refused the request (``error`` says why); ``None`` while running."""
+    or ``"error"`` when the core refused or could not execute the request (``error`` says why);
+    ``None`` while running."""
 
     request_id: str
     new_token_ids: list[int]
