@@ -196,3 +196,62 @@ def test_misbehaving_plugins_are_reported(site):
     assert "implements no hwkv_backends hook" in by["tpnohook"].reason
     assert "expected a BackendSpec" in by["tpbadret"].reason
     assert not {"tpnohook", "tpbadret", "tp-store", "tp-conn"} & set(plugins.available_backends())
+
+
+_EXITING = {
+    # entry-point module bodies, written as temporary plugins
+    "hwkv_tp_exit": "import sys\nsys.exit(3)\n",
+    "hwkv_tp_bare_exit": "import sys\nsys.exit()\n",
+    "hwkv_tp_baseexc": "class VendorAbort(BaseException):\n    pass\n\nraise VendorAbort('runtime not initialised')\n",
+    # a well-formed plugin whose factory module and backend misbehave later
+    "hwkv_tp_late": (
+        "from hwkv.interfaces import API_VERSION, BackendSpec\nfrom hwkv.plugins import hookimpl\n\n"
+        "@hookimpl\ndef hwkv_backends():\n"
+        "    return [BackendSpec('tp-late-import', API_VERSION, 'hwkv_tp_late_exit:B'),\n"
+        "            BackendSpec('tp-late-avail', API_VERSION, 'hwkv_tp_late_impl:ExitsInAvailability')]\n"
+    ),
+    "hwkv_tp_late_exit": "raise SystemExit('no device')\n",
+    "hwkv_tp_late_impl": (
+        "from hwkv.reference import CpuBackend\n\n"
+        "class ExitsInAvailability(CpuBackend):\n"
+        "    @classmethod\n    def availability(cls):\n        raise SystemExit(7)\n"
+    ),
+    "hwkv_tp_ctrl_c": "raise KeyboardInterrupt\n",
+}
+
+
+def _install_exiting(site, names: list[str]) -> None:
+    for mod, body in _EXITING.items():
+        (site.root / f"{mod}.py").write_text(body)
+    site("hwkv-tp-exiting", {n: f"hwkv_tp_{n}" for n in names})
+
+
+def test_plugins_that_exit_or_raise_base_exceptions_are_isolated(site):
+    _install_exiting(site, ["exit", "bare_exit", "baseexc", "late"])
+    by = {r.name: r for r in rows()}
+    assert "failed to load: SystemExit(3) (the plugin called sys.exit())" in by["exit"].reason
+    assert "SystemExit(None)" in by["bare_exit"].reason
+    assert "failed to load: VendorAbort: runtime not initialised" in by["baseexc"].reason
+    assert "cannot import factory 'hwkv_tp_late_exit:B': SystemExit('no device')" in by["tp-late-import"].reason
+    assert "availability check raised SystemExit(7)" in by["tp-late-avail"].reason
+    assert not any(by[n].available for n in ("exit", "bare_exit", "baseexc", "tp-late-import", "tp-late-avail"))
+    assert "cpu" in plugins.available_backends() and plugins.get_backend("cpu") is not None
+    with pytest.raises(BackendUnavailable, match=r"SystemExit\(3\)"):
+        plugins.get_backend("exit")
+
+
+def test_ctrl_c_while_loading_a_plugin_is_not_swallowed(site):
+    _install_exiting(site, ["ctrl_c"])
+    with pytest.raises(KeyboardInterrupt):
+        plugins.list_backends()
+
+
+def test_an_exiting_plugin_breaks_neither_import_nor_the_cli(site):
+    _install_exiting(site, ["exit", "baseexc"])
+    env = {**os.environ, "PYTHONPATH": f"{site.root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    code = ("import hwkv, sys; from hwkv.cli import main; b = hwkv.get_backend('cpu'); print('BACKEND', b.name); "
+            "sys.exit(main(['backends']))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "BACKEND cpu" in out.stdout
+    assert "SystemExit(3)" in out.stdout and "VendorAbort" in out.stdout  # listed with the reason

@@ -1,8 +1,11 @@
 """Backend discovery: entry points → pluggy hooks → :class:`BackendSpec` records → Backend classes.
 
-Policy (DESIGN §3):
+Policy:
 * every entry point of group ``hwkv.backends`` is loaded in its own ``try``: a plugin that fails to
-  import is listed with its error and never breaks ``import hwkv`` or the other plugins;
+  import is listed with its error and never breaks ``import hwkv`` or the other plugins. "Fails"
+  is any exception, ``SystemExit`` (a plugin calling ``sys.exit()``) and other ``BaseException`` subclasses
+  included; only ``KeyboardInterrupt`` propagates. The same holds for a backend's factory import,
+  its ``availability()`` and its construction;
 * factories (``"pkg.mod:Class"``) are imported only when a backend's availability is checked or the
   backend is requested;
 * a spec whose API major version differs from :data:`API_VERSION` is listed but refused; a newer
@@ -98,6 +101,10 @@ def _import_factory(factory: str) -> Any:
 
 
 def _err(e: BaseException) -> str:
+    if isinstance(e, KeyboardInterrupt):  # the user's Ctrl-C is never a plugin's failure
+        raise e
+    if isinstance(e, SystemExit):
+        return f"SystemExit({e.code!r}) (the plugin called sys.exit())"
     return f"{type(e).__name__}: {e}"
 
 
@@ -135,6 +142,7 @@ class _Registry:
             if allow is not None and not ids & allow:
                 self._refuse(row, f"disabled: not in HWKV_PLUGINS={os.environ['HWKV_PLUGINS']}")
                 continue
+            module = None
             try:
                 module = load()
                 self.pm.register(module, name=f"{dist}:{ep_name}")
@@ -142,8 +150,10 @@ class _Registry:
                 specs: list[Any] = []
                 for impl in impls:
                     specs.extend(impl.function() or [])
-            except Exception as e:  # a broken plugin must never break hwkv
+            except BaseException as e:  # a broken plugin must never break hwkv (_err re-raises Ctrl-C)
                 self._refuse(row, f"plugin {ep_name!r} failed to load: {_err(e)}")
+                if module is not None and self.pm.is_registered(module):
+                    self.pm.unregister(module)  # none of its hooks may run later
                 continue
             if not impls:
                 self._refuse(row, f"plugin {ep_name!r} implements no hwkv_backends hook")
@@ -207,7 +217,7 @@ class _Registry:
         assert e.info.spec is not None
         try:
             cls = _import_factory(e.info.spec.factory)
-        except Exception as ex:
+        except BaseException as ex:
             e.info.reason = f"cannot import factory {e.info.spec.factory!r}: {_err(ex)}"
             return
         if not (isinstance(cls, type) and issubclass(cls, Backend)):
@@ -215,7 +225,7 @@ class _Registry:
             return
         try:
             ok, why = cls.availability()
-        except Exception as ex:
+        except BaseException as ex:
             e.info.reason = f"availability check raised {_err(ex)}"
             return
         e.cls, e.info.available = cls, bool(ok)
@@ -229,7 +239,13 @@ class _Registry:
             )
         if e.instance is None:
             assert e.cls is not None
-            e.instance = e.cls()
+            try:
+                e.instance = e.cls()
+            except BaseException as ex:  # SystemExit from a vendor runtime must not end the caller
+                if isinstance(ex, (KeyboardInterrupt, Exception)):
+                    raise
+                raise BackendUnavailable(f"backend {e.info.name!r} ({e.info.dist} {e.info.version}): "
+                                         f"constructing it raised {_err(ex)}") from None
         return e.instance
 
     def capabilities(self, e: _Entry) -> None:
@@ -238,7 +254,7 @@ class _Registry:
             return
         try:
             e.info.capabilities = self.instance(e).capabilities.summary()
-        except Exception as ex:  # constructing an "available" backend can still fail on odd hosts
+        except BaseException as ex:  # constructing an "available" backend can still fail on odd hosts
             e.info.available, e.info.reason = False, f"constructing the backend raised {_err(ex)}"
 
     def find(self, name: str) -> _Entry | None:
