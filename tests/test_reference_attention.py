@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 import zlib
 
 import pytest
@@ -212,3 +213,29 @@ def test_cpu_backend_and_device():
         assert torch.equal(th[3], ta[0]) and torch.equal(th[1], ta[4])
         assert torch.count_nonzero(th[[0, 2, 4]]) == 0
     assert dev.pinned_empty(64).numel() == 64
+
+
+def test_decode_cost_does_not_grow_with_the_pool():
+    """Only the blocks a step reads are gathered: a 128x larger pool (here 256 MiB per layer) must
+    not make a decode step slower (copying the pool per call made it ~100x slower)."""
+    bs, hkv, h, d, seq = 16, 2, 4, 16, 100
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, h, d, generator=gen)
+    qsl, sl = torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([seq, seq], dtype=torch.int32)
+    bt = torch.tensor([[3, 1, 4, 0, 5, 9, 2], [6, 8, 7, 10, 11, 12, 13]], dtype=torch.int32)
+    head = torch.randn(16, 2, bs, hkv, d, generator=gen)  # the blocks the tables use
+
+    def best_time(nb: int) -> tuple[float, torch.Tensor]:
+        kv = torch.zeros(nb, 2, bs, hkv, d)
+        kv[:16] = head
+        times, out = [], None
+        for _ in range(5):
+            t = time.perf_counter()
+            out = ref_attn.paged_attention(q, kv, qsl, sl, bt, 0.25)
+            times.append(time.perf_counter() - t)
+        return min(times), out
+
+    small, out_small = best_time(256)
+    large, out_large = best_time(256 * 128)
+    assert torch.equal(out_small, out_large)
+    assert large < 4 * small + 2e-3, (small, large)

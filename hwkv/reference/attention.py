@@ -133,9 +133,6 @@ def paged_attention(
     tile = max(1, budget // (h * int(sl.max())))
     req, tok0, tq, ctx = _tiles(qsl, sl, tile)
     group = h // hkv
-    # Heads-first views: gathering blocks from them yields [H_kv, g, S, D] directly, the layout the
-    # batched matmuls want, so K and V are copied exactly once (the gather).
-    k_heads, v_heads = k_cache.permute(2, 0, 1, 3), v_cache.permute(2, 0, 1, 3)
     for grp in _groups(tq.tolist(), (ctx + tq).tolist(), h, budget):
         gi = torch.tensor(grp)
         g, s_len, q_len = len(grp), int((ctx + tq)[gi].max()), int(tq[gi].max())
@@ -145,8 +142,11 @@ def paged_attention(
         blocks = bt[g_req, :nblk]
         blocks = torch.where(torch.arange(nblk, device=dev)[None] * bs < g_sl[:, None], blocks, 0)
         flat = blocks.reshape(-1)
-        k = k_heads.index_select(1, flat).view(hkv, g, nblk * bs, d)[:, :, :s_len].to(acc)
-        v = v_heads.index_select(1, flat).view(hkv, g, nblk * bs, d)[:, :, :s_len].to(acc)
+        # Gather the group's blocks first (cost ~ the blocks read, never the pool: an index_select
+        # on a permuted or strided view of the cache would copy the whole layer), then lay them
+        # out heads-first [H_kv, g, S, D] for the batched matmuls.
+        k = _heads_first(k_cache, flat, (hkv, g, nblk * bs, d))[:, :, :s_len].to(acc)
+        v = _heads_first(v_cache, flat, (hkv, g, nblk * bs, d))[:, :, :s_len].to(acc)
         s = torch.arange(s_len, device=dev)
         kv_valid = s[None] < g_sl[:, None]  # [g, S]
         bad_g, bad_s = torch.nonzero(~kv_valid, as_tuple=True)
@@ -162,6 +162,11 @@ def paged_attention(
         o = o.view(hkv, g, group, q_len, d).permute(1, 3, 0, 2, 4).reshape(g, q_len, h, d)
         out[tok[q_valid]] = o[q_valid].to(out.dtype)
     return out
+
+
+def _heads_first(cache: torch.Tensor, blocks: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``cache[blocks]`` ``[n, bs, H_kv, D]`` as a contiguous ``[H_kv, n, bs, D]``, viewed as ``shape``."""
+    return cache[blocks].permute(2, 0, 1, 3).contiguous().view(shape)
 
 
 class ReferenceAttentionImpl(AttentionImpl):
