@@ -242,6 +242,46 @@ def test_bad_input(store, arena):
         store.put(["a"], [[(arena.src.ctypes.data, 0)]])
 
 
+BAD_SEGMENTS = [  # (ptr, nbytes) that cannot be user memory: each used to reach memmove / Mooncake
+    ((True, 8), "pointer True is a bool"),
+    ((1 << 70, 8), "outside the address space"),
+    (((1 << 56) - 4, 8), "outside the address space"),  # starts inside, ends past 2**56
+    ((0, 8), "outside the address space"),
+    ((-4096, 8), "outside the address space"),
+    (("0x1000", 8), "pointer '0x1000' is a str"),
+    ((4096, True), "nbytes True is a bool"),
+    ((4096, -1), "outside the address space"),
+    ((4096, 2.0), "nbytes 2.0 is a float"),
+]
+
+
+@pytest.mark.parametrize("bad,why", BAD_SEGMENTS, ids=[w for _, w in BAD_SEGMENTS])
+def test_bad_pointers_rejected_before_memory_is_touched(store, arena, bad, why):
+    """Bools and integers outside (0, 2**56] are refused with the argument, item index and allowed
+    range named (they used to segfault the process), for every operation that takes addresses;
+    a valid item before the bad one is not stored either."""
+    good = [arena.s(0, 8)]
+    for op in (store.put, store.get):
+        with pytest.raises(ValueError, match=rf"buffers\[1\]\[1\] \(key 'b'\).*{why}.*allowed: 0 < ptr"):
+            op(["a", "b"], [good, [arena.d(0, 8), bad]])
+    assert store.exists(["a", "b"]) == [False, False]
+    with pytest.raises(ValueError, match=rf"register_buffer.*{why}"):
+        store.register_buffer(*bad)
+
+
+def test_bare_string_keys_are_refused(store, arena):
+    """A str is a sequence of characters: ``exists("ab")`` used to answer for keys "a" and "b"."""
+    with pytest.raises(ValueError, match=r"exists: keys must be a list of str, got a str \(one key is \['ab'\]\)"):
+        store.exists("ab")
+    with pytest.raises(ValueError, match="put: keys must be a list of str, got a str"):
+        store.put("ab", [[arena.s(0, 1)], [arena.s(1, 1)]])
+    with pytest.raises(ValueError, match="remove: keys must be a list of str, got a bytes"):
+        store.remove(b"ab")
+    with pytest.raises(ValueError, match=r"segment \d+ at buffers\[0\]\[0\] \(key 'a'\) is not a \(ptr, nbytes\)"):
+        store.get(["a"], [arena.d(0, 1)])  # one key's segment, not wrapped in a list
+    assert store.exists(["a", "b"]) == [False, False]
+
+
 # ---- embedded only: strict LRU, threads, factory ----------------------------------------------
 
 

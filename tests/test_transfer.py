@@ -140,6 +140,51 @@ def test_bad_input_raises_value_error(pair, buffers):
         MooncakeTransfer(protocol="udp")
 
 
+@pytest.mark.parametrize("bad,why", [(True, "pointer True is a bool"), (1 << 70, "outside the address space"),
+                                     (0, "outside the address space"), ((1 << 56) - 8, "outside the address space"),
+                                     (4096.0, "is a float")])
+def test_bad_pointers_are_refused_before_memory_is_touched(pair, buffers, bad, why):
+    """Bools and integers outside (0, 2**56] are refused naming the argument, the item index and the
+    allowed range, before the endpoint touches memory (the engine would read or write there)."""
+    a, b = pair
+    src, dst, back = buffers
+    ok_src, ok_dst = [ptr(src), ptr(src) + 64], [ptr(dst), ptr(dst) + 64]
+    allowed = r"allowed: 0 < ptr, 0 < nbytes, ptr \+ nbytes <= 2\*\*56"
+    with pytest.raises(ValueError, match=rf"^write: src_ptrs\[1\]: .*{why}.*{allowed}"):
+        a.write(b.endpoint(), [ok_src[0], bad], ok_dst, [16, 16])
+    with pytest.raises(ValueError, match=rf"^submit_write: dst_ptrs\[1\]: .*{why}"):
+        a.submit_write(b.endpoint(), ok_src, [ok_dst[0], bad], [16, 16])
+    with pytest.raises(ValueError, match=rf"^read: remote_ptrs\[0\]: .*{why}"):
+        a.read(b.endpoint(), [ptr(back)], [bad], [16])
+    with pytest.raises(ValueError, match=rf"^submit_read: local_ptrs\[0\]: .*{why}"):
+        a.submit_read(b.endpoint(), [bad], [ptr(dst)], [16])
+    with pytest.raises(ValueError, match=rf"^register_memory: .*{why}"):
+        a.register(bad, 4096)
+    in_range = isinstance(bad, int) and not isinstance(bad, bool) and 0 < bad < 1 << 56
+    with pytest.raises(ValueError, match="not a registered buffer" if in_range else rf"^unregister_memory: .*{why}"):
+        a.unregister(bad)
+    assert not dst.any() and not back.any()
+    assert a.registered_buffers() == sorted([(ptr(src), MiB), (ptr(back), MiB)])
+
+
+def test_bad_lengths_lists_and_peer_are_refused(pair, buffers):
+    a, b = pair
+    src, dst, _ = buffers
+    with pytest.raises(ValueError, match=r"length True at lengths\[0\] is invalid"):
+        a.write(b.endpoint(), [ptr(src)], [ptr(dst)], [True])
+    with pytest.raises(ValueError, match=rf"src_ptrs\[0\]: range .*nbytes={1 << 57}\) is outside"):
+        a.write(b.endpoint(), [ptr(src)], [ptr(dst)], [1 << 57])
+    with pytest.raises(ValueError, match="src_ptrs must be a list of ints, got a int"):
+        a.write(b.endpoint(), ptr(src), [ptr(dst)], [16])
+    with pytest.raises(ValueError, match=r"differ in length \(src_ptrs: 1, lengths: 1, dst_ptrs: 2\)"):
+        a.write(b.endpoint(), [ptr(src)], [ptr(dst), ptr(dst)], [16])
+    with pytest.raises(ValueError, match="peer=None is invalid"):
+        a.write(None, [ptr(src)], [ptr(dst)], [16])
+    with pytest.raises(ValueError, match="not a pending transfer batch"):
+        a.poll(True)
+    assert not dst.any()
+
+
 def test_kv_cache_blocks_round_trip(pair):
     """The real use: move some blocks of one KV cache into another through ``KVCache.addresses``."""
     a, b = pair

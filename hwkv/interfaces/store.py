@@ -5,6 +5,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from hwkv.interfaces.transfer import ADDRESS_RANGE, check_range
+
 Buffers = list[tuple[int, int]]  # (pointer, nbytes) segments making up one value
 
 
@@ -41,6 +43,13 @@ class Store(ABC):
     """A key → bytes store.
 
     Contract:
+    * Arguments: ``keys`` is a list (or tuple) of non-empty str — a bare str is refused, never
+      split into characters (one key is ``["key"]``); ``buffers`` holds one non-empty list of
+      ``(ptr, nbytes)`` segments per key, ints (bools are not) with ``0 < ptr``, ``0 < nbytes``,
+      ``ptr + nbytes <= 2**56`` (the user address space of 64-bit Linux). Anything else raises
+      ``ValueError`` naming the argument, the item index and what is allowed, before any memory is
+      touched (:func:`check_batch`). ``register_buffer``/``unregister_buffer`` check their range
+      the same way.
     * ``put(keys, buffers)`` stores the concatenation of each key's segments; an existing key is
       overwritten. Per-item failures (e.g. :class:`StoreFull`) come back in the result list.
     * ``get(keys, buffers)`` copies each value into the key's segments, whose total size must equal
@@ -63,11 +72,43 @@ class Store(ABC):
     @abstractmethod
     def remove(self, keys: list[str]) -> list[ItemResult]: ...
 
-    def register_buffer(self, ptr: int, nbytes: int) -> None:  # noqa: B027 - optional hook
-        """Register memory used as put/get buffers (no-op for stores that need none)."""
+    def register_buffer(self, ptr: int, nbytes: int) -> None:
+        """Register memory used as put/get buffers (only checked, for stores that need none)."""
+        check_range("register_buffer", ptr, nbytes)
 
-    def unregister_buffer(self, ptr: int) -> None:  # noqa: B027 - optional hook
+    def unregister_buffer(self, ptr: int) -> None:
         """Undo :meth:`register_buffer`."""
+        check_range("unregister_buffer", ptr, 1)
 
     @abstractmethod
     def close(self) -> None: ...
+
+
+def check_batch(op: str, keys: list[str], buffers: list[Buffers] | None = None) -> None:
+    """``ValueError`` for a malformed batch, naming ``op``, the argument and the item index: keys
+    not a list/tuple of non-empty str (a bare str included), a buffer list per key missing, a
+    segment that is not an ``(ptr, nbytes)`` pair of ints inside the address space."""
+    if not isinstance(keys, (list, tuple)):
+        one = f" (one key is [{keys!r}])" if isinstance(keys, (str, bytes)) else ""
+        raise ValueError(f"{op}: keys must be a list of str, got a {type(keys).__name__}{one}")
+    for i, k in enumerate(keys):
+        if not isinstance(k, str) or not k:
+            raise ValueError(f"{op}: key {k!r} at keys[{i}] is invalid (need a non-empty str)")
+    if buffers is None:
+        return
+    if not isinstance(buffers, (list, tuple)):
+        raise ValueError(f"{op}: buffers must be a list with one list of (ptr, nbytes) per key, "
+                         f"got a {type(buffers).__name__}")
+    if len(keys) != len(buffers):
+        raise ValueError(f"{op}: {len(keys)} keys but {len(buffers)} buffer lists (need one per key)")
+    for i, (k, segs) in enumerate(zip(keys, buffers)):
+        if not isinstance(segs, (list, tuple)):
+            raise ValueError(f"{op}: buffers[{i}] (key {k!r}) is a {type(segs).__name__}, "
+                             "not a list of (ptr, nbytes) segments")
+        if not segs:
+            raise ValueError(f"{op}: key {k!r} has no segments at buffers[{i}] (need at least one (ptr, nbytes))")
+        for j, seg in enumerate(segs):
+            if not isinstance(seg, (list, tuple)) or len(seg) != 2:
+                raise ValueError(f"{op}: segment {seg!r} at buffers[{i}][{j}] (key {k!r}) is not a "
+                                 f"(ptr, nbytes) pair (allowed: {ADDRESS_RANGE})")
+            check_range(f"{op}: segment at buffers[{i}][{j}] (key {k!r})", seg[0], seg[1])

@@ -8,24 +8,16 @@ from collections import OrderedDict
 
 import numpy as np
 
-from hwkv.interfaces.store import Buffers, ItemResult, KeyNotFound, SizeMismatch, Store, StoreError, StoreFull
-
-
-def check_batch(op: str, keys: list[str], buffers: list[Buffers] | None = None) -> None:
-    """ValueError for malformed batches: non-string keys, length mismatch, bad segments."""
-    for k in keys:
-        if not isinstance(k, str) or not k:
-            raise ValueError(f"{op}: key {k!r} is invalid (need a non-empty str)")
-    if buffers is None:
-        return
-    if len(keys) != len(buffers):
-        raise ValueError(f"{op}: {len(keys)} keys but {len(buffers)} buffer lists (need one per key)")
-    for k, segs in zip(keys, buffers):
-        if not segs:
-            raise ValueError(f"{op}: key {k!r} has no segments (need at least one (ptr, nbytes))")
-        for seg in segs:
-            if len(seg) != 2 or not all(isinstance(x, int) and x > 0 for x in seg):
-                raise ValueError(f"{op}: key {k!r} has segment {seg!r} (need (ptr, nbytes) ints > 0)")
+from hwkv.interfaces.store import (
+    Buffers,
+    ItemResult,
+    KeyNotFound,
+    SizeMismatch,
+    Store,
+    StoreError,
+    StoreFull,
+    check_batch,
+)
 
 
 class EmbeddedStore(Store):
@@ -40,7 +32,7 @@ class EmbeddedStore(Store):
       (fresh memory costs page faults: ~3x slower puts), but only once no reader is copying out
       of them; stored, recycled and in-flight bytes never exceed the capacity (eviction happens
       before the copy, so a full store writes new values into its victims' arrays).
-    * No registration is needed; ``register_buffer`` is a no-op.
+    * No registration is needed; ``register_buffer`` only checks its range.
     """
 
     def __init__(self, capacity_bytes: int = 1 << 30):

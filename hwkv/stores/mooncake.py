@@ -12,8 +12,16 @@ import contextlib
 import socket
 import threading
 
-from hwkv.interfaces.store import Buffers, ItemResult, KeyNotFound, SizeMismatch, Store, StoreError, StoreFull
-from hwkv.stores.embedded import check_batch
+from hwkv.interfaces.store import (
+    Buffers,
+    ItemResult,
+    KeyNotFound,
+    SizeMismatch,
+    Store,
+    StoreError,
+    StoreFull,
+    check_batch,
+)
 from hwkv.transfer.mooncake import PROTOCOLS, Registrations, load_mooncake
 
 MIN_SEGMENT = 16 << 20  # the wheel refuses smaller global segments ("Total size must be at least 16777216")

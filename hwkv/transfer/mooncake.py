@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from types import ModuleType
 
-from hwkv.interfaces.transfer import Transfer, TransferError
+from hwkv.interfaces.transfer import Transfer, TransferError, check_range
 
 PROTOCOLS = ("tcp", "rdma", "ascend", "nvlink", "efa", "hip", "cxl", "barex")
 INSTALL_HINT = "pip install 'hwkv[mooncake]' (Debian/Ubuntu also need: apt-get install -y libibverbs1 libnuma1)"
@@ -93,7 +93,7 @@ class Registrations:
                  what: str) -> None:
         """Track ``[ptr, +nbytes)`` and register it through ``call`` (a Mooncake int return code);
         on failure nothing stays tracked and ``error`` is raised."""
-        check_segments(what, [ptr], [nbytes])
+        check_range(what, ptr, nbytes)
         self.add(ptr, nbytes)
         rc = call(ptr, nbytes)
         if rc != 0:
@@ -102,6 +102,7 @@ class Registrations:
 
     def unregister(self, ptr: int, call: Callable[[int], int], error: type[Exception], what: str) -> None:
         """Unregister through ``call``; the range stays tracked if that fails (it is still registered)."""
+        check_range(what, ptr, 1)
         if ptr not in self._sizes:
             raise ValueError(f"ptr {ptr:#x} is not a registered buffer (register it first)")
         rc = call(ptr)
@@ -110,18 +111,31 @@ class Registrations:
         self.pop(ptr)
 
 
-def check_segments(what: str, ptrs: list[int], lengths: list[int], others: list[int] | None = None) -> None:
-    others = ptrs if others is None else others
-    if not len(ptrs) == len(others) == len(lengths):
-        raise ValueError(f"{what}: pointer/length lists differ in length: {len(ptrs)}, {len(others)}, {len(lengths)}")
+def check_segments(op: str, ptrs: list[int], lengths: list[int], others: list[int] | None = None,
+                   names: tuple[str, str] = ("local_ptrs", "remote_ptrs")) -> None:
+    """``ValueError`` naming the argument and item index unless ``ptrs`` (and ``others``, the
+    peer's pointers) and ``lengths`` are equally long, non-empty lists whose ranges lie in the
+    address space (:func:`~hwkv.interfaces.transfer.check_range`)."""
+    lists = {names[0]: ptrs, "lengths": lengths, **({} if others is None else {names[1]: others})}
+    for name, v in lists.items():
+        if not isinstance(v, (list, tuple)):
+            raise ValueError(f"{op}: {name} must be a list of ints, got a {type(v).__name__}")
+    if len({len(v) for v in lists.values()}) != 1:
+        sizes = ", ".join(f"{k}: {len(v)}" for k, v in lists.items())
+        raise ValueError(f"{op}: pointer/length lists differ in length ({sizes})")
     if not ptrs:
-        raise ValueError(f"{what}: no segments given (need at least one)")
-    for p in (*ptrs, *others):
-        if not isinstance(p, int) or p <= 0:
-            raise ValueError(f"{what}: pointer {p!r} is invalid (need an int > 0)")
-    for n in lengths:
-        if not isinstance(n, int) or n <= 0:
-            raise ValueError(f"{what}: length {n!r} is invalid (need an int > 0)")
+        raise ValueError(f"{op}: no segments given (need at least one)")
+    for i, n in enumerate(lengths):
+        if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+            raise ValueError(f"{op}: length {n!r} at lengths[{i}] is invalid (need an int > 0)")
+        check_range(f"{op}: {names[0]}[{i}]", ptrs[i], n)
+        if others is not None:
+            check_range(f"{op}: {names[1]}[{i}]", others[i], n)
+
+
+def check_peer(op: str, peer: object) -> None:
+    if not isinstance(peer, str) or not peer:
+        raise ValueError(f"{op}: peer={peer!r} is invalid (need the peer's endpoint() string, e.g. '127.0.0.1:17001')")
 
 
 class MooncakeTransfer(Transfer):
@@ -191,8 +205,10 @@ class MooncakeTransfer(Transfer):
         """``(ptr, nbytes)`` of every registered buffer (empty after ``close``)."""
         return self._regs.items()
 
-    def _check(self, op: str, local: list[int], remote: list[int], lengths: list[int]) -> None:
-        check_segments(op, local, lengths, remote)
+    def _check(self, op: str, peer: str, local: list[int], remote: list[int], lengths: list[int]) -> None:
+        check_peer(op, peer)
+        names = ("src_ptrs", "dst_ptrs") if op.endswith("write") else ("local_ptrs", "remote_ptrs")
+        check_segments(op, local, lengths, remote, names)
         with self._lock:
             bad = [(p, n) for p, n in zip(local, lengths) if not self._regs.covers(p, n)]
         if bad:
@@ -207,7 +223,7 @@ class MooncakeTransfer(Transfer):
         self._sync("read", peer, local_ptrs, remote_ptrs, lengths)
 
     def _sync(self, op: str, peer: str, local: list[int], remote: list[int], lengths: list[int]) -> None:
-        self._check(op, local, remote, lengths)
+        self._check(op, peer, local, remote, lengths)
         engine = self._live()
         fn = engine.batch_transfer_sync_write if op == "write" else engine.batch_transfer_sync_read
         rc = fn(peer, local, remote, lengths)
@@ -221,7 +237,7 @@ class MooncakeTransfer(Transfer):
         return self._submit("read", peer, local_ptrs, remote_ptrs, lengths)
 
     def _submit(self, op: str, peer: str, local: list[int], remote: list[int], lengths: list[int]) -> int:
-        self._check(op, local, remote, lengths)
+        self._check(f"submit_{op}", peer, local, remote, lengths)
         engine = self._live()
         fn = engine.batch_transfer_async_write if op == "write" else engine.batch_transfer_async_read
         parts: list[int] = []
@@ -247,7 +263,7 @@ class MooncakeTransfer(Transfer):
     def poll(self, batch: int) -> bool:
         engine = self._live()
         with self._lock:
-            if batch not in self._batches:
+            if isinstance(batch, bool) or batch not in self._batches:
                 raise ValueError(f"batch={batch!r} is not a pending transfer batch of this endpoint")
             op, peer, pending, failed = self._batches[batch]
             still = []
