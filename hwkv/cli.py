@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("hwkv.commands.generate", "generate text with a model on a backend"),
     "bench": ("hwkv.commands.bench", "benchmarks: cache, scheduler, attention, e2e"),
     "conformance": ("hwkv.commands.conformance", "run the conformance suite against a backend"),
+    "serve": ("hwkv.commands.serve", "OpenAI-compatible HTTP server (completions, chat, metrics)"),
 }
 
 

@@ -162,15 +162,20 @@ class AsyncEngine:
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens)
         return _Req(request_id, text, ids, params, detok, logprobs=[] if params.logprobs is not None else None)
 
-    async def generate(self, prompt: Prompt, params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield cumulative outputs until the request finishes (the last has ``finished=True``).
+    def generate(self, prompt: Prompt, params: SamplingParams | None = None,
+                 request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """An iterator of cumulative outputs until the request finishes (the last has ``finished=True``).
 
-        Validation happens before the first output (``ValueError`` naming what is wrong). Closing
-        or cancelling the iterator early aborts the request in the core."""
+        Validates now (``ValueError`` naming what is wrong; ``EngineDeadError`` if the core is
+        gone); the request is sent to the core when iteration starts. Closing or cancelling the
+        iterator early aborts the request in the core."""
         request_id = request_id or f"req-{next(self._ids)}"
-        req = self._make(prompt, params, request_id)
-        core_id = f"{request_id}#{next(self._ids)}"  # unique even if the caller reuses ids
+        return self._stream(self._make(prompt, params, request_id))
+
+    async def _stream(self, req: _Req) -> AsyncIterator[RequestOutput]:
+        core_id = f"{req.request_id}#{next(self._ids)}"  # unique even if the caller reuses ids
+        if self.dead is not None:
+            raise self.dead
         self._reqs[core_id] = req
         try:
             core_params = replace(req.params, stop=None) if req.params.stop else req.params
@@ -184,8 +189,9 @@ class AsyncEngine:
                 yield out
                 if out.finished:
                     return
-        finally:
+        finally:  # left early (closed, cancelled, an error): abort in the core
             if self._reqs.pop(core_id, None) is not None and req.finish_reason is None and self.dead is None:
+                self._finish(req, "abort")
                 await self._abort_core([core_id])
 
     async def abort(self, request_id: str) -> None:

@@ -35,9 +35,14 @@ class CoreClient:
     def __init__(self, model: str, engine_kwargs: dict[str, Any], kv_connector: str | None = None,
                  kv_connector_config: dict[str, Any] | None = None):
         self._dir = tempfile.mkdtemp(prefix="hwkv-core-")
+        # Input is a plain socket sent to without blocking (an unbounded queue): a send never
+        # waits on the core, and one with no core connected fails instead of hanging.
+        self._sync_ctx = zmq.Context()
         self._ctx = zmq.asyncio.Context()
-        self.input = self._ctx.socket(zmq.PUSH)
+        self.input = self._sync_ctx.socket(zmq.PUSH)
+        self.input.setsockopt(zmq.SNDHWM, 0)
         self.output = self._ctx.socket(zmq.PULL)
+        self.output.setsockopt(zmq.RCVHWM, 0)
         for s in (self.input, self.output):
             s.setsockopt(zmq.LINGER, 0)
         self.input.bind(f"ipc://{self._dir}/input")
@@ -82,7 +87,15 @@ class CoreClient:
                 raise EngineDeadError(f"engine core was not ready within {timeout:g} s")
 
     async def send(self, msg: Any) -> None:
-        await self.input.send(m.encode(msg))
+        data = m.encode(msg)
+        while True:
+            try:
+                self.input.send(data, zmq.NOBLOCK)
+                return
+            except zmq.Again:  # no core connected (yet: it connects during start-up; or any more)
+                if self.proc is None or self.proc.poll() is not None:
+                    raise EngineDeadError("engine core process is not running") from None
+                await asyncio.sleep(0.005)
 
     async def recv(self) -> Any:
         return m.from_core.decode(await self.output.recv())
@@ -114,7 +127,7 @@ class CoreClient:
         self.closing = True
         proc = self.proc
         if proc is not None and proc.poll() is None:
-            with contextlib.suppress(asyncio.TimeoutError, zmq.ZMQError):
+            with contextlib.suppress(asyncio.TimeoutError, zmq.ZMQError, EngineDeadError):
                 await asyncio.wait_for(self.send(m.Shutdown()), 0.5)
             for stop in (None, proc.terminate, proc.kill):
                 if stop is not None:
@@ -127,4 +140,5 @@ class CoreClient:
         self.input.close(0)
         self.output.close(0)
         self._ctx.term()
+        self._sync_ctx.term()
         shutil.rmtree(self._dir, ignore_errors=True)

@@ -82,7 +82,7 @@ class EngineCore:
             self.engine.abort(msg.request_ids)
         elif isinstance(msg, m.Utility):
             if msg.name == "stats":
-                replies.append(m.UtilityResult(msg.call_id, self.engine.stats()))
+                replies.append(m.UtilityResult(msg.call_id, self.stats()))
             else:
                 replies.append(m.UtilityResult(msg.call_id, error=f"unknown utility {msg.name!r} (allowed: stats)"))
         elif isinstance(msg, m.Shutdown):
@@ -104,12 +104,20 @@ class EngineCore:
                                      o.metrics.num_preemptions, lps, o.error))
         return outs
 
+    def stats(self) -> dict[str, Any]:
+        """``Engine.stats()``, plus ``"connector"``: the connector's ``stats()`` counters if it has any."""
+        st = self.engine.stats()
+        conn = self.engine.scheduler.connector
+        if conn is not None and callable(getattr(conn, "stats", None)):
+            st["connector"] = dict(conn.stats())
+        return st
+
     def maybe_stats(self, force: bool = False) -> dict[str, Any] | None:
         now = time.monotonic()
         if not force and now - self.last_stats < STATS_INTERVAL_S:
             return None
         self.last_stats = now
-        return self.engine.stats()
+        return self.stats()
 
 
 def run(cfg: m.CoreConfig) -> int:
