@@ -1,4 +1,7 @@
-"""ModelConfig: the subset of a Hugging Face ``config.json`` the Llama-family forward needs.
+"""ModelConfig: the subset of a Hugging Face ``config.json`` the model families need, validated.
+
+The fields every decoder shares are read here; a family's own keys are read by its config adapter
+(:class:`hwkv.model.registry.ModelFamily`) into ``qkv_bias``/``o_bias``/``sliding_window``/``extra``.
 
 Accepts config files as real checkpoints carry them: the older ``rope_theta`` + ``rope_scaling``
 keys (``type`` or ``rope_type``) and the transformers-5 ``rope_parameters`` dict.
@@ -16,7 +19,6 @@ import torch
 from hwkv.interfaces.layout import KVCacheSpec
 from hwkv.model.fields import ConfigFields, ModelLoadError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 _DTYPES = {
@@ -75,6 +77,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     path: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)  # family-specific, validated by its adapter
 
     @property
     def max_model_len(self) -> int:
@@ -114,16 +117,19 @@ class ModelConfig:
     def from_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
         """Parse and validate ``cfg``; every malformed field raises :class:`ModelLoadError` naming
         ``source``, the field, its value and the allowed range."""
+        from hwkv.model.registry import find_family, supported_architectures
+
         f = ConfigFields(cfg, source)
         archs = cfg.get("architectures") or []
         if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
             raise f.fail("architectures", archs, "a list of architecture names")
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
+        found = find_family(archs)
+        if found is None:
             raise ModelLoadError(
                 f"{source}: unsupported architecture {archs or cfg.get('model_type')!r} "
-                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+                f"(supported: {', '.join(supported_architectures())})"
             )
+        arch, family = found
         act = f.string("hidden_act", "silu")
         if act != "silu":
             raise ModelLoadError(f"{source}: hidden_act {act!r} is not supported (allowed: silu)")
@@ -144,10 +150,6 @@ class ModelConfig:
             raise f.fail("head_dim", head_dim, "an even integer >= 2")
         max_pos = f.integer("max_position_embeddings", 2048)
         theta, scaling = _parse_rope(f, max_pos)
-        is_qwen2 = arch == "Qwen2ForCausalLM"
-        window = f.integer("sliding_window", None)
-        if is_qwen2 and not f.flag("use_sliding_window", False):
-            window = None  # Qwen2 carries a window size but only uses it with use_sliding_window
         attn_bias = f.flag("attention_bias", False)
         dtype_s = f.string("dtype", None) or f.string("torch_dtype", None)
         try:
@@ -157,7 +159,7 @@ class ModelConfig:
         bos = f.token_ids("bos_token_id")
         if len(bos) > 1:
             raise f.fail("bos_token_id", cfg["bos_token_id"], "null or an integer >= 0")
-        return cls(
+        fields: dict[str, Any] = dict(
             architecture=arch,
             model_type=f.string("model_type", ""),
             vocab_size=f.integer("vocab_size"),
@@ -172,15 +174,22 @@ class ModelConfig:
             rope_theta=theta,
             rope_scaling=scaling,
             tie_word_embeddings=f.flag("tie_word_embeddings", False),
-            qkv_bias=is_qwen2 or attn_bias,
-            o_bias=attn_bias and not is_qwen2,
+            qkv_bias=attn_bias,
+            o_bias=attn_bias,
             mlp_bias=f.flag("mlp_bias", False),
             dtype=dtype,
-            sliding_window=window,
+            sliding_window=f.integer("sliding_window", None),
             bos_token_id=bos[0] if bos else None,
             eos_token_ids=f.token_ids("eos_token_id"),
             path=str(Path(source).parent),
         )
+        fields.update(family.adapt_config(f, fields))
+        return cls(**fields)
+
+
+def windowed_if_enabled(f: ConfigFields, common: dict[str, Any]) -> dict[str, Any]:
+    """Qwen-style configs carry a ``sliding_window`` size but use it only with ``use_sliding_window``."""
+    return {} if f.flag("use_sliding_window", False) else {"sliding_window": None}
 
 
 # Per rope type: required keys, then optional ones, as (key, kind, bound) — kind "num": a finite

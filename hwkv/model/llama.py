@@ -1,4 +1,6 @@
-"""Llama-family decoder (Llama 2/3, Qwen2/2.5, Mistral) over a flattened varlen token batch.
+"""Llama-family decoder (Llama 2/3, Qwen2/2.5, Mistral) over a flattened varlen token batch; the
+base that other families (Qwen3, Qwen3-MoE) extend through three hooks: ``attention_class``,
+``make_mlp`` and ``Attention.project``.
 
 Dense layers are torch ops — or, for forwards of a few tokens, the backend's fused
 :class:`DecodeOps` (``set_decode_ops``); attention goes through the backend's :class:`AttentionImpl`
@@ -18,57 +20,15 @@ from torch import nn
 from hwkv.interfaces.attention import AttentionBackend, AttentionImpl
 from hwkv.interfaces.decode_ops import DecodeOps
 from hwkv.interfaces.layout import KVCache, KVCacheSpec
-from hwkv.model.config import ModelConfig
+from hwkv.model.config import ModelConfig, windowed_if_enabled
+from hwkv.model.fields import ConfigFields
+from hwkv.model.layers import MLP, Linear, RMSNorm, add_rms_norm, param, rms_norm, silu_mul
+from hwkv.model.registry import ModelFamily, register
 from hwkv.model.rope import RotaryEmbedding
 
-
-def _param(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.empty(shape, device=device, dtype=dtype), requires_grad=False)
-
-
-class Linear(nn.Module):
-    """``y = x W^T + b``; parameters are allocated uninitialised (the loader fills them)."""
-
-    def __init__(self, n_in: int, n_out: int, bias: bool, device: torch.device, dtype: torch.dtype):
-        super().__init__()
-        self.weight = _param((n_out, n_in), device, dtype)
-        self.bias = _param((n_out,), device, dtype) if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, device: torch.device, dtype: torch.dtype):
-        super().__init__()
-        self.weight = _param((dim,), device, dtype)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
-        """``norm(x)``, or with ``residual``: ``(norm(x + residual), x + residual)``."""
-        if residual is None:
-            return rms_norm(x, self.weight, self.eps)
-        return add_rms_norm(x, residual, self.weight, self.eps)
-
-
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    # the residual add folded into the next norm: one fused kernel per pair once compiled
-    h = x + residual
-    return rms_norm(h, weight, eps), h
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Same op order as HF: normalise in float32, cast back, then scale. Free functions here and
-    # below: the engine may torch.compile them (hwkv/engine/cuda_graphs.py:fuse_elementwise).
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
-
-
-def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
-    gate, up = gate_up.split([inter, inter], dim=-1)
-    return F.silu(gate) * up
+# the building blocks live in hwkv.model.layers; re-exported for code importing them from here
+__all__ = ["MLP", "Attention", "DecoderLayer", "LlamaForCausalLM", "Linear", "RMSNorm", "add_rms_norm", "rms_norm",
+           "silu_mul"]
 
 
 class Attention(nn.Module):
@@ -80,41 +40,41 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, cfg.o_bias, device, dtype)
         self.impl = impl
 
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``q [T, H, D], k [T, H_kv, D], v [T, H_kv, D]`` before RoPE (a family hook: Qwen3 norms q/k)."""
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return (q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim),
+                v.reshape(t, self.num_kv_heads, self.head_dim))
+
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, layer_kv: object,
         metadata: object, slot_mapping: torch.Tensor,
     ) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = rope(positions, q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim))
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project(x)
+        q, k = rope(positions, q, k)
         self.impl.write_kv(k, v, layer_kv, slot_mapping)
         out = self.impl.forward(q, k, v, layer_kv, metadata)
-        return self.o_proj(out.reshape(t, self.q_size))
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
-        super().__init__()
-        self.inter = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, cfg.mlp_bias, device, dtype)
-        self.down_proj = Linear(self.inter, cfg.hidden_size, cfg.mlp_bias, device, dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x), self.inter))
+        return self.o_proj(out.reshape(x.shape[0], self.q_size))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, impl: AttentionImpl, device: torch.device, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, attn: nn.Module, mlp: nn.Module, device: torch.device, dtype: torch.dtype):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
-        self.self_attn = Attention(cfg, impl, device, dtype)
+        self.self_attn = attn
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
-        self.mlp = MLP(cfg, device, dtype)
+        self.mlp = mlp
 
 
 class LlamaForCausalLM(nn.Module):
-    """Parameter names follow HF (``model.layers.0.self_attn.qkv_proj.weight`` is the fused q/k/v)."""
+    """Parameter names follow HF (``model.layers.0.self_attn.qkv_proj.weight`` is the fused q/k/v).
+
+    Family hooks for subclasses: ``attention_class`` (built as ``cls(config, impl, device, dtype)``)
+    and ``make_mlp(layer_index, device, dtype)``.
+    """
+
+    attention_class: type[Attention] = Attention
 
     def __init__(
         self, config: ModelConfig, attention: AttentionBackend, device: torch.device | str = "cpu",
@@ -126,14 +86,23 @@ class LlamaForCausalLM(nn.Module):
         impl = attention.make_impl(config.num_heads, config.head_dim, config.num_kv_heads, config.head_dim**-0.5)
         self.model = nn.Module()
         self.model.embed_tokens = nn.Module()
-        self.model.embed_tokens.weight = _param((config.vocab_size, config.hidden_size), device, dtype)
-        self.model.layers = nn.ModuleList(DecoderLayer(config, impl, device, dtype) for _ in range(config.num_layers))
+        self.model.embed_tokens.weight = param((config.vocab_size, config.hidden_size), device, dtype)
+        self.model.layers = nn.ModuleList(
+            DecoderLayer(config, self.attention_class(config, impl, device, dtype), self.make_mlp(i, device, dtype),
+                         device, dtype)
+            for i in range(config.num_layers)
+        )
         self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, False, device, dtype)
         self.rotary_emb = RotaryEmbedding(config, max_positions or config.max_model_len, device, dtype)
         self.set_prefetch()
         self.decode_ops: DecodeOps | None = None  # fused ops for forwards of few tokens (set_decode_ops)
+
+    def make_mlp(self, layer: int, device: torch.device, dtype: torch.dtype) -> nn.Module:
+        """The feed-forward block of decoder layer ``layer`` (called during ``__init__``)."""
+        cfg = self.config
+        return MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, device, dtype)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -210,7 +179,12 @@ class LlamaForCausalLM(nn.Module):
         tokens; ``None``: off. ``kv_dtype``: the KV cache's (default: the model dtype). Raises
         ``ValueError`` with the reasons when they cannot serve this model."""
         if ops is not None:
+            from hwkv.model.registry import family_of
+
             cfg = self.config
+            refusal = family_of(cfg.architecture).fused_decode
+            if refusal is not None:
+                raise ValueError(f"decode ops {type(ops).__name__} cannot serve {cfg.architecture}: {refusal}")
             reasons = ops.validate(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.dtype, kv_dtype or self.dtype)
             if reasons:
                 raise ValueError(f"decode ops {type(ops).__name__} cannot serve this model: {'; '.join(reasons)}")
@@ -245,19 +219,20 @@ class LlamaForCausalLM(nn.Module):
         Separate HF ``q/k/v_proj`` and ``gate/up_proj`` tensors land in row slices of the fused ones.
         """
         cfg = self.config
-        q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-        fused = {
-            "qkv_proj": (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)),
-            "gate_up_proj": (("gate_proj", 0, inter), ("up_proj", inter, inter)),
-        }
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         slots: dict[str, torch.Tensor] = {}
         for name, p in self.named_parameters():
             part = name.split(".")[-2]
-            if part in fused:
-                for hf, start, size in fused[part]:
-                    slots[name.replace(part, hf)] = p.narrow(0, start, size)
+            if part == "qkv_proj":
+                parts = (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv))
+            elif part == "gate_up_proj":  # halves of each MLP's own width (MoE experts are narrower)
+                inter = p.shape[0] // 2
+                parts = (("gate_proj", 0, inter), ("up_proj", inter, inter))
             else:
                 slots[name] = p
+                continue
+            for hf, start, size in parts:
+                slots[name.replace(part, hf)] = p.narrow(0, start, size)
         return slots
 
     @torch.no_grad()
@@ -281,3 +256,13 @@ class LlamaForCausalLM(nn.Module):
             dst.copy_(tensor)
             loaded.add(name)
         return loaded
+
+
+register(ModelFamily("llama", ("LlamaForCausalLM", "MistralForCausalLM"), LlamaForCausalLM))
+
+
+def _qwen2_config(f: ConfigFields, common: dict[str, Any]) -> dict[str, Any]:
+    return {"qkv_bias": True, "o_bias": False, **windowed_if_enabled(f, common)}  # q/k/v always biased
+
+
+register(ModelFamily("qwen2", ("Qwen2ForCausalLM",), LlamaForCausalLM, _qwen2_config))

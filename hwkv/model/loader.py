@@ -17,6 +17,7 @@ import torch
 
 from hwkv.model.config import ModelConfig, ModelLoadError, parse_dtype, read_json
 from hwkv.model.llama import LlamaForCausalLM
+from hwkv.model.registry import family_of
 from hwkv.model.tokenizer import Tokenizer
 
 _DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
@@ -184,6 +185,7 @@ def load_model(
     tokenizer = Tokenizer.from_dir(path) if load_tokenizer else None
     gen = GenerationConfig.from_dir(path, config, tokenizer)
     device = backend.device.torch_device
-    model = LlamaForCausalLM(config, backend.attention, device, torch_dtype, max_model_len or config.max_model_len)
+    family = family_of(config.architecture)
+    model = family.model_class(config, backend.attention, device, torch_dtype, max_model_len or config.max_model_len)
     load_weights(model, path)
     return model.eval(), config, tokenizer, gen

@@ -1,4 +1,4 @@
-"""Write tiny random-weight Llama / Qwen2 / Mistral checkpoints in the real HF format.
+"""Write tiny random-weight Llama / Qwen2 / Mistral / Qwen3 / Qwen3-MoE checkpoints in the real HF format.
 
 Needs only torch, safetensors and tokenizers (no transformers): the README demo builds its model
 with this. The tokenizer is a byte-level BPE trained on a small built-in English text, so any text
@@ -14,7 +14,9 @@ from typing import Any
 import torch
 
 BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
-ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+         "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+QWEN = ("qwen2", "qwen3", "qwen3_moe")  # no BOS, rope_theta 1e6, windows only with use_sliding_window
 MIN_VOCAB = 320  # 256 byte symbols + specials + some merges
 
 _CORPUS = """\
@@ -77,7 +79,7 @@ def _config(arch: str, hidden: int, layers: int, heads: int, kv_heads: int, head
         "num_key_value_heads": kv_heads,
         "max_position_embeddings": max_pos,
         "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0 if arch != "qwen2" else 1000000.0,
+        "rope_theta": 1000000.0 if arch in QWEN else 10000.0,
         "rope_scaling": rope_scaling,
         "tie_word_embeddings": tie,
         "vocab_size": vocab,
@@ -85,11 +87,13 @@ def _config(arch: str, hidden: int, layers: int, heads: int, kv_heads: int, head
         "initializer_range": 0.02,
         "use_cache": True,
         "attention_dropout": 0.0,
-        "bos_token_id": 0 if arch != "qwen2" else None,
+        "bos_token_id": None if arch in QWEN else 0,
         "eos_token_id": 1,
     }
-    if head_dim is not None:
-        cfg["head_dim"] = head_dim
+    if head_dim is not None or arch.startswith("qwen3"):  # (transformers' Qwen3 default head_dim is 128)
+        cfg["head_dim"] = head_dim or hidden // heads
+    if arch.startswith("qwen3"):
+        cfg["attention_bias"] = False
     if arch == "llama":
         cfg.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
     elif arch == "mistral":
@@ -98,6 +102,16 @@ def _config(arch: str, hidden: int, layers: int, heads: int, kv_heads: int, head
         cfg.update(sliding_window=sliding_window, use_sliding_window=sliding_window is not None)
         cfg["max_window_layers"] = layers
     return cfg
+
+
+def _moe_config(cfg: dict[str, Any], num_experts: int, top_k: int, inter: int | None) -> None:
+    cfg.update(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=inter or cfg["hidden_size"],
+               norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001)
+
+
+def _mlp_weights(w: dict[str, torch.Tensor], prefix: str, h: int, inter: int, rnd: Any) -> None:
+    for name, n_out, n_in in (("gate_proj", inter, h), ("up_proj", inter, h), ("down_proj", h, inter)):
+        w[prefix + f"{name}.weight"] = rnd(n_out, n_in)
 
 
 def _weights(cfg: dict[str, Any], seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -121,8 +135,15 @@ def _weights(cfg: dict[str, Any], seed: int, dtype: torch.dtype) -> dict[str, to
             w[p + f"self_attn.{name}.weight"] = rnd(n_out, n_in)
             if cfg["model_type"] == "qwen2" and name != "o_proj":
                 w[p + f"self_attn.{name}.bias"] = rnd(n_out, std=0.02)
-        for name, n_out, n_in in (("gate_proj", inter, h), ("up_proj", inter, h), ("down_proj", h, inter)):
-            w[p + f"mlp.{name}.weight"] = rnd(n_out, n_in)
+        if cfg["model_type"].startswith("qwen3"):
+            w[p + "self_attn.q_norm.weight"] = rnd(d, std=0.05, mean=1.0)
+            w[p + "self_attn.k_norm.weight"] = rnd(d, std=0.05, mean=1.0)
+        if cfg.get("num_experts"):
+            w[p + "mlp.gate.weight"] = rnd(cfg["num_experts"], h, std=2 / h**0.5)  # decisive routing
+            for e in range(cfg["num_experts"]):
+                _mlp_weights(w, p + f"mlp.experts.{e}.", h, cfg["moe_intermediate_size"], rnd)
+        else:
+            _mlp_weights(w, p + "mlp.", h, inter, rnd)
     w["model.norm.weight"] = rnd(h, std=0.05, mean=1.0)
     if not cfg["tie_word_embeddings"]:
         w["lm_head.weight"] = rnd(vocab, h, std=4 / h**0.5)
@@ -148,11 +169,16 @@ def write_tiny_model(
     num_shards: int = 1,
     rope_theta: float | None = None,
     tokenizer: bool = True,
+    num_experts: int = 4,
+    num_experts_per_tok: int = 2,
+    moe_intermediate_size: int | None = None,
 ) -> Path:
     """Write config.json, model.safetensors (or ``num_shards`` shards + index json),
     generation_config.json, tokenizer.json and tokenizer_config.json to ``path``; return it.
     ``rope_theta`` overrides the arch default; ``tokenizer=False`` skips the tokenizer files (a
-    benchmark fed token ids needs none, and a 128k-entry vocabulary is slow to build)."""
+    benchmark fed token ids needs none, and a 128k-entry vocabulary is slow to build). ``qwen3_moe``:
+    every layer routes over ``num_experts`` experts of width ``moe_intermediate_size`` (default
+    ``hidden_size``), top ``num_experts_per_tok``, renormalised."""
     from safetensors.torch import save_file
 
     if arch not in ARCHS:
@@ -166,6 +192,8 @@ def write_tiny_model(
                   tie_word_embeddings, rope_scaling, max_position_embeddings, sliding_window)
     if rope_theta is not None:
         cfg["rope_theta"] = float(rope_theta)
+    if arch == "qwen3_moe":
+        _moe_config(cfg, num_experts, num_experts_per_tok, moe_intermediate_size)
     weights = _weights(cfg, seed, dtype)
     (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     gen = {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]}
@@ -190,10 +218,10 @@ def write_tiny_model(
 
 
 def _write_tokenizer(path: Path, arch: str, vocab_size: int, max_position_embeddings: int) -> None:
-    tok = build_tokenizer(vocab_size, add_bos=arch != "qwen2")
+    tok = build_tokenizer(vocab_size, add_bos=arch not in QWEN)
     tok.save(str(path / "tokenizer.json"))
     tok_cfg = {
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS if arch != "qwen2" else None,
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None if arch in QWEN else BOS,
         "eos_token": EOS, "pad_token": PAD, "model_max_length": max_position_embeddings,
         "chat_template": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
         "{% if add_generation_prompt %}assistant:{% endif %}",

@@ -47,7 +47,26 @@ MISTRAL_7B_V01 = {
     "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "sliding_window": 4096, "tie_word_embeddings": False,
     "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 32000,
 }
-REAL = {"llama3.1-8b": LLAMA31_8B, "llama3.2-1b": LLAMA32_1B, "llama2-7b": LLAMA2_7B, "qwen2.5-7b": QWEN25_7B,
+QWEN3_8B = {
+    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643,
+    "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+    "intermediate_size": 12288, "max_position_embeddings": 40960, "max_window_layers": 36, "model_type": "qwen3",
+    "num_attention_heads": 32, "num_hidden_layers": 36, "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+QWEN3_06B = {**QWEN3_8B, "hidden_size": 1024, "intermediate_size": 3072, "num_attention_heads": 16,
+             "num_hidden_layers": 28, "max_window_layers": 28, "tie_word_embeddings": True}
+QWEN3_30B_A3B = {
+    **QWEN3_8B, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "decoder_sparse_step": 1,
+    "hidden_size": 2048, "intermediate_size": 6144, "max_window_layers": 48, "mlp_only_layers": [],
+    "moe_intermediate_size": 768, "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128,
+    "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4, "output_router_logits": False,
+    "router_aux_loss_coef": 0.001, "rope_theta": 1000000.0,
+}
+REAL = {"qwen3-8b": QWEN3_8B, "qwen3-0.6b": QWEN3_06B, "qwen3-30b-a3b": QWEN3_30B_A3B,
+        "llama3.1-8b": LLAMA31_8B, "llama3.2-1b": LLAMA32_1B, "llama2-7b": LLAMA2_7B, "qwen2.5-7b": QWEN25_7B,
         "qwen2.5-yarn": QWEN25_YARN, "mistral-7b-v0.1": MISTRAL_7B_V01}
 
 
@@ -64,6 +83,14 @@ def test_fields_of_real_configs():
     assert q.qkv_bias and not q.o_bias and q.sliding_window is None and q.max_model_len == 32768
     m = ModelConfig.from_dict(MISTRAL_7B_V01)
     assert m.sliding_window == 4096 and m.max_model_len == 4096  # window not implemented: capped
+    q3 = ModelConfig.from_dict(QWEN3_8B)  # head_dim 128 with 32 heads on a 4096 stream; 0.6B: 16 x 128 on 1024
+    assert (q3.head_dim, q3.num_heads, q3.hidden_size, q3.qkv_bias, q3.o_bias) == (128, 32, 4096, False, False)
+    q06 = ModelConfig.from_dict(QWEN3_06B)
+    assert q06.head_dim * q06.num_heads == 2 * q06.hidden_size and q06.tie_word_embeddings
+    assert q06.sliding_window is None and q06.rope_theta == 1e6 and q06.eos_token_ids == [151645]
+    moe = ModelConfig.from_dict(QWEN3_30B_A3B)
+    assert moe.extra == {"num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+                         "moe_intermediate_size": 768, "sparse_layers": tuple(range(48))}
 
 
 @pytest.mark.parametrize("name", list(REAL))

@@ -24,12 +24,20 @@ CASES = {
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16}}),
     "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}),
     "mistral": ("mistral", {}),
+    # head_dim decoupled from hidden_size (4 x 32 != 64), per-head q/k norms, untied and tied
+    "qwen3": ("qwen3", {"head_dim": 32}),
+    "qwen3-tied-bias": ("qwen3", {"head_dim": 16, "tie_word_embeddings": True, "attention_bias": True}),
+    # layer 0 routed (4 experts, top-2), layer 1 dense (mlp_only_layers)
+    "qwen3_moe": ("qwen3_moe", {"head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2,
+                                "moe_intermediate_size": 48, "norm_topk_prob": True, "mlp_only_layers": [1]}),
+    "qwen3_moe-unnormed": ("qwen3_moe", {"head_dim": 16, "num_experts": 6, "num_experts_per_tok": 3,
+                                         "moe_intermediate_size": 32, "norm_topk_prob": False}),
 }
 
 
 def hf_checkpoint(path, arch: str, **overrides):
     """A random float32 HF model (biases and norms randomised too) saved with save_pretrained."""
-    names = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}[arch]
+    names = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe"}[arch]
     cfg_cls = getattr(transformers, f"{names}Config")
     model_cls = getattr(transformers, f"{names}ForCausalLM")
     kwargs = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

@@ -8,27 +8,31 @@ import pytest
 import torch
 
 from hwkv.model import load_model
-from hwkv.testing.tiny_models import build_tokenizer, write_tiny_model
+from hwkv.testing.tiny_models import ARCHS, QWEN, build_tokenizer, write_tiny_model
 
 TEXT = "Hello, world! The quick brown fox — ünïcode 你好 and numbers 12345."
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
-def test_transformers_loads_it_and_greedy_matches(tmp_path, cpu_backend, paged_runner, arch):
+GREEDY = {  # arch, tied, head_dim (qwen3: 4 heads x 32 wide q on a 64-wide residual stream)
+    "llama": ("llama", False, 32), "qwen2": ("qwen2", False, None), "mistral": ("mistral", True, None),
+    "qwen3": ("qwen3", False, 32), "qwen3-tied": ("qwen3", True, None), "qwen3_moe": ("qwen3_moe", False, 32),
+}
+
+
+@pytest.mark.parametrize("case", list(GREEDY))
+def test_transformers_loads_it_and_greedy_matches(tmp_path, cpu_backend, paged_runner, case):
     transformers = pytest.importorskip("transformers")
     from tokenizers import Tokenizer
 
-    tied = arch == "mistral"
-    head_dim = 32 if arch == "llama" else None
+    arch, tied, head_dim = GREEDY[case]
     path = write_tiny_model(tmp_path / arch, arch=arch, tie_word_embeddings=tied, head_dim=head_dim)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
-    assert type(hf).__name__ == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                                 "mistral": "MistralForCausalLM"}[arch]
+    assert type(hf).__name__ == ARCHS[arch]
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))
     assert tok.get_vocab_size() == hf.config.vocab_size == 512
     ids = tok.encode(TEXT).ids
     assert tok.decode(ids) == TEXT
-    assert (ids[0] == 0) == (arch != "qwen2")  # Llama/Mistral prepend BOS, Qwen2 does not
+    assert (ids[0] == 0) == (arch not in QWEN)  # Llama/Mistral prepend BOS, Qwen does not
 
     model, cfg, our_tok, gen = load_model(path, cpu_backend)
     assert our_tok.encode(TEXT) == ids and gen.eos_token_ids == [1]
@@ -73,7 +77,8 @@ def test_bf16_checkpoint(tmp_path, cpu_backend):
 
 
 def test_bad_arguments(tmp_path):
-    with pytest.raises(ValueError, match=r"arch 'gpt2' is not supported \(allowed: llama, qwen2, mistral\)"):
+    with pytest.raises(ValueError, match=r"arch 'gpt2' is not supported \(allowed: llama, qwen2, mistral, qwen3, "
+                                         r"qwen3_moe\)"):
         write_tiny_model(tmp_path, arch="gpt2")
     with pytest.raises(ValueError, match="vocab_size must be >= 320"):
         write_tiny_model(tmp_path, vocab_size=100)
