@@ -179,7 +179,7 @@ def test_sample_rejects_mismatched_batch():
     ({"logprobs": 21}, "logprobs", "[0, 20]"),
     ({"n": 2}, "n", "1"),
     ({"min_tokens": 20, "max_tokens": 10}, "min_tokens", "[0, max_tokens=10]"),
-    ({"seed": "x"}, "seed", "integer or None"),
+    ({"seed": "x"}, "seed", "None or an integer in [-9223372036854775808, 18446744073709551615]"),
     ({"stop": [""]}, "stop", "non-empty string"),
     ({"stop_token_ids": [-1]}, "stop_token_ids", "token ids"),
     ({"temperature": float("nan")}, "temperature", ">= 0"),
