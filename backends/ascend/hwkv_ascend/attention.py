@@ -1,7 +1,8 @@
 """Ascend attention through torch_npu ops (vllm-ascend ``attention_v1.py`` semantics).
 
-* KV write: ``npu_scatter_pa_kv_cache(cache_mode="Norm")`` (A2/A3), ``_npu_reshape_and_cache`` (310P).
-* Decode-only batches: ``_npu_paged_attention`` (ATB PagedAttention).
+* KV write: ``npu_scatter_pa_kv_cache(cache_mode="Norm")`` on this step's real tokens only.
+* Decode-only batches: ``_npu_paged_attention`` (ATB PagedAttention) where it takes the head size
+  (``block_size * head_size <= 128 * 128``), else FIA like the other states.
 * Everything else: ``npu_fused_infer_attention_score`` (FIA) in TND layout, ``sparse_mode=3``
   (right-down causal) with the 2048x2048 int8 upper-triangular mask; with no cached prefix it reads
   this step's raw K/V (``block_table=None``, cumulative KV lengths), otherwise the paged cache viewed
@@ -32,6 +33,11 @@ from hwkv_ascend import _npu
 
 BLOCK_SIZE = 128  # FIA page attention: block_size multiple of 128 in [128, 512]; ATB PA: bs*D <= 128*128
 MASK_SIZE = 2048  # sparse_mode 2/3/4 take a fixed 2048x2048 "optimised" mask
+# FIA in TND layout (every prefill, prefix-hit and mixed step) takes only these head dims
+# (ops-transformer prompt-flash-attention tiling; the op's error 561002 "input_layout is TND, only
+# headDim = 64/128/192 are supported"). MLA's q/k 192 with v 128 needs split head dims: not offered.
+HEAD_SIZES = (64, 128, 192)
+PA_MAX_BLOCK_X_HEAD = 128 * 128  # ATB PagedAttention: block_size * head_size <= 128 * 128
 
 
 class AscendAttentionState(enum.Enum):
@@ -69,10 +75,14 @@ class AscendMetadataBuilder(AttentionMetadataBuilder):
     The TND layout needs ``sum(query lengths) == query rows``: when core pads the token dimension
     (slot ``-1`` tail), a dummy request of the missing length is appended (KV length 1, block 0 —
     its output rows are padding and its K/V are never written).
+
+    ``step`` is the last metadata built: the impls of every layer read its real-token count to
+    slice their KV writes (one builder per backend, shared by all impls).
     """
 
     def __init__(self) -> None:
         self._masks: dict[torch.device, torch.Tensor] = {}
+        self.step: AscendMetadata | None = None
 
     def mask(self, device: torch.device) -> torch.Tensor:
         if device not in self._masks:
@@ -114,7 +124,7 @@ class AscendMetadataBuilder(AttentionMetadataBuilder):
             cum_q += list(itertools.accumulate(dummy, initial=num_actual))[1:]
             kv += [1] * len(dummy)
             block_tables = torch.cat([block_tables, block_tables.new_zeros((len(dummy), block_tables.shape[1]))])
-        return AscendMetadata(
+        self.step = AscendMetadata(
             state=state,
             num_actual_tokens=num_actual,
             num_tokens=num_tokens,
@@ -128,26 +138,51 @@ class AscendMetadataBuilder(AttentionMetadataBuilder):
             num_prefills=common.num_prefills,
             num_decodes=common.num_decodes,
         )
+        return self.step
+
+
+def check_head_size(head_size: int) -> None:
+    if head_size not in HEAD_SIZES:
+        raise ValueError(
+            f"head_size {head_size} not supported by the Ascend attention ops: npu_fused_infer_attention_score "
+            f"in TND layout takes only {'/'.join(map(str, HEAD_SIZES))} (allowed: {list(HEAD_SIZES)})"
+        )
 
 
 class AscendAttentionImpl(AttentionImpl):
-    def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float, use_reshape_and_cache: bool):
+    def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float,
+                 builder: AscendMetadataBuilder):
+        check_head_size(head_size)
         super().__init__(num_heads, head_size, num_kv_heads, scale)
-        self.use_reshape_and_cache = use_reshape_and_cache  # 310P has no aclnn ScatterPaKvCache
+        self.builder = builder
+        # ATB PagedAttention serves decode-only steps where it takes the head size; FIA otherwise.
+        self.use_paged_attention = BLOCK_SIZE * head_size <= PA_MAX_BLOCK_X_HEAD
+
+    def _real_rows(self, slot_mapping: torch.Tensor) -> slice | torch.Tensor:
+        """Rows of this step's K/V that carry a real token, as vllm-ascend slices its KV write
+        (``[:num_actual_tokens]``) instead of handing the kernel padding slots (-1): whether the
+        kernel skips them is only confirmed on A3 with CANN 9.
+
+        On the engine's step path the slot mapping is the one the builder saw: its real tokens
+        come first and their count is host-known. Any other slot mapping (a direct call) is read on
+        the host once to find its non-negative slots."""
+        step = self.builder.step
+        n = slot_mapping.shape[0]
+        if (step is not None and n == step.num_tokens and step.slot_mapping.device == slot_mapping.device
+                and step.slot_mapping.data_ptr() == slot_mapping.data_ptr()):
+            return slice(0, step.num_actual_tokens)
+        keep = slot_mapping.cpu() >= 0  # off the step path only: one host read
+        if bool(keep.all()):
+            return slice(0, n)
+        return keep.nonzero().flatten().to(slot_mapping.device)
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, layer_kv: Any, slot_mapping: torch.Tensor) -> None:
         key_cache, value_cache = layer_kv
-        npu = _npu.torch_npu()
-        if self.use_reshape_and_cache:
-            npu._npu_reshape_and_cache(
-                key=key.contiguous(),
-                value=value.contiguous(),
-                key_cache=key_cache,
-                value_cache=value_cache,
-                slot_indices=slot_mapping.to(torch.int32).contiguous(),  # ATB slotMapping is int32
-            )
+        rows = self._real_rows(slot_mapping)
+        key, value, slot_mapping = key[rows], value[rows], slot_mapping[rows]
+        if slot_mapping.shape[0] == 0:
             return
-        npu.npu_scatter_pa_kv_cache(
+        _npu.torch_npu().npu_scatter_pa_kv_cache(
             key=key.contiguous(),
             value=value.contiguous(),
             key_cache=key_cache,
@@ -163,7 +198,7 @@ class AscendAttentionImpl(AttentionImpl):
         key_cache, value_cache = layer_kv
         npu = _npu.torch_npu()
         query = query.contiguous()
-        if md.state is AscendAttentionState.DECODE_ONLY:
+        if md.state is AscendAttentionState.DECODE_ONLY and self.use_paged_attention:
             out = torch.empty_like(query)
             npu._npu_paged_attention(
                 query=query,
@@ -219,4 +254,4 @@ class AscendAttentionBackend(AttentionBackend):
         return self._builder
 
     def make_impl(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float) -> AscendAttentionImpl:
-        return AscendAttentionImpl(num_heads, head_size, num_kv_heads, scale, use_reshape_and_cache=self.soc == "310P")
+        return AscendAttentionImpl(num_heads, head_size, num_kv_heads, scale, self._builder)

@@ -7,13 +7,12 @@ from typing import Any
 import torch
 
 from hwkv.interfaces import Backend, BackendUnavailable, Capabilities, KVLayoutKind, Store, Transfer
+from hwkv.interfaces.decode_ops import DecodeOps
 from hwkv.transfer.mooncake import engine_installed
 from hwkv_ascend import _npu
-from hwkv_ascend.attention import BLOCK_SIZE, AscendAttentionBackend
+from hwkv_ascend.attention import BLOCK_SIZE, HEAD_SIZES, AscendAttentionBackend
 from hwkv_ascend.device import TRANSFER_ALIGNMENT, AscendDevice
 
-# FIA (fp16/bf16): head dim 16-aligned; ATB PagedAttention: block_size * head_size <= 128 * 128.
-HEAD_SIZES = tuple(range(16, 128 + 1, 16))
 MOONCAKE_MISSING = "mooncake-transfer-engine-npu not installed: pip install 'hwkv-ascend[mooncake]'"
 EMULATED_NO_HCCS = "torch_npu is emulated on the CPU: no HCCS link to transfer over"
 
@@ -46,7 +45,7 @@ class AscendBackend(Backend):
             self._device.kv_alignment = TRANSFER_ALIGNMENT
         self._caps = Capabilities(
             dtypes=(torch.float16, torch.bfloat16),  # FIA / ATB PA take no float32 query
-            head_sizes=HEAD_SIZES,
+            head_sizes=HEAD_SIZES,  # FIA TND: 64/128/192 only
             block_sizes=(BLOCK_SIZE,),
             max_block_size=BLOCK_SIZE,
             default_block_size=BLOCK_SIZE,
@@ -65,6 +64,13 @@ class AscendBackend(Backend):
             return _npu.check()
         except Exception as e:  # the contract: never raises
             return False, f"torch_npu check failed: {type(e).__name__}: {e}; {_npu.FIX}"
+
+    def decode_ops(self) -> DecodeOps | None:
+        """vllm-ascend's fused ops (``npu_rms_norm``, ``npu_rotary_mul``, ``npu_swiglu``) for
+        forwards of a few tokens; ``None`` when this torch_npu lacks one of them."""
+        from hwkv_ascend.decode_ops import AscendDecodeOps
+
+        return AscendDecodeOps.create()
 
     def create_transfer(self, **options: Any) -> Transfer:
         # Mooncake's "ascend" transport takes the NPU id as device_name (vllm-ascend passes

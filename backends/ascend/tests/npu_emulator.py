@@ -1,15 +1,36 @@
 """A CPU emulation of the torch_npu ops hwkv-ascend calls — for tests only.
 
-Written from the op documentation (Ascend op-plugin ``docs/context/torch_npu-npu_fused_infer_attention_score.md``,
-``torch_npu-npu_scatter_pa_kv_cache.md``, the op-plugin schemas in ``op_plugin/config/op_plugin_functions.yaml``
-and ``op_plugin/ops/atb/*.cpp``, the CANN ATB PagedAttention/ReshapeAndCache operation pages), not from
-any other backend. It is strict where the docs are: signatures (FIA takes everything after
-``value`` by keyword), dtypes (fp16/bf16), contiguity, TND length rules (cumulative query ends whose
-last value must equal the token count; per-request KV lengths with a block table, cumulative ones
-without), block-size limits, the fixed 2048x2048 mask of ``sparse_mode=3``. Features hwkv does not use
-(quantisation, NZ format, other layouts, rope, pse) raise ``NotImplementedError`` instead of guessing.
+Written from the op documentation and sources, not from any other backend; each rule names where it
+was read:
 
-Install with ``sys.modules["torch_npu"] = make_module()``: the backend then runs on the CPU
+* [FIA-doc] Ascend/op-plugin ``docs/context/torch_npu-npu_fused_infer_attention_score.md`` and the
+  schema in ``op_plugin/config/op_plugin_functions.yaml`` (keyword-only after ``value``, fp16/bf16,
+  contiguity, TND length rules, ``sparse_mode=3`` with the fixed 2048x2048 mask, page attention:
+  int32 block table, block_size a multiple of 128 in [128, 512], GQA ratio <= 64).
+* [PFA-tiling] hicann/ops-transformer ``attention/prompt_flash_attention/op_host/
+  prompt_flash_attention_tiling.cpp`` (which FIA's TND path runs through): TND takes head dims
+  64/128/192 only; the text of its error is what aclnnFusedInferAttentionScoreV3 reports (561002).
+* [SCATTER-doc] op-plugin ``docs/context/torch_npu-npu_scatter_pa_kv_cache.md`` and yaml:
+  ``cache_mode`` ('Norm' = ND, default 'PA_NZ'), int32/int64 unique slots, contiguous inputs.
+* [SCATTER-versions] vllm-project/vllm-ascend ``vllm_ascend/device/device_op.py`` history: the first
+  ``cache_mode="Norm"`` call lands 2026-04-21 (a59a13cd0d), torch-npu 2.10.0 is pinned 2026-05-14
+  (3f73174317); torch_npu 2.8/2.9 have no ``cache_mode`` (calling with it is a TypeError).
+* [SCATTER-neg] negative slots are skipped by the kernel only as confirmed on A3 with CANN 9
+  (op-plugin ``test/test_custom_ops/test_scatter_pa_kv_cache.py`` golden ``if slot < 0: continue``);
+  elsewhere the emulator rejects them, so a caller relying on the skip fails in CI.
+* [PA-atb] op-plugin ``op_plugin/ops/atb/PagedAttentionAtb.cpp`` and CANN ATB
+  ``PagedAttentionOperation``: BSND query, ND caches, int32 tables/lengths, block_size % 16 == 0,
+  head_size <= 256, block_size * head_size <= 128 * 128.
+* [CANN] older CANN rejects TND with page attention (vllm-ascend's CANN 9 requirement);
+  ``torch_npu.npu.utils.get_cann_version`` per op-plugin ``docs/context/
+  torch_npu-npu-utils-get_cann_version.md``.
+* [SOC] ``torch_npu.npu.get_soc_version()`` families as vllm-ascend ``device/hardware.py`` reads them.
+* Dense ops (RMSNorm, RoPE, SwiGLU): see ``npu_emulator_dense.py``.
+
+Features hwkv does not use (quantisation, NZ format, other layouts, rope, pse) raise
+``NotImplementedError`` instead of guessing.
+
+Install with ``sys.modules["torch_npu"] = make_module(...)``: the backend then runs on the CPU
 (``HWKV_EMULATED`` tells it so). Math runs in float32 and rounds the output once to the input dtype.
 """
 
@@ -17,14 +38,56 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
+import inspect
 import os
+import re
+import sys
 import types
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 HALF = (torch.float16, torch.bfloat16)
 INT_MAX = 2147483647
+TND_HEAD_DIMS = (64, 128, 192)  # [PFA-tiling]
+_HERE = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True)
+class Chip:
+    """What the emulated install is: SoC number, CANN version, torch_npu version."""
+
+    soc_version: int = 222  # A2 (910B3)
+    cann: str = "9.0.0"
+    version: str = "2.10.0+emulated"
+
+    @property
+    def family(self) -> str:  # [SOC]
+        for lo, hi, name in ((200, 205, "310P"), (220, 225, "A2"), (250, 255, "A3"), (260, 260, "A5")):
+            if lo <= self.soc_version <= hi:
+                return name
+        return "unknown"
+
+    def _ver(self, text: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in re.findall(r"\d+", text)[:3])
+
+    @property
+    def cann_major(self) -> int:
+        return self._ver(self.cann)[0]
+
+    @property
+    def has_cache_mode(self) -> bool:  # [SCATTER-versions]
+        return self._ver(self.version) >= (2, 10, 0)
+
+    @property
+    def skips_negative_slots(self) -> bool:  # [SCATTER-neg]
+        return self.family == "A3" and self.cann_major >= 9
+
+
+DEFAULT_CHIP = Chip()
 
 # FIA keywords that exist in the real signature but are not emulated: allowed only at their default.
 _FIA_UNEMULATED = (
@@ -121,6 +184,7 @@ def npu_fused_infer_attention_score(
     inner_precise: int = 0,
     block_size: int = 0,
     softmax_lse_flag: bool = False,
+    _chip: Chip = DEFAULT_CHIP,
     **features: object,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     for name, val in features.items():
@@ -145,8 +209,10 @@ def npu_fused_infer_attention_score(
     if num_heads % nkv or num_heads // nkv > 64:
         raise NpuOpError(f"num_heads {num_heads} must be a multiple of num_key_value_heads {nkv}, ratio <= 64")
     t, _, d = query.shape
-    if d % 16:
-        raise NpuOpError(f"head dim {d} must be 16-aligned for float16/bfloat16")
+    if d not in TND_HEAD_DIMS:  # [PFA-tiling], the op's own text
+        raise NpuOpError(f"input_layout is TND, only headDim = 64/128/192 are supported, but got {d}")
+    if block_table is not None and _chip.cann_major < 9:  # [CANN]
+        raise NpuOpError(f"CANN {_chip.cann}: input_layout TND does not support page attention (block_table)")
     if actual_seq_lengths is None or actual_seq_lengths_kv is None:
         raise NpuOpError("TND layout requires actual_seq_lengths and actual_seq_lengths_kv")
     q_ends = _int_list("actual_seq_lengths", actual_seq_lengths)
@@ -254,12 +320,13 @@ def _npu_paged_attention(
         out[i] = _attend(query[i : i + 1], k, v, scale_value, None)[0].to(out.dtype)
 
 
-def _scatter(key, value, key_cache, value_cache, slots: torch.Tensor) -> None:
+def _scatter(key, value, key_cache, value_cache, slots: torch.Tensor, chip: Chip) -> None:
     nb, bs = key_cache.shape[:2]
     s = slots.cpu().long()
-    if bool((s >= nb * bs).any()):
-        raise NpuOpError(f"slot_mapping values must lie in [0, {nb * bs})")
-    keep = s >= 0  # negative slots are skipped (op-plugin test_scatter_pa_kv_cache golden)
+    if bool((s >= nb * bs).any()) or (bool((s < 0).any()) and not chip.skips_negative_slots):
+        raise NpuOpError(f"slot_mapping values must lie in [0, {nb * bs}) (negative slots are skipped only on "
+                         f"A3 with CANN >= 9; this is {chip.family} with CANN {chip.cann})")  # [SCATTER-neg]
+    keep = s >= 0
     s = s[keep]
     if s.unique().numel() != s.numel():
         raise NpuOpError("slot_mapping values must be unique")
@@ -290,6 +357,7 @@ def npu_scatter_pa_kv_cache(
     compress_seq_offsets: torch.Tensor | None = None,
     seq_lens: torch.Tensor | None = None,
     cache_mode: str | None = "PA_NZ",
+    _chip: Chip = DEFAULT_CHIP,
 ) -> None:
     if compress_lens is not None or compress_seq_offsets is not None or seq_lens is not None:
         raise NotImplementedError("compressed scatter (scenario 2) is not emulated")
@@ -302,16 +370,24 @@ def npu_scatter_pa_kv_cache(
     if slot_mapping.dtype not in (torch.int32, torch.int64) or tuple(slot_mapping.shape) != (key.shape[0],):
         raise NpuOpError(f"slot_mapping must be int32/int64 [num_tokens={key.shape[0]}], got "
                          f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}")
-    _scatter(key, value, key_cache, value_cache, slot_mapping)
+    _scatter(key, value, key_cache, value_cache, slot_mapping, _chip)
 
 
-def _npu_reshape_and_cache(key, value, key_cache, value_cache, slot_indices) -> None:
-    """ATB ReshapeAndCacheOperation (310P path), ND caches; slotMapping is int32."""
-    _contiguous(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_indices=slot_indices)
-    _check_write(key, value, key_cache, value_cache)
-    if slot_indices.dtype != torch.int32 or tuple(slot_indices.shape) != (key.shape[0],):
-        raise NpuOpError(f"slot_indices must be int32 [num_tokens={key.shape[0]}], got {slot_indices.dtype}")
-    _scatter(key, value, key_cache, value_cache, slot_indices)
+def _bind(fn: Callable, chip: Chip, drop: tuple[str, ...] = ()) -> Callable:
+    """``fn`` on ``chip`` with the public signature of that torch_npu build: ``_chip`` hidden, the
+    keywords in ``drop`` absent (passing one is the TypeError an older build raises)."""
+    sig = inspect.signature(fn)
+    hidden = ("_chip", *drop)
+
+    @functools.wraps(fn)
+    def op(*args, **kwargs):
+        for name in hidden:
+            if name in kwargs:
+                raise TypeError(f"{fn.__name__}() got an unexpected keyword argument {name!r}")
+        return fn(*args, _chip=chip, **kwargs)
+
+    op.__signature__ = sig.replace(parameters=[p for n, p in sig.parameters.items() if n not in hidden])
+    return op
 
 
 # -- torch_npu.npu: a synchronous single-device runtime --------------------------------------------
@@ -372,20 +448,40 @@ def _make_npu_namespace(soc_version: int, device_count: int) -> types.ModuleType
     npu.current_device = lambda: 0
     npu.current_stream = lambda device=None: default
     npu.synchronize = lambda device=None: None
-    npu.get_device_name = lambda device=None: "Ascend910B3 (emulated)"
+    name = {"A2": "Ascend910B3", "A3": "Ascend910_9392", "310P": "Ascend310P3", "A5": "Ascend950PR"}.get(
+        Chip(soc_version).family, "Ascend (unknown SoC)")
+    npu.get_device_name = lambda device=None: f"{name} (emulated)"
     npu.get_soc_version = lambda: soc_version
     npu.manual_seed_all = lambda seed: torch.manual_seed(seed)
     return npu
 
 
-def make_module(soc_version: int = 222, device_count: int = 1, version: str = "2.10.0+emulated") -> types.ModuleType:
-    """A fresh ``torch_npu`` stand-in. ``soc_version`` 222 is an A2 (910B3); 202 a 310P."""
+def _dense_ops() -> types.ModuleType:
+    name = "hwkv_ascend_tests_npu_emulator_dense"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, _HERE / "npu_emulator_dense.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+def make_module(soc_version: int = 222, device_count: int = 1, version: str = "2.10.0+emulated",
+                cann: str = "9.0.0") -> types.ModuleType:
+    """A fresh ``torch_npu`` stand-in: ``soc_version`` 222 is an A2 (910B3), 252 an A3, 202 a 310P,
+    260 an A5; ``version`` below 2.10 has no ``cache_mode`` on the KV write; ``cann`` is what
+    ``torch_npu.npu.utils.get_cann_version()`` reports."""
+    chip = Chip(soc_version, cann, version)
     mod = types.ModuleType("torch_npu")
     mod.__version__ = version
     mod.HWKV_EMULATED = True
     mod.npu = _make_npu_namespace(soc_version, device_count)
-    mod.npu_fused_infer_attention_score = npu_fused_infer_attention_score
-    mod.npu_scatter_pa_kv_cache = npu_scatter_pa_kv_cache
+    mod.npu.utils = types.SimpleNamespace(get_cann_version=lambda module="CANN": cann)
+    mod.npu_fused_infer_attention_score = _bind(npu_fused_infer_attention_score, chip)
+    mod.npu_scatter_pa_kv_cache = _bind(npu_scatter_pa_kv_cache, chip,
+                                        drop=() if chip.has_cache_mode else ("cache_mode",))
     mod._npu_paged_attention = _npu_paged_attention
-    mod._npu_reshape_and_cache = _npu_reshape_and_cache
+    dense = _dense_ops()
+    for name in dense.OPS:
+        setattr(mod, name, getattr(dense, name))
     return mod

@@ -67,12 +67,12 @@ def expected(reqs, q, k_full, v_full, scale):
 @pytest.mark.parametrize("state", list(SCENARIOS))
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}kv{h[1]}")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_attention_states_match_naive(npu, state, heads, dtype):
+@pytest.mark.parametrize("head_size", [64, 192], ids=lambda d: f"hd{d}")  # 192: decode through FIA
+def test_attention_states_match_naive(npu, state, heads, dtype, head_size):
     from hwkv_ascend.backend import AscendBackend
 
     backend = AscendBackend()
     num_heads, num_kv_heads = heads
-    head_size = 32
     scale = head_size**-0.5
     reqs = SCENARIOS[state]
     md, q, new_k, new_v, kv, k_full, v_full, tables = make_case(reqs, num_heads, num_kv_heads, head_size, dtype)
@@ -99,33 +99,14 @@ def test_non_contiguous_query_is_made_contiguous(npu):
 
     backend = AscendBackend()
     reqs = SCENARIOS["chunked_prefill"]
-    md, q, new_k, new_v, kv, k_full, v_full, _ = make_case(reqs, 8, 2, 32, torch.float16, seed=1)
+    md, q, new_k, new_v, kv, k_full, v_full, _ = make_case(reqs, 8, 2, 64, torch.float16, seed=1)
     qkv = torch.cat([q.reshape(q.shape[0], -1), new_k.reshape(q.shape[0], -1), new_v.reshape(q.shape[0], -1)], 1)
-    q_view = qkv[:, : 8 * 32].view(-1, 8, 32)
-    k_view = qkv[:, 8 * 32 : 10 * 32].view(-1, 2, 32)
-    v_view = qkv[:, 10 * 32 :].view(-1, 2, 32)
+    q_view = qkv[:, : 8 * 64].view(-1, 8, 64)
+    k_view = qkv[:, 8 * 64 : 10 * 64].view(-1, 2, 64)
+    v_view = qkv[:, 10 * 64 :].view(-1, 2, 64)
     assert not q_view.is_contiguous()
-    impl = backend.attention.make_impl(8, 32, 2, 32**-0.5)
+    impl = backend.attention.make_impl(8, 64, 2, 64**-0.5)
     amd = backend.attention.metadata_builder().build(md)
     impl.write_kv(k_view, v_view, kv, md.slot_mapping)
     out = impl.forward(q_view, k_view, v_view, kv, amd)
-    torch.testing.assert_close(out.double(), expected(reqs, q, k_full, v_full, 32**-0.5), atol=2e-3, rtol=5e-3)
-
-
-def test_310p_writes_through_reshape_and_cache(monkeypatch, emulator):
-    import sys
-
-    mod = emulator.make_module(soc_version=202)  # Ascend 310P3
-    calls = []
-    real = mod._npu_reshape_and_cache
-    mod._npu_reshape_and_cache = lambda **kw: (calls.append(kw), real(**kw))
-    mod.npu_scatter_pa_kv_cache = lambda **kw: pytest.fail("310P has no aclnnScatterPaKvCache")
-    monkeypatch.setitem(sys.modules, "torch_npu", mod)
-    from hwkv_ascend.backend import AscendBackend
-
-    backend = AscendBackend()
-    assert backend.capabilities.extras["soc"] == "310P"
-    md, q, new_k, new_v, kv, *_ = make_case(SCENARIOS["prefill_no_cache"], 4, 4, 32, torch.float16)
-    backend.attention.make_impl(4, 32, 4, 1.0).write_kv(new_k, new_v, kv, md.slot_mapping)
-    assert len(calls) == 1 and calls[0]["slot_indices"].dtype == torch.int32
-    assert torch.equal(kv[0].view(-1, 4, 32)[md.slot_mapping], new_k)
+    torch.testing.assert_close(out.double(), expected(reqs, q, k_full, v_full, 64**-0.5), atol=2e-3, rtol=5e-3)

@@ -12,7 +12,7 @@ import torch
 
 from hwkv.interfaces import BackendUnavailable, KVCacheSpec, KVLayoutKind, NotSupported
 
-FIX = "install CANN and torch_npu>=2.8.0,<2.11 (see docs/ascend-backend.md)"
+FIX = "install CANN >= 9 and torch_npu>=2.10.0,<2.11 (see docs/ascend-backend.md)"
 HAS_REAL_TORCH_NPU = importlib.util.find_spec("torch_npu") is not None
 
 
@@ -79,16 +79,49 @@ def test_plugin_hook_returns_the_spec():
     "change, expect",
     [
         (dict(version="2.6.0"), "torch_npu 2.6.0 is outside the supported range"),
+        (dict(version="2.9.1"), "torch_npu 2.9.1 is outside the supported range"),  # no cache_mode
         (dict(version="2.11.0.post1"), "torch_npu 2.11.0.post1 is outside the supported range"),
+        (dict(cann="8.3.RC1"), "CANN 8.3.RC1 is too old: FIA's TND layout with page attention needs CANN >= 9"),
         (dict(device_count=0), "no NPU is visible (check ASCEND_RT_VISIBLE_DEVICES"),
+        (dict(soc_version=202), "Ascend 310P is not supported: FIA cannot take a block table there, its KV "
+                                "caches are NZ-format and it has no bfloat16"),
+        (dict(soc_version=260), "Ascend 950 (A5) is not supported: it has no ATB paged attention and must "
+                                "split mixed prefill/decode batches"),
+        (dict(soc_version=240), "unknown Ascend SoC (get_soc_version() = 240); supported: Atlas A2"),
     ],
+    ids=["torch_npu-2.6", "torch_npu-2.9", "torch_npu-2.11", "cann-8", "no-npu", "310P", "A5", "unknown-soc"],
 )
-def test_availability_checks_version_and_devices(monkeypatch, emulator, change, expect):
+def test_availability_checks_version_cann_soc_and_devices(monkeypatch, emulator, change, expect):
     from hwkv_ascend.backend import AscendBackend
 
     monkeypatch.setitem(sys.modules, "torch_npu", emulator.make_module(**change))
     ok, reason = AscendBackend.availability()
     assert not ok and expect in reason
+    with pytest.raises(BackendUnavailable, match="not supported|outside|too old|no NPU|unknown"):
+        AscendBackend()
+
+
+@pytest.mark.parametrize("soc", [222, 252], ids=["A2", "A3"])
+def test_a2_and_a3_are_available(monkeypatch, emulator, soc):
+    from hwkv_ascend.backend import AscendBackend
+
+    monkeypatch.setitem(sys.modules, "torch_npu", emulator.make_module(soc_version=soc))
+    assert AscendBackend.availability() == (True, "")
+    assert AscendBackend().capabilities.extras["soc"] == {222: "A2", 252: "A3"}[soc]
+
+
+def test_availability_checks_the_kv_write_schema(monkeypatch, emulator):
+    """A 2.10-labelled build whose npu_scatter_pa_kv_cache lacks cache_mode (a pre-April-2026 op-plugin)."""
+    from hwkv_ascend.backend import AscendBackend
+
+    mod = emulator.make_module()
+    mod.npu_scatter_pa_kv_cache = emulator.make_module(version="2.9.0").npu_scatter_pa_kv_cache
+    monkeypatch.setitem(sys.modules, "torch_npu", mod)
+    ok, reason = AscendBackend.availability()
+    assert not ok
+    assert reason.startswith("torch_npu 2.10.0+emulated: npu_scatter_pa_kv_cache has no 'cache_mode' argument "
+                             "(its arguments are ['compress_lens', ")
+    assert reason.endswith(FIX)
 
 
 def test_availability_names_missing_ops(monkeypatch, emulator):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 
-def fia_args(t=6, num_heads=4, nkv=2, d=32, dtype=torch.float16):
+def fia_args(t=6, num_heads=4, nkv=2, d=64, dtype=torch.float16):
     q = torch.randn(t, num_heads, d).to(dtype)
     k = torch.randn(t, nkv, d).to(dtype)
     v = torch.randn(t, nkv, d).to(dtype)
@@ -19,7 +19,7 @@ def fia_args(t=6, num_heads=4, nkv=2, d=32, dtype=torch.float16):
 
 def test_fia_rejects_non_contiguous_query(emulator):
     q, k, v, kw = fia_args()
-    q_nc = torch.randn(4, 6, 32).to(torch.float16).transpose(0, 1)
+    q_nc = torch.randn(4, 6, 64).to(torch.float16).transpose(0, 1)
     assert not q_nc.is_contiguous()
     with pytest.raises(RuntimeError, match="query: non-contiguous"):
         emulator.npu_fused_infer_attention_score(query=q_nc, key=k, value=v, **kw)
@@ -67,12 +67,12 @@ def test_fia_signature_dtype_and_mask(emulator):
 
 def test_fia_paged_needs_block_size_128_multiple_and_int32_table(emulator):
     q, _, _, kw = fia_args()
-    kc = torch.zeros(4, 64, 2 * 32, dtype=torch.float16)
+    kc = torch.zeros(4, 64, 2 * 64, dtype=torch.float16)
     bt = torch.tensor([[0], [1]], dtype=torch.int32)
     paged = {**kw, "block_table": bt, "block_size": 64, "actual_seq_lengths_kv": [2, 10]}
     with pytest.raises(RuntimeError, match="multiple of 128"):
         emulator.npu_fused_infer_attention_score(query=q, key=kc, value=kc, **paged)
-    kc = torch.zeros(4, 128, 2 * 32, dtype=torch.float16)
+    kc = torch.zeros(4, 128, 2 * 64, dtype=torch.float16)
     paged["block_size"] = 128
     with pytest.raises(RuntimeError, match="int32"):
         emulator.npu_fused_infer_attention_score(query=q, key=kc, value=kc, **{**paged, "block_table": bt.long()})
@@ -82,7 +82,7 @@ def test_fia_paged_needs_block_size_128_multiple_and_int32_table(emulator):
 
 def test_fia_right_down_causal_and_fully_masked_rows(emulator):
     """sparse_mode=3 aligns the causal diagonal to the bottom-right: query row i sees kv j <= i + (kv - q)."""
-    d = 16
+    d = 64
     q = torch.randn(3, 1, d).to(torch.float16)
     k = torch.randn(5, 1, d).to(torch.float16)
     v = torch.randn(5, 1, d).to(torch.float16)
@@ -99,28 +99,72 @@ def test_fia_right_down_causal_and_fully_masked_rows(emulator):
     torch.testing.assert_close(out[0, 0].float(), s @ v[:3, 0].float(), atol=2e-3, rtol=5e-3)
 
 
-def test_scatter_rejects_non_contiguous_and_skips_minus_one(emulator):
+def test_scatter_rejects_non_contiguous_and_skips_minus_one_only_on_a3_cann9(emulator):
     kc = torch.zeros(2, 128, 2, 16, dtype=torch.float16)
     vc = torch.zeros_like(kc)
     k = torch.randn(3, 2, 16).to(torch.float16)
     v = torch.randn(3, 2, 16).to(torch.float16)
     slots = torch.tensor([5, -1, 130])
     k_nc = torch.randn(2, 3, 16).to(torch.float16).transpose(0, 1)
+    a2, a3 = emulator.make_module(), emulator.make_module(soc_version=252)
     with pytest.raises(RuntimeError, match="key: non-contiguous"):
-        emulator.npu_scatter_pa_kv_cache(key=k_nc, value=v, key_cache=kc, value_cache=vc, slot_mapping=slots,
-                                         cache_mode="Norm")
+        a3.npu_scatter_pa_kv_cache(key=k_nc, value=v, key_cache=kc, value_cache=vc, slot_mapping=slots,
+                                   cache_mode="Norm")
     with pytest.raises(NotImplementedError, match="cache_mode='Norm'"):  # the op defaults to PA_NZ
-        emulator.npu_scatter_pa_kv_cache(key=k, value=v, key_cache=kc, value_cache=vc, slot_mapping=slots)
+        a3.npu_scatter_pa_kv_cache(key=k, value=v, key_cache=kc, value_cache=vc, slot_mapping=slots)
     with pytest.raises(RuntimeError, match="unique"):
-        emulator.npu_scatter_pa_kv_cache(key=k, value=v, key_cache=kc, value_cache=vc,
-                                         slot_mapping=torch.tensor([5, 5, 6]), cache_mode="Norm")
+        a3.npu_scatter_pa_kv_cache(key=k, value=v, key_cache=kc, value_cache=vc,
+                                   slot_mapping=torch.tensor([5, 5, 6]), cache_mode="Norm")
     with pytest.raises(RuntimeError, match=r"\[0, 256\)"):
-        emulator.npu_scatter_pa_kv_cache(key=k, value=v, key_cache=kc, value_cache=vc,
-                                         slot_mapping=torch.tensor([5, 6, 256]), cache_mode="Norm")
-    emulator.npu_scatter_pa_kv_cache(key=k, value=v, key_cache=kc, value_cache=vc, slot_mapping=slots,
-                                     cache_mode="Norm")
+        a3.npu_scatter_pa_kv_cache(key=k, value=v, key_cache=kc, value_cache=vc,
+                                   slot_mapping=torch.tensor([5, 6, 256]), cache_mode="Norm")
+    for mod in (a2, emulator.make_module(soc_version=252, cann="8.3.RC1")):  # the skip is unconfirmed there
+        with pytest.raises(RuntimeError, match="negative slots are skipped only on A3 with CANN >= 9"):
+            mod.npu_scatter_pa_kv_cache(key=k, value=v, key_cache=kc, value_cache=vc, slot_mapping=slots,
+                                        cache_mode="Norm")
+    assert not bool(kc.any())
+    a3.npu_scatter_pa_kv_cache(key=k, value=v, key_cache=kc, value_cache=vc, slot_mapping=slots, cache_mode="Norm")
     assert torch.equal(kc[0, 5], k[0]) and torch.equal(kc[1, 2], k[2]) and torch.equal(vc[1, 2], v[2])
     assert int((kc != 0).any(dim=(2, 3)).sum()) == 2  # the -1 token wrote nothing
+
+
+def test_torch_npu_2_9_scatter_has_no_cache_mode(emulator):
+    """torch_npu 2.8/2.9: the keyword does not exist, so every ND KV write is a TypeError."""
+    import inspect
+
+    old = emulator.make_module(version="2.9.0")
+    assert "cache_mode" not in inspect.signature(old.npu_scatter_pa_kv_cache).parameters
+    assert "cache_mode" in inspect.signature(emulator.make_module().npu_scatter_pa_kv_cache).parameters
+    kc = torch.zeros(1, 128, 1, 64, dtype=torch.float16)
+    k = torch.randn(1, 1, 64).to(torch.float16)
+    with pytest.raises(TypeError, match=r"npu_scatter_pa_kv_cache\(\) got an unexpected keyword argument 'cache_mode'"):
+        old.npu_scatter_pa_kv_cache(key=k, value=k, key_cache=kc, value_cache=kc,
+                                    slot_mapping=torch.tensor([0]), cache_mode="Norm")
+
+
+@pytest.mark.parametrize("d", [16, 32, 80, 96, 256])
+def test_fia_tnd_refuses_head_dims_outside_64_128_192_with_the_ops_text(emulator, d):
+    q, k, v, kw = fia_args(d=d)
+    text = f"input_layout is TND, only headDim = 64/128/192 are supported, but got {d}$"
+    with pytest.raises(RuntimeError, match=text):
+        emulator.npu_fused_infer_attention_score(query=q, key=k, value=v, **kw)
+
+
+@pytest.mark.parametrize("d", [64, 128, 192])
+def test_fia_tnd_takes_64_128_192(emulator, d):
+    q, k, v, kw = fia_args(d=d)
+    out, _ = emulator.npu_fused_infer_attention_score(query=q, key=k, value=v, **kw)
+    assert out.shape == q.shape
+
+
+def test_fia_paged_tnd_needs_cann_9(emulator):
+    q, _, _, kw = fia_args()
+    kc = torch.zeros(4, 128, 2 * 64, dtype=torch.float16)
+    paged = {**kw, "block_table": torch.tensor([[0], [1]], dtype=torch.int32), "actual_seq_lengths_kv": [2, 10]}
+    old = emulator.make_module(cann="8.3.RC1")
+    with pytest.raises(RuntimeError, match="CANN 8.3.RC1: input_layout TND does not support page attention"):
+        old.npu_fused_infer_attention_score(query=q, key=kc, value=kc, **paged)
+    emulator.make_module().npu_fused_infer_attention_score(query=q, key=kc, value=kc, **paged)
 
 
 def test_paged_attention_argument_rules(emulator):
