@@ -1,6 +1,7 @@
-"""Qwen3 and Qwen3-MoE served by the engine on the CUDA backend (CUDA graphs, compiled elementwise
-ops, async scheduling as configured by default; the fused decode ops refuse these families, so the
-plain forward runs) agree with the CPU float32 oracle under the conformance engine rule: every
+"""Qwen3 and Qwen3-MoE served by the engine in half precision — on the CPU backend in CI, and on the
+CUDA backend (CUDA graphs, compiled elementwise ops, async scheduling as configured by default; the
+fused decode ops refuse these families, so the plain forward runs) where a GPU is present — agree
+with the CPU float32 oracle under the conformance engine rule: every
 greedy token, scored by the float32 reference on the GPU run's own prefix (teacher forcing), is the
 reference argmax up to a relative logit margin.
 
@@ -17,7 +18,8 @@ import torch
 
 from hwkv.testing.tiny_models import write_tiny_model
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+BACKENDS = [pytest.param("cpu"), pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
 HALF_LOGIT_MARGIN = 0.02  # as conformance/test_engine.py (imported there with marks only its conftest registers)
 
 MOE = dict(arch="qwen3_moe", num_layers=3, num_experts=8, moe_intermediate_size=64)
@@ -47,15 +49,16 @@ def teacher_forced_gaps(model, ids: list[int], n_prompt: int) -> tuple[torch.Ten
     return gap, HALF_LOGIT_MARGIN * best.abs().clamp_min(1.0)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", list(CASES))
-def test_cuda_engine_agrees_with_float32_cpu_oracle(tmp_path, cpu_backend, case):
+def test_engine_agrees_with_float32_cpu_oracle(tmp_path, cpu_backend, backend, case):
     from hwkv import Engine, SamplingParams
     from hwkv.model import load_model
 
     dtype, kwargs = CASES[case]
     path = write_tiny_model(tmp_path / case, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=64,
                             vocab_size=512, tokenizer=False, **kwargs)
-    eng = Engine(str(path), backend="cuda", dtype=dtype, num_kv_blocks=64, max_num_seqs=8, seed=0)
+    eng = Engine(str(path), backend=backend, dtype=dtype, num_kv_blocks=64, max_num_seqs=8, seed=0)
     assert eng.model.decode_ops is None  # refused: q/k norm (and routed experts) are not in the fused ops
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 17, 40, 3)]
@@ -69,4 +72,4 @@ def test_cuda_engine_agrees_with_float32_cpu_oracle(tmp_path, cpu_backend, case)
         bad = (gap > bound).nonzero()
         assert not bad.numel(), (f"{case}: sequence {i} token {int(bad[0])} is {float(gap[bad[0]]):.4g} below the "
                                  f"float32 argmax (allowed {float(bound[bad[0]]):.4g})")
-    print(f"{case}: worst gap {worst:.3f} of the allowed margin")
+    print(f"{backend} {case}: worst gap {worst:.3f} of the allowed margin")
