@@ -1,4 +1,4 @@
-"""``hwkv bench {cache,scheduler,attention,e2e} [ARGS...]``: dispatch to ``hwkv.bench.<name>``.
+"""``hwkv bench {cache,scheduler,attention,e2e,serve} [ARGS...]``: dispatch to ``hwkv.bench.<name>``.
 
 Each bench module exposes ``add_arguments(parser)`` and ``run(args) -> int``; it is imported only
 when chosen, so one bench whose dependencies are missing does not break the others.
@@ -14,6 +14,7 @@ BENCHES = {
     "scheduler": "scheduler step latency (decodes, mixed chunked prefill)",
     "attention": "attention kernels vs torch SDPA / FlexAttention",
     "e2e": "end-to-end engine throughput vs HF transformers generate",
+    "serve": "online serving: Poisson arrivals against an OpenAI-compatible server (TTFT, ITL, throughput)",
 }
 
 

@@ -114,8 +114,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
 
     @app.middleware("http")
     async def _auth(request: Request, call_next: Any) -> Response:
-        path, auth = request.url.path, request.headers.get("authorization", "")
-        if api_key is not None and path.startswith("/v1/") and not secrets.compare_digest(auth, f"Bearer {api_key}"):
+        guarded = api_key is not None and request.url.path.startswith(("/v1/", "/server_info"))
+        if guarded and not secrets.compare_digest(request.headers.get("authorization", ""), f"Bearer {api_key}"):
             return error("invalid or missing API key (send 'Authorization: Bearer <key>')",
                              "AuthenticationError", 401)
         return await call_next(request)
@@ -140,6 +140,16 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
             "id": served_model_name, "object": "model", "created": created, "owned_by": "hwkv",
             "root": engine.model, "max_model_len": info.max_model_len if info else None,
         }]}
+
+    @app.get("/server_info")
+    async def server_info() -> dict[str, Any]:
+        """What serves: for benchmarks and operators (not an OpenAI endpoint)."""
+        from hwkv import __version__
+
+        info = engine.info
+        return {"version": __version__, "model": served_model_name, "root": engine.model,
+                **({k: getattr(info, k) for k in ("backend", "device", "vocab_size", "max_model_len", "block_size",
+                                                 "num_kv_blocks", "kv_connector")} if info else {})}
 
     @app.get("/metrics")
     async def prometheus() -> Response:

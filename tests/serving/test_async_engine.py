@@ -142,11 +142,36 @@ def test_bad_input_is_refused_before_queueing(engine, arun, prompt, params, matc
     assert engine.num_unfinished == 0
 
 
-def test_start_failure_names_the_reason(tiny_model, arun):
-    eng = AsyncEngine(tiny_model, backend="no-such-backend", num_kv_blocks=16)
-    with pytest.raises(EngineDeadError, match="failed to start.*no-such-backend"):
+@pytest.mark.parametrize("kw, match", [
+    (dict(backend="no-such-backend"), "failed to start.*no-such-backend"),
+    (dict(backend="cpu", kv_connector="no-such-connector"), "kv_connector 'no-such-connector' is unknown"),
+])
+def test_start_failure_names_the_reason(tiny_model, arun, kw, match):
+    eng = AsyncEngine(tiny_model, num_kv_blocks=16, **kw)
+    with pytest.raises(EngineDeadError, match=match):
         arun(eng.start())
     assert eng.client.proc.poll() is not None
+
+
+def test_cli_engine_flags_map_to_engine_kwargs():
+    import argparse
+    import dataclasses
+
+    from hwkv.commands import serve
+    from hwkv.engine import EngineConfig
+
+    p = argparse.ArgumentParser()
+    serve.add_arguments(p)
+    args = p.parse_args(["--model", "m", "--max-num-seqs", "8", "--no-enable-prefix-caching", "--decode-ops",
+                         "--kv-connector", "noop", "--kv-connector-config", '{"a": 1}'])
+    kw = serve.engine_kwargs(args)
+    assert set(kw) == {f.name for f in dataclasses.fields(EngineConfig)} - {"model"} | {"kv_connector",
+                                                                                        "kv_connector_config"}
+    assert (kw["max_num_seqs"], kw["enable_prefix_caching"], kw["decode_ops"], kw["async_scheduling"]) == (
+        8, False, True, None)
+    assert (kw["kv_connector"], kw["kv_connector_config"]) == ("noop", {"a": 1})
+    with pytest.raises(SystemExit):
+        p.parse_args(["--model", "m", "--kv-connector-config", "[1]"])
 
 
 def test_core_crash_fails_pending_requests(tiny_model, arun):

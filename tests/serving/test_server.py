@@ -3,6 +3,7 @@ equal Engine.generate, streaming equals non-streaming, 64 concurrent streams, a 
 its request, bad input → 400 naming the field, /metrics parses, API key, a dead core → clear errors."""
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -217,6 +218,28 @@ def test_metrics_parse(server, client):
               "hwkv_e2e_request_latency_seconds"):
         assert m[h + "_count"] > 0 and m[h + "_sum"] > 0
     assert m["hwkv_request_success_total{finished_reason=length}"] >= 2
+
+
+def test_bench_serve_against_the_server(server, tmp_path):
+    from hwkv.commands.bench import BENCHES
+
+    assert "serve" in BENCHES
+    import argparse
+
+    from hwkv.bench import serve as bench
+
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    args = p.parse_args(["--base-url", server.url, "--request-rate", "40,inf", "--num-prompts", "6", "--input-len",
+                         "12", "--output-len", "4", "--warmup", "1", "--out-dir", str(tmp_path)])
+    assert bench.run(args) == 0
+    (out,) = tmp_path.glob("serve-tiny-*.json")
+    res = json.loads(out.read_text())
+    assert res["server"]["backend"] == "cpu" and res["server"]["vocab_size"] == 512
+    for r in res["results"]:
+        assert (r["completed"], r["failed"], r["total_output_tokens"], r["total_input_tokens"]) == (6, 0, 24, 72)
+        assert 0 < r["ttft"]["p50_ms"] <= r["e2e"]["p50_ms"] and r["itl"]["p50_ms"] > 0
+    assert [r["request_rate"] for r in res["results"]] == [40.0, "inf"]
 
 
 # ---- a second server: API key, a model without a chat template, a core that dies ------------------
