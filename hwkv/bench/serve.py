@@ -210,6 +210,15 @@ def _model_dir(args: argparse.Namespace) -> str:
     return args.model
 
 
+def _commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=Path(__file__).resolve().parent)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
 def _print(res: dict[str, Any]) -> None:
     print(f"\n{res['server'].get('model')} on {res['server'].get('backend')} ({res['server'].get('device')}); "
           f"{res['num_prompts']} requests/rate, input {res['input_len']}, output {res['output_len']}")
@@ -259,7 +268,7 @@ def run(args: argparse.Namespace) -> int:
             server.stop()
     res = {
         "bench": "serve", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "command": "hwkv bench serve " + shlex.join(sys.argv[3:]), "server": info,
+        "command": "hwkv bench serve " + shlex.join(sys.argv[3:]), "commit": _commit(), "server": info,
         "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
         "range_ratio": args.range_ratio, "results": results,
     }
