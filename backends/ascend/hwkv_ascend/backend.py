@@ -6,7 +6,16 @@ from typing import Any
 
 import torch
 
-from hwkv.interfaces import Backend, BackendUnavailable, Capabilities, KVLayoutKind, Store, Transfer
+from hwkv.interfaces import (
+    Backend,
+    BackendUnavailable,
+    Capabilities,
+    KVCache,
+    KVLayoutKind,
+    NotSupported,
+    Store,
+    Transfer,
+)
 from hwkv.interfaces.decode_ops import DecodeOps
 from hwkv.transfer.mooncake import engine_installed
 from hwkv_ascend import _npu
@@ -75,9 +84,23 @@ class AscendBackend(Backend):
     def create_transfer(self, **options: Any) -> Transfer:
         # Mooncake's "ascend" transport takes the NPU id as device_name (vllm-ascend passes
         # str(torch.npu.current_device())); registered KV must start on 2 MiB boundaries.
+        if not self._caps.transfer_protocols:
+            raise NotSupported(f"backend {self.name!r} declares no transfer protocol: {self._caps.transfer_reason}")
+        from hwkv_ascend.registration import HccsTransfer
+
         options.setdefault("device_name", str(self._device.index))
+        options.setdefault("protocol", self._caps.transfer_protocols[0])
         self._device.kv_alignment = TRANSFER_ALIGNMENT
-        return super().create_transfer(**options)
+        return HccsTransfer(**options)
+
+    def register_kv_cache(self, endpoint: Transfer | Store, kv_cache: KVCache) -> list[tuple[int, int]]:
+        """Register ``kv_cache`` for HCCS transfer as few merged regions (one for a cache this device
+        allocated with transfer enabled), refusing more than HCCL's 256; returns ``(ptr, nbytes)``
+        of each (release with :func:`hwkv_ascend.registration.unregister_kv_cache`)."""
+        from hwkv_ascend.registration import MERGE_GAP, register_kv_cache
+
+        # gaps inside one arena are alignment padding of our own allocation: merge across them
+        return register_kv_cache(endpoint, kv_cache, gap=max(MERGE_GAP, self._device.kv_alignment))
 
     def create_store(self, kind: str = "embedded", **options: Any) -> Store:
         if kind == "mooncake":

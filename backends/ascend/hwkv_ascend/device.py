@@ -85,14 +85,22 @@ class AscendDevice(Device):
     def allocate_kv_cache(self, spec: KVCacheSpec, layout: KVLayoutKind, host: bool = False) -> KVCache:
         if host or not self.kv_alignment:
             return super().allocate_kv_cache(spec, layout, host)
-        return KVCache(spec, layout, [self._aligned_zeros(s, spec.dtype) for s in spec.tensor_shapes(layout)])
+        return KVCache(spec, layout, self._aligned_arena(spec.tensor_shapes(layout), spec.dtype))
 
-    def _aligned_zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """Over-allocate by one alignment unit and slice at the first aligned address."""
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        raw = torch.zeros(nbytes + self.kv_alignment, dtype=torch.uint8, device=self.torch_device)
-        off = -raw.data_ptr() % self.kv_alignment
-        return raw[off : off + nbytes].view(dtype).view(shape)
+    def _aligned_arena(self, shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
+        """Every KV tensor a view of one zeroed allocation, each starting on an alignment boundary:
+        the whole cache registers as one HCCS region (HCCL allows 256 per process)."""
+        item = torch.empty((), dtype=dtype).element_size()
+        sizes = [torch.Size(s).numel() * item for s in shapes]
+        a = self.kv_alignment
+        steps = [-(-n // a) * a for n in sizes]
+        raw = torch.zeros(sum(steps) + a, dtype=torch.uint8, device=self.torch_device)
+        off = -raw.data_ptr() % a  # over-allocated by one unit: slice at the first aligned address
+        out = []
+        for shape, n, step in zip(shapes, sizes, steps):
+            out.append(raw[off : off + n].view(dtype).view(shape))
+            off += step
+        return out
 
     def pinned_empty(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=not self.emulated)
