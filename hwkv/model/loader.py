@@ -124,8 +124,7 @@ def load_weights(model: LlamaForCausalLM, path: str | Path) -> None:
         try:
             got = model.load_weights([(name, tensor)])
             loaded |= got
-            # one float32 sum per tensor, read on the device without a sync: NaN/inf propagate into it
-            sums += [(file, n, slots[n].sum(dtype=torch.float32)) for n in got]
+            sums += [(file, n, _float_sum(slots[n])) for n in got]
         except KeyError:
             raise ModelLoadError(
                 f"{file}: unexpected tensor {name!r} for {model.config.architecture} "
@@ -141,6 +140,13 @@ def load_weights(model: LlamaForCausalLM, path: str | Path) -> None:
         raise ModelLoadError(f"{Path(path)}: checkpoint lacks {len(missing)} tensors: {shown}{hint}")
 
 
+def _float_sum(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's sum in its own dtype (no converted copy; 20x faster on the host than a float32
+    sum of a bf16 tensor), computed on the device without a sync. NaN/inf propagate into it; a
+    float16 sum may also overflow, which ``_warn_non_finite`` tells apart by counting."""
+    return t.sum().float()
+
+
 def _warn_non_finite(path: str | Path, sums: list[tuple[Path, str, torch.Tensor]],
                      slots: dict[str, torch.Tensor]) -> None:
     if not sums:
@@ -150,7 +156,7 @@ def _warn_non_finite(path: str | Path, sums: list[tuple[Path, str, torch.Tensor]
     for (file, name, _), ok in zip(sums, finite):
         t = slots[name]
         n = 0 if ok else int((~torch.isfinite(t)).sum())
-        if n:  # (a float32 sum may also overflow on huge finite values; only real NaN/inf are reported)
+        if n:  # (a sum can overflow on finite values; only real NaN/inf are reported)
             bad.append(f"{name!r} in {file.name} ({n} of {t.numel()} values)")
     if bad:
         shown = "; ".join(bad[:5]) + (f"; and {len(bad) - 5} more" if len(bad) > 5 else "")
