@@ -32,11 +32,36 @@ def fresh_discovery(monkeypatch):
 
 
 def test_backends_table_via_main(capsys):
-    assert cli.main(["backends"]) == 0
+    assert cli.main(["backends", "--wide"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["NAME", "DISTRIBUTION", "VERSION", "AVAILABLE", "REASON", "CAPABILITIES"]
     cpu = next(ln for ln in lines if ln.startswith("cpu "))
     assert cpu.split()[:4] == ["cpu", "hwkv", "0.1.0", "yes"] and "dtypes=float32,float16,bfloat16" in cpu
+
+
+def _entries(out: str) -> dict[str, str]:
+    """Backend name -> its row with wrapped continuation lines joined."""
+    rows: dict[str, str] = {}
+    name = None
+    for ln in out.splitlines()[1:]:
+        if ln.startswith(" "):
+            rows[name] += " " + ln.strip()
+        else:
+            name = ln.split()[0]
+            rows[name] = ln
+    return rows
+
+
+@pytest.mark.parametrize("columns", [100, 80])
+def test_backends_table_fits_the_terminal(capsys, monkeypatch, columns):
+    monkeypatch.setenv("COLUMNS", str(columns))
+    assert cli.main(["backends"]) == 0
+    out = capsys.readouterr().out
+    assert max(len(ln) for ln in out.splitlines()) <= columns
+    assert out.splitlines()[0].split()[:4] == ["NAME", "DISTRIBUTION", "VERSION", "AVAILABLE"]
+    rows = _entries(out)
+    assert rows["cpu"].split()[:4] == ["cpu", "hwkv", "0.1.0", "yes"]
+    assert "dtypes=float32,float16,bfloat16" in rows["cpu"] and "graphs=no" in rows["cpu"]
 
 
 def test_backends_json_via_main(capsys):
@@ -58,9 +83,10 @@ def test_backends_subprocess_reports_a_broken_plugin(tmp_path):
     env["PYTHONPATH"] = f"{site}{os.pathsep}{env.get('PYTHONPATH', '')}"
     out = subprocess.run([*hwkv_cmd(), "backends"], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    broken = next(ln for ln in out.stdout.splitlines() if ln.startswith("tpbroken "))
-    assert broken.split()[:4] == ["tpbroken", "hwkv-tp-broken", "1.0", "no"] and "libfake_driver.so" in broken
-    assert any(ln.split()[:4] == ["cpu", "hwkv", "0.1.0", "yes"] for ln in out.stdout.splitlines())
+    rows = _entries(out.stdout)
+    assert rows["tpbroken"].split()[:4] == ["tpbroken", "hwkv-tp-broken", "1.0", "no"]
+    assert "libfake_driver.so" in rows["tpbroken"]
+    assert rows["cpu"].split()[:4] == ["cpu", "hwkv", "0.1.0", "yes"]
     js = subprocess.run([*hwkv_cmd(), "backends", "--json"], env=env, capture_output=True, text=True, timeout=120)
     assert {r["name"]: r["available"] for r in json.loads(js.stdout)}["tpbroken"] is False
 

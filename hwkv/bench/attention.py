@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hwkv.bench import results_dir
+
 PEERS = ("sdpa", "flex", "flex-paged")
 ROTATE_BYTES = 256 << 20  # rotate inputs until at least this much is touched per graph replay
 
@@ -36,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peers", default=",".join(PEERS), help=f"comma list from {', '.join(PEERS)}")
     p.add_argument("--flex-budget-s", type=float, default=240.0, help="stop compiling FlexAttention after this")
     p.add_argument("--replays", type=int, default=20)
-    p.add_argument("--out", default=None, help="JSON path (default bench/results/attention-<device>-<date>.json)")
+    p.add_argument("--out", default=None, help="JSON path (default <results_dir>/attention-<device>-<date>.json)")
 
 
 def _ints(csv: str) -> list[int]:
@@ -247,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
                                                             else sys.argv[1:]),
                 torch=torch.__version__, triton=_triton_version(), dtype=args.dtype, head_size=args.head_size,
                 block_size=args.block_size, copy_tbps=round(copy_bw / 1e12, 3))
-    out = Path(args.out or f"bench/results/attention-{dev.replace(' ', '_')}-{dt.date.today()}.json")
+    out = Path(args.out or results_dir() / f"attention-{dev.replace(' ', '_')}-{dt.date.today()}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(meta=meta, results=results), indent=1))
     out.with_suffix(".md").write_text(to_markdown(meta, results))

@@ -26,6 +26,8 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
+from hwkv.bench import results_dir
+
 PEER = {  # vLLM 0.33.0 v1 core, measured on this machine class (DESIGN.md §9); quoted, not re-measured
     "hash_us_per_block": 1.85,
     "alloc_free_us_per_block": 0.45,
@@ -40,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-running", type=int, default=256, help="running decodes in the step bench")
     p.add_argument("--repeats", type=int, default=15)
-    p.add_argument("--out", default=None, help="JSON path (default bench/results/cache-cpu-<date>.json)")
+    p.add_argument("--out", default=None, help="JSON path (default <results_dir>/cache-cpu-<date>.json)")
     p.add_argument("--no-write", action="store_true", help="print the table only")
 
 
@@ -203,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
 
     if not args.no_write:
         now = datetime.now(timezone.utc)
-        out = Path(args.out or f"bench/results/cache-cpu-{now:%Y-%m-%d}.json")
+        out = Path(args.out or results_dir() / f"cache-cpu-{now:%Y-%m-%d}.json")
         out.parent.mkdir(parents=True, exist_ok=True)
         doc = {
             "bench": "cache",

@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hwkv.bench import results_dir
+
 SHAPES: dict[str, dict[str, Any]] = {
     # Llama-3.2-1B: 16 layers, hidden 2048, 32 q / 8 kv heads, head 64, ffn 8192, vocab 128256, tied.
     "llama-1b": dict(arch="llama", hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
@@ -61,7 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--parts", default="a,b,c", help="comma list of a (throughput), b (batch-1), c (prefix), "
                                                     "p (profile)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers peer")
-    p.add_argument("--out-dir", default="bench/results", help="where e2e-<model>-<device>-<date>.{json,md} go")
+    p.add_argument("--out-dir", default=None,
+                   help="where e2e-<model>-<device>-<date>.{json,md} go (default: hwkv.bench.results_dir())")
     p.add_argument("--engine-args", default="{}", help=f"JSON dict of Engine kwargs over {ENGINE_DEFAULTS}")
 
 
@@ -246,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
     res["copy_bw_TBps"] = copy_bw / 1e12 if copy_bw else None
     parts = set(args.parts.split(","))
     stem = f"e2e-{Path(args.model).name}-{dev.replace(' ', '_')}-{time.strftime('%Y-%m-%d')}"
-    out_dir = Path(args.out_dir)
+    out_dir = Path(args.out_dir) if args.out_dir else results_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
 
     def save() -> None:

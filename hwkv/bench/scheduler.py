@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hwkv.bench import results_dir
+
 PEER = {"source": "vLLM 0.33.0 v1 scheduler (schedule + update_from_output), measured on this 2-core "
                   "machine class (DESIGN.md §9)", "decode_256_ms": 3.1, "mixed_ms": 3.3}
 BAR_MS = 1.0
@@ -38,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--backend", default="cpu", help="backend whose metadata builder is timed")
-    p.add_argument("--out", default=None, help="JSON path (default bench/results/scheduler-cpu-<date>.json)")
+    p.add_argument("--out", default=None, help="JSON path (default <results_dir>/scheduler-cpu-<date>.json)")
 
 
 class _Harness:
@@ -157,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"bar: <= {BAR_MS} ms per step at {args.num_decodes} decodes: {'PASS' if ok else 'FAIL'}")
     print(f"peer: {PEER['source']}")
     day = dt.date.today().isoformat()
-    out = Path(args.out or f"bench/results/scheduler-cpu-{day}.json")
+    out = Path(args.out or results_dir() / f"scheduler-cpu-{day}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {
         "bench": "scheduler", "date": day, "machine": {"platform": platform.platform(), "cpu": platform.processor(),

@@ -1,10 +1,17 @@
-"""`hwkv generate`: generate from a local HF model directory; `--demo` builds a tiny model itself."""
+"""`hwkv generate`: generate from a local HF model directory; `--demo` builds a tiny model itself.
+
+The demo model is cached in ``$XDG_CACHE_HOME/hwkv/demo-llama`` (``~/.cache/hwkv/demo-llama``;
+``--demo-dir D`` puts it in ``D/hwkv/demo-llama``). It is written to a temporary directory next to
+it and renamed into place with a completion marker, so an interrupted first run leaves nothing a
+later run would load.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -18,13 +25,19 @@ DEMO_PROMPTS = [
     "What is the capital of France?",
 ]
 DEMO_SYSTEM = "You are a helpful assistant. Answer briefly and politely, in plain English. "
+DEMO_MODEL = dict(arch="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=512,
+                  max_position_embeddings=1024, seed=0)
+_DEMO_MARKER = "hwkv-demo.json"  # written last: a directory without it is incomplete
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="local Hugging Face model directory (config.json, safetensors, tokenizer.json)")
     p.add_argument("--demo", action="store_true",
                    help="write a tiny random-weight model locally (no download) and generate from a few prompts")
-    p.add_argument("--demo-dir", default=None, help="where --demo writes its model (default: a cache dir)")
+    p.add_argument("--demo-dir", default=None,
+                   help="cache root for --demo's model: DIR/hwkv/demo-llama (default: $XDG_CACHE_HOME or ~/.cache)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: $OMP_NUM_THREADS, else 1 for --demo and a few for --model)")
     p.add_argument("--backend", default="cpu")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 | auto (default: the checkpoint's)")
     p.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
@@ -46,17 +59,62 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print outputs and stats as JSON")
 
 
+def demo_model_dir(demo_dir: str | None = None) -> Path:
+    base = demo_dir or os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "hwkv" / "demo-llama"
+
+
+def _is_complete(root: Path) -> bool:
+    try:
+        return json.loads((root / _DEMO_MARKER).read_text()) == DEMO_MODEL
+    except (OSError, ValueError):
+        return False
+
+
 def _demo_model(args: argparse.Namespace) -> str:
+    """The demo model's directory, written atomically on first use (module docstring)."""
     from hwkv.testing.tiny_models import write_tiny_model
 
-    root = Path(args.demo_dir or os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hwkv" / "demo-llama"
-    if not (root / "config.json").is_file():
-        try:
-            write_tiny_model(root, arch="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                             vocab_size=512, max_position_embeddings=1024, seed=0)
-        except OSError:  # read-only home: fall back to a temporary directory
-            root = write_tiny_model(Path(tempfile.mkdtemp(prefix="hwkv-demo-")) / "demo-llama", seed=0)
+    root = demo_model_dir(args.demo_dir)
+    if _is_complete(root):
+        return str(root)
+    try:
+        root.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".demo-llama-", dir=root.parent))
+    except OSError:  # read-only home: build in a temporary directory for this run only
+        tmp = Path(tempfile.mkdtemp(prefix="hwkv-demo-"))
+        write_tiny_model(tmp / "demo-llama", **DEMO_MODEL)
+        return str(tmp / "demo-llama")
+    try:
+        write_tiny_model(tmp, **DEMO_MODEL)
+        (tmp / _DEMO_MARKER).write_text(json.dumps(DEMO_MODEL))
+        if root.exists():  # incomplete (an interrupted run of an older hwkv) or another model: replace
+            stale = Path(tempfile.mkdtemp(prefix=".demo-llama-stale-", dir=root.parent))
+            os.replace(root, stale / "old")
+            shutil.rmtree(stale, ignore_errors=True)
+        os.replace(tmp, root)
+    except OSError:
+        if not _is_complete(root):  # else a concurrent run finished first: use its copy
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return str(root)
+
+
+def set_threads(args: argparse.Namespace) -> int:
+    """Torch CPU threads: ``--threads``, else ``$OMP_NUM_THREADS``, else 1 for the demo (its
+    matrices are tiny: more threads only contend — ~40x slower on a loaded 2-core machine) and
+    ``min(4, usable cores)`` for a real model. Returns the number set."""
+    import torch
+
+    n = args.threads
+    if n is None and os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        n = int(os.environ["OMP_NUM_THREADS"])
+    if n is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        n = 1 if args.demo and not args.model else min(4, cores)
+    torch.set_num_threads(max(1, n))
+    return torch.get_num_threads()
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -92,6 +150,14 @@ def run(args: argparse.Namespace) -> int:
     if not args.model and not args.demo:
         print("hwkv generate: error: give --model DIR or --demo", file=sys.stderr)
         return 2
+    prompts = args.prompt or (DEMO_PROMPTS if args.demo else None)
+    if not prompts:  # before loading anything
+        print("hwkv generate: error: give at least one --prompt", file=sys.stderr)
+        return 2
+    if args.threads is not None and args.threads < 1:
+        print(f"hwkv generate: error: --threads must be >= 1, got {args.threads}", file=sys.stderr)
+        return 2
+    set_threads(args)
     try:
         model = args.model or _demo_model(args)
         kw = _engine_kwargs(args)
@@ -104,10 +170,6 @@ def run(args: argparse.Namespace) -> int:
             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
             max_tokens=args.max_tokens, ignore_eos=args.ignore_eos or args.demo, stop=args.stop,
         )
-        prompts = args.prompt or (DEMO_PROMPTS if args.demo else None)
-        if not prompts:
-            print("hwkv generate: error: give at least one --prompt", file=sys.stderr)
-            return 2
         rounds = [("generate", prompts)]
         if args.demo and not args.prompt:
             # A second round sharing a long system prompt shows the prefix cache at work.
