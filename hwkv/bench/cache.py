@@ -8,7 +8,7 @@
   ``allocate_slots(req, 1)`` (block growth + registering newly full blocks) and appending the sampled
   token (which hashes a block whenever one fills)
 
-Median of repeats. vLLM peer figures are quoted from DESIGN.md §9 (same 2-core machine class), not
+Median of repeats. vLLM peer figures are quoted (vLLM 0.33 v1 core, same 2-core machine class), not
 re-measured here.
 """
 
@@ -28,7 +28,7 @@ from pathlib import Path
 
 from hwkv.bench import results_dir
 
-PEER = {  # vLLM 0.33.0 v1 core, measured on this machine class (DESIGN.md §9); quoted, not re-measured
+PEER = {  # vLLM 0.33.0 v1 core, measured on this machine class; quoted, not re-measured
     "hash_us_per_block": 1.85,
     "alloc_free_us_per_block": 0.45,
     "lookup_full_hit_us": 1270.0,
@@ -200,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
         peer = PEER.get(key)
         label = label.format(n=args.num_running)
         print(f"{label:<50} {res[key]:>10.3f} {'' if peer is None else f'{peer:.2f}':>10} {bar:>8}")
-    print("* peer: vLLM 0.33 v1 core, same machine class — quoted from DESIGN.md §9, not re-measured;")
+    print("* peer: vLLM 0.33 v1 core, same machine class — quoted, not re-measured;")
     print("  its step figure is a whole scheduler step, ours the cache-manager share of one.")
 
     if not args.no_write:

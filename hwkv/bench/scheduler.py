@@ -8,7 +8,7 @@ tokens) + ``Scheduler.update_from_output`` (append tokens, hashes, stop checks).
 * ``mixed``: N/2 running decodes plus a stream of long prompts prefilled in chunks under the token
   budget (chunked prefill), so every step carries decodes and one or more prefill chunks.
 
-The peer (vLLM 0.33 v1 core on this machine class, ../shared/DESIGN.md §9) is quoted, not rerun:
+The peer (vLLM 0.33 v1 core on this machine class) is quoted, not rerun:
 schedule + update_from_output, 256 running decodes 3.1 ms; mixed chunked-prefill step 3.3 ms.
 """
 
@@ -27,7 +27,7 @@ from typing import Any
 from hwkv.bench import results_dir
 
 PEER = {"source": "vLLM 0.33.0 v1 scheduler (schedule + update_from_output), measured on this 2-core "
-                  "machine class (DESIGN.md §9)", "decode_256_ms": 3.1, "mixed_ms": 3.3}
+                  "machine class", "decode_256_ms": 3.1, "mixed_ms": 3.3}
 BAR_MS = 1.0
 
 

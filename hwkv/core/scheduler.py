@@ -1,6 +1,6 @@
 """Continuous-batching scheduler: token budget, chunked prefill, preemption by recompute.
 
-One step (000 ch.8, ch.10; vLLM v1 order):
+One step (vLLM v1 order):
 
 1. RUNNING requests in order (decodes and continuing prefill chunks alike). A request that
    cannot get blocks preempts the newest running request (its blocks are freed, it restarts from
