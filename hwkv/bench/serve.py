@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from hwkv.bench import results_dir
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default=None, help="a running server (http://host:port); default: start one")
@@ -50,7 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=2, help="requests sent (and not measured) before each rate")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--startup-timeout", type=float, default=900.0)
-    p.add_argument("--out-dir", default="bench/results", help="where serve-<model>-<device>-<date>.json goes")
+    p.add_argument("--out-dir", default=None,
+                   help="where serve-<model>-<device>-<date>.json goes (default: hwkv.bench.results_dir())")
     p.add_argument("--tag", default="", help="appended to the result file name")
 
 
@@ -273,7 +276,7 @@ def run(args: argparse.Namespace) -> int:
         "range_ratio": args.range_ratio, "results": results,
     }
     _print(res)
-    out_dir = Path(args.out_dir)
+    out_dir = Path(args.out_dir) if args.out_dir else results_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     name = Path(str(info.get("model", "model"))).name
     device = re.sub(r"[^A-Za-z0-9._-]+", "_", str(info.get("device", "unknown"))).strip("_")
