@@ -193,7 +193,7 @@ def windowed_if_enabled(f: ConfigFields, common: dict[str, Any]) -> dict[str, An
 
 
 # Per rope type: required keys, then optional ones, as (key, kind, bound) — kind "num": a finite
-# number > bound ("num>=": >= bound), "int": an integer >= bound, "bool": true/false.
+# number > bound ("num>=": >= bound), "bool": true/false.
 _ROPE_KEYS: dict[str, tuple[tuple[tuple[str, str, float], ...], tuple[tuple[str, str, float], ...]]] = {
     "default": ((), ()),
     "linear": ((("factor", "num>=", 1.0),), ()),
