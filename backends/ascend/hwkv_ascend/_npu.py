@@ -62,7 +62,8 @@ def op_arguments(mod: ModuleType, name: str) -> set[str] | None:
     import torch
 
     try:
-        return {a.name for a in getattr(torch.ops.npu, name).default._schema.arguments}
+        packet = getattr(torch.ops.npu, name)
+        return {a.name for ov in packet.overloads() for a in getattr(packet, ov)._schema.arguments}
     except Exception:
         pass
     try:

@@ -141,18 +141,24 @@ class AscendMetadataBuilder(AttentionMetadataBuilder):
         return self.step
 
 
-def check_head_size(head_size: int) -> None:
+MAX_HEADS = 256  # FIA: num_heads <= 256 (prompt-flash-attention tiling NLIMIT)
+
+
+def check_geometry(num_heads: int, head_size: int) -> None:
     if head_size not in HEAD_SIZES:
         raise ValueError(
             f"head_size {head_size} not supported by the Ascend attention ops: npu_fused_infer_attention_score "
             f"in TND layout takes only {'/'.join(map(str, HEAD_SIZES))} (allowed: {list(HEAD_SIZES)})"
         )
+    if num_heads > MAX_HEADS:
+        raise ValueError(f"num_heads {num_heads} not supported by npu_fused_infer_attention_score "
+                         f"(allowed: at most {MAX_HEADS} per device)")
 
 
 class AscendAttentionImpl(AttentionImpl):
     def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float,
                  builder: AscendMetadataBuilder):
-        check_head_size(head_size)
+        check_geometry(num_heads, head_size)
         super().__init__(num_heads, head_size, num_kv_heads, scale)
         self.builder = builder
         # ATB PagedAttention serves decode-only steps where it takes the head size; FIA otherwise.

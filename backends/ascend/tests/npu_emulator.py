@@ -208,6 +208,8 @@ def npu_fused_infer_attention_score(
     nkv = num_key_value_heads or num_heads
     if num_heads % nkv or num_heads // nkv > 64:
         raise NpuOpError(f"num_heads {num_heads} must be a multiple of num_key_value_heads {nkv}, ratio <= 64")
+    if num_heads > 256:  # [PFA-tiling] NLIMIT
+        raise NpuOpError(f"num_heads {num_heads} must be <= 256")
     t, _, d = query.shape
     if d not in TND_HEAD_DIMS:  # [PFA-tiling], the op's own text
         raise NpuOpError(f"input_layout is TND, only headDim = 64/128/192 are supported, but got {d}")
@@ -222,6 +224,8 @@ def npu_fused_infer_attention_score(
             f"TND: actual_seq_lengths[-1] ({q_ends[-1] if q_ends else None}) must equal the query token count {t}"
         )
     batch = len(q_ends)
+    if batch > 65536:  # [PFA-tiling] BLIMIT
+        raise NpuOpError(f"batch {batch} must be <= 65536")
     kv_arg = _int_list("actual_seq_lengths_kv", actual_seq_lengths_kv)
     if len(kv_arg) != batch:
         raise NpuOpError(f"actual_seq_lengths_kv has {len(kv_arg)} entries, batch (len(actual_seq_lengths)) is {batch}")

@@ -198,3 +198,24 @@ def test_pyproject_pins_the_same_torch_npu_range_and_entry_point():
     assert meta["optional-dependencies"]["npu"] == [_npu.VERSION_RANGE.replace("torch_npu", "torch-npu")]
     assert meta["optional-dependencies"]["mooncake"] == ["mooncake-transfer-engine-npu"]
     assert not any("torch-npu" in d or "torch_npu" in d for d in meta["dependencies"])  # import-safe install
+
+
+@pytest.mark.parametrize("with_cache_mode", [False, True])
+def test_availability_reads_the_registered_op_schema(monkeypatch, emulator, with_cache_mode):
+    """On hardware the schema comes from torch.ops.npu (the dispatcher), not a Python signature:
+    register one there and check it wins over the emulated function's signature."""
+    monkeypatch.setitem(sys.modules, "torch_npu", emulator.make_module())
+    lib = torch.library.Library("npu", "FRAGMENT")
+    try:
+        lib.define("npu_scatter_pa_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+                   "Tensor slot_mapping, *, Tensor? compress_lens=None, Tensor? compress_seq_offsets=None, "
+                   "Tensor? seq_lens=None" + (", str? cache_mode='PA_NZ'" if with_cache_mode else "") + ") -> ()")
+        from hwkv_ascend.backend import AscendBackend
+
+        ok, reason = AscendBackend.availability()
+    finally:
+        lib._destroy()
+    if with_cache_mode:
+        assert (ok, reason) == (True, "")
+    else:
+        assert not ok and "has no 'cache_mode' argument (its arguments are ['compress_lens'" in reason

@@ -229,3 +229,16 @@ def test_head_192_decodes_through_fia(npu):
     impl.forward(q, k, v, kv, amd)
     assert pa == [] and len(fia) == 1 and fia[0]["actual_seq_lengths"] == [1, 2]
     assert fia[0]["actual_seq_lengths_kv"] == [7, 129] and fia[0]["block_table"] is not None
+
+
+def test_more_than_256_heads_is_refused(npu, emulator):
+    from hwkv_ascend.backend import AscendBackend
+
+    with pytest.raises(ValueError, match=r"num_heads 512 not supported .*at most 256"):
+        AscendBackend().attention.make_impl(512, 64, 8, 1.0)
+    q = torch.zeros(2, 512, 64, dtype=torch.float16)
+    k = torch.zeros(2, 8, 64, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="num_heads 512 must be <= 256"):
+        emulator.npu_fused_infer_attention_score(
+            query=q, key=k, value=k, input_layout="TND", num_heads=512, num_key_value_heads=8,
+            actual_seq_lengths=[2], actual_seq_lengths_kv=[2])
