@@ -164,7 +164,7 @@ def test_aligned_kv_allocation_and_block_copies(npu):
     from hwkv_ascend.backend import AscendBackend
 
     dev = AscendBackend(transfer=True).device
-    spec = KVCacheSpec(2, 6, 128, 2, 32, torch.float16)
+    spec = KVCacheSpec(2, 6, 128, 2, 64, torch.float16)
     cache = dev.allocate_kv_cache(spec, KVLayoutKind.SEPARATE_KV)
     assert len(cache.tensors) == 4
     assert all(t.data_ptr() % (2 << 20) == 0 and t.is_contiguous() and not bool(t.any()) for t in cache.tensors)
@@ -179,7 +179,7 @@ def test_aligned_kv_allocation_and_block_copies(npu):
     for s, h in zip(cache.tensors, host.tensors):
         assert torch.equal(h[0], s[1]) and torch.equal(h[5], s[4]) and not bool(h[1].any())
     seg = cache.segments([1, 2])
-    assert seg[0].nbytes == 2 * 128 * 2 * 32 * 2  # two consecutive blocks merged into one segment
+    assert seg[0].nbytes == 2 * 128 * 2 * 64 * 2  # two consecutive blocks merged into one segment
     assert dev.pinned_empty(64).numel() == 64
     with dev.stream_context(stream):
         dev.synchronize()

@@ -168,8 +168,8 @@ def test_fia_paged_tnd_needs_cann_9(emulator):
 
 
 def test_paged_attention_argument_rules(emulator):
-    q = torch.randn(2, 4, 32).to(torch.float16)
-    kc = torch.zeros(3, 128, 2, 32, dtype=torch.float16)
+    q = torch.randn(2, 4, 64).to(torch.float16)
+    kc = torch.zeros(3, 128, 2, 64, dtype=torch.float16)
     bt = torch.tensor([[0], [1]], dtype=torch.int32)
     ok = dict(query=q, key_cache=kc, value_cache=kc, num_kv_heads=2, num_heads=4, scale_value=1.0,
               block_table=bt, context_lens=torch.tensor([3, 4], dtype=torch.int32), out=torch.empty_like(q))
