@@ -96,6 +96,24 @@ async def _unless_disconnected(request: Request, work: Awaitable[Response]) -> R
     return task.result()
 
 
+class _ApiKey:
+    """Pure ASGI (Starlette's BaseHTTPMiddleware would wrap every streamed chunk): 401 on
+    ``/v1/*`` and ``/server_info`` without ``Authorization: Bearer <key>``."""
+
+    def __init__(self, app: Any, key: str):
+        self.app, self.want = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(("/v1/", "/server_info")):
+            got = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not secrets.compare_digest(got, self.want):
+                response = error("invalid or missing API key (send 'Authorization: Bearer <key>')",
+                                 "AuthenticationError", 401)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
               metrics: ServingMetrics | None = None) -> FastAPI:
     """The FastAPI app over a started ``engine``."""
@@ -112,13 +130,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         return error(f"{where}: {first.get('msg')} (got {first.get('input')!r})", "BadRequestError", 400,
                      loc[0] if loc else None)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next: Any) -> Response:
-        guarded = api_key is not None and request.url.path.startswith(("/v1/", "/server_info"))
-        if guarded and not secrets.compare_digest(request.headers.get("authorization", ""), f"Bearer {api_key}"):
-            return error("invalid or missing API key (send 'Authorization: Bearer <key>')",
-                             "AuthenticationError", 401)
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(_ApiKey, key=api_key)
 
     def check_model(model: str | None) -> JSONResponse | None:
         if model is None or model in names:

@@ -50,19 +50,19 @@ class ServingMetrics(Collector):
                              lab, buckets=LATENCY_BUCKETS, **reg).labels(model_name)
         self.e2e = Histogram("hwkv_e2e_request_latency_seconds", "Arrival to finish of a request", lab,
                              buckets=LATENCY_BUCKETS, **reg).labels(model_name)
-        self.prompt_tokens = Counter("hwkv_prompt_tokens", "Prompt tokens of requests that started generating",
-                                     lab, **reg).labels(model_name)
-        self.generation_tokens = Counter("hwkv_generation_tokens", "Tokens generated", lab, **reg).labels(model_name)
+        # plain ints, exported by collect(): incremented per request per step, a Counter's lock would show
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
         self.finished = Counter("hwkv_request_success", "Finished requests by finish reason",
                                 lab + ["finished_reason"], **reg)
         self.registry.register(self)
 
     # ---- AsyncEngine observer -------------------------------------------------------------------
     def on_tokens(self, req: Any, n: int, itl: float | None) -> None:
-        self.generation_tokens.inc(n)
+        self.generation_tokens += n
         if itl is None:
             self.ttft.observe(req.first_token_time - req.arrival)
-            self.prompt_tokens.inc(len(req.prompt_token_ids))
+            self.prompt_tokens += len(req.prompt_token_ids)
         else:
             self.itl.observe(itl)
 
@@ -75,6 +75,13 @@ class ServingMetrics(Collector):
         self.core = dict(stats)
 
     def collect(self) -> Iterator[Any]:
+        for name, doc, value in (
+            ("hwkv_prompt_tokens", "Prompt tokens of requests that started generating", self.prompt_tokens),
+            ("hwkv_generation_tokens", "Tokens generated", self.generation_tokens),
+        ):
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model], value)
+            yield family
         core = self.core
         for key, (name, kind, doc) in CORE_METRICS.items():
             family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, doc, labels=["model_name"])
