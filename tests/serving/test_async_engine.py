@@ -199,3 +199,20 @@ def test_core_crash_fails_pending_requests(tiny_model, arun):
                 await eng.stats()
 
     arun(go(), timeout=60)
+
+
+def test_async_scheduling_core_matches_engine(tiny_model, local, arun):
+    """The GPU default (outputs one step late in the core) streams the same tokens and frees all."""
+    params = hwkv.SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    stop_params = hwkv.SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[0, 3, 7, 9, 11])
+    want = local.generate(PROMPTS, params, use_tqdm=False) + local.generate(PROMPTS, stop_params, use_tqdm=False)
+
+    async def go():
+        async with AsyncEngine(tiny_model, **KW, async_scheduling=True) as eng:
+            outs = await asyncio.gather(*(final(eng, p, params) for p in PROMPTS),
+                                        *(final(eng, p, stop_params) for p in PROMPTS))
+            return outs, await idle(eng)
+
+    got, st = arun(go())
+    assert [(o.token_ids, o.finish_reason) for o, _ in got] == [(w.token_ids, w.finish_reason) for w in want]
+    assert_freed(st)

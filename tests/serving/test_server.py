@@ -273,3 +273,17 @@ def test_api_key_no_template_and_core_crash(tiny_model_no_template):
     finally:
         s.stop()
     assert not alive(s.core_pid)
+
+
+def test_chat_logprobs_and_completion_echo(client, local):
+    got = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                                         logprobs=True, top_logprobs=2, **GREEDY)
+    content = got.choices[0].logprobs.content
+    assert len(content) == 5 and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.logprob == c.top_logprobs[0].logprob and c.token == c.top_logprobs[0].token for c in content)
+    # token strings decode one token each: a character split over tokens shows as U+FFFD there
+    assert "".join(c.token for c in content).startswith(got.choices[0].message.content)
+    got = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=4, echo=True, **GREEDY)
+    want = local.generate([PROMPTS[2]], hwkv.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                          use_tqdm=False)[0]
+    assert got.choices[0].text == PROMPTS[2] + want.text
