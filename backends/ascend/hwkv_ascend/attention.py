@@ -170,8 +170,10 @@ class AscendAttentionImpl(AttentionImpl):
         kernel skips them is only confirmed on A3 with CANN 9.
 
         On the engine's step path the slot mapping is the one the builder saw: its real tokens
-        come first and their count is host-known. Any other slot mapping (a direct call) is read on
-        the host once to find its non-negative slots."""
+        come first and their count is host-known. (``step`` holds that tensor, so its memory cannot
+        be reused by another; a graph replay must rebuild the step's metadata, which FIA's host
+        length lists need anyway.) Any other slot mapping (a direct call) is read on the host once
+        to find its non-negative slots."""
         step = self.builder.step
         n = slot_mapping.shape[0]
         if (step is not None and n == step.num_tokens and step.slot_mapping.device == slot_mapping.device
