@@ -75,6 +75,24 @@ def test_builtin_registered_even_without_installed_entry_point(site, monkeypatch
     assert plugins.available_backends() == ["cpu"] and rows("cpu")[0].dist == "hwkv"
 
 
+def test_source_tree_plugin_named_in_env_registers_without_a_dist(site, monkeypatch):
+    """HWKV_PLUGIN_MODULES registers an uninstalled plugin module (a checkout on PYTHONPATH); its
+    benches join ``hwkv bench``; a module already loaded through an entry point is not loaded twice."""
+    from hwkv import cli
+
+    monkeypatch.setenv("HWKV_PLUGIN_MODULES", " hwkv_tp_toy ,hwkv.reference.plugin")
+    plugins.reset()
+    (toy,) = rows("tp-toy")
+    assert toy.available and toy.dist == "hwkv_tp_toy" and toy.version == "source"
+    assert len(rows("cpu")) == 1
+    assert [b.module for b in plugins.list_benches() if b.name == "tp-toy-bench"] == ["hwkv_tp_toy_bench"]
+    assert cli.main(["bench", "tp-toy-bench", "--n", "2"]) == 42
+    monkeypatch.delenv("HWKV_PLUGIN_MODULES")
+    plugins.reset()
+    assert not rows("tp-toy") and "tp-toy-bench" not in [b.name for b in plugins.list_benches()]
+    assert cli.main(["bench", "tp-toy-bench"]) == 2
+
+
 def test_broken_plugin_is_reported_and_breaks_nothing(site):
     site("hwkv-tp-broken", {"tpbroken": "hwkv_tp_broken"})
     site("hwkv-tp-toy", {"tptoy": "hwkv_tp_toy"})

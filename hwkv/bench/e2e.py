@@ -18,7 +18,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import random
 import shlex
 import sys
@@ -27,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from hwkv.bench import results_dir
+from hwkv.bench.common import backend, copy_bandwidth, workload
+from hwkv.bench.e2e_report import kernel_mix, markdown, profile, replay_ms
 
 SHAPES: dict[str, dict[str, Any]] = {
     # Llama-3.2-1B: 16 layers, hidden 2048, 32 q / 8 kv heads, head 64, ffn 8192, vocab 128256, tied.
@@ -81,81 +82,29 @@ def _model_dir(args: argparse.Namespace) -> Path:
     return d
 
 
-def copy_bandwidth(nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
-    import torch
-
-    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(10):
-        s.record()
-        b.copy_(a)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    times.sort()
-    return 2 * nbytes / times[len(times) // 2]
-
-
-def _workload(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
-    rng = random.Random(seed)
-    return [
-        ([rng.randrange(100, vocab - 100) for _ in range(rng.randint(lo, hi))], rng.randint(lo, hi))
-        for _ in range(n)
-    ]
-
-
-def _sync() -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _backend(name: str) -> Any:
-    from hwkv.plugins import get_backend
-
-    try:
-        return get_backend(name)
-    except ValueError:
-        if name != "cuda":
-            raise
-        from hwkv_cuda.backend import CudaBackend  # not installed as a plugin: PYTHONPATH=backends/cuda
-
-        return CudaBackend()
-
-
 def make_engine(mdir: Path, args: argparse.Namespace, **kw: Any) -> Any:
     import hwkv
 
     opts = {**ENGINE_DEFAULTS, **json.loads(args.engine_args), **kw}
-    return hwkv.Engine(str(mdir), backend=_backend(args.backend), dtype=args.dtype, **opts)
+    return hwkv.Engine(str(mdir), backend=backend(args.backend), dtype=args.dtype, **opts)
 
 
-def free(engine: Any) -> None:
-    import torch
-
+def free(engine: Any, device: Any) -> None:
     if engine is not None and getattr(engine.runner, "graphs", None) is not None:
         engine.runner.graphs.graphs.clear()
     del engine
     gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    device.empty_cache()
 
 
 def run_engine(engine: Any, work: list[tuple[list[int], int]]) -> dict[str, float]:
     from hwkv.sampling_params import SamplingParams
 
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in work]
-    _sync()
+    engine.backend.device.synchronize()
     t0 = time.perf_counter()
     outs = engine.generate([p for p, _ in work], params, use_tqdm=False)
-    _sync()
+    engine.backend.device.synchronize()
     dt = time.perf_counter() - t0
     ntok = sum(len(o.token_ids) for o in outs)
     ttft = sorted(o.metrics.first_token_time - o.metrics.arrival_time for o in outs)
@@ -163,7 +112,8 @@ def run_engine(engine: Any, work: list[tuple[list[int], int]]) -> dict[str, floa
                 mean_ttft_s=sum(ttft) / len(ttft), p50_ttft_s=ttft[len(ttft) // 2])
 
 
-def run_hf(model_dir: Path, work: list[tuple[list[int], int]], batch: int, dtype: str) -> dict[str, float]:
+def run_hf(model_dir: Path, work: list[tuple[list[int], int]], batch: int, dtype: str,
+           device: Any) -> dict[str, float]:
     """HF `generate` at its best simple settings: bf16, SDPA, left padding, static batches sorted by
     output length so padding waste is small; ignore_eos via min_new_tokens. Only the tokens each
     request asked for are counted."""
@@ -172,11 +122,11 @@ def run_hf(model_dir: Path, work: list[tuple[list[int], int]], batch: int, dtype
 
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=getattr(torch, dtype), attn_implementation="sdpa"
-    ).to("cuda").eval()
+    ).to(device.torch_device).eval()
     work = sorted(work, key=lambda w: w[1])
-    warm = torch.randint(100, 1000, (1, 16), device="cuda")
+    warm = torch.randint(100, 1000, (1, 16), device=device.torch_device)
     model.generate(warm, max_new_tokens=4, do_sample=False, pad_token_id=0)
-    _sync()
+    device.synchronize()
     t0 = time.perf_counter()
     ntok = 0
     for i in range(0, len(work), batch):
@@ -188,13 +138,14 @@ def run_hf(model_dir: Path, work: list[tuple[list[int], int]], batch: int, dtype
             ids[j, L - len(p) :] = torch.tensor(p)
             mask[j, L - len(p) :] = 1
         m = max(o for _, o in chunk)
-        model.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=m, min_new_tokens=m,
+        at = device.torch_device
+        model.generate(ids.to(at), attention_mask=mask.to(at), max_new_tokens=m, min_new_tokens=m,
                        do_sample=False, pad_token_id=0)
         ntok += sum(o for _, o in chunk)
-    _sync()
+    device.synchronize()
     dt = time.perf_counter() - t0
     del model
-    free(None)
+    free(None, device)
     return dict(seconds=dt, output_tokens=ntok, tok_per_s=ntok / dt, batch=batch, requests=len(work))
 
 
@@ -205,7 +156,7 @@ def kv_bytes_per_token(cfg: dict[str, Any], elem: int = 2) -> int:
 
 def batch1(engine: Any, cfg: dict[str, Any], vocab: int, n_out: int, copy_bw: float | None) -> dict[str, Any]:
     """Decode tokens/s of one request and MBU = (weights + mean KV) bytes per step / step / copy BW."""
-    prompt = _workload(1, 128, 128, vocab, seed=1)[0][0]
+    prompt = workload(1, 128, 128, vocab, seed=1)[0][0]
     run_engine(engine, [(prompt, 16)])
     r = run_engine(engine, [(prompt, n_out)])
     step = (r["seconds"] - r["mean_ttft_s"]) / (n_out - 1)
@@ -213,8 +164,6 @@ def batch1(engine: Any, cfg: dict[str, Any], vocab: int, n_out: int, copy_bw: fl
     bytes_step = w + kv_bytes_per_token(cfg) * (len(prompt) + n_out / 2)
     b = dict(tok_per_s=1 / step, step_ms=step * 1e3, weight_bytes=w, bytes_per_step=bytes_step,
              graph_steps=engine.runner.num_graph_steps)
-    from hwkv.bench.e2e_report import replay_ms
-
     gpu = replay_ms(engine, 1, len(prompt) + n_out)  # the graph of the last (longest) steps
     if gpu is not None:
         b["gpu_replay_ms_last"] = gpu
@@ -227,12 +176,12 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     import hwkv
-    from hwkv.bench.e2e_report import kernel_mix, markdown, profile
 
     mdir = _model_dir(args)
     cfg = json.loads((mdir / "config.json").read_text())
     vocab = cfg["vocab_size"]
-    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+    device = backend(args.backend).device
+    dev = device.description().split(" (")[0]
     try:
         import transformers
 
@@ -245,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
         torch=torch.__version__, transformers=tf_version, hwkv=hwkv.__version__, min_len=args.min_len,
         max_len=args.max_len, engine={**ENGINE_DEFAULTS, **json.loads(args.engine_args)}, errors=[],
     )
-    copy_bw = copy_bandwidth() if torch.cuda.is_available() else None
+    copy_bw = copy_bandwidth(device) if device.torch_device.type != "cpu" else None  # host: not an HBM figure
     res["copy_bw_TBps"] = copy_bw / 1e12 if copy_bw else None
     parts = set(args.parts.split(","))
     stem = f"e2e-{Path(args.model).name}-{dev.replace(' ', '_')}-{time.strftime('%Y-%m-%d')}"
@@ -272,13 +221,13 @@ def run(args: argparse.Namespace) -> int:
     engine = make_engine(mdir, args)
     res["engine_init_s"] = time.perf_counter() - t0
     res["graph_buckets"] = engine.runner.graphs.buckets if engine.runner.graphs is not None else None
-    work = _workload(args.num_requests, args.min_len, args.max_len, vocab)
+    work = workload(args.num_requests, args.min_len, args.max_len, vocab)
 
     def part_a() -> None:
         # untimed pass over a workload of the same shape but other tokens (the same tokens would make the
         # timed pass a prefix-cache hit): Triton compiles a kernel variant on its first use (tiles and
         # split counts follow the batch), and a cold cache cost the timed run up to 30 % (H100)
-        run_engine(engine, _workload(args.num_requests, args.min_len, args.max_len, vocab, seed=1))
+        run_engine(engine, workload(args.num_requests, args.min_len, args.max_len, vocab, seed=1))
         before = engine.stats()
         res["throughput"] = dict(hwkv=run_engine(engine, work), stats=engine.stats())
         # the timed pass alone: a prefix-cache hit there would mean prefill was skipped
@@ -302,13 +251,13 @@ def run(args: argparse.Namespace) -> int:
         part("p", part_p)
     if "a" in parts:
         part("a", part_a)
-    free(engine)
+    free(engine, device)
     engine = None
     if "b" in parts:
         def part_b_eager() -> None:
             e = make_engine(mdir, args, enforce_eager=True, max_num_seqs=4)
             res["batch1"]["eager"] = batch1(e, cfg, vocab, min(args.b1_tokens, 256), copy_bw)
-            free(e)
+            free(e, device)
         part("b-eager", part_b_eager)
 
         for v in json.loads(args.b1_variants):
@@ -319,21 +268,21 @@ def run(args: argparse.Namespace) -> int:
                     e = make_engine(mdir, args, max_num_seqs=4, **v.get("engine", {}))
                     res.setdefault("batch1_variants", {})[v["label"]] = dict(
                         batch1(e, cfg, vocab, args.b1_tokens, copy_bw), **v)
-                    free(e)
+                    free(e, device)
                 finally:
                     for k, val in old.items():
                         os.environ.pop(k) if val is None else os.environ.__setitem__(k, val)
             part(f"b[{v['label']}]", part_b_variant)
     if not args.no_hf and "a" in parts:
         def part_a_hf() -> None:
-            hf = run_hf(mdir, work[: args.hf_requests], args.hf_batch, args.dtype)
+            hf = run_hf(mdir, work[: args.hf_requests], args.hf_batch, args.dtype, device)
             res["throughput"]["hf"] = hf
             res["throughput"]["ratio"] = res["throughput"]["hwkv"]["tok_per_s"] / hf["tok_per_s"]
         part("a-hf", part_a_hf)
     if not args.no_hf and "b" in parts:
         def part_b_hf() -> None:
-            prompt = _workload(1, 128, 128, vocab, seed=1)[0][0]
-            res["batch1"]["hf_tok_per_s"] = run_hf(mdir, [(prompt, 128)], 1, args.dtype)["tok_per_s"]
+            prompt = workload(1, 128, 128, vocab, seed=1)[0][0]
+            res["batch1"]["hf_tok_per_s"] = run_hf(mdir, [(prompt, 128)], 1, args.dtype, device)["tok_per_s"]
         part("b-hf", part_b_hf)
     if "c" in parts:
         def part_c() -> None:
@@ -347,7 +296,7 @@ def run(args: argparse.Namespace) -> int:
                 run_engine(e, [(rng.sample(range(100, vocab - 100), args.prefix_len + 64), 4)])  # warm-up, unshared
                 c["prefix_on" if on else "prefix_off"] = run_engine(e, reqs)
                 c["stats_on" if on else "stats_off"] = e.stats()
-                free(e)
+                free(e, device)
             res["shared_prefix"] = c
         part("c", part_c)
     save()

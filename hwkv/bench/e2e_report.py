@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from hwkv.bench.e2e import _sync, _workload
+from hwkv.bench.common import workload
 
 
 def profile(engine: Any, vocab: int, batch: int, steps: int = 64) -> dict[str, Any]:
@@ -28,13 +28,13 @@ def profile(engine: Any, vocab: int, batch: int, steps: int = 64) -> dict[str, A
                 acc[key] = acc.get(key, 0.0) + time.perf_counter() - t
         setattr(obj, name, wrapper)
 
-    for obj, name, key in ((sched, "schedule", "schedule"), (r, "decode_batch", "prep_inputs"),
-                           (r, "prepare_inputs", "prep_inputs"), (r, "_forward", "eager_forward"),
+    for obj, name, key in ((sched, "schedule", "schedule"), (r, "build_inputs", "prep_inputs"),
+                           (r, "device_inputs", "prep_inputs"), (r, "_forward", "eager_forward"),
                            (r, "_resolve", "read_tokens"), (sched, "update_from_output", "update")):
         timed(obj, name, key)
     if r.graphs is not None:
         timed(r.graphs, "run", "graph_copy_replay")
-    work = _workload(batch, 128, 128, vocab, seed=3)
+    work = workload(batch, 128, 128, vocab, seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
     for i, (p, _) in enumerate(work):
         engine.add_request(f"prof{i}", p, params)
@@ -49,7 +49,7 @@ def profile(engine: Any, vocab: int, batch: int, steps: int = 64) -> dict[str, A
         engine.step()
     for obj in (sched, r, r.graphs):
         if obj is not None:
-            for name in ("schedule", "decode_batch", "prepare_inputs", "_forward", "_resolve", "update_from_output",
+            for name in ("schedule", "build_inputs", "device_inputs", "_forward", "_resolve", "update_from_output",
                          "run"):
                 obj.__dict__.pop(name, None)
     out: dict[str, Any] = {k: v / steps * 1e3 for k, v in acc.items()}
@@ -64,13 +64,11 @@ def profile(engine: Any, vocab: int, batch: int, steps: int = 64) -> dict[str, A
 def replay_ms(engine: Any, batch: int, max_seq_len: int, reps: int = 20) -> float | None:
     """GPU ms of one replay of the decode graph serving ``batch`` requests up to ``max_seq_len``
     (its inputs as the last step left them), or ``None`` without such a graph."""
-    import torch
-
-    r = engine.runner
+    r, dev = engine.runner, engine.backend.device
     g = r.graphs.graph(batch, max_seq_len) if r.graphs is not None else None
     if g is None:
         return None
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s, e = dev.new_event(enable_timing=True), dev.new_event(enable_timing=True)
     g.replay()
     s.record()
     for _ in range(reps):
@@ -94,10 +92,10 @@ def kernel_mix(engine: Any, top: int = 12) -> dict[str, Any]:
     g.d64[2, :1].fill_(-1)  # write no KV
     with torch.inference_mode():
         g._forward(1, md)
-        _sync()
+        engine.backend.device.synchronize()
         with tprof(activities=[ProfilerActivity.CUDA]) as prof:
             g._forward(1, md)
-            _sync()
+            engine.backend.device.synchronize()
     rows = []
     for ev in prof.key_averages():
         t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)

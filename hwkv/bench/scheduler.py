@@ -87,7 +87,9 @@ class _Harness:
         states = self.runner.update_states(so)
         sampled: dict[str, list[int]] = {}
         if states:
-            sample_idx = self.runner.prepare_inputs(so, states).sample_idx
+            batch = self.runner.build_inputs(so, states)
+            self.runner.device_inputs(batch)
+            sample_idx = batch.sample_idx.tolist()
             rids = list(so.num_scheduled_tokens)
             toks = [7] * len(sample_idx)
             self.runner.record_sampled([states[i] for i in sample_idx], toks)

@@ -36,12 +36,13 @@ def graph_timeline(engine: Any, batch: int = 1, max_seq_len: int = 512, reps: in
     g = r.graphs.graph(batch, max_seq_len) if r.graphs is not None else None
     if g is None:
         return {}
+    sync = engine.backend.device.synchronize
     g.replay()
-    torch.cuda.synchronize()
+    sync()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             g.replay()
-            torch.cuda.synchronize()  # separates the replays in the trace
+            sync()  # separates the replays in the trace
     kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                       if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
                       and "Memcpy" not in e.name and "Memset" not in e.name)

@@ -1,4 +1,5 @@
-"""``hwkv bench {cache,scheduler,attention,e2e,serve} [ARGS...]``: dispatch to ``hwkv.bench.<name>``.
+"""``hwkv bench NAME [ARGS...]``: the core's benchmarks (``hwkv.bench.<name>``) plus those plugins
+provide through their ``hwkv_benches`` hook (the CUDA backend's ``attention``).
 
 Each bench module exposes ``add_arguments(parser)`` and ``run(args) -> int``; it is imported only
 when chosen, so one bench whose dependencies are missing does not break the others.
@@ -9,30 +10,46 @@ from __future__ import annotations
 import argparse
 import sys
 
-BENCHES = {
-    "cache": "prefix cache: block hashing, block pool, get_computed_blocks",
-    "scheduler": "scheduler step latency (decodes, mixed chunked prefill)",
-    "attention": "attention kernels vs torch SDPA / FlexAttention",
-    "e2e": "end-to-end engine throughput vs HF transformers generate",
-    "serve": "online serving: Poisson arrivals against an OpenAI-compatible server (TTFT, ITL, throughput)",
+CORE = {
+    "cache": ("hwkv.bench.cache", "prefix cache: block hashing, block pool, get_computed_blocks"),
+    "scheduler": ("hwkv.bench.scheduler", "scheduler step latency (decodes, mixed chunked prefill)"),
+    "e2e": ("hwkv.bench.e2e", "end-to-end engine throughput vs HF transformers generate"),
+    "serve": ("hwkv.bench.serve", "online serving: Poisson arrivals against an OpenAI-compatible server "
+              "(TTFT, ITL, throughput)"),
 }
 
 
+def benches() -> dict[str, tuple[str, str]]:
+    """name -> (module, description): the core's, then the plugins' (a core name is never shadowed)."""
+    from hwkv.plugins import list_benches
+
+    out = dict(CORE)
+    for spec in list_benches():
+        out.setdefault(spec.name, (spec.module, spec.description))
+    return out
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("bench", choices=list(BENCHES), metavar="{" + ",".join(BENCHES) + "}",
-                        help="; ".join(f"{k}: {v}" for k, v in BENCHES.items()))
+    parser.add_argument("bench", metavar="NAME",
+                        help="; ".join(f"{k}: {d}" for k, (_, d) in CORE.items())
+                        + "; plus the benches installed backends provide (e.g. attention, from cuda)")
     parser.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments of that bench (see --help)")
 
 
 def run(args: argparse.Namespace) -> int:
     from hwkv.cli import load_command
 
-    name = args.bench
+    name, known = args.bench, benches()
+    if name not in known:
+        print(f"hwkv bench: unknown bench {name!r} (allowed: {', '.join(sorted(known))}; a backend's own "
+              "benches need its plugin installed or named in HWKV_PLUGIN_MODULES)", file=sys.stderr)
+        return 2
+    module, description = known[name]
     try:
-        mod = load_command(f"hwkv.bench.{name}", f"bench {name!r}")
+        mod = load_command(module, f"bench {name!r}")
     except RuntimeError as e:
         print(f"hwkv bench: {e}", file=sys.stderr)
         return 2
-    parser = argparse.ArgumentParser(prog=f"hwkv bench {name}", description=BENCHES[name])
+    parser = argparse.ArgumentParser(prog=f"hwkv bench {name}", description=description)
     mod.add_arguments(parser)
     return int(mod.run(parser.parse_args(args.bench_args)) or 0)

@@ -32,7 +32,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from hwkv.connectors.base import KVConnectorBase, NoOpConnector
 from hwkv.core.request import Request, RequestStatus
 from hwkv.core.sched_output import (
     CachedRequestData,
@@ -41,6 +40,7 @@ from hwkv.core.sched_output import (
     NewRequestData,
     SchedulerOutput,
 )
+from hwkv.interfaces.connector import KVConnectorBase, NoOpConnector
 
 _LAST_UNFINISHED = RequestStatus.PREEMPTED
 

@@ -74,18 +74,16 @@ class Engine:
         self._hasher = make_block_hasher(self.block_size)
         if max_num_batched_tokens is None:  # without chunking a whole prompt must fit one step (as vLLM)
             max_num_batched_tokens = 2048 if enable_chunked_prefill else max(2048, self.max_model_len)
-        from hwkv.connectors.base import NoOpConnector
+        from hwkv.interfaces.connector import NoOpConnector
 
         if type(kv_connector) is NoOpConnector:  # acts on nothing: the fast paths stay on
             kv_connector = None
         if async_scheduling and kv_connector is not None:
             raise ValueError("async_scheduling=True needs kv_connector=None (a connector saves and loads KV "
                              "in step with the scheduler; allowed: async_scheduling False or None)")
-        device_type = self.backend.device.torch_device.type
-        # CUDA graphs for pure-decode steps: only where the backend can be captured, on a CUDA
-        # device, and with no connector (a connector may act inside the forward per layer)
-        graphs = (not enforce_eager and self.backend.capabilities.graph_capture and device_type == "cuda"
-                  and kv_connector is None)
+        # graphs for pure-decode steps: where the backend declares capture, and with no connector
+        # (a connector may act inside the forward per layer)
+        graphs = not enforce_eager and self.backend.capabilities.graph_capture and kv_connector is None
         self.async_scheduling = graphs if async_scheduling is None else async_scheduling
         sched_cfg = SchedulerConfig(max_num_seqs, max_num_batched_tokens, self.max_model_len, enable_chunked_prefill,
                                     long_prefill_token_threshold, max_num_partial_prefills, self.async_scheduling)
@@ -93,7 +91,7 @@ class Engine:
         self.runner = ModelRunner(self.model, self.backend, self.kv_cache, self.block_size, max_num_seqs,
                                   self.max_model_len, tuple(self.eos_token_ids), self.scheduler.connector)
         if fuse_elementwise or (fuse_elementwise is None and graphs):  # None: together with the graphs
-            from hwkv.engine.cuda_graphs import fuse_elementwise as fuse
+            from hwkv.model.fuse import fuse_elementwise as fuse
 
             fuse(self.model)
         dev = self.backend.device

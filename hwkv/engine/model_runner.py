@@ -1,14 +1,14 @@
-"""ModelRunner: SchedulerOutput → input tensors + AttentionMetadata → forward → sampled tokens.
+"""ModelRunner: SchedulerOutput → step inputs → forward → sampled tokens.
 
 Per-request state persists across steps in two host arrays indexed by a request's *slot*:
-``token_ids[slot, :num_tokens]`` and ``block_table[slot, :num_blocks]``. A step gathers them in
-bulk (no per-token Python loop): positions from the cumulative query lengths, input ids by one
-indexed gather, block-table rows by one row gather, slot mapping by one more. The index math runs
-in numpy (a few µs per op where a small torch op costs ~10 µs) and is handed to torch zero-copy.
+``token_ids[slot, :num_tokens]`` and ``block_table[slot, :num_blocks]``. A step's inputs are
+built from them once, in bulk (:mod:`hwkv.engine.inputs`), and reach the device by one of two
+routes: packed copies for an eager forward, or the static buffers of a captured graph for a
+pure-decode step (:meth:`enable_graphs`, :mod:`hwkv.engine.graph_runner`).
 
-On CUDA the step's inputs go through pinned host memory with non-blocking copies, so the only
-host↔device synchronisation per step is reading the sampled tokens. With :meth:`enable_graphs`,
-pure-decode steps replay a CUDA graph per batch bucket (:mod:`hwkv.engine.cuda_graphs`).
+Everything device-specific goes through the backend's :class:`~hwkv.interfaces.device.Device`:
+where its copies are asynchronous, inputs are staged in pinned memory and copied without
+blocking, so the only host↔device synchronisation per step is reading the sampled tokens.
 
 Async stepping: :meth:`execute_async` launches step N+1 *before* reading step N's tokens. Rows
 whose input is step N's sampled token (not yet on the host) get it by a device-side copy from
@@ -21,16 +21,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
 
-from hwkv.connectors.base import KVConnectorBase, NoOpConnector
 from hwkv.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
-from hwkv.engine.cuda_graphs import DecodeBatch, GraphRunner
-from hwkv.engine.pending import EMPTY, Pending, fill_tokens, first_token_index
-from hwkv.interfaces.attention import AttentionMetadata
+from hwkv.engine.graph_runner import GraphRunner
+from hwkv.engine.inputs import StepBatch, StepInputs, build_batch, to_device
+from hwkv.engine.pending import EMPTY, Pending, fill_tokens
+from hwkv.interfaces.connector import KVConnectorBase, NoOpConnector
 from hwkv.model.sampler import SamplingBatch, make_generator, sample_tokens
 
 
@@ -44,21 +44,13 @@ class _ReqState:
     output_token_ids: list[int] = field(default_factory=list)
 
 
-class StepInputs(NamedTuple):
-    input_ids: torch.Tensor  # [T] long, on the device
-    positions: torch.Tensor  # [T] long
-    attn_metadata: Any  # what the backend's metadata builder returned
-    logits_indices: torch.Tensor  # [S] long: last scheduled token of each sampling request
-    sample_idx: list[int]  # batch indices of the sampling requests
-    slot_mapping: torch.Tensor  # [T] long, passed explicitly: a backend's metadata need not carry it
-
-
 class ModelRunner:
     def __init__(self, model: Any, backend: Any, kv_cache: Any, block_size: int, max_num_seqs: int,
                  max_model_len: int, eos_token_ids: tuple[int, ...] = (), connector: KVConnectorBase | None = None):
         self.model, self.backend, self.kv_cache = model, backend, kv_cache
         self.block_size, self.eos_token_ids = block_size, tuple(eos_token_ids)
-        self.device = backend.device.torch_device
+        self.dev = backend.device
+        self.device = self.dev.torch_device
         self.meta_builder = backend.attention.metadata_builder()
         self.connector = None if connector is None or type(connector) is NoOpConnector else connector
         max_blocks = -(-max_model_len // block_size)
@@ -78,9 +70,9 @@ class ModelRunner:
 
     def enable_graphs(self, max_batch: int, use_graphs: bool = True) -> None:
         """Serve pure-decode steps of up to ``max_batch`` requests from static buffers, captured as
-        one CUDA graph per bucket (``use_graphs=False``: the same path run eagerly, for tests)."""
-        self.graphs = GraphRunner(self.model, self.kv_cache, self.meta_builder, self.block_size, max_batch,
-                                  self.max_model_len, self.device, use_graphs)
+        one device graph per bucket (``use_graphs=False``: the same path run eagerly, for tests)."""
+        self.graphs = GraphRunner(self.model, self.kv_cache, self.meta_builder, self.dev, self.block_size,
+                                  max_batch, self.max_model_len, use_graphs)
         self.graphs.capture()
 
     # ---- persistent state ---------------------------------------------------------------------
@@ -129,11 +121,12 @@ class ModelRunner:
         return states
 
     # ---- one step -----------------------------------------------------------------------------
-    def prepare_inputs(self, so: SchedulerOutput, states: list[_ReqState],
-                       ahead: np.ndarray | None = None) -> StepInputs:
-        """Step inputs; ``ahead[i]`` = 1 where row ``i``'s last token is still on the device (its
-        input id is then a placeholder the caller fills in)."""
-        R, bs = len(states), self.block_size
+    def build_inputs(self, so: SchedulerOutput, states: list[_ReqState],
+                     ahead: np.ndarray | None = None) -> StepBatch:
+        """This step's host inputs (:func:`hwkv.engine.inputs.build_batch`); ``ahead[i]`` = 1 where
+        row ``i``'s last token is still on the device (its input id is then a placeholder the
+        caller fills in)."""
+        R = len(states)
         ctx = np.array(so.scheduled_cached_reqs.num_computed_tokens
                        + [n.num_computed_tokens for n in so.scheduled_new_reqs], dtype=np.int64)
         ql = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=R)
@@ -141,33 +134,16 @@ class ModelRunner:
         total = np.fromiter((st.num_tokens for st in states), dtype=np.int64, count=R)
         if ahead is not None:
             total += ahead
-        seq = ctx + ql
-        qsl = np.zeros(R + 1, dtype=np.int64)
-        np.cumsum(ql, out=qsl[1:])
-        T = int(qsl[-1])
-        if T == R:  # decodes only
-            req_idx, positions = np.arange(R), ctx
-        else:
-            req_idx = np.repeat(np.arange(R), ql)
-            positions = np.arange(T) - qsl[:-1][req_idx] + ctx[req_idx]
-        tok_rows = slots[req_idx]
-        input_ids = self.token_ids[tok_rows, positions]
-        block_table = self.block_table[slots, : -(-int(seq.max()) // bs)]
-        slot_mapping = block_table[req_idx, positions // bs].astype(np.int64) * bs + positions % bs
-        sample_idx = np.flatnonzero(seq == total)
-        logits_idx = qsl[1:][sample_idx] - 1
-        n_dec = int((ql == 1).sum())
-        # Two host→device copies per step (all int64 arrays, all int32 arrays), sliced on device.
-        qsl32, seq32 = qsl.astype(np.int32), seq.astype(np.int32)
-        i64 = _to_device([input_ids, positions, slot_mapping, logits_idx], np.int64, self.device)
-        i32 = _to_device([qsl32, seq32, block_table], np.int32, self.device)
-        common = AttentionMetadata(
-            query_start_loc=i32[0], seq_lens=i32[1], block_tables=i32[2], slot_mapping=i64[2],
-            query_start_loc_cpu=torch.from_numpy(qsl32), seq_lens_cpu=torch.from_numpy(seq32), block_size=bs,
-            num_prefills=R - n_dec, num_decodes=n_dec, num_prefill_tokens=T - n_dec, num_decode_tokens=n_dec,
-            max_query_len=int(ql.max()), max_seq_len=int(seq.max()),
-        )
-        return StepInputs(i64[0], i64[1], self.meta_builder.build(common), i64[3], sample_idx.tolist(), i64[2])
+        return build_batch(self.token_ids, self.block_table, slots, ctx, ql, total, self.block_size)
+
+    def device_inputs(self, batch: StepBatch) -> StepInputs:
+        """The eager route of ``batch`` to the device, metadata built by the backend's builder."""
+        return to_device(batch, self.dev, self.meta_builder, self.block_size)
+
+    def prepare_inputs(self, so: SchedulerOutput, states: list[_ReqState],
+                       ahead: np.ndarray | None = None) -> StepInputs:
+        """:meth:`build_inputs` + :meth:`device_inputs` (tests, benchmarks)."""
+        return self.device_inputs(self.build_inputs(so, states, ahead))
 
     def record_sampled(self, states: list[_ReqState], toks: list[int]) -> None:
         """Append one sampled token per state (one bulk write into the token table)."""
@@ -188,27 +164,6 @@ class ModelRunner:
             gens = [self.generators.get(rid) for rid in req_ids]
         return SamplingBatch(params, [st.output_token_ids for st in states], prompts, gens,
                              eos_token_ids=self.eos_token_ids)
-
-    def decode_batch(self, so: SchedulerOutput, states: list[_ReqState],
-                     ahead: np.ndarray | None = None) -> DecodeBatch | None:
-        """Host inputs when every request decodes one token and samples it, else ``None``
-        (``ahead`` as in :meth:`prepare_inputs`)."""
-        R = len(states)
-        if so.total_num_scheduled_tokens != R:
-            return None
-        ctx = np.array(so.scheduled_cached_reqs.num_computed_tokens
-                       + [n.num_computed_tokens for n in so.scheduled_new_reqs], dtype=np.int64)
-        total = np.fromiter((st.num_tokens for st in states), dtype=np.int64, count=R)
-        if ahead is not None:
-            total += ahead
-        if not np.array_equal(ctx + 1, total):  # a one-token partial prefill chunk samples nothing
-            return None
-        bs = self.block_size
-        slots = np.fromiter((st.slot for st in states), dtype=np.int64, count=R)
-        bt = self.block_table[slots, : -(-int(total.max()) // bs)]
-        slot_mapping = bt[np.arange(R), ctx // bs].astype(np.int64) * bs + ctx % bs
-        return DecodeBatch(self.token_ids[slots, ctx].astype(np.int64), ctx, slot_mapping,
-                           total.astype(np.int32), bt)
 
     def _forward(self, inp: StepInputs) -> torch.Tensor:
         return self.model.forward(inp.input_ids, inp.positions, self.kv_cache, inp.attn_metadata,
@@ -244,33 +199,28 @@ class ModelRunner:
             ahead = np.zeros(len(states), dtype=np.int64)
             ahead[rows] = 1
         # fill(input_ids, at=...) copies the unread tokens into the inputs on the device
-        fill = partial(fill_tokens, src=src, tokens=pend.tokens) if len(rows) else None  # type: ignore[union-attr]
+        fill = partial(fill_tokens, src=src, tokens=pend.tokens, device=self.dev) if len(rows) else None  # type: ignore[union-attr]
         out, sampled, sampled_ids, logits = ModelRunnerOutput(), [], [], None
-        batch = self.decode_batch(so, states, ahead) if self.graphs is not None and states else None
-        if batch is not None:
-            logits = self.graphs.run(batch, partial(fill, at=rows) if fill else None)  # type: ignore[union-attr]
-        if logits is not None:
-            self.num_graph_steps += 1
-            sampled, sampled_ids = states, list(so.num_scheduled_tokens)
-        elif states:
-            inp = self.prepare_inputs(so, states, ahead)
-            if fill is not None:
-                fill(inp.input_ids, at=first_token_index(so, rows))
+        if states:
+            batch = self.build_inputs(so, states, ahead)
+            if self.graphs is not None and batch.pure_decode:
+                logits = self.graphs.run(batch, partial(fill, at=rows) if fill else None)  # type: ignore[union-attr]
+                self.num_graph_steps += logits is not None
+            if logits is None:
+                inp = self.device_inputs(batch)
+                if fill is not None:
+                    fill(inp.input_ids, at=batch.query_start_loc[rows].astype(np.int64))
+                logits = self._forward(inp)  # also when nothing samples: partial prefill chunks write KV
             req_ids = list(so.num_scheduled_tokens)
-            sampled = [states[i] for i in inp.sample_idx]
-            sampled_ids = [req_ids[i] for i in inp.sample_idx]
-            logits = self._forward(inp)  # also when nothing samples: partial prefill chunks write KV
+            sampled = [states[i] for i in batch.sample_idx]
+            sampled_ids = [req_ids[i] for i in batch.sample_idx]
         prev = self._resolve(pend) if pend is not None else None
         if sampled:
             tokens, logprobs = sample_tokens(logits, self._sampling_batch(sampled, sampled_ids))
             if logprobs is not None:
                 out.logprobs = {rid: [lp] for rid, lp in zip(sampled_ids, logprobs) if lp is not None}
             new = Pending(out, sampled, sampled_ids, tokens)
-            if tokens.device.type == "cuda":
-                new.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-                new.host.copy_(tokens, non_blocking=True)
-                new.event = torch.cuda.Event()
-                new.event.record()
+            new.host, new.event = self.dev.to_host_async(tokens)
         else:
             new = Pending(out)
         if conn is not None:
@@ -284,7 +234,7 @@ class ModelRunner:
         if pend.tokens is not None:
             if pend.event is not None:
                 pend.event.synchronize()
-            toks = (pend.host if pend.host is not None else pend.tokens).tolist()
+            toks = pend.host.tolist()  # type: ignore[union-attr]
             live = [(st, t) for st, rid, t in zip(pend.states, pend.req_ids, toks) if self.reqs.get(rid) is st]
             if live:
                 self.record_sampled([st for st, _ in live], [t for _, t in live])
@@ -292,19 +242,3 @@ class ModelRunner:
             pend.tokens = pend.host = pend.event = None
         return pend.out
 
-
-def _to_device(arrays: list[np.ndarray], dtype: type, device: torch.device) -> list[torch.Tensor]:
-    """Tensors on ``device`` with the arrays' shapes: zero-copy on the host, else one packed copy."""
-    if device.type == "cpu":
-        return [torch.from_numpy(np.ascontiguousarray(a, dtype=dtype)) for a in arrays]
-    flat = torch.from_numpy(np.concatenate([a.ravel().astype(dtype, copy=False) for a in arrays]))
-    if device.type == "cuda":
-        # pinned staging from torch's caching host allocator (a block is reused only after the
-        # copy that read it completed), so the copy is asynchronous and the step never waits here
-        flat = flat.pin_memory()
-    dev = flat.to(device, non_blocking=device.type == "cuda")
-    out, off = [], 0
-    for a in arrays:
-        out.append(dev[off : off + a.size].view(a.shape))
-        off += a.size
-    return out

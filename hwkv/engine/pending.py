@@ -9,7 +9,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from hwkv.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from hwkv.core.sched_output import ModelRunnerOutput
+from hwkv.interfaces.device import Device
 
 EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -23,7 +24,7 @@ class Pending:
     states: list[Any] = field(default_factory=list)
     req_ids: list[str] = field(default_factory=list)
     tokens: torch.Tensor | None = None
-    host: torch.Tensor | None = None  # pinned copy of ``tokens`` (CUDA), valid once ``event`` fired
+    host: torch.Tensor | None = None  # host copy of ``tokens`` (Device.to_host_async), valid once ``event`` fired
     event: Any = None
 
     def rows(self, states: list[Any]) -> tuple[np.ndarray, np.ndarray]:
@@ -38,21 +39,12 @@ class Pending:
         return a[:, 0], a[:, 1]
 
 
-def first_token_index(so: SchedulerOutput, rows: np.ndarray) -> np.ndarray:
-    """Index of each of ``rows``' first scheduled token in the flattened batch."""
-    ql = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(so.num_scheduled_tokens))
-    start = np.zeros(len(ql), dtype=np.int64)
-    np.cumsum(ql[:-1], out=start[1:])
-    return start[rows]
-
-
-def fill_tokens(input_ids: torch.Tensor, at: np.ndarray, src: np.ndarray, tokens: torch.Tensor) -> None:
+def fill_tokens(input_ids: torch.Tensor, at: np.ndarray, src: np.ndarray, tokens: torch.Tensor,
+                device: Device) -> None:
     """``input_ids[at] = tokens[src]`` on the device (one copy when both are the same prefix)."""
     k = len(at)
     if at[-1] == k - 1 and np.array_equal(at, src):  # rows ascend and are distinct: both are arange(k)
         input_ids[:k].copy_(tokens[:k])
         return
-    idx = torch.from_numpy(np.stack([at, src]))
-    if input_ids.device.type == "cuda":
-        idx = idx.pin_memory().to(input_ids.device, non_blocking=True)
+    idx = device.to_device(torch.from_numpy(np.stack([at, src])))
     input_ids.index_copy_(0, idx[0], tokens.index_select(0, idx[1]))

@@ -1,9 +1,10 @@
 """The four interfaces a hardware backend implements — Device, Attention, Transfer, Store — plus
-Capabilities, the KV layout and the plugin record. Core code depends only on these."""
+Capabilities, the KV layout, the plugin record and the KV connector interface. Core code depends only on these."""
 
 from hwkv.interfaces.attention import AttentionBackend, AttentionImpl, AttentionMetadata, AttentionMetadataBuilder
 from hwkv.interfaces.backend import API_VERSION, Backend, BackendSpec, BackendUnavailable, NotSupported
 from hwkv.interfaces.capabilities import Capabilities
+from hwkv.interfaces.connector import KVConnectorBase, NoOpConnector
 from hwkv.interfaces.device import Device, Event, Stream
 from hwkv.interfaces.layout import KVCache, KVCacheSpec, KVLayoutKind, Segment, group_concurrent_contiguous
 from hwkv.interfaces.store import Buffers, ItemResult, KeyNotFound, SizeMismatch, Store, StoreError, StoreFull
@@ -12,7 +13,7 @@ from hwkv.interfaces.transfer import Transfer, TransferError
 __all__ = [
     "API_VERSION", "AttentionBackend", "AttentionImpl", "AttentionMetadata", "AttentionMetadataBuilder",
     "Backend", "BackendSpec", "BackendUnavailable", "Buffers", "Capabilities", "Device", "Event",
-    "ItemResult", "KVCache", "KVCacheSpec", "KVLayoutKind", "KeyNotFound", "NotSupported", "Segment",
-    "SizeMismatch", "Store", "StoreError", "StoreFull", "Stream", "Transfer", "TransferError",
-    "group_concurrent_contiguous",
+    "ItemResult", "KVCache", "KVCacheSpec", "KVConnectorBase", "KVLayoutKind", "KeyNotFound",
+    "NoOpConnector", "NotSupported", "Segment", "SizeMismatch", "Store", "StoreError", "StoreFull",
+    "Stream", "Transfer", "TransferError", "group_concurrent_contiguous",
 ]

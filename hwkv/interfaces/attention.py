@@ -20,9 +20,18 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from hwkv.interfaces.layout import KVCacheSpec, KVLayoutKind
+
+
+def slot_mapping(block_tables: Any, req_idx: Any, positions: Any, block_size: int) -> Any:
+    """KV slot of each new token, ``block_tables[req, pos // bs] * bs + pos % bs`` as int64, for numpy
+    arrays or torch tensors alike: the one definition the engine and :meth:`AttentionMetadata.build` use."""
+    blocks = block_tables[req_idx, positions // block_size]
+    blocks = blocks.astype(np.int64) if isinstance(blocks, np.ndarray) else blocks.long()
+    return blocks * block_size + positions % block_size
 
 
 @dataclass
@@ -99,7 +108,7 @@ class AttentionMetadata:
         num_tokens = int(qsl[-1])
         req = torch.repeat_interleave(torch.arange(ql.numel()), ql.long())
         pos = torch.arange(num_tokens) - qsl[:-1].long()[req] + (sl - ql).long()[req]
-        slots = bt[req, pos // block_size].long() * block_size + pos % block_size
+        slots = slot_mapping(bt, req, pos, block_size)
         is_dec = ql == 1
         dev = torch.device(device)
         return cls(

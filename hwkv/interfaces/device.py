@@ -1,10 +1,17 @@
-"""Device interface: memory, KV allocation, streams/events, pinned host buffers, block copies."""
+"""Device interface: memory, KV allocation, streams/events, graphs, host staging, block copies.
+
+The engine reaches the accelerator's runtime only through these methods, so the same step loop
+serves every chip: a backend that declares ``Capabilities.graph_capture`` implements
+:meth:`Device.graph_pool` / :meth:`Device.capture_graph`; one whose device copies asynchronously
+(``async_copies``) gets pinned staging and non-blocking copies from the defaults.
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -27,6 +34,18 @@ class Stream(Protocol):
     def wait_stream(self, stream: Stream) -> None: ...
 
 
+class Graph(Protocol):
+    """A captured sequence of device work (torch.cuda.CUDAGraph / torch.npu.NPUGraph semantics)."""
+
+    def replay(self) -> None:
+        """Re-run the captured work on the current contents of the tensors it read, writing the
+        same output tensors the capture returned; ordered on the current stream, no host sync."""
+        ...
+
+
+T = TypeVar("T")
+
+
 class Device(ABC):
     """One accelerator (or the host, for the reference backend).
 
@@ -44,11 +63,23 @@ class Device(ABC):
       already queued. Results never depend on it. Work it queues is joined back into the current
       stream by ``join_prefetch()``, which the caller runs before its forward ends (a CUDA-graph
       capture needs every side stream joined). The defaults do nothing.
+    * Host staging: with ``async_copies`` (the device has its own memory and copy engines),
+      :meth:`host_empty` returns page-locked buffers, and :meth:`to_device` / :meth:`to_host_async`
+      copy without blocking the host; a staging buffer may be rewritten only after the copy that
+      read it completed (an event recorded after it has fired). Without it (the host is the
+      device) the same calls are plain, synchronous and zero-copy where possible.
+    * Graphs (only where the backend declares ``Capabilities.graph_capture``; the defaults raise
+      :class:`NotSupported`): :meth:`capture_graph` runs ``fn`` once under capture on ``stream``
+      and returns a :class:`Graph` plus ``fn``'s result, whose tensors every replay rewrites.
+      Graphs captured with one :meth:`graph_pool` share memory, so they must replay one at a
+      time (capture the largest first). ``fn`` must not synchronise with the host; every side
+      stream it forks must be joined back before it returns.
     """
 
     type: str = "cpu"
     dist_backend: str = "gloo"
     supports_prefetch: bool = False
+    async_copies: bool = False  # host<->device copies run asynchronously from pinned host memory
 
     def __init__(self, index: int = 0):
         self.index = index
@@ -71,12 +102,46 @@ class Device(ABC):
 
     def allocate_kv_cache(self, spec: KVCacheSpec, layout: KVLayoutKind, host: bool = False) -> KVCache:
         if host:
-            return KVCache.allocate(spec, layout, "cpu", pin_memory=self.type != "cpu")
+            return KVCache.allocate(spec, layout, "cpu", pin_memory=self.async_copies)
         return KVCache.allocate(spec, layout, self.torch_device)
+
+    # ---- host staging --------------------------------------------------------------------------
+    def host_empty(self, shape: tuple[int, ...] | int, dtype: torch.dtype) -> torch.Tensor:
+        """A host staging buffer: page-locked with ``async_copies``, plain host memory otherwise."""
+        return torch.empty(shape, dtype=dtype, pin_memory=self.async_copies)
+
+    def host_zeros(self, shape: tuple[int, ...] | int, dtype: torch.dtype) -> torch.Tensor:
+        return self.host_empty(shape, dtype).zero_()
 
     def pinned_empty(self, nbytes: int) -> torch.Tensor:
         """A page-locked host uint8 buffer (plain host memory where pinning is meaningless)."""
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.type != "cpu")
+        return self.host_empty(nbytes, torch.uint8)
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """``host`` (a host tensor the caller will not write again) on this device: the same tensor
+        when the device is the host; else staged through pinned memory from torch's caching host
+        allocator (a block is reused only after the copy that read it completed) and copied without
+        blocking the host."""
+        if host.device == self.torch_device:
+            return host
+        if self.async_copies and not host.is_pinned():
+            host = host.pin_memory()
+        return host.to(self.torch_device, non_blocking=self.async_copies)
+
+    def to_host_async(self, t: torch.Tensor) -> tuple[torch.Tensor, Event | None]:
+        """Start copying device tensor ``t`` to the host: ``(host tensor, event)``; the host tensor
+        is valid once ``event`` has fired (``None``: valid at once)."""
+        if not self.async_copies:
+            return t.cpu(), None
+        host = self.host_empty(tuple(t.shape), t.dtype)
+        host.copy_(t, non_blocking=True)
+        event = self.new_event()
+        event.record()
+        return host, event
+
+    def empty_cache(self) -> None:
+        """Return cached, unused device memory to the runtime (benchmarks between engines)."""
+        return None
 
     @abstractmethod
     def new_stream(self) -> Stream: ...
@@ -88,10 +153,20 @@ class Device(ABC):
     def stream_context(self, stream: Stream) -> AbstractContextManager[None]: ...
 
     @abstractmethod
-    def new_event(self) -> Event: ...
+    def new_event(self, enable_timing: bool = False) -> Event:
+        """An event; ``enable_timing=True`` gives ``elapsed_time(end)`` in milliseconds."""
 
     @abstractmethod
     def synchronize(self) -> None: ...
+
+    # ---- graphs (Capabilities.graph_capture) ---------------------------------------------------
+    def graph_pool(self) -> Any:
+        """A memory-pool handle that graphs captured with it share."""
+        raise _no_graphs(self)
+
+    def capture_graph(self, fn: Callable[[], T], pool: Any, stream: Stream) -> tuple[Graph, T]:
+        """Capture ``fn`` on ``stream`` into a graph using ``pool`` (see class contract)."""
+        raise _no_graphs(self)
 
     def seed(self, seed: int) -> None:
         torch.manual_seed(seed)
@@ -139,6 +214,12 @@ class Device(ABC):
                 # index_copy_ that follows is on no stream: it must wait.
                 to_host = d_t.device.type == "cpu" and s_t.device.type != "cpu"
                 d_t.index_copy_(0, di, s_t.index_select(0, si).to(d_t.device, non_blocking=not to_host))
+
+
+def _no_graphs(dev: Device) -> Exception:
+    from hwkv.interfaces.backend import NotSupported  # backend.py imports this module
+
+    return NotSupported(f"device {dev.name} captures no graphs (Capabilities.graph_capture is False)")
 
 
 class _nullcontext(AbstractContextManager[None]):

@@ -1,7 +1,7 @@
 """Building blocks shared by the model families: linear, RMSNorm and the SiLU-gated MLP.
 
 Parameters are allocated uninitialised on the target device (the loader fills them). The math is
-in free functions so the engine may ``torch.compile`` them (``fuse_elementwise``).
+in free functions so the engine may ``torch.compile`` them (:mod:`hwkv.model.fuse`).
 """
 
 from __future__ import annotations

@@ -98,14 +98,14 @@ def weight_files(path: str | Path) -> list[Path]:
     raise ModelLoadError(f"{single}: file not found and no model.safetensors.index.json{hint}")
 
 
-def iter_weights(files: list[Path], device: torch.device) -> Iterator[tuple[Path, str, torch.Tensor]]:
+def iter_weights(files: list[Path]) -> Iterator[tuple[Path, str, torch.Tensor]]:
     from safetensors import SafetensorError, safe_open
 
-    # safetensors places tensors directly on cpu/cuda; other devices load via host then copy_.
-    where = str(device) if device.type in ("cpu", "cuda") else "cpu"
+    # Host tensors (memory-mapped) on every device: load_weights copies each into its parameter,
+    # one host->device copy (safetensors' own device loading also goes through the host).
     for f in files:
         try:
-            with safe_open(str(f), framework="pt", device=where) as st:
+            with safe_open(str(f), framework="pt", device="cpu") as st:
                 for name in st.keys():  # noqa: SIM118 - safe_open handles are not iterable
                     yield f, name, st.get_tensor(name)
         except SafetensorError as e:
@@ -120,7 +120,7 @@ def load_weights(model: LlamaForCausalLM, path: str | Path) -> None:
     slots = model.weight_slots()
     loaded: set[str] = set()
     sums: list[tuple[Path, str, torch.Tensor]] = []
-    for file, name, tensor in iter_weights(files, model.device):
+    for file, name, tensor in iter_weights(files):
         try:
             got = model.load_weights([(name, tensor)])
             loaded |= got

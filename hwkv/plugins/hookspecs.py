@@ -40,6 +40,16 @@ class ConnectorSpec:
     description: str = ""
 
 
+@dataclass(frozen=True)
+class BenchSpec:
+    """A benchmark a plugin provides as ``hwkv bench <name>``: ``module`` exposes
+    ``add_arguments(parser)`` and ``run(args) -> int`` and is imported only when chosen."""
+
+    name: str
+    module: str
+    description: str = ""
+
+
 @hookspec
 def hwkv_backends() -> list[BackendSpec]:  # type: ignore[empty-body]
     """The hardware backends this plugin provides."""
@@ -53,3 +63,8 @@ def hwkv_stores() -> list[StoreSpec]:  # type: ignore[empty-body]
 @hookspec
 def hwkv_connectors() -> list[ConnectorSpec]:  # type: ignore[empty-body]
     """The KV connectors this plugin provides (reserved)."""
+
+
+@hookspec
+def hwkv_benches() -> list[BenchSpec]:  # type: ignore[empty-body]
+    """Backend-specific benchmarks this plugin provides (``hwkv bench <name>``)."""

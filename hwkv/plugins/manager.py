@@ -13,7 +13,9 @@ Policy:
 * two specs with the same backend name are a conflict: both are listed as unusable, naming both
   distributions, and neither is picked silently;
 * ``HWKV_PLUGINS`` (allow-list) and ``HWKV_DISABLED_PLUGINS`` (block-list) hold comma-separated
-  entry-point or distribution names.
+  entry-point or distribution names;
+* ``HWKV_PLUGIN_MODULES`` names plugin modules to register without an installed distribution (a
+  source checkout on ``PYTHONPATH``, e.g. ``hwkv_cuda.plugin``), each as if it had an entry point.
 Discovery runs once and is cached; :func:`reset` forgets it (tests, changed environment).
 """
 
@@ -129,6 +131,11 @@ class _Registry:
             from hwkv import __version__
 
             out.append(("cpu", "hwkv", __version__, lambda: importlib.import_module(BUILTIN_PLUGIN)))
+        known = {ep.value.split(":")[0].strip() for ep in eps} | {BUILTIN_PLUGIN}
+        for mod in (m.strip() for m in os.environ.get("HWKV_PLUGIN_MODULES", "").split(",")):
+            if mod and mod not in known:
+                known.add(mod)
+                out.append((mod, mod.split(".")[0], "source", lambda mod=mod: importlib.import_module(mod)))
         return out
 
     def _discover(self) -> None:
@@ -303,6 +310,20 @@ def available_backends() -> list[str]:
             if e.info.spec is not None:
                 reg.check(e)
         return sorted(e.info.name for e in reg.entries if e.info.available)
+
+
+def list_benches() -> list[hookspecs.BenchSpec]:
+    """Benchmarks the loaded plugins provide (``hwkv_benches`` hook), sorted by name; a plugin whose
+    hook raises contributes none (as a broken plugin never breaks discovery)."""
+    reg = _get()
+    specs: list[hookspecs.BenchSpec] = []
+    with _lock:
+        for impl in reg.pm.hook.hwkv_benches.get_hookimpls():
+            try:
+                specs.extend(impl.function() or [])
+            except Exception as e:
+                warnings.warn(f"plugin {impl.plugin_name!r}: hwkv_benches failed: {_err(e)}", stacklevel=2)
+    return sorted(specs, key=lambda s: s.name)
 
 
 def get_backend(name: str) -> Backend:

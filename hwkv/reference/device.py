@@ -1,4 +1,5 @@
-"""The host as a Device: CPU work is synchronous, so streams and events are trivially complete."""
+"""The host as a Device: CPU work is synchronous, so streams and events are trivially complete,
+copies are plain (no staging) and there are no graphs: the engine runs it eagerly."""
 
 from __future__ import annotations
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import hwkv
-from hwkv.engine.cuda_graphs import DecodeBatch, batch_buckets, pad_into, pick_bucket
+from hwkv.engine.graph_runner import batch_buckets, pad_into, pick_bucket
+from hwkv.engine.inputs import StepBatch
 from hwkv.sampling_params import SamplingParams
 from hwkv.testing.tiny_models import write_tiny_model
 
@@ -29,7 +30,7 @@ def test_buckets():
 def test_seq_buckets_and_keys():
     from types import SimpleNamespace
 
-    from hwkv.engine.cuda_graphs import SMALL_BATCH, GraphRunner, seq_buckets
+    from hwkv.engine.graph_runner import SMALL_BATCH, GraphRunner, seq_buckets
 
     assert seq_buckets(4096) == [512, 1024, 2048, 4096]
     assert seq_buckets(3000) == [512, 1024, 2048, 3000]
@@ -48,8 +49,10 @@ def test_seq_buckets_and_keys():
 
 def test_pad_into():
     n, bucket, mb, w = 3, 4, 6, 5
-    batch = DecodeBatch(np.array([7, 8, 9]), np.array([10, 20, 30]), np.array([40, 81, 122]),
-                        np.array([11, 21, 31], dtype=np.int32), np.arange(6, dtype=np.int32).reshape(3, 2) + 1)
+    batch = StepBatch(np.array([7, 8, 9]), np.array([10, 20, 30]), np.array([40, 81, 122]),
+                      np.arange(4, dtype=np.int32), np.array([11, 21, 31], dtype=np.int32),
+                      np.arange(6, dtype=np.int32).reshape(3, 2) + 1, np.arange(3), np.arange(3), 3, 1)
+    assert batch.pure_decode
     i64, seq = np.full((3, mb), 99, np.int64), np.full(mb, 99, np.int32)
     bt = np.full((mb, w), 99, np.int32)
     pad_into(batch, bucket, i64, seq, bt)
@@ -171,7 +174,7 @@ def test_prefetch_weights_same_tokens_on_gpu(model_dir):
 def test_fuse_elementwise_same_tokens(model_dir, fresh_dynamo):
     """The fused RMSNorm / RoPE / SiLU·mul replacements compute the model's functions (checked
     through torch.compile's eager backend: no compiler needed on CPU)."""
-    from hwkv.engine.cuda_graphs import fuse_elementwise
+    from hwkv.model.fuse import fuse_elementwise
 
     torch.set_num_threads(1)
     prompts, params = _prompts(4, seed=2), _greedy(4)
@@ -201,7 +204,7 @@ def test_bench_e2e_smoke_cpu(model_dir, tmp_path):
     assert e2e.run(args) == 0
     res = json.loads(next(tmp_path.glob("e2e-*.json")).read_text())
     assert not res["errors"]
-    assert res["throughput"]["hwkv"]["output_tokens"] == sum(m for _, m in e2e._workload(6, 4, 12, 512))
+    assert res["throughput"]["hwkv"]["output_tokens"] == sum(m for _, m in e2e.workload(6, 4, 12, 512))
     assert res["batch1"]["tok_per_s"] > 0 and res["batch1"]["eager"]["tok_per_s"] > 0
     assert res["batch1_variants"]["async on"]["tok_per_s"] > 0
     assert res["shared_prefix"]["stats_on"]["prefix_cache_hits"] > 0 == res["shared_prefix"]["stats_off"][

@@ -1,4 +1,4 @@
-"""ModelRunner input preparation (no model): bulk-built metadata equals AttentionMetadata.build."""
+"""ModelRunner input building (no model): the step batch and its metadata equal AttentionMetadata.build."""
 
 from __future__ import annotations
 
@@ -40,8 +40,11 @@ def test_prepare_inputs_matches_reference_build():
         states = runner.update_states(so)
         rids = list(so.num_scheduled_tokens)
         before = {rid: reqs[rid].num_computed_tokens - n for rid, n in so.num_scheduled_tokens.items()}
-        input_ids, positions, meta, logits_idx, sample_idx, slot_mapping = runner.prepare_inputs(so, states)
-        assert slot_mapping is meta.slot_mapping
+        batch = runner.build_inputs(so, states)
+        input_ids, positions, meta, logits_idx, slot_mapping = runner.device_inputs(batch)
+        sample_idx = batch.sample_idx.tolist()
+        assert slot_mapping is meta.slot_mapping and batch.pure_decode == (meta.num_prefills == 0 == len(
+            [r for r in rids if reqs[r].num_computed_tokens < reqs[r].num_tokens]))
         ql = [so.num_scheduled_tokens[r] for r in rids]
         seq = [before[r] + so.num_scheduled_tokens[r] for r in rids]
         ref = AttentionMetadata.build(ql, seq, [kv.get_block_ids(r) for r in rids], BS)

@@ -1,7 +1,7 @@
 """A well-formed plugin; its factories live in hwkv_tp_toy_impl, which must be imported lazily."""
 
 from hwkv.interfaces import API_VERSION, BackendSpec
-from hwkv.plugins import hookimpl
+from hwkv.plugins import BenchSpec, hookimpl
 
 
 @hookimpl
@@ -14,3 +14,8 @@ def hwkv_backends():
         BackendSpec("tp-toy-missing", API_VERSION, "hwkv_tp_does_not_exist:Backend"),
         BackendSpec("tp-toy-notbackend", API_VERSION, f"{impl}:NotABackend"),
     ]
+
+
+@hookimpl
+def hwkv_benches():
+    return [BenchSpec("tp-toy-bench", "hwkv_tp_toy_bench", "a toy bench")]

@@ -1,4 +1,9 @@
-"""AscendDevice: one NPU through ``torch_npu.npu`` (memory, streams, events, pinned host buffers).
+"""AscendDevice: one NPU through ``torch_npu.npu`` (memory, streams, events, ACL graphs, pinned host
+staging).
+
+ACL graphs follow vllm-ascend's capture: ``torch.npu.NPUGraph()`` captured under
+``torch.npu.graph(graph, pool=..., stream=...)`` with a pool from ``torch.npu.graph_pool_handle()``;
+whether the engine uses them is the backend's ``Capabilities.graph_capture`` declaration.
 
 ``torch.npu`` is ``torch_npu.npu`` once torch_npu is imported; calling it through the module we
 resolved keeps the backend working under the test emulator, where tensors live on the CPU.
@@ -7,6 +12,7 @@ resolved keeps the backend working under the test emulator, where tensors live o
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -52,6 +58,7 @@ class AscendDevice(Device):
         if kv_alignment < 0 or (kv_alignment & (kv_alignment - 1)):
             raise ValueError(f"kv_alignment must be 0 or a power of two, got {kv_alignment}")
         self.kv_alignment = kv_alignment
+        self.async_copies = not self.emulated  # the emulator's "NPU" memory is the host's
         if not self.emulated:
             self.npu.npu.set_device(index)
 
@@ -102,9 +109,6 @@ class AscendDevice(Device):
             off += step
         return out
 
-    def pinned_empty(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=not self.emulated)
-
     # -- streams / events --------------------------------------------------------------------------
 
     def new_stream(self) -> Stream:
@@ -116,11 +120,25 @@ class AscendDevice(Device):
     def stream_context(self, stream: Stream) -> AbstractContextManager[Any]:
         return self.npu.npu.stream(stream)
 
-    def new_event(self) -> Any:
-        return self.npu.npu.Event()
+    def new_event(self, enable_timing: bool = False) -> Any:
+        return self.npu.npu.Event(enable_timing=enable_timing)
 
     def synchronize(self) -> None:
         self.npu.npu.synchronize(self.torch_device)
+
+    def empty_cache(self) -> None:
+        self.npu.npu.empty_cache()
+
+    # -- ACL graphs --------------------------------------------------------------------------------
+
+    def graph_pool(self) -> Any:
+        return self.npu.npu.graph_pool_handle()
+
+    def capture_graph(self, fn: Callable[[], Any], pool: Any, stream: Stream) -> tuple[Any, Any]:
+        g = self.npu.npu.NPUGraph()
+        with self.npu.npu.graph(g, pool=pool, stream=stream):
+            out = fn()
+        return g, out
 
     def seed(self, seed: int) -> None:
         torch.manual_seed(seed)

@@ -1,4 +1,5 @@
-"""CUDA device: torch.cuda memory, streams and events, pinned host buffers, batched block copies."""
+"""CUDA device: torch.cuda memory, streams and events, CUDA graphs, pinned host staging, batched block
+copies, L2 weight prefetch."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ class CudaDevice(Device):
     type = "cuda"
     dist_backend = "nccl"
     supports_prefetch = True
+    async_copies = True
 
     def __init__(self, index: int = 0):
         super().__init__(index)
@@ -45,11 +47,23 @@ class CudaDevice(Device):
     def stream_context(self, stream: Stream) -> AbstractContextManager[Any]:
         return torch.cuda.stream(stream)  # type: ignore[arg-type]
 
-    def new_event(self) -> torch.cuda.Event:
-        return torch.cuda.Event()
+    def new_event(self, enable_timing: bool = False) -> torch.cuda.Event:
+        return torch.cuda.Event(enable_timing=enable_timing)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.index)
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
+    def graph_pool(self) -> Any:
+        return torch.cuda.graph_pool_handle()
+
+    def capture_graph(self, fn: Callable[[], Any], pool: Any, stream: Stream) -> tuple[torch.cuda.CUDAGraph, Any]:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=pool, stream=stream):  # type: ignore[arg-type]
+            out = fn()
+        return g, out
 
     def seed(self, seed: int) -> None:
         torch.manual_seed(seed)

@@ -1,7 +1,8 @@
-"""pluggy entry point (group ``hwkv.backends``): registers the ``cuda`` backend, imported lazily."""
+"""pluggy entry point (group ``hwkv.backends``): registers the ``cuda`` backend (imported lazily) and
+its attention benchmark (``hwkv bench attention``)."""
 
 from hwkv.interfaces.backend import API_VERSION, BackendSpec
-from hwkv.plugins import hookimpl
+from hwkv.plugins import BenchSpec, hookimpl
 
 
 @hookimpl
@@ -15,3 +16,9 @@ def hwkv_backends() -> list[BackendSpec]:
                         "Mooncake transfer (rdma when RDMA devices exist, else tcp via pinned host buffers)",
         )
     ]
+
+
+@hookimpl
+def hwkv_benches() -> list[BenchSpec]:
+    return [BenchSpec("attention", "hwkv_cuda.bench.attention",
+                      "CUDA paged attention kernels vs torch SDPA / FlexAttention")]

@@ -3,6 +3,7 @@
 # with it ("" = defaults). Usage (device, repo root):
 #   CONFIGS="|num_stages=1|block_n=128" bash backends/cuda/scripts/attn_sweep.sh --batches 1 --contexts 8192 ...
 export PYTHONPATH=.:backends/cuda${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export HWKV_PLUGIN_MODULES=${HWKV_PLUGIN_MODULES:-hwkv_cuda.plugin}  # `hwkv bench attention` comes from the cuda plugin
 IFS='|' read -r -a cfgs <<< "${CONFIGS:-}"
 [[ ${#cfgs[@]} -eq 0 ]] && cfgs=("")
 for cfg in "${cfgs[@]}"; do

@@ -173,7 +173,7 @@ SWEEP = {  # shape: (batch, H, H_kv, q_len, prefix), configs
 
 
 def sweep() -> list[dict]:
-    from hwkv.bench.attention import Case, _time
+    from hwkv_cuda.bench.attention import Case, _time
 
     res = []
     for name, ((b, h, hkv, ql, pre), cfgs) in SWEEP.items():

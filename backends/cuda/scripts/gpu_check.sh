@@ -4,6 +4,7 @@
 set -o pipefail
 OUT=${OUT:-/tmp/hwkv-out}; mkdir -p "$OUT"
 export PYTHONPATH=.:backends/cuda${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export HWKV_PLUGIN_MODULES=${HWKV_PLUGIN_MODULES:-hwkv_cuda.plugin}  # the cuda backend and its benches, uninstalled
 STEPS=${STEPS:-pytest,check,sweep,bench}
 failed=()
 # status of the first command of the last pipeline (tee/grep/tail after it always succeed)

@@ -30,9 +30,8 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE.parents[2]), str(HERE.parent / "tests")]
 
 from hwkv_cuda.attention import CudaMetadataBuilder, TritonAttentionBackend  # noqa: E402
+from hwkv_cuda.bench.attention import Case, _time  # noqa: E402
 from naive import naive_attention  # noqa: E402
-
-from hwkv.bench.attention import Case, _time  # noqa: E402
 
 SHAPES = [(1, 8192), (1, 16384), (1, 4096), (1, 1024), (8, 4096), (8, 16384)]  # (batch, context), headline first
 H, HKV, D, BS = 32, 8, 128, 16

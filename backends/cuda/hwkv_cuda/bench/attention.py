@@ -3,7 +3,7 @@
 Decode (batch x context x heads) and prefill chunks on a cached prefix. Ours reads a paged KV cache
 with scattered blocks; SDPA (default backend) and FlexAttention (``flex``: compiled, block mask) read
 equivalent contiguous KV; ``flex-paged`` is FlexAttention reading our paged cache in place
-(:mod:`hwkv.bench.flex_paged`). Inputs rotate over several copies so no shape is timed out of L2; each
+(:mod:`hwkv_cuda.bench.flex_paged`). Inputs rotate over several copies so no shape is timed out of L2; each
 implementation is timed as CUDA-graph replays (eager loop where capture fails). Reported: median
 time, achieved TB/s over the bytes that must move (KV + Q + O), % of the device-to-device copy
 bandwidth measured in this run, and causal TFLOP/s for prefill.
@@ -156,11 +156,11 @@ class Case:
         return [lambda r=r: fn(q[r], k[r], v[r], block_mask=mask, enable_gqa=gqa) for r in range(self.rot)]
 
     def flex_paged(self) -> list:
-        """FlexAttention on our paged cache (hwkv.bench.flex_paged). One input set: its mask_mod is
+        """FlexAttention on our paged cache (hwkv_cuda.bench.flex_paged). One input set: its mask_mod is
         specialised to one block table, so at shapes under ROTATE_BYTES its KV may sit in L2 (in its favour)."""
         from torch.nn.attention.flex_attention import flex_attention
 
-        from hwkv.bench.flex_paged import paged_flex_args
+        from hwkv_cuda.bench.flex_paged import paged_flex_args
 
         a = paged_flex_args(self.kv, self.md[0].block_tables, self.q_len, self.seq)
         fn = _compiled_flex(flex_attention)

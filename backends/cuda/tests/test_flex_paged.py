@@ -5,8 +5,7 @@ import shutil
 
 import pytest
 import torch
-
-from hwkv.bench.flex_paged import paged_flex_args
+from hwkv_cuda.bench.flex_paged import paged_flex_args
 
 flex = pytest.importorskip("torch.nn.attention.flex_attention")
 
@@ -62,7 +61,7 @@ def test_paged_flex_rejects_other_layouts():
 
 
 def test_bench_rejects_unknown_peers(capsys):
-    from hwkv.bench import attention
+    from hwkv_cuda.bench import attention
 
     ap = argparse.ArgumentParser()
     attention.add_arguments(ap)

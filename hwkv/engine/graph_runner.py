@@ -1,9 +1,11 @@
-"""Decode fast path: CUDA graphs per batch-size (and, for small batches, seq-len) bucket.
+"""Decode fast path: device graphs per batch-size (and, for small batches, seq-len) bucket.
 
 A pure-decode step (every request schedules one token and samples it) is padded up to the next
 captured bucket and runs by ``graph.replay()``: a decoder of L layers launches ~12·L kernels per
-step, which at batch 1 cost more CPU time than the GPU needs for them. Prefill and mixed steps stay
-eager (their token counts vary too much to capture).
+step, which at batch 1 cost more CPU time than the device needs for them. Prefill and mixed steps
+stay eager (their token counts vary too much to capture). Capture and replay go through the
+backend's Device (``capture_graph``: CUDA graphs on hwkv-cuda, ACL graphs on hwkv-ascend); the
+engine turns this path on where the backend declares ``Capabilities.graph_capture``.
 
 Static buffers hold every input the graph reads, so a replay only refreshes their contents:
 ``input_ids``/``positions``/``slot_mapping`` (int64 ``[3, max_bs]``, one host→device copy) and
@@ -18,20 +20,21 @@ the split count is then an upper bound, and splits past a request's real length 
 carry weight 0 in the reduction (see docs/gpu-e2e.md). Batches of up to ``SMALL_BATCH`` requests
 (where splitting KV matters) get one graph per seq-len bucket (512, 1024, …, ``max_model_len``)
 and replay the smallest bound that covers the step; larger batches one graph at ``max_model_len``.
-Inputs are staged in pinned host memory and copied with ``non_blocking=True``; an event guards the
-staging buffers against reuse before their copy ran.
+Inputs are staged in the device's host buffers (pinned where copies are asynchronous) and copied
+without blocking; an event guards the staging buffers against reuse before their copy ran.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
 
-from hwkv.interfaces.attention import AttentionMetadata
+from hwkv.engine.inputs import StepBatch, metadata
+from hwkv.interfaces.device import Device, Graph
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -60,18 +63,8 @@ def pick_bucket(buckets: list[int], n: int) -> int | None:
     return buckets[i] if i < len(buckets) else None
 
 
-class DecodeBatch(NamedTuple):
-    """Host inputs of one pure-decode step of ``n`` requests (numpy, unpadded)."""
-
-    input_ids: np.ndarray  # [n] int64
-    positions: np.ndarray  # [n] int64
-    slot_mapping: np.ndarray  # [n] int64
-    seq_lens: np.ndarray  # [n] int32
-    block_tables: np.ndarray  # [n, w] int32, w >= every row's block count
-
-
-def pad_into(batch: DecodeBatch, bucket: int, i64: np.ndarray, seq: np.ndarray, bt: np.ndarray) -> None:
-    """Write ``batch`` padded to ``bucket`` rows into staging views: ``i64 [3, >=bucket]`` (ids,
+def pad_into(batch: StepBatch, bucket: int, i64: np.ndarray, seq: np.ndarray, bt: np.ndarray) -> None:
+    """Write pure-decode ``batch`` padded to ``bucket`` rows into staging views: ``i64 [3, >=bucket]`` (ids,
     positions, slots), ``seq [>=bucket]``, ``bt [>=bucket, max_blocks]``. Padded rows: token 0 at
     position 0, slot -1 (no KV write), seq_len 1 over block 0 (a valid read)."""
     n, w = batch.block_tables.shape
@@ -95,38 +88,34 @@ class GraphRunner:
     buffer logic is then testable on any device, with metadata built from the true host lengths.
     """
 
-    def __init__(self, model: Any, kv_cache: Any, meta_builder: Any, block_size: int, max_batch: int,
-                 max_model_len: int, device: torch.device, use_graphs: bool = True):
+    def __init__(self, model: Any, kv_cache: Any, meta_builder: Any, device: Device, block_size: int,
+                 max_batch: int, max_model_len: int, use_graphs: bool = True):
         self.model, self.kv_cache, self.meta_builder = model, kv_cache, meta_builder
         self.block_size, self.max_model_len, self.device = block_size, max_model_len, device
         self.use_graphs = use_graphs
         self.buckets = batch_buckets(max_batch)
         self.seq_buckets = seq_buckets(max_model_len)
         mb, self.max_blocks = max_batch, -(-max_model_len // block_size)
-        pin = device.type == "cuda"
-        self.h64 = torch.zeros((3, mb), dtype=torch.int64, pin_memory=pin)
-        self.h32 = torch.zeros(mb + mb * self.max_blocks, dtype=torch.int32, pin_memory=pin)
-        self.d64 = torch.zeros((3, mb), dtype=torch.int64, device=device)
-        self.d32 = torch.zeros(mb + mb * self.max_blocks, dtype=torch.int32, device=device)
+        td = device.torch_device
+        self.h64 = device.host_zeros((3, mb), torch.int64)
+        self.h32 = device.host_zeros(mb + mb * self.max_blocks, torch.int32)
+        self.d64 = torch.zeros((3, mb), dtype=torch.int64, device=td)
+        self.d32 = torch.zeros(mb + mb * self.max_blocks, dtype=torch.int32, device=td)
         self.seq_lens = self.d32[:mb]
         self.block_tables = self.d32[mb:].view(mb, self.max_blocks)
-        self.query_start_loc = torch.arange(mb + 1, dtype=torch.int32, device=device)
-        self.logits_indices = torch.arange(mb, dtype=torch.int64, device=device)
-        self._copied = torch.cuda.Event() if pin else None
+        self.query_start_loc = torch.arange(mb + 1, dtype=torch.int32, device=td)
+        self.logits_indices = torch.arange(mb, dtype=torch.int64, device=td)
+        self._copied = device.new_event()
         # (batch, seq-len bound) -> (graph, logits, metadata): the metadata must outlive the graph,
         # since it owns tensors the backend built outside the capture (hwkv-cuda's cached plan)
-        self.graphs: dict[tuple[int, int], tuple[Any, torch.Tensor, Any]] = {}
+        self.graphs: dict[tuple[int, int], tuple[Graph, torch.Tensor, Any]] = {}
         self.pool: Any = None
 
     def _metadata(self, b: int, seq_cpu: torch.Tensor) -> Any:
-        qsl_cpu = torch.arange(b + 1, dtype=torch.int32)
-        common = AttentionMetadata(
-            query_start_loc=self.query_start_loc[: b + 1], seq_lens=self.seq_lens[:b],
-            block_tables=self.block_tables[:b], slot_mapping=self.d64[2, :b], query_start_loc_cpu=qsl_cpu,
-            seq_lens_cpu=seq_cpu, block_size=self.block_size, num_prefills=0, num_decodes=b,
-            num_prefill_tokens=0, num_decode_tokens=b, max_query_len=1, max_seq_len=int(seq_cpu.max()),
-        )
-        return self.meta_builder.build(common)
+        md = metadata(self.query_start_loc[: b + 1], self.seq_lens[:b], self.block_tables[:b], self.d64[2, :b],
+                      torch.arange(b + 1, dtype=torch.int32), seq_cpu, self.block_size, num_decodes=b,
+                      max_query_len=1)
+        return self.meta_builder.build(md)
 
     def _forward(self, b: int, md: Any) -> torch.Tensor:
         return self.model.forward(self.d64[0, :b], self.d64[1, :b], self.kv_cache, md, self.logits_indices[:b],
@@ -146,7 +135,7 @@ class GraphRunner:
         s = pick_bucket(self.seq_buckets, max_seq_len) if b <= SMALL_BATCH else self.max_model_len
         return None if s is None else (b, s)
 
-    def graph(self, n: int, max_seq_len: int) -> torch.cuda.CUDAGraph | None:
+    def graph(self, n: int, max_seq_len: int) -> Graph | None:
         """The captured graph serving ``n`` requests up to ``max_seq_len`` (for benchmarks), if any."""
         key = self.key(n, max_seq_len)
         entry = self.graphs.get(key) if key is not None else None
@@ -157,25 +146,23 @@ class GraphRunner:
         """Capture every key, largest first (smaller graphs reuse its memory pool)."""
         if not self.use_graphs:
             return
+        dev = self.device
         self.d64[2].fill_(-1)  # capture-time passes write no KV
         self.seq_lens.fill_(1)
         self.block_tables.zero_()
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
+        self.pool = dev.graph_pool()
+        stream = dev.new_stream()
+        stream.wait_stream(dev.current_stream())
+        with dev.stream_context(stream):
             for b, s in sorted(self.keys(), reverse=True):
                 md = self._metadata(b, torch.full((b,), s, dtype=torch.int32))
-                self._forward(b, md)  # warm-up: Triton compiles, allocator settles
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.pool, stream=stream):
-                    out = self._forward(b, md)
-                if self.pool is None:
-                    self.pool = g.pool()
+                self._forward(b, md)  # warm-up: kernels compile, the allocator settles
+                g, out = dev.capture_graph(lambda b=b, md=md: self._forward(b, md), self.pool, stream)
                 self.graphs[(b, s)] = (g, out, md)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        torch.cuda.synchronize(self.device)
+        dev.current_stream().wait_stream(stream)
+        dev.synchronize()
 
-    def run(self, batch: DecodeBatch, fill: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor | None:
+    def run(self, batch: StepBatch, fill: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor | None:
         """float32 logits ``[n, vocab]`` of one pure-decode step, or ``None`` when ``n`` exceeds
         every bucket or the block table is wider than the static one (the caller runs eagerly).
         ``fill(input_ids)`` runs after the inputs are copied in and before the forward: it patches
@@ -185,19 +172,16 @@ class GraphRunner:
         if key is None or batch.block_tables.shape[1] > self.max_blocks:
             return None
         b = key[0]
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous step's copies have read the staging buffers
+        self._copied.synchronize()  # the previous step's copies have read the staging buffers
         mb = self.h64.shape[1]
         h32 = self.h32.numpy()
         bt = h32[mb:].reshape(mb, self.max_blocks)
         pad_into(batch, b, self.h64.numpy(), h32[:mb], bt)
-        async_copy = self._copied is not None
-        self.d64[:, :b].copy_(self.h64[:, :b], non_blocking=async_copy)
+        self.d64[:, :b].copy_(self.h64[:, :b], non_blocking=True)
         # seq_lens and the first b block-table rows are contiguous: one copy
         end = mb + b * self.max_blocks
-        self.d32[:end].copy_(self.h32[:end], non_blocking=async_copy)
-        if self._copied is not None:
-            self._copied.record()
+        self.d32[:end].copy_(self.h32[:end], non_blocking=True)
+        self._copied.record()
         if fill is not None:
             fill(self.d64[0, :b])
         if self.use_graphs:
@@ -206,33 +190,3 @@ class GraphRunner:
             return out[:n]
         seq_cpu = torch.from_numpy(h32[:b].copy())
         return self._forward(b, self._metadata(b, seq_cpu))[:n]
-
-
-def fuse_elementwise(model: Any, backend: str = "inductor") -> int:
-    """Replace the model's RMSNorm (with its residual add), RoPE and SiLU·mul forwards by
-    ``torch.compile``d functions (one fused kernel each instead of 2–12 small ones; a decode step
-    of a small model is dominated by those launches). Same math; shapes are dynamic, so one
-    compilation (plus one for a single token) serves every batch. Dynamo keeps at most 8 variants
-    per function per process: a process building engines of many dtypes runs the surplus variants
-    uncompiled (correct, slower).
-    Returns the number of modules patched."""
-    from hwkv.model.llama import MLP, RMSNorm, add_rms_norm, rms_norm, silu_mul
-    from hwkv.model.rope import RotaryEmbedding, apply_rope
-
-    rms = torch.compile(rms_norm, dynamic=True, backend=backend)
-    add_rms = torch.compile(add_rms_norm, dynamic=True, backend=backend)
-    rope = torch.compile(apply_rope, dynamic=True, backend=backend)
-    act = torch.compile(silu_mul, dynamic=True, backend=backend)
-    n = 0
-    for m in model.modules():
-        if isinstance(m, RMSNorm):
-            m.forward = lambda x, residual=None, m=m: (rms(x, m.weight, m.eps) if residual is None
-                                                        else add_rms(x, residual, m.weight, m.eps))
-        elif isinstance(m, RotaryEmbedding):
-            m.forward = lambda positions, q, k, m=m: rope(m.cos, m.sin, positions, q, k)
-        elif isinstance(m, MLP):
-            m.forward = lambda x, m=m: m.down_proj(act(m.gate_up_proj(x), m.inter))
-        else:
-            continue
-        n += 1
-    return n

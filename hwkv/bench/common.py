@@ -1,0 +1,48 @@
+"""Shared by the engine benches: the synthetic workload, the backend lookup, copy bandwidth."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+
+def workload(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    """``n`` (prompt token ids, max_tokens) pairs, both lengths uniform in ``[lo, hi]``."""
+    rng = random.Random(seed)
+    return [
+        ([rng.randrange(100, vocab - 100) for _ in range(rng.randint(lo, hi))], rng.randint(lo, hi))
+        for _ in range(n)
+    ]
+
+
+def backend(name: str) -> Any:
+    """The registered backend ``name``; an unknown name says how to register a source checkout's."""
+    from hwkv.plugins import get_backend
+
+    try:
+        return get_backend(name)
+    except ValueError as e:
+        raise ValueError(f"{e} (a backend run from a source checkout registers through "
+                         f"HWKV_PLUGIN_MODULES, e.g. HWKV_PLUGIN_MODULES=hwkv_{name}.plugin)") from None
+
+
+def copy_bandwidth(device: Any, nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth of ``device`` (an hwkv Device) in bytes/s, counting bytes
+    read plus bytes written; timed with the device's events."""
+    import torch
+
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device.torch_device).random_(0, 255)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    device.synchronize()
+    s, e = device.new_event(enable_timing=True), device.new_event(enable_timing=True)
+    times = []
+    for _ in range(10):
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    times.sort()
+    return 2 * nbytes / times[len(times) // 2]

@@ -1,0 +1,92 @@
+"""V1-style KV connector interface: a scheduler side and a worker side (vLLM v1 KVConnectorBase_V1).
+
+The scheduler and model runner call these hooks at fixed points, so a connector (CPU offload,
+P/D disaggregation, global pool) plugs in without touching either:
+
+scheduler side, inside ``Scheduler.schedule`` / ``update_from_output``::
+
+    n_ext, load_async = get_num_new_matched_tokens(req, num_local_computed)   # before allocation
+    update_state_after_alloc(req, block_ids, n_ext)                             # after allocation
+    meta = build_connector_meta(sched_out)                                      # once per step
+    update_connector_output(kv_connector_output)                                # after the step
+    delay_free, params = request_finished(req, block_ids)                       # on finish
+
+worker side, inside ``ModelRunner.execute``::
+
+    register_kv_caches(kv_cache)          # once, after allocation
+    bind_connector_metadata(meta); start_load_kv()
+    wait_for_layer_load(i) / save_kv_layer(i, ...)    # per layer (layerwise connectors)
+    wait_for_save(); get_finished(finished_req_ids) -> KVConnectorOutput
+
+Contract: a load that fails must be reported in ``KVConnectorOutput.failed_recving`` (the
+scheduler then recomputes) — never silently produce wrong KV; ``delay_free=True`` hands the
+request's blocks to the connector until it reports the request in ``finished_sending``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hwkv.core.request import Request
+    from hwkv.core.sched_output import KVConnectorOutput, SchedulerOutput
+    from hwkv.interfaces.layout import KVCache
+
+
+class KVConnectorBase:
+    """Default behaviour of every hook: do nothing (so this class is also the no-op connector)."""
+
+    name = "base"
+
+    # ---- scheduler side -------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens beyond ``num_computed_tokens`` whose KV this connector can supply, and whether
+        they arrive asynchronously (then the request waits in WAITING_FOR_REMOTE_KVS until the
+        worker reports it in ``finished_recving``). Must leave at least the last prompt token to
+        compute."""
+        return 0, False
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        """Blocks are allocated for ``request`` (all of its blocks, in order)."""
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
+        """Per-step metadata for the worker side; attached to the SchedulerOutput."""
+        return None
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        """Worker-side completions of the last step (store/load events, finished transfers)."""
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """``(delay_free, kv_transfer_params)``: with ``delay_free`` the scheduler frees the
+        blocks only once the request is reported in ``finished_sending``. A request finished
+        (e.g. aborted) while its load is in flight must return ``delay_free=True`` and be reported
+        in ``finished_sending`` when the load stops writing, or its blocks could be reused under it."""
+        return False, None
+
+    # ---- worker side ----------------------------------------------------------------------
+    def register_kv_caches(self, kv_cache: KVCache) -> None:
+        """Called once with the allocated KV cache (register for transfer, pin, ...)."""
+
+    def bind_connector_metadata(self, metadata: Any) -> None: ...
+
+    def start_load_kv(self) -> None:
+        """Before the forward pass: start loading KV named in the bound metadata."""
+
+    def wait_for_layer_load(self, layer: int) -> None: ...
+
+    def save_kv_layer(self, layer: int, layer_kv: Any, attn_metadata: Any) -> None: ...
+
+    def wait_for_save(self) -> None:
+        """After the forward pass: the KV saves of this step are submitted/complete."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput | None:
+        """Completions since the last call; ``None`` when there is nothing to report."""
+        return None
+
+    def shutdown(self) -> None: ...
+
+
+class NoOpConnector(KVConnectorBase):
+    """The connector used when none is configured."""
+
+    name = "noop"

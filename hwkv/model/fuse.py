@@ -1,0 +1,39 @@
+"""Fused elementwise ops: the model's RMSNorm (+ residual add), RoPE and SiLU·mul forwards through
+``torch.compile``, one kernel each where eager torch launches 2–12 small ones. The engine applies
+it together with graph decode, where those launches dominate a small model's step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def fuse_elementwise(model: Any, backend: str = "inductor") -> int:
+    """Replace the model's RMSNorm (with its residual add), RoPE and SiLU·mul forwards by
+    ``torch.compile``d functions (one fused kernel each instead of 2–12 small ones; a decode step
+    of a small model is dominated by those launches). Same math; shapes are dynamic, so one
+    compilation (plus one for a single token) serves every batch. Dynamo keeps at most 8 variants
+    per function per process: a process building engines of many dtypes runs the surplus variants
+    uncompiled (correct, slower).
+    Returns the number of modules patched."""
+    from hwkv.model.layers import MLP, RMSNorm, add_rms_norm, rms_norm, silu_mul
+    from hwkv.model.rope import RotaryEmbedding, apply_rope
+
+    rms = torch.compile(rms_norm, dynamic=True, backend=backend)
+    add_rms = torch.compile(add_rms_norm, dynamic=True, backend=backend)
+    rope = torch.compile(apply_rope, dynamic=True, backend=backend)
+    act = torch.compile(silu_mul, dynamic=True, backend=backend)
+    n = 0
+    for m in model.modules():
+        if isinstance(m, RMSNorm):
+            m.forward = lambda x, residual=None, m=m: (rms(x, m.weight, m.eps) if residual is None
+                                                        else add_rms(x, residual, m.weight, m.eps))
+        elif isinstance(m, RotaryEmbedding):
+            m.forward = lambda positions, q, k, m=m: rope(m.cos, m.sin, positions, q, k)
+        elif isinstance(m, MLP):
+            m.forward = lambda x, m=m: m.down_proj(act(m.gate_up_proj(x), m.inter))
+        else:
+            continue
+        n += 1
+    return n

@@ -1,0 +1,91 @@
+"""The engine's graph decode path through the Device interface, on the CPU: a backend declaring
+``graph_capture`` (emulated graphs, :mod:`hwkv.testing.graphs`) gets captured decode graphs and async
+scheduling, and replays give the eager path's greedy tokens. Also: the runtime stays hardware-neutral."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import hwkv
+from hwkv.interfaces.backend import NotSupported
+from hwkv.reference.device import CpuDevice
+from hwkv.sampling_params import SamplingParams
+from hwkv.testing.graphs import GraphCaptureError, GraphCpuBackend, capture
+from hwkv.testing.tiny_models import write_tiny_model
+
+ROOT = Path(hwkv.__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(write_tiny_model(tmp_path_factory.mktemp("g") / "llama", arch="llama", max_position_embeddings=256))
+
+
+def _run(model_dir, **kw):
+    rng = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 500, (int(n),), generator=rng).tolist() for n in (5, 17, 2, 30, 9, 12, 3)]
+    params = [SamplingParams(temperature=0.0, max_tokens=3 + 4 * i, ignore_eos=True) for i in range(len(prompts))]
+    e = hwkv.Engine(model_dir, backend=GraphCpuBackend(), num_kv_blocks=64, max_model_len=128,
+                    max_num_batched_tokens=64, max_num_seqs=8, fuse_elementwise=False, **kw)
+    out = [o.token_ids for o in e.generate(prompts, params, use_tqdm=False)]
+    assert e.kv_cache_manager.num_free_blocks == 64 and not e.runner.reqs
+    return e, out
+
+
+def test_declared_graph_capture_turns_on_graphs_and_replays_match_eager(model_dir):
+    torch.set_num_threads(1)
+    eager, want = _run(model_dir, enforce_eager=True)
+    assert eager.runner.graphs is None and not eager.async_scheduling
+    e, got = _run(model_dir)
+    g = e.runner.graphs
+    assert g is not None and g.use_graphs and e.async_scheduling  # from the capability, not a device type
+    assert sorted({b for b, _ in g.graphs}) == [1, 2, 4, 8]
+    assert got == want
+    replays = sum(gr.replays for gr in e.backend.device.captured)
+    assert replays == e.runner.num_graph_steps > 10
+
+
+def test_connector_or_enforce_eager_keeps_graphs_off(model_dir):
+    from hwkv.interfaces.connector import KVConnectorBase
+
+    e = hwkv.Engine(model_dir, backend=GraphCpuBackend(), num_kv_blocks=16, kv_connector=KVConnectorBase(),
+                    fuse_elementwise=False)
+    assert e.runner.graphs is None and not e.async_scheduling
+
+
+def test_recorded_graph_semantics():
+    a, b = torch.zeros(4), torch.ones(4)
+    with torch.inference_mode():
+        g, out = capture(lambda: (a * 2 + b).view(2, 2).sum(0))
+        a.fill_(3)
+        g.replay()
+        assert out.tolist() == [14.0, 14.0]  # the current inputs, into the captured output
+        with pytest.raises(GraphCaptureError, match="host synchronisation"):
+            capture(lambda: int(a.sum()))
+
+
+def test_host_device_defaults():
+    dev = CpuDevice()
+    t = torch.arange(5)
+    assert dev.to_device(t) is t  # the host is the device: zero-copy
+    host, ev = dev.to_host_async(t)
+    assert ev is None and host.tolist() == t.tolist()
+    assert not dev.host_empty((2, 3), torch.int32).is_pinned()
+    with pytest.raises(NotSupported, match="graph_capture"):
+        dev.capture_graph(lambda: t, dev.graph_pool, dev.current_stream())
+    with pytest.raises(NotSupported, match="graph_capture"):
+        dev.graph_pool()
+
+
+def test_runtime_speaks_only_to_interfaces():
+    """No vendor runtime and no device-type branches in the shared core, engine and model: they reach
+    the accelerator through Device (graphs, streams, events, staging) and Capabilities."""
+    bad = re.compile(r"torch\.(cuda|npu)\b|\.type\s*[!=]=\s*['\"]|['\"](cuda|npu)['\"]|\.is_cuda\b|import\s+torch_npu")
+    hits = [f"{p.relative_to(ROOT.parent)}:{i}: {line.strip()}"
+            for d in ("core", "engine", "model") for p in sorted((ROOT / d).rglob("*.py"))
+            for i, line in enumerate(p.read_text().splitlines(), 1) if bad.search(line)]
+    assert not hits, "\n".join(hits)
