@@ -202,6 +202,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                 yield _sse(usage)
         except EngineDeadError as e:
             yield _sse(error_body(str(e), "ServiceUnavailableError", 503))
+        except ValueError as e:  # the core refused the request (a race the front end's checks cannot see)
+            yield _sse(error_body(str(e), "BadRequestError", 400))
         yield b"data: [DONE]\n\n"
 
     async def complete(responder: Responder, gens: list[AsyncIterator[Any]]) -> Response:
@@ -212,6 +214,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                     finals[i] = out
         except EngineDeadError:
             return unavailable()
+        except ValueError as e:
+            return error(str(e), "BadRequestError", 400)
         return JSONResponse(responder.response([finals[i] for i in range(len(gens))]))
 
     @app.post("/v1/completions")

@@ -251,6 +251,7 @@ class AsyncEngine:
         if req is None or req.finish_reason is not None:  # aborted/stopped here already
             return False
         if o.finish_reason == "error":
+            req.finish_reason = "error"
             req.error = ValueError(o.error or "the engine core refused the request")
             req.changed.set()
             return False

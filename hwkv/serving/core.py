@@ -126,6 +126,7 @@ def run(cfg: m.CoreConfig) -> int:
     inp.connect(cfg.input_addr)
     out = ctx.socket(zmq.PUSH)
     out.setsockopt(zmq.LINGER, 2000)
+    out.setsockopt(zmq.SNDHWM, 0)  # never block a step on the front end (it reads continuously)
     out.connect(cfg.output_addr)
     try:
         core = EngineCore(cfg)
@@ -147,10 +148,10 @@ def run(cfg: m.CoreConfig) -> int:
                 events = poller.poll(0)
             if not alive:
                 return 0
+            if os.getppid() != cfg.parent_pid:  # orphaned: the front end is gone
+                return 0
             if core.engine.has_unfinished():
                 outs.extend(core.step())
-            elif os.getppid() != cfg.parent_pid:  # orphaned: the front end is gone
-                return 0
             for r in replies:
                 out.send(m.encode(r))
             if outs or replies:

@@ -216,3 +216,38 @@ def test_async_scheduling_core_matches_engine(tiny_model, local, arun):
     got, st = arun(go())
     assert [(o.token_ids, o.finish_reason) for o, _ in got] == [(w.token_ids, w.finish_reason) for w in want]
     assert_freed(st)
+
+
+def test_core_exits_when_the_front_end_is_killed(tiny_model, tmp_path):
+    """SIGKILL of the front end (no shutdown message) must not leave the engine core running."""
+    import subprocess
+    import sys
+    import time
+
+    script = f"""
+import asyncio, sys
+from hwkv.serving import AsyncEngine
+async def main():
+    eng = AsyncEngine({str(tiny_model)!r}, backend="cpu", num_kv_blocks=16)
+    await eng.start()
+    print(eng.info.pid, flush=True)
+    await asyncio.sleep(120)
+asyncio.run(main())
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        core_pid = int(proc.stdout.readline())
+    finally:
+        proc.kill()
+        proc.wait(10)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{core_pid}/stat") as f:  # reparented: a zombie until init reaps it
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return
+        except FileNotFoundError:
+            return
+        time.sleep(0.05)
+    os.kill(core_pid, signal.SIGKILL)
+    raise AssertionError("engine core outlived its killed front end")
