@@ -13,6 +13,8 @@ import sys
 CORE = {
     "cache": ("hwkv.bench.cache", "prefix cache: block hashing, block pool, get_computed_blocks"),
     "scheduler": ("hwkv.bench.scheduler", "scheduler step latency (decodes, mixed chunked prefill)"),
+    "admission": ("hwkv.bench.admission", "first-chunk vs whole-prompt admission under memory pressure "
+                  "(throughput, preemptions, TTFT)"),
     "e2e": ("hwkv.bench.e2e", "end-to-end engine throughput vs HF transformers generate"),
     "serve": ("hwkv.bench.serve", "online serving: Poisson arrivals against an OpenAI-compatible server "
               "(TTFT, ITL, throughput)"),

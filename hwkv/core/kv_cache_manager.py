@@ -9,6 +9,8 @@ Scheduler protocol (vLLM v1 style):
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterable
 from functools import partial
 from itertools import islice, takewhile
 from operator import attrgetter, is_not
@@ -157,6 +159,31 @@ class KVCacheManager:
         if self.enable_caching and not delay_cache_blocks and not num_external_tokens:
             self.cache_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
         return new_blocks
+
+    def num_blocks_short(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+    ) -> int:
+        """How many more free blocks ``allocate_slots`` with these arguments would need; 0: it fits now.
+
+        Same accounting as ``allocate_slots`` (evictable hit blocks are not capacity), no side effect.
+        """
+        hits = new_computed_blocks or ()
+        num_slots = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        need = -(-num_slots // self.block_size) - len(self.req_to_blocks.get(request.request_id, ())) - len(hits)
+        if need <= 0:
+            return 0
+        return max(0, need + sum(1 for b in hits if b.ref_cnt == 0) - self.block_pool.num_free_blocks)
+
+    def num_reclaimable_blocks(self, request_ids: Iterable[str], keep: Iterable[KVCacheBlock] = ()) -> int:
+        """Blocks that freeing every request in ``request_ids`` would add to the free capacity: those no
+        other request holds, except ``keep`` (hit blocks about to be touched again are no capacity)."""
+        counts = Counter(b for rid in request_ids for b in self.req_to_blocks.get(rid, ()))
+        kept = set(map(id, keep))
+        return sum(1 for b, n in counts.items() if n == b.ref_cnt and not b.is_null and id(b) not in kept)
 
     def _check_computed_blocks(
         self, request: Request, blocks: list[KVCacheBlock], num_tokens: int, num_held: int

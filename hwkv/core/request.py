@@ -55,6 +55,7 @@ class Request:
     block_hasher: BlockHasher | None = None
     eos_token_ids: frozenset[int] = frozenset()
     max_tokens: int = 16
+    priority: int = 0  # priority scheduling: lower runs first (ties by arrival_time)
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

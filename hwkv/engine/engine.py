@@ -45,7 +45,7 @@ class Engine:
                  max_num_partial_prefills: int = 1, seed: int = 0, kv_connector: Any = None,
                  enforce_eager: bool = False, fuse_elementwise: bool | None = None,
                  async_scheduling: bool | None = None, prefetch_weights: bool | None = None,
-                 decode_ops: bool | None = None):
+                 decode_ops: bool | None = None, scheduling_policy: str = "fcfs", reserve_full_prompt: bool = False):
         self.config = cfg = EngineConfig(
             str(model), backend, dtype, max_model_len, block_size, num_kv_blocks, memory_fraction, max_num_seqs,
             max_num_batched_tokens, enable_prefix_caching, enable_chunked_prefill, long_prefill_token_threshold,
@@ -86,7 +86,8 @@ class Engine:
         graphs = not enforce_eager and self.backend.capabilities.graph_capture and kv_connector is None
         self.async_scheduling = graphs if async_scheduling is None else async_scheduling
         sched_cfg = SchedulerConfig(max_num_seqs, max_num_batched_tokens, self.max_model_len, enable_chunked_prefill,
-                                    long_prefill_token_threshold, max_num_partial_prefills, self.async_scheduling)
+                                    long_prefill_token_threshold, max_num_partial_prefills, self.async_scheduling,
+                                    scheduling_policy, reserve_full_prompt)
         self.scheduler = Scheduler(sched_cfg, self.kv_cache_manager, kv_connector)
         self.runner = ModelRunner(self.model, self.backend, self.kv_cache, self.block_size, max_num_seqs,
                                   self.max_model_len, tuple(self.eos_token_ids), self.scheduler.connector)
@@ -202,13 +203,23 @@ class Engine:
             )
         return None, list(prompt)
 
-    def add_request(self, request_id: str, prompt: Prompt, params: Any = None) -> None:
+    def add_request(self, request_id: str, prompt: Prompt, params: Any = None, priority: int = 0) -> None:
         """Validate and queue a request; on ``ValueError`` nothing is registered.
 
-        ``request_id`` stays in use until ``step()`` returned the request's final output."""
+        ``request_id`` stays in use until ``step()`` returned the request's final output. ``priority``
+        (lower runs first) needs ``scheduling_policy="priority"``."""
+        self._check_priority(priority)
         req, tracked = self._make_request(request_id, prompt, params)
+        req.priority = priority
         self._track(req, tracked)
         self.scheduler.add_request(req)
+
+    def _check_priority(self, priority: Any) -> None:
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an int, got {priority!r}")
+        if priority and self.scheduler.config.policy != "priority":
+            raise ValueError(f"priority={priority} needs Engine(scheduling_policy='priority') "
+                             f"(this engine schedules {self.scheduler.config.policy!r}; allowed: priority=0)")
 
     def _track(self, req: Request, tracked: _Tracked) -> None:
         self._tracked[req.request_id] = tracked
@@ -329,8 +340,9 @@ class Engine:
         )
 
     def generate(self, prompts: Prompt | list[Prompt], sampling_params: Any = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run prompts to completion; outputs in prompt order. All inputs are validated first."""
+                 use_tqdm: bool = True, priority: int | list[int] = 0) -> list[RequestOutput]:
+        """Run prompts to completion; outputs in prompt order. All inputs are validated first.
+        ``priority``: one for all prompts or one per prompt (needs ``scheduling_policy="priority"``)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -340,10 +352,16 @@ class Engine:
             params_list = list(sampling_params)
         else:
             params_list = [sampling_params] * len(prompts)
+        prios = list(priority) if isinstance(priority, (list, tuple)) else [priority] * len(prompts)
+        if len(prios) != len(prompts):
+            raise ValueError(f"priority has {len(prios)} entries for {len(prompts)} prompts")
+        for prio in prios:
+            self._check_priority(prio)
         reqs = []
         try:
-            for prompt, params in zip(prompts, params_list):
+            for prompt, params, prio in zip(prompts, params_list, prios):
                 reqs.append(self._make_request(self._next_id(), prompt, params))
+                reqs[-1][0].priority = prio
                 self._track(*reqs[-1])  # reserve the id while the others validate
         except BaseException:
             for req, _ in reqs:

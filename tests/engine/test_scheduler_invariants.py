@@ -1,4 +1,5 @@
-"""Randomized scheduler workloads: per-step invariants and end-state accounting (hypothesis)."""
+"""Randomized scheduler workloads: per-step invariants and end-state accounting (hypothesis), under
+both scheduling policies (FCFS, priority) and both admission rules (first chunk / whole prompt)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def workloads(draw):
     cfg = SchedulerConfig(
         max_num_seqs=draw(st.integers(1, 6)), max_num_batched_tokens=budget, max_model_len=MAX_LEN,
         enable_chunked_prefill=chunked, long_prefill_token_threshold=draw(st.sampled_from([0, 0, 5, 16])),
-        max_num_partial_prefills=draw(st.integers(1, 3)),
+        max_num_partial_prefills=draw(st.integers(1, 3)), policy=draw(st.sampled_from(["fcfs", "priority"])),
+        reserve_full_prompt=draw(st.booleans()),
     )
     num_blocks = draw(st.integers(MAX_LEN // BS, 40))
     shared = draw(st.lists(st.integers(0, 50), min_size=0, max_size=12))
@@ -34,7 +36,8 @@ def workloads(draw):
         n = draw(st.integers(1, 30))
         prefix = shared[:n] if draw(st.booleans()) else []
         prompt = prefix + [1000 * (i + 1) + j for j in range(n - len(prefix))]
-        reqs.append((prompt, draw(st.integers(1, MAX_LEN - n)), draw(st.integers(0, 6))))  # + arrival step
+        # max_tokens, arrival step, priority
+        reqs.append((prompt, draw(st.integers(1, MAX_LEN - n)), draw(st.integers(0, 6)), draw(st.integers(0, 3))))
     abort_at = draw(st.one_of(st.none(), st.tuples(st.integers(0, 9), st.integers(1, 12))))
     return cfg, num_blocks, reqs, abort_at
 
@@ -54,9 +57,10 @@ def test_scheduler_invariants(async_, work, data):
     s = Scheduler(cfg, kv)
     hasher = make_block_hasher(BS)
     reqs = [Request(f"r{i}", p, SimpleNamespace(stop_token_ids=[STOP], ignore_eos=True), block_hasher=hasher,
-                    max_tokens=m) for i, (p, m, _) in enumerate(specs)]
-    stop_at = [data.draw(st.one_of(st.none(), st.integers(0, m - 1))) for _, m, _ in specs]
-    arrivals = {i: a for i, (_, _, a) in enumerate(specs)}
+                    max_tokens=m, priority=prio if cfg.policy == "priority" else 0)
+            for i, (p, m, _, prio) in enumerate(specs)]
+    stop_at = [data.draw(st.one_of(st.none(), st.integers(0, m - 1))) for _, m, _, _ in specs]
+    arrivals = {i: a for i, (_, _, a, _) in enumerate(specs)}
     by_id = {r.request_id: r for r in reqs}
     index = {r.request_id: i for i, r in enumerate(reqs)}
     pending = None
@@ -76,11 +80,18 @@ def test_scheduler_invariants(async_, work, data):
         assert len(s.running) <= cfg.max_num_seqs
         assert all(n >= 1 for n in sched.values())
         assert not any(r.is_finished for r in (*s.running, *s.waiting))
-        # FCFS: the newly admitted requests are a prefix of the waiting queue.
+        # Newly admitted requests are a prefix of the waiting queue in its order (no overtaking).
         new_ids = [n.req_id for n in so.scheduled_new_reqs]
         assert new_ids == waiting_before[: len(new_ids)]
-        if so.preempted_req_ids:
-            assert not new_ids
+        gone = [by_id[rid] for rid in so.preempted_req_ids]
+        if cfg.policy == "fcfs":
+            assert not (gone and new_ids)  # a step that preempts admits nobody
+        else:  # whoever still runs outranks everyone preempted in this step
+            rank = lambda r: (r.priority, r.arrival_time)  # noqa: E731
+            assert all(rank(r) <= rank(v) for r in s.running for v in gone)
+            assert all(v.priority > min(by_id[i].priority for i in new_ids) for v in gone) if new_ids else True
+        assert all(r.status is RequestStatus.PREEMPTED and r.num_computed_tokens == 0 for r in gone)
+        assert not {r.request_id for r in s.running} & so.preempted_req_ids
         mid = [r for r in s.running if r.num_computed_tokens < r.num_tokens]
         assert len(mid) <= cfg.max_num_partial_prefills
         for rid, n in sched.items():

@@ -1,0 +1,120 @@
+"""Applying what comes back from a step: sampled tokens, stop conditions, frees, connector
+completions — and rolling back a step whose execution failed. Mixed into ``Scheduler``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from hwkv.core.request import Request, RequestStatus
+from hwkv.core.sched_output import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
+from hwkv.interfaces.connector import KVConnectorBase
+
+_LAST_UNFINISHED = RequestStatus.PREEMPTED
+
+
+class SchedulerResults:
+    # Scheduler state this part reads and writes (set up by Scheduler.__init__).
+    config: Any
+    kv: Any
+    connector: KVConnectorBase
+    requests: dict[str, Request]
+    waiting: Any
+    running: list[Request]
+    finished_req_ids: set[str]
+    delayed_free: dict[str, Request]
+    finished_recving: set[str]
+    suspects: set[str]
+    _num_slots: dict[str, int]
+    _preempt: Callable[[Request], None]
+
+    def update_from_output(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[Request]:
+        """Append sampled tokens, apply stop conditions, free finished requests.
+
+        Returns the requests that received tokens this step (finished ones included), in batch order.
+        """
+        max_len, requests = self.config.max_model_len, self.requests
+        updated: list[Request] = []
+        any_finished = False
+        if self.suspects:
+            self.suspects.difference_update(runner_out.sampled_token_ids)
+        for rid, toks in runner_out.sampled_token_ids.items():  # partial prefill chunks sample nothing
+            req = requests.get(rid)
+            if req is None or req.status > _LAST_UNFINISHED:
+                continue  # aborted while the step ran
+            if req.num_output_placeholders:
+                req.num_output_placeholders -= len(toks)
+            if req.first_token_time is None:
+                req.first_token_time = time.monotonic()
+            sp = req.sampling_params
+            stop_ids = sp.stop_token_ids if sp is not None else None
+            check_eos = not (sp is not None and sp.ignore_eos)
+            for tok in toks:
+                req.append_output_token_ids(tok)
+                status = None
+                if check_eos and tok in req.eos_token_ids:
+                    status = RequestStatus.FINISHED_STOPPED
+                elif stop_ids and tok in stop_ids:
+                    status, req.stop_reason = RequestStatus.FINISHED_STOPPED, tok
+                elif len(req.output_token_ids) >= req.max_tokens or len(req.all_token_ids) >= max_len:
+                    status = RequestStatus.FINISHED_LENGTH_CAPPED
+                if status is not None:
+                    req.status = status
+                    any_finished = True
+                    break
+            updated.append(req)
+        if any_finished:
+            self.running = [r for r in self.running if not r.is_finished]
+            if self.config.async_scheduling:  # preempted while its last token was in flight
+                self.waiting.remove_requests([r for r in updated if r.is_finished])
+            for req in updated:
+                if req.is_finished:
+                    self._free(req)
+        if runner_out.kv_connector_output is not None:
+            self._update_connector(runner_out.kv_connector_output)
+        return updated
+
+    def _free(self, req: Request) -> None:
+        if req.finish_time is None:
+            req.finish_time = time.monotonic()
+        delay, _params = self.connector.request_finished(req, self.kv.get_block_ids(req.request_id))
+        self.finished_req_ids.add(req.request_id)
+        self.finished_recving.discard(req.request_id)
+        self.suspects.discard(req.request_id)
+        self._num_slots.pop(req.request_id, None)
+        if delay:
+            self.delayed_free[req.request_id] = req
+        else:
+            self.kv.free(req)
+        del self.requests[req.request_id]
+
+    def _update_connector(self, out: KVConnectorOutput) -> None:
+        for rid in out.finished_sending:
+            if (req := self.delayed_free.pop(rid, None)) is not None:
+                self.kv.free(req)
+        # Only loads of requests still waiting for them count: an aborted request's id may be reused.
+        self.finished_recving |= {
+            rid for rid in out.finished_recving
+            if (r := self.requests.get(rid)) is not None and r.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+        }
+        for rid in out.failed_recving:
+            req = self.requests.get(rid)
+            if req is not None and req.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+                self.kv.free(req)  # recompute from scratch; the connector must not offer it again
+                self._num_slots.pop(rid, None)
+                req.num_computed_tokens = 0
+                req.status = RequestStatus.WAITING
+        self.connector.update_connector_output(out)
+
+    def requeue(self, sched_out: SchedulerOutput) -> list[str]:
+        """Undo a step whose execution failed: its requests restart by recompute from the front of
+        the waiting queue (queue order kept) and finished ids are reported again. Returns their ids."""
+        scheduled = sched_out.num_scheduled_tokens
+        victims = [r for r in self.running if r.request_id in scheduled]
+        self.running = [r for r in self.running if r.request_id not in scheduled]
+        for req in reversed(victims):
+            self._preempt(req)
+            req.num_output_placeholders = 0  # the failed step's tokens never arrive
+        self.finished_req_ids |= sched_out.finished_req_ids
+        return [r.request_id for r in victims]
