@@ -8,7 +8,7 @@ to cancel drift; the prefix cache is reset before every run so no run feeds the 
 arrive at once (offline, ``--request-rate 0``) or as a Poisson stream.
 
 CPU: ``python -m hwkv bench admission`` (tiny model). GPU: ``--backend cuda --model llama-1b
---dtype bfloat16`` with the larger workload flags printed in docs/engine.md ("Admission").
+--dtype bfloat16`` with the larger workload given in docs/engine.md ("Admission measurements").
 """
 
 from __future__ import annotations
@@ -93,6 +93,9 @@ def run_once(engine: Any, work: list[tuple[list[int], int, float]], reserve: boo
     st0 = engine.stats()
     pending = sorted(range(len(work)), key=lambda i: work[i][2], reverse=True)
     done: dict[str, Any] = {}
+    added: dict[str, int] = {}  # request id -> step it arrived in; first-token step counts are
+    first: dict[str, int] = {}  # deterministic, unlike wall-clock times on a shared machine
+    steps = 0
     t0 = time.monotonic()
     while pending or engine.has_unfinished():
         now = time.monotonic() - t0
@@ -100,25 +103,31 @@ def run_once(engine: Any, work: list[tuple[list[int], int, float]], reserve: boo
             i = pending.pop()
             engine.add_request(f"{tag}-{i}", work[i][0], SamplingParams(temperature=0.0, max_tokens=work[i][1],
                                                                       ignore_eos=True))
+            added[f"{tag}-{i}"] = steps
         if not engine.has_unfinished():
             time.sleep(max(0.0, work[pending[-1]][2] - now))
             continue
+        steps += 1
         for out in engine.step():
+            if out.token_ids:
+                first.setdefault(out.request_id, steps)
             if out.finished:
                 done[out.request_id] = out
     secs = time.monotonic() - t0
     st1 = engine.stats()
     outs = list(done.values())
     ttft = [o.metrics.ttft for o in outs]
+    ttft_steps = [first[rid] - added[rid] for rid in done]
     n_out = sum(len(o.token_ids) for o in outs)
     n_prompt = sum(len(p) for p, _, _ in work)
     return {
-        "reserve_full_prompt": reserve, "seconds": secs, "requests": len(outs),
+        "reserve_full_prompt": reserve, "seconds": secs, "steps": steps, "requests": len(outs),
         "output_tok_per_s": n_out / secs, "total_tok_per_s": (n_out + n_prompt) / secs,
         "preemptions": st1["num_preemptions"] - st0["num_preemptions"],
         "recomputed_prompt_tokens": st1["prompt_tokens"] - st0["prompt_tokens"] - n_prompt,
         "ttft_mean_s": statistics.mean(ttft), "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),
         "latency_mean_s": statistics.mean(o.metrics.finish_time - o.metrics.arrival_time for o in outs),
+        "ttft_p50_steps": _pct(ttft_steps, 0.5), "ttft_p99_steps": _pct(ttft_steps, 0.99),
     }
 
 
@@ -151,17 +160,20 @@ def run(args: argparse.Namespace) -> int:
             runs.append(run_once(engine, work, reserve, f"r{r}{int(reserve)}"))
             print(f"repeat {r} reserve_full_prompt={reserve}: {runs[-1]['seconds']:.2f}s, "
                   f"{runs[-1]['preemptions']} preemptions", flush=True)
-    keys = ["seconds", "output_tok_per_s", "total_tok_per_s", "preemptions", "recomputed_prompt_tokens",
+    keys = ["seconds", "steps", "ttft_p50_steps", "ttft_p99_steps",
+            "output_tok_per_s", "total_tok_per_s", "preemptions", "recomputed_prompt_tokens",
             "ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "latency_mean_s"]
     summary = {str(reserve): {k: statistics.median(x[k] for x in runs if x["reserve_full_prompt"] is reserve)
                               for k in keys} for reserve in (False, True)}
     print(f"\nhwkv admission under memory pressure ({args.backend}, {args.model}, {len(work)} requests, "
           f"pool {blocks} blocks x {bs} = {blocks / need:.0%} of the workload's blocks; median of {args.repeats})")
-    print(f"{'reserve_full_prompt':<22}" + "".join(f"{k:>14}" for k in ("out tok/s", "tot tok/s", "preempt",
-                                                                           "recomputed", "TTFT p50", "TTFT p99")))
+    cols = [("out tok/s", "output_tok_per_s", ".1f"), ("tot tok/s", "total_tok_per_s", ".1f"),
+            ("preempt", "preemptions", ".0f"), ("recomputed", "recomputed_prompt_tokens", ".0f"),
+            ("TTFT p50 s", "ttft_p50_s", ".3f"), ("TTFT p99 s", "ttft_p99_s", ".3f"), ("steps", "steps", ".0f"),
+            ("TTFT p50 st", "ttft_p50_steps", ".0f"), ("TTFT p99 st", "ttft_p99_steps", ".0f")]
+    print(f"{'reserve_full_prompt':<20}" + "".join(f"{c:>12}" for c, _, _ in cols))
     for reserve, s in summary.items():
-        print(f"{reserve:<22}{s['output_tok_per_s']:>14.1f}{s['total_tok_per_s']:>14.1f}{s['preemptions']:>14.0f}"
-              f"{s['recomputed_prompt_tokens']:>14.0f}{s['ttft_p50_s']:>14.3f}{s['ttft_p99_s']:>14.3f}")
+        print(f"{reserve:<20}" + "".join(f"{s[k]:>12{f}}" for _, k, f in cols))
     day = dt.date.today().isoformat()
     out = Path(args.out or f"bench/results/admission-{args.backend}-{day}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

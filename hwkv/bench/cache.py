@@ -7,6 +7,11 @@
 * decode step: the cache manager's share of a scheduler step with 256 running decodes — per request
   ``allocate_slots(req, 1)`` (block growth + registering newly full blocks) and appending the sampled
   token (which hashes a block whenever one fills)
+* ``--dup-traces N``: the duplicate-caching policy question. A block computed with a hash that is
+  already cached (two requests prefilling one prefix at once, a recompute behind an evicted chain
+  head) stays uncached in hwkv; vLLM registers it as a second copy so evicting one copy keeps the
+  prefix. N random scheduler traces (shared system prompts, multi-turn follow-ups, memory pressure,
+  chunked prefill, preemption; no model) run with both pools; prefix-hit and computed tokens compared
 
 Median of repeats. vLLM peer figures are quoted (vLLM 0.33 v1 core, same 2-core machine class), not
 re-measured here.
@@ -44,6 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--out", default=None, help="JSON path (default <results_dir>/cache-cpu-<date>.json)")
     p.add_argument("--no-write", action="store_true", help="print the table only")
+    p.add_argument("--dup-traces", type=int, default=0, help="also compare duplicate caching on N random traces")
 
 
 def _median_time(fn: Callable[[], object], repeats: int, setup: Callable[[], object] | None = None) -> float:
@@ -152,6 +158,125 @@ def bench_decode_step(args: argparse.Namespace, rng: random.Random) -> dict:
     return {"step_decodes_ms": statistics.median(per_step) * 1e3}
 
 
+class DupBlockPool:
+    """vLLM's duplicate policy over hwkv's pool, for the comparison only: a second block with a cached
+    hash is registered too; the lookup returns the oldest copy; evicting one copy keeps the others."""
+
+    def __new__(cls, num_blocks: int, enable_caching: bool = True):  # a BlockPool with three methods swapped
+        from hwkv.core.block_pool import BlockPool
+
+        pool = BlockPool(num_blocks, enable_caching)
+        copies: dict[bytes, list] = {}  # hash -> duplicate blocks after the primary
+
+        def cache_full_blocks(request, blocks, num_cached, num_full):  # noqa: ANN001
+            cached, hashes = pool.cached_block_hash_to_block, request.block_hashes
+            for i in range(num_cached, num_full):
+                b, h = blocks[i], hashes[i]
+                if b.block_hash is not None:
+                    continue
+                b.block_hash = h
+                if h in cached:
+                    copies.setdefault(h, []).append(b)
+                else:
+                    cached[h] = b
+
+        def get_new_blocks(n):  # noqa: ANN001
+            ret = pool.free_block_queue.popleft_n(n)
+            cached = pool.cached_block_hash_to_block
+            for b in ret:
+                h = b.block_hash
+                if h is not None:
+                    rest = copies.get(h)
+                    if cached.get(h) is b:
+                        if rest:
+                            cached[h] = rest.pop(0)
+                        else:
+                            del cached[h]
+                            pool.stats.evictions += 1
+                    else:
+                        rest.remove(b)
+                    if rest is not None and not rest:
+                        del copies[h]
+                    b.block_hash = None
+                b.ref_cnt = 1
+            return ret
+
+        pool.cache_full_blocks, pool.get_new_blocks = cache_full_blocks, get_new_blocks
+        return pool
+
+
+def _next_tok(seq: list[int]) -> int:
+    """The fake model: the next token is a function of the last three, so a repeated context repeats."""
+    return 5000 + (seq[-1] * 31 + seq[-2] * 7 + seq[-3]) % 997 if len(seq) >= 3 else 5000
+
+
+def _trace(rng: random.Random) -> dict:
+    systems = [[rng.randrange(100, 4000) for _ in range(rng.randint(8, 24))] for _ in range(rng.randint(1, 3))]
+    reqs: list[tuple[list[int], int, int]] = []  # prompt, max_tokens, arrival step
+    for _ in range(rng.randint(10, 30)):
+        if reqs and rng.random() < 0.3:  # a follow-up turn: an earlier conversation and its answer, plus more
+            prompt, m, a = rng.choice(reqs)
+            seq = list(prompt)
+            for _ in range(m):
+                seq.append(_next_tok(seq))
+            reqs.append((seq + [rng.randrange(100, 4000) for _ in range(rng.randint(2, 8))], rng.randint(1, 12),
+                         a + rng.randint(1, 15)))
+            continue
+        pre = rng.choice(systems) if rng.random() < 0.8 else []
+        reqs.append((pre + [rng.randrange(100, 4000) for _ in range(rng.randint(2, 20))], rng.randint(1, 16),
+                     rng.randint(0, 30)))
+    cfg = dict(max_num_seqs=rng.randint(2, 8), max_num_batched_tokens=rng.randint(8, 64),
+               max_num_partial_prefills=rng.randint(1, 3), max_model_len=256)
+    longest = max(len(p) + m for p, m, _ in reqs)
+    return dict(reqs=reqs, cfg=cfg, blocks=rng.randint(-(-longest // 4) + 1, 48))
+
+
+def _simulate(trace: dict, dup: bool) -> dict:
+    from types import SimpleNamespace
+
+    from hwkv.core.hashing import make_block_hasher
+    from hwkv.core.kv_cache_manager import KVCacheManager
+    from hwkv.core.request import Request
+    from hwkv.core.sched_output import ModelRunnerOutput
+    from hwkv.core.scheduler import Scheduler, SchedulerConfig
+
+    kv = KVCacheManager(trace["blocks"], 4)
+    if dup:
+        kv.block_pool = DupBlockPool(trace["blocks"])
+    s = Scheduler(SchedulerConfig(**trace["cfg"]), kv)
+    hasher, sp = make_block_hasher(4), SimpleNamespace(stop_token_ids=None, ignore_eos=True)
+    todo = sorted(enumerate(trace["reqs"]), key=lambda x: x[1][2])
+    step = computed = 0
+    while (todo or s.has_unfinished_requests()) and step < 5000:
+        while todo and todo[0][1][2] <= step:
+            i, (p, m, _) = todo.pop(0)
+            s.add_request(Request(f"r{i}", list(p), sp, block_hasher=hasher, max_tokens=m))
+        so = s.schedule()
+        computed += so.total_num_scheduled_tokens
+        sampled = {rid: [_next_tok(r.all_token_ids)] for rid in so.num_scheduled_tokens
+                   if (r := s.requests[rid]).num_computed_tokens == r.num_tokens}
+        s.update_from_output(so, ModelRunnerOutput(sampled))
+        step += 1
+    assert not s.has_unfinished_requests() and kv.num_free_blocks == trace["blocks"]
+    return dict(hits=kv.stats.hits, queries=kv.stats.queries, computed=computed, steps=step,
+                preemptions=s.num_preemptions)
+
+
+def bench_duplicates(args: argparse.Namespace) -> dict:
+    rng = random.Random(1)
+    tot = {k: {"hits": 0, "queries": 0, "computed": 0, "steps": 0, "preemptions": 0} for k in ("hwkv", "vllm_dup")}
+    more = fewer = 0
+    for _ in range(args.dup_traces):
+        t = _trace(rng)
+        a, b = _simulate(t, False), _simulate(t, True)
+        for k, r in (("hwkv", a), ("vllm_dup", b)):
+            for m in r:
+                tot[k][m] += r[m]
+        more += b["hits"] > a["hits"]
+        fewer += b["hits"] < a["hits"]
+    return {"traces": args.dup_traces, "totals": tot, "traces_dup_hits_more": more, "traces_dup_hits_fewer": fewer}
+
+
 def _program() -> str:
     prog = Path(sys.argv[0]).name
     if prog in ("cli.py", "__main__.py"):
@@ -202,6 +327,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"{label:<50} {res[key]:>10.3f} {'' if peer is None else f'{peer:.2f}':>10} {bar:>8}")
     print("* peer: vLLM 0.33 v1 core, same machine class — quoted, not re-measured;")
     print("  its step figure is a whole scheduler step, ours the cache-manager share of one.")
+    dups = bench_duplicates(args) if args.dup_traces else None
+    if dups is not None:
+        a, b = dups["totals"]["hwkv"], dups["totals"]["vllm_dup"]
+        print(f"\nduplicate caching, {dups['traces']} random traces: prefix-hit tokens {a['hits']} (hwkv: duplicates "
+              f"stay uncached) vs {b['hits']} (vLLM: duplicates cached, {b['hits'] / a['hits'] - 1:+.2%}); computed "
+              f"tokens {a['computed']} vs {b['computed']}; traces with more / fewer hits: "
+              f"{dups['traces_dup_hits_more']} / {dups['traces_dup_hits_fewer']}")
 
     if not args.no_write:
         now = datetime.now(timezone.utc)
@@ -217,6 +349,8 @@ def run(args: argparse.Namespace) -> int:
             "peer_vllm_0_33_quoted": PEER,
             "bar": {"hash_us_per_block": 1.0, "lookup_full_miss_us": 5000.0},
         }
+        if dups is not None:
+            doc["duplicates"] = dups
         out.write_text(json.dumps(doc, indent=2) + "\n")
         print(f"wrote {out}")
     return 0

@@ -18,9 +18,10 @@ class SchedulerConfig:
     async_scheduling: bool = False  # plan step N+1 before step N's tokens arrive (placeholders)
     policy: str = "fcfs"  # "fcfs" | "priority" (hwkv.core.sched_policy)
     # Admit a waiting request only when its whole prompt (after prefix-cache hits) fits in free blocks,
-    # not just its first chunk (vLLM's scheduler_reserve_full_isl). Off: fewer idle blocks, more
-    # admit-then-preempt under memory pressure (docs/engine.md, "Admission").
-    reserve_full_prompt: bool = False
+    # not just its first chunk (vLLM's scheduler_reserve_full_isl). Off: larger batches, but more
+    # admit-then-preempt under memory pressure. Provisional default from the CPU measurement
+    # (docs/engine.md, "Admission measurements"); the GPU run decides.
+    reserve_full_prompt: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_num_partial_prefills"):

@@ -45,7 +45,7 @@ class Engine:
                  max_num_partial_prefills: int = 1, seed: int = 0, kv_connector: Any = None,
                  enforce_eager: bool = False, fuse_elementwise: bool | None = None,
                  async_scheduling: bool | None = None, prefetch_weights: bool | None = None,
-                 decode_ops: bool | None = None, scheduling_policy: str = "fcfs", reserve_full_prompt: bool = False):
+                 decode_ops: bool | None = None, scheduling_policy: str = "fcfs", reserve_full_prompt: bool = True):
         self.config = cfg = EngineConfig(
             str(model), backend, dtype, max_model_len, block_size, num_kv_blocks, memory_fraction, max_num_seqs,
             max_num_batched_tokens, enable_prefix_caching, enable_chunked_prefill, long_prefill_token_threshold,
