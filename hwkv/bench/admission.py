@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hwkv.bench import results_dir
+
 TINY = dict(arch="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=512,
             max_position_embeddings=4096)
 
@@ -48,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--engine-args", default="{}", help="JSON dict of further Engine kwargs")
-    p.add_argument("--out", default=None, help="JSON path (default bench/results/admission-<backend>-<date>.json)")
+    p.add_argument("--out", default=None, help="JSON path (default <results_dir>/admission-<backend>-<date>.json)")
 
 
 def _model_dir(args: argparse.Namespace) -> Path:
@@ -175,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
     for reserve, s in summary.items():
         print(f"{reserve:<20}" + "".join(f"{s[k]:>12{f}}" for _, k, f in cols))
     day = dt.date.today().isoformat()
-    out = Path(args.out or f"bench/results/admission-{args.backend}-{day}.json")
+    out = Path(args.out or results_dir() / f"admission-{args.backend}-{day}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {"bench": "admission", "date": day, "device": backend.device.name,
            "machine": {"platform": platform.platform(), "python": platform.python_version(),
