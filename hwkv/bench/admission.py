@@ -137,12 +137,12 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     import hwkv
-    from hwkv.bench.e2e import _backend
+    from hwkv.bench.common import backend as get_backend
 
     if args.backend == "cpu":
         torch.set_num_threads(1)  # tiny model: intra-op threads only add contention
     mdir = _model_dir(args)
-    backend = _backend(args.backend)
+    backend = get_backend(args.backend)
     bs = args.block_size or backend.capabilities.default_block_size
     vocab = json.loads((mdir / "config.json").read_text())["vocab_size"]
     work = _workload(args, vocab)
