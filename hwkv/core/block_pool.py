@@ -232,6 +232,14 @@ class BlockPool:
                 block.block_hash = h
                 cached[h] = block
 
+    def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop the prefix-cache registration of ``blocks`` (their KV will never be written)."""
+        cached = self.cached_block_hash_to_block
+        for block in blocks:
+            if block.block_hash is not None and cached.get(block.block_hash) is block:
+                del cached[block.block_hash]
+            block.block_hash = None
+
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash; refused (False) while any block is held by a request."""
         if self.free_block_queue.num_free_blocks != self.num_usable_blocks:

@@ -222,6 +222,17 @@ class KVCacheManager:
             self.block_pool.cache_full_blocks(request, blocks, num_cached, num_full)
             self.num_cached_block[rid] = num_full
 
+    def uncache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """A step that was to compute the request's tokens from ``num_computed_tokens`` on failed:
+        unregister the blocks registered for that step (full only with its tokens), whose KV was
+        never written, so no request can hit them. Call before :meth:`free`."""
+        rid = request.request_id
+        keep = num_computed_tokens // self.block_size
+        num_cached = self.num_cached_block.get(rid, 0)
+        if num_cached > keep:
+            self.block_pool.uncache_blocks(self.req_to_blocks[rid][keep:num_cached])
+            self.num_cached_block[rid] = keep
+
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so chain tails are evicted before heads (Q2)."""
         self.num_cached_block.pop(request.request_id, None)

@@ -113,7 +113,11 @@ class SchedulerResults:
         scheduled = sched_out.num_scheduled_tokens
         victims = [r for r in self.running if r.request_id in scheduled]
         self.running = [r for r in self.running if r.request_id not in scheduled]
+        cached = sched_out.scheduled_cached_reqs
+        before = dict(zip(cached.req_ids, cached.num_computed_tokens))  # computed before the step
+        before.update((n.req_id, n.num_computed_tokens) for n in sched_out.scheduled_new_reqs)
         for req in reversed(victims):
+            self.kv.uncache_blocks(req, before[req.request_id])  # blocks the step was to fill
             self._preempt(req)
             req.num_output_placeholders = 0  # the failed step's tokens never arrive
         self.finished_req_ids |= sched_out.finished_req_ids

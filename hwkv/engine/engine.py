@@ -280,11 +280,12 @@ class Engine:
 
     def _rollback(self, so: Any, prev_so: Any, stream: bool) -> None:
         """Leave no request half-advanced: the previous step's tokens are applied, this step's
-        requests restart by recompute (their blocks freed)."""
+        requests restart by recompute (their blocks freed). Seeded generators are kept, as on a
+        preemption: a step fails before it samples, so a recomputed request draws what it would have."""
         if prev_so is not None and (prev := self.runner.flush()) is not None:
             self._pending.extend(self._apply(prev_so, prev, stream))
         for rid in self.scheduler.requeue(so):
-            self.runner.release(rid)
+            self.runner.preempt(rid)
 
     def _contain(self, so: Any, prev_so: Any, stream: bool, exc: Exception) -> None:
         """A step failed: roll it back. If it ran a single suspect (a request from an earlier
@@ -295,7 +296,8 @@ class Engine:
         if len(ran) == 1 and ran[0] in self.scheduler.suspects:
             self._finish(ran, RequestStatus.FINISHED_ERROR, f"{type(exc).__name__}: {exc}")
             return
-        self.scheduler.suspects.update(ran)
+        # (async: the rolled-back step may carry requests the previous step just finished)
+        self.scheduler.suspects.update(r for r in ran if r in self.scheduler.requests)
         raise exc
 
     def _apply(self, so: Any, ro: Any, stream: bool) -> list[RequestOutput]:

@@ -94,6 +94,10 @@ class ModelRunner:
         self._drop(req_id)
         self.generators.pop(req_id, None)
 
+    def preempt(self, req_id: str) -> None:
+        """A request will restart by recompute: drop its state, keep its seeded generator (idempotent)."""
+        self._drop(req_id)
+
     def _drop(self, req_id: str) -> None:
         st = self.reqs.pop(req_id, None)
         if st is not None:

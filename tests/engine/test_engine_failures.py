@@ -323,3 +323,41 @@ def test_a_detokenizer_failure_fails_only_its_request(model_dir, monkeypatch):
     assert outs[0].finish_reason == "length" and outs[1].finish_reason == "error"
     assert "detokenizing failed: UnicodeDecodeError" in outs[1].error
     _no_leak(e)
+
+
+def _fail_once(e: hwkv.Engine, monkeypatch) -> None:
+    real = e.runner.execute_async
+
+    def boom(so):
+        monkeypatch.setattr(e.runner, "execute_async", real)
+        raise RuntimeError("transient device error")
+
+    monkeypatch.setattr(e.runner, "execute_async", boom)
+    with pytest.raises(RuntimeError, match="transient"):
+        e.step()
+
+
+def test_blocks_a_failed_step_was_to_fill_are_not_left_in_the_prefix_cache(model_dir, monkeypatch):
+    prompt = list(range(20, 50))  # 30 tokens: blocks of 4 registered when the prefill is scheduled
+    want = _engine(model_dir, block_size=4).generate([prompt], GREEDY, use_tqdm=False)[0].token_ids
+    e = _engine(model_dir, block_size=4)
+    e.add_request("a", prompt, GREEDY)
+    _fail_once(e, monkeypatch)  # the prefill never wrote its KV
+    assert not e.kv_cache_manager.block_pool.cached_block_hash_to_block  # nothing left to hit
+    e.add_request("b", prompt, GREEDY)  # would hit the never-written blocks
+    finals = {o.request_id: o.token_ids for rid, outs in _drain(e).items() for o in outs if o.finished}
+    assert finals == {"a": want, "b": want}
+    _no_leak(e)
+
+
+def test_a_seeded_request_draws_the_same_tokens_after_a_failed_step(model_dir, monkeypatch):
+    sp = SamplingParams(temperature=1.0, seed=7, max_tokens=10, ignore_eos=True)
+    want = _engine(model_dir).generate([PROMPTS[0]], sp, use_tqdm=False)[0].token_ids
+    e = _engine(model_dir)
+    e.add_request("s", PROMPTS[0], sp)
+    for _ in range(4):
+        e.step()
+    _fail_once(e, monkeypatch)  # requeued: recompute keeps its generator, as a preemption does
+    (final,) = [o for o in _drain(e)["s"] if o.finished]
+    assert final.token_ids == want
+    _no_leak(e)
