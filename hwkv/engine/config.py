@@ -27,6 +27,8 @@ class EngineConfig:
     async_scheduling: bool | None = None  # plan step N+1 while step N runs; None: when graphs are on
     prefetch_weights: bool | None = None  # Device.prefetch hints in the plain (not decode-ops) forward; None/False: off
     decode_ops: bool | None = None  # the backend's fused DecodeOps for forwards of few tokens; None: if offered
+    scheduling_policy: str = "fcfs"  # "fcfs" | "priority" (per-request priority, lower first)
+    reserve_full_prompt: bool = True  # admit a waiting request only when its whole prompt fits in free blocks
 
     def __post_init__(self) -> None:
         def need(name: str, ok: bool, allowed: str) -> None:
@@ -51,3 +53,7 @@ class EngineConfig:
         need("enforce_eager", isinstance(self.enforce_eager, bool), "a bool")
         for name in ("fuse_elementwise", "async_scheduling", "prefetch_weights", "decode_ops"):
             need(name, getattr(self, name) is None or isinstance(getattr(self, name), bool), "None or a bool")
+        from hwkv.core.sched_policy import POLICIES
+
+        need("scheduling_policy", self.scheduling_policy in POLICIES, f"one of {sorted(POLICIES)}")
+        need("reserve_full_prompt", isinstance(self.reserve_full_prompt, bool), "a bool")

@@ -50,7 +50,7 @@ class Engine:
             str(model), backend, dtype, max_model_len, block_size, num_kv_blocks, memory_fraction, max_num_seqs,
             max_num_batched_tokens, enable_prefix_caching, enable_chunked_prefill, long_prefill_token_threshold,
             max_num_partial_prefills, seed, enforce_eager, fuse_elementwise, async_scheduling, prefetch_weights,
-            decode_ops,
+            decode_ops, scheduling_policy, reserve_full_prompt,
         )
         from hwkv.core.hashing import make_block_hasher
         from hwkv.core.kv_cache_manager import KVCacheManager
