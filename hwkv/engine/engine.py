@@ -343,7 +343,11 @@ class Engine:
 
     def generate(self, prompts: Prompt | list[Prompt], sampling_params: Any = None,
                  use_tqdm: bool = True, priority: int | list[int] = 0) -> list[RequestOutput]:
-        """Run prompts to completion; outputs in prompt order. All inputs are validated first.
+        """Run prompts to completion; outputs in prompt order. All inputs are validated first (on any
+        exception every id is rolled back). Only this call's requests' outputs are returned; those of
+        requests added with ``add_request`` stay for ``step()``. A request whose execution failed
+        comes back with ``finish_reason "error"``; a step failure not yet attributed to one request
+        aborts this call's requests and propagates (docs/engine.md, Failure behaviour).
         ``priority``: one for all prompts or one per prompt (needs ``scheduling_policy="priority"``)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
