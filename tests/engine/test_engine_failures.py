@@ -361,3 +361,26 @@ def test_a_seeded_request_draws_the_same_tokens_after_a_failed_step(model_dir, m
     (final,) = [o for o in _drain(e)["s"] if o.finished]
     assert final.token_ids == want
     _no_leak(e)
+
+
+def test_a_seed_the_generator_rejects_past_validation_ends_only_its_request(model_dir):
+    """The issue's jam: a seed torch cannot take (mutated after validation) made every step raise
+    "Overflow when unpacking long long" forever. Now: one raised step, then that request alone fails."""
+    e = _engine(model_dir)
+    bad = SamplingParams(temperature=1.0, seed=1, max_tokens=4)
+    e.add_request("ok", PROMPTS[0], GREEDY)
+    e.add_request("bad", PROMPTS[1], bad)
+    bad.seed = 2**70  # bypasses SamplingParams validation
+    errors, finals = 0, {}
+    for _ in range(100):
+        if not e.has_unfinished():
+            break
+        try:
+            finals.update({o.request_id: o for o in e.step() if o.finished})
+        except ValueError as exc:
+            assert "Overflow" in str(exc)
+            errors += 1
+    assert errors == 1
+    assert finals["bad"].finish_reason == "error" and "Overflow" in finals["bad"].error
+    assert finals["ok"].finish_reason == "length" and len(finals["ok"].token_ids) == GREEDY.max_tokens
+    _no_leak(e)
