@@ -1,6 +1,6 @@
 """Waiting queues: first-come-first-served and priority order (the shape of vLLM's request_queue.py).
 
-The scheduler only peeks, pops, adds and prepends; the queue decides the order. ``prepend`` puts a
+The scheduler only peeks, pops, adds and prepends; the queue decides the order. ``prepend_request`` puts a
 preempted or skipped request back where it resumes first under the queue's order: at the front for
 FCFS, by its key for priority (a priority queue has no front to jump to).
 """
@@ -16,32 +16,32 @@ from hwkv.core.request import Request
 
 
 class RequestQueue(Protocol):
-    def add(self, request: Request) -> None: ...
-    def peek(self) -> Request: ...
-    def pop(self) -> Request: ...
-    def prepend(self, request: Request) -> None: ...
-    def prepend_all(self, requests: list[Request]) -> None: ...
+    def add_request(self, request: Request) -> None: ...
+    def peek_request(self) -> Request: ...
+    def pop_request(self) -> Request: ...
+    def prepend_request(self, request: Request) -> None: ...
+    def prepend_requests(self, requests: list[Request]) -> None: ...
     def remove_requests(self, requests: Iterable[Request]) -> None: ...
     def __len__(self) -> int: ...
     def __iter__(self) -> Iterator[Request]: ...
 
 
 class FCFSQueue(deque):
-    """Arrival order; a deque, so ``queue[0]`` and iteration work as before."""
+    """Arrival order. A deque (``queue[0]``, iteration), with the queue methods the scheduler calls."""
 
-    def add(self, request: Request) -> None:
+    def add_request(self, request: Request) -> None:
         self.append(request)
 
-    def peek(self) -> Request:
+    def peek_request(self) -> Request:
         return self[0]
 
-    def pop(self) -> Request:  # type: ignore[override]
+    def pop_request(self) -> Request:
         return self.popleft()
 
-    def prepend(self, request: Request) -> None:
+    def prepend_request(self, request: Request) -> None:
         self.appendleft(request)
 
-    def prepend_all(self, requests: list[Request]) -> None:
+    def prepend_requests(self, requests: list[Request]) -> None:
         """Put ``requests`` at the front, keeping their order."""
         self.extendleft(reversed(requests))
 
@@ -58,24 +58,24 @@ class PriorityQueue:
     def __init__(self) -> None:
         self._heap: list[tuple[int, float, str, Request]] = []
 
-    def add(self, request: Request) -> None:
+    def add_request(self, request: Request) -> None:
         heapq.heappush(self._heap, (request.priority, request.arrival_time, request.request_id, request))
 
-    def peek(self) -> Request:
+    def peek_request(self) -> Request:
         if not self._heap:
             raise IndexError("peek from an empty priority queue")
         return self._heap[0][3]
 
-    def pop(self) -> Request:
+    def pop_request(self) -> Request:
         if not self._heap:
             raise IndexError("pop from an empty priority queue")
         return heapq.heappop(self._heap)[3]
 
-    prepend = add
+    prepend_request = add_request
 
-    def prepend_all(self, requests: list[Request]) -> None:
+    def prepend_requests(self, requests: list[Request]) -> None:
         for r in requests:
-            self.add(r)
+            self.add_request(r)
 
     def remove_requests(self, requests: Iterable[Request]) -> None:
         gone = set(map(id, requests))

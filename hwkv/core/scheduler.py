@@ -79,7 +79,7 @@ class Scheduler(SchedulerResults):
         if not isinstance(request.priority, int) or isinstance(request.priority, bool):
             raise ValueError(f"priority must be an int, got {request.priority!r}")
         self.requests[request.request_id] = request
-        self.waiting.add(request)
+        self.waiting.add_request(request)
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> list[Request]:
         """Finish (abort, stop-string) requests wherever they are; unknown ids are ignored."""
@@ -116,7 +116,7 @@ class Scheduler(SchedulerResults):
         if not st.preempted:  # short of blocks: admit nobody this step
             self._schedule_waiting(st)
         if not st.num_sched and not self.running and self.waiting and not st.preempted:
-            self._check_servable(self.waiting.peek())
+            self._check_servable(self.waiting.peek_request())
         out = SchedulerOutput(
             scheduled_new_reqs=st.new_reqs,
             scheduled_cached_reqs=st.cached,
@@ -190,7 +190,7 @@ class Scheduler(SchedulerResults):
         # a running suspect keeps its steps to itself until it samples (module docstring)
         isolated = bool(self.suspects) and any(r.request_id in self.suspects for r in running)
         while waiting and st.budget > 0:
-            req = waiting.peek()
+            req = waiting.peek_request()
             suspect = req.request_id in self.suspects
             if st.num_sched and (suspect or isolated):
                 break
@@ -198,7 +198,7 @@ class Scheduler(SchedulerResults):
                 break  # would run while a request it does not outrank was just displaced
             if req.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
                 if req.request_id not in self.finished_recving:
-                    skipped.append(waiting.pop())
+                    skipped.append(waiting.pop_request())
                     continue
                 self.finished_recving.discard(req.request_id)
                 req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
@@ -229,7 +229,7 @@ class Scheduler(SchedulerResults):
             want = req.num_tokens - req.num_computed_tokens - num_local if cfg.reserve_full_prompt else n + num_ext
             short = kv.num_blocks_short(req, max(want, n + num_ext), num_local, new_blocks)
             if seats_full or short:
-                victims = self._victims_for(req, seats_full, short, new_blocks or ())
+                victims = self._victims_for(req, short, new_blocks or ())
                 if victims is None:
                     break
                 for victim in victims:
@@ -241,16 +241,16 @@ class Scheduler(SchedulerResults):
             blocks = kv.allocate_slots(req, n + num_ext, num_local, new_blocks, num_external_tokens=num_ext)
             if blocks is None:
                 break
-            waiting.pop()
+            waiting.pop_request()
             self._admit(req, st, n, num_computed, num_local, num_ext, load_async, new_blocks is not None)
             if load_async:
                 skipped.append(req)
             if suspect:
                 break
         if skipped:
-            waiting.prepend_all(skipped)
+            waiting.prepend_requests(skipped)
         for victim in displaced:
-            waiting.prepend(victim)
+            waiting.prepend_request(victim)
 
     def _admit(self, req: Request, st: _Step, n: int, num_computed: int, num_local: int, num_ext: int,
                load_async: bool, looked_up: bool) -> None:
@@ -280,9 +280,9 @@ class Scheduler(SchedulerResults):
         req.num_computed_tokens = num_computed + n
         st.budget -= n
 
-    def _victims_for(self, req: Request, need_seat: bool, short: int, keep: Iterable[Any]) -> list[Request] | None:
-        """Running requests the policy lets ``req`` displace, lowest rank first, just enough to free a
-        seat (``need_seat``) and ``short`` blocks; ``None`` when even all of them would not do."""
+    def _victims_for(self, req: Request, short: int, keep: Iterable[Any]) -> list[Request] | None:
+        """Running requests the policy lets ``req`` displace, lowest rank first: at least one (which
+        frees a seat) and enough to free ``short`` blocks; ``None`` when even all of them would not do."""
         keep = list(keep)
         chosen: list[Request] = []
         for r in self.policy.displace_order(self.running):
@@ -315,7 +315,7 @@ class Scheduler(SchedulerResults):
         if st is not None:
             st.preempted.add(req.request_id)
         if requeue:
-            self.waiting.prepend(req)
+            self.waiting.prepend_request(req)
 
     def _check_servable(self, req: Request) -> None:
         """Nothing runs and the head request still cannot start: fail loudly instead of spinning."""

@@ -31,25 +31,25 @@ def test_priority_queue_order_ties_by_arrival_and_requeue_keeps_place():
     q = PriorityQueue()
     a, b, c, d = prio("a", 1, 5, t=1.0), prio("b", 1, 0, t=3.0), prio("c", 1, 5, t=0.5), prio("d", 1, 0, t=3.0)
     for r in (a, b, c, d):
-        q.add(r)
+        q.add_request(r)
     assert [r.request_id for r in q] == ["b", "d", "c", "a"]  # equal (priority, arrival): by request id
-    assert q.pop() is b and q.peek() is d and len(q) == 3
-    q.prepend(b)  # a preempted request goes back by its key, not to the front
+    assert q.pop_request() is b and q.peek_request() is d and len(q) == 3
+    q.prepend_request(b)  # a preempted request goes back by its key, not to the front
     assert [r.request_id for r in q] == ["b", "d", "c", "a"]
     q.remove_requests([d, c])
     assert [r.request_id for r in q] == ["b", "a"] and bool(q)
     with pytest.raises(IndexError):
-        PriorityQueue().peek()
+        PriorityQueue().peek_request()
 
 
 def test_fcfs_queue_prepend_keeps_order():
     q = FCFSQueue()
     a, b, c = prio("a", 1, 0), prio("b", 1, 0), prio("c", 1, 0)
-    q.add(c)
-    q.prepend_all([a, b])
-    assert [r.request_id for r in q] == ["a", "b", "c"] and q.peek() is a and q[0] is a
+    q.add_request(c)
+    q.prepend_requests([a, b])
+    assert [r.request_id for r in q] == ["a", "b", "c"] and q.peek_request() is a and q[0] is a
     q.remove_requests([b])
-    assert [r.pop().request_id for r in (q, q)] == ["a", "c"]
+    assert [r.pop_request().request_id for r in (q, q)] == ["a", "c"]
 
 
 def test_priority_admits_lower_value_first():
