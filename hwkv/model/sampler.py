@@ -154,7 +154,7 @@ def _suppress_stops(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return logits
 
 
-def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]) -> list[dict[int, float] | None]:
+def logprobs_of(raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]) -> list[dict[int, float] | None]:
     lp = raw.float().log_softmax(-1)
     n = max(sp.logprobs or 0 for sp in params)
     top_v, top_i = lp.topk(n, dim=-1) if n else (lp[:, :0], lp[:, :0].long())
@@ -184,10 +184,26 @@ def sample_tokens(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Ten
     """:func:`sample` leaving the tokens on the device (int64 ``[R]``): no host sync unless a row
     asks for logprobs (those are returned as host dicts)."""
     params = batch.params
+    x = processed_logits(logits, batch)
+    rand = [i for i, sp in enumerate(params) if not sp.greedy]
+    if len(rand) < len(params):
+        tokens = x.argmax(-1)
+    if rand:
+        rows = torch.tensor(rand, device=x.device)
+        sub = x if len(rand) == len(params) else x.index_select(0, rows)
+        drawn = draw(warped_probs(sub, [params[i] for i in rand]), _uniforms(rand, batch, x.device))
+        tokens = drawn if len(rand) == len(params) else tokens.index_copy(0, rows, drawn)
+    logprobs = logprobs_of(logits, tokens, params) if any(sp.logprobs is not None for sp in params) else None
+    return tokens, logprobs
+
+
+def processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """float32 ``logits [R, V]`` after min_tokens suppression and penalties: the greedy rows' argmax
+    input and the input of :func:`warped_probs` (speculative verification shares both)."""
+    params = batch.params
     if logits.dim() != 2 or logits.shape[0] != len(params) or len(batch.output_token_ids) != len(params):
         raise ValueError(f"logits {tuple(logits.shape)} do not match {len(params)} params / output lists")
-    dev, vocab = logits.device, logits.shape[1]
-    raw = logits
+    dev, raw = logits.device, logits
     x = logits.float().contiguous()
     if any(len(o) < sp.min_tokens for sp, o in zip(params, batch.output_token_ids)):
         x = _suppress_stops(x.clone(), batch)
@@ -198,23 +214,21 @@ def sample_tokens(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Ten
             f32([sp.repetition_penalty for sp in params]), f32([sp.frequency_penalty for sp in params]),
             f32([sp.presence_penalty for sp in params]),
         )
-    rand = [i for i, sp in enumerate(params) if not sp.greedy]
-    if len(rand) < len(params):
-        tokens = x.argmax(-1)
-    if rand:
-        sub_params = [params[i] for i in rand]
-        rows = torch.tensor(rand, device=dev)
-        temps = torch.tensor([sp.temperature for sp in sub_params], device=dev).unsqueeze(1)
-        sub = (x if len(rand) == len(params) else x.index_select(0, rows)) / temps
-        if any(sp.min_p > 0 for sp in sub_params):
-            sub = apply_min_p(sub, torch.tensor([sp.min_p for sp in sub_params], device=dev))
-        use_k = any(sp.top_k > 0 for sp in sub_params)
-        use_p = any(sp.top_p < 1.0 for sp in sub_params)
-        if use_k or use_p:
-            k = torch.tensor([sp.top_k if sp.top_k > 0 else vocab for sp in sub_params], device=dev) if use_k else None
-            p = torch.tensor([sp.top_p for sp in sub_params], dtype=torch.float32, device=dev) if use_p else None
-            sub = apply_top_k_top_p(sub, k, p)
-        drawn = draw(sub.softmax(-1), _uniforms(rand, batch, dev))
-        tokens = drawn if len(rand) == len(params) else tokens.index_copy(0, rows, drawn)
-    logprobs = _logprobs(raw, tokens, params) if any(sp.logprobs is not None for sp in params) else None
-    return tokens, logprobs
+    return x
+
+
+def warped_probs(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution a non-greedy row draws from: processed logits ``x [n, V]`` → temperature →
+    min-p → top-k → top-p → softmax (row ``i`` follows ``params[i]``)."""
+    dev, vocab = x.device, x.shape[1]
+    temps = torch.tensor([sp.temperature for sp in params], device=dev).unsqueeze(1)
+    sub = x / temps
+    if any(sp.min_p > 0 for sp in params):
+        sub = apply_min_p(sub, torch.tensor([sp.min_p for sp in params], device=dev))
+    use_k = any(sp.top_k > 0 for sp in params)
+    use_p = any(sp.top_p < 1.0 for sp in params)
+    if use_k or use_p:
+        k = torch.tensor([sp.top_k if sp.top_k > 0 else vocab for sp in params], device=dev) if use_k else None
+        p = torch.tensor([sp.top_p for sp in params], dtype=torch.float32, device=dev) if use_p else None
+        sub = apply_top_k_top_p(sub, k, p)
+    return sub.softmax(-1)
