@@ -149,8 +149,10 @@ def run(args: argparse.Namespace) -> int:
     need = sum(-(-(len(p) + m) // bs) for p, m, _ in work)
     longest = max(-(-(len(p) + m) // bs) for p, m, _ in work)
     blocks = args.num_kv_blocks or max(longest + 1, int(args.pool_fraction * need))
-    opts = dict(num_kv_blocks=blocks, block_size=bs, dtype=args.dtype,
-                max_num_partial_prefills=args.max_num_partial_prefills, **json.loads(args.engine_args))
+    # max_model_len: the longest request, not the model's (a 128k context would size per-request tables)
+    opts = dict(num_kv_blocks=blocks, block_size=bs, dtype=args.dtype, max_model_len=longest * bs,
+                max_num_partial_prefills=args.max_num_partial_prefills)
+    opts.update(json.loads(args.engine_args))
     if args.max_num_batched_tokens:
         opts["max_num_batched_tokens"] = args.max_num_batched_tokens
     engine = hwkv.Engine(str(mdir), backend=backend, **opts)
