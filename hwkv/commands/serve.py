@@ -1,15 +1,16 @@
 """`hwkv serve`: the OpenAI-compatible HTTP server over an engine-core process.
 
-Engine options are generated from :class:`hwkv.engine.EngineConfig`, one flag per field
-(``max_num_seqs`` → ``--max-num-seqs``; booleans get ``--x``/``--no-x``), so every Engine knob is
-a flag and a new one appears without touching this file.
+Engine options are generated from the signature of :class:`hwkv.Engine`, one flag per keyword
+argument (``max_num_seqs`` → ``--max-num-seqs``; booleans get ``--x``/``--no-x``), so every Engine
+knob is a flag and a new one appears without touching this file. ``kv_connector`` (an object in
+the Engine) is ``--kv-connector NAME`` + ``--kv-connector-config JSON``, built in the core.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
+import inspect
 import json
 import os
 import signal
@@ -21,6 +22,7 @@ HELP = {
     "dtype": "float32 | bfloat16 | float16 | auto (default: the checkpoint's)",
     "num_kv_blocks": "KV cache blocks (default: --memory-fraction of free device memory)",
     "max_num_batched_tokens": "tokens per step (default: 2048; max_model_len without chunked prefill)",
+    "scheduling_policy": "fcfs | priority (requests' `priority` field, lower first) [default: fcfs]",
 }
 
 
@@ -28,24 +30,29 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    """One flag per EngineConfig field (but ``model``), plus ``--kv-connector[-config]``."""
-    from hwkv.engine.config import EngineConfig
+def engine_options() -> list[tuple[str, str, Any]]:
+    """``(name, annotation, default)`` of every Engine keyword argument a flag can carry."""
+    from hwkv.engine import Engine
 
+    skip = {"self", "model", "kv_connector"}
+    return [(n, str(p.annotation).replace(" ", ""), p.default)
+            for n, p in inspect.signature(Engine.__init__).parameters.items()
+            if n not in skip and p.default is not inspect.Parameter.empty]
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """One flag per Engine keyword argument, plus ``--kv-connector[-config]``."""
     g = p.add_argument_group("engine options (hwkv.Engine keyword arguments)")
-    for f in dataclasses.fields(EngineConfig):
-        if f.name == "model":
-            continue
-        t = str(f.type).replace(" ", "")
-        help_ = HELP.get(f.name) or f"Engine({f.name}=...) [default: {f.default}]"
+    for name, t, default in engine_options():
+        help_ = HELP.get(name) or f"Engine({name}=...) [default: {default}]"
         if t in ("bool", "bool|None"):
-            g.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, default=f.default, help=help_)
+            g.add_argument(_flag(name), action=argparse.BooleanOptionalAction, default=default, help=help_)
         elif t in ("int", "int|None"):
-            g.add_argument(_flag(f.name), type=int, default=f.default, help=help_)
+            g.add_argument(_flag(name), type=int, default=default, help=help_)
         elif t in ("float", "float|None"):
-            g.add_argument(_flag(f.name), type=float, default=f.default, help=help_)
-        else:  # str / Any (backend, dtype): by name
-            g.add_argument(_flag(f.name), default=f.default, help=help_)
+            g.add_argument(_flag(name), type=float, default=default, help=help_)
+        else:  # str / Any (backend, dtype, scheduling_policy): by name
+            g.add_argument(_flag(name), default=default, help=help_)
     g.add_argument("--kv-connector", default=None, help="KV connector: a registered name or 'package.module:Class'")
     g.add_argument("--kv-connector-config", default=None, type=_json_object,
                    help="JSON object of the connector's keyword arguments")
@@ -63,9 +70,7 @@ def _json_object(text: str) -> dict[str, Any]:
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """``AsyncEngine`` keyword arguments from the parsed flags (engine options only)."""
-    from hwkv.engine.config import EngineConfig
-
-    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if f.name != "model"}
+    kw = {name: getattr(args, name) for name, _, _ in engine_options()}
     kw["kv_connector"] = args.kv_connector
     kw["kv_connector_config"] = args.kv_connector_config
     return kw

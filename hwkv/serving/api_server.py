@@ -182,7 +182,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:
             responder = Responder(engine, body, rid, served_model_name, chat)
-            gens = [engine.generate(p, params, f"{rid}-{i}") for i, (p, params) in enumerate(responder.inputs)]
+            gens = [engine.generate(p, params, f"{rid}-{i}", body.priority)
+                    for i, (p, params) in enumerate(responder.inputs)]
         except EngineDeadError:
             return unavailable()
         except ValueError as e:
@@ -192,18 +193,27 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         return await _unless_disconnected(request, complete(responder, gens))
 
     async def stream(responder: Responder, gens: list[AsyncIterator[Any]]) -> AsyncIterator[bytes]:
+        outputs = _merged(gens)
         try:
             for chunk in responder.opening_chunks():
                 yield _sse(chunk)
-            async for i, out in _merged(gens):
+            failed = None
+            async for i, out in outputs:
+                if out.finish_reason == "error":  # executing it failed: the stream ends with the reason
+                    failed = out
+                    break
                 for chunk in responder.chunks(i, out):
                     yield _sse(chunk)
-            if (usage := responder.usage_chunk()) is not None:
+            if failed is not None:
+                yield _sse(error_body(f"request failed: {failed.error}", "InternalServerError", 500))
+            elif (usage := responder.usage_chunk()) is not None:
                 yield _sse(usage)
         except EngineDeadError as e:
             yield _sse(error_body(str(e), "ServiceUnavailableError", 503))
         except ValueError as e:  # the core refused the request (a race the front end's checks cannot see)
             yield _sse(error_body(str(e), "BadRequestError", 400))
+        finally:
+            await outputs.aclose()  # the other prompts' requests, if one failed
         yield b"data: [DONE]\n\n"
 
     async def complete(responder: Responder, gens: list[AsyncIterator[Any]]) -> Response:
@@ -216,6 +226,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
             return unavailable()
         except ValueError as e:
             return error(str(e), "BadRequestError", 400)
+        if failed := [o for o in finals.values() if o.finish_reason == "error"]:
+            return error(f"request failed: {failed[0].error}", "InternalServerError", 500)
         return JSONResponse(responder.response([finals[i] for i in range(len(gens))]))
 
     @app.post("/v1/completions")

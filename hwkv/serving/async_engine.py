@@ -53,7 +53,8 @@ class _Req:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finish_time: float | None = None
-    error: Exception | None = None
+    error: Exception | None = None  # raised by the iterator: refused by the core, or the core died
+    exec_error: str | None = None  # finish_reason "error": why executing it failed
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -162,24 +163,32 @@ class AsyncEngine:
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens)
         return _Req(request_id, text, ids, params, detok, logprobs=[] if params.logprobs is not None else None)
 
-    def generate(self, prompt: Prompt, params: SamplingParams | None = None,
-                 request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """An iterator of cumulative outputs until the request finishes (the last has ``finished=True``).
+    def generate(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                 priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """An iterator of cumulative outputs until the request finishes (the last has ``finished=True``;
+        ``finish_reason "error"`` with ``error`` set if executing it failed).
 
         Validates now (``ValueError`` naming what is wrong; ``EngineDeadError`` if the core is
         gone); the request is sent to the core when iteration starts. Closing or cancelling the
-        iterator early aborts the request in the core."""
+        iterator early aborts the request in the core. ``priority`` (lower runs first) needs a
+        core with ``scheduling_policy="priority"``."""
         request_id = request_id or f"req-{next(self._ids)}"
-        return self._stream(self._make(prompt, params, request_id))
+        req = self._make(prompt, params, request_id)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an int, got {priority!r}")
+        if priority and self.info.scheduling_policy != "priority":  # type: ignore[union-attr]
+            raise ValueError(f"priority={priority} needs the engine's scheduling_policy 'priority' "
+                             f"(this one runs {self.info.scheduling_policy!r}; allowed: priority 0)")  # type: ignore[union-attr]
+        return self._stream(req, priority)
 
-    async def _stream(self, req: _Req) -> AsyncIterator[RequestOutput]:
+    async def _stream(self, req: _Req, priority: int = 0) -> AsyncIterator[RequestOutput]:
         core_id = f"{req.request_id}#{next(self._ids)}"  # unique even if the caller reuses ids
         if self.dead is not None:
             raise self.dead
         self._reqs[core_id] = req
         try:
             core_params = replace(req.params, stop=None) if req.params.stop else req.params
-            await self.client.send(m.AddRequest(core_id, req.prompt_token_ids, core_params))
+            await self.client.send(m.AddRequest(core_id, req.prompt_token_ids, core_params, priority))
             while True:
                 await req.changed.wait()
                 req.changed.clear()
@@ -222,7 +231,7 @@ class AsyncEngine:
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
             text=req.detok.text if done else req.detok.stable_text, token_ids=list(req.token_ids),
             finished=done, finish_reason=req.finish_reason, metrics=metrics, stop_reason=req.stop_reason,
-            logprobs=list(req.logprobs) if req.logprobs is not None else None,
+            logprobs=list(req.logprobs) if req.logprobs is not None else None, error=req.exec_error,
         )
 
     async def _read_outputs(self) -> None:
@@ -250,11 +259,13 @@ class AsyncEngine:
         req = self._reqs.get(core_id)
         if req is None or req.finish_reason is not None:  # aborted/stopped here already
             return False
-        if o.finish_reason == "error":
-            req.finish_reason = "error"
+        if o.finish_reason == "rejected":
+            req.finish_reason = "rejected"
             req.error = ValueError(o.error or "the engine core refused the request")
             req.changed.set()
             return False
+        if o.finish_reason == "error":
+            req.exec_error = o.error or "executing the request failed"
         now = time.monotonic()
         req.num_cached_tokens, req.num_preemptions = o.num_cached_tokens, o.num_preemptions
         if o.new_token_ids:

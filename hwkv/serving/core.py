@@ -26,6 +26,9 @@ from hwkv.serving import messages as m
 
 IDLE_POLL_MS = 1000  # while idle: how often the parent-alive check runs
 STATS_INTERVAL_S = 0.25
+# Engine.step() contains a failure (rolls back, isolates the requests to blame) and raises; raising
+# this many times in a row means it cannot make progress: every request it holds then fails.
+MAX_STEP_FAILURES = 3
 # built-in connectors by name; anything else may be given as "package.module:Class"
 CONNECTORS = {"noop": "hwkv.connectors.base:NoOpConnector"}
 
@@ -58,8 +61,9 @@ class EngineCore:
         self.default_params = self.engine.default_sampling_params()
         # The front end detokenizes: without a tokenizer the engine's detokenizer is a no-op.
         self.engine.tokenizer = None
-        self.num_sent: dict[str, int] = {}  # output tokens already sent, per request
+        self.num_sent: dict[str, int] = {}  # output tokens already sent, per request (= the live ones)
         self.last_stats = 0.0
+        self.failures = 0  # consecutive step() exceptions
 
     def ready(self) -> m.Ready:
         e = self.engine
@@ -67,17 +71,18 @@ class EngineCore:
             model=self.cfg.model, backend=e.backend.name, device=e.backend.device.description(),
             vocab_size=e.vocab_size, max_model_len=e.max_model_len, block_size=e.block_size,
             num_kv_blocks=e.kv_cache.spec.num_blocks, eos_token_ids=sorted(e.eos_token_ids),
-            default_params=self.default_params, kv_connector=self.cfg.kv_connector, pid=os.getpid(),
+            default_params=self.default_params, kv_connector=self.cfg.kv_connector,
+            scheduling_policy=e.scheduler.config.policy, pid=os.getpid(),
         )
 
     def handle(self, msg: Any, out: list[m.CoreOutput], replies: list[m.UtilityResult]) -> bool:
         """Apply one input message; False on Shutdown."""
         if isinstance(msg, m.AddRequest):
             try:
-                self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params)
+                self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.priority)
                 self.num_sent[msg.request_id] = 0
             except ValueError as e:  # the front end validated; this is a race (id reuse) or a bug
-                out.append(m.CoreOutput(msg.request_id, [], "error", error=str(e)))
+                out.append(m.CoreOutput(msg.request_id, [], "rejected", error=str(e)))
         elif isinstance(msg, m.Abort):
             self.engine.abort(msg.request_ids)
         elif isinstance(msg, m.Utility):
@@ -90,9 +95,27 @@ class EngineCore:
         return True
 
     def step(self) -> list[m.CoreOutput]:
+        """One engine step → each live request's new tokens. A step that raises is logged and
+        retried (the engine has rolled it back); after ``MAX_STEP_FAILURES`` in a row every live
+        request finishes with ``"error"`` and the exception's message, and the core carries on."""
+        try:
+            step_outputs = self.engine.step()
+        except Exception as e:
+            self.failures += 1
+            traceback.print_exc(file=sys.stderr)
+            if self.failures < MAX_STEP_FAILURES:
+                return []
+            self.failures = 0
+            why = f"the engine failed {MAX_STEP_FAILURES} steps in a row: {type(e).__name__}: {e}"
+            ids, self.num_sent = list(self.num_sent), {}
+            self.engine.abort(ids)  # frees their blocks; the abort outputs are dropped (no longer live)
+            return [m.CoreOutput(rid, [], "error", error=why) for rid in ids]
+        self.failures = 0
         outs = []
-        for o in self.engine.step():
-            sent = self.num_sent.get(o.request_id, 0)
+        for o in step_outputs:
+            sent = self.num_sent.get(o.request_id)
+            if sent is None:  # failed above, its abort output arrives now
+                continue
             new = o.token_ids[sent:]
             lps = o.logprobs[sent:] if o.logprobs is not None else None
             if o.finished:

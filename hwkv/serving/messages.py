@@ -20,6 +20,7 @@ class AddRequest(msgspec.Struct, tag=True):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams  # stop strings stripped: the front end matches them
+    priority: int = 0
 
 
 class Abort(msgspec.Struct, tag=True):
@@ -39,8 +40,8 @@ class Shutdown(msgspec.Struct, tag=True):
 
 class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     """One request's new tokens of one step. ``finish_reason``: ``"stop"``/``"length"``/``"abort"``,
-    or ``"error"`` when the core refused or could not execute the request (``error`` says why);
-    ``None`` while running."""
+    ``"error"`` when executing it failed, ``"rejected"`` when the core refused to add it (for both,
+    ``error`` says why); ``None`` while running."""
 
     request_id: str
     new_token_ids: list[int]
@@ -68,6 +69,7 @@ class Ready(msgspec.Struct, tag=True):
     eos_token_ids: list[int]
     default_params: SamplingParams
     kv_connector: str | None
+    scheduling_policy: str
     pid: int
 
 

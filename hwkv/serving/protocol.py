@@ -2,7 +2,7 @@
 
 Field names and defaults follow the OpenAI API; the vLLM extensions users rely on are accepted too
 (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
-``skip_special_tokens``, ``cache_salt``) plus ``return_token_ids`` (each choice / chunk carries
+``skip_special_tokens``, ``cache_salt``, ``priority``) plus ``return_token_ids`` (each choice / chunk carries
 its token ids — the only output of a model without a tokenizer). Unknown fields are ignored, as
 OpenAI clients send fields a server may not know. Unsupported features are refused by name.
 """
@@ -67,6 +67,7 @@ class _Sampling(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     cache_salt: str | None = None
+    priority: int = 0  # lower runs first; needs a server with --scheduling-policy priority
     return_token_ids: bool = False
 
     def sampling_overrides(self, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:

@@ -156,6 +156,7 @@ def test_start_failure_names_the_reason(tiny_model, arun, kw, match):
 def test_cli_engine_flags_map_to_engine_kwargs():
     import argparse
     import dataclasses
+    import inspect
 
     from hwkv.commands import serve
     from hwkv.engine import EngineConfig
@@ -165,8 +166,9 @@ def test_cli_engine_flags_map_to_engine_kwargs():
     args = p.parse_args(["--model", "m", "--max-num-seqs", "8", "--no-enable-prefix-caching", "--decode-ops",
                          "--kv-connector", "noop", "--kv-connector-config", '{"a": 1}'])
     kw = serve.engine_kwargs(args)
-    assert set(kw) == {f.name for f in dataclasses.fields(EngineConfig)} - {"model"} | {"kv_connector",
-                                                                                        "kv_connector_config"}
+    engine_params = set(inspect.signature(hwkv.Engine.__init__).parameters) - {"self", "model"}
+    assert set(kw) == engine_params | {"kv_connector_config"}
+    assert {f.name for f in dataclasses.fields(EngineConfig)} - {"model"} <= set(kw)
     assert (kw["max_num_seqs"], kw["enable_prefix_caching"], kw["decode_ops"], kw["async_scheduling"]) == (
         8, False, True, None)
     assert (kw["kv_connector"], kw["kv_connector_config"]) == ("noop", {"a": 1})
@@ -251,3 +253,52 @@ asyncio.run(main())
         time.sleep(0.05)
     os.kill(core_pid, signal.SIGKILL)
     raise AssertionError("engine core outlived its killed front end")
+
+
+def test_priority_needs_a_priority_core(engine):
+    with pytest.raises(ValueError, match="needs the engine's scheduling_policy 'priority'"):
+        engine.generate("hi", None, priority=1)
+    with pytest.raises(ValueError, match="priority must be an int"):
+        engine.generate("hi", None, priority="high")
+
+
+def test_core_fails_live_requests_after_repeated_step_failures(tiny_model, monkeypatch, capsys):
+    """In-process EngineCore: a step that keeps raising ends every live request with "error" and
+    the reason (blocks freed); a step that raises fewer times in a row is retried; the front end
+    turns the error into a finished output carrying it."""
+    from hwkv.serving import core as core_mod
+    from hwkv.serving import messages as m
+
+    cfg = m.CoreConfig(model=str(tiny_model), engine_kwargs=dict(KW), input_addr="", output_addr="", parent_pid=0)
+    core = core_mod.EngineCore(cfg)
+    params = hwkv.SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    for rid in ("a", "b"):
+        core.handle(m.AddRequest(rid, [5, 6, 7, 8], params), [], [])
+    assert [o.new_token_ids != [] for o in core.step()] == [True, True]
+    real = core.engine.step
+
+    def broken():
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(core.engine, "step", broken)
+    assert core.step() == [] and core.step() == []  # retried: the engine rolled the steps back
+    outs = core.step()
+    assert {(o.request_id, o.finish_reason) for o in outs} == {("a", "error"), ("b", "error")}
+    assert all("failed 3 steps in a row: RuntimeError: device lost" in o.error for o in outs)
+    assert "device lost" in capsys.readouterr().err
+    monkeypatch.setattr(core.engine, "step", real)
+    while core.engine.has_unfinished():
+        assert core.step() == []  # the aborts' own outputs are not sent again
+    st = core.stats()
+    assert st["num_free_blocks"] == st["num_kv_blocks"] and core.num_sent == {}
+
+    eng = AsyncEngine(tiny_model)  # the front end's side, without a core
+    try:
+        eng.info = core.ready()
+        req = eng._make([5, 6, 7, 8], params, "r")
+        eng._reqs["r#0"] = req
+        assert eng._apply(outs[0], "r#0") is False
+        out = eng._output(req)
+        assert out.finished and out.finish_reason == "error" and "device lost" in out.error
+    finally:
+        asyncio.run(eng.client.close())
