@@ -232,3 +232,65 @@ def test_http_metadata_server_and_close_releases_everything():
             a.poll(batch)
         with pytest.raises(TransferError, match="closed"):
             a.register(ptr(src), 16)
+
+
+@pytest.fixture
+def silent_peer():
+    """An endpoint address that accepts connections and never answers (a hung peer): the wheel's
+    handshake waits ~60 s for it."""
+    import socket
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(64)
+    try:
+        yield f"127.0.0.1:{srv.getsockname()[1]}"
+    finally:
+        srv.close()
+
+
+def test_hung_peer_times_out_without_freezing_other_threads(silent_peer):
+    """write/read/submit to a peer that never answers end with TransferTimeout within timeout_s
+    while another thread keeps running; close returns within its bound (leaving the engine to the
+    process, since the wheel's calls are still waiting on the peer)."""
+    import threading
+    import time
+
+    from hwkv.interfaces import TransferTimeout
+
+    t = MooncakeTransfer(timeout_s=0.5)
+    buf = np.zeros(4096, np.uint8)
+    t.register(ptr(buf), buf.nbytes)
+    count, stop = [0], threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            count[0] += 1
+            time.sleep(0.001)
+
+    spinner = threading.Thread(target=spin, daemon=True)
+    spinner.start()
+    try:
+        calls = {"write": lambda: t.write(silent_peer, [ptr(buf)], [4096], [64]),
+                 "read": lambda: t.read(silent_peer, [ptr(buf)], [4096], [64]),
+                 "submit_write": lambda: t.submit_write(silent_peer, [ptr(buf)], [4096], [64])}
+        for op, call in calls.items():
+            c0, t0 = count[0], time.monotonic()
+            with pytest.raises(TransferTimeout, match=rf"^{op} with '{silent_peer}' \(1 segments, 64 B\) did not "
+                                                      r"finish within 0.5 s"):
+                call()
+            took = time.monotonic() - t0
+            assert took < 1.25 and count[0] - c0 > 50, (op, took, count[0] - c0)
+        with pytest.raises(TransferTimeout, match="timed-out transfers still running"):
+            t.unregister(ptr(buf))
+        assert t.registered_buffers() == [(ptr(buf), buf.nbytes)]
+        t0 = time.monotonic()
+        t.close()
+        assert time.monotonic() - t0 < 1.25
+        assert t.registered_buffers() == []
+        with pytest.raises(TransferError, match="closed"):
+            t.write(silent_peer, [ptr(buf)], [4096], [64])
+    finally:
+        stop.set()
+        spinner.join(5)
+        t.close()

@@ -7,13 +7,24 @@ from hwkv.interfaces.capabilities import Capabilities
 from hwkv.interfaces.connector import KVConnectorBase, NoOpConnector
 from hwkv.interfaces.device import Device, Event, Stream
 from hwkv.interfaces.layout import KVCache, KVCacheSpec, KVLayoutKind, Segment, group_concurrent_contiguous
-from hwkv.interfaces.store import Buffers, ItemResult, KeyNotFound, SizeMismatch, Store, StoreError, StoreFull
-from hwkv.interfaces.transfer import Transfer, TransferError
+from hwkv.interfaces.store import (
+    Buffers,
+    ItemResult,
+    KeyNotFound,
+    SizeMismatch,
+    Store,
+    StoreError,
+    StoreFull,
+    StoreTimeout,
+    StoreUnavailable,
+)
+from hwkv.interfaces.transfer import Transfer, TransferError, TransferTimeout
 
 __all__ = [
     "API_VERSION", "AttentionBackend", "AttentionImpl", "AttentionMetadata", "AttentionMetadataBuilder",
     "Backend", "BackendSpec", "BackendUnavailable", "Buffers", "Capabilities", "Device", "Event",
     "ItemResult", "KVCache", "KVCacheSpec", "KVConnectorBase", "KVLayoutKind", "KeyNotFound",
     "NoOpConnector", "NotSupported", "Segment", "SizeMismatch", "Store", "StoreError", "StoreFull",
-    "Stream", "Transfer", "TransferError", "group_concurrent_contiguous",
+    "StoreTimeout", "StoreUnavailable", "Stream", "Transfer", "TransferError", "TransferTimeout",
+    "group_concurrent_contiguous",
 ]

@@ -26,6 +26,14 @@ class SizeMismatch(StoreError):
     pass
 
 
+class StoreUnavailable(StoreError):
+    """The store's service (e.g. the Mooncake master) cannot be reached: a whole-call failure."""
+
+
+class StoreTimeout(StoreError):
+    """A call did not finish within the store's timeout: a whole-call failure."""
+
+
 @dataclass(frozen=True)
 class ItemResult:
     """Outcome of one key of a batched call: ``error`` is ``None`` on success."""
@@ -57,7 +65,11 @@ class Store(ABC):
     * ``exists`` returns one bool per key; ``remove`` returns one result per key (missing keys give
       :class:`KeyNotFound`).
     * Capacity-bounded stores evict least-recently used values (get and put count as use).
-    * Whole-call failures (connection lost, closed store) raise :class:`StoreError`.
+    * Whole-call failures raise :class:`StoreError`: :class:`StoreUnavailable` (service
+      unreachable), :class:`StoreTimeout` (no answer within the store's timeout; networked stores
+      bound every call, see their ``timeout_s``), plain :class:`StoreError` for a closed store.
+    * ``close()`` is idempotent, releases every registration and returns promptly even when the
+      service is gone.
     """
 
     @abstractmethod

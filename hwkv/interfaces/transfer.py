@@ -75,12 +75,13 @@ class Transfer(ABC):
     def poll(self, batch: int) -> bool: ...
 
     def wait(self, batch: int, timeout_s: float = 30.0) -> None:
+        """Poll ``batch`` until it completed; :class:`TransferTimeout` after ``timeout_s``."""
         import time
 
         deadline = time.monotonic() + timeout_s
         while not self.poll(batch):
             if time.monotonic() > deadline:
-                raise TransferError(f"transfer batch {batch} timed out after {timeout_s}s")
+                raise TransferTimeout(f"transfer batch {batch} did not complete within {timeout_s:g} s")
             time.sleep(0.0002)
 
     def write(self, peer: str, src_ptrs: list[int], dst_ptrs: list[int], lengths: list[int]) -> None:

@@ -9,7 +9,8 @@ to the pool, and puts/gets values that may live on any client's segment. A runni
 from __future__ import annotations
 
 import contextlib
-import socket
+import logging
+import os
 import threading
 
 from hwkv.interfaces.store import (
@@ -20,24 +21,27 @@ from hwkv.interfaces.store import (
     Store,
     StoreError,
     StoreFull,
+    StoreTimeout,
     check_batch,
 )
-from hwkv.transfer.mooncake import PROTOCOLS, Registrations, load_mooncake
+from hwkv.stores.mooncake_faults import (
+    LOG_HINT,
+    OBJECT_NOT_FOUND,
+    RPC_FAIL,
+    RPC_TIMEOUT,
+    call_error,
+    code_name,
+    item_error,
+    master_error,
+    probe_master,
+    reaper,
+)
+from hwkv.transfer.bounded import BoundedCalls, CallTimedOut
+from hwkv.transfer.mooncake import PROTOCOLS, Registrations, apply_log_level, load_mooncake
 
 MIN_SEGMENT = 16 << 20  # the wheel refuses smaller global segments ("Total size must be at least 16777216")
-# Mooncake ErrorCode values the adapter maps (mooncake-store/include/types.h).
-NO_SPACE = {-10: "BUFFER_OVERFLOW", -200: "NO_AVAILABLE_HANDLE", -1700: "TENANT_QUOTA_EXCEEDED"}
-OBJECT_NOT_FOUND, OBJECT_HAS_LEASE = -704, -706
-
-
-def _error(op: str, key: str, code: int) -> StoreError:
-    if code in NO_SPACE:
-        return StoreFull(f"{op} {key!r}: no space in the pool ({NO_SPACE[code]}, code {code})")
-    if code == OBJECT_NOT_FOUND:
-        return KeyNotFound(f"key {key!r} not found")
-    if code == OBJECT_HAS_LEASE:
-        return StoreError(f"{op} {key!r}: the value is leased to a reader (code {code}); retry after the lease ttl")
-    return StoreError(f"{op} {key!r}: mooncake error code {code}")
+_setup_env = threading.Lock()  # the RPC deadlines reach the client through the environment, read in setup()
+log = logging.getLogger(__name__)
 
 
 class MooncakeStore(Store):
@@ -58,6 +62,14 @@ class MooncakeStore(Store):
       batches of ``eviction_ratio``. That is approximately, not strictly, LRU.
     * ``remove`` is forced by default (``force_remove``): a value being read (leased) is removed
       anyway; with ``force_remove=False`` it fails with a :class:`StoreError` naming the lease.
+
+    Faults (see *Failure behaviour* in ``docs/stores-and-transfer.md``): the constructor probes
+    the master (``connect_timeout_s``) before ``setup`` — which holds the GIL and would freeze
+    every thread on a hung master. Every later call returns or raises within ``timeout_s``: it
+    runs on a worker thread (the wheel releases the GIL there) and the client's RPC deadline is
+    half of it, so an unreachable master gives :class:`StoreUnavailable` and a hung one
+    :class:`StoreTimeout`, both naming the master. A timed-out call may still finish in the
+    background; :meth:`unregister_buffer` and :meth:`close` wait for it (within their bound).
     """
 
     def __init__(
@@ -71,6 +83,7 @@ class MooncakeStore(Store):
         device_name: str = "",
         force_remove: bool = True,
         connect_timeout_s: float = 3.0,
+        timeout_s: float = 5.0,
     ):
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol={protocol!r} is not supported (allowed: {', '.join(PROTOCOLS)})")
@@ -80,34 +93,77 @@ class MooncakeStore(Store):
                              f"(need 0 for a client that contributes no memory, or >= {MIN_SEGMENT})")
         if not isinstance(local_buffer_size, int) or local_buffer_size < 0:
             raise ValueError(f"local_buffer_size={local_buffer_size!r} is invalid (need an int >= 0)")
-        mhost, _, mport = master.rpartition(":")
+        for name, v in (("connect_timeout_s", connect_timeout_s), ("timeout_s", timeout_s)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 3600:
+                raise ValueError(f"{name}={v!r} is invalid (need seconds in (0, 3600])")
+        mhost, _, mport = master.rpartition(":") if isinstance(master, str) else ("", "", "")
         if not mhost or not mport.isdigit():
             raise ValueError(f"master={master!r} is invalid (need 'host:port' of mooncake_master's RPC port)")
         store_mod = load_mooncake("store")
-        # setup() retries an unreachable master forever, so fail fast here instead.
-        try:
-            socket.create_connection((mhost, int(mport)), timeout=connect_timeout_s).close()
-        except OSError as e:
-            raise StoreError(f"cannot reach mooncake_master at {master} ({e}); is it running?") from e
+        self.master, self.timeout_s, self.connect_timeout_s = master, float(timeout_s), float(connect_timeout_s)
+        # Probe first: setup() holds the GIL while it waits for the master, and retries a missing one.
+        why = probe_master(master, connect_timeout_s)
+        if why:
+            raise master_error("create", master, why)
         self.capacity_bytes = global_segment_size
         self.protocol = protocol
         self.force_remove = force_remove
+        self._rpc_timeout_s = max(self.timeout_s / 2, 0.1)  # a put is two RPCs: both fit in timeout_s
         self._store = store_mod.MooncakeDistributedStore()
-        rc = self._store.setup(host, metadata_server, global_segment_size, local_buffer_size, protocol,
-                               device_name, master)
+        # setup() retries a failing client 20 times (meant for port clashes): 3 bound a master that
+        # hangs between the probe and setup to 3 RPC deadlines, during which the GIL is held.
+        env = {"MC_RPC_TIMEOUT_MS": str(int(self._rpc_timeout_s * 1000)),
+               "MC_RPC_CONNECT_TIMEOUT_MS": str(int(self.connect_timeout_s * 1000)),
+               "MC_STORE_CLIENT_SETUP_RETRIES": os.environ.get("MC_STORE_CLIENT_SETUP_RETRIES", "3")}
+        with _setup_env:
+            saved = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
+            try:
+                rc = self._store.setup(host, metadata_server, global_segment_size, local_buffer_size, protocol,
+                                       device_name, master)
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+        apply_log_level()  # the engine's config, loaded in setup, resets glog's level
         if rc != 0:
             with contextlib.suppress(Exception):
                 self._store.close()
+            why = probe_master(master, min(0.5, self.connect_timeout_s))  # it may have hung since
+            if why:
+                raise master_error("create", master, why)
             raise StoreError(f"MooncakeDistributedStore.setup(master={master!r}, metadata_server={metadata_server!r}, "
-                             f"protocol={protocol!r}) failed with code {rc}")
+                             f"protocol={protocol!r}) failed ({code_name(rc)}; {LOG_HINT})")
         self._regs = Registrations()
         self._lock = threading.Lock()
+        self._calls = BoundedCalls(f"mooncake-store-{master}")
         self._stats = dict.fromkeys(("puts", "put_full", "gets", "hits", "misses"), 0)
 
     def _live(self):
         if self._store is None:
             raise StoreError("store is closed")
         return self._store
+
+    def _call(self, op: str, fn, *args):
+        """``fn(*args)`` (a wheel call that releases the GIL) on a worker, bounded by ``timeout_s``."""
+        try:
+            return self._calls.run(fn, *args, timeout_s=self.timeout_s)
+        except CallTimedOut as e:
+            why = probe_master(self.master, min(0.2, self.connect_timeout_s))
+            if why:
+                raise master_error(op, self.master, why) from None
+            state = "the master answers: a data transfer is stuck?" if e.started else \
+                "queued behind stuck calls, never started"
+            raise StoreTimeout(f"{op}: no answer within timeout_s={self.timeout_s:g} "
+                               f"(mooncake master at {self.master}; {state})") from None
+
+    def _codes(self, op: str, codes: list[int]) -> list[int]:
+        err = call_error(op, self.master, codes, self._rpc_timeout_s)
+        if err is not None:
+            raise err
+        return codes
 
     def _check_registered(self, op: str, buffers: list[Buffers]) -> None:
         with self._lock:
@@ -120,12 +176,20 @@ class MooncakeStore(Store):
     def register_buffer(self, ptr: int, nbytes: int) -> None:
         store = self._live()
         with self._lock:
-            self._regs.register(ptr, nbytes, store.register_buffer, StoreError, "register_buffer")
+            self._regs.register(ptr, nbytes, lambda p, n: self._call("register_buffer", store.register_buffer, p, n),
+                                StoreError, "register_buffer")
 
     def unregister_buffer(self, ptr: int) -> None:
+        """Unregister ``ptr`` once no call that may still use it runs (a call whose caller timed out
+        can); :class:`StoreTimeout` if that takes longer than ``timeout_s`` (it stays registered)."""
         store = self._live()
+        if not self._calls.wait_idle(self.timeout_s):
+            raise StoreTimeout(f"unregister_buffer({ptr:#x}): {self._calls.in_flight()} timed-out call(s) still "
+                               f"running after timeout_s={self.timeout_s:g} (mooncake master at {self.master}); "
+                               "the buffer stays registered")
         with self._lock:
-            self._regs.unregister(ptr, store.unregister_buffer, StoreError, "unregister_buffer")
+            self._regs.unregister(ptr, lambda p: self._call("unregister_buffer", store.unregister_buffer, p),
+                                  StoreError, "unregister_buffer")
 
     def registered_buffers(self) -> list[tuple[int, int]]:
         """``(ptr, nbytes)`` of every registered buffer (empty after ``close``)."""
@@ -135,44 +199,45 @@ class MooncakeStore(Store):
         check_batch("put", keys, buffers)
         store = self._live()
         self._check_registered("put", buffers)
-        codes: dict[int, int] = {}
         single = [i for i, segs in enumerate(buffers) if len(segs) == 1]
         multi = [i for i, segs in enumerate(buffers) if len(segs) > 1]
-        if single:
-            rcs = store.batch_upsert_from([keys[i] for i in single], [buffers[i][0][0] for i in single],
-                                          [buffers[i][0][1] for i in single])
-            codes.update(zip(single, rcs))
-        if multi:
-            mkeys = [keys[i] for i in multi]
-            store.batch_remove(mkeys, True)  # missing keys answer OBJECT_NOT_FOUND, which is fine here
-            rcs = store.batch_put_from_multi_buffers(mkeys, [[p for p, _ in buffers[i]] for i in multi],
-                                                     [[n for _, n in buffers[i]] for i in multi])
-            codes.update(zip(multi, rcs))
+        codes = dict(zip(single + multi, self._call("put", self._put, store, keys, buffers, single, multi)))
+        self._codes("put", list(codes.values()))
         out = []
         for i, (key, segs) in enumerate(zip(keys, buffers)):
             total = sum(n for _, n in segs)
-            out.append(ItemResult(key, total, None if codes[i] == 0 else _error("put", key, codes[i])))
+            out.append(ItemResult(key, total, None if codes[i] == 0 else item_error("put", key, codes[i])))
         with self._lock:
             self._stats["puts"] += sum(r.ok for r in out)
             self._stats["put_full"] += sum(isinstance(r.error, StoreFull) for r in out)
         return out
 
+    @staticmethod
+    def _put(store, keys: list[str], buffers: list[Buffers], single: list[int], multi: list[int]) -> list[int]:
+        """On a worker: the wheel's codes for ``single`` then ``multi`` items."""
+        rcs = []
+        if single:
+            rcs += store.batch_upsert_from([keys[i] for i in single], [buffers[i][0][0] for i in single],
+                                           [buffers[i][0][1] for i in single])
+        if multi:
+            mkeys = [keys[i] for i in multi]
+            removed = store.batch_remove(mkeys, True)  # missing keys answer OBJECT_NOT_FOUND: fine here
+            lost = [c for c in removed if c in (RPC_FAIL, RPC_TIMEOUT)]
+            if lost:  # no master: do not spend a second RPC deadline
+                rcs += [lost[0]] * len(multi)
+            else:
+                rcs += store.batch_put_from_multi_buffers(mkeys, [[p for p, _ in buffers[i]] for i in multi],
+                                                          [[n for _, n in buffers[i]] for i in multi])
+        return rcs
+
     def get(self, keys: list[str], buffers: list[Buffers]) -> list[ItemResult]:
         check_batch("get", keys, buffers)
         store = self._live()
         self._check_registered("get", buffers)
-        codes: dict[int, int] = {}
         single = [i for i, segs in enumerate(buffers) if len(segs) == 1]
         multi = [i for i, segs in enumerate(buffers) if len(segs) > 1]
-        if single:
-            rcs = store.batch_get_into([keys[i] for i in single], [buffers[i][0][0] for i in single],
-                                       [buffers[i][0][1] for i in single])
-            codes.update(zip(single, rcs))
-        if multi:
-            rcs = store.batch_get_into_multi_buffers([keys[i] for i in multi],
-                                                     [[p for p, _ in buffers[i]] for i in multi],
-                                                     [[n for _, n in buffers[i]] for i in multi])
-            codes.update(zip(multi, rcs))
+        codes = dict(zip(single + multi, self._call("get", self._get, store, keys, buffers, single, multi)))
+        self._codes("get", list(codes.values()))
         out = [self._get_result(store, key, sum(n for _, n in segs), codes[i])
                for i, (key, segs) in enumerate(zip(keys, buffers))]
         with self._lock:
@@ -182,37 +247,53 @@ class MooncakeStore(Store):
         return out
 
     @staticmethod
-    def _get_result(store, key: str, want: int, code: int) -> ItemResult:
+    def _get(store, keys: list[str], buffers: list[Buffers], single: list[int], multi: list[int]) -> list[int]:
+        rcs = []
+        if single:
+            rcs += store.batch_get_into([keys[i] for i in single], [buffers[i][0][0] for i in single],
+                                        [buffers[i][0][1] for i in single])
+        if multi:
+            rcs += store.batch_get_into_multi_buffers([keys[i] for i in multi],
+                                                      [[p for p, _ in buffers[i]] for i in multi],
+                                                      [[n for _, n in buffers[i]] for i in multi])
+        return rcs
+
+    def _get_result(self, store, key: str, want: int, code: int) -> ItemResult:
         if code == want:  # gets return the number of bytes read
             return ItemResult(key, want)
         if code == OBJECT_NOT_FOUND:
             return ItemResult(key, 0, KeyNotFound(f"key {key!r} not found"))
         # A wrong-sized buffer shows up as a short read, INVALID_PARAMS or TRANSFER_FAIL: ask the size.
-        size = code if code > 0 else store.get_size(key)
+        size = code if code > 0 else self._codes("get", [self._call("get", store.get_size, key)])[0]
         if size == OBJECT_NOT_FOUND:  # evicted or removed between the get and the size query
             return ItemResult(key, 0, KeyNotFound(f"key {key!r} not found"))
         if size >= 0 and size != want:
             return ItemResult(key, size, SizeMismatch(f"key {key!r}: stored {size} B, buffers hold {want} B"))
-        return ItemResult(key, 0, _error("get", key, code))
+        return ItemResult(key, 0, item_error("get", key, code))
 
     def exists(self, keys: list[str]) -> list[bool]:
         check_batch("exists", keys)
-        codes = self._live().batch_is_exist(keys)
+        store = self._live()
+        codes = self._codes("exists", self._call("exists", store.batch_is_exist, keys))
         bad = [(k, c) for k, c in zip(keys, codes) if c not in (0, 1)]
         if bad:
-            raise StoreError(f"exists {bad[0][0]!r}: mooncake error code {bad[0][1]} ({len(bad)} key(s) failed)")
+            raise StoreError(f"exists {bad[0][0]!r}: mooncake error ({code_name(bad[0][1])}; "
+                             f"{len(bad)} key(s) failed; {LOG_HINT})")
         return [c == 1 for c in codes]
 
     def remove(self, keys: list[str]) -> list[ItemResult]:
         check_batch("remove", keys)
-        codes = self._live().batch_remove(keys, self.force_remove)
-        return [ItemResult(k, 0, None if c == 0 else _error("remove", k, c)) for k, c in zip(keys, codes)]
+        store = self._live()
+        codes = self._codes("remove", self._call("remove", store.batch_remove, keys, self.force_remove))
+        return [ItemResult(k, 0, None if c == 0 else item_error("remove", k, c)) for k, c in zip(keys, codes)]
 
     def clear(self) -> None:
         """Remove every value in the pool (all clients' keys; forced). For tests and resets."""
-        rc = self._live().remove_all(True)
+        store = self._live()
+        rc = self._call("clear", store.remove_all, True)
         if rc < 0:
-            raise StoreError(f"remove_all failed with code {rc}")
+            raise call_error("clear", self.master, [rc], self._rpc_timeout_s) or \
+                StoreError(f"clear: remove_all failed ({code_name(rc)}; {LOG_HINT})")
 
     def stats(self) -> dict[str, int]:
         """Client-side counters plus ``capacity_bytes`` (this client's segment). Evictions happen
@@ -221,13 +302,35 @@ class MooncakeStore(Store):
             return {**self._stats, "capacity_bytes": self.capacity_bytes}
 
     def close(self) -> None:
-        """Release every registered buffer and leave the cluster (takes ~1-2 s). Idempotent."""
+        """Release every registered buffer and leave the cluster. Idempotent; never waits on a
+        master that is gone.
+
+        With the master answering (probed, up to 1 s) and no timed-out call still running (waited
+        for up to ``timeout_s``), this unregisters the buffers and closes the client (~0.1-1 s;
+        the wheel holds the GIL meanwhile). Otherwise it returns at once and hands the client to
+        :data:`~hwkv.stores.mooncake_faults.reaper`, which closes it once the master answers again
+        (or the wheel's exit handler does, at exit), because the wheel's close would hold the GIL
+        for 5-15 s retrying the master. Either way the store is closed and
+        ``registered_buffers()`` is empty afterwards."""
         if self._store is None:
             return
         store, self._store = self._store, None
         with self._lock:
-            failed = [p for p, _ in self._regs.items() if store.unregister_buffer(p) != 0]
-            self._regs = Registrations()
+            regs, self._regs = self._regs.items(), Registrations()
+        why = probe_master(self.master, min(1.0, self.connect_timeout_s))
+        if why is None and not self._calls.wait_idle(self.timeout_s):
+            why = f"{self._calls.in_flight()} timed-out call(s) still running"
+        failed = []
+        if why is None:
+            try:
+                failed = [p for p, _ in regs if self._call("close", store.unregister_buffer, p) != 0]
+            except StoreError as e:
+                why = str(e)
+        if why is not None:
+            reaper.add(store, self.master)
+            log.warning("MooncakeStore.close: mooncake master at %s unreachable (%s); the client will be closed "
+                        "once it answers again, or at exit", self.master, why)
+            return
         rc = store.close()
         if failed or rc != 0:
             raise StoreError(f"close: {len(failed)} buffer(s) failed to unregister, close code {rc}")

@@ -22,6 +22,7 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -38,7 +39,6 @@ def _die_with_parent() -> None:
     """In the child: get SIGTERM when the test process dies, even by SIGKILL (Linux), so no master
     outlives the run that started it."""
     import ctypes
-    import signal
 
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
@@ -48,13 +48,15 @@ def _die_with_parent() -> None:
 class MooncakeMaster:
     """Addresses of a running master: ``master`` (RPC, for clients' ``master_server_addr``),
     ``metadata_server`` (HTTP metadata URL), ``metrics`` (admin/metrics base URL, ``/health``,
-    ``/metrics``), the process id and its log file."""
+    ``/metrics``), the process id, its log file and its ``(rpc, http, metrics)`` ports (pass them
+    to :func:`mooncake_master` to start a master in its place)."""
 
     master: str
     metadata_server: str
     metrics: str
     pid: int
     log_path: str
+    ports: tuple[int, int, int] = (0, 0, 0)
 
 
 def master_binary() -> str | None:
@@ -138,12 +140,14 @@ def mooncake_master(
     client_ttl_s: int | None = None,
     extra_args: tuple[str, ...] = (),
     timeout_s: float = 15.0,
+    ports: tuple[int, int, int] | None = None,
 ) -> Iterator[MooncakeMaster]:
     """Start ``mooncake_master`` on 127.0.0.1 (RPC, HTTP metadata server and metrics on free
-    ports), wait until it serves, yield its addresses, then stop it (SIGTERM, SIGKILL after 5 s).
+    ports, or on ``ports`` — e.g. a stopped master's, to restart it), wait until it serves, yield
+    its addresses, then stop it (SIGCONT, SIGTERM, SIGKILL after 5 s: a test may have stopped it).
 
     Raises ``RuntimeError`` (with the master's log tail) if it exits or is not ready in
-    ``timeout_s``; a port taken between picking and binding is retried twice.
+    ``timeout_s``; free ports taken between picking and binding are retried twice.
     """
     binary = master_binary()
     if binary is None:
@@ -157,16 +161,18 @@ def mooncake_master(
     log_fd, log_path = tempfile.mkstemp(prefix="mooncake_master_", suffix=".log")
     os.close(log_fd)
     try:
-        yield from _run(binary, opts, extra_args, timeout_s, log_path)
+        yield from _run(binary, opts, extra_args, timeout_s, log_path, ports)
     finally:
         os.unlink(log_path)
 
 
 def _run(
-    binary: str, opts: dict, extra_args: tuple[str, ...], timeout_s: float, log_path: str
+    binary: str, opts: dict, extra_args: tuple[str, ...], timeout_s: float, log_path: str,
+    ports: tuple[int, int, int] | None,
 ) -> Iterator[MooncakeMaster]:
-    for attempt in range(3):
-        rpc, http, metrics_port = free_port(), free_port(), free_port()
+    attempts = 1 if ports else 3
+    for attempt in range(attempts):
+        rpc, http, metrics_port = ports or (free_port(), free_port(), free_port())
         metrics = f"http://127.0.0.1:{metrics_port}"
         cmd = [
             binary,
@@ -187,13 +193,16 @@ def _run(
                     break
                 time.sleep(0.05)
             else:
-                if proc.poll() is not None and attempt < 2 and "ddress already in use" in _tail(log_path):
+                if proc.poll() is not None and attempt < attempts - 1 and "ddress already in use" in _tail(log_path):
                     continue
                 raise RuntimeError(f"mooncake_master did not become ready ({' '.join(cmd)}):\n{_tail(log_path)}")
-            yield MooncakeMaster(f"127.0.0.1:{rpc}", f"http://127.0.0.1:{http}/metadata", metrics, proc.pid, log_path)
+            yield MooncakeMaster(f"127.0.0.1:{rpc}", f"http://127.0.0.1:{http}/metadata", metrics, proc.pid,
+                                 log_path, (rpc, http, metrics_port))
             return
         finally:
             if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGCONT)  # a stopped process would not act on SIGTERM
                 proc.terminate()
                 try:
                     proc.wait(5)

@@ -15,127 +15,35 @@ Protocols: ``"tcp"`` (any host; the only one on the CPU wheel), ``"rdma"`` (CUDA
 
 from __future__ import annotations
 
-import bisect
-import importlib
+import ctypes
 import itertools
-import socket
+import logging
+import math
+import os
 import threading
 import time
-from collections.abc import Callable
-from types import ModuleType
+import urllib.error
+import urllib.request
 
-from hwkv.interfaces.transfer import Transfer, TransferError, check_range
+from hwkv.interfaces.transfer import Transfer, TransferError, TransferTimeout
+from hwkv.transfer.bounded import BoundedCalls, CallTimedOut
+from hwkv.transfer.mooncake_wheel import (  # noqa: F401 - re-exported: the wheel's entry points live here
+    INSTALL_HINT,
+    NOT_INSTALLED,
+    PROTOCOLS,
+    Registrations,
+    apply_log_level,
+    check_peer,
+    check_segments,
+    engine_installed,
+    free_port,
+    load_mooncake,
+    log_level,
+    set_log_level,
+)
 
-PROTOCOLS = ("tcp", "rdma", "ascend", "nvlink", "efa", "hip", "cxl", "barex")
-INSTALL_HINT = "pip install 'hwkv[mooncake]' (Debian/Ubuntu also need: apt-get install -y libibverbs1 libnuma1)"
-NOT_INSTALLED = "mooncake-transfer-engine not installed: pip install 'hwkv[mooncake]'"
-
-
-def engine_installed() -> bool:
-    """Whether ``mooncake.engine`` can be imported — found without importing or executing anything,
-    so backends can declare their transfer protocols cheaply."""
-    import importlib.machinery
-    import importlib.util
-
-    try:
-        pkg = importlib.util.find_spec("mooncake")
-    except (ImportError, ValueError):
-        return False
-    if pkg is None or not pkg.submodule_search_locations:
-        return False
-    return importlib.machinery.PathFinder.find_spec("engine", list(pkg.submodule_search_locations)) is not None
-
-
-def load_mooncake(submodule: str) -> ModuleType:
-    """Import ``mooncake.<submodule>`` or raise an ImportError that says how to install it."""
-    try:
-        return importlib.import_module(f"mooncake.{submodule}")
-    except (ImportError, OSError) as e:  # OSError: a shared library of the wheel is missing
-        raise ImportError(f"Mooncake is not usable here ({e}); install it with: {INSTALL_HINT}") from e
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-class Registrations:
-    """Registered ``[ptr, ptr + nbytes)`` ranges; answers "does this range lie inside one?"."""
-
-    def __init__(self) -> None:
-        self._starts: list[int] = []
-        self._sizes: dict[int, int] = {}
-
-    def add(self, ptr: int, nbytes: int) -> None:
-        i = bisect.bisect_right(self._starts, ptr)
-        overlaps_prev = i > 0 and self._starts[i - 1] + self._sizes[self._starts[i - 1]] > ptr
-        overlaps_next = i < len(self._starts) and self._starts[i] < ptr + nbytes
-        if overlaps_prev or overlaps_next:
-            raise ValueError(f"buffer [{ptr:#x}, +{nbytes}) overlaps a registered buffer")
-        self._starts.insert(i, ptr)
-        self._sizes[ptr] = nbytes
-
-    def pop(self, ptr: int) -> int:
-        if ptr not in self._sizes:
-            raise ValueError(f"ptr {ptr:#x} is not a registered buffer (register it first)")
-        self._starts.remove(ptr)
-        return self._sizes.pop(ptr)
-
-    def covers(self, ptr: int, nbytes: int) -> bool:
-        i = bisect.bisect_right(self._starts, ptr) - 1
-        return i >= 0 and ptr + nbytes <= self._starts[i] + self._sizes[self._starts[i]]
-
-    def items(self) -> list[tuple[int, int]]:
-        return [(p, self._sizes[p]) for p in self._starts]
-
-    def register(self, ptr: int, nbytes: int, call: Callable[[int, int], int], error: type[Exception],
-                 what: str) -> None:
-        """Track ``[ptr, +nbytes)`` and register it through ``call`` (a Mooncake int return code);
-        on failure nothing stays tracked and ``error`` is raised."""
-        check_range(what, ptr, nbytes)
-        self.add(ptr, nbytes)
-        rc = call(ptr, nbytes)
-        if rc != 0:
-            self.pop(ptr)
-            raise error(f"{what}({ptr:#x}, {nbytes}) failed with code {rc}")
-
-    def unregister(self, ptr: int, call: Callable[[int], int], error: type[Exception], what: str) -> None:
-        """Unregister through ``call``; the range stays tracked if that fails (it is still registered)."""
-        check_range(what, ptr, 1)
-        if ptr not in self._sizes:
-            raise ValueError(f"ptr {ptr:#x} is not a registered buffer (register it first)")
-        rc = call(ptr)
-        if rc != 0:
-            raise error(f"{what}({ptr:#x}) failed with code {rc}")
-        self.pop(ptr)
-
-
-def check_segments(op: str, ptrs: list[int], lengths: list[int], others: list[int] | None = None,
-                   names: tuple[str, str] = ("local_ptrs", "remote_ptrs")) -> None:
-    """``ValueError`` naming the argument and item index unless ``ptrs`` (and ``others``, the
-    peer's pointers) and ``lengths`` are equally long, non-empty lists whose ranges lie in the
-    address space (:func:`~hwkv.interfaces.transfer.check_range`)."""
-    lists = {names[0]: ptrs, "lengths": lengths, **({} if others is None else {names[1]: others})}
-    for name, v in lists.items():
-        if not isinstance(v, (list, tuple)):
-            raise ValueError(f"{op}: {name} must be a list of ints, got a {type(v).__name__}")
-    if len({len(v) for v in lists.values()}) != 1:
-        sizes = ", ".join(f"{k}: {len(v)}" for k, v in lists.items())
-        raise ValueError(f"{op}: pointer/length lists differ in length ({sizes})")
-    if not ptrs:
-        raise ValueError(f"{op}: no segments given (need at least one)")
-    for i, n in enumerate(lengths):
-        if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
-            raise ValueError(f"{op}: length {n!r} at lengths[{i}] is invalid (need an int > 0)")
-        check_range(f"{op}: {names[0]}[{i}]", ptrs[i], n)
-        if others is not None:
-            check_range(f"{op}: {names[1]}[{i}]", others[i], n)
-
-
-def check_peer(op: str, peer: object) -> None:
-    if not isinstance(peer, str) or not peer:
-        raise ValueError(f"{op}: peer={peer!r} is invalid (need the peer's endpoint() string, e.g. '127.0.0.1:17001')")
+log = logging.getLogger(__name__)
+_engine_env = threading.Lock()
 
 
 class MooncakeTransfer(Transfer):
@@ -151,6 +59,13 @@ class MooncakeTransfer(Transfer):
     ``get_batch_transfer_status`` spins until done and ``transfer_check_status`` looks at task 0
     only.) A failed batch is reported once all its segments have finished, so no segment is still
     in flight when ``poll`` raises. ``write``/``read`` use one blocking ``batch_transfer_sync_*``.
+
+    Faults: ``write``/``read``/``submit_*``/``wait`` end within ``timeout_s`` plus 1 s per GiB
+    moved (:class:`TransferTimeout`); the wheel would wait ~60 s for a peer that accepts the
+    connection but never answers. Blocking wheel calls run on worker threads (they release the
+    GIL), so other threads keep running. A timed-out call may still complete in the background:
+    ``unregister`` and ``close`` wait for it, within ``timeout_s``; past that ``close`` leaves the
+    engine to the process (never freed while a call may still use it).
     """
 
     def __init__(
@@ -160,28 +75,44 @@ class MooncakeTransfer(Transfer):
         metadata_server: str = "P2PHANDSHAKE",
         device_name: str = "",
         port: int | None = None,
+        timeout_s: float = 5.0,
     ):
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol={protocol!r} is not supported (allowed: {', '.join(PROTOCOLS)})")
         if not host or not isinstance(host, str):
             raise ValueError(f"host={host!r} is invalid (need an address such as '127.0.0.1')")
-        if not metadata_server:
+        if not metadata_server or not isinstance(metadata_server, str):
             raise ValueError(f"metadata_server={metadata_server!r} is invalid (use 'P2PHANDSHAKE' or an http:// URL)")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= 3600:
+            raise ValueError(f"timeout_s={timeout_s!r} is invalid (need seconds in (0, 3600])")
         engine_mod = load_mooncake("engine")
-        self.protocol = protocol
-        self._engine = engine_mod.TransferEngine()
+        self.protocol, self.timeout_s, self.metadata_server = protocol, float(timeout_s), metadata_server
+        self._check_metadata_server("create")
+        with _engine_env:  # the engine reads its own transfer deadline (>= 5 s) when constructed
+            saved = os.environ.get("MC_TRANSFER_TIMEOUT")
+            os.environ["MC_TRANSFER_TIMEOUT"] = str(max(5, math.ceil(self.timeout_s)))
+            try:
+                self._engine = engine_mod.TransferEngine()
+            finally:
+                if saved is None:
+                    os.environ.pop("MC_TRANSFER_TIMEOUT", None)
+                else:
+                    os.environ["MC_TRANSFER_TIMEOUT"] = saved
         p2p = metadata_server == "P2PHANDSHAKE"
         name = host if p2p else f"{host}:{port or free_port(host)}"
         rc = self._engine.initialize(name, metadata_server, protocol, device_name)
+        apply_log_level()  # the engine's config, loaded in initialize, resets glog's level
         if rc != 0:
             raise TransferError(
                 f"TransferEngine.initialize({name!r}, {metadata_server!r}, {protocol!r}) failed with code {rc}"
             )
         self._endpoint = f"{host}:{self._engine.get_rpc_port()}" if p2p else name
         self._regs = Registrations()
-        self._batches: dict[int, tuple[str, str, list[int], list[int]]] = {}  # id -> (op, peer, pending, failed)
+        self._batches: dict[int, tuple[str, str, list[int], list[int], int]] = {}  # id -> op, peer, pending, failed, B
+        self._orphans: list[list[int]] = []  # segments of submits whose caller timed out
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        self._calls = BoundedCalls(f"mooncake-transfer-{self._endpoint}")
 
     def endpoint(self) -> str:
         return self._endpoint
@@ -191,13 +122,36 @@ class MooncakeTransfer(Transfer):
             raise TransferError("transfer endpoint is closed")
         return self._engine
 
+    def _deadline(self, nbytes: int) -> float:
+        return self.timeout_s + nbytes / (1 << 30)
+
+    def _check_metadata_server(self, op: str) -> None:
+        """Registration and initialization publish to an HTTP metadata server holding the GIL:
+        make sure it answers first."""
+        if not self.metadata_server.startswith(("http://", "https://")):
+            return
+        try:
+            urllib.request.urlopen(f"{self.metadata_server}?key=hwkv-probe", timeout=self.timeout_s).close()
+        except urllib.error.HTTPError:
+            return  # it answered
+        except (OSError, ValueError) as e:
+            cls = TransferTimeout if isinstance(getattr(e, "reason", e), TimeoutError) else TransferError
+            raise cls(f"{op}: metadata server {self.metadata_server} unreachable ({e})") from None
+
     def register(self, ptr: int, nbytes: int) -> None:
         engine = self._live()
+        self._check_metadata_server("register")
         with self._lock:
             self._regs.register(ptr, nbytes, engine.register_memory, TransferError, "register_memory")
 
     def unregister(self, ptr: int) -> None:
+        """Unregister ``ptr`` once no timed-out call that may still use it runs (waits up to
+        ``timeout_s``; :class:`TransferTimeout` after that, and it stays registered)."""
         engine = self._live()
+        if not self._quiesce(self.timeout_s):
+            raise TransferTimeout(f"unregister_memory({ptr:#x}): timed-out transfers still running after "
+                                  f"timeout_s={self.timeout_s:g}; the buffer stays registered")
+        self._check_metadata_server("unregister")
         with self._lock:
             self._regs.unregister(ptr, engine.unregister_memory, TransferError, "unregister_memory")
 
@@ -216,6 +170,11 @@ class MooncakeTransfer(Transfer):
             raise TransferError(f"{op}: local range [{p:#x}, +{n}) is not inside a registered buffer "
                                 f"({len(bad)} such segment(s)); call register() first")
 
+    def _timeout(self, op: str, peer: str, lengths: list[int], deadline: float) -> TransferTimeout:
+        return TransferTimeout(f"{op} with {peer!r} ({len(lengths)} segments, {sum(lengths)} B) did not finish "
+                               f"within {deadline:g} s (timeout_s + 1 s/GiB; peer hung or unreachable?); it may "
+                               "still complete in the background: close() waits for it")
+
     def write(self, peer: str, src_ptrs: list[int], dst_ptrs: list[int], lengths: list[int]) -> None:
         self._sync("write", peer, src_ptrs, dst_ptrs, lengths)
 
@@ -223,10 +182,14 @@ class MooncakeTransfer(Transfer):
         self._sync("read", peer, local_ptrs, remote_ptrs, lengths)
 
     def _sync(self, op: str, peer: str, local: list[int], remote: list[int], lengths: list[int]) -> None:
-        self._check(op, peer, local, remote, lengths)
         engine = self._live()
+        self._check(op, peer, local, remote, lengths)
         fn = engine.batch_transfer_sync_write if op == "write" else engine.batch_transfer_sync_read
-        rc = fn(peer, local, remote, lengths)
+        deadline = self._deadline(sum(lengths))
+        try:
+            rc = self._calls.run(fn, peer, list(local), list(remote), list(lengths), timeout_s=deadline)
+        except CallTimedOut:
+            raise self._timeout(op, peer, lengths, deadline) from None
         if rc != 0:
             raise TransferError(f"{op} with {peer!r} ({len(lengths)} segments, {sum(lengths)} B) failed with code {rc}")
 
@@ -237,35 +200,66 @@ class MooncakeTransfer(Transfer):
         return self._submit("read", peer, local_ptrs, remote_ptrs, lengths)
 
     def _submit(self, op: str, peer: str, local: list[int], remote: list[int], lengths: list[int]) -> int:
-        self._check(f"submit_{op}", peer, local, remote, lengths)
         engine = self._live()
+        self._check(f"submit_{op}", peer, local, remote, lengths)
         fn = engine.batch_transfer_async_write if op == "write" else engine.batch_transfer_async_read
-        parts: list[int] = []
-        for p, r, n in zip(local, remote, lengths):
-            bid = fn(peer, [p], [r], [n])
-            if bid == 0:  # the wheel's failure sentinel (peer unreachable, bad arguments)
-                self._drain(parts)
-                raise TransferError(f"submit_{op} to {peer!r} failed (segment {len(parts)} of {len(lengths)} "
-                                    "could not be submitted: peer unreachable or unknown?)")
-            parts.append(bid)
+        parts: list[int] = []  # filled on the worker: a caller that timed out leaves them to close()
+        deadline = self._deadline(sum(lengths))
+        try:
+            ok = self._calls.run(_submit_parts, fn, peer, local, remote, lengths, parts, timeout_s=deadline)
+        except CallTimedOut:
+            with self._lock:
+                self._orphans.append(parts)
+            raise self._timeout(f"submit_{op}", peer, lengths, deadline) from None
+        if not ok:
+            self._drain(parts, self.timeout_s)
+            raise TransferError(f"submit_{op} to {peer!r} failed (segment {len(parts)} of {len(lengths)} "
+                                "could not be submitted: peer unreachable or unknown?)")
         with self._lock:
             batch = next(self._ids)
-            self._batches[batch] = (op, peer, parts, [])
+            self._batches[batch] = (op, peer, parts, [], sum(lengths))
         return batch
 
-    def _drain(self, parts: list[int]) -> None:
-        # Segments already submitted must finish before their memory may be reused or unregistered.
+    def _drain(self, parts: list[int], timeout_s: float) -> bool:
+        """Wait until the submitted segments ``parts`` finished (their memory may be reused or
+        unregistered only then); whether they did within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
         while parts:
             parts[:] = [b for b in parts if self._engine.transfer_check_status(b) == 0]
             if parts:
+                if time.monotonic() > deadline:
+                    return False
                 time.sleep(0.0002)
+        return True
+
+    def _quiesce(self, timeout_s: float) -> bool:
+        """Wait for timed-out calls and their submitted segments; whether all finished in time."""
+        deadline = time.monotonic() + timeout_s
+        if not self._calls.wait_idle(timeout_s):
+            return False
+        with self._lock:
+            orphans = list(self._orphans)
+        if all(self._drain(p, max(deadline - time.monotonic(), 0)) for p in orphans):
+            with self._lock:
+                self._orphans = [p for p in self._orphans if p]
+            return True
+        return False
+
+    def wait(self, batch: int, timeout_s: float | None = None) -> None:
+        """Poll ``batch`` until done; :class:`TransferTimeout` after ``timeout_s`` (default: the
+        endpoint's ``timeout_s`` plus 1 s per GiB of the batch)."""
+        if timeout_s is None:
+            with self._lock:
+                entry = self._batches.get(batch) if not isinstance(batch, bool) else None
+            timeout_s = self._deadline(entry[4] if entry else 0)
+        super().wait(batch, timeout_s)
 
     def poll(self, batch: int) -> bool:
         engine = self._live()
         with self._lock:
             if isinstance(batch, bool) or batch not in self._batches:
                 raise ValueError(f"batch={batch!r} is not a pending transfer batch of this endpoint")
-            op, peer, pending, failed = self._batches[batch]
+            op, peer, pending, failed, _ = self._batches[batch]
             still = []
             for b in pending:
                 code = engine.transfer_check_status(b)  # 1 done, 0 pending, -1 failed, -2 timed out
@@ -283,16 +277,28 @@ class MooncakeTransfer(Transfer):
         return True
 
     def close(self) -> None:
-        """Wait for in-flight batches, release every registration, shut the engine down. Idempotent."""
+        """Wait for in-flight batches and timed-out calls (up to ``timeout_s`` in all), release
+        every registration, shut the engine down (~1 s). Idempotent. If something is still in
+        flight after ``timeout_s``, the engine is left alive for the rest of the process (a
+        transfer may still use it and the registered memory) and close returns."""
         if self._engine is None:
             return
+        deadline = time.monotonic() + self.timeout_s
         with self._lock:
-            for _, _, pending, _ in self._batches.values():
-                self._drain(pending)
+            batches = [entry[2] for entry in self._batches.values()]
             self._batches.clear()
-            errors = [p for p, _ in self._regs.items() if self._engine.unregister_memory(p) != 0]
-            self._regs = Registrations()
-            self._engine = None  # the wheel tears the engine down when the object is freed
+        done = self._quiesce(self.timeout_s) and all(
+            self._drain(parts, max(deadline - time.monotonic(), 0)) for parts in batches)
+        with self._lock:
+            engine, self._engine = self._engine, None
+            regs, self._regs = self._regs.items(), Registrations()
+        if not done:
+            _leak(engine)
+            log.warning("MooncakeTransfer.close(%s): transfers still running after timeout_s=%g; the engine is "
+                        "left alive until the process exits", self._endpoint, self.timeout_s)
+            return
+        errors = [p for p, _ in regs if engine.unregister_memory(p) != 0]
+        del engine  # the wheel tears the engine down when the object is freed
         if errors:
             raise TransferError(f"unregister_memory failed on close for {len(errors)} buffer(s)")
 
@@ -301,3 +307,20 @@ class MooncakeTransfer(Transfer):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _submit_parts(fn, peer: str, local: list[int], remote: list[int], lengths: list[int], parts: list[int]) -> bool:
+    """On a worker: submit each segment as its own batch, appending its id to ``parts``; whether
+    all were submitted (0 is the wheel's failure sentinel: peer unreachable, bad arguments)."""
+    for p, r, n in zip(local, remote, lengths):
+        bid = fn(peer, [p], [r], [n])
+        if bid == 0:
+            return False
+        parts.append(bid)
+    return True
+
+
+def _leak(obj: object) -> None:
+    """Keep ``obj`` alive until the process exits, interpreter teardown included: a worker may
+    still be inside one of its calls."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
