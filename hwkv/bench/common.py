@@ -46,3 +46,22 @@ def copy_bandwidth(device: Any, nbytes: int = 1 << 30) -> float:
         times.append(s.elapsed_time(e) / 1e3)
     times.sort()
     return 2 * nbytes / times[len(times) // 2]
+
+
+def decode_read_bytes(model: Any) -> int:
+    """Weight bytes one decode step must read: every parameter except an untied embedding table, of
+    which only the batch's rows are gathered (bandwidth accounting)."""
+    emb = model.model.embed_tokens.weight
+    untied = 0 if model.config.tie_word_embeddings else emb.numel() * emb.element_size()
+    return model.param_bytes() - untied
+
+
+def enable_weight_prefetch(engine: Any) -> None:
+    """Experiment (measured slower on an H100): the plain forward asks the device to prefetch the next
+    weights (``Device.prefetch``); decode graphs are captured again with the hints inside."""
+    dev = engine.backend.device
+    if not dev.supports_prefetch:
+        raise ValueError(f"weight prefetch needs a device with prefetch; device {dev.name} has none")
+    engine.model.set_prefetch(dev.prefetch, dev.join_prefetch)
+    if engine.runner.graphs is not None:
+        engine.runner.enable_graphs(engine.config.runtime.graph_max_batch)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from hwkv.bench import results_dir
-from hwkv.bench.common import backend, copy_bandwidth, workload
+from hwkv.bench.common import backend, copy_bandwidth, decode_read_bytes, enable_weight_prefetch, workload
 from hwkv.bench.e2e_report import kernel_mix, markdown, profile, replay_ms
 
 SHAPES: dict[str, dict[str, Any]] = {
@@ -86,7 +86,11 @@ def make_engine(mdir: Path, args: argparse.Namespace, **kw: Any) -> Any:
     import hwkv
 
     opts = {**ENGINE_DEFAULTS, **json.loads(args.engine_args), **kw}
-    return hwkv.Engine(str(mdir), backend=backend(args.backend), dtype=args.dtype, **opts)
+    prefetch = opts.pop("prefetch_weights", False)  # a bench-only experiment, not an Engine option
+    engine = hwkv.Engine(str(mdir), backend=backend(args.backend), dtype=args.dtype, **opts)
+    if prefetch:
+        enable_weight_prefetch(engine)
+    return engine
 
 
 def free(engine: Any, device: Any) -> None:
@@ -160,7 +164,7 @@ def batch1(engine: Any, cfg: dict[str, Any], vocab: int, n_out: int, copy_bw: fl
     run_engine(engine, [(prompt, 16)])
     r = run_engine(engine, [(prompt, n_out)])
     step = (r["seconds"] - r["mean_ttft_s"]) / (n_out - 1)
-    w = engine.model.decode_read_bytes()
+    w = decode_read_bytes(engine.model)
     bytes_step = w + kv_bytes_per_token(cfg) * (len(prompt) + n_out / 2)
     b = dict(tok_per_s=1 / step, step_ms=step * 1e3, weight_bytes=w, bytes_per_step=bytes_step,
              graph_steps=engine.runner.num_graph_steps)
@@ -239,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
 
     def part_p() -> None:
         res["profile"] = {f"batch {b}": profile(engine, vocab, b) for b in (1, 64, 256)
-                          if b <= engine.config.max_num_seqs}
+                          if b <= engine.config.scheduler.max_num_seqs}
         res["kernel_mix"] = kernel_mix(engine)
         from hwkv.bench.timeline import graph_timeline
 

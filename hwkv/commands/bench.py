@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-CORE = {
+BENCHES = {
     "cache": ("hwkv.bench.cache", "prefix cache: block hashing, block pool, get_computed_blocks"),
     "scheduler": ("hwkv.bench.scheduler", "scheduler step latency (decodes, mixed chunked prefill)"),
     "admission": ("hwkv.bench.admission", "first-chunk vs whole-prompt admission under memory pressure "
@@ -25,7 +25,7 @@ def benches() -> dict[str, tuple[str, str]]:
     """name -> (module, description): the core's, then the plugins' (a core name is never shadowed)."""
     from hwkv.plugins import list_benches
 
-    out = dict(CORE)
+    out = dict(BENCHES)
     for spec in list_benches():
         out.setdefault(spec.name, (spec.module, spec.description))
     return out
@@ -33,7 +33,7 @@ def benches() -> dict[str, tuple[str, str]]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("bench", metavar="NAME",
-                        help="; ".join(f"{k}: {d}" for k, (_, d) in CORE.items())
+                        help="; ".join(f"{k}: {d}" for k, (_, d) in BENCHES.items())
                         + "; plus the benches installed backends provide (e.g. attention, from cuda)")
     parser.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments of that bench (see --help)")
 

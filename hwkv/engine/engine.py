@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from hwkv.core.request import Request, RequestStatus
-from hwkv.core.scheduler import Scheduler, SchedulerConfig
-from hwkv.engine.config import EngineConfig
+from hwkv.core.scheduler import Scheduler
+from hwkv.engine.config import EngineArgs
 from hwkv.engine.detokenizer import IncrementalDetokenizer
 from hwkv.engine.stats import EngineStats
 from hwkv.outputs import CompletionMetrics, RequestOutput
@@ -38,23 +38,49 @@ class _Tracked:
 
 
 class Engine:
+    """The inference engine: ``add_request`` / ``step`` / ``abort`` / ``generate`` over one model on
+    one backend.
+
+    Options (each validated by name; ``None`` lets the engine choose, once, in
+    :meth:`EngineArgs.resolve <hwkv.engine.config.EngineArgs.resolve>`; the result is ``self.config``):
+
+    * model — ``model``: a Hugging Face directory (config.json + safetensors); ``dtype``: weights and
+      KV dtype (``None``/``"auto"``: the checkpoint's); ``max_model_len``: prompt + output tokens
+      per request (``None``: the model's, capped by the KV pool); ``seed``: the global seed.
+    * backend — ``backend``: a registered name (``hwkv backends``) or a Backend instance.
+    * cache — ``block_size`` (``None``: the backend's default); ``num_kv_blocks`` (``None``: what
+      ``memory_fraction`` of device memory leaves after the weights, capped at ``max_num_seqs``
+      full-length requests); ``enable_prefix_caching``.
+    * scheduler — ``max_num_seqs``; ``max_num_batched_tokens`` (token budget per step; ``None``:
+      2048, or ``max_model_len`` without chunked prefill); ``enable_chunked_prefill``;
+      ``long_prefill_token_threshold``; ``max_num_partial_prefills``; ``scheduling_policy``
+      (``"fcfs"``, or ``"priority"``: lower ``SamplingParams.priority`` first, preempting lower
+      priority running requests); ``reserve_full_prompt`` (admit a request only when its whole
+      prompt fits in free blocks, not just its first chunk).
+    * runtime — ``enforce_eager`` (never capture graphs; graphs serve pure-decode steps where the
+      backend declares ``Capabilities.graph_capture``); ``async_scheduling`` (plan step N+1 while
+      N runs; ``None``: with graphs); ``fuse_elementwise`` (``None``: with graphs); ``decode_ops``
+      (the backend's fused decode ops; ``None``: where offered, ``True``: required).
+    * kv_transfer — ``kv_connector``: a KV connector instance (``None``: none; a connector turns
+      graphs and async scheduling off).
+    """
+
     def __init__(self, model: str, backend: Any = "cpu", dtype: Any = None, max_model_len: int | None = None,
                  block_size: int | None = None, num_kv_blocks: int | None = None, memory_fraction: float = 0.9,
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
                  max_num_partial_prefills: int = 1, seed: int = 0, kv_connector: Any = None,
                  enforce_eager: bool = False, fuse_elementwise: bool | None = None,
-                 async_scheduling: bool | None = None, prefetch_weights: bool | None = None,
-                 decode_ops: bool | None = None, scheduling_policy: str = "fcfs", reserve_full_prompt: bool = True):
-        self.config = cfg = EngineConfig(
+                 async_scheduling: bool | None = None, decode_ops: bool | None = None,
+                 scheduling_policy: str = "fcfs", reserve_full_prompt: bool = True):
+        args = EngineArgs(
             str(model), backend, dtype, max_model_len, block_size, num_kv_blocks, memory_fraction, max_num_seqs,
             max_num_batched_tokens, enable_prefix_caching, enable_chunked_prefill, long_prefill_token_threshold,
-            max_num_partial_prefills, seed, enforce_eager, fuse_elementwise, async_scheduling, prefetch_weights,
-            decode_ops, scheduling_policy, reserve_full_prompt,
+            max_num_partial_prefills, seed, enforce_eager, fuse_elementwise, async_scheduling, decode_ops,
+            scheduling_policy, reserve_full_prompt,
         )
         from hwkv.core.hashing import make_block_hasher
         from hwkv.core.kv_cache_manager import KVCacheManager
-        from hwkv.engine.kv_alloc import allocate_kv_cache
         from hwkv.engine.model_runner import ModelRunner
         from hwkv.model import load_model
         from hwkv.plugins import get_backend
@@ -62,55 +88,38 @@ class Engine:
         # ValueError (unknown name) / BackendUnavailable (why); an instance is used as given
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
         self.backend.device.seed(seed)
-        has_tok = (Path(cfg.model) / "tokenizer.json").is_file()
+        has_tok = (Path(args.model) / "tokenizer.json").is_file()
         self.model, self.model_config, self.tokenizer, self.generation_config = load_model(
-            cfg.model, self.backend, dtype=dtype, max_model_len=max_model_len, load_tokenizer=has_tok
+            args.model, self.backend, dtype=dtype, max_model_len=max_model_len, load_tokenizer=has_tok
         )
-        mc = self.model_config
-        self.kv_cache, self.block_size, self.max_model_len = allocate_kv_cache(cfg, self.backend, self.model)
-        self.vocab_size = mc.vocab_size
-        self.eos_token_ids = frozenset(_eos_ids(mc, self.generation_config))
-        self.kv_cache_manager = KVCacheManager(self.kv_cache.spec.num_blocks, self.block_size, enable_prefix_caching)
-        self._hasher = make_block_hasher(self.block_size)
-        if max_num_batched_tokens is None:  # without chunking a whole prompt must fit one step (as vLLM)
-            max_num_batched_tokens = 2048 if enable_chunked_prefill else max(2048, self.max_model_len)
-        from hwkv.interfaces.connector import NoOpConnector
-
-        if type(kv_connector) is NoOpConnector:  # acts on nothing: the fast paths stay on
-            kv_connector = None
-        if async_scheduling and kv_connector is not None:
-            raise ValueError("async_scheduling=True needs kv_connector=None (a connector saves and loads KV "
-                             "in step with the scheduler; allowed: async_scheduling False or None)")
-        # graphs for pure-decode steps: where the backend declares capture, and with no connector
-        # (a connector may act inside the forward per layer)
-        graphs = not enforce_eager and self.backend.capabilities.graph_capture and kv_connector is None
-        self.async_scheduling = graphs if async_scheduling is None else async_scheduling
-        sched_cfg = SchedulerConfig(max_num_seqs, max_num_batched_tokens, self.max_model_len, enable_chunked_prefill,
-                                    long_prefill_token_threshold, max_num_partial_prefills, self.async_scheduling,
-                                    scheduling_policy, reserve_full_prompt)
-        self.scheduler = Scheduler(sched_cfg, self.kv_cache_manager, kv_connector)
-        self.runner = ModelRunner(self.model, self.backend, self.kv_cache, self.block_size, max_num_seqs,
+        self.config = cfg = args.resolve(self.backend, self.model, kv_connector)
+        cc, rt = cfg.cache, cfg.runtime
+        self.block_size, self.max_model_len = cc.block_size, cfg.model.max_model_len
+        self.kv_cache = self.backend.device.allocate_kv_cache(self.model.kv_cache_spec(cc.num_blocks, cc.block_size),
+                                                              self.backend.attention.kv_layout)
+        self.vocab_size = self.model_config.vocab_size
+        self.eos_token_ids = frozenset(_eos_ids(self.model_config, self.generation_config))
+        self.kv_cache_manager = KVCacheManager(cc.num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self._hasher = make_block_hasher(cc.block_size)
+        self.async_scheduling = rt.async_scheduling
+        connector = cfg.kv_transfer.connector if cfg.kv_transfer is not None else None
+        self.scheduler = Scheduler(cfg.scheduler, self.kv_cache_manager, connector)
+        self.runner = ModelRunner(self.model, self.backend, self.kv_cache, cc.block_size, max_num_seqs,
                                   self.max_model_len, tuple(self.eos_token_ids), self.scheduler.connector)
-        if fuse_elementwise or (fuse_elementwise is None and graphs):  # None: together with the graphs
-            from hwkv.model.fuse import fuse_elementwise as fuse
+        if rt.fuse_elementwise:
+            from hwkv.model.fuse import fuse_elementwise
 
-            fuse(self.model)
-        dev = self.backend.device
-        if prefetch_weights and not dev.supports_prefetch:
-            raise ValueError(f"prefetch_weights=True but device {dev.name} has no prefetch "
-                             "(allowed: False or None)")
-        if prefetch_weights:  # opt-in: measured slower on an H100 (docs/gpu-e2e.md)
-            self.model.set_prefetch(dev.prefetch, dev.join_prefetch)
-        ops = self.backend.decode_ops() if decode_ops is not False else None
-        if decode_ops and ops is None:
+            fuse_elementwise(self.model)
+        ops = self.backend.decode_ops() if rt.decode_ops is not False else None
+        if rt.decode_ops and ops is None:
             raise ValueError(f"decode_ops=True but backend {self.backend.name!r} offers none (allowed: False or None)")
         try:
             self.model.set_decode_ops(ops, self.kv_cache.spec.dtype)
         except ValueError:  # the ops cannot serve this model: True says why, None runs without them
-            if decode_ops:
+            if rt.decode_ops:
                 raise
-        if graphs:
-            self.runner.enable_graphs(min(max_num_seqs, max_num_batched_tokens))
+        if rt.graphs:
+            self.runner.enable_graphs(rt.graph_max_batch)
         # Ids: the scheduler, runner and connector see internal ids "<request_id>-<n>", unique per
         # engine lifetime (as vLLM), so a reused request id can never meet its predecessor's state.
         self._tracked: dict[str, _Tracked] = {}  # internal id -> state, until finished

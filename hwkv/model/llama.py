@@ -115,13 +115,6 @@ class LlamaForCausalLM(nn.Module):
         """Bytes of all parameters (a tied embedding counted once)."""
         return sum(p.numel() * p.element_size() for p in self.parameters())
 
-    def decode_read_bytes(self) -> int:
-        """Weight bytes one decode step must read: everything except the untied embedding table,
-        of which only the batch's rows are gathered (for bandwidth accounting)."""
-        emb = self.model.embed_tokens.weight
-        untied = 0 if self.config.tie_word_embeddings else emb.numel() * emb.element_size()
-        return self.param_bytes() - untied
-
     def forward_hidden(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, attn_metadata: object,
         slot_mapping: torch.Tensor | None = None,

@@ -166,8 +166,11 @@ def test_prefetch_weights_same_tokens_on_gpu(model_dir):
               fuse_elementwise=False)
     want = [o.token_ids for o in hwkv.Engine(model_dir, backend=backend, **kw).generate(prompts, params,
                                                                                         use_tqdm=False)]
-    e = hwkv.Engine(model_dir, backend=backend, prefetch_weights=True, **kw)
-    assert e.model._prefetch is not None
+    from hwkv.bench.common import enable_weight_prefetch
+
+    e = hwkv.Engine(model_dir, backend=backend, **kw)
+    enable_weight_prefetch(e)  # graphs recaptured with the prefetch hints inside
+    assert e.model._prefetch is not None and e.runner.graphs.graphs
     assert [o.token_ids for o in e.generate(prompts, params, use_tqdm=False)] == want
 
 

@@ -99,4 +99,4 @@ def test_greedy_parity_with_hf(hf_case, case):
     if case == "no_prefix_cache":
         assert stats["prefix_cache_hits"] == 0
     assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache.spec.num_blocks
-    assert not engine.runner.reqs and len(engine.runner.free_slots) == engine.config.max_num_seqs
+    assert not engine.runner.reqs and len(engine.runner.free_slots) == engine.config.scheduler.max_num_seqs

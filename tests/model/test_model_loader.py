@@ -9,6 +9,7 @@ import shutil
 import pytest
 import torch
 
+from hwkv.bench.common import decode_read_bytes
 from hwkv.model import GenerationConfig, ModelConfig, ModelLoadError, load_model, resolve_dtype
 from hwkv.testing.tiny_models import write_tiny_model
 
@@ -149,7 +150,7 @@ def test_tied_embeddings_share_storage_and_ignore_stored_head(tmp_path, cpu_back
     assert cfg.tie_word_embeddings and model.lm_head_weight is model.model.embed_tokens.weight
     assert not hasattr(model, "lm_head")
     assert model.param_bytes() == sum(t.numel() * 4 for t in load_file(m / "model.safetensors").values())
-    assert model.decode_read_bytes() == model.param_bytes()
+    assert decode_read_bytes(model) == model.param_bytes()
     before = logits_of(model, cpu_backend, paged_runner, PROMPTS)
     w = load_file(m / "model.safetensors")
     w["lm_head.weight"] = w["model.embed_tokens.weight"].clone()  # some tied checkpoints store it
@@ -160,7 +161,7 @@ def test_tied_embeddings_share_storage_and_ignore_stored_head(tmp_path, cpu_back
 def test_untied_param_and_decode_bytes(tiny, cpu_backend):
     model, cfg, _, _ = load_model(tiny, cpu_backend)
     emb = cfg.vocab_size * cfg.hidden_size * 4
-    assert model.decode_read_bytes() == model.param_bytes() - emb
+    assert decode_read_bytes(model) == model.param_bytes() - emb
     spec = model.kv_cache_spec(num_blocks=10, block_size=16)
     assert (spec.num_layers, spec.num_kv_heads, spec.head_size, spec.dtype) == (2, 2, 16, torch.float32)
 
