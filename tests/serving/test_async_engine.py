@@ -159,7 +159,7 @@ def test_cli_engine_flags_map_to_engine_kwargs():
     import inspect
 
     from hwkv.commands import serve
-    from hwkv.engine import EngineConfig
+    from hwkv.engine import EngineArgs
 
     p = argparse.ArgumentParser()
     serve.add_arguments(p)
@@ -168,7 +168,7 @@ def test_cli_engine_flags_map_to_engine_kwargs():
     kw = serve.engine_kwargs(args)
     engine_params = set(inspect.signature(hwkv.Engine.__init__).parameters) - {"self", "model"}
     assert set(kw) == engine_params | {"kv_connector_config"}
-    assert {f.name for f in dataclasses.fields(EngineConfig)} - {"model"} <= set(kw)
+    assert {f.name for f in dataclasses.fields(EngineArgs)} - {"model"} <= set(kw)
     assert (kw["max_num_seqs"], kw["enable_prefix_caching"], kw["decode_ops"], kw["async_scheduling"]) == (
         8, False, True, None)
     assert (kw["kv_connector"], kw["kv_connector_config"]) == ("noop", {"a": 1})
