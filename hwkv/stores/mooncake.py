@@ -306,8 +306,8 @@ class MooncakeStore(Store):
         master that is gone.
 
         With the master answering (probed, up to 1 s) and no timed-out call still running (waited
-        for up to ``timeout_s``), this unregisters the buffers and closes the client (~0.1-1 s;
-        the wheel holds the GIL meanwhile). Otherwise it returns at once and hands the client to
+        for up to ``timeout_s``), this unregisters the buffers and closes the client (~1.5 s; the
+        wheel holds the GIL meanwhile). Otherwise it returns at once and hands the client to
         :data:`~hwkv.stores.mooncake_faults.reaper`, which closes it once the master answers again
         (or the wheel's exit handler does, at exit), because the wheel's close would hold the GIL
         for 5-15 s retrying the master. Either way the store is closed and
@@ -326,6 +326,7 @@ class MooncakeStore(Store):
                 failed = [p for p, _ in regs if self._call("close", store.unregister_buffer, p) != 0]
             except StoreError as e:
                 why = str(e)
+        self._calls.shutdown()
         if why is not None:
             reaper.add(store, self.master)
             log.warning("MooncakeStore.close: mooncake master at %s unreachable (%s); the client will be closed "

@@ -61,9 +61,13 @@ class BoundedCalls:
         while True:
             with self._cond:
                 self._idle += 1
-            fut, fn, args = self._queue.get()
+            item = self._queue.get()
             with self._cond:
                 self._idle -= 1
+                if item is None:  # shutdown
+                    self._threads.remove(threading.current_thread())
+                    return
+                fut, fn, args = item
                 if not fut.set_running_or_notify_cancel():
                     continue
                 self._running += 1
@@ -85,3 +89,14 @@ class BoundedCalls:
         """Wait up to ``timeout_s`` until no call runs; whether none does."""
         with self._cond:
             return self._cond.wait_for(lambda: self._running == 0, timeout_s)
+
+    def shutdown(self) -> None:
+        """Let every worker exit once its current call (if any) returned; queued calls run first.
+        Does not wait."""
+        with self._cond:
+            for _ in self._threads:
+                self._queue.put(None)
+
+    def workers(self) -> int:
+        with self._cond:
+            return len(self._threads)

@@ -292,6 +292,7 @@ class MooncakeTransfer(Transfer):
         with self._lock:
             engine, self._engine = self._engine, None
             regs, self._regs = self._regs.items(), Registrations()
+        self._calls.shutdown()
         if not done:
             _leak(engine)
             log.warning("MooncakeTransfer.close(%s): transfers still running after timeout_s=%g; the engine is "

@@ -1,0 +1,57 @@
+"""BoundedCalls: blocking calls on worker threads, each caller waiting at most its timeout."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from hwkv.transfer.bounded import BoundedCalls, CallTimedOut
+
+
+def test_results_errors_timeouts_and_cancelled_queue():
+    calls = BoundedCalls("t", workers=1)
+    assert calls.run(lambda a, b: a + b, 2, 3, timeout_s=5) == 5
+    with pytest.raises(ZeroDivisionError):
+        calls.run(lambda: 1 / 0, timeout_s=5)
+    gate, ran = threading.Event(), []
+    t = time.monotonic()
+    with pytest.raises(CallTimedOut) as stuck:
+        calls.run(gate.wait, 10, timeout_s=0.2)  # occupies the only worker
+    assert stuck.value.started and time.monotonic() - t < 2
+    with pytest.raises(CallTimedOut) as queued:
+        calls.run(ran.append, 1, timeout_s=0.2)
+    assert not queued.value.started  # cancelled while queued: it must never run
+    assert calls.in_flight() == 1 and not calls.wait_idle(0.05)
+    gate.set()
+    assert calls.wait_idle(5) and calls.in_flight() == 0
+    assert calls.run(len, [1, 2], timeout_s=5) == 2 and ran == []
+    calls.shutdown()
+    deadline = time.monotonic() + 5
+    while calls.workers() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert calls.workers() == 0
+
+
+def test_workers_grow_to_the_limit_for_concurrent_callers():
+    calls = BoundedCalls("t", workers=3)
+    gate = threading.Event()
+    started = threading.Barrier(4)
+
+    def block():
+        started.wait(5)
+        gate.wait(5)
+        return True
+
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(calls.run(block, timeout_s=5))) for _ in range(3)]
+    for th in threads:
+        th.start()
+    started.wait(5)  # all three run at once: three workers
+    assert calls.workers() == 3 and calls.in_flight() == 3
+    gate.set()
+    for th in threads:
+        th.join(5)
+    assert results == [True] * 3
+    calls.shutdown()
