@@ -127,8 +127,9 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         where = ".".join(loc) or "body"
-        return error(f"{where}: {first.get('msg')} (got {first.get('input')!r})", "BadRequestError", 400,
-                     loc[0] if loc else None)
+        got = repr(first.get("input"))
+        got = got if len(got) <= 200 else got[:200] + "..."
+        return error(f"{where}: {first.get('msg')} (got {got})", "BadRequestError", 400, loc[0] if loc else None)
 
     if api_key is not None:
         app.add_middleware(_ApiKey, key=api_key)

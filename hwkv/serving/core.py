@@ -152,11 +152,20 @@ def run(cfg: m.CoreConfig) -> int:
     out.setsockopt(zmq.SNDHWM, 0)  # never block a step on the front end (it reads continuously)
     out.connect(cfg.output_addr)
     try:
-        core = EngineCore(cfg)
-    except Exception as e:  # a bad option, a missing model, an unavailable backend: say which
-        out.send(m.encode(m.Failed(f"{type(e).__name__}: {e}")))
-        return 1
-    out.send(m.encode(core.ready()))
+        try:
+            core = EngineCore(cfg)
+        except Exception as e:  # a bad option, a missing model, an unavailable backend: say which
+            out.send(m.encode(m.Failed(f"{type(e).__name__}: {e}")))
+            return 1
+        out.send(m.encode(core.ready()))
+        return _loop(core, cfg, inp, out)
+    finally:  # the output socket lingers: the last message (Failed, Dead) still reaches the front end
+        inp.close(0)
+        out.close()
+        ctx.term()
+
+
+def _loop(core: EngineCore, cfg: m.CoreConfig, inp: Any, out: Any) -> int:
     poller = zmq.Poller()
     poller.register(inp, zmq.POLLIN)
     try:
@@ -182,10 +191,6 @@ def run(cfg: m.CoreConfig) -> int:
     except Exception as e:
         out.send(m.encode(m.Dead(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")))
         return 1
-    finally:
-        inp.close(0)
-        out.close()
-        ctx.term()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,6 +35,8 @@ def param_of(err: ValueError, default: str) -> str:
         return err.param
     if match := re.search(r"SamplingParams\.(\w+)", str(err)):
         return match.group(1)
+    if str(err).startswith("priority"):
+        return "priority"
     return "max_tokens" if "exceeds max_model_len" in str(err) else default
 
 

@@ -188,6 +188,8 @@ def test_disconnect_while_waiting_frees_the_request(server):
     ("completions", {"prompt": [1, 2, 99999]}, "prompt"),
     ("completions", {"temperature": 0}, "prompt"),
     ("completions", {"prompt": "hi", "logit_bias": {"5": 1.0}}, "logit_bias"),
+    ("completions", {"prompt": "hi", "priority": 1}, "priority"),
+    ("completions", {"prompt": ["hi", ""]}, "prompt"),
     ("chat/completions", {"messages": []}, "messages"),
     ("chat/completions", {"messages": [{"role": "user"}], "top_logprobs": 2}, "top_logprobs"),
     ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
