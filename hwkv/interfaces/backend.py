@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from hwkv.interfaces.attention import AttentionBackend
-from hwkv.interfaces.capabilities import Capabilities
+from hwkv.interfaces.capabilities import Capabilities, NotSupported
 from hwkv.interfaces.device import Device
 
 if TYPE_CHECKING:
@@ -21,10 +21,6 @@ API_VERSION = "1.0"
 
 class BackendUnavailable(RuntimeError):
     """The backend cannot run here; the message says why and how to fix it."""
-
-
-class NotSupported(RuntimeError):
-    """The backend does not support a requested feature; the message names the capability."""
 
 
 @dataclass(frozen=True)

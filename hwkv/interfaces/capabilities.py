@@ -13,6 +13,10 @@ import torch
 from hwkv.interfaces.layout import KVCacheSpec, KVLayoutKind
 
 
+class NotSupported(RuntimeError):
+    """The backend does not support a requested feature; the message names the capability."""
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """Frozen declaration of what a backend supports.

@@ -15,6 +15,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
+from hwkv.interfaces.capabilities import NotSupported
 from hwkv.interfaces.layout import KVCache, KVCacheSpec, KVLayoutKind
 
 
@@ -217,8 +218,6 @@ class Device(ABC):
 
 
 def _no_graphs(dev: Device) -> Exception:
-    from hwkv.interfaces.backend import NotSupported  # backend.py imports this module
-
     return NotSupported(f"device {dev.name} captures no graphs (Capabilities.graph_capture is False)")
 
 
