@@ -289,3 +289,18 @@ def test_chat_logprobs_and_completion_echo(client, local):
     want = local.generate([PROMPTS[2]], hwkv.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                           use_tqdm=False)[0]
     assert got.choices[0].text == PROMPTS[2] + want.text
+
+
+def test_bench_serve_writes_a_shape_model(tmp_path, monkeypatch):
+    """`--model SHAPE` goes through the e2e bench's random-weight writer (the GPU command uses llama-1b)."""
+    import argparse
+
+    from hwkv.bench import e2e
+    from hwkv.bench import serve as bench
+
+    monkeypatch.setitem(e2e.SHAPES, "tiny-test", dict(arch="llama", hidden_size=64, num_layers=1, num_heads=4,
+                                                      num_kv_heads=2, intermediate_size=128, vocab_size=512))
+    d = bench._model_dir(argparse.Namespace(model="tiny-test", backend="cpu", dtype=None, workdir=str(tmp_path)))
+    cfg = json.loads((tmp_path / "tiny-test-float32" / "config.json").read_text())
+    assert d == str(tmp_path / "tiny-test-float32") and cfg["vocab_size"] == 512
+    assert "llama-1b" in e2e.SHAPES
