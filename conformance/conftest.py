@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conformance.check import Check
+from conformance.coverage import recording
 from conformance.harness import generator
 from conformance.report import DEFAULT_TIMEOUT_S, ReportPlugin, environment
 from conformance.tolerances import DTYPES, SUITE_VERSION, ToleranceTable
@@ -92,15 +93,15 @@ def pytest_configure(config: pytest.Config) -> None:
     from hwkv.plugins import get_backend
 
     name = config.option.backend
-    try:
-        backend = get_backend(name)
-        reference = get_backend(REFERENCE)
-    except (BackendUnavailable, ValueError) as e:
-        raise pytest.UsageError(f"cannot load backend {name!r}: {e}") from None
     plugin = next((p for p in config.pluginmanager.get_plugins() if isinstance(p, ReportPlugin)), None)
     if plugin is None:
         plugin = ReportPlugin()
         config.pluginmanager.register(plugin, "hwkv-conformance-report")
+    try:  # an instance handed to conformance.run (a mutant, an unregistered backend) wins over the name
+        backend = plugin.backend if plugin.backend is not None else get_backend(name)
+        reference = get_backend(REFERENCE)
+    except (BackendUnavailable, ValueError) as e:
+        raise pytest.UsageError(f"cannot load backend {name!r}: {e}") from None
     meta = _backend_meta(name, backend) | {
         "seed": config.option.conformance_seed,
         "certify": bool(config.option.certify),
@@ -142,13 +143,14 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 @pytest.fixture(scope="session")
 def backend(pytestconfig: pytest.Config):
-    return pytestconfig.stash[_BACKEND]
+    """The backend under test, seen through the coverage recorder (arguments of interface calls)."""
+    return recording(pytestconfig.stash[_BACKEND], pytestconfig.stash[_PLUGIN].coverage)
 
 
 @pytest.fixture(scope="session")
-def backend_name(pytestconfig: pytest.Config) -> str:
-    """The registry name under test (what ``Engine(backend=...)`` takes)."""
-    return pytestconfig.option.backend
+def engine_backend(pytestconfig: pytest.Config):
+    """What ``Engine(backend=...)`` takes: the backend instance under test itself (unrecorded)."""
+    return pytestconfig.stash[_BACKEND]
 
 
 @pytest.fixture(scope="session")
@@ -157,8 +159,8 @@ def reference(pytestconfig: pytest.Config):
 
 
 @pytest.fixture(scope="session")
-def caps(backend):
-    return backend.capabilities
+def caps(pytestconfig: pytest.Config) -> Capabilities:
+    return pytestconfig.stash[_BACKEND].capabilities
 
 
 @pytest.fixture

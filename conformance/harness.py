@@ -14,7 +14,14 @@ from dataclasses import dataclass
 
 import torch
 
-from hwkv.interfaces import AttentionMetadata, Backend, KVCache, KVCacheSpec
+from hwkv.interfaces import (
+    AttentionImpl,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    Backend,
+    KVCache,
+    KVCacheSpec,
+)
 from hwkv.testing.paged import random_block_tables
 
 NUM_LAYERS = 2
@@ -84,6 +91,16 @@ def slots_for(tables: list[list[int]], positions: list[range], bs: int) -> torch
     return torch.tensor(out, dtype=torch.long)
 
 
+def production_scenario(bs: int) -> list[tuple[int, int]]:
+    """A production-size mixed batch at block size ``bs``: the longest requests span >= 33 blocks and
+    > 4096 tokens (past fixed-size block tables, partition tables and 4096-token windows), decodes of
+    very unequal lengths beside a 64-token chunk on a long prefix and short fresh prefills; 12
+    requests (past a fixed batch of 8)."""
+    n = max(33 * bs + 7, 4500)
+    return [(n - 64, 64), (n - 1, 1), (0, 1), (n // 2 + 3, 1), (17, 1), (3, 1), (3 * bs + 5, 1), (1000, 1),
+            (2 * n // 3, 1), (0, 37), (5, 9), (n // 4, 1)]
+
+
 @dataclass
 class AttentionCase:
     reqs: list[tuple[int, int]]
@@ -100,6 +117,14 @@ class AttentionCase:
     v_ctx: torch.Tensor
     decoy: torch.Tensor  # [C + T, Hkv, D] written to layer 0 at the same slots
     fill_seed: int
+    scale: float
+    strided: bool = False  # q/k/v passed as views of one fused qkv tensor (what models pass)
+    # a second step through the same impl and builder: every request decodes one more token, the
+    # batch in another order (stale metadata or block tables cached across steps show)
+    order2: list[int] | None = None
+    q2: torch.Tensor | None = None  # [R, H, D] in order2's order
+    k2: torch.Tensor | None = None
+    v2: torch.Tensor | None = None
 
     def spec(self, dtype: torch.dtype) -> KVCacheSpec:
         return KVCacheSpec(NUM_LAYERS, self.num_blocks, self.bs, self.num_kv_heads, self.head_size, dtype)
@@ -107,44 +132,74 @@ class AttentionCase:
 
 def make_case(state: str, bs: int, num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtype,
               gen: torch.Generator) -> AttentionCase:
-    reqs = scenario(state, bs, gen)
-    tables, nb = random_block_tables([c + q for c, q in reqs], bs, gen)
-    t, c = sum(q for _, q in reqs), sum(c for c, _ in reqs)
-    return AttentionCase(
+    """A case of ``state`` (:data:`STATES`, unit-normal inputs, the default scale) or ``"production"``:
+    :func:`production_scenario`, logits of realistic magnitude (std ~4.5: q ~ N(0, 4^2), k ~ N(0, 1.5^2),
+    a non-default scale), strided q/k/v and a second, reordered decode step."""
+    prod = state == "production"
+    reqs = production_scenario(bs) if prod else scenario(state, bs, gen)
+    tables, nb = random_block_tables([c + q + prod for c, q in reqs], bs, gen)
+    t, c, r = sum(q for _, q in reqs), sum(c for c, _ in reqs), len(reqs)
+    qm, km = (4.0, 1.5) if prod else (1.0, 1.0)
+    rnd = lambda n, h, m=1.0: (randn(gen, n, h, head_size) * m).to(dtype).float()
+    case = AttentionCase(
         reqs, tables, nb, bs, num_heads, num_kv_heads, head_size,
-        q=randn(gen, t, num_heads, head_size, dtype=dtype).float(),
-        k_new=randn(gen, t, num_kv_heads, head_size, dtype=dtype).float(),
-        v_new=randn(gen, t, num_kv_heads, head_size, dtype=dtype).float(),
-        k_ctx=randn(gen, c, num_kv_heads, head_size, dtype=dtype).float(),
-        v_ctx=randn(gen, c, num_kv_heads, head_size, dtype=dtype).float(),
-        decoy=randn(gen, c + t, num_kv_heads, head_size, dtype=dtype).float(),
+        q=rnd(t, num_heads, qm), k_new=rnd(t, num_kv_heads, km), v_new=rnd(t, num_kv_heads),
+        k_ctx=rnd(c, num_kv_heads, km), v_ctx=rnd(c, num_kv_heads), decoy=rnd(c + t, num_kv_heads),
         fill_seed=int(torch.randint(0, 2**31 - 1, (1,), generator=gen)),
+        scale=0.75 / math.sqrt(head_size) if prod else 1.0 / math.sqrt(head_size), strided=prod,
     )
+    if prod:
+        case.order2 = torch.randperm(r, generator=gen).tolist()
+        case.q2, case.k2, case.v2 = rnd(r, num_heads, qm), rnd(r, num_kv_heads, km), rnd(r, num_kv_heads)
+    return case
+
+
+def fused_views(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``q, k, v`` as the model passes them: views of one ``[T, (H + 2 H_kv) D]`` projection output
+    (row stride ``(H + 2 H_kv) D``, not contiguous)."""
+    t = q.shape[0]
+    fused = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=1)
+    qs, ks, vs = fused.split([q[0].numel(), k[0].numel(), v[0].numel()], dim=1)
+    return qs.view(q.shape), ks.view(k.shape), vs.view(v.shape)
 
 
 def run_attention(backend: Backend, case: AttentionCase, dtype: torch.dtype) -> torch.Tensor:
-    """One forward of ``case`` on ``backend`` in ``dtype``; output as float32 on the CPU."""
+    """``case`` on ``backend`` in ``dtype``; output (both steps, concatenated) as float32 on the CPU."""
     dev = backend.device.torch_device
     spec = case.spec(dtype)
     kv = new_cache(backend, spec, fill=torch.Generator().manual_seed(case.fill_seed))
-    scale = 1.0 / math.sqrt(case.head_size)
-    impl = backend.attention.make_impl(case.num_heads, case.head_size, case.num_kv_heads, scale)
+    impl = backend.attention.make_impl(case.num_heads, case.head_size, case.num_kv_heads, case.scale)
+    builder = backend.attention.metadata_builder()
+    on = lambda x: x.to(device=dev, dtype=dtype)
+    qkv = lambda q, k, v: fused_views(on(q), on(k), on(v)) if case.strided else (on(q), on(k), on(v))
     ctx_slots = slots_for(case.tables, [range(c) for c, _ in case.reqs], case.bs)
     common = AttentionMetadata.build(
         [q for _, q in case.reqs], [c + q for c, q in case.reqs], case.tables, case.bs, device=dev
     )
-    on = lambda x: x.to(device=dev, dtype=dtype)
     all_slots = torch.cat([ctx_slots, common.slot_mapping.cpu()])
     # Decoys in another layer at the same slots: a backend reading the wrong layer fails.
     impl.write_kv(on(case.decoy), on(case.decoy.flip(0)), kv.layer(0), all_slots.to(dev))
     if ctx_slots.numel():  # the cached prefix, as earlier steps would have written it
-        impl.write_kv(on(case.k_ctx), on(case.v_ctx), kv.layer(LAYER), ctx_slots.to(dev))
-    md = backend.attention.metadata_builder().build(common)
-    k, v = on(case.k_new), on(case.v_new)
+        _, k, v = qkv(torch.zeros(ctx_slots.numel(), case.num_heads, case.head_size), case.k_ctx, case.v_ctx)
+        impl.write_kv(k, v, kv.layer(LAYER), ctx_slots.to(dev))
+    outs = [_step(backend, impl, builder, kv, common, *qkv(case.q, case.k_new, case.v_new), dtype)]
+    if case.order2 is not None:
+        o = case.order2
+        reqs = [case.reqs[i] for i in o]
+        common2 = AttentionMetadata.build([1] * len(o), [c + q + 1 for c, q in reqs], [case.tables[i] for i in o],
+                                          case.bs, device=dev)
+        outs.append(_step(backend, impl, builder, kv, common2, *qkv(case.q2, case.k2, case.v2), dtype))
+    return torch.cat(outs)
+
+
+def _step(backend: Backend, impl: AttentionImpl, builder: AttentionMetadataBuilder, kv: KVCache,
+          common: AttentionMetadata, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+          dtype: torch.dtype) -> torch.Tensor:
+    md = builder.build(common)
     impl.write_kv(k, v, kv.layer(LAYER), common.slot_mapping)
-    out = impl.forward(on(case.q), k, v, kv.layer(LAYER), md)
+    out = impl.forward(q, k, v, kv.layer(LAYER), md)
     backend.device.synchronize()
-    exp = (case.q.shape[0], case.num_heads, case.head_size)
+    exp = (q.shape[0], q.shape[1], q.shape[2])
     assert tuple(out.shape) == exp, f"forward returned shape {tuple(out.shape)}, expected {exp}"
     assert out.dtype == dtype, f"forward returned dtype {out.dtype}, expected the query's {dtype}"
     return out.float().cpu()

@@ -18,6 +18,7 @@ import signal
 import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +83,13 @@ def _raised_by_suite(excinfo: pytest.ExceptionInfo[BaseException]) -> bool:
 class ReportPlugin:
     """Collects one result per test and writes the report at session end."""
 
-    def __init__(self) -> None:
+    def __init__(self, backend: Any = None, run_first: Sequence[str] = (), stop_at_first_failure: bool = False) -> None:
+        from conformance.coverage import Coverage
+
+        self.backend = backend  # a Backend instance under test instead of a registered name
+        self.run_first, self.stop_at_first_failure = tuple(run_first), stop_at_first_failure
+        self.stopped_early: str | None = None
+        self.coverage = Coverage()
         self.results: dict[str, dict[str, Any]] = {}
         self.records: dict[str, Record] = {}
         self.meta: dict[str, Any] = {}
@@ -99,6 +106,11 @@ class ReportPlugin:
 
     def record(self, nodeid: str) -> Record:
         return self.records.setdefault(nodeid, Record())
+
+    # -- order (verdict-preserving: only makes a failing run fail sooner) -----------------------
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        if self.run_first:
+            items.sort(key=lambda it: not any(s in it.nodeid for s in self.run_first))
 
     # -- per-test time limit ------------------------------------------------------------------
     def _limit(self, item: pytest.Item) -> float:
@@ -156,6 +168,9 @@ class ReportPlugin:
         if hasattr(rep, "wasxfail"):  # the suite has no xfails; one slipped in is never certifiable
             status, reason = "ERROR", f"xfail marker in the suite: {rep.wasxfail}"
         rep.hwkv_status, rep.hwkv_reason = status, reason
+        if self.stop_at_first_failure and status not in CERTIFIABLE and not self.stopped_early:
+            self.stopped_early = f"{short_id(item.nodeid)}: {status}"
+            item.session.shouldstop = f"stop_at_first_failure: {self.stopped_early}"
         cap = item.get_closest_marker("capability")
         rep.hwkv_capability = cap.args[0] if cap else item.module.__name__.rsplit(".", 1)[-1].removeprefix("test_")
         return rep
@@ -209,6 +224,8 @@ class ReportPlugin:
             "all_pass_or_not_supported": all_ok,
             "duration_s": round(time.time() - self._t0, 2),
             "summary": summary,
+            "stopped_early": self.stopped_early,
+            "coverage": self.coverage.table(),
             "tests": tests,
         }
         if self.report_dir is not None:
@@ -253,6 +270,7 @@ def markdown(report: dict[str, Any]) -> str:
     if bad:
         lines += ["", "## Failures", "", "| test | status | reason |", "| --- | --- | --- |"]
         lines += [f"| `{t['id']}` | {t['status']} | {t['reason'].replace('|', '/')} |" for t in bad]
+    lines += _coverage_md(report.get("coverage") or [])
     lines += ["", "## All tests", "", "| test | capability | status | max abs | max rel | tolerance | reason |",
               "| --- | --- | --- | --- | --- | --- | --- |"]
     for t in report["tests"]:
@@ -261,3 +279,19 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {t['tolerance'] or ''} | {t['reason'].replace('|', '/')} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _coverage_md(rows: list[dict[str, Any]]) -> list[str]:
+    if not rows:
+        return []
+    single = [f"`{r['method']}({r['arg']})`" for r in rows if r["distinct"] < 2]
+    out = ["", "## Argument coverage", "",
+           "Every argument of every interface method the suite called, with the distinct values it took "
+           "(tensors: dtype, shape with the leading dimension bucketed, layout; lists: length). "
+           + (f"Single-valued here: {', '.join(single)}." if single else "Every argument took several values."),
+           "", "| method | argument | distinct | values |", "| --- | --- | --- | --- |"]
+    for r in rows:
+        vals = ", ".join(f"`{v}`" for v in r["values"]).replace("|", "/")
+        more = f" (+{r['distinct'] - len(r['values'])} more)" if r["distinct"] > len(r["values"]) else ""
+        out.append(f"| `{r['method']}` | `{r['arg']}` | {r['distinct']} | {vals}{more} |")
+    return out

@@ -16,6 +16,7 @@ from hwkv.interfaces import KVCacheSpec
 
 pytestmark = [pytest.mark.capability("engine"), pytest.mark.timeout_s(600)]
 VOCAB, HEADS, KV_HEADS, LAYERS = 512, 4, 2, 2
+POOL_TARGET = 512 << 20  # KV pool bytes the memory-sized engine check asks for
 HALF_LOGIT_MARGIN = 0.02  # relative logit margin for backends without float32 (see TinySetup.agree)
 
 
@@ -82,7 +83,7 @@ class TinySetup:
         return self._ref[key]
 
 
-def generate(backend: str, setup: TinySetup, prompts: list[list[int]], max_tokens: int,
+def generate(backend: Any, setup: TinySetup, prompts: list[list[int]], max_tokens: int,
              engine: Any = None, **kwargs: Any) -> tuple[list[list[int]], dict[str, Any]]:
     from hwkv import Engine, SamplingParams
 
@@ -118,46 +119,84 @@ def setup(tiny: TinySetup) -> TinySetup:
     return tiny
 
 
-def test_greedy_matches_reference(backend_name, check, setup):
+def test_greedy_matches_reference(engine_backend, check, setup):
     """Concurrent ragged prompts (prefill and decode in the same steps) match token for token."""
     bs = setup.block_size
     prompts = setup.prompts([5, bs + 1, 2 * bs + 7, 3], seed=1)
-    got, _ = generate(backend_name, setup, prompts, 12)
+    got, _ = generate(engine_backend, setup, prompts, 12)
     setup.agree(check, got, prompts, 12, "greedy tokens vs reference")
 
 
-def test_prefix_cache_identity(backend_name, check, setup):
+def test_prefix_cache_identity(engine_backend, check, setup):
     """Prefix caching on (second pass served from cache) == off == reference."""
     bs = setup.block_size
     prompts = setup.prompts([3, bs + 2, 9], seed=2, shared_prefix=2 * bs + 5)
     from hwkv import Engine
 
-    eng = Engine(setup.path, backend=backend_name, dtype=setup.dtype, seed=0, enable_prefix_caching=True,
+    eng = Engine(setup.path, backend=engine_backend, dtype=setup.dtype, seed=0, enable_prefix_caching=True,
                  num_kv_blocks=64, max_num_seqs=8)
-    first, _ = generate(backend_name, setup, prompts, 8, engine=eng)
-    second, stats = generate(backend_name, setup, prompts, 8, engine=eng)
+    first, _ = generate(engine_backend, setup, prompts, 8, engine=eng)
+    second, stats = generate(engine_backend, setup, prompts, 8, engine=eng)
     assert stats["prefix_cache_hits"] > 0, f"the second pass must hit the prefix cache: {stats}"
-    off, _ = generate(backend_name, setup, prompts, 8, enable_prefix_caching=False)
+    off, _ = generate(engine_backend, setup, prompts, 8, enable_prefix_caching=False)
     setup.agree(check, first, prompts, 8, "prefix cache on, first pass vs reference")
     setup.agree(check, second, prompts, 8, "prefix cache on, cached pass vs reference")
     setup.agree(check, off, prompts, 8, "prefix cache off vs reference")
 
 
-def test_chunked_prefill_identity(backend_name, check, setup):
+def test_chunked_prefill_identity(engine_backend, check, setup):
     """Prompts prefilled in chunks of a few tokens (a chunk on a cached prefix) == one-shot reference."""
     bs = setup.block_size
     prompts = setup.prompts([3 * bs + 5, 2 * bs - 3, 6], seed=3)
     budget = max(8, bs // 2 + 3)  # chunks that end inside a block
-    got, stats = generate(backend_name, setup, prompts, 8, max_num_batched_tokens=budget,
+    got, stats = generate(engine_backend, setup, prompts, 8, max_num_batched_tokens=budget,
                           long_prefill_token_threshold=budget // 2 + 1, enable_prefix_caching=False)
     assert stats["num_steps"] > (3 * bs + 5) // budget, f"prefill was not chunked: {stats}"
     setup.agree(check, got, prompts, 8, "chunked prefill vs reference")
 
 
-def test_preemption_identity(backend_name, check, setup):
+def test_preemption_identity(engine_backend, check, setup):
     """A KV pool too small for the batch forces preemption by recompute; tokens still match."""
     bs = setup.block_size
     prompts = setup.prompts([bs + 4, bs + 3, bs + 5], seed=4)
-    got, stats = generate(backend_name, setup, prompts, bs + 4, num_kv_blocks=5, enable_prefix_caching=False)
+    got, stats = generate(engine_backend, setup, prompts, bs + 4, num_kv_blocks=5, enable_prefix_caching=False)
     assert stats["num_preemptions"] > 0, f"the small pool must force preemption: {stats}"
     setup.agree(check, got, prompts, bs + 4, "preempted run vs reference")
+
+
+def test_pool_sized_from_memory(engine_backend, check, setup):
+    """With no ``num_kv_blocks`` the engine sizes its KV pool from ``Device.memory_info``: a
+    ``memory_fraction`` chosen to leave 512 MiB gives a pool of about 512 MiB (half to 1.5x, one retry:
+    other allocations and other processes move free memory too), and the engine still matches the
+    reference."""
+    from hwkv import Engine
+
+    seen = []
+    for _ in range(2):
+        free, total = engine_backend.device.memory_info()
+        target = min(POOL_TARGET, free // 4)
+        fraction = 1.0 - (free - target) / total
+        # enough sequences that the pool is not capped at max_num_seqs full-length requests
+        eng = Engine(setup.path, backend=engine_backend, dtype=setup.dtype, seed=0, memory_fraction=fraction,
+                     max_num_seqs=512, enable_prefix_caching=False, enforce_eager=True)
+        spec = eng.kv_cache.spec
+        pool = spec.num_blocks * spec.bytes_per_block
+        seen.append((fraction, free, total, spec.num_blocks, pool))
+        if 0.5 * target <= pool <= 1.5 * target:
+            break
+        eng = None  # free this pool before the retry
+    else:
+        raise AssertionError(
+            f"memory_fraction chosen from memory_info() to leave ~{target >> 20} MiB for the KV pool; the engine "
+            f"sized (fraction, free, total, blocks, pool bytes) = {seen}"
+        )
+    prompts = setup.prompts([setup.block_size + 3, 6], seed=5)
+    got, _ = generate(engine_backend, setup, prompts, 6, engine=eng)
+    setup.agree(check, got, prompts, 6, "engine with a memory-sized pool vs reference")
+
+
+# Extension point: engine features (block copies through the engine's offload path, KV connectors,
+# speculative decoding, ...) each get an identity check here as they land: run the feature on the
+# backend under test and the same prompts on the reference, and compare with ``setup.agree``. Gate a
+# check only by what the backend declares — ``not_supported(caps.validate(...))`` or a reason
+# computed from ``engine_backend.capabilities`` — never by catching the feature's own errors.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conformance.harness import LAYER, NUM_LAYERS, new_cache, randn, read_tokens
+from conformance.harness import LAYER, NUM_LAYERS, fused_views, new_cache, randn, read_tokens
 from conformance.report import not_supported
 from hwkv.interfaces import KVCacheSpec
 
@@ -21,27 +21,36 @@ def _write(backend, spec, k, v, slots, fill_k, fill_v):
     every = torch.arange(spec.num_blocks * spec.block_size, device=dev)
     for layer in range(NUM_LAYERS):
         impl.write_kv(fill_k[layer].to(dev), fill_v[layer].to(dev), kv.layer(layer), every)
-    impl.write_kv(k.to(dev), v.to(dev), kv.layer(LAYER), slots.to(dev))
+    if k.device != dev:  # keep strided views strided on the device
+        _, k, v = fused_views(torch.zeros(k.shape[0], 2 * NUM_KV_HEADS, k.shape[2], dtype=k.dtype, device=dev),
+                               k.to(dev), v.to(dev))
+    impl.write_kv(k, v, kv.layer(LAYER), slots.to(dev))
     backend.device.synchronize()
     return [read_tokens(kv, layer) for layer in range(NUM_LAYERS)]
 
 
-@pytest.mark.parametrize("pattern", ["scatter", "with_minus_one", "all_minus_one"])
+@pytest.mark.parametrize("pattern", ["scatter", "with_minus_one", "all_minus_one", "production"])
 def test_write_kv(backend, reference, check, gen, dtype, block_size, head_size, pattern):
-    spec = KVCacheSpec(NUM_LAYERS, 5, block_size, NUM_KV_HEADS, head_size, dtype)
+    """``production``: 4500 tokens over >= 36 blocks (past fixed-size chunks and token limits), some
+    padded with -1, K/V as strided views of a fused qkv output (``with_minus_one`` is strided too)."""
+    prod = pattern == "production"
+    blocks = max(36, -(-5000 // block_size)) if prod else 5
+    spec = KVCacheSpec(NUM_LAYERS, blocks, block_size, NUM_KV_HEADS, head_size, dtype)
     check.capability = f"kv_write/{pattern}"
     reasons = backend.capabilities.validate(spec, num_heads=NUM_KV_HEADS)
     if reasons:
         not_supported(reasons)
     n_slots = spec.num_blocks * block_size
-    n = min(n_slots - 1, 2 * block_size + 3)
+    n = min(n_slots - 1, 4500 if prod else 2 * block_size + 3)
     slots = torch.randperm(n_slots, generator=gen)[:n]  # distinct, out of order, across blocks
-    if pattern == "with_minus_one":
-        slots[torch.randperm(n, generator=gen)[: max(1, n // 3)]] = -1
+    if pattern in ("with_minus_one", "production"):
+        slots[torch.randperm(n, generator=gen)[: max(1, n // (50 if prod else 3))]] = -1
     elif pattern == "all_minus_one":
         slots[:] = -1
     shape = (spec.num_kv_heads, head_size)
     k, v = randn(gen, n, *shape, dtype=dtype), randn(gen, n, *shape, dtype=dtype)
+    if pattern in ("with_minus_one", "production"):
+        _, k, v = fused_views(torch.zeros(n, 2 * NUM_KV_HEADS, head_size, dtype=dtype), k, v)
     fill = [[randn(gen, n_slots, *shape, dtype=dtype) for _ in range(NUM_LAYERS)] for _ in range(2)]
 
     got = _write(backend, spec, k, v, slots, *fill)

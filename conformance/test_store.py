@@ -85,3 +85,61 @@ def test_capacity_lru_and_full(backend, check, gen):
         _same_block(check, src, 7, src, 0, "value fetched before eviction")
     finally:
         store.close()
+
+
+BATCH_BLOCKS, STORED = 160, 96  # production-size batches: many existing and missing keys in one call
+
+
+def test_batched_existing_and_missing(backend, check, gen):
+    """One put of 96 keys; get, exists and remove over 128 keys that interleave 96 existing and 32
+    missing ones in shuffled order; a put that overwrites half the keys and adds new ones. Every
+    result comes back per key, in order; every value lands in its own key's buffer; a missing key's
+    buffer is left untouched."""
+    caps = backend.capabilities
+    head = 64 if caps.head_sizes is None or 64 in caps.head_sizes else caps.head_sizes[0]
+    spec = KVCacheSpec(2, BATCH_BLOCKS, caps.default_block_size, 2, head, caps.dtypes[0])
+    src, dst = (backend.device.allocate_kv_cache(spec, backend.attention.kv_layout, host=True) for _ in range(2))
+    for t in src.tensors:
+        t.copy_(randn(gen, *t.shape, dtype=t.dtype))
+    perm = torch.randperm(BATCH_BLOCKS, generator=gen).tolist()
+    stored = perm[:STORED]  # key k-<b> holds block b of src
+    store = backend.create_store("embedded")
+    try:
+        res = store.put([f"k-{b}" for b in stored], [_block(src, b) for b in stored])
+        assert [r.key for r in res] == [f"k-{b}" for b in stored] and all(r.ok for r in res), \
+            f"put of {STORED} keys: {[r for r in res if not r.ok][:3]}"
+        missing = [f"missing-{i}" for i in range(32)]
+        keys = [f"k-{b}" for b in stored] + missing
+        order = torch.randperm(len(keys), generator=gen).tolist()
+        keys = [keys[i] for i in order]
+        targets = torch.randperm(BATCH_BLOCKS, generator=gen)[: len(keys)].tolist()  # dst block per key
+        res = store.get(keys, [_block(dst, b) for b in targets])
+        assert [r.key for r in res] == keys, "get results come back one per key, in order"
+        bad = [(k, r.error) for k, r in zip(keys, res) if r.ok != k.startswith("k-")]
+        assert not bad, f"get of {len(keys)} keys ({len(missing)} missing): wrong outcome for {bad[:3]}"
+        assert all(isinstance(r.error, KeyNotFound) for r in res if not r.ok), "a missing key is KeyNotFound"
+        want = [torch.zeros_like(t) for t in dst.tensors]
+        for k, b in zip(keys, targets):
+            if k.startswith("k-"):
+                for w, ts in zip(want, src.tensors):
+                    w[b] = ts[int(k[2:])]
+        for i, (got, w) in enumerate(zip(dst.tensors, want)):
+            check.exact(got, w, "store", f"tensor {i} after a get of {len(keys)} keys (missing ones untouched)")
+        assert store.exists(keys) == [k.startswith("k-") for k in keys], "exists: one bool per key, in order"
+        # overwrite half the stored keys with other blocks, add new keys, in one call
+        over = stored[: STORED // 2]
+        put_keys = [f"k-{b}" for b in over] + [f"new-{i}" for i in range(BATCH_BLOCKS - STORED - len(over))]
+        put_blocks = perm[STORED:]  # blocks no key held before
+        res = store.put(put_keys, [_block(src, b) for b in put_blocks])
+        assert [r.key for r in res] == put_keys and all(r.ok for r in res), "mixed overwrite/new put"
+        res = store.get(put_keys, [_block(dst, b) for b in range(len(put_keys))])
+        assert all(r.ok for r in res), f"get after overwrite: {[r for r in res if not r.ok][:3]}"
+        for i, b in enumerate(put_blocks):
+            _same_block(check, dst, i, src, b, f"key {put_keys[i]} after a batched overwrite")
+        gone = keys[::2]
+        res = store.remove(gone)
+        assert [r.key for r in res] == gone, "remove results come back one per key, in order"
+        assert [r.ok for r in res] == [k.startswith("k-") for k in gone], "remove: missing keys are KeyNotFound"
+        assert store.exists(keys) == [k.startswith("k-") and k not in gone for k in keys], "exists after remove"
+    finally:
+        store.close()
