@@ -1,0 +1,71 @@
+"""KV-write mutants: ``write_kv`` of the reference with one realistic mistake."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from conformance.mutants.base import mutant
+from hwkv.reference import ReferenceAttentionImpl
+from hwkv.reference.attention import split_kv, write_kv
+
+FIRST = ("test_kv_write.py::test_write_kv[float32-bs16-hd64",)
+PROD = ("test_kv_write.py::test_write_kv[float32-bs16-hd64-production",)
+
+
+def _impl(name: str, write: Any) -> type[ReferenceAttentionImpl]:
+    def write_kv_(self: Any, key: torch.Tensor, value: torch.Tensor, layer_kv: Any, slots: torch.Tensor) -> None:
+        self._check_cache(layer_kv)
+        write(key, value, layer_kv, slots)
+
+    return type(f"KVWrite_{name}", (ReferenceAttentionImpl,), {"write_kv": write_kv_})
+
+
+def _scatter(key: torch.Tensor, value: torch.Tensor, layer_kv: Any, slots: torch.Tensor, bs: int | None = None) -> None:
+    """Plain scatter of rows with slot >= 0 (``bs`` overrides the cache's block size: a bug)."""
+    k_cache, v_cache = split_kv(layer_kv)
+    bs = bs or k_cache.shape[1]
+    keep = slots >= 0
+    s = slots[keep]
+    k_cache[s // bs, s % bs] = key[: slots.numel()][keep].to(k_cache.dtype)
+    v_cache[s // bs, s % bs] = value[: slots.numel()][keep].to(v_cache.dtype)
+
+
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    strides = [math.prod(t.shape[i + 1 :]) for i in range(t.dim())]
+    return torch.as_strided(t, t.shape, strides, t.storage_offset())
+
+
+def _chunked(chunk: int, drop_partial: bool, limit: int | None = None) -> Any:
+    def write(key: torch.Tensor, value: torch.Tensor, layer_kv: Any, slots: torch.Tensor) -> None:
+        n = slots.numel() if limit is None else min(slots.numel(), limit)
+        end = n - n % chunk if drop_partial else n
+        for a in range(0, end, chunk):
+            b = min(a + chunk, end)
+            write_kv(key[a:b], value[a:b], layer_kv, slots[a:b])
+
+    return write
+
+
+def _sorted_slots(key: torch.Tensor, value: torch.Tensor, layer_kv: Any, slots: torch.Tensor) -> None:
+    write_kv(key, value, layer_kv, slots.sort().values)  # BUG: slots sorted (coalescing), rows not permuted
+
+
+mutant("kv-drops-last-token", "kv_write", "writes slot_mapping.numel() - 1 tokens (off-by-one)", FIRST,
+       impl=_impl("tail", lambda k, v, kv, s: write_kv(k[:-1], v[:-1], kv, s[:-1])))
+mutant("kv-minus-one-clamped", "kv_write", "slot -1 clamped to 0 instead of skipped", FIRST,
+       impl=_impl("clamp", lambda k, v, kv, s: _scatter(k, v, kv, s.clamp_min(0))))
+mutant("kv-ignores-strides", "kv_write", "K/V read with contiguous strides (a fused qkv view is strided)", FIRST,
+       impl=_impl("stride", lambda k, v, kv, s: write_kv(_contiguous(k), _contiguous(v), kv, s)))
+mutant("kv-fp16-intermediate", "kv_write", "K/V staged through a float16 buffer before the cache", FIRST,
+       impl=_impl("fp16", lambda k, v, kv, s: write_kv(k.half(), v.half(), kv, s)))
+mutant("kv-block-size-16", "kv_write", "slot -> (block, offset) with a hard-coded block size of 16", FIRST,
+       impl=_impl("bs16", lambda k, v, kv, s: _scatter(k, v, kv, s, bs=16)))
+mutant("kv-token-limit-2048", "kv_write", "a fixed 2048-token staging buffer: tokens past it are dropped", PROD,
+       impl=_impl("limit", _chunked(2048, False, limit=2048)))
+mutant("kv-chunk-tail-dropped", "kv_write", "written in chunks of 256 tokens; the partial last chunk is dropped",
+       PROD, impl=_impl("chunk", _chunked(256, True)))
+mutant("kv-sorted-slots", "kv_write", "slots sorted for coalescing without permuting the K/V rows", FIRST,
+       impl=_impl("sorted", _sorted_slots))

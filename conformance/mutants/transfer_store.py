@@ -1,0 +1,150 @@
+"""Transfer and Store mutants: the reference's Mooncake endpoint and embedded store, each wrapped with
+one realistic batch-handling mistake."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from conformance.mutants.base import mutant
+from hwkv.interfaces import Buffers, ItemResult, KeyNotFound, Transfer
+from hwkv.stores.embedded import EmbeddedStore
+
+XFER = ("test_transfer",)
+STORE = ("test_store.py::test_batched", "test_store.py")
+MIB4 = 4 << 20
+
+
+class _Transfer(Transfer):
+    """Delegates to the real endpoint; ``segments`` rewrites each (local, remote, length) batch."""
+
+    def __init__(self, inner: Transfer):
+        self.inner, self.protocol = inner, inner.protocol
+
+    def segments(self, local: list[int], remote: list[int], lengths: list[int]) -> tuple[list[int], ...]:
+        return local, remote, lengths
+
+    def endpoint(self) -> str:
+        return self.inner.endpoint()
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        self.inner.register(ptr, nbytes)
+
+    def unregister(self, ptr: int) -> None:
+        self.inner.unregister(ptr)
+
+    def submit_write(self, peer: str, src_ptrs: list[int], dst_ptrs: list[int], lengths: list[int]) -> int:
+        return self.inner.submit_write(peer, *self.segments(src_ptrs, dst_ptrs, lengths))
+
+    def submit_read(self, peer: str, local_ptrs: list[int], remote_ptrs: list[int], lengths: list[int]) -> int:
+        return self.inner.submit_read(peer, *self.segments(local_ptrs, remote_ptrs, lengths))
+
+    def write(self, peer: str, src_ptrs: list[int], dst_ptrs: list[int], lengths: list[int]) -> None:
+        self.inner.write(peer, *self.segments(src_ptrs, dst_ptrs, lengths))
+
+    def read(self, peer: str, local_ptrs: list[int], remote_ptrs: list[int], lengths: list[int]) -> None:
+        self.inner.read(peer, *self.segments(local_ptrs, remote_ptrs, lengths))
+
+    def poll(self, batch: int) -> bool:
+        return self.inner.poll(batch)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _transfer(name: str, **methods: Any) -> Any:
+    return type(f"Transfer_{name}", (_Transfer,), methods)
+
+
+def _coalesce_local(self: Any, local: list[int], remote: list[int], lengths: list[int]) -> tuple[list[int], ...]:
+    """BUG: merges segments adjacent in local memory, assuming the remote side is adjacent too."""
+    lo, re, ln = [local[0]], [remote[0]], [lengths[0]]
+    for p, r, n in zip(local[1:], remote[1:], lengths[1:]):
+        if p == lo[-1] + ln[-1]:
+            ln[-1] += n
+        else:
+            lo.append(p), re.append(r), ln.append(n)
+    return lo, re, ln
+
+
+def _sorted_local(self: Any, local: list[int], remote: list[int], lengths: list[int]) -> tuple[list[int], ...]:
+    order = sorted(range(len(local)), key=lambda i: local[i])
+    return [local[i] for i in order], list(remote), [lengths[i] for i in order]  # BUG: remote not permuted
+
+
+def _async_first_64(self: Any, peer: str, src: list[int], dst: list[int], lengths: list[int]) -> int:
+    """BUG: submit splits the batch into sub-batches of 64 segments and submits the first one only."""
+    return self.inner.submit_write(peer, src[:64], dst[:64], lengths[:64])
+
+
+def _register_capped(self: Any, ptr: int, nbytes: int) -> None:
+    self.inner.register(ptr, min(nbytes, MIB4))  # BUG: a 4 MiB registration limit, silently applied
+
+
+mutant("xfer-segment-cap-4mib", "transfer", "segments longer than 4 MiB silently truncated to 4 MiB", XFER,
+       transfer=_transfer("cap", segments=lambda self, lo, re, ln: (lo, re, [min(n, MIB4) for n in ln])))
+mutant("xfer-segment-limit-64", "transfer", "at most 64 segments per call; the rest silently dropped", XFER,
+       transfer=_transfer("limit", segments=lambda self, lo, re, ln: (lo[:64], re[:64], ln[:64])))
+mutant("xfer-last-segment-dropped", "transfer", "the last segment of every call dropped (off-by-one)", XFER,
+       transfer=_transfer("last", segments=lambda self, lo, re, ln: (lo[:-1], re[:-1], ln[:-1])))
+mutant("xfer-coalesce-local-only", "transfer", "segments merged when adjacent locally, remote adjacency assumed",
+       XFER, transfer=_transfer("coalesce", segments=_coalesce_local))
+mutant("xfer-sorted-local-only", "transfer", "segments sorted by local address without permuting the remote side",
+       XFER, transfer=_transfer("sorted", segments=_sorted_local))
+mutant("xfer-async-partial-batch", "transfer", "submit_write submits only the first sub-batch of 64 segments", XFER,
+       transfer=_transfer("async", submit_write=_async_first_64))
+mutant("xfer-register-cap-4mib", "transfer", "register() silently caps a registration at 4 MiB", XFER,
+       transfer=_transfer("register", register=_register_capped))
+
+
+class _Store(EmbeddedStore):
+    pass
+
+
+def _get_stops_at_missing(self: Any, keys: list[str], buffers: list[Buffers]) -> list[ItemResult]:
+    """BUG: the batch aborts at the first missing key; the rest are reported missing too."""
+    out = EmbeddedStore.get(self, keys, buffers)
+    miss = next((i for i, r in enumerate(out) if not r.ok), len(out))
+    return out[:miss] + [ItemResult(k, 0, KeyNotFound(f"key {k!r} not found")) for k in keys[miss:]]
+
+
+def _get_compacted(self: Any, keys: list[str], buffers: list[Buffers]) -> list[ItemResult]:
+    """BUG: missing keys filtered out first, then the found keys zipped with the buffers in order."""
+    with self._lock:
+        found = [k for k in keys if k in self._values]
+    res = {r.key: r for r in EmbeddedStore.get(self, found, buffers[: len(found)])} if found else {}
+    return [res.get(k) or ItemResult(k, 0, KeyNotFound(f"key {k!r} not found")) for k in keys]
+
+
+def _put_limit_32(self: Any, keys: list[str], buffers: list[Buffers]) -> list[ItemResult]:
+    """BUG: a fixed 32-entry batch: later items are acknowledged but never stored."""
+    out = EmbeddedStore.put(self, keys[:32], buffers[:32])
+    return out + [ItemResult(k, sum(n for _, n in b)) for k, b in zip(keys[32:], buffers[32:])]
+
+
+def _put_keeps_old(self: Any, keys: list[str], buffers: list[Buffers]) -> list[ItemResult]:
+    """BUG: an existing key keeps its old value (put-if-absent), acknowledged as written."""
+    with self._lock:
+        old = [k in self._values for k in keys]
+    new = [(k, b) for k, b, o in zip(keys, buffers, old) if not o]
+    res = {r.key: r for r in EmbeddedStore.put(self, [k for k, _ in new], [b for _, b in new])} if new else {}
+    return [res.get(k) or ItemResult(k, sum(n for _, n in b)) for k, b in zip(keys, buffers)]
+
+
+_STORE = {
+    "store-get-stops-at-missing": ("get aborts the batch at the first missing key", {"get": _get_stops_at_missing}),
+    "store-get-compacts-missing": ("get drops missing keys, then zips found keys with the buffers in order",
+                                   {"get": _get_compacted}),
+    "store-exists-sorted": ("exists answers for the keys in sorted order",
+                            {"exists": lambda self, keys: EmbeddedStore.exists(self, sorted(keys))}),
+    "store-put-limit-32": ("put stores at most 32 items per call, acknowledges all", {"put": _put_limit_32}),
+    "store-put-keeps-old": ("put on an existing key keeps the old value (stale), acknowledged",
+                            {"put": _put_keeps_old}),
+    "store-remove-missing-ok": ("remove of a missing key reports success",
+                                {"remove": lambda self, keys: [ItemResult(r.key, r.nbytes) for r in
+                                                               EmbeddedStore.remove(self, keys)]}),
+    "store-results-sorted": ("get results returned sorted by key",
+                             {"get": lambda self, keys, bufs: sorted(EmbeddedStore.get(self, keys, bufs),
+                                                                     key=lambda r: r.key)}),
+}
+for _name, (_bug, _methods) in _STORE.items():
+    mutant(_name, "store", _bug, STORE, store=type(f"Store_{_name}", (_Store,), _methods))

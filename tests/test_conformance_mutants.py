@@ -1,0 +1,64 @@
+"""The mutation harness (conformance/mutants): a fast subset in CI. The full score comes from
+``python -m conformance.mutants`` (docs/conformance.md reports it): every mutant must fail ``--certify``.
+
+Here: the registry's shape, the bug-free control passing the tests that kill the mutants (so a kill is
+the bug's alone), and one mutant per interface — each a length- or batch-dependent bug that only the
+suite-2.0 production-size cases see — killed by a certification run."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+import conformance
+from conformance.mutants import AREAS, control, load, run_mutant
+from hwkv.interfaces import Backend
+from hwkv.testing.mooncake import skip_unless_mooncake
+
+SUBSET = [
+    "attn-partition-table-8",  # only a > 4096-token request shows it
+    "attn-stale-block-table",  # only a second step with the batch reordered shows it
+    "kv-chunk-tail-dropped",  # only a write of many 256-token chunks shows it
+    "copy-pair-limit-64",  # only > 64 pairs show it
+    "mem-static",  # only memory_info tracked across an allocation shows it
+    "store-put-limit-32",  # only a put of more than 32 keys shows it
+    "xfer-segment-limit-64",  # only > 64 segments in one call show it
+]
+CONTROL_SELECTION = ("(test_attention_production and (bs1 or bs16)) or (test_write_kv and production and bs16) "
+                     "or (test_copy_blocks and float32) or test_transfer or test_store or test_memory_info")
+
+
+def test_registry_has_forty_mutants_over_every_interface():
+    mutants = load()
+    assert len(mutants) >= 40, len(mutants)
+    per_area = Counter(m.area for m in mutants.values())
+    assert set(per_area) == set(AREAS) and min(per_area.values()) >= 5, per_area
+    for m in mutants.values():
+        assert m.bug and m.first, m
+        b = m.build()
+        assert isinstance(b, Backend) and b.name == f"mutant-{m.name}"
+
+
+def test_control_passes_what_kills_the_mutants():
+    skip_unless_mooncake()
+    report = conformance.run(control(), pytest_args=["-k", CONTROL_SELECTION])
+    got = {t["id"]: t["status"] for t in report["tests"]}
+    assert len(got) >= 20 and set(got.values()) == {"PASS"}, {i: s for i, s in got.items() if s != "PASS"}
+
+
+@pytest.mark.parametrize("name", SUBSET)
+def test_mutant_fails_certification(name):
+    if name.startswith("xfer-"):
+        skip_unless_mooncake()
+    r = run_mutant(load()[name])
+    assert r["killed"], f"mutant {name} ({r['bug']}) was certified"
+    assert "(FAIL" in r["by"] or "(ERROR" in r["by"], r["by"]
+
+
+def test_a_stopped_run_is_never_certified_and_says_where():
+    r = conformance.run(load()["kv-drops-last-token"].build(), certify=True,
+                        run_first=["test_write_kv[float32-bs16-hd64-scatter]"], stop_at_first_failure=True)
+    first = "test_kv_write.py::test_write_kv[float32-bs16-hd64-scatter]"
+    assert not r["certified"] and r["stopped_early"] == f"{first}: FAIL"
+    assert r["summary"]["total"] == 1
