@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import time
 
 import pytest
 import torch
@@ -41,11 +42,12 @@ def test_memory_info(backend):
 
 def test_memory_info_tracks_allocations(backend):
     """``memory_info`` is what the engine sizes its KV pool from: allocating a KV cache of N bytes
-    lowers ``free`` by N, and after freeing it another N-byte cache costs nothing more (the memory went
-    back to the device or to the backend's allocator cache). Other processes move a shared host's
-    free memory too (hundreds of MiB within a second on a busy CI host), so the bound is N/2 and one
-    of up to five attempts must meet it; a static value, wrong units, used-for-free or frees that
-    never show all miss it by N or more."""
+    lowers ``free`` by about N, and after freeing it another N-byte cache costs nothing more (the
+    memory went back to the device or to the backend's allocator cache). A host's free memory is
+    shared with every other process and, in a VM, moves with free-page reporting (pages isolated for
+    seconds after a free), so the bounds are wide — a drop within [N/4, 3N/2] and at most N/2 more
+    after a free and a reallocation, in one of five attempts — yet a static value, wrong units, used
+    memory returned as free, total returned as free or frees that never show all miss them."""
     dev, caps = backend.device, backend.capabilities
     free, total = dev.memory_info()
     spec1 = _spec(caps, caps.default_block_size, num_layers=1)
@@ -56,6 +58,7 @@ def test_memory_info_tracks_allocations(backend):
     seen = []
     for _ in range(5):
         gc.collect()
+        time.sleep(0.2)
         f0 = dev.memory_info()[0]
         kv = dev.allocate_kv_cache(spec, backend.attention.kv_layout)
         dev.synchronize()
@@ -69,12 +72,12 @@ def test_memory_info_tracks_allocations(backend):
         del kv
         gc.collect()
         seen.append((f0 - f1, f1 - f2))
-        if abs(f0 - f1 - size) <= 0.5 * size and f1 - f2 <= 0.5 * size:
+        if 0.25 * size <= f0 - f1 <= 1.5 * size and f1 - f2 <= 0.5 * size:
             return
     raise AssertionError(
         f"memory_info does not track a {size / 2**20:.0f} MiB KV cache: (drop on allocation, further drop "
         f"after free + reallocation) in MiB = {[(round(a / 2**20), round(b / 2**20)) for a, b in seen]}; "
-        f"expected ({size / 2**20:.0f}, 0) within {size / 2**21:.0f} MiB"
+        f"expected a drop in [{size / 2**22:.0f}, {1.5 * size / 2**20:.0f}] and at most {size / 2**21:.0f} more"
     )
 
 
