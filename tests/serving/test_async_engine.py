@@ -302,3 +302,35 @@ def test_core_fails_live_requests_after_repeated_step_failures(tiny_model, monke
         assert out.finished and out.finish_reason == "error" and "device lost" in out.error
     finally:
         asyncio.run(eng.client.close())
+
+
+def test_multiprocess_engine_has_the_engine_api(tiny_model, local):
+    import time
+
+    from hwkv.serving import MultiprocessEngine
+
+    params = hwkv.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = local.generate(PROMPTS, params, use_tqdm=False)
+    with MultiprocessEngine(tiny_model, **KW) as eng:
+        assert [(o.text, o.token_ids) for o in eng.generate(PROMPTS, params)] == [(w.text, w.token_ids) for w in want]
+        with pytest.raises(ValueError, match="prompt must not be empty"):
+            eng.generate(["ok", ""], params)
+        eng.add_request("a", PROMPTS[0], params)
+        eng.add_request("b", PROMPTS[1], hwkv.SamplingParams(temperature=0, max_tokens=900, ignore_eos=True))
+        with pytest.raises(ValueError, match="already in use"):
+            eng.add_request("a", PROMPTS[0], params)
+        final = {}
+        while eng.has_unfinished():
+            for out in eng.step(timeout=30):
+                if out.request_id == "a" and out.finished:
+                    eng.abort("b")
+                if out.finished:
+                    final[out.request_id] = out
+        assert final["a"].token_ids == want[0].token_ids and final["b"].finish_reason == "abort"
+        for _ in range(200):  # the abort reaches the core right after "b"'s final output
+            if (st := eng.stats())["num_running"] == 0:
+                break
+            time.sleep(0.02)
+        assert_freed(st)
+        proc = eng.engine.client.proc
+    assert proc.poll() is not None and not eng._thread.is_alive()
