@@ -42,6 +42,9 @@ class SchedulerOutput:
     finished_req_ids: set[str]  # finished since the previous step: the runner drops their state
     preempted_req_ids: set[str]  # preempted in this step: the runner drops their state
     kv_connector_metadata: Any = None
+    # speculative decoding: the draft tokens scheduled for verification (counted in
+    # num_scheduled_tokens, after the request's last known token); requests without drafts absent
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -60,9 +63,12 @@ class KVConnectorOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    """Sampled tokens per request; empty list for a partial prefill chunk (nothing sampled)."""
+    """Sampled tokens per request; empty list for a partial prefill chunk (nothing sampled). With
+    speculative decoding a request's list holds its accepted drafts and then one more token."""
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, Any] | None = None  # req_id -> per-token logprob records
     kv_connector_output: KVConnectorOutput | None = None
+    # speculative decoding: each sampling request's drafts for its next step (None: not speculating)
+    spec_token_ids: dict[str, list[int]] | None = None
 

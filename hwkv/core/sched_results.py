@@ -27,6 +27,7 @@ class SchedulerResults:
     finished_recving: set[str]
     suspects: set[str]
     _num_slots: dict[str, int]
+    spec_stats: Any
     _preempt: Callable[[Request], None]
 
     def update_from_output(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[Request]:
@@ -45,6 +46,10 @@ class SchedulerResults:
                 continue  # aborted while the step ran
             if req.num_output_placeholders:
                 req.num_output_placeholders -= len(toks)
+            spec = sched_out.scheduled_spec_decode_tokens.get(rid)
+            if spec and toks:  # rejected drafts' KV is garbage: recompute from the first of them
+                req.num_computed_tokens -= len(spec) + 1 - len(toks)
+                self.spec_stats.record(len(spec), len(toks) - 1)
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
             sp = req.sampling_params
@@ -63,6 +68,8 @@ class SchedulerResults:
                     req.status = status
                     any_finished = True
                     break
+            if runner_out.spec_token_ids is not None and not req.is_finished:
+                req.spec_token_ids = runner_out.spec_token_ids.get(rid, [])
             updated.append(req)
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]

@@ -39,6 +39,7 @@ from hwkv.core.sched_output import CachedRequestData, NewRequestData, SchedulerO
 from hwkv.core.sched_policy import make_policy
 from hwkv.core.sched_results import SchedulerResults
 from hwkv.interfaces.connector import KVConnectorBase, NoOpConnector
+from hwkv.spec_decode.stats import SpecDecodeStats
 
 __all__ = ["Scheduler", "SchedulerConfig"]
 
@@ -54,10 +55,12 @@ class _Step:
     preempted: set[str] = field(default_factory=set)
     partial: set[str] = field(default_factory=set)  # mid-prefill after this step
     placeholders: set[str] = field(default_factory=set)  # async: got a placeholder this step
+    spec: dict[str, list[int]] = field(default_factory=dict)  # drafts scheduled for verification
 
 
 class Scheduler(SchedulerResults):
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: Any, connector: KVConnectorBase | None = None):
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: Any, connector: KVConnectorBase | None = None,
+                 num_lookahead_tokens: int = 0):
         self.config = config
         self.kv = kv_cache_manager
         self.connector = connector or NoOpConnector()
@@ -71,6 +74,9 @@ class Scheduler(SchedulerResults):
         self.num_preemptions = 0
         self._num_slots: dict[str, int] = {}  # KV slots (blocks x block_size) each request holds
         self.suspects: set[str] = set()  # in a failed step, not yet run alone (module docstring)
+        # speculative decoding: KV slots held past each step's tokens for a model proposer's drafts
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.spec_stats = SpecDecodeStats()
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -124,6 +130,7 @@ class Scheduler(SchedulerResults):
             total_num_scheduled_tokens=cfg.max_num_batched_tokens - st.budget,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=st.preempted,
+            scheduled_spec_decode_tokens=st.spec,
         )
         self.finished_req_ids = set()
         out.kv_connector_metadata = self.connector.build_connector_meta(out)
@@ -133,7 +140,7 @@ class Scheduler(SchedulerResults):
         """Phase 1: every running request, in order, gets its next chunk (or decode token)."""
         cfg, kv, running = self.config, self.kv, self.running
         threshold = cfg.long_prefill_token_threshold if cfg.enable_chunked_prefill else 0
-        bs, slots, max_len = kv.block_size, self._num_slots, cfg.max_model_len
+        bs, slots, max_len, la = kv.block_size, self._num_slots, cfg.max_model_len, self.num_lookahead_tokens
         cached, num_sched = st.cached, st.num_sched
         i = 0
         while i < len(running) and st.budget > 0:
@@ -150,10 +157,10 @@ class Scheduler(SchedulerResults):
             if n <= 0:  # nothing left to compute (a failed step was rolled back elsewhere)
                 i += 1
                 continue
-            if c + n <= slots[rid] and (c + n) // bs == c // bs:
+            if c + n + la <= slots[rid] and (c + n) // bs == c // bs:
                 new_ids = None  # fits the held blocks and fills none: allocate_slots would be a no-op
             else:
-                while (blocks := kv.allocate_slots(req, n)) is None:
+                while (blocks := kv.allocate_slots(req, n, num_lookahead_tokens=la)) is None:
                     v = self.policy.victim(running)
                     victim = running.pop(v)
                     if v < i:  # already scheduled this step: give its tokens back
@@ -173,6 +180,11 @@ class Scheduler(SchedulerResults):
             elif cfg.async_scheduling:
                 req.num_output_placeholders += 1
                 st.placeholders.add(rid)
+            if req.spec_token_ids:  # drafts past the last known token are verified; the rest dropped
+                num_spec = c + n - len(req.all_token_ids) - ph
+                del req.spec_token_ids[max(num_spec, 0):]
+                if num_spec > 0:
+                    st.spec[rid] = list(req.spec_token_ids)
             num_sched[rid] = n
             cached.req_ids.append(rid)
             cached.new_block_ids.append(new_ids)
@@ -238,7 +250,8 @@ class Scheduler(SchedulerResults):
                         self._unschedule(victim, st)
                     self._preempt(victim, st, requeue=False)
                     displaced.append(victim)
-            blocks = kv.allocate_slots(req, n + num_ext, num_local, new_blocks, num_external_tokens=num_ext)
+            blocks = kv.allocate_slots(req, n + num_ext, num_local, new_blocks, self.num_lookahead_tokens,
+                                       num_external_tokens=num_ext)
             if blocks is None:
                 break
             waiting.pop_request()
@@ -300,6 +313,7 @@ class Scheduler(SchedulerResults):
         k = st.cached.req_ids.index(rid)
         del st.cached.req_ids[k], st.cached.new_block_ids[k], st.cached.num_computed_tokens[k]
         st.partial.discard(rid)
+        st.spec.pop(rid, None)
         if rid in st.placeholders:
             st.placeholders.discard(rid)
             req.num_output_placeholders -= 1

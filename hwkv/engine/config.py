@@ -6,7 +6,7 @@ them, once the backend is chosen and the model loaded, into :class:`EngineConfig
 configs with every default computed in this one step (block size, KV pool size, ``max_model_len``,
 token budget, graphs, async scheduling, fused ops) and every cross-field rule checked, each error
 naming the field and what is allowed. Groups (vLLM's config layout): ``model``, ``cache``,
-``scheduler``, ``parallel``, ``runtime``, ``kv_transfer``; ``speculative`` is reserved.
+``scheduler``, ``parallel``, ``runtime``, ``kv_transfer``, ``speculative``.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ class EngineArgs:
     decode_ops: bool | None = None  # the backend's fused DecodeOps for forwards of few tokens; None: if offered
     scheduling_policy: str = "fcfs"  # "fcfs" or "priority" (lower SamplingParams.priority first, preempting)
     reserve_full_prompt: bool = True  # admit only when the whole prompt fits in free blocks (not just a chunk)
+    speculative_config: Any = None  # dict (or JSON object text): hwkv.spec_decode.SpeculativeConfig; None: off
 
     def __post_init__(self) -> None:
         def need(name: str, ok: bool, allowed: str) -> None:
@@ -67,11 +68,20 @@ class EngineArgs:
             need(name, isinstance(getattr(self, name), bool), "a bool")
         for name in ("fuse_elementwise", "async_scheduling", "decode_ops"):
             need(name, getattr(self, name) is None or isinstance(getattr(self, name), bool), "None or a bool")
+        from hwkv.spec_decode.config import SpeculativeConfig
 
-    def resolve(self, backend: Any, model: Any, kv_connector: Any = None) -> EngineConfig:
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)  # ValueError naming the key
+        if self.speculative_config is not None and self.async_scheduling:
+            raise ValueError("speculative_config needs async_scheduling False or None (a step's drafts come "
+                             "from its own sampled tokens, so steps cannot overlap)")
+
+    def resolve(self, backend: Any, model: Any, kv_connector: Any = None,
+                extra_kv_bytes_per_block: Any = None) -> EngineConfig:
         """Every default computed once, every cross-field rule checked (``ValueError`` naming the
         field). ``model`` is the loaded model (weights already on the device: the KV pool is sized
-        from the memory left); ``kv_connector`` the connector, or ``None``."""
+        from the memory left); ``kv_connector`` the connector, or ``None``;
+        ``extra_kv_bytes_per_block(block_size)``: bytes per block of another cache indexed by the
+        same block ids (a draft model's KV), counted when sizing the pool."""
         from hwkv.engine.kv_alloc import check_backend, pool_blocks
         from hwkv.interfaces.connector import NoOpConnector
 
@@ -85,7 +95,10 @@ class EngineArgs:
                 raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's {model_max} "
                                  f"(allowed: 1..{model_max})")
         max_len = self.max_model_len or model_max
-        n = pool_blocks(self, backend, model.kv_cache_spec(1, block_size).bytes_per_block, block_size, max_len)
+        per_block = model.kv_cache_spec(1, block_size).bytes_per_block
+        if extra_kv_bytes_per_block is not None:
+            per_block += extra_kv_bytes_per_block(block_size)
+        n = pool_blocks(self, backend, per_block, block_size, max_len)
         if self.max_model_len is None:
             max_len = min(max_len, n * block_size)
         elif n * block_size < max_len:
@@ -106,6 +119,8 @@ class EngineArgs:
         # (a connector may act inside the forward per layer)
         graphs = not self.enforce_eager and backend.capabilities.graph_capture and kv_connector is None
         async_ = graphs if self.async_scheduling is None else self.async_scheduling
+        if self.speculative_config is not None:  # drafts of step N+1 come from step N's tokens
+            async_ = False
         fuse = graphs if self.fuse_elementwise is None else self.fuse_elementwise
         sched = SchedulerConfig(self.max_num_seqs, budget, max_len, self.enable_chunked_prefill,
                                 self.long_prefill_token_threshold, self.max_num_partial_prefills, async_,
@@ -118,6 +133,7 @@ class EngineArgs:
             runtime=RuntimeConfig(graphs, min(self.max_num_seqs, budget) if graphs else 0, fuse, async_,
                                   self.decode_ops),
             kv_transfer=KVTransferConfig(kv_connector) if kv_connector is not None else None,
+            speculative=self.speculative_config,
         )
 
 
@@ -169,7 +185,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     runtime: RuntimeConfig = field(default_factory=lambda: RuntimeConfig(False, 0, False, False, None))
     kv_transfer: KVTransferConfig | None = None
-    speculative: Any = None  # reserved
+    speculative: Any = None  # a hwkv.spec_decode.SpeculativeConfig, or None (no speculative decoding)
 
 
 def _is_int(v: Any) -> bool:

@@ -63,6 +63,9 @@ class Engine:
       (the backend's fused decode ops; ``None``: where offered, ``True``: required).
     * kv_transfer — ``kv_connector``: a KV connector instance (``None``: none; a connector turns
       graphs and async scheduling off).
+    * speculative — ``speculative_config``: ``{"method": "ngram" | "draft_model" | "eagle" | "eagle3",
+      "num_speculative_tokens": k, ...}`` (:class:`hwkv.spec_decode.SpeculativeConfig`; a JSON object
+      string is accepted too); turns async scheduling off. Stats in ``stats()["spec_decode"]``.
     """
 
     def __init__(self, model: str, backend: Any = "cpu", dtype: Any = None, max_model_len: int | None = None,
@@ -72,12 +75,12 @@ class Engine:
                  max_num_partial_prefills: int = 1, seed: int = 0, kv_connector: Any = None,
                  enforce_eager: bool = False, fuse_elementwise: bool | None = None,
                  async_scheduling: bool | None = None, decode_ops: bool | None = None,
-                 scheduling_policy: str = "fcfs", reserve_full_prompt: bool = True):
+                 scheduling_policy: str = "fcfs", reserve_full_prompt: bool = True, speculative_config: Any = None):
         args = EngineArgs(
             str(model), backend, dtype, max_model_len, block_size, num_kv_blocks, memory_fraction, max_num_seqs,
             max_num_batched_tokens, enable_prefix_caching, enable_chunked_prefill, long_prefill_token_threshold,
             max_num_partial_prefills, seed, enforce_eager, fuse_elementwise, async_scheduling, decode_ops,
-            scheduling_policy, reserve_full_prompt,
+            scheduling_policy, reserve_full_prompt, speculative_config,
         )
         from hwkv.core.hashing import make_block_hasher
         from hwkv.core.kv_cache_manager import KVCacheManager
@@ -92,20 +95,35 @@ class Engine:
         self.model, self.model_config, self.tokenizer, self.generation_config = load_model(
             args.model, self.backend, dtype=dtype, max_model_len=max_model_len, load_tokenizer=has_tok
         )
-        self.config = cfg = args.resolve(self.backend, self.model, kv_connector)
-        cc, rt = cfg.cache, cfg.runtime
+        self.proposer: Any = None
+        if args.speculative_config is not None:  # loaded first: a draft model's weights and KV size the pool too
+            from hwkv.spec_decode.factory import make_proposer
+
+            self.proposer = make_proposer(args.speculative_config, self)
+        self.config = cfg = args.resolve(self.backend, self.model, kv_connector,
+                                         getattr(self.proposer, "kv_bytes_per_block", None))
+        cc, rt, spec = cfg.cache, cfg.runtime, cfg.speculative
         self.block_size, self.max_model_len = cc.block_size, cfg.model.max_model_len
         self.kv_cache = self.backend.device.allocate_kv_cache(self.model.kv_cache_spec(cc.num_blocks, cc.block_size),
                                                               self.backend.attention.kv_layout)
+        if hasattr(self.proposer, "allocate"):
+            self.proposer.allocate(cc.num_blocks, cc.block_size, self.max_model_len)
         self.vocab_size = self.model_config.vocab_size
         self.eos_token_ids = frozenset(_eos_ids(self.model_config, self.generation_config))
         self.kv_cache_manager = KVCacheManager(cc.num_blocks, cc.block_size, cc.enable_prefix_caching)
         self._hasher = make_block_hasher(cc.block_size)
         self.async_scheduling = rt.async_scheduling
         connector = cfg.kv_transfer.connector if cfg.kv_transfer is not None else None
-        self.scheduler = Scheduler(cfg.scheduler, self.kv_cache_manager, connector)
-        self.runner = ModelRunner(self.model, self.backend, self.kv_cache, cc.block_size, max_num_seqs,
-                                  self.max_model_len, tuple(self.eos_token_ids), self.scheduler.connector)
+        self.scheduler = Scheduler(cfg.scheduler, self.kv_cache_manager, connector,
+                                   spec.num_lookahead_tokens if spec is not None else 0)
+        runner_args = (self.model, self.backend, self.kv_cache, cc.block_size, max_num_seqs, self.max_model_len,
+                       tuple(self.eos_token_ids), self.scheduler.connector)
+        if spec is None:
+            self.runner = ModelRunner(*runner_args)
+        else:
+            from hwkv.spec_decode.runner import SpecModelRunner
+
+            self.runner = SpecModelRunner(*runner_args, spec_config=spec, proposer=self.proposer)
         if rt.fuse_elementwise:
             from hwkv.model.fuse import fuse_elementwise
 
@@ -421,11 +439,16 @@ class Engine:
     # ---- introspection --------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         kv = self.kv_cache_manager
-        return self._stats.snapshot(
+        out = self._stats.snapshot(
             kv_usage=kv.usage, num_kv_blocks=self.kv_cache.spec.num_blocks, num_free_blocks=kv.num_free_blocks,
             prefix_stats=kv.stats, num_preemptions=self.scheduler.num_preemptions,
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
         )
+        spec = self.config.speculative
+        if spec is not None:
+            out["spec_decode"] = {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens,
+                                  **self.scheduler.spec_stats.snapshot()}
+        return out
 
 
 def _eos_ids(mc: Any, gen_cfg: Any) -> list[int]:

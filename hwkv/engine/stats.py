@@ -24,12 +24,14 @@ class EngineStats:
         # A decode computes one token past the prompt of an already-running request; everything
         # else scheduled (prompt chunks, recompute after preemption) is prefill work.
         cached, sched = so.scheduled_cached_reqs, so.num_scheduled_tokens
+        # (a speculative verify of k drafts is k + 1 decode tokens)
+        spec = so.scheduled_spec_decode_tokens
         n_decode = sum(
-            1 for rid, c in zip(cached.req_ids, cached.num_computed_tokens)
-            if sched[rid] == 1 and rid in requests and c >= requests[rid].num_prompt_tokens
+            sched[rid] for rid, c in zip(cached.req_ids, cached.num_computed_tokens)
+            if sched[rid] == 1 + len(spec.get(rid, ())) and rid in requests and c >= requests[rid].num_prompt_tokens
         )
         self.prompt_tokens += so.total_num_scheduled_tokens - n_decode
-        self.generation_tokens += len(ro.sampled_token_ids)
+        self.generation_tokens += sum(map(len, ro.sampled_token_ids.values()))
 
     def snapshot(self, *, kv_usage: float, num_kv_blocks: int, num_free_blocks: int, prefix_stats: Any,
                  num_preemptions: int, num_running: int, num_waiting: int) -> dict[str, Any]:

@@ -1,0 +1,109 @@
+"""Draft-model proposer: a smaller model of the target's vocabulary drafts greedily.
+
+The draft model has its own paged KV cache with as many blocks as the target's, indexed by the
+*same* block ids, so it reads the runner's block table and token rows and needs no bookkeeping of
+its own beyond one number per request: how many leading positions of the draft cache hold KV of the
+request's current tokens. Per step, for every request that sampled:
+
+1. catch up: one forward over the positions the draft has not seen (the whole sequence for a new or
+   resumed request, else the tokens accepted since the last step) → draft token 1;
+2. ``k - 1`` single-token forwards, each feeding back the previous draft (batched over requests).
+
+Drafts are the draft model's argmax, so the rejection sampler treats them as deterministic
+(one-hot draft distribution): exact for every sampling setting of the target. The KV written for
+drafts that the target later rejects is simply not counted (the prefix check in ``_seen``), and the
+scheduler holds ``k`` lookahead slots so the drafts' KV always has a block to land in. A draft's KV
+only ever affects which tokens are proposed, never what is emitted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from hwkv.engine.inputs import build_batch
+from hwkv.spec_decode.config import SpeculativeConfig
+
+
+class DraftModelProposer:
+    def __init__(self, model: Any, backend: Any, k: int):
+        self.model, self.backend, self.k = model, backend, k
+        self.kv_cache: Any = None
+        # req_id -> (num_tokens when it proposed, its drafts): what its draft KV was computed with
+        self._last: dict[str, tuple[int, list[int]]] = {}
+
+    @classmethod
+    def load(cls, cfg: SpeculativeConfig, engine: Any) -> DraftModelProposer:
+        from hwkv.model import load_model
+
+        model, mc, _, _ = load_model(cfg.model, engine.backend, dtype=engine.model.dtype, load_tokenizer=False)
+        vt = engine.model_config.vocab_size
+        if mc.vocab_size != vt:
+            raise ValueError(f"draft model {cfg.model} has vocab_size {mc.vocab_size}, the target {vt} "
+                             "(allowed: a draft model with the target's vocabulary)")
+        return cls(model, engine.backend, cfg.num_speculative_tokens)
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        return self.model.kv_cache_spec(1, block_size).bytes_per_block
+
+    def allocate(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
+        from hwkv.engine.kv_alloc import check_backend
+
+        if self.model.config.max_model_len < max_model_len:
+            raise ValueError(f"draft model's max length {self.model.config.max_model_len} is shorter than the "
+                             f"engine's max_model_len {max_model_len} (allowed: lower max_model_len)")
+        check_backend(self.backend, self.model, block_size)
+        spec = self.model.kv_cache_spec(num_blocks, block_size)
+        self.kv_cache = self.backend.device.allocate_kv_cache(spec, self.backend.attention.kv_layout)
+
+    def drop(self, req_id: str) -> None:
+        self._last.pop(req_id, None)
+
+    def _seen(self, runner: Any, rid: str, st: Any) -> int:
+        """Leading positions whose draft KV matches the request's tokens now (at most all but the
+        last token: the last must be fed to get the next draft's logits)."""
+        last = self._last.get(rid)
+        if last is None:
+            return 0
+        nt, drafts = last
+        fed = np.asarray(drafts[:-1])  # the last draft was never fed back
+        eq = runner.token_ids[st.slot, nt : min(nt + len(fed), st.num_tokens)] == fed[: max(st.num_tokens - nt, 0)]
+        m = len(eq) if eq.all() else int(np.argmin(eq))
+        return min(nt + m, st.num_tokens - 1)
+
+    @torch.inference_mode()
+    def propose(self, runner: Any, states: list[Any], req_ids: list[str], caps: list[int]) -> list[list[int]]:
+        out: list[list[int]] = [[] for _ in states]
+        rows = [i for i, c in enumerate(caps) if c > 0]
+        for rid, c in zip(req_ids, caps):
+            if c <= 0:
+                self._last.pop(rid, None)
+        if not rows:
+            return out
+        slots = np.array([states[i].slot for i in rows], dtype=np.int64)
+        total = np.array([states[i].num_tokens for i in rows], dtype=np.int64)
+        ctx = np.array([self._seen(runner, req_ids[i], states[i]) for i in rows], dtype=np.int64)
+        toks = self._forward(runner, slots, ctx, total - ctx)
+        cap = np.array([caps[i] for i in rows])
+        drafts = [toks]
+        for j in range(1, int(cap.max())):
+            live = np.flatnonzero(cap > j)
+            runner.token_ids[slots[live], total[live] + j - 1] = drafts[-1][live]
+            nxt = np.zeros(len(rows), dtype=np.int64)
+            nxt[live] = self._forward(runner, slots[live], total[live] + j - 1, np.ones(len(live), dtype=np.int64))
+            drafts.append(nxt)
+        d = np.stack(drafts, 1)
+        for r, i in enumerate(rows):
+            out[i] = d[r, : caps[i]].tolist()
+            self._last[req_ids[i]] = (int(total[r]), out[i])
+        return out
+
+    def _forward(self, runner: Any, slots: np.ndarray, ctx: np.ndarray, qlen: np.ndarray) -> np.ndarray:
+        """Greedy next token of each row after feeding positions ``[ctx, ctx + qlen)`` of its token row."""
+        batch = build_batch(runner.token_ids, runner.block_table, slots, ctx, qlen, ctx + qlen, runner.block_size)
+        inp = runner.device_inputs(batch)
+        logits = self.model.forward(inp.input_ids, inp.positions, self.kv_cache, inp.attn_metadata,
+                                    inp.logits_indices, slot_mapping=inp.slot_mapping)
+        return logits.argmax(-1).cpu().numpy()

@@ -1,0 +1,133 @@
+"""SpecModelRunner: the model runner's step with draft verification and proposing.
+
+One step (synchronous; async stepping is off with speculative decoding):
+
+1. The scheduled drafts (``SchedulerOutput.scheduled_spec_decode_tokens``) are written into the
+   request's token row after its last known token, and the request's query covers them: a request
+   with ``k`` drafts runs ``k + 1`` query tokens on its cached prefix (to the attention backend a
+   short prefill chunk).
+2. The target's logits at those ``k + 1`` positions go to the rejection sampler
+   (:mod:`hwkv.spec_decode.rejection`), which returns the accepted drafts plus one token.
+3. The emitted tokens are recorded (accepted drafts are already in the token row), and the
+   proposer drafts up to ``k`` tokens for each request that sampled; they travel back in
+   ``ModelRunnerOutput.spec_token_ids`` and the scheduler schedules them next step.
+
+The scheduler rolls back ``num_computed_tokens`` past the rejected drafts, so their KV slots are
+rewritten before anything reads them. Steps without any draft (e.g. n-gram found no match) that are
+pure decodes still use the captured graphs; verify steps run eagerly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from hwkv.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from hwkv.engine.model_runner import ModelRunner
+from hwkv.model.sampler import logprobs_of
+from hwkv.spec_decode.config import SpeculativeConfig
+from hwkv.spec_decode.rejection import rejection_sample
+
+
+class SpecModelRunner(ModelRunner):
+    def __init__(self, *args: Any, spec_config: SpeculativeConfig, proposer: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.spec_config = spec_config
+        self.proposer = proposer
+
+    def _drop(self, req_id: str) -> None:
+        super()._drop(req_id)
+        self.proposer.drop(req_id)
+
+    def execute_async(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        raise RuntimeError("speculative decoding runs synchronously (async_scheduling is off)")
+
+    def flush(self) -> ModelRunnerOutput | None:
+        return None
+
+    @torch.inference_mode()
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        states = self.update_states(so)
+        conn = self.connector
+        if conn is not None:
+            conn.bind_connector_metadata(so.kv_connector_metadata)
+            conn.start_load_kv()
+        out = ModelRunnerOutput(spec_token_ids={})
+        if states:
+            self._step(so, states, out)
+        if conn is not None:
+            conn.wait_for_save()
+            out.kv_connector_output = conn.get_finished(so.finished_req_ids)
+        return out
+
+    def _step(self, so: SchedulerOutput, states: list[Any], out: ModelRunnerOutput) -> None:
+        req_ids = list(so.num_scheduled_tokens)
+        spec = so.scheduled_spec_decode_tokens
+        drafts = [spec.get(rid, []) for rid in req_ids]
+        ks = np.fromiter(map(len, drafts), dtype=np.int64, count=len(states))
+        for st, d in zip(states, drafts):
+            if d:
+                self.token_ids[st.slot, st.num_tokens : st.num_tokens + len(d)] = d
+        batch = self.build_inputs(so, states, ks)  # a row samples when it reaches its last draft
+        sample_idx = batch.sample_idx
+        logits = None
+        if self.graphs is not None and not ks.any() and batch.pure_decode:
+            logits = self.graphs.run(batch)
+            self.num_graph_steps += logits is not None
+        if logits is None:
+            if ks.any():
+                k_s = ks[sample_idx]
+                # k + 1 logits per sampling row: its last k + 1 query tokens
+                first = np.repeat(batch.logits_indices - k_s, k_s + 1)
+                offs = np.arange(int((k_s + 1).sum())) - np.repeat(np.cumsum(k_s + 1) - (k_s + 1), k_s + 1)
+                batch = batch._replace(logits_indices=first + offs)
+            logits = self._forward(self.device_inputs(batch))
+        if not len(sample_idx):
+            return
+        sampled = [states[i] for i in sample_idx]
+        sampled_ids = [req_ids[i] for i in sample_idx]
+        sdrafts = [drafts[i] for i in sample_idx]
+        sbatch = self._sampling_batch(sampled, sampled_ids)
+        toks, num = rejection_sample(logits, sdrafts, sbatch)
+        toks_h, num_h = toks.tolist(), num.tolist()
+        emitted = [t[:n] for t, n in zip(toks_h, num_h)]
+        if any(sp.logprobs is not None for sp in sbatch.params):
+            out.logprobs = self._logprobs(logits, sdrafts, emitted, sbatch.params, sampled_ids)
+        for st, toks_r in zip(sampled, emitted):
+            self.token_ids[st.slot, st.num_tokens : st.num_tokens + len(toks_r)] = toks_r
+            st.num_tokens += len(toks_r)
+            st.output_token_ids.extend(toks_r)
+        out.sampled_token_ids = dict(zip(sampled_ids, emitted))
+        caps = [self._max_drafts(st) for st in sampled]
+        proposals = self.proposer.propose(self, sampled, sampled_ids, caps)
+        out.spec_token_ids = {rid: p for rid, p in zip(sampled_ids, proposals) if p}
+
+    def _max_drafts(self, st: Any) -> int:
+        """Drafts worth proposing: a step emits at most drafts + 1 tokens, never past max_tokens or
+        the model length (the token row and block table end there)."""
+        left = min(st.params.max_tokens - len(st.output_token_ids), self.max_model_len - st.num_tokens)
+        return max(0, min(self.spec_config.num_speculative_tokens, left - 1))
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, drafts: list[list[int]], emitted: list[list[int]], params: list[Any],
+                  req_ids: list[str]) -> dict[str, Any]:
+        """One logprob record per emitted token, from the raw target logits of its position."""
+        starts = np.cumsum([0] + [len(d) + 1 for d in drafts])[:-1]
+        rows, toks, ps, owner = [], [], [], []
+        for r, (s, em) in enumerate(zip(starts, emitted)):
+            if params[r].logprobs is None:
+                continue
+            rows += range(int(s), int(s) + len(em))
+            toks += em
+            ps += [params[r]] * len(em)
+            owner += [req_ids[r]] * len(em)
+        if not rows:
+            return {}
+        idx = torch.tensor(rows, device=logits.device)
+        lps = logprobs_of(logits.index_select(0, idx), torch.tensor(toks, device=logits.device), ps)
+        result: dict[str, Any] = {}
+        for rid, lp in zip(owner, lps):
+            result.setdefault(rid, []).append(lp)
+        return result

@@ -1,0 +1,62 @@
+"""Engine with a draft-model proposer: greedy identity with non-speculative decoding; the target as
+its own draft accepts (nearly) everything, which checks the draft KV bookkeeping through chunked
+prefill, prefix hits and preemption; nothing leaked."""
+
+from __future__ import annotations
+
+import pytest
+
+from hwkv.engine.engine import Engine
+from hwkv.sampling_params import SamplingParams
+
+from .test_engine_ngram import GREEDY, _prompts, _run
+
+CASES = {
+    "default": {},
+    "chunked_small_budget": {"max_num_batched_tokens": 9, "long_prefill_token_threshold": 6},
+    "preemption_tiny_pool": {"num_kv_blocks": 26, "max_num_seqs": 6},
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_target_as_draft_accepts_everything(tiny_model: str, case: str) -> None:
+    kw = CASES[case]
+    prompts = _prompts(seed=11)
+    base, _ = _run(tiny_model, prompts, GREEDY, **kw)
+    spec = {"method": "draft_model", "num_speculative_tokens": 4, "model": tiny_model}
+    outs, eng = _run(tiny_model, prompts, GREEDY, spec, **kw)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+    st = eng.stats()["spec_decode"]
+    assert st["draft_tokens"] > 0 and st["acceptance_rate"] > 0.97, st
+    if case == "preemption_tiny_pool":
+        assert eng.stats()["num_preemptions"] > 0
+
+
+@pytest.mark.parametrize("case", ["default", "preemption_tiny_pool"])
+def test_small_draft_greedy_identity(tiny_model: str, tiny_draft: str, case: str) -> None:
+    kw = CASES[case]
+    prompts = _prompts(seed=12)
+    base, _ = _run(tiny_model, prompts, GREEDY, **kw)
+    spec = {"method": "draft_model", "num_speculative_tokens": 3, "model": tiny_draft}
+    outs, eng = _run(tiny_model, prompts, GREEDY, spec, **kw)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+    assert eng.stats()["spec_decode"]["draft_tokens"] > 0
+
+
+def test_sampled_seeded_reproducible(tiny_model: str) -> None:
+    spec = {"method": "draft_model", "num_speculative_tokens": 3, "model": tiny_model}
+    params = SamplingParams(temperature=0.7, top_p=0.9, seed=3, max_tokens=16, ignore_eos=True)
+    prompts = _prompts(3, seed=13)
+    a, eng = _run(tiny_model, prompts, params, spec)
+    b, _ = _run(tiny_model, prompts[1:2], params, spec)
+    assert a[1].token_ids == b[0].token_ids
+    assert eng.stats()["spec_decode"]["accepted_tokens"] > 0
+
+
+def test_vocab_mismatch_refused(tiny_model: str, tmp_path) -> None:
+    from hwkv.testing.tiny_models import write_tiny_model
+
+    other = write_tiny_model(tmp_path / "v", vocab_size=384, num_layers=1, tokenizer=False)
+    with pytest.raises(ValueError, match="vocab_size"):
+        Engine(tiny_model, num_kv_blocks=16, block_size=4,
+               speculative_config={"method": "draft_model", "num_speculative_tokens": 2, "model": str(other)})
