@@ -36,6 +36,7 @@ class BoundedCalls:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._idle = 0  # workers waiting on the queue
+        self._queued = 0  # calls in the queue, not taken by a worker yet
         self._running = 0  # calls started and not finished
         self._cond = threading.Condition()
 
@@ -43,7 +44,8 @@ class BoundedCalls:
         """``fn(*args)`` on a worker; its result or exception, or :class:`CallTimedOut` after ``timeout_s``."""
         fut: Future = Future()
         with self._cond:
-            if not self._idle and len(self._threads) < self._max:
+            self._queued += 1
+            if self._queued > self._idle and len(self._threads) < self._max:  # no idle worker left for it
                 t = threading.Thread(target=self._work, name=f"{self.name}-{len(self._threads)}", daemon=True)
                 self._threads.append(t)
                 t.start()
@@ -67,6 +69,7 @@ class BoundedCalls:
                 if item is None:  # shutdown
                     self._threads.remove(threading.current_thread())
                     return
+                self._queued -= 1
                 fut, fn, args = item
                 if not fut.set_running_or_notify_cancel():
                     continue
