@@ -163,6 +163,11 @@ def run(cfg: m.CoreConfig) -> int:
         inp.close(0)
         out.close()
         ctx.term()
+        # Orphaned (SIGTERM is also the parent-death signal; getppid may not show it yet):
+        # nobody else will remove the sockets' directory. After the client's own SIGTERM it does
+        # too, harmlessly.
+        if _terminated or os.getppid() != cfg.parent_pid:
+            _remove_socket_dir(cfg.input_addr)
 
 
 def _loop(core: EngineCore, cfg: m.CoreConfig, inp: Any, out: Any) -> int:
@@ -198,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = _json_config(argv[0])
     # Ctrl-C reaches the whole process group: the front end shuts the core down, not the signal.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _on_sigterm)
     _die_with_parent(cfg.parent_pid)
     return run(cfg)
 
@@ -206,6 +212,26 @@ def _json_config(text: str) -> m.CoreConfig:
     import msgspec
 
     return msgspec.json.decode(text, type=m.CoreConfig)
+
+
+_terminated = False
+
+
+def _on_sigterm(*_: Any) -> None:
+    """Unwind (sockets closed, the socket directory removed) instead of dying mid-flight."""
+    global _terminated
+    _terminated = True
+    sys.exit(0)
+
+
+def _remove_socket_dir(addr: str) -> None:
+    """The private directory ``CoreClient`` made for the IPC sockets (and only that)."""
+    import shutil
+    import tempfile
+
+    d = os.path.dirname(addr.removeprefix("ipc://"))
+    if os.path.basename(d).startswith("hwkv-core-") and os.path.dirname(d) == tempfile.gettempdir():
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def _die_with_parent(parent_pid: int) -> None:

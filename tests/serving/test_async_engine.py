@@ -239,6 +239,10 @@ asyncio.run(main())
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         core_pid = int(proc.stdout.readline())
+        with open(f"/proc/{core_pid}/cmdline") as f:  # the config JSON names the IPC addresses
+            addr = next(a for a in f.read().split('"') if a.startswith("ipc://"))
+        sock_dir = os.path.dirname(addr.removeprefix("ipc://"))
+        assert os.path.isdir(sock_dir)
     finally:
         proc.kill()
         proc.wait(10)
@@ -247,12 +251,14 @@ asyncio.run(main())
         try:
             with open(f"/proc/{core_pid}/stat") as f:  # reparented: a zombie until init reaps it
                 if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    return
+                    break
         except FileNotFoundError:
-            return
+            break
         time.sleep(0.05)
-    os.kill(core_pid, signal.SIGKILL)
-    raise AssertionError("engine core outlived its killed front end")
+    else:
+        os.kill(core_pid, signal.SIGKILL)
+        raise AssertionError("engine core outlived its killed front end")
+    assert not os.path.exists(sock_dir)  # the orphaned core removed the sockets' directory
 
 
 def test_priority_needs_a_priority_core(engine):
