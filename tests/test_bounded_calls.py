@@ -24,7 +24,9 @@ def test_results_errors_timeouts_and_cancelled_queue():
         calls.run(ran.append, 1, timeout_s=0.2)
     assert not queued.value.started  # cancelled while queued: it must never run
     assert calls.in_flight() == 1 and not calls.wait_idle(0.05)
+    assert calls.orphans() == 1 and not calls.wait_orphans(0.05)
     gate.set()
+    assert calls.wait_orphans(5) and calls.orphans() == 0
     assert calls.wait_idle(5) and calls.in_flight() == 0
     assert calls.run(len, [1, 2], timeout_s=5) == 2 and ran == []
     calls.shutdown()

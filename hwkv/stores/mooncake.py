@@ -183,8 +183,8 @@ class MooncakeStore(Store):
         """Unregister ``ptr`` once no call that may still use it runs (a call whose caller timed out
         can); :class:`StoreTimeout` if that takes longer than ``timeout_s`` (it stays registered)."""
         store = self._live()
-        if not self._calls.wait_idle(self.timeout_s):
-            raise StoreTimeout(f"unregister_buffer({ptr:#x}): {self._calls.in_flight()} timed-out call(s) still "
+        if not self._calls.wait_orphans(self.timeout_s):
+            raise StoreTimeout(f"unregister_buffer({ptr:#x}): {self._calls.orphans()} timed-out call(s) still "
                                f"running after timeout_s={self.timeout_s:g} (mooncake master at {self.master}); "
                                "the buffer stays registered")
         with self._lock:

@@ -4,8 +4,8 @@ Mooncake's batch calls release the GIL, so while one waits on a hung peer the re
 interpreter keeps running; what they lack is a bound (a hung master costs a 30 s RPC deadline
 per call, a dead one 4-9 s of reconnect attempts). :class:`BoundedCalls` gives every call a
 deadline: the caller gets :class:`CallTimedOut` when it passes. A call that already started cannot
-be cancelled — it finishes (or fails) on its worker later; :meth:`BoundedCalls.in_flight` counts
-those, and :meth:`BoundedCalls.wait_idle` waits for them. A call still queued behind stuck ones
+be cancelled — it finishes (or fails) on its worker later; :meth:`BoundedCalls.orphans` counts
+those, and :meth:`BoundedCalls.wait_orphans` waits for them. A call still queued behind stuck ones
 when its deadline passes is cancelled and never runs.
 """
 
@@ -38,6 +38,7 @@ class BoundedCalls:
         self._idle = 0  # workers waiting on the queue
         self._queued = 0  # calls in the queue, not taken by a worker yet
         self._running = 0  # calls started and not finished
+        self._orphans = 0  # of those, calls whose caller timed out
         self._cond = threading.Condition()
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float) -> Any:
@@ -57,7 +58,15 @@ class BoundedCalls:
                 raise CallTimedOut(started=False) from None
             if fut.done():  # finished between the timeout and the cancel
                 return fut.result()
+            with self._cond:
+                self._orphans += 1
+            fut.add_done_callback(self._orphan_done)  # runs at once if it finished meanwhile
             raise CallTimedOut(started=True) from None
+
+    def _orphan_done(self, _fut: Future) -> None:
+        with self._cond:
+            self._orphans -= 1
+            self._cond.notify_all()
 
     def _work(self) -> None:
         while True:
@@ -87,6 +96,16 @@ class BoundedCalls:
         """Calls started and not finished (those whose caller timed out included)."""
         with self._cond:
             return self._running
+
+    def orphans(self) -> int:
+        """Calls still running whose caller timed out."""
+        with self._cond:
+            return self._orphans
+
+    def wait_orphans(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` until no call whose caller timed out runs; whether none does."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._orphans == 0, timeout_s)
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` until no call runs; whether none does."""

@@ -235,7 +235,7 @@ class MooncakeTransfer(Transfer):
     def _quiesce(self, timeout_s: float) -> bool:
         """Wait for timed-out calls and their submitted segments; whether all finished in time."""
         deadline = time.monotonic() + timeout_s
-        if not self._calls.wait_idle(timeout_s):
+        if not self._calls.wait_orphans(timeout_s):
             return False
         with self._lock:
             orphans = list(self._orphans)
@@ -287,7 +287,7 @@ class MooncakeTransfer(Transfer):
         with self._lock:
             batches = [entry[2] for entry in self._batches.values()]
             self._batches.clear()
-        done = self._quiesce(self.timeout_s) and all(
+        done = self._calls.wait_idle(self.timeout_s) and self._quiesce(max(deadline - time.monotonic(), 0)) and all(
             self._drain(parts, max(deadline - time.monotonic(), 0)) for parts in batches)
         with self._lock:
             engine, self._engine = self._engine, None
