@@ -51,7 +51,11 @@ class Transfer(ABC):
       done and raise :class:`TransferError` on failure (never partial silent success), or
       :class:`TransferTimeout` after the endpoint's timeout.
     * ``submit_write`` / ``submit_read`` return a batch id; ``poll(batch)`` returns ``True`` when it
-      completed, ``False`` while pending, and raises :class:`TransferError` on failure.
+      completed, ``False`` while pending, and raises :class:`TransferError` on failure; it never
+      blocks. ``wait(batch, timeout_s)`` raises :class:`TransferTimeout` past its timeout.
+    * Networked endpoints bound every blocking call (their ``timeout_s``) and keep other Python
+      threads running while one waits; a timed-out transfer may still complete, so ``unregister``
+      and ``close`` wait for it (bounded) before releasing its memory.
     """
 
     protocol: str = "tcp"
