@@ -120,6 +120,13 @@ def test_streaming_equals_non_streaming(client):
     assert sum((c.logprobs.token_logprobs for c in body), []) == whole.logprobs.token_logprobs
     assert [c.finish_reason for c in body] == [None] * (len(body) - 1) + ["length"]
 
+    two = dict(model="tiny", prompt=PROMPTS[:2], max_tokens=6, **GREEDY)  # several prompts: one choice index each
+    whole = client.completions.create(**two).choices
+    texts = {0: "", 1: ""}
+    for chunk in client.completions.create(stream=True, **two):
+        texts[chunk.choices[0].index] += chunk.choices[0].text
+    assert texts == {0: whole[0].text, 1: whole[1].text}
+
     messages = [{"role": "user", "content": "Tell me about the fox"}]
     whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, **GREEDY).choices[0]
     chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, stream=True,
