@@ -45,6 +45,7 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"  # "fcfs" or "priority" (lower SamplingParams.priority first, preempting)
     reserve_full_prompt: bool = True  # admit only when the whole prompt fits in free blocks (not just a chunk)
     speculative_config: Any = None  # dict (or JSON object text): hwkv.spec_decode.SpeculativeConfig; None: off
+    tensor_parallel_size: int = 1  # ranks (one process and device each) the model is sharded over
 
     def __post_init__(self) -> None:
         def need(name: str, ok: bool, allowed: str) -> None:
@@ -53,7 +54,7 @@ class EngineArgs:
 
         need("backend", (isinstance(self.backend, str) and bool(self.backend)) or hasattr(self.backend, "attention"),
              "a backend name or a Backend instance")
-        for name in ("max_num_seqs", "max_num_partial_prefills"):
+        for name in ("max_num_seqs", "max_num_partial_prefills", "tensor_parallel_size"):
             need(name, _is_int(getattr(self, name)) and getattr(self, name) >= 1, "an int >= 1")
         for name in ("max_model_len", "block_size", "num_kv_blocks", "max_num_batched_tokens"):
             v = getattr(self, name)
@@ -76,12 +77,13 @@ class EngineArgs:
                              "from its own sampled tokens, so steps cannot overlap)")
 
     def resolve(self, backend: Any, model: Any, kv_connector: Any = None,
-                extra_kv_bytes_per_block: Any = None) -> EngineConfig:
+                extra_kv_bytes_per_block: Any = None, agree: Any = None) -> EngineConfig:
         """Every default computed once, every cross-field rule checked (``ValueError`` naming the
         field). ``model`` is the loaded model (weights already on the device: the KV pool is sized
         from the memory left); ``kv_connector`` the connector, or ``None``;
         ``extra_kv_bytes_per_block(block_size)``: bytes per block of another cache indexed by the
-        same block ids (a draft model's KV), counted when sizing the pool."""
+        same block ids (a draft model's KV), counted when sizing the pool; ``agree(n)`` (tensor
+        parallelism: the communicator's ``all_reduce_min``): the pool every rank can hold."""
         from hwkv.engine.kv_alloc import check_backend, pool_blocks
         from hwkv.interfaces.connector import NoOpConnector
 
@@ -99,6 +101,8 @@ class EngineArgs:
         if extra_kv_bytes_per_block is not None:
             per_block += extra_kv_bytes_per_block(block_size)
         n = pool_blocks(self, backend, per_block, block_size, max_len)
+        if agree is not None:
+            n = agree(n)
         if self.max_model_len is None:
             max_len = min(max_len, n * block_size)
         elif n * block_size < max_len:
@@ -129,7 +133,7 @@ class EngineArgs:
             model=ModelOptions(str(self.model), self.dtype, max_len, self.seed),
             cache=CacheConfig(block_size, n, self.memory_fraction, self.enable_prefix_caching),
             scheduler=sched,
-            parallel=ParallelConfig(),
+            parallel=ParallelConfig(self.tensor_parallel_size),
             runtime=RuntimeConfig(graphs, min(self.max_num_seqs, budget) if graphs else 0, fuse, async_,
                                   self.decode_ops),
             kv_transfer=KVTransferConfig(kv_connector) if kv_connector is not None else None,
@@ -155,7 +159,8 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Reserved: one device per engine today."""
+    """``tensor_parallel_size`` ranks, one process and device each (docs/parallelism.md);
+    pipeline parallelism is reserved."""
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1

@@ -66,6 +66,8 @@ class Engine:
     * speculative — ``speculative_config``: ``{"method": "ngram" | "draft_model" | "eagle" | "eagle3",
       "num_speculative_tokens": k, ...}`` (:class:`hwkv.spec_decode.SpeculativeConfig`; a JSON object
       string is accepted too); turns async scheduling off. Stats in ``stats()["spec_decode"]``.
+    * parallel — ``tensor_parallel_size``: shard the model over N devices, one worker process per
+      rank beyond this one (docs/parallelism.md); ``close()`` stops the workers.
     """
 
     def __init__(self, model: str, backend: Any = "cpu", dtype: Any = None, max_model_len: int | None = None,
@@ -75,12 +77,13 @@ class Engine:
                  max_num_partial_prefills: int = 1, seed: int = 0, kv_connector: Any = None,
                  enforce_eager: bool = False, fuse_elementwise: bool | None = None,
                  async_scheduling: bool | None = None, decode_ops: bool | None = None,
-                 scheduling_policy: str = "fcfs", reserve_full_prompt: bool = True, speculative_config: Any = None):
+                 scheduling_policy: str = "fcfs", reserve_full_prompt: bool = True, speculative_config: Any = None,
+                 tensor_parallel_size: int = 1):
         args = EngineArgs(
             str(model), backend, dtype, max_model_len, block_size, num_kv_blocks, memory_fraction, max_num_seqs,
             max_num_batched_tokens, enable_prefix_caching, enable_chunked_prefill, long_prefill_token_threshold,
             max_num_partial_prefills, seed, enforce_eager, fuse_elementwise, async_scheduling, decode_ops,
-            scheduling_policy, reserve_full_prompt, speculative_config,
+            scheduling_policy, reserve_full_prompt, speculative_config, tensor_parallel_size,
         )
         from hwkv.core.hashing import make_block_hasher
         from hwkv.core.kv_cache_manager import KVCacheManager
@@ -91,9 +94,19 @@ class Engine:
         # ValueError (unknown name) / BackendUnavailable (why); an instance is used as given
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
         self.backend.device.seed(seed)
+        self._tp: Any = None  # tensor parallelism: ranks 1..N-1 (docs/parallelism.md); rank 0 is this process
+        if tensor_parallel_size > 1:
+            import weakref
+
+            from hwkv.parallel.executor import TPExecutor, check_supported
+
+            check_supported(args, self.backend, kv_connector)
+            self._tp = TPExecutor(args, self.backend)
+            weakref.finalize(self, self._tp.close)  # collected, failed __init__ or interpreter exit: no worker left
         has_tok = (Path(args.model) / "tokenizer.json").is_file()
         self.model, self.model_config, self.tokenizer, self.generation_config = load_model(
-            args.model, self.backend, dtype=dtype, max_model_len=max_model_len, load_tokenizer=has_tok
+            args.model, self.backend, dtype=dtype, max_model_len=max_model_len, load_tokenizer=has_tok,
+            tp=self._tp.shard if self._tp else None,
         )
         self.proposer: Any = None
         if args.speculative_config is not None:  # loaded first: a draft model's weights and KV size the pool too
@@ -101,7 +114,8 @@ class Engine:
 
             self.proposer = make_proposer(args.speculative_config, self)
         self.config = cfg = args.resolve(self.backend, self.model, kv_connector,
-                                         getattr(self.proposer, "kv_bytes_per_block", None))
+                                         getattr(self.proposer, "kv_bytes_per_block", None),
+                                         self._tp.agree if self._tp else None)
         cc, rt, spec = cfg.cache, cfg.runtime, cfg.speculative
         self.block_size, self.max_model_len = cc.block_size, cfg.model.max_model_len
         self.kv_cache = self.backend.device.allocate_kv_cache(self.model.kv_cache_spec(cc.num_blocks, cc.block_size),
@@ -118,7 +132,11 @@ class Engine:
                                    spec.num_lookahead_tokens if spec is not None else 0)
         runner_args = (self.model, self.backend, self.kv_cache, cc.block_size, max_num_seqs, self.max_model_len,
                        tuple(self.eos_token_ids), self.scheduler.connector)
-        if spec is None:
+        if self._tp:
+            from hwkv.parallel.runner import DriverRunner
+
+            self.runner = DriverRunner(*runner_args, executor=self._tp, fuse=rt.fuse_elementwise)
+        elif spec is None:
             self.runner = ModelRunner(*runner_args)
         else:
             from hwkv.spec_decode.runner import SpecModelRunner
@@ -147,6 +165,12 @@ class Engine:
         self._ids = itertools.count()  # generate()'s request ids
         self._seq = itertools.count()  # internal id suffixes
         self._stats = EngineStats()
+
+    def close(self) -> None:
+        """Stop what outlives the engine object: tensor-parallel workers (idempotent; also done when
+        the engine is collected or the interpreter exits). Nothing to do at tp=1."""
+        if self._tp is not None:
+            self._tp.close()
 
     # ---- requests -----------------------------------------------------------------------------
     def _make_request(self, request_id: str, prompt: Prompt, params: Any) -> tuple[Request, _Tracked]:

@@ -169,6 +169,12 @@ class ModelRunner:
         return SamplingBatch(params, [st.output_token_ids for st in states], prompts, gens,
                              eos_token_ids=self.eos_token_ids)
 
+    def _sample(self, logits: torch.Tensor, states: list[_ReqState],
+                req_ids: list[str]) -> tuple[torch.Tensor, Any]:
+        """``(tokens [S] long on the device, logprobs or None)`` (tensor-parallel runners override:
+        the driver samples and broadcasts, the workers receive)."""
+        return sample_tokens(logits, self._sampling_batch(states, req_ids))
+
     def _forward(self, inp: StepInputs) -> torch.Tensor:
         return self.model.forward(inp.input_ids, inp.positions, self.kv_cache, inp.attn_metadata,
                                   inp.logits_indices, slot_mapping=inp.slot_mapping)
@@ -220,7 +226,7 @@ class ModelRunner:
             sampled_ids = [req_ids[i] for i in batch.sample_idx]
         prev = self._resolve(pend) if pend is not None else None
         if sampled:
-            tokens, logprobs = sample_tokens(logits, self._sampling_batch(sampled, sampled_ids))
+            tokens, logprobs = self._sample(logits, sampled, sampled_ids)
             if logprobs is not None:
                 out.logprobs = {rid: [lp] for rid, lp in zip(sampled_ids, logprobs) if lp is not None}
             new = Pending(out, sampled, sampled_ids, tokens)

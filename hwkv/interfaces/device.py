@@ -78,7 +78,10 @@ class Device(ABC):
     """
 
     type: str = "cpu"
-    dist_backend: str = "gloo"
+    dist_backend: str = "gloo"  # torch.distributed backend of tensor parallelism (Communicator)
+    # env var restricting a process to some of the host's devices (tensor-parallel workers get one
+    # each, so every rank's device is index 0); None: the device is the host
+    visible_devices_env: str | None = None
     supports_prefetch: bool = False
     async_copies: bool = False  # host<->device copies run asynchronously from pinned host memory
 
@@ -168,6 +171,13 @@ class Device(ABC):
     def capture_graph(self, fn: Callable[[], T], pool: Any, stream: Stream) -> tuple[Graph, T]:
         """Capture ``fn`` on ``stream`` into a graph using ``pool`` (see class contract)."""
         raise _no_graphs(self)
+
+    def custom_all_reduce(self, comm: Any) -> Any:
+        """A faster all-reduce for tensor parallelism over ``comm`` (a
+        :class:`~hwkv.interfaces.communicator.Communicator`), as a
+        :data:`~hwkv.interfaces.communicator.CustomAllReduce`; ``None`` (the default): the
+        communicator's own. Called once per engine, after the group is up."""
+        return None
 
     def seed(self, seed: int) -> None:
         torch.manual_seed(seed)

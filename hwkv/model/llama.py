@@ -25,6 +25,7 @@ from hwkv.model.fields import ConfigFields
 from hwkv.model.layers import MLP, Linear, RMSNorm, add_rms_norm, param, rms_norm, silu_mul
 from hwkv.model.registry import ModelFamily, register
 from hwkv.model.rope import RotaryEmbedding
+from hwkv.parallel.sharding import TPShard, local_config, vocab_range
 
 # the building blocks live in hwkv.model.layers; re-exported for code importing them from here
 __all__ = ["MLP", "Attention", "DecoderLayer", "LlamaForCausalLM", "Linear", "RMSNorm", "add_rms_norm", "rms_norm",
@@ -78,15 +79,23 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(
         self, config: ModelConfig, attention: AttentionBackend, device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32, max_positions: int | None = None,
+        dtype: torch.dtype = torch.float32, max_positions: int | None = None, tp: TPShard | None = None,
     ):
         super().__init__()
         device = torch.device(device)
+        # tensor parallel: layers are built from the per-rank config (heads and widths divided);
+        # full_config keeps the checkpoint's (hwkv.parallel.sharding)
+        self.full_config, self.tp = config, tp
+        if tp is not None:
+            config = local_config(config, tp.size)
         self.config, self.dtype, self.device = config, dtype, device
         impl = attention.make_impl(config.num_heads, config.head_dim, config.num_kv_heads, config.head_dim**-0.5)
         self.model = nn.Module()
         self.model.embed_tokens = nn.Module()
-        self.model.embed_tokens.weight = param((config.vocab_size, config.hidden_size), device, dtype)
+        vocab_rows = config.vocab_size if tp is None else vocab_range(config.vocab_size, tp.rank, tp.size)[2]
+        self.model.embed_tokens.weight = param((vocab_rows, config.hidden_size), device, dtype)
+        if tp is not None:  # the last shard's padding rows are never loaded
+            self.model.embed_tokens.weight.zero_()
         self.model.layers = nn.ModuleList(
             DecoderLayer(config, self.attention_class(config, impl, device, dtype), self.make_mlp(i, device, dtype),
                          device, dtype)
@@ -94,7 +103,9 @@ class LlamaForCausalLM(nn.Module):
         )
         self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
         if not config.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, False, device, dtype)
+            self.lm_head = Linear(config.hidden_size, vocab_rows, False, device, dtype)
+            if tp is not None:
+                self.lm_head.weight.zero_()
         self.rotary_emb = RotaryEmbedding(config, max_positions or config.max_model_len, device, dtype)
         self.set_prefetch()
         self.decode_ops: DecodeOps | None = None  # fused ops for forwards of few tokens (set_decode_ops)
@@ -130,7 +141,8 @@ class LlamaForCausalLM(nn.Module):
         layers, pf = self.model.layers, self._prefetch
         if pf is not None:
             pf([layers[0].self_attn.qkv_proj.weight])
-        h = F.embedding(input_ids, self.model.embed_tokens.weight)
+        h = self._embed(input_ids)
+        ar = self.tp.comm.all_reduce if self.tp is not None else None  # row-parallel outputs: summed
         out = None
         for i, layer in enumerate(layers):
             if out is None:
@@ -140,13 +152,28 @@ class LlamaForCausalLM(nn.Module):
             if pf is not None:  # o_proj comes into cache beside qkv, RoPE and attention
                 pf([layer.self_attn.o_proj.weight])
             out = layer.self_attn(x, positions, self.rotary_emb, kv_cache.layer(i), attn_metadata, slot_mapping)
+            if ar is not None:
+                out = ar(out)
             x, h = layer.post_attention_layernorm(out, h)
             if pf is not None and i + 1 < len(layers):  # the next qkv beside this MLP
                 pf([layers[i + 1].self_attn.qkv_proj.weight])
             out = layer.mlp(x)
+            if ar is not None:
+                out = ar(out)
         if pf is not None:
             self._join_prefetch()
         return h if out is None else h + out
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        w, tp = self.model.embed_tokens.weight, self.tp
+        if tp is None:
+            return F.embedding(input_ids, w)
+        # vocab-parallel: each rank looks up the ids in its rows (zeros elsewhere), summed over ranks
+        start = tp.rank * w.shape[0]
+        local = input_ids - start
+        inside = (local >= 0) & (local < w.shape[0])
+        h = F.embedding(local.clamp(0, w.shape[0] - 1), w) * inside.unsqueeze(-1).to(w.dtype)
+        return tp.comm.all_reduce(h)
 
     def _forward_fused(self, ops: DecodeOps, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                        attn_metadata: object, slot_mapping: torch.Tensor) -> torch.Tensor:
@@ -171,6 +198,9 @@ class LlamaForCausalLM(nn.Module):
         """Use ``ops`` (a backend's :class:`DecodeOps`) for every forward of at most ``ops.use_up_to``
         tokens; ``None``: off. ``kv_dtype``: the KV cache's (default: the model dtype). Raises
         ``ValueError`` with the reasons when they cannot serve this model."""
+        if ops is not None and self.tp is not None:
+            raise ValueError(f"decode ops {type(ops).__name__} do not run tensor-parallel layers "
+                             f"(tensor_parallel_size {self.tp.size}; allowed: 1)")
         if ops is not None:
             from hwkv.model.registry import family_of
 
@@ -195,7 +225,10 @@ class LlamaForCausalLM(nn.Module):
         ops, norm = self.decode_ops, self.model.norm
         if ops is not None and hidden.shape[0] <= ops.use_up_to:
             return ops.norm_linear(hidden, norm.weight, norm.eps, self.lm_head_weight, None).float()
-        return F.linear(norm(hidden), self.lm_head_weight).float()
+        logits = F.linear(norm(hidden), self.lm_head_weight)
+        if self.tp is not None:  # vocab-parallel: every rank's rows, in rank order, padding cut
+            logits = self.tp.comm.all_gather(logits, dim=-1)[:, : self.config.vocab_size]
+        return logits.float()
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, attn_metadata: object,
@@ -221,6 +254,10 @@ class LlamaForCausalLM(nn.Module):
             elif part == "gate_up_proj":  # halves of each MLP's own width (MoE experts are narrower)
                 inter = p.shape[0] // 2
                 parts = (("gate_proj", 0, inter), ("up_proj", inter, inter))
+            elif self.tp is not None and name in ("model.embed_tokens.weight", "lm_head.weight"):
+                start, end, _ = vocab_range(cfg.vocab_size, self.tp.rank, self.tp.size)
+                slots[name] = p.narrow(0, 0, end - start)  # the padding rows stay zero
+                continue
             else:
                 slots[name] = p
                 continue

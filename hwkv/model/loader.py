@@ -98,7 +98,10 @@ def weight_files(path: str | Path) -> list[Path]:
     raise ModelLoadError(f"{single}: file not found and no model.safetensors.index.json{hint}")
 
 
-def iter_weights(files: list[Path]) -> Iterator[tuple[Path, str, torch.Tensor]]:
+def iter_weights(files: list[Path], slices: dict[str, Any] | None = None) -> Iterator[tuple[Path, str, torch.Tensor]]:
+    """``(file, name, tensor)`` of every checkpoint tensor. ``slices`` (tensor parallelism,
+    :func:`hwkv.parallel.sharding.checkpoint_slices`): ``name -> (dim, start, length)`` reads only
+    that slice, ``name -> None`` skips the tensor; other names are read whole."""
     from safetensors import SafetensorError, safe_open
 
     # Host tensors (memory-mapped) on every device: load_weights copies each into its parameter,
@@ -107,7 +110,12 @@ def iter_weights(files: list[Path]) -> Iterator[tuple[Path, str, torch.Tensor]]:
         try:
             with safe_open(str(f), framework="pt", device="cpu") as st:
                 for name in st.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                    yield f, name, st.get_tensor(name)
+                    if slices is None or name not in slices:
+                        yield f, name, st.get_tensor(name)
+                    elif (sl := slices[name]) is not None:
+                        dim, start, length = sl
+                        index = (slice(None),) * dim + (slice(start, start + length),)
+                        yield f, name, st.get_slice(name)[index]
         except SafetensorError as e:
             raise ModelLoadError(f"{f}: not a valid safetensors file ({e})") from None
 
@@ -119,8 +127,17 @@ def load_weights(model: LlamaForCausalLM, path: str | Path) -> None:
     files = weight_files(path)
     slots = model.weight_slots()
     loaded: set[str] = set()
+    slices = None
+    if getattr(model, "tp", None) is not None:
+        from hwkv.parallel.sharding import checkpoint_slices
+
+        slices = checkpoint_slices(slots, model.full_config, model.tp)
+        skipped = {n for n, sl in slices.items() if sl is None}  # row-parallel biases off rank 0
+        for n in skipped:
+            slots[n].zero_()
+        loaded |= skipped
     sums: list[tuple[Path, str, torch.Tensor]] = []
-    for file, name, tensor in iter_weights(files):
+    for file, name, tensor in iter_weights(files, slices):
         try:
             got = model.load_weights([(name, tensor)])
             loaded |= got
@@ -170,6 +187,7 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     max_model_len: int | None = None,
     load_tokenizer: bool = True,
+    tp: Any = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig, Tokenizer | None, GenerationConfig]:
     """``(model, config, tokenizer, generation_config)`` for the HF directory ``path``.
 
@@ -177,6 +195,9 @@ def load_model(
     its device and uses its attention. ``max_model_len`` sizes the RoPE table (default: the
     config's, capped at a sliding window). The model is in eval mode; call it under
     ``torch.inference_mode()``.
+
+    ``tp`` (a :class:`hwkv.parallel.sharding.TPShard`): build and load only this rank's shard; the
+    returned config is the checkpoint's, ``model.config`` the per-rank one.
     """
     if isinstance(backend, str):
         from hwkv.plugins import get_backend
@@ -192,6 +213,13 @@ def load_model(
     gen = GenerationConfig.from_dir(path, config, tokenizer)
     device = backend.device.torch_device
     family = family_of(config.architecture)
-    model = family.model_class(config, backend.attention, device, torch_dtype, max_model_len or config.max_model_len)
+    kw = {}
+    if tp is not None:
+        from hwkv.parallel.sharding import check_tp
+
+        check_tp(config, tp.size)
+        kw["tp"] = tp
+    model = family.model_class(config, backend.attention, device, torch_dtype, max_model_len or config.max_model_len,
+                               **kw)
     load_weights(model, path)
     return model.eval(), config, tokenizer, gen

@@ -42,6 +42,7 @@ class AscendDevice(Device):
     """
 
     dist_backend = "hccl"
+    visible_devices_env = "ASCEND_RT_VISIBLE_DEVICES"
 
     def __init__(self, index: int = 0, kv_alignment: int = 0):
         super().__init__(index)

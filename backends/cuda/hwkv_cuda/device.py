@@ -22,6 +22,7 @@ PREFETCH_BLOCK = 2048  # int32 per program per iteration (8 KiB)
 class CudaDevice(Device):
     type = "cuda"
     dist_backend = "nccl"
+    visible_devices_env = "CUDA_VISIBLE_DEVICES"
     supports_prefetch = True
     async_copies = True
 

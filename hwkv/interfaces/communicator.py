@@ -1,0 +1,63 @@
+"""Communicator interface: the collectives tensor parallelism needs, over one group of ranks.
+
+Core code (the sharded model layers, the tensor-parallel runners) calls only these methods, so a
+backend can bring faster collectives (a custom all-reduce over NVLink / HCCS, as vLLM's
+``CustomAllreduce``) without the model knowing. The default implementation
+(:class:`hwkv.parallel.communicator.TorchDistCommunicator`) runs ``torch.distributed`` with the
+backend's ``Device.dist_backend`` (``gloo`` on the host, ``nccl`` for CUDA, ``hccl`` for Ascend).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+import torch
+
+# A backend's own all-reduce: sums ``t`` over the group in place and returns it, or returns
+# ``None`` when it declines this tensor (size, dtype, inside/outside capture): the communicator
+# then runs its default all-reduce.
+CustomAllReduce = Callable[[torch.Tensor], "torch.Tensor | None"]
+
+
+class Communicator(ABC):
+    """Collectives over ``world_size`` ranks; this process is ``rank``.
+
+    Contract (every method):
+    * Collective: every rank of the group calls it, in the same order, with tensors of the same
+      shape and dtype (``broadcast``: the receivers' tensor has the sender's shape and dtype). A
+      rank that skips a call makes the others wait until the group's timeout, then raise.
+    * Tensors live on the group's device (``Device.torch_device``; host tensors for ``gloo``) and
+      are contiguous.
+    * Ordered on the device's current stream and without a host synchronisation, so the calls may
+      sit inside a captured graph (``torch.distributed`` NCCL collectives are capturable; a
+      backend whose collectives are not must say so in ``capturable``).
+    * Results are bitwise identical on every rank (all ranks hold the same reduced / gathered /
+      broadcast bytes), which keeps the ranks' sampling inputs identical.
+    * ``world_size == 1``: the engine never builds a communicator (tp=1 runs no collective).
+    """
+
+    rank: int
+    world_size: int
+    capturable: bool = True
+
+    @abstractmethod
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum ``t`` over all ranks, in place; returns ``t``."""
+
+    @abstractmethod
+    def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """A new tensor: every rank's ``t`` concatenated along ``dim`` in rank order."""
+
+    @abstractmethod
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """``t`` of rank ``src`` copied into ``t`` on every rank, in place; returns ``t``."""
+
+    def all_reduce_min(self, value: int) -> int:
+        """The smallest ``value`` over the ranks (a host int; setup only, e.g. the KV pool size
+        every rank can hold). Synchronises with the host."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Leave the group (idempotent); collectives afterwards raise."""
+        return None

@@ -1,0 +1,176 @@
+"""TPExecutor: the driver side of a tensor-parallel engine (rank 0 is the engine's own process).
+
+Process model (as vLLM's multiprocessing executor): the scheduler, block pool and detokenizer stay
+single, in the driver; ranks 1..N-1 are worker processes (``python -m hwkv.parallel.worker``), each
+pinned to one device through the backend's ``Device.visible_devices_env``. The driver sends every
+runner call to them over ZMQ IPC sockets (msgspec; :mod:`hwkv.parallel.messages`) before making it
+itself; tensors move only through the communicator's collectives.
+
+Failure behaviour: a worker that cannot start reports why (``Hello`` never comes, ``Failed`` or its
+exit does) and the engine's constructor raises with its traceback; every wait is bounded by
+``timeout_s``. A worker failing later is fatal to the engine: the next call raises
+:class:`TPWorkerError`, and so does every call after it. :meth:`close` (``Engine.close()``, or the
+engine being collected, or interpreter exit) asks the workers to stop, then terminates and kills
+them; workers also exit on their own when the driver process is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import msgspec
+import zmq
+
+from hwkv.parallel import messages as m
+from hwkv.parallel.sharding import TPShard
+
+DEFAULT_TIMEOUT_S = 120.0  # joining, loading, every collective; HWKV_TP_TIMEOUT_S overrides
+
+
+class TPWorkerError(RuntimeError):
+    """A tensor-parallel worker failed; the engine cannot continue."""
+
+
+def check_supported(cfg: Any, backend: Any, kv_connector: Any) -> None:
+    """``ValueError`` for options tensor parallelism does not support (yet), naming each."""
+    n = cfg.tensor_parallel_size
+    reasons = []
+    if not isinstance(cfg.backend, str):
+        reasons.append("backend must be a registered backend name, not an instance (each worker builds its own)")
+    if kv_connector is not None:
+        reasons.append("kv_connector must be None (connectors do not run tensor-parallel yet)")
+    if cfg.decode_ops:
+        reasons.append("decode_ops must be None or False (the fused decode ops run whole layers on one device)")
+    if cfg.speculative_config is not None:
+        reasons.append("speculative_config must be None (speculative decoding does not run tensor-parallel yet)")
+    if reasons:
+        raise ValueError(f"tensor_parallel_size={n}: " + "; ".join(reasons))
+    from hwkv.model.config import ModelConfig
+    from hwkv.parallel.sharding import check_tp
+
+    check_tp(ModelConfig.from_dir(cfg.model), n)
+
+
+class TPExecutor:
+    def __init__(self, cfg: Any, backend: Any, timeout_s: float | None = None):
+        """Start ranks 1..N-1 and join the group as rank 0 (see the module doc)."""
+        from hwkv.parallel.communicator import TorchDistCommunicator, open_store
+
+        n = cfg.tensor_parallel_size
+        self.timeout_s = float(timeout_s or os.environ.get("HWKV_TP_TIMEOUT_S") or DEFAULT_TIMEOUT_S)
+        self.procs: list[subprocess.Popen] = []
+        self.error: str | None = None
+        self._closed = False
+        self._dir = tempfile.mkdtemp(prefix="hwkv-tp-")
+        self._ctx = zmq.Context()
+        self._out = self._ctx.socket(zmq.PULL)
+        self._out.bind(f"ipc://{self._dir}/out")
+        self._cmds: list[Any] = []
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder(m.FromWorker)
+        self.comm: Any = None
+        self._hellos: set[int] = set()
+        try:
+            store = open_store(n, self.timeout_s)
+            dtype = cfg.dtype if cfg.dtype is None or isinstance(cfg.dtype, str) else str(cfg.dtype)[len("torch."):]
+            env_var = backend.device.visible_devices_env
+            visible = os.environ.get(env_var, "") if env_var else ""
+            ids = [v for v in visible.split(",") if v.strip()] or [str(i) for i in range(n)]
+            for rank in range(1, n):
+                sock = self._ctx.socket(zmq.PUSH)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.bind(f"ipc://{self._dir}/cmd{rank}")
+                self._cmds.append(sock)
+                wc = m.WorkerConfig(cfg.model, cfg.backend, dtype, cfg.max_model_len, cfg.block_size, cfg.num_kv_blocks,
+                                    cfg.memory_fraction, cfg.max_num_seqs, cfg.seed, rank, n, store.port,
+                                    f"ipc://{self._dir}/cmd{rank}", f"ipc://{self._dir}/out", self.timeout_s,
+                                    os.getpid())
+                env = dict(os.environ)
+                if env_var:
+                    if rank >= len(ids):
+                        raise ValueError(f"tensor_parallel_size={n} needs {n} devices but {env_var}={visible!r} "
+                                         f"lists {len(ids)}")
+                    env[env_var] = ids[rank]
+                self.procs.append(subprocess.Popen([sys.executable, "-m", "hwkv.parallel.worker",
+                                                    msgspec.json.encode(wc).decode()], env=env,
+                                                   stdin=subprocess.DEVNULL))
+            self._await_hello(n - 1)
+            self.comm = TorchDistCommunicator(backend.device, 0, n, store.port, self.timeout_s, store=store)
+        except BaseException:
+            self.close()
+            raise
+        self.shard = TPShard(0, n, self.comm)
+
+    def _await_hello(self, count: int) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while len(self._hellos) < count:
+            self.check()
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(1, count + 1)) - self._hellos)
+                raise TPWorkerError(f"tensor-parallel workers {missing} did not start within {self.timeout_s:.0f} s")
+            self._out.poll(100)
+
+    def _fail(self, msg: m.Failed) -> None:
+        self.error = f"tensor-parallel worker rank {msg.rank} failed:\n{msg.error}"
+        raise TPWorkerError(self.error)
+
+    def check(self) -> None:
+        """Raise :class:`TPWorkerError` if a worker failed or exited (cheap: one poll, no wait)."""
+        if self.error is not None:
+            raise TPWorkerError(self.error)
+        self._drain(0)
+        for rank, p in enumerate(self.procs, 1):
+            if p.poll() is not None:
+                self._drain(200)  # its last words may still be in flight
+                self.error = f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with code {p.returncode}"
+                raise TPWorkerError(self.error)
+
+    def _drain(self, wait_ms: int) -> None:
+        while self._out.poll(wait_ms):
+            msg = self._dec.decode(self._out.recv())
+            if isinstance(msg, m.Failed):
+                self._fail(msg)
+            self._hellos.add(msg.rank)
+            wait_ms = 0
+
+    def send(self, msg: Any) -> None:
+        """Send one runner call to every worker (raises if one failed)."""
+        self.check()
+        data = self._enc.encode(msg)
+        for s in self._cmds:
+            s.send(data)
+
+    def agree(self, n: int) -> int:
+        return self.comm.all_reduce_min(n)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the workers (Shutdown, then terminate, then kill; bounded) and leave the group. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        data = self._enc.encode(m.Shutdown())
+        for s in self._cmds:
+            with contextlib.suppress(zmq.ZMQError):
+                s.send(data, zmq.NOBLOCK)
+        for p in self.procs:
+            for stop in (None, p.terminate, p.kill):
+                if stop is not None:
+                    stop()
+                try:
+                    p.wait(timeout)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        if self.comm is not None:
+            self.comm.close()
+        for s in [*self._cmds, self._out]:
+            s.close(0)
+        self._ctx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)

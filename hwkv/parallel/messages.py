@@ -1,0 +1,100 @@
+"""Messages between a tensor-parallel driver and its workers: msgspec structs over msgpack, never
+pickle (a socket peer must not be able to run code in the other process).
+
+Driver → worker (one PUSH socket per worker): ``Setup`` once, then every call the engine makes on
+its runner, in order — ``Execute`` (one step's scheduler output, without sampling parameters:
+workers do not sample), ``Flush``, ``Release``, ``Preempt``, ``Rollback``, ``Graphs`` — and
+``Shutdown``. Worker → driver (one PULL socket): ``Hello`` once the worker process is up (before
+it joins the group, so a worker that cannot start is reported instead of timing out the join),
+and ``Failed`` when it dies.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class WorkerConfig(msgspec.Struct):
+    """argv of ``python -m hwkv.parallel.worker`` (JSON)."""
+
+    model: str
+    backend: str
+    dtype: str | None
+    max_model_len: int | None
+    block_size: int | None
+    num_kv_blocks: int | None
+    memory_fraction: float
+    max_num_seqs: int
+    seed: int
+    rank: int
+    world_size: int
+    port: int  # the rendezvous TCPStore on 127.0.0.1
+    cmd_addr: str
+    out_addr: str
+    timeout_s: float
+    parent_pid: int
+
+
+class Hello(msgspec.Struct, tag=True):
+    rank: int
+    pid: int
+
+
+class Failed(msgspec.Struct, tag=True):
+    rank: int
+    error: str  # the traceback
+
+
+class Setup(msgspec.Struct, tag=True, array_like=True):
+    max_num_seqs: int
+    max_model_len: int
+    fuse: bool
+
+
+class Graphs(msgspec.Struct, tag=True, array_like=True):
+    max_batch: int
+    use_graphs: bool
+
+
+class NewReq(msgspec.Struct, array_like=True):
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+class Execute(msgspec.Struct, tag=True, array_like=True):
+    new: list[NewReq]
+    cached_ids: list[str]
+    cached_new_blocks: list[list[int] | None]
+    cached_computed: list[int]
+    num_scheduled: list[int]  # batch order: cached, then new
+    total: int
+    finished: list[str]
+    preempted: list[str]
+
+
+class Flush(msgspec.Struct, tag=True, array_like=True):
+    pass
+
+
+class Release(msgspec.Struct, tag=True, array_like=True):
+    req_id: str
+
+
+class Preempt(msgspec.Struct, tag=True, array_like=True):
+    req_id: str
+
+
+class Rollback(msgspec.Struct, tag=True, array_like=True):
+    """The driver's step raised after it was sent: forget its sampled tokens (the driver's runner
+    keeps the step before it pending)."""
+
+
+class Shutdown(msgspec.Struct, tag=True, array_like=True):
+    pass
+
+
+ToWorker = Setup | Graphs | Execute | Flush | Release | Preempt | Rollback | Shutdown
+FromWorker = Hello | Failed

@@ -1,0 +1,108 @@
+"""A tensor-parallel worker process (rank > 0): ``python -m hwkv.parallel.worker CONFIG_JSON``.
+
+Started by :class:`hwkv.parallel.executor.TPExecutor` in a fresh interpreter (no fork of a process
+holding threads or a device context). It says ``Hello``, joins the group, loads its shard of the
+weights, sizes its KV cache with the others (the smallest pool any rank can hold), then applies the
+driver's runner calls in order until ``Shutdown``. It exits when the driver process is gone (checked
+every second while idle; a collective with a dead peer fails or times out), and on any error it
+reports ``Failed`` with the traceback and exits: a tensor-parallel group cannot continue without a
+rank.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from typing import Any
+
+import msgspec
+import zmq
+
+from hwkv.parallel import messages as m
+
+IDLE_POLL_MS = 1000
+
+
+def _run(cfg: m.WorkerConfig, cmd: Any, out: Any) -> None:
+    from hwkv.engine.config import EngineArgs
+    from hwkv.model import load_model
+    from hwkv.parallel.communicator import TorchDistCommunicator
+    from hwkv.parallel.runner import WorkerRunner, decode_step
+    from hwkv.parallel.sharding import TPShard
+    from hwkv.plugins import get_backend
+
+    enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(m.ToWorker)
+    backend = get_backend(cfg.backend)
+    backend.device.seed(cfg.seed)
+    out.send(enc.encode(m.Hello(cfg.rank, os.getpid())))
+    comm = TorchDistCommunicator(backend.device, cfg.rank, cfg.world_size, cfg.port, cfg.timeout_s)
+    try:
+        model, *_ = load_model(cfg.model, backend, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
+                               load_tokenizer=False, tp=TPShard(cfg.rank, cfg.world_size, comm))
+        # the driver's pool sizing, over this rank's shard; the pool is the smallest any rank holds
+        args = EngineArgs(model=cfg.model, backend=cfg.backend, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
+                          block_size=cfg.block_size, num_kv_blocks=cfg.num_kv_blocks,
+                          memory_fraction=cfg.memory_fraction, max_num_seqs=cfg.max_num_seqs)
+        cc = args.resolve(backend, model, agree=comm.all_reduce_min).cache
+        block_size = cc.block_size
+        kv_cache = backend.device.allocate_kv_cache(model.kv_cache_spec(cc.num_blocks, block_size),
+                                                    backend.attention.kv_layout)
+        runner = None
+        while True:
+            if not cmd.poll(IDLE_POLL_MS):
+                if os.getppid() != cfg.parent_pid:  # the driver is gone
+                    return
+                continue
+            msg = dec.decode(cmd.recv())
+            if isinstance(msg, m.Execute):
+                runner.execute_async(decode_step(msg))  # type: ignore[union-attr]
+            elif isinstance(msg, m.Flush):
+                runner.flush()  # type: ignore[union-attr]
+            elif isinstance(msg, m.Release):
+                runner.release(msg.req_id)  # type: ignore[union-attr]
+            elif isinstance(msg, m.Preempt):
+                runner.preempt(msg.req_id)  # type: ignore[union-attr]
+            elif isinstance(msg, m.Rollback):
+                runner.rollback()  # type: ignore[union-attr]
+            elif isinstance(msg, m.Setup):
+                runner = WorkerRunner(model, backend, kv_cache, block_size, msg.max_num_seqs, msg.max_model_len,
+                                      comm=comm)
+                if msg.fuse:
+                    from hwkv.model.fuse import fuse_elementwise
+
+                    fuse_elementwise(model)
+            elif isinstance(msg, m.Graphs):
+                runner.enable_graphs(msg.max_batch, msg.use_graphs)  # type: ignore[union-attr]
+            elif isinstance(msg, m.Shutdown):
+                return
+    finally:
+        comm.close()
+
+
+def main(argv: list[str]) -> int:
+    cfg = msgspec.json.decode(argv[1], type=m.WorkerConfig)
+    ctx = zmq.Context()
+    cmd, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    for s in (cmd, out):
+        s.setsockopt(zmq.LINGER, 2000)
+    cmd.connect(cfg.cmd_addr)
+    out.connect(cfg.out_addr)
+    code = 0
+    try:
+        import torch
+
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
+        _run(cfg, cmd, out)
+    except BaseException:
+        out.send(msgspec.msgpack.encode(m.Failed(cfg.rank, traceback.format_exc())))
+        code = 1
+    finally:
+        cmd.close(0)
+        out.close()
+        ctx.term()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
