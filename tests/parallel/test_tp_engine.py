@@ -1,0 +1,153 @@
+"""Engine(tensor_parallel_size=N) on the CPU backend (gloo, worker processes): exactly the tp=1
+greedy tokens for GQA, MHA and KV-replicated (MQA) models; clear refusals; no process left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from hwkv.engine import Engine
+from hwkv.parallel.executor import TPWorkerError
+from hwkv.sampling_params import SamplingParams
+from hwkv.testing.tiny_models import write_tiny_model
+
+pytestmark = pytest.mark.timeout(180)
+
+PROMPTS = [[5, 6, 7, 8, 9], [100, 200, 300], list(range(30, 70)), [7] * 20]
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
+
+
+def _tokens(engine: Engine) -> list[list[int]]:
+    return [o.token_ids for o in engine.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def _gone(pids: list[int], within: float = 10.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if not any(os.path.exists(f"/proc/{p}") and _not_zombie(p) for p in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _not_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+# (arch, heads, kv heads, vocab, tied, engine options): GQA with a vocabulary that does not divide
+# (padded shard) and preemption (small pool); MHA with async scheduling; MQA (KV replicated) on a
+# Qwen3-MoE (per-head q/k norm, experts sharded)
+CASES = {
+    "gqa": ("llama", 4, 2, 515, False, {"num_kv_blocks": 5, "max_model_len": 64}),
+    "mha": ("qwen3", 4, 4, 512, True, {"async_scheduling": True}),
+    "mqa": ("qwen3_moe", 4, 1, 512, False, {}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tp2_tokens_equal_tp1(tmp_path, case):
+    arch, heads, kv, vocab, tie, opts = CASES[case]
+    path = str(write_tiny_model(tmp_path, arch=arch, num_heads=heads, num_kv_heads=kv, vocab_size=vocab,
+                                tie_word_embeddings=tie, tokenizer=False))
+    kw = {"block_size": 16, "num_kv_blocks": 32, "max_model_len": 128, **opts}
+    ref = _tokens(Engine(path, **kw))
+    eng = Engine(path, tensor_parallel_size=2, **kw)
+    pids = [p.pid for p in eng._tp.procs]
+    try:
+        assert eng.model.config.num_kv_heads == max(1, kv // 2)  # this rank holds only its KV heads
+        assert _tokens(eng) == ref
+        kv = eng.kv_cache_manager
+        assert kv.num_free_blocks == kv.block_pool.num_blocks and not eng.runner.reqs  # every block back
+        if case == "gqa":
+            assert eng.scheduler.num_preemptions > 0  # the preempt path was mirrored on the worker
+    finally:
+        eng.close()
+    assert _gone(pids)
+    eng.close()  # idempotent
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("HWKV_TEST_TP4") != "1", reason="4 processes on a 2-core CI box (~20 s): "
+                    "HWKV_TEST_TP4=1 runs it")
+def test_tp4_tokens_equal_tp1(tmp_path):
+    path = str(write_tiny_model(tmp_path, num_heads=4, num_kv_heads=2, tokenizer=False))
+    kw = {"block_size": 16, "num_kv_blocks": 32, "max_model_len": 128}
+    ref = _tokens(Engine(path, **kw))
+    eng = Engine(path, tensor_parallel_size=4, **kw)
+    try:
+        assert _tokens(eng) == ref
+    finally:
+        eng.close()
+
+
+def test_refusals_before_any_process(tmp_path):
+    path = str(write_tiny_model(tmp_path, num_heads=4, num_kv_heads=2, tokenizer=False))
+    with pytest.raises(ValueError, match=r"num_attention_heads 4 is not divisible by tensor_parallel_size 3.*"
+                                         r"allowed tensor_parallel_size: 1, 2, 4"):
+        Engine(path, tensor_parallel_size=3)
+    from hwkv.plugins import get_backend
+
+    with pytest.raises(ValueError, match="backend must be a registered backend name"):
+        Engine(path, backend=get_backend("cpu"), tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="decode_ops must be None or False"):
+        Engine(path, decode_ops=True, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an int >= 1"):
+        Engine(path, tensor_parallel_size=0)
+
+
+def test_dead_worker_is_fatal_and_reported(tmp_path):
+    path = str(write_tiny_model(tmp_path, num_heads=4, num_kv_heads=2, tokenizer=False))
+    eng = Engine(path, tensor_parallel_size=2, block_size=16, num_kv_blocks=16, max_model_len=64)
+    try:
+        eng._tp.procs[0].send_signal(signal.SIGKILL)
+        eng._tp.procs[0].wait(10)
+        with pytest.raises(TPWorkerError, match="rank 1"):
+            eng.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+        with pytest.raises(TPWorkerError):  # and stays dead
+            eng.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    finally:
+        eng.close()
+
+
+_DRIVER = """
+import sys, time, torch
+torch.set_num_threads(1)
+from hwkv.engine import Engine
+e = Engine(sys.argv[1], tensor_parallel_size=2, block_size=16, num_kv_blocks=16, max_model_len=64)
+print(e._tp.procs[0].pid, flush=True)
+time.sleep(60)
+"""
+
+
+def test_workers_exit_when_the_driver_dies(tmp_path):
+    path = str(write_tiny_model(tmp_path, num_heads=4, num_kv_heads=2, tokenizer=False))
+    drv = subprocess.Popen([sys.executable, "-c", _DRIVER, path], stdout=subprocess.PIPE, text=True)
+    try:
+        line = drv.stdout.readline()  # type: ignore[union-attr]
+        assert line.strip().isdigit(), line
+        worker = int(line)
+        drv.send_signal(signal.SIGKILL)
+        drv.wait(10)
+        assert _gone([worker], within=15)
+    finally:
+        if drv.poll() is None:
+            drv.kill()
+            drv.wait(10)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
