@@ -1,0 +1,47 @@
+"""Tensor parallelism on CUDA (NCCL): tp=2 with graphs gives the tp=1 greedy tokens. Needs two GPUs
+(skipped with fewer) and the CUDA plugin registered (``HWKV_PLUGIN_MODULES=hwkv_cuda.plugin``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hwkv.engine import Engine
+from hwkv.sampling_params import SamplingParams
+from hwkv.testing.tiny_models import write_tiny_model
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600),
+              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism needs 2 CUDA GPUs")]
+
+
+def _cuda() -> None:
+    from hwkv.plugins import get_backend
+
+    try:
+        get_backend("cuda")
+    except Exception as e:
+        pytest.skip(f"cuda backend unavailable: {e}")
+
+
+@pytest.mark.parametrize("kv", [2, 1])
+@pytest.mark.parametrize("eager", [True, False])
+def test_tp2_cuda_tokens_equal_tp1(tmp_path, kv, eager):
+    _cuda()
+    path = str(write_tiny_model(tmp_path, hidden_size=256, num_heads=8, num_kv_heads=kv, vocab_size=1000,
+                                tokenizer=False))
+    prompts = [[5 + i, 6, 7, 8 * i + 1] * (i + 1) for i in range(12)]
+    sp = SamplingParams(max_tokens=24, temperature=0.0)
+    kw = {"backend": "cuda", "dtype": "float32", "block_size": 16, "num_kv_blocks": 256, "max_model_len": 256,
+          "enforce_eager": eager}
+    one = Engine(path, **kw)
+    ref = [o.token_ids for o in one.generate(prompts, sp, use_tqdm=False)]
+    del one
+    torch.cuda.empty_cache()
+    eng = Engine(path, tensor_parallel_size=2, **kw)
+    try:
+        got = [o.token_ids for o in eng.generate(prompts, sp, use_tqdm=False)]
+        assert got == ref
+        if not eager:
+            assert eng.runner.num_graph_steps > 0  # decode steps replayed graphs with NCCL all-reduces inside
+    finally:
+        eng.close()
