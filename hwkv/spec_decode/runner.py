@@ -72,8 +72,9 @@ class SpecModelRunner(ModelRunner):
                 self.token_ids[st.slot, st.num_tokens : st.num_tokens + len(d)] = d
         batch = self.build_inputs(so, states, ks)  # a row samples when it reaches its last draft
         sample_idx = batch.sample_idx
-        logits = None
-        if self.graphs is not None and not ks.any() and batch.pure_decode:
+        logits = hidden = None
+        eagle = getattr(self.proposer, "needs_hidden", False)  # the proposer reads the target's states
+        if self.graphs is not None and not ks.any() and batch.pure_decode and not eagle:
             logits = self.graphs.run(batch)
             self.num_graph_steps += logits is not None
         if logits is None:
@@ -83,8 +84,18 @@ class SpecModelRunner(ModelRunner):
                 first = np.repeat(batch.logits_indices - k_s, k_s + 1)
                 offs = np.arange(int((k_s + 1).sum())) - np.repeat(np.cumsum(k_s + 1) - (k_s + 1), k_s + 1)
                 batch = batch._replace(logits_indices=first + offs)
-            logits = self._forward(self.device_inputs(batch))
+            inp = self.device_inputs(batch)
+            if eagle:
+                h = self.model.forward_hidden(inp.input_ids, inp.positions, self.kv_cache, inp.attn_metadata,
+                                              inp.slot_mapping)
+                logits = self.model.compute_logits(h, inp.logits_indices)
+                hidden = self.model.model.norm(h)
+            else:
+                logits = self._forward(inp)
         if not len(sample_idx):
+            if eagle:  # prefill chunks: the head consumes their states now
+                self.proposer.propose_with_hidden(self, states, batch, hidden, np.diff(batch.query_start_loc),
+                                                  sample_idx, [])
             return
         sampled = [states[i] for i in sample_idx]
         sampled_ids = [req_ids[i] for i in sample_idx]
@@ -101,7 +112,12 @@ class SpecModelRunner(ModelRunner):
             st.output_token_ids.extend(toks_r)
         out.sampled_token_ids = dict(zip(sampled_ids, emitted))
         caps = [self._max_drafts(st) for st in sampled]
-        proposals = self.proposer.propose(self, sampled, sampled_ids, caps)
+        if eagle:
+            valid = np.diff(batch.query_start_loc).astype(np.int64)
+            valid[sample_idx] -= ks[sample_idx] + 1 - np.array(num_h)  # rejected drafts
+            proposals = self.proposer.propose_with_hidden(self, states, batch, hidden, valid, sample_idx, caps)
+        else:
+            proposals = self.proposer.propose(self, sampled, sampled_ids, caps)
         out.spec_token_ids = {rid: p for rid, p in zip(sampled_ids, proposals) if p}
 
     def _max_drafts(self, st: Any) -> int:

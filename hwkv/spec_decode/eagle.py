@@ -1,0 +1,221 @@
+"""EAGLE proposer: a one-layer draft head over the target's hidden states (vLLM's ``eagle`` method,
+EAGLE-1 checkpoints as SafeAILab publishes them and vLLM's ``EagleLlamaForCausalLM`` loads them).
+
+Head: ``g = layer(fc(concat(embed(x_{p+1}), h_p)))``, draft logits ``= lm_head(g)``, where ``h_p`` is
+the target's final (normed) hidden state at position ``p`` and ``x_{p+1}`` the token after it.
+Checkpoint names: ``fc.weight`` ``[H, 2H]`` (``fc.bias`` optional), ``layers.0.self_attn.{q,k,v,o}_proj``,
+``layers.0.mlp.{gate,up,down}_proj``, ``layers.0.post_attention_layernorm``; optional
+``layers.0.input_layernorm`` (EAGLE-1 has none on its only layer), ``embed_tokens`` and ``norm``
+(absent: the target's embedding / no final norm) and ``lm_head`` (absent: the target's). A
+``model.`` prefix on names is accepted. ``config.json`` is a Llama config (any ``architectures``).
+
+Per step, for every request in the batch (prefill chunks included) the head consumes the pairs
+``(x_{p+1}, h_p)`` of the positions the target verified this step, writing its own KV at ``p`` (its
+paged cache is indexed by the target's block ids); a request that sampled then drafts ``k`` tokens
+autoregressively, feeding back its own output state. The head's KV at the positions of its drafts is
+recomputed from the target's states in the next step, so it never goes stale.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hwkv.engine.inputs import build_batch
+from hwkv.spec_decode.config import SpeculativeConfig
+
+
+class EagleHead(nn.Module):
+    def __init__(self, config: Any, backend: Any, device: torch.device, dtype: torch.dtype, max_positions: int,
+                 fc_bias: bool, has_input_norm: bool, has_norm: bool):
+        super().__init__()
+        from hwkv.model.layers import Linear
+        from hwkv.model.llama import LlamaForCausalLM
+
+        self.inner = LlamaForCausalLM(config, backend.attention, device, dtype, max_positions)
+        h = config.hidden_size
+        self.fc = Linear(2 * h, h, fc_bias, device, dtype)
+        self.has_input_norm, self.has_norm = has_input_norm, has_norm
+        self.embed: torch.Tensor | None = None  # set by bind(): own or the target's
+        self.lm_head: torch.Tensor | None = None
+
+    @property
+    def config(self) -> Any:
+        return self.inner.config
+
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, kv_cache: Any,
+                attn_metadata: Any, slot_mapping: torch.Tensor) -> torch.Tensor:
+        """Output states ``[T, H]`` of the pairs ``(input_ids[t], hidden[t])`` at ``positions[t]``."""
+        x = self.fc(torch.cat([F.embedding(input_ids, self.embed), hidden.to(self.fc.weight.dtype)], -1))
+        out = None
+        for i, layer in enumerate(self.inner.model.layers):
+            if out is None:
+                a = layer.input_layernorm(x) if self.has_input_norm else x
+            else:
+                a, x = layer.input_layernorm(out, x)
+            out = layer.self_attn(a, positions, self.inner.rotary_emb, kv_cache.layer(i), attn_metadata, slot_mapping)
+            a, x = layer.post_attention_layernorm(out, x)
+            out = layer.mlp(a)
+        return x + out
+
+    def logits(self, g: torch.Tensor) -> torch.Tensor:
+        if self.has_norm:
+            g = self.inner.model.norm(g)
+        return F.linear(g, self.lm_head).float()
+
+
+def load_eagle_head(path: str, backend: Any, dtype: torch.dtype, max_positions: int) -> tuple[EagleHead, dict]:
+    """The head at ``path`` and its own optional tensors (``embed``, ``lm_head``) by name."""
+    from hwkv.model.config import ModelConfig
+    from hwkv.model.loader import ModelLoadError, iter_weights, weight_files
+
+    cfg_path = Path(path) / "config.json"
+    if not cfg_path.is_file():
+        raise ValueError(f"EAGLE head {path}: config.json not found")
+    raw = json.loads(cfg_path.read_text())
+    raw["architectures"] = ["LlamaForCausalLM"]  # EAGLE-1 heads are Llama layers whatever they call themselves
+    config = ModelConfig.from_dict(raw, source=str(cfg_path))
+    tensors: dict[str, torch.Tensor] = {}
+    for _, name, t in iter_weights(weight_files(path)):
+        tensors[name.removeprefix("model.")] = t
+    if "fc.weight" not in tensors:
+        raise ModelLoadError(f"EAGLE head {path}: no 'fc.weight' tensor (is this an EAGLE-1 head? "
+                             f"found {sorted(tensors)[:6]}...)")
+    if config.num_layers != 1 and any(k.startswith("midlayer.") for k in tensors):
+        raise ModelLoadError(f"EAGLE head {path}: EAGLE-3 heads (midlayer.*) are not supported (allowed: EAGLE-1)")
+    device = backend.device.torch_device
+    head = EagleHead(config, backend, device, dtype, max_positions, "fc.bias" in tensors,
+                     "layers.0.input_layernorm.weight" in tensors, "norm.weight" in tensors)
+    slots = head.inner.weight_slots()
+    own: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        head.fc.weight.copy_(_shaped(tensors.pop("fc.weight"), head.fc.weight, "fc.weight", path))
+        if head.fc.bias is not None:
+            head.fc.bias.copy_(_shaped(tensors.pop("fc.bias"), head.fc.bias, "fc.bias", path))
+        for name, t in tensors.items():
+            if name in ("embed_tokens.weight", "lm_head.weight"):
+                own[name] = t
+                continue
+            key = "model." + name
+            if key not in slots:
+                raise ModelLoadError(f"EAGLE head {path}: unexpected tensor {name!r}")
+            slots[key].copy_(_shaped(t, slots[key], name, path))
+    need = [n for n in slots if n.startswith("model.layers.0.") and "input_layernorm" not in n]
+    missing = [n for n in need if n.removeprefix("model.") not in tensors]
+    if missing:
+        raise ModelLoadError(f"EAGLE head {path}: checkpoint lacks {missing[:4]}")
+    return head.eval(), own
+
+
+def _shaped(t: torch.Tensor, dst: torch.Tensor, name: str, path: str) -> torch.Tensor:
+    if tuple(t.shape) != tuple(dst.shape):
+        from hwkv.model.loader import ModelLoadError
+
+        raise ModelLoadError(f"EAGLE head {path}: {name!r} has shape {tuple(t.shape)}, expected {tuple(dst.shape)}")
+    return t
+
+
+class EagleProposer:
+    needs_hidden = True
+
+    def __init__(self, head: EagleHead, backend: Any, k: int):
+        self.head, self.backend, self.k = head, backend, k
+        self.kv_cache: Any = None
+
+    @classmethod
+    def load(cls, cfg: SpeculativeConfig, engine: Any) -> EagleProposer:
+        target = engine.model
+        head, own = load_eagle_head(cfg.model, engine.backend, target.dtype, target.config.max_model_len)
+        hc, tc = head.config, target.config
+        if hc.hidden_size != tc.hidden_size:
+            raise ValueError(f"EAGLE head {cfg.model} has hidden_size {hc.hidden_size}, the target "
+                             f"{tc.hidden_size} (allowed: a head trained for this target)")
+        if cfg.method == "eagle3":
+            raise ValueError("speculative_config method "eagle3" is not supported yet (allowed: 'eagle', "
+                             "an EAGLE-1 head)")
+        dev = target.lm_head_weight.device
+        head.embed = own["embed_tokens.weight"].to(dev, target.dtype) if "embed_tokens.weight" in own \
+            else target.model.embed_tokens.weight
+        head.lm_head = own["lm_head.weight"].to(dev, target.dtype) if "lm_head.weight" in own else target.lm_head_weight
+        for name, w in (("embed_tokens", head.embed), ("lm_head", head.lm_head)):
+            if tuple(w.shape) != (tc.vocab_size, tc.hidden_size):
+                raise ValueError(f"EAGLE head {cfg.model}: {name} has shape {tuple(w.shape)}, the target's vocabulary "
+                                 f"needs {(tc.vocab_size, tc.hidden_size)}")
+        return cls(head, engine.backend, cfg.num_speculative_tokens)
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        return self.head.inner.kv_cache_spec(1, block_size).bytes_per_block
+
+    def allocate(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
+        from hwkv.engine.kv_alloc import check_backend
+
+        if self.head.config.max_model_len < max_model_len:
+            raise ValueError(f"EAGLE head's max length {self.head.config.max_model_len} is shorter than the "
+                             f"engine's max_model_len {max_model_len} (allowed: lower max_model_len)")
+        check_backend(self.backend, self.head.inner, block_size)
+        spec = self.head.inner.kv_cache_spec(num_blocks, block_size)
+        self.kv_cache = self.backend.device.allocate_kv_cache(spec, self.backend.attention.kv_layout)
+        for t in self.kv_cache.tensors:  # positions it never wrote (prefix-cache hits) read as zeros
+            t.zero_()
+
+    def drop(self, req_id: str) -> None:
+        pass
+
+    @torch.inference_mode()
+    def propose_with_hidden(self, runner: Any, states: list[Any], batch: Any, hidden: torch.Tensor,
+                            valid: np.ndarray, sample_rows: np.ndarray, caps: list[int]) -> list[list[int]]:
+        """Consume this step's verified pairs of every row, then draft for the rows in ``sample_rows``.
+
+        ``hidden``: the target's normed final states ``[T, H]`` of ``batch``'s tokens; ``valid[i]``:
+        how many leading query tokens of row ``i`` were verified (accepted drafts included)."""
+        ctx = batch.positions[batch.query_start_loc[:-1].astype(np.int64)] if len(states) else np.zeros(0, np.int64)
+        slots = np.fromiter((st.slot for st in states), dtype=np.int64, count=len(states))
+        ntok = np.fromiter((st.num_tokens for st in states), dtype=np.int64, count=len(states))
+        n = np.minimum(valid, ntok - 1 - ctx)  # pairs need the token after p
+        rows = np.flatnonzero(n > 0)
+        out: list[list[int]] = [[] for _ in sample_rows]
+        if not len(rows):
+            return out
+        src = np.concatenate([batch.query_start_loc[i] + np.arange(n[i]) for i in rows])
+        h = hidden.index_select(0, torch.from_numpy(src).to(hidden.device))
+        g = self._forward(runner, slots[rows], ctx[rows], n[rows], h)  # [len(rows)] last output states
+        pos_in = {int(r): j for j, r in enumerate(rows)}
+        live = [(j, int(i), caps[j]) for j, i in enumerate(sample_rows) if caps[j] > 0 and int(i) in pos_in]
+        if not live:
+            return out
+        sel = torch.tensor([pos_in[i] for _, i, _ in live], device=g.device)
+        g = g.index_select(0, sel)
+        s_slots = slots[[i for _, i, _ in live]]
+        s_ntok = ntok[[i for _, i, _ in live]]
+        cap = np.array([c for _, _, c in live])
+        drafts = [self.head.logits(g).argmax(-1).cpu().numpy()]
+        for j in range(1, int(cap.max())):  # pair (draft j, own state) at position num_tokens - 2 + j
+            keep = np.flatnonzero(cap > j)
+            kt = torch.from_numpy(keep).to(g.device)
+            runner.token_ids[s_slots[keep], s_ntok[keep] + j - 1] = drafts[-1][keep]
+            gk = self._forward(runner, s_slots[keep], s_ntok[keep] + j - 2, np.ones(len(keep), np.int64),
+                               g.index_select(0, kt))
+            g = g.index_copy(0, kt, gk)
+            nxt = np.zeros(len(cap), dtype=np.int64)
+            nxt[keep] = self.head.logits(gk).argmax(-1).cpu().numpy()
+            drafts.append(nxt)
+        d = np.stack(drafts, 1)
+        for r, (j, _, c) in enumerate(live):
+            out[j] = d[r, :c].tolist()
+        return out
+
+    def _forward(self, runner: Any, slots: np.ndarray, ctx: np.ndarray, qlen: np.ndarray,
+                 hidden: torch.Tensor) -> torch.Tensor:
+        """Head states at the last of each row's pairs ``(x_{p+1}, h_p)``, ``p`` in ``[ctx, ctx + qlen)``."""
+        # pairs take the token after each position: the token table seen one column to the left
+        batch = build_batch(runner.token_ids[:, 1:], runner.block_table, slots, ctx, qlen, ctx + qlen,
+                            runner.block_size)
+        inp = runner.device_inputs(batch)
+        g = self.head(inp.input_ids, hidden, inp.positions, self.kv_cache, inp.attn_metadata, inp.slot_mapping)
+        return g.index_select(0, inp.logits_indices)

@@ -1,0 +1,100 @@
+"""Engine with an EAGLE-1 head: greedy identity with non-speculative decoding (random-weight head of
+the published shape), the head's inputs aligned (a head that copies the target's state must draft the
+token the target just chose), loading errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from hwkv.engine.engine import Engine
+
+from .conftest import write_tiny_eagle
+from .test_engine_ngram import GREEDY, _prompts, _run
+
+CASES = {
+    "default": {},
+    "chunked_small_budget": {"max_num_batched_tokens": 9, "long_prefill_token_threshold": 6},
+    "preemption_tiny_pool": {"num_kv_blocks": 26, "max_num_seqs": 6},
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_identity(tiny_model: str, tiny_eagle: str, case: str) -> None:
+    kw = CASES[case]
+    prompts = _prompts(seed=21)
+    base, _ = _run(tiny_model, prompts, GREEDY, **kw)
+    spec = {"method": "eagle", "num_speculative_tokens": 3, "model": tiny_eagle}
+    outs, eng = _run(tiny_model, prompts, GREEDY, spec, **kw)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+    assert eng.stats()["spec_decode"]["draft_tokens"] > 0
+    if case == "preemption_tiny_pool":
+        assert eng.stats()["num_preemptions"] > 0
+
+
+def _copy_head(tmp_path, tiny_eagle: str) -> str:
+    """fc = [0 | I], o_proj = down_proj = 0: the head's output is the target's state h_p itself, so its
+    first draft is lm_head(h_{n-2}) = the target's greedy choice at n-2 = the request's last token."""
+    d = tmp_path / "copy"
+    d.mkdir()
+    w = load_file(f"{tiny_eagle}/model.safetensors")
+    h = w["fc.weight"].shape[0]
+    w["fc.weight"] = torch.cat([torch.zeros(h, h), torch.eye(h)], 1)
+    w["layers.0.self_attn.o_proj.weight"].zero_()
+    w["layers.0.mlp.down_proj.weight"].zero_()
+    save_file(w, str(d / "model.safetensors"))
+    (d / "config.json").write_text(open(f"{tiny_eagle}/config.json").read())
+    return str(d)
+
+
+@pytest.mark.parametrize("case", ["default", "chunked_small_budget"])
+def test_head_sees_target_state_of_its_position(tiny_model: str, tiny_eagle: str, tmp_path, case: str) -> None:
+    spec = {"method": "eagle", "num_speculative_tokens": 2, "model": _copy_head(tmp_path, tiny_eagle)}
+    eng = Engine(tiny_model, num_kv_blocks=96, block_size=4, speculative_config=spec, **CASES[case])
+    seen = []
+    prop = eng.proposer
+    orig = prop.propose_with_hidden
+
+    def spy(runner, states, batch, hidden, valid, sample_rows, caps):
+        out = orig(runner, states, batch, hidden, valid, sample_rows, caps)
+        for j, i in enumerate(sample_rows):
+            st = states[i]
+            if out[j]:
+                seen.append((int(runner.token_ids[st.slot, st.num_tokens - 1]), out[j][0]))
+        return out
+
+    prop.propose_with_hidden = spy
+    eng.generate(_prompts(4, seed=22), GREEDY, use_tqdm=False)
+    assert len(seen) > 20
+    assert all(last == first for last, first in seen), seen[:10]
+
+
+def test_bad_heads_refused(tiny_model: str, tiny_eagle: str, tmp_path) -> None:
+    from hwkv.model.loader import ModelLoadError
+
+    other = write_tiny_eagle(tmp_path / "wide", hidden_size=96)
+    with pytest.raises(ValueError, match="hidden_size"):
+        Engine(tiny_model, num_kv_blocks=16, block_size=4,
+               speculative_config={"method": "eagle", "num_speculative_tokens": 2, "model": other})
+    nofc = tmp_path / "nofc"
+    nofc.mkdir()
+    w = load_file(f"{tiny_eagle}/model.safetensors")
+    del w["fc.weight"]
+    save_file(w, str(nofc / "model.safetensors"))
+    (nofc / "config.json").write_text(open(f"{tiny_eagle}/config.json").read())
+    with pytest.raises(ModelLoadError, match="fc.weight"):
+        Engine(tiny_model, num_kv_blocks=16, block_size=4,
+               speculative_config={"method": "eagle", "num_speculative_tokens": 2, "model": str(nofc)})
+    with pytest.raises(ValueError, match="eagle3"):
+        Engine(tiny_model, num_kv_blocks=16, block_size=4,
+               speculative_config={"method": "eagle3", "num_speculative_tokens": 2, "model": tiny_eagle})
+
+
+def test_head_with_own_embedding_and_fc_bias(tiny_model: str, tmp_path) -> None:
+    head = write_tiny_eagle(tmp_path / "e2", with_embed=True, fc_bias=True, seed=3)
+    prompts = _prompts(3, seed=23)
+    base, _ = _run(tiny_model, prompts, GREEDY)
+    outs, eng = _run(tiny_model, prompts, GREEDY, {"method": "eagle", "num_speculative_tokens": 2, "model": head})
+    assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+    assert eng.proposer.head.embed is not eng.model.model.embed_tokens.weight
