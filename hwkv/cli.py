@@ -14,6 +14,7 @@ from hwkv import __version__
 # name -> (module exposing add_arguments(parser) and run(args) -> int, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "backends": ("hwkv.commands.backends", "list installed backends, their availability and capabilities"),
+    "connectors": ("hwkv.commands.connectors", "list KV connectors (Engine(kv_connector=NAME)) and their config"),
     "generate": ("hwkv.commands.generate", "generate text with a model on a backend"),
     "bench": ("hwkv.commands.bench", "benchmarks: cache, scheduler, attention, e2e"),
     "conformance": ("hwkv.commands.conformance", "run the conformance suite against a backend"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 # Below this a temperature means greedy (as vLLM): dividing by it would overflow.
 GREEDY_EPS = 1e-5
@@ -46,6 +47,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     cache_salt: str | None = None
     n: int = 1
+    kv_transfer_params: dict[str, Any] | None = None  # handed to the KV connector as is (as vLLM's)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -75,6 +77,8 @@ class SamplingParams:
         def is_num(v: object) -> bool:
             return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v  # not NaN
 
+        if self.kv_transfer_params is not None and not isinstance(self.kv_transfer_params, dict):
+            bad("kv_transfer_params", "a dict or None")
         if self.n != 1:
             bad("n", "1 (parallel sampling is not supported)")
         if not is_int(self.max_tokens) or self.max_tokens < 1:

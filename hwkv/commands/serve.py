@@ -34,7 +34,7 @@ def engine_options() -> list[tuple[str, str, Any]]:
     """``(name, annotation, default)`` of every Engine keyword argument a flag can carry."""
     from hwkv.engine import Engine
 
-    skip = {"self", "model", "kv_connector"}
+    skip = {"self", "model", "kv_connector", "kv_connector_config"}  # their own flags below
     return [(n, str(p.annotation).replace(" ", ""), p.default)
             for n, p in inspect.signature(Engine.__init__).parameters.items()
             if n not in skip and p.default is not inspect.Parameter.empty]

@@ -56,6 +56,9 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     max_tokens: int = 16
     priority: int = 0  # priority scheduling: lower runs first (ties by arrival_time)
+    # KV connector parameters: in from the caller (e.g. where a remote prefill left the KV), replaced
+    # on finish by what the connector returns from request_finished (e.g. where this KV can be fetched)
+    kv_transfer_params: dict[str, Any] | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -26,6 +26,11 @@ class SchedulerResults:
     delayed_free: dict[str, Request]
     finished_recving: set[str]
     suspects: set[str]
+    loading: dict[str, int]
+    remote_ext: dict[str, int]
+    num_external_hit_tokens: int
+    num_load_failures: int
+    _dropped: set[str]
     _num_slots: dict[str, int]
     spec_stats: Any
     _preempt: Callable[[Request], None]
@@ -38,6 +43,8 @@ class SchedulerResults:
         max_len, requests = self.config.max_model_len, self.requests
         updated: list[Request] = []
         any_finished = False
+        if self.loading:
+            self._settle_loads(sched_out, runner_out)
         if self.suspects:
             self.suspects.difference_update(runner_out.sampled_token_ids)
         for rid, toks in runner_out.sampled_token_ids.items():  # partial prefill chunks sample nothing
@@ -82,10 +89,48 @@ class SchedulerResults:
             self._update_connector(runner_out.kv_connector_output)
         return updated
 
+    def _settle_loads(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> None:
+        """Confirm or undo the synchronous connector loads of the step ``sched_out``: a load the
+        connector reports failed loses the step's token and restarts by recompute (its local
+        prefix-cache hit is kept: those blocks were never the connector's)."""
+        kvo = runner_out.kv_connector_output
+        failed = kvo.failed_recving if kvo is not None else ()
+        for new in sched_out.scheduled_new_reqs:
+            n_ext = self.loading.pop(new.req_id, None)
+            req = self.requests.get(new.req_id)
+            if n_ext is None or req is None or req.is_finished:
+                continue
+            if new.req_id not in failed:
+                self.num_external_hit_tokens += n_ext
+                if req.status is RequestStatus.RUNNING:  # the loaded blocks are now real prefix-cache entries
+                    self.kv.cache_blocks(req, min(req.num_computed_tokens, req.num_tokens))
+                continue
+            self.num_load_failures += 1
+            runner_out.sampled_token_ids.pop(new.req_id, None)  # computed on KV that never arrived
+            if runner_out.logprobs:
+                runner_out.logprobs.pop(new.req_id, None)
+            req.num_output_placeholders = 0
+            req.num_cached_tokens = -1  # set again on re-admission
+            if req.status is not RequestStatus.RUNNING:  # preempted meanwhile: it recomputes already
+                continue
+            self.running.remove(req)
+            self.kv.uncache_blocks(req, new.num_computed_tokens - n_ext)
+            self.kv.free(req)
+            self._num_slots.pop(req.request_id, None)
+            req.num_computed_tokens = 0
+            req.spec_token_ids.clear()
+            req.status = RequestStatus.PREEMPTED
+            self.waiting.prepend_request(req)
+            self._dropped.add(req.request_id)
+
     def _free(self, req: Request) -> None:
         if req.finish_time is None:
             req.finish_time = time.monotonic()
-        delay, _params = self.connector.request_finished(req, self.kv.get_block_ids(req.request_id))
+        delay, params = self.connector.request_finished(req, self.kv.get_block_ids(req.request_id))
+        if params is not None:
+            req.kv_transfer_params = params
+        self.loading.pop(req.request_id, None)
+        self.remote_ext.pop(req.request_id, None)
         self.finished_req_ids.add(req.request_id)
         self.finished_recving.discard(req.request_id)
         self.suspects.discard(req.request_id)
@@ -101,13 +146,19 @@ class SchedulerResults:
             if (req := self.delayed_free.pop(rid, None)) is not None:
                 self.kv.free(req)
         # Only loads of requests still waiting for them count: an aborted request's id may be reused.
-        self.finished_recving |= {
+        done = {
             rid for rid in out.finished_recving
             if (r := self.requests.get(rid)) is not None and r.status is RequestStatus.WAITING_FOR_REMOTE_KVS
         }
+        self.finished_recving |= done
+        for rid in done:
+            self.num_external_hit_tokens += self.remote_ext.pop(rid, 0)
         for rid in out.failed_recving:
             req = self.requests.get(rid)
             if req is not None and req.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+                self.num_load_failures += 1
+                self.remote_ext.pop(rid, None)
+                req.num_cached_tokens = -1
                 self.kv.free(req)  # recompute from scratch; the connector must not offer it again
                 self._num_slots.pop(rid, None)
                 req.num_computed_tokens = 0
@@ -124,6 +175,7 @@ class SchedulerResults:
         before = dict(zip(cached.req_ids, cached.num_computed_tokens))  # computed before the step
         before.update((n.req_id, n.num_computed_tokens) for n in sched_out.scheduled_new_reqs)
         for req in reversed(victims):
+            self.loading.pop(req.request_id, None)  # its load's step never reports
             self.kv.uncache_blocks(req, before[req.request_id])  # blocks the step was to fill
             self._preempt(req)
             req.num_output_placeholders = 0  # the failed step's tokens never arrive

@@ -19,6 +19,11 @@ token (then it is cleared), nothing else is admitted: a failure while it runs al
 A request "is computed" up to ``num_computed_tokens``, which the scheduler advances when it
 schedules; a token is sampled only when the scheduled chunk reaches the request's last token.
 
+KV connector loads: a *synchronous* external hit (``load_async=False``) is computed on in the step
+that loads it; until that step's output confirms the load (``sched_results``), the request is not
+planned again (async scheduling would otherwise build on KV that may turn out wrong). A failed one
+loses that step's token and restarts from its local prefix-cache hit by recompute.
+
 Async scheduling (``SchedulerConfig.async_scheduling``): step N+1 is planned while step N runs,
 before N's tokens are known. A request that will sample in a step gets a *placeholder*
 (``num_output_placeholders``) that counts as a token when N+1 is planned; ``update_from_output``
@@ -64,6 +69,7 @@ class Scheduler(SchedulerResults):
         self.config = config
         self.kv = kv_cache_manager
         self.connector = connector or NoOpConnector()
+        self.connector.bind_kv_cache_manager(kv_cache_manager)
         self.policy = make_policy(config.policy)
         self.requests: dict[str, Request] = {}
         self.waiting = self.policy.new_queue()
@@ -77,6 +83,11 @@ class Scheduler(SchedulerResults):
         # speculative decoding: KV slots held past each step's tokens for a model proposer's drafts
         self.num_lookahead_tokens = num_lookahead_tokens
         self.spec_stats = SpecDecodeStats()
+        self.loading: dict[str, int] = {}  # synchronous external loads not yet confirmed: rid -> tokens
+        self.remote_ext: dict[str, int] = {}  # asynchronous loads in flight: rid -> tokens
+        self.num_external_hit_tokens = 0  # prompt tokens whose KV a connector supplied (confirmed)
+        self.num_load_failures = 0
+        self._dropped: set[str] = set()  # rolled back outside schedule(): the runner drops their state
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -129,10 +140,10 @@ class Scheduler(SchedulerResults):
             num_scheduled_tokens=st.num_sched,
             total_num_scheduled_tokens=cfg.max_num_batched_tokens - st.budget,
             finished_req_ids=self.finished_req_ids,
-            preempted_req_ids=st.preempted,
+            preempted_req_ids=st.preempted | self._dropped if self._dropped else st.preempted,
             scheduled_spec_decode_tokens=st.spec,
         )
-        self.finished_req_ids = set()
+        self.finished_req_ids, self._dropped = set(), set()
         out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
 
@@ -146,6 +157,9 @@ class Scheduler(SchedulerResults):
         while i < len(running) and st.budget > 0:
             req = running[i]
             rid, c, ph = req.request_id, req.num_computed_tokens, req.num_output_placeholders
+            if rid in self.loading:  # async: its load's step has not reported yet (module docstring)
+                i += 1
+                continue
             if ph and (req.num_output_tokens + ph >= req.max_tokens or req.num_tokens + ph >= max_len):
                 i += 1  # its pending token ends it by length: nothing more to plan
                 continue
@@ -276,6 +290,8 @@ class Scheduler(SchedulerResults):
             kv.record_prefix_query(req, num_local)
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = num_computed
+        if num_ext:  # counted as external hits once the load is confirmed
+            (self.remote_ext if load_async else self.loading)[rid] = num_ext
         if load_async:
             req.num_computed_tokens = num_computed
             req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -333,7 +349,8 @@ class Scheduler(SchedulerResults):
 
     def _check_servable(self, req: Request) -> None:
         """Nothing runs and the head request still cannot start: fail loudly instead of spinning."""
-        if self.delayed_free or req.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+        if self.delayed_free or req.status is RequestStatus.WAITING_FOR_REMOTE_KVS or \
+                self.connector.has_pending_transfers():
             return  # blocks or KV are on their way back
         bs = self.kv.block_size
         need = -(-min(req.num_tokens, self.config.max_model_len) // bs)

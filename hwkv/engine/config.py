@@ -116,12 +116,13 @@ class EngineArgs:
 
         if type(kv_connector) is NoOpConnector:  # acts on nothing: the fast paths stay on
             kv_connector = None
-        if self.async_scheduling and kv_connector is not None:
-            raise ValueError("async_scheduling=True needs kv_connector=None (a connector saves and loads KV "
-                             "in step with the scheduler; allowed: async_scheduling False or None)")
-        # graphs for pure-decode steps: where the backend declares capture, and with no connector
-        # (a connector may act inside the forward per layer)
-        graphs = not self.enforce_eager and backend.capabilities.graph_capture and kv_connector is None
+        if kv_connector is not None and self.tensor_parallel_size > 1:  # it would see the driver's shard only
+            raise ValueError("kv_connector needs tensor_parallel_size=1 (connectors do not run on the tensor-"
+                             "parallel workers yet; allowed: kv_connector None with tensor_parallel_size > 1)")
+        # graphs for pure-decode steps where the backend declares capture; a connector costs them only
+        # if it runs per-layer host work inside the forward (KVConnectorBase.capturable_layer_hooks)
+        graphs = not self.enforce_eager and backend.capabilities.graph_capture and (
+            kv_connector is None or not kv_connector.layerwise or kv_connector.capturable_layer_hooks)
         async_ = graphs if self.async_scheduling is None else self.async_scheduling
         if self.speculative_config is not None:  # drafts of step N+1 come from step N's tokens
             async_ = False

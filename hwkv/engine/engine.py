@@ -61,8 +61,10 @@ class Engine:
       backend declares ``Capabilities.graph_capture``); ``async_scheduling`` (plan step N+1 while
       N runs; ``None``: with graphs); ``fuse_elementwise`` (``None``: with graphs); ``decode_ops``
       (the backend's fused decode ops; ``None``: where offered, ``True``: required).
-    * kv_transfer — ``kv_connector``: a KV connector instance (``None``: none; a connector turns
-      graphs and async scheduling off).
+    * kv_transfer — ``kv_connector``: a registered connector name (``hwkv connectors``), a
+      ``"package.module:Class"`` or an instance (``None``: none); ``kv_connector_config``: a named
+      connector's keyword arguments. Graphs and async scheduling stay on (graphs go off only for a
+      layerwise connector whose hooks cannot be captured). Stats in ``stats()["kv_connector"]``.
     * speculative — ``speculative_config``: ``{"method": "ngram" | "draft_model" | "eagle" | "eagle3",
       "num_speculative_tokens": k, ...}`` (:class:`hwkv.spec_decode.SpeculativeConfig`; a JSON object
       string is accepted too); turns async scheduling off. Stats in ``stats()["spec_decode"]``.
@@ -78,19 +80,23 @@ class Engine:
                  enforce_eager: bool = False, fuse_elementwise: bool | None = None,
                  async_scheduling: bool | None = None, decode_ops: bool | None = None,
                  scheduling_policy: str = "fcfs", reserve_full_prompt: bool = True, speculative_config: Any = None,
-                 tensor_parallel_size: int = 1):
+                 tensor_parallel_size: int = 1, kv_connector_config: dict[str, Any] | None = None):
         args = EngineArgs(
             str(model), backend, dtype, max_model_len, block_size, num_kv_blocks, memory_fraction, max_num_seqs,
             max_num_batched_tokens, enable_prefix_caching, enable_chunked_prefill, long_prefill_token_threshold,
             max_num_partial_prefills, seed, enforce_eager, fuse_elementwise, async_scheduling, decode_ops,
             scheduling_policy, reserve_full_prompt, speculative_config, tensor_parallel_size,
         )
+        from hwkv.connectors import make_connector
         from hwkv.core.hashing import make_block_hasher
         from hwkv.core.kv_cache_manager import KVCacheManager
         from hwkv.engine.model_runner import ModelRunner
         from hwkv.model import load_model
         from hwkv.plugins import get_backend
 
+        # a name from the hwkv_connectors registry (config: its keyword arguments) or an instance;
+        # checked before the model loads. Host memory is taken only once the KV cache exists.
+        kv_connector = make_connector(kv_connector, kv_connector_config)
         # ValueError (unknown name) / BackendUnavailable (why); an instance is used as given
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
         self.backend.device.seed(seed)
@@ -205,7 +211,8 @@ class Engine:
                 "(allowed: stop_token_ids)"
             )
         req = Request(f"{request_id}-{next(self._seq)}", ids, params, block_hasher=self._hasher,
-                      eos_token_ids=self.eos_token_ids, max_tokens=m, cache_salt=params.cache_salt)
+                      eos_token_ids=self.eos_token_ids, max_tokens=m, cache_salt=params.cache_salt,
+                      kv_transfer_params=params.kv_transfer_params)
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens)
         return req, _Tracked(request_id, text, detok, [] if params.logprobs is not None else None)
 
@@ -254,14 +261,20 @@ class Engine:
             )
         return None, list(prompt)
 
-    def add_request(self, request_id: str, prompt: Prompt, params: Any = None, priority: int = 0) -> None:
+    def add_request(self, request_id: str, prompt: Prompt, params: Any = None, priority: int = 0,
+                    kv_transfer_params: dict[str, Any] | None = None) -> None:
         """Validate and queue a request; on ``ValueError`` nothing is registered.
 
         ``request_id`` stays in use until ``step()`` returned the request's final output. ``priority``
-        (lower runs first) needs ``scheduling_policy="priority"``."""
+        (lower runs first) needs ``scheduling_policy="priority"``. ``kv_transfer_params`` (or
+        ``params.kv_transfer_params``) reach the KV connector as ``request.kv_transfer_params``."""
         self._check_priority(priority)
+        if kv_transfer_params is not None and not isinstance(kv_transfer_params, dict):
+            raise ValueError(f"kv_transfer_params must be a dict or None, got {type(kv_transfer_params).__name__}")
         req, tracked = self._make_request(request_id, prompt, params)
         req.priority = priority
+        if kv_transfer_params is not None:
+            req.kv_transfer_params = kv_transfer_params
         self._track(req, tracked)
         self.scheduler.add_request(req)
 
@@ -390,6 +403,7 @@ class Engine:
             token_ids=list(req.output_token_ids), finished=req.is_finished,
             finish_reason=req.status.finish_reason, metrics=metrics, stop_reason=req.stop_reason,
             logprobs=list(tr.logprobs) if tr.logprobs is not None else None, error=tr.error,
+            kv_transfer_params=req.kv_transfer_params if req.is_finished else None,
         )
 
     def generate(self, prompts: Prompt | list[Prompt], sampling_params: Any = None,
@@ -472,6 +486,10 @@ class Engine:
         if spec is not None:
             out["spec_decode"] = {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens,
                                   **self.scheduler.spec_stats.snapshot()}
+        if self.runner.connector is not None:
+            from hwkv.connectors import connector_stats
+
+            out["kv_connector"] = connector_stats(self.scheduler)
         return out
 
 

@@ -66,7 +66,10 @@ class ModelRunner:
         self.num_graph_steps = 0  # pure-decode steps served by the graph path (stats / tests)
         self._pending: Pending | None = None  # the last launched step, until its output is returned
         if self.connector is not None:
+            self.connector.bind_device(self.dev)
             self.connector.register_kv_caches(kv_cache)
+            if self.connector.layerwise:  # per-layer load waits / saves inside the forward
+                model.set_layer_hooks(self.connector)
 
     def enable_graphs(self, max_batch: int, use_graphs: bool = True) -> None:
         """Serve pure-decode steps of up to ``max_batch`` requests from static buffers, captured as
@@ -235,9 +238,18 @@ class ModelRunner:
             new = Pending(out)
         if conn is not None:
             conn.wait_for_save()
-            out.kv_connector_output = conn.get_finished(so.finished_req_ids)
+            out.kv_connector_output = self.connector_finished(so)
         self._pending = new
         return prev
+
+    def connector_finished(self, so: SchedulerOutput) -> Any:
+        """The connector's completions of this step; a request whose load failed loses its state here
+        (the scheduler discards its token and it restarts by recompute)."""
+        kvo = self.connector.get_finished(so.finished_req_ids)  # type: ignore[union-attr]
+        if kvo is not None:
+            for rid in kvo.failed_recving:
+                self.preempt(rid)
+        return kvo
 
     def _resolve(self, pend: Pending) -> ModelRunnerOutput:
         """Read ``pend``'s tokens (waiting for its step), record them for the requests still here."""

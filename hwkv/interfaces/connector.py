@@ -13,14 +13,21 @@ scheduler side, inside ``Scheduler.schedule`` / ``update_from_output``::
 
 worker side, inside ``ModelRunner.execute``::
 
-    register_kv_caches(kv_cache)          # once, after allocation
+    bind_device(device); register_kv_caches(kv_cache)   # once, after allocation
     bind_connector_metadata(meta); start_load_kv()
     wait_for_layer_load(i) / save_kv_layer(i, ...)    # per layer (layerwise connectors)
     wait_for_save(); get_finished(finished_req_ids) -> KVConnectorOutput
 
 Contract: a load that fails must be reported in ``KVConnectorOutput.failed_recving`` (the
-scheduler then recomputes) — never silently produce wrong KV; ``delay_free=True`` hands the
-request's blocks to the connector until it reports the request in ``finished_sending``.
+scheduler then recomputes) — never silently produce wrong KV. A *synchronous* load (offered with
+``load_async=False``) must be reported as failed in the output of the very step that scheduled it:
+the scheduler then discards that step's token for the request and recomputes it. ``delay_free=True``
+hands the request's blocks to the connector until it reports the request in ``finished_sending``.
+
+Fast path: a connector costs nothing where it declares nothing. ``layerwise`` (per-layer hooks are
+called at all) and ``capturable_layer_hooks`` (those hooks only queue device work, so they may be
+recorded into a CUDA graph) decide whether the engine keeps graphs; async scheduling and decode ops
+stay on for every connector.
 """
 
 from __future__ import annotations
@@ -37,6 +44,11 @@ class KVConnectorBase:
     """Default behaviour of every hook: do nothing (so this class is also the no-op connector)."""
 
     name = "base"
+    # The model calls wait_for_layer_load / save_kv_layer per layer only for a layerwise connector.
+    layerwise: bool = False
+    # A layerwise connector whose per-layer hooks only enqueue device work (no host sync, no host
+    # state that changes per step) may be captured into graphs; otherwise pure-decode steps run eagerly.
+    capturable_layer_hooks: bool = False
 
     # ---- scheduler side -------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -63,7 +75,25 @@ class KVConnectorBase:
         in ``finished_sending`` when the load stops writing, or its blocks could be reused under it."""
         return False, None
 
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        """Scheduler side, once: the device block pool's manager (to pin blocks while they transfer:
+        ``kv_cache_manager.block_pool.touch`` / ``free_blocks``)."""
+
+    def has_pending_transfers(self) -> bool:
+        """Transfers in flight that hold device blocks (the scheduler then waits instead of declaring
+        a request unservable)."""
+        return False
+
+    def stats(self) -> dict[str, Any]:
+        """Connector counters for ``engine.stats()["kv_connector"]``: ``loaded_bytes`` and
+        ``stored_bytes`` plus any connector-specific ones (the engine adds name, external_hit_tokens
+        and load_failures)."""
+        return {}
+
     # ---- worker side ----------------------------------------------------------------------
+    def bind_device(self, device: Any) -> None:
+        """Called once before ``register_kv_caches``: the backend's Device (streams, events, copies)."""
+
     def register_kv_caches(self, kv_cache: KVCache) -> None:
         """Called once with the allocated KV cache (register for transfer, pin, ...)."""
 

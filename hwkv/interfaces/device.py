@@ -11,6 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from dataclasses import replace
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -54,8 +55,9 @@ class Device(ABC):
     * ``allocate_kv_cache`` returns zero-filled, contiguous, block-major tensors of ``spec`` in
       ``layout`` on this device; ``host=True`` allocates a pinned host mirror (offload tier).
     * ``copy_blocks(src, dst, pairs)`` copies block ``s`` of every tensor of ``src`` to block ``d``
-      of the same tensor of ``dst`` for each ``(s, d)``; caches must share spec and layout; either
-      may live on the host. It is batched (no per-block launch) and ordered on ``stream`` (the
+      of the same tensor of ``dst`` for each ``(s, d)``; caches must share layout and spec except
+      ``num_blocks`` (an offload tier holds more or fewer blocks than the device); either may live
+      on the host. It is batched (no per-block launch) and ordered on ``stream`` (the
       current stream by default); callers synchronise through events. Destinations are distinct,
       and within one cache no block is both a source and a destination (copies run in parallel);
       :meth:`check_copy` enforces this.
@@ -193,14 +195,14 @@ class Device(ABC):
     @staticmethod
     def check_copy(src: KVCache, dst: KVCache, pairs: list[tuple[int, int]]) -> torch.Tensor | None:
         """Validate a ``copy_blocks`` request; the ``[n, 2]`` int64 pairs, or ``None`` when empty."""
-        if src.spec != dst.spec or src.layout != dst.layout:
-            raise ValueError("copy_blocks needs caches of the same spec and layout")
+        if replace(src.spec, num_blocks=1) != replace(dst.spec, num_blocks=1) or src.layout != dst.layout:
+            raise ValueError("copy_blocks needs caches of the same layout and spec (num_blocks aside)")
         if not pairs:
             return None
         idx = torch.tensor(pairs, dtype=torch.long).reshape(-1, 2)
-        nb = src.spec.num_blocks
-        if int(idx.min()) < 0 or int(idx.max()) >= nb:
-            raise IndexError(f"block ids must lie in [0, {nb})")
+        for side, col, nb in (("source", 0, src.spec.num_blocks), ("destination", 1, dst.spec.num_blocks)):
+            if int(idx[:, col].min()) < 0 or int(idx[:, col].max()) >= nb:
+                raise IndexError(f"{side} block ids must lie in [0, {nb})")
         dsts = idx[:, 1].tolist()
         if len(set(dsts)) != len(dsts):
             raise ValueError("copy_blocks: a destination block appears twice")

@@ -108,6 +108,7 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head.weight.zero_()
         self.rotary_emb = RotaryEmbedding(config, max_positions or config.max_model_len, device, dtype)
         self.set_prefetch()
+        self.layer_hooks: Any = None  # set_layer_hooks
         self.decode_ops: DecodeOps | None = None  # fused ops for forwards of few tokens (set_decode_ops)
 
     def make_mlp(self, layer: int, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -151,7 +152,11 @@ class LlamaForCausalLM(nn.Module):
                 x, h = layer.input_layernorm(out, h)
             if pf is not None:  # o_proj comes into cache beside qkv, RoPE and attention
                 pf([layer.self_attn.o_proj.weight])
+            if (hk := self.layer_hooks) is not None:
+                hk.wait_for_layer_load(i)
             out = layer.self_attn(x, positions, self.rotary_emb, kv_cache.layer(i), attn_metadata, slot_mapping)
+            if hk is not None:
+                hk.save_kv_layer(i, kv_cache.layer(i), attn_metadata)
             if ar is not None:
                 out = ar(out)
             x, h = layer.post_attention_layernorm(out, h)
@@ -182,12 +187,16 @@ class LlamaForCausalLM(nn.Module):
         h = F.embedding(input_ids, self.model.embed_tokens.weight)
         for i, layer in enumerate(self.model.layers):
             a, mlp, layer_kv = layer.self_attn, layer.mlp, kv_cache.layer(i)
+            if (hk := self.layer_hooks) is not None:
+                hk.wait_for_layer_load(i)
             qkv = ops.qkv(h, layer.input_layernorm.weight, cfg.rms_norm_eps, a.qkv_proj.weight, a.qkv_proj.bias,
                           rope.cos, rope.sin, positions, a.impl, layer_kv, slot_mapping, a.num_heads,
                           a.num_kv_heads, a.head_dim)
             q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
             out = a.impl.forward(q.view(t, a.num_heads, a.head_dim), k.view(t, a.num_kv_heads, a.head_dim),
                                  v.view(t, a.num_kv_heads, a.head_dim), layer_kv, attn_metadata)
+            if hk is not None:  # qkv wrote this layer's KV
+                hk.save_kv_layer(i, layer_kv, attn_metadata)
             h = ops.linear(out.reshape(t, a.q_size), a.o_proj.weight, a.o_proj.bias, h)
             x = ops.norm_linear(h, layer.post_attention_layernorm.weight, cfg.rms_norm_eps,
                                 mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
@@ -212,6 +221,12 @@ class LlamaForCausalLM(nn.Module):
             if reasons:
                 raise ValueError(f"decode ops {type(ops).__name__} cannot serve this model: {'; '.join(reasons)}")
         self.decode_ops = ops
+
+    def set_layer_hooks(self, hooks: Any = None) -> None:
+        """Per-layer KV-connector hooks: ``hooks.wait_for_layer_load(i)`` before layer ``i``'s
+        attention, ``hooks.save_kv_layer(i, layer_kv, attn_metadata)`` once its KV is written, in
+        every forward path (plain and decode ops; graphs record them). ``None``: off."""
+        self.layer_hooks = hooks
 
     def set_prefetch(self, prefetch: Any = None, join: Any = None) -> None:
         """Weight-prefetch hooks (``Device.prefetch`` / ``join_prefetch``): the forward asks for each

@@ -10,11 +10,12 @@ from hwkv.plugins.manager import (
     get_backend,
     list_backends,
     list_benches,
+    list_connectors,
     reset,
 )
 
 __all__ = [
     "ENTRY_POINT_GROUP", "BackendConflict", "BackendInfo", "BackendUnavailable", "BenchSpec", "ConnectorSpec",
     "PluginApiWarning", "StoreSpec", "available_backends", "get_backend", "hookimpl", "hookspec",
-    "list_backends", "list_benches", "reset",
+    "list_backends", "list_benches", "list_connectors", "reset",
 ]

@@ -7,7 +7,7 @@ the :data:`hookimpl` marker and returns typed records (conda style), never insta
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pluggy
 
@@ -32,12 +32,18 @@ class StoreSpec:
 
 @dataclass(frozen=True)
 class ConnectorSpec:
-    """A KV connector a plugin provides (reserved: not consumed yet)."""
+    """A KV connector a plugin provides, chosen by ``Engine(kv_connector=name, kv_connector_config={...})``.
+
+    ``factory`` (``"package.module:Class"``, a :class:`~hwkv.interfaces.connector.KVConnectorBase`
+    subclass) is imported only when the connector is chosen and called with the config as keyword
+    arguments. ``config`` documents those keys (``key -> "type, default: meaning"``); a config key it
+    does not list is refused before the factory runs (an empty ``config``: the factory takes none)."""
 
     name: str
     api_version: str
     factory: str
     description: str = ""
+    config: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -62,7 +68,7 @@ def hwkv_stores() -> list[StoreSpec]:  # type: ignore[empty-body]
 
 @hookspec
 def hwkv_connectors() -> list[ConnectorSpec]:  # type: ignore[empty-body]
-    """The KV connectors this plugin provides (reserved)."""
+    """The KV connectors this plugin provides (``hwkv connectors`` lists them)."""
 
 
 @hookspec

@@ -326,6 +326,31 @@ def list_benches() -> list[hookspecs.BenchSpec]:
     return sorted(specs, key=lambda s: s.name)
 
 
+def list_connectors() -> list[tuple[hookspecs.ConnectorSpec, str]]:
+    """``(spec, plugin name)`` of every KV connector the loaded plugins register (``hwkv_connectors``
+    hook), sorted by name; a plugin whose hook raises or returns something else contributes none,
+    with a warning. The first plugin to claim a name keeps it (the built-in plugin loads first)."""
+    reg = _get()
+    out: dict[str, tuple[hookspecs.ConnectorSpec, str]] = {}
+    with _lock:
+        for impl in reversed(reg.pm.hook.hwkv_connectors.get_hookimpls()):  # registration order
+            try:
+                specs = list(impl.function() or [])
+            except Exception as e:
+                warnings.warn(f"plugin {impl.plugin_name!r}: hwkv_connectors failed: {_err(e)}", stacklevel=2)
+                continue
+            for spec in specs:
+                if not isinstance(spec, hookspecs.ConnectorSpec):
+                    warnings.warn(f"plugin {impl.plugin_name!r}: hwkv_connectors returned {spec!r}, expected a "
+                                  "ConnectorSpec", stacklevel=2)
+                elif spec.name in out:
+                    warnings.warn(f"plugin {impl.plugin_name!r}: KV connector {spec.name!r} is already provided "
+                                  f"by {out[spec.name][1]!r}; ignored", stacklevel=2)
+                else:
+                    out[spec.name] = (spec, impl.plugin_name)
+    return [out[k] for k in sorted(out)]
+
+
 def get_backend(name: str) -> Backend:
     """The backend instance called ``name`` (one per discovery; :func:`reset` drops it).
 

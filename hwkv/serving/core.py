@@ -12,7 +12,6 @@ its parent process is gone, so a killed server leaves no engine behind.
 
 from __future__ import annotations
 
-import importlib
 import os
 import signal
 import sys
@@ -29,26 +28,14 @@ STATS_INTERVAL_S = 0.25
 # Engine.step() contains a failure (rolls back, isolates the requests to blame) and raises; raising
 # this many times in a row means it cannot make progress: every request it holds then fails.
 MAX_STEP_FAILURES = 3
-# built-in connectors by name; anything else may be given as "package.module:Class"
-CONNECTORS = {"noop": "hwkv.connectors.base:NoOpConnector"}
 
 
 def make_connector(name: str | None, config: dict[str, Any]) -> Any:
-    """A KV connector from ``--kv-connector NAME`` and its JSON config (keyword arguments)."""
-    if name is None:
-        if config:
-            raise ValueError("kv_connector_config is given but kv_connector is not (allowed: set both)")
-        return None
-    factory = CONNECTORS.get(name, name)
-    mod, _, cls = factory.partition(":")
-    if not cls:
-        raise ValueError(f"kv_connector {name!r} is unknown (allowed: {', '.join(CONNECTORS)} or a "
-                         "'package.module:Class' factory)")
-    try:
-        ctor = getattr(importlib.import_module(mod), cls)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"kv_connector {name!r}: cannot import {factory} ({e})") from None
-    return ctor(**config)
+    """A KV connector from ``--kv-connector NAME`` (a registered name or 'package.module:Class') and
+    its JSON config (keyword arguments): :func:`hwkv.connectors.make_connector`."""
+    from hwkv.connectors import make_connector as make
+
+    return make(name, config)
 
 
 class EngineCore:

@@ -59,7 +59,7 @@ class SpecModelRunner(ModelRunner):
             self._step(so, states, out)
         if conn is not None:
             conn.wait_for_save()
-            out.kv_connector_output = conn.get_finished(so.finished_req_ids)
+            out.kv_connector_output = self.connector_finished(so)
         return out
 
     def _step(self, so: SchedulerOutput, states: list[Any], out: ModelRunnerOutput) -> None:

@@ -188,15 +188,17 @@ def test_finished_id_is_reusable_while_its_last_step_is_in_flight(model_dir):
     _no_leak(e)
 
 
-def test_async_needs_no_connector(model_dir):
+def test_async_scheduling_stays_on_with_a_connector(model_dir):
+    """A connector no longer forces synchronous steps (it used to raise): same tokens as without."""
     from hwkv.connectors.base import NoOpConnector
 
-    class Offload(NoOpConnector):  # any real connector
+    class Acting(NoOpConnector):  # any real connector
         pass
 
-    with pytest.raises(ValueError, match="async_scheduling=True needs kv_connector=None"):
-        _engine(model_dir, True, kv_connector=Offload())
-    assert _engine(model_dir, True, kv_connector=NoOpConnector()).async_scheduling  # the no-op acts on nothing
+    prompts, params = _prompts(6, seed=3), _greedy(6)
+    assert _run(_engine(model_dir, True, kv_connector=Acting()), prompts, params) == \
+        _run(_engine(model_dir, False), prompts, params)
+    assert _engine(model_dir, True, kv_connector=NoOpConnector()).async_scheduling
     with pytest.raises(ValueError, match="async_scheduling"):
         hwkv.Engine(model_dir, num_kv_blocks=16, async_scheduling="on")
 

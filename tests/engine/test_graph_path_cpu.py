@@ -49,12 +49,24 @@ def test_declared_graph_capture_turns_on_graphs_and_replays_match_eager(model_di
     assert replays == e.runner.num_graph_steps > 10
 
 
-def test_connector_or_enforce_eager_keeps_graphs_off(model_dir):
+def test_only_a_per_layer_host_connector_keeps_graphs_off(model_dir):
     from hwkv.interfaces.connector import KVConnectorBase
 
-    e = hwkv.Engine(model_dir, backend=GraphCpuBackend(), num_kv_blocks=16, kv_connector=KVConnectorBase(),
-                    fuse_elementwise=False)
+    class Layerwise(KVConnectorBase):
+        layerwise = True
+
+    class CapturableLayerwise(Layerwise):
+        capturable_layer_hooks = True
+
+    def make(conn):
+        return hwkv.Engine(model_dir, backend=GraphCpuBackend(), num_kv_blocks=16, kv_connector=conn,
+                           fuse_elementwise=False)
+
+    e = make(Layerwise())
     assert e.runner.graphs is None and not e.async_scheduling
+    for conn in (KVConnectorBase(), CapturableLayerwise()):  # nothing per layer, or device work only
+        e = make(conn)
+        assert e.runner.graphs is not None and e.async_scheduling
 
 
 def test_recorded_graph_semantics():

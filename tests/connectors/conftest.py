@@ -1,0 +1,68 @@
+import random
+
+import pytest
+import torch
+
+import hwkv
+from hwkv.testing.tiny_models import write_tiny_model
+
+BS = 16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(write_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", arch="llama", max_position_embeddings=256))
+
+
+def workload(seed: int = 0) -> list[list[int]]:
+    """Three prompts sharing a 4-block prefix, each after a filler that needs the whole device pool
+    (8 blocks): the prefix is evicted from the device every time and must come from elsewhere."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(1, 500) for _ in range(4 * BS)]
+    out = []
+    for _ in range(3):
+        out.append([rng.randrange(1, 500) for _ in range(118)])
+        out.append(prefix + [rng.randrange(1, 500) for _ in range(rng.randint(3, 20))])
+    return out
+
+
+def greedy(n: int = 6) -> hwkv.SamplingParams:
+    return hwkv.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def engine(model_dir: str, **kw) -> hwkv.Engine:
+    kw = {"num_kv_blocks": 8, "block_size": BS, "max_model_len": 128, **kw}
+    return hwkv.Engine(model_dir, **kw)
+
+
+def run_one_by_one(e: hwkv.Engine, prompts: list[list[int]], n: int = 6) -> list[list[int]]:
+    return [e.generate([p], greedy(n), use_tqdm=False)[0].token_ids for p in prompts]
+
+
+def settle(e: hwkv.Engine) -> None:
+    """Step until the connector's transfers ended (they finish on the steps after a request does)."""
+    for _ in range(50):
+        if not e.scheduler.connector.has_pending_transfers():
+            return
+        e.step()
+    raise AssertionError("connector transfers never completed")
+
+
+def assert_no_leak(e: hwkv.Engine) -> None:
+    settle(e)
+    assert not e.has_unfinished()
+    assert e.kv_cache_manager.num_free_blocks == e.kv_cache.spec.num_blocks
+    assert not e.runner.reqs and not e.scheduler.requests and not e.scheduler.loading
+    conn = e.scheduler.connector
+    if getattr(conn, "cpu", None) is not None:
+        assert conn.cpu.num_free_blocks == conn.cpu.num_blocks  # no host block pinned
+        assert all(b.ref_cnt == 0 for b in conn.cpu.blocks)
+        assert not conn._jobs and not conn._pending_hits and not conn._reqs and not conn._storing

@@ -1,0 +1,165 @@
+"""The connector framework: registry by name, config checks, stats, layerwise hooks in every
+forward path, kv_transfer_params in and out."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+
+import pytest
+
+import hwkv
+from hwkv import plugins
+from hwkv.connectors import make_connector
+from hwkv.interfaces.connector import KVConnectorBase, NoOpConnector
+
+from .conftest import assert_no_leak, engine, greedy, run_one_by_one, workload
+
+
+def test_builtins_are_registered_through_the_hook():
+    names = {spec.name: plugin for spec, plugin in plugins.list_connectors()}
+    assert {"noop", "offload"} <= set(names)
+    assert make_connector("noop") is None and make_connector(NoOpConnector()) is None  # nothing to call
+    conn = make_connector("offload", {"cpu_bytes": 1 << 20, "async_load": True})
+    assert type(conn).__name__ == "OffloadConnector" and conn.async_load
+
+
+@pytest.mark.parametrize("args, match", [
+    (("nope", None), "kv_connector 'nope' is unknown \\(allowed: .*noop.*offload"),
+    (("offload", {"cpu_bytes": 1, "bogus": 2}), "unknown config key\\(s\\) bogus \\(allowed: async_load"),
+    (("offload", {}), "bad config"),
+    (("offload", [1]), "kv_connector_config must be a dict"),
+    ((None, {"a": 1}), "kv_connector_config is given but kv_connector is not"),
+    ((KVConnectorBase(), {"a": 1}), "applies to a connector given by name"),
+    ((42, None), "kv_connector must be a name"),
+    (("os:getcwd", None), "is not a hwkv KVConnectorBase subclass"),
+    (("no_such_mod_xyz:C", None), "cannot import"),
+])
+def test_bad_connector_choices_are_refused_naming_what_is_allowed(args, match):
+    with pytest.raises(ValueError, match=match):
+        make_connector(*args)
+
+
+def test_third_party_connector_registers_through_a_plugin(tmp_path, monkeypatch, model_dir):
+    (tmp_path / "hwkv_tp_conn.py").write_text(textwrap.dedent('''
+        from hwkv.interfaces.connector import KVConnectorBase
+        from hwkv.plugins import ConnectorSpec, hookimpl
+
+        class Echo(KVConnectorBase):
+            name = "echo"
+
+            def __init__(self, tag="t"):
+                self.tag = tag
+
+            def request_finished(self, request, block_ids):
+                return False, {"tag": self.tag, "got": request.kv_transfer_params}
+
+            def stats(self):
+                return {"echoes": 1}
+
+        @hookimpl
+        def hwkv_connectors():
+            return [ConnectorSpec("echo", "1.0", "hwkv_tp_conn:Echo", "echoes params", {"tag": "str"})]
+    '''))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("HWKV_PLUGIN_MODULES", "hwkv_tp_conn")
+    plugins.reset()
+    try:
+        from hwkv import cli
+
+        assert cli.main(["connectors", "--json"]) == 0
+        e = engine(model_dir, kv_connector="echo", kv_connector_config={"tag": "x"})
+        e.add_request("a", [5, 6, 7], greedy(2), kv_transfer_params={"remote": 1})
+        sp = greedy(2)
+        sp.kv_transfer_params = {"remote": 2}
+        e.add_request("b", [5, 6, 8], sp)
+        outs = {}
+        while e.has_unfinished():
+            for o in e.step():
+                assert o.kv_transfer_params is None or o.finished
+                outs[o.request_id] = o
+        assert outs["a"].kv_transfer_params == {"tag": "x", "got": {"remote": 1}}
+        assert outs["b"].kv_transfer_params == {"tag": "x", "got": {"remote": 2}}
+        st = e.stats()["kv_connector"]
+        assert st["name"] == "echo" and st["echoes"] == 1 and st["external_hit_tokens"] == 0
+        assert e.async_scheduling is False and e.runner.connector is not None
+    finally:
+        monkeypatch.delenv("HWKV_PLUGIN_MODULES")
+        plugins.reset()
+        sys.modules.pop("hwkv_tp_conn", None)
+
+
+def test_connectors_command_lists_config(capsys):
+    from hwkv import cli
+
+    assert cli.main(["connectors", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert "cpu_bytes" in rows["offload"]["config"] and rows["noop"]["config"] == {}
+
+
+def test_kv_transfer_params_must_be_a_dict(model_dir):
+    e = engine(model_dir)
+    with pytest.raises(ValueError, match="kv_transfer_params must be a dict"):
+        e.add_request("a", [1, 2], greedy(), kv_transfer_params=[1])
+    with pytest.raises(ValueError, match="SamplingParams.kv_transfer_params must be a dict or None"):
+        hwkv.SamplingParams(kv_transfer_params="x")
+
+
+class LayerRecorder(KVConnectorBase):
+    layerwise = True
+
+    def __init__(self):
+        self.calls: list[tuple[str, int]] = []
+
+    def wait_for_layer_load(self, layer):
+        self.calls.append(("wait", layer))
+
+    def save_kv_layer(self, layer, layer_kv, attn_metadata):
+        assert layer_kv is not None and attn_metadata is not None
+        self.calls.append(("save", layer))
+
+
+def _per_forward(calls, num_layers):
+    one = [(k, i) for i in range(num_layers) for k in ("wait", "save")]
+    n = len(one)
+    assert len(calls) % n == 0 and all(calls[j:j + n] == one for j in range(0, len(calls), n))
+    return len(calls) // n
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "decode-ops"])
+def test_layer_hooks_run_in_order_in_every_forward(model_dir, fused):
+    from hwkv.model.decode_ops import TorchDecodeOps
+
+    prompts = workload()[:2]
+    want = run_one_by_one(engine(model_dir), prompts)
+    conn = LayerRecorder()
+    e = engine(model_dir, kv_connector=conn)
+    if fused:
+        e.model.set_decode_ops(TorchDecodeOps())
+    assert run_one_by_one(e, prompts) == want
+    assert _per_forward(conn.calls, e.model.config.num_layers) == e.stats()["num_steps"]
+    assert_no_leak(e)
+
+
+def test_layer_hooks_and_graphs(model_dir):
+    """Capturable hooks are recorded into the graphs (graphs stay on); host-side ones turn graphs off
+    but keep async scheduling possible."""
+    from hwkv.testing.graphs import GraphCpuBackend
+
+    class Capturable(LayerRecorder):
+        capturable_layer_hooks = True
+
+    prompts = workload()[:2]
+    want = run_one_by_one(engine(model_dir), prompts)
+    conn = Capturable()
+    e = engine(model_dir, backend=GraphCpuBackend(), kv_connector=conn, fuse_elementwise=False)
+    assert e.runner.graphs is not None and e.async_scheduling
+    assert _per_forward(conn.calls, e.model.config.num_layers) > 0  # captured
+    assert run_one_by_one(e, prompts) == want and e.runner.num_graph_steps > 0
+    conn = LayerRecorder()
+    e = engine(model_dir, backend=GraphCpuBackend(), kv_connector=conn, fuse_elementwise=False,
+               async_scheduling=True)
+    assert e.runner.graphs is None and e.async_scheduling
+    assert run_one_by_one(e, prompts) == want
+    assert _per_forward(conn.calls, e.model.config.num_layers) == e.stats()["num_steps"]

@@ -1,0 +1,128 @@
+"""The offload connector's host tier against a model: capacity holds, eviction is LRU over the same
+block hashes as the device prefix cache, pins never outlive an operation, bytes survive the trip."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hwkv.connectors.offload import OffloadConnector
+from hwkv.core.hashing import make_block_hasher
+from hwkv.core.kv_cache_manager import KVCacheManager
+from hwkv.core.request import Request
+from hwkv.core.sched_output import CachedRequestData, SchedulerOutput
+from hwkv.interfaces.layout import KVCache, KVCacheSpec, KVLayoutKind
+from hwkv.reference.device import CpuDevice
+
+BS, DEVICE_BLOCKS = 4, 64
+SPEC = KVCacheSpec(num_layers=2, num_blocks=DEVICE_BLOCKS, block_size=BS, num_kv_heads=1, head_size=2,
+                   dtype=torch.float32)
+hasher = make_block_hasher(BS)
+
+
+class Tier:
+    def __init__(self, capacity: int):
+        self.kv = KVCacheManager(DEVICE_BLOCKS, BS)
+        self.conn = OffloadConnector(cpu_bytes=capacity * SPEC.bytes_per_block + SPEC.bytes_per_block // 2,
+                                     min_run_blocks=2)
+        self.conn.bind_kv_cache_manager(self.kv)
+        self.conn.bind_device(CpuDevice())
+        self.device = KVCache.allocate(SPEC, KVLayoutKind.PER_LAYER)
+        self.conn.register_kv_caches(self.device)
+        self.n = 0
+
+    def request(self, family: int, nblocks: int) -> Request:
+        self.n += 1
+        toks = [family * 1000 + i for i in range(nblocks * BS)] + [7]
+        return Request(f"r{self.n}", toks, block_hasher=hasher)
+
+    def step(self, req: Request, scheduled: bool) -> None:
+        so = SchedulerOutput([], CachedRequestData(), {req.request_id: 1} if scheduled else {}, 1, set(), set())
+        c = self.conn
+        c.bind_connector_metadata(c.build_connector_meta(so))
+        c.start_load_kv()
+        c.wait_for_save()
+        out = c.get_finished(set())
+        if out is not None:
+            c.update_connector_output(out)
+
+    def store(self, family: int, nblocks: int) -> None:
+        req = self.request(family, nblocks)
+        self.kv.allocate_slots(req, req.num_tokens)
+        for b, h in zip(self.kv.get_blocks(req.request_id), req.block_hashes):
+            for t in self.device.tensors:
+                t[b.block_id] = _fill(h)  # the forward's KV
+        req.num_computed_tokens = req.num_tokens
+        self.conn.update_state_after_alloc(req, self.kv.get_block_ids(req.request_id), 0)
+        self.step(req, True)
+        self.finish(req)
+
+    def lookup(self, family: int, nblocks: int, admit: bool) -> list[bytes]:
+        req = self.request(family, nblocks)
+        n_ext, is_async = self.conn.get_num_new_matched_tokens(req, 0)
+        assert n_ext % BS == 0 and n_ext <= req.num_tokens - 1 and not is_async
+        hits = req.block_hashes[: n_ext // BS]
+        if admit:
+            self.kv.allocate_slots(req, req.num_tokens)
+            for t in self.device.tensors:
+                t.zero_()
+            self.conn.update_state_after_alloc(req, self.kv.get_block_ids(req.request_id), n_ext)
+            self.step(req, False)
+            for b, h in zip(self.kv.get_blocks(req.request_id), hits):  # the bytes came back
+                assert all(torch.equal(t[b.block_id], _fill(h)) for t in self.device.tensors)
+        self.finish(req)
+        return hits
+
+    def finish(self, req: Request) -> None:
+        self.conn.request_finished(req, self.kv.get_block_ids(req.request_id))
+        self.kv.free(req)
+
+
+def _fill(h: bytes) -> torch.Tensor:
+    return torch.full(SPEC.tensor_shapes(KVLayoutKind.PER_LAYER)[0][1:], float(int.from_bytes(h[:2], "little")))
+
+
+ops = st.lists(st.tuples(st.sampled_from(["store", "hit", "peek"]), st.integers(0, 3), st.integers(1, 6)),
+               max_size=25)
+
+
+@settings(max_examples=60, deadline=None)
+@given(capacity=st.integers(1, 8), ops=ops)
+def test_tier_is_an_lru_of_block_hashes_with_bounded_capacity(capacity, ops):
+    tier = Tier(capacity)
+    model: OrderedDict[bytes, None] = OrderedDict()  # LRU first
+    for op, family, nblocks in ops:
+        if op == "store":
+            hashes = tier.request(family, nblocks).block_hashes
+            new = [h for h in hashes if h not in model]
+            for h in hashes:
+                if h in model:
+                    model.move_to_end(h)  # already there: refreshed
+            stored = []
+            for h in new:  # each new block takes a free host block, else evicts the LRU one
+                if len(model) + len(stored) >= capacity:
+                    if not model:
+                        break  # every host block holds a block of this very store
+                    model.popitem(last=False)
+                stored.append(h)
+            for h in stored:
+                model[h] = None
+            tier.store(family, nblocks)
+        else:
+            req_hashes = tier.request(family, nblocks).block_hashes
+            want = []
+            for h in req_hashes[:nblocks]:
+                if h not in model:
+                    break
+                want.append(h)
+            assert tier.lookup(family, nblocks, admit=op == "hit") == want
+            for h in want:
+                model.move_to_end(h)
+        cpu = tier.conn.cpu
+        assert len(cpu.cached_block_hash_to_block) <= capacity == cpu.num_blocks
+        assert [b.block_hash for b in cpu.free_block_queue if b.block_hash is not None] == list(model)
+        assert cpu.num_free_blocks == capacity and tier.kv.num_free_blocks == DEVICE_BLOCKS  # no pins left
+        assert not tier.conn.has_pending_transfers()
