@@ -11,6 +11,7 @@ import threading
 import time
 
 from hwkv.interfaces.store import KeyNotFound, StoreError, StoreFull, StoreTimeout, StoreUnavailable
+from hwkv.transfer.mooncake_wheel import LOG_HINT
 
 CODE_NAMES = {
     -1: "INTERNAL_ERROR", -10: "BUFFER_OVERFLOW", -101: "SEGMENT_NOT_FOUND", -103: "CLIENT_NOT_FOUND",
@@ -23,7 +24,6 @@ CODE_NAMES = {
 NO_SPACE = (-10, -200, -1700)
 OBJECT_NOT_FOUND, OBJECT_HAS_LEASE = -704, -706
 RPC_FAIL, RPC_TIMEOUT = -900, -901
-LOG_HINT = "set HWKV_MOONCAKE_LOG_LEVEL=info for Mooncake's own log"
 
 
 def code_name(code: int) -> str:

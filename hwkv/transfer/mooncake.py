@@ -29,6 +29,7 @@ from hwkv.interfaces.transfer import Transfer, TransferError, TransferTimeout
 from hwkv.transfer.bounded import BoundedCalls, CallTimedOut
 from hwkv.transfer.mooncake_wheel import (  # noqa: F401 - re-exported: the wheel's entry points live here
     INSTALL_HINT,
+    LOG_HINT,
     NOT_INSTALLED,
     PROTOCOLS,
     Registrations,
@@ -104,7 +105,8 @@ class MooncakeTransfer(Transfer):
         apply_log_level()  # the engine's config, loaded in initialize, resets glog's level
         if rc != 0:
             raise TransferError(
-                f"TransferEngine.initialize({name!r}, {metadata_server!r}, {protocol!r}) failed with code {rc}"
+                f"TransferEngine.initialize({name!r}, {metadata_server!r}, {protocol!r}) failed with code {rc} "
+                f"({LOG_HINT})"
             )
         self._endpoint = f"{host}:{self._engine.get_rpc_port()}" if p2p else name
         self._regs = Registrations()
@@ -191,7 +193,8 @@ class MooncakeTransfer(Transfer):
         except CallTimedOut:
             raise self._timeout(op, peer, lengths, deadline) from None
         if rc != 0:
-            raise TransferError(f"{op} with {peer!r} ({len(lengths)} segments, {sum(lengths)} B) failed with code {rc}")
+            raise TransferError(f"{op} with {peer!r} ({len(lengths)} segments, {sum(lengths)} B) failed with code {rc} "
+                                f"({LOG_HINT})")
 
     def submit_write(self, peer: str, src_ptrs: list[int], dst_ptrs: list[int], lengths: list[int]) -> int:
         return self._submit("write", peer, src_ptrs, dst_ptrs, lengths)
@@ -273,7 +276,7 @@ class MooncakeTransfer(Transfer):
             del self._batches[batch]
         if failed:
             raise TransferError(f"{op} batch {batch} with {peer!r}: {len(failed)} segment(s) failed "
-                                f"(codes {sorted(set(failed))}; -1 failed, -2 timed out)")
+                                f"(codes {sorted(set(failed))}; -1 failed, -2 timed out; {LOG_HINT})")
         return True
 
     def close(self) -> None:

@@ -49,6 +49,7 @@ def load_mooncake(submodule: str) -> ModuleType:
 
 LOG_LEVELS = {"info": 0, "warning": 1, "error": 2, "off": 3}  # glog severities; 3 = FATAL only
 LOG_ENV = "HWKV_MOONCAKE_LOG_LEVEL"
+LOG_HINT = f"set {LOG_ENV}=info for Mooncake's own log"
 _log_level: str | None = None
 
 
