@@ -44,7 +44,9 @@ def check_supported(cfg: Any, backend: Any, kv_connector: Any) -> None:
     reasons = []
     if not isinstance(cfg.backend, str):
         reasons.append("backend must be a registered backend name, not an instance (each worker builds its own)")
-    if kv_connector is not None:
+    from hwkv.interfaces.connector import NoOpConnector
+
+    if kv_connector is not None and type(kv_connector) is not NoOpConnector:
         reasons.append("kv_connector must be None (connectors do not run tensor-parallel yet)")
     if cfg.decode_ops:
         reasons.append("decode_ops must be None or False (the fused decode ops run whole layers on one device)")
@@ -123,6 +125,8 @@ class TPExecutor:
 
     def check(self) -> None:
         """Raise :class:`TPWorkerError` if a worker failed or exited (cheap: one poll, no wait)."""
+        if self._closed:
+            raise TPWorkerError("the tensor-parallel engine was closed (Engine.close())")
         if self.error is not None:
             raise TPWorkerError(self.error)
         self._drain(0)

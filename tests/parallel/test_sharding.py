@@ -9,6 +9,7 @@ from hwkv.model import load_model
 from hwkv.model.config import ModelConfig
 from hwkv.parallel.sharding import TPShard, check_tp, kv_head_start, vocab_range
 from hwkv.testing.tiny_models import write_tiny_model
+from tests.parallel.conftest import add_biases
 
 
 class _NoComm:  # loading runs no collective
@@ -41,6 +42,8 @@ def test_shards_reassemble_the_checkpoint(tmp_path, arch, kv, tie):
     """Each rank's parameters are exactly its slices of the full ones (the loader read only those)."""
     p = write_tiny_model(tmp_path, arch=arch, num_heads=4, num_kv_heads=kv, vocab_size=515, tokenizer=False,
                          tie_word_embeddings=tie)
+    if arch == "llama":
+        add_biases(p)
     full, cfg, *_ = load_model(p, "cpu", load_tokenizer=False)
     fp = dict(full.named_parameters())
     n, d = 2, cfg.head_dim
@@ -56,8 +59,17 @@ def test_shards_reassemble_the_checkpoint(tmp_path, arch, kv, tie):
                 k0 = kv_head_start(cfg.num_kv_heads, r, n) * d
                 assert torch.equal(lq, wq[r * q // n:(r + 1) * q // n])
                 assert torch.equal(lk, wk[k0:k0 + lk.shape[0]]) and torch.equal(lv, wv[k0:k0 + lv.shape[0]])
+        elif name.endswith("qkv_proj.bias"):
+            bq, bk, bv = w.split([q, kvs, kvs])
+            assert torch.equal(torch.cat([s[: q // n] for s in parts]), bq)
+            assert torch.equal(parts[1][q // n:], torch.cat([bk, bv])[[*range(d, 2 * d), *range(3 * d, 4 * d)]])
         elif name.endswith(("o_proj.weight", "down_proj.weight")):
             assert torch.equal(torch.cat(parts, 1), w)
+        elif name.endswith(("o_proj.bias", "down_proj.bias")):  # row-parallel: added once, by rank 0
+            assert torch.equal(parts[0], w) and not parts[1].any()
+        elif name.endswith("gate_up_proj.bias"):
+            g, u = w.chunk(2)
+            assert torch.equal(torch.cat([s.chunk(2)[0] for s in parts]), g)
         elif name.endswith("gate_up_proj.weight"):
             g, u = w.chunk(2)
             assert torch.equal(torch.cat([s.chunk(2)[0] for s in parts]), g)

@@ -16,6 +16,7 @@ from hwkv.engine import Engine
 from hwkv.parallel.executor import TPWorkerError
 from hwkv.sampling_params import SamplingParams
 from hwkv.testing.tiny_models import write_tiny_model
+from tests.parallel.conftest import add_biases
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -45,7 +46,7 @@ def _not_zombie(pid: int) -> bool:
 
 
 # (arch, heads, kv heads, vocab, tied, engine options): GQA with a vocabulary that does not divide
-# (padded shard) and preemption (small pool); MHA with async scheduling; MQA (KV replicated) on a
+# (padded shard), q/k/v/o/MLP biases and preemption (small pool); MHA with async scheduling; MQA (KV replicated) on a
 # Qwen3-MoE (per-head q/k norm, experts sharded)
 CASES = {
     "gqa": ("llama", 4, 2, 515, False, {"num_kv_blocks": 5, "max_model_len": 64}),
@@ -57,11 +58,13 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_tp2_tokens_equal_tp1(tmp_path, case):
     arch, heads, kv, vocab, tie, opts = CASES[case]
-    path = str(write_tiny_model(tmp_path, arch=arch, num_heads=heads, num_kv_heads=kv, vocab_size=vocab,
-                                tie_word_embeddings=tie, tokenizer=False))
+    path = write_tiny_model(tmp_path, arch=arch, num_heads=heads, num_kv_heads=kv, vocab_size=vocab,
+                            tie_word_embeddings=tie, tokenizer=False)
+    if arch == "llama":
+        path = add_biases(path)
     kw = {"block_size": 16, "num_kv_blocks": 32, "max_model_len": 128, **opts}
-    ref = _tokens(Engine(path, **kw))
-    eng = Engine(path, tensor_parallel_size=2, **kw)
+    ref = _tokens(Engine(str(path), **kw))
+    eng = Engine(str(path), tensor_parallel_size=2, **kw)
     pids = [p.pid for p in eng._tp.procs]
     try:
         assert eng.model.config.num_kv_heads == max(1, kv // 2)  # this rank holds only its KV heads
@@ -105,6 +108,31 @@ def test_refusals_before_any_process(tmp_path):
         Engine(path, tensor_parallel_size=0)
 
 
+def test_failed_start_leaves_no_worker(tmp_path):
+    import gc
+
+    path = str(write_tiny_model(tmp_path, num_heads=4, num_kv_heads=2, tokenizer=False))
+    before = _children()
+    with pytest.raises(ValueError, match="max_model_len 4096 exceeds the model's 2048"):
+        Engine(path, tensor_parallel_size=2, max_model_len=4096, num_kv_blocks=16)
+    gc.collect()
+    assert _gone(list(_children() - before))
+
+
+def _children() -> set[int]:
+    me = str(os.getpid())
+    out = set()
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    if f.read().split(") ")[1].split()[1] == me:
+                        out.add(int(d))
+            except (FileNotFoundError, IndexError):
+                pass
+    return out
+
+
 def test_dead_worker_is_fatal_and_reported(tmp_path):
     path = str(write_tiny_model(tmp_path, num_heads=4, num_kv_heads=2, tokenizer=False))
     eng = Engine(path, tensor_parallel_size=2, block_size=16, num_kv_blocks=16, max_model_len=64)
@@ -117,6 +145,8 @@ def test_dead_worker_is_fatal_and_reported(tmp_path):
             eng.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
     finally:
         eng.close()
+    with pytest.raises(TPWorkerError, match="was closed"):
+        eng.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
 
 
 _DRIVER = """
