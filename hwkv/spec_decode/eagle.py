@@ -137,7 +137,7 @@ class EagleProposer:
             raise ValueError(f"EAGLE head {cfg.model} has hidden_size {hc.hidden_size}, the target "
                              f"{tc.hidden_size} (allowed: a head trained for this target)")
         if cfg.method == "eagle3":
-            raise ValueError("speculative_config method "eagle3" is not supported yet (allowed: 'eagle', "
+            raise ValueError("speculative_config method 'eagle3' is not supported yet (allowed: 'eagle', "
                              "an EAGLE-1 head)")
         dev = target.lm_head_weight.device
         head.embed = own["embed_tokens.weight"].to(dev, target.dtype) if "embed_tokens.weight" in own \

@@ -50,7 +50,8 @@ def write_tiny_eagle(path, hidden_size: int = 64, vocab_size: int = 512, seed: i
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g) * 0.1
     w = {"fc.weight": r(h, 2 * h), "layers.0.self_attn.q_proj.weight": r(heads * hd, h),
-         "layers.0.self_attn.k_proj.weight": r(kv_heads * hd, h), "layers.0.self_attn.v_proj.weight": r(kv_heads * hd, h),
+         "layers.0.self_attn.k_proj.weight": r(kv_heads * hd, h),
+         "layers.0.self_attn.v_proj.weight": r(kv_heads * hd, h),
          "layers.0.self_attn.o_proj.weight": r(h, heads * hd), "layers.0.mlp.gate_proj.weight": r(inter, h),
          "layers.0.mlp.up_proj.weight": r(inter, h), "layers.0.mlp.down_proj.weight": r(h, inter),
          "layers.0.post_attention_layernorm.weight": torch.ones(h)}

@@ -4,6 +4,8 @@ token the target just chose), loading errors."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -44,7 +46,7 @@ def _copy_head(tmp_path, tiny_eagle: str) -> str:
     w["layers.0.self_attn.o_proj.weight"].zero_()
     w["layers.0.mlp.down_proj.weight"].zero_()
     save_file(w, str(d / "model.safetensors"))
-    (d / "config.json").write_text(open(f"{tiny_eagle}/config.json").read())
+    (d / "config.json").write_text(Path(tiny_eagle, "config.json").read_text())
     return str(d)
 
 
@@ -82,7 +84,7 @@ def test_bad_heads_refused(tiny_model: str, tiny_eagle: str, tmp_path) -> None:
     w = load_file(f"{tiny_eagle}/model.safetensors")
     del w["fc.weight"]
     save_file(w, str(nofc / "model.safetensors"))
-    (nofc / "config.json").write_text(open(f"{tiny_eagle}/config.json").read())
+    (nofc / "config.json").write_text(Path(tiny_eagle, "config.json").read_text())
     with pytest.raises(ModelLoadError, match="fc.weight"):
         Engine(tiny_model, num_kv_blocks=16, block_size=4,
                speculative_config={"method": "eagle", "num_speculative_tokens": 2, "model": str(nofc)})
