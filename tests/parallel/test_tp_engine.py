@@ -93,6 +93,22 @@ def test_tp4_tokens_equal_tp1(tmp_path):
         eng.close()
 
 
+def test_tp1_is_the_single_device_path(tmp_path, monkeypatch):
+    """tp=1 builds no group, no worker and runs no collective."""
+    import torch.distributed as dist
+
+    def no_collective(*a, **k):
+        raise AssertionError("a collective ran at tp=1")
+
+    for name in ("all_reduce", "all_gather", "broadcast", "init_process_group"):
+        monkeypatch.setattr(dist, name, no_collective)
+    path = str(write_tiny_model(tmp_path, num_heads=4, num_kv_heads=2, tokenizer=False))
+    eng = Engine(path, block_size=16, num_kv_blocks=16, max_model_len=64)
+    assert eng._tp is None and eng.model.tp is None and type(eng.runner).__name__ == "ModelRunner"
+    assert len(_tokens(eng)[0]) == GREEDY.max_tokens
+    eng.close()
+
+
 def test_refusals_before_any_process(tmp_path):
     path = str(write_tiny_model(tmp_path, num_heads=4, num_kv_heads=2, tokenizer=False))
     with pytest.raises(ValueError, match=r"num_attention_heads 4 is not divisible by tensor_parallel_size 3.*"
