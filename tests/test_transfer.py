@@ -280,13 +280,13 @@ def test_hung_peer_times_out_without_freezing_other_threads(silent_peer):
                                                       r"finish within 0.5 s"):
                 call()
             took = time.monotonic() - t0
-            assert took < 1.25 and count[0] - c0 > 50, (op, took, count[0] - c0)
+            assert took < 1.5 and count[0] - c0 > 20, (op, took, count[0] - c0)
         with pytest.raises(TransferTimeout, match="timed-out transfers still running"):
             t.unregister(ptr(buf))
         assert t.registered_buffers() == [(ptr(buf), buf.nbytes)]
         t0 = time.monotonic()
         t.close()
-        assert time.monotonic() - t0 < 1.25
+        assert time.monotonic() - t0 < 1.5
         assert t.registered_buffers() == []
         with pytest.raises(TransferError, match="closed"):
             t.write(silent_peer, [ptr(buf)], [4096], [64])
