@@ -23,7 +23,8 @@ SHOWN = 12  # values listed per argument in the table; the count covers them all
 # interface -> recorded methods; "attr: Interface" entries wrap what an attribute or call returns
 INTERFACES: dict[str, tuple[str, ...]] = {
     "Backend": ("create_transfer", "create_store", "decode_ops"),
-    "Device": ("allocate_kv_cache", "copy_blocks", "memory_info", "pinned_empty"),
+    "Device": ("allocate_kv_cache", "copy_blocks", "memory_info", "pinned_empty", "host_empty", "to_device",
+               "to_host_async"),
     "AttentionBackend": ("make_impl", "metadata_builder"),
     "AttentionMetadataBuilder": ("build",),
     "AttentionImpl": ("write_kv", "forward"),

@@ -150,6 +150,26 @@ def test_write_kv_stays_in_block(backend, gen, block_size):
     assert not bool((changed & ~inside).any()), "write_kv changed bytes outside the target block's segments"
 
 
+@pytest.mark.parametrize("size", ["small", "4MiB"])
+def test_host_staging(backend, check, gen, dtype, size):
+    """``host_empty`` gives host buffers (page-locked with ``async_copies``); ``to_device`` puts a host
+    tensor on the device unchanged; ``to_host_async`` brings it back, valid once its event fired."""
+    dev = backend.device
+    shape = (3, 5) if size == "small" else (1024, 1024 * 4 // torch.empty((), dtype=dtype).element_size())
+    buf = dev.host_empty(shape, dtype)
+    assert buf.device.type == "cpu" and tuple(buf.shape) == shape and buf.dtype == dtype, "host_empty"
+    if getattr(dev, "async_copies", False):
+        assert buf.is_pinned(), "host_empty must be page-locked when the device copies asynchronously"
+    buf.copy_(randn(gen, *shape, dtype=dtype))
+    on = dev.to_device(buf)
+    assert on.device.type == dev.torch_device.type and on.dtype == dtype, f"to_device gave {on.device}, {on.dtype}"
+    back, event = dev.to_host_async(on * 1)  # a fresh device tensor, as the engine's outputs are
+    if event is not None:
+        event.synchronize()
+    assert back.device.type == "cpu", "to_host_async must return a host tensor"
+    check.exact(back, buf, "copy_blocks", f"{size} {dtype} through to_device / to_host_async")
+
+
 def _copy_pairs(gen: torch.Generator, in_place: bool) -> list[tuple[int, int]]:
     """COPY_PAIRS pairs: a run consecutive on both sides (copies that merge) among shuffled scattered
     pairs; in place, sources and destinations are disjoint (the contract)."""

@@ -103,7 +103,7 @@ def test_batched_existing_and_missing(backend, check, gen):
         t.copy_(randn(gen, *t.shape, dtype=t.dtype))
     perm = torch.randperm(BATCH_BLOCKS, generator=gen).tolist()
     stored = perm[:STORED]  # key k-<b> holds block b of src
-    store = backend.create_store("embedded")
+    store = backend.create_store("embedded", capacity_bytes=64 << 20)
     try:
         res = store.put([f"k-{b}" for b in stored], [_block(src, b) for b in stored])
         assert [r.key for r in res] == [f"k-{b}" for b in stored] and all(r.ok for r in res), \
