@@ -22,7 +22,12 @@ from hwkv import plugins
 BROKEN = Path(__file__).parent / "broken_backends" / "hwkv_teeth_broken.py"
 # Kernel checks at one block size in float32: enough to show each bug, cheap enough to run 5 times.
 KERNEL = ["-k", "float32 and bs16 and (test_attention or test_write_kv)"]
-N_KERNEL = 41  # attention 4 states x 4 GQA x 2 head sizes + production + KV write 4 patterns x 2 head sizes
+# attention 4 states x 4 GQA x 2 head sizes + production + spec-decode verify + KV write 4 patterns x 2 head sizes
+N_KERNEL = 42
+
+
+def attention(i: str) -> bool:
+    return i.startswith("test_attention.py::") or "::test_attention_verify_queries[" in i
 
 
 @pytest.fixture(scope="module")
@@ -87,11 +92,10 @@ def test_cross_layer_layout_passes(teeth):
     "bug, expect_fail",
     [
         ("slot", lambda i: i.startswith("test_kv_write.py::") and ("minus_one" in i or "production" in i)),
-        ("causal", lambda i: i.startswith("test_attention.py::") and ("-prefix-" in i or "-mixed-" in i
-                                                                       or "production" in i)),
-        ("gqa", lambda i: i.startswith("test_attention.py::") and ("-gqa4]" in i or "-gqa8]" in i
-                                                                    or "production" in i)),
-        ("blockorder", lambda i: i.startswith("test_attention.py::")),
+        ("causal", lambda i: attention(i) and ("-prefix-" in i or "-mixed-" in i or "production" in i
+                                                 or "verify" in i)),
+        ("gqa", lambda i: attention(i) and ("-gqa4]" in i or "-gqa8]" in i or "production" in i or "verify" in i)),
+        ("blockorder", attention),
     ],
 )
 def test_broken_backend_fails_exactly_its_tests(teeth, bug, expect_fail):
