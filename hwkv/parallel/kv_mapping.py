@@ -9,12 +9,15 @@ model's sharding uses: heads split evenly when ``num_kv_heads >= tp``, else one 
 maps block ids as usual and, inside each block, copies head slices: :func:`map_kv_heads` lists them
 per ``(src rank, dst rank)``, with head indices local to each side's block. The p2p connector turns
 a slice into byte ranges with its layout's head stride. Where the producer replicates a head, the
-consumers' reads are spread over its holders.
+consumers' reads are spread over its holders. :func:`copy_head_slices` is the reference
+transfer between caches in one process.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
+
+import torch
 
 
 class HeadSlice(NamedTuple):
@@ -61,3 +64,23 @@ def map_kv_heads(num_kv_heads: int, producer_tp: int, consumer_tp: int) -> list[
             else:
                 out.append(HeadSlice(p, d, src_head, i, 1))
     return out
+
+
+def copy_head_slices(slices: list[HeadSlice], src: list[Any], dst: list[Any],
+                     block_pairs: list[tuple[int, int]]) -> None:
+    """The reference transfer, for caches in one process (tests, and the model a p2p connector
+    implements with byte ranges): for every slice, its heads of blocks ``s`` of ``src[src_rank]``
+    go to blocks ``d`` of ``dst[dst_rank]``, for each ``(s, d)`` in ``block_pairs``. Every KV
+    layout keeps heads in dim -2 of each tensor (``KVCacheSpec.tensor_shapes``); both sides must
+    share the layout, block size and head size."""
+    if not block_pairs:
+        return
+    s_idx = torch.tensor([s for s, _ in block_pairs], dtype=torch.long)
+    d_idx = torch.tensor([d for _, d in block_pairs], dtype=torch.long)
+    for sl in slices:
+        a, b = src[sl.src_rank], dst[sl.dst_rank]
+        if a.layout != b.layout or len(a.tensors) != len(b.tensors):
+            raise ValueError("copy_head_slices needs caches of the same layout")
+        for ts, td in zip(a.tensors, b.tensors):
+            heads = ts[s_idx.to(ts.device)][..., sl.src_head:sl.src_head + sl.num_heads, :]
+            td[d_idx.to(td.device), ..., sl.dst_head:sl.dst_head + sl.num_heads, :] = heads.to(td.device)

@@ -1,0 +1,46 @@
+"""TorchDistCommunicator in a one-rank gloo group: the collectives' results and the backend's
+custom all-reduce hook (used when it takes the tensor, the default when it declines)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hwkv.parallel.communicator import TorchDistCommunicator, open_store
+from hwkv.reference.device import CpuDevice
+
+
+class _Device(CpuDevice):
+    def __init__(self):
+        super().__init__()
+        self.calls: list[int] = []
+
+    def custom_all_reduce(self, comm):
+        def fn(t):
+            self.calls.append(t.numel())
+            return t.mul_(1) if t.numel() <= 4 else None  # takes small tensors, declines the rest
+        return fn
+
+
+@pytest.fixture
+def comm():
+    dev = _Device()
+    c = TorchDistCommunicator(dev, 0, 1, 0, timeout_s=10, store=open_store(1, 10))
+    yield c, dev
+    c.close()
+    assert not dist.is_initialized()
+
+
+def test_collectives_and_custom_all_reduce(comm):
+    c, dev = comm
+    small, big = torch.arange(4.0), torch.arange(8.0)
+    assert c.all_reduce(small) is small and torch.equal(small, torch.arange(4.0))
+    assert c.all_reduce(big) is big and torch.equal(big, torch.arange(8.0))  # declined: torch.distributed's
+    assert dev.calls == [4, 8]
+    assert torch.equal(c.all_gather(torch.ones(2, 3), dim=-1), torch.ones(2, 3))
+    assert c.all_reduce_min(7) == 7
+    t = torch.tensor([5])
+    assert c.broadcast(t) is t and t.item() == 5
+    with pytest.raises(RuntimeError, match="already initialised"):
+        TorchDistCommunicator(dev, 0, 1, 0, timeout_s=10, store=open_store(1, 10))
