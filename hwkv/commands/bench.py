@@ -16,6 +16,8 @@ BENCHES = {
     "admission": ("hwkv.bench.admission", "first-chunk vs whole-prompt admission under memory pressure "
                   "(throughput, preemptions, TTFT)"),
     "e2e": ("hwkv.bench.e2e", "end-to-end engine throughput vs HF transformers generate"),
+    "offload": ("hwkv.bench.offload", "CPU offload connector: device<->host KV copy GB/s, TTFT of a host-tier "
+                "hit vs recompute, decode throughput with the connector on vs off"),
     "serve": ("hwkv.bench.serve", "online serving: Poisson arrivals against an OpenAI-compatible server "
               "(TTFT, ITL, throughput)"),
 }

@@ -12,7 +12,9 @@ prefix-cache hit one tier down, with the pool's LRU free queue as the tier's evi
   blocks); both sides stay pinned until the job's completion event;
 * every step (``build_connector_meta``): newly full device blocks of scheduled requests whose hash
   the tier lacks become a store job (device → host) into freshly allocated host blocks (evicting
-  the LRU ones); both sides pinned; a block already in the tier only moves to its MRU end;
+  the LRU ones), once ``store_batch_blocks`` of them wait, and a finishing request's remaining ones
+  at once (before its blocks can be reused); both sides pinned; a block already in the tier only
+  moves to its MRU end;
 * completions (``update_connector_output``): pins released; a stored block's hash is registered
   only now, so no lookup ever sees a block whose bytes are still in flight.
 
@@ -83,21 +85,25 @@ class OffloadConnector(KVConnectorBase):
     name = "offload"
 
     def __init__(self, cpu_bytes: int, min_run_blocks: int = 4, store: bool = True, async_load: bool = False,
-                 load_timeout_s: float | None = None):
+                 load_timeout_s: float | None = None, store_batch_blocks: int = 16):
         if not isinstance(cpu_bytes, int) or isinstance(cpu_bytes, bool) or cpu_bytes <= 0:
             raise ValueError(f"offload: cpu_bytes must be a positive int (bytes of host memory), got {cpu_bytes!r}")
         if not isinstance(min_run_blocks, int) or isinstance(min_run_blocks, bool) or min_run_blocks < 1:
             raise ValueError(f"offload: min_run_blocks must be an int >= 1, got {min_run_blocks!r}")
+        if not isinstance(store_batch_blocks, int) or isinstance(store_batch_blocks, bool) or store_batch_blocks < 1:
+            raise ValueError(f"offload: store_batch_blocks must be an int >= 1, got {store_batch_blocks!r}")
         if load_timeout_s is not None and not (isinstance(load_timeout_s, (int, float)) and load_timeout_s > 0):
             raise ValueError(f"offload: load_timeout_s must be > 0 seconds or None, got {load_timeout_s!r}")
         self.cpu_bytes, self.min_run_blocks = cpu_bytes, min_run_blocks
         self.store, self.async_load, self.load_timeout_s = bool(store), bool(async_load), load_timeout_s
+        self.store_batch_blocks = store_batch_blocks
         self.kv: Any = None  # the device KVCacheManager
         self.cpu: BlockPool | None = None  # the host tier (created with the device KV cache)
         self.block_size = 0
         self._pending_hits: dict[str, tuple[int, list[KVCacheBlock]]] = {}  # rid -> (first block, pinned hits)
         self._reqs: dict[str, _ReqState] = {}
         self._new_loads: list[_Job] = []
+        self._finished_stores: list[tuple[int, list[int], list[int]]] = []  # issued with the next step
         self._jobs: dict[int, _Job] = {}  # issued or about to be, pins held
         self._storing: set[bytes] = set()  # hashes with a store in flight
         self._no_offer: set[str] = set()  # a load of theirs failed: recompute, never offer again
@@ -180,35 +186,51 @@ class OffloadConnector(KVConnectorBase):
                       for j in loads], stores)
 
     def _prepare_stores(self, so: Any) -> list[tuple[int, list[int], list[int]]]:
-        cpu, bs, cached = self.cpu, self.block_size, self.cpu.cached_block_hash_to_block  # type: ignore[union-attr]
-        out = []
+        """Store jobs of this step: the newly full blocks of scheduled requests, once at least
+        ``store_batch_blocks`` are waiting (fewer, larger copies), plus finished requests' last ones."""
+        bs, reqs, waiting, ready = self.block_size, self._reqs, 0, []
         for rid in so.num_scheduled_tokens:
-            st = self._reqs.get(rid)
+            st = reqs.get(rid)
             if st is None or st.hold:
                 continue
-            req, blocks = st.request, self.kv.get_blocks(rid)
-            full = min(req.num_computed_tokens // bs, len(req.block_hashes), len(blocks))
-            todo = []
-            for i in range(st.num_stored, full):
-                h = req.block_hashes[i]
-                if (b := cached.get(h)) is not None:
-                    cpu.touch((b,))  # already in the tier: refresh its LRU position (before evicting
-                    cpu.free_blocks((b,))  # for the new ones, so this request never evicts its own)
-                elif h not in self._storing:
-                    todo.append(i)
-            n = min(len(todo), cpu.num_free_blocks)  # a host block pinned by a transfer is no capacity
-            self.counters["stores_skipped_full"] += len(todo) - n
-            host = cpu.get_new_blocks(n) if n else []
-            device = [blocks[i] for i in todo[:n]]
-            hashes = [req.block_hashes[i] for i in todo[:n]]
-            st.num_stored = full
-            if host:
-                self.kv.block_pool.touch(device)
-                self._storing.update(hashes)
-                job = _Job(next(self._ids), False, rid, host, device, hashes)
-                self._jobs[job.job_id] = job
-                out.append((job.job_id, [b.block_id for b in device], [b.block_id for b in host]))
+            req = st.request
+            full = min(req.num_computed_tokens // bs, len(req.block_hashes))
+            if full > st.num_stored:
+                waiting += full - st.num_stored
+                ready.append(st)
+        out, self._finished_stores = self._finished_stores, []
+        if waiting >= self.store_batch_blocks:
+            out += [job for st in ready if (job := self._store_job(st)) is not None]
         return out
+
+    def _store_job(self, st: _ReqState) -> tuple[int, list[int], list[int]] | None:
+        """Pin the request's full blocks not yet stored and host blocks for those the tier lacks
+        (evicting LRU ones); the copy runs after this step's forward."""
+        cpu, cached = self.cpu, self.cpu.cached_block_hash_to_block  # type: ignore[union-attr]
+        req, rid = st.request, st.request.request_id
+        blocks = self.kv.get_blocks(rid)
+        full = min(req.num_computed_tokens // self.block_size, len(req.block_hashes), len(blocks))
+        todo = []
+        for i in range(st.num_stored, full):
+            h = req.block_hashes[i]
+            if (b := cached.get(h)) is not None:
+                cpu.touch((b,))  # already in the tier: refresh its LRU position (before evicting
+                cpu.free_blocks((b,))  # for the new ones, so this request never evicts its own)
+            elif h not in self._storing:
+                todo.append(i)
+        st.num_stored = max(st.num_stored, full)
+        n = min(len(todo), cpu.num_free_blocks)  # a host block pinned by a transfer is no capacity
+        self.counters["stores_skipped_full"] += len(todo) - n
+        if not n:
+            return None
+        host = cpu.get_new_blocks(n)
+        device = [blocks[i] for i in todo[:n]]
+        hashes = [req.block_hashes[i] for i in todo[:n]]
+        self.kv.block_pool.touch(device)
+        self._storing.update(hashes)
+        job = _Job(next(self._ids), False, rid, host, device, hashes)
+        self._jobs[job.job_id] = job
+        return job.job_id, [b.block_id for b in device], [b.block_id for b in host]
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         failed = {rid for rid in output.failed_recving if rid in self._reqs}  # finished ones: nothing to keep
@@ -244,7 +266,11 @@ class OffloadConnector(KVConnectorBase):
         # In-flight transfers pin their device blocks themselves: freeing the request's blocks now is safe.
         rid = request.request_id
         self._release_hit(rid)
-        self._reqs.pop(rid, None)
+        st = self._reqs.pop(rid, None)
+        # its last blocks are stored before they can be reused
+        if st is not None and not st.hold and self.store and self.cpu is not None and \
+                (job := self._store_job(st)) is not None:
+            self._finished_stores.append(job)
         self._no_offer.discard(rid)
         return False, None
 

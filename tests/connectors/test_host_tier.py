@@ -27,7 +27,7 @@ class Tier:
     def __init__(self, capacity: int):
         self.kv = KVCacheManager(DEVICE_BLOCKS, BS)
         self.conn = OffloadConnector(cpu_bytes=capacity * SPEC.bytes_per_block + SPEC.bytes_per_block // 2,
-                                     min_run_blocks=2)
+                                     min_run_blocks=2, store_batch_blocks=1)
         self.conn.bind_kv_cache_manager(self.kv)
         self.conn.bind_device(CpuDevice())
         self.device = KVCache.allocate(SPEC, KVLayoutKind.PER_LAYER)

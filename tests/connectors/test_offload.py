@@ -10,7 +10,7 @@ from hwkv.connectors.offload import OffloadConnector
 from hwkv.reference.backend import CpuBackend
 from hwkv.reference.device import CpuDevice, CpuEvent
 
-from .conftest import assert_no_leak, engine, greedy, run_one_by_one, workload
+from .conftest import assert_no_leak, engine, greedy, run_one_by_one, settle, workload
 
 MB = 1 << 20
 
@@ -116,6 +116,7 @@ def test_abort_mid_load_leaks_no_pin(model_dir):
     e, gate = gated_engine(model_dir, conn)
     p = workload()
     run_one_by_one(e, p[:3])
+    settle(e)  # the last request's blocks are stored on the step after it finished
     gate[0] = False
     e.add_request("x", p[3], greedy())
     e.step()
@@ -142,6 +143,7 @@ def test_preempt_mid_load_leaks_no_pin_and_recomputes(model_dir, reference):
     e, gate = gated_engine(model_dir, conn)
     p = workload()
     assert run_one_by_one(e, p[:3]) == reference[:3]
+    settle(e)
     a = [random.Random(5).randrange(1, 500) for _ in range(47)]  # 3 blocks; its 2nd decode needs a 4th
     want_a = run_one_by_one(engine(model_dir), [a], n=10)[0]
     gate[0] = False
@@ -167,6 +169,7 @@ def test_store_only_full_blocks_and_dedup(model_dir):
     e = engine(model_dir, num_kv_blocks=16, kv_connector="offload", kv_connector_config={"cpu_bytes": MB})
     prompt = workload()[1]
     e.generate([prompt, prompt], greedy(), use_tqdm=False)
+    settle(e)  # finished requests' last blocks are stored on the next step
     conn = e.scheduler.connector
     full = (len(prompt) + 6 - 1) // 16  # KV is written for all but the last sampled token
     assert len(conn.cpu.cached_block_hash_to_block) == full  # the second copy stored nothing new

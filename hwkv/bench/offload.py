@@ -1,0 +1,241 @@
+"""`hwkv bench offload`: the CPU offload connector on a backend, three parts.
+
+(copy)   device <-> host copy bandwidth of KV blocks of the model's real geometry, per length of the
+         contiguous runs (both sides consecutive), through the connector's copy path (merged runs
+         by memcpy, scattered blocks by ``Device.copy_blocks``) on a side stream, timed with events;
+(ttft)   time to first token of a long prompt whose prefix is in the host tier (loaded) vs the same
+         length with no hit anywhere (recomputed), in one engine, the device prefix cache emptied;
+(decode) generation throughput with the connector on vs off on a workload with no hits (the
+         connector still stores every newly full block: its whole cost on the fast path).
+
+Random-weight models of realistic shape are written where the bench runs (``hwkv bench e2e``'s
+shapes, or ``tiny`` for a CPU smoke run). JSON lands in ``--out-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from hwkv.bench import results_dir
+from hwkv.bench.common import backend as get_backend
+
+TINY = dict(arch="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=512,
+            max_position_embeddings=16384)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="llama-1b", help="a local HF dir, a `hwkv bench e2e` shape, or tiny")
+    p.add_argument("--backend", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--workdir", default="/tmp/hwkv-bench-models")
+    p.add_argument("--parts", default="copy,ttft,decode")
+    p.add_argument("--block-size", type=int, default=None, help="KV block size (default: the backend's)")
+    p.add_argument("--copy-blocks", type=int, default=2048, help="device blocks in the copy test")
+    p.add_argument("--run-blocks", default="1,4,16,64,256", help="run lengths (blocks) to measure")
+    p.add_argument("--prompt-len", type=int, default=8192, help="TTFT prompt length (tokens)")
+    p.add_argument("--ttft-reps", type=int, default=3)
+    p.add_argument("--decode-requests", type=int, default=64)
+    p.add_argument("--decode-prompt", type=int, default=512)
+    p.add_argument("--decode-tokens", type=int, default=256)
+    p.add_argument("--cpu-gb", type=float, default=8.0, help="host tier size for the ttft/decode parts")
+    p.add_argument("--out-dir", default=None, help="where the JSON goes (default: hwkv.bench.results_dir())")
+
+
+def _model_dir(args: argparse.Namespace) -> Path:
+    from hwkv.bench.e2e import SHAPES
+
+    if args.model not in SHAPES and args.model != "tiny":
+        return Path(args.model)
+    import torch
+
+    from hwkv.testing.tiny_models import write_tiny_model
+
+    d = Path(args.workdir) / f"{args.model}-{args.dtype}"
+    if not (d / "config.json").exists():
+        shape = TINY if args.model == "tiny" else SHAPES[args.model]
+        write_tiny_model(d, dtype=getattr(torch, args.dtype), seed=0, tokenizer=False, **shape)
+    return d
+
+
+def _timed(dev: Any, stream: Any, fn: Any, iters: int = 5) -> float:
+    """Median seconds of ``fn()`` queued on ``stream``, timed by events recorded on it."""
+    fn()  # warm-up
+    dev.synchronize()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        s, e = dev.new_event(enable_timing=True), dev.new_event(enable_timing=True)
+        s.record(stream)
+        fn()
+        e.record(stream)
+        e.synchronize()
+        ms = s.elapsed_time(e)
+        times.append(ms / 1e3 if ms > 0 else time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def bench_copy(args: argparse.Namespace, be: Any, model: Any, block_size: int) -> list[dict[str, Any]]:
+    from hwkv.connectors.copy import copy_block_pairs
+
+    dev, n = be.device, args.copy_blocks
+    spec = model.kv_cache_spec(n, block_size)
+    gpu = dev.allocate_kv_cache(spec, be.attention.kv_layout)
+    host = dev.allocate_kv_cache(replace(spec, num_blocks=n), be.attention.kv_layout, host=True)
+    stream, rows = dev.new_stream(), []
+    for run in map(int, args.run_blocks.split(",")):
+        runs = max(1, n // (run + 1))  # a one-block gap between runs keeps them apart
+        ids = [k * (run + 1) + j for k in range(runs) for j in range(run) if k * (run + 1) + j < n]
+        nbytes = len(ids) * spec.bytes_per_block
+        for mode, min_run in (("memcpy runs", 1), ("copy_blocks", 1 << 30), ("auto", 4)):
+            row = {"run_blocks": run, "run_bytes_per_tensor": run * gpu.block_nbytes(0), "mode": mode,
+                   "bytes": nbytes}
+            for name, src, dst in (("d2h", gpu, host), ("h2d", host, gpu)):
+                t = _timed(dev, stream, lambda s=src, d=dst, m=min_run, i=ids: copy_block_pairs(dev, s, d, i, i,
+                                                                                               stream, m))
+                row[f"{name}_GBps"] = round(nbytes / t / 1e9, 2)
+            rows.append(row)
+            print(f"copy run={run:4d} blocks ({row['run_bytes_per_tensor'] / 2**20:.2f} MiB/tensor) {mode:12s} "
+                  f"d2h {row['d2h_GBps']:7.2f} GB/s  h2d {row['h2d_GBps']:7.2f} GB/s", flush=True)
+    del gpu, host
+    return rows
+
+
+def _engine(mdir: Path, args: argparse.Namespace, offload: bool, **kw: Any) -> Any:
+    import hwkv
+
+    if offload:
+        kw.update(kv_connector="offload", kv_connector_config={"cpu_bytes": int(args.cpu_gb * 2**30)})
+    if args.block_size:
+        kw["block_size"] = args.block_size
+    return hwkv.Engine(str(mdir), backend=get_backend(args.backend), dtype=args.dtype, **kw)
+
+
+def _settle(e: Any) -> None:
+    for _ in range(1000):
+        if not e.scheduler.connector.has_pending_transfers():
+            return
+        e.backend.device.synchronize()
+        e.step()
+    raise RuntimeError("offload transfers did not complete")
+
+
+def bench_ttft(args: argparse.Namespace, mdir: Path) -> dict[str, Any]:
+    import hwkv
+
+    n, vocab = args.prompt_len, None
+    e = _engine(mdir, args, True, max_model_len=n + 64, max_num_seqs=8, max_num_batched_tokens=max(8192, n + 64))
+    vocab = e.vocab_size
+    rng = random.Random(0)
+    one = hwkv.SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+    def prompt(m: int) -> list[int]:
+        return [rng.randrange(100, vocab - 100) for _ in range(m)]
+
+    def ttft(p: list[int]) -> float:
+        e.backend.device.synchronize()
+        t0 = time.perf_counter()
+        e.generate([p], one, use_tqdm=False)
+        return time.perf_counter() - t0
+
+    e.generate([prompt(256)], one, use_tqdm=False)  # warm-up (kernels, allocator)
+    loaded, recomputed = [], []
+    for _ in range(args.ttft_reps):
+        base = prompt(n - 16)
+        e.generate([base], one, use_tqdm=False)  # its full blocks go to the host tier
+        _settle(e)
+        assert e.kv_cache_manager.reset_prefix_cache(), "device blocks still held"
+        before = e.stats()["kv_connector"]["external_hit_tokens"]
+        loaded.append(ttft(base + prompt(16)))
+        hit = e.stats()["kv_connector"]["external_hit_tokens"] - before
+        _settle(e)
+        e.kv_cache_manager.reset_prefix_cache()
+        recomputed.append(ttft(prompt(n)))
+        _settle(e)
+        e.kv_cache_manager.reset_prefix_cache()
+    loaded.sort()
+    recomputed.sort()
+    res = {"prompt_len": n, "host_hit_tokens": hit, "ttft_loaded_s": loaded[len(loaded) // 2],
+           "ttft_recomputed_s": recomputed[len(recomputed) // 2]}
+    res["speedup"] = round(res["ttft_recomputed_s"] / res["ttft_loaded_s"], 2)
+    print(f"ttft {n} tokens: host tier {res['ttft_loaded_s'] * 1e3:.1f} ms ({hit} tokens loaded), "
+          f"recomputed {res['ttft_recomputed_s'] * 1e3:.1f} ms: {res['speedup']}x", flush=True)
+    _free(e)
+    return res
+
+
+def bench_decode(args: argparse.Namespace, mdir: Path) -> dict[str, Any]:
+    import hwkv
+
+    out: dict[str, Any] = {"requests": args.decode_requests, "prompt_len": args.decode_prompt,
+                           "output_len": args.decode_tokens}
+    params = hwkv.SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
+    for offload in (False, True, False, True):  # interleaved: drift hits both alike
+        e = _engine(mdir, args, offload, max_model_len=args.decode_prompt + args.decode_tokens + 16,
+                    max_num_seqs=args.decode_requests)
+        rng = random.Random(1)  # distinct random prompts: no prefix hits on either tier
+        prompts = [[rng.randrange(100, e.vocab_size - 100) for _ in range(args.decode_prompt)]
+                   for _ in range(args.decode_requests)]
+        e.generate(prompts[:2], hwkv.SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+        e.backend.device.synchronize()
+        t0 = time.perf_counter()
+        e.generate(prompts, params, use_tqdm=False)
+        e.backend.device.synchronize()
+        tps = args.decode_requests * args.decode_tokens / (time.perf_counter() - t0)
+        key = "on" if offload else "off"
+        out[f"tok_per_s_{key}"] = max(out.get(f"tok_per_s_{key}", 0.0), round(tps, 1))
+        if offload:
+            st = e.stats()["kv_connector"]
+            assert st["external_hit_tokens"] == 0, st
+            out["stored_bytes"] = st["stored_bytes"]
+        _free(e)
+    out["ratio"] = round(out["tok_per_s_on"] / out["tok_per_s_off"], 4)
+    print(f"decode {args.decode_requests} x {args.decode_tokens}: off {out['tok_per_s_off']} tok/s, "
+          f"on {out['tok_per_s_on']} tok/s (ratio {out['ratio']})", flush=True)
+    return out
+
+
+def _free(e: Any) -> None:
+    dev = e.backend.device
+    if getattr(e.runner, "graphs", None) is not None:
+        e.runner.graphs.graphs.clear()
+    del e
+    gc.collect()
+    dev.empty_cache()
+
+
+def run(args: argparse.Namespace) -> int:
+    from hwkv.model import load_model
+
+    parts = set(args.parts.split(","))
+    if parts - {"copy", "ttft", "decode"}:
+        raise SystemExit(f"--parts: unknown {sorted(parts - {'copy', 'ttft', 'decode'})} (allowed: copy,ttft,decode)")
+    mdir = _model_dir(args)
+    be = get_backend(args.backend)
+    result: dict[str, Any] = {"backend": args.backend, "device": be.device.description(), "model": args.model,
+                              "dtype": args.dtype}
+    if "copy" in parts:
+        model = load_model(str(mdir), be, dtype=args.dtype, load_tokenizer=False)[0]
+        bs = args.block_size or be.capabilities.default_block_size
+        result["block_size"] = bs
+        result["copy"] = bench_copy(args, be, model, bs)
+        del model
+        gc.collect()
+        be.device.empty_cache()
+    if "ttft" in parts:
+        result["ttft"] = bench_ttft(args, mdir)
+    if "decode" in parts:
+        result["decode"] = bench_decode(args, mdir)
+    out = Path(args.out_dir) if args.out_dir else results_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"offload-{args.backend}-{args.model.replace('/', '_')}.json"
+    path.write_text(json.dumps(result, indent=2))
+    print(f"wrote {path}")
+    return 0

@@ -1,0 +1,18 @@
+"""`hwkv bench offload` runs end to end on the CPU backend with a tiny model (the GPU numbers come
+from the same code)."""
+
+import json
+
+from hwkv import cli
+
+
+def test_bench_offload_on_cpu(tmp_path):
+    rc = cli.main(["bench", "offload", "--backend", "cpu", "--model", "tiny", "--dtype", "float32",
+                   "--workdir", str(tmp_path / "models"), "--out-dir", str(tmp_path), "--copy-blocks", "64",
+                   "--run-blocks", "1,8", "--prompt-len", "256", "--ttft-reps", "1", "--decode-requests", "4",
+                   "--decode-prompt", "32", "--decode-tokens", "8", "--cpu-gb", "0.05"])
+    assert rc == 0
+    res = json.loads((tmp_path / "offload-cpu-tiny.json").read_text())
+    assert {r["run_blocks"] for r in res["copy"]} == {1, 8} and all(r["d2h_GBps"] > 0 for r in res["copy"])
+    assert res["ttft"]["host_hit_tokens"] >= 256 - 16 - 16  # the prefix's full blocks came from the tier
+    assert res["decode"]["tok_per_s_on"] > 0 and res["decode"]["tok_per_s_off"] > 0
