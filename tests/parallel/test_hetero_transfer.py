@@ -32,7 +32,7 @@ def _new(prompt, out, blocks, computed, scheduled):
                            {"r": scheduled}, scheduled, set(), set())
 
 
-@pytest.mark.parametrize("kv,p_tp,d_tp", [(2, 2, 1), (1, 2, 1), (2, 1, 2)])
+@pytest.mark.parametrize("kv,p_tp,d_tp", [(2, 2, 1), (1, 2, 1), (2, 1, 2), (2, 4, 2), (2, 4, 4)])
 def test_transferred_kv_decodes_the_same_tokens(tmp_path, kv, p_tp, d_tp):
     torch.set_num_threads(1)
     path = str(write_tiny_model(tmp_path, num_heads=4, num_kv_heads=kv, tokenizer=False))
