@@ -25,7 +25,7 @@ def open_store(world_size: int, timeout_s: float) -> Any:
 
 
 class TorchDistCommunicator(Communicator):
-    def __init__(self, device: Any, rank: int, world_size: int, port: int, timeout_s: float = 120.0,
+    def __init__(self, device: Any, rank: int, world_size: int, port: int, timeout_s: float = 300.0,
                  store: Any = None):
         """Join the group (rank 0 passes the ``store`` of :func:`open_store`; the others its
         ``port``). Blocks until all ``world_size`` ranks joined or ``timeout_s`` passed."""

@@ -31,7 +31,7 @@ import zmq
 from hwkv.parallel import messages as m
 from hwkv.parallel.sharding import TPShard
 
-DEFAULT_TIMEOUT_S = 120.0  # joining, loading, every collective; HWKV_TP_TIMEOUT_S overrides
+DEFAULT_TIMEOUT_S = 300.0  # start, join, every collective (a rank may still load or compile); HWKV_TP_TIMEOUT_S
 
 
 class TPWorkerError(RuntimeError):
