@@ -18,6 +18,8 @@ BENCHES = {
     "e2e": ("hwkv.bench.e2e", "end-to-end engine throughput vs HF transformers generate"),
     "offload": ("hwkv.bench.offload", "CPU offload connector: device<->host KV copy GB/s, TTFT of a host-tier "
                 "hit vs recompute, decode throughput with the connector on vs off"),
+    "spec": ("hwkv.bench.spec", "speculative decoding: decode speedup vs non-speculative (n-gram, draft = target, "
+             "1-layer draft), acceptance"),
     "serve": ("hwkv.bench.serve", "online serving: Poisson arrivals against an OpenAI-compatible server "
               "(TTFT, ITL, throughput)"),
 }

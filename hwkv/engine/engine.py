@@ -485,7 +485,7 @@ class Engine:
         spec = self.config.speculative
         if spec is not None:
             out["spec_decode"] = {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens,
-                                  **self.scheduler.spec_stats.snapshot()}
+                                  **self.scheduler.spec_stats.snapshot(), "propose_s": self.runner.propose_s}
         if self.runner.connector is not None:
             from hwkv.connectors import connector_stats
 

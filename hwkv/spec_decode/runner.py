@@ -19,6 +19,7 @@ pure decodes still use the captured graphs; verify steps run eagerly.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,7 @@ class SpecModelRunner(ModelRunner):
         super().__init__(*args, **kwargs)
         self.spec_config = spec_config
         self.proposer = proposer
+        self.propose_s = 0.0  # wall time spent proposing (host-synchronised: drafts are read back)
 
     def _drop(self, req_id: str) -> None:
         super()._drop(req_id)
@@ -112,12 +114,14 @@ class SpecModelRunner(ModelRunner):
             st.output_token_ids.extend(toks_r)
         out.sampled_token_ids = dict(zip(sampled_ids, emitted))
         caps = [self._max_drafts(st) for st in sampled]
+        t0 = time.perf_counter()
         if eagle:
             valid = np.diff(batch.query_start_loc).astype(np.int64)
             valid[sample_idx] -= ks[sample_idx] + 1 - np.array(num_h)  # rejected drafts
             proposals = self.proposer.propose_with_hidden(self, states, batch, hidden, valid, sample_idx, caps)
         else:
             proposals = self.proposer.propose(self, sampled, sampled_ids, caps)
+        self.propose_s += time.perf_counter() - t0
         out.spec_token_ids = {rid: p for rid, p in zip(sampled_ids, proposals) if p}
 
     def _max_drafts(self, st: Any) -> int:
