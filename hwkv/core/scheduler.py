@@ -115,7 +115,8 @@ class Scheduler(SchedulerResults):
         return done
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        # blocks a connector holds are released only by steps (its finished_sending): keep stepping
+        return bool(self.waiting or self.running or self.delayed_free)
 
     @property
     def num_running(self) -> int:

@@ -174,9 +174,11 @@ class Engine:
 
     def close(self) -> None:
         """Stop what outlives the engine object: tensor-parallel workers (idempotent; also done when
-        the engine is collected or the interpreter exits). Nothing to do at tp=1."""
+        the engine is collected or the interpreter exits) and the KV connector's threads and sockets."""
         if self._tp is not None:
             self._tp.close()
+        if self.runner.connector is not None:
+            self.runner.connector.shutdown()
 
     # ---- requests -----------------------------------------------------------------------------
     def _make_request(self, request_id: str, prompt: Prompt, params: Any) -> tuple[Request, _Tracked]:

@@ -27,6 +27,11 @@ def hwkv_connectors() -> list[ConnectorSpec]:
                       description="CPU offload: a host-memory tier of KV blocks (LRU, keyed by the prefix-cache "
                                   "block hashes) that device prefix-cache misses load from",
                       config=OFFLOAD_CONFIG),
+        ConnectorSpec(name="p2p", api_version=API_VERSION, factory="hwkv.connectors.p2p:P2PConnector",
+                      description="prefill/decode disaggregation: the prompt's KV moves from a prefill engine "
+                                  "(producer) to a decode engine (consumer) over Mooncake TransferEngine, "
+                                  "pulled by the consumer or pushed by the producer",
+                      config=P2P_CONFIG),
     ]
 
 
@@ -41,4 +46,19 @@ OFFLOAD_CONFIG = {
                           "copies; a finishing request's are stored at once)",
     "load_timeout_s": "float, default None: an async load still running after this is reported failed and "
                       "its tokens are recomputed",
+}
+
+P2P_CONFIG = {
+    "role": "str, required: 'producer' (prefill engine) or 'consumer' (decode engine)",
+    "mode": "str, default 'pull': 'pull' (the consumer READs the producer's held blocks) or 'push' (the "
+            "producer WRITEs into blocks the consumer allocated); both sides must agree",
+    "host": "str, default '127.0.0.1': address of the side channel and the transfer endpoint",
+    "side_channel_port": "int, default 0: ZMQ side-channel port (0: any free one; it travels in kv_transfer_params)",
+    "protocol": "str, default 'tcp': Mooncake transport ('tcp', 'rdma', 'ascend')",
+    "metadata_server": "str, default 'P2PHANDSHAKE': Mooncake metadata (P2PHANDSHAKE needs no service)",
+    "device_name": "str, default '': RDMA devices for protocol 'rdma' (empty: auto)",
+    "transfer_timeout_s": "float, default 10: bound of every side-channel call and transfer; a load not done "
+                          "within 3x this recomputes",
+    "hold_timeout_s": "float, default 60: the producer frees a prefilled request's blocks no consumer "
+                      "fetched within this",
 }

@@ -1,0 +1,196 @@
+"""The p2p connector's wire protocol: side-channel messages (msgspec, never pickle), the KV layout
+each side advertises at handshake, the compatibility check, and the byte segments that move a
+token range of KV from one side's blocks to the other's.
+
+A layout is described by what a peer needs to address its memory remotely: the base address and
+per-block byte size of every KV tensor, the layout kind (which tensor and offset hold K or V of a
+layer), block size, head count/size, dtype, and the tensor-parallel rank, size and global KV head
+range of the sender (so a heterogeneous-TP mapping via :mod:`hwkv.parallel.kv_mapping` fits in).
+Within a block, each (layer, K|V) unit is token-major ``[block_size, H_kv, D]`` in every layout,
+so any two layouts with equal heads, head size and dtype translate token run by token run; runs
+contiguous on both sides (consecutive blocks, adjacent K/V halves) are merged into one segment.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import msgspec
+
+PER_LAYER, SEPARATE_KV, CROSS_LAYER = "per_layer", "separate_kv", "cross_layer"
+
+
+class Layout(msgspec.Struct, frozen=True):
+    engine_id: str
+    endpoint: str  # the Transfer endpoint peers read from / write to
+    protocol: str
+    layout: str
+    num_layers: int
+    block_size: int
+    num_blocks: int
+    num_kv_heads: int  # heads in this rank's blocks
+    head_size: int
+    dtype: str
+    bases: list[int]  # data pointer of every KV tensor (registered with the Transfer)
+    block_nbytes: list[int]  # bytes of one block in each tensor
+    tp_rank: int = 0
+    tp_size: int = 1
+    head_start: int = 0  # global index of this rank's first KV head
+
+
+# ---- side-channel messages (requests get exactly one reply) ----------------------------------
+class Hello(msgspec.Struct, tag=True):
+    """Handshake: the sender's layout; the reply carries the receiver's, or why they cannot pair."""
+
+    layout: Layout
+
+
+class HelloReply(msgspec.Struct, tag=True):
+    layout: Layout | None
+    reason: str = ""
+
+
+class Acquire(msgspec.Struct, tag=True):
+    """Pull mode: the consumer is about to read ``request_id``'s blocks; the producer keeps them
+    for the read (its hold timeout restarts) or says they are gone."""
+
+    request_id: str
+
+
+class Release(msgspec.Struct, tag=True):
+    """Pull mode: the read ended (``ok`` or not): the producer may free the blocks."""
+
+    request_id: str
+    ok: bool
+
+
+class PushRequest(msgspec.Struct, tag=True):
+    """Push mode: the consumer allocated ``block_ids`` for tokens ``[start, end)`` of the producer's
+    ``request_id``; the producer writes them and sends :class:`PushDone` to ``notify``."""
+
+    request_id: str
+    consumer_engine_id: str
+    consumer_request_id: str
+    block_ids: list[int]
+    start: int
+    end: int
+    notify: str  # the consumer's side-channel address host:port
+
+
+class PushDone(msgspec.Struct, tag=True):
+    request_id: str  # the consumer's
+    ok: bool
+    reason: str = ""
+    nbytes: int = 0
+
+
+class Ack(msgspec.Struct, tag=True):
+    ok: bool
+    reason: str = ""
+
+
+Message = Hello | HelloReply | Acquire | Release | PushRequest | PushDone | Ack
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Any) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes) -> Any:
+    return _decoder.decode(data)
+
+
+def prompt_digest(token_ids: list[int], salt: str | None) -> str:
+    """What the consumer checks before trusting remote KV: same tokens (and salt) as the producer's."""
+    h = hashlib.sha256(repr(salt).encode())
+    h.update(msgspec.msgpack.encode(list(token_ids)))
+    return h.hexdigest()[:32]
+
+
+def layout_of(kv_cache: Any, engine_id: str, endpoint: str, protocol: str, bases: list[int] | None = None,
+              tp_rank: int = 0, tp_size: int = 1) -> Layout:
+    spec = kv_cache.spec
+    return Layout(
+        engine_id=engine_id, endpoint=endpoint, protocol=protocol, layout=kv_cache.layout.value,
+        num_layers=spec.num_layers, block_size=spec.block_size, num_blocks=spec.num_blocks,
+        num_kv_heads=spec.num_kv_heads, head_size=spec.head_size, dtype=str(spec.dtype).removeprefix("torch."),
+        bases=bases if bases is not None else [t.data_ptr() for t in kv_cache.tensors],
+        block_nbytes=[kv_cache.block_nbytes(i) for i in range(len(kv_cache.tensors))],
+        tp_rank=tp_rank, tp_size=tp_size, head_start=tp_rank * spec.num_kv_heads,
+    )
+
+
+def incompatibility(mine: Layout, theirs: Layout) -> str:
+    """Why KV cannot move between the two layouts ("" when it can)."""
+    for what in ("protocol", "num_layers", "head_size", "dtype"):
+        a, b = getattr(mine, what), getattr(theirs, what)
+        if a != b:
+            return f"{what} differs: {a!r} here, {b!r} at engine {theirs.engine_id}"
+    if mine.tp_size != theirs.tp_size or mine.num_kv_heads != theirs.num_kv_heads:
+        return (f"tensor-parallel split differs (here tp={mine.tp_size} with {mine.num_kv_heads} KV heads per rank, "
+                f"engine {theirs.engine_id} tp={theirs.tp_size} with {theirs.num_kv_heads}): heterogeneous TP "
+                "is not supported by the p2p connector (allowed: equal tp and KV heads per rank)")
+    if mine.head_start != theirs.head_start:
+        return f"KV head ranges differ (first head {mine.head_start} here, {theirs.head_start} there)"
+    for lay in (mine, theirs):
+        if lay.layout not in (PER_LAYER, SEPARATE_KV, CROSS_LAYER):
+            return f"KV layout {lay.layout!r} of engine {lay.engine_id} is unknown (allowed: per_layer, " \
+                   "separate_kv, cross_layer)"
+    return ""
+
+
+def _unit(lay: Layout, layer: int, kv: int, block: int) -> int:
+    """Address of the ``[block_size, H, D]`` K (kv=0) or V (kv=1) unit of ``layer`` in ``block``."""
+    unit = lay.block_size * lay.num_kv_heads * lay.head_size * _elem(lay)
+    if lay.layout == PER_LAYER:
+        return lay.bases[layer] + block * lay.block_nbytes[layer] + kv * unit
+    if lay.layout == SEPARATE_KV:
+        t = 2 * layer + kv
+        return lay.bases[t] + block * lay.block_nbytes[t]
+    return lay.bases[0] + block * lay.block_nbytes[0] + (2 * layer + kv) * unit
+
+
+def _elem(lay: Layout) -> int:
+    unit_bytes = lay.block_nbytes[0] // (lay.block_size * lay.num_kv_heads * lay.head_size)
+    return unit_bytes // {PER_LAYER: 2, SEPARATE_KV: 1, CROSS_LAYER: 2 * lay.num_layers}[lay.layout]
+
+
+def pair_segments(src: Layout, dst: Layout, src_blocks: list[int], dst_blocks: list[int], start: int, end: int,
+                  layers: range | None = None) -> tuple[list[int], list[int], list[int]]:
+    """``(src_ptrs, dst_ptrs, lengths)`` moving the KV of tokens ``[start, end)`` (positions in the
+    request; ``src_blocks``/``dst_blocks`` are each side's block ids of the request in order) of
+    ``layers`` (default: all), merging ranges contiguous on both sides."""
+    layers = range(src.num_layers) if layers is None else layers
+    if end <= start:
+        return [], [], []
+    need_s, need_d = -(-end // src.block_size), -(-end // dst.block_size)
+    if len(src_blocks) < need_s or len(dst_blocks) < need_d:
+        raise ValueError(f"tokens [{start}, {end}) need {need_s} source and {need_d} destination blocks, "
+                         f"got {len(src_blocks)} and {len(dst_blocks)}")
+    tok = src.num_kv_heads * src.head_size * _elem(src)
+    pieces = []
+    for layer in layers:
+        for kv in (0, 1):
+            t = start
+            while t < end:
+                sb, so = divmod(t, src.block_size)
+                db, do = divmod(t, dst.block_size)
+                n = min(src.block_size - so, dst.block_size - do, end - t)
+                pieces.append((_unit(src, layer, kv, src_blocks[sb]) + so * tok,
+                               _unit(dst, layer, kv, dst_blocks[db]) + do * tok, n * tok))
+                t += n
+    pieces.sort()  # source address order: runs contiguous on both sides become neighbours
+    sp: list[int] = []
+    dp: list[int] = []
+    ln: list[int] = []
+    for s, d, n in pieces:
+        if ln and sp[-1] + ln[-1] == s and dp[-1] + ln[-1] == d:
+            ln[-1] += n
+        else:
+            sp.append(s)
+            dp.append(d)
+            ln.append(n)
+    return sp, dp, ln

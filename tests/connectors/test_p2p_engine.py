@@ -1,0 +1,155 @@
+"""p2p connector between two engines in one process (tcp TransferEngine on loopback): the decode
+engine continues from the prefill engine's KV with exactly the tokens one engine gives, in pull and
+push mode; failures recompute; nothing stays held or pinned."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import hwkv
+from hwkv.testing.mooncake import skip_unless_mooncake
+
+from .conftest import BS, engine, greedy
+
+skip_unless_mooncake(allow_module_level=True)
+
+
+def prompts() -> list[list[int]]:
+    import random
+
+    rng = random.Random(7)
+    return [[rng.randrange(1, 500) for _ in range(n)] for n in (5, 16, 17, 47, 70)]
+
+
+def cfg(role: str, mode: str, **kw) -> dict:
+    return {"role": role, "mode": mode, "transfer_timeout_s": 3.0, **kw}
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    e = engine(model_dir, num_kv_blocks=16)
+    return [o.token_ids for o in e.generate(prompts(), greedy(6), use_tqdm=False)]
+
+
+def prefill(p: hwkv.Engine, prompt: list[int], salt: str | None = None) -> dict:
+    sp = hwkv.SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, cache_salt=salt,
+                             kv_transfer_params={"do_remote_decode": True})
+    out = p.generate([prompt], sp, use_tqdm=False)[0]
+    assert out.kv_transfer_params and out.kv_transfer_params["do_remote_prefill"]
+    return out.kv_transfer_params
+
+
+def decode(d: hwkv.Engine, prompt: list[int], params: dict, salt: str | None = None, n: int = 6) -> list[int]:
+    sp = hwkv.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, cache_salt=salt,
+                             kv_transfer_params=params)
+    return d.generate([prompt], sp, use_tqdm=False)[0].token_ids
+
+
+def settle(*engines: hwkv.Engine, timeout_s: float = 10.0) -> None:
+    """Step until no connector holds or loads anything (bounded)."""
+    deadline = time.monotonic() + timeout_s
+    while any(e.scheduler.connector.has_pending_transfers() or e.has_unfinished() for e in engines):
+        assert time.monotonic() < deadline, "p2p transfers never settled"
+        for e in engines:
+            e.step()
+
+
+def assert_clean(*engines: hwkv.Engine) -> None:
+    settle(*engines)
+    for e in engines:
+        assert e.kv_cache_manager.num_free_blocks == e.kv_cache.spec.num_blocks
+        assert all(b.ref_cnt == 0 for b in e.kv_cache_manager.block_pool.blocks)
+        assert not e.scheduler.delayed_free
+
+
+@pytest.fixture(params=["pull", "push"])
+def pair(request, model_dir):
+    mode = request.param
+    p = engine(model_dir, num_kv_blocks=16, kv_connector="p2p", kv_connector_config=cfg("producer", mode))
+    d = engine(model_dir, num_kv_blocks=16, kv_connector="p2p", kv_connector_config=cfg("consumer", mode))
+    yield p, d
+    p.close()
+    d.close()
+
+
+def test_decode_continues_from_remote_prefill_token_identical(pair, reference):
+    p, d = pair
+    got = []
+    for prompt in prompts():
+        params = prefill(p, prompt)
+        assert params["remote_num_tokens"] == len(prompt)
+        got.append(decode(d, prompt, params))
+    assert got == reference
+    st = d.stats()["kv_connector"]
+    assert st["load_failures"] == 0 and st["failed_transfers"] == 0
+    assert st["external_hit_tokens"] == sum(len(q) - 1 for q in prompts())
+    assert st["loaded_bytes"] > 0
+    assert_clean(p, d)
+    assert p.stats()["kv_connector"]["expired_holds"] == 0
+
+
+def test_salted_requests_transfer_and_a_salt_mismatch_recomputes(pair, reference):
+    p, d = pair
+    prompt = prompts()[3]
+    params = prefill(p, prompt, salt="tenant-a")
+    assert decode(d, prompt, params, salt="tenant-a") == reference[3]
+    params = prefill(p, prompt, salt="tenant-a")
+    assert decode(d, prompt, params, salt="tenant-b") == reference[3]  # refused: recomputed
+    st = d.stats()["kv_connector"]
+    assert st["refused_offers"] == 1 and st["external_hit_tokens"] == len(prompt) - 1
+    p.stats()  # the refused one's hold expires later; free it now for the leak check
+    p.scheduler.connector.hold_timeout_s = 0.01
+    for h in p.scheduler.connector._held.values():
+        h.deadline = 0.0
+    assert_clean(p, d)
+
+
+def test_dead_producer_means_recompute_not_a_hang(model_dir, reference):
+    for mode in ("pull", "push"):
+        p = engine(model_dir, num_kv_blocks=16, kv_connector="p2p", kv_connector_config=cfg("producer", mode))
+        d = engine(model_dir, num_kv_blocks=16, kv_connector="p2p",
+                   kv_connector_config=cfg("consumer", mode, transfer_timeout_s=0.5))
+        prompt = prompts()[4]
+        params = prefill(p, prompt)
+        p.close()  # side channel and transfer endpoint gone
+        t0 = time.monotonic()
+        assert decode(d, prompt, params) == reference[4]
+        assert time.monotonic() - t0 < 5
+        assert d.stats()["kv_connector"]["load_failures"] == 1
+        assert_clean(d)
+        d.close()
+
+
+def test_unclaimed_blocks_are_freed_after_the_hold_timeout(model_dir):
+    p = engine(model_dir, num_kv_blocks=16, kv_connector="p2p",
+               kv_connector_config=cfg("producer", "pull", hold_timeout_s=0.2))
+    try:
+        prefill(p, prompts()[4])
+        assert p.kv_cache_manager.num_free_blocks < 16 and p.has_unfinished()
+        assert_clean(p)  # steps until the hold expired
+        assert p.stats()["kv_connector"]["expired_holds"] == 1
+    finally:
+        p.close()
+
+
+def test_different_block_sizes_translate(model_dir, reference):
+    p = engine(model_dir, num_kv_blocks=16, kv_connector="p2p", kv_connector_config=cfg("producer", "pull"))
+    d = engine(model_dir, num_kv_blocks=32, block_size=BS // 2, kv_connector="p2p",
+               kv_connector_config=cfg("consumer", "pull"))
+    try:
+        got = [decode(d, q, prefill(p, q)) for q in prompts()]
+        assert got == reference
+        assert d.stats()["kv_connector"]["external_hit_tokens"] == sum(len(q) - 1 for q in prompts())
+        assert_clean(p, d)
+    finally:
+        p.close()
+        d.close()
+
+
+def test_bad_config_is_refused_naming_what_is_allowed(model_dir):
+    with pytest.raises(ValueError, match="role='x' is invalid.*producer, consumer"):
+        engine(model_dir, kv_connector="p2p", kv_connector_config={"role": "x"})
+    with pytest.raises(ValueError, match="mode='pool' is invalid.*pull, push"):
+        engine(model_dir, kv_connector="p2p", kv_connector_config={"role": "producer", "mode": "pool"})
