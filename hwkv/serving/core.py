@@ -115,11 +115,11 @@ class EngineCore:
         return outs
 
     def stats(self) -> dict[str, Any]:
-        """``Engine.stats()``, plus ``"connector"``: the connector's ``stats()`` counters if it has any."""
+        """``Engine.stats()``, plus ``"connector"``: the numeric ``stats()["kv_connector"]`` counters
+        (external_hit_tokens, loaded/stored bytes, load_failures and the connector's own)."""
         st = self.engine.stats()
-        conn = self.engine.scheduler.connector
-        if conn is not None and callable(getattr(conn, "stats", None)):
-            st["connector"] = dict(conn.stats())
+        if "kv_connector" in st:
+            st["connector"] = {k: v for k, v in st["kv_connector"].items() if k != "name"}
         return st
 
     def maybe_stats(self, force: bool = False) -> dict[str, Any] | None:

@@ -185,3 +185,28 @@ def test_bad_config_is_refused_before_the_model_loads(model_dir, tmp_path):
         hwkv.Engine(missing, kv_connector="offload", kv_connector_config={"cpu_byte": 1})
     with pytest.raises(ValueError, match="holds no KV block"):
         engine(model_dir, kv_connector="offload", kv_connector_config={"cpu_bytes": 10})
+
+
+def test_async_load_that_times_out_is_recomputed_and_keeps_its_pins(model_dir, reference):
+    """An asynchronous load still running after load_timeout_s is reported failed: the request
+    recomputes (reference tokens) while the copy, still in flight, keeps its blocks pinned."""
+    conn = OffloadConnector(cpu_bytes=MB, async_load=True, load_timeout_s=0.001)
+    e, gate = gated_engine(model_dir, conn, num_kv_blocks=16)  # room to recompute beside the pinned blocks
+    p = workload()
+    run_one_by_one(e, p[:3])
+    settle(e)
+    assert e.kv_cache_manager.reset_prefix_cache()  # the prefix is in the host tier only
+    gate[0] = False
+    e.add_request("x", p[3], greedy())
+    outs = []
+    for _ in range(200):  # the copy never completes while the gate is closed
+        outs += e.step()
+        if any(o.finished for o in outs):
+            break
+    assert [o.token_ids for o in outs if o.finished] == [reference[3]]
+    (job,) = [j for j in conn._jobs.values() if j.load]
+    assert all(b.ref_cnt == 1 for b in job.device + job.host)  # the copy's pins alone
+    st = e.stats()["kv_connector"]
+    assert st["load_failures"] == 1 and st["external_hit_tokens"] == 0
+    gate[0] = True
+    assert_no_leak(e)
