@@ -73,6 +73,7 @@ class Execute(msgspec.Struct, tag=True, array_like=True):
     total: int
     finished: list[str]
     preempted: list[str]
+    forward: bool = True  # False: the driver failed applying the state changes; apply them, run nothing
 
 
 class Flush(msgspec.Struct, tag=True, array_like=True):

@@ -10,6 +10,7 @@ workers' next inputs (async scheduling fills them on the device) match the drive
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ from hwkv.parallel import messages as m
 from hwkv.sampling_params import SamplingParams
 
 
-def encode_step(so: SchedulerOutput) -> m.Execute:
+def encode_step(so: SchedulerOutput, forward: bool = True) -> m.Execute:
     if so.kv_connector_metadata is not None:
         raise ValueError("tensor parallelism runs without a KV connector")
     c = so.scheduled_cached_reqs
@@ -28,7 +29,7 @@ def encode_step(so: SchedulerOutput) -> m.Execute:
         [m.NewReq(n.req_id, list(n.prompt_token_ids), list(n.output_token_ids), list(n.block_ids),
                   n.num_computed_tokens) for n in so.scheduled_new_reqs],
         list(c.req_ids), list(c.new_block_ids), list(c.num_computed_tokens), list(so.num_scheduled_tokens.values()),
-        so.total_num_scheduled_tokens, list(so.finished_req_ids), list(so.preempted_req_ids),
+        so.total_num_scheduled_tokens, list(so.finished_req_ids), list(so.preempted_req_ids), forward,
     )
 
 
@@ -55,8 +56,19 @@ class DriverRunner(ModelRunner):
         self.executor.send(m.Graphs(max_batch, use_graphs))  # capture runs collectives: all ranks at once
         super().enable_graphs(max_batch, use_graphs)
 
-    def execute_async(self, so: SchedulerOutput) -> Any:
+    def update_states(self, so: SchedulerOutput) -> list[Any]:
+        # The step goes to the workers only once the driver's own state changes succeeded: were it
+        # sent first, a failure here (e.g. a seeded generator refused) would leave the workers
+        # waiting in the forward's first collective until the timeout.
+        try:
+            states = super().update_states(so)
+        except BaseException:
+            self.executor.send(encode_step(so, forward=False))
+            raise
         self.executor.send(encode_step(so))
+        return states
+
+    def execute_async(self, so: SchedulerOutput) -> Any:
         try:
             return super().execute_async(so)
         except BaseException:
@@ -94,8 +106,12 @@ class WorkerRunner(ModelRunner):
         self.comm = comm
         self._before: Any = None
 
-    def execute_async(self, so: SchedulerOutput) -> Any:
+    def execute_async(self, so: SchedulerOutput, forward: bool = True) -> Any:
         self._before = self._pending
+        if not forward:  # the driver failed in its update_states: mirror what it may have applied
+            with contextlib.suppress(Exception):  # the driver raised too; the engine requeues the step
+                self.update_states(so)
+            return None
         return super().execute_async(so)
 
     def rollback(self) -> None:

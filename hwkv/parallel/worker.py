@@ -56,7 +56,7 @@ def _run(cfg: m.WorkerConfig, cmd: Any, out: Any) -> None:
                 continue
             msg = dec.decode(cmd.recv())
             if isinstance(msg, m.Execute):
-                runner.execute_async(decode_step(msg))  # type: ignore[union-attr]
+                runner.execute_async(decode_step(msg), msg.forward)  # type: ignore[union-attr]
             elif isinstance(msg, m.Flush):
                 runner.flush()  # type: ignore[union-attr]
             elif isinstance(msg, m.Release):

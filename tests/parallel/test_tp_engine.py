@@ -197,3 +197,57 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def _drain_with_errors(eng: Engine) -> tuple[dict, int]:
+    finals, errors = {}, 0
+    for _ in range(200):
+        if not eng.has_unfinished():
+            break
+        try:
+            finals.update({o.request_id: o for o in eng.step() if o.finished})
+        except RuntimeError:
+            errors += 1
+    return finals, errors
+
+
+@pytest.mark.parametrize("where", ["sampling", "state"])
+def test_a_driver_side_step_failure_is_contained(tmp_path, monkeypatch, where):
+    """A step failing on the driver only — while sampling, or while applying its state changes
+    (before any collective) — is contained as at tp=1: the request fails alone, the others get the
+    tp=1 tokens, the workers stay in step."""
+    import hwkv.engine.model_runner as mr
+
+    path = str(write_tiny_model(tmp_path, num_heads=4, num_kv_heads=2, tokenizer=False))
+    kw = {"block_size": 16, "num_kv_blocks": 32, "max_model_len": 128}
+    want = _tokens(Engine(path, **kw))
+    eng = Engine(path, tensor_parallel_size=2, **kw)
+    try:
+        if where == "sampling":
+            real = mr.sample_tokens
+
+            def sample_tokens(logits, batch):
+                if any(sp.seed == 4242 for sp in batch.params):
+                    raise RuntimeError("sampler overflow")
+                return real(logits, batch)
+
+            monkeypatch.setattr(mr, "sample_tokens", sample_tokens)
+        else:
+            real_add = eng.runner._add
+
+            def _add(new):
+                if new.sampling_params.seed == 4242:
+                    raise RuntimeError("generator refused")
+                return real_add(new)
+
+            monkeypatch.setattr(eng.runner, "_add", _add)
+        for i, p in enumerate(PROMPTS):
+            eng.add_request(f"r{i}", p, GREEDY)
+        eng.add_request("bad", [3, 4, 5], SamplingParams(temperature=0.0, max_tokens=4, seed=4242))
+        finals, errors = _drain_with_errors(eng)
+        assert errors == 1 and finals.pop("bad").finish_reason == "error"
+        assert [finals[f"r{i}"].token_ids for i in range(len(PROMPTS))] == want
+        assert eng.kv_cache_manager.num_free_blocks == eng.kv_cache_manager.block_pool.num_blocks
+        assert _tokens(eng) == want  # the workers are still in step
+    finally:
+        eng.close()
