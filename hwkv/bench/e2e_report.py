@@ -7,57 +7,83 @@ from typing import Any
 
 from hwkv.bench.common import workload
 
+# (object attribute path from the engine, method, phase): each phase's time is exclusive of the
+# phases it calls, so the phases and "other" add up to the step's wall time
+PHASES = (("scheduler", "schedule", "schedule"), ("runner", "update_states", "runner_states"),
+          ("runner", "build_inputs", "prep_inputs"), ("runner", "device_inputs", "prep_inputs"),
+          ("runner", "_forward", "eager_forward"), ("runner", "_sample", "sample"),
+          ("runner", "_resolve", "read_tokens"), ("scheduler", "update_from_output", "update"),
+          ("_stats", "record_step", "stats"), ("", "_apply", "outputs"), ("runner.graphs", "run", "graph_copy_replay"))
 
-def profile(engine: Any, vocab: int, batch: int, steps: int = 64) -> dict[str, Any]:
-    """Mean wall ms per decode step by phase, plus GPU-only graph replay time for this batch.
+
+def timed_phases(engine: Any, acc: dict[str, float], clock: Any = time.perf_counter) -> list[tuple[Any, str]]:
+    """Wrap the engine's host-path methods so ``acc[phase]`` accumulates seconds spent in each,
+    exclusive of nested phases; returns what to pass to :func:`untime`."""
+    stack: list[float] = []  # time nested phases took inside the running one
+    wrapped = []
+    for path, name, key in PHASES:
+        obj = engine
+        for part in filter(None, path.split(".")):
+            obj = getattr(obj, part, None)
+        fn = getattr(obj, name, None) if obj is not None else None
+        if fn is None:
+            continue
+
+        def wrapper(*a: Any, _fn: Any = fn, _key: str = key, **k: Any) -> Any:
+            t = clock()
+            stack.append(0.0)
+            try:
+                return _fn(*a, **k)
+            finally:
+                dt = clock() - t
+                inner = stack.pop()
+                acc[_key] = acc.get(_key, 0.0) + dt - inner
+                if stack:
+                    stack[-1] += dt
+        setattr(obj, name, wrapper)
+        wrapped.append((obj, name))
+    return wrapped
+
+
+def untime(wrapped: list[tuple[Any, str]]) -> None:
+    for obj, name in wrapped:
+        obj.__dict__.pop(name, None)
+
+
+def profile(engine: Any, vocab: int, batch: int, steps: int = 64, prompt_len: int = 128,
+            gpu: bool = True, clock: Any = time.perf_counter) -> dict[str, Any]:
+    """Mean wall ms per decode step by phase (:data:`PHASES`, exclusive times; "other" is the
+    rest of ``engine.step()``), plus GPU-only graph replay time for this batch (``gpu``).
     ``read_tokens`` is the time spent waiting for a step's sampled tokens: with async stepping the
-    GPU runs the next step meanwhile, so the phases add up to the step time only when it is 0."""
+    GPU runs the next step meanwhile, so the phases add up to the step time only when it is 0.
+    ``clock``: ``time.process_time`` measures host CPU time (a shared machine's stalls left out)."""
     from hwkv.sampling_params import SamplingParams
 
-    r, sched = engine.runner, engine.scheduler
+    r = engine.runner
     acc: dict[str, float] = {}
-
-    def timed(obj: Any, name: str, key: str) -> None:
-        fn = getattr(obj, name)
-
-        def wrapper(*a: Any, **k: Any) -> Any:
-            t = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                acc[key] = acc.get(key, 0.0) + time.perf_counter() - t
-        setattr(obj, name, wrapper)
-
-    for obj, name, key in ((sched, "schedule", "schedule"), (r, "build_inputs", "prep_inputs"),
-                           (r, "device_inputs", "prep_inputs"), (r, "_forward", "eager_forward"),
-                           (r, "_resolve", "read_tokens"), (sched, "update_from_output", "update")):
-        timed(obj, name, key)
-    if r.graphs is not None:
-        timed(r.graphs, "run", "graph_copy_replay")
-    work = workload(batch, 128, 128, vocab, seed=3)
+    work = workload(batch, prompt_len, prompt_len, vocab, seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
     for i, (p, _) in enumerate(work):
         engine.add_request(f"prof{i}", p, params)
     while len(r.reqs) < batch or not all(st.output_token_ids for st in r.reqs.values()):
         engine.step()  # prefills (maybe chunked) until every request decodes
-    acc.clear()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    wall = (time.perf_counter() - t0) / steps
+    wrapped = timed_phases(engine, acc, clock)
+    try:
+        t0 = clock()
+        for _ in range(steps):
+            engine.step()
+        wall = (clock() - t0) / steps
+    finally:
+        untime(wrapped)
     while engine.has_unfinished():
         engine.step()
-    for obj in (sched, r, r.graphs):
-        if obj is not None:
-            for name in ("schedule", "build_inputs", "device_inputs", "_forward", "_resolve", "update_from_output",
-                         "run"):
-                obj.__dict__.pop(name, None)
     out: dict[str, Any] = {k: v / steps * 1e3 for k, v in acc.items()}
     out["step_wall"] = wall * 1e3
-    out["other (engine.step outputs, stats)"] = wall * 1e3 - sum(v / steps * 1e3 for v in acc.values())
-    gpu = replay_ms(engine, batch, 128 + steps)
-    if gpu is not None:
-        out["gpu_replay"] = gpu
+    out["other (engine.step rest)"] = wall * 1e3 - sum(v / steps * 1e3 for v in acc.values())
+    gpu_ms = replay_ms(engine, batch, prompt_len + steps) if gpu else None
+    if gpu_ms is not None:
+        out["gpu_replay"] = gpu_ms
+        out["wall_over_gpu"] = wall * 1e3 / gpu_ms
     return {k: round(v, 4) for k, v in out.items()}
 
 

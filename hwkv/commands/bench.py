@@ -16,6 +16,7 @@ BENCHES = {
     "admission": ("hwkv.bench.admission", "first-chunk vs whole-prompt admission under memory pressure "
                   "(throughput, preemptions, TTFT)"),
     "e2e": ("hwkv.bench.e2e", "end-to-end engine throughput vs HF transformers generate"),
+    "host": ("hwkv.bench.host", "engine host overhead per decode step (stub forward, emulated graphs)"),
     "offload": ("hwkv.bench.offload", "CPU offload connector: device<->host KV copy GB/s, TTFT of a host-tier "
                 "hit vs recompute, decode throughput with the connector on vs off"),
     "spec": ("hwkv.bench.spec", "speculative decoding: decode speedup vs non-speculative (n-gram, draft = target, "

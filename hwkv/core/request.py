@@ -89,6 +89,13 @@ class Request:
         self.all_token_ids.extend(token_ids)
         self._update_hashes()
 
+    def append_output_token(self, token_id: int) -> None:
+        """:meth:`append_output_token_ids` of one token (the per-step decode path)."""
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if self.block_hasher is not None:
+            self.block_hashes.extend(self.block_hasher(self))
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)

@@ -47,36 +47,40 @@ class SchedulerResults:
             self._settle_loads(sched_out, runner_out)
         if self.suspects:
             self.suspects.difference_update(runner_out.sampled_token_ids)
+        spec_sched, spec_next = sched_out.scheduled_spec_decode_tokens, runner_out.spec_token_ids
+        now = time.monotonic()
+        # the hot loop of a large batch: plain attribute reads, one token appended without a list
         for rid, toks in runner_out.sampled_token_ids.items():  # partial prefill chunks sample nothing
             req = requests.get(rid)
             if req is None or req.status > _LAST_UNFINISHED:
                 continue  # aborted while the step ran
             if req.num_output_placeholders:
                 req.num_output_placeholders -= len(toks)
-            spec = sched_out.scheduled_spec_decode_tokens.get(rid)
-            if spec and toks:  # rejected drafts' KV is garbage: recompute from the first of them
+            if spec_sched and toks and (spec := spec_sched.get(rid)):
+                # rejected drafts' KV is garbage: recompute from the first of them
                 req.num_computed_tokens -= len(spec) + 1 - len(toks)
                 self.spec_stats.record(len(spec), len(toks) - 1)
             if req.first_token_time is None:
-                req.first_token_time = time.monotonic()
+                req.first_token_time = now
             sp = req.sampling_params
             stop_ids = sp.stop_token_ids if sp is not None else None
-            check_eos = not (sp is not None and sp.ignore_eos)
+            eos = req.eos_token_ids if not (sp is not None and sp.ignore_eos) else ()
+            out_ids = req.output_token_ids
             for tok in toks:
-                req.append_output_token_ids(tok)
+                req.append_output_token(tok)
                 status = None
-                if check_eos and tok in req.eos_token_ids:
+                if tok in eos:
                     status = RequestStatus.FINISHED_STOPPED
                 elif stop_ids and tok in stop_ids:
                     status, req.stop_reason = RequestStatus.FINISHED_STOPPED, tok
-                elif len(req.output_token_ids) >= req.max_tokens or len(req.all_token_ids) >= max_len:
+                elif len(out_ids) >= req.max_tokens or len(req.all_token_ids) >= max_len:
                     status = RequestStatus.FINISHED_LENGTH_CAPPED
                 if status is not None:
                     req.status = status
                     any_finished = True
                     break
-            if runner_out.spec_token_ids is not None and not req.is_finished:
-                req.spec_token_ids = runner_out.spec_token_ids.get(rid, [])
+            if spec_next is not None and req.status <= _LAST_UNFINISHED:
+                req.spec_token_ids = spec_next.get(rid, [])
             updated.append(req)
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]

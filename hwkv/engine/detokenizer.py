@@ -24,12 +24,14 @@ class IncrementalDetokenizer:
         self.text = ""
         self.stop = [s for s in (stop or []) if s]
         self.skip_special = skip_special_tokens
+        # the tail a stop string could still claim (streamed text only ever grows)
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
 
     @property
     def stable_text(self) -> str:
         """Text that can no longer change: without the tail a stop string could still claim, so
         streamed text only ever grows."""
-        hold = max((len(s) for s in self.stop), default=1) - 1
+        hold = self.hold
         return self.text[: len(self.text) - hold] if hold else self.text
 
     def _decode(self, ids: list[int]) -> str:

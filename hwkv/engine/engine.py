@@ -22,6 +22,8 @@ from hwkv.engine.stats import EngineStats
 from hwkv.outputs import CompletionMetrics, RequestOutput
 
 Prompt = str | list[int]
+_LAST_UNFINISHED = RequestStatus.PREEMPTED  # statuses above it are finished
+_FINISH_REASONS = {s: s.finish_reason for s in RequestStatus}
 
 
 @dataclass
@@ -367,26 +369,35 @@ class Engine:
         raise exc
 
     def _apply(self, so: Any, ro: Any, stream: bool) -> list[RequestOutput]:
-        """Apply one step's tokens: scheduler state, stop strings, outputs (finished ones when not ``stream``)."""
+        """Apply one step's tokens: scheduler state, stop strings, outputs (finished ones when not ``stream``).
+
+        Per request this is the hot loop of a large batch (hundreds of requests every few ms): no
+        property chains, the detokenizer only where a tokenizer is loaded, an output only where wanted."""
         self._stats.record_step(so, ro, self.scheduler.requests)
         outputs = []
+        tracked, lps, output = self._tracked, ro.logprobs, self._output
         for req in self.scheduler.update_from_output(so, ro):
-            tr = self._tracked[req.request_id]
-            new = req.output_token_ids[tr.num_seen :]
-            tr.num_seen = req.num_output_tokens
-            if tr.logprobs is not None and ro.logprobs:
-                tr.logprobs.extend(ro.logprobs.get(req.request_id, ()))
-            try:
-                stop = tr.detok.add_tokens(new, req.num_output_tokens >= req.sampling_params.min_tokens)
-            except Exception as e:  # this request's text cannot be decoded: it alone fails
-                stop, tr.error = None, f"detokenizing failed: {type(e).__name__}: {e}"
-                self._end(req, RequestStatus.FINISHED_ERROR)
-            if stop is not None:
-                self._end(req, RequestStatus.FINISHED_STOPPED)
-                req.stop_reason = stop
-            if stream or req.is_finished:
-                outputs.append(self._output(req, tr))
-            if req.is_finished:
+            tr = tracked[req.request_id]
+            toks = req.output_token_ids
+            if tr.logprobs is not None and lps:
+                tr.logprobs.extend(lps.get(req.request_id, ()))
+            if tr.detok.tokenizer is not None:
+                new = toks[tr.num_seen :]
+                tr.num_seen = len(toks)
+                try:
+                    stop = tr.detok.add_tokens(new, len(toks) >= req.sampling_params.min_tokens)
+                except Exception as e:  # this request's text cannot be decoded: it alone fails
+                    stop, tr.error = None, f"detokenizing failed: {type(e).__name__}: {e}"
+                    self._end(req, RequestStatus.FINISHED_ERROR)
+                if stop is not None:
+                    self._end(req, RequestStatus.FINISHED_STOPPED)
+                    req.stop_reason = stop
+            else:
+                tr.num_seen = len(toks)
+            finished = req.status > _LAST_UNFINISHED
+            if stream or finished:
+                outputs.append(output(req, tr))
+            if finished:
                 self._untrack(req.request_id)
         return outputs
 
@@ -397,15 +408,16 @@ class Engine:
         req.status = status
 
     def _output(self, req: Request, tr: _Tracked) -> RequestOutput:
+        status = req.status
+        finished = status > _LAST_UNFINISHED
+        detok = tr.detok
         metrics = CompletionMetrics(req.arrival_time, req.first_token_time, req.finish_time,
                                     max(req.num_cached_tokens, 0), req.num_preemptions)
         return RequestOutput(
-            request_id=tr.request_id, prompt=tr.prompt, prompt_token_ids=req.prompt_token_ids,
-            text=tr.detok.text if req.is_finished else tr.detok.stable_text,
-            token_ids=list(req.output_token_ids), finished=req.is_finished,
-            finish_reason=req.status.finish_reason, metrics=metrics, stop_reason=req.stop_reason,
-            logprobs=list(tr.logprobs) if tr.logprobs is not None else None, error=tr.error,
-            kv_transfer_params=req.kv_transfer_params if req.is_finished else None,
+            tr.request_id, tr.prompt, req.prompt_token_ids, detok.text if finished else detok.stable_text,
+            req.output_token_ids.copy(), finished, _FINISH_REASONS.get(status), metrics, req.stop_reason,
+            tr.logprobs.copy() if tr.logprobs is not None else None,
+            req.kv_transfer_params if finished else None, tr.error,
         )
 
     def generate(self, prompts: Prompt | list[Prompt], sampling_params: Any = None,

@@ -42,6 +42,8 @@ class _ReqState:
     num_prompt_tokens: int
     params: Any
     output_token_ids: list[int] = field(default_factory=list)
+    # greedy, no penalties, no min_tokens, no logprobs: its token is the logits' argmax
+    plain: bool = False
 
 
 class ModelRunner:
@@ -65,6 +67,8 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.num_graph_steps = 0  # pure-decode steps served by the graph path (stats / tests)
         self._pending: Pending | None = None  # the last launched step, until its output is returned
+        self._num_special = 0  # requests held that are not ``plain`` (the sampler's fast path needs none)
+        self._num_drops = 0  # requests dropped so far: a pending step whose count matches lost none
         if self.connector is not None:
             self.connector.bind_device(self.dev)
             self.connector.register_kv_caches(kv_cache)
@@ -87,8 +91,10 @@ class ModelRunner:
         self.block_table[slot, : len(new.block_ids)] = new.block_ids
         self.block_table[slot, len(new.block_ids) :] = 0  # clean padding, not a previous owner's blocks
         sp = new.sampling_params
+        plain = sp.greedy and not sp.uses_penalties and not sp.min_tokens and sp.logprobs is None
         self.reqs[new.req_id] = _ReqState(slot, len(toks), len(new.block_ids), len(new.prompt_token_ids),
-                                          sp, list(new.output_token_ids))
+                                          sp, list(new.output_token_ids), plain)
+        self._num_special += not plain
         if sp.seed is not None and new.req_id not in self.generators:
             self.generators[new.req_id] = make_generator(sp.seed, self.device)
 
@@ -105,6 +111,8 @@ class ModelRunner:
         st = self.reqs.pop(req_id, None)
         if st is not None:
             self.free_slots.append(st.slot)
+            self._num_special -= not st.plain
+            self._num_drops += 1
 
     def _append_blocks(self, st: _ReqState, block_ids: list[int]) -> None:
         n = len(block_ids)
@@ -154,15 +162,18 @@ class ModelRunner:
 
     def record_sampled(self, states: list[_ReqState], toks: list[int]) -> None:
         """Append one sampled token per state (one bulk write into the token table)."""
-        rows = np.fromiter((st.slot for st in states), dtype=np.int64, count=len(states))
-        cols = np.fromiter((st.num_tokens for st in states), dtype=np.int64, count=len(states))
-        self.token_ids[rows, cols] = toks
+        rows, cols = [], []
         for st, tok in zip(states, toks):
+            rows.append(st.slot)
+            cols.append(st.num_tokens)
             st.num_tokens += 1
             st.output_token_ids.append(tok)
+        self.token_ids[rows, cols] = toks
 
     def _sampling_batch(self, states: list[_ReqState], req_ids: list[str]) -> SamplingBatch:
         params = [st.params for st in states]
+        if not self._num_special:  # every request held is plain: the sampler's argmax fast path
+            return SamplingBatch(params, [st.output_token_ids for st in states], plain=True)
         prompts = None
         if any(sp.repetition_penalty != 1.0 for sp in params):
             prompts = [self.token_ids[st.slot, : st.num_prompt_tokens].tolist() for st in states]
@@ -225,14 +236,17 @@ class ModelRunner:
                     fill(inp.input_ids, at=batch.query_start_loc[rows].astype(np.int64))
                 logits = self._forward(inp)  # also when nothing samples: partial prefill chunks write KV
             req_ids = list(so.num_scheduled_tokens)
-            sampled = [states[i] for i in batch.sample_idx]
-            sampled_ids = [req_ids[i] for i in batch.sample_idx]
+            if len(batch.sample_idx) == len(states):  # every row samples (decodes): no gather
+                sampled, sampled_ids = states, req_ids
+            else:
+                idx = batch.sample_idx.tolist()
+                sampled, sampled_ids = [states[i] for i in idx], [req_ids[i] for i in idx]
         prev = self._resolve(pend) if pend is not None else None
         if sampled:
             tokens, logprobs = self._sample(logits, sampled, sampled_ids)
             if logprobs is not None:
                 out.logprobs = {rid: [lp] for rid, lp in zip(sampled_ids, logprobs) if lp is not None}
-            new = Pending(out, sampled, sampled_ids, tokens)
+            new = Pending(out, sampled, sampled_ids, tokens, num_drops=self._num_drops)
             new.host, new.event = self.dev.to_host_async(tokens)
         else:
             new = Pending(out)
@@ -257,9 +271,12 @@ class ModelRunner:
             if pend.event is not None:
                 pend.event.synchronize()
             toks = pend.host.tolist()  # type: ignore[union-attr]
-            live = [(st, t) for st, rid, t in zip(pend.states, pend.req_ids, toks) if self.reqs.get(rid) is st]
-            if live:
-                self.record_sampled([st for st, _ in live], [t for _, t in live])
+            if pend.num_drops == self._num_drops:  # no request left since the launch: all still here
+                self.record_sampled(pend.states, toks)
+            else:
+                live = [(st, t) for st, rid, t in zip(pend.states, pend.req_ids, toks) if self.reqs.get(rid) is st]
+                if live:
+                    self.record_sampled([st for st, _ in live], [t for _, t in live])
             pend.out.sampled_token_ids = {rid: [t] for rid, t in zip(pend.req_ids, toks)}
             pend.tokens = pend.host = pend.event = None
         return pend.out

@@ -3,6 +3,7 @@ copy that feeds those tokens into the next step's inputs (see :mod:`hwkv.engine.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,11 +27,16 @@ class Pending:
     tokens: torch.Tensor | None = None
     host: torch.Tensor | None = None  # host copy of ``tokens`` (Device.to_host_async), valid once ``event`` fired
     event: Any = None
+    num_drops: int = -1  # the runner's drop count at launch (equal later: every state is still held)
 
     def rows(self, states: list[Any]) -> tuple[np.ndarray, np.ndarray]:
         """``(batch rows, token rows)`` of the states whose next input is one of these unread tokens."""
         if self.tokens is None:
             return EMPTY, EMPTY
+        n = len(states)
+        if n == len(self.states) and all(map(operator.is_, states, self.states)):  # steady decoding
+            a = np.arange(n, dtype=np.int64)
+            return a, a
         row = {id(st): j for j, st in enumerate(self.states)}
         pairs = [(i, j) for i, st in enumerate(states) if (j := row.get(id(st))) is not None]
         if not pairs:

@@ -26,10 +26,12 @@ class EngineStats:
         cached, sched = so.scheduled_cached_reqs, so.num_scheduled_tokens
         # (a speculative verify of k drafts is k + 1 decode tokens)
         spec = so.scheduled_spec_decode_tokens
-        n_decode = sum(
-            sched[rid] for rid, c in zip(cached.req_ids, cached.num_computed_tokens)
-            if sched[rid] == 1 + len(spec.get(rid, ())) and rid in requests and c >= requests[rid].num_prompt_tokens
-        )
+        n_decode = 0
+        for rid, c in zip(cached.req_ids, cached.num_computed_tokens):
+            n = sched[rid]
+            if n == 1 + (len(spec.get(rid, ())) if spec else 0) and (r := requests.get(rid)) is not None \
+                    and c >= len(r.prompt_token_ids):
+                n_decode += n
         self.prompt_tokens += so.total_num_scheduled_tokens - n_decode
         self.generation_tokens += sum(map(len, ro.sampled_token_ids.values()))
 

@@ -41,6 +41,9 @@ class SamplingBatch:
     generators: list[torch.Generator | None] | None = None
     generator: torch.Generator | None = None
     eos_token_ids: Sequence[int] = field(default_factory=tuple)
+    # the caller vouches every row is greedy with no penalties, min_tokens or logprobs: the tokens
+    # are the argmax (a large batch skips a pass over its params per check)
+    plain: bool = False
 
 
 @dataclass
@@ -183,6 +186,8 @@ Logprobs = list[dict[int, float] | None]
 def sample_tokens(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, Logprobs | None]:
     """:func:`sample` leaving the tokens on the device (int64 ``[R]``): no host sync unless a row
     asks for logprobs (those are returned as host dicts)."""
+    if batch.plain:
+        return logits.float().argmax(-1), None
     params = batch.params
     x = processed_logits(logits, batch)
     rand = [i for i, sp in enumerate(params) if not sp.greedy]
