@@ -86,11 +86,12 @@ def rejection_sample(logits: torch.Tensor, draft_token_ids: list[list[int]], bat
     rand = [r for r, sp in enumerate(batch.params) if not sp.greedy]
     if rand:
         rand_t = torch.tensor(rand, device=dev)
-        # p for every row of every random request (greedy requests' rows stay zero)
-        row_req = torch.repeat_interleave(torch.arange(R, device=dev), k_t + 1)
-        row_rand = ~greedy[row_req]
+        # p for every row of every random request (greedy requests' rows stay zero); rows on the host
+        rand_rows = [start_r + j for r, start_r in zip(rand, _starts(ks, rand)) for j in range(ks[r] + 1)]
+        row_params = [batch.params[r] for r in rand for _ in range(ks[r] + 1)]
+        idx = torch.tensor(rand_rows, dtype=torch.long, device=dev)
         p = torch.zeros((n_rows, V), dtype=torch.float32, device=dev)
-        p[row_rand] = warped_probs(x[row_rand], [batch.params[int(r)] for r in row_req[row_rand].tolist()])
+        p[idx] = warped_probs(x.index_select(0, idx), row_params)
         u = _uniforms(rand, ks, K, batch, dev)  # [len(rand), K + 1]
         sub_rows, sub_safe, sub_has = rows[rand_t], safe[rand_t], has[rand_t]
         p_d = p[sub_rows[:, :K], sub_safe] if K else p.new_zeros((len(rand), 0))
@@ -128,6 +129,14 @@ def rejection_sample(logits: torch.Tensor, draft_token_ids: list[list[int]], bat
         out[:, :K] = torch.where(pos[:K].unsqueeze(0) < n_acc.unsqueeze(1), drafts, out[:, :K])
     out.scatter_(1, n_acc.unsqueeze(1), final.unsqueeze(1))
     return out, n_acc + 1
+
+
+def _starts(ks: list[int], rows: list[int]) -> list[int]:
+    """First logits row of each request in ``rows`` (request ``r`` owns ``ks[r] + 1`` rows)."""
+    first = [0]
+    for k in ks:
+        first.append(first[-1] + k + 1)
+    return [first[r] for r in rows]
 
 
 def _uniforms(rand: list[int], ks: list[int], K: int, batch: SamplingBatch, dev: torch.device) -> torch.Tensor:

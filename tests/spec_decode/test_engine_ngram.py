@@ -134,3 +134,11 @@ def test_bad_config_refused(tiny_model: str, bad, match: str) -> None:
 def test_async_scheduling_refused(tiny_model: str) -> None:
     with pytest.raises(ValueError, match="async_scheduling"):
         Engine(tiny_model, num_kv_blocks=16, block_size=4, async_scheduling=True, speculative_config=NGRAM)
+
+
+def test_json_text_config(tiny_model: str) -> None:
+    """`hwkv serve --speculative-config '{...}'` hands the engine JSON text."""
+    eng = Engine(tiny_model, num_kv_blocks=16, block_size=4,
+                 speculative_config='{"method": "ngram", "num_speculative_tokens": 2}')
+    assert eng.config.speculative.num_speculative_tokens == 2 and not eng.config.runtime.async_scheduling
+    assert eng.stats()["spec_decode"]["draft_tokens"] == 0
