@@ -39,6 +39,10 @@ class EagleHead(nn.Module):
         from hwkv.model.llama import LlamaForCausalLM
 
         self.inner = LlamaForCausalLM(config, backend.attention, device, dtype, max_positions)
+        # the vocabulary-sized tensors come from bind (own, or the target's): none allocated here
+        self.inner.model.embed_tokens = nn.Module()
+        if hasattr(self.inner, "lm_head"):
+            del self.inner.lm_head
         h = config.hidden_size
         self.fc = Linear(2 * h, h, fc_bias, device, dtype)
         self.has_input_norm, self.has_norm = has_input_norm, has_norm
