@@ -6,7 +6,10 @@
     elementwise ops, async scheduling), eager, and ``--b1-variants`` (each changing one feature);
 (c) shared prefix: requests sharing a long system prompt, prefix caching on vs off (TTFT, tok/s);
 (p) profile: per-step wall time split into scheduling / input prep / graph replay / sample+sync /
-    output, the GPU-only replay time, and the eager kernel mix of a batch-1 decode step.
+    output, the GPU-only replay time, and the eager kernel mix of a batch-1 decode step;
+(r) roofline: a fixed offline batch (default 256 requests × 512 prompt → 256 output tokens) against
+    the roofline of :mod:`hwkv.bench.roofline` (measured copy bandwidth and matmul rate), and HF
+    generate on the same workload.
 
 Random-weight models of realistic shape are written where the bench runs (no downloads) and loaded
 through the normal loader path. JSON + Markdown land in ``--out-dir``.
@@ -62,7 +65,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-requests", type=int, default=64)
     p.add_argument("--prefix-len", type=int, default=2048)
     p.add_argument("--parts", default="a,b,c", help="comma list of a (throughput), b (batch-1), c (prefix), "
-                                                    "p (profile)")
+                                                    "p (profile), r (fixed batch vs roofline)")
+    p.add_argument("--roofline-requests", type=int, default=256)
+    p.add_argument("--roofline-in", type=int, default=512, help="prompt tokens per request (part r)")
+    p.add_argument("--roofline-out", type=int, default=256, help="output tokens per request (part r)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers peer")
     p.add_argument("--out-dir", default=None,
                    help="where e2e-<model>-<device>-<date>.{json,md} go (default: hwkv.bench.results_dir())")
@@ -176,6 +182,28 @@ def batch1(engine: Any, cfg: dict[str, Any], vocab: int, n_out: int, copy_bw: fl
     return b
 
 
+def part_r(engine: Any, cfg: dict[str, Any], work: list[tuple[list[int], int]], args: argparse.Namespace,
+           device: Any, copy_bw: float | None, res: dict[str, Any]) -> None:
+    """The fixed batch, timed after an untimed pass of the same shape (other tokens: no prefix hits),
+    against its roofline. On the host (no device figures) both rates are measured small, for the
+    formula's sake only."""
+    import torch
+
+    from hwkv.bench.roofline import linear_params, matmul_rate, offline_roofline
+
+    n, n_in, n_out = len(work), args.roofline_in, args.roofline_out
+    host = device.torch_device.type == "cpu"
+    bw = copy_bw or copy_bandwidth(device, 1 << 24)
+    rate = matmul_rate(device, getattr(torch, args.dtype), n=256 if host else 8192)
+    run_engine(engine, [(p, n_out) for p, _ in workload(n, n_in, n_in, cfg["vocab_size"], seed=6)])
+    r = run_engine(engine, work)
+    body, head = linear_params(engine.model)
+    kv = kv_bytes_per_token(cfg, torch.empty(0, dtype=getattr(torch, args.dtype)).element_size())
+    roof = offline_roofline(cfg, body, head, decode_read_bytes(engine.model), kv, n, n_in, n_out, bw, rate)
+    res["roofline"] = dict(workload=f"{n} req × {n_in} in → {n_out} out (ignore_eos)", hwkv=r, roofline=roof,
+                           efficiency=r["tok_per_s"] / roof["tok_per_s"], host_rates=host)
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -255,6 +283,10 @@ def run(args: argparse.Namespace) -> int:
         part("p", part_p)
     if "a" in parts:
         part("a", part_a)
+    rwork = [(p, args.roofline_out) for p, _ in workload(args.roofline_requests, args.roofline_in,
+                                                          args.roofline_in, vocab, seed=5)]
+    if "r" in parts:
+        part("r", lambda: part_r(engine, cfg, rwork, args, device, copy_bw, res))
     free(engine, device)
     engine = None
     if "b" in parts:
@@ -283,6 +315,12 @@ def run(args: argparse.Namespace) -> int:
             res["throughput"]["hf"] = hf
             res["throughput"]["ratio"] = res["throughput"]["hwkv"]["tok_per_s"] / hf["tok_per_s"]
         part("a-hf", part_a_hf)
+    if not args.no_hf and "r" in parts and "roofline" in res:
+        def part_r_hf() -> None:
+            hf = run_hf(mdir, rwork[: args.hf_requests], args.hf_batch, args.dtype, device)
+            res["roofline"]["hf"] = hf
+            res["roofline"]["ratio"] = res["roofline"]["hwkv"]["tok_per_s"] / hf["tok_per_s"]
+        part("r-hf", part_r_hf)
     if not args.no_hf and "b" in parts:
         def part_b_hf() -> None:
             prompt = workload(1, 128, 128, vocab, seed=1)[0][0]

@@ -149,6 +149,14 @@ def markdown(res: dict[str, Any]) -> str:
                      f"output tok/s (prefix-cache hits in the timed pass: {f(hits, 0)}) | {f(t['hwkv']['tok_per_s'])} "
                      f"| {f(hf.get('tok_per_s'))} "
                      f"({hf.get('requests', '—')} req, batch {hf.get('batch', '—')}) | {f(t.get('ratio'))}× |")
+    r = res.get("roofline", {})
+    if r:
+        hf, roof = r.get("hf", {}), r["roofline"]
+        lines.append(f"| (r) offline {r['workload']}, output tok/s (roofline {f(roof['tok_per_s'])}: prefill "
+                     f"{f(roof['prefill_s'] * 1e3)} ms + decode {f(roof['decode_s'] * 1e3)} ms at "
+                     f"{f(roof['copy_bw_TBps'], 2)} TB/s, {f(roof['matmul_TFLOPs'])} TFLOP/s; hwkv "
+                     f"{f(100 * r['efficiency'])}% of it) | {f(r['hwkv']['tok_per_s'])} | {f(hf.get('tok_per_s'))} "
+                     f"({hf.get('requests', '—')} req, batch {hf.get('batch', '—')}) | {f(r.get('ratio'))}× |")
     b = res.get("batch1", {})
     if b:
         mode = ("default: graphs + fused decode ops + async scheduling" if res.get("graph_buckets")

@@ -200,7 +200,9 @@ def test_bench_e2e_smoke_cpu(model_dir, tmp_path):
     e2e.add_arguments(ap)
     args = ap.parse_args(["--model", model_dir, "--backend", "cpu", "--dtype", "float32", "--num-requests", "6",
                           "--min-len", "4", "--max-len", "12", "--b1-tokens", "8", "--prefix-requests", "3",
-                          "--prefix-len", "32", "--parts", "a,b,c,p", "--no-hf", "--out-dir", str(tmp_path),
+                          "--prefix-len", "32", "--parts", "a,b,c,p,r", "--no-hf",
+                          "--roofline-requests", "3", "--roofline-in", "8", "--roofline-out", "4",
+                          "--out-dir", str(tmp_path),
                           "--b1-variants", json.dumps([dict(label="async on", engine=dict(async_scheduling=True))]),
                           "--engine-args", json.dumps(dict(max_model_len=256, max_num_seqs=4,
                                                            max_num_batched_tokens=128))])
@@ -213,4 +215,7 @@ def test_bench_e2e_smoke_cpu(model_dir, tmp_path):
     assert res["shared_prefix"]["stats_on"]["prefix_cache_hits"] > 0 == res["shared_prefix"]["stats_off"][
         "prefix_cache_hits"]
     assert "step_wall" in res["profile"]["batch 1"]
+    r = res["roofline"]
+    assert r["hwkv"]["output_tokens"] == 3 * 4 and r["roofline"]["decode_steps"] == 3
+    assert 0 < r["roofline"]["prefill_s"] < r["roofline"]["seconds"] and r["efficiency"] > 0
     assert (tmp_path / next(tmp_path.glob("e2e-*.md")).name).read_text().startswith("# hwkv bench e2e")
