@@ -115,8 +115,8 @@ class Scheduler(SchedulerResults):
         return done
 
     def has_unfinished_requests(self) -> bool:
-        # blocks a connector holds are released only by steps (its finished_sending): keep stepping
-        return bool(self.waiting or self.running or self.delayed_free)
+        # blocks a connector holds (delayed free, transfers in flight) are released only by steps
+        return bool(self.waiting or self.running or self.delayed_free or self.connector.has_pending_transfers())
 
     @property
     def num_running(self) -> int:
