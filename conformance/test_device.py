@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 
@@ -15,6 +16,7 @@ from hwkv.interfaces import KVCache, KVCacheSpec
 pytestmark = pytest.mark.capability("device")
 NUM_BLOCKS = 9
 COPY_BLOCKS, COPY_PAIRS, RUN = 256, 100, 16  # production-size copies: > 64 pairs, a merged run
+HOST_EXTRA = 64  # a host tier larger than the device pool (caches may differ in num_blocks only)
 MEM_PROBE = 512 << 20  # bytes allocated by the memory_info check (larger than any earlier cache)
 
 
@@ -170,15 +172,15 @@ def test_host_staging(backend, check, gen, dtype, size):
     check.exact(back, buf, "copy_blocks", f"{size} {dtype} through to_device / to_host_async")
 
 
-def _copy_pairs(gen: torch.Generator, in_place: bool) -> list[tuple[int, int]]:
+def _copy_pairs(gen: torch.Generator, in_place: bool, n_src: int, n_dst: int) -> list[tuple[int, int]]:
     """COPY_PAIRS pairs: a run consecutive on both sides (copies that merge) among shuffled scattered
-    pairs; in place, sources and destinations are disjoint (the contract)."""
+    pairs over each cache's whole range; in place, sources and destinations are disjoint (the contract)."""
     pick = lambda lo, hi, n: (lo + torch.randperm(hi - lo, generator=gen)[:n]).tolist()
     rest = COPY_PAIRS - RUN
     if in_place:
         src, dst = pick(COPY_PAIRS + RUN, COPY_BLOCKS, rest), pick(RUN, COPY_PAIRS, rest)
     else:  # a source may repeat across caches and a block may copy onto itself
-        src, dst = pick(0, COPY_BLOCKS, rest), pick(RUN, COPY_BLOCKS, rest)
+        src, dst = pick(0, n_src, rest), pick(RUN, n_dst, rest)
     pairs = list(zip(src, dst))
     at = rest // 2
     return pairs[:at] + [(COPY_PAIRS + i, i) for i in range(RUN)] + pairs[at:]
@@ -192,11 +194,15 @@ def test_copy_blocks(backend, check, gen, dtype, direction, on_stream):
     spec = KVCacheSpec(spec.num_layers, COPY_BLOCKS, spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype)
     _require(caps, spec)
     dev, layout = backend.device, backend.attention.kv_layout
-    src = dev.allocate_kv_cache(spec, layout, host=direction == "host_to_device")
+    # the host side is a larger tier, as the offload connector's (caches may differ in num_blocks)
+    host_spec = dataclasses.replace(spec, num_blocks=COPY_BLOCKS + HOST_EXTRA)
+    src_host, dst_host = direction == "host_to_device", direction == "device_to_host"
+    src = dev.allocate_kv_cache(host_spec if src_host else spec, layout, host=src_host)
     _fill(src, gen)
     dev.synchronize()  # the fill ran on the current stream; the copy may run on another
-    pairs = _copy_pairs(gen, direction == "in_place")
-    dst = src if direction == "in_place" else dev.allocate_kv_cache(spec, layout, host=direction == "device_to_host")
+    dst = src if direction == "in_place" else dev.allocate_kv_cache(host_spec if dst_host else spec, layout,
+                                                                     host=dst_host)
+    pairs = _copy_pairs(gen, direction == "in_place", src.spec.num_blocks, dst.spec.num_blocks)
     expect = [t.cpu().clone() for t in dst.tensors]
     for t_exp, t_src in zip(expect, src.tensors):
         s_idx, d_idx = torch.tensor([p[0] for p in pairs]), torch.tensor([p[1] for p in pairs])
@@ -213,7 +219,9 @@ def test_copy_blocks(backend, check, gen, dtype, direction, on_stream):
     for i, (got, want) in enumerate(zip(dst.tensors, expect)):
         check.exact(got.cpu(), want, "copy_blocks", f"tensor {i} after copy_blocks {direction} of {len(pairs)} pairs")
     with pytest.raises((IndexError, ValueError)):
-        dev.copy_blocks(src, dst, [(0, COPY_BLOCKS)])
+        dev.copy_blocks(src, dst, [(0, dst.spec.num_blocks)])
+    with pytest.raises((IndexError, ValueError)):
+        dev.copy_blocks(src, dst, [(src.spec.num_blocks, 0)])
     with pytest.raises(ValueError):  # contract: destinations distinct (copies run in parallel)
         dev.copy_blocks(src, dst, [(1, 6), (2, 6)])
     if direction == "in_place":

@@ -75,6 +75,14 @@ def _runs_short(self: Device, src: KVCache, dst: KVCache, pairs: list[tuple[int,
             td[d : d + m].copy_(ts[s : s + m])
 
 
+def _pool_sized_table(self: Device, src: KVCache, dst: KVCache, pairs: list[tuple[int, int]],
+                      stream: Any = None) -> None:
+    """BUG: the pair table is sized from the smaller cache (the device pool): pairs that reach into a
+    larger host tier are dropped."""
+    n = min(src.spec.num_blocks, dst.spec.num_blocks)
+    _copy(lambda p: [(s, d) for s, d in p if s < n and d < n])(self, src, dst, pairs, stream)
+
+
 mutant("mem-static", "device", "memory_info measured once at start-up and cached", MEM,
        device=_device("static", memory_info=lambda self: self._boot))
 mutant("mem-kib", "device", "memory_info in KiB instead of bytes", MEM,
@@ -97,3 +105,5 @@ mutant("copy-unchecked", "device", "copy_blocks skips validation (bad ids, repea
        COPY, device=_device("unchecked", copy_blocks=_unchecked))
 mutant("copy-runs-short", "device", "merged runs of consecutive blocks copied one block short", COPY,
        device=_device("runs", copy_blocks=_runs_short))
+mutant("copy-table-sized-from-pool", "device", "pairs reaching past the smaller cache's block count dropped (a "
+       "host tier larger than the device pool)", COPY, device=_device("pool", copy_blocks=_pool_sized_table))
