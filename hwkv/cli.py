@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("hwkv.commands.bench", "benchmarks: cache, scheduler, attention, e2e"),
     "conformance": ("hwkv.commands.conformance", "run the conformance suite against a backend"),
     "serve": ("hwkv.commands.serve", "OpenAI-compatible HTTP server (completions, chat, metrics)"),
+    "proxy": ("hwkv.commands.proxy", "disaggregated-serving proxy: prefill and decode on separate servers"),
 }
 
 

@@ -184,6 +184,8 @@ class P2PConnector(KVConnectorBase):
         self._offers.pop(rid, None)
         self._no_offer.discard(rid)
         params = request.kv_transfer_params or {}
+        if self.role == "consumer" and params.get("do_remote_prefill"):
+            request.kv_transfer_params = None  # consumed: the response carries none (as vLLM's decode side)
         if self.role != "producer" or not params.get("do_remote_decode") or self.layout is None \
                 or request.status not in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED):
             return False, None

@@ -55,6 +55,7 @@ class _Req:
     finish_time: float | None = None
     error: Exception | None = None  # raised by the iterator: refused by the core, or the core died
     exec_error: str | None = None  # finish_reason "error": why executing it failed
+    kv_transfer_params: dict[str, Any] | None = None  # the KV connector's, once finished
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -232,6 +233,7 @@ class AsyncEngine:
             text=req.detok.text if done else req.detok.stable_text, token_ids=list(req.token_ids),
             finished=done, finish_reason=req.finish_reason, metrics=metrics, stop_reason=req.stop_reason,
             logprobs=list(req.logprobs) if req.logprobs is not None else None, error=req.exec_error,
+            kv_transfer_params=req.kv_transfer_params if done else None,
         )
 
     async def _read_outputs(self) -> None:
@@ -268,6 +270,8 @@ class AsyncEngine:
             req.exec_error = o.error or "executing the request failed"
         now = time.monotonic()
         req.num_cached_tokens, req.num_preemptions = o.num_cached_tokens, o.num_preemptions
+        if o.kv_transfer_params is not None:
+            req.kv_transfer_params = o.kv_transfer_params
         if o.new_token_ids:
             itl = None if req.last_token_time is None else now - req.last_token_time
             req.first_token_time = req.first_token_time or now

@@ -111,7 +111,8 @@ class EngineCore:
                 self.num_sent[o.request_id] = len(o.token_ids)
             stop = o.stop_reason if isinstance(o.stop_reason, int) else None
             outs.append(m.CoreOutput(o.request_id, new, o.finish_reason, stop, o.metrics.num_cached_tokens,
-                                     o.metrics.num_preemptions, lps, o.error))
+                                     o.metrics.num_preemptions, lps, o.error,
+                                     o.kv_transfer_params if o.finished else None))
         return outs
 
     def stats(self) -> dict[str, Any]:

@@ -51,6 +51,7 @@ class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_preemptions: int = 0
     logprobs: list[dict[int, float]] | None = None  # one per new token, when asked for
     error: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # the KV connector's, on the final output
 
 
 class StepOutputs(msgspec.Struct, tag=True):

@@ -71,6 +71,8 @@ class _Sampling(BaseModel):
     cache_salt: str | None = None
     priority: int = 0  # lower runs first; needs a server with --scheduling-policy priority
     return_token_ids: bool = False
+    # KV connector parameters, in and out as vLLM's (e.g. {"do_remote_decode": true} on a prefill server)
+    kv_transfer_params: dict[str, Any] | None = None
 
     def sampling_overrides(self, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
         """SamplingParams fields this request sets (the rest keep the model's defaults)."""
@@ -80,7 +82,7 @@ class _Sampling(BaseModel):
             raise BadRequest("logit_bias is not supported", "logit_bias")
         names = ("temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
                  "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
-                 "cache_salt")
+                 "cache_salt", "kv_transfer_params")
         kw = {k: v for k in names if (v := getattr(self, k)) is not None}
         if max_tokens is not None:
             kw["max_tokens"] = max_tokens

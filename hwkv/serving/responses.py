@@ -118,7 +118,10 @@ class Responder:
         choices = [self._choice(i, o, self.echo[i] + o.text, 0, len(o.token_ids), len(self.echo[i]), False)
                    for i, o in enumerate(finals)]
         kind = "chat.completion" if self.chat else "text_completion"
-        return {**self._head(kind), "choices": choices, "usage": self._usage(finals)}
+        out = {**self._head(kind), "choices": choices, "usage": self._usage(finals)}
+        if len(finals) == 1 and finals[0] is not None and finals[0].kv_transfer_params is not None:
+            out["kv_transfer_params"] = finals[0].kv_transfer_params  # as vLLM: where a decode server finds the KV
+        return out
 
     def opening_chunks(self) -> list[dict[str, Any]]:
         if self.chat:

@@ -1,0 +1,159 @@
+"""Disaggregated-serving proxy: OpenAI-compatible ``/v1/completions`` and ``/v1/chat/completions``
+in front of prefill servers (``hwkv serve`` with the p2p connector as producer) and decode servers
+(consumer), as vLLM's disaggregated proxy examples do:
+
+1. the request goes to a prefill server (round-robin) with ``max_tokens=1``, ``stream=false`` and
+   ``kv_transfer_params={"do_remote_decode": true}``; its response carries ``kv_transfer_params``
+   (where the prompt's KV is held);
+2. the original request goes to a decode server (round-robin) with those ``kv_transfer_params``;
+   its response (or SSE stream) is passed through unchanged.
+
+Failures are answered, never hung on: an unreachable side is 503, a side that answers with a
+server error (or a prefill server without a producer connector) is 502, each with a body naming
+the side and URL; a client error (4xx) of either side is passed through as it came.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+
+def _error(code: int, message: str) -> JSONResponse:
+    kind = "ServiceUnavailable" if code == 503 else "BadGateway"
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status_code=code)
+
+
+class _Failed(Exception):
+    def __init__(self, response: Response):
+        self.response = response
+
+
+def build_proxy(prefill: list[str], decode: list[str], timeout_s: float = 600.0) -> FastAPI:
+    if not prefill or not decode:
+        raise ValueError("the proxy needs at least one prefill and one decode URL")
+    prefill = [u.rstrip("/") for u in prefill]
+    decode = [u.rstrip("/") for u in decode]
+    next_p, next_d = itertools.cycle(prefill), itertools.cycle(decode)
+    timeout = httpx.Timeout(timeout_s, connect=min(5.0, timeout_s))
+    app = FastAPI(title="hwkv proxy")
+    state: dict[str, Any] = {}
+
+    def client() -> httpx.AsyncClient:
+        if "client" not in state:
+            state["client"] = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None))
+        return state["client"]
+
+    def headers(request: Request) -> dict[str, str]:
+        return {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "x-request-id")}
+
+    async def post(side: str, url: str, body: dict[str, Any], hdrs: dict[str, str]) -> httpx.Response:
+        try:
+            r = await client().post(url, json=body, headers=hdrs)
+        except httpx.TimeoutException:
+            raise _Failed(_error(503, f"{side} server {url} did not answer within {timeout_s:g} s")) from None
+        except httpx.HTTPError as e:
+            raise _Failed(_error(503, f"{side} server {url} is unreachable ({type(e).__name__}: {e})")) from None
+        if r.status_code >= 500:
+            raise _Failed(_error(502, f"{side} server {url} failed with HTTP {r.status_code}: {r.text[:500]}"))
+        if r.status_code >= 400:
+            raise _Failed(Response(r.content, r.status_code, media_type=r.headers.get("content-type")))
+        return r
+
+    async def prefill_step(path: str, body: dict[str, Any], hdrs: dict[str, str]) -> dict[str, Any]:
+        url = f"{next(next_p)}{path}"
+        pre = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+        pre.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+        if "max_completion_tokens" in pre:
+            pre["max_completion_tokens"] = 1
+        r = await post("prefill", url, pre, hdrs)
+        try:
+            params = r.json().get("kv_transfer_params")
+        except ValueError:
+            params = None
+        if not isinstance(params, dict):
+            raise _Failed(_error(502, f"prefill server {url} returned no kv_transfer_params (is it serving with "
+                                      "--kv-connector p2p and role 'producer'?)"))
+        return params
+
+    async def handle(request: Request, path: str) -> Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            return JSONResponse({"error": {"message": "the request body is not JSON", "type": "BadRequestError",
+                                           "param": None, "code": 400}}, status_code=400)
+        if not isinstance(body, dict):
+            return JSONResponse({"error": {"message": "the request body must be a JSON object",
+                                           "type": "BadRequestError", "param": None, "code": 400}}, status_code=400)
+        hdrs = headers(request)
+        try:
+            params = await prefill_step(path, body, hdrs)
+            url = f"{next(next_d)}{path}"
+            dec = dict(body, kv_transfer_params=params)
+            if not body.get("stream"):
+                r = await post("decode", url, dec, hdrs)
+                return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
+            return await stream(url, dec, hdrs)
+        except _Failed as f:
+            return f.response
+
+    async def stream(url: str, body: dict[str, Any], hdrs: dict[str, str]) -> Response:
+        req = client().build_request("POST", url, json=body, headers=hdrs)
+        try:
+            r = await client().send(req, stream=True)
+        except httpx.HTTPError as e:
+            return _error(503, f"decode server {url} is unreachable ({type(e).__name__}: {e})")
+        if r.status_code >= 400:
+            content = await r.aread()
+            await r.aclose()
+            if r.status_code >= 500:
+                return _error(502, f"decode server {url} failed with HTTP {r.status_code}: {content[:500]!r}")
+            return Response(content, r.status_code, media_type=r.headers.get("content-type"))
+
+        async def relay():
+            try:
+                async for chunk in r.aiter_raw():
+                    yield chunk
+            except httpx.HTTPError as e:  # the decode server died mid-stream: say so in-band
+                yield f'data: {{"error": {{"message": "decode server {url} failed mid-stream: {type(e).__name__}", ' \
+                      f'"type": "BadGateway", "code": 502}}}}\n\n'.encode()
+            finally:
+                await r.aclose()
+
+        return StreamingResponse(relay(), media_type=r.headers.get("content-type", "text/event-stream"))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await handle(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await handle(request, "/v1/chat/completions")
+
+    @app.get("/health")
+    async def health() -> Response:
+        bad = []
+        for url in prefill + decode:
+            try:
+                if (await client().get(f"{url}/health", timeout=5.0)).status_code != 200:
+                    bad.append(url)
+            except httpx.HTTPError:
+                bad.append(url)
+        if bad:
+            return _error(503, f"unhealthy: {', '.join(bad)}")
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        url = f"{decode[0]}/v1/models"
+        try:
+            r = await client().get(url, headers=headers(request))
+        except httpx.HTTPError as e:
+            return _error(503, f"decode server {url} is unreachable ({type(e).__name__}: {e})")
+        return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
+
+    return app
