@@ -45,6 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-prompt", type=int, default=512)
     p.add_argument("--decode-tokens", type=int, default=256)
     p.add_argument("--cpu-gb", type=float, default=8.0, help="host tier size for the ttft/decode parts")
+    p.add_argument("--store-batch-blocks", type=int, default=None, help="offload config (default: the connector's)")
     p.add_argument("--out-dir", default=None, help="where the JSON goes (default: hwkv.bench.results_dir())")
 
 
@@ -112,7 +113,10 @@ def _engine(mdir: Path, args: argparse.Namespace, offload: bool, **kw: Any) -> A
     import hwkv
 
     if offload:
-        kw.update(kv_connector="offload", kv_connector_config={"cpu_bytes": int(args.cpu_gb * 2**30)})
+        cfg: dict[str, Any] = {"cpu_bytes": int(args.cpu_gb * 2**30)}
+        if args.store_batch_blocks is not None:
+            cfg["store_batch_blocks"] = args.store_batch_blocks
+        kw.update(kv_connector="offload", kv_connector_config=cfg)
     if args.block_size:
         kw["block_size"] = args.block_size
     return hwkv.Engine(str(mdir), backend=get_backend(args.backend), dtype=args.dtype, **kw)

@@ -85,7 +85,7 @@ class OffloadConnector(KVConnectorBase):
     name = "offload"
 
     def __init__(self, cpu_bytes: int, min_run_blocks: int = 4, store: bool = True, async_load: bool = False,
-                 load_timeout_s: float | None = None, store_batch_blocks: int = 16):
+                 load_timeout_s: float | None = None, store_batch_blocks: int = 32):
         if not isinstance(cpu_bytes, int) or isinstance(cpu_bytes, bool) or cpu_bytes <= 0:
             raise ValueError(f"offload: cpu_bytes must be a positive int (bytes of host memory), got {cpu_bytes!r}")
         if not isinstance(min_run_blocks, int) or isinstance(min_run_blocks, bool) or min_run_blocks < 1:

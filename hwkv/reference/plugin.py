@@ -42,7 +42,7 @@ OFFLOAD_CONFIG = {
     "store": "bool, default True: store newly full device blocks into the tier (False: load-only)",
     "async_load": "bool, default False: load in the background while the request waits (False: the load "
                   "runs in the step that computes the rest of the prompt, which waits for it on the device)",
-    "store_batch_blocks": "int, default 16: newly full blocks are stored once this many wait (fewer, larger "
+    "store_batch_blocks": "int, default 32: newly full blocks are stored once this many wait (fewer, larger "
                           "copies; a finishing request's are stored at once)",
     "load_timeout_s": "float, default None: an async load still running after this is reported failed and "
                       "its tokens are recomputed",
