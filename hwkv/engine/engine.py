@@ -157,6 +157,8 @@ class Engine:
         ops = self.backend.decode_ops() if rt.decode_ops is not False else None
         if rt.decode_ops and ops is None:
             raise ValueError(f"decode_ops=True but backend {self.backend.name!r} offers none (allowed: False or None)")
+        if getattr(self.proposer, "needs_plain_forward", False):  # EAGLE-3 hooks inside the target's layers
+            ops = None
         try:
             self.model.set_decode_ops(ops, self.kv_cache.spec.dtype)
         except ValueError:  # the ops cannot serve this model: True says why, None runs without them

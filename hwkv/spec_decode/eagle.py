@@ -73,26 +73,36 @@ class EagleHead(nn.Module):
             g = self.inner.model.norm(g)
         return F.linear(g, self.lm_head).float()
 
+    def to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids  # the target's vocabulary
 
-def load_eagle_head(path: str, backend: Any, dtype: torch.dtype, max_positions: int) -> tuple[EagleHead, dict]:
-    """The head at ``path`` and its own optional tensors (``embed``, ``lm_head``) by name."""
-    from hwkv.model.config import ModelConfig
+    def target_states(self, target: Any, h: torch.Tensor) -> torch.Tensor:
+        return target.model.norm(h)  # the final normed states (what the target's lm_head reads)
+
+
+def read_head(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """``(config.json, tensors by name without a 'model.' prefix)`` of the head at ``path``."""
     from hwkv.model.loader import ModelLoadError, iter_weights, weight_files
 
     cfg_path = Path(path) / "config.json"
     if not cfg_path.is_file():
         raise ValueError(f"EAGLE head {path}: config.json not found")
-    raw = json.loads(cfg_path.read_text())
-    raw["architectures"] = ["LlamaForCausalLM"]  # EAGLE-1 heads are Llama layers whatever they call themselves
-    config = ModelConfig.from_dict(raw, source=str(cfg_path))
-    tensors: dict[str, torch.Tensor] = {}
-    for _, name, t in iter_weights(weight_files(path)):
-        tensors[name.removeprefix("model.")] = t
+    tensors = {name.removeprefix("model."): t for _, name, t in iter_weights(weight_files(path))}
     if "fc.weight" not in tensors:
-        raise ModelLoadError(f"EAGLE head {path}: no 'fc.weight' tensor (is this an EAGLE-1 head? "
+        raise ModelLoadError(f"EAGLE head {path}: no 'fc.weight' tensor (is this an EAGLE head? "
                              f"found {sorted(tensors)[:6]}...)")
-    if config.num_layers != 1 and any(k.startswith("midlayer.") for k in tensors):
-        raise ModelLoadError(f"EAGLE head {path}: EAGLE-3 heads (midlayer.*) are not supported (allowed: EAGLE-1)")
+    return json.loads(cfg_path.read_text()), tensors
+
+
+def load_eagle_head(path: str, raw: dict[str, Any], tensors: dict[str, torch.Tensor], backend: Any,
+                    dtype: torch.dtype, max_positions: int) -> tuple[EagleHead, dict]:
+    """The EAGLE-1 head at ``path`` and its own optional tensors (``embed``, ``lm_head``) by name."""
+    from hwkv.model.config import ModelConfig
+    from hwkv.model.loader import ModelLoadError
+
+    raw = dict(raw, architectures=["LlamaForCausalLM"])  # EAGLE-1 heads are Llama layers whatever their name
+    config = ModelConfig.from_dict(raw, source=str(Path(path) / "config.json"))
+    tensors = dict(tensors)
     device = backend.device.torch_device
     head = EagleHead(config, backend, device, dtype, max_positions, "fc.bias" in tensors,
                      "layers.0.input_layernorm.weight" in tensors, "norm.weight" in tensors)
@@ -110,7 +120,8 @@ def load_eagle_head(path: str, backend: Any, dtype: torch.dtype, max_positions: 
             if key not in slots:
                 raise ModelLoadError(f"EAGLE head {path}: unexpected tensor {name!r}")
             slots[key].copy_(_shaped(t, slots[key], name, path))
-    need = [n for n in slots if n.startswith("model.layers.0.") and "input_layernorm" not in n]
+    optional = {"model.layers.0.input_layernorm.weight", "model.norm.weight"}  # EAGLE-1 has neither
+    need = [n for n in slots if n not in optional]
     missing = [n for n in need if n.removeprefix("model.") not in tensors]
     if missing:
         raise ModelLoadError(f"EAGLE head {path}: checkpoint lacks {missing[:4]}")
@@ -134,24 +145,47 @@ class EagleProposer:
 
     @classmethod
     def load(cls, cfg: SpeculativeConfig, engine: Any) -> EagleProposer:
-        target = engine.model
-        head, own = load_eagle_head(cfg.model, engine.backend, target.dtype, target.config.max_model_len)
-        hc, tc = head.config, target.config
-        if hc.hidden_size != tc.hidden_size:
-            raise ValueError(f"EAGLE head {cfg.model} has hidden_size {hc.hidden_size}, the target "
+        from hwkv.spec_decode.eagle3 import is_eagle3, load_eagle3_head
+
+        target, tc = engine.model, engine.model.config
+        raw, tensors = read_head(cfg.model)
+        v3 = is_eagle3(cfg.model, tensors)
+        if v3 != (cfg.method == "eagle3"):
+            kind, other = ("an EAGLE-3", "eagle3") if v3 else ("an EAGLE-1", "eagle")
+            raise ValueError(f"speculative_config: {cfg.model} is {kind} head (allowed: method {other!r} for it)")
+        if raw.get("hidden_size") != tc.hidden_size:
+            raise ValueError(f"EAGLE head {cfg.model} has hidden_size {raw.get('hidden_size')}, the target "
                              f"{tc.hidden_size} (allowed: a head trained for this target)")
-        if cfg.method == "eagle3":
-            raise ValueError("speculative_config method 'eagle3' is not supported yet (allowed: 'eagle', "
-                             "an EAGLE-1 head)")
+        if v3:
+            head, own = load_eagle3_head(cfg.model, raw, tensors, engine.backend, target)
+        else:
+            head, own = load_eagle_head(cfg.model, raw, tensors, engine.backend, target.dtype, tc.max_model_len)
         dev = target.lm_head_weight.device
         head.embed = own["embed_tokens.weight"].to(dev, target.dtype) if "embed_tokens.weight" in own \
             else target.model.embed_tokens.weight
         head.lm_head = own["lm_head.weight"].to(dev, target.dtype) if "lm_head.weight" in own else target.lm_head_weight
+        draft_vocab = head.lm_head.shape[0]
+        if "d2t" in own:
+            if tuple(own["d2t"].shape) != (draft_vocab,):
+                raise ValueError(f"EAGLE head {cfg.model}: d2t has shape {tuple(own['d2t'].shape)}, the head's "
+                                 f"lm_head has {draft_vocab} rows")
+            head.d2t = own["d2t"].to(dev, torch.long)
+        elif draft_vocab != tc.vocab_size:
+            raise ValueError(f"EAGLE head {cfg.model}: lm_head has {draft_vocab} rows and no d2t maps them to the "
+                             f"target's {tc.vocab_size} (allowed: a d2t tensor, or the target's vocabulary)")
         for name, w in (("embed_tokens", head.embed), ("lm_head", head.lm_head)):
-            if tuple(w.shape) != (tc.vocab_size, tc.hidden_size):
-                raise ValueError(f"EAGLE head {cfg.model}: {name} has shape {tuple(w.shape)}, the target's vocabulary "
-                                 f"needs {(tc.vocab_size, tc.hidden_size)}")
+            if w.shape[1] != tc.hidden_size or (name == "embed_tokens" and w.shape[0] != tc.vocab_size):
+                raise ValueError(f"EAGLE head {cfg.model}: {name} has shape {tuple(w.shape)}, which does not fit the "
+                                 f"target (vocab {tc.vocab_size}, hidden {tc.hidden_size})")
         return cls(head, engine.backend, cfg.num_speculative_tokens)
+
+    @property
+    def needs_plain_forward(self) -> bool:
+        """EAGLE-3 reads states inside the target's layers: the fused decode ops skip them."""
+        return hasattr(self.head, "aux_layers")
+
+    def target_states(self, target: Any, h: torch.Tensor) -> torch.Tensor:
+        return self.head.target_states(target, h)
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return self.head.inner.kv_cache_spec(1, block_size).bytes_per_block
@@ -198,7 +232,7 @@ class EagleProposer:
         s_slots = slots[[i for _, i, _ in live]]
         s_ntok = ntok[[i for _, i, _ in live]]
         cap = np.array([c for _, _, c in live])
-        drafts = [self.head.logits(g).argmax(-1).cpu().numpy()]
+        drafts = [self.head.to_target(self.head.logits(g).argmax(-1)).cpu().numpy()]
         for j in range(1, int(cap.max())):  # pair (draft j, own state) at position num_tokens - 2 + j
             keep = np.flatnonzero(cap > j)
             kt = torch.from_numpy(keep).to(g.device)
@@ -207,7 +241,7 @@ class EagleProposer:
                                g.index_select(0, kt))
             g = g.index_copy(0, kt, gk)
             nxt = np.zeros(len(cap), dtype=np.int64)
-            nxt[keep] = self.head.logits(gk).argmax(-1).cpu().numpy()
+            nxt[keep] = self.head.to_target(self.head.logits(gk).argmax(-1)).cpu().numpy()
             drafts.append(nxt)
         d = np.stack(drafts, 1)
         for r, (j, _, c) in enumerate(live):

@@ -91,7 +91,7 @@ class SpecModelRunner(ModelRunner):
                 h = self.model.forward_hidden(inp.input_ids, inp.positions, self.kv_cache, inp.attn_metadata,
                                               inp.slot_mapping)
                 logits = self.model.compute_logits(h, inp.logits_indices)
-                hidden = self.model.model.norm(h)
+                hidden = self.proposer.target_states(self.model, h)
             else:
                 logits = self._forward(inp)
         if not len(sample_idx):

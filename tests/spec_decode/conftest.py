@@ -66,3 +66,37 @@ def write_tiny_eagle(path, hidden_size: int = 64, vocab_size: int = 512, seed: i
 @pytest.fixture(scope="session")
 def tiny_eagle(tmp_path_factory) -> str:
     return write_tiny_eagle(tmp_path_factory.mktemp("spec") / "eagle")
+
+
+def write_tiny_eagle3(path, hidden_size: int = 64, draft_vocab: int = 128, seed: int = 0, heads: int = 4,
+                      kv_heads: int = 2, aux=(0, 1, 1)):
+    """A random-weight EAGLE-3 head with the published names (``midlayer.*``, ``fc [H, 3H]``,
+    ``hidden_norm``, ``norm``, a draft-vocabulary ``lm_head`` and ``d2t``: draft id i -> target 3 i)."""
+    import json
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    h, inter, hd = hidden_size, 2 * hidden_size, hidden_size // heads
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": h,
+           "intermediate_size": inter, "num_hidden_layers": 1, "num_attention_heads": heads,
+           "num_key_value_heads": kv_heads, "vocab_size": 512, "draft_vocab_size": draft_vocab,
+           "rms_norm_eps": 1e-6, "max_position_embeddings": 512, "rope_theta": 10000.0, "torch_dtype": "float32",
+           "eagle_aux_hidden_state_layer_ids": list(aux)}
+    (path / "config.json").write_text(json.dumps(cfg))
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g) * 0.1  # noqa: E731
+    m = "midlayer."
+    w = {"fc.weight": r(h, len(aux) * h), m + "self_attn.q_proj.weight": r(heads * hd, 2 * h),
+         m + "self_attn.k_proj.weight": r(kv_heads * hd, 2 * h), m + "self_attn.v_proj.weight": r(kv_heads * hd, 2 * h),
+         m + "self_attn.o_proj.weight": r(h, heads * hd), m + "mlp.gate_proj.weight": r(inter, h),
+         m + "mlp.up_proj.weight": r(inter, h), m + "mlp.down_proj.weight": r(h, inter),
+         m + "input_layernorm.weight": torch.ones(h), m + "hidden_norm.weight": torch.ones(h),
+         m + "post_attention_layernorm.weight": torch.ones(h), "norm.weight": torch.ones(h),
+         "lm_head.weight": r(draft_vocab, h), "d2t": 2 * torch.arange(draft_vocab),
+         "t2d": torch.zeros(512, dtype=torch.bool)}
+    save_file(w, str(path / "model.safetensors"))
+    return str(path)

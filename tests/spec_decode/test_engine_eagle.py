@@ -88,7 +88,7 @@ def test_bad_heads_refused(tiny_model: str, tiny_eagle: str, tmp_path) -> None:
     with pytest.raises(ModelLoadError, match="fc.weight"):
         Engine(tiny_model, num_kv_blocks=16, block_size=4,
                speculative_config={"method": "eagle", "num_speculative_tokens": 2, "model": str(nofc)})
-    with pytest.raises(ValueError, match="eagle3"):
+    with pytest.raises(ValueError, match="EAGLE-1 head"):
         Engine(tiny_model, num_kv_blocks=16, block_size=4,
                speculative_config={"method": "eagle3", "num_speculative_tokens": 2, "model": tiny_eagle})
 
@@ -100,3 +100,42 @@ def test_head_with_own_embedding_and_fc_bias(tiny_model: str, tmp_path) -> None:
     outs, eng = _run(tiny_model, prompts, GREEDY, {"method": "eagle", "num_speculative_tokens": 2, "model": head})
     assert [o.token_ids for o in outs] == [o.token_ids for o in base]
     assert eng.proposer.head.embed is not eng.model.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("case", ["default", "preemption_tiny_pool"])
+def test_eagle3_greedy_identity_and_vocab_map(tiny_model: str, tmp_path, case: str) -> None:
+    from .conftest import write_tiny_eagle3
+
+    head = write_tiny_eagle3(tmp_path / "e3")
+    prompts = _prompts(seed=24)
+    base, _ = _run(tiny_model, prompts, GREEDY, **CASES[case])
+    spec = {"method": "eagle3", "num_speculative_tokens": 3, "model": head}
+    eng = Engine(tiny_model, num_kv_blocks=CASES[case].get("num_kv_blocks", 96), block_size=4,
+                 max_num_seqs=CASES[case].get("max_num_seqs", 256), speculative_config=spec)
+    drafted = []
+    orig = eng.proposer.propose_with_hidden
+
+    def spy(*a):
+        out = orig(*a)
+        drafted.extend(t for d in out for t in d)
+        return out
+
+    eng.proposer.propose_with_hidden = spy
+    outs = eng.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+    assert drafted and all(t % 3 == 0 for t in drafted)  # draft ids mapped through d2t (i -> 3 i)
+    assert eng.model.decode_ops is None
+    assert eng.kv_cache_manager.num_free_blocks == eng.kv_cache.spec.num_blocks
+
+
+def test_eagle3_head_refused_under_eagle_and_bad_aux(tiny_model: str, tmp_path) -> None:
+    from .conftest import write_tiny_eagle3
+
+    head = write_tiny_eagle3(tmp_path / "e3")
+    with pytest.raises(ValueError, match="EAGLE-3 head"):
+        Engine(tiny_model, num_kv_blocks=16, block_size=4,
+               speculative_config={"method": "eagle", "num_speculative_tokens": 2, "model": head})
+    bad = write_tiny_eagle3(tmp_path / "bad", aux=(0, 1, 5))
+    with pytest.raises(ValueError, match="aux hidden-state layers"):
+        Engine(tiny_model, num_kv_blocks=16, block_size=4,
+               speculative_config={"method": "eagle3", "num_speculative_tokens": 2, "model": bad})
