@@ -163,3 +163,17 @@ def test_layer_hooks_and_graphs(model_dir):
     assert e.runner.graphs is None and e.async_scheduling
     assert run_one_by_one(e, prompts) == want
     assert _per_forward(conn.calls, e.model.config.num_layers) == e.stats()["num_steps"]
+
+
+def test_offload_keeps_graphs_async_scheduling_and_its_results(model_dir):
+    """The offload connector acts between forwards only: graphs and async scheduling stay on, and a
+    host-tier hit replays into the same tokens through the graph path."""
+    from hwkv.testing.graphs import GraphCpuBackend
+
+    want = run_one_by_one(engine(model_dir), workload())
+    e = engine(model_dir, backend=GraphCpuBackend(), kv_connector="offload",
+               kv_connector_config={"cpu_bytes": 1 << 20}, fuse_elementwise=False)
+    assert e.runner.graphs is not None and e.async_scheduling
+    assert run_one_by_one(e, workload()) == want
+    assert e.runner.num_graph_steps > 0 and e.stats()["kv_connector"]["external_hit_tokens"] == 2 * 4 * 16
+    assert_no_leak(e)
