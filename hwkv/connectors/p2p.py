@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from hwkv.connectors.copy import copy_block_pairs
 from hwkv.connectors.p2p_channel import SideChannel, call
 from hwkv.connectors.p2p_protocol import (
     Ack,
@@ -74,8 +75,8 @@ class P2PConnector(KVConnectorBase):
     name = "p2p"
 
     def __init__(self, role: str, mode: str = "pull", host: str = "127.0.0.1", side_channel_port: int = 0,
-                 protocol: str = "tcp", metadata_server: str = "P2PHANDSHAKE", device_name: str = "",
-                 transfer_timeout_s: float = 10.0, hold_timeout_s: float = 60.0):
+                 protocol: str = "auto", metadata_server: str = "P2PHANDSHAKE", device_name: str = "",
+                 transfer_timeout_s: float = 10.0, hold_timeout_s: float = 60.0, staging: bool | None = None):
         if role not in ROLES:
             raise ValueError(f"p2p: role={role!r} is invalid (allowed: {', '.join(ROLES)})")
         if mode not in MODES:
@@ -89,6 +90,11 @@ class P2PConnector(KVConnectorBase):
         self.role, self.mode, self.host, self.port = role, mode, host, side_channel_port
         self.protocol, self.metadata_server, self.device_name = protocol, metadata_server, device_name
         self.transfer_timeout_s, self.hold_timeout_s = float(transfer_timeout_s), float(hold_timeout_s)
+        self.staging = staging
+        self._backend_protocols: tuple[str, ...] | None = None
+        self._backend_reason = ""
+        self.dev: Any = None
+        self.host_kv: Any = None  # staging: pinned host mirror of the device KV (same block ids)
         self.engine_id = uuid.uuid4().hex[:16]
         self.kv: Any = None
         self.layout: Layout | None = None
@@ -113,19 +119,54 @@ class P2PConnector(KVConnectorBase):
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         self.kv = kv_cache_manager
 
+    def bind_backend(self, backend: Any) -> None:
+        caps = backend.capabilities
+        self._backend_protocols, self._backend_reason = tuple(caps.transfer_protocols), caps.transfer_reason
+
+    def bind_device(self, device: Any) -> None:
+        self.dev = device
+
+    def _resolve_protocol(self, on_host: bool) -> str:
+        declared = self._backend_protocols
+        if self.protocol != "auto":
+            if declared and self.protocol not in declared and not (self.protocol == "tcp" and on_host):
+                raise ValueError(f"p2p: protocol {self.protocol!r} is not offered by the backend (allowed: "
+                                 f"{', '.join(declared)}, or 'auto')")
+            return self.protocol
+        if declared:  # the backend's preference: rdma/ascend where its devices register memory directly
+            return declared[0]
+        if on_host:
+            return "tcp"
+        raise ValueError(f"p2p: the backend declares no transfer protocol ({self._backend_reason or 'none'})")
+
     def register_kv_caches(self, kv_cache: Any) -> None:
         from hwkv.transfer.mooncake import MooncakeTransfer
 
-        if kv_cache.device.type != "cpu" and self.protocol == "tcp":
+        on_host = kv_cache.device.type == "cpu"
+        self.protocol = self._resolve_protocol(on_host)
+        staging = (not on_host and self.protocol == "tcp") if self.staging is None else bool(self.staging)
+        if not on_host and self.protocol == "tcp" and not staging:
             raise ValueError(f"p2p: protocol 'tcp' moves host memory but the KV cache is on {kv_cache.device} "
-                             "(allowed: a host KV cache with tcp, or protocol 'rdma' / 'ascend' for device memory)")
+                             "(allowed: staging=True or None, or protocol 'rdma' / 'ascend' for device memory)")
         self.kv_cache = kv_cache
+        if staging:  # tcp from a device: through a pinned host mirror of the pool (same block ids)
+            self.host_kv = self.dev.allocate_kv_cache(kv_cache.spec, kv_cache.layout, host=True)
+        xfer = self.host_kv if staging else kv_cache
         self.transfer = MooncakeTransfer(protocol=self.protocol, host=self.host, metadata_server=self.metadata_server,
                                          device_name=self.device_name, timeout_s=self.transfer_timeout_s)
-        for t in kv_cache.tensors:
+        for t in xfer.tensors:
             self.transfer.register(t.data_ptr(), t.numel() * t.element_size())
-        self.layout = layout_of(kv_cache, self.engine_id, self.transfer.endpoint(), self.protocol)
+        self.layout = layout_of(xfer, self.engine_id, self.transfer.endpoint(), self.protocol)
         self.channel = SideChannel(self.host, self.port, self._handle)
+
+    def _stage(self, to_host: bool, block_ids: list[int]) -> None:
+        """Staging: copy ``block_ids`` between the device pool and its host mirror, and wait for it."""
+        src, dst = (self.kv_cache, self.host_kv) if to_host else (self.host_kv, self.kv_cache)
+        stream = self.dev.current_stream()  # behind the forwards that wrote (or will read) the blocks
+        copy_block_pairs(self.dev, src, dst, block_ids, block_ids, stream)
+        ev = self.dev.new_event()
+        ev.record(stream)
+        ev.synchronize()
 
     def shutdown(self) -> None:
         if self.channel is not None:
@@ -193,6 +234,8 @@ class P2PConnector(KVConnectorBase):
         ids = list(block_ids[:-(-n // self.layout.block_size)])
         if n < 1 or not ids:
             return False, None
+        if self.host_kv is not None:
+            self._stage(True, ids)  # the request's last forward is done: its KV is complete
         with self._lock:
             self._held[rid] = _Held(ids, n, time.monotonic() + self.hold_timeout_s)
         host, port = self.channel.address.rsplit(":", 1)  # type: ignore[union-attr]
@@ -364,6 +407,9 @@ class P2PConnector(KVConnectorBase):
             load.settled = True
             if not load.reported:
                 load.reported = True
+                if ok and self.host_kv is not None:
+                    bs = self.kv_cache.spec.block_size
+                    self._stage(False, [b.block_id for b in load.blocks[load.start // bs:-(-load.end // bs)]])
                 (recv if ok else failed).add(rid)
                 self.counters["loaded_bytes"] += nbytes if ok else 0
         now = time.monotonic()

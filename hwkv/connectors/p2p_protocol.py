@@ -128,13 +128,14 @@ def incompatibility(mine: Layout, theirs: Layout) -> str:
     for what in ("protocol", "num_layers", "head_size", "dtype"):
         a, b = getattr(mine, what), getattr(theirs, what)
         if a != b:
-            return f"{what} differs: {a!r} here, {b!r} at engine {theirs.engine_id}"
+            return f"{what} differs: {a!r} at engine {mine.engine_id}, {b!r} at engine {theirs.engine_id}"
     if mine.tp_size != theirs.tp_size or mine.num_kv_heads != theirs.num_kv_heads:
-        return (f"tensor-parallel split differs (here tp={mine.tp_size} with {mine.num_kv_heads} KV heads per rank, "
-                f"engine {theirs.engine_id} tp={theirs.tp_size} with {theirs.num_kv_heads}): heterogeneous TP "
-                "is not supported by the p2p connector (allowed: equal tp and KV heads per rank)")
+        return (f"tensor-parallel split differs (engine {mine.engine_id} tp={mine.tp_size} with {mine.num_kv_heads} "
+                f"KV heads per rank, engine {theirs.engine_id} tp={theirs.tp_size} with {theirs.num_kv_heads}): "
+                "heterogeneous TP is not supported by the p2p connector (allowed: equal tp and KV heads per rank)")
     if mine.head_start != theirs.head_start:
-        return f"KV head ranges differ (first head {mine.head_start} here, {theirs.head_start} there)"
+        return (f"KV head ranges differ (first head {mine.head_start} at engine {mine.engine_id}, "
+                f"{theirs.head_start} at engine {theirs.engine_id})")
     for lay in (mine, theirs):
         if lay.layout not in (PER_LAYER, SEPARATE_KV, CROSS_LAYER):
             return f"KV layout {lay.layout!r} of engine {lay.engine_id} is unknown (allowed: per_layer, " \

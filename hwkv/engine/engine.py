@@ -136,6 +136,8 @@ class Engine:
         self._hasher = make_block_hasher(cc.block_size)
         self.async_scheduling = rt.async_scheduling
         connector = cfg.kv_transfer.connector if cfg.kv_transfer is not None else None
+        if connector is not None and hasattr(connector, "bind_backend"):  # optional: e.g. its transfer protocols
+            connector.bind_backend(self.backend)
         self.scheduler = Scheduler(cfg.scheduler, self.kv_cache_manager, connector,
                                    spec.num_lookahead_tokens if spec is not None else 0)
         runner_args = (self.model, self.backend, self.kv_cache, cc.block_size, max_num_seqs, self.max_model_len,

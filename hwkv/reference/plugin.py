@@ -54,7 +54,10 @@ P2P_CONFIG = {
             "producer WRITEs into blocks the consumer allocated); both sides must agree",
     "host": "str, default '127.0.0.1': address of the side channel and the transfer endpoint",
     "side_channel_port": "int, default 0: ZMQ side-channel port (0: any free one; it travels in kv_transfer_params)",
-    "protocol": "str, default 'tcp': Mooncake transport ('tcp', 'rdma', 'ascend')",
+    "protocol": "str, default 'auto': Mooncake transport ('tcp', 'rdma', 'ascend'); auto: the backend's first "
+                "declared one, else tcp for a host KV cache",
+    "staging": "bool, default None: move KV through a pinned host mirror of the pool (None: when tcp meets a "
+               "device KV cache, the only way tcp reaches GPU memory)",
     "metadata_server": "str, default 'P2PHANDSHAKE': Mooncake metadata (P2PHANDSHAKE needs no service)",
     "device_name": "str, default '': RDMA devices for protocol 'rdma' (empty: auto)",
     "transfer_timeout_s": "float, default 10: bound of every side-channel call and transfer; a load not done "

@@ -64,11 +64,14 @@ def assert_clean(*engines: hwkv.Engine) -> None:
         assert not e.scheduler.delayed_free
 
 
-@pytest.fixture(params=["pull", "push"])
+@pytest.fixture(params=["pull", "push", "push-staged"])
 def pair(request, model_dir):
-    mode = request.param
-    p = engine(model_dir, num_kv_blocks=16, kv_connector="p2p", kv_connector_config=cfg("producer", mode))
-    d = engine(model_dir, num_kv_blocks=16, kv_connector="p2p", kv_connector_config=cfg("consumer", mode))
+    mode, staged = request.param.split("-")[0], request.param.endswith("staged")
+    # staged: through a host mirror of the pool, as tcp from a GPU does (here host to host)
+    p = engine(model_dir, num_kv_blocks=16, kv_connector="p2p",
+               kv_connector_config=cfg("producer", mode, staging=staged))
+    d = engine(model_dir, num_kv_blocks=16, kv_connector="p2p",
+               kv_connector_config=cfg("consumer", mode, staging=staged))
     yield p, d
     p.close()
     d.close()
@@ -153,3 +156,24 @@ def test_bad_config_is_refused_naming_what_is_allowed(model_dir):
         engine(model_dir, kv_connector="p2p", kv_connector_config={"role": "x"})
     with pytest.raises(ValueError, match="mode='pool' is invalid.*pull, push"):
         engine(model_dir, kv_connector="p2p", kv_connector_config={"role": "producer", "mode": "pool"})
+
+
+def test_untranslatable_layout_is_refused_at_handshake_and_recomputed(model_dir, caplog):
+    p = engine(model_dir, num_kv_blocks=16, dtype="float32", kv_connector="p2p",
+               kv_connector_config=cfg("producer", "pull"))
+    d = engine(model_dir, num_kv_blocks=16, dtype="bfloat16", kv_connector="p2p",
+               kv_connector_config=cfg("consumer", "pull"))
+    try:
+        want = [o.token_ids for o in engine(model_dir, num_kv_blocks=16, dtype="bfloat16").generate(
+            [prompts()[3]], greedy(6), use_tqdm=False)]
+        with caplog.at_level("WARNING"):
+            assert [decode(d, prompts()[3], prefill(p, prompts()[3]))] == want
+        pid, did = p.scheduler.connector.engine_id, d.scheduler.connector.engine_id
+        assert f"handshake with {p.scheduler.connector.channel.address} refused: dtype differs: 'float32' at " \
+            f"engine {pid}, 'bfloat16' at engine {did}" in caplog.text
+        assert d.stats()["kv_connector"]["load_failures"] == 1
+        p.scheduler.connector._held.clear()  # never fetched: the hold would expire later
+        p.scheduler.delayed_free.clear()
+    finally:
+        p.close()
+        d.close()

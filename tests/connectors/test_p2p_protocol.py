@@ -1,0 +1,91 @@
+"""p2p wire protocol: byte segments translate every pair of KV layouts and block sizes exactly
+(moved with memmove here, as a transfer engine would), merge what is contiguous on both sides, and
+the handshake check names what cannot be translated."""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+
+import pytest
+import torch
+
+from hwkv.connectors.p2p_protocol import (
+    Acquire,
+    Hello,
+    decode,
+    encode,
+    incompatibility,
+    layout_of,
+    pair_segments,
+    prompt_digest,
+)
+from hwkv.interfaces.layout import KVCache, KVCacheSpec, KVLayoutKind
+
+LAYOUTS = list(KVLayoutKind)
+
+
+def cache(layout: KVLayoutKind, block_size: int, num_blocks: int = 12, fill: bool = False) -> KVCache:
+    spec = KVCacheSpec(num_layers=3, num_blocks=num_blocks, block_size=block_size, num_kv_heads=2, head_size=4,
+                       dtype=torch.float32)
+    kv = KVCache.allocate(spec, layout)
+    if fill:
+        for t in kv.tensors:
+            t.copy_(torch.randn(t.shape))
+    return kv
+
+
+def kv_of(kv: KVCache, layer: int, blocks: list[int], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the first ``n`` tokens of a request whose blocks are ``blocks``: [n, H, D] each."""
+    lk = kv.layer(layer)
+    k, v = lk if isinstance(lk, tuple) else (lk[:, 0], lk[:, 1])
+    idx = torch.tensor(blocks)
+    flat = lambda t: t[idx].reshape(-1, *t.shape[2:])[:n]  # noqa: E731
+    return flat(k), flat(v)
+
+
+@pytest.mark.parametrize("src_l, dst_l", list(itertools.product(LAYOUTS, LAYOUTS)))
+@pytest.mark.parametrize("src_bs, dst_bs", [(4, 4), (4, 8), (8, 4), (4, 2)])
+def test_segments_move_exactly_the_token_range(src_l, dst_l, src_bs, dst_bs):
+    src, dst = cache(src_l, src_bs, fill=True), cache(dst_l, dst_bs, num_blocks=24)
+    n, start = 19, 8  # the consumer already holds [0, start) (a prefix-cache hit)
+    sb = [5, 6, 7, 1, 2, 9][:-(-n // src_bs)]
+    db = [3, 4, 10, 11, 12, 20, 0, 13, 14, 15][:-(-n // dst_bs)]
+    a, b = layout_of(src, "p", "x", "tcp"), layout_of(dst, "d", "y", "tcp")
+    assert incompatibility(a, b) == ""
+    sp, dp, ln = pair_segments(a, b, sb, db, start, n)
+    for s, d, k in zip(sp, dp, ln):
+        ctypes.memmove(d, s, k)
+    for layer in range(3):
+        (ks, vs), (kd, vd) = kv_of(src, layer, sb, n), kv_of(dst, layer, db, n)
+        assert torch.equal(ks[start:], kd[start:]) and torch.equal(vs[start:], vd[start:])
+        assert not kd[:start].any() and not vd[:start].any()  # nothing outside the range was written
+    assert sum(ln) == 3 * 2 * (n - start) * 2 * 4 * 4
+
+
+def test_contiguous_runs_merge_into_one_segment_per_tensor():
+    src, dst = cache(KVLayoutKind.PER_LAYER, 4), cache(KVLayoutKind.PER_LAYER, 4)
+    a, b = layout_of(src, "p", "x", "tcp"), layout_of(dst, "d", "y", "tcp")
+    sp, dp, ln = pair_segments(a, b, [2, 3, 4, 8], [5, 6, 7, 9], 0, 16)
+    assert len(ln) == 2 * 3  # per layer: the run 2..4 → 5..7 (K and V halves merged), then 8 → 9
+    sp, dp, ln = pair_segments(a, b, [2, 3], [5, 6], 0, 8, layers=range(1, 2))
+    assert len(ln) == 1 and ln[0] == 2 * src.block_nbytes(1)
+
+
+def test_incompatibilities_are_named():
+    base = cache(KVLayoutKind.PER_LAYER, 4)
+    a = layout_of(base, "p", "x", "tcp")
+    spec = KVCacheSpec(3, 12, 4, 2, 4, torch.bfloat16)
+    other = layout_of(KVCache.allocate(spec, KVLayoutKind.PER_LAYER), "d", "y", "tcp")
+    assert "dtype differs: 'float32' at engine p, 'bfloat16' at engine d" in incompatibility(a, other)
+    spec = KVCacheSpec(3, 12, 4, 1, 4, torch.float32)
+    why = incompatibility(a, layout_of(KVCache.allocate(spec, KVLayoutKind.PER_LAYER), "d", "y", "tcp", tp_size=2))
+    assert "heterogeneous TP is not supported" in why and "tp=2" in why
+    assert "protocol differs" in incompatibility(a, layout_of(base, "d", "y", "rdma"))
+
+
+def test_messages_round_trip_without_pickle():
+    lay = layout_of(cache(KVLayoutKind.SEPARATE_KV, 4), "e", "127.0.0.1:1", "tcp")
+    assert decode(encode(Hello(lay))) == Hello(lay)
+    assert decode(encode(Acquire("r-1"))) == Acquire("r-1")
+    assert prompt_digest([1, 2, 3], None) != prompt_digest([1, 2, 3], "salt") != prompt_digest([1, 2, 4], "salt")
