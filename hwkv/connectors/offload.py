@@ -340,15 +340,17 @@ class OffloadConnector(KVConnectorBase):
         written = dev.new_event()
         written.record()  # behind this step's forward: the blocks it fills are written
         stream.wait_event(written)
-        for job_id, device_ids, host_ids in meta.stores:
-            try:
-                copy_block_pairs(dev, self.device_kv, self.host_kv, device_ids, host_ids, stream, self.min_run_blocks)
-                ok = True
-            except Exception:
-                ok = False  # the tier just does not get these blocks
-            ev = dev.new_event()
-            ev.record(stream)
-            self._flights.append(_Flight(job_id, ev, ok))
+        # one batched copy for every store of the step (a launch per KV tensor, not per request)
+        device_ids = [b for _, d, _ in meta.stores for b in d]
+        host_ids = [b for _, _, h in meta.stores for b in h]
+        try:
+            copy_block_pairs(dev, self.device_kv, self.host_kv, device_ids, host_ids, stream, self.min_run_blocks)
+            ok = True
+        except Exception:
+            ok = False  # the tier just does not get these blocks
+        ev = dev.new_event()
+        ev.record(stream)
+        self._flights += [_Flight(job_id, ev, ok) for job_id, _, _ in meta.stores]
 
     def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput | None:
         self._meta = None if self._meta is None or (self._meta.issued_loads and self._meta.issued_stores) \
