@@ -33,9 +33,12 @@ def expand_batch(batch: SamplingBatch, draft_token_ids: list[list[int]]) -> Samp
     accepted), so penalties and ``min_tokens`` see exactly what non-speculative sampling would."""
     params, outs, prompts = [], [], []
     for r, drafts in enumerate(draft_token_ids):
+        sp, out = batch.params[r], batch.output_token_ids[r]
+        # only penalties and a pending min_tokens read the outputs: skip the copies otherwise
+        exact = sp.uses_penalties or len(out) < sp.min_tokens
         for j in range(len(drafts) + 1):
-            params.append(batch.params[r])
-            outs.append(batch.output_token_ids[r] + drafts[:j] if j else batch.output_token_ids[r])
+            params.append(sp)
+            outs.append(out + drafts[:j] if j and exact else out)
             if batch.prompt_token_ids is not None:
                 prompts.append(batch.prompt_token_ids[r])
     return SamplingBatch(params, outs, prompts if batch.prompt_token_ids is not None else None, None,
