@@ -21,10 +21,17 @@ def timed_phases(engine: Any, acc: dict[str, float], clock: Any = time.perf_coun
     exclusive of nested phases; returns what to pass to :func:`untime`."""
     stack: list[float] = []  # time nested phases took inside the running one
     wrapped = []
+    targets = []
     for path, name, key in PHASES:
         obj = engine
         for part in filter(None, path.split(".")):
             obj = getattr(obj, part, None)
+        targets.append((obj, name, key))
+    g = engine.runner.graphs
+    if g is not None:  # inside graph_copy_replay: the wait for the staging buffers, the graph launch call
+        targets.append((g._copied, "synchronize", "graph_staging_wait"))
+        targets += [(entry[0], "replay", "graph_launch") for entry in g.graphs.values()]
+    for obj, name, key in targets:
         fn = getattr(obj, name, None) if obj is not None else None
         if fn is None:
             continue
@@ -40,7 +47,10 @@ def timed_phases(engine: Any, acc: dict[str, float], clock: Any = time.perf_coun
                 acc[_key] = acc.get(_key, 0.0) + dt - inner
                 if stack:
                     stack[-1] += dt
-        setattr(obj, name, wrapper)
+        try:
+            setattr(obj, name, wrapper)
+        except (AttributeError, TypeError):  # an object without a __dict__: not timed apart
+            continue
         wrapped.append((obj, name))
     return wrapped
 

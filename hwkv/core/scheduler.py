@@ -154,17 +154,22 @@ class Scheduler(SchedulerResults):
         threshold = cfg.long_prefill_token_threshold if cfg.enable_chunked_prefill else 0
         bs, slots, max_len, la = kv.block_size, self._num_slots, cfg.max_model_len, self.num_lookahead_tokens
         cached, num_sched = st.cached, st.num_sched
+        # hot loop (hundreds of decodes per step): locals, no property calls
+        loading, async_sched, partial, placeholders = self.loading, cfg.async_scheduling, st.partial, st.placeholders
+        add_id, add_blocks, add_computed = cached.req_ids.append, cached.new_block_ids.append, \
+            cached.num_computed_tokens.append
         i = 0
         while i < len(running) and st.budget > 0:
             req = running[i]
             rid, c, ph = req.request_id, req.num_computed_tokens, req.num_output_placeholders
-            if rid in self.loading:  # async: its load's step has not reported yet (module docstring)
+            if loading and rid in loading:  # async: its load's step has not reported yet (module docstring)
                 i += 1
                 continue
-            if ph and (req.num_output_tokens + ph >= req.max_tokens or req.num_tokens + ph >= max_len):
+            nt = len(req.all_token_ids)
+            if ph and (len(req.output_token_ids) + ph >= req.max_tokens or nt + ph >= max_len):
                 i += 1  # its pending token ends it by length: nothing more to plan
                 continue
-            n = len(req.all_token_ids) + ph + len(req.spec_token_ids) - c
+            n = nt + ph + len(req.spec_token_ids) - c
             if threshold and n > threshold:
                 n = threshold
             if n > st.budget:
@@ -190,20 +195,20 @@ class Scheduler(SchedulerResults):
                 if blocks:
                     slots[rid] += len(blocks) * bs
                     new_ids = [b.block_id for b in blocks]
-            if c + n < len(req.all_token_ids) + ph:
-                st.partial.add(rid)
-            elif cfg.async_scheduling:
+            if c + n < nt + ph:
+                partial.add(rid)
+            elif async_sched:
                 req.num_output_placeholders += 1
-                st.placeholders.add(rid)
+                placeholders.add(rid)
             if req.spec_token_ids:  # drafts past the last known token are verified; the rest dropped
-                num_spec = c + n - len(req.all_token_ids) - ph
+                num_spec = c + n - nt - ph
                 del req.spec_token_ids[max(num_spec, 0):]
                 if num_spec > 0:
                     st.spec[rid] = list(req.spec_token_ids)
             num_sched[rid] = n
-            cached.req_ids.append(rid)
-            cached.new_block_ids.append(new_ids)
-            cached.num_computed_tokens.append(c)
+            add_id(rid)
+            add_blocks(new_ids)
+            add_computed(c)
             req.num_computed_tokens = c + n
             st.budget -= n
             i += 1

@@ -37,6 +37,7 @@ class _Tracked:
     logprobs: list[Any] | None
     num_seen: int = 0
     error: str | None = None
+    metrics: CompletionMetrics | None = None  # the last output's, shared by later ones while unchanged
 
 
 class Engine:
@@ -415,8 +416,12 @@ class Engine:
         status = req.status
         finished = status > _LAST_UNFINISHED
         detok = tr.detok
-        metrics = CompletionMetrics(req.arrival_time, req.first_token_time, req.finish_time,
-                                    max(req.num_cached_tokens, 0), req.num_preemptions)
+        metrics = tr.metrics
+        # after the first token only a preemption or the finish changes a request's metrics
+        if finished or metrics is None or metrics.first_token_time is None \
+                or metrics.num_preemptions != req.num_preemptions:
+            metrics = tr.metrics = CompletionMetrics(req.arrival_time, req.first_token_time, req.finish_time,
+                                                     max(req.num_cached_tokens, 0), req.num_preemptions)
         return RequestOutput(
             tr.request_id, tr.prompt, req.prompt_token_ids, detok.text if finished else detok.stable_text,
             req.output_token_ids.copy(), finished, _FINISH_REASONS.get(status), metrics, req.stop_reason,
