@@ -33,6 +33,8 @@ class DraftModelProposer:
         self.kv_cache: Any = None
         # req_id -> (num_tokens when it proposed, its drafts): what its draft KV was computed with
         self._last: dict[str, tuple[int, list[int]]] = {}
+        self.graphs: Any = None  # the draft's own decode graphs (enable_graphs), where the target has them
+        self.num_graph_steps = 0
 
     @classmethod
     def load(cls, cfg: SpeculativeConfig, engine: Any) -> DraftModelProposer:
@@ -57,6 +59,15 @@ class DraftModelProposer:
         check_backend(self.backend, self.model, block_size)
         spec = self.model.kv_cache_spec(num_blocks, block_size)
         self.kv_cache = self.backend.device.allocate_kv_cache(spec, self.backend.attention.kv_layout)
+
+    def enable_graphs(self, runner: Any, max_batch: int, use_graphs: bool = True) -> None:
+        """Serve the one-token draft steps (every draft after the first) from captured graphs of the
+        draft model, bucketed like the target's (``use_graphs=False``: the same path run eagerly)."""
+        from hwkv.engine.graph_runner import GraphRunner
+
+        self.graphs = GraphRunner(self.model, self.kv_cache, runner.meta_builder, runner.dev, runner.block_size,
+                                  max_batch, runner.max_model_len, use_graphs)
+        self.graphs.capture()
 
     def drop(self, req_id: str) -> None:
         self._last.pop(req_id, None)
@@ -103,7 +114,11 @@ class DraftModelProposer:
     def _forward(self, runner: Any, slots: np.ndarray, ctx: np.ndarray, qlen: np.ndarray) -> np.ndarray:
         """Greedy next token of each row after feeding positions ``[ctx, ctx + qlen)`` of its token row."""
         batch = build_batch(runner.token_ids, runner.block_table, slots, ctx, qlen, ctx + qlen, runner.block_size)
-        inp = runner.device_inputs(batch)
-        logits = self.model.forward(inp.input_ids, inp.positions, self.kv_cache, inp.attn_metadata,
-                                    inp.logits_indices, slot_mapping=inp.slot_mapping)
+        logits = self.graphs.run(batch) if self.graphs is not None and batch.pure_decode else None
+        if logits is not None:
+            self.num_graph_steps += 1
+        else:
+            inp = runner.device_inputs(batch)
+            logits = self.model.forward(inp.input_ids, inp.positions, self.kv_cache, inp.attn_metadata,
+                                        inp.logits_indices, slot_mapping=inp.slot_mapping)
         return logits.argmax(-1).cpu().numpy()

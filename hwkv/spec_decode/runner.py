@@ -39,6 +39,11 @@ class SpecModelRunner(ModelRunner):
         self.proposer = proposer
         self.propose_s = 0.0  # wall time spent proposing (host-synchronised: drafts are read back)
 
+    def enable_graphs(self, max_batch: int, use_graphs: bool = True) -> None:
+        super().enable_graphs(max_batch, use_graphs)
+        if hasattr(self.proposer, "enable_graphs"):  # a draft model's one-token steps
+            self.proposer.enable_graphs(self, max_batch, use_graphs)
+
     def _drop(self, req_id: str) -> None:
         super()._drop(req_id)
         self.proposer.drop(req_id)

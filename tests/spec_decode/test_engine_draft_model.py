@@ -60,3 +60,20 @@ def test_vocab_mismatch_refused(tiny_model: str, tmp_path) -> None:
     with pytest.raises(ValueError, match="vocab_size"):
         Engine(tiny_model, num_kv_blocks=16, block_size=4,
                speculative_config={"method": "draft_model", "num_speculative_tokens": 2, "model": str(other)})
+
+
+def test_draft_steps_through_the_graph_path(tiny_model: str, tiny_draft: str) -> None:
+    """The draft's one-token steps run from static graph buffers (here the eager emulation of the
+    graph path, as on a backend that captures graphs); outputs unchanged."""
+    prompts = _prompts(seed=14)
+    base, _ = _run(tiny_model, prompts, GREEDY)
+    for draft in (tiny_model, tiny_draft):
+        eng = Engine(tiny_model, num_kv_blocks=96, block_size=4,
+                     speculative_config={"method": "draft_model", "num_speculative_tokens": 3, "model": draft})
+        eng.runner.enable_graphs(8, use_graphs=False)
+        outs = eng.generate(prompts, GREEDY, use_tqdm=False)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+        assert eng.proposer.num_graph_steps > 0
+        assert eng.kv_cache_manager.num_free_blocks == eng.kv_cache.spec.num_blocks
+        if draft == tiny_model:
+            assert eng.stats()["spec_decode"]["acceptance_rate"] > 0.97
