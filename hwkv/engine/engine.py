@@ -167,6 +167,8 @@ class Engine:
         except ValueError:  # the ops cannot serve this model: True says why, None runs without them
             if rt.decode_ops:
                 raise
+        if ops is not None and hasattr(self.proposer, "set_decode_ops"):
+            self.proposer.set_decode_ops(ops)  # a draft model's few-token forwards (where the ops serve it)
         if rt.graphs:
             self.runner.enable_graphs(rt.graph_max_batch)
         # Ids: the scheduler, runner and connector see internal ids "<request_id>-<n>", unique per

@@ -60,6 +60,14 @@ class DraftModelProposer:
         spec = self.model.kv_cache_spec(num_blocks, block_size)
         self.kv_cache = self.backend.device.allocate_kv_cache(spec, self.backend.attention.kv_layout)
 
+    def set_decode_ops(self, ops: Any) -> None:
+        """The backend's fused decode ops for the draft's few-token forwards; a draft they cannot
+        serve runs without them."""
+        try:
+            self.model.set_decode_ops(ops, self.kv_cache.spec.dtype)
+        except ValueError:
+            self.model.set_decode_ops(None)
+
     def enable_graphs(self, runner: Any, max_batch: int, use_graphs: bool = True) -> None:
         """Serve the one-token draft steps (every draft after the first) from captured graphs of the
         draft model, bucketed like the target's (``use_graphs=False``: the same path run eagerly)."""

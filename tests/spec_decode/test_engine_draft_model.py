@@ -77,3 +77,21 @@ def test_draft_steps_through_the_graph_path(tiny_model: str, tiny_draft: str) ->
         assert eng.kv_cache_manager.num_free_blocks == eng.kv_cache.spec.num_blocks
         if draft == tiny_model:
             assert eng.stats()["spec_decode"]["acceptance_rate"] > 0.97
+
+
+def test_draft_takes_the_backends_decode_ops_where_they_serve_it(tiny_model: str, tiny_draft: str) -> None:
+    eng = Engine(tiny_model, num_kv_blocks=16, block_size=4,
+                 speculative_config={"method": "draft_model", "num_speculative_tokens": 2, "model": tiny_draft})
+
+    class Ops:  # stands in for a backend's DecodeOps: only validate() is consulted here
+        def __init__(self, reasons):
+            self.reasons, self.use_up_to = reasons, 8
+
+        def validate(self, *args):
+            return self.reasons
+
+    ok, bad = Ops([]), Ops(["head_dim 16 unsupported"])
+    eng.proposer.set_decode_ops(ok)
+    assert eng.proposer.model.decode_ops is ok
+    eng.proposer.set_decode_ops(bad)
+    assert eng.proposer.model.decode_ops is None
