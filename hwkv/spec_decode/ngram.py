@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 def ngram_propose(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
@@ -15,14 +14,18 @@ def ngram_propose(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[in
     Tries suffix lengths ``n_max`` down to ``n_min``; for the first length whose suffix occurs
     earlier, returns the (up to ``k``) tokens after its most recent earlier occurrence. No match: []."""
     L = len(tokens)
-    if k <= 0:
+    if k <= 0 or L < 2:
         return []
+    # windows that could match end where the last token occurs earlier: one pass over the sequence,
+    # then only those candidates are compared (the sequence can be long, the candidates are few)
+    ends = np.flatnonzero(tokens[: L - 1] == tokens[L - 1])
     for n in range(min(n_max, L - 1), n_min - 1, -1):
-        # windows starting at 0..L-n-1: every earlier occurrence, not the suffix itself
-        win = sliding_window_view(tokens[: L - 1], n)
-        hits = np.flatnonzero((win == tokens[L - n :]).all(axis=1))
-        if len(hits):
-            start = int(hits[-1]) + n
+        starts = ends[ends >= n - 1] - (n - 1)
+        if not len(starts):
+            continue
+        ok = (tokens[starts[:, None] + np.arange(n)] == tokens[L - n :]).all(axis=1)
+        if ok.any():
+            start = int(starts[ok][-1]) + n
             return tokens[start : start + k].tolist()
     return []
 
