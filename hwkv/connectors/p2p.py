@@ -21,11 +21,12 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 from hwkv.connectors.copy import copy_block_pairs
 from hwkv.connectors.p2p_channel import SideChannel, call
+from hwkv.connectors.p2p_consumer import ConsumerSide
+from hwkv.connectors.p2p_producer import ProducerSide
 from hwkv.connectors.p2p_protocol import (
     Ack,
     Acquire,
@@ -37,46 +38,20 @@ from hwkv.connectors.p2p_protocol import (
     Release,
     incompatibility,
     layout_of,
-    pair_segments,
-    prompt_digest,
 )
-from hwkv.core.request import RequestStatus
 from hwkv.core.sched_output import KVConnectorOutput
 from hwkv.interfaces.connector import KVConnectorBase
 
 ROLES, MODES = ("producer", "consumer"), ("pull", "push")
 
 
-@dataclass
-class _Load:
-    """Consumer: one request's incoming KV."""
-
-    rid: str
-    params: dict[str, Any]
-    blocks: list[Any]  # pinned KVCacheBlocks of the request (all of them, in order)
-    start: int
-    end: int
-    deadline: float = 0.0
-    reported: bool = False  # finished_recving / failed_recving sent
-    settled: bool = False  # no transfer into the blocks can still be running
-
-
-@dataclass
-class _Held:
-    """Producer: a finished request's blocks kept for a consumer."""
-
-    block_ids: list[int]
-    num_tokens: int
-    deadline: float
-    busy: bool = False  # a read or write of them is running
-
-
-class P2PConnector(KVConnectorBase):
+class P2PConnector(ProducerSide, ConsumerSide, KVConnectorBase):
     name = "p2p"
 
     def __init__(self, role: str, mode: str = "pull", host: str = "127.0.0.1", side_channel_port: int = 0,
                  protocol: str = "auto", metadata_server: str = "P2PHANDSHAKE", device_name: str = "",
-                 transfer_timeout_s: float = 10.0, hold_timeout_s: float = 60.0, staging: bool | None = None):
+                 transfer_timeout_s: float = 10.0, hold_timeout_s: float = 60.0, staging: bool | None = None,
+                 layerwise: bool = False):
         if role not in ROLES:
             raise ValueError(f"p2p: role={role!r} is invalid (allowed: {', '.join(ROLES)})")
         if mode not in MODES:
@@ -87,6 +62,10 @@ class P2PConnector(KVConnectorBase):
         for key, v in (("transfer_timeout_s", transfer_timeout_s), ("hold_timeout_s", hold_timeout_s)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 3600:
                 raise ValueError(f"p2p: {key}={v!r} is invalid (allowed: seconds in (0, 3600])")
+        if layerwise and (role, mode) != ("producer", "push"):
+            raise ValueError(f"p2p: layerwise=True applies to a producer in mode 'push' (got role={role!r}, "
+                             f"mode={mode!r}; allowed: layerwise=False elsewhere)")
+        self.layerwise = bool(layerwise)  # per-layer writes as the forward produces them (save_kv_layer)
         self.role, self.mode, self.host, self.port = role, mode, host, side_channel_port
         self.protocol, self.metadata_server, self.device_name = protocol, metadata_server, device_name
         self.transfer_timeout_s, self.hold_timeout_s = float(transfer_timeout_s), float(hold_timeout_s)
@@ -105,15 +84,23 @@ class P2PConnector(KVConnectorBase):
         self._results: queue.Queue[tuple[str, str, bool, int]] = queue.Queue()  # kind, rid, ok, nbytes
         self._wake = threading.Event()
         self._peers: dict[str, Layout] = {}  # side-channel address or engine id -> handshaken layout
-        self._offers: dict[str, tuple[int, int]] = {}  # consumer: rid -> (start, end) offered
-        self._loads: dict[str, _Load] = {}
-        self._new_loads: list[_Load] = []
+        # consumer
+        self._offers: dict[str, tuple[int, int]] = {}  # rid -> (start, end) offered
+        self._loads: dict[str, Any] = {}
+        self._new_loads: list[Any] = []
         self._no_offer: set[str] = set()
         self._unpin: list[list[Any]] = []
-        self._held: dict[str, _Held] = {}
+        # producer (_held, _targets and _target_deadlines are shared with the side-channel thread: _lock)
+        self._held: dict[str, Any] = {}
+        self._targets: dict[str, tuple[PushRequest, Layout]] = {}  # transfer id -> consumer-first announcement
+        self._target_deadlines: dict[str, float] = {}
+        self._producing: dict[str, Any] = {}  # rid -> request carrying a transfer_id, until it finishes
+        self._by_transfer: dict[str, str] = {}  # transfer id -> rid
+        self._streams: dict[str, Any] = {}  # rid -> layerwise push in flight
+        self._writes: list[Any] = []  # this step's layer writes
         self._idle = False
         self.counters = dict(loaded_bytes=0, stored_bytes=0, transfers=0, failed_transfers=0,
-                             expired_holds=0, refused_offers=0)
+                             expired_holds=0, refused_offers=0, layer_writes=0)
 
     # ---- set-up --------------------------------------------------------------------------------
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
@@ -151,6 +138,9 @@ class P2PConnector(KVConnectorBase):
         self.kv_cache = kv_cache
         if staging:  # tcp from a device: through a pinned host mirror of the pool (same block ids)
             self.host_kv = self.dev.allocate_kv_cache(kv_cache.spec, kv_cache.layout, host=True)
+        if staging and self.layerwise:
+            raise ValueError("p2p: layerwise=True needs KV the transfer engine reaches directly (host memory, or "
+                             "rdma/ascend device memory), not tcp staging (allowed: layerwise=False)")
         xfer = self.host_kv if staging else kv_cache
         self.transfer = MooncakeTransfer(protocol=self.protocol, host=self.host, metadata_server=self.metadata_server,
                                          device_name=self.device_name, timeout_s=self.transfer_timeout_s)
@@ -197,7 +187,7 @@ class P2PConnector(KVConnectorBase):
             self._done("sent", msg.request_id, msg.ok, 0)
             return Ack(True)
         if isinstance(msg, PushRequest):
-            return self._accept_push(msg)
+            return self.accept_push(msg)
         if isinstance(msg, PushDone):
             self._done("recv", msg.request_id, msg.ok, msg.nbytes)
             return Ack(True)
@@ -219,112 +209,29 @@ class P2PConnector(KVConnectorBase):
             peer = self._peers[address] = reply.layout
         return peer
 
-    # ---- producer ------------------------------------------------------------------------------
+    # ---- scheduler side ------------------------------------------------------------------------
+    def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+        if self.role == "consumer":
+            self.consumer_admitted(request, num_external_tokens)
+        elif self.layerwise:
+            self.producer_admitted(request)
+
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        rid = request.request_id
+        rid, params = request.request_id, request.kv_transfer_params or {}
         self._offers.pop(rid, None)
         self._no_offer.discard(rid)
-        params = request.kv_transfer_params or {}
-        if self.role == "consumer" and params.get("do_remote_prefill"):
-            request.kv_transfer_params = None  # consumed: the response carries none (as vLLM's decode side)
-        if self.role != "producer" or not params.get("do_remote_decode") or self.layout is None \
-                or request.status not in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED):
+        if self.role == "consumer":
+            if params.get("do_remote_prefill"):
+                request.kv_transfer_params = None  # consumed: the response carries none (as vLLM's decode side)
+            return False, None  # in-flight loads pin their blocks themselves
+        if not params.get("do_remote_decode") or self.layout is None:
             return False, None
-        n = min(request.num_computed_tokens, request.num_prompt_tokens)
-        ids = list(block_ids[:-(-n // self.layout.block_size)])
-        if n < 1 or not ids:
-            return False, None
-        if self.host_kv is not None:
-            self._stage(True, ids)  # the request's last forward is done: its KV is complete
-        with self._lock:
-            self._held[rid] = _Held(ids, n, time.monotonic() + self.hold_timeout_s)
-        host, port = self.channel.address.rsplit(":", 1)  # type: ignore[union-attr]
-        return True, {
-            "do_remote_prefill": True, "do_remote_decode": False, "mode": self.mode,
-            "remote_engine_id": self.engine_id, "remote_host": host, "remote_port": int(port),
-            "remote_request_id": rid, "remote_block_ids": ids, "remote_num_tokens": n,
-            "remote_block_size": self.layout.block_size,
-            "prompt_digest": prompt_digest(request.prompt_token_ids[:n], request.cache_salt),
-        }
-
-    def _accept_push(self, msg: PushRequest) -> Ack:
-        with self._lock:
-            h = self._held.get(msg.request_id)
-            peer = self._peers.get(msg.consumer_engine_id)
-            if h is None or h.busy:
-                return Ack(False, f"request {msg.request_id} is not held here (expired, freed or being sent)")
-            if peer is None:
-                return Ack(False, f"engine {msg.consumer_engine_id} did not handshake first")
-            if msg.end > h.num_tokens or msg.start < 0:
-                return Ack(False, f"tokens [{msg.start}, {msg.end}) are outside the held {h.num_tokens}")
-            h.busy, h.deadline = True, time.monotonic() + 3 * self.transfer_timeout_s
-        self._pool.submit(self._push, msg, h, peer)
-        return Ack(True)
-
-    def _push(self, msg: PushRequest, h: _Held, peer: Layout) -> None:
-        ok, why, nbytes = True, "", 0
-        try:
-            sp, dp, ln = pair_segments(self.layout, peer, h.block_ids, msg.block_ids, msg.start, msg.end)  # type: ignore[arg-type]
-            if ln:
-                self.transfer.write(peer.endpoint, sp, dp, ln)
-            nbytes = sum(ln)
-        except Exception as e:
-            ok, why = False, f"{type(e).__name__}: {e}"
-        try:
-            call(msg.notify, PushDone(msg.consumer_request_id, ok, why, nbytes), self.transfer_timeout_s)
-        except Exception:
-            ok = False  # the consumer times out and recomputes
-        self._done("sent", msg.request_id, ok, nbytes)
-
-    # ---- consumer: scheduler side --------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        rid, p = request.request_id, request.kv_transfer_params or {}
-        if self.role != "consumer" or not p.get("do_remote_prefill") or rid in self._no_offer or self.layout is None:
-            return 0, False
-        why = self._refusal(request, p)
-        if why:
-            self._no_offer.add(rid)
-            self.counters["refused_offers"] += 1
-            import logging
-
-            logging.getLogger(__name__).warning("p2p: request %s recomputes its prompt: %s", rid, why)
-            return 0, False
-        end = min(int(p["remote_num_tokens"]), request.num_tokens - 1)
-        if end <= num_computed_tokens:
-            return 0, False
-        self._offers[rid] = (num_computed_tokens, end)
-        return end - num_computed_tokens, True
-
-    def _refusal(self, request: Any, p: dict[str, Any]) -> str:
-        need = ("remote_host", "remote_port", "remote_request_id", "remote_block_ids", "remote_num_tokens",
-                "prompt_digest")
-        missing = [k for k in need if k not in p]
-        if missing:
-            return f"kv_transfer_params lack {', '.join(missing)}"
-        if p.get("mode", self.mode) != self.mode:
-            return f"the producer runs mode {p.get('mode')!r}, this consumer {self.mode!r}"
-        n = int(p["remote_num_tokens"])
-        if n > request.num_prompt_tokens or \
-                prompt_digest(request.prompt_token_ids[:n], request.cache_salt) != p["prompt_digest"]:
-            return "the prompt (or cache_salt) differs from the one the producer prefilled"
-        return ""
-
-    def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
-        rid = request.request_id
-        offer = self._offers.pop(rid, None)
-        if offer is None or not num_external_tokens:
-            return
-        start, end = offer
-        blocks = list(self.kv.get_blocks(rid))
-        self.kv.block_pool.touch(blocks)  # pinned until no transfer can write them any more
-        load = _Load(rid, dict(request.kv_transfer_params), blocks, start, start + num_external_tokens)
-        self._loads[rid] = load
-        self._new_loads.append(load)
-        self._no_offer.add(rid)  # offered once: a preempted or failed request recomputes
+        return self.producer_finished(request, block_ids)
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         loads, self._new_loads = self._new_loads, []
-        return loads, scheduler_output.total_num_scheduled_tokens == 0
+        writes = self.layer_writes(scheduler_output) if self._producing else []
+        return loads, writes, scheduler_output.total_num_scheduled_tokens == 0
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for blocks in self._unpin:
@@ -332,101 +239,42 @@ class P2PConnector(KVConnectorBase):
         self._unpin = []
 
     def has_pending_transfers(self) -> bool:
-        return bool(self._loads or self._held)
+        return bool(self._loads or self._held or self._streams)
 
     def stats(self) -> dict[str, Any]:
         return dict(self.counters, loads_in_flight=len(self._loads), held_requests=len(self._held),
                     role=self.role, mode=self.mode)
 
-    # ---- consumer: worker side -----------------------------------------------------------------
+    # ---- worker side ---------------------------------------------------------------------------
     def bind_connector_metadata(self, metadata: Any) -> None:
-        loads, self._idle = metadata if metadata is not None else ([], False)
-        deadline = time.monotonic() + 3 * self.transfer_timeout_s
-        for load in loads:
-            load.deadline = deadline
-            self._pool.submit(self._pull if self.mode == "pull" else self._ask_push, load)
-
-    def _pull(self, load: _Load) -> None:
-        p, ok, nbytes = load.params, False, 0
-        address = f"{p['remote_host']}:{p['remote_port']}"
-        try:
-            peer = self._handshake(address)
-            ack = call(address, Acquire(p["remote_request_id"]), self.transfer_timeout_s)
-            if not (isinstance(ack, Ack) and ack.ok):
-                raise RuntimeError(getattr(ack, "reason", "acquire refused"))
-            try:
-                sp, dp, ln = pair_segments(peer, self.layout, list(p["remote_block_ids"]),  # type: ignore[arg-type]
-                                           [b.block_id for b in load.blocks], load.start, load.end)
-                if ln:
-                    self.transfer.read(peer.endpoint, dp, sp, ln)
-                ok, nbytes = True, sum(ln)
-            finally:
-                call(address, Release(p["remote_request_id"], ok), self.transfer_timeout_s)
-        except Exception as e:
-            import logging
-
-            logging.getLogger(__name__).warning("p2p: pull of %s failed (it recomputes): %s", load.rid, e)
-        self._done("recv", load.rid, ok, nbytes)
-
-    def _ask_push(self, load: _Load) -> None:
-        p = load.params
-        address = f"{p['remote_host']}:{p['remote_port']}"
-        try:
-            self._handshake(address)
-            ack = call(address, PushRequest(p["remote_request_id"], self.engine_id, load.rid,
-                                            [b.block_id for b in load.blocks], load.start, load.end,
-                                            self.channel.address), self.transfer_timeout_s)  # type: ignore[union-attr]
-            if not (isinstance(ack, Ack) and ack.ok):
-                raise RuntimeError(getattr(ack, "reason", "push refused"))
-        except Exception as e:
-            import logging
-
-            logging.getLogger(__name__).warning("p2p: push into %s not started (it recomputes): %s", load.rid, e)
-            self._done("recv", load.rid, False, 0)
+        loads, self._writes, self._idle = metadata if metadata is not None else ([], [], False)
+        if loads:
+            self.start_loads(loads)
 
     def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput | None:
         if self._idle and self._results.empty():
             self._wake.wait(0.002)  # nothing scheduled: wait for the side channel instead of spinning
         self._wake.clear()
-        recv, failed, sent = set(), set(), set()
+        recv: set[str] = set()
+        failed: set[str] = set()
+        sent: set[str] = set()
         while True:
             try:
                 kind, rid, ok, nbytes = self._results.get_nowait()
             except queue.Empty:
                 break
             self.counters["transfers" if ok else "failed_transfers"] += 1
-            if kind == "sent":
-                with self._lock:
-                    if self._held.pop(rid, None) is not None:
-                        sent.add(rid)
-                        self.counters["stored_bytes"] += nbytes
+            if kind == "recv":
+                self.consumer_result(rid, ok, nbytes, recv, failed)
                 continue
-            load = self._loads.get(rid)
-            if load is None:
-                continue
-            load.settled = True
-            if not load.reported:
-                load.reported = True
-                if ok and self.host_kv is not None:
-                    bs = self.kv_cache.spec.block_size
-                    self._stage(False, [b.block_id for b in load.blocks[load.start // bs:-(-load.end // bs)]])
-                (recv if ok else failed).add(rid)
-                self.counters["loaded_bytes"] += nbytes if ok else 0
-        now = time.monotonic()
-        for rid, load in list(self._loads.items()):
-            if not load.reported and now > load.deadline:
-                load.reported = True  # recompute now; the blocks stay pinned until the transfer ends
-                failed.add(rid)
-                self.counters["failed_transfers"] += 1
-            if load.settled or now > load.deadline + 3 * self.transfer_timeout_s:
-                self._unpin.append(load.blocks)
-                del self._loads[rid]
-        with self._lock:
-            for rid, h in list(self._held.items()):
-                if now > h.deadline:  # the consumer never came (or died mid-read): free them
-                    del self._held[rid]
+            with self._lock:
+                if self._held.pop(rid, None) is not None:
                     sent.add(rid)
-                    self.counters["expired_holds"] += 1
+                    self.counters["stored_bytes"] += nbytes
+        now = time.monotonic()
+        self.consumer_poll(now, failed)
+        self.producer_poll(now, sent)
         if not (recv or failed or sent or self._unpin):
             return None
         return KVConnectorOutput(finished_sending=sent, finished_recving=recv, failed_recving=failed)
+

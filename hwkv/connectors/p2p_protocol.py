@@ -76,6 +76,7 @@ class PushRequest(msgspec.Struct, tag=True):
     start: int
     end: int
     notify: str  # the consumer's side-channel address host:port
+    digest: str = ""  # consumer first (request_id is a transfer id): the prompt the producer must match
 
 
 class PushDone(msgspec.Struct, tag=True):

@@ -64,4 +64,6 @@ P2P_CONFIG = {
                           "within 3x this recomputes",
     "hold_timeout_s": "float, default 60: the producer frees a prefilled request's blocks no consumer "
                       "fetched within this",
+    "layerwise": "bool, default False: producer in push mode: write each layer's KV right after its forward wrote "
+                 "it, when the consumer announced its blocks first (transfer_id); else one write at the end",
 }
