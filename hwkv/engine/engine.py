@@ -18,10 +18,10 @@ from hwkv.core.request import Request, RequestStatus
 from hwkv.core.scheduler import Scheduler
 from hwkv.engine.config import EngineArgs
 from hwkv.engine.detokenizer import IncrementalDetokenizer
+from hwkv.engine.prompt import Prompt, tokenize_prompt
 from hwkv.engine.stats import EngineStats
 from hwkv.outputs import CompletionMetrics, RequestOutput
 
-Prompt = str | list[int]
 _LAST_UNFINISHED = RequestStatus.PREEMPTED  # statuses above it are finished
 _FINISH_REASONS = {s: s.finish_reason for s in RequestStatus}
 
@@ -202,7 +202,7 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         params.validate(self.vocab_size)
-        text, ids = self._tokenize(prompt)
+        text, ids = tokenize_prompt(prompt, self.tokenizer, self.vocab_size)
         n, m, lim = len(ids), params.max_tokens, self.max_model_len
         nb = self.kv_cache.spec.num_blocks
         if n + m > nb * self.block_size:  # could never run, even alone: refuse now, not at schedule time
@@ -243,34 +243,6 @@ class Engine:
 
             warnings.warn(f"ignoring generation_config.json sampling defaults {d}: {e}", stacklevel=2)
             return SamplingParams()
-
-    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty (got '')")
-            if self.tokenizer is None:
-                raise ValueError("prompt is a str but the model has no tokenizer.json; pass token ids")
-            try:
-                prompt.encode("utf-8")
-                ids = self.tokenizer.encode(prompt)
-            except Exception as e:  # e.g. a lone surrogate: the tokenizer raises TypeError
-                raise ValueError(f"prompt {prompt[:40]!r} cannot be tokenized ({type(e).__name__}: {e}); "
-                                 "allowed: a valid Unicode string") from None
-            if not ids:
-                raise ValueError(f"prompt {prompt!r} encodes to no tokens")
-            return prompt, ids
-        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                            for t in prompt):
-            raise ValueError(f"prompt must be a str or a list of int token ids, got {type(prompt).__name__}")
-        if not prompt:
-            raise ValueError("prompt must not be empty (got no token ids)")
-        bad = next((i for i, t in enumerate(prompt) if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(
-                f"prompt token id {prompt[bad]} at index {bad} is outside the vocabulary "
-                f"(allowed: 0..{self.vocab_size - 1})"
-            )
-        return None, list(prompt)
 
     def add_request(self, request_id: str, prompt: Prompt, params: Any = None, priority: int = 0,
                     kv_transfer_params: dict[str, Any] | None = None) -> None:

@@ -26,12 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from hwkv.engine.detokenizer import IncrementalDetokenizer
+from hwkv.engine.prompt import Prompt, tokenize_prompt
 from hwkv.outputs import CompletionMetrics, RequestOutput
 from hwkv.sampling_params import SamplingParams
 from hwkv.serving import messages as m
 from hwkv.serving.client import CoreClient, EngineDeadError
-
-Prompt = str | list[int]
 
 
 @dataclass(eq=False)
@@ -119,29 +118,6 @@ class AsyncEngine:
         assert self.info is not None, "start() the engine first"
         return replace(self.info.default_params, **overrides)
 
-    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        info = self.info
-        assert info is not None, "start() the engine first"
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty (got '')")
-            if self.tokenizer is None:
-                raise ValueError("prompt is a str but the model has no tokenizer.json; pass token ids")
-            ids = self.tokenizer.encode(prompt)
-            if not ids:
-                raise ValueError(f"prompt {prompt!r} encodes to no tokens")
-            return prompt, ids
-        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                            for t in prompt):
-            raise ValueError(f"prompt must be a str or a list of int token ids, got {type(prompt).__name__}")
-        if not prompt:
-            raise ValueError("prompt must not be empty (got no token ids)")
-        bad = next((i for i, t in enumerate(prompt) if not 0 <= t < info.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {prompt[bad]} at index {bad} is outside the vocabulary "
-                             f"(allowed: 0..{info.vocab_size - 1})")
-        return None, list(prompt)
-
     def _make(self, prompt: Prompt, params: SamplingParams | None, request_id: str) -> _Req:
         if self.dead is not None:
             raise self.dead
@@ -153,7 +129,7 @@ class AsyncEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         params.validate(info.vocab_size)
-        text, ids = self._tokenize(prompt)
+        text, ids = tokenize_prompt(prompt, self.tokenizer, info.vocab_size)
         n, k, lim = len(ids), params.max_tokens, info.max_model_len
         if n + k > lim:
             raise ValueError(f"prompt ({n} tokens) + max_tokens ({k}) = {n + k} exceeds max_model_len {lim} "

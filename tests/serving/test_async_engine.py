@@ -131,6 +131,7 @@ def test_abort_by_id(engine, arun):
     ([1, 2, 100000], None, "outside the vocabulary"),
     ("hi", hwkv.SamplingParams(max_tokens=2000), "exceeds max_model_len"),
     ("hi", {"max_tokens": 2}, "must be a SamplingParams"),
+    ("a\ud800b", None, "cannot be tokenized"),  # a lone surrogate (valid JSON "\\ud800")
 ])
 def test_bad_input_is_refused_before_queueing(engine, arun, prompt, params, match):
     async def go():
