@@ -80,31 +80,25 @@ class FreeBlockQueue:
 
     def prepend_n(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Insert ``blocks`` at the head, in the given order (``blocks[0]`` is popped first)."""
-        prev = self.head
-        first = prev.next_free_block
+        self._insert_n(self.head, blocks)
+
+    def append(self, block: KVCacheBlock) -> None:
+        self.append_n((block,))
+
+    def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
+        self._insert_n(self.tail.prev_free_block, blocks)
+
+    def _insert_n(self, prev: KVCacheBlock, blocks: Iterable[KVCacheBlock]) -> None:
+        """Link ``blocks``, in order, between ``prev`` and its successor."""
+        nxt = prev.next_free_block
         n = 0
         for block in blocks:
             block.prev_free_block = prev
             prev.next_free_block = block
             prev = block
             n += 1
-        prev.next_free_block = first
-        first.prev_free_block = prev
-        self.num_free_blocks += n
-
-    def append(self, block: KVCacheBlock) -> None:
-        self.append_n((block,))
-
-    def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
-        last = self.tail.prev_free_block
-        n = 0
-        for block in blocks:
-            block.prev_free_block = last
-            last.next_free_block = block
-            last = block
-            n += 1
-        last.next_free_block = self.tail
-        self.tail.prev_free_block = last
+        prev.next_free_block = nxt
+        nxt.prev_free_block = prev
         self.num_free_blocks += n
 
     def __iter__(self) -> Iterator[KVCacheBlock]:
