@@ -26,6 +26,8 @@ import torch
 from hwkv.engine.inputs import build_batch
 from hwkv.spec_decode.config import SpeculativeConfig
 
+CATCH_UP_CHUNK = 2048  # tokens per request per catch-up forward of the draft
+
 
 class DraftModelProposer:
     def __init__(self, model: Any, backend: Any, k: int):
@@ -104,7 +106,12 @@ class DraftModelProposer:
         slots = np.array([states[i].slot for i in rows], dtype=np.int64)
         total = np.array([states[i].num_tokens for i in rows], dtype=np.int64)
         ctx = np.array([self._seen(runner, req_ids[i], states[i]) for i in rows], dtype=np.int64)
-        toks = self._forward(runner, slots, ctx, total - ctx)
+        toks = np.zeros(len(rows), dtype=np.int64)
+        while (left := total - ctx).any():  # catch up in pieces: a resumed long prompt is one big prefill
+            live = np.flatnonzero(left > 0)
+            q = np.minimum(left[live], CATCH_UP_CHUNK)
+            toks[live] = self._forward(runner, slots[live], ctx[live], q)  # the last piece's token counts
+            ctx[live] += q
         cap = np.array([caps[i] for i in rows])
         drafts = [toks]
         for j in range(1, int(cap.max())):

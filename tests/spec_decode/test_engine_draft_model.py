@@ -95,3 +95,16 @@ def test_draft_takes_the_backends_decode_ops_where_they_serve_it(tiny_model: str
     assert eng.proposer.model.decode_ops is ok
     eng.proposer.set_decode_ops(bad)
     assert eng.proposer.model.decode_ops is None
+
+
+def test_catch_up_in_pieces(tiny_model: str, monkeypatch) -> None:
+    """A draft catching up on a long sequence does it in bounded pieces; nothing changes."""
+    from hwkv.spec_decode import draft_model
+
+    monkeypatch.setattr(draft_model, "CATCH_UP_CHUNK", 3)
+    prompts = _prompts(seed=15)
+    base, _ = _run(tiny_model, prompts, GREEDY)
+    outs, eng = _run(tiny_model, prompts, GREEDY,
+                     {"method": "draft_model", "num_speculative_tokens": 3, "model": tiny_model})
+    assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+    assert eng.stats()["spec_decode"]["acceptance_rate"] > 0.97
