@@ -8,6 +8,13 @@ in front of prefill servers (``hwkv serve`` with the p2p connector as producer) 
 2. the original request goes to a decode server (round-robin) with those ``kv_transfer_params``;
    its response (or SSE stream) is passed through unchanged.
 
+With ``side_channels`` (``--layerwise``: the prefill servers' p2p side-channel addresses, one per
+prefill URL) the flow is consumer first, as vllm-ascend's layerwise proxy: the decode request goes
+out at once with ``{"do_remote_prefill": true, "mode": "push", "remote_host", "remote_port",
+"transfer_id"}``, so the decode server announces its blocks to the producer, and the prefill request
+(``{"do_remote_decode": true, "transfer_id"}``) runs beside it; a layerwise producer then writes each
+layer's KV as its forward writes it.
+
 Failures are answered, never hung on: an unreachable side is 503, a side that answers with a
 server error (or a prefill server without a producer connector) is 502, each with a body naming
 the side and URL; a client error (4xx) of either side is passed through as it came.
@@ -15,7 +22,10 @@ the side and URL; a client error (4xx) of either side is passed through as it ca
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import logging
+import uuid
 from typing import Any
 
 import httpx
@@ -33,12 +43,19 @@ class _Failed(Exception):
         self.response = response
 
 
-def build_proxy(prefill: list[str], decode: list[str], timeout_s: float = 600.0) -> FastAPI:
+log = logging.getLogger(__name__)
+
+
+def build_proxy(prefill: list[str], decode: list[str], timeout_s: float = 600.0,
+                side_channels: list[str] | None = None) -> FastAPI:
     if not prefill or not decode:
         raise ValueError("the proxy needs at least one prefill and one decode URL")
+    if side_channels is not None and len(side_channels) != len(prefill):
+        raise ValueError(f"{len(side_channels)} prefill side channels for {len(prefill)} prefill URLs "
+                         "(allowed: one host:port per prefill URL, in the same order)")
     prefill = [u.rstrip("/") for u in prefill]
     decode = [u.rstrip("/") for u in decode]
-    next_p, next_d = itertools.cycle(prefill), itertools.cycle(decode)
+    next_p, next_d = itertools.cycle(range(len(prefill))), itertools.cycle(decode)
     timeout = httpx.Timeout(timeout_s, connect=min(5.0, timeout_s))
     app = FastAPI(title="hwkv proxy")
     state: dict[str, Any] = {}
@@ -64,13 +81,16 @@ def build_proxy(prefill: list[str], decode: list[str], timeout_s: float = 600.0)
             raise _Failed(Response(r.content, r.status_code, media_type=r.headers.get("content-type")))
         return r
 
-    async def prefill_step(path: str, body: dict[str, Any], hdrs: dict[str, str]) -> dict[str, Any]:
-        url = f"{next(next_p)}{path}"
+    def prefill_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
         pre = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
-        pre.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+        pre.update(max_tokens=1, stream=False, kv_transfer_params=params)
         if "max_completion_tokens" in pre:
             pre["max_completion_tokens"] = 1
-        r = await post("prefill", url, pre, hdrs)
+        return pre
+
+    async def prefill_step(path: str, body: dict[str, Any], hdrs: dict[str, str]) -> dict[str, Any]:
+        url = f"{prefill[next(next_p)]}{path}"
+        r = await post("prefill", url, prefill_body(body, {"do_remote_decode": True}), hdrs)
         try:
             params = r.json().get("kv_transfer_params")
         except ValueError:
@@ -91,7 +111,10 @@ def build_proxy(prefill: list[str], decode: list[str], timeout_s: float = 600.0)
                                            "type": "BadRequestError", "param": None, "code": 400}}, status_code=400)
         hdrs = headers(request)
         try:
-            params = await prefill_step(path, body, hdrs)
+            if side_channels is not None:
+                params = consumer_first(path, body, hdrs)
+            else:
+                params = await prefill_step(path, body, hdrs)
             url = f"{next(next_d)}{path}"
             dec = dict(body, kv_transfer_params=params)
             if not body.get("stream"):
@@ -100,6 +123,22 @@ def build_proxy(prefill: list[str], decode: list[str], timeout_s: float = 600.0)
             return await stream(url, dec, hdrs)
         except _Failed as f:
             return f.response
+
+    def consumer_first(path: str, body: dict[str, Any], hdrs: dict[str, str]) -> dict[str, Any]:
+        i, tid = next(next_p), uuid.uuid4().hex
+        host, port = side_channels[i].rsplit(":", 1)  # type: ignore[index]
+        task = asyncio.ensure_future(post("prefill", f"{prefill[i]}{path}",
+                                          prefill_body(body, {"do_remote_decode": True, "transfer_id": tid}), hdrs))
+        state.setdefault("tasks", set()).add(task)
+
+        def done(t: asyncio.Future) -> None:
+            state["tasks"].discard(t)
+            if not t.cancelled() and t.exception() is not None:  # the decode server recomputes
+                log.warning("prefill for transfer %s failed: %s", tid, t.exception())
+
+        task.add_done_callback(done)
+        return {"do_remote_prefill": True, "mode": "push", "remote_host": host, "remote_port": int(port),
+                "transfer_id": tid}
 
     async def stream(url: str, body: dict[str, Any], hdrs: dict[str, str]) -> Response:
         req = client().build_request("POST", url, json=body, headers=hdrs)
@@ -136,7 +175,7 @@ def build_proxy(prefill: list[str], decode: list[str], timeout_s: float = 600.0)
 
     @app.get("/health")
     async def health() -> Response:
-        bad = []
+        bad: list[str] = []
         for url in prefill + decode:
             try:
                 if (await client().get(f"{url}/health", timeout=5.0)).status_code != 200:

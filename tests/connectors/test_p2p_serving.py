@@ -34,18 +34,18 @@ ENGINE = ["--num-kv-blocks", "64", "--block-size", "16", "--max-model-len", "512
 PROMPTS = ["Hello, world! How are you", "The quick brown fox jumps over the lazy dog " * 6, "Once upon a time"]
 
 
-def connector(role: str, mode: str) -> list[str]:
+def connector(role: str, mode: str, **kw) -> list[str]:
     return ["--kv-connector", "p2p", "--kv-connector-config",
-            json.dumps({"role": role, "mode": mode, "transfer_timeout_s": 3.0, "hold_timeout_s": 30.0})]
+            json.dumps({"role": role, "mode": mode, "transfer_timeout_s": 3.0, "hold_timeout_s": 30.0, **kw})]
 
 
 class Proxy:
-    def __init__(self, prefill: list[str], decode: list[str], timeout: float = 60.0):
+    def __init__(self, prefill: list[str], decode: list[str], *args: str, timeout: float = 60.0):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="hwkv-proxy-", suffix=".log", delete=False)  # noqa: SIM115
         cmd = [sys.executable, "-m", "hwkv", "proxy", "--prefill", ",".join(prefill), "--decode", ",".join(decode),
-               "--port", str(self.port), "--timeout", "30", "--log-level", "warning"]
+               "--port", str(self.port), "--timeout", "30", "--log-level", "warning", *args]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "OMP_NUM_THREADS": "1"})
         deadline = time.monotonic() + timeout
@@ -102,20 +102,24 @@ def complete(url: str, prompt: str, n: int = 8, **extra) -> dict:
     return r.json()
 
 
-@pytest.fixture(scope="module", params=["pull", "push"])
+@pytest.fixture(scope="module", params=["pull", "push", "layerwise"])
 def cluster(request, tiny):
-    mode = request.param
+    mode, extra, proxy_args = request.param, {}, []
+    if mode == "layerwise":  # consumer first: the proxy names the producer's side channel to the consumer
+        port = free_port()
+        mode, extra = "push", {"layerwise": True, "side_channel_port": port}
+        proxy_args = ["--layerwise", "--prefill-side-channel", f"127.0.0.1:{port}"]
     started = []
     try:
-        p = Server(tiny, *ENGINE, "--served-model-name", "tiny", *connector("producer", mode), timeout=120)
+        p = Server(tiny, *ENGINE, "--served-model-name", "tiny", *connector("producer", mode, **extra), timeout=120)
         started.append(p)
         # push: a consumer too small for the concurrent batch below (preemption while waiting for KV)
-        blocks = ["--num-kv-blocks", "24", "--max-model-len", "384"] if mode == "push" else []
+        blocks = ["--num-kv-blocks", "24", "--max-model-len", "384"] if request.param == "push" else []
         d = Server(tiny, *ENGINE, *blocks, "--served-model-name", "tiny", *connector("consumer", mode), timeout=120)
         started.append(d)
-        px = Proxy([p.url], [d.url])
+        px = Proxy([p.url], [d.url], *proxy_args)
         started.append(px)
-        yield mode, p, d, px
+        yield request.param, p, d, px
     finally:
         for s in reversed(started):
             s.stop()
@@ -135,7 +139,8 @@ def test_prefill_server_returns_kv_transfer_params(cluster):
     mode, p, d, px = cluster
     got = complete(p.url, PROMPTS[0], n=1, kv_transfer_params={"do_remote_decode": True})
     params = got["kv_transfer_params"]
-    assert params["do_remote_prefill"] and params["mode"] == mode and params["remote_block_ids"]
+    assert params["do_remote_prefill"] and params["remote_block_ids"]
+    assert params["mode"] == ("push" if mode == "layerwise" else mode)
     # unclaimed: the producer frees them after hold_timeout_s (tested in-process)
 
 
@@ -179,6 +184,9 @@ def test_dead_producer_is_a_clear_error_or_a_recompute(cluster, local):
     t0 = time.monotonic()
     got = complete(d.url, PROMPTS[2], kv_transfer_params=params)  # the consumer recomputes
     assert got["choices"][0]["token_ids"] == want(local, PROMPTS[2])
-    r = httpx.post(px.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}, timeout=30)
-    assert r.status_code == 503 and "prefill server" in r.json()["error"]["message"]
+    if mode == "layerwise":  # the decode request goes out first: its server recomputes
+        assert complete(px.url, PROMPTS[0])["choices"][0]["token_ids"] == want(local, PROMPTS[0])
+    else:
+        r = httpx.post(px.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 503 and "prefill server" in r.json()["error"]["message"]
     assert time.monotonic() - t0 < 30
