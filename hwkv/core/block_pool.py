@@ -1,4 +1,5 @@
-"""Physical KV blocks, the LRU free queue and the hash→block prefix cache (seed 000 §6.3–§6.4, 002 §4).
+"""Physical KV blocks, the LRU free queue and the hash→block prefix cache, as in
+vLLM's automatic prefix caching.
 
 A block is in exactly one of three states: ACTIVE (``ref_cnt > 0``, owned by requests), CACHED-FREE
 (``ref_cnt == 0`` with a hash: in the free queue and still matchable) or FREE (``ref_cnt == 0``, no
@@ -6,7 +7,8 @@ hash). Every ``ref_cnt == 0`` block sits in the free queue; eviction is lazy —
 the head and drops its hash. A freed block without a hash goes to the HEAD (it holds nothing reusable,
 so it is reused first); a cached one to the TAIL (LRU: the longest-free cached block is evicted first),
 as vLLM's block pool does. Callers free a request's blocks in reverse order so a chain's tail is
-evicted before its head (no orphan chains, 000 §6.3.3 Q2).
+evicted before its head (no orphan chains: a
+cached block whose parent was evicted could never match again, as lookups walk from block 0).
 """
 
 from __future__ import annotations

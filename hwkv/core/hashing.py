@@ -1,4 +1,5 @@
-"""Chained sha256 block hashes for the prefix cache (seed 000 §6.2, §6.3.3 Q2/Q3).
+"""Chained sha256 block hashes for the prefix cache, as in vLLM's automatic
+prefix caching.
 
 ``H_i = sha256(H_{i-1} || tokens_i || extra_i)`` with ``H_{-1} = ROOT_HASH``:
 

@@ -1,4 +1,5 @@
-"""Per-request block tables over one BlockPool, with prefix-cache lookup (seed 000 §6.3, 002 §4).
+"""Per-request block tables over one BlockPool, with prefix-cache lookup
+(vLLM's KVCacheManager).
 
 Scheduler protocol (vLLM v1 style):
 1. ``blocks, n = get_computed_blocks(req)`` — a pure lookup (no ref counting).
@@ -64,7 +65,8 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request, record_stats: bool = True) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of ``request``, as (blocks, num_computed_tokens).
 
-        Matches from block 0 and stops at the first miss (000 §6.3.3 Q3). The last token is never
+        Matches from block 0 and stops at the first miss (a block's hash chains its whole prefix, so
+        nothing after a miss can match). The last token is never
         counted (the model must compute at least one token to produce logits), so at most
         ``(num_tokens - 1) // block_size`` blocks match. Does not touch: ``allocate_slots`` does.
         With ``record_stats=False`` the caller records the lookup itself (``record_prefix_query``),
@@ -234,7 +236,8 @@ class KVCacheManager:
             self.num_cached_block[rid] = keep
 
     def free(self, request: Request) -> None:
-        """Release the request's blocks, tail first, so chain tails are evicted before heads (Q2)."""
+        """Release the request's blocks, tail first, so chain tails are evicted before heads (no orphan
+        chains)."""
         self.num_cached_block.pop(request.request_id, None)
         blocks = self.req_to_blocks.pop(request.request_id, None)
         if blocks:

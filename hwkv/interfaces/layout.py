@@ -75,7 +75,8 @@ class Segment(NamedTuple):
 def group_concurrent_contiguous(
     src: list[int], dst: list[int] | None = None
 ) -> list[tuple[int, int, int]]:
-    """Merge runs where both ``src`` and ``dst`` ids are consecutive (000 §7.3.3).
+    """Merge runs where both ``src`` and ``dst`` ids are consecutive (as vLLM's KV
+    connectors do, so one copy or transfer moves a whole run).
 
     Returns ``(src_start, dst_start, length)`` runs. With ``dst`` omitted, ``dst == src``.
     """
