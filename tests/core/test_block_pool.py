@@ -42,7 +42,7 @@ def test_free_queue_ops():
     check_links(q)
 
 
-# --- seed 002 §4.4 unit tests, on our API ------------------------------------------------------
+# --- free queue, prefix-cache map and ref counting ----------------------------------------------
 
 
 def cache(pool, block, h):

@@ -1,4 +1,5 @@
-"""KVCacheManager, including the worked examples of seed 000 §6.3.2 and §6.3.3 Q1–Q3."""
+"""KVCacheManager: prefix hits, the free-queue timeline of a shared system prompt, reverse-order
+freeing (chain tails evicted first), matching that stops at the first miss."""
 
 import dataclasses
 
@@ -44,7 +45,7 @@ def snapshot(m):
     )
 
 
-def test_hit_flow_6_3_2():
+def test_prefix_hit_flow():
     m = KVCacheManager(10, 16)
     a = req("A", SYS + list(range(16)))
     schedule(m, a)
@@ -60,9 +61,9 @@ def test_hit_flow_6_3_2():
     assert m.stats.queries == 96 and m.stats.hits == 32 and m.stats.hit_rate == pytest.approx(1 / 3)
 
 
-def test_q1_timeline_t0_to_t7():
-    """000 §6.3.3 Q1 with 10 blocks. The seed frees forward at t=4/t=5 but Q2 mandates reverse order,
-    and hash-less (partial) blocks go to the queue head (vLLM's order): the queue after t=5 is
+def test_free_queue_timeline_t0_to_t7():
+    """Two requests sharing a system prompt over 10 blocks. Blocks are freed in reverse order (chain
+    tails evicted first), and hash-less (partial) blocks go to the queue head (vLLM's order): the queue after t=5 is
     [B3, B2, B4..B9, B1, B0], so at t=7 the chain tail H1 is evicted before H0."""
     m = KVCacheManager(10, 16)
     bp = m.block_pool
@@ -131,7 +132,7 @@ def test_free_queue_order_keeps_a_reusable_prefix():
     assert m.num_free_blocks == 3
 
 
-def test_q2_reverse_free_evicts_chain_tail_first():
+def test_reverse_free_evicts_chain_tail_first():
     m = KVCacheManager(8, 4)
     a = req("A", range(17), bs=4)  # 4 full blocks + 1 token
     schedule(m, a)
@@ -148,7 +149,7 @@ def test_q2_reverse_free_evicts_chain_tail_first():
     assert evicted == chain[::-1]  # H3, H2, H1, H0
 
 
-def test_q3_matching_stops_at_first_miss():
+def test_matching_stops_at_first_miss():
     """H0 evicted while H1 is still cached: a later block hit is unusable (its KV needs positions 0..15)."""
     m = KVCacheManager(6, 4)
     toks = list(range(8))

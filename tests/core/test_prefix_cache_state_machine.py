@@ -164,7 +164,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.running)
     @rule(i=index)
     def finish_forward_order(self, i):
-        """Free head-first (the order Q2 warns against) to make orphan chains — H0 evicted while H1
+        """Free head-first (the order reverse freeing avoids) to make orphan chains — H0 evicted while H1
         stays cached. Eviction quality suffers, but matching must still never return wrong content."""
         r = self.running.pop(i % len(self.running))
         self.m.num_cached_block.pop(r.request_id, None)
