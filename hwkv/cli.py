@@ -16,7 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "backends": ("hwkv.commands.backends", "list installed backends, their availability and capabilities"),
     "connectors": ("hwkv.commands.connectors", "list KV connectors (Engine(kv_connector=NAME)) and their config"),
     "generate": ("hwkv.commands.generate", "generate text with a model on a backend"),
-    "bench": ("hwkv.commands.bench", "benchmarks: cache, scheduler, attention, e2e"),
+    "bench": ("hwkv.commands.bench", "benchmarks (cache, scheduler, e2e, serve, ...: hwkv bench --help)"),
     "conformance": ("hwkv.commands.conformance", "run the conformance suite against a backend"),
     "serve": ("hwkv.commands.serve", "OpenAI-compatible HTTP server (completions, chat, metrics)"),
     "proxy": ("hwkv.commands.proxy", "disaggregated-serving proxy: prefill and decode on separate servers"),
