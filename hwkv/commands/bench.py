@@ -23,6 +23,8 @@ BENCHES = {
              "1-layer draft), acceptance"),
     "serve": ("hwkv.bench.serve", "online serving: Poisson arrivals against an OpenAI-compatible server "
               "(TTFT, ITL, throughput)"),
+    "pd": ("hwkv.bench.pd", "prefill/decode disaggregation (p2p connector + proxy) vs one colocated engine: "
+           "TTFT, ITL, transfer GB/s"),
 }
 
 

@@ -100,7 +100,8 @@ class P2PConnector(ProducerSide, ConsumerSide, KVConnectorBase):
         self._writes: list[Any] = []  # this step's layer writes
         self._idle = False
         self.counters = dict(loaded_bytes=0, stored_bytes=0, transfers=0, failed_transfers=0,
-                             expired_holds=0, refused_offers=0, layer_writes=0)
+                             expired_holds=0, refused_offers=0, layer_writes=0,
+                             transfer_s=0.0)  # seconds in blocking transfers (pull reads, push writes)
 
     # ---- set-up --------------------------------------------------------------------------------
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:

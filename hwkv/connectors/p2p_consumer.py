@@ -106,9 +106,11 @@ class ConsumerSide:
             try:
                 sp, dp, ln = pair_segments(peer, self.layout, list(p["remote_block_ids"]),
                                            [b.block_id for b in load.blocks], load.start, load.end)
+                t0 = time.perf_counter()
                 if ln:
                     self.transfer.read(peer.endpoint, dp, sp, ln)
                 ok, nbytes = True, sum(ln)
+                self.counters["transfer_s"] += time.perf_counter() - t0
             finally:
                 call(address, Release(p["remote_request_id"], ok), self.transfer_timeout_s)
         except Exception as e:

@@ -146,8 +146,10 @@ class ProducerSide:
             if why:
                 raise ValueError(why)
             sp, dp, ln = pair_segments(self.layout, peer, h.block_ids, msg.block_ids, msg.start, msg.end)
+            t0 = time.perf_counter()
             if ln:
                 self.transfer.write(peer.endpoint, sp, dp, ln)
+            self.counters["transfer_s"] += time.perf_counter() - t0
             nbytes = sum(ln)
         except Exception as e:
             ok, why = False, why or f"{type(e).__name__}: {e}"

@@ -1,0 +1,212 @@
+"""`hwkv bench pd`: prefill/decode disaggregation against one colocated engine, same workload.
+
+Colocated: one ``hwkv serve``. Disaggregated: a producer and a consumer ``hwkv serve`` with the
+p2p connector (``--mode pull|push``, ``--layerwise``) behind ``hwkv proxy``; on one GPU both engine
+processes share it (give each a ``--memory-fraction`` / ``--num-kv-blocks`` through
+``--server-args``) and the KV moves over tcp through pinned host buffers, the only transport there.
+The workload mixes long prompts (``--input-len`` ± ``--range-ratio``) with ``--output-len``
+outputs, streamed, at each ``--request-rate`` (as :mod:`hwkv.bench.serve`). Reported per setup:
+TTFT / ITL / TPOT / E2E and throughput; for disaggregation also the KV moved and its rate (bytes
+over the seconds the blocking transfers took, from the connectors' counters).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from hwkv.bench import results_dir
+from hwkv.bench import serve as sb
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="model dir or shape (llama-1b, qwen-0.5b)")
+    p.add_argument("--backend", default="cpu")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--workdir", default="/tmp/hwkv-bench-models")
+    p.add_argument("--server-args", default="", help="`hwkv serve` flags of every engine (e.g. '--memory-fraction "
+                                                     "0.4' so two fit on one GPU)")
+    p.add_argument("--mode", default="pull", choices=["pull", "push"])
+    p.add_argument("--layerwise", action="store_true", help="push mode, consumer first, per-layer writes")
+    p.add_argument("--transfer-timeout", type=float, default=30.0)
+    p.add_argument("--request-rate", default="inf")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=2048)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--range-ratio", type=float, default=0.5)
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--startup-timeout", type=float, default=900.0)
+    p.add_argument("--skip-colocated", action="store_true", help="measure the disaggregated setup only")
+    p.add_argument("--out-dir", default=None)
+    p.add_argument("--tag", default="")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _server(model: str, args: argparse.Namespace, extra: list[str]) -> Any:
+    ns = argparse.Namespace(backend=args.backend, api_key=None, startup_timeout=args.startup_timeout,
+                            server_args=args.server_args + " " + shlex.join(extra))
+    return sb._Server(model, ns)
+
+
+class _Proxy:
+    def __init__(self, prefill: str, decode: str, extra: list[str]):
+        import httpx
+
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "hwkv", "proxy", "--prefill", prefill, "--decode", decode,
+               "--port", str(self.port), "--log-level", "warning", *extra]
+        self.proc = subprocess.Popen(cmd)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                httpx.get(self.url + "/v1/models", timeout=2)
+                return
+            except httpx.HTTPError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError("`hwkv proxy` did not start") from None
+                time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _counters(url: str) -> dict[str, float]:
+    import httpx
+
+    out = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        m = re.match(r"hwkv_connector_(\w+)_total\{.*\} (\S+)$", line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def _measure(url: str, info: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
+    rng = random.Random(args.seed)  # the same prompts for every setup
+    out = []
+    for i, rate in enumerate(sb._rates(args.request_rate)):
+        work = sb._workload(args.num_prompts + args.warmup, args, info["vocab_size"], rng)
+        r = asyncio.run(sb._run_rate(url, info["model"], rate, work[:args.warmup], work[args.warmup:], args, {},
+                                     args.seed + i))
+        print(f"rate {rate}: {r['completed']} done, {r['failed']} failed, TTFT p50 {r['ttft']['p50_ms']:.1f} ms, "
+              f"ITL p50 {r['itl']['p50_ms']:.2f} ms", file=sys.stderr, flush=True)
+        out.append(r)
+    return out
+
+
+def _disaggregated(model: str, args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, Any]], dict]:
+    import httpx
+
+    cfg = {"mode": args.mode, "transfer_timeout_s": args.transfer_timeout, "hold_timeout_s": 300.0}
+    pcfg, proxy_args = dict(cfg, role="producer"), []
+    if args.layerwise:
+        port = _free_port()
+        pcfg.update(mode="push", layerwise=True, side_channel_port=port)
+        cfg["mode"] = "push"
+        proxy_args = ["--layerwise", "--prefill-side-channel", f"127.0.0.1:{port}"]
+    started: list[Any] = []
+    try:
+        p = _server(model, args, ["--kv-connector", "p2p", "--kv-connector-config", json.dumps(pcfg)])
+        started.append(p)
+        d = _server(model, args, ["--kv-connector", "p2p", "--kv-connector-config",
+                                  json.dumps(dict(cfg, role="consumer"))])
+        started.append(d)
+        px = _Proxy(p.url, d.url, proxy_args)
+        started.append(px)
+        info = httpx.get(d.url + "/server_info", timeout=30).json()
+        before = {"producer": _counters(p.url), "consumer": _counters(d.url)}
+        results = _measure(px.url, info, args)
+        after = {"producer": _counters(p.url), "consumer": _counters(d.url)}
+    finally:
+        for s in reversed(started):
+            s.stop()
+    delta = {side: {k: after[side].get(k, 0.0) - before[side].get(k, 0.0) for k in after[side]} for side in after}
+    mover = "consumer" if cfg["mode"] == "pull" else "producer"
+    nbytes = delta[mover]["loaded_bytes" if mover == "consumer" else "stored_bytes"]
+    secs = delta[mover].get("transfer_s", 0.0)
+    transfer = {"bytes": nbytes, "seconds": secs, "GBps": nbytes / secs / 1e9 if secs > 0 else None,
+                "transfers": delta["consumer"].get("transfers", 0.0),
+                "failed_transfers": delta["consumer"].get("failed_transfers", 0.0), "counters": delta,
+                "note": "seconds: blocking transfer calls of the side that moves the KV (layerwise writes overlap "
+                        "the forward and are not timed)"}
+    return info, results, transfer
+
+
+def run(args: argparse.Namespace) -> int:
+    import httpx
+
+    try:
+        sb._rates(args.request_rate)
+    except ValueError as e:
+        print(f"hwkv bench pd: error: {e}", file=sys.stderr)
+        return 2
+    model = sb._model_dir(args)
+    colocated = None
+    if not args.skip_colocated:
+        s = _server(model, args, [])
+        try:
+            info = httpx.get(s.url + "/server_info", timeout=30).json()
+            colocated = _measure(s.url, info, args)
+        finally:
+            s.stop()
+    info, disagg, transfer = _disaggregated(model, args)
+    res = {
+        "bench": "pd", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "command": "hwkv bench pd " + shlex.join(sys.argv[3:]), "commit": sb._commit(), "server": info,
+        "mode": args.mode, "layerwise": args.layerwise, "transport": "Mooncake TransferEngine tcp on 127.0.0.1"
+        + (" through pinned host buffers (staging)" if info.get("backend", "cpu") != "cpu" else ""),
+        "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
+        "range_ratio": args.range_ratio, "colocated": colocated, "disaggregated": disagg, "transfer": transfer,
+    }
+    _print(res)
+    out_dir = Path(args.out_dir) if args.out_dir else results_dir()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    device = re.sub(r"[^A-Za-z0-9._-]+", "_", str(info.get("device", "unknown"))).strip("_")
+    stem = f"pd-{Path(str(info.get('model', 'model'))).name}-{device}-{time.strftime('%Y-%m-%d', time.gmtime())}"
+    stem += f"-{args.mode}{'-layerwise' if args.layerwise else ''}{'-' + args.tag if args.tag else ''}"
+    (out_dir / f"{stem}.json").write_text(json.dumps(res, indent=2) + "\n")
+    print(f"wrote {out_dir / stem}.json")
+    ok = all(r["failed"] == 0 for r in disagg + (colocated or [])) and not transfer["failed_transfers"]
+    return 0 if ok else 1
+
+
+def _print(res: dict[str, Any]) -> None:
+    print(f"\n{res['server'].get('model')} on {res['server'].get('device')}; {res['num_prompts']} requests, input "
+          f"{res['input_len']}±{res['range_ratio']:.0%}, output {res['output_len']}; p2p {res['mode']}"
+          f"{' layerwise' if res['layerwise'] else ''} over {res['transport']}")
+    print("setup | rate | done | fail | out tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | TPOT p50")
+    for name in ("colocated", "disaggregated"):
+        for r in res[name] or []:
+            print(" | ".join([name, str(r["request_rate"]), str(r["completed"]), str(r["failed"]),
+                              f"{r['output_throughput']:.1f}", f"{r['ttft']['p50_ms']:.1f}",
+                              f"{r['ttft']['p99_ms']:.1f}", f"{r['itl']['p50_ms']:.2f}", f"{r['itl']['p99_ms']:.2f}",
+                              f"{r['tpot']['p50_ms']:.2f}"]))
+    t = res["transfer"]
+    rate = f"{t['GBps']:.2f} GB/s" if t["GBps"] else "n/a"
+    print(f"KV moved: {t['bytes'] / 1e6:.1f} MB in {t['seconds']:.3f} s of transfers ({rate}); "
+          f"{t['transfers']:.0f} loads, {t['failed_transfers']:.0f} failed (latencies in ms)")
