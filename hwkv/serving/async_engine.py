@@ -81,12 +81,18 @@ class AsyncEngine:
 
     # ---- life cycle ---------------------------------------------------------------------------
     async def start(self) -> AsyncEngine:
-        """Start the core and wait until its engine is built (``EngineDeadError`` says why not)."""
-        if (Path(self.model) / "tokenizer.json").is_file():
-            from hwkv.model.tokenizer import Tokenizer
+        """Start the core and wait until its engine is built (``EngineDeadError`` says why not; an
+        unreadable tokenizer.json raises ``ModelLoadError``). On any failure nothing is left behind:
+        no core process, socket or socket directory."""
+        try:
+            if (Path(self.model) / "tokenizer.json").is_file():
+                from hwkv.model.tokenizer import Tokenizer
 
-            self.tokenizer = Tokenizer.from_dir(self.model)
-        self.info = await self.client.start(self.startup_timeout, self._core_died)
+                self.tokenizer = Tokenizer.from_dir(self.model)
+            self.info = await self.client.start(self.startup_timeout, self._core_died)
+        except BaseException:  # the client bound its sockets at construction
+            await asyncio.shield(self.client.close())
+            raise
         self._reader = asyncio.create_task(self._read_outputs(), name="hwkv-core-outputs")
         return self
 
