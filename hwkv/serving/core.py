@@ -145,8 +145,14 @@ def run(cfg: m.CoreConfig) -> int:
         except Exception as e:  # a bad option, a missing model, an unavailable backend: say which
             out.send(m.encode(m.Failed(f"{type(e).__name__}: {e}")))
             return 1
-        out.send(m.encode(core.ready()))
-        return _loop(core, cfg, inp, out)
+        try:
+            out.send(m.encode(core.ready()))
+            return _loop(core, cfg, inp, out)
+        finally:  # on every exit (Shutdown, orphaned, SIGTERM, Dead): workers, connector threads/sockets
+            try:
+                core.engine.close()
+            except Exception:
+                traceback.print_exc(file=sys.stderr)
     finally:  # the output socket lingers: the last message (Failed, Dead) still reaches the front end
         inp.close(0)
         out.close()

@@ -4,11 +4,13 @@ requests with a clear error."""
 
 import asyncio
 import os
+import shutil
 import signal
 
 import pytest
 
 import hwkv
+from hwkv.model.fields import ModelLoadError
 from hwkv.serving import AsyncEngine, EngineDeadError
 
 pytestmark = pytest.mark.timeout(120)
@@ -152,6 +154,47 @@ def test_start_failure_names_the_reason(tiny_model, arun, kw, match):
     with pytest.raises(EngineDeadError, match=match):
         arun(eng.start())
     assert eng.client.proc.poll() is not None
+    assert not os.path.exists(eng.client._dir) and eng.client.input.closed and eng.client.output.closed
+
+
+MARKER_CONNECTOR = """
+from pathlib import Path
+from hwkv.interfaces.connector import NoOpConnector
+
+class Marker(NoOpConnector):
+    name = "marker"
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def shutdown(self) -> None:
+        Path(self.path).write_text("shut down")
+"""
+
+
+def test_core_closes_its_engine_on_shutdown(tiny_model, tmp_path, monkeypatch, arun):
+    """The core's Engine.close() runs when the core stops: a connector's threads and sockets (and
+    tensor-parallel workers) are released, not left to process exit."""
+    (tmp_path / "marker_connector.py").write_text(MARKER_CONNECTOR)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    marker = tmp_path / "closed"
+    eng = AsyncEngine(tiny_model, num_kv_blocks=16, backend="cpu", kv_connector="marker_connector:Marker",
+                      kv_connector_config={"path": str(marker)})
+    arun(eng.start())
+    assert not marker.exists()
+    arun(eng.shutdown())
+    assert eng.client.proc.returncode == 0 and marker.read_text() == "shut down"
+
+
+def test_unreadable_tokenizer_leaves_no_socket_behind(tiny_model, tmp_path, arun):
+    d = tmp_path / "broken-tok"
+    shutil.copytree(tiny_model, d)
+    (d / "tokenizer.json").write_text("{")
+    eng = AsyncEngine(d, num_kv_blocks=16, backend="cpu")
+    with pytest.raises(ModelLoadError, match="tokenizer.json"):
+        arun(eng.start())
+    assert eng.client.proc is None  # refused before a core was started
+    assert not os.path.exists(eng.client._dir) and eng.client.input.closed and eng.client.output.closed
 
 
 def test_cli_engine_flags_map_to_engine_kwargs():
