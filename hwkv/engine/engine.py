@@ -117,6 +117,8 @@ class Engine:
             args.model, self.backend, dtype=dtype, max_model_len=max_model_len, load_tokenizer=has_tok,
             tp=self._tp.shard if self._tp else None,
         )
+        if kv_connector is not None:  # e.g. the pool keys KV by model identity
+            kv_connector.bind_model(args.model, self.model_config)
         self.proposer: Any = None
         if args.speculative_config is not None:  # loaded first: a draft model's weights and KV size the pool too
             from hwkv.spec_decode.factory import make_proposer

@@ -75,6 +75,10 @@ class KVConnectorBase:
         in ``finished_sending`` when the load stops writing, or its blocks could be reused under it."""
         return False, None
 
+    def bind_model(self, model: str, model_config: Any) -> None:
+        """Called once, when the model is loaded: its path or name and its config (a connector that
+        shares KV beyond this engine keys it by model identity)."""
+
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         """Scheduler side, once: the device block pool's manager (to pin blocks while they transfer:
         ``kv_cache_manager.block_pool.touch`` / ``free_blocks``)."""

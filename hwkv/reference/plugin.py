@@ -1,6 +1,7 @@
 """Built-in plugin: registers the CPU reference backend and the built-in KV connectors through the
 same hooks as vendor plugins."""
 
+from hwkv.connectors.pool_store import POOL_CONFIG
 from hwkv.interfaces.backend import API_VERSION, BackendSpec
 from hwkv.plugins import hookimpl
 from hwkv.plugins.hookspecs import ConnectorSpec
@@ -32,6 +33,10 @@ def hwkv_connectors() -> list[ConnectorSpec]:
                                   "(producer) to a decode engine (consumer) over Mooncake TransferEngine, "
                                   "pulled by the consumer or pushed by the producer",
                       config=P2P_CONFIG),
+        ConnectorSpec(name="pool", api_version=API_VERSION, factory="hwkv.connectors.pool:PoolConnector",
+                      description="global KV pool: prefix KV shared across engine instances through a Store "
+                                  "(embedded in-process, or Mooncake across hosts)",
+                      config=POOL_CONFIG),
     ]
 
 

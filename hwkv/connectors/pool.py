@@ -1,0 +1,377 @@
+"""Global KV pool connector (``pool``): prefix KV shared across engine instances through a Store
+(the design of vllm-ascend's AscendStore / Mooncake store connector; docs/connectors.md maps it).
+
+The unit is a *chunk* of ``chunk_size`` tokens (a multiple of the block size, default one block),
+keyed by :class:`~hwkv.connectors.pool_key.PoolKey` (model identity, KV layout and dtype, shard,
+the prefix-cache chain hash of the chunk's last block).
+
+Scheduler side:
+
+* lookup (``get_num_new_matched_tokens``): the chunks after the local prefix-cache hit, up to the
+  last prompt token, are asked of the worker side through the lookup bridge (ZMQ REQ/REP, one
+  batched ``exists``); the leading present ones are offered as an asynchronous load. A lookup that
+  fails or times out is a miss. A local hit that ends inside a chunk offers nothing (the chunk's
+  blocks are partly someone else's).
+* admission (``update_state_after_alloc``): the offer becomes a load job into the request's new
+  blocks, pinned until the job completes; the request waits in WAITING_FOR_REMOTE_KVS.
+* every step (``build_connector_meta``): newly full chunks of scheduled requests become store jobs
+  (pinned until put), unless a put of theirs completed recently (a local set) or is in flight.
+* completions (``update_connector_output``): pins released, counters; a failed load's request is
+  never offered the pool again (it recomputes).
+
+Worker side: owns the store client (:class:`~hwkv.connectors.pool_store.StoreHandle`), the lookup
+server and the sending/receiving threads (:mod:`hwkv.connectors.pool_transfer`). ``delay_free`` is
+never needed: a put reads pinned blocks, and the pool keeps its own copy.
+
+Failures (the pool is a cache): a store that is unreachable, fails or times out makes lookups
+miss and puts drop for ``retry_s``, then it is tried again; a load that fails (key evicted since the
+lookup, store down, timeout) or runs past ``load_timeout_s`` is reported in ``failed_recving`` and
+the request recomputes — identical tokens, ``load_failures`` counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from itertools import count
+from typing import Any
+
+from hwkv.connectors.pool_key import PoolKey, default_model_id
+from hwkv.connectors.pool_lookup import LookupClient, LookupServer
+from hwkv.connectors.pool_store import StoreHandle, store_factory
+from hwkv.connectors.pool_transfer import GetJob, PoolTransfer, PutJob
+from hwkv.core.sched_output import KVConnectorOutput
+from hwkv.interfaces.connector import KVConnectorBase
+from hwkv.interfaces.store import StoreError
+
+_RECENT_MAX = 1 << 16  # chunk hashes known to be in the pool (puts and loads that completed)
+_LOOKUP_TTL_S = 1.0  # a waiting request that is not admitted re-asks at most this often
+
+
+@dataclass
+class _Job:
+    job_id: int
+    load: bool
+    req_id: str
+    blocks: list[Any]  # pinned device KVCacheBlocks, chunk after chunk
+    hashes: list[bytes]
+
+
+@dataclass
+class _ReqState:
+    request: Any
+    num_stored: int = 0  # chunks [0, num_stored) are stored, skipped or in flight
+    hold: bool = False  # its load is unconfirmed: store nothing from it yet
+
+
+@dataclass
+class _Meta:
+    loads: list[tuple[int, str, list[bytes], list[list[int]]]]  # job, request, hashes, blocks per chunk
+    stores: list[tuple[int, list[bytes], list[list[int]]]]
+    issued_loads: bool = False
+    issued_stores: bool = False
+
+
+@dataclass
+class _Flight:
+    req_id: str
+    t0: float
+    reported: bool = False
+
+
+def _positive(name: str, v: Any, integer: bool = False) -> None:
+    ok = isinstance(v, int) if integer else isinstance(v, (int, float))
+    if not ok or isinstance(v, bool) or v <= 0:
+        raise ValueError(f"pool: {name}={v!r} is invalid (need a positive {'int' if integer else 'number'})")
+
+
+class PoolConnector(KVConnectorBase):
+    name = "pool"
+
+    def __init__(self, store: Any = "embedded", chunk_size: int | None = None, model_id: str | None = None,
+                 tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, lookup_timeout_s: float = 1.0,
+                 load_timeout_s: float = 10.0, retry_s: float = 2.0, lookup_address: str | None = None,
+                 staging_bytes: int = 64 << 20, save: bool = True, **store_options: Any):
+        if chunk_size is not None:
+            _positive("chunk_size", chunk_size, integer=True)
+        for name, v in (("lookup_timeout_s", lookup_timeout_s), ("load_timeout_s", load_timeout_s),
+                        ("retry_s", retry_s)):
+            _positive(name, v)
+        _positive("staging_bytes", staging_bytes, integer=True)
+        if model_id is not None and (not isinstance(model_id, str) or not model_id or "@" in model_id):
+            raise ValueError(f"pool: model_id={model_id!r} is invalid (need a non-empty str without '@')")
+        factory, owned = store_factory(store, store_options)
+        self.handle = StoreHandle(factory, owned, float(retry_s))
+        self.store_kind = store if isinstance(store, str) else type(store).__name__
+        self.chunk_size, self.model_id = chunk_size, model_id
+        self.shard = (tp_rank, tp_size, pp_rank)
+        self.lookup_timeout_s, self.load_timeout_s = float(lookup_timeout_s), float(load_timeout_s)
+        self.lookup_address, self.staging_bytes, self.save = lookup_address, staging_bytes, bool(save)
+        self.kv: Any = None
+        self.key: PoolKey | None = None
+        self.block_size = self.chunk_blocks = 0
+        self._chunk_bytes = 1
+        self._reqs: dict[str, _ReqState] = {}
+        self._pending: dict[str, tuple[int, list[bytes]]] = {}  # rid -> (first chunk, hit hashes)
+        self._lookups: dict[str, tuple[tuple[int, int], int, float]] = {}
+        self._new_loads: list[_Job] = []
+        self._jobs: dict[int, _Job] = {}
+        self._storing: set[bytes] = set()
+        self._recent: OrderedDict[bytes, None] = OrderedDict()
+        self._no_offer: set[str] = set()
+        self._ids = count()
+        self.counters = dict(loaded_bytes=0, stored_bytes=0, lookups=0, lookup_hit_tokens=0, load_jobs=0,
+                             failed_loads=0, store_jobs=0, stored_chunks=0, dedup_pool=0, dedup_local=0,
+                             failed_stores=0)
+        # worker side
+        self.dev: Any = None
+        self.transfer: PoolTransfer | None = None
+        self.server: LookupServer | None = None
+        self.client: LookupClient | None = None
+        self._meta: _Meta | None = None
+        self._flights: dict[int, _Flight] = {}
+        self._unissued: list[tuple[int, bool, int, int]] = []
+        self._failed_now: set[str] = set()
+
+    # ---- set-up --------------------------------------------------------------------------------
+    def bind_model(self, model: str, model_config: Any = None) -> None:
+        if self.model_id is None:
+            self.model_id = default_model_id(model)
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        self.kv = kv_cache_manager
+
+    def bind_device(self, device: Any) -> None:
+        self.dev = device
+
+    def register_kv_caches(self, kv_cache: Any) -> None:
+        spec = kv_cache.spec
+        bs = spec.block_size
+        chunk = self.chunk_size or bs
+        if chunk % bs:
+            raise ValueError(f"pool: chunk_size={chunk} is not a multiple of the block size {bs} "
+                             f"(allowed: {bs}, {2 * bs}, ...)")
+        if self.model_id is None:
+            raise ValueError("pool: the model identity is unknown (the engine binds it; set model_id= when "
+                             "the connector is used outside an Engine)")
+        tp_rank, tp_size, pp_rank = self.shard
+        self.block_size, self.chunk_blocks = bs, chunk // bs
+        self._chunk_bytes = self.chunk_blocks * spec.bytes_per_block
+        self.key = PoolKey(self.model_id, kv_cache.layout.value, str(spec.dtype).removeprefix("torch."),
+                           spec.num_layers, spec.num_kv_heads, spec.head_size, bs, self.chunk_blocks,
+                           tp_rank, tp_size, pp_rank)
+        self.transfer = PoolTransfer(self.handle, self.dev, kv_cache, self.chunk_blocks, self.staging_bytes)
+        self.handle.register(self.transfer.buffers())  # connects now if it can; else on first use
+        self.server = LookupServer(self._count_hits, self.lookup_address)
+        self.client = LookupClient(self.server.address, self.lookup_timeout_s)
+
+    def _count_hits(self, hashes: list[bytes]) -> int:
+        """Worker side, lookup server thread: leading chunks present in the pool."""
+        n = 0
+        for present in self.handle.call("exists", self.key.keys(hashes)):  # type: ignore[union-attr]
+            if not present:
+                break
+            n += 1
+        return n
+
+    # ---- scheduler side ------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        rid = request.request_id
+        self._pending.pop(rid, None)
+        if self.client is None or rid in self._no_offer:
+            return 0, False
+        bs, cb = self.block_size, self.chunk_blocks
+        if num_computed_tokens % (bs * cb):
+            return 0, False
+        first = num_computed_tokens // (bs * cb)
+        last = min((request.num_tokens - 1) // bs, len(request.block_hashes)) // cb  # last token: computed
+        if last <= first:
+            return 0, False
+        now = time.monotonic()
+        cached = self._lookups.get(rid)
+        if cached is not None and cached[0] == (first, last) and now - cached[2] < _LOOKUP_TTL_S:
+            hits = cached[1]
+        else:
+            hashes = [request.block_hashes[(c + 1) * cb - 1] for c in range(first, last)]
+            hits = self.client.lookup(hashes)
+            self._lookups[rid] = ((first, last), hits, now)
+            self.counters["lookups"] += 1
+        if not hits:
+            return 0, False
+        self._pending[rid] = (first, [request.block_hashes[(c + 1) * cb - 1] for c in range(first, first + hits)])
+        return hits * cb * bs, True
+
+    def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+        rid = request.request_id
+        self._lookups.pop(rid, None)
+        st = self._reqs[rid] = _ReqState(request)
+        first, hashes = self._pending.pop(rid, (0, []))
+        n = min(len(hashes), num_external_tokens // (self.block_size * self.chunk_blocks))
+        if not n:
+            return
+        cb = self.chunk_blocks
+        blocks = self.kv.get_blocks(rid)[first * cb:(first + n) * cb]
+        self.kv.block_pool.touch(blocks)
+        job = _Job(next(self._ids), True, rid, blocks, hashes[:n])
+        self._jobs[job.job_id] = job
+        self._new_loads.append(job)
+        st.hold = True
+        self.counters["lookup_hit_tokens"] += n * cb * self.block_size
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        for rid in scheduler_output.preempted_req_ids:  # blocks gone; stores resume on re-admission
+            self._reqs.pop(rid, None)
+        loads, self._new_loads = self._new_loads, []
+        stores = self._prepare_stores(scheduler_output) if self.save and self.key is not None else []
+        if not loads and not stores:
+            return None
+        return _Meta([(j.job_id, j.req_id, j.hashes, self._chunks(j.blocks)) for j in loads],
+                     [(j.job_id, j.hashes, self._chunks(j.blocks)) for j in stores])
+
+    def _chunks(self, blocks: list[Any]) -> list[list[int]]:
+        cb = self.chunk_blocks
+        return [[b.block_id for b in blocks[i:i + cb]] for i in range(0, len(blocks), cb)]
+
+    def _prepare_stores(self, so: Any) -> list[_Job]:
+        bs, cb, out = self.block_size, self.chunk_blocks, []
+        for rid in so.num_scheduled_tokens:
+            st = self._reqs.get(rid)
+            if st is None or st.hold:
+                continue
+            req, blocks = st.request, self.kv.get_blocks(rid)
+            full = min(req.num_computed_tokens // bs, len(req.block_hashes), len(blocks)) // cb
+            hashes, dev = [], []
+            for c in range(st.num_stored, full):
+                h = req.block_hashes[(c + 1) * cb - 1]
+                if h in self._recent:
+                    self._recent.move_to_end(h)
+                    self.counters["dedup_local"] += 1
+                elif h not in self._storing:
+                    hashes.append(h)
+                    dev.extend(blocks[c * cb:(c + 1) * cb])
+            st.num_stored = max(st.num_stored, full)
+            if hashes:
+                self.kv.block_pool.touch(dev)  # a put reads them after this step's forward
+                self._storing.update(hashes)
+                job = _Job(next(self._ids), False, rid, dev, hashes)
+                self._jobs[job.job_id] = job
+                out.append(job)
+        return out
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        self._no_offer |= {rid for rid in output.failed_recving if rid in self._reqs}
+        for job_id, ok, nbytes, skipped in output.extra.get("pool", ()):
+            job = self._jobs.pop(job_id, None)
+            if job is not None:
+                self._complete(job, ok, nbytes, skipped)
+
+    def _complete(self, job: _Job, ok: bool, nbytes: int, skipped: int) -> None:
+        c = self.counters
+        if job.load:
+            c["load_jobs" if ok else "failed_loads"] += 1
+            c["loaded_bytes"] += nbytes
+            if ok and (st := self._reqs.get(job.req_id)) is not None:
+                st.hold = False
+        else:
+            self._storing.difference_update(job.hashes)
+            c["store_jobs" if ok else "failed_stores"] += 1
+            c["stored_bytes"] += nbytes
+            c["stored_chunks"] += nbytes // self._chunk_bytes
+            c["dedup_pool"] += skipped
+        if ok:  # known present: later stores of these chunks skip even the exists call
+            for h in job.hashes:
+                self._recent[h] = None
+                self._recent.move_to_end(h)
+            while len(self._recent) > _RECENT_MAX:
+                self._recent.popitem(last=False)
+        self.kv.block_pool.free_blocks(job.blocks)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        # In-flight jobs pin their blocks themselves: freeing the request's blocks now is safe.
+        rid = request.request_id
+        self._pending.pop(rid, None)
+        self._lookups.pop(rid, None)
+        self._reqs.pop(rid, None)
+        self._no_offer.discard(rid)
+        return False, None
+
+    def has_pending_transfers(self) -> bool:
+        return bool(self._jobs)
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = dict(self.counters)
+        out["store_kind"] = self.store_kind
+        out["chunk_size"] = self.block_size * self.chunk_blocks
+        out["transfers_in_flight"] = len(self._jobs)
+        if self.client is not None:
+            out["lookup_timeouts"], out["lookup_errors"] = self.client.timeouts, self.client.errors
+            out["lookup_last_error"] = self.client.last_error
+        out.update(self.handle.stats())
+        return out
+
+    # ---- worker side ---------------------------------------------------------------------------
+    def bind_connector_metadata(self, metadata: Any) -> None:
+        prev = self._meta
+        if prev is not None:  # its step failed before issuing them: those jobs end, not ok
+            if not prev.issued_loads:
+                self._unissued += [(j, False, 0, 0) for j, *_ in prev.loads]
+                self._failed_now |= {rid for _, rid, *_ in prev.loads}
+            if not prev.issued_stores:  # never put KV of a step that did not run
+                self._unissued += [(j, False, 0, 0) for j, *_ in prev.stores]
+        self._meta = metadata
+
+    def start_load_kv(self) -> None:
+        meta = self._meta
+        if meta is None:
+            return
+        meta.issued_loads = True
+        if not meta.loads:
+            return
+        ready = self.dev.new_event()
+        ready.record()  # the compute stream's work so far: a reused block's last writer
+        now = time.monotonic()
+        for job_id, rid, hashes, chunks in meta.loads:
+            self._flights[job_id] = _Flight(rid, now)
+            self.transfer.submit_get(GetJob(job_id, rid, self.key.keys(hashes), chunks, ready, now))  # type: ignore
+
+    def wait_for_save(self) -> None:
+        meta = self._meta
+        if meta is None:
+            return
+        meta.issued_stores = True
+        if not meta.stores:
+            return
+        written = self.dev.new_event()
+        written.record()  # behind this step's forward: the blocks it fills are written
+        for job_id, hashes, chunks in meta.stores:
+            self.transfer.submit_put(PutJob(job_id, self.key.keys(hashes), chunks, written))  # type: ignore
+
+    def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput | None:
+        if self._meta is not None and self._meta.issued_loads and self._meta.issued_stores:
+            self._meta = None
+        done, self._unissued = self._unissued, []
+        recv, failed, self._failed_now = set(), self._failed_now, set()
+        for d in self.transfer.drain() if self.transfer is not None else ():
+            done.append((d.job_id, d.ok, d.nbytes, d.skipped))
+            f = self._flights.pop(d.job_id, None) if d.load else None
+            if f is not None and not f.reported:
+                (recv if d.ok else failed).add(f.req_id)
+        now = time.monotonic()
+        for f in self._flights.values():
+            if not f.reported and now - f.t0 > self.load_timeout_s:
+                f.reported = True  # its blocks stay pinned until the get really ends
+                failed.add(f.req_id)
+        if not (done or recv or failed):
+            return None
+        return KVConnectorOutput(finished_recving=recv, failed_recving=failed, extra={"pool": done})
+
+    def shutdown(self) -> None:
+        """Stop the threads and the lookup server; close an owned store client. Idempotent."""
+        for part in (self.client, self.server, self.transfer):
+            if part is not None:
+                with contextlib.suppress(StoreError, OSError):
+                    part.close()
+        self.client = self.server = self.transfer = None
+        self.handle.close()

@@ -1,0 +1,210 @@
+"""The pool's sending and receiving threads (the worker side's I/O; the forward never waits on them).
+
+Sending: a batch of chunks is put after the device event recorded behind the forward that wrote
+them, deduplicated first (one batched ``exists``; chunks already in the pool are skipped, so a
+second put of the same prefix moves no bytes). Receiving: batched ``get`` into the request's blocks,
+after an event recorded on the compute stream before the load was issued (a reused block's last
+writer). Both report ``(job_id, ok, ...)`` completions that the connector hands to the scheduler.
+
+Zero-copy: when the KV cache is host memory (the CPU backend), the store reads and writes the KV
+tensors themselves — they are registered with the store once (``register_buffer``) and every
+put/get passes ``KVCache.addresses`` of the chunk's blocks. On an accelerator the chunks go through
+a registered host staging cache (``staging_bytes`` per thread): device → staging on a private
+stream then put; get into staging then staging → device. A chunk's bytes are the same either way.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+from hwkv.connectors.copy import copy_block_pairs
+from hwkv.connectors.pool_store import StoreHandle
+from hwkv.interfaces.store import StoreError
+
+
+@dataclass
+class PutJob:
+    job_id: int
+    keys: list[str]
+    chunks: list[list[int]]  # device block ids per chunk
+    event: Any  # recorded behind the forward that wrote them
+
+
+@dataclass
+class GetJob:
+    job_id: int
+    req_id: str
+    keys: list[str]
+    chunks: list[list[int]]
+    event: Any  # recorded before the load was issued
+    t0: float = 0.0
+
+
+@dataclass
+class Done:
+    job_id: int
+    load: bool
+    ok: bool
+    req_id: str = ""
+    nbytes: int = 0  # bytes moved
+    skipped: int = 0  # chunks found in the pool already (puts)
+    error: str = ""
+
+
+class _Staging:
+    """A host KV cache of ``n`` blocks in the device cache's layout, plus a stream to fill it."""
+
+    def __init__(self, dev: Any, kv: Any, nbytes: int):
+        n = max(1, nbytes // kv.spec.bytes_per_block)
+        self.kv = dev.allocate_kv_cache(replace(kv.spec, num_blocks=n), kv.layout, host=True)
+        self.stream, self.num_blocks = dev.new_stream(), n
+
+    def buffers(self) -> list[tuple[int, int]]:
+        return [(t.data_ptr(), t.numel() * t.element_size()) for t in self.kv.tensors]
+
+
+class PoolTransfer:
+    """Owns the two threads; ``submit_put`` / ``submit_get`` enqueue, ``drain`` collects completions."""
+
+    def __init__(self, handle: StoreHandle, dev: Any, kv: Any, chunk_blocks: int, staging_bytes: int):
+        self.handle, self.dev, self.kv, self.chunk_blocks = handle, dev, kv, chunk_blocks
+        self.direct = kv.tensors[0].device.type == "cpu"
+        self.chunk_bytes = chunk_blocks * kv.spec.bytes_per_block
+        staging_bytes = max(staging_bytes, self.chunk_bytes)
+        self._stage = {} if self.direct else {op: _Staging(dev, kv, staging_bytes) for op in ("put", "get")}
+        self._done: queue.SimpleQueue[Done] = queue.SimpleQueue()
+        self._puts: queue.Queue[PutJob | None] = queue.Queue()
+        self._gets: queue.Queue[GetJob | None] = queue.Queue()
+        self._threads = [threading.Thread(target=self._send_loop, daemon=True, name="hwkv-pool-send"),
+                         threading.Thread(target=self._recv_loop, daemon=True, name="hwkv-pool-recv")]
+        for t in self._threads:
+            t.start()
+
+    def buffers(self) -> list[tuple[int, int]]:
+        """The memory every put/get touches: register it with the store."""
+        if self.direct:
+            return [(t.data_ptr(), t.numel() * t.element_size()) for t in self.kv.tensors]
+        return [b for s in self._stage.values() for b in s.buffers()]
+
+    def submit_put(self, job: PutJob) -> None:
+        self._puts.put(job)
+
+    def submit_get(self, job: GetJob) -> None:
+        self._gets.put(job)
+
+    def drain(self) -> list[Done]:
+        out = []
+        while True:
+            try:
+                out.append(self._done.get_nowait())
+            except queue.Empty:
+                return out
+
+    # ---- sending ---------------------------------------------------------------------------
+    def _send_loop(self) -> None:
+        while (job := self._puts.get()) is not None:
+            batch = [job]
+            while True:  # everything queued meanwhile goes in the same exists/put calls
+                try:
+                    nxt = self._puts.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self._puts.put(None)
+                    break
+                batch.append(nxt)
+            self._put_batch(batch)
+
+    def _put_batch(self, jobs: list[PutJob]) -> None:
+        keys = [k for j in jobs for k in j.keys]
+        try:
+            present = self.handle.call("exists", keys)
+        except StoreError as e:
+            for j in jobs:
+                self._done.put(Done(j.job_id, False, False, error=str(e)))
+            return
+        todo: list[tuple[PutJob, str, list[int]]] = []
+        skipped: dict[int, int] = {}
+        it = iter(present)
+        for j in jobs:
+            for key, ids in zip(j.keys, j.chunks):
+                if next(it):
+                    skipped[j.job_id] = skipped.get(j.job_id, 0) + 1
+                else:
+                    todo.append((j, key, ids))
+        for j in {id(j): j for j, _, _ in todo}.values():
+            j.event.synchronize()  # the forward that wrote these blocks is done
+        moved: dict[int, int] = {}
+        error = ""
+        try:
+            for piece in self._pieces(todo, "put"):
+                for (j, _, _), r in zip(piece, self._put_piece(piece)):
+                    if r.ok:
+                        moved[j.job_id] = moved.get(j.job_id, 0) + r.nbytes
+        except StoreError as e:
+            error = str(e)
+        for j in jobs:
+            self._done.put(Done(j.job_id, False, not error, nbytes=moved.get(j.job_id, 0),
+                                skipped=skipped.get(j.job_id, 0), error=error))
+
+    def _pieces(self, items: list, op: str) -> list[list]:
+        per = len(items) if self.direct else max(1, self._stage[op].num_blocks // self.chunk_blocks)
+        return [items[i:i + per] for i in range(0, len(items), per)] if items else []
+
+    def _put_piece(self, piece: list[tuple[PutJob, str, list[int]]]) -> list[Any]:
+        keys = [k for _, k, _ in piece]
+        if self.direct:
+            return self.handle.call("put", keys, [self.kv.addresses(ids) for _, _, ids in piece])
+        st, cb = self._stage["put"], self.chunk_blocks
+        dev_ids = [b for _, _, ids in piece for b in ids]
+        copy_block_pairs(self.dev, self.kv, st.kv, dev_ids, list(range(len(dev_ids))), st.stream)
+        ev = self.dev.new_event()
+        ev.record(st.stream)
+        ev.synchronize()
+        return self.handle.call("put", keys, [st.kv.addresses(list(range(i * cb, (i + 1) * cb)))
+                                              for i in range(len(piece))])
+
+    # ---- receiving -------------------------------------------------------------------------
+    def _recv_loop(self) -> None:
+        while (job := self._gets.get()) is not None:
+            try:
+                job.event.synchronize()  # a reused block's last writer is done
+                ok, err = self._get(job), ""
+            except StoreError as e:
+                ok, err = False, str(e)
+            except Exception as e:  # never a wrong token: the request recomputes
+                ok, err = False, f"{type(e).__name__}: {e}"
+            self._done.put(Done(job.job_id, True, ok, job.req_id, len(job.keys) * self.chunk_bytes if ok else 0,
+                                error=err))
+
+    def _get(self, job: GetJob) -> bool:
+        items = list(zip(job.keys, job.chunks))
+        for piece in self._pieces(items, "get"):
+            keys = [k for k, _ in piece]
+            if self.direct:
+                res = self.handle.call("get", keys, [self.kv.addresses(ids) for _, ids in piece])
+                if not all(r.ok for r in res):
+                    return False
+                continue
+            st, cb = self._stage["get"], self.chunk_blocks
+            res = self.handle.call("get", keys, [st.kv.addresses(list(range(i * cb, (i + 1) * cb)))
+                                                 for i in range(len(piece))])
+            if not all(r.ok for r in res):
+                return False
+            dev_ids = [b for _, ids in piece for b in ids]
+            copy_block_pairs(self.dev, st.kv, self.kv, list(range(len(dev_ids))), dev_ids, st.stream)
+            ev = self.dev.new_event()
+            ev.record(st.stream)
+            ev.synchronize()
+        return True
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self._puts.put(None)
+        self._gets.put(None)
+        deadline = time.monotonic() + timeout_s
+        for t in self._threads:
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
