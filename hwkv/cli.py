@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("hwkv.commands.generate", "generate text with a model on a backend"),
     "bench": ("hwkv.commands.bench", "benchmarks (cache, scheduler, e2e, serve, ...: hwkv bench --help)"),
     "conformance": ("hwkv.commands.conformance", "run the conformance suite against a backend"),
+    "pool": ("hwkv.commands.pool", "global KV pool: run a local Mooncake master, print its counters"),
     "serve": ("hwkv.commands.serve", "OpenAI-compatible HTTP server (completions, chat, metrics)"),
     "proxy": ("hwkv.commands.proxy", "disaggregated-serving proxy: prefill and decode on separate servers"),
 }

@@ -120,6 +120,7 @@ class PoolConnector(KVConnectorBase):
         self._jobs: dict[int, _Job] = {}
         self._storing: set[bytes] = set()
         self._recent: OrderedDict[bytes, None] = OrderedDict()
+        self._epoch: tuple[int, int] = (0, 0)  # (connects, failures) of the store the worker last reported
         self._no_offer: set[str] = set()
         self._ids = count()
         self.counters = dict(loaded_bytes=0, stored_bytes=0, lookups=0, lookup_hit_tokens=0, load_jobs=0,
@@ -134,6 +135,7 @@ class PoolConnector(KVConnectorBase):
         self._flights: dict[int, _Flight] = {}
         self._unissued: list[tuple[int, bool, int, int]] = []
         self._failed_now: set[str] = set()
+        self._sent_epoch: tuple[int, int] = (0, 0)
 
     # ---- set-up --------------------------------------------------------------------------------
     def bind_model(self, model: str, model_config: Any = None) -> None:
@@ -261,6 +263,10 @@ class PoolConnector(KVConnectorBase):
         return out
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
+        epoch = output.extra.get("pool_epoch")
+        if epoch is not None and epoch != self._epoch:  # the store failed or was reconnected: it may have
+            self._epoch = epoch  # lost anything, so "recently put" proves nothing any more
+            self._recent.clear()
         self._no_offer |= {rid for rid in output.failed_recving if rid in self._reqs}
         for job_id, ok, nbytes, skipped in output.extra.get("pool", ()):
             job = self._jobs.pop(job_id, None)
@@ -363,9 +369,12 @@ class PoolConnector(KVConnectorBase):
             if not f.reported and now - f.t0 > self.load_timeout_s:
                 f.reported = True  # its blocks stay pinned until the get really ends
                 failed.add(f.req_id)
-        if not (done or recv or failed):
+        epoch = (self.handle.connects, self.handle.failures)
+        if not (done or recv or failed) and epoch == self._sent_epoch:
             return None
-        return KVConnectorOutput(finished_recving=recv, failed_recving=failed, extra={"pool": done})
+        self._sent_epoch = epoch
+        return KVConnectorOutput(finished_recving=recv, failed_recving=failed,
+                                 extra={"pool": done, "pool_epoch": epoch})
 
     def shutdown(self) -> None:
         """Stop the threads and the lookup server; close an owned store client. Idempotent."""

@@ -1,0 +1,131 @@
+"""``hwkv pool master`` / ``hwkv pool stats``, and an engine that resumes using the pool when the
+master it lost comes back on the same address."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+import torch
+
+import hwkv
+from hwkv import SamplingParams
+from hwkv.testing.mooncake import skip_unless_mooncake
+from hwkv.testing.tiny_models import write_tiny_model
+from hwkv.transfer.mooncake import free_port
+
+BS = 16
+PROMPT = [(3 * i + 2) % 500 + 1 for i in range(150)]
+
+
+def _hwkv(*args: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "hwkv", *args], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, **kw)
+
+
+class Master:
+    def __init__(self, ports: tuple[int, int, int]):
+        self.ports = ports
+        p, h, m = ports
+        self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (read on failure, closed with the object)
+        self.proc = _hwkv("pool", "master", "--port", str(p), "--http-port", str(h), "--metrics-port", str(m),
+                          stderr=self.log, start_new_session=True)
+        sel = selectors.DefaultSelector()
+        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        deadline, seen = time.monotonic() + 60, ""
+        while "hwkv pool stats" not in seen:
+            ready = sel.select(max(0.0, deadline - time.monotonic()))
+            chunk = os.read(self.proc.stdout.fileno(), 4096).decode() if ready else ""  # unbuffered
+            if not chunk:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)  # the CLI and its mooncake_master
+                self.stop()
+                pytest.fail(f"hwkv pool master did not start: {seen}{self.read_log()}")
+            seen += chunk
+        self.banner = seen
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc.stdout.close()
+        return self.proc.returncode
+
+    def read_log(self) -> str:
+        self.log.seek(0)
+        return "".join(ln for ln in self.log.read().splitlines(True) if ln[:1] not in "IW")[-3000:]
+
+
+def test_master_and_stats():
+    skip_unless_mooncake()
+    ports = (free_port(), free_port(), free_port())
+    m = Master(ports)
+    try:
+        assert f'"master": "127.0.0.1:{ports[0]}"' in m.banner
+        assert f'"metadata_server": "http://127.0.0.1:{ports[1]}/metadata"' in m.banner
+        out = subprocess.run([sys.executable, "-m", "hwkv", "pool", "stats", "--metrics",
+                              f"http://127.0.0.1:{ports[2]}"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and "master_key_count" in out.stdout
+    finally:
+        assert m.stop() == 0
+    out = subprocess.run([sys.executable, "-m", "hwkv", "pool", "stats", "--metrics", f"http://127.0.0.1:{ports[2]}"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "is `hwkv pool master` running?" in out.stderr
+
+
+def test_bad_master_arguments():
+    out = subprocess.run([sys.executable, "-m", "hwkv", "pool", "master", "--port", "7", "--http-port", "7"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--port, --http-port and --metrics-port must differ" in out.stderr
+
+
+def test_engine_resumes_when_the_master_returns(tmp_path):
+    skip_unless_mooncake()
+    torch.set_num_threads(1)
+    model = str(write_tiny_model(tmp_path / "m", seed=0))
+    sp = SamplingParams(max_tokens=6, temperature=0)
+    want = hwkv.Engine(model, num_kv_blocks=64, max_model_len=256, block_size=BS).generate(
+        [PROMPT], sp, use_tqdm=False)[0].token_ids
+    ports = (free_port(), free_port(), free_port())
+    m = Master(ports)
+    cfg = dict(store="mooncake", master=f"127.0.0.1:{ports[0]}", metadata_server=f"http://127.0.0.1:{ports[1]}/metadata",
+               global_segment_size=32 << 20, retry_s=0.5, timeout_s=2.0, lookup_timeout_s=0.5)
+    e = hwkv.Engine(model, num_kv_blocks=64, max_model_len=256, block_size=BS, enable_prefix_caching=False,
+                    kv_connector="pool", kv_connector_config=cfg)
+    conn = e.scheduler.connector
+
+    def run() -> dict:
+        assert e.generate([PROMPT], sp, use_tqdm=False)[0].token_ids == want
+        deadline = time.monotonic() + 20
+        while conn.has_pending_transfers():
+            assert time.monotonic() < deadline
+            e.step()
+            time.sleep(0.01)
+        return e.stats()["kv_connector"]
+
+    try:
+        assert run()["stored_chunks"] == 9
+        assert run()["external_hit_tokens"] == 9 * BS
+        m.stop()  # the pool is gone: recompute
+        st = run()
+        assert st["external_hit_tokens"] == 9 * BS
+        m = Master(ports)  # back, empty, on the same address
+        deadline = time.monotonic() + 30
+        while run()["external_hit_tokens"] == 9 * BS:  # reconnects, puts again, then hits
+            assert time.monotonic() < deadline, e.stats()["kv_connector"]
+            time.sleep(0.2)
+        assert e.stats()["kv_connector"]["store_connects"] >= 2
+    finally:
+        conn.shutdown()
+        m.stop()
