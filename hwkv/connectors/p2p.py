@@ -81,7 +81,8 @@ class P2PConnector(ProducerSide, ConsumerSide, KVConnectorBase):
         self.channel: SideChannel | None = None
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="p2p-transfer")
         self._lock = threading.Lock()
-        self._results: queue.Queue[tuple[str, str, bool, int]] = queue.Queue()  # kind, rid, ok, nbytes
+        # (kind "recv" | "sent", rid, ok, nbytes, settled): completions from the side channel and transfer threads
+        self._results: queue.Queue[tuple[str, str, bool, int, bool]] = queue.Queue()
         self._wake = threading.Event()
         self._peers: dict[str, Layout] = {}  # side-channel address or engine id -> handshaken layout
         # consumer
@@ -190,12 +191,12 @@ class P2PConnector(ProducerSide, ConsumerSide, KVConnectorBase):
         if isinstance(msg, PushRequest):
             return self.accept_push(msg)
         if isinstance(msg, PushDone):
-            self._done("recv", msg.request_id, msg.ok, msg.nbytes)
+            self._done("recv", msg.request_id, msg.ok, msg.nbytes, msg.settled)
             return Ack(True)
         return Ack(False, f"unexpected message {type(msg).__name__}")
 
-    def _done(self, kind: str, rid: str, ok: bool, nbytes: int) -> None:
-        self._results.put((kind, rid, ok, nbytes))
+    def _done(self, kind: str, rid: str, ok: bool, nbytes: int, settled: bool = True) -> None:
+        self._results.put((kind, rid, ok, nbytes, settled))
         self._wake.set()
 
     def _handshake(self, address: str) -> Layout:
@@ -261,12 +262,12 @@ class P2PConnector(ProducerSide, ConsumerSide, KVConnectorBase):
         sent: set[str] = set()
         while True:
             try:
-                kind, rid, ok, nbytes = self._results.get_nowait()
+                kind, rid, ok, nbytes, settled = self._results.get_nowait()
             except queue.Empty:
                 break
             self.counters["transfers" if ok else "failed_transfers"] += 1
             if kind == "recv":
-                self.consumer_result(rid, ok, nbytes, recv, failed)
+                self.consumer_result(rid, ok, nbytes, settled, recv, failed)
                 continue
             with self._lock:
                 if self._held.pop(rid, None) is not None:

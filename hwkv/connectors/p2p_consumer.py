@@ -15,6 +15,7 @@ from typing import Any
 
 from hwkv.connectors.p2p_channel import call
 from hwkv.connectors.p2p_protocol import Ack, Acquire, PushRequest, Release, pair_segments, prompt_digest
+from hwkv.interfaces.transfer import TransferTimeout
 
 log = logging.getLogger(__name__)
 _NEED = ("remote_host", "remote_port", "remote_request_id", "remote_block_ids", "remote_num_tokens", "prompt_digest")
@@ -96,26 +97,35 @@ class ConsumerSide:
             self._pool.submit(self._pull if self.mode == "pull" else self._ask_push, load)
 
     def _pull(self, load: _Load) -> None:
-        p, ok, nbytes = load.params, False, 0
+        p, ok, nbytes, settled = load.params, False, 0, True
         address = f"{p['remote_host']}:{p['remote_port']}"
         try:
             peer = self._handshake(address)
             ack = call(address, Acquire(p["remote_request_id"]), self.transfer_timeout_s)
             if not (isinstance(ack, Ack) and ack.ok):
                 raise RuntimeError(getattr(ack, "reason", "acquire refused"))
+            sp, dp, ln = pair_segments(peer, self.layout, list(p["remote_block_ids"]),
+                                       [b.block_id for b in load.blocks], load.start, load.end)
+            t0 = time.perf_counter()
             try:
-                sp, dp, ln = pair_segments(peer, self.layout, list(p["remote_block_ids"]),
-                                           [b.block_id for b in load.blocks], load.start, load.end)
-                t0 = time.perf_counter()
                 if ln:
+                    settled = False  # a read that times out may still land: keep the blocks pinned a while
                     self.transfer.read(peer.endpoint, dp, sp, ln)
-                ok, nbytes = True, sum(ln)
+                ok, nbytes, settled = True, sum(ln), True
                 self.counters["transfer_s"] += time.perf_counter() - t0
+            except TransferTimeout:
+                raise
+            except Exception:
+                settled = True  # failed, not running
+                raise
             finally:
-                call(address, Release(p["remote_request_id"], ok), self.transfer_timeout_s)
+                try:
+                    call(address, Release(p["remote_request_id"], ok), self.transfer_timeout_s)
+                except Exception as e:  # the producer frees the blocks on its hold timeout
+                    log.info("p2p: release of %s at %s failed: %s", p["remote_request_id"], address, e)
         except Exception as e:
             log.warning("p2p: pull of %s failed (it recomputes): %s", load.rid, e)
-        self._done("recv", load.rid, ok, nbytes)
+        self._done("recv", load.rid, ok, nbytes, settled)
 
     def _ask_push(self, load: _Load) -> None:
         p = load.params
@@ -131,11 +141,12 @@ class ConsumerSide:
             log.warning("p2p: push into %s not started (it recomputes): %s", load.rid, e)
             self._done("recv", load.rid, False, 0)
 
-    def consumer_result(self, rid: str, ok: bool, nbytes: int, recv: set[str], failed: set[str]) -> None:
+    def consumer_result(self, rid: str, ok: bool, nbytes: int, settled: bool, recv: set[str],
+                        failed: set[str]) -> None:
         load = self._loads.get(rid)
         if load is None:
             return
-        load.settled = True
+        load.settled = settled  # unsettled: unpinned after the grace period (consumer_poll)
         if load.reported:
             return
         load.reported = True

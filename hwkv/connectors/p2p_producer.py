@@ -15,6 +15,7 @@ from typing import Any
 from hwkv.connectors.p2p_channel import call
 from hwkv.connectors.p2p_protocol import Ack, Layout, PushDone, PushRequest, pair_segments, prompt_digest
 from hwkv.core.request import RequestStatus
+from hwkv.interfaces.transfer import TransferTimeout
 
 
 @dataclass
@@ -140,7 +141,7 @@ class ProducerSide:
         self._pool.submit(self._push, msg, h, peer)
 
     def _push(self, msg: PushRequest, h: _Held, peer: Layout) -> None:
-        ok, why, nbytes = True, "", 0
+        ok, why, nbytes, settled = True, "", 0, True
         try:
             why = self._push_refusal(msg, *h.digest_of, h.num_tokens)
             if why:
@@ -151,13 +152,16 @@ class ProducerSide:
                 self.transfer.write(peer.endpoint, sp, dp, ln)
             self.counters["transfer_s"] += time.perf_counter() - t0
             nbytes = sum(ln)
+        except TransferTimeout as e:
+            ok, why, settled = False, f"{type(e).__name__}: {e}", False  # it may still land
         except Exception as e:
             ok, why = False, why or f"{type(e).__name__}: {e}"
-        self._notify(msg, ok, why, nbytes, h.rid)
+        self._notify(msg, ok, why, nbytes, h.rid, settled)
 
-    def _notify(self, msg: PushRequest, ok: bool, why: str, nbytes: int, rid: str | None) -> None:
+    def _notify(self, msg: PushRequest, ok: bool, why: str, nbytes: int, rid: str | None,
+                settled: bool = True) -> None:
         try:
-            call(msg.notify, PushDone(msg.consumer_request_id, ok, why, nbytes), self.transfer_timeout_s)
+            call(msg.notify, PushDone(msg.consumer_request_id, ok, why, nbytes, settled), self.transfer_timeout_s)
         except Exception:
             ok = False  # the consumer times out and recomputes
         if rid:

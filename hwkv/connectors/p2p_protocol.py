@@ -84,6 +84,7 @@ class PushDone(msgspec.Struct, tag=True):
     ok: bool
     reason: str = ""
     nbytes: int = 0
+    settled: bool = True  # False: a timed-out write may still land (the consumer keeps its blocks pinned)
 
 
 class Ack(msgspec.Struct, tag=True):

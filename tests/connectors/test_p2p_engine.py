@@ -177,3 +177,34 @@ def test_untranslatable_layout_is_refused_at_handshake_and_recomputed(model_dir,
     finally:
         p.close()
         d.close()
+
+
+def test_read_timing_out_mid_transfer_recomputes_and_keeps_blocks_pinned_a_while(model_dir, reference):
+    """A pull read that times out after part of it landed (garbage here): the request recomputes
+    with identical tokens, and its blocks stay pinned past the failure (a late write cannot land in
+    reused blocks) until the grace period ends."""
+    import ctypes
+
+    from hwkv.interfaces.transfer import TransferTimeout
+
+    p = engine(model_dir, num_kv_blocks=16, kv_connector="p2p", kv_connector_config=cfg("producer", "pull"))
+    d = engine(model_dir, num_kv_blocks=16, kv_connector="p2p",
+               kv_connector_config=cfg("consumer", "pull", transfer_timeout_s=0.3))
+    conn = d.scheduler.connector
+    real_read = conn.transfer.read
+
+    def torn_read(peer, local, remote, lengths):
+        ctypes.memset(local[0], 0x7F, lengths[0])  # half-arrived bytes
+        raise TransferTimeout("injected: read timed out mid-transfer")
+
+    conn.transfer.read = torn_read
+    try:
+        prompt = prompts()[4]
+        assert decode(d, prompt, prefill(p, prompt)) == reference[4]
+        assert d.stats()["kv_connector"]["load_failures"] == 1
+        assert conn._loads and d.kv_cache_manager.num_free_blocks < 16  # still pinned after the request ended
+        conn.transfer.read = real_read
+        assert_clean(p, d)  # the grace period ends: every block comes back
+    finally:
+        p.close()
+        d.close()
