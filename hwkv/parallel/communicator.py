@@ -44,7 +44,11 @@ class TorchDistCommunicator(Communicator):
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kw)
         self._store = store
         self._custom: CustomAllReduce | None = None
-        self._custom = device.custom_all_reduce(self)
+        try:
+            self._custom = device.custom_all_reduce(self)
+        except BaseException:  # nobody holds this object to close(): leave no group behind
+            self.close()
+            raise
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         if self._custom is not None and self._custom(t) is not None:

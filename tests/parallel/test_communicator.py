@@ -44,3 +44,16 @@ def test_collectives_and_custom_all_reduce(comm):
     assert c.broadcast(t) is t and t.item() == 5
     with pytest.raises(RuntimeError, match="already initialised"):
         TorchDistCommunicator(dev, 0, 1, 0, timeout_s=10, store=open_store(1, 10))
+
+
+def test_failed_custom_all_reduce_leaves_no_group():
+    """A backend hook that raises during construction must not leave the process group initialised
+    (the caller never gets the object to close, and the next engine could not start)."""
+
+    class Broken(CpuDevice):
+        def custom_all_reduce(self, comm):
+            raise RuntimeError("no peer access")
+
+    with pytest.raises(RuntimeError, match="no peer access"):
+        TorchDistCommunicator(Broken(), 0, 1, 0, timeout_s=10, store=open_store(1, 10))
+    assert not dist.is_initialized()
