@@ -21,6 +21,8 @@ BENCHES = {
                 "hit vs recompute, decode throughput with the connector on vs off"),
     "spec": ("hwkv.bench.spec", "speculative decoding: decode speedup vs non-speculative (n-gram, draft = target, "
              "1-layer draft), acceptance"),
+    "pool": ("hwkv.connectors.pool_bench", "global KV pool: TTFT loaded from the pool vs recomputed, put/get "
+             "GB/s, lookup latency"),
     "serve": ("hwkv.bench.serve", "online serving: Poisson arrivals against an OpenAI-compatible server "
               "(TTFT, ITL, throughput)"),
     "pd": ("hwkv.bench.pd", "prefill/decode disaggregation (p2p connector + proxy) vs one colocated engine: "

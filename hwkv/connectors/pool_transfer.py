@@ -55,6 +55,11 @@ class Done:
     error: str = ""
 
 
+def host_addressable(kv: Any) -> bool:
+    """The store may read and write the KV tensors themselves (host memory)."""
+    return kv.tensors[0].device.type == "cpu"
+
+
 class _Staging:
     """A host KV cache of ``n`` blocks in the device cache's layout, plus a stream to fill it."""
 
@@ -72,7 +77,7 @@ class PoolTransfer:
 
     def __init__(self, handle: StoreHandle, dev: Any, kv: Any, chunk_blocks: int, staging_bytes: int):
         self.handle, self.dev, self.kv, self.chunk_blocks = handle, dev, kv, chunk_blocks
-        self.direct = kv.tensors[0].device.type == "cpu"
+        self.direct = host_addressable(kv)
         self.chunk_bytes = chunk_blocks * kv.spec.bytes_per_block
         staging_bytes = max(staging_bytes, self.chunk_bytes)
         self._stage = {} if self.direct else {op: _Staging(dev, kv, staging_bytes) for op in ("put", "get")}

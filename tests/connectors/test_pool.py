@@ -225,10 +225,14 @@ def test_store_down_then_back(model_dir, oracle, store_name):
         _close(a, b)
 
 
-def test_chunks_larger_than_a_block(model_dir, oracle, store_name):
-    a = _engine(model_dir, store_name=store_name, chunk_size=4 * BS)
-    b = _engine(model_dir, store_name=store_name, chunk_size=4 * BS)
+@pytest.mark.parametrize("staged", [False, True])
+def test_chunks_larger_than_a_block(model_dir, oracle, store_name, staged, monkeypatch):
+    if staged:  # the accelerator path: through host staging caches (one chunk each: several pieces)
+        monkeypatch.setattr("hwkv.connectors.pool_transfer.host_addressable", lambda kv: False)
+    a = _engine(model_dir, store_name=store_name, chunk_size=4 * BS, staging_bytes=1)
+    b = _engine(model_dir, store_name=store_name, chunk_size=4 * BS, staging_bytes=1)
     try:
+        assert a.scheduler.connector.transfer.direct is not staged
         _run(a, PROMPT)
         assert _settle(a)["stored_chunks"] == 2  # 9 full blocks: 2 whole chunks of 4
         assert _run(b, PROMPT) == oracle(PROMPT)

@@ -4,6 +4,7 @@ master it lost comes back on the same address."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import selectors
 import signal
@@ -129,3 +130,13 @@ def test_engine_resumes_when_the_master_returns(tmp_path):
     finally:
         conn.shutdown()
         m.stop()
+
+
+def test_bench_pool_smoke(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "hwkv", "bench", "pool", "--prompt-len", "80", "--repeats", "1",
+                          "--lookup-iters", "3", "--workdir", str(tmp_path), "--out-dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    (res,) = tmp_path.glob("pool-*.json")
+    r = json.loads(res.read_text())
+    assert r["loaded_tokens"] == 64 and r["load_failures"] == 0 and r["ttft_pool_ms"] > 0 and r["get_GBps"] > 0
