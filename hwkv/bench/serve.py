@@ -180,7 +180,14 @@ class _Server:
             cmd += ["--api-key", args.api_key]
         print("starting:", shlex.join(cmd), file=sys.stderr, flush=True)
         self.proc = subprocess.Popen(cmd)
-        deadline = time.monotonic() + args.startup_timeout
+        try:
+            self._await_health(httpx, args.startup_timeout)
+        except BaseException:  # not healthy in time, or Ctrl-C during a long start-up: no server left behind
+            self.stop()
+            raise
+
+    def _await_health(self, httpx: Any, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"`hwkv serve` exited with {self.proc.returncode} during start-up")
@@ -190,8 +197,7 @@ class _Server:
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"`hwkv serve` not healthy within {args.startup_timeout:g} s")
+                raise RuntimeError(f"`hwkv serve` not healthy within {timeout_s:g} s")
             time.sleep(0.2)
 
     def stop(self) -> None:

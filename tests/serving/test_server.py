@@ -311,3 +311,36 @@ def test_bench_serve_writes_a_shape_model(tmp_path, monkeypatch):
     cfg = json.loads((tmp_path / "tiny-test-float32" / "config.json").read_text())
     assert d == str(tmp_path / "tiny-test-float32") and cfg["vocab_size"] == 512
     assert "llama-1b" in e2e.SHAPES
+
+
+def test_bench_serve_stops_its_server_when_start_up_is_interrupted(monkeypatch):
+    """Ctrl-C (or any error) while waiting for the server's health must not leave it running."""
+    import argparse
+    import subprocess
+    import sys
+
+    import httpx
+
+    from hwkv.bench import serve as bench
+
+    procs, real_popen = [], subprocess.Popen
+
+    def popen(cmd):
+        procs.append(real_popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+        return procs[-1]
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench.subprocess, "Popen", popen)
+    monkeypatch.setattr(httpx, "get", interrupted)
+    args = argparse.Namespace(backend="cpu", server_args="", api_key=None, startup_timeout=30.0)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            bench._Server("unused", args)
+        assert procs and procs[0].poll() is not None  # stopped, not orphaned
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
