@@ -31,6 +31,8 @@ import numpy as np
 
 from hwkv.bench import results_dir
 
+READ_TIMEOUT_S = 600.0  # longest silence between two chunks of one stream
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default=None, help="a running server (http://host:port); default: start one")
@@ -117,7 +119,10 @@ async def _run_rate(url: str, model: str, rate: float, warm: list[tuple[list[int
     rng = np.random.default_rng(seed)
     sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits, headers=headers) as http:
+    # Bounded waits: a hung server fails its requests instead of hanging the bench (a stream may be
+    # silent for long while queued at high rates, hence the generous read bound between chunks).
+    timeout = httpx.Timeout(connect=30.0, read=READ_TIMEOUT_S, write=60.0, pool=None)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as http:
         for prompt, n in warm:
             await _one(http, url, model, prompt, min(n, 8))
 

@@ -344,3 +344,29 @@ def test_bench_serve_stops_its_server_when_start_up_is_interrupted(monkeypatch):
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
+
+
+def test_bench_serve_fails_the_requests_of_a_silent_server(monkeypatch):
+    """A server that accepts but never answers costs a failed request after the read bound, not a hang."""
+    import argparse
+    import socket
+    import threading
+
+    from hwkv.bench import serve as bench
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    conns = []
+    threading.Thread(target=lambda: conns.append(srv.accept()), daemon=True).start()
+    monkeypatch.setattr(bench, "READ_TIMEOUT_S", 0.5)
+    url = f"http://127.0.0.1:{srv.getsockname()[1]}"
+    try:
+        res = asyncio.run(asyncio.wait_for(
+            bench._run_rate(url, "m", float("inf"), [], [([1, 2], 4)], argparse.Namespace(max_concurrency=None),
+                            {}, 0), 30))
+        assert res["completed"] == 0 and res["failed"] == 1
+    finally:
+        for c, _ in conns:
+            c.close()
+        srv.close()
