@@ -140,3 +140,32 @@ def test_bench_pool_smoke(tmp_path):
     (res,) = tmp_path.glob("pool-*.json")
     r = json.loads(res.read_text())
     assert r["loaded_tokens"] == 64 and r["load_failures"] == 0 and r["ttft_pool_ms"] > 0 and r["get_GBps"] > 0
+
+
+def test_engine_started_without_its_master_joins_when_it_answers(tmp_path):
+    skip_unless_mooncake()
+    torch.set_num_threads(1)
+    model = str(write_tiny_model(tmp_path / "m", seed=0))
+    sp = SamplingParams(max_tokens=4, temperature=0)
+    want = hwkv.Engine(model, num_kv_blocks=64, max_model_len=256, block_size=BS).generate(
+        [PROMPT], sp, use_tqdm=False)[0].token_ids
+    ports = (free_port(), free_port(), free_port())
+    cfg = dict(store="mooncake", master=f"127.0.0.1:{ports[0]}", metadata_server=f"http://127.0.0.1:{ports[1]}/metadata",
+               global_segment_size=32 << 20, retry_s=0.3, timeout_s=2.0, lookup_timeout_s=0.5)
+    e = hwkv.Engine(model, num_kv_blocks=64, max_model_len=256, block_size=BS, enable_prefix_caching=False,
+                    kv_connector="pool", kv_connector_config=cfg)  # no master yet: serves without the pool
+    conn, m = e.scheduler.connector, None
+    try:
+        assert e.generate([PROMPT], sp, use_tqdm=False)[0].token_ids == want
+        st = e.stats()["kv_connector"]
+        assert not st["store_up"] and f"127.0.0.1:{ports[0]}" in st["store_last_error"]
+        m = Master(ports)
+        deadline = time.monotonic() + 30
+        while e.stats()["kv_connector"]["external_hit_tokens"] == 0:
+            assert time.monotonic() < deadline, e.stats()["kv_connector"]
+            assert e.generate([PROMPT], sp, use_tqdm=False)[0].token_ids == want
+            time.sleep(0.2)
+    finally:
+        conn.shutdown()
+        if m is not None:
+            m.stop()
