@@ -3,6 +3,8 @@ mixing generate() with add_request(), configuration the engine must resolve itse
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 import hwkv
@@ -143,6 +145,23 @@ def _drain(e: hwkv.Engine, max_steps: int = 500) -> dict[str, list]:
     raise AssertionError("engine did not go idle")
 
 
+
+def _finish_all(e: hwkv.Engine, raises: type[Exception], match: str,
+                max_steps: int = 200) -> tuple[dict[str, Any], int]:
+    """Step until idle: the final outputs by id, and how many steps raised ``raises`` (each message
+    containing ``match``). Bounded."""
+    finals: dict[str, Any] = {}
+    errors = 0
+    for _ in range(max_steps):
+        if not e.has_unfinished():
+            return finals, errors
+        try:
+            finals.update({o.request_id: o for o in e.step() if o.finished})
+        except raises as exc:
+            assert match in str(exc)
+            errors += 1
+    raise AssertionError("engine did not go idle")
+
 def test_generate_after_abort_of_a_reused_id_returns_only_its_own_outputs(model_dir):
     short = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     want = [o.token_ids for o in _engine(model_dir).generate(PROMPTS[1:3], [GREEDY, short], use_tqdm=False)]
@@ -248,15 +267,7 @@ def test_a_request_that_always_fails_is_finished_with_an_error(model_dir, monkey
     for i, p in enumerate(PROMPTS[:3]):
         e.add_request(f"r{i}", p, GREEDY)
     e.add_request("bad", PROMPTS[3], GREEDY)
-    finals, errors = {}, 0
-    for _ in range(200):
-        if not e.has_unfinished():
-            break
-        try:
-            finals.update({o.request_id: o for o in e.step() if o.finished})
-        except RuntimeError as exc:
-            assert "poisoned row" in str(exc)
-            errors += 1
+    finals, errors = _finish_all(e, RuntimeError, "poisoned row")
     assert errors == 1  # the batched failure propagates once; then the suspect runs alone
     assert len(raised) == 2 and len(raised[1]) == 1  # ... and fails alone: its own failure
     bad = finals.pop("bad")
@@ -284,14 +295,7 @@ def test_a_failure_only_when_sampling_a_chunked_prompt_is_contained(model_dir, m
     e.add_request("ok", PROMPTS[0], GREEDY)
     e.add_request("bad", long, SamplingParams(temperature=0, max_tokens=4, seed=4242))
     e.add_request("ok2", PROMPTS[1], GREEDY)
-    finals, errors = {}, 0
-    for _ in range(200):
-        if not e.has_unfinished():
-            break
-        try:
-            finals.update({o.request_id: o for o in e.step() if o.finished})
-        except RuntimeError:
-            errors += 1
+    finals, errors = _finish_all(e, RuntimeError, "sampler overflow")
     assert errors == 1 and finals["bad"].finish_reason == "error" and "sampler overflow" in finals["bad"].error
     assert finals["ok"].finish_reason == finals["ok2"].finish_reason == "length"
     _no_leak(e)
@@ -371,15 +375,7 @@ def test_a_seed_the_generator_rejects_past_validation_ends_only_its_request(mode
     e.add_request("ok", PROMPTS[0], GREEDY)
     e.add_request("bad", PROMPTS[1], bad)
     bad.seed = 2**70  # bypasses SamplingParams validation
-    errors, finals = 0, {}
-    for _ in range(100):
-        if not e.has_unfinished():
-            break
-        try:
-            finals.update({o.request_id: o for o in e.step() if o.finished})
-        except ValueError as exc:
-            assert "Overflow" in str(exc)
-            errors += 1
+    finals, errors = _finish_all(e, ValueError, "Overflow")
     assert errors == 1
     assert finals["bad"].finish_reason == "error" and "Overflow" in finals["bad"].error
     assert finals["ok"].finish_reason == "length" and len(finals["ok"].token_ids) == GREEDY.max_tokens
