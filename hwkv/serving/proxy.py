@@ -95,7 +95,7 @@ def build_proxy(prefill: list[str], decode: list[str], timeout_s: float = 600.0,
             params = r.json().get("kv_transfer_params")
         except ValueError:
             params = None
-        if not isinstance(params, dict):
+        if not isinstance(params, dict) or not params.get("do_remote_prefill"):  # e.g. echoed back unused
             raise _Failed(_error(502, f"prefill server {url} returned no kv_transfer_params (is it serving with "
                                       "--kv-connector p2p and role 'producer'?)"))
         return params

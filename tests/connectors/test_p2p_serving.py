@@ -123,6 +123,8 @@ def cluster(request, tiny):
     finally:
         for s in reversed(started):
             s.stop()
+        if len(started) > 1:  # SIGTERM: the consumer shut down gracefully (connector threads included)
+            assert started[1].proc.returncode == 0
 
 
 def test_completions_token_identical_to_one_engine(cluster, local):
@@ -133,6 +135,21 @@ def test_completions_token_identical_to_one_engine(cluster, local):
         assert "kv_transfer_params" not in got  # a consumer returns none
     assert counter(d.url, "transfers") >= len(PROMPTS) and counter(d.url, "loaded_bytes") > 0
     assert counter(d.url, "failed_transfers") == 0
+
+
+def test_proxy_errors_are_clear(cluster):
+    mode, p, d, px = cluster
+    if mode != "pull":
+        pytest.skip("once is enough")
+    r = httpx.post(px.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": -1}, timeout=30)
+    assert r.status_code == 400 and "max_tokens" in r.text  # a client error passes through as it came
+    wrong = Proxy([d.url], [d.url])  # a "prefill" server without a producer connector
+    try:
+        r = httpx.post(wrong.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2},
+                       timeout=30)
+        assert r.status_code == 502 and "returned no kv_transfer_params" in r.json()["error"]["message"]
+    finally:
+        wrong.stop()
 
 
 def test_prefill_server_returns_kv_transfer_params(cluster):
