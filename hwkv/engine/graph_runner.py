@@ -22,6 +22,12 @@ carry weight 0 in the reduction (see docs/gpu-e2e.md). Batches of up to ``SMALL_
 and replay the smallest bound that covers the step; larger batches one graph at ``max_model_len``.
 Inputs are staged in the device's host buffers (pinned where copies are asynchronous) and copied
 without blocking; an event guards the staging buffers against reuse before their copy ran.
+
+Host arguments that must change per step: where an op takes lengths as host values even in a graph
+(hwkv-ascend: FIA / ATB paged attention read host length lists), the metadata builder may define
+``before_replay(captured_metadata, step_metadata)``; it is called before every replay with the
+metadata the graph was captured with and the core metadata of this step (true host lengths, padded
+rows at 1), to re-bind those arguments in the captured graph (vllm-ascend's graph task update).
 """
 
 from __future__ import annotations
@@ -110,12 +116,15 @@ class GraphRunner:
         # since it owns tensors the backend built outside the capture (hwkv-cuda's cached plan)
         self.graphs: dict[tuple[int, int], tuple[Graph, torch.Tensor, Any]] = {}
         self.pool: Any = None
+        self._before_replay = getattr(meta_builder, "before_replay", None)  # optional hook (module doc)
+
+    def _common(self, b: int, seq_cpu: torch.Tensor) -> Any:
+        return metadata(self.query_start_loc[: b + 1], self.seq_lens[:b], self.block_tables[:b], self.d64[2, :b],
+                        torch.arange(b + 1, dtype=torch.int32), seq_cpu, self.block_size, num_decodes=b,
+                        max_query_len=1)
 
     def _metadata(self, b: int, seq_cpu: torch.Tensor) -> Any:
-        md = metadata(self.query_start_loc[: b + 1], self.seq_lens[:b], self.block_tables[:b], self.d64[2, :b],
-                      torch.arange(b + 1, dtype=torch.int32), seq_cpu, self.block_size, num_decodes=b,
-                      max_query_len=1)
-        return self.meta_builder.build(md)
+        return self.meta_builder.build(self._common(b, seq_cpu))
 
     def _forward(self, b: int, md: Any) -> torch.Tensor:
         return self.model.forward(self.d64[0, :b], self.d64[1, :b], self.kv_cache, md, self.logits_indices[:b],
@@ -185,7 +194,9 @@ class GraphRunner:
         if fill is not None:
             fill(self.d64[0, :b])
         if self.use_graphs:
-            g, out, _ = self.graphs[key]
+            g, out, md = self.graphs[key]
+            if self._before_replay is not None:
+                self._before_replay(md, self._common(b, torch.from_numpy(h32[:b].copy())))
             g.replay()
             return out[:n]
         seq_cpu = torch.from_numpy(h32[:b].copy())

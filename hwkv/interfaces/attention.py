@@ -135,6 +135,13 @@ class AttentionMetadataBuilder:
     ``slot_mapping`` (the core ``[num_tokens]`` int64 tensor, on the device): the model passes it to
     ``write_kv``. ``build`` must not synchronise with the device (read the ``*_cpu`` tensors), so
     steps can be captured in graphs.
+
+    Optional graph hook ``before_replay(captured, common) -> None``: a builder whose ops take host
+    arguments that a captured graph would freeze (lengths passed as host lists) defines it; the
+    graph runner calls it before every replay of a decode graph with ``captured`` (what ``build``
+    returned at capture, kept with that graph) and ``common`` (this step's core metadata: true host
+    lengths, padded rows at length 1) so it can re-bind those arguments inside the graph. It must
+    not synchronise with the device either. Builders without it replay the graph as captured.
     """
 
     def build(self, common: AttentionMetadata) -> Any:

@@ -138,6 +138,41 @@ def check() -> tuple[bool, str]:
     return True, ""
 
 
+# ACL graph decode (vllm-ascend's full decode graphs): capture, task groups and task updates on
+# torch_npu.npu, the ops' workspace getters and FIA's ``.out`` variant (what a task update re-issues)
+GRAPH_RUNTIME = ("NPUGraph", "graph", "graph_pool_handle", "is_current_stream_capturing", "ExternalEvent",
+                 "graph_task_group_begin", "graph_task_group_end", "graph_task_update_begin",
+                 "graph_task_update_end")
+GRAPH_OPS = ("_npu_paged_attention_get_workspace", "_npu_fused_infer_attention_score_get_max_workspace")
+
+
+def capturing(mod: ModuleType) -> bool:
+    """A graph capture is in progress on the current stream."""
+    fn = getattr(mod.npu, "is_current_stream_capturing", None)
+    return bool(fn()) if fn is not None else False
+
+
+def graph_support(mod: ModuleType) -> tuple[bool, str]:
+    """``(True, "")`` when decode steps can run as ACL graphs here, else why not.
+
+    A decode graph writes the KV of its padding rows (the rows a batch is padded up to its bucket
+    with) through slot -1: the write is captured at the bucket size, so it cannot be sliced to the
+    real tokens per step. ``npu_scatter_pa_kv_cache`` skipping slot -1 is confirmed only on A3 with
+    CANN 9 (docs/ascend-backend.md), so graphs are declared there only."""
+    missing = [f"torch_npu.npu.{n}" for n in GRAPH_RUNTIME if not hasattr(mod.npu, n)]
+    missing += [f"torch_npu.{n}" for n in GRAPH_OPS if not hasattr(mod, n)]
+    if not hasattr(getattr(mod, "npu_fused_infer_attention_score", None), "out"):
+        missing.append("torch_npu.npu_fused_infer_attention_score.out")
+    if missing:
+        return False, f"this torch_npu lacks the ACL graph task-update API ({', '.join(missing)})"
+    soc, cann = soc_family(mod), parse_version(cann_version(mod) or "")
+    if soc != "A3" or cann is None or cann[0] < MIN_CANN:
+        return False, (f"decode graphs write padding rows through slot -1, which npu_scatter_pa_kv_cache is "
+                       f"confirmed to skip only on A3 with CANN >= {MIN_CANN} (this is {soc}, CANN "
+                       f"{cann_version(mod)}): eager decode")
+    return True, ""
+
+
 def _soc_number(mod: ModuleType) -> str:
     try:
         return str(int(mod.npu.get_soc_version()))

@@ -10,13 +10,22 @@
 
 Per-step conversion happens once in :class:`AscendMetadataBuilder` from core's host tensors;
 the per-layer ``forward`` only launches ops.
+
+ACL graphs (vllm-ascend's full decode graphs): both attention ops take their lengths as host values
+(FIA's ``actual_seq_lengths(_kv)`` lists, ATB's host ``context_lens``), which a captured graph
+freezes. Under capture each layer's op is launched inside a graph task group
+(``graph_task_group_begin/end``) behind an ``ExternalEvent`` wait; before every replay
+:meth:`AscendMetadataBuilder.before_replay` re-issues it on an update stream between
+``graph_task_update_begin/end`` with the step's lengths (same tensors, outputs and workspace) and
+records the event — vllm-ascend's ``update_attn_params``.
 """
 
 from __future__ import annotations
 
 import enum
 import itertools
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -63,10 +72,23 @@ class AscendMetadata:
     block_size: int
     num_prefills: int
     num_decodes: int
+    # captured attention launches of the graph this metadata was captured with (one per layer)
+    graph_tasks: list[GraphTask] = field(default_factory=list)
+    live: Any = None  # the metadata of the last update: its host tensors outlive the update's launch
 
     @property
     def num_reqs(self) -> int:
         return len(self.seq_lens_list)
+
+
+@dataclass
+class GraphTask:
+    """One captured attention launch: its task-group handle, the event the graph waits on before
+    it, and ``launch(metadata)`` re-issuing the op (same tensors) with that metadata's lengths."""
+
+    handle: Any
+    event: Any
+    launch: Callable[[AscendMetadata], None]
 
 
 class AscendMetadataBuilder(AttentionMetadataBuilder):
@@ -83,6 +105,7 @@ class AscendMetadataBuilder(AttentionMetadataBuilder):
     def __init__(self) -> None:
         self._masks: dict[torch.device, torch.Tensor] = {}
         self.step: AscendMetadata | None = None
+        self._update_stream: Any = None
 
     def mask(self, device: torch.device) -> torch.Tensor:
         if device not in self._masks:
@@ -139,6 +162,32 @@ class AscendMetadataBuilder(AttentionMetadataBuilder):
             num_decodes=common.num_decodes,
         )
         return self.step
+
+    def before_replay(self, captured: AscendMetadata, common: AttentionMetadata) -> None:
+        """Re-bind the host lengths of every attention launch captured with ``captured`` to this
+        step's (the graph runner calls it before each replay; vllm-ascend's ``update_attn_params``).
+
+        The update runs on its own stream after the current stream's work (the previous replay
+        reads the tasks being rewritten), and records each task's event, which the graph waits on
+        before that task."""
+        if not captured.graph_tasks:
+            return
+        step = self.build(common)
+        if step.state is not captured.state or step.num_tokens != captured.num_tokens:
+            raise ValueError(f"graph captured for {captured.state.value} x {captured.num_tokens} tokens, "
+                             f"replayed for {step.state.value} x {step.num_tokens}")
+        rt = _npu.torch_npu().npu
+        if self._update_stream is None:
+            self._update_stream = rt.Stream()
+        s = self._update_stream
+        s.wait_stream(rt.current_stream())
+        with rt.stream(s):
+            for task in captured.graph_tasks:
+                rt.graph_task_update_begin(s, task.handle)
+                task.launch(step)
+                rt.graph_task_update_end(s)
+                task.event.record(s)
+        captured.live = step
 
 
 MAX_HEADS = 256  # FIA: num_heads <= 256 (prompt-flash-attention tiling NLIMIT)
@@ -203,48 +252,75 @@ class AscendAttentionImpl(AttentionImpl):
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_kv: Any, metadata: Any
     ) -> torch.Tensor:
         md: AscendMetadata = metadata
-        key_cache, value_cache = layer_kv
         npu = _npu.torch_npu()
         query = query.contiguous()
-        if md.state is AscendAttentionState.DECODE_ONLY and self.use_paged_attention:
+        paged = md.state is AscendAttentionState.DECODE_ONLY and self.use_paged_attention
+        args = self._pa_args(query, layer_kv, md) if paged else self._fia_args(query, key, value, layer_kv, md)
+        if _npu.capturing(npu):
+            return self._captured(npu, query, args, paged, md)
+        if paged:
             out = torch.empty_like(query)
-            npu._npu_paged_attention(
-                query=query,
-                key_cache=key_cache,
-                value_cache=value_cache,
-                num_kv_heads=self.num_kv_heads,
-                num_heads=self.num_heads,
-                scale_value=self.scale,
-                block_table=md.block_tables,
-                context_lens=md.seq_lens,
-                out=out,
-            )
+            npu._npu_paged_attention(**args, out=out)
             return out
+        out, _ = npu.npu_fused_infer_attention_score(**args)
+        return out.view(query.shape[0], self.num_heads, self.head_size)
+
+    def _pa_args(self, query: torch.Tensor, layer_kv: Any, md: AscendMetadata) -> dict[str, Any]:
+        key_cache, value_cache = layer_kv
+        return dict(query=query, key_cache=key_cache, value_cache=value_cache, num_kv_heads=self.num_kv_heads,
+                    num_heads=self.num_heads, scale_value=self.scale, block_table=md.block_tables,
+                    context_lens=md.seq_lens)
+
+    def _fia_args(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_kv: Any,
+                  md: AscendMetadata) -> dict[str, Any]:
+        key_cache, value_cache = layer_kv
         if md.state is AscendAttentionState.PREFILL_NO_CACHE:
             k, v = key.contiguous(), value.contiguous()
             block_table, block_size = None, md.block_size
-            kv_lens = md.actual_seq_lengths_q  # raw TND K/V: KV lengths are cumulative like the query's
         else:
             nb, bs = key_cache.shape[:2]
             k, v = key_cache.view(nb, bs, -1), value_cache.view(nb, bs, -1)
             block_table, block_size = md.block_tables, bs
-            kv_lens = md.seq_lens_list  # paged: per-request KV lengths
-        out, _ = npu.npu_fused_infer_attention_score(
-            query=query,
-            key=k,
-            value=v,
-            atten_mask=md.attn_mask,
-            block_table=block_table,
-            input_layout="TND",
-            block_size=block_size,
-            actual_seq_lengths=md.actual_seq_lengths_q,
-            actual_seq_lengths_kv=kv_lens,
-            num_key_value_heads=self.num_kv_heads,
-            num_heads=self.num_heads,
-            scale=self.scale,
-            sparse_mode=3,
-        )
-        return out.view(query.shape[0], self.num_heads, self.head_size)
+        return dict(query=query, key=k, value=v, atten_mask=md.attn_mask, block_table=block_table,
+                    input_layout="TND", block_size=block_size, actual_seq_lengths=md.actual_seq_lengths_q,
+                    actual_seq_lengths_kv=_kv_lens(md), num_key_value_heads=self.num_kv_heads,
+                    num_heads=self.num_heads, scale=self.scale, sparse_mode=3)
+
+    def _captured(self, npu: Any, query: torch.Tensor, args: dict[str, Any], paged: bool,
+                  md: AscendMetadata) -> torch.Tensor:
+        """The op launched as a graph task group (its host lengths re-bound per replay by
+        :meth:`AscendMetadataBuilder.before_replay`). The workspace is sized at capture, where the
+        graph runner sets every length to the graph's bound, so every replay's lengths fit."""
+        rt = npu.npu
+        out = torch.empty_like(query)
+        if paged:
+            ws = npu._npu_paged_attention_get_workspace(**args)
+
+            def launch(m: AscendMetadata) -> None:
+                npu._npu_paged_attention(**{**args, "context_lens": m.seq_lens}, out=out, workspace=ws)
+        else:
+            ws = npu._npu_fused_infer_attention_score_get_max_workspace(**args)
+            lse = torch.empty(1, dtype=query.dtype, device=query.device)
+
+            def launch(m: AscendMetadata) -> None:
+                npu.npu_fused_infer_attention_score.out(
+                    **{**args, "actual_seq_lengths": m.actual_seq_lengths_q, "actual_seq_lengths_kv": _kv_lens(m)},
+                    workspace=ws, out=[out, lse])
+        stream = rt.current_stream()
+        event = rt.ExternalEvent()
+        event.wait(stream)  # the replay runs this task only after the update recorded the event
+        event.reset(stream)
+        rt.graph_task_group_begin(stream)
+        launch(md)
+        handle = rt.graph_task_group_end(stream)
+        md.graph_tasks.append(GraphTask(handle, event, launch))
+        return out
+
+
+def _kv_lens(md: AscendMetadata) -> list[int]:
+    """FIA's ``actual_seq_lengths_kv``: cumulative like the query's for raw TND K/V (no cached
+    prefix), per-request KV lengths for the paged cache."""
+    return md.actual_seq_lengths_q if md.state is AscendAttentionState.PREFILL_NO_CACHE else md.seq_lens_list
 
 
 class AscendAttentionBackend(AttentionBackend):

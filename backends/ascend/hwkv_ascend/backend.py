@@ -52,6 +52,7 @@ class AscendBackend(Backend):
             protocols, why = (), MOONCAKE_MISSING
         if protocols:
             self._device.kv_alignment = TRANSFER_ALIGNMENT
+        graphs, graphs_why = _npu.graph_support(npu)
         self._caps = Capabilities(
             dtypes=(torch.float16, torch.bfloat16),  # FIA / ATB PA take no float32 query
             head_sizes=HEAD_SIZES,  # FIA TND: 64/128/192 only
@@ -61,10 +62,11 @@ class AscendBackend(Backend):
             kv_layouts=(KVLayoutKind.SEPARATE_KV,),
             transfer_protocols=protocols,
             transfer_reason=why,
-            graph_capture=False,
+            graph_capture=graphs,  # ACL graphs with per-replay task updates (A3 + CANN 9: _npu.graph_support)
             max_gqa_ratio=64,  # FIA: num_heads / num_key_value_heads <= 64
             extras={"torch_npu": str(getattr(npu, "__version__", "?")), "soc": soc,
-                    "emulated": "yes" if self._device.emulated else "no"},
+                    "emulated": "yes" if self._device.emulated else "no",
+                    "graphs": "acl (task update)" if graphs else f"off: {graphs_why}"},
         )
 
     @classmethod

@@ -26,6 +26,7 @@ was read:
   torch_npu-npu-utils-get_cann_version.md``.
 * [SOC] ``torch_npu.npu.get_soc_version()`` families as vllm-ascend ``device/hardware.py`` reads them.
 * Dense ops (RMSNorm, RoPE, SwiGLU): see ``npu_emulator_dense.py``.
+* ACL graphs (capture, task groups, task updates, frozen host arguments): ``npu_emulator_graph.py``.
 
 Features hwkv does not use (quantisation, NZ format, other layouts, rope, pse) raise
 ``NotImplementedError`` instead of guessing.
@@ -286,6 +287,7 @@ def _npu_paged_attention(
     block_table: torch.Tensor,
     context_lens: torch.Tensor,
     out: torch.Tensor,
+    workspace: torch.Tensor | None = None,
 ) -> None:
     """ATB PagedAttentionOperation (decode): one query token per row attends its whole context."""
     _contiguous(query=query, key_cache=key_cache, value_cache=value_cache, block_table=block_table, out=out)
@@ -488,4 +490,16 @@ def make_module(soc_version: int = 222, device_count: int = 1, version: str = "2
     dense = _dense_ops()
     for name in dense.OPS:
         setattr(mod, name, getattr(dense, name))
+    _graph_runtime().install(mod, ("npu_fused_infer_attention_score", "npu_scatter_pa_kv_cache",
+                                   "_npu_paged_attention", *dense.OPS))
     return mod
+
+
+def _graph_runtime() -> types.ModuleType:
+    name = "hwkv_ascend_tests_npu_emulator_graph"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, _HERE / "npu_emulator_graph.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
