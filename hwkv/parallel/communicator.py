@@ -39,7 +39,8 @@ class TorchDistCommunicator(Communicator):
         self.device = device.torch_device
         backend = device.dist_backend
         kw: dict[str, Any] = {}
-        if backend != "gloo":  # bind the group to this rank's device (eager NCCL/HCCL init)
+        if backend != "gloo" and self.device.type != "cpu":  # bind the group to this rank's device (eager
+            # NCCL/HCCL init); torch takes only an accelerator here (an emulated one lives on the CPU)
             kw["device_id"] = self.device
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kw)
         self._store = store

@@ -490,9 +490,20 @@ def make_module(soc_version: int = 222, device_count: int = 1, version: str = "2
     dense = _dense_ops()
     for name in dense.OPS:
         setattr(mod, name, getattr(dense, name))
+    _register_hccl()
     _graph_runtime().install(mod, ("npu_fused_infer_attention_score", "npu_scatter_pa_kv_cache",
                                    "_npu_paged_attention", *dense.OPS))
     return mod
+
+
+def _register_hccl() -> None:
+    """torch_npu registers the ``hccl`` torch.distributed backend on import; emulated, its
+    collectives run over gloo (CPU tensors), so the generic communicator runs unchanged."""
+    import torch.distributed as dist
+
+    if "hccl" not in dist.Backend.backend_list:
+        dist.Backend.register_backend("hccl", lambda store, rank, size, timeout:
+                                      dist.ProcessGroupGloo(store, rank, size, timeout), devices=["cpu"])
 
 
 def _graph_runtime() -> types.ModuleType:

@@ -17,7 +17,7 @@ from hwkv.testing.tiny_models import write_tiny_model
 
 
 class _Runtime:
-    """ACL-graph calls emulated on top of the op emulator's ``torch_npu.npu`` (graphs by recording)."""
+    """Records the ACL-graph calls reaching the emulated ``torch_npu.npu`` (which captures them)."""
 
     def __init__(self) -> None:
         self.captures: list[tuple[RecordedGraph, object, object]] = []
@@ -25,7 +25,8 @@ class _Runtime:
         self.emptied = 0
 
     def install(self, npu_ns) -> None:
-        npu_ns.NPUGraph = RecordedGraph
+        assert npu_ns.NPUGraph is RecordedGraph  # the emulator's graphs (npu_emulator_graph.py), recorded here
+        self._graph = npu_ns.graph
         npu_ns.graph_pool_handle = self.graph_pool_handle
         npu_ns.graph = self.graph
         npu_ns.empty_cache = self.empty_cache
@@ -37,7 +38,7 @@ class _Runtime:
     @contextlib.contextmanager
     def graph(self, g: RecordedGraph, pool=None, stream=None):
         self.captures.append((g, pool, stream))
-        with g:
+        with self._graph(g, pool=pool, stream=stream):
             yield
 
     def empty_cache(self) -> None:
