@@ -22,6 +22,7 @@ records the event — vllm-ascend's ``update_attn_params``.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import itertools
 from collections.abc import Callable
@@ -173,9 +174,12 @@ class AscendMetadataBuilder(AttentionMetadataBuilder):
         if not captured.graph_tasks:
             return
         step = self.build(common)
-        if step.state is not captured.state or step.num_tokens != captured.num_tokens:
-            raise ValueError(f"graph captured for {captured.state.value} x {captured.num_tokens} tokens, "
-                             f"replayed for {step.state.value} x {step.num_tokens}")
+        if step.num_tokens != captured.num_tokens or bool((common.query_lens_cpu != 1).any()):
+            raise ValueError(f"graph captured for {captured.num_tokens} one-token queries, replayed for "
+                             f"{step.num_tokens} tokens with query lengths {common.query_lens_cpu.tolist()}")
+        # one-token queries whose KV the graph has just written: the captured decode ops serve them
+        # even when no request has context yet (a batch of one-token prompts builds PREFILL_NO_CACHE)
+        step = dataclasses.replace(step, state=captured.state, graph_tasks=[])
         rt = _npu.torch_npu().npu
         if self._update_stream is None:
             self._update_stream = rt.Stream()

@@ -152,3 +152,19 @@ def test_graphs_declared_only_where_padding_writes_are_safe(monkeypatch, emulato
     caps = AscendBackend().capabilities
     assert not caps.graph_capture and "torch_npu.npu.graph_task_update_begin" in caps.extras["graphs"]
     reset()
+
+
+def test_graph_serves_a_batch_of_one_token_prompts(a3, tmp_path):
+    """A first step of one-token prompts is pure-decode shaped (no request has context yet): the
+    decode graph serves it with the lengths re-bound, and the tokens match eager."""
+    torch.set_num_threads(1)
+    model = _model(tmp_path, 64)
+    prompts = [[7], [9], [11]]
+    params = hwkv.SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    outs = []
+    for extra in ({"enforce_eager": True}, {}):
+        e = hwkv.Engine(model, backend="ascend", dtype=torch.float16, block_size=128, num_kv_blocks=12,
+                        max_model_len=256, max_num_seqs=4, fuse_elementwise=False, **extra)
+        outs.append([list(o.token_ids) for o in e.generate(prompts, params, use_tqdm=False)])
+    assert e.runner.num_graph_steps == 5  # the first step too
+    assert outs[1] == outs[0]
