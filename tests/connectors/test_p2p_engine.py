@@ -208,3 +208,35 @@ def test_read_timing_out_mid_transfer_recomputes_and_keeps_blocks_pinned_a_while
     finally:
         p.close()
         d.close()
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_small_consumer_pool_waits_and_preempts_with_identical_tokens(model_dir, mode):
+    """Four remote-prefilled requests at once on a consumer of 10 blocks: some wait for blocks while
+    others load, decodes preempt each other (a preempted request recomputes; it is not offered the
+    remote KV again), and every request ends with one engine's tokens; nothing leaks."""
+    import random
+
+    rng = random.Random(3)
+    batch = [[rng.randrange(1, 500) for _ in range(n)] for n in (40, 33, 47, 36)]
+    want = [o.token_ids for o in engine(model_dir, num_kv_blocks=32).generate(batch, greedy(24), use_tqdm=False)]
+    p = engine(model_dir, num_kv_blocks=32, kv_connector="p2p", kv_connector_config=cfg("producer", mode))
+    d = engine(model_dir, num_kv_blocks=10, kv_connector="p2p", kv_connector_config=cfg("consumer", mode))
+    try:
+        params = [prefill(p, q) for q in batch]
+        for i, (q, kv) in enumerate(zip(batch, params)):
+            d.add_request(str(i), q, hwkv.SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+                                                         kv_transfer_params=kv))
+        got: dict[str, list[int]] = {}
+        deadline = time.monotonic() + 60
+        while d.has_unfinished():
+            assert time.monotonic() < deadline, "no progress"
+            got.update((o.request_id, o.token_ids) for o in d.step() if o.finished)
+        assert [got[str(i)] for i in range(len(batch))] == want
+        st = d.stats()
+        assert st["num_preemptions"] > 0 and st["kv_connector"]["load_failures"] == 0
+        assert st["kv_connector"]["external_hit_tokens"] == sum(len(q) - 1 for q in batch)
+        assert_clean(p, d)
+    finally:
+        p.close()
+        d.close()
