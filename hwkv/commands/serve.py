@@ -100,7 +100,7 @@ async def serve(args: argparse.Namespace) -> int:
     engine = AsyncEngine(args.model, metrics=metrics, startup_timeout=args.startup_timeout, **engine_kwargs(args))
     try:
         await engine.start()
-    except EngineDeadError as e:
+    except (EngineDeadError, ValueError) as e:  # ValueError: ModelLoadError of an unreadable tokenizer.json
         print(f"hwkv serve: error: {e}", file=sys.stderr)
         return 1
     try:

@@ -370,3 +370,19 @@ def test_bench_serve_fails_the_requests_of_a_silent_server(monkeypatch):
         for c, _ in conns:
             c.close()
         srv.close()
+
+
+def test_serve_with_an_unreadable_tokenizer_is_a_clean_error(tiny_model, tmp_path, capsys):
+    import argparse
+    import shutil
+
+    from hwkv.commands import serve as cmd
+
+    d = tmp_path / "broken-tok"
+    shutil.copytree(tiny_model, d)
+    (d / "tokenizer.json").write_text("{")
+    p = argparse.ArgumentParser()
+    cmd.add_arguments(p)
+    assert cmd.run(p.parse_args(["--model", str(d), "--backend", "cpu"])) == 1
+    err = capsys.readouterr().err
+    assert "hwkv serve: error:" in err and "tokenizer.json" in err and "Traceback" not in err
