@@ -65,9 +65,9 @@ def register(family: ModelFamily) -> ModelFamily:
 def _load_builtin() -> None:
     global _loaded
     if not _loaded:
-        _loaded = True
         for module in BUILTIN_FAMILIES:
             importlib.import_module(module)
+        _loaded = True  # only once all imported: a failed import is retried (and raises) next time
 
 
 def supported_architectures() -> tuple[str, ...]:

@@ -136,3 +136,15 @@ def test_moe_layer_selection(moe_cfg):
 def test_moe_config_validation(moe_cfg, change, pattern):
     with pytest.raises(ModelLoadError, match=pattern):
         ModelConfig.from_dict({**moe_cfg, **change})
+
+
+def test_a_failed_builtin_import_is_not_remembered_as_loaded(monkeypatch):
+    """A family module that fails to import raises on every lookup, not only the first (the next
+    lookups would otherwise silently miss its architectures)."""
+    from hwkv.model import registry
+
+    monkeypatch.setattr(registry, "_loaded", False)
+    monkeypatch.setattr(registry, "BUILTIN_FAMILIES", (*registry.BUILTIN_FAMILIES, "hwkv.model.no_such_family"))
+    for _ in range(2):
+        with pytest.raises(ImportError, match="no_such_family"):
+            registry.supported_architectures()
