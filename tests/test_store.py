@@ -326,6 +326,24 @@ def test_embedded_oversized_put_keeps_old_value(arena):
         s.exists(["k"])
 
 
+def test_embedded_failed_put_gives_its_reservation_back(arena, monkeypatch):
+    """A put whose allocation fails (MemoryError) raises and leaves the capacity as it was: the
+    bytes it reserved for its copy are released, so later values are not evicted for them."""
+    import hwkv.stores.embedded as emb
+
+    s = EmbeddedStore(capacity_bytes=1000)
+    real_empty = emb.np.empty
+
+    def no_memory(*a, **k):
+        raise MemoryError
+
+    monkeypatch.setattr(emb.np, "empty", no_memory)
+    with pytest.raises(MemoryError):
+        s.put(["a"], [[arena.s(0, 600)]])
+    monkeypatch.setattr(emb.np, "empty", real_empty)
+    assert errors(s.put(["b", "c"], [[arena.s(0, 600)], [arena.s(600, 400)]])) == [None, None]
+    assert s.exists(["a", "b", "c"]) == [False, True, True]  # 600 + 400 B fill the 1000 B exactly
+
 def test_embedded_concurrent_use():
     """Threads putting and getting overlapping keys under eviction pressure never see torn values,
     although arrays of dropped values are recycled (never while a get still copies out of one).

@@ -115,12 +115,19 @@ class EmbeddedStore(Store):
                 self._reserved += total
                 value = self._take_free(total)
                 self._trim()
-            if value is None:
-                value = np.empty(total, dtype=np.uint8)
-            base, off = value.ctypes.data, 0
-            for ptr, n in segs:
-                ctypes.memmove(base + off, ptr, n)
-                off += n
+            try:
+                if value is None:
+                    value = np.empty(total, dtype=np.uint8)
+                base, off = value.ctypes.data, 0
+                for ptr, n in segs:
+                    ctypes.memmove(base + off, ptr, n)
+                    off += n
+            except BaseException:  # e.g. MemoryError: give the reservation (and the array) back
+                with self._lock:
+                    self._reserved -= total
+                    if value is not None:
+                        self._recycle(value)
+                raise
             with self._lock:
                 self._reserved -= total
                 old = self._values.pop(key, None)
