@@ -221,10 +221,13 @@ class P2PConnector(ProducerSide, ConsumerSide, KVConnectorBase):
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid, params = request.request_id, request.kv_transfer_params or {}
         self._offers.pop(rid, None)
+        offered = rid in self._no_offer
         self._no_offer.discard(rid)
         if self.role == "consumer":
             if params.get("do_remote_prefill"):
                 request.kv_transfer_params = None  # consumed: the response carries none (as vLLM's decode side)
+                if not offered:  # finished (aborted) before it was admitted: nobody fetches the remote KV
+                    self.release_remote(params)
             return False, None  # in-flight loads pin their blocks themselves
         if not params.get("do_remote_decode") or self.layout is None:
             return False, None

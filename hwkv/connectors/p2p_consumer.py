@@ -46,14 +46,24 @@ class ConsumerSide:
             self._no_offer.add(rid)
             self.counters["refused_offers"] += 1
             log.warning("p2p: request %s recomputes its prompt: %s", rid, why)
+            self.release_remote(p)
             return 0, False
         end = request.num_tokens - 1
         if "remote_num_tokens" in p:
             end = min(int(p["remote_num_tokens"]), end)
-        if end <= num_computed_tokens:
+        if end <= num_computed_tokens:  # the local prefix cache has it all
+            self._no_offer.add(rid)
+            self.release_remote(p)
             return 0, False
         self._offers[rid] = (num_computed_tokens, end)
         return end - num_computed_tokens, True
+
+    def release_remote(self, p: dict[str, Any]) -> None:
+        """Best effort, in the background: the producer may free blocks this consumer will not fetch
+        (else they go on its hold timeout)."""
+        if "remote_request_id" in p and "remote_host" in p and "remote_port" in p:
+            address = f"{p['remote_host']}:{p['remote_port']}"
+            self._pool.submit(call, address, Release(str(p["remote_request_id"]), False), self.transfer_timeout_s)
 
     def _refusal(self, request: Any, p: dict[str, Any]) -> str:
         if p.get("mode", self.mode) != self.mode:
