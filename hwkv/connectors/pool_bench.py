@@ -33,6 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", choices=("embedded", "mooncake"), default="embedded")
     p.add_argument("--master", default=None, help="mooncake: host:port (default: start a local master)")
     p.add_argument("--metadata-server", default=None, help="mooncake: metadata URL (with --master)")
+    p.add_argument("--segment-mb", type=int, default=1024, help="mooncake: memory each engine contributes "
+                   "(the pool must hold the prompts' KV twice: put for TTFT, then fresh keys for put GB/s)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--lookup-iters", type=int, default=200)
     p.add_argument("--workdir", default="/tmp/hwkv-bench-models")
@@ -102,8 +104,9 @@ def _throughput(eng: Any, hashes: list[bytes]) -> dict[str, float]:
     tr.submit_get(GetJob(-2, "bench", conn.key.keys(hashes), chunks, done))
     get = _wait(tr, -2)
     t_get = time.perf_counter() - t0
-    if not (put.ok and get.ok):
-        raise RuntimeError(f"bench put/get failed: {put.error or get.error}")
+    if not (put.ok and get.ok and put.nbytes == nbytes):
+        raise RuntimeError(f"bench put/get failed ({put.nbytes} of {nbytes} bytes put; a full pool? raise "
+                           f"--segment-mb): {put.error or get.error}")
     return {"bytes": nbytes, "put_GBps": nbytes / t_put / 1e9, "get_GBps": nbytes / t_get / 1e9,
             "put_ms": t_put * 1e3, "get_ms": t_get * 1e3}
 
@@ -138,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
                 m = stack.enter_context(mooncake_master())
                 master, meta = m.master, m.metadata_server
             cfg.update(master=master, metadata_server=meta or "P2PHANDSHAKE", protocol="tcp",
-                       global_segment_size=max(256 << 20, 4 * args.prompt_len * 1 << 20 // 8))
+                       global_segment_size=args.segment_mb << 20)
         max_len = args.prompt_len + args.block_size
         kw = dict(backend=args.backend, dtype=dtype, block_size=args.block_size, max_model_len=max_len,
                   num_kv_blocks=2 * (max_len // args.block_size + 2), kv_connector="pool", kv_connector_config=cfg)
