@@ -18,6 +18,8 @@ from typing import Any
 
 import msgspec
 
+from hwkv.parallel.kv_mapping import HeadSlice
+
 PER_LAYER, SEPARATE_KV, CROSS_LAYER = "per_layer", "separate_kv", "cross_layer"
 
 
@@ -162,18 +164,29 @@ def _elem(lay: Layout) -> int:
 
 
 def pair_segments(src: Layout, dst: Layout, src_blocks: list[int], dst_blocks: list[int], start: int, end: int,
-                  layers: range | None = None) -> tuple[list[int], list[int], list[int]]:
+                  layers: range | None = None, heads: HeadSlice | None = None
+                  ) -> tuple[list[int], list[int], list[int]]:
     """``(src_ptrs, dst_ptrs, lengths)`` moving the KV of tokens ``[start, end)`` (positions in the
     request; ``src_blocks``/``dst_blocks`` are each side's block ids of the request in order) of
-    ``layers`` (default: all), merging ranges contiguous on both sides."""
+    ``layers`` (default: all), merging ranges contiguous on both sides.
+
+    ``heads`` (heterogeneous tensor parallelism, a :func:`hwkv.parallel.kv_mapping.map_kv_heads`
+    slice): only those heads, from their index in the source's blocks to theirs in the
+    destination's; each token is then its own range unless the slice spans both sides' heads."""
     layers = range(src.num_layers) if layers is None else layers
+    h_src, h_dst, nh = (0, 0, src.num_kv_heads) if heads is None else heads[2:5]
+    if heads is None and src.num_kv_heads != dst.num_kv_heads:
+        raise ValueError(f"{src.num_kv_heads} KV heads per block at the source, {dst.num_kv_heads} at the "
+                         "destination: give the head slice to move")
     if end <= start:
         return [], [], []
     need_s, need_d = -(-end // src.block_size), -(-end // dst.block_size)
     if len(src_blocks) < need_s or len(dst_blocks) < need_d:
         raise ValueError(f"tokens [{start}, {end}) need {need_s} source and {need_d} destination blocks, "
                          f"got {len(src_blocks)} and {len(dst_blocks)}")
-    tok = src.num_kv_heads * src.head_size * _elem(src)
+    head = src.head_size * _elem(src)
+    s_tok, d_tok = src.num_kv_heads * head, dst.num_kv_heads * head
+    whole = nh == src.num_kv_heads == dst.num_kv_heads  # token runs are contiguous on both sides
     pieces = []
     for layer in layers:
         for kv in (0, 1):
@@ -182,8 +195,12 @@ def pair_segments(src: Layout, dst: Layout, src_blocks: list[int], dst_blocks: l
                 sb, so = divmod(t, src.block_size)
                 db, do = divmod(t, dst.block_size)
                 n = min(src.block_size - so, dst.block_size - do, end - t)
-                pieces.append((_unit(src, layer, kv, src_blocks[sb]) + so * tok,
-                               _unit(dst, layer, kv, dst_blocks[db]) + do * tok, n * tok))
+                s0 = _unit(src, layer, kv, src_blocks[sb]) + so * s_tok + h_src * head
+                d0 = _unit(dst, layer, kv, dst_blocks[db]) + do * d_tok + h_dst * head
+                if whole:
+                    pieces.append((s0, d0, n * s_tok))
+                else:
+                    pieces.extend((s0 + i * s_tok, d0 + i * d_tok, nh * head) for i in range(n))
                 t += n
     pieces.sort()  # source address order: runs contiguous on both sides become neighbours
     sp: list[int] = []

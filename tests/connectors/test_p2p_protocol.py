@@ -89,3 +89,51 @@ def test_messages_round_trip_without_pickle():
     assert decode(encode(Hello(lay))) == Hello(lay)
     assert decode(encode(Acquire("r-1"))) == Acquire("r-1")
     assert prompt_digest([1, 2, 3], None) != prompt_digest([1, 2, 3], "salt") != prompt_digest([1, 2, 4], "salt")
+
+
+def _kv_views(kv: KVCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    lk = kv.layer(layer)
+    return lk if isinstance(lk, tuple) else (lk[:, 0], lk[:, 1])
+
+
+@pytest.mark.parametrize("total_heads, p_tp, d_tp", [(4, 2, 1), (4, 1, 2), (2, 4, 1), (4, 4, 2), (2, 1, 2)])
+def test_head_slices_assemble_heterogeneous_tensor_parallel_kv(total_heads, p_tp, d_tp):
+    """Each consumer rank's blocks, filled from the producer ranks' head slices
+    (``map_kv_heads``), equal the consumer's share of the global KV."""
+    from hwkv.parallel.kv_mapping import kv_heads_of, map_kv_heads
+
+    bs, n, blocks = 4, 11, 6
+
+    def rank_cache(tp: int, rank: int, layout: KVLayoutKind) -> KVCache:
+        return KVCache.allocate(KVCacheSpec(2, blocks, bs, len(kv_heads_of(total_heads, tp, rank)), 4, torch.float32),
+                                layout)
+
+    full = KVCache.allocate(KVCacheSpec(2, blocks, bs, total_heads, 4, torch.float32), KVLayoutKind.PER_LAYER)
+    for t in full.tensors:
+        t.copy_(torch.randn(t.shape))
+    prod = [rank_cache(p_tp, r, KVLayoutKind.PER_LAYER) for r in range(p_tp)]
+    cons = [rank_cache(d_tp, r, KVLayoutKind.SEPARATE_KV) for r in range(d_tp)]
+    for r, c in enumerate(prod):  # each producer rank holds its heads of the global KV
+        hs = kv_heads_of(total_heads, p_tp, r)
+        for layer in range(2):
+            for mine, glob in zip(_kv_views(c, layer), _kv_views(full, layer)):
+                mine.copy_(glob[:, :, hs.start:hs.stop])
+    sb, db = [3, 4, 0], [1, 5, 2]
+    for sl in map_kv_heads(total_heads, p_tp, d_tp):
+        a = layout_of(prod[sl.src_rank], "p", "x", "tcp", tp_rank=sl.src_rank, tp_size=p_tp)
+        b = layout_of(cons[sl.dst_rank], "d", "y", "tcp", tp_rank=sl.dst_rank, tp_size=d_tp)
+        for s, d, k in zip(*pair_segments(a, b, sb, db, 0, n, heads=sl)):
+            ctypes.memmove(d, s, k)
+    for r, c in enumerate(cons):
+        hs = kv_heads_of(total_heads, d_tp, r)
+        for layer in range(2):
+            for mine, glob in zip(_kv_views(c, layer), _kv_views(full, layer)):
+                want = glob[torch.tensor(sb)].reshape(-1, total_heads, 4)[:n, hs.start:hs.stop]
+                assert torch.equal(mine[torch.tensor(db)].reshape(-1, len(hs), 4)[:n], want)
+
+
+def test_mismatched_heads_need_a_slice():
+    a = layout_of(cache(KVLayoutKind.PER_LAYER, 4), "p", "x", "tcp")
+    b = layout_of(KVCache.allocate(KVCacheSpec(3, 12, 4, 1, 4, torch.float32), KVLayoutKind.PER_LAYER), "d", "y", "tcp")
+    with pytest.raises(ValueError, match="give the head slice"):
+        pair_segments(a, b, [0], [0], 0, 4)
