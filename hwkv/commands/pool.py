@@ -68,7 +68,7 @@ def _bad(args: argparse.Namespace) -> str | None:
 
 
 def run_master(args: argparse.Namespace) -> int:
-    from hwkv.testing.mooncake import master_binary, mooncake_available
+    from hwkv.testing.mooncake import _die_with_parent, master_binary, mooncake_available
 
     ok, why = mooncake_available()
     if not ok:
@@ -78,7 +78,9 @@ def run_master(args: argparse.Namespace) -> int:
         print(f"hwkv pool master: {err}", file=sys.stderr)
         return 2
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
-    proc = subprocess.Popen(master_command(args, master_binary()), stdin=subprocess.DEVNULL)
+    # the master dies with this command, even when it is SIGKILLed (no orphan holding the ports)
+    proc = subprocess.Popen(master_command(args, master_binary()), stdin=subprocess.DEVNULL,
+                            preexec_fn=_die_with_parent)
     stopping = []
 
     def stop(*_: object) -> None:

@@ -8,6 +8,7 @@ import json
 import os
 import selectors
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -169,3 +170,18 @@ def test_engine_started_without_its_master_joins_when_it_answers(tmp_path):
         conn.shutdown()
         if m is not None:
             m.stop()
+
+
+def test_master_dies_with_a_killed_cli():
+    skip_unless_mooncake()
+    ports = (free_port(), free_port(), free_port())
+    m = Master(ports)
+    m.proc.kill()  # SIGKILL: no handler runs; the master must not be orphaned holding the ports
+    m.stop()
+    deadline = time.monotonic() + 15
+    while True:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", ports[0]), timeout=0.2):
+            assert time.monotonic() < deadline, "mooncake_master outlived its hwkv pool master"
+            time.sleep(0.1)
+            continue
+        break
