@@ -99,10 +99,12 @@ class Scheduler(SchedulerResults):
         self.waiting.add_request(request)
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> list[Request]:
-        """Finish (abort, stop-string) requests wherever they are; unknown ids are ignored."""
+        """Finish (abort, stop-string) requests wherever they are, in the order given (their blocks
+        are freed, and the engine's outputs come, in that order); unknown ids are ignored."""
         if not status.is_finished:
             raise ValueError(f"status must be a finished status, got {status.name}")
-        ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
+        # not a set: its order follows the per-process string hash seed
+        ids = (request_ids,) if isinstance(request_ids, str) else dict.fromkeys(request_ids)
         done = [r for rid in ids if (r := self.requests.get(rid)) is not None and not r.is_finished]
         if not done:
             return []

@@ -176,6 +176,17 @@ def test_abort_frees_blocks_everywhere():
     assert s.schedule().finished_req_ids == set()
 
 
+def test_finish_requests_keeps_the_given_order():
+    """Finished in the caller's order (duplicates once), not a set's: freeing order (hence block
+    reuse) and the engine's abort outputs must not depend on the process's string hash seed."""
+    s = make(num_blocks=64)
+    ids = [f"r{i}" for i in range(10)]
+    add(s, *(req(i, 5) for i in ids))
+    order = ids[::-1][:5] + ids[:5]
+    done = s.finish_requests([*order, order[0], "unknown"], RequestStatus.FINISHED_ABORTED)
+    assert [r.request_id for r in done] == order
+
+
 def test_prefix_cache_hit_applied_before_allocation():
     s = make()
     add(s, req("a", 10, max_tokens=1, start=0))
