@@ -146,7 +146,9 @@ class SchedulerResults:
         del self.requests[req.request_id]
 
     def _update_connector(self, out: KVConnectorOutput) -> None:
-        for rid in out.finished_sending:
+        # Blocks are freed in id order, not the sets' (which follow the process's string hash seed),
+        # so which blocks are reused next is the same in every run.
+        for rid in sorted(out.finished_sending):
             if (req := self.delayed_free.pop(rid, None)) is not None:
                 self.kv.free(req)
         # Only loads of requests still waiting for them count: an aborted request's id may be reused.
@@ -157,7 +159,7 @@ class SchedulerResults:
         self.finished_recving |= done
         for rid in done:
             self.num_external_hit_tokens += self.remote_ext.pop(rid, 0)
-        for rid in out.failed_recving:
+        for rid in sorted(out.failed_recving):
             req = self.requests.get(rid)
             if req is not None and req.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
                 self.num_load_failures += 1

@@ -257,6 +257,36 @@ def test_connector_async_load_and_delay_free():
     assert s.kv.num_free_blocks == 16
 
 
+class _Reversed(set):
+    """A set iterating in descending order (as a set may, under another string hash seed)."""
+
+    def __iter__(self):
+        return iter(sorted(set.__iter__(self), reverse=True))
+
+
+class DelayAllConnector(KVConnectorBase):
+    def request_finished(self, request, block_ids):
+        return True, None
+
+
+def test_connector_finished_sending_frees_in_id_order():
+    """Delayed-free blocks go back to the pool in request-id order whatever the set's iteration
+    order: the free queue (which blocks are reused next) is the same in every process."""
+    ids = [f"r{i}" for i in range(6)]
+
+    def free_queue(finished: set) -> list[int]:
+        s = make(num_blocks=32, connector=DelayAllConnector())
+        reqs = [req(i, 5, max_tokens=1, start=100 * n) for n, i in enumerate(ids)]
+        add(s, *reqs)
+        step(s)
+        assert all(r.is_finished for r in reqs) and set(s.delayed_free) == set(ids)
+        step(s, finished_sending=finished)
+        assert not s.delayed_free
+        return [b.block_id for b in s.kv.block_pool.free_block_queue]
+
+    assert free_queue(_Reversed(ids)) == free_queue(set(ids)) == free_queue(dict.fromkeys(sorted(ids)).keys())
+
+
 class SyncLoadConnector(KVConnectorBase):
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         return (8, False) if request.request_id == "ext" else (0, False)
