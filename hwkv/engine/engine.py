@@ -484,7 +484,8 @@ class Engine:
         spec = self.config.speculative
         if spec is not None:
             out["spec_decode"] = {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens,
-                                  **self.scheduler.spec_stats.snapshot(), "propose_s": self.runner.propose_s}
+                                  **self.scheduler.spec_stats.snapshot(), "propose_s": self.runner.propose_s,
+                                  "verify_graph_steps": self.runner.num_verify_graph_steps}
         if self.runner.connector is not None:
             from hwkv.connectors import connector_stats
 

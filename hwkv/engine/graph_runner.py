@@ -28,6 +28,14 @@ Host arguments that must change per step: where an op takes lengths as host valu
 ``before_replay(captured_metadata, step_metadata)``; it is called before every replay with the
 metadata the graph was captured with and the core metadata of this step (true host lengths, padded
 rows at 1), to re-bind those arguments in the captured graph (vllm-ascend's graph task update).
+
+Verify steps (speculative decoding): a runner built with ``query_len=q > 1`` serves steps where every
+request runs exactly ``q`` query tokens on its cached prefix (``k = q - 1`` drafts plus its last token)
+and every query token's logits are wanted: ``query_start_loc`` is ``q·arange`` and ``logits_indices``
+``arange(b·q)``, both written once. To the attention backend these are short prefill chunks of one
+fixed shape per bucket, so host-side plans (hwkv-cuda: tokens, query lengths, q blocks) are exact and
+the seq-len bound plays the decode graphs' role. Padded rows: ``q`` tokens at slot ``-1`` with
+``seq_len`` ``q`` over block 0.
 """
 
 from __future__ import annotations
@@ -69,20 +77,24 @@ def pick_bucket(buckets: list[int], n: int) -> int | None:
     return buckets[i] if i < len(buckets) else None
 
 
-def pad_into(batch: StepBatch, bucket: int, i64: np.ndarray, seq: np.ndarray, bt: np.ndarray) -> None:
-    """Write pure-decode ``batch`` padded to ``bucket`` rows into staging views: ``i64 [3, >=bucket]`` (ids,
-    positions, slots), ``seq [>=bucket]``, ``bt [>=bucket, max_blocks]``. Padded rows: token 0 at
-    position 0, slot -1 (no KV write), seq_len 1 over block 0 (a valid read)."""
+def pad_into(batch: StepBatch, bucket: int, i64: np.ndarray, seq: np.ndarray, bt: np.ndarray, q: int = 1) -> None:
+    """Write ``batch`` (``q`` query tokens per request: 1 for a pure decode) padded to ``bucket`` rows into
+    staging views: ``i64 [3, >=bucket·q]`` (ids, positions, slots), ``seq [>=bucket]``, ``bt [>=bucket,
+    max_blocks]``. Padded rows: tokens 0 at position 0, slot -1 (no KV write), seq_len ``q`` over block 0
+    (a valid read)."""
     n, w = batch.block_tables.shape
     if n > bucket:
         raise ValueError(f"batch of {n} requests does not fit bucket {bucket}")
     if w > bt.shape[1]:
         raise ValueError(f"block table width {w} exceeds the static buffer's {bt.shape[1]}")
-    i64[0, :n], i64[1, :n], i64[2, :n] = batch.input_ids, batch.positions, batch.slot_mapping
-    i64[0:2, n:bucket] = 0
-    i64[2, n:bucket] = -1
+    if len(batch.input_ids) != n * q:
+        raise ValueError(f"{len(batch.input_ids)} tokens for {n} requests: expected {q} per request")
+    t, tb = n * q, bucket * q
+    i64[0, :t], i64[1, :t], i64[2, :t] = batch.input_ids, batch.positions, batch.slot_mapping
+    i64[0:2, t:tb] = 0
+    i64[2, t:tb] = -1
     seq[:n] = batch.seq_lens
-    seq[n:bucket] = 1
+    seq[n:bucket] = q
     bt[:n, :w] = batch.block_tables
     bt[n:bucket, 0] = 0
 
@@ -92,25 +104,29 @@ class GraphRunner:
 
     ``use_graphs=False`` runs the same static-buffer path eagerly (no capture): the padding and
     buffer logic is then testable on any device, with metadata built from the true host lengths.
+    ``query_len``: query tokens per request (1: decode; ``k + 1``: verify steps, module doc).
     """
 
     def __init__(self, model: Any, kv_cache: Any, meta_builder: Any, device: Device, block_size: int,
-                 max_batch: int, max_model_len: int, use_graphs: bool = True):
+                 max_batch: int, max_model_len: int, use_graphs: bool = True, query_len: int = 1):
+        if not isinstance(query_len, int) or not 1 <= query_len <= max_model_len:
+            raise ValueError(f"query_len must be an int in [1, max_model_len={max_model_len}], got {query_len!r}")
         self.model, self.kv_cache, self.meta_builder = model, kv_cache, meta_builder
         self.block_size, self.max_model_len, self.device = block_size, max_model_len, device
-        self.use_graphs = use_graphs
+        self.use_graphs, self.q = use_graphs, query_len
         self.buckets = batch_buckets(max_batch)
         self.seq_buckets = seq_buckets(max_model_len)
         mb, self.max_blocks = max_batch, -(-max_model_len // block_size)
-        td = device.torch_device
-        self.h64 = device.host_zeros((3, mb), torch.int64)
+        self.max_batch = max_batch
+        td, q = device.torch_device, query_len
+        self.h64 = device.host_zeros((3, mb * q), torch.int64)
         self.h32 = device.host_zeros(mb + mb * self.max_blocks, torch.int32)
-        self.d64 = torch.zeros((3, mb), dtype=torch.int64, device=td)
+        self.d64 = torch.zeros((3, mb * q), dtype=torch.int64, device=td)
         self.d32 = torch.zeros(mb + mb * self.max_blocks, dtype=torch.int32, device=td)
         self.seq_lens = self.d32[:mb]
         self.block_tables = self.d32[mb:].view(mb, self.max_blocks)
-        self.query_start_loc = torch.arange(mb + 1, dtype=torch.int32, device=td)
-        self.logits_indices = torch.arange(mb, dtype=torch.int64, device=td)
+        self.query_start_loc = torch.arange(0, (mb + 1) * q, q, dtype=torch.int32, device=td)
+        self.logits_indices = torch.arange(mb * q, dtype=torch.int64, device=td)
         self._copied = device.new_event()
         # (batch, seq-len bound) -> (graph, logits, metadata): the metadata must outlive the graph,
         # since it owns tensors the backend built outside the capture (hwkv-cuda's cached plan)
@@ -119,16 +135,18 @@ class GraphRunner:
         self._before_replay = getattr(meta_builder, "before_replay", None)  # optional hook (module doc)
 
     def _common(self, b: int, seq_cpu: torch.Tensor) -> Any:
-        return metadata(self.query_start_loc[: b + 1], self.seq_lens[:b], self.block_tables[:b], self.d64[2, :b],
-                        torch.arange(b + 1, dtype=torch.int32), seq_cpu, self.block_size, num_decodes=b,
-                        max_query_len=1)
+        q = self.q
+        return metadata(self.query_start_loc[: b + 1], self.seq_lens[:b], self.block_tables[:b], self.d64[2, : b * q],
+                        torch.arange(0, (b + 1) * q, q, dtype=torch.int32), seq_cpu, self.block_size,
+                        num_decodes=b if q == 1 else 0, max_query_len=q)
 
     def _metadata(self, b: int, seq_cpu: torch.Tensor) -> Any:
         return self.meta_builder.build(self._common(b, seq_cpu))
 
     def _forward(self, b: int, md: Any) -> torch.Tensor:
-        return self.model.forward(self.d64[0, :b], self.d64[1, :b], self.kv_cache, md, self.logits_indices[:b],
-                                  slot_mapping=self.d64[2, :b])
+        t = b * self.q
+        return self.model.forward(self.d64[0, :t], self.d64[1, :t], self.kv_cache, md, self.logits_indices[:t],
+                                  slot_mapping=self.d64[2, :t])
 
     def keys(self) -> list[tuple[int, int]]:
         """(batch bucket, seq-len bound) of every graph: small batches at each seq-len bucket (their
@@ -151,19 +169,20 @@ class GraphRunner:
         return None if entry is None else entry[0]
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture every key, largest first (smaller graphs reuse its memory pool)."""
+    def capture(self, pool: Any = None) -> None:
+        """Capture every key, largest first (smaller graphs reuse its memory pool); ``pool``: another
+        runner's pool to share (graphs of one engine replay one at a time)."""
         if not self.use_graphs:
             return
         dev = self.device
         self.d64[2].fill_(-1)  # capture-time passes write no KV
-        self.seq_lens.fill_(1)
+        self.seq_lens.fill_(self.q)
         self.block_tables.zero_()
-        self.pool = dev.graph_pool()
+        self.pool = dev.graph_pool() if pool is None else pool
         stream = dev.new_stream()
         stream.wait_stream(dev.current_stream())
         with dev.stream_context(stream):
-            for b, s in sorted(self.keys(), reverse=True):
+            for b, s in sorted(self.keys(), reverse=True):  # s >= q: the bound covers the query
                 md = self._metadata(b, torch.full((b,), s, dtype=torch.int32))
                 self._forward(b, md)  # warm-up: kernels compile, the allocator settles
                 g, out = dev.capture_graph(lambda b=b, md=md: self._forward(b, md), self.pool, stream)
@@ -172,32 +191,33 @@ class GraphRunner:
         dev.synchronize()
 
     def run(self, batch: StepBatch, fill: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor | None:
-        """float32 logits ``[n, vocab]`` of one pure-decode step, or ``None`` when ``n`` exceeds
-        every bucket or the block table is wider than the static one (the caller runs eagerly).
-        ``fill(input_ids)`` runs after the inputs are copied in and before the forward: it patches
-        ids that are still on the device (async stepping)."""
-        n = batch.input_ids.shape[0]
+        """float32 logits ``[n·q, vocab]`` of one step of ``n`` requests with ``q`` query tokens each (a
+        pure decode: ``[n, vocab]``; a verify step: every query token's, request-major), or ``None`` when
+        ``n`` exceeds every bucket or the block table is wider than the static one (the caller runs
+        eagerly). ``fill(input_ids)`` runs after the inputs are copied in and before the forward: it
+        patches ids that are still on the device (async stepping)."""
+        n, q = batch.seq_lens.shape[0], self.q
         key = self.key(n, int(batch.seq_lens.max()))
         if key is None or batch.block_tables.shape[1] > self.max_blocks:
             return None
         b = key[0]
         self._copied.synchronize()  # the previous step's copies have read the staging buffers
-        mb = self.h64.shape[1]
+        mb = self.max_batch
         h32 = self.h32.numpy()
         bt = h32[mb:].reshape(mb, self.max_blocks)
-        pad_into(batch, b, self.h64.numpy(), h32[:mb], bt)
-        self.d64[:, :b].copy_(self.h64[:, :b], non_blocking=True)
+        pad_into(batch, b, self.h64.numpy(), h32[:mb], bt, q)
+        self.d64[:, : b * q].copy_(self.h64[:, : b * q], non_blocking=True)
         # seq_lens and the first b block-table rows are contiguous: one copy
         end = mb + b * self.max_blocks
         self.d32[:end].copy_(self.h32[:end], non_blocking=True)
         self._copied.record()
         if fill is not None:
-            fill(self.d64[0, :b])
+            fill(self.d64[0, : b * q])
         if self.use_graphs:
             g, out, md = self.graphs[key]
             if self._before_replay is not None:
                 self._before_replay(md, self._common(b, torch.from_numpy(h32[:b].copy())))
             g.replay()
-            return out[:n]
+            return out[: n * q]
         seq_cpu = torch.from_numpy(h32[:b].copy())
-        return self._forward(b, self._metadata(b, seq_cpu))[:n]
+        return self._forward(b, self._metadata(b, seq_cpu))[: n * q]

@@ -13,8 +13,15 @@ One step (synchronous; async stepping is off with speculative decoding):
    ``ModelRunnerOutput.spec_token_ids`` and the scheduler schedules them next step.
 
 The scheduler rolls back ``num_computed_tokens`` past the rejected drafts, so their KV slots are
-rewritten before anything reads them. Steps without any draft (e.g. n-gram found no match) that are
-pure decodes still use the captured graphs; verify steps run eagerly.
+rewritten before anything reads them.
+
+Graphs (where the engine captures them): steps without any draft that are pure decodes replay the
+decode graphs; *pure verify* steps — every request runs exactly ``k + 1`` tokens (``k`` =
+``num_speculative_tokens`` drafts) and samples — replay verify graphs captured per (batch bucket,
+seq-len bound) at query length ``k + 1`` (:class:`~hwkv.engine.graph_runner.GraphRunner` with
+``query_len``). The rejection sampler runs after the replay on the graph's logits (it reads drafts and
+accept counts back to the host, so it stays outside the graph). Mixed steps (a request prefilling or
+with fewer drafts) and EAGLE proposers (they need the target's hidden states) run eagerly.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import numpy as np
 import torch
 
 from hwkv.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from hwkv.engine.graph_runner import GraphRunner
 from hwkv.engine.model_runner import ModelRunner
 from hwkv.model.sampler import logprobs_of
 from hwkv.spec_decode.config import SpeculativeConfig
@@ -38,9 +46,16 @@ class SpecModelRunner(ModelRunner):
         self.spec_config = spec_config
         self.proposer = proposer
         self.propose_s = 0.0  # wall time spent proposing (host-synchronised: drafts are read back)
+        self.verify_graphs: GraphRunner | None = None
+        self.num_verify_graph_steps = 0  # pure-verify steps served by the verify graphs
 
     def enable_graphs(self, max_batch: int, use_graphs: bool = True) -> None:
         super().enable_graphs(max_batch, use_graphs)
+        if not getattr(self.proposer, "needs_hidden", False):
+            self.verify_graphs = GraphRunner(self.model, self.kv_cache, self.meta_builder, self.dev, self.block_size,
+                                             max_batch, self.max_model_len, use_graphs,
+                                             query_len=self.spec_config.num_speculative_tokens + 1)
+            self.verify_graphs.capture(pool=self.graphs.pool)  # type: ignore[union-attr]
         if hasattr(self.proposer, "enable_graphs"):  # a draft model's one-token steps
             self.proposer.enable_graphs(self, max_batch, use_graphs)
 
@@ -84,6 +99,9 @@ class SpecModelRunner(ModelRunner):
         if self.graphs is not None and not ks.any() and batch.pure_decode and not eagle:
             logits = self.graphs.run(batch)
             self.num_graph_steps += logits is not None
+        elif self.verify_graphs is not None and self._pure_verify(batch, ks):
+            logits = self.verify_graphs.run(batch)  # every query token's logits: the k + 1 of each row
+            self.num_verify_graph_steps += logits is not None
         if logits is None:
             if ks.any():
                 k_s = ks[sample_idx]
@@ -128,6 +146,11 @@ class SpecModelRunner(ModelRunner):
             proposals = self.proposer.propose(self, sampled, sampled_ids, caps)
         self.propose_s += time.perf_counter() - t0
         out.spec_token_ids = {rid: p for rid, p in zip(sampled_ids, proposals) if p}
+
+    def _pure_verify(self, batch: Any, ks: np.ndarray) -> bool:
+        """Every request verifies the verify graphs' ``k`` drafts (``k + 1`` tokens) and samples."""
+        n, q = len(ks), self.verify_graphs.q  # type: ignore[union-attr]
+        return bool((ks == q - 1).all()) and len(batch.input_ids) == n * q and len(batch.sample_idx) == n
 
     def _max_drafts(self, st: Any) -> int:
         """Drafts worth proposing: a step emits at most drafts + 1 tokens, never past max_tokens or
