@@ -136,6 +136,7 @@ class PoolConnector(KVConnectorBase):
         self._unissued: list[tuple[int, bool, int, int]] = []
         self._failed_now: set[str] = set()
         self._sent_epoch: tuple[int, int] = (0, 0)
+        self.last_errors = {"load": "", "store": ""}  # why the latest failed get / put failed (stats)
 
     # ---- set-up --------------------------------------------------------------------------------
     def bind_model(self, model: str, model_config: Any = None) -> None:
@@ -311,6 +312,7 @@ class PoolConnector(KVConnectorBase):
         out["store_kind"] = self.store_kind
         out["chunk_size"] = self.block_size * self.chunk_blocks
         out["transfers_in_flight"] = len(self._jobs)
+        out["last_load_error"], out["last_store_error"] = self.last_errors["load"], self.last_errors["store"]
         if self.client is not None:
             out["lookup_timeouts"], out["lookup_errors"] = self.client.timeouts, self.client.errors
             out["lookup_last_error"] = self.client.last_error
@@ -361,6 +363,8 @@ class PoolConnector(KVConnectorBase):
         recv, failed, self._failed_now = set(), self._failed_now, set()
         for d in self.transfer.drain() if self.transfer is not None else ():
             done.append((d.job_id, d.ok, d.nbytes, d.skipped))
+            if d.error or not d.ok:
+                self.last_errors["load" if d.load else "store"] = d.error or "unknown"
             f = self._flights.pop(d.job_id, None) if d.load else None
             if f is not None and not f.reported:
                 (recv if d.ok else failed).add(f.req_id)

@@ -40,6 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workdir", default="/tmp/hwkv-bench-models")
     p.add_argument("--engine-args", default="{}", help="JSON dict of extra Engine kwargs")
     p.add_argument("--out-dir", default=None)
+    p.add_argument("--settle-timeout", type=float, default=120.0, help="seconds to wait for the first engine's "
+                   "puts to land in the pool before the second engine's measured run")
 
 
 def _model_dir(args: argparse.Namespace, dtype: str) -> str:
@@ -57,13 +59,42 @@ def _model_dir(args: argparse.Namespace, dtype: str) -> str:
     return str(d)
 
 
-def _settle(eng: Any, timeout_s: float = 120.0) -> None:
-    conn, deadline = eng.scheduler.connector, time.monotonic() + timeout_s
+def _settle(eng: Any, timeout_s: float = 120.0) -> float:
+    """Step the idle engine until its pool transfers completed (on an accelerator the sending thread
+    waits for the forward's event and puts through host staging after ``generate`` returned);
+    seconds waited."""
+    conn, t0 = eng.scheduler.connector, time.monotonic()
     while conn.has_pending_transfers():
-        if time.monotonic() > deadline:
-            raise RuntimeError("pool transfers did not complete in time")
+        if time.monotonic() - t0 > timeout_s:
+            raise RuntimeError(f"pool transfers did not complete in {timeout_s:.0f} s: {_why(eng)}")
         eng.step()
         time.sleep(0.001)
+    return time.monotonic() - t0
+
+
+def _in_pool(eng: Any, hashes: list[bytes], timeout_s: float) -> float:
+    """Wait (bounded) until ``eng``'s lookup sees all ``hashes`` in the pool; seconds waited."""
+    client, t0 = eng.scheduler.connector.client, time.monotonic()
+    while (n := client.lookup(hashes)) < len(hashes):
+        if time.monotonic() - t0 > timeout_s:
+            raise RuntimeError(f"pool bench: only {n} of the prompt's {len(hashes)} chunks are in the pool "
+                               f"{timeout_s:.0f} s after the first engine's run: {_why(eng)}")
+        time.sleep(0.01)
+    return time.monotonic() - t0
+
+
+_WHY = ("stored_chunks", "failed_stores", "last_store_error", "lookups", "lookup_timeouts", "lookup_errors",
+        "lookup_last_error", "load_jobs", "failed_loads", "last_load_error", "load_failures", "store_up",
+        "store_last_error")
+
+
+def _why(*engines: Any) -> str:
+    """The connector counters that say why a bench run did not hit (for the error message)."""
+    parts = []
+    for e in engines:
+        st = e.stats()["kv_connector"]
+        parts.append("{" + ", ".join(f"{k}={st[k]!r}" for k in _WHY if k in st) + "}")
+    return " / ".join(parts)
 
 
 def _ttft(eng: Any, prompt: list[int]) -> tuple[float, list[int]]:
@@ -151,27 +182,30 @@ def run(args: argparse.Namespace) -> int:
             stack.callback(e.scheduler.connector.shutdown)
         rng = random.Random(0)
         vocab = a.vocab_size
+        conn = b.scheduler.connector
+        cs = conn.chunk_blocks * conn.block_size
+        n_chunks = (args.prompt_len - 1) // cs
         warm = [rng.randrange(1, vocab) for _ in range(4 * args.block_size + 1)]
         for e in (a, b):  # first-call costs (allocations, graphs) out of the timings
             _ttft(e, warm)
             _settle(e)
-        recompute, pooled = [], []
+        recompute, pooled, store_wait = [], [], []
         for _ in range(args.repeats):
             prompt = [rng.randrange(1, vocab) for _ in range(args.prompt_len)]
+            hashes = hash_token_blocks(prompt, args.block_size)[conn.chunk_blocks - 1::conn.chunk_blocks][:n_chunks]
             t, toks = _ttft(a, prompt)
             recompute.append(t)
-            _settle(a)
+            # the measured load must find every chunk: wait for a's pending puts (bounded), then check
+            store_wait.append(_settle(a, args.settle_timeout))
+            store_wait[-1] += _in_pool(b, hashes, max(1.0, args.settle_timeout - store_wait[-1]))
             hits = b.stats()["kv_connector"]["external_hit_tokens"]
             t, toks_b = _ttft(b, prompt)
             pooled.append(t)
-            _settle(b)
+            _settle(b, args.settle_timeout)
             got = b.stats()["kv_connector"]["external_hit_tokens"] - hits
-            if toks_b != toks or got == 0:
-                raise RuntimeError(f"pool bench: loaded run differs (tokens {toks} vs {toks_b}, hit tokens {got})")
-        conn = b.scheduler.connector
-        cs = conn.chunk_blocks * conn.block_size
-        n_chunks = (args.prompt_len - 1) // cs
-        hashes = hash_token_blocks(prompt, args.block_size)[conn.chunk_blocks - 1::conn.chunk_blocks][:n_chunks]
+            if toks_b != toks or got != n_chunks * cs:
+                raise RuntimeError(f"pool bench: loaded run differs (tokens {toks} vs {toks_b}, hit tokens {got} "
+                                   f"of {n_chunks * cs}); first engine / second engine: {_why(a, b)}")
         lookup_ms = _lookup(b, hashes, args.lookup_iters)
         thr = _throughput(b, hashes)
         st = b.stats()["kv_connector"]
@@ -180,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
         "model": Path(mdir).name, "backend": args.backend, "device": a.backend.device.name, "dtype": dtype,
         "store": args.store, "prompt_len": args.prompt_len, "chunk_size": cs, "loaded_tokens": n_chunks * cs,
         "ttft_recompute_ms": med(recompute) * 1e3, "ttft_pool_ms": med(pooled) * 1e3,
-        "speedup": med(recompute) / med(pooled),
+        "speedup": med(recompute) / med(pooled), "store_wait_ms": max(store_wait) * 1e3,
         "lookup_ms": lookup_ms, "lookup_ms_per_1k_tokens": lookup_ms / (n_chunks * cs / 1000),
         **thr, "load_failures": st["load_failures"], "repeats": args.repeats,
         "date": time.strftime("%Y-%m-%d"),
@@ -193,5 +227,5 @@ def run(args: argparse.Namespace) -> int:
           f"TTFT recompute {res['ttft_recompute_ms']:.1f} ms, from pool {res['ttft_pool_ms']:.1f} ms "
           f"({res['speedup']:.2f}x); put {res['put_GBps']:.2f} GB/s, get {res['get_GBps']:.2f} GB/s "
           f"({thr['bytes'] / 1e6:.1f} MB); lookup {lookup_ms:.3f} ms ({res['lookup_ms_per_1k_tokens']:.3f} ms "
-          f"per 1k tokens) -> {path}")
+          f"per 1k tokens); waited {res['store_wait_ms']:.1f} ms for the puts -> {path}")
     return 0

@@ -72,6 +72,11 @@ class _Staging:
         return [(t.data_ptr(), t.numel() * t.element_size()) for t in self.kv.tensors]
 
 
+def _first_error(res: list[Any]) -> str:
+    bad = next((r for r in res if not r.ok), None)
+    return "" if bad is None else f"{type(bad.error).__name__}: {bad.error}"[:300]
+
+
 class PoolTransfer:
     """Owns the two threads; ``submit_put`` / ``submit_get`` enqueue, ``drain`` collects completions."""
 
@@ -122,7 +127,11 @@ class PoolTransfer:
                     self._puts.put(None)
                     break
                 batch.append(nxt)
-            self._put_batch(batch)
+            try:
+                self._put_batch(batch)
+            except Exception as e:  # never a dead thread: blocks stay pinned and the engine waits forever
+                for j in batch:
+                    self._done.put(Done(j.job_id, False, False, error=f"{type(e).__name__}: {e}"[:300]))
 
     def _put_batch(self, jobs: list[PutJob]) -> None:
         keys = [k for j in jobs for k in j.keys]
@@ -141,20 +150,24 @@ class PoolTransfer:
                     skipped[j.job_id] = skipped.get(j.job_id, 0) + 1
                 else:
                     todo.append((j, key, ids))
-        for j in {id(j): j for j, _, _ in todo}.values():
-            j.event.synchronize()  # the forward that wrote these blocks is done
         moved: dict[int, int] = {}
-        error = ""
+        error = item_error = ""  # a whole-batch failure; the first chunk the store refused (e.g. full)
         try:
+            for j in {id(j): j for j, _, _ in todo}.values():
+                j.event.synchronize()  # the forward that wrote these blocks is done
             for piece in self._pieces(todo, "put"):
                 for (j, _, _), r in zip(piece, self._put_piece(piece)):
                     if r.ok:
                         moved[j.job_id] = moved.get(j.job_id, 0) + r.nbytes
+                    elif not item_error:
+                        item_error = _first_error([r])
         except StoreError as e:
             error = str(e)
+        except Exception as e:  # e.g. a device -> staging copy that failed: the put drops, nothing leaks
+            error = f"{type(e).__name__}: {e}"[:300]
         for j in jobs:
             self._done.put(Done(j.job_id, False, not error, nbytes=moved.get(j.job_id, 0),
-                                skipped=skipped.get(j.job_id, 0), error=error))
+                                skipped=skipped.get(j.job_id, 0), error=error or item_error))
 
     def _pieces(self, items: list, op: str) -> list[list]:
         per = len(items) if self.direct else max(1, self._stage[op].num_blocks // self.chunk_blocks)
@@ -178,7 +191,8 @@ class PoolTransfer:
         while (job := self._gets.get()) is not None:
             try:
                 job.event.synchronize()  # a reused block's last writer is done
-                ok, err = self._get(job), ""
+                err = self._get(job)
+                ok = not err
             except StoreError as e:
                 ok, err = False, str(e)
             except Exception as e:  # never a wrong token: the request recomputes
@@ -186,26 +200,27 @@ class PoolTransfer:
             self._done.put(Done(job.job_id, True, ok, job.req_id, len(job.keys) * self.chunk_bytes if ok else 0,
                                 error=err))
 
-    def _get(self, job: GetJob) -> bool:
+    def _get(self, job: GetJob) -> str:
+        """'' when every chunk landed in its blocks, else why not (the first failed item)."""
         items = list(zip(job.keys, job.chunks))
         for piece in self._pieces(items, "get"):
             keys = [k for k, _ in piece]
             if self.direct:
                 res = self.handle.call("get", keys, [self.kv.addresses(ids) for _, ids in piece])
-                if not all(r.ok for r in res):
-                    return False
+                if bad := _first_error(res):
+                    return bad
                 continue
             st, cb = self._stage["get"], self.chunk_blocks
             res = self.handle.call("get", keys, [st.kv.addresses(list(range(i * cb, (i + 1) * cb)))
                                                  for i in range(len(piece))])
-            if not all(r.ok for r in res):
-                return False
+            if bad := _first_error(res):
+                return bad
             dev_ids = [b for _, ids in piece for b in ids]
             copy_block_pairs(self.dev, st.kv, self.kv, list(range(len(dev_ids))), dev_ids, st.stream)
             ev = self.dev.new_event()
             ev.record(st.stream)
             ev.synchronize()
-        return True
+        return ""
 
     def close(self, timeout_s: float = 5.0) -> None:
         self._puts.put(None)
