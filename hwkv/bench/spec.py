@@ -12,7 +12,8 @@ Decode throughput counts the tokens after the first one over the time from the f
 last (prefill excluded); *verify-only* takes the proposer's time out (drafts for free: the ceiling of
 the verify mechanism, the number that matters for ``self``, whose draft costs as much as the
 target). The baseline is measured twice: with the engine's defaults (graphs where the backend
-captures them, async scheduling) and eager (``enforce_eager``: what verify steps run as).
+captures them, async scheduling) and eager (``enforce_eager``: no graphs). ``verify_graph_steps``
+counts the speculative run's verify steps that replayed captured graphs (pure-verify steps).
 Random-weight models of realistic shape are written where the bench runs (no downloads).
 """
 
@@ -98,7 +99,7 @@ def _decode(engine: Any, prompts: list[list[int]], tokens: int) -> dict[str, Any
     st = engine.stats().get("spec_decode")
     if st is not None:
         res["spec"] = {k: st[k] for k in ("acceptance_rate", "mean_accepted_length", "acceptance_rate_per_position",
-                                          "draft_tokens", "accepted_tokens")}
+                                          "draft_tokens", "accepted_tokens", "verify_graph_steps")}
     return res
 
 
@@ -112,8 +113,10 @@ def _engine(mdir: Path, args: argparse.Namespace, batch: int, **kw: Any) -> Any:
 
 def _free(engine: Any) -> None:
     dev = engine.backend.device
-    if getattr(engine.runner, "graphs", None) is not None:
-        engine.runner.graphs.graphs.clear()
+    for holder in (engine.runner, getattr(engine.runner, "proposer", None)):  # the graphs hold device memory
+        for name in ("graphs", "verify_graphs", "catchup_graphs"):
+            if getattr(holder, name, None) is not None:
+                getattr(holder, name).graphs.clear()
     del engine
     gc.collect()
     dev.empty_cache()
@@ -183,15 +186,16 @@ def _markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     lines = [f"# hwkv bench spec — {meta['model']} on {meta['backend']} ({meta['device']}), {meta['dtype']}, "
              f"k={meta['k']}, prompt {meta['prompt_len']}, {meta['tokens']} tokens/request", "",
              "| scenario | batch | baseline tok/s | eager tok/s | spec tok/s | speedup | vs eager | "
-             "verify-only speedup | acceptance | tokens/verify | identical |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "verify-only speedup | acceptance | tokens/verify | graph verify steps | identical |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['scenario']} | {r['batch']} | {r['baseline_tok_s']:.1f} | {r['eager_tok_s']:.1f} | "
                      f"{r['spec_tok_s']:.1f} | {r['speedup']:.2f}x | {r['speedup_vs_eager']:.2f}x | "
                      f"{r['verify_only_speedup']:.2f}x | "
-                     f"{r['acceptance_rate']:.3f} | {r['mean_accepted_length']:.2f} | {r['identical_to_baseline']} |")
+                     f"{r['acceptance_rate']:.3f} | {r['mean_accepted_length']:.2f} | {r['verify_graph_steps']} | "
+                     f"{r['identical_to_baseline']} |")
     lines += ["", "speedup: vs the default engine (graphs where captured, async scheduling); vs eager: vs "
-              "enforce_eager (verify steps run eagerly); verify-only: the speculative run's throughput with the "
+              "enforce_eager (no graphs); verify-only: the speculative run's throughput with the "
               "proposer's time taken out (drafts for free: the ceiling a cheap proposer approaches — with "
               "draft = target the draft costs as much as the target, so only this column can exceed 1 much).",
               "", "Random weights: acceptance of the 1-layer draft (and of n-gram beyond the repetition the "

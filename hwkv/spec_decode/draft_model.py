@@ -9,6 +9,12 @@ request's current tokens. Per step, for every request that sampled:
    resumed request, else the tokens accepted since the last step) → draft token 1;
 2. ``k - 1`` single-token forwards, each feeding back the previous draft (batched over requests).
 
+Graphs (where the target has them): the one-token forwards replay the draft's decode graphs. In steady
+state a catch-up is 2 tokens (every draft accepted: the last draft, never fed, and the bonus token) or
+1 (a draft rejected); a request with 1 to catch up re-feeds its last seen position as well, so every
+steady-state catch-up is 2 tokens per request and replays the draft's 2-token graphs (rewriting that
+position's KV from the same tokens; at worst a rounding difference, which only changes proposals).
+
 Drafts are the draft model's argmax, so the rejection sampler treats them as deterministic
 (one-hot draft distribution): exact for every sampling setting of the target. The KV written for
 drafts that the target later rejects is simply not counted (the prefix check in ``_seen``), and the
@@ -36,6 +42,7 @@ class DraftModelProposer:
         # req_id -> (num_tokens when it proposed, its drafts): what its draft KV was computed with
         self._last: dict[str, tuple[int, list[int]]] = {}
         self.graphs: Any = None  # the draft's own decode graphs (enable_graphs), where the target has them
+        self.catchup_graphs: Any = None  # and its 2-token catch-up graphs
         self.num_graph_steps = 0
 
     @classmethod
@@ -75,9 +82,12 @@ class DraftModelProposer:
         draft model, bucketed like the target's (``use_graphs=False``: the same path run eagerly)."""
         from hwkv.engine.graph_runner import GraphRunner
 
-        self.graphs = GraphRunner(self.model, self.kv_cache, runner.meta_builder, runner.dev, runner.block_size,
-                                  max_batch, runner.max_model_len, use_graphs)
+        args = (self.model, self.kv_cache, runner.meta_builder, runner.dev, runner.block_size, max_batch,
+                runner.max_model_len, use_graphs)
+        self.graphs = GraphRunner(*args)
         self.graphs.capture()
+        self.catchup_graphs = GraphRunner(*args, query_len=2)
+        self.catchup_graphs.capture(pool=self.graphs.pool)
 
     def drop(self, req_id: str) -> None:
         self._last.pop(req_id, None)
@@ -106,6 +116,8 @@ class DraftModelProposer:
         slots = np.array([states[i].slot for i in rows], dtype=np.int64)
         total = np.array([states[i].num_tokens for i in rows], dtype=np.int64)
         ctx = np.array([self._seen(runner, req_ids[i], states[i]) for i in rows], dtype=np.int64)
+        if self.catchup_graphs is not None:  # one token to catch up: feed two, the 2-token graphs serve it
+            ctx -= (total - ctx == 1) & (ctx > 0)
         toks = np.zeros(len(rows), dtype=np.int64)
         while (left := total - ctx).any():  # catch up in pieces: a resumed long prompt is one big prefill
             live = np.flatnonzero(left > 0)
@@ -129,7 +141,12 @@ class DraftModelProposer:
     def _forward(self, runner: Any, slots: np.ndarray, ctx: np.ndarray, qlen: np.ndarray) -> np.ndarray:
         """Greedy next token of each row after feeding positions ``[ctx, ctx + qlen)`` of its token row."""
         batch = build_batch(runner.token_ids, runner.block_table, slots, ctx, qlen, ctx + qlen, runner.block_size)
-        logits = self.graphs.run(batch) if self.graphs is not None and batch.pure_decode else None
+        logits = None
+        if self.graphs is not None and batch.pure_decode:
+            logits = self.graphs.run(batch)
+        elif self.catchup_graphs is not None and len(batch.input_ids) == 2 * len(qlen) and (qlen == 2).all():
+            logits = self.catchup_graphs.run(batch)
+            logits = None if logits is None else logits[1::2]  # each request's last token
         if logits is not None:
             self.num_graph_steps += 1
         else:

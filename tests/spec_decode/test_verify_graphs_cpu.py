@@ -39,6 +39,7 @@ def _verify_replays(eng: Engine) -> int:
 
 CASES = [  # (method, k, max_num_seqs, prompts, extra engine args)
     ("ngram", 1, 1, 2, {}),
+    ("ngram", 3, 4, "same", {}),  # one prompt 4 times: rows draft in lockstep (pure verify steps at batch 4)
     ("ngram", 3, 8, 7, {}),
     ("ngram", 4, 3, 6, {"num_kv_blocks": 26, "max_model_len": 96}),  # preemption
     ("draft_model", 1, 2, 3, {}),
@@ -48,9 +49,9 @@ CASES = [  # (method, k, max_num_seqs, prompts, extra engine args)
 
 
 @pytest.mark.parametrize(("method", "k", "seqs", "n", "kw"), CASES)
-def test_verify_graphs_replay_and_match(tiny_model: str, method: str, k: int, seqs: int, n: int, kw: dict) -> None:
+def test_verify_graphs_replay_and_match(tiny_model: str, method: str, k: int, seqs: int, n, kw: dict) -> None:
     torch.set_num_threads(1)
-    prompts = _prompts(n, seed=20 + k)
+    prompts = _prompts(1, seed=20 + k) * 4 if n == "same" else _prompts(n, seed=20 + k)
     kw = {"max_num_seqs": seqs, **kw}
     base, _ = _run(tiny_model, prompts, **kw)
     eager, eager_eng = _run(tiny_model, prompts, _spec(method, k, tiny_model), enforce_eager=True, **kw)
@@ -64,7 +65,12 @@ def test_verify_graphs_replay_and_match(tiny_model: str, method: str, k: int, se
     steps = st["spec_decode"]["verify_graph_steps"]
     assert _verify_replays(eng) == steps  # verify steps really replayed
     # a draft model always drafts k; n-gram rows without a match make a batch's steps mixed (eager)
-    assert steps > 0 or (method == "ngram" and seqs > 1)
+    assert steps > 0 or (method == "ngram" and n != "same" and seqs > 1)
+    if method == "draft_model":  # the draft's own graphs: 1-token steps and 2-token catch-ups replay
+        prop = eng.runner.proposer
+        one, two = (sum(g.replays for g, _, _ in gr.graphs.values()) for gr in (prop.graphs, prop.catchup_graphs))
+        assert (one > 0 or k == 1) and two > 0 and one + two == prop.num_graph_steps  # k = 1: no 1-token steps
+        assert st["spec_decode"]["acceptance_rate"] == 1.0  # draft = target: the re-fed KV changed nothing
     if "max_model_len" in kw:
         assert st["num_preemptions"] > 0
 
