@@ -23,6 +23,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -184,9 +185,13 @@ class _Server:
         if args.api_key:
             cmd += ["--api-key", args.api_key]
         print("starting:", shlex.join(cmd), file=sys.stderr, flush=True)
-        self.proc = subprocess.Popen(cmd)
+        # its stderr goes to a file (a pipe nobody reads would block it): quoted when it dies
+        self.log = tempfile.NamedTemporaryFile(prefix="hwkv-bench-serve-", suffix=".log", delete=False)  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(cmd, stderr=self.log)
+        self.healthy = False
         try:
             self._await_health(httpx, args.startup_timeout)
+            self.healthy = True
         except BaseException:  # not healthy in time, or Ctrl-C during a long start-up: no server left behind
             self.stop()
             raise
@@ -195,7 +200,8 @@ class _Server:
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"`hwkv serve` exited with {self.proc.returncode} during start-up")
+                raise RuntimeError(f"`hwkv serve` exited with {self.proc.returncode} during start-up; "
+                                   f"its stderr ends:\n{self.stderr_tail()}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return
@@ -205,7 +211,22 @@ class _Server:
                 raise RuntimeError(f"`hwkv serve` not healthy within {timeout_s:g} s")
             time.sleep(0.2)
 
+    def stderr_tail(self, max_chars: int = 4000) -> str:
+        try:
+            text = Path(self.log.name).read_text(errors="replace")
+        except OSError as e:
+            return f"(unreadable: {e})"
+        return text[-max_chars:].rstrip() or "(empty)"
+
     def stop(self) -> None:
+        self._end()
+        if self.healthy and self.proc.returncode not in (0, -15):  # died mid-run (not by our SIGTERM): say why
+            print(f"`hwkv serve` exited with {self.proc.returncode}; its stderr ends:\n{self.stderr_tail()}",
+                  file=sys.stderr)
+        self.log.close()
+        Path(self.log.name).unlink(missing_ok=True)
+
+    def _end(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
             try:

@@ -325,8 +325,8 @@ def test_bench_serve_stops_its_server_when_start_up_is_interrupted(monkeypatch):
 
     procs, real_popen = [], subprocess.Popen
 
-    def popen(cmd):
-        procs.append(real_popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+    def popen(cmd, **kw):
+        procs.append(real_popen([sys.executable, "-c", "import time; time.sleep(60)"], **kw))
         return procs[-1]
 
     def interrupted(*a, **k):
@@ -344,6 +344,24 @@ def test_bench_serve_stops_its_server_when_start_up_is_interrupted(monkeypatch):
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
+
+
+def test_bench_serve_quotes_the_stderr_of_a_server_that_dies_starting(monkeypatch):
+    """A server that exits during start-up (e.g. a package missing on the machine) names the cause."""
+    import argparse
+    import subprocess
+    import sys
+
+    from hwkv.bench import serve as bench
+
+    real_popen = subprocess.Popen
+    dies = "import sys; print(\"ModuleNotFoundError: No module named 'fastapi'\", file=sys.stderr); sys.exit(1)"
+    monkeypatch.setattr(bench.subprocess, "Popen", lambda cmd, **kw: real_popen([sys.executable, "-c", dies], **kw))
+    args = argparse.Namespace(backend="cpu", server_args="", api_key=None, startup_timeout=30.0)
+    with pytest.raises(RuntimeError) as ei:
+        bench._Server("unused", args)
+    assert "exited with 1 during start-up" in str(ei.value)
+    assert "No module named 'fastapi'" in str(ei.value)
 
 
 def test_bench_serve_fails_the_requests_of_a_silent_server(monkeypatch):
