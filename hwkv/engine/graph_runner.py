@@ -99,6 +99,30 @@ def pad_into(batch: StepBatch, bucket: int, i64: np.ndarray, seq: np.ndarray, bt
     bt[n:bucket, 0] = 0
 
 
+def pad_queries(batch: StepBatch, q: int, block_size: int) -> StepBatch:
+    """``batch`` of decode rows with ``1..q`` query tokens each, as a batch of exactly ``q`` per row (the
+    verify graphs' shape): each row's tokens first, then ``q - len`` padding tokens (id 0 at position 0,
+    slot -1: no KV write); its ``seq_len`` grows by the padding, so its real tokens keep
+    their positions and attend to exactly what they did (causal: padding comes after them), and its
+    block-table row is widened with block 0 (valid reads for the padding's attention, whose output is
+    discarded). ``logits_indices``/``sample_idx`` are left as given (the caller picks rows)."""
+    qsl = batch.query_start_loc.astype(np.int64)
+    ql = np.diff(qsl)
+    n = len(ql)
+    if ql.min(initial=1) < 1 or ql.max(initial=1) > q:
+        raise ValueError(f"query lengths {ql.tolist()} are not all in [1, {q}]")
+    dst = np.repeat(np.arange(n) * q, ql) + (np.arange(int(qsl[-1])) - np.repeat(qsl[:-1], ql))
+    ids, pos, slots = np.zeros(n * q, np.int64), np.zeros(n * q, np.int64), np.full(n * q, -1, np.int64)
+    ids[dst], pos[dst], slots[dst] = batch.input_ids, batch.positions, batch.slot_mapping
+    seq = batch.seq_lens.astype(np.int64) + q - ql
+    bt = np.zeros((n, -(-int(seq.max()) // block_size)), np.int32)
+    bt[:, : batch.block_tables.shape[1]] = batch.block_tables
+    return batch._replace(input_ids=ids, positions=pos, slot_mapping=slots,
+                          query_start_loc=np.arange(0, (n + 1) * q, q, dtype=np.int32),
+                          seq_lens=seq.astype(np.int32), block_tables=bt, num_decodes=n if q == 1 else 0,
+                          max_query_len=q)
+
+
 class GraphRunner:
     """Static decode buffers + one captured graph per bucket.
 
@@ -196,9 +220,9 @@ class GraphRunner:
         ``n`` exceeds every bucket or the block table is wider than the static one (the caller runs
         eagerly). ``fill(input_ids)`` runs after the inputs are copied in and before the forward: it
         patches ids that are still on the device (async stepping)."""
-        n, q = batch.seq_lens.shape[0], self.q
-        key = self.key(n, int(batch.seq_lens.max()))
-        if key is None or batch.block_tables.shape[1] > self.max_blocks:
+        n, q, max_seq = batch.seq_lens.shape[0], self.q, int(batch.seq_lens.max())
+        key = self.key(n, max_seq)
+        if key is None or batch.block_tables.shape[1] > self.max_blocks or max_seq > self.max_model_len:
             return None
         b = key[0]
         self._copied.synchronize()  # the previous step's copies have read the staging buffers

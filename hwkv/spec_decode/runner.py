@@ -16,12 +16,13 @@ The scheduler rolls back ``num_computed_tokens`` past the rejected drafts, so th
 rewritten before anything reads them.
 
 Graphs (where the engine captures them): steps without any draft that are pure decodes replay the
-decode graphs; *pure verify* steps — every request runs exactly ``k + 1`` tokens (``k`` =
-``num_speculative_tokens`` drafts) and samples — replay verify graphs captured per (batch bucket,
+decode graphs; *pure verify* steps — every request decodes its last token plus ``0..k`` drafts
+(``k`` = ``num_speculative_tokens``) and samples — replay verify graphs captured per (batch bucket,
 seq-len bound) at query length ``k + 1`` (:class:`~hwkv.engine.graph_runner.GraphRunner` with
-``query_len``). The rejection sampler runs after the replay on the graph's logits (it reads drafts and
-accept counts back to the host, so it stays outside the graph). Mixed steps (a request prefilling or
-with fewer drafts) and EAGLE proposers (they need the target's hidden states) run eagerly.
+``query_len``), rows with fewer drafts padded (:func:`~hwkv.engine.graph_runner.pad_queries`). The
+rejection sampler runs after the replay on the graph's logits (it reads accept counts back to the
+host, so it stays outside the graph). Mixed steps (a request prefilling) and EAGLE proposers (they
+need the target's hidden states) run eagerly.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import numpy as np
 import torch
 
 from hwkv.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from hwkv.engine.graph_runner import GraphRunner
+from hwkv.engine.graph_runner import GraphRunner, pad_queries
 from hwkv.engine.model_runner import ModelRunner
 from hwkv.model.sampler import logprobs_of
 from hwkv.spec_decode.config import SpeculativeConfig
@@ -100,8 +101,13 @@ class SpecModelRunner(ModelRunner):
             logits = self.graphs.run(batch)
             self.num_graph_steps += logits is not None
         elif self.verify_graphs is not None and self._pure_verify(batch, ks):
-            logits = self.verify_graphs.run(batch)  # every query token's logits: the k + 1 of each row
-            self.num_verify_graph_steps += logits is not None
+            vg = self.verify_graphs
+            logits = vg.run(pad_queries(batch, vg.q, self.block_size))  # all q logits of every row
+            if logits is not None:
+                self.num_verify_graph_steps += 1
+                if (ks != vg.q - 1).any():  # rows with fewer drafts: their k + 1 logits only
+                    keep = np.repeat(np.arange(len(ks)) * vg.q, ks + 1) + _ranges(ks + 1)
+                    logits = logits.index_select(0, torch.from_numpy(keep).to(logits.device))
         if logits is None:
             if ks.any():
                 k_s = ks[sample_idx]
@@ -148,9 +154,11 @@ class SpecModelRunner(ModelRunner):
         out.spec_token_ids = {rid: p for rid, p in zip(sampled_ids, proposals) if p}
 
     def _pure_verify(self, batch: Any, ks: np.ndarray) -> bool:
-        """Every request verifies the verify graphs' ``k`` drafts (``k + 1`` tokens) and samples."""
+        """Every request decodes: runs its last token and its drafts (at most the verify graphs' ``k``),
+        and samples; rows with fewer drafts are padded to ``k + 1`` tokens (:func:`pad_queries`)."""
         n, q = len(ks), self.verify_graphs.q  # type: ignore[union-attr]
-        return bool((ks == q - 1).all()) and len(batch.input_ids) == n * q and len(batch.sample_idx) == n
+        return (bool(ks.max(initial=0) < q) and len(batch.input_ids) == n + int(ks.sum())
+                and len(batch.sample_idx) == n)
 
     def _max_drafts(self, st: Any) -> int:
         """Drafts worth proposing: a step emits at most drafts + 1 tokens, never past max_tokens or
@@ -179,3 +187,8 @@ class SpecModelRunner(ModelRunner):
         for rid, lp in zip(owner, lps):
             result.setdefault(rid, []).append(lp)
         return result
+
+
+def _ranges(lens: np.ndarray) -> np.ndarray:
+    """``0..lens[i]-1`` for every ``i``, concatenated."""
+    return np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)

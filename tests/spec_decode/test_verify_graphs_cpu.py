@@ -64,8 +64,7 @@ def test_verify_graphs_replay_and_match(tiny_model: str, method: str, k: int, se
     st = eng.stats()
     steps = st["spec_decode"]["verify_graph_steps"]
     assert _verify_replays(eng) == steps  # verify steps really replayed
-    # a draft model always drafts k; n-gram rows without a match make a batch's steps mixed (eager)
-    assert steps > 0 or (method == "ngram" and n != "same" and seqs > 1)
+    assert steps > 0
     if method == "draft_model":  # the draft's own graphs: 1-token steps and 2-token catch-ups replay
         prop = eng.runner.proposer
         one, two = (sum(g.replays for g, _, _ in gr.graphs.values()) for gr in (prop.graphs, prop.catchup_graphs))
@@ -76,7 +75,8 @@ def test_verify_graphs_replay_and_match(tiny_model: str, method: str, k: int, se
 
 
 def test_pure_verify_only(tiny_model: str) -> None:
-    """A step with a prefilling request or a request with fewer drafts is no pure verify (stays eager)."""
+    """Decode rows with up to k drafts make a pure-verify step (fewer drafts: padded); a prefill chunk
+    beside them, more than k drafts or a row that does not sample keep the step eager."""
     import numpy as np
 
     from hwkv.engine.inputs import build_batch
@@ -93,5 +93,32 @@ def test_pure_verify_only(tiny_model: str) -> None:
         return build_batch(toks, bt, slots, ctx, ql, ctx + ql, 4), np.array(ks)
 
     assert r._pure_verify(*batch([3, 3], [2, 2]))
-    assert not r._pure_verify(*batch([3, 2], [2, 1]))  # fewer drafts
+    assert r._pure_verify(*batch([3, 2], [2, 1]))  # fewer drafts: padded
+    assert r._pure_verify(*batch([1, 3], [0, 2]))  # no draft (an n-gram miss): padded
     assert not r._pure_verify(*batch([3, 3], [2, 0]))  # a 3-token prefill chunk beside a verify
+    assert not r._pure_verify(*batch([4, 1], [3, 0]))  # more drafts than the graphs' k
+    b, ks = batch([3, 3], [2, 2])
+    assert not r._pure_verify(b._replace(sample_idx=b.sample_idx[:1]), ks)  # a row that does not sample
+
+
+def test_pad_queries_keeps_real_tokens_and_pads_inertly() -> None:
+    import numpy as np
+
+    from hwkv.engine.graph_runner import pad_queries
+    from hwkv.engine.inputs import build_batch
+
+    toks = np.arange(3 * 64, dtype=np.int32).reshape(3, 64)
+    bt = np.arange(48, dtype=np.int32).reshape(3, 16)
+    ctx, ql = np.array([8, 5, 9]), np.array([3, 1, 2])
+    b = build_batch(toks, bt, np.arange(3), ctx, ql, ctx + ql, 4)
+    p = pad_queries(b, 3, 4)
+    real = np.array([0, 1, 2, 3, 6, 7])
+    assert p.input_ids[real].tolist() == b.input_ids.tolist()
+    assert p.positions[real].tolist() == b.positions.tolist()
+    assert p.slot_mapping[real].tolist() == b.slot_mapping.tolist()
+    assert p.slot_mapping[[4, 5, 8]].tolist() == [-1, -1, -1]  # padding writes no KV
+    assert p.seq_lens.tolist() == [11, 8, 12]  # real tokens keep their positions (seq_len - q + j)
+    assert p.query_start_loc.tolist() == [0, 3, 6, 9] and p.max_query_len == 3
+    assert p.block_tables.shape[1] * 4 >= 12 and (p.block_tables[:, :3] == b.block_tables).all()
+    with pytest.raises(ValueError, match="not all in"):
+        pad_queries(b, 2, 4)
