@@ -123,6 +123,13 @@ def pad_queries(batch: StepBatch, q: int, block_size: int) -> StepBatch:
                           max_query_len=q)
 
 
+def multi_token_graphs(meta_builder: Any) -> bool:
+    """Whether graphs of multi-token queries (``query_len > 1``) may be captured with ``meta_builder``:
+    its ``supports_verify_graphs`` where declared; else only builders without ``before_replay`` (one that
+    re-binds host arguments per replay is taken to handle one-token queries only, as hwkv-ascend's)."""
+    return bool(getattr(meta_builder, "supports_verify_graphs", not hasattr(meta_builder, "before_replay")))
+
+
 class GraphRunner:
     """Static decode buffers + one captured graph per bucket.
 

@@ -80,14 +80,15 @@ class DraftModelProposer:
     def enable_graphs(self, runner: Any, max_batch: int, use_graphs: bool = True) -> None:
         """Serve the one-token draft steps (every draft after the first) from captured graphs of the
         draft model, bucketed like the target's (``use_graphs=False``: the same path run eagerly)."""
-        from hwkv.engine.graph_runner import GraphRunner
+        from hwkv.engine.graph_runner import GraphRunner, multi_token_graphs
 
         args = (self.model, self.kv_cache, runner.meta_builder, runner.dev, runner.block_size, max_batch,
                 runner.max_model_len, use_graphs)
         self.graphs = GraphRunner(*args)
         self.graphs.capture()
-        self.catchup_graphs = GraphRunner(*args, query_len=2)
-        self.catchup_graphs.capture(pool=self.graphs.pool)
+        if multi_token_graphs(runner.meta_builder):
+            self.catchup_graphs = GraphRunner(*args, query_len=2)
+            self.catchup_graphs.capture(pool=self.graphs.pool)
 
     def drop(self, req_id: str) -> None:
         self._last.pop(req_id, None)

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from hwkv.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from hwkv.engine.graph_runner import GraphRunner, pad_queries
+from hwkv.engine.graph_runner import GraphRunner, multi_token_graphs, pad_queries
 from hwkv.engine.model_runner import ModelRunner
 from hwkv.model.sampler import logprobs_of
 from hwkv.spec_decode.config import SpeculativeConfig
@@ -52,7 +52,7 @@ class SpecModelRunner(ModelRunner):
 
     def enable_graphs(self, max_batch: int, use_graphs: bool = True) -> None:
         super().enable_graphs(max_batch, use_graphs)
-        if not getattr(self.proposer, "needs_hidden", False):
+        if not getattr(self.proposer, "needs_hidden", False) and multi_token_graphs(self.meta_builder):
             self.verify_graphs = GraphRunner(self.model, self.kv_cache, self.meta_builder, self.dev, self.block_size,
                                              max_batch, self.max_model_len, use_graphs,
                                              query_len=self.spec_config.num_speculative_tokens + 1)

@@ -122,3 +122,25 @@ def test_pad_queries_keeps_real_tokens_and_pads_inertly() -> None:
     assert p.block_tables.shape[1] * 4 >= 12 and (p.block_tables[:, :3] == b.block_tables).all()
     with pytest.raises(ValueError, match="not all in"):
         pad_queries(b, 2, 4)
+
+
+def test_builder_with_host_rebinding_gets_no_multi_token_graphs(tiny_model: str, monkeypatch) -> None:
+    """A metadata builder that re-binds host arguments per replay (``before_replay``) is taken to serve
+    one-token queries only unless it declares ``supports_verify_graphs``: no verify or catch-up graphs
+    then (verify steps eager), decode graphs as before, tokens unchanged."""
+    from hwkv.testing.graphs import StaticAttentionBackend
+
+    class Builder(type(StaticAttentionBackend().metadata_builder())):
+        def before_replay(self, captured, step) -> None:
+            pass
+
+    monkeypatch.setattr(StaticAttentionBackend, "metadata_builder", lambda self: Builder())
+    prompts = _prompts(3, seed=5)
+    base, _ = _run(tiny_model, prompts, max_num_seqs=3)
+    got, eng = _run(tiny_model, prompts, _spec("draft_model", 2, tiny_model), max_num_seqs=3)
+    assert got == base
+    assert eng.runner.graphs is not None and eng.runner.verify_graphs is None
+    assert eng.runner.proposer.graphs is not None and eng.runner.proposer.catchup_graphs is None
+    monkeypatch.setattr(Builder, "supports_verify_graphs", True, raising=False)
+    _, eng = _run(tiny_model, prompts[:1], _spec("draft_model", 2, tiny_model), max_num_seqs=3)
+    assert eng.runner.verify_graphs is not None and eng.stats()["spec_decode"]["verify_graph_steps"] > 0
