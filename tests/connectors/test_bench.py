@@ -14,5 +14,8 @@ def test_bench_offload_on_cpu(tmp_path):
     assert rc == 0
     res = json.loads((tmp_path / "offload-cpu-tiny.json").read_text())
     assert {r["run_blocks"] for r in res["copy"]} == {1, 8} and all(r["d2h_GBps"] > 0 for r in res["copy"])
-    assert res["ttft"]["host_hit_tokens"] >= 256 - 16 - 16  # the prefix's full blocks came from the tier
+    t = res["ttft"]
+    assert t["host_hit_tokens"] >= 256 - 16 - 16  # the prefix's full blocks came from the tier
+    # the loaded TTFT's breakdown: the same prompt on a device prefix hit, the load copies' time
+    assert t["ttft_device_hit_s"] > 0 and t["load_copy_s"] > 0 and 0 < t["load_issue_s"] < t["ttft_loaded_s"]
     assert res["decode"]["tok_per_s_on"] > 0 and res["decode"]["tok_per_s_off"] > 0
