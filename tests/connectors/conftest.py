@@ -1,20 +1,11 @@
 import random
 
 import pytest
-import torch
 
 import hwkv
 from hwkv.testing.tiny_models import write_tiny_model
 
 BS = 16
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ import sys
 import time
 
 import pytest
-import torch
 
 import hwkv
 from hwkv import SamplingParams
@@ -43,14 +42,6 @@ print(json.dumps({"tokens": toks, "free": free,
 sys.stdin.readline()  # its segment holds pool values: stay until told to go
 conn.shutdown()
 """
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

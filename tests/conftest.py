@@ -1,3 +1,5 @@
+"""Fixtures for every test under tests/."""
+
 import pytest
 import torch
 
