@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
-import platform
 import random
 import statistics
 import time
@@ -51,22 +49,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--engine-args", default="{}", help="JSON dict of further Engine kwargs")
     p.add_argument("--out", default=None, help="JSON path (default <results_dir>/admission-<backend>-<date>.json)")
-
-
-def _model_dir(args: argparse.Namespace) -> Path:
-    from hwkv.bench.e2e import SHAPES
-
-    if args.model != "tiny" and args.model not in SHAPES:
-        return Path(args.model)
-    import torch
-
-    from hwkv.testing.tiny_models import write_tiny_model
-
-    d = Path(args.workdir) / f"{args.model}-{args.dtype}"
-    if not (d / "config.json").exists():
-        shape = TINY if args.model == "tiny" else SHAPES[args.model]
-        write_tiny_model(d, dtype=getattr(torch, args.dtype), seed=0, tokenizer=False, **shape)
-    return d
 
 
 def _workload(args: argparse.Namespace, vocab: int) -> list[tuple[list[int], int, float]]:
@@ -138,10 +120,11 @@ def run(args: argparse.Namespace) -> int:
 
     import hwkv
     from hwkv.bench.common import backend as get_backend
+    from hwkv.bench.common import machine, model_dir, write_result
 
     if args.backend == "cpu":
         torch.set_num_threads(1)  # tiny model: intra-op threads only add contention
-    mdir = _model_dir(args)
+    mdir = model_dir(args, TINY)
     backend = get_backend(args.backend)
     bs = args.block_size or backend.capabilities.default_block_size
     vocab = json.loads((mdir / "config.json").read_text())["vocab_size"]
@@ -180,14 +163,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"{reserve:<20}" + "".join(f"{s[k]:>12{f}}" for _, k, f in cols))
     day = dt.date.today().isoformat()
     out = Path(args.out or results_dir() / f"admission-{args.backend}-{day}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"bench": "admission", "date": day, "device": backend.device.name,
-           "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                       "torch": torch.__version__, "cpus": os.cpu_count(), "load_average_1m": os.getloadavg()[0]},
+    doc = {"bench": "admission", "date": day, "device": backend.device.name, "machine": machine(),
            "args": {k: v for k, v in vars(args).items() if k != "out"}, "num_kv_blocks": blocks, "block_size": bs,
            "workload_blocks": need, "summary": summary, "runs": runs}
-    out.write_text(json.dumps(doc, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_result(out, doc)
     return 0
 
 

@@ -1,8 +1,14 @@
-"""Shared by the engine benches: the synthetic workload, the backend lookup, copy bandwidth."""
+"""Shared by the engine benches: the synthetic workload, the model directory, the backend lookup, copy
+bandwidth, the result file."""
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import platform
 import random
+from pathlib import Path
 from typing import Any
 
 
@@ -13,6 +19,39 @@ def workload(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[tuple[
         ([rng.randrange(100, vocab - 100) for _ in range(rng.randint(lo, hi))], rng.randint(lo, hi))
         for _ in range(n)
     ]
+
+
+def model_dir(args: argparse.Namespace, tiny: dict[str, Any] | None = None) -> Path:
+    """``args.model`` as a checkpoint directory: a path as given, or a random-weight model of a shape of
+    ``hwkv bench e2e`` (or ``"tiny"``: the ``tiny`` shape) written once per ``args.dtype`` under ``args.workdir``."""
+    from hwkv.bench.e2e import SHAPES
+
+    shapes = SHAPES if tiny is None else {**SHAPES, "tiny": tiny}
+    if args.model not in shapes:
+        return Path(args.model)
+    import torch
+
+    from hwkv.testing.tiny_models import write_tiny_model
+
+    d = Path(args.workdir) / f"{args.model}-{args.dtype}"
+    if not (d / "config.json").exists():
+        write_tiny_model(d, dtype=getattr(torch, args.dtype), seed=0, tokenizer=False, **shapes[args.model])
+    return d
+
+
+def machine(**extra: Any) -> dict[str, Any]:
+    """The host a CPU-side result was measured on (shared machines: the load average says how busy)."""
+    import torch
+
+    return {"platform": platform.platform(), **extra, "python": platform.python_version(), "torch": torch.__version__,
+            "cpus": os.cpu_count(), "load_average_1m": os.getloadavg()[0]}
+
+
+def write_result(out: Path, doc: dict[str, Any]) -> None:
+    """Write a bench's JSON result (parents created) and say where."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"wrote {out}")
 
 
 def backend(name: str) -> Any:

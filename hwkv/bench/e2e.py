@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from hwkv.bench import results_dir
-from hwkv.bench.common import backend, copy_bandwidth, decode_read_bytes, enable_weight_prefetch, workload
+from hwkv.bench.common import backend, copy_bandwidth, decode_read_bytes, enable_weight_prefetch, model_dir, workload
 from hwkv.bench.e2e_report import kernel_mix, markdown, profile, replay_ms
 
 SHAPES: dict[str, dict[str, Any]] = {
@@ -75,17 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-args", default="{}", help=f"JSON dict of Engine kwargs over {ENGINE_DEFAULTS}")
 
 
-def _model_dir(args: argparse.Namespace) -> Path:
-    if args.model not in SHAPES:
-        return Path(args.model)
-    import torch
-
-    from hwkv.testing.tiny_models import write_tiny_model
-
-    d = Path(args.workdir) / f"{args.model}-{args.dtype}"
-    if not (d / "config.json").exists():
-        write_tiny_model(d, dtype=getattr(torch, args.dtype), seed=0, tokenizer=False, **SHAPES[args.model])
-    return d
+_model_dir = model_dir  # the name hwkv.bench.serve imports
 
 
 def make_engine(mdir: Path, args: argparse.Namespace, **kw: Any) -> Any:
@@ -209,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
 
     import hwkv
 
-    mdir = _model_dir(args)
+    mdir = model_dir(args)
     cfg = json.loads((mdir / "config.json").read_text())
     vocab = cfg["vocab_size"]
     device = backend(args.backend).device

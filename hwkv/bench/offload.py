@@ -25,6 +25,7 @@ from typing import Any
 
 from hwkv.bench import results_dir
 from hwkv.bench.common import backend as get_backend
+from hwkv.bench.common import model_dir
 
 TINY = dict(arch="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=512,
             max_position_embeddings=16384)
@@ -47,22 +48,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-gb", type=float, default=8.0, help="host tier size for the ttft/decode parts")
     p.add_argument("--store-batch-blocks", type=int, default=None, help="offload config (default: the connector's)")
     p.add_argument("--out-dir", default=None, help="where the JSON goes (default: hwkv.bench.results_dir())")
-
-
-def _model_dir(args: argparse.Namespace) -> Path:
-    from hwkv.bench.e2e import SHAPES
-
-    if args.model not in SHAPES and args.model != "tiny":
-        return Path(args.model)
-    import torch
-
-    from hwkv.testing.tiny_models import write_tiny_model
-
-    d = Path(args.workdir) / f"{args.model}-{args.dtype}"
-    if not (d / "config.json").exists():
-        shape = TINY if args.model == "tiny" else SHAPES[args.model]
-        write_tiny_model(d, dtype=getattr(torch, args.dtype), seed=0, tokenizer=False, **shape)
-    return d
 
 
 def _timed(dev: Any, stream: Any, fn: Any, iters: int = 5) -> float:
@@ -268,7 +253,7 @@ def run(args: argparse.Namespace) -> int:
     parts = set(args.parts.split(","))
     if parts - {"copy", "ttft", "decode"}:
         raise SystemExit(f"--parts: unknown {sorted(parts - {'copy', 'ttft', 'decode'})} (allowed: copy,ttft,decode)")
-    mdir = _model_dir(args)
+    mdir = model_dir(args, TINY)
     be = get_backend(args.backend)
     result: dict[str, Any] = {"backend": args.backend, "device": be.device.description(), "model": args.model,
                               "dtype": args.dtype}

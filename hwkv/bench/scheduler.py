@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
-import os
 import platform
 import statistics
 import time
@@ -147,7 +145,7 @@ def bench_mixed(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
+    from hwkv.bench.common import machine, write_result
 
     results = {"decode": bench_decode(args), "mixed": bench_mixed(args)}
     print(f"hwkv scheduler step (CPU, median of {args.steps} steps; ms)")
@@ -162,16 +160,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"peer: {PEER['source']}")
     day = dt.date.today().isoformat()
     out = Path(args.out or results_dir() / f"scheduler-cpu-{day}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
     doc = {
-        "bench": "scheduler", "date": day, "machine": {"platform": platform.platform(), "cpu": platform.processor(),
-                                                       "python": platform.python_version(), "torch": torch.__version__,
-                                                       "cpus": os.cpu_count(), "load_average_1m": os.getloadavg()[0]},
+        "bench": "scheduler", "date": day, "machine": machine(cpu=platform.processor()),
         "args": {k: v for k, v in vars(args).items() if k != "out"}, "results": results, "peer": PEER,
         "bar_ms": BAR_MS, "bar_pass": ok,
     }
-    out.write_text(json.dumps(doc, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_result(out, doc)
     return 0
 
 

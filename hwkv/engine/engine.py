@@ -11,11 +11,11 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from hwkv.core.request import Request, RequestStatus
 from hwkv.core.scheduler import Scheduler
+from hwkv.engine.build import build_parts
 from hwkv.engine.config import EngineArgs
 from hwkv.engine.detokenizer import IncrementalDetokenizer
 from hwkv.engine.prompt import Prompt, tokenize_prompt
@@ -75,6 +75,16 @@ class Engine:
       rank beyond this one (docs/parallelism.md); ``close()`` stops the workers.
     """
 
+    # parts, set by hwkv.engine.build.build_parts (the construction order lives there)
+    backend: Any
+    model: Any
+    kv_cache: Any
+    scheduler: Scheduler
+    runner: Any
+    proposer: Any
+    config: Any
+    _tp: Any
+
     def __init__(self, model: str, backend: Any = "cpu", dtype: Any = None, max_model_len: int | None = None,
                  block_size: int | None = None, num_kv_blocks: int | None = None, memory_fraction: float = 0.9,
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
@@ -90,89 +100,7 @@ class Engine:
             max_num_partial_prefills, seed, enforce_eager, fuse_elementwise, async_scheduling, decode_ops,
             scheduling_policy, reserve_full_prompt, speculative_config, tensor_parallel_size,
         )
-        from hwkv.connectors import make_connector
-        from hwkv.core.hashing import make_block_hasher
-        from hwkv.core.kv_cache_manager import KVCacheManager
-        from hwkv.engine.model_runner import ModelRunner
-        from hwkv.model import load_model
-        from hwkv.plugins import get_backend
-
-        # a name from the hwkv_connectors registry (config: its keyword arguments) or an instance;
-        # checked before the model loads. Host memory is taken only once the KV cache exists.
-        kv_connector = make_connector(kv_connector, kv_connector_config)
-        # ValueError (unknown name) / BackendUnavailable (why); an instance is used as given
-        self.backend = get_backend(backend) if isinstance(backend, str) else backend
-        self.backend.device.seed(seed)
-        self._tp: Any = None  # tensor parallelism: ranks 1..N-1 (docs/parallelism.md); rank 0 is this process
-        if tensor_parallel_size > 1:
-            import weakref
-
-            from hwkv.parallel.executor import TPExecutor, check_supported
-
-            check_supported(args, self.backend, kv_connector)
-            self._tp = TPExecutor(args, self.backend)
-            weakref.finalize(self, self._tp.close)  # collected, failed __init__ or interpreter exit: no worker left
-        has_tok = (Path(args.model) / "tokenizer.json").is_file()
-        self.model, self.model_config, self.tokenizer, self.generation_config = load_model(
-            args.model, self.backend, dtype=dtype, max_model_len=max_model_len, load_tokenizer=has_tok,
-            tp=self._tp.shard if self._tp else None,
-        )
-        if kv_connector is not None:  # e.g. the pool keys KV by model identity
-            kv_connector.bind_model(args.model, self.model_config)
-        self.proposer: Any = None
-        if args.speculative_config is not None:  # loaded first: a draft model's weights and KV size the pool too
-            from hwkv.spec_decode.factory import make_proposer
-
-            self.proposer = make_proposer(args.speculative_config, self)
-        self.config = cfg = args.resolve(self.backend, self.model, kv_connector,
-                                         getattr(self.proposer, "kv_bytes_per_block", None),
-                                         self._tp.agree if self._tp else None)
-        cc, rt, spec = cfg.cache, cfg.runtime, cfg.speculative
-        self.block_size, self.max_model_len = cc.block_size, cfg.model.max_model_len
-        self.kv_cache = self.backend.device.allocate_kv_cache(self.model.kv_cache_spec(cc.num_blocks, cc.block_size),
-                                                              self.backend.attention.kv_layout)
-        if hasattr(self.proposer, "allocate"):
-            self.proposer.allocate(cc.num_blocks, cc.block_size, self.max_model_len)
-        self.vocab_size = self.model_config.vocab_size
-        self.eos_token_ids = frozenset(_eos_ids(self.model_config, self.generation_config))
-        self.kv_cache_manager = KVCacheManager(cc.num_blocks, cc.block_size, cc.enable_prefix_caching)
-        self._hasher = make_block_hasher(cc.block_size)
-        self.async_scheduling = rt.async_scheduling
-        connector = cfg.kv_transfer.connector if cfg.kv_transfer is not None else None
-        if connector is not None and hasattr(connector, "bind_backend"):  # optional: e.g. its transfer protocols
-            connector.bind_backend(self.backend)
-        self.scheduler = Scheduler(cfg.scheduler, self.kv_cache_manager, connector,
-                                   spec.num_lookahead_tokens if spec is not None else 0)
-        runner_args = (self.model, self.backend, self.kv_cache, cc.block_size, max_num_seqs, self.max_model_len,
-                       tuple(self.eos_token_ids), self.scheduler.connector)
-        if self._tp:
-            from hwkv.parallel.runner import DriverRunner
-
-            self.runner = DriverRunner(*runner_args, executor=self._tp, fuse=rt.fuse_elementwise)
-        elif spec is None:
-            self.runner = ModelRunner(*runner_args)
-        else:
-            from hwkv.spec_decode.runner import SpecModelRunner
-
-            self.runner = SpecModelRunner(*runner_args, spec_config=spec, proposer=self.proposer)
-        if rt.fuse_elementwise:
-            from hwkv.model.fuse import fuse_elementwise
-
-            fuse_elementwise(self.model)
-        ops = self.backend.decode_ops() if rt.decode_ops is not False else None
-        if rt.decode_ops and ops is None:
-            raise ValueError(f"decode_ops=True but backend {self.backend.name!r} offers none (allowed: False or None)")
-        if getattr(self.proposer, "needs_plain_forward", False):  # EAGLE-3 hooks inside the target's layers
-            ops = None
-        try:
-            self.model.set_decode_ops(ops, self.kv_cache.spec.dtype)
-        except ValueError:  # the ops cannot serve this model: True says why, None runs without them
-            if rt.decode_ops:
-                raise
-        if ops is not None and hasattr(self.proposer, "set_decode_ops"):
-            self.proposer.set_decode_ops(ops)  # a draft model's few-token forwards (where the ops serve it)
-        if rt.graphs:
-            self.runner.enable_graphs(rt.graph_max_batch)
+        build_parts(self, args, kv_connector, kv_connector_config)  # hwkv/engine/build.py: the parts, in order
         # Ids: the scheduler, runner and connector see internal ids "<request_id>-<n>", unique per
         # engine lifetime (as vLLM), so a reused request id can never meet its predecessor's state.
         self._tracked: dict[str, _Tracked] = {}  # internal id -> state, until finished
@@ -491,14 +419,6 @@ class Engine:
 
             out["kv_connector"] = connector_stats(self.scheduler)
         return out
-
-
-def _eos_ids(mc: Any, gen_cfg: Any) -> list[int]:
-    ids = list(getattr(mc, "eos_token_ids", None) or [])
-    g = getattr(gen_cfg, "eos_token_ids", None) if not isinstance(gen_cfg, dict) else gen_cfg.get("eos_token_id")
-    if isinstance(g, int):
-        g = [g]
-    return ids + [i for i in (g or []) if i not in ids]
 
 
 def _progress(total: int, enabled: bool) -> Any:

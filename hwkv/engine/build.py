@@ -1,0 +1,124 @@
+"""Engine construction: the parts of an :class:`~hwkv.engine.engine.Engine` and the order they are built in.
+
+Order matters: the connector is checked before the model loads; tensor-parallel workers start before
+the weights load (each loads its shard); a speculative proposer loads before the KV pool is sized
+(a draft model's weights and KV take memory too); the KV cache is allocated before anything that
+binds to it (scheduler, runner, graphs); decode ops and fusion change the model before graphs capture it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hwkv.core.scheduler import Scheduler
+from hwkv.engine.config import EngineArgs
+
+
+def build_parts(engine: Any, args: EngineArgs, kv_connector: Any, kv_connector_config: dict[str, Any] | None) -> None:
+    """Build and set ``engine``'s parts in order: ``backend``, ``_tp``, ``model``, ``model_config``,
+    ``tokenizer``, ``generation_config``, ``proposer``, ``config``, ``block_size``, ``max_model_len``,
+    ``kv_cache``, ``vocab_size``, ``eos_token_ids``, ``kv_cache_manager``, ``_hasher``,
+    ``async_scheduling``, ``scheduler``, ``runner``.
+
+    ``engine`` is passed, not returned into, because the proposer factory reads the parts built
+    before it. Raises ``ValueError`` / ``BackendUnavailable`` naming a bad option; tensor-parallel
+    workers started before a failure are stopped when ``engine`` is collected."""
+    from hwkv.connectors import make_connector
+    from hwkv.core.hashing import make_block_hasher
+    from hwkv.core.kv_cache_manager import KVCacheManager
+    from hwkv.engine.model_runner import ModelRunner
+    from hwkv.model import load_model
+    from hwkv.plugins import get_backend
+
+    # a name from the hwkv_connectors registry (config: its keyword arguments) or an instance;
+    # checked before the model loads. Host memory is taken only once the KV cache exists.
+    kv_connector = make_connector(kv_connector, kv_connector_config)
+    # ValueError (unknown name) / BackendUnavailable (why); an instance is used as given
+    backend = engine.backend = get_backend(args.backend) if isinstance(args.backend, str) else args.backend
+    backend.device.seed(args.seed)
+    engine._tp = tp = None  # tensor parallelism: ranks 1..N-1 (docs/parallelism.md); rank 0 is this process
+    if args.tensor_parallel_size > 1:
+        import weakref
+
+        from hwkv.parallel.executor import TPExecutor, check_supported
+
+        check_supported(args, backend, kv_connector)
+        engine._tp = tp = TPExecutor(args, backend)
+        weakref.finalize(engine, tp.close)  # collected, failed __init__ or interpreter exit: no worker left
+    has_tok = (Path(args.model) / "tokenizer.json").is_file()
+    engine.model, engine.model_config, engine.tokenizer, engine.generation_config = load_model(
+        args.model, backend, dtype=args.dtype, max_model_len=args.max_model_len, load_tokenizer=has_tok,
+        tp=tp.shard if tp else None,
+    )
+    model = engine.model
+    if kv_connector is not None:  # e.g. the pool keys KV by model identity
+        kv_connector.bind_model(args.model, engine.model_config)
+    engine.proposer = proposer = None
+    if args.speculative_config is not None:  # loaded first: a draft model's weights and KV size the pool too
+        from hwkv.spec_decode.factory import make_proposer
+
+        engine.proposer = proposer = make_proposer(args.speculative_config, engine)
+    engine.config = cfg = args.resolve(backend, model, kv_connector, getattr(proposer, "kv_bytes_per_block", None),
+                                       tp.agree if tp else None)
+    cc, rt, spec = cfg.cache, cfg.runtime, cfg.speculative
+    engine.block_size, engine.max_model_len = cc.block_size, cfg.model.max_model_len
+    engine.kv_cache = kv_cache = backend.device.allocate_kv_cache(model.kv_cache_spec(cc.num_blocks, cc.block_size),
+                                                                  backend.attention.kv_layout)
+    if hasattr(proposer, "allocate"):
+        proposer.allocate(cc.num_blocks, cc.block_size, engine.max_model_len)
+    engine.vocab_size = engine.model_config.vocab_size
+    engine.eos_token_ids = frozenset(eos_ids(engine.model_config, engine.generation_config))
+    engine.kv_cache_manager = KVCacheManager(cc.num_blocks, cc.block_size, cc.enable_prefix_caching)
+    engine._hasher = make_block_hasher(cc.block_size)
+    engine.async_scheduling = rt.async_scheduling
+    connector = cfg.kv_transfer.connector if cfg.kv_transfer is not None else None
+    if connector is not None and hasattr(connector, "bind_backend"):  # optional: e.g. its transfer protocols
+        connector.bind_backend(backend)
+    engine.scheduler = Scheduler(cfg.scheduler, engine.kv_cache_manager, connector,
+                                 spec.num_lookahead_tokens if spec is not None else 0)
+    runner_args = (model, backend, kv_cache, cc.block_size, args.max_num_seqs, engine.max_model_len,
+                   tuple(engine.eos_token_ids), engine.scheduler.connector)
+    if tp:
+        from hwkv.parallel.runner import DriverRunner
+
+        engine.runner = DriverRunner(*runner_args, executor=tp, fuse=rt.fuse_elementwise)
+    elif spec is None:
+        engine.runner = ModelRunner(*runner_args)
+    else:
+        from hwkv.spec_decode.runner import SpecModelRunner
+
+        engine.runner = SpecModelRunner(*runner_args, spec_config=spec, proposer=proposer)
+    if rt.fuse_elementwise:
+        from hwkv.model.fuse import fuse_elementwise
+
+        fuse_elementwise(model)
+    _set_decode_ops(backend, model, proposer, kv_cache, rt.decode_ops)
+    if rt.graphs:
+        engine.runner.enable_graphs(rt.graph_max_batch)
+
+
+def _set_decode_ops(backend: Any, model: Any, proposer: Any, kv_cache: Any, wanted: bool | None) -> None:
+    """Give the model (and a draft model) the backend's fused decode ops. ``wanted``: ``True`` requires
+    them (ValueError saying why not), ``None`` uses them where offered and able, ``False`` never."""
+    ops = backend.decode_ops() if wanted is not False else None
+    if wanted and ops is None:
+        raise ValueError(f"decode_ops=True but backend {backend.name!r} offers none (allowed: False or None)")
+    if getattr(proposer, "needs_plain_forward", False):  # EAGLE-3 hooks inside the target's layers
+        ops = None
+    try:
+        model.set_decode_ops(ops, kv_cache.spec.dtype)
+    except ValueError:  # the ops cannot serve this model: True says why, None runs without them
+        if wanted:
+            raise
+    if ops is not None and hasattr(proposer, "set_decode_ops"):
+        proposer.set_decode_ops(ops)  # a draft model's few-token forwards (where the ops serve it)
+
+
+def eos_ids(mc: Any, gen_cfg: Any) -> list[int]:
+    """End-of-sequence token ids: the model config's, then generation_config's not already among them."""
+    ids = list(getattr(mc, "eos_token_ids", None) or [])
+    g = getattr(gen_cfg, "eos_token_ids", None) if not isinstance(gen_cfg, dict) else gen_cfg.get("eos_token_id")
+    if isinstance(g, int):
+        g = [g]
+    return ids + [i for i in (g or []) if i not in ids]
