@@ -108,10 +108,10 @@ class Reaper:
                 self._thread = threading.Thread(target=self._run, name="mooncake-reaper", daemon=True)
                 self._thread.start()
 
-    def pending(self) -> int:
-        """Clients not closed yet."""
+    def pending(self, master: str | None = None) -> int:
+        """Clients not closed yet (of ``master`` only, when given)."""
         with self._lock:
-            return len(self._clients)
+            return sum(1 for _, m in self._clients if master is None or m == master)
 
     def _run(self) -> None:
         while True:
