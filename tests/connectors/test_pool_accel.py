@@ -10,7 +10,6 @@ import time
 from typing import Any
 
 import pytest
-import torch
 
 import hwkv
 from hwkv import SamplingParams
@@ -20,14 +19,6 @@ from hwkv.testing.tiny_models import write_tiny_model
 
 BS = 16
 PROMPT = [(5 * i + 2) % 400 + 1 for i in range(150)]  # 9 full blocks before the last token
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
