@@ -8,6 +8,8 @@ import json
 import os
 import platform
 import random
+import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -104,3 +106,29 @@ def enable_weight_prefetch(engine: Any) -> None:
     engine.model.set_prefetch(dev.prefetch, dev.join_prefetch)
     if engine.runner.graphs is not None:
         engine.runner.enable_graphs(engine.config.runtime.graph_max_batch)
+
+
+def wait_http(proc: subprocess.Popen, url: str, timeout_s: float, poll_s: float = 0.1) -> bool:
+    """Poll ``url`` (GET) until it answers: True; False once ``proc`` has exited or ``timeout_s`` passed."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            httpx.get(url, timeout=1.0)
+            return True
+        except httpx.HTTPError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                return False
+            time.sleep(poll_s)
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """Terminate ``proc``, killing it if it outlives ``grace_s``; always reaped."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(grace_s)

@@ -27,6 +27,7 @@ from typing import Any
 
 from hwkv.bench import results_dir
 from hwkv.bench import serve as sb
+from hwkv.bench.common import stop_process, wait_http
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -67,32 +68,18 @@ def _server(model: str, args: argparse.Namespace, extra: list[str]) -> Any:
 
 class _Proxy:
     def __init__(self, prefill: str, decode: str, extra: list[str]):
-        import httpx
 
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "hwkv", "proxy", "--prefill", prefill, "--decode", decode,
                "--port", str(self.port), "--log-level", "warning", *extra]
         self.proc = subprocess.Popen(cmd)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                httpx.get(self.url + "/v1/models", timeout=2)
-                return
-            except httpx.HTTPError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError("`hwkv proxy` did not start") from None
-                time.sleep(0.2)
+        if not wait_http(self.proc, self.url + "/v1/models", 60, poll_s=0.2):
+            self.stop()
+            raise RuntimeError("`hwkv proxy` did not start")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
 
 def _counters(url: str) -> dict[str, float]:

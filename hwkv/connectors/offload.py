@@ -33,13 +33,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from itertools import count, takewhile
+from itertools import takewhile
 from typing import Any
 
 from hwkv.connectors.copy import copy_block_pairs
+from hwkv.connectors.jobs import JobConnector, Meta, ReqState
 from hwkv.core.block_pool import BlockPool, KVCacheBlock
 from hwkv.core.sched_output import KVConnectorOutput
-from hwkv.interfaces.connector import KVConnectorBase
 
 
 @dataclass
@@ -56,21 +56,6 @@ class _Job:
 
 
 @dataclass
-class _ReqState:
-    request: Any
-    num_stored: int = 0  # blocks [0, num_stored) are stored or were skipped
-    hold: bool = False  # a load into its blocks is unconfirmed: store nothing (it may be garbage)
-
-
-@dataclass
-class _Meta:
-    loads: list[tuple[int, str, list[int], list[int], bool]]  # job, req, host ids, device ids, async
-    stores: list[tuple[int, list[int], list[int]]]  # job, device ids, host ids
-    issued_loads: bool = False
-    issued_stores: bool = False
-
-
-@dataclass
 class _Flight:
     job_id: int
     event: Any
@@ -81,8 +66,12 @@ class _Flight:
     reported: bool = False
 
 
-class OffloadConnector(KVConnectorBase):
+class OffloadConnector(JobConnector):
+    """Meta: loads ``(job, req, host ids, device ids, async)``, stores ``(job, device ids, host ids)``;
+    completions ``(job, ok)`` under ``extra["offload"]``."""
+
     name = "offload"
+    _extra_key = "offload"
 
     def __init__(self, cpu_bytes: int, min_run_blocks: int = 4, store: bool = True, async_load: bool = False,
                  load_timeout_s: float | None = None, store_batch_blocks: int = 32):
@@ -97,35 +86,19 @@ class OffloadConnector(KVConnectorBase):
         self.cpu_bytes, self.min_run_blocks = cpu_bytes, min_run_blocks
         self.store, self.async_load, self.load_timeout_s = bool(store), bool(async_load), load_timeout_s
         self.store_batch_blocks = store_batch_blocks
-        self.kv: Any = None  # the device KVCacheManager
+        self._init_jobs()
         self.cpu: BlockPool | None = None  # the host tier (created with the device KV cache)
         self.block_size = 0
         self._pending_hits: dict[str, tuple[int, list[KVCacheBlock]]] = {}  # rid -> (first block, pinned hits)
-        self._reqs: dict[str, _ReqState] = {}
-        self._new_loads: list[_Job] = []
         self._finished_stores: list[tuple[int, list[int], list[int]]] = []  # issued with the next step
-        self._jobs: dict[int, _Job] = {}  # issued or about to be, pins held
-        self._storing: set[bytes] = set()  # hashes with a store in flight
-        self._no_offer: set[str] = set()  # a load of theirs failed: recompute, never offer again
-        self._ids = count()
         self.counters = dict(loaded_bytes=0, stored_bytes=0, load_jobs=0, store_jobs=0, hit_blocks=0,
                              stores_skipped_full=0, failed_loads=0)
         # worker side
-        self.dev: Any = None
         self.device_kv: Any = None
         self.host_kv: Any = None
-        self._meta: _Meta | None = None
         self._flights: list[_Flight] = []
-        self._failed_now: set[str] = set()
-        self._unissued: list[tuple[int, bool]] = []  # jobs of a meta whose step never issued them
 
     # ---- set-up --------------------------------------------------------------------------------
-    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
-        self.kv = kv_cache_manager
-
-    def bind_device(self, device: Any) -> None:
-        self.dev = device
-
     def register_kv_caches(self, kv_cache: Any) -> None:
         spec = kv_cache.spec
         n = self.cpu_bytes // spec.bytes_per_block
@@ -160,7 +133,7 @@ class OffloadConnector(KVConnectorBase):
 
     def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
         rid = request.request_id
-        st = self._reqs[rid] = _ReqState(request)
+        self._reqs[rid] = ReqState(request)
         start, hits = self._pending_hits.pop(rid, (0, []))
         n = -(-num_external_tokens // self.block_size) if hits else 0
         if hits[n:]:
@@ -168,21 +141,15 @@ class OffloadConnector(KVConnectorBase):
         if not n:
             return
         device = self.kv.get_blocks(rid)[start:start + n]
-        self.kv.block_pool.touch(device)
-        job = _Job(next(self._ids), True, rid, hits[:n], device, is_async=self.async_load)
-        self._jobs[job.job_id] = job
-        self._new_loads.append(job)
-        st.hold = True
+        self._add_job(_Job(next(self._ids), True, rid, hits[:n], device, is_async=self.async_load), device)
         self.counters["hit_blocks"] += n
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
-        for rid in scheduler_output.preempted_req_ids:  # blocks gone; stores resume on re-admission
-            self._reqs.pop(rid, None)
-        loads, self._new_loads = self._new_loads, []
+        loads = self._take_loads(scheduler_output)
         stores = self._prepare_stores(scheduler_output) if self.store and self.cpu is not None else []
         if not loads and not stores:
             return None
-        return _Meta([(j.job_id, j.req_id, [b.block_id for b in j.host], [b.block_id for b in j.device], j.is_async)
+        return Meta([(j.job_id, j.req_id, [b.block_id for b in j.host], [b.block_id for b in j.device], j.is_async)
                       for j in loads], stores)
 
     def _prepare_stores(self, so: Any) -> list[tuple[int, list[int], list[int]]]:
@@ -203,7 +170,7 @@ class OffloadConnector(KVConnectorBase):
             out += [job for st in ready if (job := self._store_job(st)) is not None]
         return out
 
-    def _store_job(self, st: _ReqState) -> tuple[int, list[int], list[int]] | None:
+    def _store_job(self, st: ReqState) -> tuple[int, list[int], list[int]] | None:
         """Pin the request's full blocks not yet stored and host blocks for those the tier lacks
         (evicting LRU ones); the copy runs after this step's forward."""
         cpu, cached = self.cpu, self.cpu.cached_block_hash_to_block  # type: ignore[union-attr]
@@ -226,20 +193,13 @@ class OffloadConnector(KVConnectorBase):
         host = cpu.get_new_blocks(n)
         device = [blocks[i] for i in todo[:n]]
         hashes = [req.block_hashes[i] for i in todo[:n]]
-        self.kv.block_pool.touch(device)
         self._storing.update(hashes)
-        job = _Job(next(self._ids), False, rid, host, device, hashes)
-        self._jobs[job.job_id] = job
+        job = self._add_job(_Job(next(self._ids), False, rid, host, device, hashes), device)
         return job.job_id, [b.block_id for b in device], [b.block_id for b in host]
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        failed = {rid for rid in output.failed_recving if rid in self._reqs}  # finished ones: nothing to keep
-        self._no_offer |= failed
         self.counters["failed_loads"] += len(output.failed_recving)
-        for job_id, ok in output.extra.get("offload", ()):
-            job = self._jobs.pop(job_id, None)
-            if job is not None:
-                self._complete(job, ok)
+        super().update_connector_output(output)
 
     def _complete(self, job: _Job, ok: bool) -> None:
         cpu, nbytes = self.cpu, len(job.host) * self.device_kv.spec.bytes_per_block
@@ -266,16 +226,12 @@ class OffloadConnector(KVConnectorBase):
         # In-flight transfers pin their device blocks themselves: freeing the request's blocks now is safe.
         rid = request.request_id
         self._release_hit(rid)
-        st = self._reqs.pop(rid, None)
+        st = self._forget(rid)
         # its last blocks are stored before they can be reused
         if st is not None and not st.hold and self.store and self.cpu is not None and \
                 (job := self._store_job(st)) is not None:
             self._finished_stores.append(job)
-        self._no_offer.discard(rid)
         return False, None
-
-    def has_pending_transfers(self) -> bool:
-        return bool(self._jobs)
 
     def stats(self) -> dict[str, Any]:
         cpu = self.cpu
@@ -287,34 +243,21 @@ class OffloadConnector(KVConnectorBase):
         return out
 
     # ---- worker side ---------------------------------------------------------------------------
-    def bind_connector_metadata(self, metadata: Any) -> None:
-        prev = self._meta
-        if prev is not None:  # its step failed before issuing: those jobs end, not ok (pins released)
-            if not prev.issued_loads:
-                self._unissued += [(j, False) for j, *_ in prev.loads]
-                self._failed_now |= {rid for _, rid, *_ in prev.loads}
-            if not prev.issued_stores:
-                self._unissued += [(j, False) for j, *_ in prev.stores]
-        self._meta = metadata
-
     def load_blocks(self, host_ids: list[int], device_ids: list[int]) -> None:
         """Queue one request's host → device copies on the load stream (tests inject failures here)."""
         copy_block_pairs(self.dev, self.host_kv, self.device_kv, host_ids, device_ids, self._load_stream,
                          self.min_run_blocks)
 
     def start_load_kv(self) -> None:
-        meta = self._meta
-        if meta is None:
-            return
-        meta.issued_loads = True
-        if not meta.loads:
+        loads = self._issue(loads=True)
+        if not loads:
             return
         dev, stream = self.dev, self._load_stream
         ready = dev.new_event()
         ready.record()  # the compute stream's work so far: a reused block's last writer
         stream.wait_event(ready)
         last_sync = None
-        for job_id, rid, host_ids, device_ids, is_async in meta.loads:
+        for job_id, rid, host_ids, device_ids, is_async in loads:
             try:
                 self.load_blocks(host_ids, device_ids)
                 ok = True
@@ -330,19 +273,16 @@ class OffloadConnector(KVConnectorBase):
             dev.current_stream().wait_event(last_sync)  # the forward reads the loaded blocks
 
     def wait_for_save(self) -> None:
-        meta = self._meta
-        if meta is None:
-            return
-        meta.issued_stores = True
-        if not meta.stores:
+        stores = self._issue(loads=False)
+        if not stores:
             return
         dev, stream = self.dev, self._store_stream
         written = dev.new_event()
         written.record()  # behind this step's forward: the blocks it fills are written
         stream.wait_event(written)
         # one batched copy for every store of the step (a launch per KV tensor, not per request)
-        device_ids = [b for _, d, _ in meta.stores for b in d]
-        host_ids = [b for _, _, h in meta.stores for b in h]
+        device_ids = [b for _, d, _ in stores for b in d]
+        host_ids = [b for _, _, h in stores for b in h]
         try:
             copy_block_pairs(dev, self.device_kv, self.host_kv, device_ids, host_ids, stream, self.min_run_blocks)
             ok = True
@@ -350,13 +290,10 @@ class OffloadConnector(KVConnectorBase):
             ok = False  # the tier just does not get these blocks
         ev = dev.new_event()
         ev.record(stream)
-        self._flights += [_Flight(job_id, ev, ok) for job_id, _, _ in meta.stores]
+        self._flights += [_Flight(job_id, ev, ok) for job_id, _, _ in stores]
 
     def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput | None:
-        self._meta = None if self._meta is None or (self._meta.issued_loads and self._meta.issued_stores) \
-            else self._meta
-        done, self._unissued = self._unissued, []
-        recv, failed, self._failed_now = set(), self._failed_now, set()
+        done, recv, failed = self._take_done()
         still, now = [], time.monotonic()
         for f in self._flights:
             if f.event.query():

@@ -35,15 +35,14 @@ import contextlib
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from itertools import count
 from typing import Any
 
+from hwkv.connectors.jobs import JobConnector, Meta, ReqState
 from hwkv.connectors.pool_key import PoolKey, default_model_id
 from hwkv.connectors.pool_lookup import LookupClient, LookupServer
 from hwkv.connectors.pool_store import StoreHandle, store_factory
 from hwkv.connectors.pool_transfer import GetJob, PoolTransfer, PutJob
 from hwkv.core.sched_output import KVConnectorOutput
-from hwkv.interfaces.connector import KVConnectorBase
 from hwkv.interfaces.store import StoreError
 
 _RECENT_MAX = 1 << 16  # chunk hashes known to be in the pool (puts and loads that completed)
@@ -60,21 +59,6 @@ class _Job:
 
 
 @dataclass
-class _ReqState:
-    request: Any
-    num_stored: int = 0  # chunks [0, num_stored) are stored, skipped or in flight
-    hold: bool = False  # its load is unconfirmed: store nothing from it yet
-
-
-@dataclass
-class _Meta:
-    loads: list[tuple[int, str, list[bytes], list[list[int]]]]  # job, request, hashes, blocks per chunk
-    stores: list[tuple[int, list[bytes], list[list[int]]]]
-    issued_loads: bool = False
-    issued_stores: bool = False
-
-
-@dataclass
 class _Flight:
     req_id: str
     t0: float
@@ -87,8 +71,13 @@ def _positive(name: str, v: Any, integer: bool = False) -> None:
         raise ValueError(f"pool: {name}={v!r} is invalid (need a positive {'int' if integer else 'number'})")
 
 
-class PoolConnector(KVConnectorBase):
+class PoolConnector(JobConnector):
+    """Units are chunks. Meta: loads ``(job, request, hashes, blocks per chunk)``, stores ``(job, hashes,
+    blocks per chunk)``; completions ``(job, ok, bytes, chunks already in the pool)`` under ``extra["pool"]``."""
+
     name = "pool"
+    _extra_key = "pool"
+    _fail_details = (0, 0)
 
     def __init__(self, store: Any = "embedded", chunk_size: int | None = None, model_id: str | None = None,
                  tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, lookup_timeout_s: float = 1.0,
@@ -109,32 +98,22 @@ class PoolConnector(KVConnectorBase):
         self.shard = (tp_rank, tp_size, pp_rank)
         self.lookup_timeout_s, self.load_timeout_s = float(lookup_timeout_s), float(load_timeout_s)
         self.lookup_address, self.staging_bytes, self.save = lookup_address, staging_bytes, bool(save)
-        self.kv: Any = None
+        self._init_jobs()
         self.key: PoolKey | None = None
         self.block_size = self.chunk_blocks = 0
         self._chunk_bytes = 1
-        self._reqs: dict[str, _ReqState] = {}
         self._pending: dict[str, tuple[int, list[bytes]]] = {}  # rid -> (first chunk, hit hashes)
         self._lookups: dict[str, tuple[tuple[int, int], int, float]] = {}
-        self._new_loads: list[_Job] = []
-        self._jobs: dict[int, _Job] = {}
-        self._storing: set[bytes] = set()
         self._recent: OrderedDict[bytes, None] = OrderedDict()
         self._epoch: tuple[int, int] = (0, 0)  # (connects, failures) of the store the worker last reported
-        self._no_offer: set[str] = set()
-        self._ids = count()
         self.counters = dict(loaded_bytes=0, stored_bytes=0, lookups=0, lookup_hit_tokens=0, load_jobs=0,
                              failed_loads=0, store_jobs=0, stored_chunks=0, dedup_pool=0, dedup_local=0,
                              failed_stores=0)
         # worker side
-        self.dev: Any = None
         self.transfer: PoolTransfer | None = None
         self.server: LookupServer | None = None
         self.client: LookupClient | None = None
-        self._meta: _Meta | None = None
         self._flights: dict[int, _Flight] = {}
-        self._unissued: list[tuple[int, bool, int, int]] = []
-        self._failed_now: set[str] = set()
         self._sent_epoch: tuple[int, int] = (0, 0)
         self.last_errors = {"load": "", "store": ""}  # why the latest failed get / put failed (stats)
 
@@ -142,12 +121,6 @@ class PoolConnector(KVConnectorBase):
     def bind_model(self, model: str, model_config: Any = None) -> None:
         if self.model_id is None:
             self.model_id = default_model_id(model)
-
-    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
-        self.kv = kv_cache_manager
-
-    def bind_device(self, device: Any) -> None:
-        self.dev = device
 
     def register_kv_caches(self, kv_cache: Any) -> None:
         spec = kv_cache.spec
@@ -209,28 +182,22 @@ class PoolConnector(KVConnectorBase):
     def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
         rid = request.request_id
         self._lookups.pop(rid, None)
-        st = self._reqs[rid] = _ReqState(request)
+        self._reqs[rid] = ReqState(request)
         first, hashes = self._pending.pop(rid, (0, []))
         n = min(len(hashes), num_external_tokens // (self.block_size * self.chunk_blocks))
         if not n:
             return
         cb = self.chunk_blocks
         blocks = self.kv.get_blocks(rid)[first * cb:(first + n) * cb]
-        self.kv.block_pool.touch(blocks)
-        job = _Job(next(self._ids), True, rid, blocks, hashes[:n])
-        self._jobs[job.job_id] = job
-        self._new_loads.append(job)
-        st.hold = True
+        self._add_job(_Job(next(self._ids), True, rid, blocks, hashes[:n]), blocks)
         self.counters["lookup_hit_tokens"] += n * cb * self.block_size
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
-        for rid in scheduler_output.preempted_req_ids:  # blocks gone; stores resume on re-admission
-            self._reqs.pop(rid, None)
-        loads, self._new_loads = self._new_loads, []
+        loads = self._take_loads(scheduler_output)
         stores = self._prepare_stores(scheduler_output) if self.save and self.key is not None else []
         if not loads and not stores:
             return None
-        return _Meta([(j.job_id, j.req_id, j.hashes, self._chunks(j.blocks)) for j in loads],
+        return Meta([(j.job_id, j.req_id, j.hashes, self._chunks(j.blocks)) for j in loads],
                      [(j.job_id, j.hashes, self._chunks(j.blocks)) for j in stores])
 
     def _chunks(self, blocks: list[Any]) -> list[list[int]]:
@@ -256,11 +223,8 @@ class PoolConnector(KVConnectorBase):
                     dev.extend(blocks[c * cb:(c + 1) * cb])
             st.num_stored = max(st.num_stored, full)
             if hashes:
-                self.kv.block_pool.touch(dev)  # a put reads them after this step's forward
-                self._storing.update(hashes)
-                job = _Job(next(self._ids), False, rid, dev, hashes)
-                self._jobs[job.job_id] = job
-                out.append(job)
+                self._storing.update(hashes)  # pinned: a put reads them after this step's forward
+                out.append(self._add_job(_Job(next(self._ids), False, rid, dev, hashes), dev))
         return out
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
@@ -268,11 +232,7 @@ class PoolConnector(KVConnectorBase):
         if epoch is not None and epoch != self._epoch:  # the store failed or was reconnected: it may have
             self._epoch = epoch  # lost anything, so "recently put" proves nothing any more
             self._recent.clear()
-        self._no_offer |= {rid for rid in output.failed_recving if rid in self._reqs}
-        for job_id, ok, nbytes, skipped in output.extra.get("pool", ()):
-            job = self._jobs.pop(job_id, None)
-            if job is not None:
-                self._complete(job, ok, nbytes, skipped)
+        super().update_connector_output(output)
 
     def _complete(self, job: _Job, ok: bool, nbytes: int, skipped: int) -> None:
         c = self.counters
@@ -300,12 +260,8 @@ class PoolConnector(KVConnectorBase):
         rid = request.request_id
         self._pending.pop(rid, None)
         self._lookups.pop(rid, None)
-        self._reqs.pop(rid, None)
-        self._no_offer.discard(rid)
+        self._forget(rid)
         return False, None
-
-    def has_pending_transfers(self) -> bool:
-        return bool(self._jobs)
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = dict(self.counters)
@@ -320,47 +276,28 @@ class PoolConnector(KVConnectorBase):
         return out
 
     # ---- worker side ---------------------------------------------------------------------------
-    def bind_connector_metadata(self, metadata: Any) -> None:
-        prev = self._meta
-        if prev is not None:  # its step failed before issuing them: those jobs end, not ok
-            if not prev.issued_loads:
-                self._unissued += [(j, False, 0, 0) for j, *_ in prev.loads]
-                self._failed_now |= {rid for _, rid, *_ in prev.loads}
-            if not prev.issued_stores:  # never put KV of a step that did not run
-                self._unissued += [(j, False, 0, 0) for j, *_ in prev.stores]
-        self._meta = metadata
-
     def start_load_kv(self) -> None:
-        meta = self._meta
-        if meta is None:
-            return
-        meta.issued_loads = True
-        if not meta.loads:
+        loads = self._issue(loads=True)
+        if not loads:
             return
         ready = self.dev.new_event()
         ready.record()  # the compute stream's work so far: a reused block's last writer
         now = time.monotonic()
-        for job_id, rid, hashes, chunks in meta.loads:
+        for job_id, rid, hashes, chunks in loads:
             self._flights[job_id] = _Flight(rid, now)
             self.transfer.submit_get(GetJob(job_id, rid, self.key.keys(hashes), chunks, ready, now))  # type: ignore
 
     def wait_for_save(self) -> None:
-        meta = self._meta
-        if meta is None:
-            return
-        meta.issued_stores = True
-        if not meta.stores:
+        stores = self._issue(loads=False)
+        if not stores:
             return
         written = self.dev.new_event()
         written.record()  # behind this step's forward: the blocks it fills are written
-        for job_id, hashes, chunks in meta.stores:
+        for job_id, hashes, chunks in stores:
             self.transfer.submit_put(PutJob(job_id, self.key.keys(hashes), chunks, written))  # type: ignore
 
     def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput | None:
-        if self._meta is not None and self._meta.issued_loads and self._meta.issued_stores:
-            self._meta = None
-        done, self._unissued = self._unissued, []
-        recv, failed, self._failed_now = set(), self._failed_now, set()
+        done, recv, failed = self._take_done()
         for d in self.transfer.drain() if self.transfer is not None else ():
             done.append((d.job_id, d.ok, d.nbytes, d.skipped))
             if d.error or not d.ok:

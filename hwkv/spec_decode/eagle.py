@@ -31,18 +31,25 @@ from hwkv.engine.inputs import build_batch
 from hwkv.spec_decode.config import SpeculativeConfig
 
 
+def headless_llama(config: Any, backend: Any, device: torch.device, dtype: torch.dtype, max_positions: int) -> Any:
+    """A draft head's Llama body without embedding or LM head: the vocabulary-sized tensors come
+    from the head's bind (its own, or the target's), so none is allocated here."""
+    from hwkv.model.llama import LlamaForCausalLM
+
+    inner = LlamaForCausalLM(config, backend.attention, device, dtype, max_positions)
+    inner.model.embed_tokens = nn.Module()
+    if hasattr(inner, "lm_head"):
+        del inner.lm_head
+    return inner
+
+
 class EagleHead(nn.Module):
     def __init__(self, config: Any, backend: Any, device: torch.device, dtype: torch.dtype, max_positions: int,
                  fc_bias: bool, has_input_norm: bool, has_norm: bool):
         super().__init__()
         from hwkv.model.layers import Linear
-        from hwkv.model.llama import LlamaForCausalLM
 
-        self.inner = LlamaForCausalLM(config, backend.attention, device, dtype, max_positions)
-        # the vocabulary-sized tensors come from bind (own, or the target's): none allocated here
-        self.inner.model.embed_tokens = nn.Module()
-        if hasattr(self.inner, "lm_head"):
-            del self.inner.lm_head
+        self.inner = headless_llama(config, backend, device, dtype, max_positions)
         h = config.hidden_size
         self.fc = Linear(2 * h, h, fc_bias, device, dtype)
         self.has_input_norm, self.has_norm = has_input_norm, has_norm

@@ -21,18 +21,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hwkv.spec_decode.eagle import headless_llama
+
 
 class Eagle3Head(nn.Module):
     def __init__(self, config: Any, backend: Any, device: torch.device, dtype: torch.dtype, max_positions: int,
                  fc_in: int, aux_layers: list[int], norm_before_residual: bool):
         super().__init__()
         from hwkv.model.layers import Linear, RMSNorm
-        from hwkv.model.llama import LlamaForCausalLM
 
-        self.inner = LlamaForCausalLM(config, backend.attention, device, dtype, max_positions)
-        self.inner.model.embed_tokens = nn.Module()
-        if hasattr(self.inner, "lm_head"):
-            del self.inner.lm_head
+        self.inner = headless_llama(config, backend, device, dtype, max_positions)
         h = config.hidden_size
         attn = self.inner.model.layers[0].self_attn
         old = attn.qkv_proj

@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 import hwkv
+from hwkv.bench.common import stop_process, wait_http
 from hwkv.testing.mooncake import skip_unless_mooncake
 from hwkv.testing.tiny_models import write_tiny_model
 
@@ -48,25 +49,12 @@ class Proxy:
                "--port", str(self.port), "--timeout", "30", "--log-level", "warning", *args]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "OMP_NUM_THREADS": "1"})
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                httpx.get(self.url + "/v1/models", timeout=1.0)
-                return
-            except httpx.HTTPError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"proxy did not start:\n{Path(self.log.name).read_text()}") from None
-                time.sleep(0.1)
+        if not wait_http(self.proc, self.url + "/v1/models", timeout):
+            self.stop()
+            raise RuntimeError(f"proxy did not start:\n{Path(self.log.name).read_text()}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop_process(self.proc)
         self.log.close()
         os.unlink(self.log.name)
 
