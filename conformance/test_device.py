@@ -42,15 +42,6 @@ def test_memory_info(backend):
     assert backend.device.description(), "description() must name the device"
 
 
-def _touched(kv):
-    """Write every byte of ``kv``: host memory is committed on first touch (a zero-filled
-    allocation may map the shared zero page until written), and the engine writes every block it
-    uses, so committed memory is what the pool is sized against."""
-    for t in kv.tensors:
-        t.fill_(1)
-    return kv
-
-
 def test_memory_info_tracks_allocations(backend):
     """``memory_info`` is what the engine sizes its KV pool from: allocating a KV cache of N bytes
     lowers ``free`` by about N, and after freeing it another N-byte cache costs nothing more (the

@@ -6,8 +6,11 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import threading
 import time
+import weakref
 from contextlib import AbstractContextManager
+from typing import Any
 
 from hwkv.interfaces.device import Device
 
@@ -59,6 +62,14 @@ class CpuStream:
         return event
 
 
+def _host_memory() -> tuple[int, int]:
+    info = _meminfo()
+    if info is not None:
+        return info
+    page = os.sysconf("SC_PAGE_SIZE")
+    return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+
+
 def _meminfo() -> tuple[int, int] | None:
     try:
         with open("/proc/meminfo") as f:
@@ -75,6 +86,11 @@ class CpuDevice(Device):
     def __init__(self, index: int = 0):
         super().__init__(index)
         self._default_stream = CpuStream()
+        # KV caches this device handed out and still alive, and the host's available memory when
+        # none was: see memory_info
+        self._live = 0
+        self._ceiling: int | None = None
+        self._lock = threading.Lock()
 
     def description(self) -> str:
         model = platform.processor() or platform.machine()
@@ -83,11 +99,31 @@ class CpuDevice(Device):
         return f"{model} ({os.cpu_count()} logical cores)"
 
     def memory_info(self) -> tuple[int, int]:
-        info = _meminfo()
-        if info is not None:
-            return info
-        page = os.sysconf("SC_PAGE_SIZE")
-        return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+        """The host's available memory, less the KV caches this device allocated since none was
+        alive. The device counts its own caches because the host's figure lags: in a VM with
+        free-page reporting, memory a process freed comes back to ``MemAvailable`` over seconds while
+        new allocations reuse it at once, so a fresh cache can leave ``MemAvailable`` unchanged."""
+        avail, total = _host_memory()
+        with self._lock:
+            if self._live == 0:
+                self._ceiling = avail
+                return avail, total
+            return max(0, min(avail, (self._ceiling or avail) - self._live)), total
+
+    def allocate_kv_cache(self, spec: Any, layout: Any, host: bool = False) -> Any:
+        kv = super().allocate_kv_cache(spec, layout, host)
+        for t in kv.tensors:
+            n = t.untyped_storage().nbytes()
+            with self._lock:
+                if self._live == 0:
+                    self._ceiling = _host_memory()[0]
+                self._live += n
+            weakref.finalize(t, self._release, n)
+        return kv
+
+    def _release(self, nbytes: int) -> None:
+        with self._lock:
+            self._live -= nbytes
 
     def new_stream(self) -> CpuStream:
         return CpuStream()
