@@ -444,8 +444,18 @@ def _make_npu_namespace(soc_version: int, device_count: int) -> types.ModuleType
         yield
 
     def mem_get_info(device: object = None) -> tuple[int, int]:
+        # The emulated device's memory is this process's host memory: used = resident set size,
+        # which moves at once with every (zero-filled) allocation and free, as device memory does.
+        # (The host's free figure lags by seconds after large frees in a VM with free-page reporting.)
+        # malloc_trim first: freed heap memory the allocator keeps resident would otherwise be reused
+        # by the next allocation without moving the resident set.
+        if _libc is not None:
+            _libc.malloc_trim(0)
         page = os.sysconf("SC_PAGE_SIZE")
-        return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+        total = os.sysconf("SC_PHYS_PAGES") * page
+        with open("/proc/self/statm") as f:
+            resident = int(f.read().split()[1]) * page
+        return max(0, total - resident), total
 
     npu.Stream, npu.Event, npu.stream, npu.mem_get_info = Stream, Event, stream, mem_get_info
     npu.device_count = lambda: device_count
@@ -460,6 +470,14 @@ def _make_npu_namespace(soc_version: int, device_count: int) -> types.ModuleType
     npu.get_soc_version = lambda: soc_version
     npu.manual_seed_all = lambda seed: torch.manual_seed(seed)
     return npu
+
+
+try:
+    import ctypes
+
+    _libc = ctypes.CDLL("libc.so.6")
+except OSError:  # not glibc: the resident set is read as is
+    _libc = None
 
 
 def _dense_ops() -> types.ModuleType:
