@@ -90,7 +90,7 @@ class CpuDevice(Device):
         # none was: see memory_info
         self._live = 0
         self._ceiling: int | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a finalizer may run (GC) inside a locked section
 
     def description(self) -> str:
         model = platform.processor() or platform.machine()
