@@ -174,6 +174,8 @@ class PoolConnector(JobConnector):
             hits = self.client.lookup(hashes)
             self._lookups[rid] = ((first, last), hits, now)
             self.counters["lookups"] += 1
+            for h in hashes[hits:]:  # missing from the pool (evicted, or a master restarted empty): a
+                self._recent.pop(h, None)  # "recently put" entry is stale; the sender's exists check still dedups
         if not hits:
             return 0, False
         self._pending[rid] = (first, [request.block_hashes[(c + 1) * cb - 1] for c in range(first, first + hits)])
