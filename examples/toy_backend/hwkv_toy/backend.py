@@ -56,6 +56,14 @@ class ToyStream:
         return None
 
 
+try:
+    import ctypes
+
+    _libc: ctypes.CDLL | None = ctypes.CDLL("libc.so.6")
+except OSError:  # not glibc: the resident set is read as is
+    _libc = None
+
+
 class ToyDevice(Device):
     type = "cpu"
     dist_backend = "gloo"
@@ -64,8 +72,16 @@ class ToyDevice(Device):
         return f"toy device on the host CPU ({platform.machine()}, {os.cpu_count()} cores)"
 
     def memory_info(self) -> tuple[int, int]:
+        # The toy device's memory is this process's host memory: free = total - resident set, which
+        # moves at once with every allocation and free (the host's free figure lags by seconds after
+        # large frees in a VM). malloc_trim first, so freed heap memory kept resident is not counted.
+        if _libc is not None:
+            _libc.malloc_trim(0)
         page = os.sysconf("SC_PAGE_SIZE")
-        return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+        total = os.sysconf("SC_PHYS_PAGES") * page
+        with open("/proc/self/statm") as f:
+            resident = int(f.read().split()[1]) * page
+        return max(0, total - resident), total
 
     def new_stream(self) -> ToyStream:
         return ToyStream()
