@@ -375,6 +375,42 @@ def test_embedded_concurrent_use():
     assert st["used_bytes"] + st["free_bytes"] <= cap and st["evictions"] > 0 and st["recycled"] > 0
 
 
+def test_embedded_small_segment_copies_keep_the_gil():
+    """A KV chunk is dozens of small segments. Had each copy released the GIL, every release would
+    let a busy Python thread (the engine loop) take it for a whole switch interval (an 8k-token
+    get on a GPU host ran past the pool's 10 s load timeout). A long switch interval makes each
+    hand-over cost 0.5 s, so a get of 4096 segments finishes in time only if it keeps the GIL."""
+    import sys
+
+    n, seg = 4096, 4096
+    src = np.arange(n * seg, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    store = EmbeddedStore(capacity_bytes=2 * n * seg)
+    segs = lambda a: [(a.ctypes.data + i * seg, seg) for i in range(n)]  # noqa: E731
+    assert store.put(["k"], [segs(src)])[0].ok
+    stop = threading.Event()
+
+    def spin() -> None:  # pure Python: gives the GIL up only when asked, after the switch interval
+        x = 0
+        while not stop.is_set():
+            x += 1
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(0.5)
+    t = threading.Thread(target=spin, daemon=True)
+    try:
+        t.start()
+        t0 = time.perf_counter()
+        assert store.get(["k"], [segs(dst)])[0].ok
+        took = time.perf_counter() - t0
+    finally:
+        stop.set()
+        sys.setswitchinterval(old)
+        t.join(timeout=10)
+    assert np.array_equal(src, dst)
+    assert took < 1.6, f"{n} segment copies took {took:.2f} s beside a busy thread (GIL handed over per copy)"
+
+
 def test_create_store_errors():
     with pytest.raises(ValueError, match="kind='redis'"):
         create_store("redis")
