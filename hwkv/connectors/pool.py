@@ -107,8 +107,8 @@ class PoolConnector(JobConnector):
         self._recent: OrderedDict[bytes, None] = OrderedDict()
         self._epoch: tuple[int, int] = (0, 0)  # (connects, failures) of the store the worker last reported
         self.counters = dict(loaded_bytes=0, stored_bytes=0, lookups=0, lookup_hit_tokens=0, load_jobs=0,
-                             failed_loads=0, store_jobs=0, stored_chunks=0, dedup_pool=0, dedup_local=0,
-                             failed_stores=0)
+                             failed_loads=0, load_timeouts=0, store_jobs=0, stored_chunks=0, dedup_pool=0,
+                             dedup_local=0, failed_stores=0)
         # worker side
         self.transfer: PoolTransfer | None = None
         self.server: LookupServer | None = None
@@ -312,6 +312,8 @@ class PoolConnector(JobConnector):
             if not f.reported and now - f.t0 > self.load_timeout_s:
                 f.reported = True  # its blocks stay pinned until the get really ends
                 failed.add(f.req_id)
+                self.counters["load_timeouts"] += 1
+                self.last_errors["load"] = f"a get ran past load_timeout_s={self.load_timeout_s}"
         epoch = (self.handle.connects, self.handle.failures)
         if not (done or recv or failed) and epoch == self._sent_epoch:
             return None

@@ -84,8 +84,8 @@ def _in_pool(eng: Any, hashes: list[bytes], timeout_s: float) -> float:
 
 
 _WHY = ("stored_chunks", "failed_stores", "last_store_error", "lookups", "lookup_timeouts", "lookup_errors",
-        "lookup_last_error", "load_jobs", "failed_loads", "last_load_error", "load_failures", "store_up",
-        "store_last_error")
+        "lookup_last_error", "load_jobs", "failed_loads", "load_timeouts", "last_load_error", "load_failures",
+        "store_up", "store_last_error")
 
 
 def _why(*engines: Any) -> str:

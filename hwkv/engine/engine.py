@@ -22,6 +22,7 @@ from hwkv.engine.prompt import Prompt, tokenize_prompt
 from hwkv.engine.stats import EngineStats
 from hwkv.outputs import CompletionMetrics, RequestOutput
 
+IDLE_WAIT_S = 0.0005  # a step that scheduled nothing while requests wait (for KV in flight) sleeps this long
 _LAST_UNFINISHED = RequestStatus.PREEMPTED  # statuses above it are finished
 _FINISH_REASONS = {s: s.finish_reason for s in RequestStatus}
 
@@ -237,6 +238,7 @@ class Engine:
         # milliseconds at a few hundred requests, as much as a GPU decode step.
         t0 = time.perf_counter()
         so = self.scheduler.schedule()
+        idle = not so.total_num_scheduled_tokens and self._inflight is None
         prev_so, self._inflight = self._inflight, None
         try:
             if self.async_scheduling:
@@ -252,6 +254,9 @@ class Engine:
             raise
         outputs = self._apply(so, ro, stream) if so is not None and ro is not None else []
         outputs, self._pending = self._pending + outputs, []
+        if idle and not outputs and self.scheduler.has_unfinished_requests():
+            # only KV transfers are pending: no busy spin that keeps the GIL from their threads
+            time.sleep(IDLE_WAIT_S)
         self._stats.busy_s += time.perf_counter() - t0 if so is not None and so.total_num_scheduled_tokens else 0.0
         return outputs
 
