@@ -42,6 +42,13 @@ class JobConnector(KVConnectorBase):
 
     _extra_key = ""
     _fail_details: tuple = ()
+    # tensor parallelism: every rank runs its jobs over its own KV shard; the metadata is plain data
+    supports_tensor_parallel = True
+    metadata_type = Meta | None
+
+    @property
+    def tp_job_keys(self) -> tuple[str, ...]:  # type: ignore[override]
+        return (self._extra_key,)
 
     def _init_jobs(self) -> None:
         self.kv: Any = None  # the device KVCacheManager

@@ -202,7 +202,8 @@ class OffloadConnector(JobConnector):
         super().update_connector_output(output)
 
     def _complete(self, job: _Job, ok: bool) -> None:
-        cpu, nbytes = self.cpu, len(job.host) * self.device_kv.spec.bytes_per_block
+        # every rank moved its shard of the blocks (tensor parallelism: tp_size shards of equal size)
+        cpu, nbytes = self.cpu, len(job.host) * self.device_kv.spec.bytes_per_block * self.tp_size
         if job.load:
             st = self._reqs.get(job.req_id)
             if st is not None and ok:

@@ -33,7 +33,7 @@ def build_parts(engine: Any, args: EngineArgs, kv_connector: Any, kv_connector_c
 
     # a name from the hwkv_connectors registry (config: its keyword arguments) or an instance;
     # checked before the model loads. Host memory is taken only once the KV cache exists.
-    kv_connector = make_connector(kv_connector, kv_connector_config)
+    connector_arg, kv_connector = kv_connector, make_connector(kv_connector, kv_connector_config)
     # ValueError (unknown name) / BackendUnavailable (why); an instance is used as given
     backend = engine.backend = get_backend(args.backend) if isinstance(args.backend, str) else args.backend
     backend.device.seed(args.seed)
@@ -43,8 +43,11 @@ def build_parts(engine: Any, args: EngineArgs, kv_connector: Any, kv_connector_c
 
         from hwkv.parallel.executor import TPExecutor, check_supported
 
-        check_supported(args, backend, kv_connector)
-        engine._tp = tp = TPExecutor(args, backend)
+        check_supported(args, backend, kv_connector, connector_arg, kv_connector_config)
+        engine._tp = tp = TPExecutor(args, backend, kv_connector=connector_arg if kv_connector else None,
+                                     kv_connector_config=kv_connector_config)
+        if kv_connector is not None:  # its worker side serves rank 0's shard; each worker builds its own
+            kv_connector.bind_tp(0, args.tensor_parallel_size)
         weakref.finalize(engine, tp.close)  # collected, failed __init__ or interpreter exit: no worker left
     has_tok = (Path(args.model) / "tokenizer.json").is_file()
     engine.model, engine.model_config, engine.tokenizer, engine.generation_config = load_model(

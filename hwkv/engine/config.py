@@ -116,9 +116,10 @@ class EngineArgs:
 
         if type(kv_connector) is NoOpConnector:  # acts on nothing: the fast paths stay on
             kv_connector = None
-        if kv_connector is not None and self.tensor_parallel_size > 1:  # it would see the driver's shard only
-            raise ValueError("kv_connector needs tensor_parallel_size=1 (connectors do not run on the tensor-"
-                             "parallel workers yet; allowed: kv_connector None with tensor_parallel_size > 1)")
+        if kv_connector is not None and self.tensor_parallel_size > 1 and not kv_connector.supports_tensor_parallel:
+            raise ValueError(f"kv_connector {kv_connector.name!r} does not run tensor-parallel (its worker side "
+                             "would see one rank's KV shard only; allowed at tensor_parallel_size > 1: offload, pool, "
+                             "or a connector declaring supports_tensor_parallel = True)")
         # graphs for pure-decode steps where the backend declares capture; a connector costs them only
         # if it runs per-layer host work inside the forward (KVConnectorBase.capturable_layer_hooks)
         graphs = not self.enforce_eager and backend.capabilities.graph_capture and (

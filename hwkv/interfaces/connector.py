@@ -28,6 +28,15 @@ Fast path: a connector costs nothing where it declares nothing. ``layerwise`` (p
 called at all) and ``capturable_layer_hooks`` (those hooks only queue device work, so they may be
 recorded into a CUDA graph) decide whether the engine keeps graphs; async scheduling and decode ops
 stay on for every connector.
+
+Tensor parallelism (as vLLM v1): at ``tensor_parallel_size > 1`` the scheduler side runs once, on
+the driver, and the worker side runs in every rank's process against that rank's KV cache shard
+(one instance per rank, built from the connector's name and config, told its rank by ``bind_tp``).
+The per-step metadata travels to the ranks msgpack-encoded (never pickled) and is decoded there as
+``metadata_type``; the driver merges the ranks' outputs: a request's send or load is finished once
+every rank reported it, failed if any rank failed it (a synchronous load failed on any rank fails
+in that step), ``extra`` job completions (``tp_job_keys``) complete once every rank reported them.
+Only a connector that declares ``supports_tensor_parallel`` is accepted there.
 """
 
 from __future__ import annotations
@@ -49,6 +58,12 @@ class KVConnectorBase:
     # A layerwise connector whose per-layer hooks only enqueue device work (no host sync, no host
     # state that changes per step) may be captured into graphs; otherwise pure-decode steps run eagerly.
     capturable_layer_hooks: bool = False
+    # tensor parallelism (see the module doc): may run one worker side per rank
+    supports_tensor_parallel: bool = False
+    metadata_type: Any = Any  # what the ranks decode build_connector_meta's result as (msgspec types)
+    tp_job_keys: tuple[str, ...] = ()  # extra keys listing job completions ``(job id, ok, *numbers)``
+    tp_rank: int = 0
+    tp_size: int = 1
 
     # ---- scheduler side -------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -82,6 +97,22 @@ class KVConnectorBase:
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         """Scheduler side, once: the device block pool's manager (to pin blocks while they transfer:
         ``kv_cache_manager.block_pool.touch`` / ``free_blocks``)."""
+
+    def bind_tp(self, rank: int, size: int) -> None:
+        """Called once, before ``bind_model``, on every rank's instance of an engine with
+        ``tensor_parallel_size = size > 1``: this instance's worker side serves rank ``rank``'s KV
+        shard (rank 0 also holds the scheduler side)."""
+        self.tp_rank, self.tp_size = rank, size
+
+    def merge_tp_job(self, key: str, a: list[Any], b: list[Any]) -> list[Any]:
+        """Driver side at tp > 1: one job's details (after ``job id, ok``) from two ranks of
+        ``extra[key]`` combined. Default: summed (e.g. bytes moved by all shards)."""
+        return [x + y for x, y in zip(a, b)]
+
+    def merge_tp_extra(self, key: str, values: list[Any]) -> Any:
+        """Driver side at tp > 1: ``extra[key]`` (not a job key) from every rank's latest report
+        (rank order; ``None`` for a rank that never reported it). Default: the first reported."""
+        return next(v for v in values if v is not None)
 
     def has_pending_transfers(self) -> bool:
         """Transfers in flight that hold device blocks (the scheduler then waits instead of declaring

@@ -38,16 +38,28 @@ class TPWorkerError(RuntimeError):
     """A tensor-parallel worker failed; the engine cannot continue."""
 
 
-def check_supported(cfg: Any, backend: Any, kv_connector: Any) -> None:
-    """``ValueError`` for options tensor parallelism does not support (yet), naming each."""
+def check_supported(cfg: Any, backend: Any, kv_connector: Any, connector_arg: Any = None,
+                    connector_config: dict[str, Any] | None = None) -> None:
+    """``ValueError`` for options tensor parallelism does not support (yet), naming each.
+    ``kv_connector``: the constructed connector (or ``None``); ``connector_arg`` / ``connector_config``:
+    what the engine was given (every rank builds its own connector from them)."""
     n = cfg.tensor_parallel_size
     reasons = []
     if not isinstance(cfg.backend, str):
         reasons.append("backend must be a registered backend name, not an instance (each worker builds its own)")
-    from hwkv.interfaces.connector import NoOpConnector
-
-    if kv_connector is not None and type(kv_connector) is not NoOpConnector:
-        reasons.append("kv_connector must be None (connectors do not run tensor-parallel yet)")
+    if kv_connector is not None:
+        name = getattr(kv_connector, "name", type(kv_connector).__name__)
+        if not isinstance(connector_arg, str):
+            reasons.append("kv_connector must be given by name (a registered name or 'package.module:Class') with "
+                           "kv_connector_config, not as an instance (every rank builds its own worker side)")
+        elif not kv_connector.supports_tensor_parallel:
+            reasons.append(f"kv_connector {name!r} does not run tensor-parallel (allowed: offload, pool, or a "
+                           "connector class declaring supports_tensor_parallel = True)")
+        else:
+            try:
+                msgspec.json.encode(connector_config or {})
+            except (TypeError, msgspec.EncodeError) as e:
+                reasons.append(f"kv_connector_config must be plain JSON values (it is sent to every rank): {e}")
     if cfg.decode_ops:
         reasons.append("decode_ops must be None or False (the fused decode ops run whole layers on one device)")
     if cfg.speculative_config is not None:
@@ -61,8 +73,10 @@ def check_supported(cfg: Any, backend: Any, kv_connector: Any) -> None:
 
 
 class TPExecutor:
-    def __init__(self, cfg: Any, backend: Any, timeout_s: float | None = None):
-        """Start ranks 1..N-1 and join the group as rank 0 (see the module doc)."""
+    def __init__(self, cfg: Any, backend: Any, timeout_s: float | None = None, kv_connector: str | None = None,
+                 kv_connector_config: dict[str, Any] | None = None):
+        """Start ranks 1..N-1 and join the group as rank 0 (see the module doc); each worker builds
+        its own ``kv_connector`` (a name, with ``kv_connector_config``) when one is given."""
         from hwkv.parallel.communicator import TorchDistCommunicator, open_store
 
         n = cfg.tensor_parallel_size
@@ -79,6 +93,8 @@ class TPExecutor:
         self._dec = msgspec.msgpack.Decoder(m.FromWorker)
         self.comm: Any = None
         self._hellos: set[int] = set()
+        self._kv_outs: list[m.KVOut] = []  # the ranks' connector outputs not yet collected
+        self._kv_steps = [-1] * n  # per rank: the last forward step it reported
         try:
             store = open_store(n, self.timeout_s)
             dtype = cfg.dtype if cfg.dtype is None or isinstance(cfg.dtype, str) else str(cfg.dtype)[len("torch."):]
@@ -93,7 +109,7 @@ class TPExecutor:
                 wc = m.WorkerConfig(cfg.model, cfg.backend, dtype, cfg.max_model_len, cfg.block_size, cfg.num_kv_blocks,
                                     cfg.memory_fraction, cfg.max_num_seqs, cfg.seed, rank, n, store.port,
                                     f"ipc://{self._dir}/cmd{rank}", f"ipc://{self._dir}/out", self.timeout_s,
-                                    os.getpid())
+                                    os.getpid(), kv_connector, dict(kv_connector_config or {}))
                 env = dict(os.environ)
                 if env_var:
                     if rank >= len(ids):
@@ -141,7 +157,11 @@ class TPExecutor:
             msg = self._dec.decode(self._out.recv())
             if isinstance(msg, m.Failed):
                 self._fail(msg)
-            self._hellos.add(msg.rank)
+            elif isinstance(msg, m.KVOut):
+                self._kv_outs.append(msg)
+                self._kv_steps[msg.rank] = msg.step
+            else:
+                self._hellos.add(msg.rank)
             wait_ms = 0
 
     def send(self, msg: Any) -> None:
@@ -150,6 +170,21 @@ class TPExecutor:
         data = self._enc.encode(msg)
         for s in self._cmds:
             s.send(data)
+
+    def collect_kv(self, step: int) -> list[m.KVOut]:
+        """Every rank's connector outputs up to forward step ``step`` not collected yet (older ones
+        first: a step the driver abandoned after sending still reports what its ranks finished)."""
+        deadline = time.monotonic() + self.timeout_s
+        while min(self._kv_steps[1:]) < step:
+            self.check()
+            if time.monotonic() > deadline:
+                late = [r for r in range(1, len(self._kv_steps)) if self._kv_steps[r] < step]
+                self.error = (f"tensor-parallel workers {late} reported no KV connector output within "
+                              f"{self.timeout_s:.0f} s")
+                raise TPWorkerError(self.error)
+            self._out.poll(10)
+        outs, self._kv_outs = self._kv_outs, []
+        return outs
 
     def agree(self, n: int) -> int:
         return self.comm.all_reduce_min(n)

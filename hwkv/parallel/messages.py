@@ -6,10 +6,13 @@ its runner, in order — ``Execute`` (one step's scheduler output, without sampl
 workers do not sample), ``Flush``, ``Release``, ``Preempt``, ``Rollback``, ``Graphs`` — and
 ``Shutdown``. Worker → driver (one PULL socket): ``Hello`` once the worker process is up (before
 it joins the group, so a worker that cannot start is reported instead of timing out the join),
-and ``Failed`` when it dies.
+``KVOut`` after every forward step when a KV connector is configured (its worker side's
+completions on that rank, merged by the driver), and ``Failed`` when it dies.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import msgspec
 
@@ -33,6 +36,8 @@ class WorkerConfig(msgspec.Struct):
     out_addr: str
     timeout_s: float
     parent_pid: int
+    kv_connector: str | None = None  # a registered name or "package.module:Class"; this rank builds its own
+    kv_connector_config: dict[str, Any] = {}
 
 
 class Hello(msgspec.Struct, tag=True):
@@ -74,6 +79,8 @@ class Execute(msgspec.Struct, tag=True, array_like=True):
     finished: list[str]
     preempted: list[str]
     forward: bool = True  # False: the driver failed applying the state changes; apply them, run nothing
+    step: int = 0  # the driver's count of forward steps sent (tags the rank's KVOut)
+    kv_meta: bytes | None = None  # the connector's metadata, msgpack (decoded as its metadata_type)
 
 
 class Flush(msgspec.Struct, tag=True, array_like=True):
@@ -97,5 +104,13 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
+class KVOut(msgspec.Struct, tag=True):
+    """A rank's connector output of forward step ``step`` (msgpack of a KVConnectorOutput, or None)."""
+
+    rank: int
+    step: int
+    output: bytes | None
+
+
 ToWorker = Setup | Graphs | Execute | Flush | Release | Preempt | Rollback | Shutdown
-FromWorker = Hello | Failed
+FromWorker = Hello | Failed | KVOut

@@ -6,6 +6,10 @@ replays the same graphs. The driver forwards each runner call to the workers bef
 itself; the collectives inside the forward keep the ranks in step. Sampling happens once, on the
 driver (the logits are all-gathered, identical on every rank); the tokens are broadcast, so the
 workers' next inputs (async scheduling fills them on the device) match the driver's.
+
+A KV connector's worker side runs on every rank over that rank's KV shard: the step's metadata
+travels in ``Execute``, each worker reports its completions (``KVOut``) and the driver merges them
+with its own (:class:`~hwkv.parallel.kv_output.KVOutputAggregator`) before the scheduler sees them.
 """
 
 from __future__ import annotations
@@ -13,35 +17,40 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+import msgspec
 import torch
 
-from hwkv.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from hwkv.core.sched_output import CachedRequestData, KVConnectorOutput, NewRequestData, SchedulerOutput
 from hwkv.engine.model_runner import ModelRunner
 from hwkv.parallel import messages as m
+from hwkv.parallel.kv_output import KVOutputAggregator
 from hwkv.sampling_params import SamplingParams
 
 
-def encode_step(so: SchedulerOutput, forward: bool = True) -> m.Execute:
-    if so.kv_connector_metadata is not None:
-        raise ValueError("tensor parallelism runs without a KV connector")
+def encode_step(so: SchedulerOutput, forward: bool = True, step: int = 0) -> m.Execute:
+    meta = so.kv_connector_metadata
     c = so.scheduled_cached_reqs
     return m.Execute(
         [m.NewReq(n.req_id, list(n.prompt_token_ids), list(n.output_token_ids), list(n.block_ids),
                   n.num_computed_tokens) for n in so.scheduled_new_reqs],
         list(c.req_ids), list(c.new_block_ids), list(c.num_computed_tokens), list(so.num_scheduled_tokens.values()),
-        so.total_num_scheduled_tokens, list(so.finished_req_ids), list(so.preempted_req_ids), forward,
+        so.total_num_scheduled_tokens, list(so.finished_req_ids), list(so.preempted_req_ids), forward, step,
+        None if meta is None else msgspec.msgpack.encode(meta),
     )
 
 
 _UNSAMPLED = SamplingParams()  # workers never sample: a placeholder (no seed: no generator)
 
 
-def decode_step(e: m.Execute) -> SchedulerOutput:
+def decode_step(e: m.Execute, metadata_type: Any = Any) -> SchedulerOutput:
     new = [NewRequestData(n.req_id, n.prompt_token_ids, n.output_token_ids, n.block_ids, n.num_computed_tokens,
                           _UNSAMPLED) for n in e.new]
     ids = e.cached_ids + [n.req_id for n in e.new]
-    return SchedulerOutput(new, CachedRequestData(e.cached_ids, e.cached_new_blocks, e.cached_computed),
-                           dict(zip(ids, e.num_scheduled)), e.total, set(e.finished), set(e.preempted))
+    so = SchedulerOutput(new, CachedRequestData(e.cached_ids, e.cached_new_blocks, e.cached_computed),
+                         dict(zip(ids, e.num_scheduled)), e.total, set(e.finished), set(e.preempted))
+    if e.kv_meta is not None:
+        so.kv_connector_metadata = msgspec.msgpack.decode(e.kv_meta, type=metadata_type)
+    return so
 
 
 class DriverRunner(ModelRunner):
@@ -50,6 +59,9 @@ class DriverRunner(ModelRunner):
     def __init__(self, *args: Any, executor: Any, fuse: bool, **kw: Any):
         super().__init__(*args, **kw)
         self.executor, self.comm = executor, executor.comm
+        self.step_id = 0  # forward steps sent to the workers (their KVOut reports name it)
+        self.kv_outputs = KVOutputAggregator(executor.comm.world_size, self.connector) if self.connector else None
+        self._kv_dec = msgspec.msgpack.Decoder(KVConnectorOutput)
         executor.send(m.Setup(self.token_ids.shape[0], self.max_model_len, fuse))
 
     def enable_graphs(self, max_batch: int, use_graphs: bool = True) -> None:
@@ -65,8 +77,21 @@ class DriverRunner(ModelRunner):
         except BaseException:
             self.executor.send(encode_step(so, forward=False))
             raise
-        self.executor.send(encode_step(so))
+        self.step_id += 1
+        self.executor.send(encode_step(so, step=self.step_id))
         return states
+
+    def connector_finished(self, so: SchedulerOutput) -> Any:
+        """Every rank's completions of this step merged (:mod:`hwkv.parallel.kv_output`); a load that
+        failed drops the request's state on every rank (``preempt`` is forwarded)."""
+        own = self.connector.get_finished(so.finished_req_ids)  # type: ignore[union-attr]
+        outs = [(r.rank, None if r.output is None else self._kv_dec.decode(r.output))
+                for r in self.executor.collect_kv(self.step_id)]
+        kvo = self.kv_outputs.aggregate([(0, own), *outs], so.num_scheduled_tokens)  # type: ignore[union-attr]
+        if kvo is not None:
+            for rid in kvo.failed_recving:
+                self.preempt(rid)
+        return kvo
 
     def execute_async(self, so: SchedulerOutput) -> Any:
         try:
@@ -101,10 +126,17 @@ class DriverRunner(ModelRunner):
 class WorkerRunner(ModelRunner):
     """Ranks > 0: the same steps, tokens received from the driver's broadcast."""
 
-    def __init__(self, *args: Any, comm: Any, **kw: Any):
+    def __init__(self, *args: Any, comm: Any, report: Any = None, **kw: Any):
         super().__init__(*args, **kw)
         self.comm = comm
         self._before: Any = None
+        self.report = report  # sends this rank's connector output of a step to the driver
+        self.step_id = 0
+
+    def connector_finished(self, so: SchedulerOutput) -> Any:
+        # the driver merges every rank's output and forwards the preemptions a failed load needs
+        self.report(self.step_id, self.connector.get_finished(so.finished_req_ids))  # type: ignore[union-attr, misc]
+        return None
 
     def execute_async(self, so: SchedulerOutput, forward: bool = True) -> Any:
         self._before = self._pending

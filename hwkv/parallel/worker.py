@@ -6,7 +6,8 @@ weights, sizes its KV cache with the others (the smallest pool any rank can hold
 driver's runner calls in order until ``Shutdown``. It exits when the driver process is gone (checked
 every second while idle; a collective with a dead peer fails or times out), and on any error it
 reports ``Failed`` with the traceback and exits: a tensor-parallel group cannot continue without a
-rank.
+rank. With a KV connector it builds its own instance (``bind_tp`` names its rank) whose worker side
+serves this rank's KV shard, and reports its completions after every forward step (``KVOut``).
 """
 
 from __future__ import annotations
@@ -37,9 +38,11 @@ def _run(cfg: m.WorkerConfig, cmd: Any, out: Any) -> None:
     backend.device.seed(cfg.seed)
     out.send(enc.encode(m.Hello(cfg.rank, os.getpid())))
     comm = TorchDistCommunicator(backend.device, cfg.rank, cfg.world_size, cfg.port, cfg.timeout_s)
+    conn = None
     try:
-        model, *_ = load_model(cfg.model, backend, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
-                               load_tokenizer=False, tp=TPShard(cfg.rank, cfg.world_size, comm))
+        model, model_config, *_ = load_model(cfg.model, backend, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
+                                             load_tokenizer=False, tp=TPShard(cfg.rank, cfg.world_size, comm))
+        conn = _connector(cfg, backend, model_config)
         # the driver's pool sizing, over this rank's shard; the pool is the smallest any rank holds
         args = EngineArgs(model=cfg.model, backend=cfg.backend, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
                           block_size=cfg.block_size, num_kv_blocks=cfg.num_kv_blocks,
@@ -49,6 +52,11 @@ def _run(cfg: m.WorkerConfig, cmd: Any, out: Any) -> None:
         kv_cache = backend.device.allocate_kv_cache(model.kv_cache_spec(cc.num_blocks, block_size),
                                                     backend.attention.kv_layout)
         runner = None
+        meta_type = conn.metadata_type if conn is not None else Any
+
+        def report(step: int, kvo: Any) -> None:
+            out.send(enc.encode(m.KVOut(cfg.rank, step, None if kvo is None else enc.encode(kvo))))
+
         while True:
             if not cmd.poll(IDLE_POLL_MS):
                 if os.getppid() != cfg.parent_pid:  # the driver is gone
@@ -56,7 +64,8 @@ def _run(cfg: m.WorkerConfig, cmd: Any, out: Any) -> None:
                 continue
             msg = dec.decode(cmd.recv())
             if isinstance(msg, m.Execute):
-                runner.execute_async(decode_step(msg), msg.forward)  # type: ignore[union-attr]
+                runner.step_id = msg.step  # type: ignore[union-attr]
+                runner.execute_async(decode_step(msg, meta_type), msg.forward)  # type: ignore[union-attr]
             elif isinstance(msg, m.Flush):
                 runner.flush()  # type: ignore[union-attr]
             elif isinstance(msg, m.Release):
@@ -67,7 +76,7 @@ def _run(cfg: m.WorkerConfig, cmd: Any, out: Any) -> None:
                 runner.rollback()  # type: ignore[union-attr]
             elif isinstance(msg, m.Setup):
                 runner = WorkerRunner(model, backend, kv_cache, block_size, msg.max_num_seqs, msg.max_model_len,
-                                      comm=comm)
+                                      connector=conn, comm=comm, report=report)
                 if msg.fuse:
                     from hwkv.model.fuse import fuse_elementwise
 
@@ -77,7 +86,25 @@ def _run(cfg: m.WorkerConfig, cmd: Any, out: Any) -> None:
             elif isinstance(msg, m.Shutdown):
                 return
     finally:
+        if conn is not None:
+            conn.shutdown()
         comm.close()
+
+
+def _connector(cfg: m.WorkerConfig, backend: Any, model_config: Any) -> Any:
+    """This rank's instance of the engine's KV connector (its worker side serves this rank's shard)."""
+    if cfg.kv_connector is None:
+        return None
+    from hwkv.connectors import make_connector
+
+    conn = make_connector(cfg.kv_connector, cfg.kv_connector_config)
+    if conn is None:
+        return None
+    conn.bind_tp(cfg.rank, cfg.world_size)
+    conn.bind_model(cfg.model, model_config)
+    if hasattr(conn, "bind_backend"):
+        conn.bind_backend(backend)
+    return conn
 
 
 def main(argv: list[str]) -> int:
