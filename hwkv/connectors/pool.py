@@ -77,6 +77,7 @@ class PoolConnector(JobConnector):
 
     name = "pool"
     _extra_key = "pool"
+    supports_tensor_parallel = False  # its lookup checks one shard's keys
     _fail_details = (0, 0)
 
     def __init__(self, store: Any = "embedded", chunk_size: int | None = None, model_id: str | None = None,
