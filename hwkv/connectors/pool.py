@@ -27,6 +27,10 @@ Failures (the pool is a cache): a store that is unreachable, fails or times out 
 miss and puts drop for ``retry_s``, then it is tried again; a load that fails (key evicted since the
 lookup, store down, timeout) or runs past ``load_timeout_s`` is reported in ``failed_recving`` and
 the request recomputes — identical tokens, ``load_failures`` counted.
+
+Tensor parallelism: every rank puts and gets its own shard under its own keys (``PoolKey`` carries
+``tp<rank>/<size>``, so shards of different splits never mix); the lookup (rank 0's) counts a chunk
+only where every rank's key is present; a load is done once every rank's get is.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from hwkv.connectors.jobs import JobConnector, Meta, ReqState
@@ -77,7 +81,6 @@ class PoolConnector(JobConnector):
 
     name = "pool"
     _extra_key = "pool"
-    supports_tensor_parallel = False  # its lookup checks one shard's keys
     _fail_details = (0, 0)
 
     def __init__(self, store: Any = "embedded", chunk_size: int | None = None, model_id: str | None = None,
@@ -123,6 +126,19 @@ class PoolConnector(JobConnector):
         if self.model_id is None:
             self.model_id = default_model_id(model)
 
+    def bind_tp(self, rank: int, size: int) -> None:
+        super().bind_tp(rank, size)
+        self.shard = (rank, size, self.shard[2])  # this rank's keys carry its shard
+
+    def merge_tp_job(self, key: str, a: list[Any], b: list[Any]) -> list[Any]:
+        return [a[0] + b[0], min(a[1], b[1])]  # bytes of every shard; a chunk skipped only where every shard was
+
+    def merge_tp_extra(self, key: str, values: list[Any]) -> Any:
+        if key != "pool_epoch":
+            return super().merge_tp_extra(key, values)
+        # any rank's store reconnecting or failing changes the sum: "recently put" proves nothing then
+        return tuple(sum(v[i] for v in values if v is not None) for i in range(2))
+
     def register_kv_caches(self, kv_cache: Any) -> None:
         spec = kv_cache.spec
         bs = spec.block_size
@@ -135,21 +151,23 @@ class PoolConnector(JobConnector):
                              "the connector is used outside an Engine)")
         tp_rank, tp_size, pp_rank = self.shard
         self.block_size, self.chunk_blocks = bs, chunk // bs
-        self._chunk_bytes = self.chunk_blocks * spec.bytes_per_block
+        self._chunk_bytes = self.chunk_blocks * spec.bytes_per_block * self.tp_size  # every shard's bytes
         self.key = PoolKey(self.model_id, kv_cache.layout.value, str(spec.dtype).removeprefix("torch."),
                            spec.num_layers, spec.num_kv_heads, spec.head_size, bs, self.chunk_blocks,
                            tp_rank, tp_size, pp_rank)
         self.transfer = PoolTransfer(self.handle, self.dev, kv_cache, self.chunk_blocks, self.staging_bytes)
         self.handle.register(self.transfer.buffers())  # connects now if it can; else on first use
-        self.server = LookupServer(self._count_hits, self.lookup_address)
-        self.client = LookupClient(self.server.address, self.lookup_timeout_s)
+        if self.tp_rank == 0:  # the scheduler side's; the other ranks of a tensor-parallel engine serve none
+            self.server = LookupServer(self._count_hits, self.lookup_address)
+            self.client = LookupClient(self.server.address, self.lookup_timeout_s)
 
     def _count_hits(self, hashes: list[bytes]) -> int:
-        """Worker side, lookup server thread: leading chunks present in the pool."""
-        n = 0
-        for present in self.handle.call("exists", self.key.keys(hashes)):  # type: ignore[union-attr]
-            if not present:
-                break
+        """Worker side, lookup server thread: leading chunks present in the pool — under tensor
+        parallelism, present for every rank's shard (one batched ``exists`` over all their keys)."""
+        keys = [replace(self.key, tp_rank=r) for r in range(self.tp_size)]  # type: ignore[type-var]
+        present = self.handle.call("exists", [k for key in keys for k in key.keys(hashes)])
+        n, m = 0, len(hashes)
+        while n < m and all(present[r * m + n] for r in range(len(keys))):
             n += 1
         return n
 

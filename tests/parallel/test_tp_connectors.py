@@ -5,6 +5,7 @@ it, failed if any rank failed it), tokens equal the tp=1 run's, and no block or 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from hwkv.core.sched_output import KVConnectorOutput
 from hwkv.interfaces.connector import KVConnectorBase
@@ -97,3 +98,134 @@ def test_aggregation_rules():
     out = agg.aggregate([(1, _out(extra={"jobs": [(7, False, 12)], "epoch": 3}))], ())
     assert out.extra == {"jobs": [(7, False, 22)], "epoch": (None, 3)}
     assert agg.pending() == 0
+
+
+# ---- pool -----------------------------------------------------------------------------------------
+POOL_PROMPT = [(5 * i + 1) % 500 + 1 for i in range(150)]  # 9 full blocks before the last token
+POOL_CHILD = r"""
+import json, sys, time
+import torch
+import hwkv
+from hwkv import SamplingParams
+torch.set_num_threads(1)
+cfg = json.loads(sys.argv[1])
+model, prompt, tp = cfg.pop("model"), cfg.pop("prompt"), cfg.pop("tp")
+e = hwkv.Engine(model, num_kv_blocks=64, max_model_len=256, block_size=16, kv_connector="pool",
+                kv_connector_config=cfg, tensor_parallel_size=tp)
+toks = e.generate([prompt], SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)[0].token_ids
+conn, deadline = e.scheduler.connector, time.monotonic() + 30
+while conn.has_pending_transfers() and time.monotonic() < deadline:
+    e.step()
+    time.sleep(0.01)
+st = e.stats()["kv_connector"]
+print(json.dumps({"tokens": toks, "free": e.kv_cache_manager.num_free_blocks == e.kv_cache.spec.num_blocks,
+                  "stats": {k: v for k, v in st.items() if isinstance(v, (int, float, str, bool))}}), flush=True)
+sys.stdin.readline()  # its segments hold pool values: stay until told to go
+e.close()
+conn.shutdown()
+"""
+
+
+def _pool_cfg(m) -> dict:
+    return dict(store="mooncake", master=m.master, metadata_server=m.metadata_server, protocol="tcp",
+                global_segment_size=16 << 20, local_buffer_size=16 << 20)
+
+
+def _settled_pool(e, timeout_s: float = 30.0) -> dict:
+    import time
+
+    conn, deadline = e.scheduler.connector, time.monotonic() + timeout_s
+    while conn.has_pending_transfers():
+        assert time.monotonic() < deadline, "pool transfers did not complete"
+        e.step()
+        time.sleep(0.01)
+    assert e.kv_cache_manager.num_free_blocks == e.kv_cache.spec.num_blocks and not e.runner.reqs
+    assert getattr(e.runner, "kv_outputs", None) is None or e.runner.kv_outputs.pending() == 0
+    return e.stats()["kv_connector"]
+
+
+@pytest.mark.timeout(300)
+def test_pool_shards_are_shared_by_equal_splits_only(tmp_path):
+    """A tp=2 engine (its own process, staying up: its segments hold the values) fills the pool;
+    another tp=2 engine loads every shard of the prefix from it (identical tokens); a tp=1 engine
+    never hits the tp=2 shards."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from hwkv import Engine, SamplingParams
+    from hwkv.testing.mooncake import mooncake_master, skip_unless_mooncake
+    from hwkv.testing.tiny_models import write_tiny_model
+
+    skip_unless_mooncake()
+    model = str(write_tiny_model(tmp_path / "m", num_heads=4, num_kv_heads=2, tokenizer=False))
+    sp = SamplingParams(max_tokens=6, temperature=0)
+    kw = dict(num_kv_blocks=64, max_model_len=256, block_size=16)
+    want = Engine(model, **kw).generate([POOL_PROMPT], sp, use_tqdm=False)[0].token_ids
+    with mooncake_master() as m:
+        cfg = {"model": model, "prompt": POOL_PROMPT, "tp": 2, **_pool_cfg(m)}
+        a = subprocess.Popen([sys.executable, "-c", POOL_CHILD, json.dumps(cfg)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        try:
+            line = a.stdout.readline()  # bounded by the test's timeout; a dead child gives ""
+            assert line, "the tp=2 filling engine failed"
+            ra = json.loads(line)
+            assert ra["tokens"] == want and ra["free"]
+            assert ra["stats"]["stored_chunks"] == 9 and ra["stats"]["external_hit_tokens"] == 0
+            c = Engine(model, kv_connector="pool", kv_connector_config=_pool_cfg(m), **kw)  # tp=1
+            try:
+                assert c.generate([POOL_PROMPT], sp, use_tqdm=False)[0].token_ids == want
+                st = _settled_pool(c)
+                assert st["external_hit_tokens"] == 0 and st["stored_chunks"] == 9  # its own shard layout
+            finally:
+                c.close()
+                c.scheduler.connector.shutdown()
+            b = Engine(model, tensor_parallel_size=2, kv_connector="pool", kv_connector_config=_pool_cfg(m), **kw)
+            try:
+                assert b.generate([POOL_PROMPT], sp, use_tqdm=False)[0].token_ids == want
+                st = _settled_pool(b)
+                assert st["external_hit_tokens"] == 9 * 16 and st["load_failures"] == 0
+                assert st["loaded_bytes"] == ra["stats"]["stored_bytes"] > 0  # both shards
+                assert st["stored_bytes"] == 0  # the prefix it loaded is not put again
+            finally:
+                b.close()
+                b.scheduler.connector.shutdown()
+        finally:
+            if a.poll() is None:
+                a.stdin.write("\n")
+                a.stdin.flush()
+                try:
+                    a.wait(30)
+                except subprocess.TimeoutExpired:
+                    a.kill()
+                    a.wait()
+            a.stdin.close()
+            a.stdout.close()
+        assert a.returncode == 0
+
+
+def test_pool_lookup_counts_a_chunk_only_where_every_shard_is(tmp_path):
+    from hwkv.connectors.pool import PoolConnector
+    from hwkv.connectors.pool_key import PoolKey
+    from hwkv.connectors.pool_store import drop_embedded, embedded_store
+
+    conn = PoolConnector(store="embedded", store_name="tp-lookup")
+    try:
+        conn.bind_tp(0, 2)
+        conn.key = PoolKey("m-0", "nhd", "float32", 2, 1, 16, 16, 1, 0, 2)
+        store = embedded_store("tp-lookup")
+        hashes = [bytes([i]) * 8 for i in range(3)]
+        buf = torch.zeros(4)
+        ptr = [(buf.data_ptr(), 16)]
+
+        def put(rank, hs):
+            store.put(PoolKey("m-0", "nhd", "float32", 2, 1, 16, 16, 1, rank, 2).keys(hs), [ptr] * len(hs))
+
+        put(0, hashes)
+        assert conn._count_hits(hashes) == 0  # rank 1's shard is missing everywhere
+        put(1, hashes[:2])
+        assert conn._count_hits(hashes) == 2
+    finally:
+        conn.shutdown()
+        drop_embedded("tp-lookup")
