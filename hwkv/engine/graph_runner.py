@@ -36,6 +36,14 @@ and every query token's logits are wanted: ``query_start_loc`` is ``q·arange`` 
 fixed shape per bucket, so host-side plans (hwkv-cuda: tokens, query lengths, q blocks) are exact and
 the seq-len bound plays the decode graphs' role. Padded rows: ``q`` tokens at slot ``-1`` with
 ``seq_len`` ``q`` over block 0.
+
+Short-query steps (a prompt's tail after a prefix-cache hit, alone or beside decodes): a runner built
+with ``last_only=True`` serves steps where every request runs ``1..q`` query tokens (``q``: one KV
+block, capped). :meth:`GraphRunner.run` pads each row to exactly ``q`` tokens (:func:`pad_queries`: the
+verify graphs' shape, so backends that capture verify graphs capture these) and the graph computes the
+logits of each row's last real token only: ``logits_indices`` is a static buffer refreshed per replay
+(``[n, vocab]`` out, not ``[n·q, vocab]``). An eager forward of a 16-layer model costs milliseconds of
+host time even for a few tokens; the replay costs a few copies.
 """
 
 from __future__ import annotations
@@ -136,23 +144,26 @@ class GraphRunner:
     ``use_graphs=False`` runs the same static-buffer path eagerly (no capture): the padding and
     buffer logic is then testable on any device, with metadata built from the true host lengths.
     ``query_len``: query tokens per request (1: decode; ``k + 1``: verify steps, module doc).
+    ``last_only``: rows of ``1..query_len`` tokens, logits of each row's last one (short-query steps).
     """
 
     def __init__(self, model: Any, kv_cache: Any, meta_builder: Any, device: Device, block_size: int,
-                 max_batch: int, max_model_len: int, use_graphs: bool = True, query_len: int = 1):
+                 max_batch: int, max_model_len: int, use_graphs: bool = True, query_len: int = 1,
+                 last_only: bool = False):
         if not isinstance(query_len, int) or not 1 <= query_len <= max_model_len:
             raise ValueError(f"query_len must be an int in [1, max_model_len={max_model_len}], got {query_len!r}")
         self.model, self.kv_cache, self.meta_builder = model, kv_cache, meta_builder
         self.block_size, self.max_model_len, self.device = block_size, max_model_len, device
-        self.use_graphs, self.q = use_graphs, query_len
+        self.use_graphs, self.q, self.last_only = use_graphs, query_len, last_only
         self.buckets = batch_buckets(max_batch)
         self.seq_buckets = seq_buckets(max_model_len)
         mb, self.max_blocks = max_batch, -(-max_model_len // block_size)
         self.max_batch = max_batch
         td, q = device.torch_device, query_len
-        self.h64 = device.host_zeros((3, mb * q), torch.int64)
+        rows = 4 if last_only else 3  # last_only: row 3 holds each request's logits index
+        self.h64 = device.host_zeros((rows, mb * q), torch.int64)
         self.h32 = device.host_zeros(mb + mb * self.max_blocks, torch.int32)
-        self.d64 = torch.zeros((3, mb * q), dtype=torch.int64, device=td)
+        self.d64 = torch.zeros((rows, mb * q), dtype=torch.int64, device=td)
         self.d32 = torch.zeros(mb + mb * self.max_blocks, dtype=torch.int32, device=td)
         self.seq_lens = self.d32[:mb]
         self.block_tables = self.d32[mb:].view(mb, self.max_blocks)
@@ -176,7 +187,8 @@ class GraphRunner:
 
     def _forward(self, b: int, md: Any) -> torch.Tensor:
         t = b * self.q
-        return self.model.forward(self.d64[0, :t], self.d64[1, :t], self.kv_cache, md, self.logits_indices[:t],
+        idx = self.d64[3, :b] if self.last_only else self.logits_indices[:t]
+        return self.model.forward(self.d64[0, :t], self.d64[1, :t], self.kv_cache, md, idx,
                                   slot_mapping=self.d64[2, :t])
 
     def keys(self) -> list[tuple[int, int]]:
@@ -207,6 +219,8 @@ class GraphRunner:
             return
         dev = self.device
         self.d64[2].fill_(-1)  # capture-time passes write no KV
+        if self.last_only:
+            self.d64[3, : self.max_batch].copy_(self.logits_indices[:: self.q])
         self.seq_lens.fill_(self.q)
         self.block_tables.zero_()
         self.pool = dev.graph_pool() if pool is None else pool
@@ -223,11 +237,16 @@ class GraphRunner:
 
     def run(self, batch: StepBatch, fill: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor | None:
         """float32 logits ``[n·q, vocab]`` of one step of ``n`` requests with ``q`` query tokens each (a
-        pure decode: ``[n, vocab]``; a verify step: every query token's, request-major), or ``None`` when
+        pure decode: ``[n, vocab]``; a verify step: every query token's, request-major; ``last_only``:
+        ``[n, vocab]`` of rows with ``1..q`` tokens, each row's last token's), or ``None`` when
         ``n`` exceeds every bucket or the block table is wider than the static one (the caller runs
         eagerly). ``fill(input_ids)`` runs after the inputs are copied in and before the forward: it
         patches ids that are still on the device (async stepping)."""
-        n, q, max_seq = batch.seq_lens.shape[0], self.q, int(batch.seq_lens.max())
+        n, q = batch.seq_lens.shape[0], self.q
+        if self.last_only:
+            last = batch.query_start_loc[1:].astype(np.int64) - batch.query_start_loc[:-1] - 1
+            batch = pad_queries(batch, q, self.block_size)
+        max_seq = int(batch.seq_lens.max())
         key = self.key(n, max_seq)
         if key is None or batch.block_tables.shape[1] > self.max_blocks or max_seq > self.max_model_len:
             return None
@@ -236,7 +255,11 @@ class GraphRunner:
         mb = self.max_batch
         h32 = self.h32.numpy()
         bt = h32[mb:].reshape(mb, self.max_blocks)
-        pad_into(batch, b, self.h64.numpy(), h32[:mb], bt, q)
+        h64 = self.h64.numpy()
+        pad_into(batch, b, h64, h32[:mb], bt, q)
+        if self.last_only:  # each row's last real token; padded rows their first (any valid row)
+            h64[3, :b] = np.arange(0, b * q, q)
+            h64[3, :n] += last
         self.d64[:, : b * q].copy_(self.h64[:, : b * q], non_blocking=True)
         # seq_lens and the first b block-table rows are contiguous: one copy
         end = mb + b * self.max_blocks
@@ -249,6 +272,6 @@ class GraphRunner:
             if self._before_replay is not None:
                 self._before_replay(md, self._common(b, torch.from_numpy(h32[:b].copy())))
             g.replay()
-            return out[: n * q]
+            return out[: n if self.last_only else n * q]
         seq_cpu = torch.from_numpy(h32[:b].copy())
-        return self._forward(b, self._metadata(b, seq_cpu))[: n * q]
+        return self._forward(b, self._metadata(b, seq_cpu))[: n if self.last_only else n * q]

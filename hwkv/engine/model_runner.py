@@ -4,7 +4,8 @@ Per-request state persists across steps in two host arrays indexed by a request'
 ``token_ids[slot, :num_tokens]`` and ``block_table[slot, :num_blocks]``. A step's inputs are
 built from them once, in bulk (:mod:`hwkv.engine.inputs`), and reach the device by one of two
 routes: packed copies for an eager forward, or the static buffers of a captured graph for a
-pure-decode step (:meth:`enable_graphs`, :mod:`hwkv.engine.graph_runner`).
+pure-decode step or a short-query step — a prompt's tail after a prefix hit, alone or beside decodes
+(:meth:`enable_graphs`, :mod:`hwkv.engine.graph_runner`).
 
 Everything device-specific goes through the backend's :class:`~hwkv.interfaces.device.Device`:
 where its copies are asynchronous, inputs are staged in pinned memory and copied without
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 
 from hwkv.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
-from hwkv.engine.graph_runner import GraphRunner
+from hwkv.engine.graph_runner import GraphRunner, multi_token_graphs
 from hwkv.engine.inputs import StepBatch, StepInputs, build_batch, to_device
 from hwkv.engine.pending import EMPTY, Pending, fill_tokens
 from hwkv.interfaces.connector import KVConnectorBase, NoOpConnector
@@ -64,8 +65,10 @@ class ModelRunner:
         # preempted-and-recomputed request draws the same tokens as one that never was.
         self.generators: dict[str, torch.Generator] = {}
         self.graphs: GraphRunner | None = None
+        self.tail_graphs: GraphRunner | None = None  # short-query steps (enable_graphs)
         self.max_model_len = max_model_len
         self.num_graph_steps = 0  # pure-decode steps served by the graph path (stats / tests)
+        self.num_tail_graph_steps = 0  # short-query steps (prefill tails, mixed with decodes) served by graphs
         self._pending: Pending | None = None  # the last launched step, until its output is returned
         self._num_special = 0  # requests held that are not ``plain`` (the sampler's fast path needs none)
         self._num_drops = 0  # requests dropped so far: a pending step whose count matches lost none
@@ -75,12 +78,26 @@ class ModelRunner:
             if self.connector.layerwise:  # per-layer load waits / saves inside the forward
                 model.set_layer_hooks(self.connector)
 
+    # short-query graphs: requests per step and query tokens per request (one KV block, capped) they serve
+    TAIL_MAX_BATCH = 8
+    TAIL_MAX_QUERY = 64
+
     def enable_graphs(self, max_batch: int, use_graphs: bool = True) -> None:
         """Serve pure-decode steps of up to ``max_batch`` requests from static buffers, captured as
-        one device graph per bucket (``use_graphs=False``: the same path run eagerly, for tests)."""
+        one device graph per bucket (``use_graphs=False``: the same path run eagerly, for tests); and,
+        where the backend captures multi-token queries, steps of up to ``TAIL_MAX_BATCH`` requests of
+        at most one block of query tokens each (a prompt's tail after a prefix hit, beside decodes)."""
         self.graphs = GraphRunner(self.model, self.kv_cache, self.meta_builder, self.dev, self.block_size,
                                   max_batch, self.max_model_len, use_graphs)
         self.graphs.capture()
+        q = min(self.block_size, self.TAIL_MAX_QUERY, self.max_model_len)
+        if self.serves_tail_graphs and q > 1 and multi_token_graphs(self.meta_builder):
+            self.tail_graphs = GraphRunner(self.model, self.kv_cache, self.meta_builder, self.dev, self.block_size,
+                                           min(max_batch, self.TAIL_MAX_BATCH), self.max_model_len, use_graphs,
+                                           query_len=q, last_only=True)
+            self.tail_graphs.capture(pool=self.graphs.pool)
+
+    serves_tail_graphs = True  # a subclass whose step does not go through execute_async turns this off
 
     # ---- persistent state ---------------------------------------------------------------------
     def _add(self, new: NewRequestData) -> None:
@@ -230,6 +247,8 @@ class ModelRunner:
             if self.graphs is not None and batch.pure_decode:
                 logits = self.graphs.run(batch, partial(fill, at=rows) if fill else None)  # type: ignore[union-attr]
                 self.num_graph_steps += logits is not None
+            elif self.tail_graphs is not None and batch.max_query_len <= self.tail_graphs.q:
+                logits = self._run_tail(batch, fill, rows)
             if logits is None:
                 inp = self.device_inputs(batch)
                 if fill is not None:
@@ -255,6 +274,18 @@ class ModelRunner:
             out.kv_connector_output = self.connector_finished(so)
         self._pending = new
         return prev
+
+    def _run_tail(self, batch: StepBatch, fill: Any, rows: np.ndarray) -> torch.Tensor | None:
+        """Logits ``[S, vocab]`` of the sampling rows of a short-query step from the tail graphs, or
+        ``None`` (the step runs eagerly)."""
+        tg = self.tail_graphs
+        logits = tg.run(batch, partial(fill, at=rows * tg.q) if fill else None)  # type: ignore[union-attr]
+        if logits is None:
+            return None
+        self.num_tail_graph_steps += 1
+        if len(batch.sample_idx) < len(batch.seq_lens):  # rows of a partial prompt chunk sample nothing
+            logits = logits.index_select(0, torch.from_numpy(batch.sample_idx).to(logits.device))
+        return logits
 
     def connector_finished(self, so: SchedulerOutput) -> Any:
         """The connector's completions of this step; a request whose load failed loses its state here

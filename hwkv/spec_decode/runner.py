@@ -42,6 +42,8 @@ from hwkv.spec_decode.rejection import rejection_sample
 
 
 class SpecModelRunner(ModelRunner):
+    serves_tail_graphs = False  # its steps do not run through execute_async
+
     def __init__(self, *args: Any, spec_config: SpeculativeConfig, proposer: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.spec_config = spec_config

@@ -46,7 +46,9 @@ def test_declared_graph_capture_turns_on_graphs_and_replays_match_eager(model_di
     assert sorted({b for b, _ in g.graphs}) == [1, 2, 4, 8]
     assert got == want
     replays = sum(gr.replays for gr in e.backend.device.captured)
-    assert replays == e.runner.num_graph_steps > 10
+    decode_replays = sum(gr.replays for gr, _, _ in g.graphs.values())
+    assert decode_replays == e.runner.num_graph_steps > 10
+    assert replays == decode_replays + e.runner.num_tail_graph_steps  # the rest: short-query steps' graphs
 
 
 def test_only_a_per_layer_host_connector_keeps_graphs_off(model_dir):
