@@ -90,8 +90,9 @@ def make_engine(mdir: Path, args: argparse.Namespace, **kw: Any) -> Any:
 
 
 def free(engine: Any, device: Any) -> None:
-    if engine is not None and getattr(engine.runner, "graphs", None) is not None:
-        engine.runner.graphs.graphs.clear()
+    for name in ("graphs", "tail_graphs"):
+        if engine is not None and getattr(engine.runner, name, None) is not None:
+            getattr(engine.runner, name).graphs.clear()
     del engine
     gc.collect()
     device.empty_cache()

@@ -240,8 +240,9 @@ def bench_decode(args: argparse.Namespace, mdir: Path) -> dict[str, Any]:
 
 def _free(e: Any) -> None:
     dev = e.backend.device
-    if getattr(e.runner, "graphs", None) is not None:
-        e.runner.graphs.graphs.clear()
+    for name in ("graphs", "tail_graphs"):
+        if getattr(e.runner, name, None) is not None:
+            getattr(e.runner, name).graphs.clear()
     del e
     gc.collect()
     dev.empty_cache()
