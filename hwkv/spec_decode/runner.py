@@ -38,7 +38,7 @@ from hwkv.engine.graph_runner import GraphRunner, multi_token_graphs, pad_querie
 from hwkv.engine.model_runner import ModelRunner
 from hwkv.model.sampler import logprobs_of
 from hwkv.spec_decode.config import SpeculativeConfig
-from hwkv.spec_decode.rejection import rejection_sample
+from hwkv.spec_decode.rejection import greedy_verify, verify_packed
 
 
 class SpecModelRunner(ModelRunner):
@@ -89,15 +89,18 @@ class SpecModelRunner(ModelRunner):
 
     def _step(self, so: SchedulerOutput, states: list[Any], out: ModelRunnerOutput) -> None:
         req_ids = list(so.num_scheduled_tokens)
+        R = len(states)
         spec = so.scheduled_spec_decode_tokens
-        drafts = [spec.get(rid, []) for rid in req_ids]
-        ks = np.fromiter(map(len, drafts), dtype=np.int64, count=len(states))
-        for st, d in zip(states, drafts):
-            if d:
-                self.token_ids[st.slot, st.num_tokens : st.num_tokens + len(d)] = d
+        drafts: list[Any] = [spec.get(rid, ()) for rid in req_ids] if spec else [()] * R
+        ks = np.fromiter(map(len, drafts), dtype=np.int64, count=R)
+        if spec:
+            for st, d in zip(states, drafts):
+                if d:
+                    self.token_ids[st.slot, st.num_tokens : st.num_tokens + len(d)] = d
         batch = self.build_inputs(so, states, ks)  # a row samples when it reaches its last draft
         sample_idx = batch.sample_idx
         logits = hidden = None
+        q = 0  # > 0: logits are the verify graphs' q rows per request (padded rows included)
         eagle = getattr(self.proposer, "needs_hidden", False)  # the proposer reads the target's states
         if self.graphs is not None and not ks.any() and batch.pure_decode and not eagle:
             logits = self.graphs.run(batch)
@@ -107,16 +110,13 @@ class SpecModelRunner(ModelRunner):
             logits = vg.run(pad_queries(batch, vg.q, self.block_size))  # all q logits of every row
             if logits is not None:
                 self.num_verify_graph_steps += 1
-                if (ks != vg.q - 1).any():  # rows with fewer drafts: their k + 1 logits only
-                    keep = np.repeat(np.arange(len(ks)) * vg.q, ks + 1) + _ranges(ks + 1)
-                    logits = logits.index_select(0, torch.from_numpy(keep).to(logits.device))
+                q = vg.q
         if logits is None:
             if ks.any():
                 k_s = ks[sample_idx]
                 # k + 1 logits per sampling row: its last k + 1 query tokens
                 first = np.repeat(batch.logits_indices - k_s, k_s + 1)
-                offs = np.arange(int((k_s + 1).sum())) - np.repeat(np.cumsum(k_s + 1) - (k_s + 1), k_s + 1)
-                batch = batch._replace(logits_indices=first + offs)
+                batch = batch._replace(logits_indices=first + _ranges(k_s + 1))
             inp = self.device_inputs(batch)
             if eagle:
                 h = self.model.forward_hidden(inp.input_ids, inp.positions, self.kv_cache, inp.attn_metadata,
@@ -130,30 +130,62 @@ class SpecModelRunner(ModelRunner):
                 self.proposer.propose_with_hidden(self, states, batch, hidden, np.diff(batch.query_start_loc),
                                                   sample_idx, [])
             return
-        sampled = [states[i] for i in sample_idx]
-        sampled_ids = [req_ids[i] for i in sample_idx]
-        sdrafts = [drafts[i] for i in sample_idx]
-        sbatch = self._sampling_batch(sampled, sampled_ids)
-        toks, num = rejection_sample(logits, sdrafts, sbatch)
-        toks_h, num_h = toks.tolist(), num.tolist()
-        emitted = [t[:n] for t, n in zip(toks_h, num_h)]
-        if any(sp.logprobs is not None for sp in sbatch.params):
-            out.logprobs = self._logprobs(logits, sdrafts, emitted, sbatch.params, sampled_ids)
+        if len(sample_idx) == R:  # every row samples (decodes and verifies): no gather
+            sampled, sampled_ids, sdrafts, k_s = states, req_ids, drafts, ks
+        else:
+            idx = sample_idx.tolist()
+            sampled, sampled_ids = [states[i] for i in idx], [req_ids[i] for i in idx]
+            sdrafts, k_s = [drafts[i] for i in idx], ks[sample_idx]
+        toks, num = self._verify(logits, q, sampled, sampled_ids, sdrafts, k_s, out)
+        emitted = [t[:n] for t, n in zip(toks.tolist(), num.tolist())]
+        # accepted drafts are in the token rows already: write each row's last token, in one go
+        slots = np.fromiter((st.slot for st in sampled), dtype=np.int64, count=len(sampled))
+        ntok = np.fromiter((st.num_tokens for st in sampled), dtype=np.int64, count=len(sampled)) + num
+        self.token_ids[slots, ntok - 1] = toks[np.arange(len(num)), num - 1]
         for st, toks_r in zip(sampled, emitted):
-            self.token_ids[st.slot, st.num_tokens : st.num_tokens + len(toks_r)] = toks_r
             st.num_tokens += len(toks_r)
             st.output_token_ids.extend(toks_r)
         out.sampled_token_ids = dict(zip(sampled_ids, emitted))
-        caps = [self._max_drafts(st) for st in sampled]
+        caps = self._max_drafts(sampled, ntok)
         t0 = time.perf_counter()
         if eagle:
             valid = np.diff(batch.query_start_loc).astype(np.int64)
-            valid[sample_idx] -= ks[sample_idx] + 1 - np.array(num_h)  # rejected drafts
-            proposals = self.proposer.propose_with_hidden(self, states, batch, hidden, valid, sample_idx, caps)
+            valid[sample_idx] -= k_s + 1 - num  # rejected drafts
+            proposals = self.proposer.propose_with_hidden(self, states, batch, hidden, valid, sample_idx,
+                                                          caps.tolist())
         else:
             proposals = self.proposer.propose(self, sampled, sampled_ids, caps)
         self.propose_s += time.perf_counter() - t0
         out.spec_token_ids = {rid: p for rid, p in zip(sampled_ids, proposals) if p}
+
+    def _verify(self, logits: torch.Tensor, q: int, sampled: list[Any], sampled_ids: list[str],
+                drafts: list[Any], ks: np.ndarray, out: ModelRunnerOutput) -> tuple[np.ndarray, np.ndarray]:
+        """Host ``(tokens [S, K + 1], num [S])`` of the rejection sampler (:mod:`~hwkv.spec_decode.rejection`),
+        read back in one transfer. ``logits``: ``q`` rows per request (verify graphs, ``q > 0``), or each
+        request's ``k + 1`` rows consecutive (``q == 0``)."""
+        sbatch = self._sampling_batch(sampled, sampled_ids)
+        S, K = len(ks), int(ks.max(initial=0))
+        if sbatch.plain:  # all greedy, no penalties / min_tokens / logprobs: one argmax per row, compared here
+            top = logits.argmax(-1).cpu().numpy()
+            if q:
+                top2d = top.reshape(S, q)[:, : K + 1]
+            else:
+                top2d = np.zeros((S, K + 1), dtype=top.dtype)
+                top2d[np.arange(K + 1) <= ks[:, None]] = top
+            d2d = np.full((S, K), -1, dtype=np.int64)
+            if K:
+                d2d[np.arange(K) < ks[:, None]] = [t for d in drafts for t in d]
+            return greedy_verify(top2d, d2d, ks)
+        if q and (ks != q - 1).any():  # rows with fewer drafts: their k + 1 logits only
+            keep = np.repeat(np.arange(S) * q, ks + 1) + _ranges(ks + 1)
+            logits = logits.index_select(0, self.dev.to_device(torch.from_numpy(keep)))
+        sdrafts = [list(d) for d in drafts]
+        res = verify_packed(logits, sdrafts, sbatch, device=self.dev).cpu().numpy()
+        toks, num = res[:, :-1], res[:, -1]
+        if any(sp.logprobs is not None for sp in sbatch.params):
+            emitted = [t[:n] for t, n in zip(toks.tolist(), num.tolist())]
+            out.logprobs = self._logprobs(logits, sdrafts, emitted, sbatch.params, sampled_ids)
+        return toks, num
 
     def _pure_verify(self, batch: Any, ks: np.ndarray) -> bool:
         """Every request decodes: runs its last token and its drafts (at most the verify graphs' ``k``),
@@ -162,11 +194,14 @@ class SpecModelRunner(ModelRunner):
         return (bool(ks.max(initial=0) < q) and len(batch.input_ids) == n + int(ks.sum())
                 and len(batch.sample_idx) == n)
 
-    def _max_drafts(self, st: Any) -> int:
-        """Drafts worth proposing: a step emits at most drafts + 1 tokens, never past max_tokens or
-        the model length (the token row and block table end there)."""
-        left = min(st.params.max_tokens - len(st.output_token_ids), self.max_model_len - st.num_tokens)
-        return max(0, min(self.spec_config.num_speculative_tokens, left - 1))
+    def _max_drafts(self, states: list[Any], num_tokens: np.ndarray) -> np.ndarray:
+        """Drafts worth proposing per state (``num_tokens``: its tokens now): a step emits at most
+        drafts + 1 tokens, never past max_tokens or the model length (the token row and block table
+        end there)."""
+        n = len(states)
+        max_out = np.fromiter((st.params.max_tokens - len(st.output_token_ids) for st in states), np.int64, n)
+        left = np.minimum(max_out, self.max_model_len - num_tokens)
+        return np.clip(left - 1, 0, self.spec_config.num_speculative_tokens)
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, drafts: list[list[int]], emitted: list[list[int]], params: list[Any],
