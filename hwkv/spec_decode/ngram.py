@@ -1,5 +1,10 @@
 """n-gram (prompt lookup) proposer: drafts are the tokens that followed the latest earlier
-occurrence of the sequence's own suffix (vLLM's ``ngram`` method; no model, host numpy)."""
+occurrence of the sequence's own suffix (vLLM's ``ngram`` method; no model, host numpy).
+
+All requests of a step are matched at once (:func:`ngram_propose_batch`): one pass over the token
+rows finds where each row's last token occurred before; only those candidate positions are then
+extended backwards, ``prompt_lookup_max - 1`` vectorised comparisons at most. No per-request loop
+but the final slicing of each row's drafts."""
 
 from __future__ import annotations
 
@@ -8,26 +13,55 @@ from typing import Any
 import numpy as np
 
 
-def ngram_propose(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
-    """Up to ``k`` draft tokens for the sequence ``tokens`` (1-D ints).
+def ngram_propose_batch(token_ids: np.ndarray, rows: np.ndarray, lens: np.ndarray, ks: np.ndarray, n_min: int,
+                        n_max: int) -> list[list[int]]:
+    """Up to ``ks[i]`` draft tokens for the sequence ``token_ids[rows[i], :lens[i]]`` of every ``i``.
 
-    Tries suffix lengths ``n_max`` down to ``n_min``; for the first length whose suffix occurs
-    earlier, returns the (up to ``k``) tokens after its most recent earlier occurrence. No match: []."""
-    L = len(tokens)
-    if k <= 0 or L < 2:
-        return []
-    # windows that could match end where the last token occurs earlier: one pass over the sequence,
-    # then only those candidates are compared (the sequence can be long, the candidates are few)
-    ends = np.flatnonzero(tokens[: L - 1] == tokens[L - 1])
-    for n in range(min(n_max, L - 1), n_min - 1, -1):
-        starts = ends[ends >= n - 1] - (n - 1)
-        if not len(starts):
-            continue
-        ok = (tokens[starts[:, None] + np.arange(n)] == tokens[L - n :]).all(axis=1)
-        if ok.any():
-            start = int(starts[ok][-1]) + n
-            return tokens[start : start + k].tolist()
-    return []
+    Per sequence: for the largest suffix length ``n`` in ``[n_min, n_max]`` whose suffix occurs earlier,
+    the (up to ``k``) tokens after its most recent earlier occurrence (they may run into the suffix
+    itself, never past the sequence's end). No match, ``k <= 0`` or fewer than 2 tokens: ``[]``."""
+    out: list[list[int]] = [[] for _ in range(len(rows))]
+    idx = np.flatnonzero((np.asarray(ks) > 0) & (np.asarray(lens) >= 2))
+    if not len(idx):
+        return out
+    L = np.asarray(lens, dtype=np.int64)[idx]
+    W = int(L.max())
+    tok = token_ids[np.asarray(rows)[idx], :W]
+    n = len(idx)
+    last = tok[np.arange(n), L - 1]
+    # candidate windows end at an earlier occurrence of the last token (p < L - 1)
+    r, p = np.nonzero((tok[:, : W - 1] == last[:, None]) & (np.arange(W - 1) < (L - 1)[:, None]))
+    if not len(r):
+        return out
+    m = np.ones(len(r), dtype=np.int64)  # how many tokens of the suffix the window ending at p matches
+    alive = np.ones(len(r), dtype=bool)
+    Lr = L[r]
+    for j in range(1, n_max):
+        alive &= (p >= j) & (tok[r, np.maximum(p - j, 0)] == tok[r, Lr - 1 - j])
+        if not alive.any():
+            break
+        m += alive
+    best = np.zeros(n, dtype=np.int64)
+    np.maximum.at(best, r, m)
+    sel = (m == best[r]) & (best[r] >= n_min)
+    rs, ps = r[sel], p[sel]
+    if not len(rs):
+        return out
+    ends = np.flatnonzero(np.r_[rs[1:] != rs[:-1], True])  # np.nonzero is row-major: a row's last is its latest
+    row, start = rs[ends], ps[ends] + 1
+    k = np.asarray(ks, dtype=np.int64)[idx[row]]
+    num = np.minimum(k, L[row] - start)
+    K = int(num.max())
+    d = tok[row[:, None], np.minimum(start[:, None] + np.arange(K), W - 1)].tolist()
+    for i, dr, c in zip(idx[row].tolist(), d, num.tolist()):
+        out[i] = dr[:c]
+    return out
+
+
+def ngram_propose(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
+    """:func:`ngram_propose_batch` of one 1-D sequence."""
+    t = np.asarray(tokens).reshape(1, -1)
+    return ngram_propose_batch(t, np.zeros(1, np.int64), np.array([t.shape[1]]), np.array([k]), n_min, n_max)[0]
 
 
 class NgramProposer:
@@ -36,9 +70,11 @@ class NgramProposer:
     def __init__(self, n_min: int, n_max: int):
         self.n_min, self.n_max = n_min, n_max
 
-    def propose(self, runner: Any, states: list[Any], req_ids: list[str], caps: list[int]) -> list[list[int]]:
-        return [ngram_propose(runner.token_ids[st.slot, : st.num_tokens], k, self.n_min, self.n_max)
-                for st, k in zip(states, caps)]
+    def propose(self, runner: Any, states: list[Any], req_ids: list[str], caps: Any) -> list[list[int]]:
+        n = len(states)
+        rows = np.fromiter((st.slot for st in states), dtype=np.int64, count=n)
+        lens = np.fromiter((st.num_tokens for st in states), dtype=np.int64, count=n)
+        return ngram_propose_batch(runner.token_ids, rows, lens, np.asarray(caps), self.n_min, self.n_max)
 
     def drop(self, req_id: str) -> None:
         pass
