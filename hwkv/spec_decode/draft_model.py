@@ -119,39 +119,51 @@ class DraftModelProposer:
         ctx = np.array([self._seen(runner, req_ids[i], states[i]) for i in rows], dtype=np.int64)
         if self.catchup_graphs is not None:  # one token to catch up: feed two, the 2-token graphs serve it
             ctx -= (total - ctx == 1) & (ctx > 0)
-        toks = np.zeros(len(rows), dtype=np.int64)
+        dev = runner.dev
+        first: torch.Tensor | None = None  # draft 1 of every row, on the device
         while (left := total - ctx).any():  # catch up in pieces: a resumed long prompt is one big prefill
             live = np.flatnonzero(left > 0)
             q = np.minimum(left[live], CATCH_UP_CHUNK)
-            toks[live] = self._forward(runner, slots[live], ctx[live], q)  # the last piece's token counts
+            t = self._forward(runner, slots[live], ctx[live], q)  # the last piece's token counts
+            if len(live) == len(rows):  # the first piece: every row has at least its last token to feed
+                first = t
+            else:
+                first = first.index_copy(0, dev.to_device(torch.from_numpy(live)), t)  # type: ignore[union-attr]
             ctx[live] += q
         cap = np.array([caps[i] for i in rows])
-        drafts = [toks]
-        for j in range(1, int(cap.max())):
+        drafts = [first]
+        for j in range(1, int(cap.max())):  # draft j + 1: feed draft j, straight from the device
             live = np.flatnonzero(cap > j)
-            runner.token_ids[slots[live], total[live] + j - 1] = drafts[-1][live]
-            nxt = np.zeros(len(rows), dtype=np.int64)
-            nxt[live] = self._forward(runner, slots[live], total[live] + j - 1, np.ones(len(live), dtype=np.int64))
-            drafts.append(nxt)
-        d = np.stack(drafts, 1)
+            live_t = None if len(live) == len(rows) else dev.to_device(torch.from_numpy(live))
+            prev = drafts[-1] if live_t is None else drafts[-1].index_select(0, live_t)  # type: ignore[union-attr]
+            nxt = self._forward(runner, slots[live], total[live] + j - 1, np.ones(len(live), dtype=np.int64), prev)
+            drafts.append(nxt if live_t is None else torch.zeros_like(first).index_copy(0, live_t, nxt))
+        d = torch.stack(drafts, 1).cpu().numpy()  # type: ignore[arg-type]  # the one host read of the drafts
         for r, i in enumerate(rows):
             out[i] = d[r, : caps[i]].tolist()
             self._last[req_ids[i]] = (int(total[r]), out[i])
         return out
 
-    def _forward(self, runner: Any, slots: np.ndarray, ctx: np.ndarray, qlen: np.ndarray) -> np.ndarray:
-        """Greedy next token of each row after feeding positions ``[ctx, ctx + qlen)`` of its token row."""
+    def _forward(self, runner: Any, slots: np.ndarray, ctx: np.ndarray, qlen: np.ndarray,
+                 feed: torch.Tensor | None = None) -> torch.Tensor:
+        """Greedy next token (on the device) of each row after feeding positions ``[ctx, ctx + qlen)`` of its
+        token row; ``feed`` (one-token rows only): the rows' input tokens, on the device (the host's token
+        rows are not read for them)."""
         batch = build_batch(runner.token_ids, runner.block_table, slots, ctx, qlen, ctx + qlen, runner.block_size)
+        n = len(qlen)
+        fill = None if feed is None else (lambda ids: ids[:n].copy_(feed))
         logits = None
         if self.graphs is not None and batch.pure_decode:
-            logits = self.graphs.run(batch)
-        elif self.catchup_graphs is not None and len(batch.input_ids) == 2 * len(qlen) and (qlen == 2).all():
+            logits = self.graphs.run(batch, fill)
+        elif self.catchup_graphs is not None and feed is None and len(batch.input_ids) == 2 * n and (qlen == 2).all():
             logits = self.catchup_graphs.run(batch)
             logits = None if logits is None else logits[1::2]  # each request's last token
         if logits is not None:
             self.num_graph_steps += 1
         else:
             inp = runner.device_inputs(batch)
+            if fill is not None:
+                fill(inp.input_ids)
             logits = self.model.forward(inp.input_ids, inp.positions, self.kv_cache, inp.attn_metadata,
                                         inp.logits_indices, slot_mapping=inp.slot_mapping)
-        return logits.argmax(-1).cpu().numpy()
+        return logits.argmax(-1)
