@@ -53,6 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-args", default="{}", help="JSON of extra Engine keyword arguments")
     p.add_argument("--out-dir", default=None, help="where JSON + Markdown go (default: hwkv.bench.results_dir())")
     p.add_argument("--tag", default="", help="suffix of the result file names")
+    p.add_argument("--host", action="store_true",
+                   help="instead: the host path per step on the CPU with a stub model (hwkv.bench.spec_host)")
+    p.add_argument("--repeat", type=int, default=3, help="--host: runs per row, the fastest kept")
 
 
 def _write_model(args: argparse.Namespace, name: str, **over: Any) -> Path:
@@ -123,6 +126,10 @@ def _free(engine: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.host:
+        from hwkv.bench import spec_host
+
+        return spec_host.run(args)
     target = _write_model(args, args.model) if args.model in SHAPES else Path(args.model)
     vocab = json.loads((target / "config.json").read_text())["vocab_size"]
     k = args.num_speculative_tokens

@@ -7,7 +7,12 @@ One step (synchronous; async stepping is off with speculative decoding):
    with ``k`` drafts runs ``k + 1`` query tokens on its cached prefix (to the attention backend a
    short prefill chunk).
 2. The target's logits at those ``k + 1`` positions go to the rejection sampler
-   (:mod:`hwkv.spec_decode.rejection`), which returns the accepted drafts plus one token.
+   (:mod:`hwkv.spec_decode.rejection`), which returns the accepted drafts plus one token. When every
+   request is plain greedy (no penalties, ``min_tokens`` or logprobs) that is one argmax per logits
+   row read back and compared with the drafts on the host
+   (:func:`~hwkv.spec_decode.rejection.greedy_verify`); otherwise the device sampler runs without
+   host synchronisation and its tokens and counts come back in one transfer. Either way: one host
+   read per step.
 3. The emitted tokens are recorded (accepted drafts are already in the token row), and the
    proposer drafts up to ``k`` tokens for each request that sampled; they travel back in
    ``ModelRunnerOutput.spec_token_ids`` and the scheduler schedules them next step.
@@ -20,9 +25,10 @@ decode graphs; *pure verify* steps — every request decodes its last token plus
 (``k`` = ``num_speculative_tokens``) and samples — replay verify graphs captured per (batch bucket,
 seq-len bound) at query length ``k + 1`` (:class:`~hwkv.engine.graph_runner.GraphRunner` with
 ``query_len``), rows with fewer drafts padded (:func:`~hwkv.engine.graph_runner.pad_queries`). The
-rejection sampler runs after the replay on the graph's logits (it reads accept counts back to the
-host, so it stays outside the graph). Mixed steps (a request prefilling) and EAGLE proposers (they
-need the target's hidden states) run eagerly.
+rejection sampler runs after the replay on the graph's logits (its result is read back to the
+host, so it stays outside the graph); on the greedy path the padded rows' argmax is simply ignored.
+Mixed steps (a request prefilling) and EAGLE proposers (they need the target's hidden states) run
+eagerly.
 """
 
 from __future__ import annotations

@@ -29,3 +29,15 @@ def test_bench_spec_refuses_unknown_scenario(tmp_path) -> None:
     args = p.parse_args(["--model", "tiny", "--backend", "cpu", "--scenarios", "medusa",
                          "--workdir", str(tmp_path)])
     assert spec.run(args) == 2
+
+
+def test_bench_spec_host_profile(capsys) -> None:
+    """``--host``: the host path per step of decode / ngram / self on the CPU stub, one table row each."""
+    p = argparse.ArgumentParser()
+    spec.add_arguments(p)
+    args = p.parse_args(["--host", "--batch-sizes", "2", "--repeat", "1", "-k", "3"])
+    assert spec.run(args) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "scenario" not in line]
+    assert [r.split("|")[1].strip() for r in rows] == ["decode", "ngram", "self"]
+    self_row = rows[2].split("|")
+    assert float(self_row[4]) == 4.0 and float(self_row[5]) == 1.0  # draft = target: k + 1 tokens, all accepted

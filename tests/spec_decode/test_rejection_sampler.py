@@ -165,3 +165,32 @@ def test_bad_shapes_refused() -> None:
         rejection_sample(torch.zeros(2, V), [[1, 2]], SamplingBatch([params], [[]]))
     with pytest.raises(ValueError, match="draft_probs"):
         rejection_sample(torch.zeros(3, V), [[1, 2]], SamplingBatch([params], [[]]), torch.zeros(1, V))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_greedy_verify_on_host_equals_the_device_sampler(seed: int) -> None:
+    """The all-greedy fast path (argmax read back, compared on the host) emits what the full sampler
+    does for greedy rows: drafts that match the argmax partly, wholly, not at all, and none."""
+    from hwkv.spec_decode.rejection import greedy_verify
+
+    rng = np.random.default_rng(seed)
+    R, Kmax = 7, 4
+    ks = rng.integers(0, Kmax + 1, R)
+    logits = torch.from_numpy(rng.normal(size=(int(ks.sum()) + R, V)).astype(np.float32))
+    top = logits.argmax(-1).numpy()
+    starts = np.cumsum(ks + 1) - (ks + 1)
+    drafts = []
+    for r in range(R):  # agree with the argmax for a random prefix, then disagree
+        agree = rng.integers(0, ks[r] + 1)
+        d = [int(top[starts[r] + j]) if j < agree else int((top[starts[r] + j] + 1) % V) for j in range(ks[r])]
+        drafts.append(d)
+    toks, num = rejection_sample(logits, drafts, SamplingBatch([SamplingParams(temperature=0.0)] * R, [[]] * R))
+    K = int(ks.max())
+    top2d = np.full((R, K + 1), -7)  # columns past k must be ignored
+    d2d = np.full((R, K), -9)
+    for r in range(R):
+        top2d[r, : ks[r] + 1] = top[starts[r] : starts[r] + ks[r] + 1]
+        d2d[r, : ks[r]] = drafts[r]
+    t_h, n_h = greedy_verify(top2d, d2d, ks)
+    assert n_h.tolist() == num.tolist()
+    assert [t_h[r, : n_h[r]].tolist() for r in range(R)] == [toks[r, : num[r]].tolist() for r in range(R)]

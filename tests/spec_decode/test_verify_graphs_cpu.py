@@ -144,3 +144,74 @@ def test_builder_with_host_rebinding_gets_no_multi_token_graphs(tiny_model: str,
     monkeypatch.setattr(Builder, "supports_verify_graphs", True, raising=False)
     _, eng = _run(tiny_model, prompts[:1], _spec("draft_model", 2, tiny_model), max_num_seqs=3)
     assert eng.runner.verify_graphs is not None and eng.stats()["spec_decode"]["verify_graph_steps"] > 0
+
+
+def test_verify_graphs_with_penalties_match(tiny_model: str) -> None:
+    """Requests that are not plain greedy (a repetition penalty) take the device rejection sampler on
+    the verify graphs' logits (rows with fewer drafts gathered out): still token-identical to
+    non-speculative decoding."""
+    prompts = _prompts(5, seed=11)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, repetition_penalty=1.3)
+    kw = {"num_kv_blocks": 96, "block_size": 4, "max_model_len": 128, "fuse_elementwise": False, "max_num_seqs": 5}
+
+    def run(spec):
+        eng = Engine(tiny_model, backend=GraphCpuBackend(), speculative_config=spec, **kw)
+        return [o.token_ids for o in eng.generate(prompts, params, use_tqdm=False)], eng
+
+    base, _ = run(None)
+    got, eng = run(_spec("ngram", 3, tiny_model))
+    assert got == base
+    assert eng.stats()["spec_decode"]["verify_graph_steps"] > 0
+
+
+def test_greedy_verify_step_launches_no_more_ops_than_a_decode_step(tiny_model: str) -> None:
+    """Host cost: a pure-verify step of plain greedy requests dispatches about as many torch ops outside
+    its graph (input copies, one argmax, one read back) as a plain decode step — no per-step tensors
+    built from host lists, no probabilities (each op is a kernel launch on a GPU, each host read a sync)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hwkv.testing.graphs import RecordedGraph
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    def ops_per_step(spec) -> tuple[float, Engine]:
+        eng = Engine(tiny_model, backend=GraphCpuBackend(), num_kv_blocks=64, block_size=4, max_model_len=128,
+                     fuse_elementwise=False, max_num_seqs=2, async_scheduling=False, speculative_config=spec)
+        eng.add_request("a", [5, 6, 7, 8] * 6, SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
+        for _ in range(3):
+            eng.step()
+        if spec is not None:  # the proposer's own forwards are not the verify path's
+            prop = eng.runner.proposer.propose
+            eng.runner.proposer.propose = lambda *a: _outside(prop, *a)
+        vg = getattr(eng.runner, "verify_graphs", None)
+        steps = 0 if vg is None else eng.runner.num_verify_graph_steps
+        with Count():
+            Count.n = 0
+            for _ in range(4):
+                eng.step()
+        if vg is not None:
+            assert eng.runner.num_verify_graph_steps - steps == 4  # every counted step verified on a graph
+        return Count.n / 4, eng
+
+    orig = RecordedGraph.replay
+    try:  # ops a replay re-runs are the graph's, not the host path's
+        RecordedGraph.replay = lambda self: _outside(orig, self)  # type: ignore[method-assign]
+        base, _ = ops_per_step(None)
+        got, eng = ops_per_step(_spec("draft_model", 3, tiny_model))
+    finally:
+        RecordedGraph.replay = orig  # type: ignore[method-assign]
+    assert eng.stats()["spec_decode"]["acceptance_rate"] == 1.0  # draft = target: 4 tokens per step
+    assert got <= base + 2, (got, base)
+
+
+def _outside(fn, *args):
+    """``fn(*args)`` with no dispatch mode active (its ops are not counted)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        return fn(*args)
