@@ -1,7 +1,7 @@
 """CPU offload connector: a host-memory tier of KV blocks behind the device prefix cache (the
 protocol of vLLM's CPU offload connector; docs/connectors.md maps it step by step).
 
-Scheduler side: the tier is a :class:`~hwkv.core.block_pool.BlockPool` of host blocks keyed by the
+Scheduler side: the tier is a :class:`~hwkv.connectors.offload_tier.HostTier` of host blocks keyed by the
 same chained block hashes as the device prefix cache (salts included), so a host hit is exactly a
 prefix-cache hit one tier down, with the pool's LRU free queue as the tier's eviction order.
 
@@ -15,13 +15,17 @@ prefix-cache hit one tier down, with the pool's LRU free queue as the tier's evi
   the LRU ones), once ``store_batch_blocks`` of them wait, and a finishing request's remaining ones
   at once (before its blocks can be reused); both sides pinned; a block already in the tier only
   moves to its MRU end;
+* preemption (``request_preempted``, before the blocks are freed): the request's computed full
+  blocks the tier lacks become a store job that pins only host blocks: its copy is issued first
+  thing in the step's ``start_load_kv`` and the compute stream waits for it, so the freed device
+  blocks are read before anything can overwrite them and the preemption frees all of them at once.
+  So no full block leaves the device unstored, and a re-admitted request loads its prefix from the
+  tier instead of recomputing it;
 * completions (``update_connector_output``): pins released; a stored block's hash is registered
   only now, so no lookup ever sees a block whose bytes are still in flight.
 
-Worker side: loads run on a load stream that first waits for the compute stream (a reused device
-block may still be written by the previous forward); the compute stream waits for a synchronous
-load's event before the forward. Stores run on a store stream after an event recorded behind the
-forward. Completion is polled with ``Event.query`` — never a host sync on the compute path.
+Worker side (:mod:`hwkv.connectors.offload_worker`): copies on a load and a store stream, ordered
+against the forward by events; the host tier itself: :mod:`hwkv.connectors.offload_tier`.
 
 Failures: a load that cannot be issued is reported in ``failed_recving`` in the same step (the
 scheduler discards that step's token and recomputes); the request is never offered the tier again.
@@ -31,14 +35,13 @@ failed too; its blocks stay pinned until the copy ends, so nothing is reused und
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field, replace
-from itertools import takewhile
 from typing import Any
 
-from hwkv.connectors.copy import copy_block_pairs
-from hwkv.connectors.jobs import JobConnector, Meta, ReqState
-from hwkv.core.block_pool import BlockPool, KVCacheBlock
+from hwkv.connectors.jobs import ReqState
+from hwkv.connectors.offload_tier import HostTier
+from hwkv.connectors.offload_worker import OffloadMeta, OffloadWorker
+from hwkv.core.block_pool import KVCacheBlock
 from hwkv.core.sched_output import KVConnectorOutput
 
 
@@ -50,28 +53,15 @@ class _Job:
     load: bool
     req_id: str
     host: list[KVCacheBlock]
-    device: list[KVCacheBlock]
+    device: list[KVCacheBlock]  # pinned ones (a preempted request's store pins none)
     hashes: list[bytes] = field(default_factory=list)  # store: registered on completion
     is_async: bool = False
 
 
-@dataclass
-class _Flight:
-    job_id: int
-    event: Any
-    ok: bool
-    req_id: str = ""
-    is_async: bool = False
-    t0: float = 0.0
-    reported: bool = False
-
-
-class OffloadConnector(JobConnector):
-    """Meta: loads ``(job, req, host ids, device ids, async)``, stores ``(job, device ids, host ids)``;
-    completions ``(job, ok)`` under ``extra["offload"]``."""
+class OffloadConnector(OffloadWorker):
+    """Scheduler side of the protocol above; the per-step metadata is an :class:`OffloadMeta`."""
 
     name = "offload"
-    _extra_key = "offload"
 
     def __init__(self, cpu_bytes: int, min_run_blocks: int = 4, store: bool = True, async_load: bool = False,
                  load_timeout_s: float | None = None, store_batch_blocks: int = 32):
@@ -87,16 +77,14 @@ class OffloadConnector(JobConnector):
         self.store, self.async_load, self.load_timeout_s = bool(store), bool(async_load), load_timeout_s
         self.store_batch_blocks = store_batch_blocks
         self._init_jobs()
-        self.cpu: BlockPool | None = None  # the host tier (created with the device KV cache)
+        self.cpu: HostTier | None = None  # created with the device KV cache
         self.block_size = 0
         self._pending_hits: dict[str, tuple[int, list[KVCacheBlock]]] = {}  # rid -> (first block, pinned hits)
         self._finished_stores: list[tuple[int, list[int], list[int]]] = []  # issued with the next step
+        self._preempted_stores: list[tuple[int, list[int], list[int]]] = []  # issued before its forward
         self.counters = dict(loaded_bytes=0, stored_bytes=0, load_jobs=0, store_jobs=0, hit_blocks=0,
-                             stores_skipped_full=0, failed_loads=0)
-        # worker side
-        self.device_kv: Any = None
-        self.host_kv: Any = None
-        self._flights: list[_Flight] = []
+                             stores_skipped_full=0, failed_loads=0, preempted_store_blocks=0)
+        self._init_worker()
 
     # ---- set-up --------------------------------------------------------------------------------
     def register_kv_caches(self, kv_cache: Any) -> None:
@@ -107,7 +95,7 @@ class OffloadConnector(JobConnector):
                              f"{spec.bytes_per_block} bytes; allowed: cpu_bytes >= {spec.bytes_per_block})")
         self.device_kv, self.block_size = kv_cache, spec.block_size
         self.host_kv = self.dev.allocate_kv_cache(replace(spec, num_blocks=n), kv_cache.layout, host=True)
-        self.cpu = BlockPool(n, enable_caching=True)
+        self.cpu = HostTier(n)
         self._load_stream, self._store_stream = self.dev.new_stream(), self.dev.new_stream()
 
     # ---- scheduler side ------------------------------------------------------------------------
@@ -118,8 +106,7 @@ class OffloadConnector(JobConnector):
             return 0, False
         bs = self.block_size
         start, end = num_computed_tokens // bs, (request.num_tokens - 1) // bs  # the last token is computed
-        get = self.cpu.cached_block_hash_to_block.get
-        hits = list(takewhile(lambda b: b is not None, map(get, request.block_hashes[start:end])))
+        hits = self.cpu.match(request.block_hashes[start:end])
         if not hits:
             return 0, False
         self.cpu.touch(hits)  # pinned until admitted (then until loaded) or released
@@ -147,10 +134,11 @@ class OffloadConnector(JobConnector):
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         loads = self._take_loads(scheduler_output)
         stores = self._prepare_stores(scheduler_output) if self.store and self.cpu is not None else []
-        if not loads and not stores:
+        early, self._preempted_stores = self._preempted_stores, []
+        if not loads and not stores and not early:
             return None
-        return Meta([(j.job_id, j.req_id, [b.block_id for b in j.host], [b.block_id for b in j.device], j.is_async)
-                      for j in loads], stores)
+        return OffloadMeta([(j.job_id, j.req_id, [b.block_id for b in j.host], [b.block_id for b in j.device],
+                             j.is_async) for j in loads], stores, early_stores=early)
 
     def _prepare_stores(self, so: Any) -> list[tuple[int, list[int], list[int]]]:
         """Store jobs of this step: the newly full blocks of scheduled requests, once at least
@@ -170,32 +158,39 @@ class OffloadConnector(JobConnector):
             out += [job for st in ready if (job := self._store_job(st)) is not None]
         return out
 
-    def _store_job(self, st: ReqState) -> tuple[int, list[int], list[int]] | None:
-        """Pin the request's full blocks not yet stored and host blocks for those the tier lacks
-        (evicting LRU ones); the copy runs after this step's forward."""
-        cpu, cached = self.cpu, self.cpu.cached_block_hash_to_block  # type: ignore[union-attr]
+    def _store_job(self, st: ReqState, pin: bool = True) -> tuple[int, list[int], list[int]] | None:
+        """Host blocks (evicting LRU ones) for the request's computed full blocks not yet stored that
+        the tier lacks; the device blocks are pinned (``pin``) until the copy ends, or not (a
+        preempted request's: the copy is issued before its step's forward)."""
+        cpu = self.cpu
         req, rid = st.request, st.request.request_id
         blocks = self.kv.get_blocks(rid)
         full = min(req.num_computed_tokens // self.block_size, len(req.block_hashes), len(blocks))
-        todo = []
-        for i in range(st.num_stored, full):
-            h = req.block_hashes[i]
-            if (b := cached.get(h)) is not None:
-                cpu.touch((b,))  # already in the tier: refresh its LRU position (before evicting
-                cpu.free_blocks((b,))  # for the new ones, so this request never evicts its own)
-            elif h not in self._storing:
-                todo.append(i)
+        # already in the tier: refreshed first, so this request never evicts its own blocks
+        todo = [i for i in range(st.num_stored, full)
+                if not cpu.refresh(h := req.block_hashes[i]) and h not in self._storing]  # type: ignore[union-attr]
         st.num_stored = max(st.num_stored, full)
-        n = min(len(todo), cpu.num_free_blocks)  # a host block pinned by a transfer is no capacity
-        self.counters["stores_skipped_full"] += len(todo) - n
-        if not n:
+        host = cpu.reserve(len(todo))  # type: ignore[union-attr]  # a pinned host block is no capacity
+        self.counters["stores_skipped_full"] += len(todo) - len(host)
+        if not host:
             return None
-        host = cpu.get_new_blocks(n)
-        device = [blocks[i] for i in todo[:n]]
-        hashes = [req.block_hashes[i] for i in todo[:n]]
+        device = [blocks[i] for i in todo[:len(host)]]
+        hashes = [req.block_hashes[i] for i in todo[:len(host)]]
         self._storing.update(hashes)
-        job = self._add_job(_Job(next(self._ids), False, rid, host, device, hashes), device)
+        job = _Job(next(self._ids), False, rid, host, device if pin else [], hashes)
+        self._add_job(job, job.device)
         return job.job_id, [b.block_id for b in device], [b.block_id for b in host]
+
+    def request_preempted(self, request: Any) -> None:
+        rid = request.request_id
+        self._release_hit(rid)
+        st = self._reqs.pop(rid, None)  # re-admission starts afresh
+        # a load into its blocks is unconfirmed (hold): those bytes may be garbage, store nothing
+        if st is None or st.hold or not self.store or self.cpu is None:
+            return
+        if (job := self._store_job(st, pin=False)) is not None:
+            self._preempted_stores.append(job)
+            self.counters["preempted_store_blocks"] += len(job[1])
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         self.counters["failed_loads"] += len(output.failed_recving)
@@ -214,10 +209,7 @@ class OffloadConnector(JobConnector):
         else:
             self._storing.difference_update(job.hashes)
             if ok:  # registered only now: a lookup never sees bytes still in flight
-                for b, h in zip(job.host, job.hashes):
-                    if h not in cpu.cached_block_hash_to_block:  # type: ignore[union-attr]
-                        b.block_hash = h
-                        cpu.cached_block_hash_to_block[h] = b  # type: ignore[union-attr]
+                cpu.publish(job.host, job.hashes)  # type: ignore[union-attr]
                 self.counters["stored_bytes"] += nbytes
                 self.counters["store_jobs"] += 1
         cpu.free_blocks(job.host)  # type: ignore[union-attr]  # cached ones join the LRU at the MRU end
@@ -242,71 +234,3 @@ class OffloadConnector(JobConnector):
         out["cpu_evictions"] = cpu.stats.evictions if cpu is not None else 0
         out["transfers_in_flight"] = len(self._jobs)
         return out
-
-    # ---- worker side ---------------------------------------------------------------------------
-    def load_blocks(self, host_ids: list[int], device_ids: list[int]) -> None:
-        """Queue one request's host → device copies on the load stream (tests inject failures here)."""
-        copy_block_pairs(self.dev, self.host_kv, self.device_kv, host_ids, device_ids, self._load_stream,
-                         self.min_run_blocks)
-
-    def start_load_kv(self) -> None:
-        loads = self._issue(loads=True)
-        if not loads:
-            return
-        dev, stream = self.dev, self._load_stream
-        ready = dev.new_event()
-        ready.record()  # the compute stream's work so far: a reused block's last writer
-        stream.wait_event(ready)
-        last_sync = None
-        for job_id, rid, host_ids, device_ids, is_async in loads:
-            try:
-                self.load_blocks(host_ids, device_ids)
-                ok = True
-            except Exception:  # reported, then recomputed: never wrong tokens
-                ok = False
-                self._failed_now.add(rid)
-            ev = dev.new_event()
-            ev.record(stream)
-            self._flights.append(_Flight(job_id, ev, ok, rid, is_async, time.monotonic(), reported=not ok))
-            if ok and not is_async:
-                last_sync = ev
-        if last_sync is not None:
-            dev.current_stream().wait_event(last_sync)  # the forward reads the loaded blocks
-
-    def wait_for_save(self) -> None:
-        stores = self._issue(loads=False)
-        if not stores:
-            return
-        dev, stream = self.dev, self._store_stream
-        written = dev.new_event()
-        written.record()  # behind this step's forward: the blocks it fills are written
-        stream.wait_event(written)
-        # one batched copy for every store of the step (a launch per KV tensor, not per request)
-        device_ids = [b for _, d, _ in stores for b in d]
-        host_ids = [b for _, _, h in stores for b in h]
-        try:
-            copy_block_pairs(dev, self.device_kv, self.host_kv, device_ids, host_ids, stream, self.min_run_blocks)
-            ok = True
-        except Exception:
-            ok = False  # the tier just does not get these blocks
-        ev = dev.new_event()
-        ev.record(stream)
-        self._flights += [_Flight(job_id, ev, ok) for job_id, _, _ in stores]
-
-    def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput | None:
-        done, recv, failed = self._take_done()
-        still, now = [], time.monotonic()
-        for f in self._flights:
-            if f.event.query():
-                done.append((f.job_id, f.ok))
-                if f.is_async and not f.reported:
-                    recv.add(f.req_id)
-                continue
-            if f.is_async and not f.reported and self.load_timeout_s is not None and now - f.t0 > self.load_timeout_s:
-                f.reported = True  # its blocks stay pinned until the copy really ends
-                failed.add(f.req_id)
-            still.append(f)
-        self._flights = still
-        if not (done or recv or failed):
-            return None
-        return KVConnectorOutput(finished_recving=recv, failed_recving=failed, extra={"offload": done})

@@ -182,7 +182,8 @@ class SchedulerResults:
         before.update((n.req_id, n.num_computed_tokens) for n in sched_out.scheduled_new_reqs)
         for req in reversed(victims):
             self.loading.pop(req.request_id, None)  # its load's step never reports
-            self.kv.uncache_blocks(req, before[req.request_id])  # blocks the step was to fill
+            req.num_computed_tokens = before[req.request_id]  # the failed step computed nothing
+            self.kv.uncache_blocks(req, req.num_computed_tokens)  # blocks the step was to fill
             self._preempt(req)
             req.num_output_placeholders = 0  # the failed step's tokens never arrive
         self.finished_req_ids |= sched_out.finished_req_ids

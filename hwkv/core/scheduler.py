@@ -335,6 +335,8 @@ class Scheduler(SchedulerResults):
         rid = req.request_id
         st.budget += st.num_sched.pop(rid)
         k = st.cached.req_ids.index(rid)
+        req.num_computed_tokens = c = st.cached.num_computed_tokens[k]
+        self.kv.uncache_blocks(req, c)  # registered as full by this step's allocation, never written
         del st.cached.req_ids[k], st.cached.new_block_ids[k], st.cached.num_computed_tokens[k]
         st.partial.discard(rid)
         st.spec.pop(rid, None)
@@ -343,6 +345,7 @@ class Scheduler(SchedulerResults):
             req.num_output_placeholders -= 1
 
     def _preempt(self, req: Request, st: _Step | None = None, requeue: bool = True) -> None:
+        self.connector.request_preempted(req)  # its blocks are still held; num_computed_tokens is exact
         self.kv.free(req)
         self._num_slots.pop(req.request_id, None)
         req.status = RequestStatus.PREEMPTED

@@ -10,6 +10,7 @@ scheduler side, inside ``Scheduler.schedule`` / ``update_from_output``::
     meta = build_connector_meta(sched_out)                                      # once per step
     update_connector_output(kv_connector_output)                                # after the step
     delay_free, params = request_finished(req, block_ids)                       # on finish
+    request_preempted(req)                              # before a preempted request's blocks are freed
 
 worker side, inside ``ModelRunner.execute``::
 
@@ -89,6 +90,17 @@ class KVConnectorBase:
         (e.g. aborted) while its load is in flight must return ``delay_free=True`` and be reported
         in ``finished_sending`` when the load stops writing, or its blocks could be reused under it."""
         return False, None
+
+    def request_preempted(self, request: Request) -> None:
+        """``request`` is preempted (or its failed step rolled back): called just before the
+        scheduler frees its blocks, which ``kv_cache_manager.get_blocks(request.request_id)`` still
+        returns. ``request.num_computed_tokens`` counts exactly the tokens whose KV steps already
+        launched write (tokens scheduled in this step or in a failed one are taken back first). The
+        freed blocks may be handed to another request in this very step: a connector that still
+        needs their bytes either reads them before this step's forward and loads can write them
+        (``offload`` copies them out at the start of ``start_load_kv`` and makes the compute stream
+        wait for that copy) or pins them with ``block_pool.touch`` (then the preemption frees fewer
+        blocks). The request comes back through ``get_num_new_matched_tokens`` when re-admitted."""
 
     def bind_model(self, model: str, model_config: Any) -> None:
         """Called once, when the model is loaded: its path or name and its config (a connector that

@@ -44,12 +44,17 @@ class Tier:
         c = self.conn
         c.bind_connector_metadata(c.build_connector_meta(so))
         c.start_load_kv()
+        for t in self.device.tensors:  # the forward: reuses (and overwrites) every free device block
+            for b in self.kv.block_pool.free_block_queue:
+                t[b.block_id] = -1.0
         c.wait_for_save()
         out = c.get_finished(set())
         if out is not None:
             c.update_connector_output(out)
 
-    def store(self, family: int, nblocks: int) -> None:
+    def store(self, family: int, nblocks: int, preempt: bool = False) -> None:
+        """A request computes ``nblocks`` full blocks, then finishes (stored by the steps of a batch of
+        one) or is preempted before any step stored them (stored by the preemption)."""
         req = self.request(family, nblocks)
         self.kv.allocate_slots(req, req.num_tokens)
         for b, h in zip(self.kv.get_blocks(req.request_id), req.block_hashes):
@@ -57,6 +62,11 @@ class Tier:
                 t[b.block_id] = _fill(h)  # the forward's KV
         req.num_computed_tokens = req.num_tokens
         self.conn.update_state_after_alloc(req, self.kv.get_block_ids(req.request_id), 0)
+        if preempt:
+            self.conn.request_preempted(req)
+            self.kv.free(req)  # its device blocks are reused by the next step's forward
+            self.step(req, False)
+            return
         self.step(req, True)
         self.finish(req)
 
@@ -85,7 +95,7 @@ def _fill(h: bytes) -> torch.Tensor:
     return torch.full(SPEC.tensor_shapes(KVLayoutKind.PER_LAYER)[0][1:], float(int.from_bytes(h[:2], "little")))
 
 
-ops = st.lists(st.tuples(st.sampled_from(["store", "hit", "peek"]), st.integers(0, 3), st.integers(1, 6)),
+ops = st.lists(st.tuples(st.sampled_from(["store", "preempt", "hit", "peek"]), st.integers(0, 3), st.integers(1, 6)),
                max_size=25)
 
 
@@ -95,7 +105,7 @@ def test_tier_is_an_lru_of_block_hashes_with_bounded_capacity(capacity, ops):
     tier = Tier(capacity)
     model: OrderedDict[bytes, None] = OrderedDict()  # LRU first
     for op, family, nblocks in ops:
-        if op == "store":
+        if op in ("store", "preempt"):
             hashes = tier.request(family, nblocks).block_hashes
             new = [h for h in hashes if h not in model]
             for h in hashes:
@@ -110,7 +120,7 @@ def test_tier_is_an_lru_of_block_hashes_with_bounded_capacity(capacity, ops):
                 stored.append(h)
             for h in stored:
                 model[h] = None
-            tier.store(family, nblocks)
+            tier.store(family, nblocks, preempt=op == "preempt")
         else:
             req_hashes = tier.request(family, nblocks).block_hashes
             want = []

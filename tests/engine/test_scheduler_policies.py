@@ -6,6 +6,7 @@ import pytest
 
 from hwkv.core.request import Request
 from hwkv.core.request_queue import FCFSQueue, PriorityQueue
+from hwkv.interfaces.connector import KVConnectorBase
 from tests.engine.test_scheduler import add, make, req, step
 
 
@@ -178,3 +179,29 @@ def test_bad_policy_reserve_and_priority():
     with pytest.raises(ValueError, match="priority must be an int, got 1.5"):
         s.add_request(bad)
     assert not s.requests
+
+
+
+def test_unscheduled_victim_keeps_no_block_registered_for_its_taken_back_chunk():
+    """Regression: a victim already scheduled in the step had its chunk's newly full block
+    registered in the prefix cache; taking the chunk back must unregister it (its KV is never
+    written), and a connector sees only the tokens earlier steps computed when it is preempted."""
+    seen = []
+
+    class Spy(KVConnectorBase):
+        def request_preempted(self, request):
+            seen.append((request.request_id, request.num_computed_tokens, len(s.kv.get_blocks("low"))))
+
+    s = make(num_blocks=6, connector=Spy(), policy="priority", long_prefill_token_threshold=6,
+             reserve_full_prompt=False)
+    low = prio("low", 20, 9, max_tokens=4)
+    add(s, low)
+    step(s)  # low: prompt tokens 0-6 (2 blocks)
+    add(s, prio("high", 4, 0, max_tokens=8))
+    step(s)  # low: 6-12 (3 blocks); high: its whole prompt (1 block, 4 slots), samples
+    so, _ = step(s)  # low: 12-18 takes the last 2 blocks (block 3 now full); high needs a 2nd: low goes
+    assert so.preempted_req_ids == {"low"} and list(so.num_scheduled_tokens) == ["high"]
+    assert seen == [("low", 12, 5)]  # before its blocks were freed, counting only what was computed
+    assert low.block_hashes[3] not in s.kv.block_pool.cached_block_hash_to_block  # never written
+    assert all(h in s.kv.block_pool.cached_block_hash_to_block for h in low.block_hashes[:3])
+    run_to_end(s)

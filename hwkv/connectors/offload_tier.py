@@ -1,0 +1,58 @@
+"""The offload connector's host tier: host KV blocks keyed by the device prefix cache's block hashes.
+
+A :class:`HostTier` is a :class:`~hwkv.core.block_pool.BlockPool` of host blocks, so a host hit is a
+prefix-cache hit one tier down (same chained hashes, salts included) and the pool's LRU free queue
+is the tier's eviction order. Its invariants, which the connector keeps and the tests check:
+
+* a block with ``ref_cnt > 0`` is *pinned* — by a pending hit, a load reading it or a store writing
+  it — and is neither evicted nor counted as capacity; every pin is released exactly once;
+* a hash is registered only once the bytes under it have landed (:meth:`publish`), so a lookup
+  never returns a block whose store is still in flight;
+* one hash maps to at most one block; registered blocks not pinned are in LRU order (a lookup hit,
+  a store that finds the block already there, or a released pin moves it to the MRU end).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from functools import partial
+from itertools import takewhile
+from operator import is_not
+
+from hwkv.core.block_pool import BlockPool, KVCacheBlock
+
+_is_block = partial(is_not, None)
+
+
+class HostTier(BlockPool):
+    def __init__(self, num_blocks: int) -> None:
+        super().__init__(num_blocks, enable_caching=True)
+
+    def match(self, hashes: Iterable[bytes]) -> list[KVCacheBlock]:
+        """The blocks holding ``hashes`` consecutively from the first (a miss ends the match, as a
+        hash chains its whole prefix). Not pinned: :meth:`touch` what will be read."""
+        return list(takewhile(_is_block, map(self.cached_block_hash_to_block.get, hashes)))
+
+    def refresh(self, block_hash: bytes) -> bool:
+        """Move the block holding ``block_hash`` to the MRU end (a pinned one gets there when its
+        last pin is released); False when the tier does not hold it."""
+        block = self.cached_block_hash_to_block.get(block_hash)
+        if block is None:
+            return False
+        self.touch((block,))
+        self.free_blocks((block,))
+        return True
+
+    def reserve(self, n: int) -> list[KVCacheBlock]:
+        """Up to ``n`` blocks for a store, evicting LRU ones, each pinned until :meth:`publish` /
+        ``free_blocks``; fewer when pinned blocks leave no room (the tier never waits for space)."""
+        return self.get_new_blocks(min(n, self.num_free_blocks))
+
+    def publish(self, blocks: list[KVCacheBlock], hashes: list[bytes]) -> None:
+        """A store landed: register ``blocks[i]`` under ``hashes[i]`` (a hash the tier got meanwhile
+        from another store leaves the block hash-less, reused first)."""
+        cached = self.cached_block_hash_to_block
+        for block, h in zip(blocks, hashes):
+            if h not in cached:
+                block.block_hash = h
+                cached[h] = block
