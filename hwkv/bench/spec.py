@@ -88,22 +88,61 @@ def _decode(engine: Any, prompts: list[list[int]], tokens: int) -> dict[str, Any
     engine.generate([p[:16] for p in prompts[:2]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
                     use_tqdm=False)  # warm-up (allocator, kernels)
     engine.backend.device.synchronize()
-    prop0 = getattr(engine.runner, "propose_s", 0.0)
+    marks: list[tuple[float, float]] = []  # per engine step: (its end, proposer seconds so far)
+    step = engine._step
+
+    def timed_step(stream: bool) -> Any:
+        out = step(stream)
+        marks.append((time.monotonic(), getattr(engine.runner, "propose_s", 0.0)))
+        return out
+
+    engine._step = timed_step
     t0 = time.perf_counter()
-    outs = engine.generate(prompts, params, use_tqdm=False)
+    try:
+        outs = engine.generate(prompts, params, use_tqdm=False)
+    finally:
+        del engine._step
     wall = time.perf_counter() - t0
     first = min(o.metrics.first_token_time for o in outs)
     last = max(o.metrics.finish_time for o in outs)
     n = sum(len(o.token_ids) - 1 for o in outs)
     res = {"decode_tok_s": n / max(last - first, 1e-9), "wall_s": wall, "tokens": [list(o.token_ids) for o in outs]}
+    # The window [first, last] holds the steps after the one that produced the first token (that one
+    # proposed before it): the proposer's time in the window is what they spent.
+    after = [p for t, p in marks if t >= first]
+    prop = after[-1] - after[0]
+    steps = max(len(after) - 1, 1)
     # the verify side alone: as if drafts were free (the ceiling a cheap proposer approaches)
-    prop = getattr(engine.runner, "propose_s", 0.0) - prop0
     res["verify_only_tok_s"] = n / max(last - first - prop, 1e-9)
+    res["step_ms"] = (last - first) / steps * 1e3
+    res["step_ms_excl_propose"] = (last - first - prop) / steps * 1e3
+    res.update(_graph_ms(engine, len(prompts), max(len(p) for p in prompts) + tokens))
     st = engine.stats().get("spec_decode")
     if st is not None:
         res["spec"] = {k: st[k] for k in ("acceptance_rate", "mean_accepted_length", "acceptance_rate_per_position",
                                           "draft_tokens", "accepted_tokens", "verify_graph_steps")}
     return res
+
+
+def _graph_ms(engine: Any, batch: int, max_seq_len: int, reps: int = 20) -> dict[str, float | None]:
+    """Device ms of one replay of the decode graph and of the verify graph serving ``batch`` requests up
+    to ``max_seq_len`` (``None`` where none was captured): a step's wall time less this is host time."""
+    r, dev = engine.runner, engine.backend.device
+    out: dict[str, float | None] = {}
+    for name, runner in (("decode_graph_ms", r.graphs), ("verify_graph_ms", getattr(r, "verify_graphs", None))):
+        g = runner.graph(batch, max_seq_len) if runner is not None else None
+        if g is None:
+            out[name] = None
+            continue
+        start, end = dev.new_event(enable_timing=True), dev.new_event(enable_timing=True)
+        g.replay()  # inputs as the last step left them; its KV rewrites go to freed blocks
+        start.record()
+        for _ in range(reps):
+            g.replay()
+        end.record()
+        end.synchronize()
+        out[name] = start.elapsed_time(end) / reps
+    return out
 
 
 def _engine(mdir: Path, args: argparse.Namespace, batch: int, **kw: Any) -> Any:
@@ -171,7 +210,10 @@ def run(args: argparse.Namespace) -> int:
                        "speedup_vs_eager": r["decode_tok_s"] / base["eager"]["decode_tok_s"],
                        "verify_only_tok_s": r["verify_only_tok_s"],
                        "verify_only_speedup": r["verify_only_tok_s"] / base["default"]["decode_tok_s"],
-                       "identical_to_baseline": r["tokens"] == base["eager"]["tokens"], **r["spec"]}
+                       "identical_to_baseline": r["tokens"] == base["eager"]["tokens"], **r["spec"],
+                       "baseline_step_ms": base["default"]["step_ms"], "step_ms": r["step_ms"],
+                       "step_ms_excl_propose": r["step_ms_excl_propose"],
+                       "decode_graph_ms": base["default"]["decode_graph_ms"], "verify_graph_ms": r["verify_graph_ms"]}
                 rows.append(row)
                 print(json.dumps({x: v for x, v in row.items() if x != "acceptance_rate_per_position"}), flush=True)
     out_dir = Path(args.out_dir) if args.out_dir else results_dir()
@@ -193,19 +235,28 @@ def _markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     lines = [f"# hwkv bench spec — {meta['model']} on {meta['backend']} ({meta['device']}), {meta['dtype']}, "
              f"k={meta['k']}, prompt {meta['prompt_len']}, {meta['tokens']} tokens/request", "",
              "| scenario | batch | baseline tok/s | eager tok/s | spec tok/s | speedup | vs eager | "
-             "verify-only speedup | acceptance | tokens/verify | graph verify steps | identical |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "verify-only speedup | acceptance | tokens/verify | graph verify steps | identical | "
+             "step ms: baseline / spec / spec excl. proposer | graph replay ms: decode / verify |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['scenario']} | {r['batch']} | {r['baseline_tok_s']:.1f} | {r['eager_tok_s']:.1f} | "
                      f"{r['spec_tok_s']:.1f} | {r['speedup']:.2f}x | {r['speedup_vs_eager']:.2f}x | "
                      f"{r['verify_only_speedup']:.2f}x | "
                      f"{r['acceptance_rate']:.3f} | {r['mean_accepted_length']:.2f} | {r['verify_graph_steps']} | "
-                     f"{r['identical_to_baseline']} |")
+                     f"{r['identical_to_baseline']} | {r['baseline_step_ms']:.3f} / {r['step_ms']:.3f} / "
+                     f"{r['step_ms_excl_propose']:.3f} | {_ms(r['decode_graph_ms'])} / {_ms(r['verify_graph_ms'])} |")
     lines += ["", "speedup: vs the default engine (graphs where captured, async scheduling); vs eager: vs "
               "enforce_eager (no graphs); verify-only: the speculative run's throughput with the "
               "proposer's time taken out (drafts for free: the ceiling a cheap proposer approaches — with "
               "draft = target the draft costs as much as the target, so only this column can exceed 1 much).",
               "", "Random weights: acceptance of the 1-layer draft (and of n-gram beyond the repetition the "
               "target happens to produce) says nothing about real models; `self` (draft = target, acceptance "
-              "~1) shows the mechanism's ceiling.", ""]
+              "~1) shows the mechanism's ceiling.", "",
+              "step ms: wall time per engine step after the first token (the baseline's are pipelined with async "
+              "scheduling); graph replay ms: device time of one replay of the decode / verify graph at this batch "
+              "(a step's time less its replay is what the host adds where nothing overlaps it).", ""]
     return "\n".join(lines)
+
+
+def _ms(v: float | None) -> str:
+    return "–" if v is None else f"{v:.3f}"
