@@ -197,12 +197,15 @@ def bench_ttft(args: argparse.Namespace, mdir: Path) -> dict[str, Any]:
     res = {"prompt_len": n, "host_hit_tokens": hit, "ttft_loaded_s": med(loaded),
            "ttft_recomputed_s": med(recomputed), "ttft_device_hit_s": med(device_hit),
            "load_copy_s": med(copy), "load_issue_s": med(issue)}
+    # steps served by the short-query graphs (the tails of the loaded and device-hit runs): 0 = eager
+    res["tail_graph_steps"] = getattr(e.runner, "num_tail_graph_steps", 0)
     res["speedup"] = round(res["ttft_recomputed_s"] / res["ttft_loaded_s"], 2)
     res["unexplained_s"] = res["ttft_loaded_s"] - res["ttft_device_hit_s"] - res["load_copy_s"]
     print(f"ttft {n} tokens: host tier {res['ttft_loaded_s'] * 1e3:.1f} ms ({hit} tokens loaded), "
           f"recomputed {res['ttft_recomputed_s'] * 1e3:.1f} ms: {res['speedup']}x; loaded = device-prefix-hit "
           f"TTFT {res['ttft_device_hit_s'] * 1e3:.1f} ms + load copy {res['load_copy_s'] * 1e3:.1f} ms (issued in "
-          f"{res['load_issue_s'] * 1e3:.2f} ms host) + {res['unexplained_s'] * 1e3:.1f} ms other", flush=True)
+          f"{res['load_issue_s'] * 1e3:.2f} ms host) + {res['unexplained_s'] * 1e3:.1f} ms other; "
+          f"{res['tail_graph_steps']} tail steps replayed graphs", flush=True)
     _free(e)
     return res
 

@@ -157,3 +157,29 @@ def test_last_only_run_matches_the_eager_forward_row_for_row(model_dir):
     assert (got.argmax(-1) == want.argmax(-1)).all()
     with pytest.raises(ValueError, match=r"not all in \[1, 4\]"):
         pad_queries(build_batch(token_ids, block_table, slots, ctx, ql + 4, ctx + ql + 4, BS), BS, BS)
+
+
+def test_a_prefix_loaded_by_the_offload_connector_then_its_tail_replays(model_dir):
+    """The ``offload`` connector's host tier gives back a prefix the device pool could not keep; the tail
+    after the loaded blocks runs through the tail graphs with the tokens of an eager engine without it."""
+    base, prompts = _prompts(4)
+    other = np.random.default_rng(5).integers(3, 500, 70).tolist()  # evicts the base prefix
+    kw = {"num_kv_blocks": 20, "max_model_len": 80, "max_num_seqs": 2}
+
+    def run(e: hwkv.Engine) -> list[list[int]]:
+        out = []
+        for p in (base, other, prompts[2], other, prompts[3]):
+            out.append(e.generate([p], GREEDY, use_tqdm=False)[0].token_ids)
+            for _ in range(100):  # let the stores finish before the next prompt may evict
+                if not e.runner.connector or not e.scheduler.connector.has_pending_transfers():
+                    break
+                e.step()
+        _done(e)
+        return out
+
+    want = run(_engine(model_dir, enforce_eager=True, **kw))
+    e = _engine(model_dir, kv_connector="offload", kv_connector_config={"cpu_bytes": 2**20}, **kw)
+    got = run(e)
+    assert got == want
+    assert e.stats()["kv_connector"]["external_hit_tokens"] >= 2 * 40  # both tails' prefixes were loaded
+    assert e.runner.num_tail_graph_steps >= 2
