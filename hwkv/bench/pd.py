@@ -93,6 +93,18 @@ def _counters(url: str) -> dict[str, float]:
     return out
 
 
+def _transfer_errors(server: Any) -> dict[str, int]:
+    """The p2p connector's warnings in a server's log (why a transfer failed), counted by message with
+    request ids and addresses masked."""
+    out: dict[str, int] = {}
+    for line in Path(server.log.name).read_text(errors="replace").splitlines():
+        if "p2p:" in line:
+            msg = re.sub(r"(req|cmpl|chatcmpl)-[\w-]+|\d+\.\d+\.\d+\.\d+:\d+|\b\d+\b", "*",
+                         line.split("p2p:", 1)[1].strip())
+            out[msg[:300]] = out.get(msg[:300], 0) + 1
+    return out
+
+
 def _measure(url: str, info: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
     rng = random.Random(args.seed)  # the same prompts for every setup
     out = []
@@ -129,6 +141,7 @@ def _disaggregated(model: str, args: argparse.Namespace) -> tuple[dict[str, Any]
         before = {"producer": _counters(p.url), "consumer": _counters(d.url)}
         results = _measure(px.url, info, args)
         after = {"producer": _counters(p.url), "consumer": _counters(d.url)}
+        errors = {side: _transfer_errors(s) for side, s in (("producer", p), ("consumer", d))}
     finally:
         for s in reversed(started):
             s.stop()
@@ -139,6 +152,7 @@ def _disaggregated(model: str, args: argparse.Namespace) -> tuple[dict[str, Any]
     transfer = {"bytes": nbytes, "seconds": secs, "GBps": nbytes / secs / 1e9 if secs > 0 else None,
                 "transfers": delta["consumer"].get("transfers", 0.0),
                 "failed_transfers": delta["consumer"].get("failed_transfers", 0.0), "counters": delta,
+                "errors": errors,
                 "note": "seconds: blocking transfer calls of the side that moves the KV (layerwise writes overlap "
                         "the forward and are not timed)"}
     return info, results, transfer
@@ -197,3 +211,6 @@ def _print(res: dict[str, Any]) -> None:
     rate = f"{t['GBps']:.2f} GB/s" if t["GBps"] else "n/a"
     print(f"KV moved: {t['bytes'] / 1e6:.1f} MB in {t['seconds']:.3f} s of transfers ({rate}); "
           f"{t['transfers']:.0f} loads, {t['failed_transfers']:.0f} failed (latencies in ms)")
+    for side, errs in t.get("errors", {}).items():
+        for msg, n in errs.items():
+            print(f"  {side} x{n}: {msg}")

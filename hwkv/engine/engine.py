@@ -238,7 +238,8 @@ class Engine:
         # milliseconds at a few hundred requests, as much as a GPU decode step.
         t0 = time.perf_counter()
         so = self.scheduler.schedule()
-        idle = not so.total_num_scheduled_tokens and self._inflight is None
+        idle = not so.total_num_scheduled_tokens and (
+            self._inflight is None or not self._inflight.total_num_scheduled_tokens)
         prev_so, self._inflight = self._inflight, None
         try:
             if self.async_scheduling:
