@@ -44,6 +44,7 @@ class OffloadWorker(JobConnector):
     ``(job, ok)`` under ``extra["offload"]``."""
 
     _extra_key = "offload"
+    metadata_type = OffloadMeta | None  # what tensor-parallel ranks decode (early stores included)
     min_run_blocks: int
     load_timeout_s: float | None
 

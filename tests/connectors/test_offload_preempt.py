@@ -175,3 +175,18 @@ def test_unscheduled_victim_stores_only_blocks_already_written(model_dir):
         assert finals[conn]["sharer"] == want
     assert finals["offload"] == finals[None]
 
+
+
+@pytest.mark.timeout(240)
+def test_preemption_store_runs_on_every_tensor_parallel_rank(model_dir, reference):
+    """At tp=2 every rank copies its own shard of the preempted request's blocks (the early stores
+    travel in the metadata the ranks decode), and the job completes once both ranks reported it."""
+    e = engine(model_dir, tensor_parallel_size=2, kv_connector="offload", kv_connector_config={"cpu_bytes": MB})
+    try:
+        assert run_a_then_b(e) == reference
+        st = e.stats()["kv_connector"]
+        assert st["preempted_store_blocks"] == 4 and st["external_hit_tokens"] == 4 * 16
+        assert_no_leak(e)
+        assert e.runner.kv_outputs.pending() == 0
+    finally:
+        e.close()
