@@ -25,7 +25,7 @@ from typing import Any
 
 from hwkv.connectors.copy import copy_block_pairs
 from hwkv.connectors.p2p_channel import SideChannel, call
-from hwkv.connectors.p2p_consumer import ConsumerSide
+from hwkv.connectors.p2p_consumer import ConsumerSide, LoadSpec
 from hwkv.connectors.p2p_producer import ProducerSide
 from hwkv.connectors.p2p_protocol import (
     Ack,
@@ -84,13 +84,16 @@ class P2PConnector(ProducerSide, ConsumerSide, KVConnectorBase):
         # (kind "recv" | "sent", rid, ok, nbytes, settled): completions from the side channel and transfer threads
         self._results: queue.Queue[tuple[str, str, bool, int, bool]] = queue.Queue()
         self._wake = threading.Event()
-        self._peers: dict[str, Layout] = {}  # side-channel address or engine id -> handshaken layout
+        self._peers: dict[str, Layout] = {}  # consumer engine id -> its handshaken layout (push)
+        self._producers: dict[str, list[Layout]] = {}  # producer side-channel address -> its ranks' layouts
+        self.rank_layouts: list[Layout] = []  # every tensor-parallel rank's layout (scheduler side)
+        self.total_kv_heads: int | None = None  # the model's (bind_model)
         # consumer
         self._offers: dict[str, tuple[int, int]] = {}  # rid -> (start, end) offered
-        self._loads: dict[str, Any] = {}
+        self._loads: dict[str, Any] = {}  # scheduler side: rid -> its pinned blocks, until every rank settled
         self._new_loads: list[Any] = []
         self._no_offer: set[str] = set()
-        self._unpin: list[list[Any]] = []
+        self._reading: dict[str, Any] = {}  # worker side: rid -> load into this rank's shard
         # producer (_held, _targets and _target_deadlines are shared with the side-channel thread: _lock)
         self._held: dict[str, Any] = {}
         self._targets: dict[str, tuple[PushRequest, Layout]] = {}  # transfer id -> consumer-first announcement
@@ -104,7 +107,25 @@ class P2PConnector(ProducerSide, ConsumerSide, KVConnectorBase):
                              expired_holds=0, refused_offers=0, layer_writes=0,
                              transfer_s=0.0)  # seconds in blocking transfers (pull reads, push writes)
 
+    # tensor parallelism (pull): the scheduler side and the side channel run on the driver, which
+    # knows every rank's layout; each consumer rank reads its heads itself, and the producer frees a
+    # request's blocks once every consumer rank released them
+    supports_tensor_parallel = True
+    metadata_type = tuple[list[LoadSpec], list, bool] | None
+    tp_job_keys = ("p2p_settled",)  # a load's blocks are unpinned once no rank's transfer can write them
+    tp_sending_from_driver = True
+    tp_worker_info_type = Layout
+
     # ---- set-up --------------------------------------------------------------------------------
+    def bind_model(self, model: str, model_config: Any = None) -> None:
+        self.total_kv_heads = getattr(model_config, "num_kv_heads", None)
+
+    def tp_worker_info(self) -> Any:
+        return self.layout
+
+    def bind_tp_worker_info(self, infos: list[Any]) -> None:
+        self.rank_layouts = list(infos)
+
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         self.kv = kv_cache_manager
 
@@ -143,13 +164,20 @@ class P2PConnector(ProducerSide, ConsumerSide, KVConnectorBase):
         if staging and self.layerwise:
             raise ValueError("p2p: layerwise=True needs KV the transfer engine reaches directly (host memory, or "
                              "rdma/ascend device memory), not tcp staging (allowed: layerwise=False)")
+        if self.tp_size > 1 and (self.mode == "push" or (staging and self.role == "producer")):
+            raise ValueError(f"p2p: at tensor_parallel_size={self.tp_size} the {self.role} runs mode 'pull' with KV "
+                             "the transfer engine reaches directly (allowed: mode='pull'; a producer on host "
+                             "memory or with protocol 'rdma' / 'ascend', not tcp staging)")
         xfer = self.host_kv if staging else kv_cache
         self.transfer = MooncakeTransfer(protocol=self.protocol, host=self.host, metadata_server=self.metadata_server,
                                          device_name=self.device_name, timeout_s=self.transfer_timeout_s)
         for t in xfer.tensors:
             self.transfer.register(t.data_ptr(), t.numel() * t.element_size())
-        self.layout = layout_of(xfer, self.engine_id, self.transfer.endpoint(), self.protocol)
-        self.channel = SideChannel(self.host, self.port, self._handle)
+        self.layout = layout_of(xfer, self.engine_id, self.transfer.endpoint(), self.protocol,
+                                tp_rank=self.tp_rank, tp_size=self.tp_size, total_kv_heads=self.total_kv_heads)
+        self.rank_layouts = [self.layout]  # the driver learns the other ranks' in bind_tp_worker_info
+        if self.tp_rank == 0:  # the driver's: the other ranks only read (consumer) or are read (producer)
+            self.channel = SideChannel(self.host, self.port, self._handle)
 
     def _stage(self, to_host: bool, block_ids: list[int]) -> None:
         """Staging: copy ``block_ids`` between the device pool and its host mirror, and wait for it."""
@@ -173,19 +201,29 @@ class P2PConnector(ProducerSide, ConsumerSide, KVConnectorBase):
     def _handle(self, msg: Any) -> Any:
         if isinstance(msg, Hello):
             why = incompatibility(self.layout, msg.layout)  # type: ignore[arg-type]
+            if not why and msg.layout.tp_size != self.tp_size and (self.mode == "push" or self.layerwise):
+                why = (f"mode 'push' needs equal tensor-parallel sizes (tp={self.tp_size} here, tp="
+                       f"{msg.layout.tp_size} at engine {msg.layout.engine_id}; allowed: mode 'pull')")
             if why:
                 return HelloReply(None, why)
             with self._lock:
                 self._peers[msg.layout.engine_id] = msg.layout
-            return HelloReply(self.layout)
+            return HelloReply(self.layout, layouts=self.rank_layouts)
         if isinstance(msg, Acquire):
             with self._lock:
                 h = self._held.get(msg.request_id)
-                if h is None or h.busy:
+                if h is None or h.busy or msg.reader in h.readers:
                     return Ack(False, f"request {msg.request_id} is not held here (expired, freed or being read)")
-                h.busy, h.deadline = True, time.monotonic() + 3 * self.transfer_timeout_s
+                h.readers.add(msg.reader)
+                h.deadline = time.monotonic() + 3 * self.transfer_timeout_s
             return Ack(True)
         if isinstance(msg, Release):
+            with self._lock:  # every consumer rank reads its heads: free once all of them released
+                h = self._held.get(msg.request_id)
+                if h is not None and msg.readers > 1:
+                    h.released.add(msg.reader)
+                    if len(h.released) < msg.readers:
+                        return Ack(True)
             self._done("sent", msg.request_id, msg.ok, 0)
             return Ack(True)
         if isinstance(msg, PushRequest):
@@ -199,17 +237,21 @@ class P2PConnector(ProducerSide, ConsumerSide, KVConnectorBase):
         self._results.put((kind, rid, ok, nbytes, settled))
         self._wake.set()
 
-    def _handshake(self, address: str) -> Layout:
-        peer = self._peers.get(address)
-        if peer is None:
+    def _handshake(self, address: str) -> list[Layout]:
+        """The producer's rank layouts (cached per address); raises naming why they cannot pair."""
+        peers = self._producers.get(address)
+        if peers is None:
             reply = call(address, Hello(self.layout), self.transfer_timeout_s)  # type: ignore[arg-type]
             if not isinstance(reply, HelloReply) or reply.layout is None:
                 raise RuntimeError(f"p2p handshake with {address} refused: {getattr(reply, 'reason', reply)}")
-            why = incompatibility(self.layout, reply.layout)  # type: ignore[arg-type]
+            peers = list(reply.layouts) or [reply.layout]
+            why = next((w for lay in peers if (w := incompatibility(self.layout, lay))), "")  # type: ignore[arg-type]
+            if not why and len(peers) != reply.layout.tp_size:
+                why = f"the producer described {len(peers)} ranks for tp={reply.layout.tp_size}"
             if why:
                 raise RuntimeError(f"p2p handshake with {address} refused: {why}")
-            peer = self._peers[address] = reply.layout
-        return peer
+            self._producers[address] = peers
+        return peers
 
     # ---- scheduler side ------------------------------------------------------------------------
     def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
@@ -239,9 +281,10 @@ class P2PConnector(ProducerSide, ConsumerSide, KVConnectorBase):
         return loads, writes, scheduler_output.total_num_scheduled_tokens == 0
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        for blocks in self._unpin:
-            self.kv.block_pool.free_blocks(blocks)
-        self._unpin = []
+        for rid, *_ in output.extra.get("p2p_settled", ()):  # every rank's transfers into them ended
+            blocks = self._loads.pop(rid, None)
+            if blocks is not None:
+                self.kv.block_pool.free_blocks(blocks)
 
     def has_pending_transfers(self) -> bool:
         return bool(self._loads or self._held or self._streams)
@@ -276,10 +319,11 @@ class P2PConnector(ProducerSide, ConsumerSide, KVConnectorBase):
                 if self._held.pop(rid, None) is not None:
                     sent.add(rid)
                     self.counters["stored_bytes"] += nbytes
-        now = time.monotonic()
-        self.consumer_poll(now, failed)
+        now, settled = time.monotonic(), []
+        self.consumer_poll(now, failed, settled)
         self.producer_poll(now, sent)
-        if not (recv or failed or sent or self._unpin):
+        if not (recv or failed or sent or settled):
             return None
-        return KVConnectorOutput(finished_sending=sent, finished_recving=recv, failed_recving=failed)
+        return KVConnectorOutput(finished_sending=sent, finished_recving=recv, failed_recving=failed,
+                                 extra={"p2p_settled": settled} if settled else {})
 

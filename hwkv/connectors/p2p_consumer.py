@@ -13,23 +13,40 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from hwkv.connectors.p2p_channel import call
-from hwkv.connectors.p2p_protocol import Ack, Acquire, PushRequest, Release, pair_segments, prompt_digest
+from hwkv.connectors.p2p_protocol import (
+    Ack,
+    Acquire,
+    PushRequest,
+    Release,
+    pair_segments,
+    prompt_digest,
+    read_plan,
+)
 from hwkv.interfaces.transfer import TransferTimeout
 
 log = logging.getLogger(__name__)
 _NEED = ("remote_host", "remote_port", "remote_request_id", "remote_block_ids", "remote_num_tokens", "prompt_digest")
 
 
-@dataclass
-class _Load:
-    """One request's incoming KV."""
+class LoadSpec(msgspec.Struct, array_like=True):
+    """Per-step metadata: load tokens ``[start, end)`` of the remote request ``params`` names into
+    ``block_ids`` (the request's blocks, all of them, in order; pinned by the scheduler side)."""
 
     rid: str
     params: dict[str, Any]
-    blocks: list[Any]  # pinned KVCacheBlocks of the request (all of them, in order)
+    block_ids: list[int]
     start: int
     end: int
+
+
+@dataclass
+class _Load:
+    """Worker side: one request's incoming KV (into this rank's shard)."""
+
+    spec: LoadSpec
     deadline: float = 0.0
     reported: bool = False  # finished_recving / failed_recving sent
     settled: bool = False  # no transfer into the blocks can still be running
@@ -89,39 +106,46 @@ class ConsumerSide:
             return
         start, _ = offer
         blocks = list(self.kv.get_blocks(rid))
-        self.kv.block_pool.touch(blocks)  # pinned until no transfer can write them any more
-        load = _Load(rid, dict(request.kv_transfer_params), blocks, start, start + num_external_tokens)
+        self.kv.block_pool.touch(blocks)  # pinned until every rank reports no transfer can write them
+        load = LoadSpec(rid, dict(request.kv_transfer_params), [b.block_id for b in blocks], start,
+                        start + num_external_tokens)
         if "transfer_id" in load.params and "remote_request_id" not in load.params:
             load.params["remote_request_id"] = load.params["transfer_id"]
             load.params["digest"] = prompt_digest(request.prompt_token_ids[:load.end], request.cache_salt)
-        self._loads[rid] = load
+        self._loads[rid] = blocks
         self._new_loads.append(load)
         self._no_offer.add(rid)  # offered once: a preempted or failed request recomputes
 
     # ---- worker side ---------------------------------------------------------------------------
-    def start_loads(self, loads: list[_Load]) -> None:
-        for load in loads:
+    def start_loads(self, loads: list[LoadSpec]) -> None:
+        for spec in loads:
             # consumer first: the producer may still be queueing the prefill, so allow its hold time
-            wait = self.hold_timeout_s if "digest" in load.params else 0.0
-            load.deadline = time.monotonic() + 3 * self.transfer_timeout_s + wait
+            wait = self.hold_timeout_s if "digest" in spec.params else 0.0
+            load = self._reading[spec.rid] = _Load(spec, time.monotonic() + 3 * self.transfer_timeout_s + wait)
             self._pool.submit(self._pull if self.mode == "pull" else self._ask_push, load)
 
     def _pull(self, load: _Load) -> None:
-        p, ok, nbytes, settled = load.params, False, 0, True
+        """Read this rank's KV heads from the producer ranks that hold them (one whole-block slice
+        from the same rank when both engines split alike), then release the producer's hold."""
+        spec, me = load.spec, self.layout
+        p, ok, nbytes, settled = spec.params, False, 0, True
         address = f"{p['remote_host']}:{p['remote_port']}"
         try:
-            peer = self._handshake(address)
-            ack = call(address, Acquire(p["remote_request_id"]), self.transfer_timeout_s)
+            peers = self._handshake(address)
+            rid, rank, size = p["remote_request_id"], me.tp_rank, me.tp_size
+            ack = call(address, Acquire(rid, rank, size), self.transfer_timeout_s)
             if not (isinstance(ack, Ack) and ack.ok):
                 raise RuntimeError(getattr(ack, "reason", "acquire refused"))
-            sp, dp, ln = pair_segments(peer, self.layout, list(p["remote_block_ids"]),
-                                       [b.block_id for b in load.blocks], load.start, load.end)
             t0 = time.perf_counter()
             try:
-                if ln:
-                    settled = False  # a read that times out may still land: keep the blocks pinned a while
-                    self.transfer.read(peer.endpoint, dp, sp, ln)
-                ok, nbytes, settled = True, sum(ln), True
+                reads = [(peer, pair_segments(peer, me, list(p["remote_block_ids"]), spec.block_ids, spec.start,
+                                              spec.end, heads=sl)) for peer, sl in read_plan(peers, me)]
+                for peer, (sp, dp, ln) in reads:
+                    if ln:
+                        settled = False  # a read that times out may still land: keep the blocks pinned a while
+                        self.transfer.read(peer.endpoint, dp, sp, ln)
+                    nbytes += sum(ln)
+                ok, settled = True, True
                 self.counters["transfer_s"] += time.perf_counter() - t0
             except TransferTimeout:
                 raise
@@ -130,30 +154,31 @@ class ConsumerSide:
                 raise
             finally:
                 try:
-                    call(address, Release(p["remote_request_id"], ok), self.transfer_timeout_s)
+                    call(address, Release(rid, ok, rank, size), self.transfer_timeout_s)
                 except Exception as e:  # the producer frees the blocks on its hold timeout
                     log.info("p2p: release of %s at %s failed: %s", p["remote_request_id"], address, e)
         except Exception as e:
-            log.warning("p2p: pull of %s failed (it recomputes): %s", load.rid, e)
-        self._done("recv", load.rid, ok, nbytes, settled)
+            log.warning("p2p: pull of %s failed (it recomputes): %s", spec.rid, e)
+        self._done("recv", spec.rid, ok, nbytes if ok else 0, settled)
 
     def _ask_push(self, load: _Load) -> None:
-        p = load.params
+        spec = load.spec
+        p = spec.params
         address = f"{p['remote_host']}:{p['remote_port']}"
         try:
             self._handshake(address)
-            msg = PushRequest(p["remote_request_id"], self.engine_id, load.rid, [b.block_id for b in load.blocks],
-                              load.start, load.end, self.channel.address, p.get("digest", ""))
+            msg = PushRequest(p["remote_request_id"], self.engine_id, spec.rid, spec.block_ids,
+                              spec.start, spec.end, self.channel.address, p.get("digest", ""))
             ack = call(address, msg, self.transfer_timeout_s)
             if not (isinstance(ack, Ack) and ack.ok):
                 raise RuntimeError(getattr(ack, "reason", "push refused"))
         except Exception as e:
-            log.warning("p2p: push into %s not started (it recomputes): %s", load.rid, e)
-            self._done("recv", load.rid, False, 0)
+            log.warning("p2p: push into %s not started (it recomputes): %s", spec.rid, e)
+            self._done("recv", spec.rid, False, 0)
 
     def consumer_result(self, rid: str, ok: bool, nbytes: int, settled: bool, recv: set[str],
                         failed: set[str]) -> None:
-        load = self._loads.get(rid)
+        load = self._reading.get(rid)
         if load is None:
             return
         load.settled = settled  # unsettled: unpinned after the grace period (consumer_poll)
@@ -161,18 +186,20 @@ class ConsumerSide:
             return
         load.reported = True
         if ok and self.host_kv is not None:
-            bs = self.kv_cache.spec.block_size
-            self._stage(False, [b.block_id for b in load.blocks[load.start // bs:-(-load.end // bs)]])
+            bs, spec = self.kv_cache.spec.block_size, load.spec
+            self._stage(False, spec.block_ids[spec.start // bs:-(-spec.end // bs)])
         (recv if ok else failed).add(rid)
         self.counters["loaded_bytes"] += nbytes if ok else 0
 
-    def consumer_poll(self, now: float, failed: set[str]) -> None:
-        for rid, load in list(self._loads.items()):
+    def consumer_poll(self, now: float, failed: set[str], settled: list[tuple[str, bool]]) -> None:
+        """Time out loads; report (in ``settled``) those no transfer can still write into, so the
+        scheduler side unpins their blocks once every rank did."""
+        for rid, load in list(self._reading.items()):
             if not load.reported and now > load.deadline:
                 load.reported = True  # recompute now; the blocks stay pinned until the transfer ends
                 failed.add(rid)
                 self.counters["failed_transfers"] += 1
                 log.warning("p2p: KV of %s did not arrive in time (it recomputes)", rid)
             if load.settled or now > load.deadline + 3 * self.transfer_timeout_s:
-                self._unpin.append(load.blocks)
-                del self._loads[rid]
+                settled.append((rid, True))
+                del self._reading[rid]

@@ -27,7 +27,9 @@ class _Held:
     num_tokens: int
     deadline: float
     digest_of: Any = None  # (prompt ids, salt): checks a consumer-first push names the same prompt
-    busy: bool = False  # a read or write of them is running
+    busy: bool = False  # a push (write) of them is running
+    readers: set[int] = field(default_factory=set)  # pull: consumer ranks that acquired them
+    released: set[int] = field(default_factory=set)  # pull: consumer ranks whose read ended
 
 
 @dataclass

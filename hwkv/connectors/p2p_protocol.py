@@ -4,8 +4,10 @@ token range of KV from one side's blocks to the other's.
 
 A layout is described by what a peer needs to address its memory remotely: the base address and
 per-block byte size of every KV tensor, the layout kind (which tensor and offset hold K or V of a
-layer), block size, head count/size, dtype, and the tensor-parallel rank, size and global KV head
-range of the sender (so a heterogeneous-TP mapping via :mod:`hwkv.parallel.kv_mapping` fits in).
+layer), block size, head count/size, dtype, and the tensor-parallel rank, size, the model's KV
+heads and the sender's first head: engines with different tensor-parallel sizes (one dividing the
+other) move KV by head ranges (:func:`read_plan`, :mod:`hwkv.parallel.kv_mapping`), each head slice
+turned into byte ranges with the layout's head stride (:func:`pair_segments`).
 Within a block, each (layer, K|V) unit is token-major ``[block_size, H_kv, D]`` in every layout,
 so any two layouts with equal heads, head size and dtype translate token run by token run; runs
 contiguous on both sides (consecutive blocks, adjacent K/V halves) are merged into one segment.
@@ -18,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-from hwkv.parallel.kv_mapping import HeadSlice
+from hwkv.parallel.kv_mapping import HeadSlice, kv_heads_of, map_kv_heads
 
 PER_LAYER, SEPARATE_KV, CROSS_LAYER = "per_layer", "separate_kv", "cross_layer"
 
@@ -39,6 +41,11 @@ class Layout(msgspec.Struct, frozen=True):
     tp_rank: int = 0
     tp_size: int = 1
     head_start: int = 0  # global index of this rank's first KV head
+    total_kv_heads: int = 0  # the model's KV heads (0: num_kv_heads * tp_size, no replication)
+
+    @property
+    def total_heads(self) -> int:
+        return self.total_kv_heads or self.num_kv_heads * self.tp_size
 
 
 # ---- side-channel messages (requests get exactly one reply) ----------------------------------
@@ -51,20 +58,27 @@ class Hello(msgspec.Struct, tag=True):
 class HelloReply(msgspec.Struct, tag=True):
     layout: Layout | None
     reason: str = ""
+    layouts: list[Layout] = []  # every tensor-parallel rank's, in rank order (empty: ``[layout]``)
 
 
 class Acquire(msgspec.Struct, tag=True):
-    """Pull mode: the consumer is about to read ``request_id``'s blocks; the producer keeps them
-    for the read (its hold timeout restarts) or says they are gone."""
+    """Pull mode: consumer rank ``reader`` (of ``readers``, its tensor-parallel size) is about to
+    read ``request_id``'s blocks; the producer keeps them for the read (its hold timeout restarts)
+    or says they are gone."""
 
     request_id: str
+    reader: int = 0
+    readers: int = 1
 
 
 class Release(msgspec.Struct, tag=True):
-    """Pull mode: the read ended (``ok`` or not): the producer may free the blocks."""
+    """Pull mode: consumer rank ``reader``'s read ended (``ok`` or not): once all ``readers`` did,
+    the producer may free the blocks."""
 
     request_id: str
     ok: bool
+    reader: int = 0
+    readers: int = 1
 
 
 class PushRequest(msgspec.Struct, tag=True):
@@ -115,36 +129,58 @@ def prompt_digest(token_ids: list[int], salt: str | None) -> str:
 
 
 def layout_of(kv_cache: Any, engine_id: str, endpoint: str, protocol: str, bases: list[int] | None = None,
-              tp_rank: int = 0, tp_size: int = 1) -> Layout:
+              tp_rank: int = 0, tp_size: int = 1, total_kv_heads: int | None = None) -> Layout:
     spec = kv_cache.spec
+    total = total_kv_heads or spec.num_kv_heads * tp_size
     return Layout(
         engine_id=engine_id, endpoint=endpoint, protocol=protocol, layout=kv_cache.layout.value,
         num_layers=spec.num_layers, block_size=spec.block_size, num_blocks=spec.num_blocks,
         num_kv_heads=spec.num_kv_heads, head_size=spec.head_size, dtype=str(spec.dtype).removeprefix("torch."),
         bases=bases if bases is not None else [t.data_ptr() for t in kv_cache.tensors],
         block_nbytes=[kv_cache.block_nbytes(i) for i in range(len(kv_cache.tensors))],
-        tp_rank=tp_rank, tp_size=tp_size, head_start=tp_rank * spec.num_kv_heads,
+        tp_rank=tp_rank, tp_size=tp_size, head_start=kv_heads_of(total, tp_size, tp_rank).start,
+        total_kv_heads=total,
     )
 
 
 def incompatibility(mine: Layout, theirs: Layout) -> str:
-    """Why KV cannot move between the two layouts ("" when it can)."""
+    """Why KV cannot move between the two layouts ("" when it can). Different tensor-parallel sizes
+    translate by KV-head ranges (:func:`read_plan`) where one size divides the other."""
     for what in ("protocol", "num_layers", "head_size", "dtype"):
         a, b = getattr(mine, what), getattr(theirs, what)
         if a != b:
             return f"{what} differs: {a!r} at engine {mine.engine_id}, {b!r} at engine {theirs.engine_id}"
-    if mine.tp_size != theirs.tp_size or mine.num_kv_heads != theirs.num_kv_heads:
-        return (f"tensor-parallel split differs (engine {mine.engine_id} tp={mine.tp_size} with {mine.num_kv_heads} "
-                f"KV heads per rank, engine {theirs.engine_id} tp={theirs.tp_size} with {theirs.num_kv_heads}): "
-                "heterogeneous TP is not supported by the p2p connector (allowed: equal tp and KV heads per rank)")
-    if mine.head_start != theirs.head_start:
-        return (f"KV head ranges differ (first head {mine.head_start} at engine {mine.engine_id}, "
-                f"{theirs.head_start} at engine {theirs.engine_id})")
+    if mine.total_heads != theirs.total_heads:
+        return (f"the models' KV heads differ: {mine.total_heads} at engine {mine.engine_id}, {theirs.total_heads} "
+                f"at engine {theirs.engine_id}")
+    p, d = mine.tp_size, theirs.tp_size
+    if p % d and d % p:
+        return (f"tensor-parallel sizes tp={p} (engine {mine.engine_id}) and tp={d} (engine {theirs.engine_id}) "
+                "cannot be mapped by KV-head ranges (allowed: one divides the other)")
     for lay in (mine, theirs):
+        try:
+            heads = kv_heads_of(lay.total_heads, lay.tp_size, lay.tp_rank)
+        except ValueError as e:
+            return f"engine {lay.engine_id}: {e}"
+        if (lay.head_start, lay.num_kv_heads) != (heads.start, len(heads)):
+            return (f"engine {lay.engine_id} rank {lay.tp_rank} holds KV heads from {lay.head_start} "
+                    f"({lay.num_kv_heads} per block), not the [{heads.start}, {heads.stop}) its tp={lay.tp_size} "
+                    "split gives")
         if lay.layout not in (PER_LAYER, SEPARATE_KV, CROSS_LAYER):
             return f"KV layout {lay.layout!r} of engine {lay.engine_id} is unknown (allowed: per_layer, " \
                    "separate_kv, cross_layer)"
     return ""
+
+
+def read_plan(producers: list[Layout], consumer: Layout) -> list[tuple[Layout, HeadSlice]]:
+    """Which producer rank's heads fill which of ``consumer``'s (one rank of the consumer engine):
+    ``(producer rank's layout, head slice)`` from :func:`hwkv.parallel.kv_mapping.map_kv_heads`; equal
+    splits give one whole-block slice from the same rank."""
+    if not producers or any(p.tp_size != len(producers) for p in producers):
+        raise ValueError(f"the producer described {len(producers)} rank layouts for tp="
+                         f"{producers[0].tp_size if producers else '?'}")
+    slices = map_kv_heads(consumer.total_heads, len(producers), consumer.tp_size)
+    return [(producers[s.src_rank], s) for s in slices if s.dst_rank == consumer.tp_rank]
 
 
 def _unit(lay: Layout, layer: int, kv: int, block: int) -> int:

@@ -63,6 +63,10 @@ class KVConnectorBase:
     supports_tensor_parallel: bool = False
     metadata_type: Any = Any  # what the ranks decode build_connector_meta's result as (msgspec types)
     tp_job_keys: tuple[str, ...] = ()  # extra keys listing job completions ``(job id, ok, *numbers)``
+    # finished_sending comes from rank 0 alone (its scheduler side knows when every rank's blocks were
+    # read, e.g. through a side channel on the driver); False: once every rank reported it
+    tp_sending_from_driver: bool = False
+    tp_worker_info_type: Any = Any  # what the driver decodes each rank's tp_worker_info() as
     tp_rank: int = 0
     tp_size: int = 1
 
@@ -115,6 +119,15 @@ class KVConnectorBase:
         ``tensor_parallel_size = size > 1``: this instance's worker side serves rank ``rank``'s KV
         shard (rank 0 also holds the scheduler side)."""
         self.tp_rank, self.tp_size = rank, size
+
+    def tp_worker_info(self) -> Any:
+        """Worker side at tp > 1, once, after ``register_kv_caches``: what the driver's scheduler
+        side needs to know of this rank (e.g. its transfer endpoint and KV addresses), msgspec-encodable."""
+        return None
+
+    def bind_tp_worker_info(self, infos: list[Any]) -> None:
+        """Driver side at tp > 1, once before the first step: every rank's ``tp_worker_info()``, in rank
+        order (rank 0's, this instance's own, first)."""
 
     def merge_tp_job(self, key: str, a: list[Any], b: list[Any]) -> list[Any]:
         """Driver side at tp > 1: one job's details (after ``job id, ok``) from two ranks of

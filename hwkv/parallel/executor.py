@@ -95,6 +95,7 @@ class TPExecutor:
         self._hellos: set[int] = set()
         self._kv_outs: list[m.KVOut] = []  # the ranks' connector outputs not yet collected
         self._kv_steps = [-1] * n  # per rank: the last forward step it reported
+        self._infos: dict[int, bytes] = {}  # per rank: its connector's tp_worker_info
         try:
             store = open_store(n, self.timeout_s)
             dtype = cfg.dtype if cfg.dtype is None or isinstance(cfg.dtype, str) else str(cfg.dtype)[len("torch."):]
@@ -157,6 +158,8 @@ class TPExecutor:
             msg = self._dec.decode(self._out.recv())
             if isinstance(msg, m.Failed):
                 self._fail(msg)
+            elif isinstance(msg, m.ConnectorInfo):
+                self._infos[msg.rank] = msg.info
             elif isinstance(msg, m.KVOut):
                 self._kv_outs.append(msg)
                 self._kv_steps[msg.rank] = msg.step
@@ -170,6 +173,18 @@ class TPExecutor:
         data = self._enc.encode(msg)
         for s in self._cmds:
             s.send(data)
+
+    def collect_info(self) -> list[bytes]:
+        """Every worker's connector ``tp_worker_info`` (ranks 1..N-1, encoded), once they sent it."""
+        deadline, n = time.monotonic() + self.timeout_s, len(self._kv_steps)
+        while len(self._infos) < n - 1:
+            self.check()
+            if time.monotonic() > deadline:
+                self.error = (f"tensor-parallel workers did not describe their KV connector within "
+                              f"{self.timeout_s:.0f} s")
+                raise TPWorkerError(self.error)
+            self._out.poll(10)
+        return [self._infos[r] for r in range(1, n)]
 
     def collect_kv(self, step: int) -> list[m.KVOut]:
         """Every rank's connector outputs up to forward step ``step`` not collected yet (older ones

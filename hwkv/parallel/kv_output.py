@@ -3,7 +3,9 @@
 At ``tensor_parallel_size > 1`` each rank's connector worker side moves only its own KV shard, so
 one rank's report says nothing about the others':
 
-* ``finished_sending`` — a request's blocks may be freed once every rank reported it sent;
+* ``finished_sending`` — a request's blocks may be freed once every rank reported it sent (or,
+  for a connector with ``tp_sending_from_driver``, once rank 0 did: its scheduler side tracks
+  every rank's readers);
 * ``finished_recving`` / ``failed_recving`` of an asynchronous load — reported once every rank
   reported the request (finished or failed), failed if any rank failed: until then another rank
   may still be writing into its blocks, which the scheduler frees on a failure;
@@ -46,12 +48,14 @@ class KVOutputAggregator:
         extra: dict[str, Any] = {}
         changed: set[str] = set()
         jobs = set(self.conn.tp_job_keys)
+        from_driver = self.conn.tp_sending_from_driver
         for rank, out in outputs:
             if out is None:
                 continue
-            for rid in out.finished_sending:
-                if self._count(self._sending, rid):
-                    sent.add(rid)
+            if from_driver:
+                sent |= out.finished_sending if rank == 0 else set()
+            else:
+                sent |= {rid for rid in out.finished_sending if self._count(self._sending, rid)}
             for rid in out.failed_recving:
                 if rid in scheduled:
                     failed.add(rid)

@@ -6,8 +6,9 @@ its runner, in order — ``Execute`` (one step's scheduler output, without sampl
 workers do not sample), ``Flush``, ``Release``, ``Preempt``, ``Rollback``, ``Graphs`` — and
 ``Shutdown``. Worker → driver (one PULL socket): ``Hello`` once the worker process is up (before
 it joins the group, so a worker that cannot start is reported instead of timing out the join),
-``KVOut`` after every forward step when a KV connector is configured (its worker side's
-completions on that rank, merged by the driver), and ``Failed`` when it dies.
+with a KV connector ``ConnectorInfo`` once after ``Setup`` (its ``tp_worker_info``) and ``KVOut``
+after every forward step (its worker side's completions on that rank, merged by the driver), and
+``Failed`` when it dies.
 """
 
 from __future__ import annotations
@@ -112,5 +113,12 @@ class KVOut(msgspec.Struct, tag=True):
     output: bytes | None
 
 
+class ConnectorInfo(msgspec.Struct, tag=True):
+    """A rank's ``tp_worker_info()`` (msgpack), sent once after its runner registered the KV cache."""
+
+    rank: int
+    info: bytes
+
+
 ToWorker = Setup | Graphs | Execute | Flush | Release | Preempt | Rollback | Shutdown
-FromWorker = Hello | Failed | KVOut
+FromWorker = Hello | Failed | KVOut | ConnectorInfo

@@ -63,6 +63,10 @@ class DriverRunner(ModelRunner):
         self.kv_outputs = KVOutputAggregator(executor.comm.world_size, self.connector) if self.connector else None
         self._kv_dec = msgspec.msgpack.Decoder(KVConnectorOutput)
         executor.send(m.Setup(self.token_ids.shape[0], self.max_model_len, fuse))
+        if self.connector is not None:
+            dec = msgspec.msgpack.Decoder(self.connector.tp_worker_info_type)
+            infos = [dec.decode(b) for b in executor.collect_info()]
+            self.connector.bind_tp_worker_info([self.connector.tp_worker_info(), *infos])
 
     def enable_graphs(self, max_batch: int, use_graphs: bool = True) -> None:
         self.executor.send(m.Graphs(max_batch, use_graphs))  # capture runs collectives: all ranks at once

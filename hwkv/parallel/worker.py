@@ -77,6 +77,8 @@ def _run(cfg: m.WorkerConfig, cmd: Any, out: Any) -> None:
             elif isinstance(msg, m.Setup):
                 runner = WorkerRunner(model, backend, kv_cache, block_size, msg.max_num_seqs, msg.max_model_len,
                                       connector=conn, comm=comm, report=report)
+                if conn is not None:  # after register_kv_caches: what the driver's scheduler side needs of this rank
+                    out.send(enc.encode(m.ConnectorInfo(cfg.rank, enc.encode(conn.tp_worker_info()))))
                 if msg.fuse:
                     from hwkv.model.fuse import fuse_elementwise
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 
+import msgspec
 import pytest
 import torch
 
@@ -78,9 +79,17 @@ def test_incompatibilities_are_named():
     spec = KVCacheSpec(3, 12, 4, 2, 4, torch.bfloat16)
     other = layout_of(KVCache.allocate(spec, KVLayoutKind.PER_LAYER), "d", "y", "tcp")
     assert "dtype differs: 'float32' at engine p, 'bfloat16' at engine d" in incompatibility(a, other)
-    spec = KVCacheSpec(3, 12, 4, 1, 4, torch.float32)
-    why = incompatibility(a, layout_of(KVCache.allocate(spec, KVLayoutKind.PER_LAYER), "d", "y", "tcp", tp_size=2))
-    assert "heterogeneous TP is not supported" in why and "tp=2" in why
+    one_head = KVCache.allocate(KVCacheSpec(3, 12, 4, 1, 4, torch.float32), KVLayoutKind.PER_LAYER)
+    # heterogeneous TP translates by head ranges: tp=1 with 2 heads, tp=2 with 1 head per rank
+    assert incompatibility(a, layout_of(one_head, "d", "y", "tcp", tp_rank=1, tp_size=2)) == ""
+    why = incompatibility(a, layout_of(one_head, "d", "y", "tcp", tp_size=3))  # a 3-head model
+    assert "the models' KV heads differ: 2 at engine p, 3 at engine d" in why
+    six = layout_of(KVCache.allocate(KVCacheSpec(3, 12, 4, 3, 4, torch.float32), KVLayoutKind.PER_LAYER),
+                    "p", "x", "tcp", tp_size=2)
+    why = incompatibility(six, layout_of(base, "d", "y", "tcp", tp_size=3))
+    assert "tp=2 (engine p) and tp=3 (engine d) cannot be mapped" in why and "allowed: one divides the other" in why
+    lying = msgspec.structs.replace(layout_of(one_head, "d", "y", "tcp", tp_rank=1, tp_size=2), head_start=0)
+    assert "rank 1 holds KV heads from 0" in incompatibility(a, lying)
     assert "protocol differs" in incompatibility(a, layout_of(base, "d", "y", "rdma"))
 
 

@@ -1,0 +1,91 @@
+"""p2p disaggregation between engines of different tensor-parallel sizes (CPU, gloo, tcp transfer
+engine on loopback): each consumer rank pulls the KV heads ``map_kv_heads`` assigns it from the
+producer ranks holding them, and decodes exactly the tokens one tp=1 engine gives."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import hwkv
+from hwkv.testing.mooncake import skip_unless_mooncake
+from hwkv.testing.tiny_models import write_tiny_model
+
+skip_unless_mooncake(allow_module_level=True)
+pytestmark = pytest.mark.timeout(240)
+
+BS = 16
+
+
+def prompts() -> list[list[int]]:
+    import random
+
+    rng = random.Random(7)
+    return [[rng.randrange(1, 500) for _ in range(n)] for n in (17, 47)]
+
+
+def greedy(n: int, params: dict | None = None) -> hwkv.SamplingParams:
+    return hwkv.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, kv_transfer_params=params)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    # 4 KV heads: tp=2 holds 2 per rank, so tp=2 -> tp=1 reads two slices into each block
+    return str(write_tiny_model(tmp_path_factory.mktemp("tp_p2p") / "m", num_heads=4, num_kv_heads=4,
+                                tokenizer=False, max_position_embeddings=256))
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    e = hwkv.Engine(model_dir, num_kv_blocks=16, block_size=BS, max_model_len=128)
+    return [o.token_ids for o in e.generate(prompts(), greedy(6), use_tqdm=False)]
+
+
+def _engine(model_dir: str, role: str, tp: int, **cfg) -> hwkv.Engine:
+    return hwkv.Engine(model_dir, num_kv_blocks=16, block_size=BS, max_model_len=128, tensor_parallel_size=tp,
+                       kv_connector="p2p", kv_connector_config={"role": role, "mode": "pull",
+                                                                "transfer_timeout_s": 5.0, **cfg})
+
+
+def _settle(*engines: hwkv.Engine, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(e.scheduler.connector.has_pending_transfers() or e.has_unfinished() for e in engines):
+        assert time.monotonic() < deadline, "p2p transfers never settled"
+        for e in engines:
+            e.step()
+    for e in engines:
+        assert e.kv_cache_manager.num_free_blocks == e.kv_cache.spec.num_blocks
+        assert all(b.ref_cnt == 0 for b in e.kv_cache_manager.block_pool.blocks)
+        assert not e.scheduler.delayed_free and not e.runner.reqs
+        if hasattr(e.runner, "kv_outputs"):
+            assert e.runner.kv_outputs.pending() == 0
+
+
+@pytest.mark.parametrize("p_tp, d_tp", [(2, 1), (1, 2)])
+def test_heterogeneous_tp_pull_gives_one_engines_tokens(model_dir, reference, p_tp, d_tp):
+    p = _engine(model_dir, "producer", p_tp)
+    d = _engine(model_dir, "consumer", d_tp)
+    try:
+        for prompt, want in zip(prompts(), reference):
+            out = p.generate([prompt], greedy(1, {"do_remote_decode": True}), use_tqdm=False)[0]
+            params = out.kv_transfer_params
+            assert params and params["do_remote_prefill"]
+            assert d.generate([prompt], greedy(6, params), use_tqdm=False)[0].token_ids == want
+        _settle(p, d)
+        st = d.stats()["kv_connector"]
+        assert st["external_hit_tokens"] == sum(len(q) - 1 for q in prompts()) and st["load_failures"] == 0
+        if d_tp == 1:  # the bytes of every prompt token's KV (all heads, all layers) arrived on the one rank
+            per_token = d.kv_cache.spec.bytes_per_block // BS
+            assert st["loaded_bytes"] == per_token * sum(len(q) - 1 for q in prompts())
+        assert p.stats()["kv_connector"]["held_requests"] == 0
+    finally:
+        d.close()
+        p.close()
+
+
+def test_push_or_producer_staging_at_tp_is_refused(model_dir):
+    with pytest.raises(ValueError, match=r"at tensor_parallel_size=2 the consumer runs mode 'pull'.*allowed: "
+                                         r"mode='pull'"):
+        hwkv.Engine(model_dir, num_kv_blocks=16, block_size=BS, max_model_len=128, tensor_parallel_size=2,
+                    kv_connector="p2p", kv_connector_config={"role": "consumer", "mode": "push"})
