@@ -1,4 +1,4 @@
-"""`hwkv bench offload`: the CPU offload connector on a backend, three parts.
+"""`hwkv bench offload`: the CPU offload connector on a backend, four parts.
 
 (copy)   device <-> host copy bandwidth of KV blocks of the model's real geometry, per length of the
          contiguous runs (both sides consecutive), through the connector's copy path (merged runs
@@ -6,7 +6,9 @@
 (ttft)   time to first token of a long prompt whose prefix is in the host tier (loaded) vs the same
          length with no hit anywhere (recomputed), in one engine, the device prefix cache emptied;
 (decode) generation throughput with the connector on vs off on a workload with no hits (the
-         connector still stores every newly full block: its whole cost on the fast path).
+         connector still stores every newly full block: its whole cost on the fast path), and the
+         host time per step spent inside the connector's hooks;
+(preempt) a device pool too small for the batch, on vs off (:mod:`hwkv.bench.offload_preempt`).
 
 Random-weight models of realistic shape are written where the bench runs (``hwkv bench e2e``'s
 shapes, or ``tiny`` for a CPU smoke run). JSON lands in ``--out-dir``.
@@ -26,6 +28,7 @@ from typing import Any
 from hwkv.bench import results_dir
 from hwkv.bench.common import backend as get_backend
 from hwkv.bench.common import model_dir
+from hwkv.bench.offload_preempt import HookTimer, bench_preempt
 
 TINY = dict(arch="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=512,
             max_position_embeddings=16384)
@@ -36,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--workdir", default="/tmp/hwkv-bench-models")
-    p.add_argument("--parts", default="copy,ttft,decode")
+    p.add_argument("--parts", default="copy,ttft,decode,preempt")
     p.add_argument("--block-size", type=int, default=None, help="KV block size (default: the backend's)")
     p.add_argument("--copy-blocks", type=int, default=2048, help="device blocks in the copy test")
     p.add_argument("--run-blocks", default="1,4,16,64,256", help="run lengths (blocks) to measure")
@@ -45,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-requests", type=int, default=64)
     p.add_argument("--decode-prompt", type=int, default=512)
     p.add_argument("--decode-tokens", type=int, default=256)
+    p.add_argument("--preempt-requests", type=int, default=32, help="preempt part: requests (decode prompt/tokens)")
+    p.add_argument("--preempt-blocks", type=int, default=None,
+                   help="preempt part: device KV blocks (default: a third of what the requests need)")
     p.add_argument("--cpu-gb", type=float, default=8.0, help="host tier size for the ttft/decode parts")
     p.add_argument("--store-batch-blocks", type=int, default=None, help="offload config (default: the connector's)")
     p.add_argument("--out-dir", default=None, help="where the JSON goes (default: hwkv.bench.results_dir())")
@@ -223,11 +229,16 @@ def bench_decode(args: argparse.Namespace, mdir: Path) -> dict[str, Any]:
         prompts = [[rng.randrange(100, e.vocab_size - 100) for _ in range(args.decode_prompt)]
                    for _ in range(args.decode_requests)]
         e.generate(prompts[:2], hwkv.SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+        hooks = HookTimer(e.scheduler.connector) if offload else None
+        steps0 = e.stats()["num_steps"]
         e.backend.device.synchronize()
         t0 = time.perf_counter()
         e.generate(prompts, params, use_tqdm=False)
         e.backend.device.synchronize()
         tps = args.decode_requests * args.decode_tokens / (time.perf_counter() - t0)
+        if hooks is not None:  # the connector's own host cost per step, free of the step-time noise
+            us = hooks.s / max(1, e.stats()["num_steps"] - steps0) * 1e6
+            out["connector_host_us_per_step"] = round(min(out.get("connector_host_us_per_step", us), us), 1)
         key = "on" if offload else "off"
         out[f"tok_per_s_{key}"] = max(out.get(f"tok_per_s_{key}", 0.0), round(tps, 1))
         if offload:
@@ -237,7 +248,8 @@ def bench_decode(args: argparse.Namespace, mdir: Path) -> dict[str, Any]:
         _free(e)
     out["ratio"] = round(out["tok_per_s_on"] / out["tok_per_s_off"], 4)
     print(f"decode {args.decode_requests} x {args.decode_tokens}: off {out['tok_per_s_off']} tok/s, "
-          f"on {out['tok_per_s_on']} tok/s (ratio {out['ratio']})", flush=True)
+          f"on {out['tok_per_s_on']} tok/s (ratio {out['ratio']}); connector hooks "
+          f"{out['connector_host_us_per_step']} us of host time per step", flush=True)
     return out
 
 
@@ -255,8 +267,9 @@ def run(args: argparse.Namespace) -> int:
     from hwkv.model import load_model
 
     parts = set(args.parts.split(","))
-    if parts - {"copy", "ttft", "decode"}:
-        raise SystemExit(f"--parts: unknown {sorted(parts - {'copy', 'ttft', 'decode'})} (allowed: copy,ttft,decode)")
+    known = {"copy", "ttft", "decode", "preempt"}
+    if parts - known:
+        raise SystemExit(f"--parts: unknown {sorted(parts - known)} (allowed: copy,ttft,decode,preempt)")
     mdir = model_dir(args, TINY)
     be = get_backend(args.backend)
     result: dict[str, Any] = {"backend": args.backend, "device": be.device.description(), "model": args.model,
@@ -273,6 +286,8 @@ def run(args: argparse.Namespace) -> int:
         result["ttft"] = bench_ttft(args, mdir)
     if "decode" in parts:
         result["decode"] = bench_decode(args, mdir)
+    if "preempt" in parts:
+        result["preempt"] = bench_preempt(args, mdir, args.block_size or be.capabilities.default_block_size)
     out = Path(args.out_dir) if args.out_dir else results_dir()
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"offload-{args.backend}-{args.model.replace('/', '_')}.json"
