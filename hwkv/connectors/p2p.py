@@ -120,6 +120,11 @@ class P2PConnector(ProducerSide, ConsumerSide, KVConnectorBase):
     def bind_model(self, model: str, model_config: Any = None) -> None:
         self.total_kv_heads = getattr(model_config, "num_kv_heads", None)
 
+    def check_tensor_parallel(self, size: int) -> None:
+        if self.mode == "push" or self.layerwise:
+            raise ValueError(f"p2p: at tensor_parallel_size={size} the {self.role} runs mode 'pull' (each consumer "
+                             "rank reads its KV heads; allowed: mode='pull', layerwise=False)")
+
     def tp_worker_info(self) -> Any:
         return self.layout
 
@@ -164,10 +169,12 @@ class P2PConnector(ProducerSide, ConsumerSide, KVConnectorBase):
         if staging and self.layerwise:
             raise ValueError("p2p: layerwise=True needs KV the transfer engine reaches directly (host memory, or "
                              "rdma/ascend device memory), not tcp staging (allowed: layerwise=False)")
-        if self.tp_size > 1 and (self.mode == "push" or (staging and self.role == "producer")):
-            raise ValueError(f"p2p: at tensor_parallel_size={self.tp_size} the {self.role} runs mode 'pull' with KV "
-                             "the transfer engine reaches directly (allowed: mode='pull'; a producer on host "
-                             "memory or with protocol 'rdma' / 'ascend', not tcp staging)")
+        if self.tp_size > 1:
+            self.check_tensor_parallel(self.tp_size)
+            if staging and self.role == "producer":  # its staging copy runs on the driver, which holds the blocks
+                raise ValueError(f"p2p: a producer at tensor_parallel_size={self.tp_size} needs KV the transfer engine "
+                                 "reaches directly (allowed: host memory, or protocol 'rdma' / 'ascend'; not tcp "
+                                 "staging)")
         xfer = self.host_kv if staging else kv_cache
         self.transfer = MooncakeTransfer(protocol=self.protocol, host=self.host, metadata_server=self.metadata_server,
                                          device_name=self.device_name, timeout_s=self.transfer_timeout_s)

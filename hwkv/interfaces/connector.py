@@ -120,6 +120,10 @@ class KVConnectorBase:
         shard (rank 0 also holds the scheduler side)."""
         self.tp_rank, self.tp_size = rank, size
 
+    def check_tensor_parallel(self, size: int) -> None:
+        """Before any worker starts, for ``tensor_parallel_size = size > 1`` (only where
+        ``supports_tensor_parallel``): ``ValueError`` naming a configuration that cannot run there."""
+
     def tp_worker_info(self) -> Any:
         """Worker side at tp > 1, once, after ``register_kv_caches``: what the driver's scheduler
         side needs to know of this rank (e.g. its transfer endpoint and KV addresses), msgspec-encodable."""

@@ -58,8 +58,11 @@ def check_supported(cfg: Any, backend: Any, kv_connector: Any, connector_arg: An
         else:
             try:
                 msgspec.json.encode(connector_config or {})
+                kv_connector.check_tensor_parallel(n)
             except (TypeError, msgspec.EncodeError) as e:
                 reasons.append(f"kv_connector_config must be plain JSON values (it is sent to every rank): {e}")
+            except ValueError as e:
+                reasons.append(str(e))
     if cfg.decode_ops:
         reasons.append("decode_ops must be None or False (the fused decode ops run whole layers on one device)")
     if cfg.speculative_config is not None:

@@ -30,15 +30,16 @@ def greedy(n: int, params: dict | None = None) -> hwkv.SamplingParams:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    # 4 KV heads: tp=2 holds 2 per rank, so tp=2 -> tp=1 reads two slices into each block
-    return str(write_tiny_model(tmp_path_factory.mktemp("tp_p2p") / "m", num_heads=4, num_kv_heads=4,
-                                tokenizer=False, max_position_embeddings=256))
+def models(tmp_path_factory):
+    """KV heads -> model: 4 (tp=2 holds 2 per rank, so tp=2 -> tp=1 reads two slices into each
+    block), 2 (a different model for the refused handshake), 1 (MQA: tp=2 replicates the head)."""
+    root = tmp_path_factory.mktemp("tp_p2p")
+    return {kv: str(write_tiny_model(root / f"kv{kv}", num_heads=4, num_kv_heads=kv, tokenizer=False,
+                                     max_position_embeddings=256)) for kv in (4, 2, 1)}
 
 
-@pytest.fixture(scope="module")
-def reference(model_dir):
-    e = hwkv.Engine(model_dir, num_kv_blocks=16, block_size=BS, max_model_len=128)
+def _reference(model: str) -> list[list[int]]:
+    e = hwkv.Engine(model, num_kv_blocks=16, block_size=BS, max_model_len=128)
     return [o.token_ids for o in e.generate(prompts(), greedy(6), use_tqdm=False)]
 
 
@@ -62,8 +63,9 @@ def _settle(*engines: hwkv.Engine, timeout_s: float = 20.0) -> None:
             assert e.runner.kv_outputs.pending() == 0
 
 
-@pytest.mark.parametrize("p_tp, d_tp", [(2, 1), (1, 2)])
-def test_heterogeneous_tp_pull_gives_one_engines_tokens(model_dir, reference, p_tp, d_tp):
+@pytest.mark.parametrize("kv, p_tp, d_tp", [(4, 2, 1), (4, 1, 2), (1, 2, 1)], ids=["2to1", "1to2", "mqa-2to1"])
+def test_heterogeneous_tp_pull_gives_one_engines_tokens(models, kv, p_tp, d_tp):
+    model_dir, reference = models[kv], _reference(models[kv])
     p = _engine(model_dir, "producer", p_tp)
     d = _engine(model_dir, "consumer", d_tp)
     try:
@@ -84,8 +86,28 @@ def test_heterogeneous_tp_pull_gives_one_engines_tokens(model_dir, reference, p_
         p.close()
 
 
-def test_push_or_producer_staging_at_tp_is_refused(model_dir):
+def test_untranslatable_split_is_refused_at_handshake_and_recomputed(models, caplog):
+    """A consumer whose model has other KV heads: every consumer rank's handshake is refused with
+    both engines named, the request recomputes (its own model's tokens), nothing stays pinned."""
+    p = _engine(models[4], "producer", 1, hold_timeout_s=1.0)
+    d = _engine(models[2], "consumer", 2)
+    try:
+        prompt, want = prompts()[0], _reference(models[2])[0]
+        params = p.generate([prompt], greedy(1, {"do_remote_decode": True}), use_tqdm=False)[0].kv_transfer_params
+        with caplog.at_level("WARNING"):
+            assert d.generate([prompt], greedy(6, params), use_tqdm=False)[0].token_ids == want
+        pid, did = p.scheduler.connector.engine_id, d.scheduler.connector.engine_id
+        assert f"refused: the models' KV heads differ: 4 at engine {pid}, 2 at engine {did}" in caplog.text
+        assert d.stats()["kv_connector"]["load_failures"] == 1
+        _settle(p, d)  # the producer's hold expires (never acquired)
+        assert p.stats()["kv_connector"]["expired_holds"] == 1
+    finally:
+        d.close()
+        p.close()
+
+
+def test_push_at_tp_is_refused_before_any_worker_starts(models):
     with pytest.raises(ValueError, match=r"at tensor_parallel_size=2 the consumer runs mode 'pull'.*allowed: "
                                          r"mode='pull'"):
-        hwkv.Engine(model_dir, num_kv_blocks=16, block_size=BS, max_model_len=128, tensor_parallel_size=2,
+        hwkv.Engine(models[4], num_kv_blocks=16, block_size=BS, max_model_len=128, tensor_parallel_size=2,
                     kv_connector="p2p", kv_connector_config={"role": "consumer", "mode": "push"})
