@@ -228,39 +228,41 @@ class EagleProposer:
         if not len(rows):
             return out
         src = np.concatenate([batch.query_start_loc[i] + np.arange(n[i]) for i in rows])
-        h = hidden.index_select(0, torch.from_numpy(src).to(hidden.device))
+        to_dev = lambda a: runner.dev.to_device(torch.from_numpy(np.asarray(a, dtype=np.int64)))  # noqa: E731
+        h = hidden.index_select(0, to_dev(src))
         g = self._forward(runner, slots[rows], ctx[rows], n[rows], h)  # [len(rows)] last output states
         pos_in = {int(r): j for j, r in enumerate(rows)}
         live = [(j, int(i), caps[j]) for j, i in enumerate(sample_rows) if caps[j] > 0 and int(i) in pos_in]
         if not live:
             return out
-        sel = torch.tensor([pos_in[i] for _, i, _ in live], device=g.device)
-        g = g.index_select(0, sel)
+        g = g.index_select(0, to_dev([pos_in[i] for _, i, _ in live]))
         s_slots = slots[[i for _, i, _ in live]]
         s_ntok = ntok[[i for _, i, _ in live]]
         cap = np.array([c for _, _, c in live])
-        drafts = [self.head.to_target(self.head.logits(g).argmax(-1)).cpu().numpy()]
+        drafts = [self.head.to_target(self.head.logits(g).argmax(-1))]  # on the device: fed back without a read
         for j in range(1, int(cap.max())):  # pair (draft j, own state) at position num_tokens - 2 + j
             keep = np.flatnonzero(cap > j)
-            kt = torch.from_numpy(keep).to(g.device)
-            runner.token_ids[s_slots[keep], s_ntok[keep] + j - 1] = drafts[-1][keep]
-            gk = self._forward(runner, s_slots[keep], s_ntok[keep] + j - 2, np.ones(len(keep), np.int64),
-                               g.index_select(0, kt))
-            g = g.index_copy(0, kt, gk)
-            nxt = np.zeros(len(cap), dtype=np.int64)
-            nxt[keep] = self.head.to_target(self.head.logits(gk).argmax(-1)).cpu().numpy()
-            drafts.append(nxt)
-        d = np.stack(drafts, 1)
+            kt = None if len(keep) == len(cap) else to_dev(keep)
+            g_in, feed = (g, drafts[-1]) if kt is None else (g.index_select(0, kt), drafts[-1].index_select(0, kt))
+            gk = self._forward(runner, s_slots[keep], s_ntok[keep] + j - 2, np.ones(len(keep), np.int64), g_in,
+                               feed=feed)
+            g = gk if kt is None else g.index_copy(0, kt, gk)
+            nxt = self.head.to_target(self.head.logits(gk).argmax(-1))
+            drafts.append(nxt if kt is None else torch.zeros_like(drafts[0]).index_copy(0, kt, nxt))
+        d = torch.stack(drafts, 1).cpu().numpy()  # the one host read of the drafts
         for r, (j, _, c) in enumerate(live):
             out[j] = d[r, :c].tolist()
         return out
 
     def _forward(self, runner: Any, slots: np.ndarray, ctx: np.ndarray, qlen: np.ndarray,
-                 hidden: torch.Tensor) -> torch.Tensor:
-        """Head states at the last of each row's pairs ``(x_{p+1}, h_p)``, ``p`` in ``[ctx, ctx + qlen)``."""
+                 hidden: torch.Tensor, feed: torch.Tensor | None = None) -> torch.Tensor:
+        """Head states at the last of each row's pairs ``(x_{p+1}, h_p)``, ``p`` in ``[ctx, ctx + qlen)``;
+        ``feed`` (one pair per row): the rows' tokens ``x_{p+1}`` on the device (the token table is not read)."""
         # pairs take the token after each position: the token table seen one column to the left
         batch = build_batch(runner.token_ids[:, 1:], runner.block_table, slots, ctx, qlen, ctx + qlen,
                             runner.block_size)
         inp = runner.device_inputs(batch)
+        if feed is not None:
+            inp.input_ids.copy_(feed)
         g = self.head(inp.input_ids, hidden, inp.positions, self.kv_cache, inp.attn_metadata, inp.slot_mapping)
         return g.index_select(0, inp.logits_indices)

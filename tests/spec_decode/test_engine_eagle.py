@@ -139,3 +139,40 @@ def test_eagle3_head_refused_under_eagle_and_bad_aux(tiny_model: str, tmp_path) 
     with pytest.raises(ValueError, match="aux hidden-state layers"):
         Engine(tiny_model, num_kv_blocks=16, block_size=4,
                speculative_config={"method": "eagle3", "num_speculative_tokens": 2, "model": bad})
+
+
+def test_drafts_fed_from_the_device_equal_drafts_fed_from_the_token_table(tiny_model: str, tiny_eagle: str,
+                                                                         monkeypatch) -> None:
+    """Draft j + 1's input token is draft j straight from the device (no host read per draft): every
+    proposal equals the one made when each draft is first written into the token table and read from
+    there (the head's drafts depend on their input token, so a wrong feed changes them)."""
+    import numpy as np
+
+    from hwkv.spec_decode.eagle import EagleProposer
+
+    spec = {"method": "eagle", "num_speculative_tokens": 4, "model": tiny_eagle}
+    prompts = _prompts(5, seed=33)
+
+    def proposals() -> list:
+        eng = Engine(tiny_model, num_kv_blocks=96, block_size=4, max_num_seqs=5, speculative_config=spec)
+        got, orig = [], eng.proposer.propose_with_hidden
+
+        def record(*a, **k):
+            got.append(orig(*a, **k))
+            return got[-1]
+        eng.proposer.propose_with_hidden = record
+        eng.generate(prompts, GREEDY, use_tqdm=False)
+        return got
+
+    fed = proposals()
+    forward = EagleProposer._forward
+
+    def via_table(self, runner, slots, ctx, qlen, hidden, feed=None):
+        if feed is not None:  # the pair at p reads token p + 1: write the fed drafts there
+            runner.token_ids[slots, ctx + 1] = feed.cpu().numpy().astype(np.int32)
+        return forward(self, runner, slots, ctx, qlen, hidden)
+
+    monkeypatch.setattr(EagleProposer, "_forward", via_table)
+    table = proposals()
+    assert sum(len(d) for step in fed for d in step) > 20
+    assert fed == table
