@@ -34,6 +34,7 @@ eagerly.
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -45,6 +46,7 @@ from hwkv.engine.model_runner import ModelRunner
 from hwkv.model.sampler import logprobs_of
 from hwkv.spec_decode.config import SpeculativeConfig
 from hwkv.spec_decode.rejection import greedy_verify, verify_packed
+from hwkv.spec_decode.state_graphs import StatesGraphRunner, split
 
 
 class SpecModelRunner(ModelRunner):
@@ -59,11 +61,17 @@ class SpecModelRunner(ModelRunner):
         self.num_verify_graph_steps = 0  # pure-verify steps served by the verify graphs
 
     def enable_graphs(self, max_batch: int, use_graphs: bool = True) -> None:
-        super().enable_graphs(max_batch, use_graphs)
-        if not getattr(self.proposer, "needs_hidden", False) and multi_token_graphs(self.meta_builder):
-            self.verify_graphs = GraphRunner(self.model, self.kv_cache, self.meta_builder, self.dev, self.block_size,
-                                             max_batch, self.max_model_len, use_graphs,
-                                             query_len=self.spec_config.num_speculative_tokens + 1)
+        args = (self.model, self.kv_cache, self.meta_builder, self.dev, self.block_size, max_batch,
+                self.max_model_len, use_graphs)
+        if getattr(self.proposer, "needs_hidden", False):  # EAGLE: the graphs return the target's states too
+            cls: Any = partial(StatesGraphRunner, states=self.proposer.target_states)
+            self.graphs = cls(*args)
+            self.graphs.capture()
+        else:
+            cls = GraphRunner
+            super().enable_graphs(max_batch, use_graphs)
+        if multi_token_graphs(self.meta_builder):
+            self.verify_graphs = cls(*args, query_len=self.spec_config.num_speculative_tokens + 1)
             self.verify_graphs.capture(pool=self.graphs.pool)  # type: ignore[union-attr]
         if hasattr(self.proposer, "enable_graphs"):  # a draft model's one-token steps
             self.proposer.enable_graphs(self, max_batch, use_graphs)
@@ -108,7 +116,7 @@ class SpecModelRunner(ModelRunner):
         logits = hidden = None
         q = 0  # > 0: logits are the verify graphs' q rows per request (padded rows included)
         eagle = getattr(self.proposer, "needs_hidden", False)  # the proposer reads the target's states
-        if self.graphs is not None and not ks.any() and batch.pure_decode and not eagle:
+        if self.graphs is not None and not ks.any() and batch.pure_decode:
             logits = self.graphs.run(batch)
             self.num_graph_steps += logits is not None
         elif self.verify_graphs is not None and self._pure_verify(batch, ks):
@@ -117,6 +125,12 @@ class SpecModelRunner(ModelRunner):
             if logits is not None:
                 self.num_verify_graph_steps += 1
                 q = vg.q
+        if logits is not None and eagle:  # logits | states, the states of every (padded) query token
+            logits, hidden = split(logits, self.model.config.vocab_size, self.model.dtype)
+            if q:  # the real tokens' states, in the batch's order
+                ql = np.diff(batch.query_start_loc).astype(np.int64)
+                real = np.repeat(np.arange(R) * q, ql) + _ranges(ql)
+                hidden = hidden.index_select(0, self.dev.to_device(torch.from_numpy(real)))
         if logits is None:
             if ks.any():
                 k_s = ks[sample_idx]

@@ -215,3 +215,55 @@ def _outside(fn, *args):
 
     with _disable_current_modes():
         return fn(*args)
+
+
+@pytest.mark.parametrize(("method", "kw"), [("eagle", {}), ("eagle3", {}),
+                                            ("eagle", {"num_kv_blocks": 26, "max_model_len": 96})])  # preemption
+def test_eagle_steps_replay_graphs_and_match(tiny_model: str, tiny_eagle: str, tmp_path, method: str,
+                                             kw: dict) -> None:
+    """EAGLE: decode and verify steps replay graphs that also return the target's states (EAGLE-3: the
+    aux layers' residual streams, captured by hooks inside the graph); greedy tokens equal
+    non-speculative and eager speculative decoding."""
+    from .conftest import write_tiny_eagle3
+
+    head = tiny_eagle if method == "eagle" else write_tiny_eagle3(tmp_path / "e3")
+    spec = {"method": method, "num_speculative_tokens": 3, "model": head}
+    prompts = _prompts(6, seed=41)
+    kw = {"max_num_seqs": 4, **kw}
+    base, _ = _run(tiny_model, prompts, **kw)
+    eager, _ = _run(tiny_model, prompts, spec, enforce_eager=True, **kw)
+    got, eng = _run(tiny_model, prompts, spec, **kw)
+    assert got == eager == base
+    st = eng.stats()
+    steps = st["spec_decode"]["verify_graph_steps"]
+    assert steps > 0 and _verify_replays(eng) == steps
+    assert st["spec_decode"]["draft_tokens"] > 0
+    if "max_model_len" in kw:
+        assert st["num_preemptions"] > 0
+
+
+def test_eagle_head_sees_target_state_of_its_position_on_graphs(tiny_model: str, tiny_eagle: str, tmp_path) -> None:
+    """The states a verify graph returns are re-laid from its padded rows to the batch's tokens: a head
+    that copies the target's state drafts exactly the token the target just chose, also when rows
+    verify fewer than k drafts."""
+    from .test_engine_eagle import _copy_head
+
+    spec = {"method": "eagle", "num_speculative_tokens": 3, "model": _copy_head(tmp_path, tiny_eagle)}
+    eng = Engine(tiny_model, backend=GraphCpuBackend(), num_kv_blocks=96, block_size=4, max_model_len=128,
+                 fuse_elementwise=False, max_num_seqs=4, speculative_config=spec)
+    seen, orig = [], eng.proposer.propose_with_hidden
+
+    def spy(runner, states, batch, hidden, valid, sample_rows, caps):
+        out = orig(runner, states, batch, hidden, valid, sample_rows, caps)
+        for j, i in enumerate(sample_rows):
+            st = states[i]
+            if out[j]:
+                seen.append((int(runner.token_ids[st.slot, st.num_tokens - 1]), out[j][0]))
+        return out
+
+    eng.proposer.propose_with_hidden = spy
+    eng.generate(_prompts(4, seed=22), SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+                 use_tqdm=False)
+    assert eng.stats()["spec_decode"]["verify_graph_steps"] > 0
+    assert len(seen) > 20
+    assert all(last == first for last, first in seen), seen[:10]

@@ -1,5 +1,6 @@
 """On a GPU (skipped elsewhere): speculative decoding with CUDA verify graphs gives float32 greedy tokens
-identical to eager speculation and to non-speculative decoding, and verify steps replay graphs."""
+identical to eager speculation and to non-speculative decoding, and verify steps replay graphs (EAGLE:
+graphs that also return the target's states)."""
 
 from __future__ import annotations
 
@@ -22,11 +23,16 @@ def _cuda_backend():
     return CudaBackend()
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_cuda_verify_graphs_greedy_identical(tiny_model: str, method: str) -> None:
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle", "eagle3"])
+def test_cuda_verify_graphs_greedy_identical(tiny_model: str, tiny_eagle: str, tmp_path, method: str) -> None:
+    from .conftest import write_tiny_eagle3
+
     backend = _cuda_backend()
-    spec = ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-            if method == "ngram" else {"method": "draft_model", "num_speculative_tokens": 3, "model": tiny_model})
+    if method == "ngram":
+        spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    else:
+        model = {"draft_model": tiny_model, "eagle": tiny_eagle}.get(method) or write_tiny_eagle3(tmp_path / "e3")
+        spec = {"method": method, "num_speculative_tokens": 3, "model": model}
     prompts = _prompts(7, seed=31)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     kw = dict(backend=backend, dtype="float32", num_kv_blocks=96, block_size=16, max_model_len=128,
