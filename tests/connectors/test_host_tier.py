@@ -6,10 +6,11 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from hwkv.connectors.offload import OffloadConnector
+from hwkv.connectors.offload_tier import HostTier
 from hwkv.core.hashing import make_block_hasher
 from hwkv.core.kv_cache_manager import KVCacheManager
 from hwkv.core.request import Request
@@ -136,3 +137,73 @@ def test_tier_is_an_lru_of_block_hashes_with_bounded_capacity(capacity, ops):
         assert [b.block_hash for b in cpu.free_block_queue if b.block_hash is not None] == list(model)
         assert cpu.num_free_blocks == capacity and tier.kv.num_free_blocks == DEVICE_BLOCKS  # no pins left
         assert not tier.conn.has_pending_transfers()
+
+
+@settings(max_examples=80, deadline=None)
+@example(capacity=3, ops=[("store", 0, 1), ("store", 0, 1), ("land", 0, 1), ("land", 0, 1), ("store", 1, 3)])
+@given(capacity=st.integers(1, 6), ops=st.lists(st.tuples(st.sampled_from(["store", "land", "fail", "hit", "done"]),
+                                                         st.integers(0, 9), st.integers(1, 4)), max_size=40))
+def test_host_tier_pins_and_lru_invariants(capacity, ops):
+    """HostTier alone, against a model: stores reserve (pin) blocks and publish on landing, hits pin
+    a consecutive match, every pin is released once; pinned blocks are never evicted nor capacity,
+    unpinned registered blocks are in LRU order, and nothing is registered before it landed."""
+    tier = HostTier(capacity)
+    lru: OrderedDict[bytes, None] = OrderedDict()  # registered, unpinned or pinned alike; LRU first
+    stores: list[tuple[list, list[bytes]]] = []  # in flight: (blocks, hashes)
+    reads: list[list] = []  # pinned hits
+    key = [bytes([k]) * 32 for k in range(10)]
+
+    def pinned() -> set[int]:
+        return {id(b) for bs, _ in stores for b in bs} | {id(b) for r in reads for b in r}
+
+    for op, k, n in ops:
+        if op == "store":
+            want = [h for h in key[k:k + n] if not tier.refresh(h)]
+            for h in key[k:k + n]:
+                if h in lru:
+                    lru.move_to_end(h)
+            pins = pinned()
+            idle = [h for h in lru if id(tier.cached_block_hash_to_block[h]) not in pins]  # evictable, LRU first
+            free = capacity - len(pins)
+            blocks = tier.reserve(len(want))
+            assert len(blocks) == min(len(want), free)
+            for h in idle[:max(0, len(blocks) - (free - len(idle)))]:  # empty blocks go first, then the LRU
+                del lru[h]
+            stores.append((blocks, want[:len(blocks)]))
+        elif op in ("land", "fail") and stores:
+            blocks, hashes = stores.pop(k % len(stores))
+            if op == "land":
+                new = [h for h in hashes if h not in lru]  # another store may have landed it meanwhile
+                tier.publish(blocks, hashes)
+                lru.update(dict.fromkeys(new))
+            tier.free_blocks(blocks)
+        elif op == "hit":
+            hits = tier.match(key[k:k + n])
+            want = []
+            for h in key[k:k + n]:
+                if h not in lru:
+                    break
+                want.append(h)
+            assert [b.block_hash for b in hits] == want
+            tier.touch(hits)
+            reads.append(hits)
+        elif op == "done" and reads:
+            hits = reads.pop(k % len(reads))
+            tier.free_blocks(hits)
+            for b in hits:
+                lru.move_to_end(b.block_hash)
+        # invariants
+        pins = pinned()
+        queue = list(tier.free_block_queue)
+        assert {id(b) for b in queue}.isdisjoint(pins) and len(queue) + len(pins) == capacity
+        assert all(b.ref_cnt > 0 for b in tier.blocks if id(b) in pins)
+        assert all(b.block_hash is None for bs, _ in stores for b in bs)  # nothing in flight is visible
+        assert {h: b.block_hash for h, b in tier.cached_block_hash_to_block.items()} == {h: h for h in lru}
+        assert all(tier.cached_block_hash_to_block[b.block_hash] is b for b in tier.blocks if b.block_hash)
+        unpinned = [b.block_hash for b in queue if b.block_hash is not None]
+        assert unpinned == [h for h in lru if id(tier.cached_block_hash_to_block[h]) not in pins]
+    for bs, _ in stores:
+        tier.free_blocks(bs)
+    for r in reads:
+        tier.free_blocks(r)
+    assert tier.num_free_blocks == capacity and all(b.ref_cnt == 0 for b in tier.blocks)
