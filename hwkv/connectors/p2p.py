@@ -12,6 +12,13 @@ Both sides pin the blocks a transfer touches until it has really ended (a consum
 timed out recomputes, but its blocks stay pinned until the transfer stops). Every wait is bounded:
 a dead peer becomes a failed load (the consumer recomputes: identical tokens) or an expired hold
 (the producer frees the blocks after ``hold_timeout_s``).
+
+Tensor parallelism (pull; docs/disaggregation.md): the scheduler side and the side channel run on
+the driver; every rank registers its KV shard with its own transfer engine and reports its layout
+(``tp_worker_info``), so the producer's handshake reply lists every rank's. Each consumer rank
+reads the head slices :func:`~hwkv.connectors.p2p_protocol.read_plan` gives it (producer and
+consumer may differ in tp where one size divides the other); the producer frees a request's blocks
+once every consumer rank released it.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from hwkv.connectors.copy import copy_block_pairs
-from hwkv.connectors.p2p_channel import SideChannel, call
+from hwkv.connectors.p2p_channel import SideChannel
 from hwkv.connectors.p2p_consumer import ConsumerSide, LoadSpec
 from hwkv.connectors.p2p_producer import ProducerSide
 from hwkv.connectors.p2p_protocol import (
@@ -217,22 +224,9 @@ class P2PConnector(ProducerSide, ConsumerSide, KVConnectorBase):
                 self._peers[msg.layout.engine_id] = msg.layout
             return HelloReply(self.layout, layouts=self.rank_layouts)
         if isinstance(msg, Acquire):
-            with self._lock:
-                h = self._held.get(msg.request_id)
-                if h is None or h.busy or msg.reader in h.readers:
-                    return Ack(False, f"request {msg.request_id} is not held here (expired, freed or being read)")
-                h.readers.add(msg.reader)
-                h.deadline = time.monotonic() + 3 * self.transfer_timeout_s
-            return Ack(True)
+            return self.accept_acquire(msg)
         if isinstance(msg, Release):
-            with self._lock:  # every consumer rank reads its heads: free once all of them released
-                h = self._held.get(msg.request_id)
-                if h is not None and msg.readers > 1:
-                    h.released.add(msg.reader)
-                    if len(h.released) < msg.readers:
-                        return Ack(True)
-            self._done("sent", msg.request_id, msg.ok, 0)
-            return Ack(True)
+            return self.accept_release(msg)
         if isinstance(msg, PushRequest):
             return self.accept_push(msg)
         if isinstance(msg, PushDone):
@@ -243,22 +237,6 @@ class P2PConnector(ProducerSide, ConsumerSide, KVConnectorBase):
     def _done(self, kind: str, rid: str, ok: bool, nbytes: int, settled: bool = True) -> None:
         self._results.put((kind, rid, ok, nbytes, settled))
         self._wake.set()
-
-    def _handshake(self, address: str) -> list[Layout]:
-        """The producer's rank layouts (cached per address); raises naming why they cannot pair."""
-        peers = self._producers.get(address)
-        if peers is None:
-            reply = call(address, Hello(self.layout), self.transfer_timeout_s)  # type: ignore[arg-type]
-            if not isinstance(reply, HelloReply) or reply.layout is None:
-                raise RuntimeError(f"p2p handshake with {address} refused: {getattr(reply, 'reason', reply)}")
-            peers = list(reply.layouts) or [reply.layout]
-            why = next((w for lay in peers if (w := incompatibility(self.layout, lay))), "")  # type: ignore[arg-type]
-            if not why and len(peers) != reply.layout.tp_size:
-                why = f"the producer described {len(peers)} ranks for tp={reply.layout.tp_size}"
-            if why:
-                raise RuntimeError(f"p2p handshake with {address} refused: {why}")
-            self._producers[address] = peers
-        return peers
 
     # ---- scheduler side ------------------------------------------------------------------------
     def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:

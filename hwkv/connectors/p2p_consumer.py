@@ -19,8 +19,12 @@ from hwkv.connectors.p2p_channel import call
 from hwkv.connectors.p2p_protocol import (
     Ack,
     Acquire,
+    Hello,
+    HelloReply,
+    Layout,
     PushRequest,
     Release,
+    incompatibility,
     pair_segments,
     prompt_digest,
     read_plan,
@@ -117,6 +121,22 @@ class ConsumerSide:
         self._no_offer.add(rid)  # offered once: a preempted or failed request recomputes
 
     # ---- worker side ---------------------------------------------------------------------------
+    def _handshake(self, address: str) -> list[Layout]:
+        """The producer's rank layouts (cached per address); raises naming why they cannot pair."""
+        peers = self._producers.get(address)
+        if peers is None:
+            reply = call(address, Hello(self.layout), self.transfer_timeout_s)  # type: ignore[arg-type]
+            if not isinstance(reply, HelloReply) or reply.layout is None:
+                raise RuntimeError(f"p2p handshake with {address} refused: {getattr(reply, 'reason', reply)}")
+            peers = list(reply.layouts) or [reply.layout]
+            why = next((w for lay in peers if (w := incompatibility(self.layout, lay))), "")  # type: ignore[arg-type]
+            if not why and len(peers) != reply.layout.tp_size:
+                why = f"the producer described {len(peers)} ranks for tp={reply.layout.tp_size}"
+            if why:
+                raise RuntimeError(f"p2p handshake with {address} refused: {why}")
+            self._producers[address] = peers
+        return peers
+
     def start_loads(self, loads: list[LoadSpec]) -> None:
         for spec in loads:
             # consumer first: the producer may still be queueing the prefill, so allow its hold time

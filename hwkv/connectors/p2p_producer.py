@@ -13,7 +13,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hwkv.connectors.p2p_channel import call
-from hwkv.connectors.p2p_protocol import Ack, Layout, PushDone, PushRequest, pair_segments, prompt_digest
+from hwkv.connectors.p2p_protocol import (
+    Ack,
+    Acquire,
+    Layout,
+    PushDone,
+    PushRequest,
+    Release,
+    pair_segments,
+    prompt_digest,
+)
 from hwkv.core.request import RequestStatus
 from hwkv.interfaces.transfer import TransferTimeout
 
@@ -111,6 +120,28 @@ class ProducerSide:
         return out
 
     # ---- side channel --------------------------------------------------------------------------
+    def accept_acquire(self, msg: Acquire) -> Ack:
+        """Pull: consumer rank ``msg.reader`` is about to read; keep the blocks for it."""
+        with self._lock:
+            h = self._held.get(msg.request_id)
+            if h is None or h.busy or msg.reader in h.readers:
+                return Ack(False, f"request {msg.request_id} is not held here (expired, freed or being read)")
+            h.readers.add(msg.reader)
+            h.deadline = time.monotonic() + 3 * self.transfer_timeout_s
+        return Ack(True)
+
+    def accept_release(self, msg: Release) -> Ack:
+        """Pull: a consumer rank's read ended; every consumer rank reads its heads, so the blocks go
+        once all ``msg.readers`` released them (or the hold expires)."""
+        with self._lock:
+            h = self._held.get(msg.request_id)
+            if h is not None and msg.readers > 1:
+                h.released.add(msg.reader)
+                if len(h.released) < msg.readers:
+                    return Ack(True)
+        self._done("sent", msg.request_id, msg.ok, 0)
+        return Ack(True)
+
     def accept_push(self, msg: PushRequest) -> Ack:
         with self._lock:
             peer = self._peers.get(msg.consumer_engine_id)
