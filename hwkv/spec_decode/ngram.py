@@ -3,7 +3,7 @@ occurrence of the sequence's own suffix (vLLM's ``ngram`` method; no model, host
 
 All requests of a step are matched at once (:func:`ngram_propose_batch`): one pass over the token
 rows finds where each row's last token occurred before; only those candidate positions are then
-extended backwards, ``prompt_lookup_max - 1`` vectorised comparisons at most. No per-request loop
+compared backwards with the suffix, ``prompt_lookup_max`` tokens each, in one gather. No per-request loop
 but the final slicing of each row's drafts."""
 
 from __future__ import annotations
@@ -33,21 +33,19 @@ def ngram_propose_batch(token_ids: np.ndarray, rows: np.ndarray, lens: np.ndarra
     r, p = np.nonzero((tok[:, : W - 1] == last[:, None]) & (np.arange(W - 1) < (L - 1)[:, None]))
     if not len(r):
         return out
-    m = np.ones(len(r), dtype=np.int64)  # how many tokens of the suffix the window ending at p matches
-    alive = np.ones(len(r), dtype=bool)
-    Lr = L[r]
-    for j in range(1, n_max):
-        alive &= (p >= j) & (tok[r, np.maximum(p - j, 0)] == tok[r, Lr - 1 - j])
-        if not alive.any():
-            break
-        m += alive
+    # how many tokens of the suffix the window ending at p matches: both sides gathered at once, [C, n_max]
+    flat, js, Lr = tok.ravel(), np.arange(n_max), L[r]
+    win = flat[np.maximum((r * W + p)[:, None] - js, (r * W)[:, None])]
+    suf = flat[np.maximum((r * W + Lr - 1)[:, None] - js, 0)]  # off the row only where p < j: masked below
+    m = np.cumprod((win == suf) & (p[:, None] >= js), axis=1).sum(1)
+    first = np.flatnonzero(np.concatenate([[True], r[1:] != r[:-1]]))  # each row's first candidate
     best = np.zeros(n, dtype=np.int64)
-    np.maximum.at(best, r, m)
+    best[r[first]] = np.maximum.reduceat(m, first)
     sel = (m == best[r]) & (best[r] >= n_min)
     rs, ps = r[sel], p[sel]
     if not len(rs):
         return out
-    ends = np.flatnonzero(np.r_[rs[1:] != rs[:-1], True])  # np.nonzero is row-major: a row's last is its latest
+    ends = np.flatnonzero(np.concatenate([rs[1:] != rs[:-1], [True]]))  # row-major: a row's last is its latest
     row, start = rs[ends], ps[ends] + 1
     k = np.asarray(ks, dtype=np.int64)[idx[row]]
     num = np.minimum(k, L[row] - start)
