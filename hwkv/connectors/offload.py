@@ -20,7 +20,8 @@ prefix-cache hit one tier down, with the pool's LRU free queue as the tier's evi
   thing in the step's ``start_load_kv`` and the compute stream waits for it, so the freed device
   blocks are read before anything can overwrite them and the preemption frees all of them at once.
   So no full block leaves the device unstored, and a re-admitted request loads its prefix from the
-  tier instead of recomputing it;
+  tier instead of recomputing it. A request that finishes or is preempted while a load into its
+  blocks is unconfirmed has its store *parked* (device blocks pinned) until that load completes;
 * completions (``update_connector_output``): pins released; a stored block's hash is registered
   only now, so no lookup ever sees a block whose bytes are still in flight.
 
@@ -82,6 +83,7 @@ class OffloadConnector(OffloadWorker):
         self._pending_hits: dict[str, tuple[int, list[KVCacheBlock]]] = {}  # rid -> (first block, pinned hits)
         self._finished_stores: list[tuple[int, list[int], list[int]]] = []  # issued with the next step
         self._preempted_stores: list[tuple[int, list[int], list[int]]] = []  # issued before its forward
+        self._parked: dict[int, list[tuple[int, list[int], list[int]]]] = {}  # load job -> stores waiting on it
         self.counters = dict(loaded_bytes=0, stored_bytes=0, load_jobs=0, store_jobs=0, hit_blocks=0,
                              stores_skipped_full=0, failed_loads=0, preempted_store_blocks=0)
         self._init_worker()
@@ -185,12 +187,24 @@ class OffloadConnector(OffloadWorker):
         rid = request.request_id
         self._release_hit(rid)
         st = self._reqs.pop(rid, None)  # re-admission starts afresh
-        # a load into its blocks is unconfirmed (hold): those bytes may be garbage, store nothing
-        if st is None or st.hold or not self.store or self.cpu is None:
+        if st is None or not self.store or self.cpu is None:
             return
-        if (job := self._store_job(st, pin=False)) is not None:
+        if st.hold:
+            job = self._park(st)
+        elif (job := self._store_job(st, pin=False)) is not None:
             self._preempted_stores.append(job)
+        if job is not None:
             self.counters["preempted_store_blocks"] += len(job[1])
+
+    def _park(self, st: ReqState) -> tuple[int, list[int], list[int]] | None:
+        """A request leaving while a load into its blocks is unconfirmed (on a device its event may
+        fire steps after the step that used it): what it computed on top is valid only if the load
+        was, so the store pins the device blocks and waits for the load's completion."""
+        load = next((j for j in self._jobs.values() if j.load and j.req_id == st.request.request_id), None)
+        job = self._store_job(st) if load is not None else None
+        if job is not None:
+            self._parked.setdefault(load.job_id, []).append(job)  # type: ignore[union-attr]
+        return job
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         self.counters["failed_loads"] += len(output.failed_recving)
@@ -203,6 +217,11 @@ class OffloadConnector(OffloadWorker):
             st = self._reqs.get(job.req_id)
             if st is not None and ok:
                 st.hold = False
+            parked = self._parked.pop(job.job_id, [])
+            if ok:
+                self._finished_stores += parked  # issued after the next forward, device blocks pinned
+            for store_id, *_ in () if ok else parked:
+                self._complete(self._jobs.pop(store_id), False)
             if ok:
                 self.counters["loaded_bytes"] += nbytes
                 self.counters["load_jobs"] += 1
@@ -221,9 +240,11 @@ class OffloadConnector(OffloadWorker):
         self._release_hit(rid)
         st = self._forget(rid)
         # its last blocks are stored before they can be reused
-        if st is not None and not st.hold and self.store and self.cpu is not None and \
-                (job := self._store_job(st)) is not None:
-            self._finished_stores.append(job)
+        if st is not None and self.store and self.cpu is not None:
+            if st.hold:
+                self._park(st)
+            elif (job := self._store_job(st)) is not None:
+                self._finished_stores.append(job)
         return False, None
 
     def stats(self) -> dict[str, Any]:

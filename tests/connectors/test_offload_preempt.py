@@ -190,3 +190,41 @@ def test_preemption_store_runs_on_every_tensor_parallel_rank(model_dir, referenc
         assert e.runner.kv_outputs.pending() == 0
     finally:
         e.close()
+
+
+@pytest.mark.parametrize("preempt", [False, True], ids=["finished", "preempted"])
+def test_blocks_computed_on_a_load_still_in_flight_are_stored_once_it_lands(model_dir, preempt):
+    """On a device a synchronous load's event often fires steps after the step that used it: a
+    request that finishes (or is preempted) before then still gets the blocks it computed on top of
+    the loaded prefix stored — parked, device blocks pinned, until the load is confirmed."""
+    from .conftest import workload
+    from .test_offload import gated_engine
+
+    conn = OffloadConnector(cpu_bytes=MB)
+    e, gate = gated_engine(model_dir, conn, num_kv_blocks=16)
+    p = workload()
+    e.generate([p[1]], greedy(1), use_tqdm=False)  # the prefix (and more) into the tier
+    for _ in range(5):
+        e.step()
+    assert e.kv_cache_manager.reset_prefix_cache()  # the prefix is in the host tier only
+    before = set(conn.cpu.cached_block_hash_to_block)
+    x = p[1][:64] + [rng.randrange(1, 500) for _ in range(50)]  # 4 loaded blocks + 3 computed full ones
+    gate[0] = False
+    e.add_request("x", x, greedy(1 if not preempt else 8))
+    e.step()  # x: loads 4 blocks (event pending), computes the rest, samples
+    (load,) = [j for j in conn._jobs.values() if j.load]
+    if preempt:
+        (req,) = [r for r in e.scheduler.requests.values() if r.request_id.startswith("x")]
+        e.scheduler.running.remove(req)
+        e.scheduler._preempt(req)  # as the scheduler does when another request needs the blocks
+    else:
+        e.step()  # x's one token: finished
+    stores = [j for j in conn._jobs.values() if not j.load]
+    assert len(stores) == 1 and len(stores[0].device) == 3  # parked behind the load, device blocks pinned
+    assert all(b.ref_cnt >= 1 for b in stores[0].device)
+    gate[0] = True
+    while e.has_unfinished():
+        e.step()
+    new = set(conn.cpu.cached_block_hash_to_block) - before
+    assert len(new) == 3 and load.job_id not in conn._jobs
+    assert_no_leak(e)
