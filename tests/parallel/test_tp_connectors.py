@@ -21,21 +21,32 @@ def reference(model_dir):  # noqa: F811
     return run_one_by_one(engine(model_dir), workload())
 
 
-def _no_leak(e) -> None:
-    try:
-        assert_no_leak(e)
-        conn = e.scheduler.connector
-        assert conn.cpu.num_free_blocks == conn.cpu.num_blocks and not conn._jobs
-        assert e.runner.kv_outputs.pending() == 0  # every rank's report of every job arrived
-    finally:
+@pytest.fixture
+def tp_engine(model_dir):  # noqa: F811
+    """Builds the test's tp=2 engine and closes it however the test ends (one tensor-parallel engine
+    per process at a time: a worker left behind would break the next test)."""
+    made = []
+
+    def build(**kw):
+        made.append(engine(model_dir, tensor_parallel_size=2, **kw))
+        return made[-1]
+
+    yield build
+    for e in made:
         e.close()
+
+
+def _no_leak(e) -> None:
+    assert_no_leak(e)
+    conn = e.scheduler.connector
+    assert conn.cpu.num_free_blocks == conn.cpu.num_blocks and not conn._jobs
+    assert e.runner.kv_outputs.pending() == 0  # every rank's report of every job arrived
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("cfg", [{}, {"async_load": True}], ids=["sync-load", "async-load"])
-def test_offload_at_tp2_loads_every_shard(model_dir, reference, cfg):  # noqa: F811
-    e = engine(model_dir, tensor_parallel_size=2, kv_connector="offload",
-               kv_connector_config={"cpu_bytes": MB, **cfg})
+def test_offload_at_tp2_loads_every_shard(tp_engine, reference, cfg):
+    e = tp_engine(kv_connector="offload", kv_connector_config={"cpu_bytes": MB, **cfg})
     assert run_one_by_one(e, workload()) == reference
     st = e.stats()["kv_connector"]
     assert st["load_failures"] == 0 and st["external_hit_tokens"] == 2 * 4 * 16
@@ -47,9 +58,9 @@ def test_offload_at_tp2_loads_every_shard(model_dir, reference, cfg):  # noqa: F
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("fail_rank, cfg", [(1, {}), (0, {}), (1, {"async_load": True})],
                          ids=["worker-sync", "driver-sync", "worker-async"])
-def test_one_rank_failing_a_load_recomputes(model_dir, reference, fail_rank, cfg):  # noqa: F811
-    e = engine(model_dir, tensor_parallel_size=2, kv_connector="hwkv.testing.tp_connectors:FailingRank",
-               kv_connector_config={"cpu_bytes": MB, "fail_rank": fail_rank, **cfg})
+def test_one_rank_failing_a_load_recomputes(tp_engine, reference, fail_rank, cfg):
+    e = tp_engine(kv_connector="hwkv.testing.tp_connectors:FailingRank",
+                  kv_connector_config={"cpu_bytes": MB, "fail_rank": fail_rank, **cfg})
     assert run_one_by_one(e, workload()) == reference  # the other rank's good shard is not enough
     st = e.stats()["kv_connector"]
     assert st["load_failures"] == 1 and st["failed_loads"] == 1

@@ -67,7 +67,11 @@ def _settle(*engines: hwkv.Engine, timeout_s: float = 20.0) -> None:
 def test_heterogeneous_tp_pull_gives_one_engines_tokens(models, kv, p_tp, d_tp):
     model_dir, reference = models[kv], _reference(models[kv])
     p = _engine(model_dir, "producer", p_tp)
-    d = _engine(model_dir, "consumer", d_tp)
+    try:
+        d = _engine(model_dir, "consumer", d_tp)
+    except BaseException:
+        p.close()
+        raise
     try:
         for prompt, want in zip(prompts(), reference):
             out = p.generate([prompt], greedy(1, {"do_remote_decode": True}), use_tqdm=False)[0]
@@ -90,7 +94,11 @@ def test_untranslatable_split_is_refused_at_handshake_and_recomputed(models, cap
     """A consumer whose model has other KV heads: every consumer rank's handshake is refused with
     both engines named, the request recomputes (its own model's tokens), nothing stays pinned."""
     p = _engine(models[4], "producer", 1, hold_timeout_s=1.0)
-    d = _engine(models[2], "consumer", 2)
+    try:
+        d = _engine(models[2], "consumer", 2)
+    except BaseException:
+        p.close()
+        raise
     try:
         prompt, want = prompts()[0], _reference(models[2])[0]
         params = p.generate([prompt], greedy(1, {"do_remote_decode": True}), use_tqdm=False)[0].kv_transfer_params
