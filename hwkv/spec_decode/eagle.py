@@ -149,6 +149,8 @@ class EagleProposer:
     def __init__(self, head: EagleHead, backend: Any, k: int):
         self.head, self.backend, self.k = head, backend, k
         self.kv_cache: Any = None
+        self.graphs: Any = None  # the head's one-token draft steps (enable_graphs), where the target has graphs
+        self.num_graph_steps = 0
 
     @classmethod
     def load(cls, cfg: SpeculativeConfig, engine: Any) -> EagleProposer:
@@ -212,6 +214,15 @@ class EagleProposer:
     def drop(self, req_id: str) -> None:
         pass
 
+    def enable_graphs(self, runner: Any, max_batch: int, use_graphs: bool = True) -> None:
+        """Serve the head's one-token draft steps (every draft after the first) from captured graphs,
+        bucketed like the target's (``use_graphs=False``: the same path run eagerly)."""
+        from hwkv.spec_decode.state_graphs import HeadGraphRunner
+
+        self.graphs = HeadGraphRunner(self.head, self.kv_cache, runner.meta_builder, runner.dev, runner.block_size,
+                                      max_batch, runner.max_model_len, use_graphs)
+        self.graphs.capture(pool=runner.graphs.pool)
+
     @torch.inference_mode()
     def propose_with_hidden(self, runner: Any, states: list[Any], batch: Any, hidden: torch.Tensor,
                             valid: np.ndarray, sample_rows: np.ndarray, caps: list[int]) -> list[list[int]]:
@@ -261,6 +272,11 @@ class EagleProposer:
         # pairs take the token after each position: the token table seen one column to the left
         batch = build_batch(runner.token_ids[:, 1:], runner.block_table, slots, ctx, qlen, ctx + qlen,
                             runner.block_size)
+        if feed is not None and self.graphs is not None and batch.pure_decode:
+            g = self.graphs.run(batch, self.graphs.feeder(feed, hidden))
+            if g is not None:
+                self.num_graph_steps += 1
+                return g
         inp = runner.device_inputs(batch)
         if feed is not None:
             inp.input_ids.copy_(feed)

@@ -27,7 +27,8 @@ seq-len bound) at query length ``k + 1`` (:class:`~hwkv.engine.graph_runner.Grap
 ``query_len``), rows with fewer drafts padded (:func:`~hwkv.engine.graph_runner.pad_queries`). The
 rejection sampler runs after the replay on the graph's logits (its result is read back to the
 host, so it stays outside the graph); on the greedy path the padded rows' argmax is simply ignored.
-Mixed steps (a request prefilling) and EAGLE proposers (they need the target's hidden states) run
+With an EAGLE proposer both kinds of graphs also return the target's states
+(:class:`~hwkv.spec_decode.state_graphs.StatesGraphRunner`). Mixed steps (a request prefilling) run
 eagerly.
 """
 

@@ -38,3 +38,29 @@ class StatesGraphRunner(GraphRunner):
 def split(packed: torch.Tensor, vocab: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logits [T, vocab] float32, states [T, S] in dtype)`` of a :class:`StatesGraphRunner` output."""
     return packed[:, :vocab], packed[:, vocab:].to(dtype)
+
+
+class HeadGraphRunner(GraphRunner):
+    """Graphs of an EAGLE head's one-token draft steps: each row feeds one pair (its last draft, the
+    head's own state) and gets the head's output state ``[n, H]``. The pair's state has its own static
+    buffer, filled with the token ids after the inputs are copied in (``run(batch, fill)`` with
+    :meth:`feeder`)."""
+
+    def __init__(self, head: Any, *args: Any, **kwargs: Any):
+        super().__init__(head, *args, **kwargs)
+        if self.q != 1 or self.last_only:
+            raise ValueError("HeadGraphRunner serves one-token draft steps (query_len 1) only")
+        h = head.config.hidden_size
+        self.states = torch.zeros((self.max_batch, h), dtype=head.fc.weight.dtype, device=self.device.torch_device)
+
+    def _forward(self, b: int, md: Any) -> torch.Tensor:
+        return self.model(self.d64[0, :b], self.states[:b], self.d64[1, :b], self.kv_cache, md, self.d64[2, :b])
+
+    def feeder(self, tokens: torch.Tensor, states: torch.Tensor) -> Callable[[torch.Tensor], None]:
+        """The ``fill`` of a step whose ``n`` rows feed ``tokens [n]`` and ``states [n, H]`` (on the device)."""
+        n = tokens.shape[0]
+
+        def fill(ids: torch.Tensor) -> None:
+            ids[:n].copy_(tokens)
+            self.states[:n].copy_(states)
+        return fill

@@ -141,20 +141,24 @@ def test_eagle3_head_refused_under_eagle_and_bad_aux(tiny_model: str, tmp_path) 
                speculative_config={"method": "eagle3", "num_speculative_tokens": 2, "model": bad})
 
 
+@pytest.mark.parametrize("graphs", [False, True])
 def test_drafts_fed_from_the_device_equal_drafts_fed_from_the_token_table(tiny_model: str, tiny_eagle: str,
-                                                                         monkeypatch) -> None:
-    """Draft j + 1's input token is draft j straight from the device (no host read per draft): every
-    proposal equals the one made when each draft is first written into the token table and read from
-    there (the head's drafts depend on their input token, so a wrong feed changes them)."""
+                                                                         monkeypatch, graphs: bool) -> None:
+    """Draft j + 1's input token is draft j straight from the device (no host read per draft), with
+    graphs through the head's one-token graphs (token and state in their static buffers): every
+    proposal equals the one made eagerly with each draft first written into the token table and read
+    from there (the head's drafts depend on their input token and state, so a wrong feed changes them)."""
     import numpy as np
 
     from hwkv.spec_decode.eagle import EagleProposer
+    from hwkv.testing.graphs import GraphCpuBackend
 
     spec = {"method": "eagle", "num_speculative_tokens": 4, "model": tiny_eagle}
     prompts = _prompts(5, seed=33)
+    kw = {"backend": GraphCpuBackend(), "fuse_elementwise": False, "max_model_len": 128} if graphs else {}
 
     def proposals() -> list:
-        eng = Engine(tiny_model, num_kv_blocks=96, block_size=4, max_num_seqs=5, speculative_config=spec)
+        eng = Engine(tiny_model, num_kv_blocks=96, block_size=4, max_num_seqs=5, speculative_config=spec, **kw)
         got, orig = [], eng.proposer.propose_with_hidden
 
         def record(*a, **k):
@@ -162,11 +166,14 @@ def test_drafts_fed_from_the_device_equal_drafts_fed_from_the_token_table(tiny_m
             return got[-1]
         eng.proposer.propose_with_hidden = record
         eng.generate(prompts, GREEDY, use_tqdm=False)
+        if graphs and EagleProposer._forward is forward:
+            head_graphs = eng.proposer.graphs
+            replays = sum(g.replays for g, _, _ in head_graphs.graphs.values())
+            assert replays == eng.proposer.num_graph_steps > 0  # the head's draft steps replayed
         return got
 
-    fed = proposals()
     forward = EagleProposer._forward
-
+    fed = proposals()
     def via_table(self, runner, slots, ctx, qlen, hidden, feed=None):
         if feed is not None:  # the pair at p reads token p + 1: write the fed drafts there
             runner.token_ids[slots, ctx + 1] = feed.cpu().numpy().astype(np.int32)
