@@ -69,6 +69,23 @@ def test_write_then_read_moves_exact_bytes(pair, buffers):
     assert int(back.astype(np.int64).sum()) == sum(int(src[s:s + n].astype(np.int64).sum()) for s, _, n in SEGMENTS)
 
 
+def test_more_segments_than_one_mooncake_batch_takes(pair, buffers):
+    """The wheel fails a sync batch of more than 2048 segments (code -1): a long prompt's KV in
+    scattered blocks is that many, so the transfer splits it."""
+    a, b = pair
+    src, dst, back = buffers
+    n, seg = 4100, 200  # 820 KB in 4100 segments, every other 200-byte slot
+    offs = [2 * i * seg % (MiB - seg) for i in range(n)]
+    offs = sorted(set(offs))[:n]
+    assert len(offs) > 2 * 2048
+    dst[:] = 0
+    a.write(b.endpoint(), [ptr(src) + o for o in offs], [ptr(dst) + o for o in offs], [seg] * len(offs))
+    back[:] = 0
+    a.read(b.endpoint(), [ptr(back) + o for o in offs], [ptr(dst) + o for o in offs], [seg] * len(offs))
+    for o in offs[:: 97] + offs[-3:]:
+        assert np.array_equal(dst[o:o + seg], src[o:o + seg]) and np.array_equal(back[o:o + seg], src[o:o + seg])
+
+
 def test_async_submit_and_poll(pair, buffers):
     a, b = pair
     src, dst, back = buffers
