@@ -30,21 +30,14 @@ STATS_INTERVAL_S = 0.25
 MAX_STEP_FAILURES = 3
 
 
-def make_connector(name: str | None, config: dict[str, Any]) -> Any:
-    """A KV connector from ``--kv-connector NAME`` (a registered name or 'package.module:Class') and
-    its JSON config (keyword arguments): :func:`hwkv.connectors.make_connector`."""
-    from hwkv.connectors import make_connector as make
-
-    return make(name, config)
-
-
 class EngineCore:
     def __init__(self, cfg: m.CoreConfig):
         from hwkv.engine import Engine
 
         self.cfg = cfg
-        connector = make_connector(cfg.kv_connector, cfg.kv_connector_config)
-        self.engine = Engine(cfg.model, kv_connector=connector, **cfg.engine_kwargs)
+        # by name: a tensor-parallel engine builds one connector per rank from the name and config
+        self.engine = Engine(cfg.model, kv_connector=cfg.kv_connector,
+                             kv_connector_config=cfg.kv_connector_config or None, **cfg.engine_kwargs)
         self.default_params = self.engine.default_sampling_params()
         # The front end detokenizes: without a tokenizer the engine's detokenizer is a no-op.
         self.engine.tokenizer = None

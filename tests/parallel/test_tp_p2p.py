@@ -119,3 +119,26 @@ def test_push_at_tp_is_refused_before_any_worker_starts(models):
                                          r"mode='pull'"):
         hwkv.Engine(models[4], num_kv_blocks=16, block_size=BS, max_model_len=128, tensor_parallel_size=2,
                     kv_connector="p2p", kv_connector_config={"role": "consumer", "mode": "push"})
+
+
+def test_serving_a_tp2_producer_behind_the_proxy(tmp_path):
+    """`hwkv serve --tensor-parallel-size 2` as the producer (the serving core passes the connector
+    by name, so every rank builds its own), a tp=1 consumer, `hwkv proxy`: one engine's tokens."""
+    from tests.connectors.test_p2p_serving import ENGINE, Proxy, Server, complete, connector, counter
+
+    tiny = write_tiny_model(tmp_path / "tiny", seed=0, max_position_embeddings=1024, tokenizer=True)
+    prompt = "The quick brown fox jumps over the lazy dog " * 3
+    local = hwkv.Engine(tiny, num_kv_blocks=64, block_size=16, max_model_len=512, seed=0)
+    want = local.generate([prompt], greedy(8), use_tqdm=False)[0].token_ids
+    started = []
+    try:
+        started.append(Server(tiny, *ENGINE, "--served-model-name", "tiny", "--tensor-parallel-size", "2",
+                              *connector("producer", "pull"), timeout=180))
+        started.append(Server(tiny, *ENGINE, "--served-model-name", "tiny", *connector("consumer", "pull"),
+                              timeout=180))
+        started.append(Proxy([started[0].url], [started[1].url]))
+        assert complete(started[2].url, prompt)["choices"][0]["token_ids"] == want
+        assert counter(started[1].url, "load_failures") == 0 and counter(started[1].url, "loaded_bytes") > 0
+    finally:
+        for s in reversed(started):
+            s.stop()
