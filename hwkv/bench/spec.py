@@ -6,7 +6,10 @@ Scenarios (greedy, ``ignore_eos``), each at every batch size of ``--batch-sizes`
 * ``self``: a draft model that *is* the target: every draft the target agrees with is accepted (the
   mechanism's ceiling: acceptance ~1, speedup limited by the verify and draft costs);
 * ``layer1``: a 1-layer draft of the target's shape. With random weights its acceptance is
-  meaningless (the two models' distributions are unrelated): it measures the cost side only.
+  meaningless (the two models' distributions are unrelated): it measures the cost side only;
+* ``eagle`` (not in the default set): a random-weight EAGLE-1 head of the target's shape — the cost
+  side of EAGLE (graphs returning the target's states, the head's catch-up and graphed draft steps);
+  its acceptance is meaningless too.
 
 Decode throughput counts the tokens after the first one over the time from the first token to the
 last (prefill excluded); *verify-only* takes the proposer's time out (drafts for free: the ceiling of
@@ -47,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workdir", default="/tmp/hwkv-bench-models")
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
     p.add_argument("--batch-sizes", default="1,16")
-    p.add_argument("--scenarios", default="ngram,self,layer1")
+    p.add_argument("--scenarios", default="ngram,self,layer1", help="any of ngram, self, layer1, eagle")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--tokens", type=int, default=256, help="tokens generated per request")
     p.add_argument("--engine-args", default="{}", help="JSON of extra Engine keyword arguments")
@@ -67,6 +70,22 @@ def _write_model(args: argparse.Namespace, name: str, **over: Any) -> Path:
     if not (d / "config.json").exists():
         write_tiny_model(d, dtype=getattr(torch, args.dtype), tokenizer=False, **{**SHAPES[args.model], **over})
     return d
+
+
+def _write_eagle(args: argparse.Namespace, target: Path) -> str:
+    """A random-weight EAGLE-1 head of the target's shape (its embedding and LM head are the target's)."""
+    import torch
+
+    from hwkv.testing.eagle_heads import write_eagle_head
+
+    c = json.loads((target / "config.json").read_text())
+    d = Path(args.workdir) / f"{target.name}-eagle-{args.dtype}"
+    if not (d / "config.json").exists():
+        write_eagle_head(d, c["hidden_size"], c["num_attention_heads"], c.get("num_key_value_heads"),
+                         c.get("intermediate_size"), c["vocab_size"], seed=2, dtype=getattr(torch, args.dtype),
+                         rope_theta=c.get("rope_theta", 10000.0),
+                         max_position_embeddings=c.get("max_position_embeddings", 4096))
+    return str(d)
 
 
 def _prompts(kind: str, n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -173,9 +192,9 @@ def run(args: argparse.Namespace) -> int:
     vocab = json.loads((target / "config.json").read_text())["vocab_size"]
     k = args.num_speculative_tokens
     scen = [s for s in args.scenarios.split(",") if s]
-    bad = sorted(set(scen) - {"ngram", "self", "layer1"})
+    bad = sorted(set(scen) - {"ngram", "self", "layer1", "eagle"})
     if bad:
-        print(f"hwkv bench spec: unknown scenarios {bad} (allowed: ngram, self, layer1)", file=sys.stderr)
+        print(f"hwkv bench spec: unknown scenarios {bad} (allowed: ngram, self, layer1, eagle)", file=sys.stderr)
         return 2
     if "layer1" in scen and args.model not in SHAPES:
         print("hwkv bench spec: scenario layer1 needs --model to be a shape (it writes a 1-layer draft of it)",
@@ -188,6 +207,8 @@ def run(args: argparse.Namespace) -> int:
     if "layer1" in scen:
         configs["layer1"] = {"method": "draft_model", "num_speculative_tokens": k,
                              "model": str(_write_model(args, f"{args.model}-1layer", num_layers=1, seed=1))}
+    if "eagle" in scen:
+        configs["eagle"] = {"method": "eagle", "num_speculative_tokens": k, "model": _write_eagle(args, target)}
     rows = []
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
         for kind in sorted({"ngram" if s == "ngram" else "random" for s in scen}):

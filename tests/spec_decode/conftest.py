@@ -22,35 +22,10 @@ def write_tiny_eagle(path, hidden_size: int = 64, vocab_size: int = 512, seed: i
                      with_embed: bool = False, heads: int = 4, kv_heads: int = 2):
     """A random-weight EAGLE-1 head with the published tensor names (no input_layernorm on its one
     layer, no lm_head: the target's) for a Llama target of ``hidden_size``."""
-    import json
-    from pathlib import Path
+    from hwkv.testing.eagle_heads import write_eagle_head
 
-    import torch
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    h, inter, hd = hidden_size, 2 * hidden_size, hidden_size // heads
-    cfg = {"architectures": ["EagleLlamaForCausalLM"], "model_type": "llama", "hidden_size": h,
-           "intermediate_size": inter, "num_hidden_layers": 1, "num_attention_heads": heads,
-           "num_key_value_heads": kv_heads, "vocab_size": vocab_size, "rms_norm_eps": 1e-6,
-           "max_position_embeddings": 512, "rope_theta": 10000.0, "torch_dtype": "float32",
-           "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu"}
-    (path / "config.json").write_text(json.dumps(cfg))
-    g = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=g) * 0.1
-    w = {"fc.weight": r(h, 2 * h), "layers.0.self_attn.q_proj.weight": r(heads * hd, h),
-         "layers.0.self_attn.k_proj.weight": r(kv_heads * hd, h),
-         "layers.0.self_attn.v_proj.weight": r(kv_heads * hd, h),
-         "layers.0.self_attn.o_proj.weight": r(h, heads * hd), "layers.0.mlp.gate_proj.weight": r(inter, h),
-         "layers.0.mlp.up_proj.weight": r(inter, h), "layers.0.mlp.down_proj.weight": r(h, inter),
-         "layers.0.post_attention_layernorm.weight": torch.ones(h)}
-    if fc_bias:
-        w["fc.bias"] = r(h)
-    if with_embed:
-        w["embed_tokens.weight"] = r(vocab_size, h)
-    save_file(w, str(path / "model.safetensors"))
-    return str(path)
+    return write_eagle_head(path, hidden_size, heads, kv_heads, vocab_size=vocab_size, seed=seed, fc_bias=fc_bias,
+                            with_embed=with_embed)
 
 
 @pytest.fixture(scope="session")

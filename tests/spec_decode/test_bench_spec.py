@@ -12,12 +12,13 @@ def test_bench_spec_cpu_tiny(tmp_path) -> None:
     p = argparse.ArgumentParser()
     spec.add_arguments(p)
     args = p.parse_args(["--model", "tiny", "--backend", "cpu", "--dtype", "float32", "--tokens", "12",
-                         "--prompt-len", "40", "--batch-sizes", "1,2", "--scenarios", "ngram,self,layer1",
+                         "--prompt-len", "40", "--batch-sizes", "1,2", "--scenarios", "ngram,self,layer1,eagle",
                          "--workdir", str(tmp_path / "models"), "--out-dir", str(tmp_path / "out")])
     assert spec.run(args) == 0
     (res,) = (tmp_path / "out").glob("spec-cpu-tiny-*.json")
     rows = json.loads(res.read_text())["rows"]
-    assert {(r["scenario"], r["batch"]) for r in rows} == {(s, b) for s in ("ngram", "self", "layer1") for b in (1, 2)}
+    assert {(r["scenario"], r["batch"]) for r in rows} == {(s, b) for s in ("ngram", "self", "layer1", "eagle")
+                                                            for b in (1, 2)}
     assert all(r["identical_to_baseline"] for r in rows)  # greedy: speculation changes nothing but speed
     assert all(r["acceptance_rate"] > 0.9 for r in rows if r["scenario"] == "self")
     assert (res.with_suffix(".md")).read_text().count("| self |") == 2
