@@ -221,7 +221,7 @@ class EagleProposer:
 
         self.graphs = HeadGraphRunner(self.head, self.kv_cache, runner.meta_builder, runner.dev, runner.block_size,
                                       max_batch, runner.max_model_len, use_graphs)
-        self.graphs.capture(pool=runner.graphs.pool)
+        self.graphs.capture()  # its own pool, as a draft model's graphs
 
     @torch.inference_mode()
     def propose_with_hidden(self, runner: Any, states: list[Any], batch: Any, hidden: torch.Tensor,
