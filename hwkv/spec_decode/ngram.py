@@ -37,7 +37,7 @@ def ngram_propose_batch(token_ids: np.ndarray, rows: np.ndarray, lens: np.ndarra
     flat, js, Lr = tok.ravel(), np.arange(n_max), L[r]
     win = flat[np.maximum((r * W + p)[:, None] - js, (r * W)[:, None])]
     suf = flat[np.maximum((r * W + Lr - 1)[:, None] - js, 0)]  # off the row only where p < j: masked below
-    m = np.cumprod((win == suf) & (p[:, None] >= js), axis=1).sum(1)
+    m = np.logical_and.accumulate((win == suf) & (p[:, None] >= js), axis=1).sum(1)
     first = np.flatnonzero(np.concatenate([[True], r[1:] != r[:-1]]))  # each row's first candidate
     best = np.zeros(n, dtype=np.int64)
     best[r[first]] = np.maximum.reduceat(m, first)

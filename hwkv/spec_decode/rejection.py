@@ -64,7 +64,7 @@ def greedy_verify(top: np.ndarray, drafts: np.ndarray, ks: np.ndarray) -> tuple[
     R, K = drafts.shape
     cols = np.arange(K + 1)
     match = (top[:, :K] == drafts) & (cols[:K] < ks[:, None])
-    n_acc = np.cumprod(match, axis=1).sum(1) if K else np.zeros(R, dtype=np.int64)
+    n_acc = np.logical_and.accumulate(match, axis=1).sum(1) if K else np.zeros(R, dtype=np.int64)
     out = np.where(cols[:K] < n_acc[:, None], drafts, -1) if K else np.zeros((R, 0), dtype=np.int64)
     out = np.concatenate([out, np.full((R, 1), -1, dtype=out.dtype)], axis=1)
     rows = np.arange(R)
