@@ -21,18 +21,23 @@ A = [rng.randrange(1, 500) for _ in range(47)]  # 3 blocks, decoding to 127 toke
 B = [rng.randrange(1, 500) for _ in range(70)]  # 4 full blocks + 1
 
 
+def drain(e: hwkv.Engine, limit: int = 400) -> list:
+    """Step until nothing is left (bounded: a stuck engine fails the test instead of hanging it)."""
+    outs = []
+    for _ in range(limit):
+        if not e.has_unfinished():
+            return outs
+        outs += e.step()
+    raise AssertionError(f"engine still busy after {limit} steps")
+
+
 def run_a_then_b(e: hwkv.Engine) -> dict[str, list[int]]:
     """A runs, B joins (8/8 blocks), A's next block preempts B (the newest); A then grows over all of
     B's blocks, and B comes back only once A finished."""
     e.add_request("a", A, greedy(80))
     e.step()
     e.add_request("b", B, greedy(10))
-    outs = []
-    for _ in range(400):
-        if not e.has_unfinished():
-            break
-        outs += e.step()
-    return {o.request_id: o.token_ids for o in outs if o.finished}
+    return {o.request_id: o.token_ids for o in drain(e) if o.finished}
 
 
 @pytest.fixture(scope="module")
@@ -74,9 +79,7 @@ def test_priority_displacement_stores_the_displaced_request(model_dir):
         e.step()
         e.step()
         e.add_request("a", A + A[:60], greedy(20), priority=0)  # 7 blocks + decode: B must go
-        got = []
-        while e.has_unfinished():
-            got += e.step()
+        got = drain(e)
         assert e.scheduler.num_preemptions == 1
         outs[conn] = {o.request_id: o.token_ids for o in got if o.finished}
         if conn:
@@ -117,13 +120,17 @@ def test_store_still_in_flight_at_readmission_recomputes_and_leaks_nothing(model
     e.step()
     e.add_request("b", B, greedy(10))
     dev.capturing, outs = True, []
-    while e.scheduler.num_preemptions == 0:
+    for _ in range(100):
+        if e.scheduler.num_preemptions:
+            break
         outs += e.step()
     dev.capturing = False
     (job,) = [j for j in conn._jobs.values() if not j.load]  # B's store, in flight
     assert job.device == [] and len(job.host) == 4  # it pins no device block: B freed all 5 at once
     assert all(b.ref_cnt == 1 for b in job.host) and not conn.cpu.cached_block_hash_to_block
-    while {o.request_id for o in outs if o.finished} != {"a", "b"}:
+    for _ in range(400):
+        if {o.request_id for o in outs if o.finished} == {"a", "b"}:
+            break
         outs += e.step()
     assert {o.request_id: o.token_ids for o in outs if o.finished} == reference
     assert e.stats()["kv_connector"]["external_hit_tokens"] == 0 and job.job_id in conn._jobs
@@ -149,8 +156,9 @@ def test_unscheduled_victim_stores_only_blocks_already_written(model_dir):
     """Priority preemption of a request already scheduled in the step: the block its decode was to
     fill in that step is never written, so neither the device prefix cache nor the host tier may
     keep it (a later request sharing that block would read garbage)."""
-    low = [rng.randrange(1, 500) for _ in range(30)]
-    high = [rng.randrange(1, 500) for _ in range(96)]
+    r = random.Random(5)
+    low = [r.randrange(1, 500) for _ in range(30)]
+    high = [r.randrange(1, 500) for _ in range(96)]
     finals = {}
     for conn in (None, "offload"):
         e = engine(model_dir, kv_connector=conn, kv_connector_config={"cpu_bytes": MB} if conn else None,
@@ -164,9 +172,7 @@ def test_unscheduled_victim_stores_only_blocks_already_written(model_dir):
         assert e.scheduler.num_preemptions == 1 and req.num_preemptions == 1
         sharer = list(req.all_token_ids[:32]) + [7, 8, 9]  # shares low's blocks 0 and 1
         e.add_request("sharer", sharer, greedy(4))
-        got = []
-        while e.has_unfinished():
-            got += e.step()
+        got = drain(e)
         finals[conn] = {o.request_id: o.token_ids for o in got if o.finished}
         if conn:
             assert e.stats()["kv_connector"]["preempted_store_blocks"] == 1  # block 0 only
@@ -208,7 +214,7 @@ def test_blocks_computed_on_a_load_still_in_flight_are_stored_once_it_lands(mode
         e.step()
     assert e.kv_cache_manager.reset_prefix_cache()  # the prefix is in the host tier only
     before = set(conn.cpu.cached_block_hash_to_block)
-    x = p[1][:64] + [rng.randrange(1, 500) for _ in range(50)]  # 4 loaded blocks + 3 computed full ones
+    x = p[1][:64] + [random.Random(6).randrange(1, 500) for _ in range(50)]  # 4 loaded blocks + 3 computed full ones
     gate[0] = False
     e.add_request("x", x, greedy(1 if not preempt else 8))
     e.step()  # x: loads 4 blocks (event pending), computes the rest, samples
@@ -223,8 +229,7 @@ def test_blocks_computed_on_a_load_still_in_flight_are_stored_once_it_lands(mode
     assert len(stores) == 1 and len(stores[0].device) == 3  # parked behind the load, device blocks pinned
     assert all(b.ref_cnt >= 1 for b in stores[0].device)
     gate[0] = True
-    while e.has_unfinished():
-        e.step()
+    drain(e)
     new = set(conn.cpu.cached_block_hash_to_block) - before
     assert len(new) == 3 and load.job_id not in conn._jobs
     assert_no_leak(e)
