@@ -13,12 +13,13 @@ timed out recomputes, but its blocks stay pinned until the transfer stops). Ever
 a dead peer becomes a failed load (the consumer recomputes: identical tokens) or an expired hold
 (the producer frees the blocks after ``hold_timeout_s``).
 
-Tensor parallelism (pull; docs/disaggregation.md): the scheduler side and the side channel run on
-the driver; every rank registers its KV shard with its own transfer engine and reports its layout
+Tensor parallelism (docs/disaggregation.md): the scheduler side and the side channel run on the
+driver; every rank registers its KV shard with its own transfer engine and reports its layout
 (``tp_worker_info``), so the producer's handshake reply lists every rank's. Each consumer rank
-reads the head slices :func:`~hwkv.connectors.p2p_protocol.read_plan` gives it (producer and
-consumer may differ in tp where one size divides the other); the producer frees a request's blocks
-once every consumer rank released it.
+gets the head slices :func:`~hwkv.connectors.p2p_protocol.read_plan` gives it (producer and
+consumer may differ in tp where one size divides the other): it reads them (pull), or the producer
+ranks holding them write them (push, :mod:`hwkv.connectors.p2p_push`); the producer frees a
+request's blocks once every consumer rank was served.
 """
 
 from __future__ import annotations
@@ -41,18 +42,21 @@ from hwkv.connectors.p2p_protocol import (
     HelloReply,
     Layout,
     PushDone,
+    PushOrder,
+    PushPart,
     PushRequest,
     Release,
     incompatibility,
     layout_of,
 )
+from hwkv.connectors.p2p_push import PushSide
 from hwkv.core.sched_output import KVConnectorOutput
 from hwkv.interfaces.connector import KVConnectorBase
 
 ROLES, MODES = ("producer", "consumer"), ("pull", "push")
 
 
-class P2PConnector(ProducerSide, ConsumerSide, KVConnectorBase):
+class P2PConnector(PushSide, ProducerSide, ConsumerSide, KVConnectorBase):
     name = "p2p"
 
     def __init__(self, role: str, mode: str = "pull", host: str = "127.0.0.1", side_channel_port: int = 0,
@@ -108,15 +112,16 @@ class P2PConnector(ProducerSide, ConsumerSide, KVConnectorBase):
         self._producing: dict[str, Any] = {}  # rid -> request carrying a transfer_id, until it finishes
         self._by_transfer: dict[str, str] = {}  # transfer id -> rid
         self._streams: dict[str, Any] = {}  # rid -> layerwise push in flight
+        self._parts: dict[str, Any] = {}  # push in progress per consumer rank: its producer ranks' parts
         self._writes: list[Any] = []  # this step's layer writes
         self._idle = False
         self.counters = dict(loaded_bytes=0, stored_bytes=0, transfers=0, failed_transfers=0,
                              expired_holds=0, refused_offers=0, layer_writes=0,
                              transfer_s=0.0)  # seconds in blocking transfers (pull reads, push writes)
 
-    # tensor parallelism (pull): the scheduler side and the side channel run on the driver, which
-    # knows every rank's layout; each consumer rank reads its heads itself, and the producer frees a
-    # request's blocks once every consumer rank released them
+    # tensor parallelism: the scheduler side and the side channel run on the driver, which knows every
+    # rank's layout; each consumer rank gets its heads itself, and the producer frees a request's
+    # blocks once every consumer rank was served
     supports_tensor_parallel = True
     metadata_type = tuple[list[LoadSpec], list, bool] | None
     tp_job_keys = ("p2p_settled",)  # a load's blocks are unpinned once no rank's transfer can write them
@@ -128,9 +133,9 @@ class P2PConnector(ProducerSide, ConsumerSide, KVConnectorBase):
         self.total_kv_heads = getattr(model_config, "num_kv_heads", None)
 
     def check_tensor_parallel(self, size: int) -> None:
-        if self.mode == "push" or self.layerwise:
-            raise ValueError(f"p2p: at tensor_parallel_size={size} the {self.role} runs mode 'pull' (each consumer "
-                             "rank reads its KV heads; allowed: mode='pull', layerwise=False)")
+        if self.layerwise:
+            raise ValueError(f"p2p: layerwise=True needs tensor_parallel_size=1 (got {size}; allowed at "
+                             "tensor_parallel_size > 1: layerwise=False, mode 'pull' or 'push')")
 
     def tp_worker_info(self) -> Any:
         return self.layout
@@ -187,11 +192,14 @@ class P2PConnector(ProducerSide, ConsumerSide, KVConnectorBase):
                                          device_name=self.device_name, timeout_s=self.transfer_timeout_s)
         for t in xfer.tensors:
             self.transfer.register(t.data_ptr(), t.numel() * t.element_size())
+        # the driver's; in push mode every rank's too (a producer rank takes write orders, a consumer
+        # rank its PushDone); in pull mode the other ranks only read (consumer) or are read (producer)
+        if self.tp_rank == 0 or self.mode == "push":
+            self.channel = SideChannel(self.host, self.port if self.tp_rank == 0 else 0, self._handle)
         self.layout = layout_of(xfer, self.engine_id, self.transfer.endpoint(), self.protocol,
-                                tp_rank=self.tp_rank, tp_size=self.tp_size, total_kv_heads=self.total_kv_heads)
+                                tp_rank=self.tp_rank, tp_size=self.tp_size, total_kv_heads=self.total_kv_heads,
+                                side_channel=self.channel.address if self.channel is not None else "")
         self.rank_layouts = [self.layout]  # the driver learns the other ranks' in bind_tp_worker_info
-        if self.tp_rank == 0:  # the driver's: the other ranks only read (consumer) or are read (producer)
-            self.channel = SideChannel(self.host, self.port, self._handle)
 
     def _stage(self, to_host: bool, block_ids: list[int]) -> None:
         """Staging: copy ``block_ids`` between the device pool and its host mirror, and wait for it."""
@@ -215,9 +223,9 @@ class P2PConnector(ProducerSide, ConsumerSide, KVConnectorBase):
     def _handle(self, msg: Any) -> Any:
         if isinstance(msg, Hello):
             why = incompatibility(self.layout, msg.layout)  # type: ignore[arg-type]
-            if not why and msg.layout.tp_size != self.tp_size and (self.mode == "push" or self.layerwise):
-                why = (f"mode 'push' needs equal tensor-parallel sizes (tp={self.tp_size} here, tp="
-                       f"{msg.layout.tp_size} at engine {msg.layout.engine_id}; allowed: mode 'pull')")
+            if not why and msg.layout.tp_size != self.tp_size and self.layerwise:
+                why = (f"layerwise push needs equal tensor-parallel sizes (tp={self.tp_size} here, tp="
+                       f"{msg.layout.tp_size} at engine {msg.layout.engine_id}; allowed: layerwise=False)")
             if why:
                 return HelloReply(None, why)
             with self._lock:
@@ -229,6 +237,10 @@ class P2PConnector(ProducerSide, ConsumerSide, KVConnectorBase):
             return self.accept_release(msg)
         if isinstance(msg, PushRequest):
             return self.accept_push(msg)
+        if isinstance(msg, PushOrder):
+            return self.accept_order(msg)
+        if isinstance(msg, PushPart):
+            return self._part_done(msg)
         if isinstance(msg, PushDone):
             self._done("recv", msg.request_id, msg.ok, msg.nbytes, msg.settled)
             return Ack(True)

@@ -187,8 +187,8 @@ class ConsumerSide:
         address = f"{p['remote_host']}:{p['remote_port']}"
         try:
             self._handshake(address)
-            msg = PushRequest(p["remote_request_id"], self.engine_id, spec.rid, spec.block_ids,
-                              spec.start, spec.end, self.channel.address, p.get("digest", ""))
+            msg = PushRequest(p["remote_request_id"], self.engine_id, spec.rid, spec.block_ids, spec.start, spec.end,
+                              self.channel.address, p.get("digest", ""), self.layout.tp_rank, self.layout.tp_size)
             ack = call(address, msg, self.transfer_timeout_s)
             if not (isinstance(ack, Ack) and ack.ok):
                 raise RuntimeError(getattr(ack, "reason", "push refused"))

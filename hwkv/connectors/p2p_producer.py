@@ -24,7 +24,6 @@ from hwkv.connectors.p2p_protocol import (
     prompt_digest,
 )
 from hwkv.core.request import RequestStatus
-from hwkv.interfaces.transfer import TransferTimeout
 
 
 @dataclass
@@ -37,8 +36,8 @@ class _Held:
     deadline: float
     digest_of: Any = None  # (prompt ids, salt): checks a consumer-first push names the same prompt
     busy: bool = False  # a push (write) of them is running
-    readers: set[int] = field(default_factory=set)  # pull: consumer ranks that acquired them
-    released: set[int] = field(default_factory=set)  # pull: consumer ranks whose read ended
+    readers: set[int] = field(default_factory=set)  # consumer ranks that acquired them (pull) or asked a push
+    released: set[int] = field(default_factory=set)  # consumer ranks whose read ended / push was answered
 
 
 @dataclass
@@ -152,11 +151,14 @@ class ProducerSide:
             if h is None:
                 if rid not in self._producing and not msg.digest:
                     return Ack(False, f"request {msg.request_id} is not held here (expired or freed)")
+                if msg.readers > 1 or self.tp_size > 1:
+                    return Ack(False, "a consumer-first push (before the prefill finished) needs tp=1 on both "
+                                      "sides (allowed under tensor parallelism: push after the prefill, or pull)")
                 # consumer first (it names the prompt by digest): the prefill has not finished or not arrived
                 self._targets[msg.request_id] = (msg, peer)
                 self._target_deadlines[msg.request_id] = time.monotonic() + self.hold_timeout_s
                 return Ack(True)
-            if h.busy:
+            if msg.reader in h.readers or (h.busy and not h.readers):  # busy without readers: a layerwise stream
                 return Ack(False, f"request {msg.request_id} is being sent already")
         self._start_push(msg, h, peer)
         return Ack(True)
@@ -171,25 +173,8 @@ class ProducerSide:
     def _start_push(self, msg: PushRequest, h: _Held, peer: Layout) -> None:
         with self._lock:
             h.busy, h.deadline = True, time.monotonic() + 3 * self.transfer_timeout_s
-        self._pool.submit(self._push, msg, h, peer)
-
-    def _push(self, msg: PushRequest, h: _Held, peer: Layout) -> None:
-        ok, why, nbytes, settled = True, "", 0, True
-        try:
-            why = self._push_refusal(msg, *h.digest_of, h.num_tokens)
-            if why:
-                raise ValueError(why)
-            sp, dp, ln = pair_segments(self.layout, peer, h.block_ids, msg.block_ids, msg.start, msg.end)
-            t0 = time.perf_counter()
-            if ln:
-                self.transfer.write(peer.endpoint, sp, dp, ln)
-            self.counters["transfer_s"] += time.perf_counter() - t0
-            nbytes = sum(ln)
-        except TransferTimeout as e:
-            ok, why, settled = False, f"{type(e).__name__}: {e}", False  # it may still land
-        except Exception as e:
-            ok, why = False, why or f"{type(e).__name__}: {e}"
-        self._notify(msg, ok, why, nbytes, h.rid, settled)
+            h.readers.add(msg.reader)
+        self._pool.submit(self._push, msg, h, peer)  # PushSide: split over this producer's ranks
 
     def _notify(self, msg: PushRequest, ok: bool, why: str, nbytes: int, rid: str | None,
                 settled: bool = True) -> None:
@@ -198,6 +183,12 @@ class ProducerSide:
         except Exception:
             ok = False  # the consumer times out and recomputes
         if rid:
+            with self._lock:  # every consumer rank asked for its heads: freed once all were answered
+                h = self._held.get(rid)
+                if h is not None and msg.readers > 1:
+                    h.released.add(msg.reader)
+                    if len(h.released) < msg.readers:
+                        return
             self._done("sent", rid, ok, nbytes)
 
     # ---- worker side ---------------------------------------------------------------------------
@@ -243,6 +234,8 @@ class ProducerSide:
             for rid, h in list(self._held.items()):
                 if now > h.deadline:  # the consumer never came (or died mid-transfer): free them
                     del self._held[rid]
+                    for key in [k for k, p in self._parts.items() if p.rid == rid]:  # a rank never answered
+                        del self._parts[key]
                     sent.add(rid)
                     self.counters["expired_holds"] += 1
             for tid, t in list(self._target_deadlines.items()):

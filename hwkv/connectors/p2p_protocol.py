@@ -42,6 +42,7 @@ class Layout(msgspec.Struct, frozen=True):
     tp_size: int = 1
     head_start: int = 0  # global index of this rank's first KV head
     total_kv_heads: int = 0  # the model's KV heads (0: num_kv_heads * tp_size, no replication)
+    side_channel: str = ""  # this rank's side channel host:port ("" where it serves none)
 
     @property
     def total_heads(self) -> int:
@@ -93,6 +94,8 @@ class PushRequest(msgspec.Struct, tag=True):
     end: int
     notify: str  # the consumer's side-channel address host:port
     digest: str = ""  # consumer first (request_id is a transfer id): the prompt the producer must match
+    reader: int = 0  # the consumer rank asking (tensor parallelism: every rank asks for its heads)
+    readers: int = 1  # the consumer's tensor-parallel size
 
 
 class PushDone(msgspec.Struct, tag=True):
@@ -103,12 +106,36 @@ class PushDone(msgspec.Struct, tag=True):
     settled: bool = True  # False: a timed-out write may still land (the consumer keeps its blocks pinned)
 
 
+class PushOrder(msgspec.Struct, tag=True):
+    """Tensor-parallel push, producer driver → producer rank: write ``slices`` (``HeadSlice`` fields)
+    of blocks ``src_block_ids`` into consumer rank ``consumer``'s blocks for ``push``, then send
+    :class:`PushPart` to ``reply_to`` under ``key``."""
+
+    key: str
+    push: PushRequest
+    consumer: Layout
+    src_block_ids: list[int]
+    slices: list[tuple[int, int, int, int, int]]
+    reply_to: str
+
+
+class PushPart(msgspec.Struct, tag=True):
+    """A producer rank's writes of one :class:`PushOrder` ended."""
+
+    key: str
+    rank: int
+    ok: bool
+    reason: str = ""
+    nbytes: int = 0
+    settled: bool = True
+
+
 class Ack(msgspec.Struct, tag=True):
     ok: bool
     reason: str = ""
 
 
-Message = Hello | HelloReply | Acquire | Release | PushRequest | PushDone | Ack
+Message = Hello | HelloReply | Acquire | Release | PushRequest | PushDone | PushOrder | PushPart | Ack
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 
@@ -129,7 +156,7 @@ def prompt_digest(token_ids: list[int], salt: str | None) -> str:
 
 
 def layout_of(kv_cache: Any, engine_id: str, endpoint: str, protocol: str, bases: list[int] | None = None,
-              tp_rank: int = 0, tp_size: int = 1, total_kv_heads: int | None = None) -> Layout:
+              tp_rank: int = 0, tp_size: int = 1, total_kv_heads: int | None = None, side_channel: str = "") -> Layout:
     spec = kv_cache.spec
     total = total_kv_heads or spec.num_kv_heads * tp_size
     return Layout(
@@ -139,7 +166,7 @@ def layout_of(kv_cache: Any, engine_id: str, endpoint: str, protocol: str, bases
         bases=bases if bases is not None else [t.data_ptr() for t in kv_cache.tensors],
         block_nbytes=[kv_cache.block_nbytes(i) for i in range(len(kv_cache.tensors))],
         tp_rank=tp_rank, tp_size=tp_size, head_start=kv_heads_of(total, tp_size, tp_rank).start,
-        total_kv_heads=total,
+        total_kv_heads=total, side_channel=side_channel,
     )
 
 
@@ -181,6 +208,15 @@ def read_plan(producers: list[Layout], consumer: Layout) -> list[tuple[Layout, H
                          f"{producers[0].tp_size if producers else '?'}")
     slices = map_kv_heads(consumer.total_heads, len(producers), consumer.tp_size)
     return [(producers[s.src_rank], s) for s in slices if s.dst_rank == consumer.tp_rank]
+
+
+def write_plan(producers: list[Layout], consumer: Layout) -> dict[int, list[HeadSlice]]:
+    """Push: the head slices each producer rank writes into ``consumer`` (one consumer rank), by
+    producer rank (the same slices :func:`read_plan` reads)."""
+    out: dict[int, list[HeadSlice]] = {}
+    for peer, sl in read_plan(producers, consumer):
+        out.setdefault(peer.tp_rank, []).append(sl)
+    return out
 
 
 def _unit(lay: Layout, layer: int, kv: int, block: int) -> int:

@@ -1,6 +1,7 @@
 """p2p disaggregation between engines of different tensor-parallel sizes (CPU, gloo, tcp transfer
-engine on loopback): each consumer rank pulls the KV heads ``map_kv_heads`` assigns it from the
-producer ranks holding them, and decodes exactly the tokens one tp=1 engine gives."""
+engine on loopback): each consumer rank gets the KV heads ``map_kv_heads`` assigns it from the
+producer ranks holding them (pull: it reads them; push: those producer ranks write them), and
+decodes exactly the tokens one tp=1 engine gives."""
 
 from __future__ import annotations
 
@@ -43,9 +44,9 @@ def _reference(model: str) -> list[list[int]]:
     return [o.token_ids for o in e.generate(prompts(), greedy(6), use_tqdm=False)]
 
 
-def _engine(model_dir: str, role: str, tp: int, **cfg) -> hwkv.Engine:
+def _engine(model_dir: str, role: str, tp: int, mode: str = "pull", **cfg) -> hwkv.Engine:
     return hwkv.Engine(model_dir, num_kv_blocks=16, block_size=BS, max_model_len=128, tensor_parallel_size=tp,
-                       kv_connector="p2p", kv_connector_config={"role": role, "mode": "pull",
+                       kv_connector="p2p", kv_connector_config={"role": role, "mode": mode,
                                                                 "transfer_timeout_s": 5.0, **cfg})
 
 
@@ -63,12 +64,14 @@ def _settle(*engines: hwkv.Engine, timeout_s: float = 20.0) -> None:
             assert e.runner.kv_outputs.pending() == 0
 
 
-@pytest.mark.parametrize("kv, p_tp, d_tp", [(4, 2, 1), (4, 1, 2), (1, 2, 1)], ids=["2to1", "1to2", "mqa-2to1"])
-def test_heterogeneous_tp_pull_gives_one_engines_tokens(models, kv, p_tp, d_tp):
+@pytest.mark.parametrize("kv, p_tp, d_tp, mode", [(4, 2, 1, "pull"), (4, 1, 2, "pull"), (1, 2, 1, "pull"),
+                                                  (4, 2, 1, "push"), (4, 1, 2, "push")],
+                         ids=["pull-2to1", "pull-1to2", "pull-mqa-2to1", "push-2to1", "push-1to2"])
+def test_heterogeneous_tp_gives_one_engines_tokens(models, kv, p_tp, d_tp, mode):
     model_dir, reference = models[kv], _reference(models[kv])
-    p = _engine(model_dir, "producer", p_tp)
+    p = _engine(model_dir, "producer", p_tp, mode)
     try:
-        d = _engine(model_dir, "consumer", d_tp)
+        d = _engine(model_dir, "consumer", d_tp, mode)
     except BaseException:
         p.close()
         raise
@@ -114,11 +117,11 @@ def test_untranslatable_split_is_refused_at_handshake_and_recomputed(models, cap
         p.close()
 
 
-def test_push_at_tp_is_refused_before_any_worker_starts(models):
-    with pytest.raises(ValueError, match=r"at tensor_parallel_size=2 the consumer runs mode 'pull'.*allowed: "
-                                         r"mode='pull'"):
+def test_layerwise_at_tp_is_refused_before_any_worker_starts(models):
+    with pytest.raises(ValueError, match=r"layerwise=True needs tensor_parallel_size=1 \(got 2; allowed at "
+                                         r"tensor_parallel_size > 1: layerwise=False"):
         hwkv.Engine(models[4], num_kv_blocks=16, block_size=BS, max_model_len=128, tensor_parallel_size=2,
-                    kv_connector="p2p", kv_connector_config={"role": "consumer", "mode": "push"})
+                    kv_connector="p2p", kv_connector_config={"role": "producer", "mode": "push", "layerwise": True})
 
 
 def test_serving_a_tp2_producer_behind_the_proxy(tmp_path):

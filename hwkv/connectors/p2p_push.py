@@ -1,0 +1,115 @@
+"""The p2p producer's push writes, split over its tensor-parallel ranks.
+
+A consumer rank's :class:`~hwkv.connectors.p2p_protocol.PushRequest` reaches the producer's driver,
+which holds the blocks. The head slices that consumer rank needs
+(:func:`~hwkv.connectors.p2p_protocol.write_plan`) are written by the producer ranks that hold
+them: the driver's own slices in its transfer threads, every other rank's through a
+:class:`~hwkv.connectors.p2p_protocol.PushOrder` to that rank's side channel, which writes from its
+KV shard and answers with a :class:`~hwkv.connectors.p2p_protocol.PushPart`. Once every part ended
+the driver sends the consumer rank ``PushDone`` (ok only if every part was); the blocks are freed
+once every consumer rank was answered (or the hold expires). With one rank on each side this is
+the single whole-block write of the untensor-parallel push.
+
+State lives on :class:`~hwkv.connectors.p2p.P2PConnector`; this mixin holds the push logic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from hwkv.connectors.p2p_channel import call
+from hwkv.connectors.p2p_protocol import Ack, Layout, PushOrder, PushPart, PushRequest, pair_segments, write_plan
+from hwkv.interfaces.transfer import TransferTimeout
+from hwkv.parallel.kv_mapping import HeadSlice
+
+
+@dataclass
+class _Parts:
+    """One consumer rank's push, until every producer rank's part ended."""
+
+    msg: PushRequest
+    rid: str
+    pending: set[int]
+    ok: bool = True
+    why: str = ""
+    nbytes: int = 0
+    settled: bool = True
+    t0: float = field(default_factory=time.monotonic)
+
+
+class PushSide:
+    def _push(self, msg: PushRequest, h: Any, peer: Layout) -> None:
+        """Driver: split the push into its producer ranks' parts and start them."""
+        why = self._push_refusal(msg, *h.digest_of, h.num_tokens)
+        try:
+            plan = {} if why else write_plan(self.rank_layouts, peer)
+        except ValueError as e:
+            why = str(e)
+        if why or not plan:
+            self._notify(msg, False, why or "no KV heads to write", 0, h.rid)
+            return
+        key = f"{h.rid}/{msg.reader}"
+        with self._lock:
+            self._parts[key] = _Parts(msg, h.rid, set(plan))
+        for rank, slices in sorted(plan.items()):
+            if rank == self.tp_rank:
+                self._part_done(PushPart(key, rank, *self._write(peer, h.block_ids, msg, slices)))
+                continue
+            order = PushOrder(key, msg, peer, list(h.block_ids), [tuple(s) for s in slices], self.channel.address)
+            try:
+                ack = call(self.rank_layouts[rank].side_channel, order, self.transfer_timeout_s)
+                if not (isinstance(ack, Ack) and ack.ok):
+                    raise RuntimeError(getattr(ack, "reason", "refused"))
+            except Exception as e:
+                self._part_done(PushPart(key, rank, False, f"rank {rank}: {type(e).__name__}: {e}"))
+
+    def _write(self, peer: Layout, src_blocks: list[int], msg: PushRequest,
+               slices: list[HeadSlice]) -> tuple[bool, str, int, bool]:
+        """Write this rank's ``slices`` into the consumer's blocks: ``(ok, why, bytes, settled)``."""
+        nbytes = 0
+        try:
+            t0 = time.perf_counter()
+            for sl in slices:
+                sp, dp, ln = pair_segments(self.layout, peer, src_blocks, msg.block_ids, msg.start, msg.end,
+                                           heads=HeadSlice(*sl))
+                if ln:
+                    self.transfer.write(peer.endpoint, sp, dp, ln)
+                nbytes += sum(ln)
+            self.counters["transfer_s"] += time.perf_counter() - t0
+            return True, "", nbytes, True
+        except TransferTimeout as e:
+            return False, f"{type(e).__name__}: {e}", 0, False  # it may still land
+        except Exception as e:
+            return False, f"{type(e).__name__}: {e}", 0, True
+
+    def accept_order(self, order: PushOrder) -> Ack:
+        """A producer rank other than the driver: write its part in the background."""
+        if self.layout is None:
+            return Ack(False, "this rank has no registered KV cache")
+        self._pool.submit(self._write_part, order)
+        return Ack(True)
+
+    def _write_part(self, order: PushOrder) -> None:
+        ok, why, nbytes, settled = self._write(order.consumer, order.src_block_ids, order.push,
+                                               [HeadSlice(*s) for s in order.slices])
+        part = PushPart(order.key, self.tp_rank, ok, why, nbytes, settled)
+        with contextlib.suppress(Exception):  # else the driver's hold expires; the consumer recomputes
+            call(order.reply_to, part, self.transfer_timeout_s)
+
+    def _part_done(self, part: PushPart) -> Ack:
+        """Driver: one rank's part ended; the last one answers the consumer rank."""
+        with self._lock:
+            p = self._parts.get(part.key)
+            if p is None or part.rank not in p.pending:
+                return Ack(False, f"no push part {part.key} of rank {part.rank} is pending")
+            p.pending.discard(part.rank)
+            p.ok, p.nbytes, p.settled = p.ok and part.ok, p.nbytes + part.nbytes, p.settled and part.settled
+            p.why = p.why or part.reason
+            if p.pending:
+                return Ack(True)
+            del self._parts[part.key]
+        self._pool.submit(self._notify, p.msg, p.ok, p.why, p.nbytes if p.ok else 0, p.rid, p.settled)
+        return Ack(True)
