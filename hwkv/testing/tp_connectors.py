@@ -3,9 +3,12 @@ in every rank's process, so a failure can be injected on one rank only."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from hwkv.connectors.offload import OffloadConnector
+from hwkv.connectors.p2p import P2PConnector
+from hwkv.connectors.p2p_consumer import _Load
 
 
 class FailingRank(OffloadConnector):
@@ -21,3 +24,21 @@ class FailingRank(OffloadConnector):
             self.fails -= 1
             raise RuntimeError(f"injected load failure on rank {self.tp_rank}")
         super().load_blocks(host_ids, device_ids)
+
+
+class FailingP2PRank(P2PConnector):
+    """The p2p connector whose transfers into rank ``fail_rank`` fail (a read or push that errors on
+    one consumer shard) ``fails`` times."""
+
+    def __init__(self, fail_rank: int = 1, fails: int = 1, **kw: Any):
+        super().__init__(**kw)
+        self.fail_rank, self.fails = fail_rank, fails
+
+    def start_loads(self, loads: list[Any]) -> None:
+        if self.tp_rank == self.fail_rank and self.fails and loads:
+            self.fails -= 1
+            for spec in loads:  # as a transfer error would: reported failed, the blocks settled
+                self._reading[spec.rid] = _Load(spec, time.monotonic() + 3 * self.transfer_timeout_s)
+                self._done("recv", spec.rid, False, 0)
+            return
+        super().start_loads(loads)

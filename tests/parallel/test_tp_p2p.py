@@ -93,6 +93,30 @@ def test_heterogeneous_tp_gives_one_engines_tokens(models, kv, p_tp, d_tp, mode)
         p.close()
 
 
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_one_consumer_rank_failing_recomputes_and_releases_everything(models, mode):
+    """Consumer tp=2 whose rank 1 fails its transfer while rank 0's lands: the request recomputes
+    (identical tokens); the producer, served for rank 0 only, frees its blocks when the hold
+    expires; no block stays pinned on either side."""
+    p = _engine(models[4], "producer", 1, mode, hold_timeout_s=1.0, transfer_timeout_s=0.5)
+    try:
+        d = hwkv.Engine(models[4], num_kv_blocks=16, block_size=BS, max_model_len=128, tensor_parallel_size=2,
+                        kv_connector="hwkv.testing.tp_connectors:FailingP2PRank",
+                        kv_connector_config={"role": "consumer", "mode": mode, "transfer_timeout_s": 5.0})
+    except BaseException:
+        p.close()
+        raise
+    try:
+        prompt, want = prompts()[1], _reference(models[4])[1]
+        params = p.generate([prompt], greedy(1, {"do_remote_decode": True}), use_tqdm=False)[0].kv_transfer_params
+        assert d.generate([prompt], greedy(6, params), use_tqdm=False)[0].token_ids == want
+        assert d.stats()["kv_connector"]["load_failures"] == 1
+        _settle(p, d)
+    finally:
+        d.close()
+        p.close()
+
+
 def test_untranslatable_split_is_refused_at_handshake_and_recomputed(models, caplog):
     """A consumer whose model has other KV heads: every consumer rank's handshake is refused with
     both engines named, the request recomputes (its own model's tokens), nothing stays pinned."""
