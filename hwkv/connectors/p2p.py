@@ -113,6 +113,8 @@ class P2PConnector(PushSide, ProducerSide, ConsumerSide, KVConnectorBase):
         self._by_transfer: dict[str, str] = {}  # transfer id -> rid
         self._streams: dict[str, Any] = {}  # rid -> layerwise push in flight
         self._parts: dict[str, Any] = {}  # push in progress per consumer rank: its producer ranks' parts
+        self._to_stage: list[tuple[str, list[int]]] = []  # tp staging: holds the ranks copy next step
+        self._staged: list[tuple[str, bool]] = []  # worker side: holds this rank staged
         self._writes: list[Any] = []  # this step's layer writes
         self._idle = False
         self.counters = dict(loaded_bytes=0, stored_bytes=0, transfers=0, failed_transfers=0,
@@ -123,8 +125,10 @@ class P2PConnector(PushSide, ProducerSide, ConsumerSide, KVConnectorBase):
     # rank's layout; each consumer rank gets its heads itself, and the producer frees a request's
     # blocks once every consumer rank was served
     supports_tensor_parallel = True
-    metadata_type = tuple[list[LoadSpec], list, bool] | None
-    tp_job_keys = ("p2p_settled",)  # a load's blocks are unpinned once no rank's transfer can write them
+    metadata_type = tuple[list[LoadSpec], list, bool, list[tuple[str, list[int]]]] | None
+    # a load's blocks are unpinned once no rank's transfer can write them; a staged hold is served
+    # once every rank staged its shard
+    tp_job_keys = ("p2p_settled", "p2p_staged")
     tp_sending_from_driver = True
     tp_worker_info_type = Layout
 
@@ -183,10 +187,6 @@ class P2PConnector(PushSide, ProducerSide, ConsumerSide, KVConnectorBase):
                              "rdma/ascend device memory), not tcp staging (allowed: layerwise=False)")
         if self.tp_size > 1:
             self.check_tensor_parallel(self.tp_size)
-            if staging and self.role == "producer":  # its staging copy runs on the driver, which holds the blocks
-                raise ValueError(f"p2p: a producer at tensor_parallel_size={self.tp_size} needs KV the transfer engine "
-                                 "reaches directly (allowed: host memory, or protocol 'rdma' / 'ascend'; not tcp "
-                                 "staging)")
         xfer = self.host_kv if staging else kv_cache
         self.transfer = MooncakeTransfer(protocol=self.protocol, host=self.host, metadata_server=self.metadata_server,
                                          device_name=self.device_name, timeout_s=self.transfer_timeout_s)
@@ -275,9 +275,12 @@ class P2PConnector(PushSide, ProducerSide, ConsumerSide, KVConnectorBase):
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         loads, self._new_loads = self._new_loads, []
         writes = self.layer_writes(scheduler_output) if self._producing else []
-        return loads, writes, scheduler_output.total_num_scheduled_tokens == 0
+        stage, self._to_stage = self._to_stage, []
+        return loads, writes, scheduler_output.total_num_scheduled_tokens == 0, stage
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
+        if "p2p_staged" in output.extra:
+            self.staged_holds(output.extra["p2p_staged"])
         for rid, *_ in output.extra.get("p2p_settled", ()):  # every rank's transfers into them ended
             blocks = self._loads.pop(rid, None)
             if blocks is not None:
@@ -292,7 +295,13 @@ class P2PConnector(PushSide, ProducerSide, ConsumerSide, KVConnectorBase):
 
     # ---- worker side ---------------------------------------------------------------------------
     def bind_connector_metadata(self, metadata: Any) -> None:
-        loads, self._writes, self._idle = metadata if metadata is not None else ([], [], False)
+        loads, self._writes, self._idle, stage = metadata if metadata is not None else ([], [], False, [])
+        for rid, ids in stage:  # a tensor-parallel producer's held request: this rank's shard to its host mirror
+            try:
+                self._stage(True, ids)
+                self._staged.append((rid, True))
+            except Exception:
+                self._staged.append((rid, False))
         if loads:
             self.start_loads(loads)
 
@@ -319,8 +328,9 @@ class P2PConnector(PushSide, ProducerSide, ConsumerSide, KVConnectorBase):
         now, settled = time.monotonic(), []
         self.consumer_poll(now, failed, settled)
         self.producer_poll(now, sent)
-        if not (recv or failed or sent or settled):
+        staged, self._staged = self._staged, []
+        if not (recv or failed or sent or settled or staged):
             return None
-        return KVConnectorOutput(finished_sending=sent, finished_recving=recv, failed_recving=failed,
-                                 extra={"p2p_settled": settled} if settled else {})
+        extra = {k: v for k, v in (("p2p_settled", settled), ("p2p_staged", staged)) if v}
+        return KVConnectorOutput(finished_sending=sent, finished_recving=recv, failed_recving=failed, extra=extra)
 

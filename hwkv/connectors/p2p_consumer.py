@@ -154,6 +154,9 @@ class ConsumerSide:
             peers = self._handshake(address)
             rid, rank, size = p["remote_request_id"], me.tp_rank, me.tp_size
             ack = call(address, Acquire(rid, rank, size), self.transfer_timeout_s)
+            while isinstance(ack, Ack) and ack.retry and time.monotonic() < load.deadline - self.transfer_timeout_s:
+                time.sleep(0.005)  # the producer's ranks are still staging the KV
+                ack = call(address, Acquire(rid, rank, size), self.transfer_timeout_s)
             if not (isinstance(ack, Ack) and ack.ok):
                 raise RuntimeError(getattr(ack, "reason", "acquire refused"))
             t0 = time.perf_counter()

@@ -37,6 +37,8 @@ class _Held:
     digest_of: Any = None  # (prompt ids, salt): checks a consumer-first push names the same prompt
     busy: bool = False  # a push (write) of them is running
     readers: set[int] = field(default_factory=set)  # consumer ranks that acquired them (pull) or asked a push
+    staged: bool = True  # tensor-parallel staging: every rank copied them to its host mirror
+    waiting: list[Any] = field(default_factory=list)  # pushes asked for before they were staged
     released: set[int] = field(default_factory=set)  # consumer ranks whose read ended / push was answered
 
 
@@ -66,11 +68,14 @@ class ProducerSide:
                 stream.failed = stream.failed or f"the prefill request ended {request.status.name}"
                 stream.finished = True
             return stream is not None, None  # in-flight layer writes read the blocks: freed once they end
-        if self.host_kv is not None:
+        staged = self.host_kv is None or self.tp_size == 1
+        if self.host_kv is not None and staged:
             self._stage(True, ids)  # the request's last forward is done: its KV is complete
+        elif not staged:  # every rank stages its shard at its next step's start (p2p_staged reports it)
+            self._to_stage.append((rid, ids))
         with self._lock:
             h = self._held[rid] = _Held(rid, ids, n, time.monotonic() + self.hold_timeout_s,
-                                        (request.prompt_token_ids, request.cache_salt))
+                                        (request.prompt_token_ids, request.cache_salt), staged=staged)
             tid = params.get("transfer_id")
             early = self._targets.pop(tid, None) if tid and stream is None else None
         if stream is not None:
@@ -123,6 +128,8 @@ class ProducerSide:
         """Pull: consumer rank ``msg.reader`` is about to read; keep the blocks for it."""
         with self._lock:
             h = self._held.get(msg.request_id)
+            if h is not None and not h.staged:
+                return Ack(False, f"request {msg.request_id} is being staged", retry=True)
             if h is None or h.busy or msg.reader in h.readers:
                 return Ack(False, f"request {msg.request_id} is not held here (expired, freed or being read)")
             h.readers.add(msg.reader)
@@ -158,10 +165,30 @@ class ProducerSide:
                 self._targets[msg.request_id] = (msg, peer)
                 self._target_deadlines[msg.request_id] = time.monotonic() + self.hold_timeout_s
                 return Ack(True)
-            if msg.reader in h.readers or (h.busy and not h.readers):  # busy without readers: a layerwise stream
+            if msg.reader in h.readers or (h.busy and not h.readers) or \
+                    any(w[0].reader == msg.reader for w in h.waiting):  # busy without readers: a layerwise stream
                 return Ack(False, f"request {msg.request_id} is being sent already")
+            if not h.staged:  # started once every rank staged its shard (staged_holds)
+                h.waiting.append((msg, peer))
+                return Ack(True)
         self._start_push(msg, h, peer)
         return Ack(True)
+
+    def staged_holds(self, done: list[Any]) -> None:
+        """Scheduler side: holds every rank staged (``(rid, ok)``); the pushes that waited start."""
+        for rid, ok, *_ in done:
+            with self._lock:
+                h = self._held.get(rid)
+                if h is None:
+                    continue
+                h.staged, waiting, h.waiting = bool(ok), h.waiting, []
+                if not ok:  # a rank could not stage: never served (readers retry until it expires, now)
+                    h.deadline = 0.0
+            for msg, peer in waiting:
+                if ok:
+                    self._start_push(msg, h, peer)
+                else:
+                    self._pool.submit(self._notify, msg, False, "staging the KV to host memory failed", 0, None)
 
     def _push_refusal(self, msg: PushRequest, prompt: list[int], salt: str | None, n: int) -> str:
         if msg.end > n or msg.start < 0:

@@ -133,6 +133,7 @@ class PushPart(msgspec.Struct, tag=True):
 class Ack(msgspec.Struct, tag=True):
     ok: bool
     reason: str = ""
+    retry: bool = False  # not yet (e.g. the producer's ranks are still staging the KV): ask again
 
 
 Message = Hello | HelloReply | Acquire | Release | PushRequest | PushDone | PushOrder | PushPart | Ack

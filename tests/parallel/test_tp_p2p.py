@@ -169,3 +169,33 @@ def test_serving_a_tp2_producer_behind_the_proxy(tmp_path):
     finally:
         for s in reversed(started):
             s.stop()
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_staged_tp2_producer(models, mode):
+    """A tp=2 producer staging through host mirrors (as tcp from GPUs does; host to host here):
+    every rank stages its shard at its next step, the consumer's reads wait for it (pull: Acquire is
+    answered "retry"; push: the write starts once staged), one engine's tokens."""
+    p = _engine(models[4], "producer", 2, mode, staging=True)
+    try:
+        d = _engine(models[4], "consumer", 1, mode)
+    except BaseException:
+        p.close()
+        raise
+    try:
+        prompt, want = prompts()[1], _reference(models[4])[1]
+        params = p.generate([prompt], greedy(1, {"do_remote_decode": True}), use_tqdm=False)[0].kv_transfer_params
+        d.add_request("x", prompt, greedy(6, params))
+        got, t0 = None, time.monotonic()
+        while time.monotonic() < t0 + 0.3:  # the consumer asks before the producer's ranks staged: it waits
+            assert not d.step()
+            time.sleep(0.01)
+        while d.has_unfinished():  # the producer steps now: its ranks stage at its next step
+            assert time.monotonic() < t0 + 30, "the staged transfer never completed"
+            p.step()
+            got = next((o.token_ids for o in d.step() if o.finished), got)
+        assert got == want and d.stats()["kv_connector"]["load_failures"] == 0
+        _settle(p, d)
+    finally:
+        d.close()
+        p.close()
