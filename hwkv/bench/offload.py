@@ -86,7 +86,7 @@ def bench_copy(args: argparse.Namespace, be: Any, model: Any, block_size: int) -
         runs = max(1, n // (run + 1))  # a one-block gap between runs keeps them apart
         ids = [k * (run + 1) + j for k in range(runs) for j in range(run) if k * (run + 1) + j < n]
         nbytes = len(ids) * spec.bytes_per_block
-        for mode, min_run in (("memcpy runs", 1), ("copy_blocks", 1 << 30), ("auto", 4)):
+        for mode, min_run in (("memcpy runs", 1), ("copy_blocks", 1 << 30), ("auto", None)):
             row = {"run_blocks": run, "run_bytes_per_tensor": run * gpu.block_nbytes(0), "mode": mode,
                    "bytes": nbytes}
             for name, src, dst in (("d2h", gpu, host), ("h2d", host, gpu)):

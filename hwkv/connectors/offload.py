@@ -64,12 +64,13 @@ class OffloadConnector(OffloadWorker):
 
     name = "offload"
 
-    def __init__(self, cpu_bytes: int, min_run_blocks: int = 4, store: bool = True, async_load: bool = False,
+    def __init__(self, cpu_bytes: int, min_run_blocks: int | None = None, store: bool = True, async_load: bool = False,
                  load_timeout_s: float | None = None, store_batch_blocks: int = 32):
         if not isinstance(cpu_bytes, int) or isinstance(cpu_bytes, bool) or cpu_bytes <= 0:
             raise ValueError(f"offload: cpu_bytes must be a positive int (bytes of host memory), got {cpu_bytes!r}")
-        if not isinstance(min_run_blocks, int) or isinstance(min_run_blocks, bool) or min_run_blocks < 1:
-            raise ValueError(f"offload: min_run_blocks must be an int >= 1, got {min_run_blocks!r}")
+        if min_run_blocks is not None and (not isinstance(min_run_blocks, int) or isinstance(min_run_blocks, bool)
+                                           or min_run_blocks < 1):
+            raise ValueError(f"offload: min_run_blocks must be an int >= 1 or None (automatic), got {min_run_blocks!r}")
         if not isinstance(store_batch_blocks, int) or isinstance(store_batch_blocks, bool) or store_batch_blocks < 1:
             raise ValueError(f"offload: store_batch_blocks must be an int >= 1, got {store_batch_blocks!r}")
         if load_timeout_s is not None and not (isinstance(load_timeout_s, (int, float)) and load_timeout_s > 0):

@@ -45,7 +45,7 @@ class OffloadWorker(JobConnector):
 
     _extra_key = "offload"
     metadata_type = OffloadMeta | None  # what tensor-parallel ranks decode (early stores included)
-    min_run_blocks: int
+    min_run_blocks: int | None
     load_timeout_s: float | None
 
     def _init_worker(self) -> None:

@@ -42,8 +42,9 @@ def hwkv_connectors() -> list[ConnectorSpec]:
 
 OFFLOAD_CONFIG = {
     "cpu_bytes": "int, required: host memory for the tier, in bytes (whole KV blocks of all layers)",
-    "min_run_blocks": "int, default 4: block runs at least this long (both sides consecutive) are copied "
-                      "run by run with the runtime's memcpy; shorter ones go through Device.copy_blocks",
+    "min_run_blocks": "int or None, default None (automatic: 4 blocks host to host, 2 MiB per tensor across "
+                      "a host link): block runs at least this long (both sides consecutive) are copied run by "
+                      "run with the runtime's memcpy; shorter ones go through Device.copy_blocks",
     "store": "bool, default True: store newly full device blocks into the tier (False: load-only)",
     "async_load": "bool, default False: load in the background while the request waits (False: the load "
                   "runs in the step that computes the rest of the prompt, which waits for it on the device)",

@@ -207,3 +207,20 @@ def test_host_tier_pins_and_lru_invariants(capacity, ops):
     for r in reads:
         tier.free_blocks(r)
     assert tier.num_free_blocks == capacity and all(b.ref_cnt == 0 for b in tier.blocks)
+
+
+def test_copy_threshold_follows_where_the_copy_runs():
+    """Host to host a memcpy per run wins from 4 blocks; across a host link only from 2 MiB per
+    tensor (the gather beats small memcpys there), whatever the block size."""
+    from types import SimpleNamespace
+
+    from hwkv.connectors.copy import auto_min_run_blocks
+
+    def cache(device: str, block_bytes: int) -> SimpleNamespace:
+        t = torch.empty((8, block_bytes // 2), dtype=torch.bfloat16, device=device)
+        return SimpleNamespace(tensors=[t], block_nbytes=lambda i: block_bytes)
+
+    host, dev = cache("cpu", 32 << 10), cache("meta", 32 << 10)
+    assert auto_min_run_blocks(host, host) == 4
+    assert auto_min_run_blocks(dev, host) == auto_min_run_blocks(host, dev) == 64  # 2 MiB of 32 KiB blocks
+    assert auto_min_run_blocks(cache("meta", 1 << 20), host) == 4  # huge blocks: never fewer than 4
