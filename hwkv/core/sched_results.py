@@ -66,6 +66,12 @@ class SchedulerResults:
             stop_ids = sp.stop_token_ids if sp is not None else None
             eos = req.eos_token_ids if not (sp is not None and sp.ignore_eos) else ()
             out_ids = req.output_token_ids
+            if (len(toks) > 1 and len(out_ids) + len(toks) < req.max_tokens
+                    and len(req.all_token_ids) + len(toks) < max_len and not any(map(eos.__contains__, toks))
+                    and not (stop_ids and any(map(stop_ids.__contains__, toks)))):
+                # speculative steps' several tokens, none of which stops it: appended at once
+                req.append_output_token_ids(toks)
+                toks = ()
             for tok in toks:
                 req.append_output_token(tok)
                 status = None

@@ -48,6 +48,7 @@ from hwkv.model.sampler import logprobs_of
 from hwkv.spec_decode.config import SpeculativeConfig
 from hwkv.spec_decode.rejection import greedy_verify, verify_packed
 from hwkv.spec_decode.state_graphs import StatesGraphRunner, split
+from hwkv.spec_decode.verify_inputs import verify_batch
 
 
 class SpecModelRunner(ModelRunner):
@@ -112,20 +113,21 @@ class SpecModelRunner(ModelRunner):
             for st, d in zip(states, drafts):
                 if d:
                     self.token_ids[st.slot, st.num_tokens : st.num_tokens + len(d)] = d
-        batch = self.build_inputs(so, states, ks)  # a row samples when it reaches its last draft
-        sample_idx = batch.sample_idx
         logits = hidden = None
         q = 0  # > 0: logits are the verify graphs' q rows per request (padded rows included)
         eagle = getattr(self.proposer, "needs_hidden", False)  # the proposer reads the target's states
-        if self.graphs is not None and not ks.any() and batch.pure_decode:
-            logits = self.graphs.run(batch)
-            self.num_graph_steps += logits is not None
-        elif self.verify_graphs is not None and self._pure_verify(batch, ks):
-            vg = self.verify_graphs
-            logits = vg.run(pad_queries(batch, vg.q, self.block_size))  # all q logits of every row
-            if logits is not None:
-                self.num_verify_graph_steps += 1
-                q = vg.q
+        vg = self.verify_graphs
+        vb = None if vg is None or eagle or not spec else self._verify_inputs(so, states, ks, vg.q)
+        if vb is not None:  # the steady state: the padded batch straight from the tables
+            logits = vg.run(vb)  # type: ignore[union-attr]
+        if logits is not None:
+            batch, q = vb, vg.q  # type: ignore[union-attr]
+            self.num_verify_graph_steps += 1
+        else:
+            batch = self.build_inputs(so, states, ks)  # a row samples when it reaches its last draft
+            if vb is None:  # (vb given: a verify step the graphs cannot serve; it runs eagerly)
+                logits, q = self._replay(batch, ks)
+        sample_idx = batch.sample_idx
         if logits is not None and eagle:  # logits | states, the states of every (padded) query token
             logits, hidden = split(logits, self.model.config.vocab_size, self.model.dtype)
             if q:  # the real tokens' states, in the batch's order
@@ -159,21 +161,23 @@ class SpecModelRunner(ModelRunner):
             sdrafts, k_s = [drafts[i] for i in idx], ks[sample_idx]
         toks, num = self._verify(logits, q, sampled, sampled_ids, sdrafts, k_s, out)
         emitted = [t[:n] for t, n in zip(toks.tolist(), num.tolist())]
-        # accepted drafts are in the token rows already: write each row's last token, in one go
-        slots = np.fromiter((st.slot for st in sampled), dtype=np.int64, count=len(sampled))
-        ntok = np.fromiter((st.num_tokens for st in sampled), dtype=np.int64, count=len(sampled)) + num
-        self.token_ids[slots, ntok - 1] = toks[np.arange(len(num)), num - 1]
-        for st, toks_r in zip(sampled, emitted):
-            st.num_tokens += len(toks_r)
-            st.output_token_ids.extend(toks_r)
         out.sampled_token_ids = dict(zip(sampled_ids, emitted))
-        caps = self._max_drafts(sampled, ntok)
+        # Accepted drafts are in the token rows already: each row's last token is written. Plain Python per
+        # row: at the batch sizes speculation serves, cheaper than the numpy calls of a vectorised form.
+        tid, k, max_len = self.token_ids, self.spec_config.num_speculative_tokens, self.max_model_len
+        caps = []  # drafts worth proposing: a step emits at most drafts + 1 tokens, never past
+        for st, em in zip(sampled, emitted):  # max_tokens or the model length (where the token row ends)
+            n = st.num_tokens + len(em)
+            tid[st.slot, n - 1] = em[-1]
+            st.num_tokens = n
+            outs = st.output_token_ids
+            outs.extend(em)
+            caps.append(max(min(st.params.max_tokens - len(outs), max_len - n, k + 1) - 1, 0))
         t0 = time.perf_counter()
         if eagle:
             valid = np.diff(batch.query_start_loc).astype(np.int64)
             valid[sample_idx] -= k_s + 1 - num  # rejected drafts
-            proposals = self.proposer.propose_with_hidden(self, states, batch, hidden, valid, sample_idx,
-                                                          caps.tolist())
+            proposals = self.proposer.propose_with_hidden(self, states, batch, hidden, valid, sample_idx, caps)
         else:
             proposals = self.proposer.propose(self, sampled, sampled_ids, caps)
         self.propose_s += time.perf_counter() - t0
@@ -187,15 +191,17 @@ class SpecModelRunner(ModelRunner):
         sbatch = self._sampling_batch(sampled, sampled_ids)
         S, K = len(ks), int(ks.max(initial=0))
         if sbatch.plain:  # all greedy, no penalties / min_tokens / logprobs: one argmax per row, compared here
-            top = logits.argmax(-1).cpu().numpy()
+            top_dev = logits.argmax(-1)
+            # the host lays out the drafts while the device still runs the forward, then reads
+            d2d = np.full((S, K), -1, dtype=np.int64)
+            if K:
+                d2d[np.arange(K) < ks[:, None]] = [t for d in drafts for t in d]
+            top = top_dev.cpu().numpy()
             if q:
                 top2d = top.reshape(S, q)[:, : K + 1]
             else:
                 top2d = np.zeros((S, K + 1), dtype=top.dtype)
                 top2d[np.arange(K + 1) <= ks[:, None]] = top
-            d2d = np.full((S, K), -1, dtype=np.int64)
-            if K:
-                d2d[np.arange(K) < ks[:, None]] = [t for d in drafts for t in d]
             return greedy_verify(top2d, d2d, ks)
         if q and (ks != q - 1).any():  # rows with fewer drafts: their k + 1 logits only
             keep = np.repeat(np.arange(S) * q, ks + 1) + _ranges(ks + 1)
@@ -208,21 +214,41 @@ class SpecModelRunner(ModelRunner):
             out.logprobs = self._logprobs(logits, sdrafts, emitted, sbatch.params, sampled_ids)
         return toks, num
 
+    def _replay(self, batch: Any, ks: np.ndarray) -> tuple[torch.Tensor | None, int]:
+        """``(logits, q)`` of a graph replay of ``batch`` (a pure decode, or a pure verify padded to ``q``
+        query tokens per row: ``q`` logits rows per request), or ``(None, 0)`` (run it eagerly)."""
+        if self.graphs is not None and not ks.any() and batch.pure_decode:
+            logits = self.graphs.run(batch)
+            self.num_graph_steps += logits is not None
+            return logits, 0
+        vg = self.verify_graphs
+        if vg is not None and self._pure_verify(batch, ks):
+            logits = vg.run(pad_queries(batch, vg.q, self.block_size))  # all q logits of every row
+            if logits is not None:
+                self.num_verify_graph_steps += 1
+                return logits, vg.q
+        return None, 0
+
+    def _verify_inputs(self, so: SchedulerOutput, states: list[Any], ks: np.ndarray, q: int) -> Any:
+        """The verify graphs' padded batch (:func:`~hwkv.spec_decode.verify_inputs.verify_batch`) when every
+        request is a cached one that runs its last token and ``k < q`` drafts and samples; else ``None``."""
+        if so.scheduled_new_reqs or ks.max(initial=0) >= q:
+            return None
+        R = len(states)
+        ctx = np.array(so.scheduled_cached_reqs.num_computed_tokens, dtype=np.int64)
+        ql = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=R)
+        known = np.fromiter((st.num_tokens for st in states), dtype=np.int64, count=R)
+        if (ql != ks + 1).any() or (ctx + 1 != known).any():
+            return None
+        slots = np.fromiter((st.slot for st in states), dtype=np.int64, count=R)
+        return verify_batch(self.token_ids, self.block_table, slots, ctx, ks, q, self.block_size)
+
     def _pure_verify(self, batch: Any, ks: np.ndarray) -> bool:
         """Every request decodes: runs its last token and its drafts (at most the verify graphs' ``k``),
         and samples; rows with fewer drafts are padded to ``k + 1`` tokens (:func:`pad_queries`)."""
         n, q = len(ks), self.verify_graphs.q  # type: ignore[union-attr]
         return (bool(ks.max(initial=0) < q) and len(batch.input_ids) == n + int(ks.sum())
                 and len(batch.sample_idx) == n)
-
-    def _max_drafts(self, states: list[Any], num_tokens: np.ndarray) -> np.ndarray:
-        """Drafts worth proposing per state (``num_tokens``: its tokens now): a step emits at most
-        drafts + 1 tokens, never past max_tokens or the model length (the token row and block table
-        end there)."""
-        n = len(states)
-        max_out = np.fromiter((st.params.max_tokens - len(st.output_token_ids) for st in states), np.int64, n)
-        left = np.minimum(max_out, self.max_model_len - num_tokens)
-        return np.clip(left - 1, 0, self.spec_config.num_speculative_tokens)
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, drafts: list[list[int]], emitted: list[list[int]], params: list[Any],

@@ -102,6 +102,8 @@ def test_speculative_scheduling_invariants(work, data):
             if not r.is_finished:
                 assert r.num_computed_tokens == r.num_tokens - 1  # rejected drafts rolled back
                 assert r.num_tokens + len(r.spec_token_ids) <= MAX_LEN
+                # several tokens appended at once hash every block they fill, as one at a time would
+                assert r.block_hashes == Request("x", r.all_token_ids, block_hasher=hasher).block_hashes
         held = {b for r in reqs for b in kv.get_block_ids(r.request_id)}
         assert len(held) + kv.num_free_blocks == num_blocks
     assert not s.has_unfinished_requests(), "workload did not finish"

@@ -74,6 +74,32 @@ def test_verify_graphs_replay_and_match(tiny_model: str, method: str, k: int, se
         assert st["num_preemptions"] > 0
 
 
+def test_steady_state_verify_steps_build_padded_inputs_directly(tiny_model: str) -> None:
+    """A verify step of cached requests builds the verify graphs' padded batch straight from the tables
+    (``verify_batch``): the general route (``build_inputs``, then ``pad_queries``) serves only the other
+    steps (the prefill, the last steps that have no drafts), and the tokens are non-speculative decoding's."""
+    prompts = _prompts(1, seed=5)
+    base, _ = _run(tiny_model, prompts, max_num_seqs=1)
+    eng = Engine(tiny_model, backend=GraphCpuBackend(), num_kv_blocks=96, block_size=4, max_model_len=128,
+                 fuse_elementwise=False, max_num_seqs=1, speculative_config=_spec("draft_model", 3, tiny_model))
+    r, calls = eng.runner, {"steps": 0, "general": 0}
+    step, build = r._step, r.build_inputs
+
+    def count_step(*a):
+        calls["steps"] += 1
+        return step(*a)
+
+    def count_build(*a):
+        calls["general"] += 1
+        return build(*a)
+    r._step, r.build_inputs = count_step, count_build
+    got = [o.token_ids for o in eng.generate(prompts, GREEDY, use_tqdm=False)]
+    assert got == base
+    vsteps = eng.stats()["spec_decode"]["verify_graph_steps"]
+    assert vsteps > 0 and calls["general"] + vsteps == calls["steps"]
+    assert _verify_replays(eng) == vsteps
+
+
 def test_pure_verify_only(tiny_model: str) -> None:
     """Decode rows with up to k drafts make a pure-verify step (fewer drafts: padded); a prefill chunk
     beside them, more than k drafts or a row that does not sample keep the step eager."""
