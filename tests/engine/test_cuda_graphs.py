@@ -13,6 +13,7 @@ import hwkv
 from hwkv.engine.graph_runner import batch_buckets, pad_into, pick_bucket
 from hwkv.engine.inputs import StepBatch
 from hwkv.sampling_params import SamplingParams
+from hwkv.testing.cuda import cuda_backend_or_skip
 from hwkv.testing.tiny_models import write_tiny_model
 
 
@@ -131,13 +132,7 @@ def test_enforce_eager_validated(model_dir):
 
 
 def _cuda_backend():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)")
-    try:
-        from hwkv_cuda.backend import CudaBackend
-    except ImportError as e:
-        pytest.skip(f"hwkv_cuda not importable: {e}")
-    return CudaBackend()
+    return cuda_backend_or_skip()
 
 
 @pytest.mark.parametrize("fuse", [False, True], ids=["plain", "fused"])

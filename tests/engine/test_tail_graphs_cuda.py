@@ -5,22 +5,15 @@ engine's; decode steps keep their own graphs; nothing leaks."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
-import torch
 
 import hwkv
 from hwkv.sampling_params import SamplingParams
+from hwkv.testing.cuda import cuda_backend_or_skip
 from hwkv.testing.tiny_models import write_tiny_model
 
 
 def _cuda_backend():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)")
-    try:
-        from hwkv_cuda.backend import CudaBackend
-    except ImportError as e:
-        pytest.skip(f"hwkv_cuda not importable: {e}")
-    return CudaBackend()
+    return cuda_backend_or_skip()
 
 
 def test_cuda_tail_graphs_greedy_identical(tmp_path):

@@ -5,22 +5,16 @@ graphs that also return the target's states)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from hwkv.engine.engine import Engine
 from hwkv.sampling_params import SamplingParams
+from hwkv.testing.cuda import cuda_backend_or_skip
 
 from .test_engine_ngram import _prompts
 
 
 def _cuda_backend():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)")
-    try:
-        from hwkv_cuda.backend import CudaBackend
-    except ImportError as e:
-        pytest.skip(f"hwkv_cuda not importable: {e}")
-    return CudaBackend()
+    return cuda_backend_or_skip()
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle", "eagle3"])
