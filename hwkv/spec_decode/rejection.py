@@ -72,6 +72,22 @@ def greedy_verify(top: np.ndarray, drafts: np.ndarray, ks: np.ndarray) -> tuple[
     return out, n_acc + 1
 
 
+def greedy_accept(top: list[list[int]], drafts: list[Any]) -> list[list[int]]:
+    """:func:`greedy_verify` as plain Python per row, for small batches (where a handful of list
+    operations per row costs less than numpy's per-call overhead): ``top[r]`` the target's argmax rows of
+    request ``r`` (at least ``len(drafts[r]) + 1``), ``drafts[r]`` its drafts. Returns each request's
+    emitted tokens: the accepted drafts, then the target's token at the first mismatch (or the bonus)."""
+    out = []
+    for t, d in zip(top, drafts):
+        n = 0
+        for a, b in zip(t, d):
+            if a != b:
+                break
+            n += 1
+        out.append([*d[:n], t[n]])
+    return out
+
+
 def rejection_sample(logits: torch.Tensor, draft_token_ids: list[list[int]], batch: SamplingBatch,
                      draft_probs: torch.Tensor | None = None, device: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Verify the drafts of ``R`` requests in one batched pass.

@@ -46,9 +46,11 @@ from hwkv.engine.graph_runner import GraphRunner, multi_token_graphs, pad_querie
 from hwkv.engine.model_runner import ModelRunner
 from hwkv.model.sampler import logprobs_of
 from hwkv.spec_decode.config import SpeculativeConfig
-from hwkv.spec_decode.rejection import greedy_verify, verify_packed
+from hwkv.spec_decode.rejection import greedy_accept, greedy_verify, verify_packed
 from hwkv.spec_decode.state_graphs import StatesGraphRunner, split
 from hwkv.spec_decode.verify_inputs import verify_batch
+
+SMALL_BATCH = 32  # greedy verification up to this many sampling requests: plain Python per row
 
 
 class SpecModelRunner(ModelRunner):
@@ -117,7 +119,7 @@ class SpecModelRunner(ModelRunner):
         q = 0  # > 0: logits are the verify graphs' q rows per request (padded rows included)
         eagle = getattr(self.proposer, "needs_hidden", False)  # the proposer reads the target's states
         vg = self.verify_graphs
-        vb = None if vg is None or eagle or not spec else self._verify_inputs(so, states, ks, vg.q)
+        vb = None if vg is None or eagle or not spec else self._verify_inputs(so, states, drafts, ks, vg.q)
         if vb is not None:  # the steady state: the padded batch straight from the tables
             logits = vg.run(vb)  # type: ignore[union-attr]
         if logits is not None:
@@ -159,8 +161,7 @@ class SpecModelRunner(ModelRunner):
             idx = sample_idx.tolist()
             sampled, sampled_ids = [states[i] for i in idx], [req_ids[i] for i in idx]
             sdrafts, k_s = [drafts[i] for i in idx], ks[sample_idx]
-        toks, num = self._verify(logits, q, sampled, sampled_ids, sdrafts, k_s, out)
-        emitted = [t[:n] for t, n in zip(toks.tolist(), num.tolist())]
+        emitted = self._verify(logits, q, sampled, sampled_ids, sdrafts, k_s, out)
         out.sampled_token_ids = dict(zip(sampled_ids, emitted))
         # Accepted drafts are in the token rows already: each row's last token is written. Plain Python per
         # row: at the batch sizes speculation serves, cheaper than the numpy calls of a vectorised form.
@@ -176,7 +177,7 @@ class SpecModelRunner(ModelRunner):
         t0 = time.perf_counter()
         if eagle:
             valid = np.diff(batch.query_start_loc).astype(np.int64)
-            valid[sample_idx] -= k_s + 1 - num  # rejected drafts
+            valid[sample_idx] -= k_s + 1 - np.fromiter(map(len, emitted), np.int64, len(emitted))  # rejected drafts
             proposals = self.proposer.propose_with_hidden(self, states, batch, hidden, valid, sample_idx, caps)
         else:
             proposals = self.proposer.propose(self, sampled, sampled_ids, caps)
@@ -184,14 +185,20 @@ class SpecModelRunner(ModelRunner):
         out.spec_token_ids = {rid: p for rid, p in zip(sampled_ids, proposals) if p}
 
     def _verify(self, logits: torch.Tensor, q: int, sampled: list[Any], sampled_ids: list[str],
-                drafts: list[Any], ks: np.ndarray, out: ModelRunnerOutput) -> tuple[np.ndarray, np.ndarray]:
-        """Host ``(tokens [S, K + 1], num [S])`` of the rejection sampler (:mod:`~hwkv.spec_decode.rejection`),
-        read back in one transfer. ``logits``: ``q`` rows per request (verify graphs, ``q > 0``), or each
-        request's ``k + 1`` rows consecutive (``q == 0``)."""
+                drafts: list[Any], ks: np.ndarray, out: ModelRunnerOutput) -> list[list[int]]:
+        """Each sampled request's emitted tokens (its accepted drafts, then one token) from the rejection
+        sampler (:mod:`~hwkv.spec_decode.rejection`), read back in one transfer. ``logits``: ``q`` rows per
+        request (verify graphs, ``q > 0``), or each request's ``k + 1`` rows consecutive (``q == 0``)."""
         sbatch = self._sampling_batch(sampled, sampled_ids)
         S, K = len(ks), int(ks.max(initial=0))
         if sbatch.plain:  # all greedy, no penalties / min_tokens / logprobs: one argmax per row, compared here
             top_dev = logits.argmax(-1)
+            if S <= SMALL_BATCH:  # plain Python per row
+                top = top_dev.cpu().numpy()
+                if q:
+                    return greedy_accept(top.reshape(S, q).tolist(), drafts)
+                flat, ends = top.tolist(), np.cumsum(ks + 1).tolist()
+                return greedy_accept([flat[e - k - 1 : e] for e, k in zip(ends, ks.tolist())], drafts)
             # the host lays out the drafts while the device still runs the forward, then reads
             d2d = np.full((S, K), -1, dtype=np.int64)
             if K:
@@ -202,17 +209,17 @@ class SpecModelRunner(ModelRunner):
             else:
                 top2d = np.zeros((S, K + 1), dtype=top.dtype)
                 top2d[np.arange(K + 1) <= ks[:, None]] = top
-            return greedy_verify(top2d, d2d, ks)
+            toks, num = greedy_verify(top2d, d2d, ks)
+            return [t[:n] for t, n in zip(toks.tolist(), num.tolist())]
         if q and (ks != q - 1).any():  # rows with fewer drafts: their k + 1 logits only
             keep = np.repeat(np.arange(S) * q, ks + 1) + _ranges(ks + 1)
             logits = logits.index_select(0, self.dev.to_device(torch.from_numpy(keep)))
         sdrafts = [list(d) for d in drafts]
         res = verify_packed(logits, sdrafts, sbatch, device=self.dev).cpu().numpy()
-        toks, num = res[:, :-1], res[:, -1]
+        emitted = [t[:n] for t, n in zip(res[:, :-1].tolist(), res[:, -1].tolist())]
         if any(sp.logprobs is not None for sp in sbatch.params):
-            emitted = [t[:n] for t, n in zip(toks.tolist(), num.tolist())]
             out.logprobs = self._logprobs(logits, sdrafts, emitted, sbatch.params, sampled_ids)
-        return toks, num
+        return emitted
 
     def _replay(self, batch: Any, ks: np.ndarray) -> tuple[torch.Tensor | None, int]:
         """``(logits, q)`` of a graph replay of ``batch`` (a pure decode, or a pure verify padded to ``q``
@@ -229,19 +236,19 @@ class SpecModelRunner(ModelRunner):
                 return logits, vg.q
         return None, 0
 
-    def _verify_inputs(self, so: SchedulerOutput, states: list[Any], ks: np.ndarray, q: int) -> Any:
+    def _verify_inputs(self, so: SchedulerOutput, states: list[Any], drafts: list[Any], ks: np.ndarray,
+                       q: int) -> Any:
         """The verify graphs' padded batch (:func:`~hwkv.spec_decode.verify_inputs.verify_batch`) when every
         request is a cached one that runs its last token and ``k < q`` drafts and samples; else ``None``."""
-        if so.scheduled_new_reqs or ks.max(initial=0) >= q:
+        if so.scheduled_new_reqs:
             return None
-        R = len(states)
-        ctx = np.array(so.scheduled_cached_reqs.num_computed_tokens, dtype=np.int64)
-        ql = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=R)
-        known = np.fromiter((st.num_tokens for st in states), dtype=np.int64, count=R)
-        if (ql != ks + 1).any() or (ctx + 1 != known).any():
-            return None
-        slots = np.fromiter((st.slot for st in states), dtype=np.int64, count=R)
-        return verify_batch(self.token_ids, self.block_table, slots, ctx, ks, q, self.block_size)
+        ctx = so.scheduled_cached_reqs.num_computed_tokens
+        for st, c, n, d in zip(states, ctx, so.num_scheduled_tokens.values(), drafts):  # one pass, no numpy calls
+            if n != len(d) + 1 or n > q or c + 1 != st.num_tokens:
+                return None
+        slots = np.fromiter((st.slot for st in states), dtype=np.int64, count=len(states))
+        return verify_batch(self.token_ids, self.block_table, slots, np.array(ctx, dtype=np.int64), ks, q,
+                            self.block_size)
 
     def _pure_verify(self, batch: Any, ks: np.ndarray) -> bool:
         """Every request decodes: runs its last token and its drafts (at most the verify graphs' ``k``),

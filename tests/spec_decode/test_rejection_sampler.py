@@ -171,7 +171,7 @@ def test_bad_shapes_refused() -> None:
 def test_greedy_verify_on_host_equals_the_device_sampler(seed: int) -> None:
     """The all-greedy fast path (argmax read back, compared on the host) emits what the full sampler
     does for greedy rows: drafts that match the argmax partly, wholly, not at all, and none."""
-    from hwkv.spec_decode.rejection import greedy_verify
+    from hwkv.spec_decode.rejection import greedy_accept, greedy_verify
 
     rng = np.random.default_rng(seed)
     R, Kmax = 7, 4
@@ -193,4 +193,6 @@ def test_greedy_verify_on_host_equals_the_device_sampler(seed: int) -> None:
         d2d[r, : ks[r]] = drafts[r]
     t_h, n_h = greedy_verify(top2d, d2d, ks)
     assert n_h.tolist() == num.tolist()
-    assert [t_h[r, : n_h[r]].tolist() for r in range(R)] == [toks[r, : num[r]].tolist() for r in range(R)]
+    want = [toks[r, : num[r]].tolist() for r in range(R)]
+    assert [t_h[r, : n_h[r]].tolist() for r in range(R)] == want
+    assert greedy_accept(top2d.tolist(), drafts) == want  # the small-batch form: plain Python per row

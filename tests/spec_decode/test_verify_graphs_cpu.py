@@ -100,6 +100,21 @@ def test_steady_state_verify_steps_build_padded_inputs_directly(tiny_model: str)
     assert _verify_replays(eng) == vsteps
 
 
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_greedy_verification_large_batch_form(tiny_model: str, monkeypatch, enforce_eager: bool) -> None:
+    """Greedy verification of batches above ``SMALL_BATCH`` (numpy over ``[R, k + 1]``) emits what the
+    small-batch form (plain Python per row) does: non-speculative decoding's tokens, graphs or eager."""
+    import hwkv.spec_decode.runner as runner_mod
+
+    prompts = _prompts(6, seed=8)
+    base, _ = _run(tiny_model, prompts, max_num_seqs=6)
+    monkeypatch.setattr(runner_mod, "SMALL_BATCH", 0)
+    got, eng = _run(tiny_model, prompts, _spec("ngram", 3, tiny_model), max_num_seqs=6,
+                    enforce_eager=enforce_eager)
+    assert got == base
+    assert eng.stats()["spec_decode"]["accepted_tokens"] > 0
+
+
 def test_pure_verify_only(tiny_model: str) -> None:
     """Decode rows with up to k drafts make a pure-verify step (fewer drafts: padded); a prefill chunk
     beside them, more than k drafts or a row that does not sample keep the step eager."""
