@@ -1,4 +1,5 @@
-"""Engine: the user-facing API — add_request / step / abort / generate, validation, outputs, stats.
+"""Engine: the user-facing API — add_request / step / abort / generate, stats (validation, ids and
+outputs: :mod:`hwkv.engine.tracking`).
 
 Request flow: ``add_request`` validates and tokenizes → ``Scheduler.schedule`` picks tokens →
 ``ModelRunner.execute`` builds metadata, runs the model and the sampler → ``update_from_output``
@@ -10,38 +11,21 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
 from typing import Any
 
-from hwkv.core.request import Request, RequestStatus
+from hwkv.core.request import RequestStatus
 from hwkv.core.scheduler import Scheduler
 from hwkv.engine.build import build_parts
 from hwkv.engine.config import EngineArgs
-from hwkv.engine.detokenizer import IncrementalDetokenizer
-from hwkv.engine.prompt import Prompt, tokenize_prompt
+from hwkv.engine.prompt import Prompt
 from hwkv.engine.stats import EngineStats
-from hwkv.outputs import CompletionMetrics, RequestOutput
+from hwkv.engine.tracking import LAST_UNFINISHED, RequestTracking, Tracked
+from hwkv.outputs import RequestOutput
 
 IDLE_WAIT_S = 0.0005  # a step that scheduled nothing while requests wait (for KV in flight) sleeps this long
-_LAST_UNFINISHED = RequestStatus.PREEMPTED  # statuses above it are finished
-_FINISH_REASONS = {s: s.finish_reason for s in RequestStatus}
 
 
-@dataclass
-class _Tracked:
-    """Engine-side state of one request: the caller's id, prompt text, detokenizer, logprobs,
-    emitted count, and why it failed (finish_reason "error")."""
-
-    request_id: str
-    prompt: str | None
-    detok: IncrementalDetokenizer
-    logprobs: list[Any] | None
-    num_seen: int = 0
-    error: str | None = None
-    metrics: CompletionMetrics | None = None  # the last output's, shared by later ones while unchanged
-
-
-class Engine:
+class Engine(RequestTracking):
     """The inference engine: ``add_request`` / ``step`` / ``abort`` / ``generate`` over one model on
     one backend.
 
@@ -104,7 +88,7 @@ class Engine:
         build_parts(self, args, kv_connector, kv_connector_config)  # hwkv/engine/build.py: the parts, in order
         # Ids: the scheduler, runner and connector see internal ids "<request_id>-<n>", unique per
         # engine lifetime (as vLLM), so a reused request id can never meet its predecessor's state.
-        self._tracked: dict[str, _Tracked] = {}  # internal id -> state, until finished
+        self._tracked: dict[str, Tracked] = {}  # internal id -> state, until finished
         self._live: dict[str, str] = {}  # request id -> internal id, until finished
         self._pending: list[RequestOutput] = []  # final outputs (aborted, failed) the next step() returns
         self._inflight: Any = None  # async: the launched step whose tokens the next step() applies
@@ -121,60 +105,6 @@ class Engine:
             self.runner.connector.shutdown()
 
     # ---- requests -----------------------------------------------------------------------------
-    def _make_request(self, request_id: str, prompt: Prompt, params: Any) -> tuple[Request, _Tracked]:
-        from hwkv.sampling_params import SamplingParams
-
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
-        if self._in_use(request_id):
-            raise ValueError(f"request_id {request_id!r} is already in use (request ids must be unique; "
-                             "an id is free again once step() returned its final output)")
-        params = self.default_sampling_params() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        params.validate(self.vocab_size)
-        text, ids = tokenize_prompt(prompt, self.tokenizer, self.vocab_size)
-        n, m, lim = len(ids), params.max_tokens, self.max_model_len
-        nb = self.kv_cache.spec.num_blocks
-        if n + m > nb * self.block_size:  # could never run, even alone: refuse now, not at schedule time
-            raise ValueError(
-                f"prompt ({n} tokens) + max_tokens ({m}) = {n + m} exceeds the whole KV cache pool of "
-                f"{nb} blocks x {self.block_size} tokens = {nb * self.block_size} tokens (allowed: prompt length "
-                f"+ max_tokens <= {min(lim, nb * self.block_size)}; raise num_kv_blocks / memory_fraction)"
-            )
-        if n + m > lim:
-            raise ValueError(
-                f"prompt ({n} tokens) + max_tokens ({m}) = {n + m} exceeds max_model_len {lim} "
-                f"(allowed: prompt length + max_tokens <= {lim})"
-            )
-        if params.stop and self.tokenizer is None:
-            raise ValueError(
-                "SamplingParams.stop needs a tokenizer, and this model directory has no tokenizer.json "
-                "(allowed: stop_token_ids)"
-            )
-        req = Request(f"{request_id}-{next(self._seq)}", ids, params, block_hasher=self._hasher,
-                      eos_token_ids=self.eos_token_ids, max_tokens=m, cache_salt=params.cache_salt,
-                      kv_transfer_params=params.kv_transfer_params)
-        detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens)
-        return req, _Tracked(request_id, text, detok, [] if params.logprobs is not None else None)
-
-    def default_sampling_params(self) -> Any:
-        """SamplingParams for requests given none: the checkpoint's generation_config.json values
-        (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens → max_tokens) over
-        the SamplingParams defaults; invalid checkpoint values are ignored with a warning."""
-        from hwkv.sampling_params import SamplingParams
-
-        d = dict(getattr(self.generation_config, "defaults", None) or {})
-        if "max_new_tokens" in d:
-            d["max_tokens"] = d.pop("max_new_tokens")
-        try:
-            return SamplingParams(**d)
-        except (TypeError, ValueError) as e:
-            import warnings
-
-            warnings.warn(f"ignoring generation_config.json sampling defaults {d}: {e}", stacklevel=2)
-            return SamplingParams()
-
     def add_request(self, request_id: str, prompt: Prompt, params: Any = None, priority: int = 0,
                     kv_transfer_params: dict[str, Any] | None = None) -> None:
         """Validate and queue a request; on ``ValueError`` nothing is registered.
@@ -192,35 +122,11 @@ class Engine:
         self._track(req, tracked)
         self.scheduler.add_request(req)
 
-    def _check_priority(self, priority: Any) -> None:
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an int, got {priority!r}")
-        if priority and self.scheduler.config.policy != "priority":
-            raise ValueError(f"priority={priority} needs Engine(scheduling_policy='priority') "
-                             f"(this engine schedules {self.scheduler.config.policy!r}; allowed: priority=0)")
-
-    def _track(self, req: Request, tracked: _Tracked) -> None:
-        self._tracked[req.request_id] = tracked
-        self._live[tracked.request_id] = req.request_id
-
-    def _untrack(self, internal_id: str) -> _Tracked:
-        tr = self._tracked.pop(internal_id)
-        del self._live[tr.request_id]
-        self.runner.release(internal_id)
-        return tr
-
     def abort(self, request_id: str | list[str]) -> None:
         """Stop requests; each one's final output (finish_reason "abort") comes from the next step().
         Unknown or finished ids are ignored."""
         ids = [request_id] if isinstance(request_id, str) else request_id
         self._finish([self._live[i] for i in ids if i in self._live], RequestStatus.FINISHED_ABORTED)
-
-    def _finish(self, internal_ids: list[str], status: RequestStatus, error: str | None = None) -> None:
-        """Finish unfinished requests wherever they are; their final outputs go to the next step()."""
-        for req in self.scheduler.finish_requests(internal_ids, status):
-            tr = self._untrack(req.request_id)
-            tr.error = error
-            self._pending.append(self._output(req, tr))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._pending)
@@ -309,35 +215,12 @@ class Engine:
                     req.stop_reason = stop
             else:
                 tr.num_seen = len(toks)
-            finished = req.status > _LAST_UNFINISHED
+            finished = req.status > LAST_UNFINISHED
             if stream or finished:
                 outputs.append(output(req, tr))
             if finished:
                 self._untrack(req.request_id)
         return outputs
-
-    def _end(self, req: Request, status: RequestStatus) -> None:
-        """Finish a request that just got tokens (the scheduler may have finished it already)."""
-        if not req.is_finished:
-            self.scheduler.finish_requests(req.request_id, status)
-        req.status = status
-
-    def _output(self, req: Request, tr: _Tracked) -> RequestOutput:
-        status = req.status
-        finished = status > _LAST_UNFINISHED
-        detok = tr.detok
-        metrics = tr.metrics
-        # after the first token only a preemption or the finish changes a request's metrics
-        if finished or metrics is None or metrics.first_token_time is None \
-                or metrics.num_preemptions != req.num_preemptions:
-            metrics = tr.metrics = CompletionMetrics(req.arrival_time, req.first_token_time, req.finish_time,
-                                                     max(req.num_cached_tokens, 0), req.num_preemptions)
-        return RequestOutput(
-            tr.request_id, tr.prompt, req.prompt_token_ids, detok.text if finished else detok.stable_text,
-            req.output_token_ids.copy(), finished, _FINISH_REASONS.get(status), metrics, req.stop_reason,
-            tr.logprobs.copy() if tr.logprobs is not None else None,
-            req.kv_transfer_params if finished else None, tr.error,
-        )
 
     def generate(self, prompts: Prompt | list[Prompt], sampling_params: Any = None,
                  use_tqdm: bool = True, priority: int | list[int] = 0) -> list[RequestOutput]:
@@ -395,17 +278,6 @@ class Engine:
             if bar is not None:
                 bar.close()
         return [done[i] for i in ids]
-
-    def _next_id(self) -> str:
-        while True:
-            rid = str(next(self._ids))
-            if not self._in_use(rid):
-                return rid
-
-    def _in_use(self, rid: str) -> bool:
-        # generate() tells its requests' outputs apart by id: an id whose final output is still
-        # pending must not be handed out again
-        return rid in self._live or any(o.request_id == rid for o in self._pending)
 
     # ---- introspection --------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
