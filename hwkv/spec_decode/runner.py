@@ -48,9 +48,10 @@ from hwkv.model.sampler import logprobs_of
 from hwkv.spec_decode.config import SpeculativeConfig
 from hwkv.spec_decode.rejection import greedy_accept, greedy_verify, verify_packed
 from hwkv.spec_decode.state_graphs import StatesGraphRunner, split
-from hwkv.spec_decode.verify_inputs import verify_batch
+from hwkv.spec_decode.verify_inputs import verify_batch, verify_batch_rows
 
 SMALL_BATCH = 32  # greedy verification up to this many sampling requests: plain Python per row
+SMALL_VERIFY_ROWS = 4  # verify inputs of up to this many requests: built row by row (verify_batch_rows)
 
 
 class SpecModelRunner(ModelRunner):
@@ -246,6 +247,9 @@ class SpecModelRunner(ModelRunner):
         for st, c, n, d in zip(states, ctx, so.num_scheduled_tokens.values(), drafts):  # one pass, no numpy calls
             if n != len(d) + 1 or n > q or c + 1 != st.num_tokens:
                 return None
+        if len(states) <= SMALL_VERIFY_ROWS:
+            return verify_batch_rows(self.token_ids, self.block_table, [st.slot for st in states], ctx,
+                                     [len(d) for d in drafts], q, self.block_size)
         slots = np.fromiter((st.slot for st in states), dtype=np.int64, count=len(states))
         return verify_batch(self.token_ids, self.block_table, slots, np.array(ctx, dtype=np.int64), ks, q,
                             self.block_size)

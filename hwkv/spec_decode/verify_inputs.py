@@ -40,3 +40,37 @@ def verify_batch(token_ids: np.ndarray, block_table: np.ndarray, slots: np.ndarr
         block_tables=bt, logits_indices=qsl_real - 1, sample_idx=np.arange(R),
         num_decodes=R if q == 1 else 0, max_query_len=q,
     )
+
+
+def verify_batch_rows(token_ids: np.ndarray, block_table: np.ndarray, slots: list[int], ctx: list[int],
+                      ks: list[int], q: int, block_size: int) -> StepBatch:
+    """:func:`verify_batch` built row by row in plain Python (host lists in, a handful of array
+    conversions out): for a few requests cheaper than its numpy grids, whose per-call overhead dominates
+    there. Same arrays, same contract."""
+    bs, R = block_size, len(slots)
+    ids: list[int] = []
+    pos: list[int] = []
+    sm: list[int] = []
+    top = 0
+    for s, c, k in zip(slots, ctx, ks):
+        n, pad = k + 1, q - k - 1
+        ids += token_ids[s, c : c + n].tolist()
+        ids += [0] * pad
+        b0 = c // bs
+        row = block_table[s, b0 : (c + k) // bs + 1].tolist()
+        for p in range(c, c + n):
+            pos.append(p)
+            sm.append(row[p // bs - b0] * bs + p % bs)
+        pos += [0] * pad
+        sm += [-1] * pad
+        top = max(top, c + n)
+    w_real = -(-top // bs)
+    bt = np.zeros((R, -(-(max(ctx) + q) // bs)), np.int32)
+    bt[:, :w_real] = block_table[slots, :w_real]
+    return StepBatch(
+        input_ids=np.array(ids, dtype=np.int64), positions=np.array(pos, dtype=np.int64),
+        slot_mapping=np.array(sm, dtype=np.int64), query_start_loc=np.arange(0, (R + 1) * q, q, dtype=np.int32),
+        seq_lens=np.array(ctx, dtype=np.int32) + np.int32(q), block_tables=bt,
+        logits_indices=np.cumsum(np.array(ks, dtype=np.int64) + 1) - 1, sample_idx=np.arange(R),
+        num_decodes=R if q == 1 else 0, max_query_len=q,
+    )

@@ -1,6 +1,7 @@
 """The verify graphs' padded inputs built straight from the runner's tables
-(:func:`hwkv.spec_decode.verify_inputs.verify_batch`) equal, array for array (values, dtypes, shapes), the
-general route's: ``build_batch`` of the rows' last token plus drafts, then ``pad_queries``."""
+(:func:`hwkv.spec_decode.verify_inputs.verify_batch`, and row by row: ``verify_batch_rows``) equal,
+array for array (values, dtypes, shapes), the general route's: ``build_batch`` of the rows' last
+token plus drafts, then ``pad_queries``."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from hypothesis import strategies as st
 
 from hwkv.engine.graph_runner import pad_queries
 from hwkv.engine.inputs import build_batch
-from hwkv.spec_decode.verify_inputs import verify_batch
+from hwkv.spec_decode.verify_inputs import verify_batch, verify_batch_rows
 
 
 @settings(max_examples=200, deadline=None, derandomize=True)
@@ -24,11 +25,12 @@ def test_verify_batch_equals_padded_build_batch(R: int, q: int, bs: int, seed: i
     ks = rng.integers(0, q, R).astype(np.int64)  # 0 drafts (an n-gram miss) up to q - 1
     ctx = rng.integers(0, width - q, R).astype(np.int64)
     want = pad_queries(build_batch(token_ids, block_table, slots, ctx, ks + 1, ctx + ks + 1, bs), q, bs)
-    got = verify_batch(token_ids, block_table, slots, ctx, ks, q, bs)
-    for name in want._fields:
-        a, b = getattr(want, name), getattr(got, name)
-        if isinstance(a, np.ndarray):
-            assert (a.dtype, a.shape) == (b.dtype, b.shape), name
-            assert np.array_equal(a, b), name
-        else:
-            assert a == b, name
+    for got in (verify_batch(token_ids, block_table, slots, ctx, ks, q, bs),  # numpy grids
+                verify_batch_rows(token_ids, block_table, slots.tolist(), ctx.tolist(), ks.tolist(), q, bs)):
+        for name in want._fields:
+            a, b = getattr(want, name), getattr(got, name)
+            if isinstance(a, np.ndarray):
+                assert (a.dtype, a.shape) == (b.dtype, b.shape), name
+                assert np.array_equal(a, b), name
+            else:
+                assert a == b, name
