@@ -170,8 +170,8 @@ class OffloadConnector(OffloadWorker):
         blocks = self.kv.get_blocks(rid)
         full = min(req.num_computed_tokens // self.block_size, len(req.block_hashes), len(blocks))
         # already in the tier: refreshed first, so this request never evicts its own blocks
-        todo = [i for i in range(st.num_stored, full)
-                if not cpu.refresh(h := req.block_hashes[i]) and h not in self._storing]  # type: ignore[union-attr]
+        have = cpu.refresh_all(req.block_hashes[st.num_stored:full])  # type: ignore[union-attr]
+        todo = [i for i, hit in enumerate(have, st.num_stored) if not hit and req.block_hashes[i] not in self._storing]
         st.num_stored = max(st.num_stored, full)
         host = cpu.reserve(len(todo))  # type: ignore[union-attr]  # a pinned host block is no capacity
         self.counters["stores_skipped_full"] += len(todo) - len(host)

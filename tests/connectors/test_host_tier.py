@@ -158,7 +158,9 @@ def test_host_tier_pins_and_lru_invariants(capacity, ops):
 
     for op, k, n in ops:
         if op == "store":
-            want = [h for h in key[k:k + n] if not tier.refresh(h)]
+            hs = key[k:k + n]  # both forms: one call for all, or one per hash
+            hits = tier.refresh_all(hs) if k % 2 else [tier.refresh(h) for h in hs]
+            want = [h for h, hit in zip(hs, hits) if not hit]
             for h in key[k:k + n]:
                 if h in lru:
                     lru.move_to_end(h)
@@ -224,3 +226,22 @@ def test_copy_threshold_follows_where_the_copy_runs():
     assert auto_min_run_blocks(host, host) == 4
     assert auto_min_run_blocks(dev, host) == auto_min_run_blocks(host, dev) == 64  # 2 MiB of 32 KiB blocks
     assert auto_min_run_blocks(cache("meta", 1 << 20), host) == 4  # huge blocks: never fewer than 4
+
+
+def test_refresh_all_equals_refresh_one_by_one():
+    """Same hits, same LRU order (eviction order of the next reservations), pins untouched."""
+    keys = [bytes([k]) * 32 for k in range(8)]
+
+    def tier_with_all() -> HostTier:
+        t = HostTier(8)
+        t.publish(t.reserve(8), keys)
+        t.free_blocks(list(t.cached_block_hash_to_block.values()))
+        t.touch([t.cached_block_hash_to_block[keys[5]]])  # pinned (a load reads it)
+        return t
+
+    a, b = tier_with_all(), tier_with_all()
+    ask = [keys[3], keys[5], bytes([99]) * 32, keys[0]]
+    assert a.refresh_all(ask) == [b.refresh(h) for h in ask] == [True, True, False, True]
+    order = lambda t: [blk.block_hash for blk in t.free_block_queue]  # noqa: E731 (LRU first)
+    assert order(a) == order(b) == [keys[1], keys[2], keys[4], keys[6], keys[7], keys[3], keys[0]]
+    assert a.cached_block_hash_to_block[keys[5]].ref_cnt == b.cached_block_hash_to_block[keys[5]].ref_cnt == 1
