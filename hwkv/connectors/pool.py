@@ -19,9 +19,10 @@ Scheduler side:
 * completions (``update_connector_output``): pins released, counters; a failed load's request is
   never offered the pool again (it recomputes).
 
-Worker side: owns the store client (:class:`~hwkv.connectors.pool_store.StoreHandle`), the lookup
-server and the sending/receiving threads (:mod:`hwkv.connectors.pool_transfer`). ``delay_free`` is
-never needed: a put reads pinned blocks, and the pool keeps its own copy.
+Worker side (:mod:`hwkv.connectors.pool_worker`): owns the store client
+(:class:`~hwkv.connectors.pool_store.StoreHandle`), the lookup server and the sending/receiving
+threads (:mod:`hwkv.connectors.pool_transfer`). ``delay_free`` is never needed: a put reads pinned
+blocks, and the pool keeps its own copy.
 
 Failures (the pool is a cache): a store that is unreachable, fails or times out makes lookups
 miss and puts drop for ``retry_s``, then it is tried again; a load that fails (key evicted since the
@@ -35,19 +36,18 @@ only where every rank's key is present; a load is done once every rank's get is.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
-from hwkv.connectors.jobs import JobConnector, Meta, ReqState
+from hwkv.connectors.jobs import Meta, ReqState
 from hwkv.connectors.pool_key import PoolKey, default_model_id
 from hwkv.connectors.pool_lookup import LookupClient, LookupServer
 from hwkv.connectors.pool_store import StoreHandle, store_factory
-from hwkv.connectors.pool_transfer import GetJob, PoolTransfer, PutJob
+from hwkv.connectors.pool_transfer import PoolTransfer
+from hwkv.connectors.pool_worker import PoolWorker
 from hwkv.core.sched_output import KVConnectorOutput
-from hwkv.interfaces.store import StoreError
 
 _RECENT_MAX = 1 << 16  # chunk hashes known to be in the pool (puts and loads that completed)
 _LOOKUP_TTL_S = 1.0  # a waiting request that is not admitted re-asks at most this often
@@ -62,26 +62,17 @@ class _Job:
     hashes: list[bytes]
 
 
-@dataclass
-class _Flight:
-    req_id: str
-    t0: float
-    reported: bool = False
-
-
 def _positive(name: str, v: Any, integer: bool = False) -> None:
     ok = isinstance(v, int) if integer else isinstance(v, (int, float))
     if not ok or isinstance(v, bool) or v <= 0:
         raise ValueError(f"pool: {name}={v!r} is invalid (need a positive {'int' if integer else 'number'})")
 
 
-class PoolConnector(JobConnector):
+class PoolConnector(PoolWorker):
     """Units are chunks. Meta: loads ``(job, request, hashes, blocks per chunk)``, stores ``(job, hashes,
     blocks per chunk)``; completions ``(job, ok, bytes, chunks already in the pool)`` under ``extra["pool"]``."""
 
     name = "pool"
-    _extra_key = "pool"
-    _fail_details = (0, 0)
 
     def __init__(self, store: Any = "embedded", chunk_size: int | None = None, model_id: str | None = None,
                  tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, lookup_timeout_s: float = 1.0,
@@ -113,13 +104,7 @@ class PoolConnector(JobConnector):
         self.counters = dict(loaded_bytes=0, stored_bytes=0, lookups=0, lookup_hit_tokens=0, load_jobs=0,
                              failed_loads=0, load_timeouts=0, store_jobs=0, stored_chunks=0, dedup_pool=0,
                              dedup_local=0, failed_stores=0)
-        # worker side
-        self.transfer: PoolTransfer | None = None
-        self.server: LookupServer | None = None
-        self.client: LookupClient | None = None
-        self._flights: dict[int, _Flight] = {}
-        self._sent_epoch: tuple[int, int] = (0, 0)
-        self.last_errors = {"load": "", "store": ""}  # why the latest failed get / put failed (stats)
+        self._init_worker()
 
     # ---- set-up --------------------------------------------------------------------------------
     def bind_model(self, model: str, model_config: Any = None) -> None:
@@ -129,15 +114,6 @@ class PoolConnector(JobConnector):
     def bind_tp(self, rank: int, size: int) -> None:
         super().bind_tp(rank, size)
         self.shard = (rank, size, self.shard[2])  # this rank's keys carry its shard
-
-    def merge_tp_job(self, key: str, a: list[Any], b: list[Any]) -> list[Any]:
-        return [a[0] + b[0], min(a[1], b[1])]  # bytes of every shard; a chunk skipped only where every shard was
-
-    def merge_tp_extra(self, key: str, values: list[Any]) -> Any:
-        if key != "pool_epoch":
-            return super().merge_tp_extra(key, values)
-        # any rank's store reconnecting or failing changes the sum: "recently put" proves nothing then
-        return tuple(sum(v[i] for v in values if v is not None) for i in range(2))
 
     def register_kv_caches(self, kv_cache: Any) -> None:
         spec = kv_cache.spec
@@ -160,16 +136,6 @@ class PoolConnector(JobConnector):
         if self.tp_rank == 0:  # the scheduler side's; the other ranks of a tensor-parallel engine serve none
             self.server = LookupServer(self._count_hits, self.lookup_address)
             self.client = LookupClient(self.server.address, self.lookup_timeout_s)
-
-    def _count_hits(self, hashes: list[bytes]) -> int:
-        """Worker side, lookup server thread: leading chunks present in the pool — under tensor
-        parallelism, present for every rank's shard (one batched ``exists`` over all their keys)."""
-        keys = [replace(self.key, tp_rank=r) for r in range(self.tp_size)]  # type: ignore[type-var]
-        present = self.handle.call("exists", [k for key in keys for k in key.keys(hashes)])
-        n, m = 0, len(hashes)
-        while n < m and all(present[r * m + n] for r in range(len(keys))):
-            n += 1
-        return n
 
     # ---- scheduler side ------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -295,56 +261,3 @@ class PoolConnector(JobConnector):
             out["lookup_last_error"] = self.client.last_error
         out.update(self.handle.stats())
         return out
-
-    # ---- worker side ---------------------------------------------------------------------------
-    def start_load_kv(self) -> None:
-        loads = self._issue(loads=True)
-        if not loads:
-            return
-        ready = self.dev.new_event()
-        ready.record()  # the compute stream's work so far: a reused block's last writer
-        now = time.monotonic()
-        for job_id, rid, hashes, chunks in loads:
-            self._flights[job_id] = _Flight(rid, now)
-            self.transfer.submit_get(GetJob(job_id, rid, self.key.keys(hashes), chunks, ready, now))  # type: ignore
-
-    def wait_for_save(self) -> None:
-        stores = self._issue(loads=False)
-        if not stores:
-            return
-        written = self.dev.new_event()
-        written.record()  # behind this step's forward: the blocks it fills are written
-        for job_id, hashes, chunks in stores:
-            self.transfer.submit_put(PutJob(job_id, self.key.keys(hashes), chunks, written))  # type: ignore
-
-    def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput | None:
-        done, recv, failed = self._take_done()
-        for d in self.transfer.drain() if self.transfer is not None else ():
-            done.append((d.job_id, d.ok, d.nbytes, d.skipped))
-            if d.error or not d.ok:
-                self.last_errors["load" if d.load else "store"] = d.error or "unknown"
-            f = self._flights.pop(d.job_id, None) if d.load else None
-            if f is not None and not f.reported:
-                (recv if d.ok else failed).add(f.req_id)
-        now = time.monotonic()
-        for f in self._flights.values():
-            if not f.reported and now - f.t0 > self.load_timeout_s:
-                f.reported = True  # its blocks stay pinned until the get really ends
-                failed.add(f.req_id)
-                self.counters["load_timeouts"] += 1
-                self.last_errors["load"] = f"a get ran past load_timeout_s={self.load_timeout_s}"
-        epoch = (self.handle.connects, self.handle.failures)
-        if not (done or recv or failed) and epoch == self._sent_epoch:
-            return None
-        self._sent_epoch = epoch
-        return KVConnectorOutput(finished_recving=recv, failed_recving=failed,
-                                 extra={"pool": done, "pool_epoch": epoch})
-
-    def shutdown(self) -> None:
-        """Stop the threads and the lookup server; close an owned store client. Idempotent."""
-        for part in (self.client, self.server, self.transfer):
-            if part is not None:
-                with contextlib.suppress(StoreError, OSError):
-                    part.close()
-        self.client = self.server = self.transfer = None
-        self.handle.close()
