@@ -48,6 +48,7 @@ class SchedulerResults:
         if self.suspects:
             self.suspects.difference_update(runner_out.sampled_token_ids)
         spec_sched, spec_next = sched_out.scheduled_spec_decode_tokens, runner_out.spec_token_ids
+        record_spec = self.spec_stats.record
         now = time.monotonic()
         # the hot loop of a large batch: plain attribute reads, one token appended without a list
         for rid, toks in runner_out.sampled_token_ids.items():  # partial prefill chunks sample nothing
@@ -59,7 +60,7 @@ class SchedulerResults:
             if spec_sched and toks and (spec := spec_sched.get(rid)):
                 # rejected drafts' KV is garbage: recompute from the first of them
                 req.num_computed_tokens -= len(spec) + 1 - len(toks)
-                self.spec_stats.record(len(spec), len(toks) - 1)
+                record_spec(len(spec), len(toks) - 1)
             if req.first_token_time is None:
                 req.first_token_time = now
             sp = req.sampling_params
