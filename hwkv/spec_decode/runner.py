@@ -24,7 +24,9 @@ Graphs (where the engine captures them): steps without any draft that are pure d
 decode graphs; *pure verify* steps — every request decodes its last token plus ``0..k`` drafts
 (``k`` = ``num_speculative_tokens``) and samples — replay verify graphs captured per (batch bucket,
 seq-len bound) at query length ``k + 1`` (:class:`~hwkv.engine.graph_runner.GraphRunner` with
-``query_len``), rows with fewer drafts padded (:func:`~hwkv.engine.graph_runner.pad_queries`). The
+``query_len``), rows with fewer drafts padded (:func:`~hwkv.engine.graph_runner.pad_queries`; a verify
+step of cached requests builds that padded batch straight from the tables,
+:mod:`hwkv.spec_decode.verify_inputs`). The
 rejection sampler runs after the replay on the graph's logits (its result is read back to the
 host, so it stays outside the graph); on the greedy path the padded rows' argmax is simply ignored.
 With an EAGLE proposer both kinds of graphs also return the target's states
