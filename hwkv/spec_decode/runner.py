@@ -192,9 +192,8 @@ class SpecModelRunner(ModelRunner):
         """Each sampled request's emitted tokens (its accepted drafts, then one token) from the rejection
         sampler (:mod:`~hwkv.spec_decode.rejection`), read back in one transfer. ``logits``: ``q`` rows per
         request (verify graphs, ``q > 0``), or each request's ``k + 1`` rows consecutive (``q == 0``)."""
-        sbatch = self._sampling_batch(sampled, sampled_ids)
         S, K = len(ks), int(ks.max(initial=0))
-        if sbatch.plain:  # all greedy, no penalties / min_tokens / logprobs: one argmax per row, compared here
+        if not self._num_special:  # all greedy, no penalties / min_tokens / logprobs: argmax per row, compared here
             top_dev = logits.argmax(-1)
             if S <= SMALL_BATCH:  # plain Python per row
                 top = top_dev.cpu().numpy()
@@ -214,6 +213,7 @@ class SpecModelRunner(ModelRunner):
                 top2d[np.arange(K + 1) <= ks[:, None]] = top
             toks, num = greedy_verify(top2d, d2d, ks)
             return [t[:n] for t, n in zip(toks.tolist(), num.tolist())]
+        sbatch = self._sampling_batch(sampled, sampled_ids)
         if q and (ks != q - 1).any():  # rows with fewer drafts: their k + 1 logits only
             keep = np.repeat(np.arange(S) * q, ks + 1) + _ranges(ks + 1)
             logits = logits.index_select(0, self.dev.to_device(torch.from_numpy(keep)))
