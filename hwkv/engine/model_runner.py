@@ -229,10 +229,11 @@ class ModelRunner:
         This step's output stays pending until the next call or :meth:`flush`. On an exception the
         previous step stays pending (``flush`` returns it) and this step left nothing behind."""
         pend = self._pending
-        states = self.update_states(so)
         conn = self.connector
-        if conn is not None:
+        if conn is not None:  # bound first: if update_states fails, the next bind retires its jobs unissued
             conn.bind_connector_metadata(so.kv_connector_metadata)
+        states = self.update_states(so)
+        if conn is not None:
             conn.start_load_kv()
         rows, src = pend.rows(states) if pend is not None else (EMPTY, EMPTY)
         ahead = None

@@ -177,3 +177,36 @@ def test_offload_keeps_graphs_async_scheduling_and_its_results(model_dir):
     assert run_one_by_one(e, workload()) == want
     assert e.runner.num_graph_steps > 0 and e.stats()["kv_connector"]["external_hit_tokens"] == 2 * 4 * 16
     assert_no_leak(e)
+
+
+def test_a_step_failing_before_its_loads_are_issued_leaks_no_pin(model_dir):
+    """update_states raising on the step that carries a load: the load was never issued, so the
+    next step retires it (pins released) and the request recomputes to the same tokens."""
+    cfg = {"cpu_bytes": 1 << 20}
+    prompts = workload()
+    want = run_one_by_one(engine(model_dir), prompts[:2])
+    e = engine(model_dir, kv_connector="offload", kv_connector_config=cfg)
+    run_one_by_one(e, prompts[:2])  # the prefix reaches the host tier, then the filler evicts it
+    e.generate([prompts[0]], greedy(), use_tqdm=False)
+    orig, failed = e.runner.update_states, []
+
+    def failing(so):
+        meta = so.kv_connector_metadata
+        if meta is not None and meta.loads and not failed:
+            failed.append(so)
+            raise RuntimeError("injected update_states failure")
+        return orig(so)
+
+    e.runner.update_states = failing
+    e.add_request("again", prompts[1], greedy())
+    outs = []
+    for _ in range(200):
+        if not e.has_unfinished():
+            break
+        try:
+            outs += e.step()
+        except RuntimeError as ex:
+            assert "injected" in str(ex)
+    assert failed, "no step carried a load"
+    assert [o.token_ids for o in outs if o.finished] == [want[1]]
+    assert_no_leak(e)

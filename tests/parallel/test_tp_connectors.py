@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from hwkv.core.sched_output import KVConnectorOutput
+from hwkv.engine.model_runner import ModelRunner
 from hwkv.interfaces.connector import KVConnectorBase
 from hwkv.parallel.kv_output import KVOutputAggregator
-from tests.connectors.conftest import assert_no_leak, engine, run_one_by_one, workload
+from tests.connectors.conftest import assert_no_leak, engine, greedy, run_one_by_one, workload
 from tests.connectors.conftest import model_dir as model_dir  # noqa: F401 (fixture)
 
 MB = 1 << 20
@@ -65,6 +66,39 @@ def test_one_rank_failing_a_load_recomputes(tp_engine, reference, fail_rank, cfg
     st = e.stats()["kv_connector"]
     assert st["load_failures"] == 1 and st["failed_loads"] == 1
     assert st["external_hit_tokens"] == 4 * 16  # only the second load (the third prompt) counted
+    _no_leak(e)
+
+
+@pytest.mark.timeout(240)
+def test_a_step_failing_in_the_drivers_update_states_leaks_no_pin_on_any_rank(tp_engine, reference, monkeypatch):
+    """The driver's update_states raises on the step carrying a load: the workers get the step
+    without a forward, every rank binds its metadata unissued and retires it next step (pins
+    released everywhere, every rank reported), and the request recomputes to the same tokens."""
+    e = tp_engine(kv_connector="offload", kv_connector_config={"cpu_bytes": MB})
+    prompts = workload()
+    assert run_one_by_one(e, prompts[:1]) == reference[:1]
+    orig, failed = ModelRunner.update_states, []
+
+    def failing(self, so):  # the driver's own state update (the workers are other processes)
+        meta = so.kv_connector_metadata
+        if meta is not None and meta.loads and not failed:
+            failed.append(so)
+            raise RuntimeError("injected update_states failure")
+        return orig(self, so)
+
+    monkeypatch.setattr(ModelRunner, "update_states", failing)
+    got = []
+    for p in prompts[1:4]:
+        e.add_request(f"r{len(got)}", p, greedy())
+        for _ in range(200):
+            if not e.has_unfinished():
+                break
+            try:
+                got += [(o.token_ids, o.finish_reason) for o in e.step() if o.finished]
+            except RuntimeError as ex:
+                assert "injected" in str(ex)
+    assert failed, "no step carried a load"
+    assert got == [(t, "length") for t in reference[1:4]]
     _no_leak(e)
 
 
