@@ -49,7 +49,8 @@ class Transfer(ABC):
     * ``write(peer, src_ptrs, dst_ptrs, lengths)`` copies ``lengths[i]`` bytes from local
       ``src_ptrs[i]`` to the peer's ``dst_ptrs[i]``; ``read`` copies peer → local. Both block until
       done and raise :class:`TransferError` on failure (never partial silent success), or
-      :class:`TransferTimeout` after the endpoint's timeout.
+      :class:`TransferTimeout` after the endpoint's timeout; after either, the destination ranges
+      are undefined (some may have been written: an endpoint may move a call in several batches).
     * ``submit_write`` / ``submit_read`` return a batch id; ``poll(batch)`` returns ``True`` when it
       completed, ``False`` while pending, and raises :class:`TransferError` on failure; it never
       blocks. ``wait(batch, timeout_s)`` raises :class:`TransferTimeout` past its timeout.

@@ -194,14 +194,18 @@ class MooncakeTransfer(Transfer):
         engine = self._live()
         self._check(op, peer, local, remote, lengths)
         fn = engine.batch_transfer_sync_write if op == "write" else engine.batch_transfer_sync_read
+        deadline = self._deadline(sum(lengths))  # one bound for the whole call, however it is split
+        end = time.monotonic() + deadline
         for i in range(0, len(lengths), MAX_BATCH_SEGMENTS):
             part = slice(i, i + MAX_BATCH_SEGMENTS)
-            deadline = self._deadline(sum(lengths[part]))
+            left = end - time.monotonic()
+            if left <= 0:
+                raise self._timeout(op, peer, lengths, deadline)
             try:
                 rc = self._calls.run(fn, peer, list(local[part]), list(remote[part]), list(lengths[part]),
-                                     timeout_s=deadline)
+                                     timeout_s=left)
             except CallTimedOut:
-                raise self._timeout(op, peer, lengths[part], deadline) from None
+                raise self._timeout(op, peer, lengths, deadline) from None
             if rc != 0:
                 n = len(lengths[part])
                 raise TransferError(f"{op} with {peer!r} (segments {i}..{i + n - 1} of {len(lengths)}, "
