@@ -164,6 +164,8 @@ class ConsumerSide:
                 reads = [(peer, pair_segments(peer, me, list(p["remote_block_ids"]), spec.block_ids, spec.start,
                                               spec.end, heads=sl)) for peer, sl in read_plan(peers, me)]
                 for peer, (sp, dp, ln) in reads:
+                    if time.monotonic() > load.deadline:  # given up (or about to be): no read may start now
+                        raise RuntimeError("the load's deadline passed before all of its reads started")
                     if ln:
                         settled = False  # a read that times out may still land: keep the blocks pinned a while
                         self.transfer.read(peer.endpoint, dp, sp, ln)

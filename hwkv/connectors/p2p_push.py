@@ -56,7 +56,7 @@ class PushSide:
             self._parts[key] = _Parts(msg, h.rid, set(plan))
         for rank, slices in sorted(plan.items()):
             if rank == self.tp_rank:
-                self._part_done(PushPart(key, rank, *self._write(peer, h.block_ids, msg, slices)))
+                self._part_done(PushPart(key, rank, *self._write(peer, h.block_ids, msg, slices, h.deadline)))
                 continue
             order = PushOrder(key, msg, peer, list(h.block_ids), [tuple(s) for s in slices], self.channel.address)
             try:
@@ -66,13 +66,17 @@ class PushSide:
             except Exception as e:
                 self._part_done(PushPart(key, rank, False, f"rank {rank}: {type(e).__name__}: {e}"))
 
-    def _write(self, peer: Layout, src_blocks: list[int], msg: PushRequest,
-               slices: list[HeadSlice]) -> tuple[bool, str, int, bool]:
-        """Write this rank's ``slices`` into the consumer's blocks: ``(ok, why, bytes, settled)``."""
+    def _write(self, peer: Layout, src_blocks: list[int], msg: PushRequest, slices: list[HeadSlice],
+               deadline: float) -> tuple[bool, str, int, bool]:
+        """Write this rank's ``slices`` into the consumer's blocks: ``(ok, why, bytes, settled)``.
+        No write starts past ``deadline`` (monotonic): a part queued behind other pushes must not
+        land in blocks the consumer has given up on and unpinned."""
         nbytes = 0
         try:
             t0 = time.perf_counter()
             for sl in slices:
+                if time.monotonic() > deadline:
+                    return False, "the push's deadline passed before this part was written", 0, True
                 sp, dp, ln = pair_segments(self.layout, peer, src_blocks, msg.block_ids, msg.start, msg.end,
                                            heads=HeadSlice(*sl))
                 if ln:
@@ -89,12 +93,12 @@ class PushSide:
         """A producer rank other than the driver: write its part in the background."""
         if self.layout is None:
             return Ack(False, "this rank has no registered KV cache")
-        self._pool.submit(self._write_part, order)
+        self._pool.submit(self._write_part, order, time.monotonic() + 3 * self.transfer_timeout_s)
         return Ack(True)
 
-    def _write_part(self, order: PushOrder) -> None:
+    def _write_part(self, order: PushOrder, deadline: float) -> None:
         ok, why, nbytes, settled = self._write(order.consumer, order.src_block_ids, order.push,
-                                               [HeadSlice(*s) for s in order.slices])
+                                               [HeadSlice(*s) for s in order.slices], deadline)
         part = PushPart(order.key, self.tp_rank, ok, why, nbytes, settled)
         with contextlib.suppress(Exception):  # else the driver's hold expires; the consumer recomputes
             call(order.reply_to, part, self.transfer_timeout_s)
