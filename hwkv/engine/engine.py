@@ -136,7 +136,10 @@ class Engine(RequestTracking):
         """One scheduler + model step; outputs of every request that got a token (or finished).
 
         With async scheduling a step launches the next model step and then applies the tokens of
-        the one before it, so its outputs are one step behind (the first call may return none)."""
+        the one before it, so its outputs are one step behind (the first call may return none).
+        A step that could schedule nothing while requests wait only for KV transfers (a connector's
+        loads or sends) sleeps ``IDLE_WAIT_S`` (0.5 ms) before returning, instead of letting a
+        polling loop spin and keep the GIL from the transfer threads."""
         return self._step(stream=True)
 
     def _step(self, stream: bool) -> list[RequestOutput]:
@@ -161,7 +164,8 @@ class Engine(RequestTracking):
             raise
         outputs = self._apply(so, ro, stream) if so is not None and ro is not None else []
         outputs, self._pending = self._pending + outputs, []
-        if idle and not outputs and self.scheduler.has_unfinished_requests():
+        moved = ro is not None and ro.kv_connector_output is not None  # a load or send just ended
+        if idle and not outputs and not moved and self.scheduler.has_unfinished_requests():
             # only KV transfers are pending: no busy spin that keeps the GIL from their threads
             time.sleep(IDLE_WAIT_S)
         self._stats.busy_s += time.perf_counter() - t0 if so is not None and so.total_num_scheduled_tokens else 0.0

@@ -210,3 +210,39 @@ def test_a_step_failing_before_its_loads_are_issued_leaks_no_pin(model_dir):
     assert failed, "no step carried a load"
     assert [o.token_ids for o in outs if o.finished] == [want[1]]
     assert_no_leak(e)
+
+
+def test_idle_steps_sleep_only_while_kv_is_in_flight(model_dir, monkeypatch):
+    """A step that schedules nothing while a request waits for its KV sleeps (no spinning loop
+    holding the GIL from the transfer threads); steps with work, or with nothing at all, never."""
+    import time
+    from types import SimpleNamespace
+
+    import hwkv.engine.engine as eng
+
+    slept = []
+    monkeypatch.setattr(eng, "time", SimpleNamespace(perf_counter=time.perf_counter, sleep=slept.append))
+    prompts = workload()
+    plain = engine(model_dir)
+    run_one_by_one(plain, prompts[:4])
+    plain.step()  # nothing at all to do
+    assert slept == []
+    e = engine(model_dir, kv_connector="offload", kv_connector_config={"cpu_bytes": 1 << 20, "async_load": True})
+    run_one_by_one(e, prompts[:3])
+    assert slept == []
+    conn = e.scheduler.connector
+    orig = conn.get_finished
+    held = []
+
+    def slow(finished):  # the load's completion is reported only after a few idle steps
+        if len(held) < 3:
+            held.append(finished)
+            return None
+        return orig(finished)
+
+    monkeypatch.setattr(conn, "get_finished", slow)
+    out = e.generate([prompts[3]], greedy(), use_tqdm=False)[0]
+    assert out.token_ids == run_one_by_one(engine(model_dir), prompts[3:4])[0]
+    assert e.stats()["kv_connector"]["external_hit_tokens"] > 0
+    assert slept and set(slept) == {eng.IDLE_WAIT_S}
+    assert_no_leak(e)
