@@ -24,9 +24,6 @@ from typing import Any
 
 from hwkv.bench import results_dir
 
-TINY = dict(arch="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=512,
-            max_position_embeddings=4096)
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="a local HF dir, 'tiny', or a shape of hwkv bench e2e (llama-1b)")
@@ -124,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.backend == "cpu":
         torch.set_num_threads(1)  # tiny model: intra-op threads only add contention
-    mdir = model_dir(args, TINY)
+    mdir = model_dir(args)
     backend = get_backend(args.backend)
     bs = args.block_size or backend.capabilities.default_block_size
     vocab = json.loads((mdir / "config.json").read_text())["vocab_size"]

@@ -23,12 +23,17 @@ def workload(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[tuple[
     ]
 
 
-def model_dir(args: argparse.Namespace, tiny: dict[str, Any] | None = None) -> Path:
+# The benches' "tiny" model: one shape for all of them, as they share its directory under --workdir.
+TINY = dict(arch="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=512,
+            max_position_embeddings=16384)
+
+
+def model_dir(args: argparse.Namespace) -> Path:
     """``args.model`` as a checkpoint directory: a path as given, or a random-weight model of a shape of
-    ``hwkv bench e2e`` (or ``"tiny"``: the ``tiny`` shape) written once per ``args.dtype`` under ``args.workdir``."""
+    ``hwkv bench e2e`` (or ``"tiny"``: :data:`TINY`) written once per ``args.dtype`` under ``args.workdir``."""
     from hwkv.bench.e2e import SHAPES
 
-    shapes = SHAPES if tiny is None else {**SHAPES, "tiny": tiny}
+    shapes = {**SHAPES, "tiny": TINY}
     if args.model not in shapes:
         return Path(args.model)
     import torch

@@ -30,9 +30,6 @@ from hwkv.bench.common import backend as get_backend
 from hwkv.bench.common import model_dir
 from hwkv.bench.offload_preempt import HookTimer, bench_preempt
 
-TINY = dict(arch="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=512,
-            max_position_embeddings=16384)
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="llama-1b", help="a local HF dir, a `hwkv bench e2e` shape, or tiny")
@@ -270,7 +267,7 @@ def run(args: argparse.Namespace) -> int:
     known = {"copy", "ttft", "decode", "preempt"}
     if parts - known:
         raise SystemExit(f"--parts: unknown {sorted(parts - known)} (allowed: copy,ttft,decode,preempt)")
-    mdir = model_dir(args, TINY)
+    mdir = model_dir(args)
     be = get_backend(args.backend)
     result: dict[str, Any] = {"backend": args.backend, "device": be.device.description(), "model": args.model,
                               "dtype": args.dtype}

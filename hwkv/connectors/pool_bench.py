@@ -44,21 +44,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "puts to land in the pool before the second engine's measured run")
 
 
-def _model_dir(args: argparse.Namespace, dtype: str) -> str:
-    import torch
-
-    from hwkv.bench.e2e import SHAPES
-    from hwkv.testing.tiny_models import write_tiny_model
-
-    if args.model != "tiny" and args.model not in SHAPES:
-        return args.model
-    d = Path(args.workdir) / f"{args.model}-{dtype}"
-    if not (d / "config.json").exists():
-        shape = SHAPES.get(args.model, dict(max_position_embeddings=max(2048, args.prompt_len + 64)))
-        write_tiny_model(d, dtype=getattr(torch, dtype), seed=0, tokenizer=False, **shape)
-    return str(d)
-
-
 def _settle(eng: Any, timeout_s: float = 120.0) -> float:
     """Step the idle engine until its pool transfers completed (on an accelerator the sending thread
     waits for the forward's event and puts through host staging after ``generate`` returned);
@@ -159,7 +144,9 @@ def run(args: argparse.Namespace) -> int:
     dtype = args.dtype or ("float32" if args.backend == "cpu" else "bfloat16")
     if args.prompt_len < 2 * args.block_size:
         raise SystemExit(f"hwkv bench pool: --prompt-len must be >= {2 * args.block_size}")
-    mdir = _model_dir(args, dtype)
+    from hwkv.bench.common import model_dir
+
+    mdir = str(model_dir(argparse.Namespace(**{**vars(args), "dtype": dtype})))
     with contextlib.ExitStack() as stack:
         cfg: dict[str, Any] = {"store": args.store, "chunk_size": args.chunk_size}
         if args.store == "embedded":
