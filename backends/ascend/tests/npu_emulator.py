@@ -480,14 +480,20 @@ except OSError:  # not glibc: the resident set is read as is
     _libc = None
 
 
-def _dense_ops() -> types.ModuleType:
-    name = "hwkv_ascend_tests_npu_emulator_dense"
+def _sibling(part: str) -> types.ModuleType:
+    """``npu_emulator_<part>.py`` beside this file, loaded by path once under a unique name
+    (sibling test dirs share basenames)."""
+    name = f"hwkv_ascend_tests_npu_emulator_{part}"
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, _HERE / "npu_emulator_dense.py")
+        spec = importlib.util.spec_from_file_location(name, _HERE / f"npu_emulator_{part}.py")
         mod = importlib.util.module_from_spec(spec)
         sys.modules[name] = mod
         spec.loader.exec_module(mod)
     return sys.modules[name]
+
+
+def _dense_ops() -> types.ModuleType:
+    return _sibling("dense")
 
 
 def make_module(soc_version: int = 222, device_count: int = 1, version: str = "2.10.0+emulated",
@@ -525,10 +531,4 @@ def _register_hccl() -> None:
 
 
 def _graph_runtime() -> types.ModuleType:
-    name = "hwkv_ascend_tests_npu_emulator_graph"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, _HERE / "npu_emulator_graph.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
+    return _sibling("graph")
