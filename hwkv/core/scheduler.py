@@ -221,6 +221,12 @@ class Scheduler(SchedulerResults):
         threshold = cfg.long_prefill_token_threshold if cfg.enable_chunked_prefill else 0
         skipped: list[Request] = []  # waiting for remote KV: back at the front after the scan
         displaced: list[Request] = []  # preempted for an admission: not re-admitted in this step
+        if self.finished_recving and waiting.peek_request().request_id not in self.finished_recving:
+            # their KV arrived into blocks they hold: they go first, or a request preempted in front
+            # of them, waiting for those very blocks, would hold the queue with nothing running
+            ready = [r for r in waiting if r.request_id in self.finished_recving]
+            waiting.remove_requests(ready)
+            waiting.prepend_requests(ready)
         # a running suspect keeps its steps to itself until it samples (module docstring)
         isolated = bool(self.suspects) and any(r.request_id in self.suspects for r in running)
         while waiting and st.budget > 0:

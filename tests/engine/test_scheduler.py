@@ -332,3 +332,34 @@ def test_a_request_held_back_for_steps_counts_one_prefix_query():
         steps += 1
     assert steps > 2  # b waited behind a's partial prefill
     assert s.kv.stats.requests == 2 and s.kv.stats.queries == 60
+
+
+def test_a_request_whose_kv_arrived_goes_before_one_waiting_for_its_blocks():
+    """A request preempted to the front of the queue needs blocks that a request behind it holds
+    (its remote KV arrived into them): the loaded one runs first and frees them, instead of the
+    queue holding with nothing running (which failed as 'cannot be scheduled even alone')."""
+    class InFlight(AsyncLoadConnector):
+        loading = True  # as p2p's: transfers pending until the load settled
+
+        def has_pending_transfers(self):
+            return self.loading
+
+    conn = InFlight()
+    s = make(num_blocks=8, connector=conn)
+    add(s, req("remote", 16, max_tokens=2))
+    step(s)
+    remote = s.requests["remote"]
+    assert remote.status is RequestStatus.WAITING_FOR_REMOTE_KVS and s.kv.num_free_blocks == 7
+    big = req("big", 29, max_tokens=2)  # 8 blocks: more than the 7 free
+    add(s, big)
+    s.waiting.remove_requests([big])
+    s.waiting.prepend_request(big)  # where a preempted request goes
+    step(s, finished_recving={"remote"})
+    conn.loading = False  # settled with its arrival: nothing in flight any more
+    so, _ = step(s)
+    assert list(so.num_scheduled_tokens) == ["remote"]
+    for _ in range(10):
+        if big.is_finished:
+            break
+        step(s, finished_sending={"remote"} if remote.is_finished else ())
+    assert remote.is_finished and big.is_finished
