@@ -107,6 +107,21 @@ def test_group_concurrent_contiguous_examples():
 
 
 @settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 3), st.integers(0, 3)), max_size=300))
+def test_group_concurrent_contiguous_matches_a_plain_scan(steps):
+    """Short lists and long ones (the vectorised branch) merge alike: runs are maximal, in order."""
+    src, dst, s, d = [], [], 5, 50
+    for step, ds, dd in steps:  # mostly +1 on both sides, sometimes a jump on either
+        s, d = (s + 1, d + 1) if step else (s + ds, d + dd)
+        src.append(s)
+        dst.append(d)
+    runs = group_concurrent_contiguous(src, dst)
+    assert [x for s0, _, n in runs for x in range(s0, s0 + n)] == src
+    assert [x for _, d0, n in runs for x in range(d0, d0 + n)] == dst
+    assert all(not (a[0] + a[2] == b[0] and a[1] + a[2] == b[1]) for a, b in zip(runs, runs[1:]))  # maximal
+
+
+@settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 12), st.integers(0, 12)), max_size=20))
 def test_group_concurrent_contiguous_property(pairs):
     src, dst = [p[0] for p in pairs], [p[1] for p in pairs]

@@ -50,6 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="preempt part: device KV blocks (default: a third of what the requests need)")
     p.add_argument("--cpu-gb", type=float, default=8.0, help="host tier size for the ttft/decode parts")
     p.add_argument("--store-batch-blocks", type=int, default=None, help="offload config (default: the connector's)")
+    p.add_argument("--offload-config", type=json.loads, default={},
+                   help='more offload config as JSON, e.g. \'{"layerwise_load": false}\' (see `hwkv connectors`)')
     p.add_argument("--out-dir", default=None, help="where the JSON goes (default: hwkv.bench.results_dir())")
 
 
@@ -104,6 +106,7 @@ def _engine(mdir: Path, args: argparse.Namespace, offload: bool, **kw: Any) -> A
         cfg: dict[str, Any] = {"cpu_bytes": int(args.cpu_gb * 2**30)}
         if args.store_batch_blocks is not None:
             cfg["store_batch_blocks"] = args.store_batch_blocks
+        cfg.update(args.offload_config)
         kw.update(kv_connector="offload", kv_connector_config=cfg)
     if args.block_size:
         kw["block_size"] = args.block_size
@@ -127,11 +130,11 @@ class _LoadTimer:
         self.conn, self.issue_s, self.pairs = conn, 0.0, []
         load, start = conn.load_blocks, conn.start_load_kv
 
-        def timed_load(host_ids: list[int], device_ids: list[int]) -> None:
+        def timed_load(host_ids: list[int], device_ids: list[int], layer: int | None = None) -> None:
             dev, stream = conn.dev, conn._load_stream
             s, e = dev.new_event(enable_timing=True), dev.new_event(enable_timing=True)
             s.record(stream)
-            load(host_ids, device_ids)
+            load(host_ids, device_ids, layer)
             e.record(stream)
             self.pairs.append((s, e))
 
@@ -269,8 +272,10 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--parts: unknown {sorted(parts - known)} (allowed: copy,ttft,decode,preempt)")
     mdir = model_dir(args)
     be = get_backend(args.backend)
+    if not isinstance(args.offload_config, dict):
+        raise SystemExit(f"--offload-config: a JSON object expected, got {args.offload_config!r}")
     result: dict[str, Any] = {"backend": args.backend, "device": be.device.description(), "model": args.model,
-                              "dtype": args.dtype}
+                              "dtype": args.dtype, "offload_config": args.offload_config}
     if "copy" in parts:
         model = load_model(str(mdir), be, dtype=args.dtype, load_tokenizer=False)[0]
         bs = args.block_size or be.capabilities.default_block_size

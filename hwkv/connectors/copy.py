@@ -14,7 +14,7 @@ blocks and 39-45 GB/s at 0.5 MiB, ``copy_blocks`` 32-48 GB/s throughout, memcpy 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from hwkv.interfaces.layout import KVCache, group_concurrent_contiguous
 
@@ -29,20 +29,37 @@ def auto_min_run_blocks(src: KVCache, dst: KVCache) -> int:
     return max(HOST_MIN_RUN_BLOCKS, -(-DEVICE_MIN_RUN_BYTES // src.block_nbytes(0)))
 
 
+class CopyPlan(NamedTuple):
+    """How one block list is copied: ``long`` runs ``(src, dst, n)`` by memcpy, ``short`` pairs
+    through ``Device.copy_blocks``. The same for every layer, so a layer-by-layer copy plans once."""
+
+    long: list[tuple[int, int, int]]
+    short: list[tuple[int, int]]
+
+
+def plan_copy(src: KVCache, dst: KVCache, src_ids: list[int], dst_ids: list[int],
+              min_run_blocks: int | None = None) -> CopyPlan:
+    if min_run_blocks is None:
+        min_run_blocks = auto_min_run_blocks(src, dst)
+    runs = group_concurrent_contiguous(list(src_ids), list(dst_ids))
+    return CopyPlan([r for r in runs if r[2] >= min_run_blocks],
+                    [(s + k, d + k) for s, d, n in runs if n < min_run_blocks for k in range(n)])
+
+
+def run_copy(dev: Any, src: KVCache, dst: KVCache, plan: CopyPlan, stream: Any) -> None:
+    """Queue ``plan``'s copies from ``src`` to ``dst`` (every tensor) on ``stream``."""
+    if plan.long:
+        with dev.stream_context(stream):
+            for ts, td in zip(src.tensors, dst.tensors):
+                for s, d, n in plan.long:
+                    td[d:d + n].copy_(ts[s:s + n], non_blocking=True)
+    if plan.short:
+        dev.copy_blocks(src, dst, plan.short, stream)
+
+
 def copy_block_pairs(dev: Any, src: KVCache, dst: KVCache, src_ids: list[int], dst_ids: list[int],
                      stream: Any, min_run_blocks: int | None = None) -> None:
     """Queue copies of block ``src_ids[i]`` of ``src`` to ``dst_ids[i]`` of ``dst`` (every tensor) on
     ``stream``. Completion is observed through an event the caller records after this. Runs of at
     least ``min_run_blocks`` (default :func:`auto_min_run_blocks`) are memcpys."""
-    if min_run_blocks is None:
-        min_run_blocks = auto_min_run_blocks(src, dst)
-    runs = group_concurrent_contiguous(list(src_ids), list(dst_ids))
-    long = [r for r in runs if r[2] >= min_run_blocks]
-    short = [(s + k, d + k) for s, d, n in runs if n < min_run_blocks for k in range(n)]
-    if long:
-        with dev.stream_context(stream):
-            for ts, td in zip(src.tensors, dst.tensors):
-                for s, d, n in long:
-                    td[d:d + n].copy_(ts[s:s + n], non_blocking=True)
-    if short:
-        dev.copy_blocks(src, dst, short, stream)
+    run_copy(dev, src, dst, plan_copy(src, dst, src_ids, dst_ids, min_run_blocks), stream)

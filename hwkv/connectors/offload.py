@@ -63,9 +63,10 @@ class OffloadConnector(OffloadWorker):
     """Scheduler side of the protocol above; the per-step metadata is an :class:`OffloadMeta`."""
 
     name = "offload"
+    capturable_layer_hooks = True  # wait_for_layer_load only queues a wait on an event
 
     def __init__(self, cpu_bytes: int, min_run_blocks: int | None = None, store: bool = True, async_load: bool = False,
-                 load_timeout_s: float | None = None, store_batch_blocks: int = 32):
+                 load_timeout_s: float | None = None, store_batch_blocks: int = 32, layerwise_load: bool = True):
         if not isinstance(cpu_bytes, int) or isinstance(cpu_bytes, bool) or cpu_bytes <= 0:
             raise ValueError(f"offload: cpu_bytes must be a positive int (bytes of host memory), got {cpu_bytes!r}")
         if min_run_blocks is not None and (not isinstance(min_run_blocks, int) or isinstance(min_run_blocks, bool)
@@ -78,6 +79,9 @@ class OffloadConnector(OffloadWorker):
         self.cpu_bytes, self.min_run_blocks = cpu_bytes, min_run_blocks
         self.store, self.async_load, self.load_timeout_s = bool(store), bool(async_load), load_timeout_s
         self.store_batch_blocks = store_batch_blocks
+        if not isinstance(layerwise_load, bool):
+            raise ValueError(f"offload: layerwise_load must be a bool, got {layerwise_load!r}")
+        self.layerwise_load = layerwise_load
         self._init_jobs()
         self.cpu: HostTier | None = None  # created with the device KV cache
         self.block_size = 0
@@ -100,6 +104,7 @@ class OffloadConnector(OffloadWorker):
         self.host_kv = self.dev.allocate_kv_cache(replace(spec, num_blocks=n), kv_cache.layout, host=True)
         self.cpu = HostTier(n)
         self._load_stream, self._store_stream = self.dev.new_stream(), self.dev.new_stream()
+        self._init_layers(self.layerwise_load)
 
     # ---- scheduler side ------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -255,4 +260,5 @@ class OffloadConnector(OffloadWorker):
         out["cpu_cached_blocks"] = len(cpu.cached_block_hash_to_block) if cpu is not None else 0
         out["cpu_evictions"] = cpu.stats.evictions if cpu is not None else 0
         out["transfers_in_flight"] = len(self._jobs)
+        out["layerwise"] = bool(self.layerwise)
         return out

@@ -7,6 +7,12 @@ behind the forward. A preempted request's store (its device blocks are already f
 reused by this very step) is issued first of all, before the loads, and the compute stream waits
 for it: neither this step's loads nor its forward can overwrite those blocks before they are read.
 Completion is polled with ``Event.query`` — never a host sync on the compute path.
+
+Layer by layer (``layerwise``, where the device has events a captured graph can wait on): a step's
+synchronous loads are copied layer after layer, an event recorded behind each layer's copies, and
+the forward waits for layer ``i``'s event just before layer ``i``'s attention instead of for the
+whole load before it starts, so the forward over the loaded context runs behind the copy (a
+prompt's tail, the one step that needs the load, finishes one layer after the last layer's copy).
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from hwkv.connectors.copy import copy_block_pairs
+from hwkv.connectors.copy import CopyPlan, copy_block_pairs, plan_copy, run_copy
 from hwkv.connectors.jobs import JobConnector, Meta
 from hwkv.core.sched_output import KVConnectorOutput
 
@@ -52,6 +58,18 @@ class OffloadWorker(JobConnector):
         self.device_kv: Any = None
         self.host_kv: Any = None
         self._flights: list[_Flight] = []
+        self._layer_events: list[Any] | None = None  # layerwise: one per layer, recorded behind its copies
+        self._layers: list[tuple[Any, Any]] = []  # (host, device) one-layer views of the caches
+        self._plans: dict[tuple[int, int], CopyPlan] = {}  # this start_load_kv's, per load
+
+    def _init_layers(self, want: bool) -> None:
+        """Layer-by-layer loads where wanted and possible (see the module doc); else whole loads."""
+        n = self.device_kv.spec.num_layers
+        views = [(self.host_kv.layer_cache(i), self.device_kv.layer_cache(i)) for i in range(n)]
+        events = [self.dev.graph_event() for _ in range(n)] if want else []
+        self.layerwise = bool(events) and all(e is not None for e in events) and views[0][0] is not None
+        if self.layerwise:
+            self._layer_events, self._layers = events, views
 
     def bind_connector_metadata(self, metadata: Any) -> None:
         prev = self._meta
@@ -59,10 +77,24 @@ class OffloadWorker(JobConnector):
             self._unissued += [(j, False) for j, *_ in prev.early_stores]
         super().bind_connector_metadata(metadata)
 
-    def load_blocks(self, host_ids: list[int], device_ids: list[int]) -> None:
-        """Queue one request's host → device copies on the load stream (tests inject failures here)."""
-        copy_block_pairs(self.dev, self.host_kv, self.device_kv, host_ids, device_ids, self._load_stream,
-                         self.min_run_blocks)
+    def load_blocks(self, host_ids: list[int], device_ids: list[int], layer: int | None = None) -> None:
+        """Queue one request's host → device copies (of one ``layer``, or all) on the load stream
+        (tests inject failures here)."""
+        key = (id(host_ids), id(device_ids))  # the lists of one start_load_kv: planned once for all layers
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = plan_copy(self.host_kv, self.device_kv, host_ids, device_ids,
+                                                self.min_run_blocks)
+        host, device = self._layers[layer] if layer is not None else (self.host_kv, self.device_kv)
+        run_copy(self.dev, host, device, plan, self._load_stream)
+
+    def _try_load(self, rid: str, host_ids: list[int], device_ids: list[int], layer: int | None = None) -> bool:
+        try:
+            self.load_blocks(host_ids, device_ids, layer)
+            return True
+        except Exception:  # reported, then recomputed: never wrong tokens
+            self._failed_now.add(rid)
+            return False
 
     def start_load_kv(self) -> None:
         meta = self._meta
@@ -73,25 +105,38 @@ class OffloadWorker(JobConnector):
         loads = self._issue(loads=True)
         if not loads:
             return
+        self._plans.clear()  # keys are list ids: never carried from one call to the next
         dev, stream = self.dev, self._load_stream
         ready = dev.new_event()
         ready.record()  # the compute stream's work so far: a reused block's last writer
         stream.wait_event(ready)
+        # synchronous loads first (the forward waits for them), then the asynchronous ones
+        loads = sorted(loads, key=lambda job: job[4])
+        ok: dict[int, bool] = {}
+        layered = self._layer_events is not None and not loads[0][4]
+        if layered:  # wait_for_layer_load(i) waits for layer i's event only
+            for i, layer_ev in enumerate(self._layer_events):  # type: ignore[arg-type]
+                for job_id, rid, host_ids, device_ids, is_async in loads:
+                    if not is_async and ok.get(job_id, True):
+                        ok[job_id] = self._try_load(rid, host_ids, device_ids, i)
+                layer_ev.record(stream)
         last_sync = None
         for job_id, rid, host_ids, device_ids, is_async in loads:
-            try:
-                self.load_blocks(host_ids, device_ids)
-                ok = True
-            except Exception:  # reported, then recomputed: never wrong tokens
-                ok = False
-                self._failed_now.add(rid)
+            if job_id not in ok:
+                ok[job_id] = self._try_load(rid, host_ids, device_ids)
             ev = dev.new_event()
             ev.record(stream)
-            self._flights.append(_Flight(job_id, ev, ok, rid, is_async, time.monotonic(), reported=not ok))
-            if ok and not is_async:
+            self._flights.append(_Flight(job_id, ev, ok[job_id], rid, is_async, time.monotonic(),
+                                         reported=not ok[job_id]))
+            if ok[job_id] and not is_async:
                 last_sync = ev
-        if last_sync is not None:
+        self._plans.clear()
+        if last_sync is not None and not layered:
             dev.current_stream().wait_event(last_sync)  # the forward reads the loaded blocks
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        # every forward waits (also a graph's, captured once): a layer whose loads ended long ago costs a no-op wait
+        self.dev.current_stream().wait_event(self._layer_events[layer])  # type: ignore[index]
 
     def wait_for_save(self) -> None:
         stores = self._issue(loads=False)

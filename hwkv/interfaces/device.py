@@ -162,6 +162,13 @@ class Device(ABC):
     def new_event(self, enable_timing: bool = False) -> Event:
         """An event; ``enable_timing=True`` gives ``elapsed_time(end)`` in milliseconds."""
 
+    def graph_event(self) -> Event | None:
+        """An event that a captured graph may wait on: a wait recorded during capture becomes part
+        of the graph, and each replay waits for the event's latest record made before the replay
+        was launched (a connector's per-layer load events). ``None`` where the device cannot; the
+        default: a plain event on a device that captures no graphs (every wait runs eagerly)."""
+        return self.new_event() if type(self).capture_graph is Device.capture_graph else None
+
     @abstractmethod
     def synchronize(self) -> None: ...
 

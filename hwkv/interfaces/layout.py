@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -84,6 +84,13 @@ def group_concurrent_contiguous(
         dst = src
     if len(src) != len(dst):
         raise ValueError(f"src and dst block lists differ in length: {len(src)} vs {len(dst)}")
+    if len(src) > 64:  # a long list (a whole prompt's blocks): vectorised
+        import numpy as np
+
+        sa, da = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
+        starts = np.flatnonzero(np.concatenate(([True], (np.diff(sa) != 1) | (np.diff(da) != 1))))
+        lens = np.diff(np.append(starts, len(sa)))
+        return list(zip(sa[starts].tolist(), da[starts].tolist(), lens.tolist()))
     runs: list[tuple[int, int, int]] = []
     for s, d in zip(src, dst):
         if runs:
@@ -132,6 +139,15 @@ class KVCache:
         if self.layout is KVLayoutKind.SEPARATE_KV:
             return self.tensors[2 * i], self.tensors[2 * i + 1]
         return self.tensors[0][:, i]
+
+    def layer_cache(self, i: int) -> KVCache | None:
+        """Layer ``i`` alone as a one-layer cache sharing these tensors (a layer-by-layer copy), or
+        ``None`` for CROSS_LAYER, where a layer of a block is not one contiguous range."""
+        self.layer(i)  # range check
+        if self.layout is KVLayoutKind.CROSS_LAYER:
+            return None
+        per = len(self.tensors) // self.spec.num_layers
+        return KVCache(replace(self.spec, num_layers=1), self.layout, self.tensors[per * i:per * (i + 1)])
 
     def block_nbytes(self, tensor: int) -> int:
         t = self.tensors[tensor]

@@ -52,6 +52,10 @@ OFFLOAD_CONFIG = {
                           "copies; a finishing request's are stored at once)",
     "load_timeout_s": "float, default None: an async load still running after this is reported failed and "
                       "its tokens are recomputed",
+    "layerwise_load": "bool, default True: a synchronous load is copied layer by layer and each layer's "
+                      "attention waits only for its own layer, so the forward runs behind the copy (where the "
+                      "device's graphs can wait on events, or it captures none; else the forward waits for "
+                      "the whole load)",
 }
 
 P2P_CONFIG = {

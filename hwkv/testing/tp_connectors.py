@@ -19,11 +19,11 @@ class FailingRank(OffloadConnector):
         super().__init__(**kw)
         self.fail_rank, self.fails = fail_rank, fails
 
-    def load_blocks(self, host_ids: list[int], device_ids: list[int]) -> None:
+    def load_blocks(self, host_ids: list[int], device_ids: list[int], layer: int | None = None) -> None:
         if self.tp_rank == self.fail_rank and self.fails:
             self.fails -= 1
             raise RuntimeError(f"injected load failure on rank {self.tp_rank}")
-        super().load_blocks(host_ids, device_ids)
+        super().load_blocks(host_ids, device_ids, layer)
 
 
 class FailingP2PRank(P2PConnector):

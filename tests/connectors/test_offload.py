@@ -48,11 +48,11 @@ class FailingLoads(OffloadConnector):
         super().__init__(**kw)
         self.fails = fails
 
-    def load_blocks(self, host_ids, device_ids):
+    def load_blocks(self, host_ids, device_ids, layer=None):
         if self.fails:
             self.fails -= 1
             raise RuntimeError("injected load failure")
-        super().load_blocks(host_ids, device_ids)
+        super().load_blocks(host_ids, device_ids, layer)
 
 
 @pytest.mark.parametrize("kw, cfg", [

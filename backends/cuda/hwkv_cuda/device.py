@@ -51,6 +51,14 @@ class CudaDevice(Device):
     def new_event(self, enable_timing: bool = False) -> torch.cuda.Event:
         return torch.cuda.Event(enable_timing=enable_timing)
 
+    def graph_event(self) -> torch.cuda.Event:
+        # external: under capture, record and wait become graph nodes (cudaEventWaitExternal)
+        # instead of a dependency inside the graph; created by one record, as a wait on a never
+        # recorded torch event is skipped, also during capture
+        ev = torch.cuda.Event(external=True)
+        ev.record()
+        return ev
+
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.index)
 
