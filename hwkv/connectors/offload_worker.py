@@ -138,6 +138,10 @@ class OffloadWorker(JobConnector):
         # every forward waits (also a graph's, captured once): a layer whose loads ended long ago costs a no-op wait
         self.dev.current_stream().wait_event(self._layer_events[layer])  # type: ignore[index]
 
+    def wait_for_all_layer_loads(self) -> None:
+        # the layers' events are recorded in order on one stream: the last one covers them all
+        self.dev.current_stream().wait_event(self._layer_events[-1])  # type: ignore[index]
+
     def wait_for_save(self) -> None:
         stores = self._issue(loads=False)
         if stores:

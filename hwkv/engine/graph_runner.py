@@ -149,12 +149,18 @@ class GraphRunner:
 
     def __init__(self, model: Any, kv_cache: Any, meta_builder: Any, device: Device, block_size: int,
                  max_batch: int, max_model_len: int, use_graphs: bool = True, query_len: int = 1,
-                 last_only: bool = False):
+                 last_only: bool = False, per_layer_hooks: bool = False):
         if not isinstance(query_len, int) or not 1 <= query_len <= max_model_len:
             raise ValueError(f"query_len must be an int in [1, max_model_len={max_model_len}], got {query_len!r}")
         self.model, self.kv_cache, self.meta_builder = model, kv_cache, meta_builder
         self.block_size, self.max_model_len, self.device = block_size, max_model_len, device
         self.use_graphs, self.q, self.last_only = use_graphs, query_len, last_only
+        # A KV connector's per-layer load waits cost a graph node each (~6 us per replay on an H100):
+        # where the connector allows it, graphs other than the short-query ones (which serve a prompt's
+        # tail, the step a synchronous load feeds) leave them out and wait for all loads before replay.
+        hooks = getattr(model, "layer_hooks", None)
+        self.hooks_left_out = hooks if hooks is not None and not per_layer_hooks and getattr(
+            hooks, "layer_hooks_only_in_tail_graphs", False) else None
         self.buckets = batch_buckets(max_batch)
         self.seq_buckets = seq_buckets(max_model_len)
         mb, self.max_blocks = max_batch, -(-max_model_len // block_size)
@@ -226,12 +232,18 @@ class GraphRunner:
         self.pool = dev.graph_pool() if pool is None else pool
         stream = dev.new_stream()
         stream.wait_stream(dev.current_stream())
-        with dev.stream_context(stream):
-            for b, s in sorted(self.keys(), reverse=True):  # s >= q: the bound covers the query
-                md = self._metadata(b, torch.full((b,), s, dtype=torch.int32))
-                self._forward(b, md)  # warm-up: kernels compile, the allocator settles
-                g, out = dev.capture_graph(lambda b=b, md=md: self._forward(b, md), self.pool, stream)
-                self.graphs[(b, s)] = (g, out, md)
+        if self.hooks_left_out is not None:
+            self.model.set_layer_hooks(None)
+        try:
+            with dev.stream_context(stream):
+                for b, s in sorted(self.keys(), reverse=True):  # s >= q: the bound covers the query
+                    md = self._metadata(b, torch.full((b,), s, dtype=torch.int32))
+                    self._forward(b, md)  # warm-up: kernels compile, the allocator settles
+                    g, out = dev.capture_graph(lambda b=b, md=md: self._forward(b, md), self.pool, stream)
+                    self.graphs[(b, s)] = (g, out, md)
+        finally:
+            if self.hooks_left_out is not None:
+                self.model.set_layer_hooks(self.hooks_left_out)
         dev.current_stream().wait_stream(stream)
         dev.synchronize()
 
@@ -271,6 +283,8 @@ class GraphRunner:
             g, out, md = self.graphs[key]
             if self._before_replay is not None:
                 self._before_replay(md, self._common(b, torch.from_numpy(h32[:b].copy())))
+            if self.hooks_left_out is not None:
+                self.hooks_left_out.wait_for_all_layer_loads()
             g.replay()
             return out[: n if self.last_only else n * q]
         seq_cpu = torch.from_numpy(h32[:b].copy())

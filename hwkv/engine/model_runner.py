@@ -94,7 +94,7 @@ class ModelRunner:
         if self.serves_tail_graphs and q > 1 and multi_token_graphs(self.meta_builder):
             self.tail_graphs = GraphRunner(self.model, self.kv_cache, self.meta_builder, self.dev, self.block_size,
                                            min(max_batch, self.TAIL_MAX_BATCH), self.max_model_len, use_graphs,
-                                           query_len=q, last_only=True)
+                                           query_len=q, last_only=True, per_layer_hooks=True)
             self.tail_graphs.capture(pool=self.graphs.pool)
 
     serves_tail_graphs = True  # a subclass whose step does not go through execute_async turns this off

@@ -175,3 +175,48 @@ def test_layer_views_and_devices_without_graph_waits(model_dir):
     assert e.stats()["kv_connector"]["layerwise"] is False  # whole loads, waited for before the forward
     with pytest.raises(ValueError, match="layerwise_load must be a bool"):
         OffloadConnector(cpu_bytes=MB, layerwise_load="yes")  # type: ignore[arg-type]
+
+
+def test_only_the_short_query_graphs_carry_the_per_layer_waits(tmp_path):
+    """Emulated graphs (CPU): decode graphs are captured without the offload connector's per-layer
+    waits (a wait node per layer costs every replay) and wait for all loads before each replay;
+    the short-query graphs, which serve a prompt's tail after a load, keep one wait per layer."""
+    import hwkv
+    from hwkv.testing.graphs import GraphCpuBackend, RecordingCpuDevice
+    from hwkv.testing.tiny_models import write_tiny_model
+
+    class Device(RecordingCpuDevice):
+        def graph_event(self):  # events its graphs could wait on: the offload connector goes layerwise
+            return self.new_event()
+
+    class Logged(OffloadConnector):
+        def __init__(self, **kw: Any):
+            super().__init__(**kw)
+            self.calls: list = []
+
+        def wait_for_layer_load(self, layer: int) -> None:
+            self.calls.append(layer)
+            super().wait_for_layer_load(layer)
+
+        def wait_for_all_layer_loads(self) -> None:
+            self.calls.append("all")
+            super().wait_for_all_layer_loads()
+
+    model_dir = str(write_tiny_model(tmp_path / "llama", arch="llama", max_position_embeddings=256))
+    backend = GraphCpuBackend()
+    backend._device = Device()
+    conn = Logged(cpu_bytes=MB)
+    e = hwkv.Engine(model_dir, backend=backend, kv_connector=conn, num_kv_blocks=8, block_size=16,
+                    max_model_len=128, fuse_elementwise=False)
+    r = e.runner
+    assert e.stats()["kv_connector"]["layerwise"] and r.graphs is not None and r.tail_graphs is not None
+    assert r.graphs.hooks_left_out is conn and r.tail_graphs.hooks_left_out is None
+    layers = e.kv_cache.spec.num_layers
+    # capture: every tail graph's forward called the per-layer waits, no decode graph's did
+    assert conn.calls == list(range(layers)) * (2 * len(r.tail_graphs.graphs))  # warm-up + capture each
+    conn.calls.clear()
+    want = run_one_by_one(engine(model_dir), workload())
+    assert run_one_by_one(e, workload()) == want
+    assert conn.calls.count("all") == r.num_graph_steps > 0  # one wait before each decode replay
+    assert e.stats()["kv_connector"]["external_hit_tokens"] == 2 * 4 * 16
+    assert_no_leak(e)
