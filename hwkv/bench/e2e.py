@@ -90,7 +90,7 @@ def make_engine(mdir: Path, args: argparse.Namespace, **kw: Any) -> Any:
 
 
 def free(engine: Any, device: Any) -> None:
-    for name in ("graphs", "tail_graphs"):
+    for name in ("graphs", "tail_graphs", "loading_tail_graphs"):
         if engine is not None and getattr(engine.runner, name, None) is not None:
             getattr(engine.runner, name).graphs.clear()
     del engine

@@ -255,7 +255,7 @@ def bench_decode(args: argparse.Namespace, mdir: Path) -> dict[str, Any]:
 
 def _free(e: Any) -> None:
     dev = e.backend.device
-    for name in ("graphs", "tail_graphs"):
+    for name in ("graphs", "tail_graphs", "loading_tail_graphs"):
         if getattr(e.runner, name, None) is not None:
             getattr(e.runner, name).graphs.clear()
     del e

@@ -64,7 +64,7 @@ class OffloadConnector(OffloadWorker):
 
     name = "offload"
     capturable_layer_hooks = True  # wait_for_layer_load only queues a wait on an event
-    layer_hooks_only_in_tail_graphs = True  # decode graphs: one wait for the last layer instead of one per layer
+    layer_hooks_only_when_loading = True  # other steps' graphs: one wait for the last layer, not one per layer
 
     def __init__(self, cpu_bytes: int, min_run_blocks: int | None = None, store: bool = True, async_load: bool = False,
                  load_timeout_s: float | None = None, store_batch_blocks: int = 32, layerwise_load: bool = True):

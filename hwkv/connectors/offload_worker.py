@@ -61,6 +61,7 @@ class OffloadWorker(JobConnector):
         self._layer_events: list[Any] | None = None  # layerwise: one per layer, recorded behind its copies
         self._layers: list[tuple[Any, Any]] = []  # (host, device) one-layer views of the caches
         self._plans: dict[tuple[int, int], CopyPlan] = {}  # this start_load_kv's, per load
+        self._layered_now = False  # this step issued loads layer by layer
 
     def _init_layers(self, want: bool) -> None:
         """Layer-by-layer loads where wanted and possible (see the module doc); else whole loads."""
@@ -102,6 +103,7 @@ class OffloadWorker(JobConnector):
             ev = self._save(meta.early_stores)
             self.dev.current_stream().wait_event(ev)  # the forward may overwrite those freed blocks
             self._load_stream.wait_event(ev)  # and so may this step's loads
+        self._layered_now = False
         loads = self._issue(loads=True)
         if not loads:
             return
@@ -131,6 +133,7 @@ class OffloadWorker(JobConnector):
             if ok[job_id] and not is_async:
                 last_sync = ev
         self._plans.clear()
+        self._layered_now = layered
         if last_sync is not None and not layered:
             dev.current_stream().wait_event(last_sync)  # the forward reads the loaded blocks
 
@@ -140,7 +143,11 @@ class OffloadWorker(JobConnector):
 
     def wait_for_all_layer_loads(self) -> None:
         # the layers' events are recorded in order on one stream: the last one covers them all
-        self.dev.current_stream().wait_event(self._layer_events[-1])  # type: ignore[index]
+        if self._layered_now:
+            self.dev.current_stream().wait_event(self._layer_events[-1])  # type: ignore[index]
+
+    def loads_layer_by_layer(self) -> bool:
+        return self._layered_now
 
     def wait_for_save(self) -> None:
         stores = self._issue(loads=False)

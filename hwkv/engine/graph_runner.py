@@ -156,11 +156,11 @@ class GraphRunner:
         self.block_size, self.max_model_len, self.device = block_size, max_model_len, device
         self.use_graphs, self.q, self.last_only = use_graphs, query_len, last_only
         # A KV connector's per-layer load waits cost a graph node each (~6 us per replay on an H100):
-        # where the connector allows it, graphs other than the short-query ones (which serve a prompt's
-        # tail, the step a synchronous load feeds) leave them out and wait for all loads before replay.
+        # where the connector allows it, graphs leave them out and wait for all loads before replay,
+        # unless captured for the steps that load layer by layer (``per_layer_hooks``).
         hooks = getattr(model, "layer_hooks", None)
         self.hooks_left_out = hooks if hooks is not None and not per_layer_hooks and getattr(
-            hooks, "layer_hooks_only_in_tail_graphs", False) else None
+            hooks, "layer_hooks_only_when_loading", False) else None
         self.buckets = batch_buckets(max_batch)
         self.seq_buckets = seq_buckets(max_model_len)
         mb, self.max_blocks = max_batch, -(-max_model_len // block_size)

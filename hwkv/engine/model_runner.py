@@ -66,6 +66,7 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.graphs: GraphRunner | None = None
         self.tail_graphs: GraphRunner | None = None  # short-query steps (enable_graphs)
+        self.loading_tail_graphs: GraphRunner | None = None  # the same with per-layer load waits
         self.max_model_len = max_model_len
         self.num_graph_steps = 0  # pure-decode steps served by the graph path (stats / tests)
         self.num_tail_graph_steps = 0  # short-query steps (prefill tails, mixed with decodes) served by graphs
@@ -92,10 +93,14 @@ class ModelRunner:
         self.graphs.capture()
         q = min(self.block_size, self.TAIL_MAX_QUERY, self.max_model_len)
         if self.serves_tail_graphs and q > 1 and multi_token_graphs(self.meta_builder):
-            self.tail_graphs = GraphRunner(self.model, self.kv_cache, self.meta_builder, self.dev, self.block_size,
-                                           min(max_batch, self.TAIL_MAX_BATCH), self.max_model_len, use_graphs,
-                                           query_len=q, last_only=True, per_layer_hooks=True)
+            tail = partial(GraphRunner, self.model, self.kv_cache, self.meta_builder, self.dev, self.block_size,
+                           min(max_batch, self.TAIL_MAX_BATCH), self.max_model_len, use_graphs, query_len=q,
+                           last_only=True)
+            self.tail_graphs = tail()
             self.tail_graphs.capture(pool=self.graphs.pool)
+            if self.tail_graphs.hooks_left_out is not None:  # a tail right after a load: waits per layer
+                self.loading_tail_graphs = tail(per_layer_hooks=True)
+                self.loading_tail_graphs.capture(pool=self.graphs.pool)
 
     serves_tail_graphs = True  # a subclass whose step does not go through execute_async turns this off
 
@@ -280,6 +285,8 @@ class ModelRunner:
         """Logits ``[S, vocab]`` of the sampling rows of a short-query step from the tail graphs, or
         ``None`` (the step runs eagerly)."""
         tg = self.tail_graphs
+        if self.loading_tail_graphs is not None and self.connector.loads_layer_by_layer():  # type: ignore[union-attr]
+            tg = self.loading_tail_graphs
         logits = tg.run(batch, partial(fill, at=rows * tg.q) if fill else None)  # type: ignore[union-attr]
         if logits is None:
             return None

@@ -59,11 +59,11 @@ class KVConnectorBase:
     # A layerwise connector whose per-layer hooks only enqueue device work (no host sync, no host
     # state that changes per step) may be captured into graphs; otherwise pure-decode steps run eagerly.
     capturable_layer_hooks: bool = False
-    # Per-layer hooks that only wait for loads (capturable): True lets the engine leave them out of
-    # the graphs that never serve a prompt's tail (decode, verify, draft: a wait node per layer costs
-    # ~6 us of every replay on an H100) and call wait_for_all_layer_loads() before replaying those;
-    # the short-query graphs, which serve the step a synchronous load feeds, keep them.
-    layer_hooks_only_in_tail_graphs: bool = False
+    # Per-layer hooks that only wait for loads (capturable): True lets the engine capture its graphs
+    # without them (a captured wait costs ~6 us of every replay on an H100) and call
+    # wait_for_all_layer_loads() before each replay; for the steps where loads_layer_by_layer() is
+    # True it replays short-query graphs captured with them (a prompt's tail is what a load feeds).
+    layer_hooks_only_when_loading: bool = False
     # tensor parallelism (see the module doc): may run one worker side per rank
     supports_tensor_parallel: bool = False
     metadata_type: Any = Any  # what the ranks decode build_connector_meta's result as (msgspec types)
@@ -174,8 +174,13 @@ class KVConnectorBase:
     def wait_for_layer_load(self, layer: int) -> None: ...
 
     def wait_for_all_layer_loads(self) -> None:
-        """Before a forward captured without the per-layer hooks (``layer_hooks_only_in_tail_graphs``):
+        """Before a forward captured without the per-layer hooks (``layer_hooks_only_when_loading``):
         make it wait for every layer's loads of this step, as the per-layer waits together would."""
+
+    def loads_layer_by_layer(self) -> bool:
+        """After ``start_load_kv``: this step's forward should wait layer by layer (the engine then
+        replays graphs captured with the per-layer hooks, where it has them)."""
+        return False
 
     def save_kv_layer(self, layer: int, layer_kv: Any, attn_metadata: Any) -> None: ...
 

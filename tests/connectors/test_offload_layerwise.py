@@ -177,10 +177,11 @@ def test_layer_views_and_devices_without_graph_waits(model_dir):
         OffloadConnector(cpu_bytes=MB, layerwise_load="yes")  # type: ignore[arg-type]
 
 
-def test_only_the_short_query_graphs_carry_the_per_layer_waits(tmp_path):
-    """Emulated graphs (CPU): decode graphs are captured without the offload connector's per-layer
-    waits (a wait node per layer costs every replay) and wait for all loads before each replay;
-    the short-query graphs, which serve a prompt's tail after a load, keep one wait per layer."""
+def test_per_layer_waits_are_captured_only_in_the_graphs_of_loading_steps(tmp_path):
+    """Emulated graphs (CPU): decode and short-query graphs are captured without the offload
+    connector's per-layer waits (a captured wait costs every replay) and wait for all loads before
+    each replay; a second set of short-query graphs carries one wait per layer and serves exactly the
+    steps whose loads went out layer by layer (the tail a load feeds)."""
     import hwkv
     from hwkv.testing.graphs import GraphCpuBackend, RecordingCpuDevice
     from hwkv.testing.tiny_models import write_tiny_model
@@ -193,6 +194,7 @@ def test_only_the_short_query_graphs_carry_the_per_layer_waits(tmp_path):
         def __init__(self, **kw: Any):
             super().__init__(**kw)
             self.calls: list = []
+            self.layered_steps = 0
 
         def wait_for_layer_load(self, layer: int) -> None:
             self.calls.append(layer)
@@ -202,6 +204,10 @@ def test_only_the_short_query_graphs_carry_the_per_layer_waits(tmp_path):
             self.calls.append("all")
             super().wait_for_all_layer_loads()
 
+        def start_load_kv(self) -> None:
+            super().start_load_kv()
+            self.layered_steps += self.loads_layer_by_layer()
+
     model_dir = str(write_tiny_model(tmp_path / "llama", arch="llama", max_position_embeddings=256))
     backend = GraphCpuBackend()
     backend._device = Device()
@@ -209,14 +215,20 @@ def test_only_the_short_query_graphs_carry_the_per_layer_waits(tmp_path):
     e = hwkv.Engine(model_dir, backend=backend, kv_connector=conn, num_kv_blocks=8, block_size=16,
                     max_model_len=128, fuse_elementwise=False)
     r = e.runner
-    assert e.stats()["kv_connector"]["layerwise"] and r.graphs is not None and r.tail_graphs is not None
-    assert r.graphs.hooks_left_out is conn and r.tail_graphs.hooks_left_out is None
+    assert e.stats()["kv_connector"]["layerwise"] and r.loading_tail_graphs is not None
+    assert r.graphs.hooks_left_out is conn and r.tail_graphs.hooks_left_out is conn
+    assert r.loading_tail_graphs.hooks_left_out is None
     layers = e.kv_cache.spec.num_layers
-    # capture: every tail graph's forward called the per-layer waits, no decode graph's did
-    assert conn.calls == list(range(layers)) * (2 * len(r.tail_graphs.graphs))  # warm-up + capture each
+    # capture: only the loading tail graphs' forwards called the per-layer waits (warm-up + capture)
+    assert conn.calls == list(range(layers)) * (2 * len(r.loading_tail_graphs.graphs))
     conn.calls.clear()
-    want = run_one_by_one(engine(model_dir), workload())
-    assert run_one_by_one(e, workload()) == want
-    assert conn.calls.count("all") == r.num_graph_steps > 0  # one wait before each decode replay
+    prompts = workload() + workload()[-1:]  # the last again: a device prefix hit, a tail with no load
+    want = run_one_by_one(engine(model_dir), prompts)
+    assert run_one_by_one(e, prompts) == want
+    loading = sum(g.replays for g, _, _ in r.loading_tail_graphs.graphs.values())
+    plain = sum(g.replays for g, _, _ in r.tail_graphs.graphs.values())
+    decode = sum(g.replays for g, _, _ in r.graphs.graphs.values())
+    assert conn.layered_steps == loading == 2 and plain > 0  # the two loads' tails, and other tails
+    assert conn.calls.count("all") == decode + plain == r.num_graph_steps + r.num_tail_graph_steps - loading
     assert e.stats()["kv_connector"]["external_hit_tokens"] == 2 * 4 * 16
     assert_no_leak(e)
