@@ -95,10 +95,11 @@ class SpecModelRunner(ModelRunner):
 
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        states = self.update_states(so)
         conn = self.connector
-        if conn is not None:
+        if conn is not None:  # bound first: if update_states fails, the next bind retires its jobs unissued
             conn.bind_connector_metadata(so.kv_connector_metadata)
+        states = self.update_states(so)
+        if conn is not None:
             conn.start_load_kv()
         out = ModelRunnerOutput(spec_token_ids={})
         if states:

@@ -179,13 +179,15 @@ def test_offload_keeps_graphs_async_scheduling_and_its_results(model_dir):
     assert_no_leak(e)
 
 
-def test_a_step_failing_before_its_loads_are_issued_leaks_no_pin(model_dir):
+@pytest.mark.parametrize("kw", [{}, {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}],
+                         ids=["plain", "spec-decode"])
+def test_a_step_failing_before_its_loads_are_issued_leaks_no_pin(model_dir, kw):
     """update_states raising on the step that carries a load: the load was never issued, so the
     next step retires it (pins released) and the request recomputes to the same tokens."""
     cfg = {"cpu_bytes": 1 << 20}
     prompts = workload()
     want = run_one_by_one(engine(model_dir), prompts[:2])
-    e = engine(model_dir, kv_connector="offload", kv_connector_config=cfg)
+    e = engine(model_dir, kv_connector="offload", kv_connector_config=cfg, **kw)
     run_one_by_one(e, prompts[:2])  # the prefix reaches the host tier, then the filler evicts it
     e.generate([prompts[0]], greedy(), use_tqdm=False)
     orig, failed = e.runner.update_states, []
