@@ -8,11 +8,14 @@ reused by this very step) is issued first of all, before the loads, and the comp
 for it: neither this step's loads nor its forward can overwrite those blocks before they are read.
 Completion is polled with ``Event.query`` — never a host sync on the compute path.
 
-Layer by layer (``layerwise``, where the device has events a captured graph can wait on): a step's
-synchronous loads are copied layer after layer, an event recorded behind each layer's copies, and
-the forward waits for layer ``i``'s event just before layer ``i``'s attention instead of for the
-whole load before it starts, so the forward over the loaded context runs behind the copy (a
-prompt's tail, the one step that needs the load, finishes one layer after the last layer's copy).
+Layer by layer (``layerwise``: where the device has events a captured graph can wait on and the
+KV layout keeps layers apart, i.e. not CROSS_LAYER): a step's synchronous loads are copied layer
+after layer, an event recorded behind each layer's copies, and the forward waits for layer ``i``'s
+event just before layer ``i``'s attention instead of for the whole load before it starts, so the
+forward over the loaded context runs behind the copy (the step that computes the rest of the prompt
+finishes one layer after the last layer's copy). Graphs captured without the per-layer hooks (the
+engine's decode graphs, and its short-query graphs outside such a step) wait once, for the last
+layer's event, before they replay (``wait_for_all_layer_loads``), and only in such a step.
 """
 
 from __future__ import annotations
@@ -60,15 +63,18 @@ class OffloadWorker(JobConnector):
         self._flights: list[_Flight] = []
         self._layer_events: list[Any] | None = None  # layerwise: one per layer, recorded behind its copies
         self._layers: list[tuple[Any, Any]] = []  # (host, device) one-layer views of the caches
-        self._plans: dict[tuple[int, int], CopyPlan] = {}  # this start_load_kv's, per load
+        self._plans: dict[tuple[int, int], tuple[list[int], list[int], CopyPlan]] = {}  # this step's, per load
         self._layered_now = False  # this step issued loads layer by layer
 
     def _init_layers(self, want: bool) -> None:
         """Layer-by-layer loads where wanted and possible (see the module doc); else whole loads."""
         n = self.device_kv.spec.num_layers
         views = [(self.host_kv.layer_cache(i), self.device_kv.layer_cache(i)) for i in range(n)]
-        events = [self.dev.graph_event() for _ in range(n)] if want else []
-        self.layerwise = bool(events) and all(e is not None for e in events) and views[0][0] is not None
+        if not want or views[0][0] is None:  # off, or a layout whose layers are not separate ranges
+            self.layerwise = False
+            return
+        events = [self.dev.graph_event() for _ in range(n)]
+        self.layerwise = all(e is not None for e in events)
         if self.layerwise:
             self._layer_events, self._layers = events, views
 
@@ -81,13 +87,18 @@ class OffloadWorker(JobConnector):
     def load_blocks(self, host_ids: list[int], device_ids: list[int], layer: int | None = None) -> None:
         """Queue one request's host → device copies (of one ``layer``, or all) on the load stream
         (tests inject failures here)."""
-        key = (id(host_ids), id(device_ids))  # the lists of one start_load_kv: planned once for all layers
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = self._plans[key] = plan_copy(self.host_kv, self.device_kv, host_ids, device_ids,
-                                                self.min_run_blocks)
-        host, device = self._layers[layer] if layer is not None else (self.host_kv, self.device_kv)
-        run_copy(self.dev, host, device, plan, self._load_stream)
+        if layer is None:
+            plan = plan_copy(self.host_kv, self.device_kv, host_ids, device_ids, self.min_run_blocks)
+            run_copy(self.dev, self.host_kv, self.device_kv, plan, self._load_stream)
+            return
+        # planned once for all layers; the memo holds the lists, so their ids cannot be reused meanwhile
+        key = (id(host_ids), id(device_ids))
+        entry = self._plans.get(key)
+        if entry is None or entry[0] is not host_ids or entry[1] is not device_ids:
+            plan = plan_copy(self.host_kv, self.device_kv, host_ids, device_ids, self.min_run_blocks)
+            entry = self._plans[key] = (host_ids, device_ids, plan)
+        host, device = self._layers[layer]
+        run_copy(self.dev, host, device, entry[2], self._load_stream)
 
     def _try_load(self, rid: str, host_ids: list[int], device_ids: list[int], layer: int | None = None) -> bool:
         try:
@@ -107,7 +118,7 @@ class OffloadWorker(JobConnector):
         loads = self._issue(loads=True)
         if not loads:
             return
-        self._plans.clear()  # keys are list ids: never carried from one call to the next
+        self._plans.clear()  # one step's plans: never carried into the next
         dev, stream = self.dev, self._load_stream
         ready = dev.new_event()
         ready.record()  # the compute stream's work so far: a reused block's last writer

@@ -55,6 +55,9 @@ class KVConnectorBase:
 
     name = "base"
     # The model calls wait_for_layer_load / save_kv_layer per layer only for a layerwise connector.
+    # The engine reads it twice: before the KV cache exists (a layerwise connector without capturable
+    # hooks turns graphs off) and after register_kv_caches (whether the model calls the hooks), so a
+    # connector may turn it off there, not on.
     layerwise: bool = False
     # A layerwise connector whose per-layer hooks only enqueue device work (no host sync, no host
     # state that changes per step) may be captured into graphs; otherwise pure-decode steps run eagerly.

@@ -54,8 +54,8 @@ OFFLOAD_CONFIG = {
                       "its tokens are recomputed",
     "layerwise_load": "bool, default True: a synchronous load is copied layer by layer and each layer's "
                       "attention waits only for its own layer, so the forward runs behind the copy (where the "
-                      "device's graphs can wait on events, or it captures none; else the forward waits for "
-                      "the whole load)",
+                      "device's graphs can wait on events, or it captures none, and the KV layout is not "
+                      "cross-layer; else the forward waits for the whole load)",
 }
 
 P2P_CONFIG = {

@@ -41,9 +41,9 @@ class LazyStream(CpuStream):
 
 
 class LazyEvent(CpuEvent):
-    def __init__(self, log: list, enable_timing: bool = False) -> None:
+    def __init__(self, enable_timing: bool = False) -> None:
         super().__init__(enable_timing)
-        self.log, self.at = log, None
+        self.at = None
 
     def record(self, stream: Any = None) -> None:
         super().record(stream)
@@ -63,7 +63,6 @@ class LazyDevice(CpuDevice):
 
     def __init__(self) -> None:
         super().__init__()
-        self.log: list = []
         self.streams: list[LazyStream] = []
         self._default_stream = LazyStream()  # compute: runs at once, but its waits run the copies waited for
 
@@ -73,7 +72,7 @@ class LazyDevice(CpuDevice):
         return s
 
     def new_event(self, enable_timing: bool = False) -> LazyEvent:
-        return LazyEvent(self.log, enable_timing)
+        return LazyEvent(enable_timing)
 
     def copy_blocks(self, src: Any, dst: Any, pairs: list[tuple[int, int]], stream: Any = None) -> None:
         if not isinstance(stream, LazyStream):
@@ -154,9 +153,11 @@ def test_load_failing_midway_through_the_layers_is_recomputed(model_dir, referen
 
 
 def test_layer_views_and_devices_without_graph_waits(model_dir):
+    import torch
+
     from hwkv.interfaces.layout import KVCache, KVCacheSpec, KVLayoutKind
 
-    spec = KVCacheSpec(3, 4, 2, 1, 2, __import__("torch").float32)
+    spec = KVCacheSpec(3, 4, 2, 1, 2, torch.float32)
     for layout, per in ((KVLayoutKind.PER_LAYER, 1), (KVLayoutKind.SEPARATE_KV, 2)):
         kv = KVCache.allocate(spec, layout)
         one = kv.layer_cache(2)
@@ -232,3 +233,27 @@ def test_per_layer_waits_are_captured_only_in_the_graphs_of_loading_steps(tmp_pa
     assert conn.calls.count("all") == decode + plain == r.num_graph_steps + r.num_tail_graph_steps - loading
     assert e.stats()["kv_connector"]["external_hit_tokens"] == 2 * 4 * 16
     assert_no_leak(e)
+
+
+def test_layer_by_layer_plans_never_mix_up_two_loads(model_dir):
+    """Each load is planned once for all its layers; a ``load_blocks`` override that hands fresh
+    lists to ``super()`` (freed after each call, their ids reused by the next job's) must still
+    copy every job's own blocks."""
+    import torch
+
+    class Copying(OffloadConnector):
+        def load_blocks(self, host_ids, device_ids, layer=None):
+            super().load_blocks(host_ids[:], device_ids[:], layer)
+
+    conn = Copying(cpu_bytes=MB, min_run_blocks=1 << 30)
+    e = engine(model_dir, kv_connector=conn)
+    host, dev = conn.host_kv, e.kv_cache
+    for t in host.tensors:  # host block b of every tensor holds the value b
+        t.copy_(torch.arange(t.shape[0], dtype=t.dtype).view(-1, *[1] * (t.dim() - 1)).expand_as(t))
+    jobs = [([h], [d]) for h, d in zip(range(1, 8), range(7, 0, -1))]
+    for layer in range(dev.spec.num_layers):  # one planning window: one step's start_load_kv
+        for h, d in jobs:
+            conn.load_blocks(h, d, layer)
+    conn._plans.clear()
+    for t in dev.tensors:
+        assert [int(t[d[0]].flatten()[0]) for _, d in jobs] == [h[0] for h, _ in jobs]
