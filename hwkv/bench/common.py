@@ -1,9 +1,10 @@
-"""Shared by the engine benches: the synthetic workload, the model directory, the backend lookup, copy
-bandwidth, the result file."""
+"""Shared by the engine benches: the synthetic workload, the model directory, the backend lookup, the
+offload bench's engine, freeing an engine's device memory, copy bandwidth, the result file."""
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -23,6 +24,19 @@ def workload(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[tuple[
     ]
 
 
+# Realistic model shapes the benches write random-weight checkpoints of (``--model NAME``).
+SHAPES: dict[str, dict[str, Any]] = {
+    # Llama-3.2-1B: 16 layers, hidden 2048, 32 q / 8 kv heads, head 64, ffn 8192, vocab 128256, tied.
+    "llama-1b": dict(arch="llama", hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
+                     intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True,
+                     rope_theta=500000.0, max_position_embeddings=131072),
+    # Qwen2.5-0.5B: 24 layers, hidden 896, 14 q / 2 kv heads, head 64, ffn 4864, vocab 151936, tied.
+    "qwen-0.5b": dict(arch="qwen2", hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
+                      intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
+                      rope_theta=1000000.0, max_position_embeddings=32768),
+}
+
+
 # The benches' "tiny" model: one shape for all of them, as they share its directory under --workdir.
 TINY = dict(arch="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=512,
             max_position_embeddings=16384)
@@ -31,8 +45,6 @@ TINY = dict(arch="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_head
 def model_dir(args: argparse.Namespace) -> Path:
     """``args.model`` as a checkpoint directory: a path as given, or a random-weight model of a shape of
     ``hwkv bench e2e`` (or ``"tiny"``: :data:`TINY`) written once per ``args.dtype`` under ``args.workdir``."""
-    from hwkv.bench.e2e import SHAPES
-
     shapes = {**SHAPES, "tiny": TINY}
     if args.model not in shapes:
         return Path(args.model)
@@ -137,3 +149,30 @@ def stop_process(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(grace_s)
+
+
+def free_engine(engine: Any, device: Any) -> None:
+    """Drop ``engine``'s captured graphs (they pin the graph memory pool) and return cached device
+    memory, so the next engine of the same bench process gets it (``engine`` may be ``None``)."""
+    for name in ("graphs", "tail_graphs", "loading_tail_graphs"):
+        if engine is not None and getattr(engine.runner, name, None) is not None:
+            getattr(engine.runner, name).graphs.clear()
+    del engine
+    gc.collect()
+    device.empty_cache()
+
+
+def offload_engine(mdir: Path, args: argparse.Namespace, offload: bool, **kw: Any) -> Any:
+    """An engine for ``hwkv bench offload``: with the offload connector (``--cpu-gb`` of host tier,
+    ``--store-batch-blocks``, ``--offload-config``) or without it (``offload=False``)."""
+    import hwkv
+
+    if offload:
+        cfg: dict[str, Any] = {"cpu_bytes": int(args.cpu_gb * 2**30)}
+        if args.store_batch_blocks is not None:
+            cfg["store_batch_blocks"] = args.store_batch_blocks
+        cfg.update(args.offload_config)
+        kw.update(kv_connector="offload", kv_connector_config=cfg)
+    if args.block_size:
+        kw["block_size"] = args.block_size
+    return hwkv.Engine(str(mdir), backend=backend(args.backend), dtype=args.dtype, **kw)

@@ -18,7 +18,6 @@ through the normal loader path. JSON + Markdown land in ``--out-dir``.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import random
@@ -29,19 +28,18 @@ from pathlib import Path
 from typing import Any
 
 from hwkv.bench import results_dir
-from hwkv.bench.common import backend, copy_bandwidth, decode_read_bytes, enable_weight_prefetch, model_dir, workload
+from hwkv.bench.common import (
+    SHAPES,
+    backend,
+    copy_bandwidth,
+    decode_read_bytes,
+    enable_weight_prefetch,
+    free_engine,
+    model_dir,
+    workload,
+)
 from hwkv.bench.e2e_report import kernel_mix, markdown, profile, replay_ms
 
-SHAPES: dict[str, dict[str, Any]] = {
-    # Llama-3.2-1B: 16 layers, hidden 2048, 32 q / 8 kv heads, head 64, ffn 8192, vocab 128256, tied.
-    "llama-1b": dict(arch="llama", hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
-                     intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True,
-                     rope_theta=500000.0, max_position_embeddings=131072),
-    # Qwen2.5-0.5B: 24 layers, hidden 896, 14 q / 2 kv heads, head 64, ffn 4864, vocab 151936, tied.
-    "qwen-0.5b": dict(arch="qwen2", hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
-                      intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
-                      rope_theta=1000000.0, max_position_embeddings=32768),
-}
 ENGINE_DEFAULTS = dict(max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=8192)
 # batch-1 runs beside the default one, each changing one fast-path feature
 B1_VARIANTS = [dict(label="async scheduling off", engine=dict(async_scheduling=False)),
@@ -87,15 +85,6 @@ def make_engine(mdir: Path, args: argparse.Namespace, **kw: Any) -> Any:
     if prefetch:
         enable_weight_prefetch(engine)
     return engine
-
-
-def free(engine: Any, device: Any) -> None:
-    for name in ("graphs", "tail_graphs", "loading_tail_graphs"):
-        if engine is not None and getattr(engine.runner, name, None) is not None:
-            getattr(engine.runner, name).graphs.clear()
-    del engine
-    gc.collect()
-    device.empty_cache()
 
 
 def run_engine(engine: Any, work: list[tuple[list[int], int]]) -> dict[str, float]:
@@ -146,7 +135,7 @@ def run_hf(model_dir: Path, work: list[tuple[list[int], int]], batch: int, dtype
     device.synchronize()
     dt = time.perf_counter() - t0
     del model
-    free(None, device)
+    free_engine(None, device)
     return dict(seconds=dt, output_tokens=ntok, tok_per_s=ntok / dt, batch=batch, requests=len(work))
 
 
@@ -278,13 +267,13 @@ def run(args: argparse.Namespace) -> int:
                                                           args.roofline_in, vocab, seed=5)]
     if "r" in parts:
         part("r", lambda: part_r(engine, cfg, rwork, args, device, copy_bw, res))
-    free(engine, device)
+    free_engine(engine, device)
     engine = None
     if "b" in parts:
         def part_b_eager() -> None:
             e = make_engine(mdir, args, enforce_eager=True, max_num_seqs=4)
             res["batch1"]["eager"] = batch1(e, cfg, vocab, min(args.b1_tokens, 256), copy_bw)
-            free(e, device)
+            free_engine(e, device)
         part("b-eager", part_b_eager)
 
         for v in json.loads(args.b1_variants):
@@ -295,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
                     e = make_engine(mdir, args, max_num_seqs=4, **v.get("engine", {}))
                     res.setdefault("batch1_variants", {})[v["label"]] = dict(
                         batch1(e, cfg, vocab, args.b1_tokens, copy_bw), **v)
-                    free(e, device)
+                    free_engine(e, device)
                 finally:
                     for k, val in old.items():
                         os.environ.pop(k) if val is None else os.environ.__setitem__(k, val)
@@ -329,7 +318,7 @@ def run(args: argparse.Namespace) -> int:
                 run_engine(e, [(rng.sample(range(100, vocab - 100), args.prefix_len + 64), 4)])  # warm-up, unshared
                 c["prefix_on" if on else "prefix_off"] = run_engine(e, reqs)
                 c["stats_on" if on else "stats_off"] = e.stats()
-                free(e, device)
+                free_engine(e, device)
             res["shared_prefix"] = c
         part("c", part_c)
     save()

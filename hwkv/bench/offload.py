@@ -27,7 +27,7 @@ from typing import Any
 
 from hwkv.bench import results_dir
 from hwkv.bench.common import backend as get_backend
-from hwkv.bench.common import model_dir
+from hwkv.bench.common import free_engine, model_dir, offload_engine
 from hwkv.bench.offload_preempt import HookTimer, bench_preempt
 
 
@@ -99,20 +99,6 @@ def bench_copy(args: argparse.Namespace, be: Any, model: Any, block_size: int) -
     return rows
 
 
-def _engine(mdir: Path, args: argparse.Namespace, offload: bool, **kw: Any) -> Any:
-    import hwkv
-
-    if offload:
-        cfg: dict[str, Any] = {"cpu_bytes": int(args.cpu_gb * 2**30)}
-        if args.store_batch_blocks is not None:
-            cfg["store_batch_blocks"] = args.store_batch_blocks
-        cfg.update(args.offload_config)
-        kw.update(kv_connector="offload", kv_connector_config=cfg)
-    if args.block_size:
-        kw["block_size"] = args.block_size
-    return hwkv.Engine(str(mdir), backend=get_backend(args.backend), dtype=args.dtype, **kw)
-
-
 def _settle(e: Any) -> None:
     for _ in range(1000):
         if not e.scheduler.connector.has_pending_transfers():
@@ -163,7 +149,7 @@ def bench_ttft(args: argparse.Namespace, mdir: Path) -> dict[str, Any]:
     import hwkv
 
     n, vocab = args.prompt_len, None
-    e = _engine(mdir, args, True, max_model_len=n + 64, max_num_seqs=8, max_num_batched_tokens=max(8192, n + 64))
+    e = offload_engine(mdir, args, True, max_model_len=n + 64, max_num_seqs=8, max_num_batched_tokens=max(8192, n + 64))
     vocab = e.vocab_size
     rng = random.Random(0)
     one = hwkv.SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -212,7 +198,7 @@ def bench_ttft(args: argparse.Namespace, mdir: Path) -> dict[str, Any]:
           f"TTFT {res['ttft_device_hit_s'] * 1e3:.1f} ms + load copy {res['load_copy_s'] * 1e3:.1f} ms (issued in "
           f"{res['load_issue_s'] * 1e3:.2f} ms host) + {res['unexplained_s'] * 1e3:.1f} ms other; "
           f"{res['tail_graph_steps']} tail steps replayed graphs", flush=True)
-    _free(e)
+    free_engine(e, e.backend.device)
     return res
 
 
@@ -223,7 +209,7 @@ def bench_decode(args: argparse.Namespace, mdir: Path) -> dict[str, Any]:
                            "output_len": args.decode_tokens}
     params = hwkv.SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
     for offload in (False, True, False, True):  # interleaved: drift hits both alike
-        e = _engine(mdir, args, offload, max_model_len=args.decode_prompt + args.decode_tokens + 16,
+        e = offload_engine(mdir, args, offload, max_model_len=args.decode_prompt + args.decode_tokens + 16,
                     max_num_seqs=args.decode_requests)
         rng = random.Random(1)  # distinct random prompts: no prefix hits on either tier
         prompts = [[rng.randrange(100, e.vocab_size - 100) for _ in range(args.decode_prompt)]
@@ -245,22 +231,12 @@ def bench_decode(args: argparse.Namespace, mdir: Path) -> dict[str, Any]:
             st = e.stats()["kv_connector"]
             assert st["external_hit_tokens"] == 0, st
             out["stored_bytes"] = st["stored_bytes"]
-        _free(e)
+        free_engine(e, e.backend.device)
     out["ratio"] = round(out["tok_per_s_on"] / out["tok_per_s_off"], 4)
     print(f"decode {args.decode_requests} x {args.decode_tokens}: off {out['tok_per_s_off']} tok/s, "
           f"on {out['tok_per_s_on']} tok/s (ratio {out['ratio']}); connector hooks "
           f"{out['connector_host_us_per_step']} us of host time per step", flush=True)
     return out
-
-
-def _free(e: Any) -> None:
-    dev = e.backend.device
-    for name in ("graphs", "tail_graphs", "loading_tail_graphs"):
-        if getattr(e.runner, name, None) is not None:
-            getattr(e.runner, name).graphs.clear()
-    del e
-    gc.collect()
-    dev.empty_cache()
 
 
 def run(args: argparse.Namespace) -> int:

@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hwkv.bench.common import free_engine, offload_engine
+
 HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta", "update_connector_output",
          "request_finished", "request_preempted", "bind_connector_metadata", "start_load_kv", "wait_for_save",
          "get_finished")
@@ -56,7 +58,6 @@ def _count_scheduled(scheduler: Any) -> list[int]:
 
 def bench_preempt(args: argparse.Namespace, mdir: Path, block_size: int) -> dict[str, Any]:
     import hwkv
-    from hwkv.bench.offload import _engine, _free
 
     n, plen, olen = args.preempt_requests, args.decode_prompt, args.decode_tokens
     blocks = args.preempt_blocks or max(n * -(-(plen + olen) // block_size) // 3, -(-(plen + olen) // block_size) + 1)
@@ -65,7 +66,7 @@ def bench_preempt(args: argparse.Namespace, mdir: Path, block_size: int) -> dict
     tokens: dict[str, list[list[int]]] = {}
     for offload in (False, True, False, True):  # interleaved: drift hits both alike
         key = "on" if offload else "off"
-        e = _engine(mdir, args, offload, max_model_len=plen + olen + 16, max_num_seqs=n, num_kv_blocks=blocks)
+        e = offload_engine(mdir, args, offload, max_model_len=plen + olen + 16, max_num_seqs=n, num_kv_blocks=blocks)
         rng = random.Random(2)  # distinct random prompts: only a preempted request's own blocks can hit
         prompts = [[rng.randrange(100, e.vocab_size - 100) for _ in range(plen)] for _ in range(n)]
         e.generate(prompts[:1], hwkv.SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
@@ -85,7 +86,7 @@ def bench_preempt(args: argparse.Namespace, mdir: Path, block_size: int) -> dict
         prev = out.get(key)
         if prev is None or row["tok_per_s"] > prev["tok_per_s"]:
             out[key] = row
-        _free(e)
+        free_engine(e, e.backend.device)
     out["tokens_identical"] = tokens["on"] == tokens["off"]
     out["speedup"] = round(out["on"]["tok_per_s"] / out["off"]["tok_per_s"], 4)
     on, off = out["on"], out["off"]

@@ -32,12 +32,11 @@ from pathlib import Path
 from typing import Any
 
 from hwkv.bench import results_dir
+from hwkv.bench.common import SHAPES as MODEL_SHAPES
 from hwkv.bench.common import backend
 
 SHAPES: dict[str, dict[str, Any]] = {
-    "llama-1b": dict(arch="llama", hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
-                     intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True,
-                     rope_theta=500000.0, max_position_embeddings=131072),
+    "llama-1b": MODEL_SHAPES["llama-1b"],
     "tiny": dict(arch="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=512,
                  max_position_embeddings=2048),
 }
