@@ -6,6 +6,7 @@ decodes exactly the tokens one tp=1 engine gives."""
 from __future__ import annotations
 
 import time
+from contextlib import closing
 
 import pytest
 
@@ -69,13 +70,10 @@ def _settle(*engines: hwkv.Engine, timeout_s: float = 20.0) -> None:
                          ids=["pull-2to1", "pull-1to2", "pull-mqa-2to1", "push-2to1", "push-1to2"])
 def test_heterogeneous_tp_gives_one_engines_tokens(models, kv, p_tp, d_tp, mode):
     model_dir, reference = models[kv], _reference(models[kv])
-    p = _engine(model_dir, "producer", p_tp, mode)
-    try:
-        d = _engine(model_dir, "consumer", d_tp, mode)
-    except BaseException:
-        p.close()
-        raise
-    try:
+    with (
+        closing(_engine(model_dir, "producer", p_tp, mode)) as p,
+        closing(_engine(model_dir, "consumer", d_tp, mode)) as d,
+    ):
         for prompt, want in zip(prompts(), reference):
             out = p.generate([prompt], greedy(1, {"do_remote_decode": True}), use_tqdm=False)[0]
             params = out.kv_transfer_params
@@ -88,9 +86,6 @@ def test_heterogeneous_tp_gives_one_engines_tokens(models, kv, p_tp, d_tp, mode)
             per_token = d.kv_cache.spec.bytes_per_block // BS
             assert st["loaded_bytes"] == per_token * sum(len(q) - 1 for q in prompts())
         assert p.stats()["kv_connector"]["held_requests"] == 0
-    finally:
-        d.close()
-        p.close()
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
@@ -98,35 +93,26 @@ def test_one_consumer_rank_failing_recomputes_and_releases_everything(models, mo
     """Consumer tp=2 whose rank 1 fails its transfer while rank 0's lands: the request recomputes
     (identical tokens); the producer, served for rank 0 only, frees its blocks when the hold
     expires; no block stays pinned on either side."""
-    p = _engine(models[4], "producer", 1, mode, hold_timeout_s=1.0, transfer_timeout_s=0.5)
-    try:
-        d = hwkv.Engine(models[4], num_kv_blocks=16, block_size=BS, max_model_len=128, tensor_parallel_size=2,
-                        kv_connector="hwkv.testing.tp_connectors:FailingP2PRank",
-                        kv_connector_config={"role": "consumer", "mode": mode, "transfer_timeout_s": 5.0})
-    except BaseException:
-        p.close()
-        raise
-    try:
+    with (
+        closing(_engine(models[4], "producer", 1, mode, hold_timeout_s=1.0, transfer_timeout_s=0.5)) as p,
+        closing(hwkv.Engine(models[4], num_kv_blocks=16, block_size=BS, max_model_len=128, tensor_parallel_size=2,
+                            kv_connector="hwkv.testing.tp_connectors:FailingP2PRank",
+                            kv_connector_config={"role": "consumer", "mode": mode, "transfer_timeout_s": 5.0})) as d,
+    ):
         prompt, want = prompts()[1], _reference(models[4])[1]
         params = p.generate([prompt], greedy(1, {"do_remote_decode": True}), use_tqdm=False)[0].kv_transfer_params
         assert d.generate([prompt], greedy(6, params), use_tqdm=False)[0].token_ids == want
         assert d.stats()["kv_connector"]["load_failures"] == 1
         _settle(p, d)
-    finally:
-        d.close()
-        p.close()
 
 
 def test_untranslatable_split_is_refused_at_handshake_and_recomputed(models, caplog):
     """A consumer whose model has other KV heads: every consumer rank's handshake is refused with
     both engines named, the request recomputes (its own model's tokens), nothing stays pinned."""
-    p = _engine(models[4], "producer", 1, hold_timeout_s=1.0)
-    try:
-        d = _engine(models[2], "consumer", 2)
-    except BaseException:
-        p.close()
-        raise
-    try:
+    with (
+        closing(_engine(models[4], "producer", 1, hold_timeout_s=1.0)) as p,
+        closing(_engine(models[2], "consumer", 2)) as d,
+    ):
         prompt, want = prompts()[0], _reference(models[2])[0]
         params = p.generate([prompt], greedy(1, {"do_remote_decode": True}), use_tqdm=False)[0].kv_transfer_params
         with caplog.at_level("WARNING"):
@@ -136,9 +122,6 @@ def test_untranslatable_split_is_refused_at_handshake_and_recomputed(models, cap
         assert d.stats()["kv_connector"]["load_failures"] == 1
         _settle(p, d)  # the producer's hold expires (never acquired)
         assert p.stats()["kv_connector"]["expired_holds"] == 1
-    finally:
-        d.close()
-        p.close()
 
 
 def test_layerwise_at_tp_is_refused_before_any_worker_starts(models):
@@ -176,13 +159,10 @@ def test_staged_tp2_producer(models, mode):
     """A tp=2 producer staging through host mirrors (as tcp from GPUs does; host to host here):
     every rank stages its shard at its next step, the consumer's reads wait for it (pull: Acquire is
     answered "retry"; push: the write starts once staged), one engine's tokens."""
-    p = _engine(models[4], "producer", 2, mode, staging=True)
-    try:
-        d = _engine(models[4], "consumer", 1, mode)
-    except BaseException:
-        p.close()
-        raise
-    try:
+    with (
+        closing(_engine(models[4], "producer", 2, mode, staging=True)) as p,
+        closing(_engine(models[4], "consumer", 1, mode)) as d,
+    ):
         prompt, want = prompts()[1], _reference(models[4])[1]
         params = p.generate([prompt], greedy(1, {"do_remote_decode": True}), use_tqdm=False)[0].kv_transfer_params
         d.add_request("x", prompt, greedy(6, params))
@@ -196,6 +176,3 @@ def test_staged_tp2_producer(models, mode):
             got = next((o.token_ids for o in d.step() if o.finished), got)
         assert got == want and d.stats()["kv_connector"]["load_failures"] == 0
         _settle(p, d)
-    finally:
-        d.close()
-        p.close()
