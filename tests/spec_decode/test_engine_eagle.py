@@ -50,13 +50,10 @@ def _copy_head(tmp_path, tiny_eagle: str) -> str:
     return str(d)
 
 
-@pytest.mark.parametrize("case", ["default", "chunked_small_budget"])
-def test_head_sees_target_state_of_its_position(tiny_model: str, tiny_eagle: str, tmp_path, case: str) -> None:
-    spec = {"method": "eagle", "num_speculative_tokens": 2, "model": _copy_head(tmp_path, tiny_eagle)}
-    eng = Engine(tiny_model, num_kv_blocks=96, block_size=4, speculative_config=spec, **CASES[case])
-    seen = []
-    prop = eng.proposer
-    orig = prop.propose_with_hidden
+def _spy_drafts(eng: Engine) -> list[tuple[int, int]]:
+    """``(token the target just chose, first draft proposed after it)`` per proposal, filled as ``eng`` runs."""
+    seen: list[tuple[int, int]] = []
+    orig = eng.proposer.propose_with_hidden
 
     def spy(runner, states, batch, hidden, valid, sample_rows, caps):
         out = orig(runner, states, batch, hidden, valid, sample_rows, caps)
@@ -66,7 +63,15 @@ def test_head_sees_target_state_of_its_position(tiny_model: str, tiny_eagle: str
                 seen.append((int(runner.token_ids[st.slot, st.num_tokens - 1]), out[j][0]))
         return out
 
-    prop.propose_with_hidden = spy
+    eng.proposer.propose_with_hidden = spy
+    return seen
+
+
+@pytest.mark.parametrize("case", ["default", "chunked_small_budget"])
+def test_head_sees_target_state_of_its_position(tiny_model: str, tiny_eagle: str, tmp_path, case: str) -> None:
+    spec = {"method": "eagle", "num_speculative_tokens": 2, "model": _copy_head(tmp_path, tiny_eagle)}
+    eng = Engine(tiny_model, num_kv_blocks=96, block_size=4, speculative_config=spec, **CASES[case])
+    seen = _spy_drafts(eng)
     eng.generate(_prompts(4, seed=22), GREEDY, use_tqdm=False)
     assert len(seen) > 20
     assert all(last == first for last, first in seen), seen[:10]

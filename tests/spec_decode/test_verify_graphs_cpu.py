@@ -287,22 +287,12 @@ def test_eagle_head_sees_target_state_of_its_position_on_graphs(tiny_model: str,
     """The states a verify graph returns are re-laid from its padded rows to the batch's tokens: a head
     that copies the target's state drafts exactly the token the target just chose, also when rows
     verify fewer than k drafts."""
-    from .test_engine_eagle import _copy_head
+    from .test_engine_eagle import _copy_head, _spy_drafts
 
     spec = {"method": "eagle", "num_speculative_tokens": 3, "model": _copy_head(tmp_path, tiny_eagle)}
     eng = Engine(tiny_model, backend=GraphCpuBackend(), num_kv_blocks=96, block_size=4, max_model_len=128,
                  fuse_elementwise=False, max_num_seqs=4, speculative_config=spec)
-    seen, orig = [], eng.proposer.propose_with_hidden
-
-    def spy(runner, states, batch, hidden, valid, sample_rows, caps):
-        out = orig(runner, states, batch, hidden, valid, sample_rows, caps)
-        for j, i in enumerate(sample_rows):
-            st = states[i]
-            if out[j]:
-                seen.append((int(runner.token_ids[st.slot, st.num_tokens - 1]), out[j][0]))
-        return out
-
-    eng.proposer.propose_with_hidden = spy
+    seen = _spy_drafts(eng)
     eng.generate(_prompts(4, seed=22), SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
                  use_tqdm=False)
     assert eng.stats()["spec_decode"]["verify_graph_steps"] > 0
