@@ -52,11 +52,9 @@ def _engine(model_dir: str, role: str, tp: int, mode: str = "pull", **cfg) -> hw
 
 
 def _settle(*engines: hwkv.Engine, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while any(e.scheduler.connector.has_pending_transfers() or e.has_unfinished() for e in engines):
-        assert time.monotonic() < deadline, "p2p transfers never settled"
-        for e in engines:
-            e.step()
+    from tests.connectors.test_p2p_engine import settle
+
+    settle(*engines, timeout_s=timeout_s)
     for e in engines:
         assert e.kv_cache_manager.num_free_blocks == e.kv_cache.spec.num_blocks
         assert all(b.ref_cnt == 0 for b in e.kv_cache_manager.block_pool.blocks)
