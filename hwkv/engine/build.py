@@ -8,7 +8,6 @@ binds to it (scheduler, runner, graphs); decode ops and fusion change the model 
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from hwkv.core.scheduler import Scheduler
@@ -49,7 +48,9 @@ def build_parts(engine: Any, args: EngineArgs, kv_connector: Any, kv_connector_c
         if kv_connector is not None:  # its worker side serves rank 0's shard; each worker builds its own
             kv_connector.bind_tp(0, args.tensor_parallel_size)
         weakref.finalize(engine, tp.close)  # collected, failed __init__ or interpreter exit: no worker left
-    has_tok = (Path(args.model) / "tokenizer.json").is_file()
+    from hwkv.model.tokenizer import has_tokenizer
+
+    has_tok = has_tokenizer(args.model)
     engine.model, engine.model_config, engine.tokenizer, engine.generation_config = load_model(
         args.model, backend, dtype=args.dtype, max_model_len=args.max_model_len, load_tokenizer=has_tok,
         tp=tp.shard if tp else None,

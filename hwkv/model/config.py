@@ -108,7 +108,13 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
+        """From an HF directory's config.json, or a GGUF checkpoint's metadata (a ``.gguf`` file or a
+        directory holding one and no config.json; :mod:`hwkv.model.gguf_file`)."""
+        from hwkv.model.gguf_file import find_gguf, open_gguf
+
         path = Path(path)
+        if (file := find_gguf(path)) is not None:
+            return cls.from_dict(open_gguf(file).config_dict(), source=str(file))
         if not path.is_dir():
             raise ModelLoadError(f"{path}: model directory not found")
         return cls.from_dict(read_json(path / "config.json"), source=str(path / "config.json"))

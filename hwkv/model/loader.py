@@ -121,10 +121,14 @@ def iter_weights(files: list[Path], slices: dict[str, Any] | None = None) -> Ite
 
 
 def load_weights(model: LlamaForCausalLM, path: str | Path) -> None:
-    """Fill every parameter of ``model`` from the checkpoint at ``path``.
+    """Fill every parameter of ``model`` from the checkpoint at ``path`` (an HF directory or a GGUF
+    checkpoint, dequantised on the way).
 
     Warns (``RuntimeWarning``) naming every tensor that holds NaN or inf values."""
-    files = weight_files(path)
+    from hwkv.model.gguf_file import find_gguf, open_gguf
+
+    gguf = find_gguf(path)
+    files = weight_files(path) if gguf is None else [gguf]
     slots = model.weight_slots()
     loaded: set[str] = set()
     slices = None
@@ -137,15 +141,20 @@ def load_weights(model: LlamaForCausalLM, path: str | Path) -> None:
             slots[n].zero_()
         loaded |= skipped
     sums: list[tuple[Path, str, torch.Tensor]] = []
-    for file, name, tensor in iter_weights(files, slices):
+    if gguf is None:
+        tensors = iter_weights(files, slices)
+    else:
+        cfg = getattr(model, "full_config", None) or model.config
+        tensors = open_gguf(gguf).weights(cfg.num_heads, cfg.num_kv_heads, slices)
+    for file, name, tensor in tensors:
         try:
             got = model.load_weights([(name, tensor)])
             loaded |= got
             sums += [(file, n, _float_sum(slots[n])) for n in got]
         except KeyError:
+            what = "" if gguf else " (quantized or non-HF checkpoints are not supported)"
             raise ModelLoadError(
-                f"{file}: unexpected tensor {name!r} for {model.config.architecture} "
-                "(quantized or non-HF checkpoints are not supported)"
+                f"{file}: unexpected tensor {name.removeprefix('gguf:')!r} for {model.config.architecture}{what}"
             ) from None
         except ValueError as e:
             raise ModelLoadError(f"{file}: {e}") from None
@@ -189,7 +198,8 @@ def load_model(
     load_tokenizer: bool = True,
     tp: Any = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig, Tokenizer | None, GenerationConfig]:
-    """``(model, config, tokenizer, generation_config)`` for the HF directory ``path``.
+    """``(model, config, tokenizer, generation_config)`` for the HF directory ``path``, or a GGUF
+    checkpoint (a ``.gguf`` file, or a directory holding one and no config.json).
 
     ``backend`` is a :class:`~hwkv.interfaces.Backend` (or its registered name); the model lives on
     its device and uses its attention. ``max_model_len`` sizes the RoPE table (default: the

@@ -15,6 +15,14 @@ def _token_name(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def has_tokenizer(path: str | Path) -> bool:
+    """Whether the checkpoint at ``path`` carries a tokenizer: an HF directory's tokenizer.json,
+    or a GGUF checkpoint (its vocabulary is in the metadata)."""
+    from hwkv.model.gguf_file import find_gguf
+
+    return (Path(path) / "tokenizer.json").is_file() or find_gguf(path) is not None
+
+
 class Tokenizer:
     """``encode``/``decode`` with the special-token handling of the checkpoint's ``tokenizer.json``
     (its post-processor decides whether a BOS is prepended)."""
@@ -35,7 +43,11 @@ class Tokenizer:
     def from_dir(cls, path: str | Path) -> Tokenizer:
         from tokenizers import Tokenizer as HFTokenizer
 
+        from hwkv.model.gguf_file import find_gguf, open_gguf
+
         path = Path(path)
+        if (gguf := find_gguf(path)) is not None:  # vocabulary, merges and chat template from the metadata
+            return open_gguf(gguf).tokenizer()
         file = path / "tokenizer.json"
         if not file.is_file():
             raise ModelLoadError(f"{file}: file not found (a `tokenizers` tokenizer.json is required)")

@@ -85,8 +85,9 @@ class AsyncEngine:
         unreadable tokenizer.json raises ``ModelLoadError``). On any failure nothing is left behind:
         no core process, socket or socket directory."""
         try:
-            if (Path(self.model) / "tokenizer.json").is_file():
-                from hwkv.model.tokenizer import Tokenizer
+            from hwkv.model.tokenizer import Tokenizer, has_tokenizer
+
+            if has_tokenizer(self.model):
 
                 self.tokenizer = Tokenizer.from_dir(self.model)
             self.info = await self.client.start(self.startup_timeout, self._core_died)
