@@ -1,10 +1,15 @@
-"""``hwkv pool``: run and inspect the Mooncake master behind the global KV pool connector.
+"""``hwkv pool``: run and inspect the Mooncake pool behind the global KV pool connector.
 
-    hwkv pool master [--host 127.0.0.1] [--port 50051] [--http-port 8080] [--metrics-port 9003]
+    hwkv pool master [--capacity 1GiB] [--host 127.0.0.1] [--port 50051] [--http-port 8080] [--metrics-port 9003]
+    hwkv pool holder --master HOST:PORT --metadata-server URL --capacity 4GiB [--host ADDR]
     hwkv pool stats [--metrics http://127.0.0.1:9003] [--json]
 
-``master`` runs ``mooncake_master`` in the foreground with an HTTP metadata server (no etcd needed),
-prints the ``kv_connector_config`` engines use to join it, and stops it on Ctrl-C / SIGTERM.
+``master`` runs ``mooncake_master`` in the foreground with an HTTP metadata server (no etcd needed)
+and, unless ``--capacity 0``, a memory holder beside it: Mooncake's standalone client service
+(``mooncake_client``) mounting ``--capacity`` bytes into the pool. Values live in holders'
+memory, so the pool outlives every engine (engines join with ``global_segment_size=0``: pure
+clients). It prints the ``kv_connector_config`` engines use and stops both on Ctrl-C / SIGTERM.
+``holder`` runs one more holder (another host's memory) for a running master.
 ``stats`` prints the master's counters (keys, allocated/total bytes, puts/gets, evictions).
 """
 
@@ -25,9 +30,39 @@ _STATS = ("master_key_count", "master_allocated_bytes", "master_total_capacity_b
           "master_remove_requests_total")
 
 
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2, "mib": 1 << 20,
+          "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40, "tb": 1000**4, "tib": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """``"4GiB"``, ``"512MB"``, ``"0"``, ``"1073741824"`` -> bytes (``ValueError`` naming the forms)."""
+    t = text.strip().lower().replace(" ", "")
+    num = t.rstrip("kmgtib")
+    unit = t[len(num):]
+    try:
+        n = float(num)
+    except ValueError:
+        n = -1.0
+    if unit not in _UNITS or n < 0:
+        raise ValueError(f"size {text!r} is invalid (use bytes or a number with KiB/MiB/GiB/TiB or KB/MB/GB/TB)")
+    return int(n * _UNITS[unit])
+
+
+def _size_arg(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
-    m = sub.add_parser("master", help="run mooncake_master for the pool (foreground)")
+    m = sub.add_parser("master", help="run mooncake_master and a memory holder for the pool (foreground)")
+    m.add_argument("--capacity", type=_size_arg, default=1 << 30,
+                   help="memory the holder started beside the master gives the pool (default 1GiB; 0: no holder, "
+                        "engines' own segments hold the values and leave with them)")
+    m.add_argument("--holder-host", default=None,
+                   help="address other clients reach the holder's memory at (default: --host, or 127.0.0.1)")
     m.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this host only; "
                    "0.0.0.0 for engines on other hosts)")
     m.add_argument("--port", type=int, default=50051, help="RPC port engines use as master= (default 50051)")
@@ -38,6 +73,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--eviction-ratio", type=float, default=0.05, help="share of objects evicted per round")
     m.add_argument("--lease-ttl-ms", type=int, default=None, help="read lease of a value (master default)")
     m.add_argument("extra", nargs="*", help="more mooncake_master flags, after --")
+    h = sub.add_parser("holder", help="run one more memory holder for a running master (foreground)")
+    h.add_argument("--master", required=True, help="the master's RPC address host:port")
+    h.add_argument("--metadata-server", required=True, help="the master's metadata URL (http://host:port/metadata)")
+    h.add_argument("--capacity", type=_size_arg, required=True, help="memory this holder gives the pool (e.g. 4GiB)")
+    h.add_argument("--host", default="127.0.0.1", help="address other clients reach this holder's memory at")
+    h.add_argument("--protocol", default="tcp", choices=("tcp", "rdma"), help="transfer protocol (default tcp)")
+    h.add_argument("--metrics", default=None, help="the master's metrics URL: wait until the memory is mounted")
     s = sub.add_parser("stats", help="print the master's counters")
     s.add_argument("--metrics", default="http://127.0.0.1:9003", help="the master's metrics URL")
     s.add_argument("--json", action="store_true", help="all counters as JSON")
@@ -64,7 +106,35 @@ def _bad(args: argparse.Namespace) -> str | None:
         return "--port, --http-port and --metrics-port must differ"
     if not 0 < args.eviction_high_watermark <= 1 or not 0 < args.eviction_ratio <= 1:
         return "--eviction-high-watermark and --eviction-ratio must be in (0, 1]"
-    return None
+    return _bad_capacity(args.capacity, allow_zero=True)
+
+
+def _bad_capacity(capacity: int, allow_zero: bool) -> str | None:
+    from hwkv.stores.mooncake import MIN_SEGMENT
+
+    if (capacity == 0 and allow_zero) or capacity >= MIN_SEGMENT:
+        return None
+    return f"--capacity={capacity} B is invalid (need {'0 or ' if allow_zero else ''}>= {MIN_SEGMENT >> 20}MiB)"
+
+
+def _start_holder(master: str, metadata: str, capacity: int, host: str, protocol: str, metrics_url: str | None):
+    """A ``mooncake_client`` holder (dies with this command); waits until mounted if ``metrics_url``."""
+    from hwkv.testing.mooncake import _die_with_parent, client_binary, holder_command, pool_capacity, wait_mounted
+
+    binary = client_binary()
+    if binary is None:
+        raise RuntimeError("mooncake_client (the pool memory holder) is not in the mooncake package")
+    before = pool_capacity(metrics_url) if metrics_url else 0.0
+    proc = subprocess.Popen(holder_command(binary, master, metadata, capacity, host=host, protocol=protocol),
+                            stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+    if metrics_url:
+        try:
+            wait_mounted(proc, metrics_url, before, capacity, 30)
+        except RuntimeError:
+            proc.kill()
+            proc.wait()
+            raise
+    return proc
 
 
 def run_master(args: argparse.Namespace) -> int:
@@ -81,32 +151,81 @@ def run_master(args: argparse.Namespace) -> int:
     # the master dies with this command, even when it is SIGKILLed (no orphan holding the ports)
     proc = subprocess.Popen(master_command(args, master_binary()), stdin=subprocess.DEVNULL,
                             preexec_fn=_die_with_parent)
-    stopping = []
-
-    def stop(*_: object) -> None:
-        stopping.append(True)
-        proc.terminate()
-
-    signal.signal(signal.SIGTERM, stop)
+    stopping: list[bool] = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     deadline = time.monotonic() + 15
-    while proc.poll() is None and time.monotonic() < deadline and not _healthy(f"http://{host}:{args.metrics_port}"):
+    while proc.poll() is None and time.monotonic() < deadline and not stopping \
+            and not _healthy(f"http://{host}:{args.metrics_port}"):
         time.sleep(0.1)
+    if stopping:
+        _stop_all([proc])
+        return 0
     if proc.poll() is not None:
         print(f"hwkv pool master: mooncake_master exited with {proc.returncode}", file=sys.stderr)
         return 1
     cfg = {"store": "mooncake", "master": f"{host}:{args.port}",
            "metadata_server": f"http://{host}:{args.http_port}/metadata", "protocol": "tcp"}
-    print(f"hwkv pool master: serving; engines join with\n  kv_connector='pool', kv_connector_config={json.dumps(cfg)}"
-          f"\n  stats: hwkv pool stats --metrics http://{host}:{args.metrics_port}", flush=True)
+    metrics_url = f"http://{host}:{args.metrics_port}"
+    holder = None
+    if args.capacity:
+        try:
+            holder = _start_holder(cfg["master"], cfg["metadata_server"], args.capacity, args.holder_host or host,
+                                   "tcp", metrics_url)
+        except RuntimeError as e:
+            print(f"hwkv pool master: {e}", file=sys.stderr)
+            _stop_all([proc])
+            return 1
+        cfg["global_segment_size"] = 0  # the holder holds the values: engines stay pure clients
+    print(f"hwkv pool master: serving{f' {args.capacity} B held' if holder else ''}; engines join with\n"
+          f"  kv_connector='pool', kv_connector_config={json.dumps(cfg)}"
+          f"\n  stats: hwkv pool stats --metrics {metrics_url}", flush=True)
+    procs = [p for p in (holder, proc) if p is not None]
+    rc = _wait_any(procs, stopping)
+    _stop_all(procs)
+    return 0 if stopping else rc
+
+
+def _wait_any(procs: list[subprocess.Popen], stopping: list[bool]) -> int:
+    """Until one of ``procs`` exits (its code), SIGTERM (``stopping``) or Ctrl-C."""
     try:
-        rc = proc.wait()
+        while not stopping:
+            for p in procs:
+                if p.poll() is not None:
+                    if p.returncode:
+                        print(f"hwkv pool: {p.args[0].rsplit('/', 1)[-1]} exited with {p.returncode}",
+                              file=sys.stderr)
+                    return p.returncode or 1
+            time.sleep(0.2)
     except KeyboardInterrupt:
-        stop()
+        stopping.append(True)
+    return 0
+
+
+def _stop_all(procs: list[subprocess.Popen]) -> None:
+    for p in procs:  # the holder first: its segment unmounts while the master still answers
+        if p.poll() is None:
+            p.terminate()
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def run_holder(args: argparse.Namespace) -> int:
+    if (err := _bad_capacity(args.capacity, allow_zero=False)) is not None:
+        print(f"hwkv pool holder: {err}", file=sys.stderr)
+        return 2
     try:
-        rc = proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        rc = proc.wait()
+        proc = _start_holder(args.master, args.metadata_server, args.capacity, args.host, args.protocol, args.metrics)
+    except (RuntimeError, OSError) as e:
+        print(f"hwkv pool holder: {e}", file=sys.stderr)
+        return 1
+    stopping: list[bool] = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    print(f"hwkv pool holder: {args.capacity} B of {args.host} in the pool of {args.master}", flush=True)
+    rc = _wait_any([proc], stopping)
+    _stop_all([proc])
     return 0 if stopping else rc
 
 
@@ -141,6 +260,8 @@ def metrics(url: str) -> dict[str, float]:
 def run(args: argparse.Namespace) -> int:
     if args.action == "master":
         return run_master(args)
+    if args.action == "holder":
+        return run_holder(args)
     try:
         m = metrics(args.metrics)
     except RuntimeError as e:

@@ -55,7 +55,7 @@ def drop_embedded(name: str = "default") -> None:
 
 
 MOONCAKE_KEYS = ("master", "metadata_server", "protocol", "host", "global_segment_size", "local_buffer_size",
-                 "device_name", "timeout_s", "connect_timeout_s")
+                 "device_name", "timeout_s", "connect_timeout_s", "replicas")
 
 
 def store_factory(store: Any, options: dict[str, Any]) -> tuple[Callable[[], Store], bool]:
@@ -206,7 +206,9 @@ POOL_CONFIG = {
     "metadata_server": "mooncake: default 'P2PHANDSHAKE', or the master's HTTP metadata URL",
     "protocol": "mooncake: 'tcp' (default) or 'rdma'",
     "host": "mooncake: default '127.0.0.1': this client's address as other clients reach it",
-    "global_segment_size": "mooncake: int, default 256 MiB: memory this client contributes to the pool",
+    "global_segment_size": "mooncake: int, default 256 MiB: memory this client contributes to the pool "
+                           "(0 with `hwkv pool master`'s holders: the pool then outlives this engine)",
+    "replicas": "mooncake: int, default 1: copies of each value, on different holders' segments",
     "local_buffer_size": "mooncake: int, default 0",
     "device_name": "mooncake: rdma device names ('' = auto)",
     "timeout_s": "mooncake: float, default 5.0: bound of every store call",

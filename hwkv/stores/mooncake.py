@@ -60,6 +60,10 @@ class MooncakeStore(Store):
       once with :class:`StoreFull`; the master evicts in the background once usage crosses its
       ``eviction_high_watermark_ratio`` — objects whose lease (granted by reads) expired first, in
       batches of ``eviction_ratio``. That is approximately, not strictly, LRU.
+    * ``replicas`` copies of each value go to different segments (holders) where there are that
+      many (fewer otherwise: the put still succeeds). A value outlives ``replicas - 1`` holders'
+      exits — once the master drops a dead holder (its ``client_ttl``, 10 s by default); until
+      then a get that picks the dead copy fails (the pool connector recomputes).
     * ``remove`` is forced by default (``force_remove``): a value being read (leased) is removed
       anyway; with ``force_remove=False`` it fails with a :class:`StoreError` naming the lease.
 
@@ -84,6 +88,7 @@ class MooncakeStore(Store):
         force_remove: bool = True,
         connect_timeout_s: float = 3.0,
         timeout_s: float = 5.0,
+        replicas: int = 1,
     ):
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol={protocol!r} is not supported (allowed: {', '.join(PROTOCOLS)})")
@@ -93,6 +98,9 @@ class MooncakeStore(Store):
                              f"(need 0 for a client that contributes no memory, or >= {MIN_SEGMENT})")
         if not isinstance(local_buffer_size, int) or local_buffer_size < 0:
             raise ValueError(f"local_buffer_size={local_buffer_size!r} is invalid (need an int >= 0)")
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or not 1 <= replicas <= 8:
+            raise ValueError(f"replicas={replicas!r} is invalid (need an int in 1..8: copies of each value, "
+                             "each on a different segment)")
         for name, v in (("connect_timeout_s", connect_timeout_s), ("timeout_s", timeout_s)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 3600:
                 raise ValueError(f"{name}={v!r} is invalid (need seconds in (0, 3600])")
@@ -110,6 +118,8 @@ class MooncakeStore(Store):
         self.force_remove = force_remove
         self._rpc_timeout_s = max(self.timeout_s / 2, 0.1)  # a put is two RPCs: both fit in timeout_s
         self._store = store_mod.MooncakeDistributedStore()
+        self._replicate = store_mod.ReplicateConfig()
+        self._replicate.replica_num = replicas
         # setup() retries a failing client 20 times (meant for port clashes): 3 bound a master that
         # hangs between the probe and setup to 3 RPC deadlines, during which the GIL is held.
         env = {"MC_RPC_TIMEOUT_MS": str(int(self._rpc_timeout_s * 1000)),
@@ -201,7 +211,8 @@ class MooncakeStore(Store):
         self._check_registered("put", buffers)
         single = [i for i, segs in enumerate(buffers) if len(segs) == 1]
         multi = [i for i, segs in enumerate(buffers) if len(segs) > 1]
-        codes = dict(zip(single + multi, self._call("put", self._put, store, keys, buffers, single, multi)))
+        codes = dict(zip(single + multi, self._call("put", self._put, store, keys, buffers, single, multi,
+                                                    self._replicate)))
         self._codes("put", list(codes.values()))
         out = []
         for i, (key, segs) in enumerate(zip(keys, buffers)):
@@ -213,12 +224,13 @@ class MooncakeStore(Store):
         return out
 
     @staticmethod
-    def _put(store, keys: list[str], buffers: list[Buffers], single: list[int], multi: list[int]) -> list[int]:
+    def _put(store, keys: list[str], buffers: list[Buffers], single: list[int], multi: list[int],
+             config: object) -> list[int]:
         """On a worker: the wheel's codes for ``single`` then ``multi`` items."""
         rcs = []
         if single:
             rcs += store.batch_upsert_from([keys[i] for i in single], [buffers[i][0][0] for i in single],
-                                           [buffers[i][0][1] for i in single])
+                                           [buffers[i][0][1] for i in single], config)
         if multi:
             mkeys = [keys[i] for i in multi]
             removed = store.batch_remove(mkeys, True)  # missing keys answer OBJECT_NOT_FOUND: fine here
@@ -227,7 +239,7 @@ class MooncakeStore(Store):
                 rcs += [lost[0]] * len(multi)
             else:
                 rcs += store.batch_put_from_multi_buffers(mkeys, [[p for p, _ in buffers[i]] for i in multi],
-                                                          [[n for _, n in buffers[i]] for i in multi])
+                                                          [[n for _, n in buffers[i]] for i in multi], config)
         return rcs
 
     def get(self, keys: list[str], buffers: list[Buffers]) -> list[ItemResult]:

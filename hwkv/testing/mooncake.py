@@ -1,7 +1,10 @@
-"""Run a real ``mooncake_master`` for tests and local experiments.
+"""Run a real ``mooncake_master`` (and memory holders) for ``hwkv pool``, tests and experiments.
 
     with mooncake_master() as m:               # 127.0.0.1, free ports, HTTP metadata server on
         store = MooncakeStore(master=m.master, metadata_server=m.metadata_server)
+
+    with mooncake_master() as m, mooncake_holder(m, 64 << 20):    # a pool that outlives its clients
+        store = MooncakeStore(master=m.master, metadata_server=m.metadata_server, global_segment_size=0)
 
 pytest::
 
@@ -67,6 +70,18 @@ def master_binary() -> str | None:
         if os.path.isfile(path):
             return path
     return shutil.which("mooncake_master")
+
+
+def client_binary() -> str | None:
+    """Mooncake's standalone client service (``mooncake_client``, the wheel's "real client"): a
+    process that mounts ``--global_segment_size`` bytes of its memory into the pool and keeps them
+    there while it lives — the pool's memory holder."""
+    spec = importlib.util.find_spec("mooncake")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        path = os.path.join(root, "mooncake_client")
+        if os.path.isfile(path) and os.access(path, os.X_OK):
+            return path
+    return None
 
 
 @functools.lru_cache(maxsize=1)
@@ -209,3 +224,89 @@ def _run(
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
+
+
+@dataclass(frozen=True)
+class MooncakeHolder:
+    """A running memory holder: its process id, the bytes it contributes, its service port, log."""
+
+    pid: int
+    capacity_bytes: int
+    port: int
+    log_path: str
+
+
+def holder_command(binary: str, master: str, metadata_server: str, capacity_bytes: int, host: str = "127.0.0.1",
+                   port: int = 0, protocol: str = "tcp") -> list[str]:
+    """The ``mooncake_client`` command line of a holder contributing ``capacity_bytes`` (its own
+    staging buffer is 0: it only serves its segment). ``host`` is the address other clients reach
+    its segment at."""
+    return [binary, f"--master_server_address={master}", f"--metadata_server={metadata_server}",
+            f"--global_segment_size={capacity_bytes}", "--local_buffer_size=0", f"--host={host}",
+            f"--port={port or free_port()}", f"--protocol={protocol}", "--threads=1"]
+
+
+def pool_capacity(metrics_url: str) -> float:
+    """The bytes every mounted segment gives the pool (the master's ``master_total_capacity_bytes``)."""
+    with urllib.request.urlopen(f"{metrics_url}/metrics", timeout=2) as r:
+        text = r.read().decode()
+    for line in text.splitlines():
+        if line.startswith("master_total_capacity_bytes "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def wait_mounted(proc: subprocess.Popen, metrics_url: str, before: float, capacity_bytes: int, timeout_s: float,
+                 log_path: str | None = None) -> None:
+    """Wait until the master counts ``capacity_bytes`` more than ``before`` (the holder's segment is
+    mounted); ``RuntimeError`` with the holder's log tail if it exits or does not mount in time."""
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None and time.monotonic() < deadline:
+        with contextlib.suppress(OSError, ValueError):
+            if pool_capacity(metrics_url) >= before + capacity_bytes:
+                return
+        time.sleep(0.05)
+    tail = _tail(log_path) if log_path else ""
+    state = f"exited with {proc.returncode}" if proc.poll() is not None else f"not mounted in {timeout_s:g} s"
+    raise RuntimeError(f"mooncake_client (pool memory holder) {state}:\n{tail}")
+
+
+def stop(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
+    """SIGCONT + SIGTERM, SIGKILL after ``grace_s`` (a test may have stopped it)."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGCONT)
+        proc.terminate()
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextlib.contextmanager
+def mooncake_holder(master: MooncakeMaster, capacity_bytes: int = 64 << 20, *,
+                    timeout_s: float = 15.0) -> Iterator[MooncakeHolder]:
+    """Start a memory holder (``mooncake_client``) contributing ``capacity_bytes`` to ``master``'s
+    pool, wait until its segment is mounted, yield it, then stop it. Values put by any client
+    (engines with ``global_segment_size=0`` included) live in holders' segments, so they outlive
+    the client that put them — until the holder exits."""
+    binary = client_binary()
+    if binary is None:
+        raise RuntimeError(f"mooncake_client not found in the mooncake package; install: {INSTALL_HINT}")
+    log_fd, log_path = tempfile.mkstemp(prefix="mooncake_holder_", suffix=".log")
+    os.close(log_fd)
+    port = free_port()
+    try:
+        before = pool_capacity(master.metrics)
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(holder_command(binary, master.master, master.metadata_server, capacity_bytes,
+                                                   port=port), stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        try:
+            wait_mounted(proc, master.metrics, before, capacity_bytes, timeout_s, log_path)
+            yield MooncakeHolder(proc.pid, capacity_bytes, port, log_path)
+        finally:
+            stop(proc)
+    finally:
+        os.unlink(log_path)

@@ -33,12 +33,12 @@ def _hwkv(*args: str, **kw) -> subprocess.Popen:
 
 
 class Master:
-    def __init__(self, ports: tuple[int, int, int]):
+    def __init__(self, ports: tuple[int, int, int], *extra: str):
         self.ports = ports
         p, h, m = ports
         self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (read on failure, closed with the object)
         self.proc = _hwkv("pool", "master", "--port", str(p), "--http-port", str(h), "--metrics-port", str(m),
-                          stderr=self.log, start_new_session=True)
+                          *extra, stderr=self.log, start_new_session=True)
         sel = selectors.DefaultSelector()
         sel.register(self.proc.stdout, selectors.EVENT_READ)
         deadline, seen = time.monotonic() + 60, ""
@@ -69,16 +69,36 @@ class Master:
         return "".join(ln for ln in self.log.read().splitlines(True) if ln[:1] not in "IW")[-3000:]
 
 
+def _capacity(metrics_port: int) -> int:
+    out = subprocess.run([sys.executable, "-m", "hwkv", "pool", "stats", "--json", "--metrics",
+                          f"http://127.0.0.1:{metrics_port}"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return int(json.loads(out.stdout)["master_total_capacity_bytes"])
+
+
 def test_master_and_stats():
     skip_unless_mooncake()
     ports = (free_port(), free_port(), free_port())
-    m = Master(ports)
+    m = Master(ports, "--capacity", "32MiB")
     try:
         assert f'"master": "127.0.0.1:{ports[0]}"' in m.banner
         assert f'"metadata_server": "http://127.0.0.1:{ports[1]}/metadata"' in m.banner
+        assert '"global_segment_size": 0' in m.banner  # the holder holds the values; engines are pure clients
         out = subprocess.run([sys.executable, "-m", "hwkv", "pool", "stats", "--metrics",
                               f"http://127.0.0.1:{ports[2]}"], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0 and "master_key_count" in out.stdout
+        assert _capacity(ports[2]) == 32 << 20
+        # one more holder (another host's memory, here this one's) joins the running master
+        holder = _hwkv("pool", "holder", "--master", f"127.0.0.1:{ports[0]}", "--metadata-server",
+                       f"http://127.0.0.1:{ports[1]}/metadata", "--capacity", "16MiB", "--metrics",
+                       f"http://127.0.0.1:{ports[2]}", stderr=subprocess.DEVNULL)
+        try:
+            assert "hwkv pool holder: 16777216 B" in holder.stdout.readline()
+            assert _capacity(ports[2]) == 48 << 20
+        finally:
+            holder.send_signal(signal.SIGTERM)
+            assert holder.wait(20) == 0
+            holder.stdout.close()
     finally:
         assert m.stop() == 0
     out = subprocess.run([sys.executable, "-m", "hwkv", "pool", "stats", "--metrics", f"http://127.0.0.1:{ports[2]}"],
@@ -90,6 +110,12 @@ def test_bad_master_arguments():
     out = subprocess.run([sys.executable, "-m", "hwkv", "pool", "master", "--port", "7", "--http-port", "7"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--port, --http-port and --metrics-port must differ" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "hwkv", "pool", "master", "--capacity", "1MiB"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--capacity=1048576 B is invalid (need 0 or >= 16MiB)" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "hwkv", "pool", "master", "--capacity", "lots"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "size 'lots' is invalid" in out.stderr
 
 
 def test_engine_resumes_when_the_master_returns(tmp_path):

@@ -1,0 +1,123 @@
+"""A pool that outlives its engines: a real mooncake_master plus a memory holder (Mooncake's
+``mooncake_client``) hold the values; engines contribute 0 bytes. Engine process 1 fills the pool
+and exits, engine process 2 loads the prefix from it with identical tokens; once the holder is
+gone, engines recompute (identical tokens, nothing loaded)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import hwkv
+from hwkv import SamplingParams
+from hwkv.testing.mooncake import client_binary, master_metrics, mooncake_holder, mooncake_master, skip_unless_mooncake
+from hwkv.testing.tiny_models import write_tiny_model
+
+BS = 16
+PROMPT = [(11 * i + 3) % 500 + 1 for i in range(150)]  # 9 full blocks before the last token
+
+# One engine's life: generate, then exit through close() (mode "close") or without it ("exit"):
+# pending puts are flushed either way (close(), or the connector's exit hook).
+CHILD = r"""
+import json, sys
+import torch
+import hwkv
+from hwkv import SamplingParams
+torch.set_num_threads(1)
+cfg = json.loads(sys.argv[1])
+model, prompt, mode = cfg.pop("model"), cfg.pop("prompt"), cfg.pop("mode")
+e = hwkv.Engine(model, num_kv_blocks=64, max_model_len=256, block_size=16, kv_connector="pool",
+                kv_connector_config=cfg)
+toks = e.generate([prompt], SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)[0].token_ids
+st = e.stats()["kv_connector"]
+print(json.dumps({"tokens": toks, "stats": {k: v for k, v in st.items() if isinstance(v, (int, float, str, bool))}}),
+      flush=True)
+if mode == "close":
+    e.close()
+"""
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(write_tiny_model(tmp_path_factory.mktemp("pool_persist") / "m", seed=0))
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir):
+    e = hwkv.Engine(model_dir, num_kv_blocks=64, max_model_len=256, block_size=BS)
+    return e.generate([PROMPT], SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)[0].token_ids
+
+
+def engine_process(m, model_dir: str, mode: str = "close", **kw) -> dict:
+    """Run one engine process to its exit (bounded); its JSON result. It must exit 0."""
+    cfg = dict(model=model_dir, prompt=PROMPT, mode=mode, store="mooncake", master=m.master,
+               metadata_server=m.metadata_server, global_segment_size=0, timeout_s=3.0, **kw)
+    r = subprocess.run([sys.executable, "-c", CHILD, json.dumps(cfg)], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, f"engine process exited with {r.returncode}:\n{r.stderr[-3000:]}"
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_pool_survives_engine_restarts(model_dir, expected):
+    skip_unless_mooncake()
+    if client_binary() is None:
+        pytest.skip("the mooncake wheel has no mooncake_client (the pool memory holder)")
+    with mooncake_master() as m:
+        with mooncake_holder(m, 32 << 20):
+            first = engine_process(m, model_dir)
+            assert first["tokens"] == expected and first["stats"]["external_hit_tokens"] == 0
+            assert master_metrics(m)["master_key_count"] == 9  # flushed by close(), held by the holder
+            for _ in range(1):  # a restart finds the prefix: the engine that put it is gone
+                again = engine_process(m, model_dir)
+                assert again["tokens"] == expected
+                assert again["stats"]["external_hit_tokens"] == 9 * BS and again["stats"]["load_failures"] == 0
+                assert again["stats"]["stored_bytes"] == 0
+        # the holder is gone, and with it every value: engines recompute, tokens unchanged
+        after = engine_process(m, model_dir, lookup_timeout_s=1.0)
+        assert after["tokens"] == expected
+        assert after["stats"]["external_hit_tokens"] == 0 or after["stats"]["load_failures"] > 0
+
+
+def test_replicas_outlive_a_holder():
+    """``replicas=2`` over two holders: one holder killed, the value is read from the other copy once
+    the master dropped the dead holder (client_ttl; 2 s here)."""
+    skip_unless_mooncake()
+    if client_binary() is None:
+        pytest.skip("the mooncake wheel has no mooncake_client (the pool memory holder)")
+    import ctypes
+    import signal
+    import time
+
+    from hwkv.stores.mooncake import MooncakeStore
+
+    n = 1 << 20
+    buf = ctypes.create_string_buffer(n)
+    ptr = ctypes.addressof(buf)
+    with mooncake_master(client_ttl_s=2) as m, mooncake_holder(m, 16 << 20) as h1, mooncake_holder(m, 16 << 20):
+        s = MooncakeStore(master=m.master, metadata_server=m.metadata_server, global_segment_size=0, replicas=2)
+        try:
+            s.register_buffer(ptr, n)
+            ctypes.memset(ptr, 7, n)
+            assert s.put(["v"], [[(ptr, n)]])[0].ok
+            assert master_metrics(m)["master_allocated_bytes"] == 2 * n  # one copy per holder
+            os.kill(h1.pid, signal.SIGKILL)
+            ctypes.memset(ptr, 0, n)
+            deadline = time.monotonic() + 15
+            while not s.get(["v"], [[(ptr, n)]])[0].ok:
+                assert time.monotonic() < deadline, "the surviving copy was never served"
+                time.sleep(0.5)
+            assert buf.raw[:4] == b"\x07" * 4
+            s.unregister_buffer(ptr)
+        finally:
+            s.close()
+
+
+def test_replicas_validated():
+    from hwkv.stores.mooncake import MooncakeStore
+
+    with pytest.raises(ValueError, match=r"replicas=0 is invalid \(need an int in 1\.\.8"):
+        MooncakeStore(master="127.0.0.1:1", replicas=0)
