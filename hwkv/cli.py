@@ -24,6 +24,31 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+# command -> (pyproject extra, modules it needs): checked before the command's module is imported,
+# so a missing extra is one line naming it, not a traceback from deep inside an import
+EXTRAS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "serve": ("serve", ("fastapi", "uvicorn", "prometheus_client", "jinja2")),
+    "proxy": ("serve", ("fastapi", "uvicorn", "httpx")),
+    "conformance": ("conformance", ("pytest",)),
+    "bench serve": ("serve", ("httpx",)),
+    "bench pd": ("serve", ("fastapi", "uvicorn", "httpx")),
+}
+
+
+def missing_extra(command: str) -> str | None:
+    """The one-line error for ``command`` when a module of its extra is not installed, else None."""
+    import importlib.util
+
+    if command not in EXTRAS:
+        return None
+    extra, modules = EXTRAS[command]
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if not missing:
+        return None
+    return (f"`hwkv {command}` needs the '{extra}' extra (missing: {', '.join(missing)}): "
+            f"pip install 'hwkv[{extra}]' (from a checkout: pip install -e '.[{extra}]')")
+
+
 def load_command(module: str, what: str) -> ModuleType:
     """Import a command module; raise ``RuntimeError`` naming the command and the import error."""
     try:
@@ -53,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     name = _chosen(argv)
     module = None
     if name in COMMANDS:
+        if (why := missing_extra(name)) is not None:
+            print(f"hwkv: {why}", file=sys.stderr)
+            return 2
         try:
             module = load_command(COMMANDS[name][0], f"command {name!r}")
         except RuntimeError as e:

@@ -6,8 +6,11 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 pip_q() { "$PY" -m pip install -q --disable-pip-version-check "$@"; }
 
-# torch first, pinned, so no CUDA build is downloaded on a CPU machine; keep an existing install.
-"$PY" -c "import torch" 2>/dev/null || pip_q "torch==2.13.0"
+# torch first, pinned (an existing install is kept). Which build comes is pip's choice: from PyPI,
+# Linux torch==2.13.0 is the CUDA build (plus the nvidia-* wheels, GBs); a find-links directory or
+# an index holding 2.13.0+cpu gives the CPU wheel (a local version sorts first);
+# TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu asks that index for it.
+"$PY" -c "import torch" 2>/dev/null || pip_q "torch==2.13.0" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 
 if [[ "${1:-}" == "--dev" ]]; then
   # The Mooncake wheel links libibverbs even for TCP.

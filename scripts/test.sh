@@ -3,6 +3,14 @@
 # This is the README's test command and exactly what CI runs (.ci/run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# A fresh virtualenv per run (unless PYTHON names an interpreter, or HWKV_TEST_VENV=0): a test
+# dependency that no extra declares fails here, as it would on a user's machine.
+if [[ -z "${PYTHON:-}" && "${HWKV_TEST_VENV:-1}" != 0 ]]; then
+  VENV=${HWKV_TEST_VENV_DIR:-.venv-test}
+  rm -rf "$VENV" && python3 -m venv "$VENV" || { echo "could not create the virtualenv $VENV" >&2; exit 1; }
+  export PATH="$PWD/$VENV/bin:$PATH" VIRTUAL_ENV="$PWD/$VENV"
+  export PYTHON="$PWD/$VENV/bin/python"
+fi
 PY=${PYTHON:-python3}
 # Small tensor ops dominate the suite; one intra-op thread avoids oversubscribing CI's 2 cores.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}

@@ -131,3 +131,19 @@ def test_bench_dispatches_to_bench_module(monkeypatch, capsys):
     assert "unknown bench 'nope'" in err
     allowed = err.split("allowed: ")[1].split(";")[0].split(", ")
     assert allowed == sorted(allowed) and {"cache", "e2e", "host", "scheduler"} <= set(allowed)
+
+
+@pytest.mark.parametrize(("argv", "extra", "hidden"), [
+    (["serve", "--model", "m"], "serve", "uvicorn"), (["proxy", "--prefill", "http://a", "--decode", "http://b"],
+                                                      "serve", "httpx"),
+    (["conformance", "--backend", "cpu"], "conformance", "pytest"), (["bench", "serve"], "serve", "httpx"),
+])
+def test_a_missing_extra_is_one_line_naming_it(monkeypatch, capsys, argv, extra, hidden):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == hidden else real(name, *a))
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"'{extra}' extra" in err and f"missing: {hidden}" in err, err
+    assert f"pip install 'hwkv[{extra}]'" in err

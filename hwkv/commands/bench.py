@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hwkv.cli import load_command
+    from hwkv.cli import load_command, missing_extra
 
     name, known = args.bench, benches()
     if name not in known:
@@ -56,6 +56,9 @@ def run(args: argparse.Namespace) -> int:
               "benches need its plugin installed or named in HWKV_PLUGIN_MODULES)", file=sys.stderr)
         return 2
     module, description = known[name]
+    if (why := missing_extra(f"bench {name}")) is not None:
+        print(f"hwkv bench: {why}", file=sys.stderr)
+        return 2
     try:
         mod = load_command(module, f"bench {name!r}")
     except RuntimeError as e:
