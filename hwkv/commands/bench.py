@@ -27,6 +27,8 @@ BENCHES = {
               "(TTFT, ITL, throughput)"),
     "pd": ("hwkv.bench.pd", "prefill/decode disaggregation (p2p connector + proxy) vs one colocated engine: "
            "TTFT, ITL, transfer GB/s"),
+    "transfer": ("hwkv.bench.transfer", "one-sided writes between two processes: device-direct (cuda_ipc, cma) vs "
+                 "tcp staging vs the in-process peer-copy limit, GB/s by size and segment count"),
 }
 
 

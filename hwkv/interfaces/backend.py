@@ -83,9 +83,14 @@ class Backend(ABC):
         caps = self.capabilities
         if not caps.transfer_protocols:
             raise NotSupported(f"backend {self.name!r} declares no transfer protocol: {caps.transfer_reason}")
+        options.setdefault("protocol", caps.transfer_protocols[0])
+        if options["protocol"] == "cma":  # same-host host memory, no Mooncake (hwkv.transfer.direct)
+            from hwkv.transfer.direct import DirectTransfer, HostMover
+
+            options.pop("protocol")
+            return DirectTransfer(HostMover(), **options)
         from hwkv.transfer.mooncake import MooncakeTransfer
 
-        options.setdefault("protocol", caps.transfer_protocols[0])
         return MooncakeTransfer(**options)
 
     def create_store(self, kind: str = "embedded", **options: Any) -> Store:
