@@ -55,6 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens per step (default: 2048; max_model_len with --no-chunked-prefill)")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 (float8 e4m3 KV: half the bytes)")
     p.add_argument("--no-chunked-prefill", action="store_true")
     p.add_argument("--json", action="store_true", help="print outputs and stats as JSON")
 
@@ -122,7 +123,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         backend=args.backend, dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
-        enable_chunked_prefill=not args.no_chunked_prefill,
+        enable_chunked_prefill=not args.no_chunked_prefill, kv_cache_dtype=args.kv_cache_dtype,
     )
 
 

@@ -56,6 +56,9 @@ def build_parts(engine: Any, args: EngineArgs, kv_connector: Any, kv_connector_c
         tp=tp.shard if tp else None,
     )
     model = engine.model
+    from hwkv.interfaces.kv_quant import kv_storage_dtype
+
+    model.kv_cache_dtype = kv_storage_dtype(args.kv_cache_dtype, model.dtype)  # the spec resolve sizes the pool by
     if kv_connector is not None:  # e.g. the pool keys KV by model identity
         kv_connector.bind_model(args.model, engine.model_config)
     engine.proposer = proposer = None
@@ -69,6 +72,11 @@ def build_parts(engine: Any, args: EngineArgs, kv_connector: Any, kv_connector_c
     engine.block_size, engine.max_model_len = cc.block_size, cfg.model.max_model_len
     engine.kv_cache = kv_cache = backend.device.allocate_kv_cache(model.kv_cache_spec(cc.num_blocks, cc.block_size),
                                                                   backend.attention.kv_layout)
+    if args.kv_cache_scales is not None:
+        from hwkv.interfaces.kv_quant import parse_scales
+
+        kv_cache.set_scales(parse_scales(args.kv_cache_scales, kv_cache.spec.num_layers, kv_cache.spec.num_kv_heads))
+    model.bind_kv_cache(kv_cache)
     if hasattr(proposer, "allocate"):
         proposer.allocate(cc.num_blocks, cc.block_size, engine.max_model_len)
     engine.vocab_size = engine.model_config.vocab_size

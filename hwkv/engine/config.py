@@ -46,6 +46,8 @@ class EngineArgs:
     reserve_full_prompt: bool = True  # admit only when the whole prompt fits in free blocks (not just a chunk)
     speculative_config: Any = None  # dict (or JSON object text): hwkv.spec_decode.SpeculativeConfig; None: off
     tensor_parallel_size: int = 1  # ranks (one process and device each) the model is sharded over
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8" / "fp8_e4m3" (docs/fp8-kv-cache.md)
+    kv_cache_scales: Any = None  # fp8 KV dequantisation scales (hwkv.interfaces.kv_quant.parse_scales); None: 1.0
 
     def __post_init__(self) -> None:
         def need(name: str, ok: bool, allowed: str) -> None:
@@ -69,6 +71,15 @@ class EngineArgs:
             need(name, isinstance(getattr(self, name), bool), "a bool")
         for name in ("fuse_elementwise", "async_scheduling", "decode_ops"):
             need(name, getattr(self, name) is None or isinstance(getattr(self, name), bool), "None or a bool")
+        from hwkv.interfaces.kv_quant import KV_CACHE_DTYPES
+
+        need("kv_cache_dtype", self.kv_cache_dtype in KV_CACHE_DTYPES, f"one of {sorted(KV_CACHE_DTYPES)}")
+        if self.kv_cache_scales is not None and KV_CACHE_DTYPES[self.kv_cache_dtype] is None:
+            raise ValueError(f"kv_cache_scales needs a quantised kv_cache_dtype (allowed: fp8, fp8_e4m3), "
+                             f"got kv_cache_dtype {self.kv_cache_dtype!r}")
+        if KV_CACHE_DTYPES[self.kv_cache_dtype] is not None and self.tensor_parallel_size > 1:
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not implemented with tensor_parallel_size "
+                             f"{self.tensor_parallel_size} (the worker ranks allocate model-dtype KV; allowed: 1)")
         from hwkv.spec_decode.config import SpeculativeConfig
 
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)  # ValueError naming the key
@@ -133,7 +144,7 @@ class EngineArgs:
                                 self.scheduling_policy, self.reserve_full_prompt)
         return EngineConfig(
             model=ModelOptions(str(self.model), self.dtype, max_len, self.seed),
-            cache=CacheConfig(block_size, n, self.memory_fraction, self.enable_prefix_caching),
+            cache=CacheConfig(block_size, n, self.memory_fraction, self.enable_prefix_caching, self.kv_cache_dtype),
             scheduler=sched,
             parallel=ParallelConfig(self.tensor_parallel_size),
             runtime=RuntimeConfig(graphs, min(self.max_num_seqs, budget) if graphs else 0, fuse, async_,
@@ -157,6 +168,7 @@ class CacheConfig:
     num_blocks: int  # KV pool size
     memory_fraction: float
     enable_prefix_caching: bool
+    kv_cache_dtype: str = "auto"  # as given: "auto", "fp8", "fp8_e4m3" (the storage dtype: kv_cache.spec.dtype)
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,10 @@ class Engine(RequestTracking):
     * backend — ``backend``: a registered name (``hwkv backends``) or a Backend instance.
     * cache — ``block_size`` (``None``: the backend's default); ``num_kv_blocks`` (``None``: what
       ``memory_fraction`` of device memory leaves after the weights, capped at ``max_num_seqs``
-      full-length requests); ``enable_prefix_caching``.
+      full-length requests); ``enable_prefix_caching``; ``kv_cache_dtype`` (``"auto"``: the model's
+      dtype; ``"fp8"``: float8 e4m3 KV, half the bytes, where the backend declares it) and
+      ``kv_cache_scales`` (its dequantisation scales: a float, ``[k, v]``, per layer or per layer and
+      KV head; ``None``: 1.0) — docs/fp8-kv-cache.md.
     * scheduler — ``max_num_seqs``; ``max_num_batched_tokens`` (token budget per step; ``None``:
       2048, or ``max_model_len`` without chunked prefill); ``enable_chunked_prefill``;
       ``long_prefill_token_threshold``; ``max_num_partial_prefills``; ``scheduling_policy``
@@ -78,12 +81,14 @@ class Engine(RequestTracking):
                  enforce_eager: bool = False, fuse_elementwise: bool | None = None,
                  async_scheduling: bool | None = None, decode_ops: bool | None = None,
                  scheduling_policy: str = "fcfs", reserve_full_prompt: bool = True, speculative_config: Any = None,
-                 tensor_parallel_size: int = 1, kv_connector_config: dict[str, Any] | None = None):
+                 tensor_parallel_size: int = 1, kv_connector_config: dict[str, Any] | None = None,
+                 kv_cache_dtype: str = "auto", kv_cache_scales: Any = None):
         args = EngineArgs(
             str(model), backend, dtype, max_model_len, block_size, num_kv_blocks, memory_fraction, max_num_seqs,
             max_num_batched_tokens, enable_prefix_caching, enable_chunked_prefill, long_prefill_token_threshold,
             max_num_partial_prefills, seed, enforce_eager, fuse_elementwise, async_scheduling, decode_ops,
             scheduling_policy, reserve_full_prompt, speculative_config, tensor_parallel_size,
+            kv_cache_dtype=kv_cache_dtype, kv_cache_scales=kv_cache_scales,
         )
         build_parts(self, args, kv_connector, kv_connector_config)  # hwkv/engine/build.py: the parts, in order
         # Ids: the scheduler, runner and connector see internal ids "<request_id>-<n>", unique per

@@ -10,7 +10,8 @@ def check_backend(backend: Any, model: Any, block_size: int) -> None:
     """``ValueError`` listing every reason the backend cannot run this model / block size."""
     mc = model.config
     spec = model.kv_cache_spec(1, block_size)
-    reasons = backend.capabilities.validate(spec, mc.num_heads, backend.attention.kv_layout)
+    reasons = backend.capabilities.validate(spec, mc.num_heads, backend.attention.kv_layout,
+                                            model_dtype=getattr(model, "dtype", None))
     if reasons:
         raise ValueError(f"backend {backend.name!r} cannot run {mc.path or 'this model'}: " + "; ".join(reasons))
 

@@ -149,12 +149,29 @@ class AttentionMetadataBuilder:
 
 
 class AttentionImpl(ABC):
-    """Per-layer attention computation. One instance per (num_heads, head_size, num_kv_heads)."""
+    """Per-layer attention computation: the model makes one instance per layer (vLLM's per-layer
+    impl), so per-layer state such as KV scales lives here.
+
+    Quantised KV (``layer_kv`` of a float8 dtype, :mod:`hwkv.interfaces.kv_quant`): ``write_kv``
+    stores ``clamp(x / scale, -448, 448)`` rounded to nearest-even and ``forward`` reads ``q * scale``,
+    with ``kv_scales`` the layer's float32 ``[2, H_kv]`` K/V scales on the cache's device (the model
+    binds ``KVCache.layer_scales(i)``; ``None`` means 1.0). A backend that cannot does not declare
+    the dtype in ``Capabilities.kv_cache_dtypes``."""
 
     def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float):
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
         self.num_heads, self.head_size, self.num_kv_heads, self.scale = num_heads, head_size, num_kv_heads, scale
+        self.kv_scales: torch.Tensor | None = None
+
+    def scales_for(self, layer_kv: Any) -> torch.Tensor:
+        """This layer's ``[2, H_kv]`` float32 scales on ``layer_kv``'s device (ones when unbound)."""
+        t = layer_kv[0] if isinstance(layer_kv, (tuple, list)) else layer_kv
+        if self.kv_scales is None or self.kv_scales.device != t.device:
+            if self.kv_scales is not None:
+                raise ValueError(f"kv_scales are on {self.kv_scales.device} but the KV cache is on {t.device}")
+            self.kv_scales = torch.ones((2, self.num_kv_heads), dtype=torch.float32, device=t.device)
+        return self.kv_scales
 
     @abstractmethod
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, layer_kv: Any, slot_mapping: torch.Tensor) -> None:

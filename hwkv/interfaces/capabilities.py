@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hwkv.interfaces.kv_quant import is_quantized, kv_dtype_name
 from hwkv.interfaces.layout import KVCacheSpec, KVLayoutKind
 
 
@@ -23,6 +24,11 @@ class Capabilities:
 
     Block sizes: either an explicit tuple ``block_sizes`` (Ascend: ``(128,)``) or every multiple of
     ``block_size_multiple`` up to ``max_block_size`` (CUDA: multiples of 16).
+
+    ``kv_cache_dtypes``: the ``Engine(kv_cache_dtype=...)`` values whose KV the attention writes and
+    reads (:mod:`hwkv.interfaces.kv_quant`): ``"auto"`` (the model's dtype, one of ``dtypes``) and
+    quantised ones by canonical name (``"fp8_e4m3"``: float8 e4m3 with float32 per-head scales);
+    ``kv_cache_dtype_reason`` says why one is missing (shown in the refusal).
     """
 
     dtypes: tuple[torch.dtype, ...] = (torch.float32,)
@@ -36,6 +42,8 @@ class Capabilities:
     transfer_reason: str = ""  # why no transfer protocol is available, when empty
     graph_capture: bool = False
     max_gqa_ratio: int = 64
+    kv_cache_dtypes: tuple[str, ...] = ("auto",)
+    kv_cache_dtype_reason: str = ""
     extras: dict[str, str] = field(default_factory=dict)
 
     def supports_block_size(self, block_size: int) -> bool:
@@ -44,6 +52,10 @@ class Capabilities:
         if self.block_sizes is not None:
             return block_size in self.block_sizes
         return block_size % self.block_size_multiple == 0
+
+    def supports_kv_cache_dtype(self, dtype: torch.dtype) -> bool:
+        """Whether KV stored as ``dtype`` is written and read (the model's dtypes always are)."""
+        return kv_dtype_name(dtype) in self.kv_cache_dtypes if is_quantized(dtype) else dtype in self.dtypes
 
     def describe_block_sizes(self) -> str:
         if self.block_sizes is not None:
@@ -65,12 +77,22 @@ class Capabilities:
         num_heads: int | None = None,
         layout: KVLayoutKind | None = None,
         transfer_protocol: str | None = None,
+        model_dtype: torch.dtype | None = None,
     ) -> list[str]:
-        """Reasons this configuration is unsupported; an empty list means supported."""
+        """Reasons this configuration is unsupported; an empty list means supported. A quantised
+        ``spec.dtype`` (fp8 KV) is checked against ``kv_cache_dtypes``, and ``model_dtype`` (the
+        activations', when given) against ``dtypes``."""
         reasons: list[str] = []
-        if spec.dtype not in self.dtypes:
-            allowed = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)
+        allowed = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)
+        if is_quantized(spec.dtype):
+            if not self.supports_kv_cache_dtype(spec.dtype):
+                why = f"; {self.kv_cache_dtype_reason}" if self.kv_cache_dtype_reason else ""
+                reasons.append(f"kv_cache_dtype {kv_dtype_name(spec.dtype)} not supported (allowed: "
+                               f"{', '.join(self.kv_cache_dtypes)}){why}")
+        elif spec.dtype not in self.dtypes:
             reasons.append(f"dtype {str(spec.dtype).removeprefix('torch.')} not supported (allowed: {allowed})")
+        if model_dtype is not None and model_dtype != spec.dtype and model_dtype not in self.dtypes:
+            reasons.append(f"dtype {str(model_dtype).removeprefix('torch.')} not supported (allowed: {allowed})")
         if not self.supports_block_size(spec.block_size):
             reasons.append(f"block_size {spec.block_size} not supported (allowed: {self.describe_block_sizes()})")
         if self.head_sizes is not None and spec.head_size not in self.head_sizes:
@@ -96,6 +118,6 @@ class Capabilities:
         layouts = "/".join(k.value for k in self.kv_layouts)
         graphs = "yes" if self.graph_capture else "no"
         return (
-            f"dtypes={dt} block={self.describe_block_sizes()} heads={heads} "
+            f"dtypes={dt} kv={','.join(self.kv_cache_dtypes)} block={self.describe_block_sizes()} heads={heads} "
             f"layout={layouts} transfer={tp} graphs={graphs}"
         )

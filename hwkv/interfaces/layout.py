@@ -107,9 +107,15 @@ class KVCache:
 
     Attention impls receive ``layer(i)``: a ``[num_blocks, 2, bs, H_kv, D]`` tensor (or view, for
     cross-layer) for PER_LAYER / CROSS_LAYER, a ``(K, V)`` tuple for SEPARATE_KV.
+
+    A quantised cache (``spec.dtype`` float8, :mod:`hwkv.interfaces.kv_quant`) carries ``scales``:
+    float32 ``[num_layers, 2, H_kv]`` dequantisation scales (K, V per layer and KV head) on the cache's
+    device, 1.0 until set; ``None`` otherwise. They belong to the bytes: whoever copies blocks to
+    another cache (offload, pool, P/D) must see equal scales on both sides (:meth:`format_key`).
     """
 
-    def __init__(self, spec: KVCacheSpec, layout: KVLayoutKind, tensors: list[torch.Tensor]):
+    def __init__(self, spec: KVCacheSpec, layout: KVLayoutKind, tensors: list[torch.Tensor],
+                 scales: torch.Tensor | None = None):
         shapes = spec.tensor_shapes(layout)
         if [tuple(t.shape) for t in tensors] != shapes:
             got = [tuple(t.shape) for t in tensors]
@@ -118,6 +124,38 @@ class KVCache:
             if not t.is_contiguous() or t.dtype != spec.dtype:
                 raise ValueError("KV tensors must be contiguous and of the spec's dtype")
         self.spec, self.layout, self.tensors = spec, layout, tensors
+        from hwkv.interfaces.kv_quant import is_quantized
+
+        if scales is None and is_quantized(spec.dtype):
+            scales = torch.ones((spec.num_layers, 2, spec.num_kv_heads), dtype=torch.float32,
+                                device=tensors[0].device)
+        self.scales = scales
+
+    def layer_scales(self, i: int) -> torch.Tensor | None:
+        """Layer ``i``'s ``[2, H_kv]`` K/V dequantisation scales (a view), or ``None`` (not quantised)."""
+        return None if self.scales is None else self.scales[i]
+
+    def set_scales(self, scales: torch.Tensor) -> None:
+        """Copy ``[num_layers, 2, H_kv]`` scales in place (views handed to attention stay valid)."""
+        if self.scales is None:
+            raise ValueError(f"a {self.spec.dtype} KV cache has no scales (only quantised caches do)")
+        if tuple(scales.shape) != tuple(self.scales.shape):
+            raise ValueError(f"scales shape {list(scales.shape)} != {list(self.scales.shape)} (layers, K/V, KV heads)")
+        self.scales.copy_(scales)
+
+    def format_key(self) -> str:
+        """What the bytes of a block mean beyond its shape: the storage dtype and, when quantised, a
+        digest of the scales. Two caches may exchange blocks only when their keys are equal (pool
+        keys and P/D handshakes include it)."""
+        from hwkv.interfaces.kv_quant import kv_dtype_name
+
+        name = kv_dtype_name(self.spec.dtype)
+        if self.scales is None:
+            return name
+        import hashlib
+
+        digest = hashlib.sha256(self.scales.detach().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
+        return f"{name}:scales={digest}"
 
     @classmethod
     def allocate(
@@ -147,7 +185,8 @@ class KVCache:
         if self.layout is KVLayoutKind.CROSS_LAYER:
             return None
         per = len(self.tensors) // self.spec.num_layers
-        return KVCache(replace(self.spec, num_layers=1), self.layout, self.tensors[per * i:per * (i + 1)])
+        scales = None if self.scales is None else self.scales[i:i + 1]
+        return KVCache(replace(self.spec, num_layers=1), self.layout, self.tensors[per * i:per * (i + 1)], scales)
 
     def block_nbytes(self, tensor: int) -> int:
         t = self.tensors[tensor]

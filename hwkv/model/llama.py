@@ -89,7 +89,9 @@ class LlamaForCausalLM(nn.Module):
         if tp is not None:
             config = local_config(config, tp.size)
         self.config, self.dtype, self.device = config, dtype, device
-        impl = attention.make_impl(config.num_heads, config.head_dim, config.num_kv_heads, config.head_dim**-0.5)
+        # one impl per layer (as vLLM): per-layer state such as fp8 KV scales lives in it
+        impls = [attention.make_impl(config.num_heads, config.head_dim, config.num_kv_heads, config.head_dim**-0.5)
+                 for _ in range(config.num_layers)]
         self.model = nn.Module()
         self.model.embed_tokens = nn.Module()
         vocab_rows = config.vocab_size if tp is None else vocab_range(config.vocab_size, tp.rank, tp.size)[2]
@@ -97,7 +99,7 @@ class LlamaForCausalLM(nn.Module):
         if tp is not None:  # the last shard's padding rows are never loaded
             self.model.embed_tokens.weight.zero_()
         self.model.layers = nn.ModuleList(
-            DecoderLayer(config, self.attention_class(config, impl, device, dtype), self.make_mlp(i, device, dtype),
+            DecoderLayer(config, self.attention_class(config, impls[i], device, dtype), self.make_mlp(i, device, dtype),
                          device, dtype)
             for i in range(config.num_layers)
         )
@@ -110,6 +112,7 @@ class LlamaForCausalLM(nn.Module):
         self.set_prefetch()
         self.layer_hooks: Any = None  # set_layer_hooks
         self.decode_ops: DecodeOps | None = None  # fused ops for forwards of few tokens (set_decode_ops)
+        self.kv_cache_dtype: torch.dtype | None = None  # KV storage dtype (fp8 KV); None: the model's dtype
 
     def make_mlp(self, layer: int, device: torch.device, dtype: torch.dtype) -> nn.Module:
         """The feed-forward block of decoder layer ``layer`` (called during ``__init__``)."""
@@ -121,7 +124,12 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
     def kv_cache_spec(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None) -> KVCacheSpec:
-        return self.config.kv_cache_spec(num_blocks, block_size, dtype or self.dtype)
+        return self.config.kv_cache_spec(num_blocks, block_size, dtype or self.kv_cache_dtype or self.dtype)
+
+    def bind_kv_cache(self, kv_cache: KVCache) -> None:
+        """Hand each layer's attention its KV scales (``KVCache.layer_scales``; ``None`` unless quantised)."""
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn.impl.kv_scales = kv_cache.layer_scales(i)
 
     def param_bytes(self) -> int:
         """Bytes of all parameters (a tied embedding counted once)."""

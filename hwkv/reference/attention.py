@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from hwkv.interfaces.attention import AttentionBackend, AttentionImpl
+from hwkv.interfaces.kv_quant import is_quantized, quantize
 from hwkv.interfaces.layout import KVLayoutKind
 
 SCORE_BUDGET = 1 << 24  # elements of one group's padded score tensor (64 MiB in float32)
@@ -36,8 +37,10 @@ def split_kv(layer_kv: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return k, v
 
 
-def write_kv(key: torch.Tensor, value: torch.Tensor, layer_kv: Any, slot_mapping: torch.Tensor) -> None:
-    """Scatter ``key``/``value`` ``[T, H_kv, D]`` into the paged cache at ``slot_mapping``; -1 is skipped."""
+def write_kv(key: torch.Tensor, value: torch.Tensor, layer_kv: Any, slot_mapping: torch.Tensor,
+             scales: torch.Tensor | None = None) -> None:
+    """Scatter ``key``/``value`` ``[T, H_kv, D]`` into the paged cache at ``slot_mapping``; -1 is skipped.
+    A float8 cache stores them quantised with ``scales`` ``[2, H_kv]`` (K, V; default 1.0)."""
     k_cache, v_cache = split_kv(layer_kv)
     nb, bs = k_cache.shape[:2]
     n = slot_mapping.numel()
@@ -54,8 +57,14 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, layer_kv: Any, slot_mapping
         bad = int(slots.max()) if int(slots.max()) >= nb * bs else int(slot_mapping.min())
         raise ValueError(f"slot_mapping value {bad} out of range [-1, {nb * bs}) for {nb} blocks of {bs}")
     blk, off = slots // bs, slots % bs
-    k_cache[blk, off] = key[:n][keep].to(k_cache.dtype)
-    v_cache[blk, off] = value[:n][keep].to(v_cache.dtype)
+    k_new, v_new = key[:n][keep], value[:n][keep]
+    if is_quantized(k_cache.dtype):
+        ks, vs = (scales[0], scales[1]) if scales is not None else (1.0, 1.0)
+        k_cache[blk, off] = quantize(k_new, ks, k_cache.dtype)
+        v_cache[blk, off] = quantize(v_new, vs, v_cache.dtype)
+        return
+    k_cache[blk, off] = k_new.to(k_cache.dtype)
+    v_cache[blk, off] = v_new.to(v_cache.dtype)
 
 
 def _tiles(qsl: torch.Tensor, sl: torch.Tensor, tile: int) -> tuple[torch.Tensor, ...]:
@@ -98,8 +107,10 @@ def paged_attention(
     block_tables: torch.Tensor,
     scale: float,
     budget: int | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention of ``query`` ``[T, H, D]`` over a paged cache (see module docstring).
+    A float8 cache is dequantised with ``kv_scales`` ``[2, H_kv]`` (K, V; default 1.0) in float32.
 
     ``query_start_loc`` ``[R+1]`` and ``seq_lens`` ``[R]`` as in AttentionMetadata (host copies
     preferred); rows of ``query`` past ``query_start_loc[-1]`` (padding) come back zero.
@@ -147,6 +158,9 @@ def paged_attention(
         # out heads-first [H_kv, g, S, D] for the batched matmuls.
         k = _heads_first(k_cache, flat, (hkv, g, nblk * bs, d))[:, :, :s_len].to(acc)
         v = _heads_first(v_cache, flat, (hkv, g, nblk * bs, d))[:, :, :s_len].to(acc)
+        if is_quantized(k_cache.dtype) and kv_scales is not None:  # [H_kv, g, S, D] times per-head scales
+            k = k * kv_scales[0].to(dev, acc)[:, None, None, None]
+            v = v * kv_scales[1].to(dev, acc)[:, None, None, None]
         s = torch.arange(s_len, device=dev)
         kv_valid = s[None] < g_sl[:, None]  # [g, S]
         bad_g, bad_s = torch.nonzero(~kv_valid, as_tuple=True)
@@ -174,7 +188,7 @@ class ReferenceAttentionImpl(AttentionImpl):
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, layer_kv: Any, slot_mapping: torch.Tensor) -> None:
         self._check_cache(layer_kv)
-        write_kv(key, value, layer_kv, slot_mapping)
+        write_kv(key, value, layer_kv, slot_mapping, self._scales(layer_kv))
 
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_kv: Any, metadata: Any
@@ -185,8 +199,12 @@ class ReferenceAttentionImpl(AttentionImpl):
         if metadata.block_size != bs:
             raise ValueError(f"metadata.block_size {metadata.block_size} != KV cache block size {bs}")
         return paged_attention(
-            query, layer_kv, metadata.query_start_loc_cpu, metadata.seq_lens_cpu, metadata.block_tables, self.scale
+            query, layer_kv, metadata.query_start_loc_cpu, metadata.seq_lens_cpu, metadata.block_tables, self.scale,
+            kv_scales=self._scales(layer_kv),
         )
+
+    def _scales(self, layer_kv: Any) -> torch.Tensor | None:
+        return self.scales_for(layer_kv) if is_quantized(split_kv(layer_kv)[0].dtype) else None
 
     def _check_cache(self, layer_kv: Any) -> int:
         k_cache, _ = split_kv(layer_kv)

@@ -28,6 +28,7 @@ class CpuBackend(Backend):
             transfer_protocols=("tcp",) if tcp else (),
             transfer_reason="" if tcp else NOT_INSTALLED,
             graph_capture=False,
+            kv_cache_dtypes=("auto", "fp8_e4m3"),  # e4m3 with per-head float32 scales
         )
         self._device = CpuDevice()
         self._attention = ReferenceAttentionBackend()

@@ -23,6 +23,9 @@ from hwkv_ascend.attention import BLOCK_SIZE, HEAD_SIZES, AscendAttentionBackend
 from hwkv_ascend.device import TRANSFER_ALIGNMENT, AscendDevice
 
 MOONCAKE_MISSING = "mooncake-transfer-engine-npu not installed: pip install 'hwkv-ascend[mooncake]'"
+KV_FP8_REFUSED = ("the Ascend attention ops (npu_fused_infer_attention_score, npu_reshape_and_cache) take no "
+                  "float8 KV; vllm-ascend's quantised KV cache is int8 with per-channel antiquant scales (FIA "
+                  "antiquant_scale/antiquant_offset), which hwkv-ascend does not implement yet")
 EMULATED_NO_HCCS = "torch_npu is emulated on the CPU: no HCCS link to transfer over"
 
 
@@ -64,6 +67,11 @@ class AscendBackend(Backend):
             transfer_reason=why,
             graph_capture=graphs,  # ACL graphs with per-replay task updates (A3 + CANN 9: _npu.graph_support)
             max_gqa_ratio=64,  # FIA: num_heads / num_key_value_heads <= 64
+            # fp8 e4m3 KV is refused by name: the NPU attention ops take no float8 KV. vllm-ascend's quantised
+            # KV cache is int8 (C8): npu_quant_scatter writes it and npu_fused_infer_attention_score
+            # dequantises it through antiquant_scale/antiquant_offset (per channel); not implemented here
+            kv_cache_dtypes=("auto",),
+            kv_cache_dtype_reason=KV_FP8_REFUSED,
             extras={"torch_npu": str(getattr(npu, "__version__", "?")), "soc": soc,
                     "emulated": "yes" if self._device.emulated else "no",
                     "graphs": "acl (task update)" if graphs else f"off: {graphs_why}"},

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import torch
 
 from hwkv.interfaces.attention import AttentionBackend, AttentionImpl, AttentionMetadata, AttentionMetadataBuilder
+from hwkv.interfaces.kv_quant import is_quantized
 from hwkv.interfaces.layout import KVLayoutKind
 from hwkv_cuda.launch import device_limits, use_pdl
 from hwkv_cuda.splitkv import SplitCounters, merge_tile, reduce_mode
@@ -173,11 +174,14 @@ class TritonAttentionImpl(AttentionImpl):
         nb, _, bs, hkv, d = layer_kv.shape
         if os.environ.get(CHECK_SLOTS_ENV, "") == "1" and not _capturing(slot_mapping.device):
             check_slots(slot_mapping, nb, bs)
+        fp8 = is_quantized(layer_kv.dtype)
+        scales = self.scales_for(layer_kv) if fp8 else slot_mapping  # unused unless fp8
         write_kv_kernel[(n,)](
             key, value, layer_kv, slot_mapping, nb * bs,
             key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             layer_kv.stride(0), layer_kv.stride(1), layer_kv.stride(2), layer_kv.stride(3),
             H_KV=hkv, HEAD_SIZE=d, H_PAD=pow2(hkv), D_PAD=max(16, pow2(d)), BS=bs,
+            scale_ptr=scales, stride_scale=scales.stride(0) if fp8 else 0, KV_FP8=fp8,
         )
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_kv: Any,
@@ -219,17 +223,19 @@ class TritonAttentionImpl(AttentionImpl):
             part_acc = part_ml = out  # unused
         counters = self.counters.get(query.device, grid_q * hkv) if fused else out  # unused unless fused
         pdl = use_pdl(query.device)
+        fp8 = is_quantized(layer_kv.dtype)
+        scales = self.scales_for(layer_kv) if fp8 else out  # unused unless fp8
         attention_kernel[(grid_q, hkv, splits)](
             query, layer_kv, out, part_acc, part_ml, counters,
-            c.query_start_loc, c.seq_lens, c.block_tables,
-            c.num_reqs, min_seg, self.scale * LOG2E,
+            c.query_start_loc, c.seq_lens, c.block_tables, scales,
+            c.num_reqs, min_seg, self.scale * LOG2E, scales.stride(0) if fp8 else 0,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             layer_kv.stride(0), layer_kv.stride(1), layer_kv.stride(2), layer_kv.stride(3), c.block_tables.stride(0),
             G=group, HEAD_SIZE=d, D_PAD=d_pad, BS=bs,
             BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n,
             SPLIT=splits > 1, FUSED=fused, NUM_SPLITS_PAD=splits_pad, G_PAD=g_pad,
             MERGE_ROWS=merge_rows, MERGE_SPLITS=merge_splits, IEEE=query.dtype == torch.float32, PDL=pdl,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
+            KV_FP8=fp8, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
         )
         if splits > 1 and not fused:
             reduce_kernel[(query.shape[0], self.num_heads)](

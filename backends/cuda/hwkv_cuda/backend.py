@@ -57,6 +57,7 @@ class CudaBackend(Backend):
             transfer_reason=why,
             graph_capture=True,
             max_gqa_ratio=64,
+            kv_cache_dtypes=("auto", "fp8_e4m3"),  # e4m3 with per-head float32 scales
             extras={"kernels": "triton unified paged attention (split-KV)", "transfer": why},
         )
         self._device = CudaDevice(index)

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import torch
 
 from hwkv.interfaces.decode_ops import DecodeOps
+from hwkv.interfaces.kv_quant import is_quantized
 from hwkv_cuda.launch import parse_overrides, use_pdl
 from hwkv_cuda.tiles import pow2
 
@@ -62,9 +63,9 @@ class TritonDecodeOps(DecodeOps):
             reasons.append(f"dtype {dtype} (allowed: {', '.join(map(str, DTYPES))})")
         if head_dim % 2:
             reasons.append(f"head_dim {head_dim} is odd (RoPE pairs i with i + head_dim/2)")
-        if kv_dtype != dtype:
+        if kv_dtype != dtype and not is_quantized(kv_dtype):
             reasons.append(f"KV cache dtype {kv_dtype} differs from the activations' {dtype} (the KV write "
-                           "casts without a scale; allowed: the same dtype)")
+                           "casts without a scale; allowed: the same dtype, or fp8 e4m3 with scales)")
         return reasons
 
     def _launch(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, in_per_k: int,
@@ -97,11 +98,13 @@ class TritonDecodeOps(DecodeOps):
         cfg = choose_config(m, n, k)
         res = residual if residual is not None else y
         if rope is not None:
-            cos, sin, pos, layer_kv, slots, heads, kv_heads, d = rope
+            cos, sin, pos, layer_kv, slots, heads, kv_heads, d, scales = rope
             nb, _, bs = layer_kv.shape[:3]
             kv_args = (cos, sin, pos, layer_kv, slots)
             strides = (layer_kv.stride(0), layer_kv.stride(1), layer_kv.stride(2), layer_kv.stride(3))
             geo = dict(HEAD=d, Q_N=heads * d, KV_N=kv_heads * d, BS=bs)
+            if scales is not None:
+                geo.update(scale_ptr=scales, stride_scale=scales.stride(0), KV_FP8=True)
             num_slots, stride_cos = nb * bs, cos.stride(0)
         else:
             kv_args, strides = (y, y, y, y, y), (0, 0, 0, 0)
@@ -128,7 +131,8 @@ class TritonDecodeOps(DecodeOps):
         if positions.shape[0] != h.shape[0] or slot_mapping.shape[0] != h.shape[0]:
             raise ValueError(f"{h.shape[0]} tokens but {positions.shape[0]} positions and "
                              f"{slot_mapping.shape[0]} slots")
-        rope = (cos, sin, positions, layer_kv, slot_mapping, num_heads, num_kv_heads, head_dim)
+        scales = impl.scales_for(layer_kv) if is_quantized(layer_kv.dtype) else None
+        rope = (cos, sin, positions, layer_kv, slot_mapping, num_heads, num_kv_heads, head_dim, scales)
         return self._launch(h, weight, bias, 1, 1, 2, norm_weight=norm_weight, eps=eps, rope=rope)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -94,7 +94,8 @@ def test_bad_inputs_name_the_problem():
     assert ops.validate(4, 2, 15, torch.float32, torch.float32) == [
         "head_dim 15 is odd (RoPE pairs i with i + head_dim/2)"]
     assert "dtype torch.int8" in ops.validate(4, 2, 16, torch.int8, torch.int8)[0]
-    assert "KV cache dtype" in ops.validate(4, 2, 16, torch.bfloat16, torch.float8_e4m3fn)[0]
+    assert "KV cache dtype" in ops.validate(4, 2, 16, torch.bfloat16, torch.float16)[0]
+    assert ops.validate(4, 2, 16, torch.bfloat16, torch.float8_e4m3fn) == []  # fp8 KV: quantised with scales
     with pytest.raises(ValueError, match="positions must have a unit last stride"):
         pos = torch.zeros(2, 2, dtype=torch.long, device=DEV)[:, 0]
         kv = torch.zeros(1, 2, 16, 2, 16, device=DEV)

@@ -22,7 +22,8 @@ from hwkv_cuda.kernels.dense import gdc_launch_dependents, gdc_wait
 
 @triton.jit
 def _tile(acc, l_i, m_i, q, qk_scale, kv_ptr, bt_ptr, start, kv_end, q_pos, kvh_off, stride_blk, stride_tok,
-          stride_kv, offs_n, offs_d, d_mask, BS: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr):
+          stride_kv, offs_n, offs_d, d_mask, BS: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr,
+          KV_FP8: tl.constexpr):
     kv_pos = start + offs_n
     if MASKED:
         n_mask = kv_pos < kv_end
@@ -34,6 +35,8 @@ def _tile(acc, l_i, m_i, q, qk_scale, kv_ptr, bt_ptr, start, kv_end, q_pos, kvh_
         k = tl.load(kv_ptr + off[None, :] + offs_d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0)
     else:
         k = tl.load(kv_ptr + off[None, :] + offs_d[:, None], mask=d_mask[:, None], other=0.0)
+    if KV_FP8:  # e4m3 is exact in bf16/fp16/fp32; the K scale is folded into qk_scale, V's into the output
+        k = k.to(q.dtype)
     if IEEE:
         qk = tl.dot(q, k, input_precision="ieee")
     else:
@@ -51,6 +54,8 @@ def _tile(acc, l_i, m_i, q, qk_scale, kv_ptr, bt_ptr, start, kv_end, q_pos, kvh_
                     other=0.0)
     else:
         v = tl.load(kv_ptr + stride_kv + off[:, None] + offs_d[None, :], mask=d_mask[None, :], other=0.0)
+    if KV_FP8:
+        v = v.to(q.dtype)
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
@@ -104,14 +109,15 @@ def _merge(out_ptr, part_acc_ptr, part_ml_ptr, q_start, q_len, qb, kvh, num_head
 @triton.jit(do_not_specialize=["num_seqs", "min_seg", "stride_bt"])
 def attention_kernel(
     q_ptr, kv_ptr, out_ptr, part_acc_ptr, part_ml_ptr, counter_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-    num_seqs, min_seg, qk_scale,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, kv_scale_ptr,
+    num_seqs, min_seg, qk_scale, stride_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_blk, stride_kv, stride_tok, stride_head, stride_bt,
     G: tl.constexpr, HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, FUSED: tl.constexpr, NUM_SPLITS_PAD: tl.constexpr, G_PAD: tl.constexpr,
     MERGE_ROWS: tl.constexpr, MERGE_SPLITS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False,
+    KV_FP8: tl.constexpr = False,
 ):
     if PDL:  # launched early beside the previous kernel: wait for its writes before reading anything
         gdc_launch_dependents()  # the next kernel only preloads weights before its own wait
@@ -172,17 +178,23 @@ def attention_kernel(
     n_free = tl.maximum(free_end - lo_kv, 0) // BLOCK_N
     bt_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     kvh_off = kvh.to(tl.int64) * stride_head
+    v_scale = 1.0
+    if KV_FP8:  # this KV head's dequantisation scales: K's multiplies the scores, V's the output
+        qk_scale = qk_scale * tl.load(kv_scale_ptr + kvh)
+        v_scale = tl.load(kv_scale_ptr + stride_scale + kvh)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     for i in range(n_free):
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, qk_scale, kv_ptr, bt_ptr, lo_kv + i * BLOCK_N, hi_kv, q_pos, kvh_off,
-                              stride_blk, stride_tok, stride_kv, offs_n, offs_d, d_mask, BS, False, IEEE)
+                              stride_blk, stride_tok, stride_kv, offs_n, offs_d, d_mask, BS, False, IEEE, KV_FP8)
     for start in range(lo_kv + n_free * BLOCK_N, hi_kv, BLOCK_N):
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, qk_scale, kv_ptr, bt_ptr, start, hi_kv, q_pos, kvh_off,
-                              stride_blk, stride_tok, stride_kv, offs_n, offs_d, d_mask, BS, True, IEEE)
+                              stride_blk, stride_tok, stride_kv, offs_n, offs_d, d_mask, BS, True, IEEE, KV_FP8)
 
+    if KV_FP8:
+        acc = acc * v_scale
     if SPLIT:
         # partials [num_tokens, num_heads, NUM_SPLITS_PAD, (D_PAD | 2)]; empty splits write (-inf, 0)
         row = (q_idx * (G * tl.num_programs(1)) + head) * NUM_SPLITS_PAD + split

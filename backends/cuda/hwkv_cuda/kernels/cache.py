@@ -6,11 +6,28 @@ import triton.language as tl
 
 
 @triton.jit
+def to_e4m3_grid(x):
+    """fp32 ``x`` (already divided by its scale) saturated to +-448 and rounded to nearest-even onto the
+    float8 e4m3 grid, still as fp32, so the final cast is exact. Done by hand because the Triton
+    interpreter's fp32 -> fp8 cast loses the carry at the top of a binade (0.48 -> 0.25): one code
+    path, checked on the CPU, runs on the GPU too (a few ALU ops per element of a memory-bound store).
+    Spacing: 2^(e - 3) for exponent e >= -6, the subnormal 2^-9 below; RNE by the 1.5 * 2^23 trick
+    (|x / spacing| <= 16); zeros keep their sign, as torch's cast does."""
+    x = tl.clamp(x, -448.0, 448.0)
+    e = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    e = tl.maximum(e, -6) - 3
+    ulp = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    inv = ((127 - e) << 23).to(tl.float32, bitcast=True)
+    r = (x * inv + 12582912.0) - 12582912.0
+    return tl.where(r == 0.0, x * 0.0, r * ulp)
+
+
+@triton.jit
 def write_kv_kernel(key_ptr, value_ptr, kv_ptr, slot_ptr, num_slots,
                     stride_kt, stride_kh, stride_vt, stride_vh,
                     stride_blk, stride_kv, stride_tok, stride_head,
                     H_KV: tl.constexpr, HEAD_SIZE: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr,
-                    BS: tl.constexpr):
+                    BS: tl.constexpr, scale_ptr=None, stride_scale=0, KV_FP8: tl.constexpr = False):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)  # int32 slot maps too: offsets past 2^31 elements
     offs_h = tl.arange(0, H_PAD)
@@ -25,6 +42,12 @@ def write_kv_kernel(key_ptr, value_ptr, kv_ptr, slot_ptr, num_slots,
         + offs_h[:, None] * stride_head + offs_d[None, :]
     k = tl.load(key_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
     v = tl.load(value_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    if KV_FP8:  # hwkv.interfaces.kv_quant.quantize: IEEE fp32 division by the head's scale, saturated, RNE
+        h_ok = offs_h < H_KV
+        ks = tl.load(scale_ptr + offs_h, mask=h_ok, other=1.0)[:, None]
+        vs = tl.load(scale_ptr + stride_scale + offs_h, mask=h_ok, other=1.0)[:, None]
+        k = to_e4m3_grid(tl.fdiv(k.to(tl.float32), ks, ieee_rounding=True))
+        v = to_e4m3_grid(tl.fdiv(v.to(tl.float32), vs, ieee_rounding=True))
     tl.store(dst, k.to(kv_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + stride_kv, v.to(kv_ptr.dtype.element_ty), mask=mask)
 

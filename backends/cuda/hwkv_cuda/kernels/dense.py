@@ -19,6 +19,8 @@ epilogues; for RoPE the pair ``(i, i + D/2)`` of a head, so the rotation stays i
 import triton
 import triton.language as tl
 
+from hwkv_cuda.kernels.cache import to_e4m3_grid
+
 try:  # Hopper's grid dependency control; absent from old Triton builds
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # pragma: no cover - PDL is then reported unavailable (hwkv_cuda.decode_ops)
@@ -60,13 +62,16 @@ def _rows_dot(w, x, offs_m, acc, M_PAD: tl.constexpr):
 
 
 @triton.jit
-def _store_kv(base, rows, val, s_ok, kv_ptr, N, stride_kv, stride_head, HEAD: tl.constexpr, Q_N: tl.constexpr,
-              KV_N: tl.constexpr):
+def _store_kv(base, rows, val, s_ok, kv_ptr, N, stride_kv, stride_head, scale_ptr, stride_scale,
+              HEAD: tl.constexpr, Q_N: tl.constexpr, KV_N: tl.constexpr, KV_FP8: tl.constexpr):
     r = rows - Q_N
     is_kv = (r >= 0) & (r < 2 * KV_N) & (rows < N)
     which = tl.where(r >= KV_N, 1, 0)
     rr = tl.where(is_kv, r - which * KV_N, 0)
     dst = base + (which * stride_kv + (rr // HEAD) * stride_head + rr % HEAD)[None, :]
+    if KV_FP8:  # as write_kv_kernel: IEEE division by the head's K or V scale, saturated, RNE
+        s = tl.load(scale_ptr + which * stride_scale + rr // HEAD, mask=is_kv, other=1.0)
+        val = to_e4m3_grid(tl.fdiv(val.to(tl.float32), s[None, :], ieee_rounding=True))
     tl.store(dst, val.to(kv_ptr.dtype.element_ty), mask=s_ok & is_kv[None, :])
 
 
@@ -79,7 +84,7 @@ def dense_kernel(
     PROLOGUE: tl.constexpr, EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HEAD: tl.constexpr, Q_N: tl.constexpr, KV_N: tl.constexpr, BS: tl.constexpr, PDL: tl.constexpr,
-    PRELOAD: tl.constexpr, ONE_TILE: tl.constexpr,
+    PRELOAD: tl.constexpr, ONE_TILE: tl.constexpr, scale_ptr=None, stride_scale=0, KV_FP8: tl.constexpr = False,
 ):
     HB: tl.constexpr = BLOCK_N // 2
     pid = tl.program_id(0)
@@ -164,8 +169,10 @@ def dense_kernel(
         s_ok = m_ok & (slot[:, None] >= 0) & (slot[:, None] < num_slots)
         s0 = tl.maximum(slot, 0)
         base = kv_ptr + (s0 // BS)[:, None] * stride_blk + (s0 % BS)[:, None] * stride_tok
-        _store_kv(base, rows_a, ya, s_ok, kv_ptr, N, stride_kv, stride_head, HEAD, Q_N, KV_N)
-        _store_kv(base, rows_b, yb, s_ok, kv_ptr, N, stride_kv, stride_head, HEAD, Q_N, KV_N)
+        _store_kv(base, rows_a, ya, s_ok, kv_ptr, N, stride_kv, stride_head, scale_ptr, stride_scale, HEAD, Q_N, KV_N,
+                  KV_FP8)
+        _store_kv(base, rows_b, yb, s_ok, kv_ptr, N, stride_kv, stride_head, scale_ptr, stride_scale, HEAD, Q_N, KV_N,
+                  KV_FP8)
     tl.store(y_ptr + offs_m[:, None] * stride_ym + rows_a[None, :], ya, mask=m_ok & ok_a[None, :])
     tl.store(y_ptr + offs_m[:, None] * stride_ym + rows_b[None, :], yb, mask=m_ok & ok_b[None, :])
 
