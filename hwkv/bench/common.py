@@ -30,6 +30,10 @@ SHAPES: dict[str, dict[str, Any]] = {
     "llama-1b": dict(arch="llama", hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
                      intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True,
                      rope_theta=500000.0, max_position_embeddings=131072),
+    # Llama-3-8B: 32 layers, hidden 4096, 32 q / 8 kv heads, head 128, ffn 14336, vocab 128256, untied.
+    "llama-8b": dict(arch="llama", hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                     intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False,
+                     rope_theta=500000.0, max_position_embeddings=8192),
     # Qwen2.5-0.5B: 24 layers, hidden 896, 14 q / 2 kv heads, head 64, ffn 4864, vocab 151936, tied.
     "qwen-0.5b": dict(arch="qwen2", hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
                       intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
@@ -54,7 +58,11 @@ def model_dir(args: argparse.Namespace) -> Path:
 
     d = Path(args.workdir) / f"{args.model}-{args.dtype}"
     if not (d / "config.json").exists():
-        write_tiny_model(d, dtype=getattr(torch, args.dtype), seed=0, tokenizer=False, **shapes[args.model])
+        # weights drawn on the GPU where there is one (an 8B shape: seconds, not minutes of CPU randn)
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+        write_tiny_model(d, dtype=getattr(torch, args.dtype), seed=0, tokenizer=False, device=dev,
+                         num_shards=1 if args.model == "tiny" else 4,
+                         **shapes[args.model])
     return d
 
 

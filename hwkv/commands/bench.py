@@ -16,6 +16,10 @@ BENCHES = {
     "admission": ("hwkv.bench.admission", "first-chunk vs whole-prompt admission under memory pressure "
                   "(throughput, preemptions, TTFT)"),
     "e2e": ("hwkv.bench.e2e", "end-to-end engine throughput vs HF transformers generate"),
+    "defaults": ("hwkv.bench.defaults", "the public API with default arguments: offline throughput and batch-1 "
+                 "MBU against the roofline, every non-default argument printed"),
+    "kv-dtype": ("hwkv.bench.kv_dtype", "fp8 vs model-dtype KV cache: decode step at long context, pool capacity, "
+                 "greedy agreement, bytes per block"),
     "host": ("hwkv.bench.host", "engine host overhead per decode step (stub forward, emulated graphs)"),
     "offload": ("hwkv.bench.offload", "CPU offload connector: device<->host KV copy GB/s, TTFT of a host-tier "
                 "hit vs recompute, decode throughput with the connector on vs off"),

@@ -1,0 +1,129 @@
+"""`hwkv bench defaults`: what a user gets from the public API with default arguments.
+
+``hwkv.Engine(model, backend=..., dtype=...)`` and nothing else unless ``--engine-args`` says so (every
+such argument is printed next to the figures), then:
+
+* **offline**: ``--num-requests`` × ``--input-len`` → ``--output-len`` greedy tokens (ignore_eos) through
+  ``generate``, timed after an untimed pass of the same shape with other tokens, against the roofline
+  of :mod:`hwkv.bench.roofline` (copy bandwidth and matmul rate measured in the same run);
+* **batch 1**: steady decode tok/s and MBU (weights + mean KV bytes per step / step time / copy
+  bandwidth), as ``hwkv bench e2e`` part b;
+* optional ``--profile``: a torch.profiler table of one timed offline pass (CUDA time per kernel name
+  and host time per step), to see where the gap to the roofline goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from hwkv.bench import results_dir
+from hwkv.bench.common import backend, copy_bandwidth, decode_read_bytes, free_engine, model_dir, workload
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="llama-1b", help="a local HF dir or a bench shape (llama-1b, llama-8b, ...)")
+    p.add_argument("--backend", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--workdir", default="/tmp/hwkv-bench-models")
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--b1-tokens", type=int, default=512, help="batch-1 decode length (0: skip)")
+    p.add_argument("--engine-args", default="{}", help="JSON dict of Engine kwargs (default: none at all)")
+    p.add_argument("--profile", action="store_true", help="torch.profiler table of one offline pass")
+    p.add_argument("--out", default=None)
+
+
+def resolved(engine: Any) -> dict[str, Any]:
+    """The values the engine chose (what the defaults resolved to)."""
+    c = engine.config
+    return dict(max_num_batched_tokens=c.scheduler.max_num_batched_tokens, max_num_seqs=c.scheduler.max_num_seqs,
+                max_model_len=c.model.max_model_len, num_kv_blocks=c.cache.num_blocks, block_size=c.cache.block_size,
+                graphs=c.runtime.graphs, async_scheduling=c.runtime.async_scheduling,
+                kv_cache_dtype=getattr(c.cache, "kv_cache_dtype", "auto"))
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    import hwkv
+    from hwkv.bench.e2e import batch1, kv_bytes_per_token, run_engine
+    from hwkv.bench.roofline import linear_params, matmul_rate, offline_roofline
+
+    mdir = model_dir(args)
+    cfg = json.loads((Path(mdir) / "config.json").read_text())
+    be = backend(args.backend)
+    dev = be.device
+    extra = json.loads(args.engine_args)
+    host = dev.torch_device.type == "cpu"
+    res: dict[str, Any] = dict(bench="defaults", model=args.model, dtype=args.dtype, device=dev.description(),
+                               date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                               non_default_engine_args=extra, torch=torch.__version__)
+    print(f"[defaults] {args.model}: non-default engine arguments: {extra or 'none'}", flush=True)
+    bw = copy_bandwidth(dev, 1 << 24 if host else 1 << 30)
+    rate = matmul_rate(dev, getattr(torch, args.dtype), n=256 if host else 8192)
+    res.update(copy_bw_TBps=bw / 1e12, matmul_TFLOPs=rate / 1e12)
+    t0 = time.perf_counter()
+    engine = hwkv.Engine(str(mdir), backend=be, dtype=args.dtype, **extra)
+    res["engine_init_s"] = time.perf_counter() - t0
+    res["resolved"] = resolved(engine)
+    print(f"[defaults] resolved: {res['resolved']}", flush=True)
+    n, n_in, n_out, vocab = args.num_requests, args.input_len, args.output_len, cfg["vocab_size"]
+    run_engine(engine, [(p, n_out) for p, _ in workload(n, n_in, n_in, vocab, seed=6)])  # compiles, other tokens
+    work = [(p, n_out) for p, _ in workload(n, n_in, n_in, vocab, seed=5)]
+    r = run_engine(engine, work)
+    body, head = linear_params(engine.model)
+    kv = kv_bytes_per_token(cfg, torch.empty(0, dtype=getattr(torch, args.dtype)).element_size())
+    roof = offline_roofline(cfg, body, head, decode_read_bytes(engine.model), kv, n, n_in, n_out, bw, rate)
+    res["offline"] = dict(workload=f"{n} req x {n_in} in -> {n_out} out (greedy, ignore_eos)", hwkv=r,
+                          roofline_tok_per_s=roof["tok_per_s"], roofline=roof,
+                          roofline_fraction=r["tok_per_s"] / roof["tok_per_s"], stats=engine.stats())
+    print(f"[defaults] offline {r['tok_per_s']:.0f} tok/s = {res['offline']['roofline_fraction']:.1%} of the "
+          f"roofline {roof['tok_per_s']:.0f} (non-default args: {extra or 'none'})", flush=True)
+    if args.profile and not host:
+        res["profile"] = profile_pass(engine, [(p, n_out) for p, _ in workload(n, n_in, n_in, vocab, seed=7)])
+    if args.b1_tokens:
+        b = batch1(engine, cfg, vocab, args.b1_tokens, None if host else bw)
+        res["batch1"] = b
+        print(f"[defaults] batch-1 decode {b['tok_per_s']:.0f} tok/s, MBU {b.get('mbu', float('nan')):.1%} "
+              f"(non-default args: {extra or 'none'})", flush=True)
+    free_engine(engine, dev)
+    out = Path(args.out) if args.out else results_dir() / f"defaults-{args.model}-{time.strftime('%Y-%m-%d')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2, default=str) + "\n")
+    print(f"wrote {out}", flush=True)
+    return 0
+
+
+def profile_pass(engine: Any, work: list[tuple[list[int], int]]) -> dict[str, Any]:
+    """One offline pass under torch.profiler: the top CUDA kernels by total time, and wall vs GPU-busy."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from hwkv.bench.e2e import run_engine
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        r = run_engine(engine, work)
+    rows = []
+    for ev in prof.key_averages():
+        cuda_us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if cuda_us:
+            rows.append((cuda_us, ev.key, ev.count))
+    rows.sort(reverse=True)
+    kernels = [dict(name=k[:120], cuda_ms=us / 1e3, count=c) for us, k, c in rows[:25]]
+    busy = sum(us for us, k, _ in rows if not k.startswith(("cudaGraphLaunch", "ProfilerStep"))) / 1e6
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20)
+    print(table, flush=True)
+    return dict(wall_s=r["seconds"], tok_per_s=r["tok_per_s"], top_cuda=kernels, cuda_total_s_approx=busy,
+                cpu_table=table)
+
+
+if __name__ == "__main__":
+    import sys
+
+    ap = argparse.ArgumentParser(prog="hwkv bench defaults")
+    add_arguments(ap)
+    sys.exit(run(ap.parse_args()))

@@ -1,0 +1,168 @@
+"""`hwkv bench kv-dtype`: fp8 KV cache against the model-dtype cache, side by side in one run.
+
+For each ``--kv-dtypes`` value one engine (``kv_cache_dtype=...``, every other Engine argument the
+public default unless ``--engine-args`` says otherwise; printed next to the figures):
+
+* **decode step** at ``--decode-context`` tokens × ``--decode-batch`` requests: the model's decode
+  forward over scattered pages of a filled KV pool (random KV of the cache dtype), captured as one
+  CUDA graph and replayed (what the engine replays for a pure-decode step, without its host work);
+  tok/s = batch / step time, and the bytes the step must read (weights + KV) against the device's
+  copy bandwidth measured in the same run;
+* **capacity**: the KV pool's blocks and how many ``--capacity-context``-token sequences it holds;
+* **greedy agreement**: ``--agree-prompts`` random prompts × ``--agree-tokens`` greedy tokens through
+  ``generate`` vs the first kv dtype's; first-divergence position per prompt (None: identical);
+* **bytes**: what offload, pool and P/D move per block (``KVCache.segments``, the byte ranges all
+  three connectors copy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from hwkv.bench import results_dir
+from hwkv.bench.common import backend, copy_bandwidth, decode_read_bytes, free_engine, model_dir, workload
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="llama-1b")
+    p.add_argument("--backend", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--workdir", default="/tmp/hwkv-bench-models")
+    p.add_argument("--kv-dtypes", default="auto,fp8", help="comma list of kv_cache_dtype values; the first is the base")
+    p.add_argument("--decode-batch", type=int, default=32, help="0: no decode-step timing")
+    p.add_argument("--decode-context", type=int, default=32768)
+    p.add_argument("--decode-reps", type=int, default=20)
+    p.add_argument("--capacity-context", type=int, default=8192)
+    p.add_argument("--agree-prompts", type=int, default=8)
+    p.add_argument("--agree-prompt-len", type=int, default=256)
+    p.add_argument("--agree-tokens", type=int, default=64)
+    p.add_argument("--engine-args", default="{}", help="JSON dict of Engine kwargs (default: the public defaults, "
+                   "except max_model_len = the decode context + 64 and enforce_eager)")
+    p.add_argument("--out", default=None)
+
+
+def decode_step(engine: Any, batch: int, ctx: int, reps: int) -> dict[str, Any]:
+    """Time one decode forward of ``batch`` requests at ``ctx`` tokens over randomly scattered pages."""
+    import torch
+
+    from hwkv.interfaces.attention import AttentionMetadata
+
+    dev = engine.backend.device
+    kv, bs, model = engine.kv_cache, engine.block_size, engine.model
+    nblk = -(-ctx // bs)
+    if batch * nblk > kv.spec.num_blocks:
+        raise ValueError(f"{batch} x {ctx} tokens need {batch * nblk} blocks; the pool has {kv.spec.num_blocks}")
+    g = torch.Generator(device=dev.torch_device).manual_seed(0)
+    for t in kv.tensors:  # random KV of the cache's dtype, one layer at a time (no NaN: e4m3 from floats)
+        for i in range(t.shape[0] // 4096 + 1):
+            part = t[i * 4096:(i + 1) * 4096]
+            if part.numel():
+                part.copy_(torch.randn(part.shape, generator=g, device=t.device).mul_(0.5).to(t.dtype))
+    tables = torch.randperm(kv.spec.num_blocks, generator=g, device=dev.torch_device)[:batch * nblk]
+    tables = tables.view(batch, nblk).to(torch.int32).cpu()
+    md = AttentionMetadata.build([1] * batch, [ctx] * batch, tables, bs, device=dev.torch_device)
+    built = engine.backend.attention.metadata_builder().build(md)
+    ids = torch.randint(0, engine.vocab_size, (batch,), device=dev.torch_device)
+    pos = torch.full((batch,), ctx - 1, dtype=torch.long, device=dev.torch_device)
+    rows = torch.arange(batch, device=dev.torch_device)
+
+    def fwd() -> Any:
+        return model.forward(ids, pos, kv, built, rows, md.slot_mapping)
+
+    for _ in range(3):
+        fwd()
+    dev.synchronize()
+    graph = None
+    if dev.torch_device.type == "cuda":
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fwd()
+    replay = graph.replay if graph is not None else fwd
+    for _ in range(3):
+        replay()
+    s, e = dev.new_event(enable_timing=True), dev.new_event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        s.record()
+        replay()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    times.sort()
+    step = times[len(times) // 2]
+    kv_bytes = batch * ctx * kv.spec.bytes_per_block // bs
+    w = decode_read_bytes(model)
+    del graph
+    return dict(batch=batch, context=ctx, step_ms=step * 1e3, tok_per_s=batch / step, weight_bytes=w,
+                kv_bytes=kv_bytes, bytes_per_step=w + kv_bytes, read_TBps=(w + kv_bytes) / step / 1e12,
+                min_ms=times[0] * 1e3, max_ms=times[-1] * 1e3)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    import hwkv
+    from hwkv.sampling_params import SamplingParams
+
+    mdir = model_dir(args)
+    cfg = json.loads((Path(mdir) / "config.json").read_text())
+    be = backend(args.backend)
+    dev = be.device
+    extra = json.loads(args.engine_args)
+    # eager: the decode step captures its own graph; graph capture and compiled fusion would only add init time
+    kw = dict(max_model_len=args.decode_context + 64, enforce_eager=True, **extra)
+    res: dict[str, Any] = dict(bench="kv-dtype", model=args.model, dtype=args.dtype, device=dev.description(),
+                               date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), engine_args=kw,
+                               torch=torch.__version__, runs={})
+    print(f"[kv-dtype] non-default engine arguments: {kw}", flush=True)
+    bw = copy_bandwidth(dev) if dev.torch_device.type != "cpu" else None
+    res["copy_bw_TBps"] = bw / 1e12 if bw else None
+    work = [(p, args.agree_tokens) for p, _ in workload(args.agree_prompts, args.agree_prompt_len,
+                                                        args.agree_prompt_len, cfg["vocab_size"], seed=3)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.agree_tokens, ignore_eos=True)
+    base_tokens = None
+    for kd in args.kv_dtypes.split(","):
+        t0 = time.perf_counter()
+        e = hwkv.Engine(str(mdir), backend=be, dtype=args.dtype, kv_cache_dtype=kd, **kw)
+        r: dict[str, Any] = dict(engine_init_s=time.perf_counter() - t0, kv_storage=str(e.kv_cache.spec.dtype),
+                                 num_kv_blocks=e.config.cache.num_blocks, block_size=e.block_size,
+                                 bytes_per_block=e.kv_cache.spec.bytes_per_block)
+        r["capacity_sequences"] = e.config.cache.num_blocks * e.block_size // args.capacity_context
+        r["connector_bytes_64_blocks"] = sum(s.nbytes for s in e.kv_cache.segments(list(range(64))))
+        outs = e.generate([p for p, _ in work], params, use_tqdm=False)
+        toks = [list(o.token_ids) for o in outs]
+        if base_tokens is None:
+            base_tokens = toks
+        r["first_divergence"] = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None)
+                                 for x, y in zip(base_tokens, toks)]
+        r["identical_prompts"] = sum(d is None for d in r["first_divergence"])
+        if args.decode_batch > 0:
+            r["decode"] = decode_step(e, args.decode_batch, args.decode_context, args.decode_reps)
+            if bw:
+                r["decode"]["fraction_of_copy_bw"] = r["decode"]["bytes_per_step"] / (r["decode"]["step_ms"] / 1e3) / bw
+        res["runs"][kd] = r
+        print(f"[kv-dtype] {kd}: {json.dumps(r)}", flush=True)
+        free_engine(e, dev)
+    kds = args.kv_dtypes.split(",")
+    base, other = res["runs"][kds[0]], res["runs"][kds[-1]]
+    res["ratios"] = dict(capacity=other["capacity_sequences"] / max(1, base["capacity_sequences"]),
+                         bytes_per_block=other["bytes_per_block"] / base["bytes_per_block"])
+    if "decode" in base and "decode" in other:
+        res["ratios"]["decode_tok_per_s"] = other["decode"]["tok_per_s"] / base["decode"]["tok_per_s"]
+    out = Path(args.out) if args.out else results_dir() / f"kv-dtype-{args.model}-{time.strftime('%Y-%m-%d')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2) + "\n")
+    print(json.dumps(res["ratios"]), f"\nwrote {out}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    ap = argparse.ArgumentParser(prog="hwkv bench kv-dtype")
+    add_arguments(ap)
+    sys.exit(run(ap.parse_args()))
