@@ -30,7 +30,7 @@ def _settle(eng, timeout_s: float = 60.0) -> dict:
 
 def test_pool_round_trip_identity(engine_backend, check, setup):  # noqa: F811
     from hwkv import Engine
-    from hwkv.connectors.pool_store import drop_embedded
+    from hwkv.connectors.pool.store import drop_embedded
 
     bs = setup.block_size
     prefix = setup.prompts([4 * bs], seed=11)[0]

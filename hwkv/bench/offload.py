@@ -74,7 +74,7 @@ def _timed(dev: Any, stream: Any, fn: Any, iters: int = 5) -> float:
 
 
 def bench_copy(args: argparse.Namespace, be: Any, model: Any, block_size: int) -> list[dict[str, Any]]:
-    from hwkv.connectors.copy import copy_block_pairs
+    from hwkv.connectors.base.copy import copy_block_pairs
 
     dev, n = be.device, args.copy_blocks
     spec = model.kv_cache_spec(n, block_size)

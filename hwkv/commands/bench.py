@@ -25,7 +25,7 @@ BENCHES = {
                 "hit vs recompute, decode throughput with the connector on vs off"),
     "spec": ("hwkv.bench.spec", "speculative decoding: decode speedup vs non-speculative (n-gram, draft = target, "
              "1-layer draft), acceptance"),
-    "pool": ("hwkv.connectors.pool_bench", "global KV pool: TTFT loaded from the pool vs recomputed, put/get "
+    "pool": ("hwkv.bench.pool", "global KV pool: TTFT loaded from the pool vs recomputed, put/get "
              "GB/s, lookup latency"),
     "serve": ("hwkv.bench.serve", "online serving: Poisson arrivals against an OpenAI-compatible server "
               "(TTFT, ITL, throughput)"),

@@ -1,7 +1,7 @@
 """Built-in plugin: registers the CPU reference backend and the built-in KV connectors through the
 same hooks as vendor plugins."""
 
-from hwkv.connectors.pool_store import POOL_CONFIG
+from hwkv.connectors.pool.store import POOL_CONFIG
 from hwkv.interfaces.backend import API_VERSION, BackendSpec
 from hwkv.plugins import hookimpl
 from hwkv.plugins.hookspecs import ConnectorSpec

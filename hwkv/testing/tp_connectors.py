@@ -8,7 +8,7 @@ from typing import Any
 
 from hwkv.connectors.offload import OffloadConnector
 from hwkv.connectors.p2p import P2PConnector
-from hwkv.connectors.p2p_consumer import _Load
+from hwkv.connectors.p2p.consumer import _Load
 
 
 class FailingRank(OffloadConnector):

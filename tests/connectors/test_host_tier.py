@@ -10,7 +10,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from hwkv.connectors.offload import OffloadConnector
-from hwkv.connectors.offload_tier import HostTier
+from hwkv.connectors.offload.tier import HostTier
 from hwkv.core.hashing import make_block_hasher
 from hwkv.core.kv_cache_manager import KVCacheManager
 from hwkv.core.request import Request
@@ -216,7 +216,7 @@ def test_copy_threshold_follows_where_the_copy_runs():
     tensor (the gather beats small memcpys there), whatever the block size."""
     from types import SimpleNamespace
 
-    from hwkv.connectors.copy import auto_min_run_blocks
+    from hwkv.connectors.base.copy import auto_min_run_blocks
 
     def cache(device: str, block_bytes: int) -> SimpleNamespace:
         t = torch.empty((8, block_bytes // 2), dtype=torch.bfloat16, device=device)

@@ -11,7 +11,7 @@ import msgspec
 import pytest
 import torch
 
-from hwkv.connectors.p2p_protocol import (
+from hwkv.connectors.p2p.protocol import (
     Acquire,
     Hello,
     decode,

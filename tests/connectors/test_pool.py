@@ -10,9 +10,9 @@ import pytest
 
 import hwkv
 from hwkv import SamplingParams
-from hwkv.connectors.pool_key import PoolKey, default_model_id
-from hwkv.connectors.pool_lookup import LookupClient
-from hwkv.connectors.pool_store import drop_embedded, embedded_store
+from hwkv.connectors.pool.key import PoolKey, default_model_id
+from hwkv.connectors.pool.lookup import LookupClient
+from hwkv.connectors.pool.store import drop_embedded, embedded_store
 from hwkv.interfaces.store import ItemResult, KeyNotFound, Store, StoreError
 from hwkv.testing.tiny_models import write_tiny_model
 
@@ -219,7 +219,7 @@ def test_store_down_then_back(model_dir, oracle, store_name):
 @pytest.mark.parametrize("staged", [False, True])
 def test_chunks_larger_than_a_block(model_dir, oracle, store_name, staged, monkeypatch):
     if staged:  # the accelerator path: through host staging caches (one chunk each: several pieces)
-        monkeypatch.setattr("hwkv.connectors.pool_transfer.host_addressable", lambda kv: False)
+        monkeypatch.setattr("hwkv.connectors.pool.transfer.host_addressable", lambda kv: False)
     a = _engine(model_dir, store_name=store_name, chunk_size=4 * BS, staging_bytes=1)
     b = _engine(model_dir, store_name=store_name, chunk_size=4 * BS, staging_bytes=1)
     try:

@@ -13,8 +13,9 @@ import pytest
 
 import hwkv
 from hwkv import SamplingParams
-from hwkv.connectors import pool_bench, pool_transfer
-from hwkv.connectors.pool_store import drop_embedded
+from hwkv.bench import pool as pool_bench
+from hwkv.connectors.pool import transfer as pool_transfer
+from hwkv.connectors.pool.store import drop_embedded
 from hwkv.testing.tiny_models import write_tiny_model
 
 BS = 16

@@ -252,8 +252,8 @@ def test_pool_shards_are_shared_by_equal_splits_only(tmp_path):
 
 def test_pool_lookup_counts_a_chunk_only_where_every_shard_is(tmp_path):
     from hwkv.connectors.pool import PoolConnector
-    from hwkv.connectors.pool_key import PoolKey
-    from hwkv.connectors.pool_store import drop_embedded, embedded_store
+    from hwkv.connectors.pool.key import PoolKey
+    from hwkv.connectors.pool.store import drop_embedded, embedded_store
 
     conn = PoolConnector(store="embedded", store_name="tp-lookup")
     try:

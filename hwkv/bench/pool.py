@@ -104,7 +104,7 @@ def _wait(transfer: Any, job_id: int, timeout_s: float = 120.0) -> Any:
 def _throughput(eng: Any, hashes: list[bytes]) -> dict[str, float]:
     """Put (fresh keys) and get (the prompt's keys) of the prompt's chunks through the connector's
     threads, into/from the engine's first blocks (the engine is not used afterwards)."""
-    from hwkv.connectors.pool_transfer import GetJob, PutJob
+    from hwkv.connectors.pool.transfer import GetJob, PutJob
 
     conn = eng.scheduler.connector
     cb, tr = conn.chunk_blocks, conn.transfer

@@ -1,16 +1,16 @@
 """The p2p producer's push writes, split over its tensor-parallel ranks.
 
-A consumer rank's :class:`~hwkv.connectors.p2p_protocol.PushRequest` reaches the producer's driver,
+A consumer rank's :class:`~hwkv.connectors.p2p.protocol.PushRequest` reaches the producer's driver,
 which holds the blocks. The head slices that consumer rank needs
-(:func:`~hwkv.connectors.p2p_protocol.write_plan`) are written by the producer ranks that hold
+(:func:`~hwkv.connectors.p2p.protocol.write_plan`) are written by the producer ranks that hold
 them: the driver's own slices in its transfer threads, every other rank's through a
-:class:`~hwkv.connectors.p2p_protocol.PushOrder` to that rank's side channel, which writes from its
-KV shard and answers with a :class:`~hwkv.connectors.p2p_protocol.PushPart`. Once every part ended
+:class:`~hwkv.connectors.p2p.protocol.PushOrder` to that rank's side channel, which writes from its
+KV shard and answers with a :class:`~hwkv.connectors.p2p.protocol.PushPart`. Once every part ended
 the driver sends the consumer rank ``PushDone`` (ok only if every part was); the blocks are freed
 once every consumer rank was answered (or the hold expires). With one rank on each side this is
 the single whole-block write of the untensor-parallel push.
 
-State lives on :class:`~hwkv.connectors.p2p.P2PConnector`; this mixin holds the push logic.
+State lives on :class:`~hwkv.connectors.p2p.connector.P2PConnector`; this mixin holds the push logic.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from hwkv.connectors.p2p_channel import call
-from hwkv.connectors.p2p_protocol import Ack, Layout, PushOrder, PushPart, PushRequest, pair_segments, write_plan
+from hwkv.connectors.p2p.channel import call
+from hwkv.connectors.p2p.protocol import Ack, Layout, PushOrder, PushPart, PushRequest, pair_segments, write_plan
 from hwkv.interfaces.transfer import TransferTimeout
 from hwkv.parallel.kv_mapping import HeadSlice
 

@@ -1,7 +1,7 @@
 """CPU offload connector: a host-memory tier of KV blocks behind the device prefix cache (the
 protocol of vLLM's CPU offload connector; docs/connectors.md maps it step by step).
 
-Scheduler side: the tier is a :class:`~hwkv.connectors.offload_tier.HostTier` of host blocks keyed by the
+Scheduler side: the tier is a :class:`~hwkv.connectors.offload.tier.HostTier` of host blocks keyed by the
 same chained block hashes as the device prefix cache (salts included), so a host hit is exactly a
 prefix-cache hit one tier down, with the pool's LRU free queue as the tier's eviction order.
 
@@ -25,8 +25,8 @@ prefix-cache hit one tier down, with the pool's LRU free queue as the tier's evi
 * completions (``update_connector_output``): pins released; a stored block's hash is registered
   only now, so no lookup ever sees a block whose bytes are still in flight.
 
-Worker side (:mod:`hwkv.connectors.offload_worker`): copies on a load and a store stream, ordered
-against the forward by events; the host tier itself: :mod:`hwkv.connectors.offload_tier`.
+Worker side (:mod:`hwkv.connectors.offload.worker`): copies on a load and a store stream, ordered
+against the forward by events; the host tier itself: :mod:`hwkv.connectors.offload.tier`.
 
 Failures: a load that cannot be issued is reported in ``failed_recving`` in the same step (the
 scheduler discards that step's token and recomputes); the request is never offered the tier again.
@@ -39,9 +39,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from hwkv.connectors.jobs import ReqState
-from hwkv.connectors.offload_tier import HostTier
-from hwkv.connectors.offload_worker import OffloadMeta, OffloadWorker
+from hwkv.connectors.base.jobs import ReqState
+from hwkv.connectors.offload.tier import HostTier
+from hwkv.connectors.offload.worker import OffloadMeta, OffloadWorker
 from hwkv.core.block_pool import KVCacheBlock
 from hwkv.core.sched_output import KVConnectorOutput
 

@@ -21,8 +21,8 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from hwkv.connectors.copy import copy_block_pairs
-from hwkv.connectors.pool_store import StoreHandle
+from hwkv.connectors.base.copy import copy_block_pairs
+from hwkv.connectors.pool.store import StoreHandle
 from hwkv.interfaces.store import StoreError
 
 

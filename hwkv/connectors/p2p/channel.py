@@ -2,7 +2,7 @@
 acquire/release, push requests and completion notices) and bounded request/reply calls to peers.
 
 Every call has a timeout (a dead peer is an error, never a hang); messages are msgspec-encoded
-(:mod:`hwkv.connectors.p2p_protocol`), never pickled.
+(:mod:`hwkv.connectors.p2p.protocol`), never pickled.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 import zmq
 
-from hwkv.connectors.p2p_protocol import Ack, decode, encode
+from hwkv.connectors.p2p.protocol import Ack, decode, encode
 
 log = logging.getLogger(__name__)
 

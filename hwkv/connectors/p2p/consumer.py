@@ -3,7 +3,7 @@ external hit (the request waits in WAITING_FOR_REMOTE_KVS), pin the blocks it ar
 (pull) or ask the producer to WRITE it (push), and report the load done or failed (recompute).
 
 A request is offered once: after a failure, a refusal or a preemption it recomputes locally.
-State lives on :class:`~hwkv.connectors.p2p.P2PConnector`; this mixin holds the consumer's logic.
+State lives on :class:`~hwkv.connectors.p2p.connector.P2PConnector`; this mixin holds the consumer's logic.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 
 import msgspec
 
-from hwkv.connectors.p2p_channel import call
-from hwkv.connectors.p2p_protocol import (
+from hwkv.connectors.p2p.channel import call
+from hwkv.connectors.p2p.protocol import (
     Ack,
     Acquire,
     Hello,

@@ -2,16 +2,16 @@
 it, tcp staging through a pinned host mirror of the device pool, and the side channel's message
 dispatch (on the channel's own thread).
 
-State lives on :class:`~hwkv.connectors.p2p.P2PConnector`; this mixin holds the transport logic.
+State lives on :class:`~hwkv.connectors.p2p.connector.P2PConnector`; this mixin holds the transport logic.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from hwkv.connectors.copy import copy_block_pairs
-from hwkv.connectors.p2p_channel import SideChannel
-from hwkv.connectors.p2p_protocol import (
+from hwkv.connectors.base.copy import copy_block_pairs
+from hwkv.connectors.p2p.channel import SideChannel
+from hwkv.connectors.p2p.protocol import (
     Ack,
     Acquire,
     Hello,

@@ -24,8 +24,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from hwkv.connectors.copy import CopyPlan, copy_block_pairs, plan_copy, run_copy
-from hwkv.connectors.jobs import JobConnector, Meta
+from hwkv.connectors.base.copy import CopyPlan, copy_block_pairs, plan_copy, run_copy
+from hwkv.connectors.base.jobs import JobConnector, Meta
 from hwkv.core.sched_output import KVConnectorOutput
 
 
@@ -49,7 +49,7 @@ class _Flight:
 
 
 class OffloadWorker(JobConnector):
-    """Worker half of :class:`~hwkv.connectors.offload.OffloadConnector`; completions go out as
+    """Worker half of :class:`~hwkv.connectors.offload.connector.OffloadConnector`; completions go out as
     ``(job, ok)`` under ``extra["offload"]``."""
 
     _extra_key = "offload"

@@ -3,7 +3,7 @@ consumer, serve pull reads (Acquire/Release), WRITE them into a consumer's block
 ``layerwise``, write each layer's KV as soon as the forward wrote it into blocks a consumer
 announced before the prefill ran (the consumer-first flow of vllm-ascend's layerwise connector).
 
-State lives on :class:`~hwkv.connectors.p2p.P2PConnector`; this mixin holds the producer's logic.
+State lives on :class:`~hwkv.connectors.p2p.connector.P2PConnector`; this mixin holds the producer's logic.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from hwkv.connectors.p2p_channel import call
-from hwkv.connectors.p2p_protocol import (
+from hwkv.connectors.p2p.channel import call
+from hwkv.connectors.p2p.protocol import (
     Ack,
     Acquire,
     Layout,

@@ -14,14 +14,14 @@ a dead peer becomes a failed load (the consumer recomputes: identical tokens) or
 (the producer frees the blocks after ``hold_timeout_s``).
 
 Transport (protocol, transfer engine, tcp staging, side-channel dispatch):
-:mod:`hwkv.connectors.p2p_transport`.
+:mod:`hwkv.connectors.p2p.transport`.
 
 Tensor parallelism (docs/disaggregation.md): the scheduler side and the side channel run on the
 driver; every rank registers its KV shard with its own transfer engine and reports its layout
 (``tp_worker_info``), so the producer's handshake reply lists every rank's. Each consumer rank
-gets the head slices :func:`~hwkv.connectors.p2p_protocol.read_plan` gives it (producer and
+gets the head slices :func:`~hwkv.connectors.p2p.protocol.read_plan` gives it (producer and
 consumer may differ in tp where one size divides the other): it reads them (pull), or the producer
-ranks holding them write them (push, :mod:`hwkv.connectors.p2p_push`); the producer frees a
+ranks holding them write them (push, :mod:`hwkv.connectors.p2p.push`); the producer frees a
 request's blocks once every consumer rank was served.
 """
 
@@ -34,12 +34,12 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from hwkv.connectors.p2p_channel import SideChannel
-from hwkv.connectors.p2p_consumer import ConsumerSide, LoadSpec
-from hwkv.connectors.p2p_producer import ProducerSide
-from hwkv.connectors.p2p_protocol import Layout, PushRequest
-from hwkv.connectors.p2p_push import PushSide
-from hwkv.connectors.p2p_transport import TransportSide
+from hwkv.connectors.p2p.channel import SideChannel
+from hwkv.connectors.p2p.consumer import ConsumerSide, LoadSpec
+from hwkv.connectors.p2p.producer import ProducerSide
+from hwkv.connectors.p2p.protocol import Layout, PushRequest
+from hwkv.connectors.p2p.push import PushSide
+from hwkv.connectors.p2p.transport import TransportSide
 from hwkv.core.sched_output import KVConnectorOutput
 from hwkv.interfaces.connector import KVConnectorBase
 

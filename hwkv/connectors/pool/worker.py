@@ -17,11 +17,11 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from hwkv.connectors.jobs import JobConnector
-from hwkv.connectors.pool_key import PoolKey
-from hwkv.connectors.pool_lookup import LookupClient, LookupServer
-from hwkv.connectors.pool_store import StoreHandle
-from hwkv.connectors.pool_transfer import GetJob, PoolTransfer, PutJob
+from hwkv.connectors.base.jobs import JobConnector
+from hwkv.connectors.pool.key import PoolKey
+from hwkv.connectors.pool.lookup import LookupClient, LookupServer
+from hwkv.connectors.pool.store import StoreHandle
+from hwkv.connectors.pool.transfer import GetJob, PoolTransfer, PutJob
 from hwkv.core.sched_output import KVConnectorOutput
 from hwkv.interfaces.store import StoreError
 
@@ -34,7 +34,7 @@ class _Flight:
 
 
 class PoolWorker(JobConnector):
-    """Worker half of :class:`~hwkv.connectors.pool.PoolConnector`; completions go out as
+    """Worker half of :class:`~hwkv.connectors.pool.connector.PoolConnector`; completions go out as
     ``(job, ok, bytes, chunks already in the pool)`` under ``extra["pool"]``."""
 
     _extra_key = "pool"

@@ -2,7 +2,7 @@
 (the design of vllm-ascend's AscendStore / Mooncake store connector; docs/connectors.md maps it).
 
 The unit is a *chunk* of ``chunk_size`` tokens (a multiple of the block size, default one block),
-keyed by :class:`~hwkv.connectors.pool_key.PoolKey` (model identity, KV layout and dtype, shard,
+keyed by :class:`~hwkv.connectors.pool.key.PoolKey` (model identity, KV layout and dtype, shard,
 the prefix-cache chain hash of the chunk's last block).
 
 Scheduler side:
@@ -19,9 +19,9 @@ Scheduler side:
 * completions (``update_connector_output``): pins released, counters; a failed load's request is
   never offered the pool again (it recomputes).
 
-Worker side (:mod:`hwkv.connectors.pool_worker`): owns the store client
-(:class:`~hwkv.connectors.pool_store.StoreHandle`), the lookup server and the sending/receiving
-threads (:mod:`hwkv.connectors.pool_transfer`). ``delay_free`` is never needed: a put reads pinned
+Worker side (:mod:`hwkv.connectors.pool.worker`): owns the store client
+(:class:`~hwkv.connectors.pool.store.StoreHandle`), the lookup server and the sending/receiving
+threads (:mod:`hwkv.connectors.pool.transfer`). ``delay_free`` is never needed: a put reads pinned
 blocks, and the pool keeps its own copy.
 
 Failures (the pool is a cache): a store that is unreachable, fails or times out makes lookups
@@ -41,12 +41,12 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from hwkv.connectors.jobs import Meta, ReqState
-from hwkv.connectors.pool_key import PoolKey, default_model_id
-from hwkv.connectors.pool_lookup import LookupClient, LookupServer
-from hwkv.connectors.pool_store import StoreHandle, store_factory
-from hwkv.connectors.pool_transfer import PoolTransfer
-from hwkv.connectors.pool_worker import PoolWorker
+from hwkv.connectors.base.jobs import Meta, ReqState
+from hwkv.connectors.pool.key import PoolKey, default_model_id
+from hwkv.connectors.pool.lookup import LookupClient, LookupServer
+from hwkv.connectors.pool.store import StoreHandle, store_factory
+from hwkv.connectors.pool.transfer import PoolTransfer
+from hwkv.connectors.pool.worker import PoolWorker
 from hwkv.core.sched_output import KVConnectorOutput
 
 _RECENT_MAX = 1 << 16  # chunk hashes known to be in the pool (puts and loads that completed)
