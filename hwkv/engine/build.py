@@ -106,6 +106,10 @@ def build_parts(engine: Any, args: EngineArgs, kv_connector: Any, kv_connector_c
 
         fuse_elementwise(model)
     _set_decode_ops(backend, model, proposer, kv_cache, rt.decode_ops)
+    if tp:  # every rank runs the driver's forward (its collectives pair up with the others')
+        from hwkv.parallel.messages import DecodeOps
+
+        tp.send(DecodeOps(model.decode_ops is not None))
     if rt.graphs:
         engine.runner.enable_graphs(rt.graph_max_batch)
 

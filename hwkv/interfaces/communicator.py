@@ -16,7 +16,10 @@ import torch
 
 # A backend's own all-reduce: sums ``t`` over the group in place and returns it, or returns
 # ``None`` when it declines this tensor (size, dtype, inside/outside capture): the communicator
-# then runs its default all-reduce.
+# then runs its default all-reduce. Results follow the Communicator contract (ordered on the
+# current stream, capturable, bitwise identical on every rank). The callable may also have
+# ``all_reduce_add(t, residual)``: ``residual + sum of t over the ranks`` as a new tensor, or
+# ``None`` to decline (it may overwrite ``t`` either way), for a fused kernel.
 CustomAllReduce = Callable[[torch.Tensor], "torch.Tensor | None"]
 
 
@@ -52,6 +55,13 @@ class Communicator(ABC):
     @abstractmethod
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
         """``t`` of rank ``src`` copied into ``t`` on every rank, in place; returns ``t``."""
+
+    def all_reduce_add(self, t: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + (t summed over all ranks)``: the sum rounded to ``t``'s dtype first, then
+        the add (a row-parallel layer's output joining the residual stream). Returns a new tensor
+        or ``t`` (``t`` may be overwritten; ``residual`` never is). Default: :meth:`all_reduce`,
+        then the add in place."""
+        return self.all_reduce(t).add_(residual)
 
     def all_reduce_min(self, value: int) -> int:
         """The smallest ``value`` over the ranks (a host int; setup only, e.g. the KV pool size

@@ -190,9 +190,14 @@ class LlamaForCausalLM(nn.Module):
 
     def _forward_fused(self, ops: DecodeOps, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                        attn_metadata: object, slot_mapping: torch.Tensor) -> torch.Tensor:
-        # five ops per layer; each residual add rides in the epilogue of the projection before it
+        # five ops per layer; each residual add rides in the epilogue of the projection before it.
+        # Tensor-parallel: a projection's partial output is summed over the ranks first, so the add
+        # rides in the all-reduce instead (comm.all_reduce_add: one fused kernel where the backend
+        # has one) and the projection adds a zero residual (the ops' inputs are never written).
         t, cfg, rope = input_ids.shape[0], self.config, self.rotary_emb
-        h = F.embedding(input_ids, self.model.embed_tokens.weight)
+        h = self._embed(input_ids)
+        ar_add = self.tp.comm.all_reduce_add if self.tp is not None else None
+        zero = torch.zeros_like(h) if ar_add is not None else None
         for i, layer in enumerate(self.model.layers):
             a, mlp, layer_kv = layer.self_attn, layer.mlp, kv_cache.layer(i)
             if (hk := self.layer_hooks) is not None:
@@ -205,19 +210,22 @@ class LlamaForCausalLM(nn.Module):
                                  v.view(t, a.num_kv_heads, a.head_dim), layer_kv, attn_metadata)
             if hk is not None:  # qkv wrote this layer's KV
                 hk.save_kv_layer(i, layer_kv, attn_metadata)
-            h = ops.linear(out.reshape(t, a.q_size), a.o_proj.weight, a.o_proj.bias, h)
+            if ar_add is None:
+                h = ops.linear(out.reshape(t, a.q_size), a.o_proj.weight, a.o_proj.bias, h)
+            else:
+                h = ar_add(ops.linear(out.reshape(t, a.q_size), a.o_proj.weight, a.o_proj.bias, zero), h)
             x = ops.norm_linear(h, layer.post_attention_layernorm.weight, cfg.rms_norm_eps,
                                 mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
-            h = ops.silu_linear(x, mlp.down_proj.weight, mlp.down_proj.bias, h)
+            if ar_add is None:
+                h = ops.silu_linear(x, mlp.down_proj.weight, mlp.down_proj.bias, h)
+            else:
+                h = ar_add(ops.silu_linear(x, mlp.down_proj.weight, mlp.down_proj.bias, zero), h)
         return h
 
     def set_decode_ops(self, ops: DecodeOps | None, kv_dtype: torch.dtype | None = None) -> None:
         """Use ``ops`` (a backend's :class:`DecodeOps`) for every forward of at most ``ops.use_up_to``
         tokens; ``None``: off. ``kv_dtype``: the KV cache's (default: the model dtype). Raises
         ``ValueError`` with the reasons when they cannot serve this model."""
-        if ops is not None and self.tp is not None:
-            raise ValueError(f"decode ops {type(ops).__name__} do not run tensor-parallel layers "
-                             f"(tensor_parallel_size {self.tp.size}; allowed: 1)")
         if ops is not None:
             from hwkv.model.registry import family_of
 
@@ -247,8 +255,9 @@ class LlamaForCausalLM(nn.Module):
             hidden = hidden.index_select(0, logits_indices)
         ops, norm = self.decode_ops, self.model.norm
         if ops is not None and hidden.shape[0] <= ops.use_up_to:
-            return ops.norm_linear(hidden, norm.weight, norm.eps, self.lm_head_weight, None).float()
-        logits = F.linear(norm(hidden), self.lm_head_weight)
+            logits = ops.norm_linear(hidden, norm.weight, norm.eps, self.lm_head_weight, None)
+        else:
+            logits = F.linear(norm(hidden), self.lm_head_weight)
         if self.tp is not None:  # vocab-parallel: every rank's rows, in rank order, padding cut
             logits = self.tp.comm.all_gather(logits, dim=-1)[:, : self.config.vocab_size]
         return logits.float()

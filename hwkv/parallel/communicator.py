@@ -1,14 +1,21 @@
-"""TorchDistCommunicator: the :class:`~hwkv.interfaces.communicator.Communicator` over
-``torch.distributed`` with the backend's ``Device.dist_backend`` (gloo / nccl / hccl).
+"""TorchDistCommunicator: the :class:`~hwkv.interfaces.communicator.Communicator` over a
+``torch.distributed`` process group of the backend's ``Device.dist_backend`` (gloo / nccl / hccl).
 
-Rendezvous is a ``TCPStore`` on 127.0.0.1: rank 0 opens it on a free port the OS picks (no
-pick-then-bind race) and hands the port to the other ranks; every wait — joining, each collective —
-is bounded by ``timeout_s``. One group per process (torch's default group): a second
-tensor-parallel engine in the same process must wait until the first one is closed.
+The group is built straight from its backend class (``ProcessGroupGloo``, ``ProcessGroupNCCL``, or
+the creator a plugin such as torch_npu registered for ``hccl``) over a store, **not** as
+torch.distributed's default group: a process may hold several groups at once, one per
+tensor-parallel engine, and create and drop them in any order. Each group lives under its own
+prefix (``group``) of a rendezvous ``TCPStore`` on 127.0.0.1: rank 0 opens it on a free port the OS
+picks (no pick-then-bind race), the other ranks connect to that port. Every wait — joining, each
+collective — is bounded by ``timeout_s``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import os
+import threading
 from datetime import timedelta
 from typing import Any
 
@@ -17,33 +24,72 @@ import torch.distributed as dist
 
 from hwkv.interfaces.communicator import Communicator, CustomAllReduce
 
+_store: Any = None
+_store_lock = threading.Lock()
+_groups = itertools.count()
 
-def open_store(world_size: int, timeout_s: float) -> Any:
-    """Rank 0's rendezvous store on a free loopback port (``.port`` tells which)."""
+
+def open_store(world_size: int | None = None, timeout_s: float = 300.0) -> Any:
+    """A new rendezvous store on a free loopback port (``.port`` tells which), this process its master."""
     return dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
                          wait_for_workers=False)
 
 
+def process_store(timeout_s: float = 300.0) -> Any:
+    """This process's rendezvous store, opened once and shared by every group it leads (each under
+    its own prefix, :func:`new_group_name`): dropping an engine leaves no listening socket behind
+    per engine, however many are created."""
+    global _store
+    with _store_lock:
+        if _store is None:
+            _store = open_store(None, timeout_s)
+        return _store
+
+
+def new_group_name() -> str:
+    """A group name unique among this process's groups (and across processes on the host)."""
+    return f"hwkv-tp-{os.getpid()}-{next(_groups)}"
+
+
+def _make_group(backend: str, store: Any, rank: int, size: int, timeout: timedelta, device: torch.device) -> Any:
+    """The torch.distributed backend object of one group (its collectives return a ``Work``)."""
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        if hasattr(opts, "is_high_priority_stream"):
+            opts.is_high_priority_stream = False
+        torch.cuda.set_device(device)  # the communicator binds to the current device at its first collective
+        return dist.ProcessGroupNCCL(store, rank, size, opts)
+    plugin = dist.Backend._plugins.get(backend.upper())  # registered with dist.Backend.register_backend
+    if plugin is None:
+        raise ValueError(f"torch.distributed backend {backend!r} is not available (allowed: gloo, nccl, or a backend "
+                         "registered through torch.distributed.Backend.register_backend, e.g. torch_npu's hccl)")
+    if getattr(plugin, "extended_api", False):
+        raise ValueError(f"torch.distributed backend {backend!r} registered with the extended API is not supported")
+    return plugin.creator_fn(store, rank, size, timeout)
+
+
 class TorchDistCommunicator(Communicator):
     def __init__(self, device: Any, rank: int, world_size: int, port: int, timeout_s: float = 300.0,
-                 store: Any = None):
-        """Join the group (rank 0 passes the ``store`` of :func:`open_store`; the others its
-        ``port``). Blocks until all ``world_size`` ranks joined or ``timeout_s`` passed."""
-        if dist.is_initialized():
-            raise RuntimeError("torch.distributed is already initialised in this process (one tensor-parallel "
-                               "engine per process: close() the other first)")
+                 store: Any = None, group: str = "hwkv-tp"):
+        """Join group ``group`` (rank 0 passes the master ``store`` — :func:`open_store` or
+        :func:`process_store`; the others connect to its ``port``). Blocks until all ``world_size``
+        ranks joined or ``timeout_s`` passed. Then asks the backend for its custom all-reduce
+        (``device.custom_all_reduce(self)``), which may use ``store`` (this group's prefix of the
+        rendezvous store) and ``group_name`` for a rendezvous of its own."""
         timeout = timedelta(seconds=timeout_s)
         if store is None:
-            store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+            store = dist.TCPStore("127.0.0.1", port, None, is_master=False, timeout=timeout)
         self.rank, self.world_size = rank, world_size
         self.device = device.torch_device
-        backend = device.dist_backend
-        kw: dict[str, Any] = {}
-        if backend != "gloo" and self.device.type != "cpu":  # bind the group to this rank's device (eager
-            # NCCL/HCCL init); torch takes only an accelerator here (an emulated one lives on the CPU)
-            kw["device_id"] = self.device
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kw)
-        self._store = store
+        self.backend_name = device.dist_backend
+        self.group_name = group
+        self.store = dist.PrefixStore(group + "/", store)
+        self._root = store  # keeps a client connection open for as long as the group lives
+        self._pg: Any = _make_group(self.backend_name, dist.PrefixStore("pg/", self.store), rank, world_size, timeout,
+                                    self.device)
         self._custom: CustomAllReduce | None = None
         try:
             self._custom = device.custom_all_reduce(self)
@@ -51,27 +97,50 @@ class TorchDistCommunicator(Communicator):
             self.close()
             raise
 
+    def _group(self) -> Any:
+        if self._pg is None:
+            raise RuntimeError(f"communicator {self.group_name!r} is closed")
+        return self._pg
+
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         if self._custom is not None and self._custom(t) is not None:
             return t
-        dist.all_reduce(t)
+        self._group().allreduce([t]).wait()
         return t
+
+    def all_reduce_add(self, t: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        add = getattr(self._custom, "all_reduce_add", None)
+        if add is not None and (out := add(t, residual)) is not None:
+            return out
+        return self.all_reduce(t).add_(residual)
 
     def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
         parts = [torch.empty_like(t) for _ in range(self.world_size)]
-        dist.all_gather(parts, t.contiguous())
+        self._group().allgather([parts], [t.contiguous()]).wait()
         return torch.cat(parts, dim=dim)
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
-        dist.broadcast(t, src)
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = src, 0
+        self._group().broadcast([t], opts).wait()
         return t
 
     def all_reduce_min(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN
+        self._group().allreduce([t], opts).wait()
         return int(t.item())
 
     def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        self._store = None
+        custom, self._custom = self._custom, None
+        if custom is not None and hasattr(custom, "close"):
+            with contextlib.suppress(Exception):
+                custom.close()
+        pg, self._pg = self._pg, None
+        if pg is not None:
+            shutdown = getattr(pg, "shutdown", None) or getattr(pg, "abort", None)
+            if shutdown is not None:
+                with contextlib.suppress(Exception):
+                    shutdown()
+        self.store = self._root = None

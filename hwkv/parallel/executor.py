@@ -31,6 +31,7 @@ import zmq
 from hwkv.parallel import messages as m
 from hwkv.parallel.sharding import TPShard
 
+PROC_POLL_S = 0.05  # send() looks for exited workers at most this often
 DEFAULT_TIMEOUT_S = 300.0  # start, join, every collective (a rank may still load or compile); HWKV_TP_TIMEOUT_S
 
 
@@ -63,10 +64,13 @@ def check_supported(cfg: Any, backend: Any, kv_connector: Any, connector_arg: An
                 reasons.append(f"kv_connector_config must be plain JSON values (it is sent to every rank): {e}")
             except ValueError as e:
                 reasons.append(str(e))
-    if cfg.decode_ops:
-        reasons.append("decode_ops must be None or False (the fused decode ops run whole layers on one device)")
     if cfg.speculative_config is not None:
-        reasons.append("speculative_config must be None (speculative decoding does not run tensor-parallel yet)")
+        from hwkv.spec_decode.config import METHODS, SpeculativeConfig
+
+        method = SpeculativeConfig.parse(cfg.speculative_config).method  # type: ignore[union-attr]
+        reasons.append(f"speculative decoding (method {method!r}) runs at tensor_parallel_size=1 only: the verify "
+                       "step's rejection sampling and the proposer's state live in one runner (allowed at "
+                       f"tensor_parallel_size > 1: speculative_config=None; at 1: methods {', '.join(METHODS)})")
     if reasons:
         raise ValueError(f"tensor_parallel_size={n}: " + "; ".join(reasons))
     from hwkv.model.config import ModelConfig
@@ -80,13 +84,14 @@ class TPExecutor:
                  kv_connector_config: dict[str, Any] | None = None):
         """Start ranks 1..N-1 and join the group as rank 0 (see the module doc); each worker builds
         its own ``kv_connector`` (a name, with ``kv_connector_config``) when one is given."""
-        from hwkv.parallel.communicator import TorchDistCommunicator, open_store
+        from hwkv.parallel.communicator import TorchDistCommunicator, new_group_name, process_store
 
         n = cfg.tensor_parallel_size
         self.timeout_s = float(timeout_s or os.environ.get("HWKV_TP_TIMEOUT_S") or DEFAULT_TIMEOUT_S)
         self.procs: list[subprocess.Popen] = []
         self.error: str | None = None
         self._closed = False
+        self._polled = 0.0
         self._dir = tempfile.mkdtemp(prefix="hwkv-tp-")
         self._ctx = zmq.Context()
         self._out = self._ctx.socket(zmq.PULL)
@@ -100,7 +105,7 @@ class TPExecutor:
         self._kv_steps = [-1] * n  # per rank: the last forward step it reported
         self._infos: dict[int, bytes] = {}  # per rank: its connector's tp_worker_info
         try:
-            store = open_store(n, self.timeout_s)
+            store, group = process_store(self.timeout_s), new_group_name()
             dtype = cfg.dtype if cfg.dtype is None or isinstance(cfg.dtype, str) else str(cfg.dtype)[len("torch."):]
             env_var = backend.device.visible_devices_env
             visible = os.environ.get(env_var, "") if env_var else ""
@@ -113,7 +118,7 @@ class TPExecutor:
                 wc = m.WorkerConfig(cfg.model, cfg.backend, dtype, cfg.max_model_len, cfg.block_size, cfg.num_kv_blocks,
                                     cfg.memory_fraction, cfg.max_num_seqs, cfg.seed, rank, n, store.port,
                                     f"ipc://{self._dir}/cmd{rank}", f"ipc://{self._dir}/out", self.timeout_s,
-                                    os.getpid(), kv_connector, dict(kv_connector_config or {}))
+                                    os.getpid(), kv_connector, dict(kv_connector_config or {}), group)
                 env = dict(os.environ)
                 if env_var:
                     if rank >= len(ids):
@@ -124,7 +129,8 @@ class TPExecutor:
                                                     msgspec.json.encode(wc).decode()], env=env,
                                                    stdin=subprocess.DEVNULL))
             self._await_hello(n - 1)
-            self.comm = TorchDistCommunicator(backend.device, 0, n, store.port, self.timeout_s, store=store)
+            self.comm = TorchDistCommunicator(backend.device, 0, n, store.port, self.timeout_s, store=store,
+                                              group=group)
         except BaseException:
             self.close()
             raise
@@ -171,8 +177,15 @@ class TPExecutor:
             wait_ms = 0
 
     def send(self, msg: Any) -> None:
-        """Send one runner call to every worker (raises if one failed)."""
-        self.check()
+        """Send one runner call to every worker (raises if one failed; a worker's exit is looked for
+        at most every ``PROC_POLL_S``: a step sends a few messages, and waitpid per message is host
+        time every step pays)."""
+        now = time.monotonic()
+        if now - self._polled > PROC_POLL_S or self.error is not None or self._closed:
+            self._polled = now
+            self.check()
+        else:
+            self._drain(0)
         data = self._enc.encode(msg)
         for s in self._cmds:
             s.send(data)

@@ -2,7 +2,7 @@
 pickle (a socket peer must not be able to run code in the other process).
 
 Driver → worker (one PUSH socket per worker): ``Setup`` once, then every call the engine makes on
-its runner, in order — ``Execute`` (one step's scheduler output, without sampling parameters:
+its runner, in order — ``DecodeOps``, ``Execute`` (one step's scheduler output, without sampling parameters:
 workers do not sample), ``Flush``, ``Release``, ``Preempt``, ``Rollback``, ``Graphs`` — and
 ``Shutdown``. Worker → driver (one PULL socket): ``Hello`` once the worker process is up (before
 it joins the group, so a worker that cannot start is reported instead of timing out the join),
@@ -39,6 +39,7 @@ class WorkerConfig(msgspec.Struct):
     parent_pid: int
     kv_connector: str | None = None  # a registered name or "package.module:Class"; this rank builds its own
     kv_connector_config: dict[str, Any] = {}
+    group: str = "hwkv-tp"  # the engine's group name (its prefix of the rendezvous store)
 
 
 class Hello(msgspec.Struct, tag=True):
@@ -55,6 +56,13 @@ class Setup(msgspec.Struct, tag=True, array_like=True):
     max_num_seqs: int
     max_model_len: int
     fuse: bool
+
+
+class DecodeOps(msgspec.Struct, tag=True, array_like=True):
+    """Whether the driver's model took the backend's fused decode ops (every rank must run the same
+    forward: the collectives inside it pair up)."""
+
+    on: bool
 
 
 class Graphs(msgspec.Struct, tag=True, array_like=True):
@@ -120,5 +128,5 @@ class ConnectorInfo(msgspec.Struct, tag=True):
     info: bytes
 
 
-ToWorker = Setup | Graphs | Execute | Flush | Release | Preempt | Rollback | Shutdown
+ToWorker = Setup | DecodeOps | Graphs | Execute | Flush | Release | Preempt | Rollback | Shutdown
 FromWorker = Hello | Failed | KVOut | ConnectorInfo

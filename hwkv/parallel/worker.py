@@ -37,7 +37,7 @@ def _run(cfg: m.WorkerConfig, cmd: Any, out: Any) -> None:
     backend = get_backend(cfg.backend)
     backend.device.seed(cfg.seed)
     out.send(enc.encode(m.Hello(cfg.rank, os.getpid())))
-    comm = TorchDistCommunicator(backend.device, cfg.rank, cfg.world_size, cfg.port, cfg.timeout_s)
+    comm = TorchDistCommunicator(backend.device, cfg.rank, cfg.world_size, cfg.port, cfg.timeout_s, group=cfg.group)
     conn = None
     try:
         model, model_config, *_ = load_model(cfg.model, backend, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
@@ -83,6 +83,8 @@ def _run(cfg: m.WorkerConfig, cmd: Any, out: Any) -> None:
                     from hwkv.model.fuse import fuse_elementwise
 
                     fuse_elementwise(model)
+            elif isinstance(msg, m.DecodeOps):
+                model.set_decode_ops(backend.decode_ops() if msg.on else None, kv_cache.spec.dtype)
             elif isinstance(msg, m.Graphs):
                 runner.enable_graphs(msg.max_batch, msg.use_graphs)  # type: ignore[union-attr]
             elif isinstance(msg, m.Shutdown):

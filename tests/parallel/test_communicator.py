@@ -1,5 +1,6 @@
-"""TorchDistCommunicator in a one-rank gloo group: the collectives' results and the backend's
-custom all-reduce hook (used when it takes the tensor, the default when it declines)."""
+"""TorchDistCommunicator in one-rank gloo groups: the collectives' results, the backend's custom
+all-reduce hook (used when it takes the tensor, the default when it declines), several groups in
+one process (none of them torch.distributed's default group)."""
 
 from __future__ import annotations
 
@@ -42,8 +43,33 @@ def test_collectives_and_custom_all_reduce(comm):
     assert c.all_reduce_min(7) == 7
     t = torch.tensor([5])
     assert c.broadcast(t) is t and t.item() == 5
-    with pytest.raises(RuntimeError, match="already initialised"):
-        TorchDistCommunicator(dev, 0, 1, 0, timeout_s=10, store=open_store(1, 10))
+    out = c.all_reduce_add(torch.ones(3), torch.full((3,), 2.0))  # the custom hook has no fused add: default
+    assert out.tolist() == [3.0, 3.0, 3.0]
+    assert not dist.is_initialized()  # not the default group: another engine's group can live beside it
+    other = TorchDistCommunicator(CpuDevice(), 0, 1, 0, timeout_s=10, store=open_store(1, 10), group="other")
+    try:
+        assert other.all_reduce(torch.ones(2)).tolist() == [1.0, 1.0] and c.all_reduce_min(3) == 3
+    finally:
+        other.close()
+    assert c.all_reduce_min(4) == 4  # closing one group leaves the other working
+    with pytest.raises(RuntimeError, match="closed"):
+        other.all_reduce(torch.ones(2))
+
+
+def test_fused_add_hook_is_used():
+    class Fused(CpuDevice):
+        def custom_all_reduce(self, comm):
+            def fn(t):
+                return None
+
+            fn.all_reduce_add = lambda t, residual: t + residual + 100  # marks its result
+            return fn
+
+    c = TorchDistCommunicator(Fused(), 0, 1, 0, timeout_s=10, store=open_store(1, 10))
+    try:
+        assert c.all_reduce_add(torch.ones(2), torch.ones(2)).tolist() == [102.0, 102.0]
+    finally:
+        c.close()
 
 
 def test_failed_custom_all_reduce_leaves_no_group():

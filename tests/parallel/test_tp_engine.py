@@ -118,8 +118,12 @@ def test_refusals_before_any_process(tmp_path):
 
     with pytest.raises(ValueError, match="backend must be a registered backend name"):
         Engine(path, backend=get_backend("cpu"), tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="decode_ops must be None or False"):
+    with pytest.raises(ValueError, match="decode_ops=True but backend 'cpu' offers none"):
         Engine(path, decode_ops=True, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"speculative decoding \(method 'ngram'\) runs at tensor_parallel_size=1 "
+                                         r"only.*allowed at tensor_parallel_size > 1: speculative_config=None"):
+        Engine(path, tensor_parallel_size=2,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="tensor_parallel_size must be an int >= 1"):
         Engine(path, tensor_parallel_size=0)
 
@@ -251,3 +255,29 @@ def test_a_driver_side_step_failure_is_contained(tmp_path, monkeypatch, where):
         assert _tokens(eng) == want  # the workers are still in step
     finally:
         eng.close()
+
+
+def test_tp2_fused_decode_ops_tokens_equal_tp1(tmp_path, monkeypatch):
+    """The backend's fused decode ops at tp=2 (every rank takes them; each projection's partial
+    output goes through all_reduce_add into the residual): the tp=1 greedy tokens, fp32."""
+    from hwkv import plugins
+
+    monkeypatch.setenv("HWKV_PLUGIN_MODULES", "tests.parallel.ops_plugin")
+    monkeypatch.syspath_prepend(os.getcwd())
+    plugins.reset()
+    try:
+        path = add_biases(write_tiny_model(tmp_path, num_heads=4, num_kv_heads=2, vocab_size=515, tokenizer=False))
+        kw = {"backend": "cpu-decode-ops", "block_size": 16, "num_kv_blocks": 32, "max_model_len": 128,
+              "decode_ops": True}
+        one = Engine(str(path), **kw)
+        assert one.model.decode_ops is not None
+        ref = _tokens(one)
+        eng = Engine(str(path), tensor_parallel_size=2, **kw)
+        try:
+            assert eng.model.decode_ops is not None
+            assert _tokens(eng) == ref
+        finally:
+            eng.close()
+    finally:
+        monkeypatch.delenv("HWKV_PLUGIN_MODULES")
+        plugins.reset()
