@@ -185,9 +185,10 @@ class Scheduler(SchedulerResults):
                 while (blocks := kv.allocate_slots(req, n, num_lookahead_tokens=la)) is None:
                     v = self.policy.victim(running)
                     victim = running.pop(v)
-                    if v < i:  # already scheduled this step: give its tokens back
+                    if v < i:  # already passed this step: give back the tokens it got, if any
                         i -= 1
-                        self._unschedule(victim, st)
+                        if victim.request_id in st.num_sched:
+                            self._unschedule(victim, st)
                     self._preempt(victim, st)
                     if victim is req:
                         break

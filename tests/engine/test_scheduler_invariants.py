@@ -131,3 +131,13 @@ def test_scheduler_invariants(async_, work, data):
             assert r.status is RequestStatus.FINISHED_LENGTH_CAPPED and r.output_token_ids == [7] * m
         else:
             assert r.status is RequestStatus.FINISHED_STOPPED and r.output_token_ids == [7] * k + [STOP]
+
+
+def test_priority_victim_passed_over_in_this_step():
+    """Async, priority: the victim of an allocation is a running request phase 1 passed over in this
+    step (its pending token ends it by length), so it holds no tokens of the step to give back (found
+    by hypothesis: KeyError in _unschedule)."""
+    cfg = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=48, max_model_len=48, enable_chunked_prefill=False,
+                          policy="priority", reserve_full_prompt=False)
+    specs = [([1000, 1001, 1002], 7, 0, 0), (list(range(2000, 2027)), 3, 4, 0), ([3000], 1, 0, 0), ([4000], 5, 1, 0)]
+    test_scheduler_invariants.hypothesis.inner_test(True, (cfg, 12, specs, None), SimpleNamespace(draw=lambda s: None))
