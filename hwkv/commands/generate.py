@@ -31,7 +31,8 @@ _DEMO_MARKER = "hwkv-demo.json"  # written last: a directory without it is incom
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="local Hugging Face model directory (config.json, safetensors, tokenizer.json)")
+    p.add_argument("--model", help="local Hugging Face model directory (config.json, safetensors, tokenizer.json) "
+                   "or GGUF file")
     p.add_argument("--demo", action="store_true",
                    help="write a tiny random-weight model locally (no download) and generate from a few prompts")
     p.add_argument("--demo-dir", default=None,
@@ -41,6 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="cpu")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 | auto (default: the checkpoint's)")
     p.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
+    p.add_argument("--chat", action="store_true",
+                   help="send each prompt as a user message through the model's chat template")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -127,10 +130,20 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
-def _print_outputs(title: str, outs: list[Any]) -> None:
-    print(f"\n== {title}")
-    for o in outs:
-        print(f"[{o.request_id}] {o.prompt!r}")
+def _chat_ids(engine: Any, text: str) -> list[int]:
+    """``text`` as a user message rendered by the chat template; the template writes the special
+    tokens it wants (BOS included), so none are added on encoding (as the server's chat route)."""
+    tok = engine.tokenizer
+    if tok is None or not tok.chat_template:
+        raise ValueError("--chat needs a model with a chat template (tokenizer_config.json or GGUF metadata)")
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), add_special_tokens=False)
+
+
+def _print_outputs(title: str, outs: list[Any], secs: float, texts: list[str]) -> None:
+    n = sum(len(o.token_ids) for o in outs)
+    print(f"\n== {title}: {len(outs)} requests, {n} output tokens in {secs:.2f} s = {n / secs:.1f} tok/s")
+    for o, text in zip(outs, texts):
+        print(f"[{o.request_id}] {text!r}")
         m = o.metrics
         ttft = f"{1e3 * m.ttft:.1f} ms" if m.ttft is not None else "-"
         print(f"    -> {o.text!r}")
@@ -178,8 +191,10 @@ def run(args: argparse.Namespace) -> int:
             rounds.append(("same again", [DEMO_SYSTEM + p for p in prompts]))
         results = []
         for title, batch in rounds:
-            outs = engine.generate(batch, params, use_tqdm=not args.json)
-            results.append((title, outs))
+            inputs = [_chat_ids(engine, p) for p in batch] if args.chat else batch
+            t0 = time.perf_counter()
+            outs = engine.generate(inputs, params, use_tqdm=not args.json)
+            results.append((title, outs, time.perf_counter() - t0, batch))
     except (ValueError, BackendUnavailable) as e:
         print(f"hwkv generate: error: {e}", file=sys.stderr)
         return 2
@@ -187,9 +202,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         json.dump({
             "model": model, "backend": args.backend,
-            "outputs": [{"round": t, "request_id": o.request_id, "prompt": o.prompt, "text": o.text,
+            "outputs": [{"round": t, "request_id": o.request_id, "prompt": text, "text": o.text,
                          "token_ids": o.token_ids, "finish_reason": o.finish_reason}
-                        for t, outs in results for o in outs],
+                        for t, outs, _, texts in results for o, text in zip(outs, texts)],
             "stats": stats,
         }, sys.stdout, indent=2)
         print()
@@ -199,8 +214,8 @@ def run(args: argparse.Namespace) -> int:
           f"max_model_len {engine.max_model_len}")
     if args.demo:
         print("(random weights: the text is noise — the point is the pipeline: batching, prefix cache, stats)")
-    for title, outs in results:
-        _print_outputs(title, outs)
+    for title, outs, secs, texts in results:
+        _print_outputs(title, outs, secs, texts)
     _print_stats(stats)
     return 0
 

