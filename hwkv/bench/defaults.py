@@ -42,7 +42,7 @@ def resolved(engine: Any) -> dict[str, Any]:
     """The values the engine chose (what the defaults resolved to)."""
     c = engine.config
     return dict(max_num_batched_tokens=c.scheduler.max_num_batched_tokens, max_num_seqs=c.scheduler.max_num_seqs,
-                max_model_len=c.model.max_model_len, num_kv_blocks=c.cache.num_blocks, block_size=c.cache.block_size,
+                max_model_len=c.model.max_model_len, num_kv_blocks=c.cache.num_kv_blocks, block_size=c.cache.block_size,
                 graphs=c.runtime.graphs, async_scheduling=c.runtime.async_scheduling,
                 kv_cache_dtype=getattr(c.cache, "kv_cache_dtype", "auto"))
 

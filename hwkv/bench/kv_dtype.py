@@ -129,9 +129,9 @@ def run(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         e = hwkv.Engine(str(mdir), backend=be, dtype=args.dtype, kv_cache_dtype=kd, **kw)
         r: dict[str, Any] = dict(engine_init_s=time.perf_counter() - t0, kv_storage=str(e.kv_cache.spec.dtype),
-                                 num_kv_blocks=e.config.cache.num_blocks, block_size=e.block_size,
+                                 num_kv_blocks=e.config.cache.num_kv_blocks, block_size=e.block_size,
                                  bytes_per_block=e.kv_cache.spec.bytes_per_block)
-        r["capacity_sequences"] = e.config.cache.num_blocks * e.block_size // args.capacity_context
+        r["capacity_sequences"] = e.config.cache.num_kv_blocks * e.block_size // args.capacity_context
         r["connector_bytes_64_blocks"] = sum(s.nbytes for s in e.kv_cache.segments(list(range(64))))
         outs = e.generate([p for p, _ in work], params, use_tqdm=False)
         toks = [list(o.token_ids) for o in outs]

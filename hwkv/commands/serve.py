@@ -1,7 +1,7 @@
 """`hwkv serve`: the OpenAI-compatible HTTP server over an engine-core process.
 
-Engine options are generated from the signature of :class:`hwkv.Engine`, one flag per keyword
-argument (``max_num_seqs`` → ``--max-num-seqs``; booleans get ``--x``/``--no-x``), so every Engine
+Engine options are generated from :class:`hwkv.engine.EngineArgs`' fields, one flag per option
+(``max_num_seqs`` → ``--max-num-seqs``; booleans get ``--x``/``--no-x``), so every Engine
 knob is a flag and a new one appears without touching this file. ``kv_connector`` (an object in
 the Engine) is ``--kv-connector NAME`` + ``--kv-connector-config JSON``, built in the core.
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import inspect
 import json
 import os
 import signal
@@ -33,13 +32,14 @@ def _flag(name: str) -> str:
 
 
 def engine_options() -> list[tuple[str, str, Any]]:
-    """``(name, annotation, default)`` of every Engine keyword argument a flag can carry."""
-    from hwkv.engine import Engine
+    """``(name, annotation, default)`` of every Engine option a flag can carry."""
+    from dataclasses import MISSING, fields
 
-    skip = {"self", "model", "kv_connector", "kv_connector_config"}  # their own flags below
-    return [(n, str(p.annotation).replace(" ", ""), p.default)
-            for n, p in inspect.signature(Engine.__init__).parameters.items()
-            if n not in skip and p.default is not inspect.Parameter.empty]
+    from hwkv.engine import EngineArgs
+
+    skip = {"model", "kv_connector", "kv_connector_config"}  # their own flags below
+    return [(f.name, str(f.type).replace(" ", ""), f.default)
+            for f in fields(EngineArgs) if f.name not in skip and f.default is not MISSING]
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,6 +1,6 @@
 """Scheduling policies: the waiting order and who is preempted when KV blocks or seats run out.
 
-One policy object answers three questions for the scheduler (``SchedulerConfig.policy``):
+One policy object answers three questions for the scheduler (``SchedulerConfig.scheduling_policy``):
 
 * ``new_queue()`` — the waiting queue's order;
 * ``victim(running)`` — which running request to preempt when a running request cannot get blocks

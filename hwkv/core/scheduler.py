@@ -70,7 +70,7 @@ class Scheduler(SchedulerResults):
         self.kv = kv_cache_manager
         self.connector = connector or NoOpConnector()
         self.connector.bind_kv_cache_manager(kv_cache_manager)
-        self.policy = make_policy(config.policy)
+        self.policy = make_policy(config.scheduling_policy)
         self.requests: dict[str, Request] = {}
         self.waiting = self.policy.new_queue()
         self.running: list[Request] = []  # in admission order

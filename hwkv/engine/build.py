@@ -14,7 +14,7 @@ from hwkv.core.scheduler import Scheduler
 from hwkv.engine.config import EngineArgs
 
 
-def build_parts(engine: Any, args: EngineArgs, kv_connector: Any, kv_connector_config: dict[str, Any] | None) -> None:
+def build_parts(engine: Any, args: EngineArgs) -> None:
     """Build and set ``engine``'s parts in order: ``backend``, ``_tp``, ``model``, ``model_config``,
     ``tokenizer``, ``generation_config``, ``proposer``, ``config``, ``block_size``, ``max_model_len``,
     ``kv_cache``, ``vocab_size``, ``eos_token_ids``, ``kv_cache_manager``, ``_hasher``,
@@ -32,7 +32,8 @@ def build_parts(engine: Any, args: EngineArgs, kv_connector: Any, kv_connector_c
 
     # a name from the hwkv_connectors registry (config: its keyword arguments) or an instance;
     # checked before the model loads. Host memory is taken only once the KV cache exists.
-    connector_arg, kv_connector = kv_connector, make_connector(kv_connector, kv_connector_config)
+    kv_connector_config = args.kv_connector_config
+    connector_arg, kv_connector = args.kv_connector, make_connector(args.kv_connector, kv_connector_config)
     # ValueError (unknown name) / BackendUnavailable (why); an instance is used as given
     backend = engine.backend = get_backend(args.backend) if isinstance(args.backend, str) else args.backend
     backend.device.seed(args.seed)
@@ -70,7 +71,7 @@ def build_parts(engine: Any, args: EngineArgs, kv_connector: Any, kv_connector_c
                                        tp.agree if tp else None)
     cc, rt, spec = cfg.cache, cfg.runtime, cfg.speculative
     engine.block_size, engine.max_model_len = cc.block_size, cfg.model.max_model_len
-    engine.kv_cache = kv_cache = backend.device.allocate_kv_cache(model.kv_cache_spec(cc.num_blocks, cc.block_size),
+    engine.kv_cache = kv_cache = backend.device.allocate_kv_cache(model.kv_cache_spec(cc.num_kv_blocks, cc.block_size),
                                                                   backend.attention.kv_layout)
     if args.kv_cache_scales is not None:
         from hwkv.interfaces.kv_quant import parse_scales
@@ -78,10 +79,10 @@ def build_parts(engine: Any, args: EngineArgs, kv_connector: Any, kv_connector_c
         kv_cache.set_scales(parse_scales(args.kv_cache_scales, kv_cache.spec.num_layers, kv_cache.spec.num_kv_heads))
     model.bind_kv_cache(kv_cache)
     if hasattr(proposer, "allocate"):
-        proposer.allocate(cc.num_blocks, cc.block_size, engine.max_model_len)
+        proposer.allocate(cc.num_kv_blocks, cc.block_size, engine.max_model_len)
     engine.vocab_size = engine.model_config.vocab_size
     engine.eos_token_ids = frozenset(eos_ids(engine.model_config, engine.generation_config))
-    engine.kv_cache_manager = KVCacheManager(cc.num_blocks, cc.block_size, cc.enable_prefix_caching)
+    engine.kv_cache_manager = KVCacheManager(cc.num_kv_blocks, cc.block_size, cc.enable_prefix_caching)
     engine._hasher = make_block_hasher(cc.block_size)
     engine.async_scheduling = rt.async_scheduling
     connector = cfg.kv_transfer.connector if cfg.kv_transfer is not None else None

@@ -29,8 +29,9 @@ class Engine(RequestTracking):
     """The inference engine: ``add_request`` / ``step`` / ``abort`` / ``generate`` over one model on
     one backend.
 
-    Options (each validated by name; ``None`` lets the engine choose, once, in
-    :meth:`EngineArgs.resolve <hwkv.engine.config.EngineArgs.resolve>`; the result is ``self.config``):
+    Options are keyword-only, one group each (:mod:`hwkv.engine.config`: fields, defaults and checks;
+    ``None`` lets the engine choose, once, in :meth:`EngineArgs.resolve
+    <hwkv.engine.config.EngineArgs.resolve>`; the result is ``self.config``):
 
     * model — ``model``: a Hugging Face directory (config.json + safetensors); ``dtype``: weights and
       KV dtype (``None``/``"auto"``: the checkpoint's); ``max_model_len``: prompt + output tokens
@@ -73,24 +74,9 @@ class Engine(RequestTracking):
     config: Any
     _tp: Any
 
-    def __init__(self, model: str, backend: Any = "cpu", dtype: Any = None, max_model_len: int | None = None,
-                 block_size: int | None = None, num_kv_blocks: int | None = None, memory_fraction: float = 0.9,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
-                 enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
-                 max_num_partial_prefills: int = 1, seed: int = 0, kv_connector: Any = None,
-                 enforce_eager: bool = False, fuse_elementwise: bool | None = None,
-                 async_scheduling: bool | None = None, decode_ops: bool | None = None,
-                 scheduling_policy: str = "fcfs", reserve_full_prompt: bool = True, speculative_config: Any = None,
-                 tensor_parallel_size: int = 1, kv_connector_config: dict[str, Any] | None = None,
-                 kv_cache_dtype: str = "auto", kv_cache_scales: Any = None):
-        args = EngineArgs(
-            str(model), backend, dtype, max_model_len, block_size, num_kv_blocks, memory_fraction, max_num_seqs,
-            max_num_batched_tokens, enable_prefix_caching, enable_chunked_prefill, long_prefill_token_threshold,
-            max_num_partial_prefills, seed, enforce_eager, fuse_elementwise, async_scheduling, decode_ops,
-            scheduling_policy, reserve_full_prompt, speculative_config, tensor_parallel_size,
-            kv_cache_dtype=kv_cache_dtype, kv_cache_scales=kv_cache_scales,
-        )
-        build_parts(self, args, kv_connector, kv_connector_config)  # hwkv/engine/build.py: the parts, in order
+    def __init__(self, model: str, **options: Any):
+        args = EngineArgs(model=str(model), **options)  # TypeError: an unknown option; ValueError: a bad value
+        build_parts(self, args)  # hwkv/engine/build.py: the parts, in order
         # Ids: the scheduler, runner and connector see internal ids "<request_id>-<n>", unique per
         # engine lifetime (as vLLM), so a reused request id can never meet its predecessor's state.
         self._tracked: dict[str, Tracked] = {}  # internal id -> state, until finished

@@ -104,9 +104,10 @@ class RequestTracking:
     def _check_priority(self, priority: Any) -> None:
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an int, got {priority!r}")
-        if priority and self.scheduler.config.policy != "priority":
+        policy = self.scheduler.config.scheduling_policy
+        if priority and policy != "priority":
             raise ValueError(f"priority={priority} needs Engine(scheduling_policy='priority') "
-                             f"(this engine schedules {self.scheduler.config.policy!r}; allowed: priority=0)")
+                             f"(this engine schedules {policy!r}; allowed: priority=0)")
 
     def _track(self, req: Request, tracked: Tracked) -> None:
         self._tracked[req.request_id] = tracked

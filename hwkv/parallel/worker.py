@@ -49,7 +49,7 @@ def _run(cfg: m.WorkerConfig, cmd: Any, out: Any) -> None:
                           memory_fraction=cfg.memory_fraction, max_num_seqs=cfg.max_num_seqs)
         cc = args.resolve(backend, model, agree=comm.all_reduce_min).cache
         block_size = cc.block_size
-        kv_cache = backend.device.allocate_kv_cache(model.kv_cache_spec(cc.num_blocks, block_size),
+        kv_cache = backend.device.allocate_kv_cache(model.kv_cache_spec(cc.num_kv_blocks, block_size),
                                                     backend.attention.kv_layout)
         runner = None
         meta_type = conn.metadata_type if conn is not None else Any

@@ -52,7 +52,7 @@ class EngineCore:
             vocab_size=e.vocab_size, max_model_len=e.max_model_len, block_size=e.block_size,
             num_kv_blocks=e.kv_cache.spec.num_blocks, eos_token_ids=sorted(e.eos_token_ids),
             default_params=self.default_params, kv_connector=self.cfg.kv_connector,
-            scheduling_policy=e.scheduler.config.policy, pid=os.getpid(),
+            scheduling_policy=e.scheduler.config.scheduling_policy, pid=os.getpid(),
         )
 
     def handle(self, msg: Any, out: list[m.CoreOutput], replies: list[m.UtilityResult]) -> bool:

@@ -19,8 +19,8 @@ def test_defaults_resolved_once_into_groups(model_dir):
     e = hwkv.Engine(model_dir, num_kv_blocks=40)
     c = e.config
     assert isinstance(c, EngineConfig)
-    assert (c.model.path, c.model.max_model_len, c.model.seed) == (model_dir, 256, 0)
-    assert (c.cache.block_size, c.cache.num_blocks, c.cache.enable_prefix_caching) == (16, 40, True)
+    assert (c.model.model, c.model.max_model_len, c.model.seed) == (model_dir, 256, 0)
+    assert (c.cache.block_size, c.cache.num_kv_blocks, c.cache.enable_prefix_caching) == (16, 40, True)
     assert (c.scheduler.max_num_batched_tokens, c.scheduler.max_model_len, c.scheduler.max_num_seqs) == (2048, 256, 256)
     assert not c.runtime.graphs and c.runtime.graph_max_batch == 0 and not c.runtime.async_scheduling
     assert not c.runtime.fuse_elementwise and c.kv_transfer is None and c.speculative is None
@@ -55,7 +55,7 @@ def test_connector_resolves_into_kv_transfer(model_dir):
 ])
 def test_args_errors_name_the_field(kw, match):
     with pytest.raises(ValueError, match=match):
-        EngineArgs("m", **kw)
+        EngineArgs(model="m", **kw)
 
 
 def test_benchmark_knobs_are_not_engine_options(model_dir):

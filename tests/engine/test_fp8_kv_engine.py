@@ -53,8 +53,8 @@ def test_memory_sized_pool_holds_twice_the_blocks(model_dir, monkeypatch):
 
     monkeypatch.setattr(CpuDevice, "memory_info", lambda self: (2**22, 2**27))  # 4 MiB free of 128 MiB
     kw = dict(dtype="bfloat16", memory_fraction=1.0, max_num_seqs=1024)
-    n_auto = hwkv.Engine(model_dir, **kw).config.cache.num_blocks
-    n_fp8 = hwkv.Engine(model_dir, kv_cache_dtype="fp8", **kw).config.cache.num_blocks
+    n_auto = hwkv.Engine(model_dir, **kw).config.cache.num_kv_blocks
+    n_fp8 = hwkv.Engine(model_dir, kv_cache_dtype="fp8", **kw).config.cache.num_kv_blocks
     assert n_auto < 16384 and n_fp8 == 2 * n_auto  # below the max_num_seqs cap: twice the blocks
 
 

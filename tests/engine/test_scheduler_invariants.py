@@ -26,7 +26,7 @@ def workloads(draw):
     cfg = SchedulerConfig(
         max_num_seqs=draw(st.integers(1, 6)), max_num_batched_tokens=budget, max_model_len=MAX_LEN,
         enable_chunked_prefill=chunked, long_prefill_token_threshold=draw(st.sampled_from([0, 0, 5, 16])),
-        max_num_partial_prefills=draw(st.integers(1, 3)), policy=draw(st.sampled_from(["fcfs", "priority"])),
+        max_num_partial_prefills=draw(st.integers(1, 3)), scheduling_policy=draw(st.sampled_from(["fcfs", "priority"])),
         reserve_full_prompt=draw(st.booleans()),
     )
     num_blocks = draw(st.integers(MAX_LEN // BS, 40))
@@ -57,7 +57,7 @@ def test_scheduler_invariants(async_, work, data):
     s = Scheduler(cfg, kv)
     hasher = make_block_hasher(BS)
     reqs = [Request(f"r{i}", p, SimpleNamespace(stop_token_ids=[STOP], ignore_eos=True), block_hasher=hasher,
-                    max_tokens=m, priority=prio if cfg.policy == "priority" else 0)
+                    max_tokens=m, priority=prio if cfg.scheduling_policy == "priority" else 0)
             for i, (p, m, _, prio) in enumerate(specs)]
     stop_at = [data.draw(st.one_of(st.none(), st.integers(0, m - 1))) for _, m, _, _ in specs]
     arrivals = {i: a for i, (_, _, a, _) in enumerate(specs)}
@@ -84,7 +84,7 @@ def test_scheduler_invariants(async_, work, data):
         new_ids = [n.req_id for n in so.scheduled_new_reqs]
         assert new_ids == waiting_before[: len(new_ids)]
         gone = [by_id[rid] for rid in so.preempted_req_ids]
-        if cfg.policy == "fcfs":
+        if cfg.scheduling_policy == "fcfs":
             assert not (gone and new_ids)  # a step that preempts admits nobody
         else:  # whoever still runs outranks everyone preempted in this step
             rank = lambda r: (r.priority, r.arrival_time)  # noqa: E731
@@ -138,6 +138,6 @@ def test_priority_victim_passed_over_in_this_step():
     step (its pending token ends it by length), so it holds no tokens of the step to give back (found
     by hypothesis: KeyError in _unschedule)."""
     cfg = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=48, max_model_len=48, enable_chunked_prefill=False,
-                          policy="priority", reserve_full_prompt=False)
+                          scheduling_policy="priority", reserve_full_prompt=False)
     specs = [([1000, 1001, 1002], 7, 0, 0), (list(range(2000, 2027)), 3, 4, 0), ([3000], 1, 0, 0), ([4000], 5, 1, 0)]
     test_scheduler_invariants.hypothesis.inner_test(True, (cfg, 12, specs, None), SimpleNamespace(draw=lambda s: None))

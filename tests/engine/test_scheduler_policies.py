@@ -54,7 +54,7 @@ def test_fcfs_queue_prepend_keeps_order():
 
 
 def test_priority_admits_lower_value_first():
-    s = make(policy="priority", max_num_seqs=2)
+    s = make(scheduling_policy="priority", max_num_seqs=2)
     add(s, prio("low", 4, 9), prio("mid", 4, 5), prio("high", 4, 1))
     so, _ = step(s)
     assert [n.req_id for n in so.scheduled_new_reqs] == ["high", "mid"]
@@ -72,7 +72,7 @@ def test_fcfs_ignores_priority_and_never_displaces():
 
 
 def test_priority_waiting_request_takes_a_seat_from_a_lower_priority_one():
-    s = make(policy="priority", max_num_seqs=1)
+    s = make(scheduling_policy="priority", max_num_seqs=1)
     add(s, prio("low", 4, 5, max_tokens=20))
     step(s)
     add(s, prio("same", 4, 5))  # equal priority: no displacement (no ping-pong)
@@ -90,7 +90,7 @@ def test_priority_waiting_request_takes_a_seat_from_a_lower_priority_one():
 
 
 def test_priority_waiting_request_preempts_for_kv_blocks_only_when_it_helps():
-    s = make(num_blocks=6, policy="priority", max_model_len=24)  # 24 token slots
+    s = make(num_blocks=6, scheduling_policy="priority", max_model_len=24)  # 24 token slots
     add(s, prio("a", 8, 5, max_tokens=4), prio("b", 8, 3, max_tokens=4))  # 2 + 2 blocks (+1 each to decode)
     step(s)
     add(s, prio("huge", 20, 0, max_tokens=2))  # needs 5 blocks: more than a and b can free while b is ...
@@ -102,7 +102,7 @@ def test_priority_waiting_request_preempts_for_kv_blocks_only_when_it_helps():
 
 
 def test_priority_no_pointless_preemption_when_victims_cannot_free_enough():
-    s = make(num_blocks=6, policy="priority", max_model_len=24)
+    s = make(num_blocks=6, scheduling_policy="priority", max_model_len=24)
     add(s, prio("keep", 8, 1, max_tokens=4), prio("low", 4, 9, max_tokens=4))  # 2 + 1 blocks now, 3 + 2 at most
     step(s)
     add(s, prio("big", 20, 5, max_tokens=2))  # 5 blocks; free 3 + low's 1 = 4: preempting low is useless
@@ -113,7 +113,7 @@ def test_priority_no_pointless_preemption_when_victims_cannot_free_enough():
 
 
 def test_priority_running_phase_preempts_the_lowest_priority_and_unschedules_it():
-    s = make(num_blocks=4, policy="priority", max_model_len=16, max_num_batched_tokens=64)
+    s = make(num_blocks=4, scheduling_policy="priority", max_model_len=16, max_num_batched_tokens=64)
     add(s, prio("low", 4, 9, max_tokens=8))
     step(s)
     add(s, prio("high", 4, 0, max_tokens=8))  # running order: low, then high
@@ -128,7 +128,7 @@ def test_priority_running_phase_preempts_the_lowest_priority_and_unschedules_it(
 
 
 def test_priority_request_preempting_itself_does_not_stall_the_others():
-    s = make(num_blocks=3, policy="priority", max_model_len=12)
+    s = make(num_blocks=3, scheduling_policy="priority", max_model_len=12)
     add(s, prio("low", 7, 9, max_tokens=4))
     step(s)
     add(s, prio("high", 3, 0, max_tokens=4))
@@ -170,7 +170,7 @@ def test_reserve_full_prompt_counts_prefix_hits():
 
 def test_bad_policy_reserve_and_priority():
     with pytest.raises(ValueError, match=r"scheduling_policy must be one of \['fcfs', 'priority'\], got 'lifo'"):
-        make(policy="lifo")
+        make(scheduling_policy="lifo")
     with pytest.raises(ValueError, match="reserve_full_prompt must be a bool"):
         make(reserve_full_prompt=1)
     s = make()
@@ -192,7 +192,7 @@ def test_unscheduled_victim_keeps_no_block_registered_for_its_taken_back_chunk()
         def request_preempted(self, request):
             seen.append((request.request_id, request.num_computed_tokens, len(s.kv.get_blocks("low"))))
 
-    s = make(num_blocks=6, connector=Spy(), policy="priority", long_prefill_token_threshold=6,
+    s = make(num_blocks=6, connector=Spy(), scheduling_policy="priority", long_prefill_token_threshold=6,
              reserve_full_prompt=False)
     low = prio("low", 20, 9, max_tokens=4)
     add(s, low)
