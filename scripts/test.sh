@@ -16,6 +16,8 @@ PY=${PYTHON:-python3}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # set-up installs Mooncake and libibverbs: a Mooncake test that would skip is a broken set-up here
 export HWKV_REQUIRE_MOONCAKE=${HWKV_REQUIRE_MOONCAKE:-1}
+# ... and so does the real model (the real-model tier: tests/model/test_real_model.py)
+export HWKV_REQUIRE_REAL_MODEL=${HWKV_REQUIRE_REAL_MODEL:-1}
 bash scripts/setup.sh --dev || { echo "setup failed" >&2; exit 1; }
 
 fail=0

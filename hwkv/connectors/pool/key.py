@@ -31,14 +31,15 @@ _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 def model_fingerprint(model: str | Path) -> str:
     """12 hex digits of sha256 over ``config.json`` (canonical JSON) and, per weight file
-    (``*.safetensors`` / ``*.bin``, sorted), its name, size and ``_SAMPLES`` evenly spaced
-    ``_SAMPLE_BYTES``-byte samples. Equal on every host that has the same files."""
+    (``*.safetensors`` / ``*.bin`` / ``*.gguf``, sorted; or the GGUF file ``model`` is), its name,
+    size and ``_SAMPLES`` evenly spaced ``_SAMPLE_BYTES``-byte samples. Equal on every host that has the same files."""
     path = Path(model)
     h = hashlib.sha256(b"hwkv-model-v1\0")
     cfg = path / "config.json"
     if cfg.is_file():
         h.update(json.dumps(json.loads(cfg.read_text()), sort_keys=True).encode())
-    files = sorted(p for p in path.glob("*") if p.suffix in (".safetensors", ".bin") and p.is_file())
+    files = [path] if path.is_file() else sorted(  # a GGUF checkpoint is one file
+        p for p in path.glob("*") if p.suffix in (".safetensors", ".bin", ".gguf") and p.is_file())
     for f in files:
         size = f.stat().st_size
         h.update(f"{f.name}\0{size}\0".encode())
