@@ -1,4 +1,5 @@
-"""The CPU reference backend: host device, pure-torch attention, TCP transfer when Mooncake is installed."""
+"""The CPU reference backend: host device, pure-torch attention, same-host ``cma`` transfer, TCP when Mooncake is
+installed."""
 
 from __future__ import annotations
 
@@ -25,8 +26,10 @@ class CpuBackend(Backend):
             max_block_size=256,
             default_block_size=16,
             kv_layouts=(KVLayoutKind.PER_LAYER,),
-            transfer_protocols=("tcp",) if tcp else (),
-            transfer_reason="" if tcp else NOT_INSTALLED,
+            # cma: same-host direct copies between processes (hwkv.transfer.direct), no Mooncake needed;
+            # tcp (Mooncake) across hosts, and the fallback where cross-memory attach is not permitted
+            transfer_protocols=("cma", "tcp") if tcp else ("cma",),
+            transfer_reason="" if tcp else f"tcp: {NOT_INSTALLED}",
             graph_capture=False,
             kv_cache_dtypes=("auto", "fp8_e4m3"),  # e4m3 with per-head float32 scales
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
@@ -10,6 +11,7 @@ from hwkv.interfaces.backend import Backend, BackendUnavailable
 from hwkv.interfaces.capabilities import Capabilities
 from hwkv.interfaces.decode_ops import DecodeOps
 from hwkv.interfaces.layout import KVLayoutKind
+from hwkv.interfaces.transfer import Transfer
 
 IB_DIR = "/sys/class/infiniband"
 
@@ -22,16 +24,19 @@ def rdma_devices() -> list[str]:
 
 
 def transfer_choice() -> tuple[tuple[str, ...], str]:
-    """``rdma`` (GPU memory registered, GPUDirect) when RDMA devices exist, else ``tcp`` staged
-    through pinned host buffers; none without the Mooncake wheel."""
+    """``cuda_ipc`` first (device-direct between the GPUs and processes of one host: CUDA IPC
+    handles, NVLink/PCIe copies; :mod:`hwkv_cuda.ipc`), then ``rdma`` (GPU memory registered,
+    GPUDirect, across hosts) when RDMA devices exist, else ``tcp`` staged through pinned host
+    buffers; those two need the Mooncake wheel."""
     from hwkv.transfer.mooncake import NOT_INSTALLED, engine_installed
 
+    ipc = "cuda_ipc: device-direct between processes/GPUs of one host (CUDA IPC handles, NVLink or PCIe)"
     if not engine_installed():
-        return (), NOT_INSTALLED
+        return ("cuda_ipc",), f"{ipc}; across hosts none: {NOT_INSTALLED}"
     devs = rdma_devices()
     if devs:
-        return ("rdma", "tcp"), f"rdma over {', '.join(devs)} with GPU memory registration"
-    return ("tcp",), f"tcp: no RDMA device in {IB_DIR}; KV is staged through pinned host buffers"
+        return ("cuda_ipc", "rdma", "tcp"), f"{ipc}; rdma over {', '.join(devs)} with GPU memory registration"
+    return ("cuda_ipc", "tcp"), f"{ipc}; tcp: no RDMA device in {IB_DIR}; KV is staged through pinned host buffers"
 
 
 class CudaBackend(Backend):
@@ -67,6 +72,21 @@ class CudaBackend(Backend):
         from hwkv_cuda.decode_ops import TritonDecodeOps
 
         return TritonDecodeOps()
+
+    def create_transfer(self, **options: Any) -> Transfer:
+        """``protocol="cuda_ipc"`` (the default): a same-host device-direct endpoint on this backend's
+        GPU (options: ``host``, ``timeout_s``, ``method``, ``streams``; :mod:`hwkv_cuda.ipc`); other
+        protocols: Mooncake TransferEngine as the base class does."""
+        options.setdefault("protocol", self._caps.transfer_protocols[0])
+        if options["protocol"] != "cuda_ipc":
+            return super().create_transfer(**options)
+        from hwkv.transfer.direct import DirectTransfer
+        from hwkv_cuda.ipc import CudaIpcMover
+
+        options.pop("protocol")
+        mover = CudaIpcMover(options.pop("device", self._device.torch_device), method=options.pop("method", "auto"),
+                             streams=options.pop("streams", 2))
+        return DirectTransfer(mover, **options)
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:

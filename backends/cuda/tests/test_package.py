@@ -48,9 +48,10 @@ def test_transfer_choice_states_protocol():
     from hwkv_cuda.backend import rdma_devices, transfer_choice
 
     protocols, why = transfer_choice()
-    if not protocols:
+    assert protocols[0] == "cuda_ipc" and "one host" in why  # device-direct first, needs no Mooncake
+    if protocols == ("cuda_ipc",):
         assert "mooncake" in why
     elif rdma_devices():
-        assert protocols[0] == "rdma"
+        assert protocols[1:] == ("rdma", "tcp")
     else:
-        assert protocols == ("tcp",) and "pinned host" in why
+        assert protocols[1:] == ("tcp",) and "pinned host" in why

@@ -73,6 +73,9 @@ class P2PConnector(TransportSide, PushSide, ProducerSide, ConsumerSide, KVConnec
         self.staging = staging
         self._backend_protocols: tuple[str, ...] | None = None
         self._backend_reason = ""
+        self._backend: Any = None
+        self.transports: dict[str, tuple[Any, Any]] = {}  # protocol -> (Transfer, the KV cache it registered)
+        self.layouts: dict[str, Layout] = {}  # protocol -> this rank's layout over it (first: preferred)
         self.dev: Any = None
         self.host_kv: Any = None  # staging: pinned host mirror of the device KV (same block ids)
         self.engine_id = uuid.uuid4().hex[:16]
@@ -85,7 +88,7 @@ class P2PConnector(TransportSide, PushSide, ProducerSide, ConsumerSide, KVConnec
         # (kind "recv" | "sent", rid, ok, nbytes, settled): completions from the side channel and transfer threads
         self._results: queue.Queue[tuple[str, str, bool, int, bool]] = queue.Queue()
         self._wake = threading.Event()
-        self._peers: dict[str, Layout] = {}  # consumer engine id -> its handshaken layout (push)
+        self._peers: dict[str, dict[str, Layout]] = {}  # consumer engine id -> its usable layouts by protocol
         self._producers: dict[str, list[Layout]] = {}  # producer side-channel address -> its ranks' layouts
         self.rank_layouts: list[Layout] = []  # every tensor-parallel rank's layout (scheduler side)
         self.total_kv_heads: int | None = None  # the model's (bind_model)
@@ -109,7 +112,7 @@ class P2PConnector(TransportSide, PushSide, ProducerSide, ConsumerSide, KVConnec
         self._idle = False
         self.counters = dict(loaded_bytes=0, stored_bytes=0, transfers=0, failed_transfers=0,
                              expired_holds=0, refused_offers=0, layer_writes=0,
-                             transfer_s=0.0)  # seconds in blocking transfers (pull reads, push writes)
+                             transfer_s=0.0)  # seconds in blocking transfers; + bytes_via_<protocol>
 
     # tensor parallelism: the scheduler side and the side channel run on the driver, which knows every
     # rank's layout; each consumer rank gets its heads itself, and the producer frees a request's
@@ -143,6 +146,7 @@ class P2PConnector(TransportSide, PushSide, ProducerSide, ConsumerSide, KVConnec
     def bind_backend(self, backend: Any) -> None:
         caps = backend.capabilities
         self._backend_protocols, self._backend_reason = tuple(caps.transfer_protocols), caps.transfer_reason
+        self._backend = backend
 
     def bind_device(self, device: Any) -> None:
         self.dev = device
@@ -188,7 +192,7 @@ class P2PConnector(TransportSide, PushSide, ProducerSide, ConsumerSide, KVConnec
 
     def stats(self) -> dict[str, Any]:
         return dict(self.counters, loads_in_flight=len(self._loads), held_requests=len(self._held),
-                    role=self.role, mode=self.mode)
+                    role=self.role, mode=self.mode, protocols=list(self.transports))
 
     # ---- worker side ---------------------------------------------------------------------------
     def bind_connector_metadata(self, metadata: Any) -> None:

@@ -54,6 +54,7 @@ class _Load:
     deadline: float = 0.0
     reported: bool = False  # finished_recving / failed_recving sent
     settled: bool = False  # no transfer into the blocks can still be running
+    protocol: str = ""  # chosen at the handshake ("tcp" from a device: it arrives in the host mirror)
 
 
 class ConsumerSide:
@@ -122,20 +123,44 @@ class ConsumerSide:
 
     # ---- worker side ---------------------------------------------------------------------------
     def _handshake(self, address: str) -> list[Layout]:
-        """The producer's rank layouts (cached per address); raises naming why they cannot pair."""
+        """The producer's rank layouts over the protocol chosen with it (cached per address): the first
+        of this engine's offers, in its order, that the producer offers too and that works between
+        them (same host and a probe for device-direct ones); each skipped one is logged with why.
+        Raises naming why they cannot pair at all."""
         peers = self._producers.get(address)
-        if peers is None:
-            reply = call(address, Hello(self.layout), self.transfer_timeout_s)  # type: ignore[arg-type]
-            if not isinstance(reply, HelloReply) or reply.layout is None:
-                raise RuntimeError(f"p2p handshake with {address} refused: {getattr(reply, 'reason', reply)}")
-            peers = list(reply.layouts) or [reply.layout]
-            why = next((w for lay in peers if (w := incompatibility(self.layout, lay))), "")  # type: ignore[arg-type]
-            if not why and len(peers) != reply.layout.tp_size:
-                why = f"the producer described {len(peers)} ranks for tp={reply.layout.tp_size}"
+        if peers is not None:
+            return peers
+        mine = list(self.layouts.values()) or [self.layout]
+        reply = call(address, Hello(mine[0], mine[1:]), self.transfer_timeout_s)  # type: ignore[arg-type]
+        if not isinstance(reply, HelloReply) or reply.layout is None:
+            raise RuntimeError(f"p2p handshake with {address} refused: {getattr(reply, 'reason', reply)}")
+        theirs = {lay.protocol: lay for lay in [reply.layout, *reply.alternatives]}
+        skipped: list[str] = []
+        for me in mine:
+            lay = theirs.get(me.protocol)
+            if lay is None:
+                skipped.append(f"{me.protocol}: not offered by the producer (it offers {', '.join(theirs)})")
+                continue
+            why = reply.unusable.get(me.protocol, "")
+            if not why:  # pull: this side copies (push: the producer checked in its reply)
+                why = self.usable(me, lay) if self.mode == "pull" else incompatibility(me, lay)
+            if why:
+                skipped.append(f"{me.protocol}: {why}")
+                continue
+            peers = (list(reply.layouts) or [reply.layout]) if lay.protocol == reply.layout.protocol else [lay]
+            why = next((w for p in peers if (w := incompatibility(me, p))), "")
+            if not why and len(peers) != lay.tp_size:
+                why = f"the producer described {len(peers)} ranks for tp={lay.tp_size}"
             if why:
                 raise RuntimeError(f"p2p handshake with {address} refused: {why}")
+            if skipped:
+                log.warning("p2p: with producer %s using %s, not %s", address, me.protocol, "; ".join(skipped))
+            else:
+                log.info("p2p: with producer %s using %s", address, me.protocol)
             self._producers[address] = peers
-        return peers
+            return peers
+        raise RuntimeError(f"p2p handshake with {address} refused: no protocol works between them ("
+                           f"{'; '.join(skipped)})")
 
     def start_loads(self, loads: list[LoadSpec]) -> None:
         for spec in loads:
@@ -151,12 +176,18 @@ class ConsumerSide:
         p, ok, nbytes, settled = spec.params, False, 0, True
         address = f"{p['remote_host']}:{p['remote_port']}"
         try:
-            peers = self._handshake(address)
+            try:
+                peers = self._handshake(address)
+            except Exception:
+                self.release_remote(p)  # never read: the producer frees its copy now, not on its hold timeout
+                raise
+            load.protocol = peers[0].protocol
+            transfer, me = self.transfer_for(load.protocol)
             rid, rank, size = p["remote_request_id"], me.tp_rank, me.tp_size
-            ack = call(address, Acquire(rid, rank, size), self.transfer_timeout_s)
+            ack = call(address, Acquire(rid, rank, size, load.protocol), self.transfer_timeout_s)
             while isinstance(ack, Ack) and ack.retry and time.monotonic() < load.deadline - self.transfer_timeout_s:
                 time.sleep(0.005)  # the producer's ranks are still staging the KV
-                ack = call(address, Acquire(rid, rank, size), self.transfer_timeout_s)
+                ack = call(address, Acquire(rid, rank, size, load.protocol), self.transfer_timeout_s)
             if not (isinstance(ack, Ack) and ack.ok):
                 raise RuntimeError(getattr(ack, "reason", "acquire refused"))
             t0 = time.perf_counter()
@@ -168,7 +199,7 @@ class ConsumerSide:
                         raise RuntimeError("the load's deadline passed before all of its reads started")
                     if ln:
                         settled = False  # a read that times out may still land: keep the blocks pinned a while
-                        self.transfer.read(peer.endpoint, dp, sp, ln)
+                        transfer.read(peer.endpoint, dp, sp, ln)
                     nbytes += sum(ln)
                 ok, settled = True, True
                 self.counters["transfer_s"] += time.perf_counter() - t0
@@ -191,9 +222,15 @@ class ConsumerSide:
         p = spec.params
         address = f"{p['remote_host']}:{p['remote_port']}"
         try:
-            self._handshake(address)
+            try:
+                load.protocol = self._handshake(address)[0].protocol
+            except Exception:
+                if p.get("remote_request_id") != p.get("transfer_id"):  # a held prefill: free it now
+                    self.release_remote(p)
+                raise
             msg = PushRequest(p["remote_request_id"], self.engine_id, spec.rid, spec.block_ids, spec.start, spec.end,
-                              self.channel.address, p.get("digest", ""), self.layout.tp_rank, self.layout.tp_size)
+                              self.channel.address, p.get("digest", ""), self.layout.tp_rank, self.layout.tp_size,
+                              load.protocol)
             ack = call(address, msg, self.transfer_timeout_s)
             if not (isinstance(ack, Ack) and ack.ok):
                 raise RuntimeError(getattr(ack, "reason", "push refused"))
@@ -210,11 +247,14 @@ class ConsumerSide:
         if load.reported:
             return
         load.reported = True
-        if ok and self.host_kv is not None:
+        if ok and self.host_kv is not None and load.protocol in ("tcp", ""):  # it arrived in the host mirror
             bs, spec = self.kv_cache.spec.block_size, load.spec
             self._stage(False, spec.block_ids[spec.start // bs:-(-spec.end // bs)])
         (recv if ok else failed).add(rid)
         self.counters["loaded_bytes"] += nbytes if ok else 0
+        if ok and load.protocol:
+            key = f"bytes_via_{load.protocol}"
+            self.counters[key] = self.counters.get(key, 0) + nbytes
 
     def consumer_poll(self, now: float, failed: set[str], settled: list[tuple[str, bool]]) -> None:
         """Time out loads; report (in ``settled``) those no transfer can still write into, so the

@@ -40,6 +40,7 @@ class _Held:
     staged: bool = True  # tensor-parallel staging: every rank copied them to its host mirror
     waiting: list[Any] = field(default_factory=list)  # pushes asked for before they were staged
     released: set[int] = field(default_factory=set)  # consumer ranks whose read ended / push was answered
+    host_staged: bool = True  # in the host mirror (False: staged when a tcp reader or push first needs it)
 
 
 @dataclass
@@ -69,13 +70,15 @@ class ProducerSide:
                 stream.finished = True
             return stream is not None, None  # in-flight layer writes read the blocks: freed once they end
         staged = self.host_kv is None or self.tp_size == 1
-        if self.host_kv is not None and staged:
+        eager = self.host_kv is not None and self.protocol == "tcp"  # else only for a peer that falls back to tcp
+        if eager and staged:
             self._stage(True, ids)  # the request's last forward is done: its KV is complete
         elif not staged:  # every rank stages its shard at its next step's start (p2p_staged reports it)
             self._to_stage.append((rid, ids))
         with self._lock:
             h = self._held[rid] = _Held(rid, ids, n, time.monotonic() + self.hold_timeout_s,
-                                        (request.prompt_token_ids, request.cache_salt), staged=staged)
+                                        (request.prompt_token_ids, request.cache_salt), staged=staged,
+                                        host_staged=eager or self.host_kv is None)
             tid = params.get("transfer_id")
             early = self._targets.pop(tid, None) if tid and stream is None else None
         if stream is not None:
@@ -134,6 +137,12 @@ class ProducerSide:
                 return Ack(False, f"request {msg.request_id} is not held here (expired, freed or being read)")
             h.readers.add(msg.reader)
             h.deadline = time.monotonic() + 3 * self.transfer_timeout_s
+        try:
+            self.stage_for(msg.protocol, h)  # a tcp reader while the pool's own protocol is device-direct
+        except Exception as e:
+            with self._lock:
+                h.readers.discard(msg.reader)
+            return Ack(False, f"staging request {msg.request_id} to host memory failed: {type(e).__name__}: {e}")
         return Ack(True)
 
     def accept_release(self, msg: Release) -> Ack:
@@ -150,9 +159,13 @@ class ProducerSide:
 
     def accept_push(self, msg: PushRequest) -> Ack:
         with self._lock:
-            peer = self._peers.get(msg.consumer_engine_id)
-            if peer is None:
+            peers = self._peers.get(msg.consumer_engine_id)
+            if peers is None:
                 return Ack(False, f"engine {msg.consumer_engine_id} did not handshake first")
+            peer = peers.get(msg.protocol) if msg.protocol else next(iter(peers.values()))
+            if peer is None:
+                return Ack(False, f"protocol {msg.protocol!r} was not agreed with engine {msg.consumer_engine_id} "
+                                  f"(agreed: {', '.join(peers)})")
             rid = self._by_transfer.get(msg.request_id, msg.request_id)
             h = self._held.get(rid)
             if h is None:
@@ -231,10 +244,11 @@ class ProducerSide:
             if st.failed or hi <= lo:
                 continue
             try:
-                sp, dp, ln = pair_segments(self.layout, st.peer, block_ids, st.msg.block_ids, lo, hi,
+                transfer, mine = self.transfer_for(st.peer.protocol)
+                sp, dp, ln = pair_segments(mine, st.peer, block_ids, st.msg.block_ids, lo, hi,
                                            layers=range(layer, layer + 1))
                 if ln:
-                    st.batches.append(self.transfer.submit_write(st.peer.endpoint, sp, dp, ln))
+                    st.batches.append(transfer.submit_write(st.peer.endpoint, sp, dp, ln))
                     st.nbytes += sum(ln)
                     self.counters["layer_writes"] += 1
             except Exception as e:
@@ -244,9 +258,10 @@ class ProducerSide:
         """Finish layerwise streams whose writes ended; expire unclaimed holds and announcements."""
         for rid, st in list(self._streams.items()):
             pending = []
+            transfer = self.transports.get(st.peer.protocol, (self.transfer,))[0]
             for b in st.batches:
                 try:
-                    if not self.transfer.poll(b):
+                    if not transfer.poll(b):
                         pending.append(b)
                 except Exception as e:
                     st.failed = st.failed or f"{type(e).__name__}: {e}"

@@ -43,6 +43,7 @@ class Layout(msgspec.Struct, frozen=True):
     head_start: int = 0  # global index of this rank's first KV head
     total_kv_heads: int = 0  # the model's KV heads (0: num_kv_heads * tp_size, no replication)
     side_channel: str = ""  # this rank's side channel host:port ("" where it serves none)
+    host_id: str = ""  # hwkv.transfer.direct.host_identity(): same-host (device-direct) protocols need equal ids
 
     @property
     def total_heads(self) -> int:
@@ -51,15 +52,20 @@ class Layout(msgspec.Struct, frozen=True):
 
 # ---- side-channel messages (requests get exactly one reply) ----------------------------------
 class Hello(msgspec.Struct, tag=True):
-    """Handshake: the sender's layout; the reply carries the receiver's, or why they cannot pair."""
+    """Handshake: the sender's layout (its preferred protocol) and ``alternatives`` (its layouts
+    for the other protocols it offers, in preference order); the reply carries the receiver's, or
+    why they cannot pair."""
 
     layout: Layout
+    alternatives: list[Layout] = []
 
 
 class HelloReply(msgspec.Struct, tag=True):
     layout: Layout | None
     reason: str = ""
     layouts: list[Layout] = []  # every tensor-parallel rank's, in rank order (empty: ``[layout]``)
+    alternatives: list[Layout] = []  # the receiver's layouts for its other protocols (tensor-parallel size 1)
+    unusable: dict[str, str] = {}  # protocol -> why the receiver cannot use it with the sender (push: it copies)
 
 
 class Acquire(msgspec.Struct, tag=True):
@@ -70,6 +76,7 @@ class Acquire(msgspec.Struct, tag=True):
     request_id: str
     reader: int = 0
     readers: int = 1
+    protocol: str = ""  # the protocol the reader uses ("tcp" from device memory: the producer stages first)
 
 
 class Release(msgspec.Struct, tag=True):
@@ -96,6 +103,7 @@ class PushRequest(msgspec.Struct, tag=True):
     digest: str = ""  # consumer first (request_id is a transfer id): the prompt the producer must match
     reader: int = 0  # the consumer rank asking (tensor parallelism: every rank asks for its heads)
     readers: int = 1  # the consumer's tensor-parallel size
+    protocol: str = ""  # the protocol chosen at the handshake ("": the producer's first)
 
 
 class PushDone(msgspec.Struct, tag=True):
@@ -157,7 +165,8 @@ def prompt_digest(token_ids: list[int], salt: str | None) -> str:
 
 
 def layout_of(kv_cache: Any, engine_id: str, endpoint: str, protocol: str, bases: list[int] | None = None,
-              tp_rank: int = 0, tp_size: int = 1, total_kv_heads: int | None = None, side_channel: str = "") -> Layout:
+              tp_rank: int = 0, tp_size: int = 1, total_kv_heads: int | None = None, side_channel: str = "",
+              host_id: str = "") -> Layout:
     spec = kv_cache.spec
     total = total_kv_heads or spec.num_kv_heads * tp_size
     return Layout(
@@ -167,7 +176,7 @@ def layout_of(kv_cache: Any, engine_id: str, endpoint: str, protocol: str, bases
         bases=bases if bases is not None else [t.data_ptr() for t in kv_cache.tensors],
         block_nbytes=[kv_cache.block_nbytes(i) for i in range(len(kv_cache.tensors))],
         tp_rank=tp_rank, tp_size=tp_size, head_start=kv_heads_of(total, tp_size, tp_rank).start,
-        total_kv_heads=total, side_channel=side_channel,
+        total_kv_heads=total, side_channel=side_channel, host_id=host_id,
     )
 
 

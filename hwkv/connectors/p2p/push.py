@@ -46,8 +46,10 @@ class PushSide:
         why = self._push_refusal(msg, *h.digest_of, h.num_tokens)
         try:
             plan = {} if why else write_plan(self.rank_layouts, peer)
-        except ValueError as e:
-            why = str(e)
+            if not why:
+                self.stage_for(peer.protocol, h)  # a tcp consumer while the pool's own protocol is device-direct
+        except Exception as e:
+            why = f"{type(e).__name__}: {e}"
         if why or not plan:
             self._notify(msg, False, why or "no KV heads to write", 0, h.rid)
             return
@@ -77,10 +79,11 @@ class PushSide:
             for sl in slices:
                 if time.monotonic() > deadline:
                     return False, "the push's deadline passed before this part was written", 0, True
-                sp, dp, ln = pair_segments(self.layout, peer, src_blocks, msg.block_ids, msg.start, msg.end,
+                transfer, mine = self.transfer_for(peer.protocol)
+                sp, dp, ln = pair_segments(mine, peer, src_blocks, msg.block_ids, msg.start, msg.end,
                                            heads=HeadSlice(*sl))
                 if ln:
-                    self.transfer.write(peer.endpoint, sp, dp, ln)
+                    transfer.write(peer.endpoint, sp, dp, ln)
                 nbytes += sum(ln)
             self.counters["transfer_s"] += time.perf_counter() - t0
             return True, "", nbytes, True

@@ -7,6 +7,7 @@ State lives on :class:`~hwkv.connectors.p2p.connector.P2PConnector`; this mixin 
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from hwkv.connectors.base.copy import copy_block_pairs
@@ -16,6 +17,7 @@ from hwkv.connectors.p2p.protocol import (
     Acquire,
     Hello,
     HelloReply,
+    Layout,
     PushDone,
     PushOrder,
     PushPart,
@@ -24,53 +26,134 @@ from hwkv.connectors.p2p.protocol import (
     incompatibility,
     layout_of,
 )
+from hwkv.transfer.direct import DIRECT_PROTOCOLS, host_identity
+
+log = logging.getLogger(__name__)
+HOST_PROTOCOLS = ("cma",)  # move host memory only
+DEVICE_PROTOCOLS = ("cuda_ipc", "npu_ipc", "rdma", "ascend")  # move device memory
 
 
 class TransportSide:
     # ---- set-up --------------------------------------------------------------------------------
-    def _resolve_protocol(self, on_host: bool) -> str:
-        declared = self._backend_protocols
-        if self.protocol != "auto":
-            if declared and self.protocol not in declared and not (self.protocol == "tcp" and on_host):
-                raise ValueError(f"p2p: protocol {self.protocol!r} is not offered by the backend (allowed: "
-                                 f"{', '.join(declared)}, or 'auto')")
-            return self.protocol
-        if declared:  # the backend's preference: rdma/ascend where its devices register memory directly
-            return declared[0]
-        if on_host:
-            return "tcp"
-        raise ValueError(f"p2p: the backend declares no transfer protocol ({self._backend_reason or 'none'})")
+    def _protocols_offered(self, on_host: bool) -> list[str]:
+        """The protocols this engine offers peers, in preference order: ``protocol="auto"`` takes the
+        backend's declared order (device-direct first), else the given one or comma-separated list;
+        each kept only where it moves the memory the KV lives in."""
+        declared = list(self._backend_protocols or ())
+        if self.protocol == "auto":
+            wanted = declared or (["tcp"] if on_host else [])
+            if not wanted:
+                raise ValueError(f"p2p: the backend declares no transfer protocol ({self._backend_reason or 'none'})")
+        else:
+            wanted = [p.strip() for p in str(self.protocol).split(",") if p.strip()]
+            for p in wanted:
+                if declared and p not in declared and not (p == "tcp" and on_host):
+                    raise ValueError(f"p2p: protocol {p!r} is not offered by the backend (allowed: "
+                                     f"{', '.join(declared)}, a comma-separated list of them, or 'auto')")
+        if self.staging:
+            wanted = [p for p in wanted if p == "tcp"] or ["tcp"]
+        dropped = {}
+        offers = []
+        for p in wanted:
+            if p in HOST_PROTOCOLS and not on_host:
+                dropped[p] = "moves host memory, the KV cache is on the device"
+            elif p in DEVICE_PROTOCOLS and on_host:
+                dropped[p] = "moves device memory, the KV cache is in host memory"
+            elif p == "tcp" and not on_host and self.staging is False:
+                dropped[p] = "would stage device KV through host memory (staging=False)"
+            elif p == "tcp" and self.layerwise and (not on_host or self.staging) and offers:
+                dropped[p] = "layerwise writes need memory the transfer reaches directly"
+            elif p not in offers:
+                offers.append(p)
+        if not offers:
+            raise ValueError(f"p2p: no transfer protocol fits a KV cache in {'host' if on_host else 'device'} memory "
+                             f"({'; '.join(f'{k}: {v}' for k, v in dropped.items())}; allowed: staging=True or None "
+                             "for tcp from a device, or rdma / ascend / cuda_ipc for device memory)")
+        return offers
 
-    def register_kv_caches(self, kv_cache: Any) -> None:
+    def _create_transfer(self, protocol: str) -> Any:
+        if protocol in DIRECT_PROTOCOLS:
+            if self._backend is None:
+                raise ValueError(f"p2p: protocol {protocol!r} needs the backend (bind_backend) to create it")
+            return self._backend.create_transfer(protocol=protocol, host=self.host, timeout_s=self.transfer_timeout_s)
         from hwkv.transfer.mooncake import MooncakeTransfer
 
+        return MooncakeTransfer(protocol=protocol, host=self.host, metadata_server=self.metadata_server,
+                                device_name=self.device_name, timeout_s=self.transfer_timeout_s)
+
+    def register_kv_caches(self, kv_cache: Any) -> None:
         on_host = kv_cache.device.type == "cpu"
-        self.protocol = self._resolve_protocol(on_host)
-        staging = (not on_host and self.protocol == "tcp") if self.staging is None else bool(self.staging)
-        if not on_host and self.protocol == "tcp" and not staging:
-            raise ValueError(f"p2p: protocol 'tcp' moves host memory but the KV cache is on {kv_cache.device} "
-                             "(allowed: staging=True or None, or protocol 'rdma' / 'ascend' for device memory)")
+        offers = self._protocols_offered(on_host)
+        if self.tp_size > 1:
+            self.check_tensor_parallel(self.tp_size)
+            offers = offers[:1]  # every rank's layout travels for one protocol only (no fallback across ranks)
+        staging = "tcp" in offers and (not on_host or bool(self.staging))
+        if staging and self.layerwise and offers[0] == "tcp":
+            raise ValueError("p2p: layerwise=True needs KV the transfer engine reaches directly (host memory, or "
+                             "rdma/ascend/cuda_ipc device memory), not tcp staging (allowed: layerwise=False)")
         self.kv_cache = kv_cache
         if staging:  # tcp from a device: through a pinned host mirror of the pool (same block ids)
             self.host_kv = self.dev.allocate_kv_cache(kv_cache.spec, kv_cache.layout, host=True)
-        if staging and self.layerwise:
-            raise ValueError("p2p: layerwise=True needs KV the transfer engine reaches directly (host memory, or "
-                             "rdma/ascend device memory), not tcp staging (allowed: layerwise=False)")
-        if self.tp_size > 1:
-            self.check_tensor_parallel(self.tp_size)
-        xfer = self.host_kv if staging else kv_cache
-        self.transfer = MooncakeTransfer(protocol=self.protocol, host=self.host, metadata_server=self.metadata_server,
-                                         device_name=self.device_name, timeout_s=self.transfer_timeout_s)
-        for t in xfer.tensors:
-            self.transfer.register(t.data_ptr(), t.numel() * t.element_size())
+        self.transports, self.layouts = {}, {}
+        for p in offers:
+            xfer = self.host_kv if (p == "tcp" and staging) else kv_cache
+            t = None
+            try:
+                t = self._create_transfer(p)
+                for tensor in xfer.tensors:
+                    t.register(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+            except Exception as e:
+                if t is not None:
+                    t.close()
+                if p == offers[-1] and not self.transports:
+                    raise
+                log.warning("p2p: protocol %s unavailable here, not offered (%s: %s)", p, type(e).__name__, e)
+                continue
+            self.transports[p] = (t, xfer)
         # the driver's; in push mode every rank's too (a producer rank takes write orders, a consumer
         # rank its PushDone); in pull mode the other ranks only read (consumer) or are read (producer)
         if self.tp_rank == 0 or self.mode == "push":
             self.channel = SideChannel(self.host, self.port if self.tp_rank == 0 else 0, self._handle)
-        self.layout = layout_of(xfer, self.engine_id, self.transfer.endpoint(), self.protocol,
-                                tp_rank=self.tp_rank, tp_size=self.tp_size, total_kv_heads=self.total_kv_heads,
-                                side_channel=self.channel.address if self.channel is not None else "")
+        host_id = host_identity()
+        for p, (t, xfer) in self.transports.items():
+            self.layouts[p] = layout_of(xfer, self.engine_id, t.endpoint(), p, tp_rank=self.tp_rank,
+                                        tp_size=self.tp_size, total_kv_heads=self.total_kv_heads,
+                                        side_channel=self.channel.address if self.channel is not None else "",
+                                        host_id=host_id)
+        self.protocol = next(iter(self.transports))
+        self.transfer, self.layout = self.transports[self.protocol][0], self.layouts[self.protocol]
         self.rank_layouts = [self.layout]  # the driver learns the other ranks' in bind_tp_worker_info
+        log.info("p2p %s: offers %s", self.role, ", ".join(self.transports))
+
+    def transfer_for(self, protocol: str) -> tuple[Any, Layout]:
+        """This engine's transfer endpoint and layout for ``protocol`` (the handshake's choice)."""
+        if protocol not in self.transports:
+            raise RuntimeError(f"p2p: protocol {protocol!r} is not offered here (offered: "
+                               f"{', '.join(self.transports)})")
+        return self.transports[protocol][0], self.layouts[protocol]
+
+    def usable(self, mine: Layout, theirs: Layout) -> str:
+        """Why this engine cannot copy to/from ``theirs`` over its protocol ("" when it can): the
+        layouts must translate, and a same-host protocol needs the peer on this host and a probe that
+        reads its memory."""
+        why = incompatibility(mine, theirs)
+        if why or theirs.protocol not in DIRECT_PROTOCOLS:
+            return why
+        if theirs.host_id != mine.host_id:
+            return (f"{theirs.protocol} needs both engines on one host (engine {theirs.engine_id} is on "
+                    f"{theirs.host_id or 'an unknown host'}, this one on {mine.host_id})")
+        try:
+            self.transports[theirs.protocol][0].probe(theirs.endpoint)
+        except Exception as e:
+            return f"{theirs.protocol} probe of engine {theirs.engine_id} failed: {e}"
+        return ""
+
+    def stage_for(self, protocol: str, h: Any) -> None:
+        """A hold read or written over tcp while the pool's own protocol is device-direct: copy its
+        blocks to the host mirror first (once)."""
+        if protocol == "tcp" and self.host_kv is not None and not getattr(h, "host_staged", True):
+            self._stage(True, h.block_ids)
+            h.host_staged = True
 
     def _stage(self, to_host: bool, block_ids: list[int]) -> None:
         """Staging: copy ``block_ids`` between the device pool and its host mirror, and wait for it."""
@@ -86,22 +169,14 @@ class TransportSide:
             self.channel.close()
             self.channel = None
         self._pool.shutdown(wait=True, cancel_futures=True)
-        if self.transfer is not None:
-            self.transfer.close()
-            self.transfer = None
+        for t, _ in self.transports.values():  # direct endpoints: peers' mappings detached, ours revoked
+            t.close()
+        self.transports, self.transfer = {}, None
 
     # ---- side channel (its own thread) ---------------------------------------------------------
     def _handle(self, msg: Any) -> Any:
         if isinstance(msg, Hello):
-            why = incompatibility(self.layout, msg.layout)  # type: ignore[arg-type]
-            if not why and msg.layout.tp_size != self.tp_size and self.layerwise:
-                why = (f"layerwise push needs equal tensor-parallel sizes (tp={self.tp_size} here, tp="
-                       f"{msg.layout.tp_size} at engine {msg.layout.engine_id}; allowed: layerwise=False)")
-            if why:
-                return HelloReply(None, why)
-            with self._lock:
-                self._peers[msg.layout.engine_id] = msg.layout
-            return HelloReply(self.layout, layouts=self.rank_layouts)
+            return self._hello(msg)
         if isinstance(msg, Acquire):
             return self.accept_acquire(msg)
         if isinstance(msg, Release):
@@ -116,6 +191,37 @@ class TransportSide:
             self._done("recv", msg.request_id, msg.ok, msg.nbytes, msg.settled)
             return Ack(True)
         return Ack(False, f"unexpected message {type(msg).__name__}")
+
+    def _hello(self, msg: Hello) -> HelloReply:
+        """Pair with a consumer: every one of its layouts whose protocol this engine offers and can use
+        (push: this side copies, so device-direct ones are probed here); the consumer picks among them."""
+        ok: dict[str, Layout] = {}
+        unusable: dict[str, str] = {}
+        for lay in [msg.layout, *msg.alternatives]:
+            if lay.protocol not in self.layouts:
+                unusable[lay.protocol] = f"not offered by engine {self.engine_id} (offers {', '.join(self.layouts)})"
+                continue
+            mine = self.layouts[lay.protocol]
+            why = incompatibility(mine, lay)
+            if not why and lay.tp_size != self.tp_size and self.layerwise:
+                why = (f"layerwise push needs equal tensor-parallel sizes (tp={self.tp_size} here, tp="
+                       f"{lay.tp_size} at engine {lay.engine_id}; allowed: layerwise=False)")
+            if not why and self.layerwise and lay.protocol == "tcp" and self.host_kv is not None:
+                why = "layerwise writes need memory the transfer reaches directly, not tcp staging"
+            if not why and self.mode == "push":
+                why = self.usable(mine, lay)
+            if why:
+                unusable[lay.protocol] = why
+            else:
+                ok[lay.protocol] = lay
+        if not ok:
+            whys = set(unusable.values())
+            why = whys.pop() if len(whys) == 1 else "; ".join(f"{p}: {w}" for p, w in unusable.items())
+            return HelloReply(None, why or "no layout given")
+        with self._lock:
+            self._peers[msg.layout.engine_id] = ok
+        rest = [lay for p, lay in self.layouts.items() if p != self.protocol] if self.tp_size == 1 else []
+        return HelloReply(self.layout, layouts=self.rank_layouts, alternatives=rest, unusable=unusable)
 
     def _done(self, kind: str, rid: str, ok: bool, nbytes: int, settled: bool = True) -> None:
         self._results.put((kind, rid, ok, nbytes, settled))
