@@ -186,10 +186,10 @@ def test_cpu_backend_and_device():
     assert caps.supports_block_size(1) and caps.supports_block_size(256) and not caps.supports_block_size(257)
     assert caps.default_block_size == 16 and caps.graph_capture is False and caps.head_sizes is None
     assert caps.kv_layouts == (KVLayoutKind.PER_LAYER,)
-    if caps.transfer_protocols:
-        assert caps.transfer_protocols == ("tcp",)
-    else:
+    if caps.transfer_protocols == ("cma",):  # same-host direct only: tcp needs the Mooncake wheel
         assert "pip install 'hwkv[mooncake]'" in caps.transfer_reason
+    else:
+        assert caps.transfer_protocols == ("cma", "tcp")
     dev = b.device
     free, total = dev.memory_info()
     assert 0 < free <= total
