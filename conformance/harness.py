@@ -163,12 +163,16 @@ def fused_views(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torc
     return qs.view(q.shape), ks.view(k.shape), vs.view(v.shape)
 
 
-def run_attention(backend: Backend, case: AttentionCase, dtype: torch.dtype) -> torch.Tensor:
-    """``case`` on ``backend`` in ``dtype``; output (both steps, concatenated) as float32 on the CPU."""
+def run_attention(backend: Backend, case: AttentionCase, dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
+                  kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """``case`` on ``backend`` in ``dtype``; output (both steps, concatenated) as float32 on the CPU.
+    ``kv_dtype``: the cache's storage dtype (fp8: quantised with ``kv_scales`` ``[2, H_kv]``)."""
     dev = backend.device.torch_device
-    spec = case.spec(dtype)
+    spec = case.spec(kv_dtype or dtype)
     kv = new_cache(backend, spec, fill=torch.Generator().manual_seed(case.fill_seed))
     impl = backend.attention.make_impl(case.num_heads, case.head_size, case.num_kv_heads, case.scale)
+    if kv_scales is not None:
+        impl.kv_scales = kv_scales.to(dev)
     builder = backend.attention.metadata_builder()
     on = lambda x: x.to(device=dev, dtype=dtype)
     qkv = lambda q, k, v: fused_views(on(q), on(k), on(v)) if case.strided else (on(q), on(k), on(v))

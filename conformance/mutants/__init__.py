@@ -22,7 +22,7 @@ __all__ = ["AREAS", "MUTANTS", "Mutant", "MutantBackend", "control", "load", "mu
 
 def load() -> dict[str, Mutant]:
     """Every registered mutant, by name (importing the area modules registers them)."""
-    from conformance.mutants import attention, device, kv_write, transfer_store  # noqa: F401
+    from conformance.mutants import attention, device, fp8, kv_write, transfer_store  # noqa: F401
 
     return MUTANTS
 

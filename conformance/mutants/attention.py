@@ -10,6 +10,7 @@ import torch
 
 from conformance.mutants.base import mutant
 from hwkv.interfaces import AttentionMetadata, AttentionMetadataBuilder
+from hwkv.interfaces.kv_quant import is_quantized
 from hwkv.reference import ReferenceAttentionImpl
 from hwkv.reference.attention import split_kv
 
@@ -38,6 +39,9 @@ class VendorImpl(ReferenceAttentionImpl):
             first = self.first_key(seq, ql)
             k = self.gather(k_cache, blocks)[first:seq][:, heads]  # [S, H, D]
             v = self.gather(v_cache, blocks)[first:seq][:, heads]
+            if is_quantized(k_cache.dtype):  # fp8 KV: dequantise with the head's K / V scale
+                sc = self.scales_for(layer_kv)
+                k, v = k.float() * sc[0][heads][:, None], v.float() * sc[1][heads][:, None]
             s = self.scores(q_all[q0:q1], k, query.dtype)  # [H, Q, S] float32, scaled
             pos_q = seq - ql + torch.arange(ql)
             pos_k = first + torch.arange(k.shape[0])

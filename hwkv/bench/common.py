@@ -63,6 +63,8 @@ def model_dir(args: argparse.Namespace) -> Path:
         write_tiny_model(d, dtype=getattr(torch, args.dtype), seed=0, tokenizer=False, device=dev,
                          num_shards=1 if args.model == "tiny" else 4,
                          **shapes[args.model])
+        if dev == "cuda":  # the drawing's cached blocks would count as used when the engine sizes its pool
+            torch.cuda.empty_cache()
     return d
 
 

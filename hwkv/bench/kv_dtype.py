@@ -102,10 +102,31 @@ def decode_step(engine: Any, batch: int, ctx: int, reps: int) -> dict[str, Any]:
                 min_ms=times[0] * 1e3, max_ms=times[-1] * 1e3)
 
 
+def one_kv_dtype(args: argparse.Namespace, mdir: Path, be: Any, kd: str, kw: dict[str, Any], work: list[Any],
+                 params: Any, base_tokens: list[list[int]] | None) -> tuple[dict[str, Any], list[list[int]]]:
+    """One engine with ``kv_cache_dtype=kd``: its figures and greedy tokens (the engine is dropped on return)."""
+    import hwkv
+
+    t0 = time.perf_counter()
+    e = hwkv.Engine(str(mdir), backend=be, dtype=args.dtype, kv_cache_dtype=kd, **kw)
+    r: dict[str, Any] = dict(engine_init_s=time.perf_counter() - t0, kv_storage=str(e.kv_cache.spec.dtype),
+                             num_kv_blocks=e.config.cache.num_kv_blocks, block_size=e.block_size,
+                             bytes_per_block=e.kv_cache.spec.bytes_per_block)
+    r["capacity_sequences"] = e.config.cache.num_kv_blocks * e.block_size // args.capacity_context
+    r["connector_bytes_64_blocks"] = sum(s.nbytes for s in e.kv_cache.segments(list(range(64))))
+    toks = [list(o.token_ids) for o in e.generate([p for p, _ in work], params, use_tqdm=False)]
+    base = base_tokens or toks
+    r["first_divergence"] = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None)
+                             for x, y in zip(base, toks)]
+    r["identical_prompts"] = sum(d is None for d in r["first_divergence"])
+    if args.decode_batch > 0:
+        r["decode"] = decode_step(e, args.decode_batch, args.decode_context, args.decode_reps)
+    return r, toks
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    import hwkv
     from hwkv.sampling_params import SamplingParams
 
     mdir = model_dir(args)
@@ -126,27 +147,13 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=0.0, max_tokens=args.agree_tokens, ignore_eos=True)
     base_tokens = None
     for kd in args.kv_dtypes.split(","):
-        t0 = time.perf_counter()
-        e = hwkv.Engine(str(mdir), backend=be, dtype=args.dtype, kv_cache_dtype=kd, **kw)
-        r: dict[str, Any] = dict(engine_init_s=time.perf_counter() - t0, kv_storage=str(e.kv_cache.spec.dtype),
-                                 num_kv_blocks=e.config.cache.num_kv_blocks, block_size=e.block_size,
-                                 bytes_per_block=e.kv_cache.spec.bytes_per_block)
-        r["capacity_sequences"] = e.config.cache.num_kv_blocks * e.block_size // args.capacity_context
-        r["connector_bytes_64_blocks"] = sum(s.nbytes for s in e.kv_cache.segments(list(range(64))))
-        outs = e.generate([p for p, _ in work], params, use_tqdm=False)
-        toks = [list(o.token_ids) for o in outs]
-        if base_tokens is None:
-            base_tokens = toks
-        r["first_divergence"] = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None)
-                                 for x, y in zip(base_tokens, toks)]
-        r["identical_prompts"] = sum(d is None for d in r["first_divergence"])
-        if args.decode_batch > 0:
-            r["decode"] = decode_step(e, args.decode_batch, args.decode_context, args.decode_reps)
-            if bw:
-                r["decode"]["fraction_of_copy_bw"] = r["decode"]["bytes_per_step"] / (r["decode"]["step_ms"] / 1e3) / bw
+        r, toks = one_kv_dtype(args, mdir, be, kd, kw, work, params, base_tokens)
+        base_tokens = base_tokens or toks
+        if r.get("decode") and bw:
+            r["decode"]["fraction_of_copy_bw"] = r["decode"]["bytes_per_step"] / (r["decode"]["step_ms"] / 1e3) / bw
         res["runs"][kd] = r
         print(f"[kv-dtype] {kd}: {json.dumps(r)}", flush=True)
-        free_engine(e, dev)
+        free_engine(None, dev)  # the engine died with one_kv_dtype's frame: return its memory before the next
     kds = args.kv_dtypes.split(",")
     base, other = res["runs"][kds[0]], res["runs"][kds[-1]]
     res["ratios"] = dict(capacity=other["capacity_sequences"] / max(1, base["capacity_sequences"]),
