@@ -1,9 +1,14 @@
 """`hwkv bench pd`: prefill/decode disaggregation against one colocated engine, same workload.
 
 Colocated: one ``hwkv serve``. Disaggregated: a producer and a consumer ``hwkv serve`` with the
-p2p connector (``--mode pull|push``, ``--layerwise``) behind ``hwkv proxy``; on one GPU both engine
-processes share it (give each a ``--memory-fraction`` / ``--num-kv-blocks`` through
-``--server-args``) and the KV moves over tcp through pinned host buffers, the only transport there.
+p2p connector (``--mode pull|push``, ``--layerwise``) behind ``hwkv proxy``. ``--prefill-devices`` and
+``--decode-devices`` place them (device indices; several for tensor parallelism, with
+``--prefill-args "--tensor-parallel-size 2"``): each server sees every device, its own listed first
+(``CUDA_VISIBLE_DEVICES`` reordered), so CUDA IPC can map the other's memory; the colocated engine
+runs on the prefill devices. The p2p handshake picks the transport (``--protocol``, default the
+backend's order: ``cuda_ipc`` device-direct first, tcp through pinned host buffers as the fallback);
+the result says which one moved the bytes. Sharing one GPU, give each server a ``--memory-fraction``
+/ ``--num-kv-blocks`` through ``--server-args``.
 The workload mixes long prompts (``--input-len`` ± ``--range-ratio``) with ``--output-len``
 outputs, streamed, at each ``--request-rate`` (as :mod:`hwkv.bench.serve`). Reported per setup:
 TTFT / ITL / TPOT / E2E and throughput; for disaggregation also the KV moved and its rate (bytes
@@ -15,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import re
 import shlex
@@ -37,6 +43,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workdir", default="/tmp/hwkv-bench-models")
     p.add_argument("--server-args", default="", help="`hwkv serve` flags of every engine (e.g. '--memory-fraction "
                                                      "0.4' so two fit on one GPU)")
+    p.add_argument("--prefill-args", default="", help="extra `hwkv serve` flags of the producer only")
+    p.add_argument("--decode-args", default="", help="extra `hwkv serve` flags of the consumer only")
+    p.add_argument("--prefill-devices", default=None, help="device indices of the producer (and the colocated "
+                   "engine), e.g. '0' or '0,1'; default: as the environment gives")
+    p.add_argument("--decode-devices", default=None, help="device indices of the consumer, e.g. '1'")
+    p.add_argument("--protocol", default="auto", help="p2p protocol(s) both servers offer: auto (the backend's "
+                   "order), or e.g. 'cuda_ipc', 'tcp', 'cuda_ipc,tcp'")
     p.add_argument("--mode", default="pull", choices=["pull", "push"])
     p.add_argument("--layerwise", action="store_true", help="push mode, consumer first, per-layer writes")
     p.add_argument("--transfer-timeout", type=float, default=30.0)
@@ -60,10 +73,39 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _server(model: str, args: argparse.Namespace, extra: list[str]) -> Any:
+VISIBLE = "CUDA_VISIBLE_DEVICES"
+
+
+def _visible(devices: str | None) -> str | None:
+    """``CUDA_VISIBLE_DEVICES`` that puts ``devices`` first and keeps every other device visible (CUDA
+    IPC maps another process's memory only on a device this process sees)."""
+    if not devices:
+        return None
+    import torch
+
+    want = [d.strip() for d in devices.split(",") if d.strip()]
+    listed = os.environ.get(VISIBLE)
+    every = [d.strip() for d in listed.split(",")] if listed else [str(i) for i in range(torch.cuda.device_count())]
+    bad = [d for d in want if d not in every]
+    if bad:
+        raise ValueError(f"devices {','.join(bad)} are not among the visible ones ({','.join(every) or 'none'})")
+    return ",".join(want + [d for d in every if d not in want])
+
+
+def _server(model: str, args: argparse.Namespace, extra: list[str], devices: str | None = None) -> Any:
     ns = argparse.Namespace(backend=args.backend, api_key=None, startup_timeout=args.startup_timeout,
                             server_args=args.server_args + " " + shlex.join(extra))
-    return sb._Server(model, ns)
+    visible, saved = _visible(devices), os.environ.get(VISIBLE)
+    if visible is None:
+        return sb._Server(model, ns)
+    os.environ[VISIBLE] = visible  # the server process inherits it at start
+    try:
+        return sb._Server(model, ns)
+    finally:
+        if saved is None:
+            os.environ.pop(VISIBLE, None)
+        else:
+            os.environ[VISIBLE] = saved
 
 
 class _Proxy:
@@ -121,7 +163,8 @@ def _measure(url: str, info: dict[str, Any], args: argparse.Namespace) -> list[d
 def _disaggregated(model: str, args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, Any]], dict]:
     import httpx
 
-    cfg = {"mode": args.mode, "transfer_timeout_s": args.transfer_timeout, "hold_timeout_s": 300.0}
+    cfg = {"mode": args.mode, "transfer_timeout_s": args.transfer_timeout, "hold_timeout_s": 300.0,
+           "protocol": args.protocol}
     pcfg, proxy_args = dict(cfg, role="producer"), []
     if args.layerwise:
         port = _free_port()
@@ -130,14 +173,17 @@ def _disaggregated(model: str, args: argparse.Namespace) -> tuple[dict[str, Any]
         proxy_args = ["--layerwise", "--prefill-side-channel", f"127.0.0.1:{port}"]
     started: list[Any] = []
     try:
-        p = _server(model, args, ["--kv-connector", "p2p", "--kv-connector-config", json.dumps(pcfg)])
+        p = _server(model, args, ["--kv-connector", "p2p", "--kv-connector-config", json.dumps(pcfg),
+                                  *shlex.split(args.prefill_args)], args.prefill_devices)
         started.append(p)
         d = _server(model, args, ["--kv-connector", "p2p", "--kv-connector-config",
-                                  json.dumps(dict(cfg, role="consumer"))])
+                                  json.dumps(dict(cfg, role="consumer")), *shlex.split(args.decode_args)],
+                    args.decode_devices)
         started.append(d)
         px = _Proxy(p.url, d.url, proxy_args)
         started.append(px)
         info = httpx.get(d.url + "/server_info", timeout=30).json()
+        info["producer"] = httpx.get(p.url + "/server_info", timeout=30).json()
         before = {"producer": _counters(p.url), "consumer": _counters(d.url)}
         results = _measure(px.url, info, args)
         after = {"producer": _counters(p.url), "consumer": _counters(d.url)}
@@ -149,7 +195,9 @@ def _disaggregated(model: str, args: argparse.Namespace) -> tuple[dict[str, Any]
     mover = "consumer" if cfg["mode"] == "pull" else "producer"
     nbytes = delta[mover]["loaded_bytes" if mover == "consumer" else "stored_bytes"]
     secs = delta[mover].get("transfer_s", 0.0)
+    via = {k.removeprefix("bytes_via_"): v for k, v in delta["consumer"].items() if k.startswith("bytes_via_") and v}
     transfer = {"bytes": nbytes, "seconds": secs, "GBps": nbytes / secs / 1e9 if secs > 0 else None,
+                "bytes_by_protocol": via,
                 "transfers": delta["consumer"].get("transfers", 0.0),
                 "failed_transfers": delta["consumer"].get("failed_transfers", 0.0), "counters": delta,
                 "errors": errors,
@@ -169,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
     model = sb._model_dir(args)
     colocated = None
     if not args.skip_colocated:
-        s = _server(model, args, [])
+        s = _server(model, args, shlex.split(args.prefill_args), args.prefill_devices)
         try:
             info = httpx.get(s.url + "/server_info", timeout=30).json()
             colocated = _measure(s.url, info, args)
@@ -178,9 +226,11 @@ def run(args: argparse.Namespace) -> int:
     info, disagg, transfer = _disaggregated(model, args)
     res = {
         "bench": "pd", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "command": "hwkv bench pd " + shlex.join(sys.argv[3:]), "commit": sb._commit(), "server": info,
-        "mode": args.mode, "layerwise": args.layerwise, "transport": "Mooncake TransferEngine tcp on 127.0.0.1"
-        + (" through pinned host buffers (staging)" if info.get("backend", "cpu") != "cpu" else ""),
+        "command": "hwkv bench pd " + shlex.join(sys.argv[3:]), "commit": os.environ.get("HWKV_COMMIT") or sb._commit(),
+        "server": info,
+        "mode": args.mode, "layerwise": args.layerwise, "transport": _transport(transfer, info),
+        "prefill_devices": args.prefill_devices, "decode_devices": args.decode_devices, "protocol": args.protocol,
+        "producer_server": info.pop("producer", None),
         "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
         "range_ratio": args.range_ratio, "colocated": colocated, "disaggregated": disagg, "transfer": transfer,
     }
@@ -190,10 +240,24 @@ def run(args: argparse.Namespace) -> int:
     device = re.sub(r"[^A-Za-z0-9._-]+", "_", str(info.get("device", "unknown"))).strip("_")
     stem = f"pd-{Path(str(info.get('model', 'model'))).name}-{device}-{time.strftime('%Y-%m-%d', time.gmtime())}"
     stem += f"-{args.mode}{'-layerwise' if args.layerwise else ''}{'-' + args.tag if args.tag else ''}"
+    if args.prefill_devices or args.decode_devices:
+        stem += f"-gpu{args.prefill_devices or 'x'}to{args.decode_devices or 'x'}".replace(",", "+")
     (out_dir / f"{stem}.json").write_text(json.dumps(res, indent=2) + "\n")
     print(f"wrote {out_dir / stem}.json")
     ok = all(r["failed"] == 0 for r in disagg + (colocated or [])) and not transfer["failed_transfers"]
     return 0 if ok else 1
+
+
+def _transport(transfer: dict[str, Any], info: dict[str, Any]) -> str:
+    """Which protocol moved the KV (the consumer's bytes_via_<protocol> counters)."""
+    names = {"cuda_ipc": "cuda_ipc (device-direct: CUDA IPC handles, copy engines / SM copies over NVLink)",
+             "cma": "cma (same-host cross-memory attach)", "rdma": "Mooncake TransferEngine rdma",
+             "tcp": "Mooncake TransferEngine tcp on 127.0.0.1" + (" through pinned host buffers (staging)"
+                                                                 if info.get("backend", "cpu") != "cpu" else "")}
+    via = transfer.get("bytes_by_protocol") or {}
+    if not via:
+        return "none (no KV moved)"
+    return "; ".join(f"{names.get(p, p)}: {b / 1e6:.1f} MB" for p, b in sorted(via.items(), key=lambda x: -x[1]))
 
 
 def _print(res: dict[str, Any]) -> None:
