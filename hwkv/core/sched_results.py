@@ -18,7 +18,7 @@ class SchedulerResults:
     # Scheduler state this part reads and writes (set up by Scheduler.__init__).
     config: Any
     kv: Any
-    connector: KVConnectorBase
+    connector: KVConnectorBase | None
     requests: dict[str, Request]
     waiting: Any
     running: list[Request]
@@ -137,7 +137,9 @@ class SchedulerResults:
     def _free(self, req: Request) -> None:
         if req.finish_time is None:
             req.finish_time = time.monotonic()
-        delay, params = self.connector.request_finished(req, self.kv.get_block_ids(req.request_id))
+        delay, params = False, None
+        if self.connector is not None:
+            delay, params = self.connector.request_finished(req, self.kv.get_block_ids(req.request_id))
         if params is not None:
             req.kv_transfer_params = params
         self.loading.pop(req.request_id, None)
@@ -176,7 +178,8 @@ class SchedulerResults:
                 self._num_slots.pop(rid, None)
                 req.num_computed_tokens = 0
                 req.status = RequestStatus.WAITING
-        self.connector.update_connector_output(out)
+        if self.connector is not None:
+            self.connector.update_connector_output(out)
 
     def requeue(self, sched_out: SchedulerOutput) -> list[str]:
         """Undo a step whose execution failed: its requests restart by recompute from the front of

@@ -43,7 +43,7 @@ from hwkv.core.sched_config import SchedulerConfig
 from hwkv.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from hwkv.core.sched_policy import make_policy
 from hwkv.core.sched_results import SchedulerResults
-from hwkv.interfaces.connector import KVConnectorBase, NoOpConnector
+from hwkv.interfaces.connector import KVConnectorBase
 from hwkv.spec_decode.stats import SpecDecodeStats
 
 __all__ = ["Scheduler", "SchedulerConfig"]
@@ -68,8 +68,9 @@ class Scheduler(SchedulerResults):
                  num_lookahead_tokens: int = 0):
         self.config = config
         self.kv = kv_cache_manager
-        self.connector = connector or NoOpConnector()
-        self.connector.bind_kv_cache_manager(kv_cache_manager)
+        self.connector = connector  # None: no connector (hwkv.connectors.make_connector)
+        if connector is not None:
+            connector.bind_kv_cache_manager(kv_cache_manager)
         self.policy = make_policy(config.scheduling_policy)
         self.requests: dict[str, Request] = {}
         self.waiting = self.policy.new_queue()
@@ -118,7 +119,10 @@ class Scheduler(SchedulerResults):
 
     def has_unfinished_requests(self) -> bool:
         # blocks a connector holds (delayed free, transfers in flight) are released only by steps
-        return bool(self.waiting or self.running or self.delayed_free or self.connector.has_pending_transfers())
+        return bool(self.waiting or self.running or self.delayed_free or self._transfers_pending())
+
+    def _transfers_pending(self) -> bool:
+        return self.connector is not None and self.connector.has_pending_transfers()
 
     @property
     def num_running(self) -> int:
@@ -147,7 +151,8 @@ class Scheduler(SchedulerResults):
             scheduled_spec_decode_tokens=st.spec,
         )
         self.finished_req_ids, self._dropped = set(), set()
-        out.kv_connector_metadata = self.connector.build_connector_meta(out)
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
 
     def _schedule_running(self, st: _Step) -> None:
@@ -250,7 +255,8 @@ class Scheduler(SchedulerResults):
             new_blocks, num_local, num_ext, load_async = None, 0, 0, False
             if req.num_computed_tokens == 0:
                 new_blocks, num_local = kv.get_computed_blocks(req, record_stats=False)
-                num_ext, load_async = self.connector.get_num_new_matched_tokens(req, num_local)
+                if self.connector is not None:
+                    num_ext, load_async = self.connector.get_num_new_matched_tokens(req, num_local)
                 # At least the last token must be computed to produce logits, whatever is offered.
                 num_ext = max(0, min(num_ext, req.num_tokens - 1 - num_local))
             num_computed = req.num_computed_tokens or num_local + num_ext
@@ -300,7 +306,8 @@ class Scheduler(SchedulerResults):
         kv, rid = self.kv, req.request_id
         block_ids = kv.get_block_ids(rid)
         self._num_slots[rid] = len(block_ids) * kv.block_size
-        self.connector.update_state_after_alloc(req, block_ids, num_ext)
+        if self.connector is not None:
+            self.connector.update_state_after_alloc(req, block_ids, num_ext)
         if looked_up and kv.enable_caching:  # count a lookup once, on admission
             kv.record_prefix_query(req, num_local)
         if req.num_cached_tokens < 0:
@@ -352,7 +359,8 @@ class Scheduler(SchedulerResults):
             req.num_output_placeholders -= 1
 
     def _preempt(self, req: Request, st: _Step | None = None, requeue: bool = True) -> None:
-        self.connector.request_preempted(req)  # its blocks are still held; num_computed_tokens is exact
+        if self.connector is not None:  # its blocks are still held; num_computed_tokens is exact
+            self.connector.request_preempted(req)
         self.kv.free(req)
         self._num_slots.pop(req.request_id, None)
         req.status = RequestStatus.PREEMPTED
@@ -367,8 +375,7 @@ class Scheduler(SchedulerResults):
 
     def _check_servable(self, req: Request) -> None:
         """Nothing runs and the head request still cannot start: fail loudly instead of spinning."""
-        if self.delayed_free or req.status is RequestStatus.WAITING_FOR_REMOTE_KVS or \
-                self.connector.has_pending_transfers():
+        if self.delayed_free or req.status is RequestStatus.WAITING_FOR_REMOTE_KVS or self._transfers_pending():
             return  # blocks or KV are on their way back
         bs = self.kv.block_size
         need = -(-min(req.num_tokens, self.config.max_model_len) // bs)

@@ -15,7 +15,7 @@ from hwkv.engine.config import EngineArgs
 
 
 def build_parts(engine: Any, args: EngineArgs) -> None:
-    """Build and set ``engine``'s parts in order: ``backend``, ``_tp``, ``model``, ``model_config``,
+    """Build and set ``engine``'s parts in order: ``connector``, ``backend``, ``_tp``, ``model``, ``model_config``,
     ``tokenizer``, ``generation_config``, ``proposer``, ``config``, ``block_size``, ``max_model_len``,
     ``kv_cache``, ``vocab_size``, ``eos_token_ids``, ``kv_cache_manager``, ``_hasher``,
     ``async_scheduling``, ``scheduler``, ``runner``.
@@ -23,17 +23,16 @@ def build_parts(engine: Any, args: EngineArgs) -> None:
     ``engine`` is passed, not returned into, because the proposer factory reads the parts built
     before it. Raises ``ValueError`` / ``BackendUnavailable`` naming a bad option; tensor-parallel
     workers started before a failure are stopped when ``engine`` is collected."""
-    from hwkv.connectors import make_connector
+    from hwkv.connectors import bind_connector, make_connector
     from hwkv.core.hashing import make_block_hasher
     from hwkv.core.kv_cache_manager import KVCacheManager
     from hwkv.engine.model_runner import ModelRunner
     from hwkv.model import load_model
     from hwkv.plugins import get_backend
 
-    # a name from the hwkv_connectors registry (config: its keyword arguments) or an instance;
-    # checked before the model loads. Host memory is taken only once the KV cache exists.
-    kv_connector_config = args.kv_connector_config
-    connector_arg, kv_connector = args.kv_connector, make_connector(args.kv_connector, kv_connector_config)
+    # the one resolution of kv_connector (+ kv_connector_config): an acting connector or None; checked
+    # before the model loads. Host memory is taken only once the KV cache exists.
+    engine.connector = connector = make_connector(args.kv_connector, args.kv_connector_config)
     # ValueError (unknown name) / BackendUnavailable (why); an instance is used as given
     backend = engine.backend = get_backend(args.backend) if isinstance(args.backend, str) else args.backend
     backend.device.seed(args.seed)
@@ -43,11 +42,8 @@ def build_parts(engine: Any, args: EngineArgs) -> None:
 
         from hwkv.parallel.executor import TPExecutor, check_supported
 
-        check_supported(args, backend, kv_connector, connector_arg, kv_connector_config)
-        engine._tp = tp = TPExecutor(args, backend, kv_connector=connector_arg if kv_connector else None,
-                                     kv_connector_config=kv_connector_config)
-        if kv_connector is not None:  # its worker side serves rank 0's shard; each worker builds its own
-            kv_connector.bind_tp(0, args.tensor_parallel_size)
+        check_supported(args, backend, connector)
+        engine._tp = tp = TPExecutor(args, backend)  # each worker builds its own connector from the options
         weakref.finalize(engine, tp.close)  # collected, failed __init__ or interpreter exit: no worker left
     from hwkv.model.tokenizer import has_tokenizer
 
@@ -60,14 +56,14 @@ def build_parts(engine: Any, args: EngineArgs) -> None:
     from hwkv.interfaces.kv_quant import kv_storage_dtype
 
     model.kv_cache_dtype = kv_storage_dtype(args.kv_cache_dtype, model.dtype)  # the spec resolve sizes the pool by
-    if kv_connector is not None:  # e.g. the pool keys KV by model identity
-        kv_connector.bind_model(args.model, engine.model_config)
+    if connector is not None:  # its worker side serves rank 0's shard
+        bind_connector(connector, backend, args.model, engine.model_config, 0, args.tensor_parallel_size)
     engine.proposer = proposer = None
     if args.speculative_config is not None:  # loaded first: a draft model's weights and KV size the pool too
         from hwkv.spec_decode.factory import make_proposer
 
         engine.proposer = proposer = make_proposer(args.speculative_config, engine)
-    engine.config = cfg = args.resolve(backend, model, kv_connector, getattr(proposer, "kv_bytes_per_block", None),
+    engine.config = cfg = args.resolve(backend, model, connector, getattr(proposer, "kv_bytes_per_block", None),
                                        tp.agree if tp else None)
     cc, rt, spec = cfg.cache, cfg.runtime, cfg.speculative
     engine.block_size, engine.max_model_len = cc.block_size, cfg.model.max_model_len
@@ -85,13 +81,10 @@ def build_parts(engine: Any, args: EngineArgs) -> None:
     engine.kv_cache_manager = KVCacheManager(cc.num_kv_blocks, cc.block_size, cc.enable_prefix_caching)
     engine._hasher = make_block_hasher(cc.block_size)
     engine.async_scheduling = rt.async_scheduling
-    connector = cfg.kv_transfer.connector if cfg.kv_transfer is not None else None
-    if connector is not None and hasattr(connector, "bind_backend"):  # optional: e.g. its transfer protocols
-        connector.bind_backend(backend)
     engine.scheduler = Scheduler(cfg.scheduler, engine.kv_cache_manager, connector,
                                  spec.num_lookahead_tokens if spec is not None else 0)
     runner_args = (model, backend, kv_cache, cc.block_size, args.max_num_seqs, engine.max_model_len,
-                   tuple(engine.eos_token_ids), engine.scheduler.connector)
+                   tuple(engine.eos_token_ids), connector)
     if tp:
         from hwkv.parallel.runner import DriverRunner
 

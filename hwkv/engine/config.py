@@ -106,7 +106,7 @@ class KVTransferOptions:
     kv_connector: Any = None  # a registered connector name, "package.module:Class", or an instance; None: none
     kv_connector_config: dict[str, Any] | None = None  # a named connector's keyword arguments
 
-    def check(self) -> None:  # by name and config in hwkv.connectors.make_connector (needs the registry)
+    def check(self) -> None:  # checked where it is resolved: hwkv.connectors.make_connector (needs the registry)
         pass
 
 
@@ -156,7 +156,6 @@ class EngineArgs(SpeculativeOptions, KVTransferOptions, ParallelOptions, Schedul
         same block ids (a draft model's KV), counted when sizing the pool; ``agree(n)`` (tensor
         parallelism: the communicator's ``all_reduce_min``): the pool every rank can hold."""
         from hwkv.engine.kv_alloc import check_backend, pool_blocks
-        from hwkv.interfaces.connector import NoOpConnector
 
         mc = model.config
         block_size = self.block_size or backend.capabilities.default_block_size
@@ -185,12 +184,6 @@ class EngineArgs(SpeculativeOptions, KVTransferOptions, ParallelOptions, Schedul
         if budget is None:  # without chunking a whole prompt must fit one step (as vLLM)
             budget = DEFAULT_TOKEN_BUDGET if self.enable_chunked_prefill else max(DEFAULT_TOKEN_BUDGET, max_len)
 
-        if type(kv_connector) is NoOpConnector:  # acts on nothing: the fast paths stay on
-            kv_connector = None
-        if kv_connector is not None and self.tensor_parallel_size > 1 and not kv_connector.supports_tensor_parallel:
-            raise ValueError(f"kv_connector {kv_connector.name!r} does not run tensor-parallel (its worker side "
-                             "would see one rank's KV shard only; allowed at tensor_parallel_size > 1: offload, pool, "
-                             "or a connector declaring supports_tensor_parallel = True)")
         # graphs for pure-decode steps where the backend declares capture; a connector costs them only
         # if it runs per-layer host work inside the forward (KVConnectorBase.capturable_layer_hooks)
         graphs = not self.enforce_eager and backend.capabilities.graph_capture and (
@@ -207,7 +200,7 @@ class EngineArgs(SpeculativeOptions, KVTransferOptions, ParallelOptions, Schedul
             parallel=self.group(ParallelOptions, ParallelConfig),
             runtime=self.group(RuntimeOptions, RuntimeConfig, fuse_elementwise=fuse, async_scheduling=async_,
                                graphs=graphs, graph_max_batch=min(self.max_num_seqs, budget) if graphs else 0),
-            kv_transfer=KVTransferConfig(kv_connector) if kv_connector is not None else None,
+            kv_transfer=self.group(KVTransferOptions) if kv_connector is not None else None,
             speculative=self.speculative_config,
         )
 
@@ -225,11 +218,6 @@ class RuntimeConfig(RuntimeOptions):
     graph_max_batch: int = 0  # largest batch bucket captured (0 without graphs)
 
 
-@dataclass(frozen=True)
-class KVTransferConfig:
-    connector: Any  # a KVConnectorBase that acts (a no-op connector resolves to no kv_transfer)
-
-
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """The resolved configuration an engine runs with (``Engine.config``): the option groups with
@@ -240,7 +228,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
-    kv_transfer: KVTransferConfig | None = None
+    kv_transfer: KVTransferOptions | None = None  # None: no connector acts; the object is engine.connector
     speculative: Any = None  # a hwkv.spec_decode.SpeculativeConfig, or None (no speculative decoding)
 
 

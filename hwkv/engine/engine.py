@@ -70,6 +70,7 @@ class Engine(RequestTracking):
     kv_cache: Any
     scheduler: Scheduler
     runner: Any
+    connector: Any  # the KV connector, or None (hwkv.connectors.make_connector)
     proposer: Any
     config: Any
     _tp: Any
@@ -92,8 +93,8 @@ class Engine(RequestTracking):
         the engine is collected or the interpreter exits) and the KV connector's threads and sockets."""
         if self._tp is not None:
             self._tp.close()
-        if self.runner.connector is not None:
-            self.runner.connector.shutdown()
+        if self.connector is not None:
+            self.connector.shutdown()
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Prompt, params: Any = None, priority: int = 0,
@@ -287,7 +288,7 @@ class Engine(RequestTracking):
             out["spec_decode"] = {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens,
                                   **self.scheduler.spec_stats.snapshot(), "propose_s": self.runner.propose_s,
                                   "verify_graph_steps": self.runner.num_verify_graph_steps}
-        if self.runner.connector is not None:
+        if self.connector is not None:
             from hwkv.connectors import connector_stats
 
             out["kv_connector"] = connector_stats(self.scheduler)

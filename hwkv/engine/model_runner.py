@@ -31,7 +31,7 @@ from hwkv.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerO
 from hwkv.engine.graph_runner import GraphRunner, multi_token_graphs
 from hwkv.engine.inputs import StepBatch, StepInputs, build_batch, to_device
 from hwkv.engine.pending import EMPTY, Pending, fill_tokens
-from hwkv.interfaces.connector import KVConnectorBase, NoOpConnector
+from hwkv.interfaces.connector import KVConnectorBase
 from hwkv.model.sampler import SamplingBatch, make_generator, sample_tokens
 
 
@@ -55,7 +55,7 @@ class ModelRunner:
         self.dev = backend.device
         self.device = self.dev.torch_device
         self.meta_builder = backend.attention.metadata_builder()
-        self.connector = None if connector is None or type(connector) is NoOpConnector else connector
+        self.connector = connector  # None: no connector (hwkv.connectors.make_connector)
         max_blocks = -(-max_model_len // block_size)
         self.token_ids = np.zeros((max_num_seqs, max_model_len), dtype=np.int32)  # widened per step
         self.block_table = np.zeros((max_num_seqs, max_blocks), dtype=np.int32)
@@ -234,12 +234,7 @@ class ModelRunner:
         This step's output stays pending until the next call or :meth:`flush`. On an exception the
         previous step stays pending (``flush`` returns it) and this step left nothing behind."""
         pend = self._pending
-        conn = self.connector
-        if conn is not None:  # bound first: if update_states fails, the next bind retires its jobs unissued
-            conn.bind_connector_metadata(so.kv_connector_metadata)
-        states = self.update_states(so)
-        if conn is not None:
-            conn.start_load_kv()
+        states = self.begin_step(so)
         rows, src = pend.rows(states) if pend is not None else (EMPTY, EMPTY)
         ahead = None
         if len(rows):
@@ -275,11 +270,28 @@ class ModelRunner:
             new.host, new.event = self.dev.to_host_async(tokens)
         else:
             new = Pending(out)
-        if conn is not None:
-            conn.wait_for_save()
-            out.kv_connector_output = self.connector_finished(so)
+        self.finish_step(so, out)
         self._pending = new
         return prev
+
+    # ---- the KV connector around a forward (every runner: plain, spec-decode, tensor-parallel) ----
+    def begin_step(self, so: SchedulerOutput, start_loads: bool = True) -> list[Any]:
+        """Apply ``so`` to the request states; the connector's metadata is bound before (if
+        ``update_states`` fails, the next bind retires this step's jobs unissued, so no pin leaks) and
+        its loads start after (unless ``start_loads`` is False: a step that will not run)."""
+        conn = self.connector
+        if conn is not None:
+            conn.bind_connector_metadata(so.kv_connector_metadata)
+        states = self.update_states(so)
+        if conn is not None and start_loads:
+            conn.start_load_kv()
+        return states
+
+    def finish_step(self, so: SchedulerOutput, out: ModelRunnerOutput) -> None:
+        """After the forward: the connector's saves are submitted and its completions go into ``out``."""
+        if self.connector is not None:
+            self.connector.wait_for_save()
+            out.kv_connector_output = self.connector_finished(so)
 
     def _run_tail(self, batch: StepBatch, fill: Any, rows: np.ndarray) -> torch.Tensor | None:
         """Logits ``[S, vocab]`` of the sampling rows of a short-query step from the tail graphs, or

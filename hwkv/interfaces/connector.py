@@ -118,6 +118,10 @@ class KVConnectorBase:
         """Called once, when the model is loaded: its path or name and its config (a connector that
         shares KV beyond this engine keys it by model identity)."""
 
+    def bind_backend(self, backend: Any) -> None:
+        """Called once, right after ``bind_model``: the engine's Backend (e.g. the transfer protocols
+        its capabilities declare)."""
+
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         """Scheduler side, once: the device block pool's manager (to pin blocks while they transfer:
         ``kv_cache_manager.block_pool.touch`` / ``free_blocks``)."""
@@ -198,6 +202,7 @@ class KVConnectorBase:
 
 
 class NoOpConnector(KVConnectorBase):
-    """The connector used when none is configured."""
+    """``kv_connector="noop"``: resolves to no connector (``None``, the one value of "none": nothing
+    is called)."""
 
     name = "noop"

@@ -39,12 +39,11 @@ class TPWorkerError(RuntimeError):
     """A tensor-parallel worker failed; the engine cannot continue."""
 
 
-def check_supported(cfg: Any, backend: Any, kv_connector: Any, connector_arg: Any = None,
-                    connector_config: dict[str, Any] | None = None) -> None:
+def check_supported(cfg: Any, backend: Any, kv_connector: Any) -> None:
     """``ValueError`` for options tensor parallelism does not support (yet), naming each.
-    ``kv_connector``: the constructed connector (or ``None``); ``connector_arg`` / ``connector_config``:
-    what the engine was given (every rank builds its own connector from them)."""
-    n = cfg.tensor_parallel_size
+    ``kv_connector``: the connector built from ``cfg.kv_connector`` / ``cfg.kv_connector_config`` (or
+    ``None``); every rank builds its own from those options."""
+    n, connector_arg, connector_config = cfg.tensor_parallel_size, cfg.kv_connector, cfg.kv_connector_config
     reasons = []
     if not isinstance(cfg.backend, str):
         reasons.append("backend must be a registered backend name, not an instance (each worker builds its own)")
@@ -80,10 +79,9 @@ def check_supported(cfg: Any, backend: Any, kv_connector: Any, connector_arg: An
 
 
 class TPExecutor:
-    def __init__(self, cfg: Any, backend: Any, timeout_s: float | None = None, kv_connector: str | None = None,
-                 kv_connector_config: dict[str, Any] | None = None):
+    def __init__(self, cfg: Any, backend: Any, timeout_s: float | None = None):
         """Start ranks 1..N-1 and join the group as rank 0 (see the module doc); each worker builds
-        its own ``kv_connector`` (a name, with ``kv_connector_config``) when one is given."""
+        its own connector from ``cfg.kv_connector`` (a name) and ``cfg.kv_connector_config``."""
         from hwkv.parallel.communicator import TorchDistCommunicator, new_group_name, process_store
 
         n = cfg.tensor_parallel_size
@@ -110,6 +108,7 @@ class TPExecutor:
             env_var = backend.device.visible_devices_env
             visible = os.environ.get(env_var, "") if env_var else ""
             ids = [v for v in visible.split(",") if v.strip()] or [str(i) for i in range(n)]
+            name = cfg.kv_connector if isinstance(cfg.kv_connector, str) else None  # a no-op instance: none
             for rank in range(1, n):
                 sock = self._ctx.socket(zmq.PUSH)
                 sock.setsockopt(zmq.LINGER, 0)
@@ -118,7 +117,7 @@ class TPExecutor:
                 wc = m.WorkerConfig(cfg.model, cfg.backend, dtype, cfg.max_model_len, cfg.block_size, cfg.num_kv_blocks,
                                     cfg.memory_fraction, cfg.max_num_seqs, cfg.seed, rank, n, store.port,
                                     f"ipc://{self._dir}/cmd{rank}", f"ipc://{self._dir}/out", self.timeout_s,
-                                    os.getpid(), kv_connector, dict(kv_connector_config or {}), group)
+                                    os.getpid(), name, dict(cfg.kv_connector_config or {}), group)
                 env = dict(os.environ)
                 if env_var:
                     if rank >= len(ids):

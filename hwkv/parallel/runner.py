@@ -145,10 +145,8 @@ class WorkerRunner(ModelRunner):
     def execute_async(self, so: SchedulerOutput, forward: bool = True) -> Any:
         self._before = self._pending
         if not forward:  # the driver failed in its update_states: mirror what it may have applied
-            if self.connector is not None:  # as the driver did: the next bind retires its jobs unissued
-                self.connector.bind_connector_metadata(so.kv_connector_metadata)
             with contextlib.suppress(Exception):  # the driver raised too; the engine requeues the step
-                self.update_states(so)
+                self.begin_step(so, start_loads=False)
             return None
         return super().execute_async(so)
 

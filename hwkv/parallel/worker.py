@@ -97,17 +97,11 @@ def _run(cfg: m.WorkerConfig, cmd: Any, out: Any) -> None:
 
 def _connector(cfg: m.WorkerConfig, backend: Any, model_config: Any) -> Any:
     """This rank's instance of the engine's KV connector (its worker side serves this rank's shard)."""
-    if cfg.kv_connector is None:
-        return None
-    from hwkv.connectors import make_connector
+    from hwkv.connectors import bind_connector, make_connector
 
     conn = make_connector(cfg.kv_connector, cfg.kv_connector_config)
-    if conn is None:
-        return None
-    conn.bind_tp(cfg.rank, cfg.world_size)
-    conn.bind_model(cfg.model, model_config)
-    if hasattr(conn, "bind_backend"):
-        conn.bind_backend(backend)
+    if conn is not None:
+        bind_connector(conn, backend, cfg.model, model_config, cfg.rank, cfg.world_size)
     return conn
 
 

@@ -95,18 +95,11 @@ class SpecModelRunner(ModelRunner):
 
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        conn = self.connector
-        if conn is not None:  # bound first: if update_states fails, the next bind retires its jobs unissued
-            conn.bind_connector_metadata(so.kv_connector_metadata)
-        states = self.update_states(so)
-        if conn is not None:
-            conn.start_load_kv()
+        states = self.begin_step(so)
         out = ModelRunnerOutput(spec_token_ids={})
         if states:
             self._step(so, states, out)
-        if conn is not None:
-            conn.wait_for_save()
-            out.kv_connector_output = self.connector_finished(so)
+        self.finish_step(so, out)
         return out
 
     def _step(self, so: SchedulerOutput, states: list[Any], out: ModelRunnerOutput) -> None:

@@ -42,8 +42,9 @@ def test_connector_resolves_into_kv_transfer(model_dir):
         pass
 
     conn = Acting()
-    c = hwkv.Engine(model_dir, num_kv_blocks=16, kv_connector=conn).config
-    assert c.kv_transfer.connector is conn
+    e = hwkv.Engine(model_dir, num_kv_blocks=16, kv_connector=conn)
+    assert e.config.kv_transfer.kv_connector is conn and e.connector is conn and e.scheduler.connector is conn
+    assert e.runner.connector is conn
     assert hwkv.Engine(model_dir, num_kv_blocks=16, kv_connector=NoOpConnector()).config.kv_transfer is None
 
 

@@ -11,7 +11,8 @@ from typing import Any
 
 from hwkv.interfaces.connector import KVConnectorBase, NoOpConnector
 
-__all__ = ["KVConnectorBase", "NoOpConnector", "connector_stats", "find_connector", "make_connector"]
+__all__ = ["KVConnectorBase", "NoOpConnector", "bind_connector", "connector_stats", "find_connector",
+           "make_connector"]
 
 
 def find_connector(name: str) -> Any:
@@ -35,10 +36,13 @@ def _import(factory: str, what: str) -> type:
 
 
 def make_connector(connector: Any, config: dict[str, Any] | None = None) -> KVConnectorBase | None:
-    """``Engine(kv_connector=..., kv_connector_config=...)``: ``None`` or the no-op connector → ``None``
-    (nothing to call); an instance is used as given (no config); a registered name or a
-    ``"package.module:Class"`` is constructed with ``config`` as keyword arguments. Bad input raises
-    ``ValueError`` naming what is allowed."""
+    """The one resolution of ``Engine(kv_connector=..., kv_connector_config=...)`` (the engine and every
+    tensor-parallel worker call it): ``None`` or the no-op connector → ``None``, the one value of "no
+    connector" (nothing to call); a registered name or a ``"package.module:Class"`` is constructed
+    with ``config`` as keyword arguments. Test hook: an instance is used as given (no config), so a
+    test can hand in a connector that fails or gates on purpose; it cannot run tensor-parallel or in
+    ``hwkv serve`` (their processes build connectors from the name). Bad input raises ``ValueError``
+    naming what is allowed."""
     if config is not None and not isinstance(config, dict):
         raise ValueError(f"kv_connector_config must be a dict, got {type(config).__name__}")
     if connector is None:
@@ -76,6 +80,16 @@ def make_connector(connector: Any, config: dict[str, Any] | None = None) -> KVCo
         return cls(**config)
     except TypeError as e:  # a missing or unexpected keyword
         raise ValueError(f"kv_connector {connector!r}: bad config {config!r} ({e})") from None
+
+
+def bind_connector(conn: KVConnectorBase, backend: Any, model: str, model_config: Any, tp_rank: int = 0,
+                   tp_size: int = 1) -> None:
+    """What the connector learns of its engine once the model is loaded, in the order its interface
+    promises (the engine and every tensor-parallel worker call this): its rank, the model, the backend."""
+    if tp_size > 1:
+        conn.bind_tp(tp_rank, tp_size)
+    conn.bind_model(model, model_config)
+    conn.bind_backend(backend)
 
 
 def connector_stats(scheduler: Any) -> dict[str, Any]:
