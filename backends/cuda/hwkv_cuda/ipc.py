@@ -22,6 +22,7 @@ intra-node NVLink transport.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import struct
 import threading
@@ -32,6 +33,7 @@ import torch
 from hwkv.interfaces.transfer import TransferError
 from hwkv.transfer.direct import Mover
 
+log = logging.getLogger(__name__)
 _NOT_READY = 600  # cudaErrorNotReady
 _PEER_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
 _MEMCPY_DEFAULT = 4
@@ -274,10 +276,17 @@ class CudaIpcMover(Mover):
         self._set()
         if method == "kernel":
             if not _kernel_fits(local, target, lengths):
-                raise TransferError("cuda_ipc: method 'kernel' needs 8-byte aligned runs (use 'memcpy')")
+                raise TransferError("cuda_ipc: method 'kernel' needs 16-byte aligned runs (use 'memcpy')")
             stream = self.streams[0]
-            _kernel_copy(self.device, stream, src, dst, lengths)
-            return _Events([self._record(stream)])
+            try:
+                _kernel_copy(self.device, stream, src, dst, lengths)
+                return _Events([self._record(stream)])
+            except Exception as e:  # e.g. no Triton: the copy engines do it
+                if self.method == "kernel":
+                    raise TransferError(f"cuda_ipc: the copy kernel failed: {type(e).__name__}: {e}") from None
+                log.warning("cuda_ipc: the SM copy kernel failed (%s: %s); using the copy engines", type(e).__name__, e)
+                self._kernel_ok = False
+                method = "batch" if self.cuda.batch is not None else "memcpy"
         used = self.streams[: max(1, min(len(self.streams), len(lengths)))]
         if method == "batch":
             k = len(used)

@@ -62,11 +62,12 @@ def _opened() -> int:
     return len(_Opened.maps)
 
 
-@pytest.mark.parametrize("peer_device", ["cuda:0", pytest.param("cuda:1", marks=pytest.mark.skipif(
-    not TWO, reason="needs two GPUs"))])
+@pytest.mark.parametrize("peer_device", ["cuda:0", *(pytest.param(d, marks=pytest.mark.skipif(
+    not TWO, reason="needs two GPUs")) for d in ("cuda:1", "only-1"))])
 @pytest.mark.parametrize("method", ["memcpy", "batch", "kernel", "auto"])
 def test_write_read_exact_between_processes(peer_device, method):
-    peer = Peer(peer_device)
+    # only-1: the peer sees GPU 1 alone (CUDA_VISIBLE_DEVICES=1, its cuda:0), as a tensor-parallel rank does
+    peer = Peer("cuda:0", {"CUDA_VISIBLE_DEVICES": "1"}) if peer_device == "only-1" else Peer(peer_device)
     ep = _endpoint("cuda:0", method)
     try:
         src = torch.randint(0, 256, (N,), dtype=torch.uint8, device="cuda:0")
