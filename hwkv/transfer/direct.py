@@ -51,7 +51,7 @@ from hwkv.transfer.mooncake_wheel import Registrations, check_peer, check_segmen
 log = logging.getLogger(__name__)
 
 # protocols served by DirectTransfer (the backend's mover decides which one it has)
-DIRECT_PROTOCOLS = ("cuda_ipc", "cma", "npu_ipc")
+DIRECT_PROTOCOLS = ("cuda_ipc", "cma")
 
 
 def host_identity() -> str:

@@ -30,7 +30,7 @@ from hwkv.transfer.direct import DIRECT_PROTOCOLS, host_identity
 
 log = logging.getLogger(__name__)
 HOST_PROTOCOLS = ("cma",)  # move host memory only
-DEVICE_PROTOCOLS = ("cuda_ipc", "npu_ipc", "rdma", "ascend")  # move device memory
+DEVICE_PROTOCOLS = ("cuda_ipc", "rdma", "ascend")  # move device memory
 
 
 class TransportSide:
