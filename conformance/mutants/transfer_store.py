@@ -29,6 +29,9 @@ class _Transfer(Transfer):
     def register(self, ptr: int, nbytes: int) -> None:
         self.inner.register(ptr, nbytes)
 
+    def probe(self, peer: str) -> None:
+        self.inner.probe(peer)
+
     def unregister(self, ptr: int) -> None:
         self.inner.unregister(ptr)
 

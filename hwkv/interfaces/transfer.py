@@ -95,5 +95,12 @@ class Transfer(ABC):
     def read(self, peer: str, local_ptrs: list[int], remote_ptrs: list[int], lengths: list[int]) -> None:
         self.wait(self.submit_read(peer, local_ptrs, remote_ptrs, lengths))
 
+    def probe(self, peer: str) -> None:
+        """Check that the path to ``peer`` works before relying on it; :class:`TransferError` naming
+        why not. Same-host direct endpoints (``cuda_ipc``, ``cma``) describe the peer and read a probe
+        word of its memory (the p2p handshake falls back to another protocol when this fails);
+        networked endpoints have nothing to check ahead of a transfer (this default)."""
+        return None
+
     def close(self) -> None:
         return None
