@@ -239,3 +239,28 @@ def test_decode_cost_does_not_grow_with_the_pool():
     large, out_large = best_time(256 * 128)
     assert torch.equal(out_small, out_large)
     assert large < 4 * small + 2e-3, (small, large)
+
+
+def test_plan_is_shared_by_the_layers_and_follows_buffers_changed_in_place(monkeypatch):
+    """The layers of a step plan once; a metadata buffer reused in place with new content re-plans
+    (contents are compared, not objects), giving what a fresh call gives."""
+    torch.manual_seed(0)
+    kv = torch.randn(12, 2, 4, 2, 8)
+    q = torch.randn(5, 4, 8)
+    qsl, sl = torch.tensor([0, 1, 2, 5]), torch.tensor([9, 5, 7])
+    bt = torch.tensor([[3, 4, 5], [6, 7, 0], [8, 9, 0]], dtype=torch.int32)
+    calls = []
+    real = ref_attn._plan
+    monkeypatch.setattr(ref_attn, "_plan", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(ref_attn, "_last_plan", None)
+    first = ref_attn.paged_attention(q, kv, qsl, sl, bt, 0.3)
+    for _ in range(3):  # the other layers
+        assert torch.equal(ref_attn.paged_attention(q, kv, qsl, sl, bt, 0.3), first)
+    assert len(calls) == 1
+    bt[[0, 2]] = bt[[2, 0]].clone()  # same buffer, same lengths, other blocks
+    sl[0], sl[2] = 7, 9
+    swapped = ref_attn.paged_attention(q, kv, qsl, sl, bt, 0.3)
+    assert len(calls) == 2
+    monkeypatch.setattr(ref_attn, "_last_plan", None)
+    assert torch.equal(swapped, ref_attn.paged_attention(q, kv, qsl, sl, bt, 0.3))
+    assert not torch.equal(swapped, first)

@@ -16,6 +16,8 @@ BENCHES = {
     "admission": ("hwkv.bench.admission", "first-chunk vs whole-prompt admission under memory pressure "
                   "(throughput, preemptions, TTFT)"),
     "e2e": ("hwkv.bench.e2e", "end-to-end engine throughput vs HF transformers generate"),
+    "cpu": ("hwkv.bench.cpu", "the demo's real model (SmolLM2-135M GGUF) on the CPU reference backend vs HF "
+            "transformers generate, same weights and threads; --profile: top torch ops"),
     "defaults": ("hwkv.bench.defaults", "the public API with default arguments: offline throughput and batch-1 "
                  "MBU against the roofline, every non-default argument printed"),
     "kv-dtype": ("hwkv.bench.kv_dtype", "fp8 vs model-dtype KV cache: decode step at long context, pool capacity, "

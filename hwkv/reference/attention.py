@@ -11,6 +11,7 @@ whose padded score tensor stays under :data:`SCORE_BUDGET` elements.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -99,6 +100,79 @@ def _groups(tq: list[int], tsl: list[int], heads: int, budget: int) -> list[list
     return groups
 
 
+@dataclass(frozen=True)
+class _Group:
+    """One batch of tiles: everything about it that does not depend on the layer."""
+
+    flat: torch.Tensor       # block ids to gather, [g * nblk]
+    shape: tuple[int, ...]   # heads-first view of the gathered blocks, (H_kv, g, nblk * bs, D)
+    s_len: int
+    q_len: int
+    bad: tuple[torch.Tensor, torch.Tensor]  # (tile, slot) of unused KV slots, zeroed in V
+    tok: torch.Tensor        # [g, Q] query rows (0 where padding)
+    q_valid: torch.Tensor    # [g, Q]
+    masked: torch.Tensor     # [1, g, 1, Q, S]: score entries set to -inf
+    rows: torch.Tensor       # tok[q_valid]: output rows written
+
+
+def _plan(t: int, h: int, k_cache: torch.Tensor, qsl: torch.Tensor, sl: torch.Tensor, block_tables: torch.Tensor,
+          budget: int) -> list[_Group]:
+    """Validate the metadata and cut it into groups (module docstring)."""
+    nb, bs, hkv, d = k_cache.shape
+    ql = qsl[1:] - qsl[:-1]
+    if qsl.numel() != sl.numel() + 1 or int(qsl[0]) != 0 or int(qsl[-1]) > t or bool((ql < 0).any()):
+        raise ValueError(f"query_start_loc {qsl.tolist()} must start at 0, be non-decreasing and end <= {t}")
+    if bool((sl < ql).any()):
+        raise ValueError(f"seq_lens {sl.tolist()} must be >= the query lengths {ql.tolist()}")
+    if sl.numel() == 0 or int(qsl[-1]) == 0:
+        return []
+    need = (sl + bs - 1) // bs
+    bt = block_tables.long()
+    if bt.dim() != 2 or bt.shape[0] != sl.numel() or bt.shape[1] < int(need.max()):
+        raise ValueError(f"block_tables {tuple(bt.shape)} must be [{sl.numel()}, >= {int(need.max())}]")
+    used = bt[torch.arange(bt.shape[1], device=bt.device)[None] < need.to(bt.device)[:, None]]
+    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= nb):
+        raise ValueError(f"block_tables hold block ids outside [0, {nb})")
+    dev = k_cache.device
+    tile = max(1, budget // (h * int(sl.max())))
+    req, tok0, tq, ctx = _tiles(qsl, sl, tile)
+    groups = []
+    for grp in _groups(tq.tolist(), (ctx + tq).tolist(), h, budget):
+        gi = torch.tensor(grp)
+        g, s_len, q_len = len(grp), int((ctx + tq)[gi].max()), int(tq[gi].max())
+        g_req, g_tok0, g_q, g_ctx = (x[gi].to(dev) for x in (req, tok0, tq, ctx))
+        g_sl = g_ctx + g_q
+        nblk = (s_len + bs - 1) // bs
+        blocks = bt[g_req, :nblk]
+        blocks = torch.where(torch.arange(nblk, device=dev)[None] * bs < g_sl[:, None], blocks, 0)
+        s = torch.arange(s_len, device=dev)
+        kv_valid = s[None] < g_sl[:, None]  # [g, S]
+        j = torch.arange(q_len, device=dev)
+        q_valid = j[None] < g_q[:, None]  # [g, Q]
+        tok = torch.where(q_valid, g_tok0[:, None] + j, 0)
+        allowed = (s[None, None] <= (g_ctx[:, None] + j)[:, :, None]) & kv_valid[:, None]  # [g, Q, S]
+        groups.append(_Group(blocks.reshape(-1), (hkv, g, nblk * bs, d), s_len, q_len,
+                             torch.nonzero(~kv_valid, as_tuple=True), tok, q_valid, ~allowed[None, :, None],
+                             tok[q_valid]))
+    return groups
+
+
+# The last plan and what it was made from: the layers of a step share their metadata, so only the
+# first layer plans (the content is compared, never object identity: buffers are reused in place).
+_last_plan: tuple[tuple[Any, ...], list[_Group]] | None = None
+
+
+def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    for x, y in zip(a, b):
+        if isinstance(x, torch.Tensor):
+            if not (isinstance(y, torch.Tensor) and x.shape == y.shape and x.device == y.device
+                    and x.dtype == y.dtype and torch.equal(x, y)):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
 def paged_attention(
     query: torch.Tensor,
     layer_kv: Any,
@@ -116,65 +190,41 @@ def paged_attention(
     preferred); rows of ``query`` past ``query_start_loc[-1]`` (padding) come back zero.
     Returns ``[T, H, D]`` in ``query``'s dtype.
     """
+    global _last_plan
     k_cache, v_cache = split_kv(layer_kv)
     nb, bs, hkv, d = k_cache.shape
     if query.dim() != 3 or query.shape[2] != d or query.shape[1] % hkv:
         raise ValueError(f"query must be [T, H, {d}] with H a multiple of H_kv={hkv}, got {tuple(query.shape)}")
     t, h = query.shape[:2]
     qsl, sl = query_start_loc.to("cpu", torch.long), seq_lens.to("cpu", torch.long)
-    ql = qsl[1:] - qsl[:-1]
-    if qsl.numel() != sl.numel() + 1 or int(qsl[0]) != 0 or int(qsl[-1]) > t or bool((ql < 0).any()):
-        raise ValueError(f"query_start_loc {qsl.tolist()} must start at 0, be non-decreasing and end <= {t}")
-    if bool((sl < ql).any()):
-        raise ValueError(f"seq_lens {sl.tolist()} must be >= the query lengths {ql.tolist()}")
-    out = torch.zeros_like(query)
-    if sl.numel() == 0 or int(qsl[-1]) == 0:
-        return out
-    need = (sl + bs - 1) // bs
-    bt = block_tables.long()
-    if bt.dim() != 2 or bt.shape[0] != sl.numel() or bt.shape[1] < int(need.max()):
-        raise ValueError(f"block_tables {tuple(bt.shape)} must be [{sl.numel()}, >= {int(need.max())}]")
-    used = bt[torch.arange(bt.shape[1], device=bt.device)[None] < need.to(bt.device)[:, None]]
-    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= nb):
-        raise ValueError(f"block_tables hold block ids outside [0, {nb})")
-
-    acc = torch.float64 if query.dtype == torch.float64 else torch.float32
     budget = budget or SCORE_BUDGET
+    key = (t, h, tuple(k_cache.shape), k_cache.device, budget, qsl, sl, block_tables)
+    if _last_plan is not None and _same(key, _last_plan[0]):
+        plan = _last_plan[1]
+    else:
+        plan = _plan(t, h, k_cache, qsl, sl, block_tables, budget)
+        _last_plan = (key[:5] + (qsl.clone(), sl.clone(), block_tables.clone()), plan)
+    out = torch.zeros_like(query)
+    acc = torch.float64 if query.dtype == torch.float64 else torch.float32
     dev = k_cache.device
-    tile = max(1, budget // (h * int(sl.max())))
-    req, tok0, tq, ctx = _tiles(qsl, sl, tile)
     group = h // hkv
-    for grp in _groups(tq.tolist(), (ctx + tq).tolist(), h, budget):
-        gi = torch.tensor(grp)
-        g, s_len, q_len = len(grp), int((ctx + tq)[gi].max()), int(tq[gi].max())
-        g_req, g_tok0, g_q, g_ctx = (x[gi].to(dev) for x in (req, tok0, tq, ctx))
-        g_sl = g_ctx + g_q
-        nblk = (s_len + bs - 1) // bs
-        blocks = bt[g_req, :nblk]
-        blocks = torch.where(torch.arange(nblk, device=dev)[None] * bs < g_sl[:, None], blocks, 0)
-        flat = blocks.reshape(-1)
+    for p in plan:
+        g, q_len, s_len = p.shape[1], p.q_len, p.s_len
         # Gather the group's blocks first (cost ~ the blocks read, never the pool: an index_select
         # on a permuted or strided view of the cache would copy the whole layer), then lay them
         # out heads-first [H_kv, g, S, D] for the batched matmuls.
-        k = _heads_first(k_cache, flat, (hkv, g, nblk * bs, d))[:, :, :s_len].to(acc)
-        v = _heads_first(v_cache, flat, (hkv, g, nblk * bs, d))[:, :, :s_len].to(acc)
+        k = _heads_first(k_cache, p.flat, p.shape)[:, :, :s_len].to(acc)
+        v = _heads_first(v_cache, p.flat, p.shape)[:, :, :s_len].to(acc)
         if is_quantized(k_cache.dtype) and kv_scales is not None:  # [H_kv, g, S, D] times per-head scales
             k = k * kv_scales[0].to(dev, acc)[:, None, None, None]
             v = v * kv_scales[1].to(dev, acc)[:, None, None, None]
-        s = torch.arange(s_len, device=dev)
-        kv_valid = s[None] < g_sl[:, None]  # [g, S]
-        bad_g, bad_s = torch.nonzero(~kv_valid, as_tuple=True)
-        v[:, bad_g, bad_s] = 0  # unused slots may hold NaN: keep 0 * NaN out of the output
-        j = torch.arange(q_len, device=dev)
-        q_valid = j[None] < g_q[:, None]  # [g, Q]
-        tok = torch.where(q_valid, g_tok0[:, None] + j, 0)
-        q = (query[tok].to(acc) * scale).view(g, q_len, hkv, group, d).permute(2, 0, 3, 1, 4)
+        v[:, p.bad[0], p.bad[1]] = 0  # unused slots may hold NaN: keep 0 * NaN out of the output
+        q = (query[p.tok].to(acc) * scale).view(g, q_len, hkv, group, d).permute(2, 0, 3, 1, 4)
         scores = torch.matmul(q.reshape(hkv, g, group * q_len, d), k.transpose(-1, -2))
-        allowed = (s[None, None] <= (g_ctx[:, None] + j)[:, :, None]) & kv_valid[:, None]  # [g, Q, S]
-        scores = scores.view(hkv, g, group, q_len, s_len).masked_fill_(~allowed[None, :, None], float("-inf"))
+        scores = scores.view(hkv, g, group, q_len, s_len).masked_fill_(p.masked, float("-inf"))
         o = torch.matmul(scores.softmax(-1).view(hkv, g, group * q_len, s_len), v)
         o = o.view(hkv, g, group, q_len, d).permute(1, 3, 0, 2, 4).reshape(g, q_len, h, d)
-        out[tok[q_valid]] = o[q_valid].to(out.dtype)
+        out[p.rows] = o[p.q_valid].to(out.dtype)
     return out
 
 

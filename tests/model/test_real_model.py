@@ -144,3 +144,19 @@ def test_ngram_speculation_on_a_repetitive_prompt(engine, gguf_path):
     # measured 0.56 / ~3.2 (48 tokens: the copy, then the model's own continuation)
     assert st["acceptance_rate"] > 0.4 and st["mean_accepted_length"] > 2.0
     assert spec.kv_cache_manager.num_free_blocks == 64
+
+
+def test_bench_cpu_smoke(gguf_path, tmp_path, capsys):
+    import argparse
+    import json
+
+    from hwkv.bench import cpu
+
+    p = argparse.ArgumentParser()
+    cpu.add_arguments(p)
+    out = tmp_path / "cpu.json"
+    assert cpu.run(p.parse_args(["--batch", "2", "--max-tokens", "4", "--repeat", "1", "--threads", "1",
+                                 "--out", str(out)])) == 0
+    doc = json.loads(out.read_text())
+    assert doc["hwkv"]["tok_s"] > 0 and doc["hf"]["tok_s"] > 0 and doc["identical_requests"] == 2
+    assert "hwkv / HF" in capsys.readouterr().out
