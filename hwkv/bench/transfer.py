@@ -195,11 +195,17 @@ def run(args: argparse.Namespace) -> int:
                     if size // nseg < 4096:
                         continue
                     sp, dp, ln = _segments(size, nseg, src.data_ptr(), info["dst"], rng)
-                    s = _timed(lambda ep=ep, peer=info[key], sp=sp, dp=dp, ln=ln: ep.write(peer, sp, dp, ln),
-                               args.repeats)
-                    back[:size].zero_()
-                    ep.read(info[key], [back.data_ptr() + (a - src.data_ptr()) for a in sp], dp, ln)
-                    ok = bool(torch.equal(back[:size], src[:size]))
+                    try:
+                        s = _timed(lambda ep=ep, peer=info[key], sp=sp, dp=dp, ln=ln: ep.write(peer, sp, dp, ln),
+                                   args.repeats)
+                        back[:size].zero_()
+                        ep.read(info[key], [back.data_ptr() + (a - src.data_ptr()) for a in sp], dp, ln)
+                        ok = bool(torch.equal(back[:size], src[:size]))
+                    except Exception as e:  # one method failing must not hide the others' figures
+                        rows.append(dict(protocol=ep.protocol, method=m, size_mib=size / MiB, segments=nseg,
+                                         ok=False, error=f"{type(e).__name__}: {e}"))
+                        print(f"{ep.protocol}/{m} {size / MiB:g} MiB x{nseg}: {rows[-1]['error']}", flush=True)
+                        continue
                     rows.append(dict(protocol=ep.protocol, method=m, size_mib=size / MiB, segments=nseg, seconds=s,
                                      GBps=size / s / 1e9, ok=ok))
                     print(f"{ep.protocol}/{m} {size / MiB:g} MiB x{nseg}: {size / s / 1e9:.1f} GB/s "

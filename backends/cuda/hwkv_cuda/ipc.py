@@ -50,8 +50,9 @@ class _Handle(ctypes.Structure):
 
 
 class _PtrAttrs(ctypes.Structure):
+    # CUDA 13 appends ``long reserved[8]``: without it the runtime writes past the struct
     _fields_ = [("type", ctypes.c_int), ("device", ctypes.c_int), ("devicePointer", ctypes.c_void_p),
-                ("hostPointer", ctypes.c_void_p)]
+                ("hostPointer", ctypes.c_void_p), ("reserved", ctypes.c_long * 8)]
 
 
 class _MemLoc(ctypes.Structure):
@@ -204,7 +205,7 @@ class CudaIpcMover(Mover):
                 "expandable_segments:True) or cudaMallocAsync pools do not export; use the default caching "
                 "allocator for the KV cache")
         dev = self._device_of(ptr)
-        return bytes(h.reserved) + struct.pack("<Qi", ptr - base.value, dev)
+        return ctypes.string_at(ctypes.addressof(h), 64) + struct.pack("<Qi", ptr - base.value, dev)  # raw: has NULs
 
     def _device_of(self, ptr: int) -> int:
         a = _PtrAttrs()
@@ -229,7 +230,7 @@ class CudaIpcMover(Mover):
             m = _Opened.maps.get(key)
             if m is None:
                 h = _Handle()
-                h.reserved = handle[:64]
+                ctypes.memmove(ctypes.addressof(h), bytes(handle[:64]), 64)  # raw bytes (a handle holds NULs)
                 out = ctypes.c_void_p(0)
                 self.cuda.check(self.cuda.rt.cudaIpcOpenMemHandle(ctypes.byref(out), h, _LAZY_PEER),
                                 f"cudaIpcOpenMemHandle (peer pid {pid}, GPU {dev} -> GPU {self.device})")
