@@ -372,8 +372,6 @@ def _get_kernel() -> Any:
             if start < n:
                 src = tl.load(src_arr + seg).to(tl.pointer_type(tl.int64))
                 dst = tl.load(dst_arr + seg).to(tl.pointer_type(tl.int64))
-                src = tl.multiple_of(src, 16)
-                dst = tl.multiple_of(dst, 16)
                 end = tl.minimum(start + CHUNK, n)
                 for off in range(start, end, BLOCK):
                     idx = off + tl.arange(0, BLOCK)
