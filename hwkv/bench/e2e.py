@@ -40,7 +40,9 @@ from hwkv.bench.common import (
 )
 from hwkv.bench.e2e_report import kernel_mix, markdown, profile, replay_ms
 
-ENGINE_DEFAULTS = dict(max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=8192)
+# Engine arguments the bench passes on its own: none. Every figure is what the public defaults give
+# (docs/engine.md, device-aware); --engine-args changes them and the result prints them beside the figures.
+ENGINE_DEFAULTS: dict[str, Any] = {}
 # batch-1 runs beside the default one, each changing one fast-path feature
 B1_VARIANTS = [dict(label="async scheduling off", engine=dict(async_scheduling=False)),
                dict(label="decode ops off", engine=dict(decode_ops=False)),
@@ -70,7 +72,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers peer")
     p.add_argument("--out-dir", default=None,
                    help="where e2e-<model>-<device>-<date>.{json,md} go (default: hwkv.bench.results_dir())")
-    p.add_argument("--engine-args", default="{}", help=f"JSON dict of Engine kwargs over {ENGINE_DEFAULTS}")
+    p.add_argument("--engine-args", default="{}", help="JSON dict of Engine kwargs (default: none, the public "
+                   "defaults; any given is printed beside the figures)")
 
 
 _model_dir = model_dir  # the name hwkv.bench.serve imports
@@ -162,6 +165,21 @@ def batch1(engine: Any, cfg: dict[str, Any], vocab: int, n_out: int, copy_bw: fl
     return b
 
 
+def roofline(engine: Any, cfg: dict[str, Any], args: argparse.Namespace, device: Any, copy_bw: float | None,
+             n: int, n_in: int, n_out: int) -> dict[str, Any]:
+    """:func:`hwkv.bench.roofline.offline_roofline` of ``n`` requests of ``n_in`` -> ``n_out`` on this device."""
+    import torch
+
+    from hwkv.bench.roofline import linear_params, matmul_rate, offline_roofline
+
+    host = device.torch_device.type == "cpu"
+    bw = copy_bw or copy_bandwidth(device, 1 << 24)
+    rate = matmul_rate(device, getattr(torch, args.dtype), n=256 if host else 8192)
+    body, head = linear_params(engine.model)
+    kv = kv_bytes_per_token(cfg, torch.empty(0, dtype=getattr(torch, args.dtype)).element_size())
+    return offline_roofline(cfg, body, head, decode_read_bytes(engine.model), kv, n, n_in, n_out, bw, rate)
+
+
 def part_r(engine: Any, cfg: dict[str, Any], work: list[tuple[list[int], int]], args: argparse.Namespace,
            device: Any, copy_bw: float | None, res: dict[str, Any]) -> None:
     """The fixed batch, timed after an untimed pass of the same shape (other tokens: no prefix hits),
@@ -232,6 +250,10 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     engine = make_engine(mdir, args)
     res["engine_init_s"] = time.perf_counter() - t0
+    from hwkv.bench.defaults import resolved
+
+    res["resolved"] = resolved(engine)
+    print(f"[e2e] non-default engine arguments: {res['engine'] or 'none'}; resolved: {res['resolved']}", flush=True)
     res["graph_buckets"] = engine.runner.graphs.buckets if engine.runner.graphs is not None else None
     work = workload(args.num_requests, args.min_len, args.max_len, vocab)
 
@@ -245,6 +267,12 @@ def run(args: argparse.Namespace) -> int:
         # the timed pass alone: a prefix-cache hit there would mean prefill was skipped
         res["throughput"]["timed_prefix_cache_hits"] = (res["throughput"]["stats"]["prefix_cache_hits"]
                                                         - before["prefix_cache_hits"])
+        # the roofline of a fixed batch at the workload's mean lengths (the lengths vary: approximate)
+        n_in = round(sum(len(p) for p, _ in work) / len(work))
+        n_out = round(sum(m for _, m in work) / len(work))
+        roof = roofline(engine, cfg, args, device, copy_bw, len(work), n_in, n_out)
+        res["throughput"]["roofline_tok_per_s"] = roof["tok_per_s"]
+        res["throughput"]["roofline_fraction"] = res["throughput"]["hwkv"]["tok_per_s"] / roof["tok_per_s"]
 
     def part_b() -> None:
         res["batch1"] = batch1(engine, cfg, vocab, args.b1_tokens, copy_bw)

@@ -149,14 +149,19 @@ def markdown(res: dict[str, Any]) -> str:
 
     lines = [f"# hwkv bench e2e — {res['model']} ({res['dtype']}) on {res['device']}, {res['date']}", "",
              f"Command: `{res['command']}`  ", f"torch {res['torch']}, transformers {res.get('transformers')}, "
-             f"copy BW {f(res.get('copy_bw_TBps'), 2)} TB/s (read+write)", "",
+             f"copy BW {f(res.get('copy_bw_TBps'), 2)} TB/s (read+write)  ",
+             f"Engine arguments: {res.get('engine') or 'none (the public defaults)'}; resolved "
+             f"{res.get('resolved', '—')}", "",
              "| workload | hwkv | HF generate | ratio |", "| --- | --- | --- | --- |"]
     t = res.get("throughput", {})
     if t:
         hf = t.get("hf", {})
         hits = t.get("timed_prefix_cache_hits")
+        rf = t.get("roofline_fraction")
         lines.append(f"| (a) offline {t['hwkv']['requests']} req, in/out U[{res['min_len']},{res['max_len']}], "
-                     f"output tok/s (prefix-cache hits in the timed pass: {f(hits, 0)}) | {f(t['hwkv']['tok_per_s'])} "
+                     f"output tok/s (prefix-cache hits in the timed pass: {f(hits, 0)}; "
+                     f"{f(100 * rf if rf else None)}% of the roofline at the mean lengths) | "
+                     f"{f(t['hwkv']['tok_per_s'])} "
                      f"| {f(hf.get('tok_per_s'))} "
                      f"({hf.get('requests', '—')} req, batch {hf.get('batch', '—')}) | {f(t.get('ratio'))}× |")
     r = res.get("roofline", {})

@@ -54,9 +54,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=None, help="running requests (default: by device, "
+                   "docs/engine.md)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="tokens per step (default: 2048; max_model_len with --no-chunked-prefill)")
+                   help="tokens per step (default: by device, docs/engine.md; >= max_model_len without chunking)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 (float8 e4m3 KV: half the bytes)")
     p.add_argument("--no-chunked-prefill", action="store_true")

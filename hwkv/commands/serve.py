@@ -20,7 +20,10 @@ HELP = {
     "backend": "hardware backend name (see `hwkv backends`)",
     "dtype": "float32 | bfloat16 | float16 | auto (default: the checkpoint's)",
     "num_kv_blocks": "KV cache blocks (default: --memory-fraction of free device memory)",
-    "max_num_batched_tokens": "tokens per step (default: 2048; max_model_len without chunked prefill)",
+    "max_num_batched_tokens": "tokens per step (default: by device and entry point, docs/engine.md; "
+                              "a server on a >= 70 GiB GPU: 8192)",
+    "max_num_seqs": "running requests at once (default: by device, docs/engine.md: 1024 on a >= 70 GiB GPU, else 256)",
+    "usage_context": "offline | server: the entry point the defaults are chosen for [default: server here]",
     "kv_cache_dtype": "auto | fp8 (float8 e4m3 KV cache, half the bytes; docs/fp8-kv-cache.md) [default: auto]",
     "kv_cache_scales": "fp8 KV scales as JSON: a float, [k, v], per layer [[k, v], ...] or per KV head [default: 1.0]",
     "scheduling_policy": "fcfs | priority (requests' `priority` field, lower first) [default: fcfs]",

@@ -15,8 +15,9 @@ def _is_int(v: object) -> bool:
 
 @dataclass(kw_only=True)
 class SchedulerOptions:
-    max_num_seqs: int = 256  # requests running at once
-    max_num_batched_tokens: int | None = None  # tokens per step; None: 2048, or max_model_len without chunking
+    max_num_seqs: int | None = None  # requests running at once; None: by device and entry point (engine/defaults.py)
+    max_num_batched_tokens: int | None = None  # tokens per step; None: by device and entry point (>= max_model_len
+    # without chunking)
     enable_chunked_prefill: bool = True  # split long prompts over steps, mixed with decodes
     long_prefill_token_threshold: int = 0  # >0: cap on one request's prefill chunk per step
     max_num_partial_prefills: int = 1  # requests allowed to be mid-prefill at once
@@ -29,12 +30,12 @@ class SchedulerOptions:
 
     def check(self) -> None:
         """Types and ranges of the options as given (``None``: the engine chooses)."""
-        for name in ("max_num_seqs", "max_num_partial_prefills"):
-            if not (_is_int(getattr(self, name)) and getattr(self, name) >= 1):
-                raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
-        v = self.max_num_batched_tokens
-        if not (v is None or (_is_int(v) and v >= 1)):
-            raise ValueError(f"max_num_batched_tokens must be None or an int >= 1, got {v!r}")
+        if not (_is_int(self.max_num_partial_prefills) and self.max_num_partial_prefills >= 1):
+            raise ValueError(f"max_num_partial_prefills must be an int >= 1, got {self.max_num_partial_prefills!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            v = getattr(self, name)
+            if not (v is None or (_is_int(v) and v >= 1)):
+                raise ValueError(f"{name} must be None or an int >= 1, got {v!r}")
         t = self.long_prefill_token_threshold
         if not (_is_int(t) and t >= 0):
             raise ValueError(f"long_prefill_token_threshold must be an int >= 0, got {t!r}")
@@ -49,6 +50,7 @@ class SchedulerOptions:
 class SchedulerConfig(SchedulerOptions):
     """What the scheduler runs with: the options, the token budget chosen, and what other groups decide."""
 
+    max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     async_scheduling: bool = False  # plan step N+1 before step N's tokens arrive (placeholders)

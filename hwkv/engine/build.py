@@ -36,6 +36,9 @@ def build_parts(engine: Any, args: EngineArgs) -> None:
     # ValueError (unknown name) / BackendUnavailable (why); an instance is used as given
     backend = engine.backend = get_backend(args.backend) if isinstance(args.backend, str) else args.backend
     backend.device.seed(args.seed)
+    # max_num_seqs / token budget from the device and entry point where left None (engine/defaults.py),
+    # before tensor-parallel workers start: they size their pools with the same numbers
+    args = args.with_device_defaults(backend.device)
     engine._tp = tp = None  # tensor parallelism: ranks 1..N-1 (docs/parallelism.md); rank 0 is this process
     if args.tensor_parallel_size > 1:
         import weakref
@@ -83,7 +86,7 @@ def build_parts(engine: Any, args: EngineArgs) -> None:
     engine.async_scheduling = rt.async_scheduling
     engine.scheduler = Scheduler(cfg.scheduler, engine.kv_cache_manager, connector,
                                  spec.num_lookahead_tokens if spec is not None else 0)
-    runner_args = (model, backend, kv_cache, cc.block_size, args.max_num_seqs, engine.max_model_len,
+    runner_args = (model, backend, kv_cache, cc.block_size, cfg.scheduler.max_num_seqs, engine.max_model_len,
                    tuple(engine.eos_token_ids), connector)
     if tp:
         from hwkv.parallel.runner import DriverRunner

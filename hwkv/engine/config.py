@@ -22,8 +22,6 @@ from typing import Any
 
 from hwkv.core.sched_config import SchedulerConfig, SchedulerOptions
 
-DEFAULT_TOKEN_BUDGET = 2048  # max_num_batched_tokens with chunked prefill (as vLLM)
-
 
 def _need(obj: Any, name: str, ok: bool, allowed: str) -> None:
     if not ok:
@@ -60,8 +58,15 @@ class RuntimeOptions:
     fuse_elementwise: bool | None = None  # torch.compile RMSNorm/RoPE/SiLU·mul; None: when graphs are on
     async_scheduling: bool | None = None  # plan step N+1 while step N runs; None: when graphs are on
     decode_ops: bool | None = None  # the backend's fused DecodeOps for forwards of few tokens; None: if offered
+    # the entry point the defaults are chosen for (hwkv.engine.defaults): "offline" (None: Engine, generate)
+    # or "server" (the serving core sets it)
+    usage_context: str | None = None
 
     def check(self) -> None:
+        from hwkv.engine.defaults import USAGE_CONTEXTS
+
+        _need(self, "usage_context", self.usage_context is None or self.usage_context in USAGE_CONTEXTS,
+              f"None or one of {list(USAGE_CONTEXTS)}")
         _need(self, "backend", (isinstance(self.backend, str) and bool(self.backend))
               or hasattr(self.backend, "attention"), "a backend name or a Backend instance")
         _need(self, "enforce_eager", isinstance(self.enforce_eager, bool), "a bool")
@@ -143,6 +148,21 @@ class EngineArgs(SpeculativeOptions, KVTransferOptions, ParallelOptions, Schedul
             raise ValueError("speculative_config needs async_scheduling False or None (a step's drafts come "
                              "from its own sampled tokens, so steps cannot overlap)")
 
+    def with_device_defaults(self, device: Any) -> EngineArgs:
+        """A copy with ``max_num_seqs`` / ``max_num_batched_tokens`` chosen for ``device`` and
+        ``usage_context`` where left ``None`` (:mod:`hwkv.engine.defaults`; chunking off: the budget is
+        raised to ``max_model_len`` in :meth:`resolve`)."""
+        import copy
+
+        from hwkv.engine.defaults import scheduler_defaults
+
+        d = scheduler_defaults(device, self.usage_context)
+        out = copy.copy(self)  # fields already checked (and speculative_config parsed): no __post_init__ again
+        out.max_num_seqs = self.max_num_seqs or d.max_num_seqs
+        if self.max_num_batched_tokens is None and self.enable_chunked_prefill:
+            out.max_num_batched_tokens = d.max_num_batched_tokens
+        return out
+
     def group(self, options: type, config: type | None = None, **chosen: Any) -> Any:
         """The group ``options`` as ``config`` (default: itself) with the values ``chosen`` in resolve."""
         return (config or options)(**{**{f.name: getattr(self, f.name) for f in fields(options)}, **chosen})
@@ -155,8 +175,12 @@ class EngineArgs(SpeculativeOptions, KVTransferOptions, ParallelOptions, Schedul
         ``extra_kv_bytes_per_block(block_size)``: bytes per block of another cache indexed by the
         same block ids (a draft model's KV), counted when sizing the pool; ``agree(n)`` (tensor
         parallelism: the communicator's ``all_reduce_min``): the pool every rank can hold."""
+        from hwkv.engine.defaults import MAX_GRAPH_BATCH
         from hwkv.engine.kv_alloc import check_backend, pool_blocks
 
+        if self.max_num_seqs is None or (self.max_num_batched_tokens is None and self.enable_chunked_prefill):
+            return self.with_device_defaults(backend.device).resolve(backend, model, kv_connector,
+                                                                     extra_kv_bytes_per_block, agree)
         mc = model.config
         block_size = self.block_size or backend.capabilities.default_block_size
         check_backend(backend, model, block_size)
@@ -182,7 +206,9 @@ class EngineArgs(SpeculativeOptions, KVTransferOptions, ParallelOptions, Schedul
             )
         budget = self.max_num_batched_tokens
         if budget is None:  # without chunking a whole prompt must fit one step (as vLLM)
-            budget = DEFAULT_TOKEN_BUDGET if self.enable_chunked_prefill else max(DEFAULT_TOKEN_BUDGET, max_len)
+            from hwkv.engine.defaults import scheduler_defaults
+
+            budget = max(scheduler_defaults(backend.device, self.usage_context).max_num_batched_tokens, max_len)
 
         # graphs for pure-decode steps where the backend declares capture; a connector costs them only
         # if it runs per-layer host work inside the forward (KVConnectorBase.capturable_layer_hooks)
@@ -199,7 +225,8 @@ class EngineArgs(SpeculativeOptions, KVTransferOptions, ParallelOptions, Schedul
                                  max_model_len=max_len, async_scheduling=async_),
             parallel=self.group(ParallelOptions, ParallelConfig),
             runtime=self.group(RuntimeOptions, RuntimeConfig, fuse_elementwise=fuse, async_scheduling=async_,
-                               graphs=graphs, graph_max_batch=min(self.max_num_seqs, budget) if graphs else 0),
+                               graphs=graphs,
+                               graph_max_batch=min(self.max_num_seqs, budget, MAX_GRAPH_BATCH) if graphs else 0),
             kv_transfer=self.group(KVTransferOptions) if kv_connector is not None else None,
             speculative=self.speculative_config,
         )

@@ -146,7 +146,7 @@ class KVCache:
     def format_key(self) -> str:
         """What the bytes of a block mean beyond its shape: the storage dtype and, when quantised, a
         digest of the scales. Two caches may exchange blocks only when their keys are equal (pool
-        keys and P/D handshakes include it)."""
+        keys and P/D handshakes include it): ``"bfloat16"``, or ``"fp8_e4m3-s<16 hex of the scales' sha256>"``."""
         from hwkv.interfaces.kv_quant import kv_dtype_name
 
         name = kv_dtype_name(self.spec.dtype)
@@ -155,7 +155,7 @@ class KVCache:
         import hashlib
 
         digest = hashlib.sha256(self.scales.detach().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
-        return f"{name}:scales={digest}"
+        return f"{name}-s{digest}"  # no ':' or '@' (pool keys use them as separators)
 
     @classmethod
     def allocate(

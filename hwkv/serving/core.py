@@ -36,8 +36,11 @@ class EngineCore:
 
         self.cfg = cfg
         # by name: a tensor-parallel engine builds one connector per rank from the name and config
+        kw = dict(cfg.engine_kwargs)
+        if kw.get("usage_context") is None:  # a server's defaults (engine/defaults.py): shorter prefill chunks
+            kw["usage_context"] = "server"
         self.engine = Engine(cfg.model, kv_connector=cfg.kv_connector,
-                             kv_connector_config=cfg.kv_connector_config or None, **cfg.engine_kwargs)
+                             kv_connector_config=cfg.kv_connector_config or None, **kw)
         self.default_params = self.engine.default_sampling_params()
         # The front end detokenizes: without a tokenizer the engine's detokenizer is a no-op.
         self.engine.tokenizer = None

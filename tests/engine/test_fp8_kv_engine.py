@@ -34,7 +34,7 @@ def test_fp8_halves_block_bytes_and_generates(model_dir):
     assert fp8.config.cache.kv_cache_dtype == "fp8"
     assert tuple(fp8.kv_cache.scales.shape) == (2, 2, 2) and bool((fp8.kv_cache.scales == 1).all())
     assert auto.kv_cache.scales is None and auto.kv_cache.format_key() == "bfloat16"
-    assert fp8.kv_cache.format_key().startswith("fp8_e4m3:scales=")
+    assert fp8.kv_cache.format_key().startswith("fp8_e4m3-s")
     # each layer's attention reads its own row of the cache's scales
     impls = [layer.self_attn.impl for layer in fp8.model.model.layers]
     assert impls[0] is not impls[1]
@@ -99,3 +99,23 @@ def test_ascend_declares_no_fp8_and_says_why():
     from hwkv_ascend.backend import KV_FP8_REFUSED
 
     assert "int8" in KV_FP8_REFUSED and "antiquant" in KV_FP8_REFUSED
+
+
+def test_format_key_guards_pool_and_pd_exchanges():
+    """Blocks move between engines only with equal format keys: the P/D handshake names the
+    difference, pool keys differ; host mirrors share the device cache's scales."""
+    from hwkv.connectors.p2p.protocol import incompatibility, layout_of
+    from hwkv.interfaces import KVCache, KVCacheSpec, KVLayoutKind
+
+    spec = KVCacheSpec(2, 4, 16, 2, 8, FP8_E4M3)
+    a, b = (KVCache.allocate(spec, KVLayoutKind.PER_LAYER) for _ in range(2))
+    bf = KVCache.allocate(replace(spec, dtype=torch.bfloat16), KVLayoutKind.PER_LAYER)
+    assert a.format_key() == b.format_key() and ":" not in a.format_key() and "@" not in a.format_key()
+    lay = lambda kv, eid: layout_of(kv, eid, "ep", "tcp")
+    assert incompatibility(lay(a, "p"), lay(b, "d")) == ""
+    b.set_scales(torch.full((2, 2, 2), 0.5))
+    assert a.format_key() != b.format_key()
+    assert "dtype differs: 'fp8_e4m3-s" in incompatibility(lay(a, "p"), lay(b, "d"))
+    assert "dtype differs" in incompatibility(lay(a, "p"), lay(bf, "d"))
+    with pytest.raises(ValueError, match="only quantised caches"):
+        bf.set_scales(torch.ones(2, 2, 2))

@@ -103,6 +103,7 @@ class OffloadConnector(OffloadWorker):
                              f"{spec.bytes_per_block} bytes; allowed: cpu_bytes >= {spec.bytes_per_block})")
         self.device_kv, self.block_size = kv_cache, spec.block_size
         self.host_kv = self.dev.allocate_kv_cache(replace(spec, num_blocks=n), kv_cache.layout, host=True)
+        self.host_kv.scales = kv_cache.scales  # fp8 KV: the mirror's codes mean what the device's do
         self.cpu = HostTier(n)
         self._load_stream, self._store_stream = self.dev.new_stream(), self.dev.new_stream()
         self._init_layers(self.layerwise_load)

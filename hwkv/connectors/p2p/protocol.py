@@ -35,7 +35,7 @@ class Layout(msgspec.Struct, frozen=True):
     num_blocks: int
     num_kv_heads: int  # heads in this rank's blocks
     head_size: int
-    dtype: str
+    dtype: str  # KVCache.format_key(): the storage dtype, and for fp8 KV a digest of the scales
     bases: list[int]  # data pointer of every KV tensor (registered with the Transfer)
     block_nbytes: list[int]  # bytes of one block in each tensor
     tp_rank: int = 0
@@ -172,7 +172,7 @@ def layout_of(kv_cache: Any, engine_id: str, endpoint: str, protocol: str, bases
     return Layout(
         engine_id=engine_id, endpoint=endpoint, protocol=protocol, layout=kv_cache.layout.value,
         num_layers=spec.num_layers, block_size=spec.block_size, num_blocks=spec.num_blocks,
-        num_kv_heads=spec.num_kv_heads, head_size=spec.head_size, dtype=str(spec.dtype).removeprefix("torch."),
+        num_kv_heads=spec.num_kv_heads, head_size=spec.head_size, dtype=kv_cache.format_key(),
         bases=bases if bases is not None else [t.data_ptr() for t in kv_cache.tensors],
         block_nbytes=[kv_cache.block_nbytes(i) for i in range(len(kv_cache.tensors))],
         tp_rank=tp_rank, tp_size=tp_size, head_start=kv_heads_of(total, tp_size, tp_rank).start,

@@ -94,6 +94,7 @@ class TransportSide:
         self.kv_cache = kv_cache
         if staging:  # tcp from a device: through a pinned host mirror of the pool (same block ids)
             self.host_kv = self.dev.allocate_kv_cache(kv_cache.spec, kv_cache.layout, host=True)
+            self.host_kv.scales = kv_cache.scales  # fp8 KV: the mirror's codes mean what the device's do
         self.transports, self.layouts = {}, {}
         for p in offers:
             xfer = self.host_kv if (p == "tcp" and staging) else kv_cache

@@ -128,7 +128,9 @@ class PoolConnector(PoolWorker):
         tp_rank, tp_size, pp_rank = self.shard
         self.block_size, self.chunk_blocks = bs, chunk // bs
         self._chunk_bytes = self.chunk_blocks * spec.bytes_per_block * self.tp_size  # every shard's bytes
-        self.key = PoolKey(self.model_id, kv_cache.layout.value, str(spec.dtype).removeprefix("torch."),
+        # the dtype part is the cache's format key: an fp8 cache's includes a digest of its scales, so
+        # engines with other scales (or bf16 KV) never read each other's chunks
+        self.key = PoolKey(self.model_id, kv_cache.layout.value, kv_cache.format_key(),
                            spec.num_layers, spec.num_kv_heads, spec.head_size, bs, self.chunk_blocks,
                            tp_rank, tp_size, pp_rank)
         self.transfer = PoolTransfer(self.handle, self.dev, kv_cache, self.chunk_blocks, self.staging_bytes)

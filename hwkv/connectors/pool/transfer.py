@@ -66,6 +66,7 @@ class _Staging:
     def __init__(self, dev: Any, kv: Any, nbytes: int):
         n = max(1, nbytes // kv.spec.bytes_per_block)
         self.kv = dev.allocate_kv_cache(replace(kv.spec, num_blocks=n), kv.layout, host=True)
+        self.kv.scales = kv.scales  # fp8 KV: the mirror's codes mean what the device's do
         self.stream, self.num_blocks = dev.new_stream(), n
 
     def buffers(self) -> list[tuple[int, int]]:
