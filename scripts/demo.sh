@@ -28,7 +28,7 @@ echo "== hwkv generate: SmolLM2-135M-Instruct ($MODEL), chat template from the G
   --prompt "What is the capital of France?" \
   --prompt "Give me three tips for staying healthy." \
   --prompt "Write a haiku about the sea." \
-  --prompt "Translate 'good morning' into Spanish." "$@"
+  --prompt "Explain what a CPU does in one sentence." "$@"
 
 echo
 echo "== hwkv serve + the openai client"
