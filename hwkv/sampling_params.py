@@ -22,12 +22,17 @@ class SamplingParams:
       ``frequency_penalty``/``presence_penalty`` subtract per output-token count / occurrence.
     * ``seed`` (an integer in ``[-2**63, 2**64 - 1]``) makes this request's draws reproducible
       regardless of the batch it runs in.
-    * ``stop`` strings are not included in the output text; ``stop_token_ids`` end like EOS.
+    * ``stop`` strings are not included in the output text (``include_stop_str_in_output``: they
+      are); ``stop_token_ids`` end like EOS.
     * ``logprobs`` n returns the top-n log-probabilities (of the unmodified model distribution) plus
       the sampled token's; ``None`` returns none.
     * ``min_tokens`` suppresses EOS / stop token ids until that many tokens were generated.
     * ``cache_salt`` isolates this request's prefix-cache blocks: requests share cached blocks only
       with requests of the same salt (per-tenant isolation).
+    * ``logit_bias`` ``{token id: bias}`` (bias in [-100, 100]) is added to those logits before
+      penalties (OpenAI's semantics; -100 bans a token).
+    * ``structured_outputs`` constrains the output by a grammar, vLLM's keys: one of ``json`` (a JSON
+      schema), ``json_object``, ``regex``, ``choice``, ``grammar`` (:mod:`hwkv.engine.structured`).
     """
 
     temperature: float = 1.0
@@ -47,6 +52,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     cache_salt: str | None = None
     n: int = 1
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    structured_outputs: dict[str, Any] | None = None
     kv_transfer_params: dict[str, Any] | None = None  # handed to the KV connector as is (as vLLM's)
 
     def __post_init__(self) -> None:
@@ -105,5 +113,13 @@ class SamplingParams:
         if not all(isinstance(s, str) and s for s in self.stop):  # type: ignore[union-attr]
             bad("stop", "a non-empty string or a list of non-empty strings")
         hi = vocab_size if vocab_size is not None else float("inf")
+        if self.logit_bias is not None and (
+                not isinstance(self.logit_bias, dict)
+                or not all(is_int(t) and 0 <= t < hi and is_num(b) and -100 <= b <= 100
+                           for t, b in self.logit_bias.items())):
+            bad("logit_bias", f"a dict of token id in [0, {vocab_size if vocab_size is not None else 'vocab'}) "
+                "-> bias in [-100, 100]")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, dict):
+            bad("structured_outputs", "None or a dict with one of json, json_object, regex, choice, grammar")
         if not all(is_int(t) and 0 <= t < hi for t in self.stop_token_ids):  # type: ignore[union-attr]
             bad("stop_token_ids", f"a list of token ids in [0, {vocab_size if vocab_size is not None else 'vocab'})")

@@ -16,7 +16,7 @@ _INITIAL_WINDOW = 5
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stop: list[str] | None = None,
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, include_stop: bool = False):
         self.tokenizer = tokenizer
         self.ids = list(prompt_token_ids[-_INITIAL_WINDOW:])
         self.prefix = 0
@@ -24,6 +24,7 @@ class IncrementalDetokenizer:
         self.text = ""
         self.stop = [s for s in (stop or []) if s]
         self.skip_special = skip_special_tokens
+        self.include_stop = include_stop  # the text ends after the stop string instead of before it
         # the tail a stop string could still claim (streamed text only ever grows)
         self.hold = max((len(s) for s in self.stop), default=1) - 1
 
@@ -62,5 +63,5 @@ class IncrementalDetokenizer:
                 best = (i, s)
         if best is None:
             return None
-        self.text = self.text[: best[0]]
+        self.text = self.text[: best[0] + (len(best[1]) if self.include_stop else 0)]
         return best[1]

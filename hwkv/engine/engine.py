@@ -78,6 +78,9 @@ class Engine(RequestTracking):
     def __init__(self, model: str, **options: Any):
         args = EngineArgs(model=str(model), **options)  # TypeError: an unknown option; ValueError: a bad value
         build_parts(self, args)  # hwkv/engine/build.py: the parts, in order
+        from hwkv.engine.structured import StructuredOutputs
+
+        self.runner.structured = StructuredOutputs(self.tokenizer, self.vocab_size, tuple(sorted(self.eos_token_ids)))
         # Ids: the scheduler, runner and connector see internal ids "<request_id>-<n>", unique per
         # engine lifetime (as vLLM), so a reused request id can never meet its predecessor's state.
         self._tracked: dict[str, Tracked] = {}  # internal id -> state, until finished

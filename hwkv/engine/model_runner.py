@@ -73,6 +73,7 @@ class ModelRunner:
         self._pending: Pending | None = None  # the last launched step, until its output is returned
         self._num_special = 0  # requests held that are not ``plain`` (the sampler's fast path needs none)
         self._num_drops = 0  # requests dropped so far: a pending step whose count matches lost none
+        self.structured: Any = None  # StructuredOutputs (hwkv.engine.structured), set by the engine
         if self.connector is not None:
             self.connector.bind_device(self.dev)
             self.connector.register_kv_caches(kv_cache)
@@ -113,7 +114,9 @@ class ModelRunner:
         self.block_table[slot, : len(new.block_ids)] = new.block_ids
         self.block_table[slot, len(new.block_ids) :] = 0  # clean padding, not a previous owner's blocks
         sp = new.sampling_params
-        plain = sp.greedy and not sp.uses_penalties and not sp.min_tokens and sp.logprobs is None
+        plain = sp.greedy and not sp.uses_penalties and not sp.min_tokens and sp.logprobs is None and not sp.logit_bias
+        if sp.structured_outputs is not None:  # (re)started at the first output token: a fresh matcher
+            self.structured.add(new.req_id, sp.structured_outputs)
         self.reqs[new.req_id] = _ReqState(slot, len(toks), len(new.block_ids), len(new.prompt_token_ids),
                                           sp, list(new.output_token_ids), plain)
         self._num_special += not plain
@@ -132,6 +135,8 @@ class ModelRunner:
     def _drop(self, req_id: str) -> None:
         st = self.reqs.pop(req_id, None)
         if st is not None:
+            if st.params.structured_outputs is not None:
+                self.structured.drop(req_id)
             self.free_slots.append(st.slot)
             self._num_special -= not st.plain
             self._num_drops += 1
@@ -194,8 +199,11 @@ class ModelRunner:
 
     def _sampling_batch(self, states: list[_ReqState], req_ids: list[str]) -> SamplingBatch:
         params = [st.params for st in states]
+        mask = None
+        if self.structured is not None and self.structured.matchers:
+            mask = self.structured.bitmask(req_ids, [st.output_token_ids for st in states], self.device)
         if not self._num_special:  # every request held is plain: the sampler's argmax fast path
-            return SamplingBatch(params, [st.output_token_ids for st in states], plain=True)
+            return SamplingBatch(params, [st.output_token_ids for st in states], plain=True, bitmask=mask)
         prompts = None
         if any(sp.repetition_penalty != 1.0 for sp in params):
             prompts = [self.token_ids[st.slot, : st.num_prompt_tokens].tolist() for st in states]
@@ -203,7 +211,7 @@ class ModelRunner:
         if self.generators:
             gens = [self.generators.get(rid) for rid in req_ids]
         return SamplingBatch(params, [st.output_token_ids for st in states], prompts, gens,
-                             eos_token_ids=self.eos_token_ids)
+                             eos_token_ids=self.eos_token_ids, bitmask=mask)
 
     def _sample(self, logits: torch.Tensor, states: list[_ReqState],
                 req_ids: list[str]) -> tuple[torch.Tensor, Any]:

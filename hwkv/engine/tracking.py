@@ -73,6 +73,11 @@ class RequestTracking:
                 f"prompt ({n} tokens) + max_tokens ({m}) = {n + m} exceeds max_model_len {lim} "
                 f"(allowed: prompt length + max_tokens <= {lim})"
             )
+        if params.structured_outputs is not None:
+            if self.config.speculative is not None:
+                raise ValueError("SamplingParams.structured_outputs is not supported with speculative decoding "
+                                 "(allowed: structured outputs on an engine without speculative_config)")
+            self.runner.structured.compile(params.structured_outputs)  # a bad grammar is refused here, cached
         if params.stop and self.tokenizer is None:
             raise ValueError(
                 "SamplingParams.stop needs a tokenizer, and this model directory has no tokenizer.json "
@@ -81,7 +86,8 @@ class RequestTracking:
         req = Request(f"{request_id}-{next(self._seq)}", ids, params, block_hasher=self._hasher,
                       eos_token_ids=self.eos_token_ids, max_tokens=m, cache_salt=params.cache_salt,
                       kv_transfer_params=params.kv_transfer_params)
-        detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens)
+        detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens,
+                                       params.include_stop_str_in_output)
         return req, Tracked(request_id, text, detok, [] if params.logprobs is not None else None)
 
     def default_sampling_params(self) -> Any:

@@ -44,6 +44,8 @@ class SamplingBatch:
     # the caller vouches every row is greedy with no penalties, min_tokens or logprobs: the tokens
     # are the argmax (a large batch skips a pass over its params per check)
     plain: bool = False
+    # structured outputs: packed allowed-token bits [R, ceil(V / 32)] int32 on the logits' device
+    bitmask: torch.Tensor | None = None
 
 
 @dataclass
@@ -144,6 +146,15 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, x.unsqueeze(1)).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """``logits [R, V]`` with ``-inf`` where ``bitmask [R, ceil(V / 32)]`` (int32; bit ``j`` of word
+    ``w`` = token ``32 w + j``) has a 0. Shifts and a masked fill on the device: no host sync, no
+    vendor kernel, capturable in a graph; out of place (logprobs keep the model's distribution)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, : logits.shape[1]].bool()
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
 def _suppress_stops(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     rows: list[int] = []
     cols: list[int] = []
@@ -187,6 +198,8 @@ def sample_tokens(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Ten
     """:func:`sample` leaving the tokens on the device (int64 ``[R]``): no host sync unless a row
     asks for logprobs (those are returned as host dicts)."""
     if batch.plain:
+        if batch.bitmask is not None:
+            logits = apply_token_bitmask(logits, batch.bitmask)
         return logits.float().argmax(-1), None
     params = batch.params
     x = processed_logits(logits, batch)
@@ -212,6 +225,14 @@ def processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
     x = logits.float().contiguous()
     if any(len(o) < sp.min_tokens for sp, o in zip(params, batch.output_token_ids)):
         x = _suppress_stops(x.clone(), batch)
+    if any(sp.logit_bias for sp in params):
+        rows = [i for i, sp in enumerate(params) for _ in (sp.logit_bias or ())]
+        cols = [t for sp in params for t in (sp.logit_bias or ())]
+        bias = [b for sp in params for b in (sp.logit_bias or {}).values()]
+        x = x.clone() if x is raw else x
+        x[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] += torch.tensor(bias, device=dev)
+    if batch.bitmask is not None:
+        x = apply_token_bitmask(x, batch.bitmask)
     if any(sp.uses_penalties for sp in params):
         f32 = lambda vals: torch.tensor(vals, dtype=torch.float32, device=dev)
         x = apply_penalties(

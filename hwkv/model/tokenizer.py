@@ -77,6 +77,10 @@ class Tokenizer:
     def eos_token_id(self) -> int | None:
         return self.token_to_id(self.eos_token)
 
+    def to_json(self) -> str:
+        """The ``tokenizers`` JSON of this tokenizer (structured outputs build llguidance's from it)."""
+        return self._tok.to_str()
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 

@@ -1,0 +1,165 @@
+"""Structured outputs: a grammar constrains which tokens a request may sample next.
+
+A request asks with ``SamplingParams.structured_outputs``, vLLM's keys, exactly one of:
+``{"json": schema}`` (a JSON Schema, dict or string; compact JSON, no free whitespace, unless the
+schema's ``x-guidance`` says otherwise), ``{"json_object": True}`` (any JSON object),
+``{"regex": pattern}``, ``{"choice": ["a", "b"]}``, ``{"grammar": text}`` (Lark or GBNF / EBNF).
+The grammar engine is llguidance (the library behind vLLM's ``guidance`` backend and SGLang's
+``llguidance`` backend); it is imported only when a request asks for structure.
+
+Per step, before sampling, :meth:`StructuredOutputs.bitmask` advances each constrained request's
+matcher by the tokens it sampled since (the runner records every token before the next sample,
+also with async scheduling) and fills one packed int32 row per request: bit ``j`` of word ``w``
+allows token ``32 w + j`` (llguidance's and xgrammar's layout). The sampler applies it with plain
+tensor ops on the device (:func:`hwkv.model.sampler.apply_token_bitmask`): no vendor kernel, no host
+sync. Rows of unconstrained requests stay all ones. Compiled grammars are cached (LRU by grammar
+text): a new request deep-copies the compiled matcher instead of compiling again.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+KEYS = ("json", "json_object", "regex", "choice", "grammar")
+CACHE_SIZE = 256  # compiled grammars kept
+
+
+def grammar_of(spec: Any) -> str:
+    """The llguidance grammar of a ``structured_outputs`` dict; ``ValueError`` names what is wrong."""
+    import llguidance
+
+    if not isinstance(spec, dict):
+        raise ValueError(f"SamplingParams.structured_outputs must be a dict with one of {', '.join(KEYS)}, "
+                         f"got {type(spec).__name__}")
+    given = {k: v for k, v in spec.items() if v is not None and v is not False}
+    unknown = sorted(set(given) - set(KEYS))
+    if unknown:
+        raise ValueError(f"SamplingParams.structured_outputs has unknown key(s) {unknown} (allowed: {', '.join(KEYS)})")
+    if len(given) != 1:
+        raise ValueError(f"SamplingParams.structured_outputs must set exactly one of {', '.join(KEYS)}, "
+                         f"got {sorted(given) or 'none'}")
+    (kind, value), = given.items()
+    try:
+        if kind == "json":
+            schema = json.loads(value) if isinstance(value, str) else value
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError(f"a JSON schema is an object, got {type(schema).__name__}")
+            return llguidance.grammar_from("json_schema", json.dumps(_compact(schema)))
+        if kind == "json_object":
+            return llguidance.grammar_from("json_schema", json.dumps(_compact({"type": "object"})))
+        if kind == "choice":
+            if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+                raise ValueError("choice must be a non-empty list of strings")
+            return llguidance.grammar_from("choice", value)
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"{kind} must be a non-empty string")
+        return llguidance.grammar_from("regex" if kind == "regex" else "grammar", value)
+    except ValueError as e:
+        raise ValueError(f"SamplingParams.structured_outputs.{kind} is invalid: {e}") from None
+
+
+def _compact(schema: Any) -> Any:
+    """JSON without free whitespace (``{"a":1,"b":[2]}``), as vLLM's ``disable_any_whitespace``: a
+    model cannot pad its answer with whitespace until max_tokens, and answers take fewer tokens. A
+    schema's own ``x-guidance`` options (llguidance's) win."""
+    if isinstance(schema, dict) and "x-guidance" not in schema:
+        return {**schema, "x-guidance": {"whitespace_flexible": False}}
+    return schema
+
+
+class StructuredOutputs:
+    """The grammar state of one engine's constrained requests (built lazily: the tokenizer on the first
+    grammar). ``tokenizer``: the model's :class:`~hwkv.model.tokenizer.Tokenizer`; ``vocab_size``: the
+    model's logits width (tokens the tokenizer does not have are never allowed)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]):
+        self.tokenizer = tokenizer  # hwkv.model.tokenizer.Tokenizer (its tokenizers JSON feeds llguidance), or None
+        self.vocab_size, self.eos = vocab_size, list(eos_token_ids)
+        self._tok: Any = None
+        self._executor: Any = None
+        self._cache: OrderedDict[str, Any] = OrderedDict()
+        self.matchers: dict[str, list[Any]] = {}  # req id -> [matcher, tokens consumed]
+        self.num_compiled = 0  # grammars compiled (cache misses), for tests and stats
+
+    @property
+    def words(self) -> int:
+        return (self.vocab_size + 31) // 32
+
+    def _tokenizer(self) -> Any:
+        if self._tok is None:
+            import llguidance
+
+            if self.tokenizer is None:
+                raise ValueError("SamplingParams.structured_outputs needs the model's tokenizer, and this model "
+                                 "has none (no tokenizer.json)")
+            self._tok = llguidance.LLTokenizer(self.tokenizer.to_json(), n_vocab=self.vocab_size,
+                                               eos_token=self.eos or None)
+        return self._tok
+
+    def compile(self, spec: dict[str, Any]) -> Any:
+        """The compiled matcher of ``spec`` (cached); ``ValueError`` if the grammar is invalid."""
+        import llguidance
+
+        grammar = grammar_of(spec)
+        m = self._cache.get(grammar)
+        if m is not None:
+            self._cache.move_to_end(grammar)
+            return m
+        m = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)
+        if m.is_error():
+            kind = next(k for k in KEYS if spec.get(k) not in (None, False))
+            raise ValueError(f"SamplingParams.structured_outputs.{kind} is invalid: {m.get_error()}")
+        self.num_compiled += 1
+        self._cache[grammar] = m
+        if len(self._cache) > CACHE_SIZE:
+            self._cache.popitem(last=False)
+        return m
+
+    def add(self, req_id: str, spec: dict[str, Any]) -> None:
+        """Start (or, after a preemption, restart) ``req_id``'s matcher at its first output token."""
+        self.matchers[req_id] = [self.compile(spec).deep_copy(), 0]
+
+    def drop(self, req_id: str) -> None:
+        self.matchers.pop(req_id, None)
+
+    def bitmask(self, req_ids: list[str], outputs: list[list[int]], device: torch.device) -> torch.Tensor | None:
+        """Packed allowed-token bits ``[R, ceil(V / 32)]`` int32 on ``device`` for these rows, or
+        ``None`` when none of them is constrained. Each matcher first consumes the row's tokens
+        since the last call."""
+        rows = [(i, self.matchers[rid]) for i, rid in enumerate(req_ids) if rid in self.matchers]
+        if not rows:
+            return None
+        import llguidance
+
+        mask = torch.full((len(req_ids), self.words), -1, dtype=torch.int32)
+        todo = []
+        for i, state in rows:
+            m, seen = state
+            out = outputs[i]
+            if len(out) > seen:
+                m.consume_tokens(out[seen:])
+                state[1] = len(out)
+            if m.is_error():  # cannot happen through the mask; end the request rather than sample garbage
+                mask[i].zero_()
+                for t in self.eos:
+                    mask[i, t // 32] |= _bit(t % 32)
+            else:
+                todo.append((m, i))
+        # (llguidance.torch's helpers do the same; importing it runs torch.compile decorators)
+        row_bytes = self.words * 4
+        if len(todo) == 1:
+            m, i = todo[0]
+            m.unsafe_compute_mask_ptr(mask[i].data_ptr(), row_bytes)
+        elif todo:  # in parallel, on llguidance's own threads (the GIL released)
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor()
+            self._executor.unsafe_compute_mask_ptr(todo, mask.data_ptr(), row_bytes, len(req_ids))
+        return mask.to(device, non_blocking=True)
+
+
+def _bit(j: int) -> int:
+    return (1 << j) - (1 << 32 if j == 31 else 0)  # int32 two's complement of bit j

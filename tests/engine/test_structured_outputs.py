@@ -1,0 +1,104 @@
+"""Structured outputs in the engine: grammars (llguidance) become a token bitmask the sampler applies
+— valid answers under sync and async scheduling, across preemption, compiled grammars cached, no
+matcher left behind; refused by name with speculative decoding; logit_bias."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+import hwkv
+from hwkv.model.sampler import apply_token_bitmask
+from hwkv.testing.tiny_models import write_tiny_model
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["id", "ok", "tag"],
+          "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9999}, "ok": {"type": "boolean"},
+                         "tag": {"enum": ["a", "bb", "ccc"]}}}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("so") / "tiny", seed=0, max_position_embeddings=512)
+
+
+def valid(text: str) -> bool:
+    v = json.loads(text)
+    return set(v) == {"id", "ok", "tag"} and type(v["id"]) is int and 0 <= v["id"] <= 9999 \
+        and type(v["ok"]) is bool and v["tag"] in ("a", "bb", "ccc")
+
+
+def test_bitmask_matches_a_reference_and_keeps_logits_elsewhere():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 70, generator=g)
+    allowed = torch.rand(3, 70, generator=g) < 0.3
+    words = torch.zeros(3, 3, dtype=torch.int64)
+    for r, t in allowed.nonzero().tolist():
+        words[r, t // 32] |= 1 << (t % 32)
+    mask = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # int32 two's complement
+    out = apply_token_bitmask(logits, mask)
+    assert torch.equal(out[allowed], logits[allowed]) and bool((out[~allowed] == float("-inf")).all())
+    assert not bool((logits == float("-inf")).any())  # out of place: logprobs keep the raw distribution
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_json_schema_answers_are_valid_and_nothing_is_left(model, async_scheduling):
+    e = hwkv.Engine(model, backend="cpu", num_kv_blocks=64, max_num_seqs=16, async_scheduling=async_scheduling)
+    sp = [hwkv.SamplingParams(temperature=1.0, seed=i, max_tokens=120, structured_outputs={"json": SCHEMA})
+          for i in range(24)]
+    outs = e.generate(["Give JSON:"] * 24, sp, use_tqdm=False)
+    for o in outs:
+        assert o.finish_reason == "stop" and valid(o.text), o.text
+    assert e.runner.structured.num_compiled == 1  # one grammar, compiled once, copied per request
+    assert not e.runner.structured.matchers and e.kv_cache_manager.num_free_blocks == 64
+    free = e.generate(["Give JSON:"], hwkv.SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
+    assert free.text and not free.text.startswith("{")  # unconstrained requests are untouched
+
+
+def test_async_equals_sync_and_preemption_restarts_the_matcher(model):
+    sp = [hwkv.SamplingParams(temperature=1.0, seed=i, max_tokens=100, structured_outputs={"json": SCHEMA})
+          for i in range(12)]
+    want = [o.text for o in hwkv.Engine(model, backend="cpu", num_kv_blocks=128, max_num_seqs=16).generate(
+        ["Give JSON:"] * 12, sp, use_tqdm=False)]
+    got = hwkv.Engine(model, backend="cpu", num_kv_blocks=128, max_num_seqs=16, async_scheduling=True).generate(
+        ["Give JSON:"] * 12, sp, use_tqdm=False)
+    assert [o.text for o in got] == want
+    tight = hwkv.Engine(model, backend="cpu", num_kv_blocks=10, block_size=16, max_num_seqs=12)
+    got = tight.generate(["Give JSON:"] * 12, sp, use_tqdm=False)
+    assert tight.scheduler.num_preemptions > 0
+    assert [o.text for o in got] == want  # a preempted request recomputes and re-matches its tokens
+    assert not tight.runner.structured.matchers
+
+
+def test_regex_choice_grammar_and_errors(model):
+    e = hwkv.Engine(model, backend="cpu", num_kv_blocks=64, max_num_seqs=8)
+    so = [{"regex": r"[a-c]{2}-[0-9]{2}"}, {"choice": ["north", "south"]}, {"grammar": 'start: "x" ("y" | "z")+ "."'}]
+    outs = e.generate(["Go:"] * 3, [hwkv.SamplingParams(temperature=1.0, seed=3, max_tokens=60, structured_outputs=s)
+                                    for s in so], use_tqdm=False)
+    assert re.fullmatch(r"[a-c]{2}-[0-9]{2}", outs[0].text) and outs[1].text in ("north", "south")
+    assert re.fullmatch(r"x[yz]+\.", outs[2].text)
+    for bad, what in [({"regex": "(("}, "regex is invalid"), ({"json": 3}, "json is invalid"),
+                      ({"regex": "a", "choice": ["b"]}, "exactly one"), ({"xml": "a"}, "unknown key")]:
+        with pytest.raises(ValueError, match=what):
+            e.add_request("bad", "Go:", hwkv.SamplingParams(structured_outputs=bad))
+    assert not e.has_unfinished()
+
+
+def test_refused_with_speculative_decoding(model):
+    e = hwkv.Engine(model, backend="cpu", num_kv_blocks=64, speculative_config={"method": "ngram",
+                                                                                 "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="not supported with speculative decoding"):
+        e.add_request("r", "Hi", hwkv.SamplingParams(structured_outputs={"choice": ["a"]}))
+
+
+def test_logit_bias(model):
+    e = hwkv.Engine(model, backend="cpu", num_kv_blocks=64)
+    out = e.generate(["Hi"], hwkv.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logit_bias={42: 100}),
+                     use_tqdm=False)[0]
+    assert out.token_ids == [42] * 4
+    with pytest.raises(ValueError, match="logit_bias"):
+        hwkv.SamplingParams(logit_bias={1: 101})
+    with pytest.raises(ValueError, match="logit_bias"):
+        e.add_request("x", "Hi", hwkv.SamplingParams(logit_bias={10_000: 1.0}))
