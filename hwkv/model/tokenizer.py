@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,9 @@ class Tokenizer:
         return self._tok.to_str()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > 4096:  # encode_batch releases the GIL (encode does not): a server thread that
+            # tokenizes a long prompt leaves the event loop running
+            return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
@@ -90,16 +94,31 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """Render ``messages`` with the checkpoint's Jinja chat template (needs ``jinja2``)."""
-        if not self.chat_template:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            template: str | None = None, tools: list[dict[str, Any]] | None = None,
+                            **kwargs: Any) -> str:
+        """Render ``messages`` with the checkpoint's Jinja chat template, or ``template`` (needs
+        ``jinja2``); ``tools`` and ``kwargs`` (e.g. ``enable_thinking``) reach the template as
+        transformers' ``apply_chat_template`` passes them."""
+        template = template or self.chat_template
+        if not template:
             raise ValueError("this tokenizer has no chat_template (tokenizer_config.json)")
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        # A template is checkpoint-supplied code: render it sandboxed, as transformers does.
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
-        env.globals["raise_exception"] = lambda msg: (_ for _ in ()).throw(ValueError(msg))
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+        return _compiled_template(template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
+            **{"bos_token": self.bos_token or "", "eos_token": self.eos_token or "", **kwargs},
         )
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled_template(template: str) -> Any:
+    import json
+
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    # A template is checkpoint- or client-supplied code: render it sandboxed, as transformers does.
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+    env.globals["raise_exception"] = lambda msg: (_ for _ in ()).throw(ValueError(msg))
+    # transformers' tojson: plain JSON (jinja2's own escapes <, >, & for HTML)
+    env.filters["tojson"] = lambda x, indent=None, separators=None, sort_keys=False, ensure_ascii=False: json.dumps(
+        x, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
+    return env.from_string(template)

@@ -78,6 +78,8 @@ class AsyncEngine:
         self._reqs: dict[str, _Req] = {}  # by core request id
         self._ids = itertools.count()
         self._reader: asyncio.Task | None = None
+        self.last_heard = time.monotonic()  # the last message from the core (any kind)
+        self._structured: Any = None  # grammars compiled to check requests (hwkv.engine.structured)
 
     # ---- life cycle ---------------------------------------------------------------------------
     async def start(self) -> AsyncEngine:
@@ -88,14 +90,34 @@ class AsyncEngine:
             from hwkv.model.tokenizer import Tokenizer, has_tokenizer
 
             if has_tokenizer(self.model):
-
                 self.tokenizer = Tokenizer.from_dir(self.model)
             self.info = await self.client.start(self.startup_timeout, self._core_died)
         except BaseException:  # the client bound its sockets at construction
             await asyncio.shield(self.client.close())
             raise
+        self.last_heard = time.monotonic()
         self._reader = asyncio.create_task(self._read_outputs(), name="hwkv-core-outputs")
         return self
+
+    def check_structured(self, spec: dict[str, Any]) -> None:
+        """``ValueError`` if ``spec`` (``SamplingParams.structured_outputs``) is not a valid grammar:
+        checked here so the caller can name its field; compiled grammars are cached."""
+        if self._structured is None:
+            from hwkv.engine.structured import StructuredOutputs
+
+            info = self.info
+            assert info is not None, "start() the engine first"
+            self._structured = StructuredOutputs(self.tokenizer, info.vocab_size, tuple(info.eos_token_ids))
+        self._structured.compile(spec)
+
+    def core_silent_s(self) -> float:
+        """Seconds since the core last sent anything (it sends at least every second while it loops)."""
+        return time.monotonic() - self.last_heard
+
+    def fail_requests(self, why: str) -> None:
+        """End every pending request with ``EngineDeadError(why)`` (each is aborted in the core), the
+        engine staying up: a server that stops cuts its streams with an error event this way."""
+        self._fail_all(EngineDeadError(why))
 
     async def shutdown(self) -> None:
         if self._reader is not None:
@@ -144,7 +166,8 @@ class AsyncEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer, and this model directory has no "
                              "tokenizer.json (allowed: stop_token_ids)")
-        detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens)
+        detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens,
+                                       params.include_stop_str_in_output)
         return _Req(request_id, text, ids, params, detok, logprobs=[] if params.logprobs is not None else None)
 
     def generate(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
@@ -223,6 +246,7 @@ class AsyncEngine:
         try:
             while True:
                 msg = await self.client.recv()
+                self.last_heard = time.monotonic()
                 if isinstance(msg, m.StepOutputs):
                     if msg.stats is not None:
                         self.core_stats = msg.stats

@@ -23,8 +23,9 @@ import zmq
 
 from hwkv.serving import messages as m
 
-IDLE_POLL_MS = 1000  # while idle: how often the parent-alive check runs
+IDLE_POLL_MS = 1000  # while idle: how often the parent-alive check (and a heartbeat) runs
 STATS_INTERVAL_S = 0.25
+HEARTBEAT_S = 1.0  # with nothing else sent for this long the core sends a Heartbeat (front end: /health)
 # Engine.step() contains a failure (rolls back, isolates the requests to blame) and raises; raising
 # this many times in a row means it cannot make progress: every request it holds then fails.
 MAX_STEP_FAILURES = 3
@@ -163,6 +164,7 @@ def run(cfg: m.CoreConfig) -> int:
 def _loop(core: EngineCore, cfg: m.CoreConfig, inp: Any, out: Any) -> int:
     poller = zmq.Poller()
     poller.register(inp, zmq.POLLIN)
+    last_sent = time.monotonic()
     try:
         while True:
             busy = core.engine.has_unfinished()
@@ -183,6 +185,10 @@ def _loop(core: EngineCore, cfg: m.CoreConfig, inp: Any, out: Any) -> int:
                 out.send(m.encode(r))
             if outs or replies:
                 out.send(m.encode(m.StepOutputs(outs, core.maybe_stats(force=not core.engine.has_unfinished()))))
+                last_sent = time.monotonic()
+            elif time.monotonic() - last_sent >= HEARTBEAT_S:
+                out.send(m.encode(m.Heartbeat()))
+                last_sent = time.monotonic()
     except Exception as e:
         out.send(m.encode(m.Dead(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")))
         return 1

@@ -2,8 +2,9 @@
 
 Front end → core (input socket): ``AddRequest``, ``Abort``, ``Utility``, ``Shutdown``.
 Core → front end (output socket): ``Ready`` (once, after the engine is built) or ``Failed`` (the
-engine could not be built), then ``StepOutputs`` per step, ``UtilityResult`` per ``Utility``, and
-``Dead`` if the core hits an error it cannot survive. Tagged unions, so a message decodes to its
+engine could not be built), then ``StepOutputs`` per step, ``UtilityResult`` per ``Utility``,
+``Heartbeat`` when it has sent nothing for a second (``/health``'s deadline), and ``Dead`` if the
+core hits an error it cannot survive. Tagged unions, so a message decodes to its
 own type; no pickle anywhere (a socket peer must not be able to run code in the other process).
 """
 
@@ -74,6 +75,10 @@ class Ready(msgspec.Struct, tag=True):
     pid: int
 
 
+class Heartbeat(msgspec.Struct, tag=True):
+    """The core is alive and looping: sent when it has sent nothing else for ``HEARTBEAT_S``."""
+
+
 class Failed(msgspec.Struct, tag=True):
     error: str
 
@@ -89,7 +94,7 @@ class UtilityResult(msgspec.Struct, tag=True):
 
 
 ToCore = AddRequest | Abort | Utility | Shutdown
-FromCore = StepOutputs | Ready | Failed | Dead | UtilityResult
+FromCore = StepOutputs | Ready | Failed | Dead | UtilityResult | Heartbeat
 
 
 class CoreConfig(msgspec.Struct):

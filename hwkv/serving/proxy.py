@@ -15,6 +15,9 @@ out at once with ``{"do_remote_prefill": true, "mode": "push", "remote_host", "r
 (``{"do_remote_decode": true, "transfer_id"}``) runs beside it; a layerwise producer then writes each
 layer's KV as its forward writes it.
 
+A client that disconnects is followed: a stream's relay closes its decode connection, a
+non-streamed request is cancelled (its connections closed), so the servers abort the request.
+
 Failures are answered, never hung on: an unreachable side is 503, a side that answers with a
 server error (or a prefill server without a producer connector) is 502, each with a body naming
 the side and URL; a client error (4xx) of either side is passed through as it came.
@@ -31,6 +34,8 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from hwkv.serving.disconnect import unless_disconnected
 
 
 def _error(code: int, message: str) -> JSONResponse:
@@ -118,11 +123,23 @@ def build_proxy(prefill: list[str], decode: list[str], timeout_s: float = 600.0,
             url = f"{next(next_d)}{path}"
             dec = dict(body, kv_transfer_params=params)
             if not body.get("stream"):
-                r = await post("decode", url, dec, hdrs)
-                return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
+                return await decode_step(url, dec, hdrs)
             return await stream(url, dec, hdrs)
         except _Failed as f:
             return f.response
+
+    async def decode_step(url: str, body: dict[str, Any], hdrs: dict[str, str]) -> Response:
+        try:
+            r = await post("decode", url, body, hdrs)
+        except _Failed as f:
+            return f.response
+        return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
+
+    async def handle_or_abort(request: Request, path: str) -> Response:
+        """A non-streamed request whose client hangs up is cancelled: the proxy closes its connection
+        to the prefill / decode server, which aborts the request there (frees its KV blocks)."""
+        await request.body()  # read (and cached) first: the disconnect watch then sees only a hang-up
+        return await unless_disconnected(request, handle(request, path))
 
     def consumer_first(path: str, body: dict[str, Any], hdrs: dict[str, str]) -> dict[str, Any]:
         i, tid = next(next_p), uuid.uuid4().hex
@@ -167,11 +184,11 @@ def build_proxy(prefill: list[str], decode: list[str], timeout_s: float = 600.0,
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await handle(request, "/v1/completions")
+        return await handle_or_abort(request, "/v1/completions")
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        return await handle(request, "/v1/chat/completions")
+        return await handle_or_abort(request, "/v1/chat/completions")
 
     @app.get("/health")
     async def health() -> Response:

@@ -42,12 +42,13 @@ def alive(pid: int) -> bool:
 
 
 class Server:
-    def __init__(self, model: Path, *args: str, timeout: float = 90.0):
+    def __init__(self, model: Path, *args: str, timeout: float = 90.0, positional: bool = False):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="hwkv-serve-", suffix=".log", delete=False)  # noqa: SIM115
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        cmd = [sys.executable, "-m", "hwkv", "serve", "--model", str(model), "--port", str(self.port),
+        cmd = [sys.executable, "-m", "hwkv", "serve", *([str(model)] if positional else ["--model", str(model)]),
+               "--port", str(self.port),
                "--log-level", "warning", *args]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         try:
@@ -69,6 +70,11 @@ class Server:
                 pass
             time.sleep(0.1)
         raise TimeoutError(f"server not healthy within {timeout} s:\n{self.output()}")
+
+    @classmethod
+    def positional(cls, model: Path, *args: str, **kw: object) -> Server:
+        """``hwkv serve MODEL ...`` (vLLM's spelling) instead of ``--model MODEL``."""
+        return cls(model, *args, positional=True, **kw)  # type: ignore[arg-type]
 
     def output(self) -> str:
         return Path(self.log.name).read_text(errors="replace")
