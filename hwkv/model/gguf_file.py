@@ -36,8 +36,16 @@ ARCHITECTURES = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalL
 # K-quants come from the same library code.
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-# tokenizer.ggml.pre -> digits split one by one (llama.cpp's pre-tokenizer regex sets these share).
-PRE_TOKENIZERS = {"default": False, "gpt-2": False, "smollm": True, "starcoder": True, "refact": True}
+# tokenizer.ggml.pre -> how text is split before BPE, as llama.cpp's LLAMA_VOCAB_PRE_TYPE_* regexes:
+# "gpt2" (the GPT-2 regex), "digits" (each digit alone, then GPT-2), or a regex of its own (Llama 3's
+# also ignores merges for a piece that is a whole vocabulary entry, as llama.cpp and HF do).
+_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+          r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_TOKENIZERS = {"default": "gpt2", "gpt-2": "gpt2", "smollm": "digits", "starcoder": "digits", "refact": "digits",
+                  "llama-bpe": _LLAMA3, "llama3": _LLAMA3, "llama-v3": _LLAMA3, "qwen2": _QWEN2,
+                  "deepseek-r1-qwen": _QWEN2}
 
 _LAYER = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -297,7 +305,7 @@ class GGUFFile:
 
     def tokenizer(self) -> Any:
         """The vocabulary as a :class:`hwkv.model.tokenizer.Tokenizer` (byte-level BPE only)."""
-        from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
+        from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
         from tokenizers import Tokenizer as HFTokenizer
 
         from hwkv.model.tokenizer import Tokenizer
@@ -321,12 +329,16 @@ class GGUFFile:
             if not sep:
                 raise ModelLoadError(f"{self.path}: malformed merge {m!r} in tokenizer.ggml.merges")
             pairs.append((a, b))
-        tok = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=pairs, fuse_unk=False))
-        level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        if PRE_TOKENIZERS[pre]:
+        split = PRE_TOKENIZERS[pre]
+        tok = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=pairs, fuse_unk=False,
+                                     ignore_merges=split == _LLAMA3))
+        level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split in ("gpt2", "digits"))
+        if split == "digits":
             tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), level])
-        else:
+        elif split == "gpt2":
             tok.pre_tokenizer = level
+        else:
+            tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), "isolated"), level])
         tok.decoder = decoders.ByteLevel()
         # Control (3) and user-defined (4) tokens are matched whole in the input, as llama.cpp does;
         # control tokens are special (skipped when decoding with skip_special_tokens).

@@ -205,3 +205,17 @@ def test_pool_fingerprint_covers_the_gguf_file(tiny, tmp_path):
 def test_missing_gguf_file_is_named(tmp_path):
     with pytest.raises(ModelLoadError, match=r"nope.gguf: file not found"):
         load_model(tmp_path / "nope.gguf", "cpu")
+
+
+@pytest.mark.parametrize("arch,pre", [("llama", "llama-bpe"), ("qwen2", "qwen2"), ("llama", "gpt-2")])
+def test_pre_tokenizers_match_transformers_gguf_tokenizer(tiny, tmp_path, arch, pre):
+    """Llama 3's and Qwen2's split regexes (and GPT-2's) as transformers builds them from a GGUF.
+    ("smollm" is not compared: transformers ignores it; llama.cpp and SmolLM2's own tokenizer.json
+    split digits one by one, as we do — tests/model/test_real_model.py checks the real vocabulary.)"""
+    transformers = pytest.importorskip("transformers")
+    g = write_tiny_gguf(tiny[arch], tmp_path / "m.gguf", meta={"tokenizer.ggml.pre": pre})
+    ours = Tokenizer.from_dir(g)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=g.name)
+    for t in [*TEXTS, "I'm sure they'll say 'WE'RE here'\n\n\tok", "naïve café 3.14159 costs $12,345!\r\n",
+              "What is 2+2? 1000000 and 42"]:
+        assert ours.encode(t) == theirs(t).input_ids, t
