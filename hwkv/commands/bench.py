@@ -31,6 +31,8 @@ BENCHES = {
              "GB/s, lookup latency"),
     "serve": ("hwkv.bench.serve", "online serving: Poisson arrivals against an OpenAI-compatible server "
               "(TTFT, ITL, throughput)"),
+    "structured": ("hwkv.bench.structured", "structured outputs: json_schema vs free generation throughput, same "
+                   "engine and batch (llguidance bitmask cost)"),
     "pd": ("hwkv.bench.pd", "prefill/decode disaggregation (p2p connector + proxy) vs one colocated engine: "
            "TTFT, ITL, transfer GB/s"),
     "transfer": ("hwkv.bench.transfer", "one-sided writes between two processes: device-direct (cuda_ipc, cma) vs "

@@ -19,6 +19,7 @@ text): a new request deep-copies the compiled matcher instead of compiling again
 from __future__ import annotations
 
 import json
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -84,6 +85,7 @@ class StructuredOutputs:
         self._cache: OrderedDict[str, Any] = OrderedDict()
         self.matchers: dict[str, list[Any]] = {}  # req id -> [matcher, tokens consumed]
         self.num_compiled = 0  # grammars compiled (cache misses), for tests and stats
+        self.num_masks, self.mask_s = 0, 0.0  # bitmask() calls that masked something, and their host time
 
     @property
     def words(self) -> int:
@@ -135,6 +137,7 @@ class StructuredOutputs:
             return None
         import llguidance
 
+        t0 = time.perf_counter()
         mask = torch.full((len(req_ids), self.words), -1, dtype=torch.int32)
         todo = []
         for i, state in rows:
@@ -158,6 +161,8 @@ class StructuredOutputs:
             if self._executor is None:
                 self._executor = llguidance.LLExecutor()
             self._executor.unsafe_compute_mask_ptr(todo, mask.data_ptr(), row_bytes, len(req_ids))
+        self.num_masks += 1
+        self.mask_s += time.perf_counter() - t0
         return mask.to(device, non_blocking=True)
 
 

@@ -1,0 +1,170 @@
+"""`hwkv bench structured`: the throughput cost of structured outputs — json_schema vs free generation
+of the same batch, same engine, same run.
+
+Each request generates ``--output-len`` tokens (``ignore_eos`` for the free run). Schemas:
+
+* ``string``: ``{"text": <string>}`` — a random-weight model stays inside the string (almost every
+  token is allowed there), so each answer runs to ``--output-len``: the cost per token of the mask;
+* ``records``: an array of at least 40 objects of enums, bounded integers, booleans, numbers and
+  short strings — the matcher moves through many grammar states, and no answer can end before
+  ``--output-len`` (every run keeps the whole batch).
+
+Throughput = generated tokens / wall time of ``Engine.generate`` over the whole batch (prefill
+included), the best of ``--repeat`` runs, the free and constrained runs interleaved. ``mask_ms``: time
+spent advancing matchers and filling bitmasks per step (host; overlaps the device's forward).
+
+A random-weight shape (``--model llama-1b``) has no tokenizer: the bench writes a synthetic byte-level
+BPE of the model's vocabulary size (256 bytes + deterministic merges up to 10 characters), so the
+grammar engine sees a vocabulary of realistic size and token lengths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from hwkv.bench import results_dir
+from hwkv.bench.common import SHAPES, TINY, backend, write_result
+
+SCHEMAS: dict[str, dict[str, Any]] = {
+    "string": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"],
+               "additionalProperties": False},
+    "records": {"type": "array", "minItems": 40, "items": {
+        "type": "object", "additionalProperties": False, "required": ["id", "kind", "ok", "name", "score"],
+        "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 100000},
+                       "kind": {"enum": ["alpha", "beta", "gamma", "delta"]}, "ok": {"type": "boolean"},
+                       "name": {"type": "string", "maxLength": 12},
+                       "score": {"type": "number", "minimum": 0, "maximum": 1}}}},
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="llama-1b", help="a local HF dir, or a shape: llama-1b, qwen-0.5b, tiny")
+    p.add_argument("--backend", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--workdir", default="/tmp/hwkv-bench-models")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--schemas", default="string,records")
+    p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--engine-args", default="{}", help="JSON of extra Engine keyword arguments")
+    p.add_argument("--out-dir", default=None)
+
+
+def synthetic_tokenizer(vocab_size: int, seed: int = 0) -> Any:
+    """A byte-level BPE ``tokenizers.Tokenizer`` of exactly ``vocab_size`` ids: ids 0/1/2 are
+    ``<s>``/``</s>``/``<pad>``, then the 256 byte symbols, then merges of existing tokens (biased to
+    letters and a leading space, up to 10 characters), deterministic for ``seed``."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    alphabet.sort()
+    vocab: dict[str, int] = {"<s>": 0, "</s>": 1, "<pad>": 2}
+    for ch in alphabet:
+        vocab[ch] = len(vocab)
+    common = [c for c in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789Ġ,.:\"{}[]_-" if c in vocab]
+    rng = random.Random(seed)
+    tokens = list(common)
+    merges: list[tuple[str, str]] = []
+    while len(vocab) < vocab_size:
+        a = rng.choice(tokens) if rng.random() < 0.7 else rng.choice(common)
+        b = rng.choice(common) if rng.random() < 0.8 else rng.choice(tokens)
+        t = a + b
+        if len(t) > 10 or t in vocab:
+            continue
+        vocab[t] = len(vocab)
+        merges.append((a, b))
+        tokens.append(t)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<s>", "</s>", "<pad>")])
+    return tok
+
+
+def model_dir(args: argparse.Namespace) -> Path:
+    shapes = {**SHAPES, "tiny": TINY}
+    if args.model not in shapes:
+        return Path(args.model)
+    import torch
+
+    from hwkv.testing.tiny_models import write_tiny_model
+
+    d = Path(args.workdir) / f"{args.model}-{args.dtype}-tok"
+    if not (d / "config.json").exists():
+        write_tiny_model(d, dtype=getattr(torch, args.dtype), seed=0, tokenizer=False, **shapes[args.model])
+        synthetic_tokenizer(shapes[args.model]["vocab_size"]).save(str(d / "tokenizer.json"))
+        (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}) + "\n")
+    return d
+
+
+def run(args: argparse.Namespace) -> int:
+    import hwkv
+
+    mdir = model_dir(args)
+    kw = {"backend": backend(args.backend), "max_num_seqs": max(args.batch, 1), **json.loads(args.engine_args)}
+    engine = hwkv.Engine(mdir, **kw)
+    vocab = engine.vocab_size
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, vocab) for _ in range(args.input_len)] for _ in range(args.batch)]
+    so = engine.runner.structured
+
+    def one(schema: str | None, seed0: int) -> dict[str, Any]:
+        sps = [hwkv.SamplingParams(temperature=1.0, seed=seed0 + i, max_tokens=args.output_len,
+                                   ignore_eos=schema is None,
+                                   structured_outputs=None if schema is None else {"json": SCHEMAS[schema]})
+               for i in range(args.batch)]
+        mask0, steps0 = so.mask_s, so.num_masks
+        t0 = time.perf_counter()
+        outs = engine.generate(prompts, sps, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        toks = sum(len(o.token_ids) for o in outs)
+        row = {"tokens": toks, "seconds": dt, "tok_s": toks / dt,
+               "mask_ms_per_step": 1e3 * (so.mask_s - mask0) / max(so.num_masks - steps0, 1)}
+        if schema is not None:
+            texts = [engine.tokenizer.decode(o.token_ids) if engine.tokenizer else o.text for o in outs]
+            done = [o for o, t in zip(outs, texts) if o.finish_reason == "stop"]
+            row["finished"] = len(done)
+            row["valid_json_of_finished"] = sum(_parses(o.text) for o in done)
+        return row
+
+    names = [s for s in args.schemas.split(",") if s]
+    one(None, 0)  # warm-up: graphs, kernels, the grammars compiled
+    for s in names:
+        one(s, 0)
+    best: dict[str, dict[str, Any]] = {}
+    dev = engine.backend.device.description()
+    out = (Path(args.out_dir) if args.out_dir else results_dir()) / \
+        f"structured-{args.model}-{dev.split(' (')[0].replace(' ', '_')}.json"
+    for r in range(args.repeat):
+        for key in [None, *names]:
+            row = one(key, 1000 * (r + 1))
+            name = key or "free"
+            if name not in best or row["tok_s"] > best[name]["tok_s"]:
+                best[name] = row
+            print(f"{name:>8}: {row['tokens']} tokens in {row['seconds']:.3f} s = {row['tok_s']:,.0f} tok/s"
+                  f"  mask {row['mask_ms_per_step']:.3f} ms/step", flush=True)
+        free = best["free"]["tok_s"]
+        for s in names:
+            best[s]["cost_vs_free"] = 1 - best[s]["tok_s"] / free
+        doc = {"bench": "structured", "model": args.model, "backend": args.backend, "device": dev,
+               "batch": args.batch, "input_len": args.input_len, "output_len": args.output_len,
+               "engine": {k: v for k, v in kw.items() if k != "backend"}, "grammar_engine": "llguidance",
+               "repeats_done": r + 1, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "results": best}
+        write_result(out, doc)  # after every round: a run cut short keeps what it measured
+    for s in names:
+        print(f"{s}: {best[s]['tok_s']:,.0f} tok/s vs free {free:,.0f} -> cost {100 * best[s]['cost_vs_free']:.1f}%")
+    return 0
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except ValueError:
+        return False
