@@ -102,3 +102,23 @@ def test_logit_bias(model):
         hwkv.SamplingParams(logit_bias={1: 101})
     with pytest.raises(ValueError, match="logit_bias"):
         e.add_request("x", "Hi", hwkv.SamplingParams(logit_bias={10_000: 1.0}))
+
+
+def test_bench_structured_runs_on_the_tiny_shape(tmp_path):
+    import argparse
+
+    from hwkv.bench import structured as bench
+
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    args = p.parse_args(["--model", "tiny", "--backend", "cpu", "--dtype", "float32", "--batch", "4", "--input-len",
+                         "8", "--output-len", "12", "--repeat", "1", "--workdir", str(tmp_path / "m"),
+                         "--out-dir", str(tmp_path / "out")])
+    assert bench.run(args) == 0
+    (res,) = (tmp_path / "out").glob("structured-tiny-*.json")
+    doc = json.loads(res.read_text())
+    assert set(doc["results"]) == {"free", "string", "records"} and doc["results"]["free"]["tokens"] == 48
+    assert doc["results"]["records"]["tokens"] == 48  # minItems 40: no answer ends early
+    assert all(r["mask_ms_per_step"] > 0 for k, r in doc["results"].items() if k != "free")
+    tok = bench.synthetic_tokenizer(1000)
+    assert tok.get_vocab_size() == 1000 and tok.decode(tok.encode("hello world").ids) == "hello world"
