@@ -1,6 +1,7 @@
 """Prefill/decode disaggregation: the ``p2p`` connector moves a prompt's KV from a prefill engine
 (``role="producer"``) to a decode engine (``role="consumer"``) over a :class:`~hwkv.interfaces.transfer.Transfer`
-(Mooncake TransferEngine), in one of two modes (docs/disaggregation.md walks through both):
+(the first protocol both offer that works between them: device-direct ``cuda_ipc`` on one host,
+Mooncake ``rdma`` across hosts, ``tcp`` staging anywhere), in one of two modes (docs/disaggregation.md walks through both):
 
 * ``mode="pull"`` (vllm-ascend's Mooncake connector): the producer keeps the prompt's blocks after
   prefill (``delay_free``) and returns where they are in ``kv_transfer_params``; the consumer
@@ -13,7 +14,8 @@ timed out recomputes, but its blocks stay pinned until the transfer stops). Ever
 a dead peer becomes a failed load (the consumer recomputes: identical tokens) or an expired hold
 (the producer frees the blocks after ``hold_timeout_s``).
 
-Transport (protocol, transfer engine, tcp staging, side-channel dispatch):
+Transport (the protocols offered and chosen at the handshake, transfer endpoints, tcp staging,
+side-channel dispatch):
 :mod:`hwkv.connectors.p2p.transport`.
 
 Tensor parallelism (docs/disaggregation.md): the scheduler side and the side channel run on the
