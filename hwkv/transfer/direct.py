@@ -28,7 +28,6 @@ fails it within ``timeout_s``.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import ctypes
 import itertools
@@ -44,8 +43,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import numpy as np
 
-from hwkv.interfaces.transfer import Transfer, TransferError, TransferTimeout, check_range
+from hwkv.interfaces.transfer import ADDRESS_LIMIT, Transfer, TransferError, TransferTimeout, check_range
 from hwkv.transfer.mooncake_wheel import Registrations, check_peer, check_segments
 
 log = logging.getLogger(__name__)
@@ -71,17 +71,22 @@ def host_identity() -> str:
 def merge_runs(local: list[int], remote: list[int], lengths: list[int]) -> tuple[list[int], list[int], list[int]]:
     """Merge neighbouring segments contiguous on both sides (vLLM's ``group_concurrent_contiguous``):
     one copy per run instead of one per segment. Order is kept."""
-    lp: list[int] = []
-    rp: list[int] = []
-    ln: list[int] = []
-    for a, b, n in zip(local, remote, lengths):
-        if ln and lp[-1] + ln[-1] == a and rp[-1] + ln[-1] == b:
-            ln[-1] += n
-        else:
-            lp.append(a)
-            rp.append(b)
-            ln.append(n)
-    return lp, rp, ln
+    lp, rp, ln = _merge(np.asarray(local, np.int64), np.asarray(remote, np.int64), np.asarray(lengths, np.int64))
+    return lp.tolist(), rp.tolist(), ln.tolist()
+
+
+def _merge(local: np.ndarray, remote: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, ...]:
+    if len(lengths) < 2:
+        return local, remote, lengths
+    joins = (local[1:] == local[:-1] + lengths[:-1]) & (remote[1:] == remote[:-1] + lengths[:-1])
+    if not joins.any():
+        return local, remote, lengths
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    return local[starts], remote[starts], np.add.reduceat(lengths, starts)
+
+
+def _ints(v: object) -> bool:
+    return isinstance(v, (list, tuple)) and all(type(x) is int for x in v)
 
 
 class Mover(ABC):
@@ -105,8 +110,9 @@ class Mover(ABC):
     def detach(self, token: Any) -> None: ...
 
     @abstractmethod
-    def submit(self, op: str, pid: int, local: list[int], target: list[int], lengths: list[int]) -> Any:
-        """Start copies (``op`` "write": local -> target, "read": target -> local); a ticket."""
+    def submit(self, op: str, pid: int, local: np.ndarray, target: np.ndarray, lengths: np.ndarray) -> Any:
+        """Start copies (``op`` "write": local -> target, "read": target -> local; int64 arrays of
+        addresses and byte counts); a ticket."""
 
     @abstractmethod
     def done(self, ticket: Any) -> bool:
@@ -417,7 +423,8 @@ class DirectTransfer(Transfer):
 
     def _read_word(self, pid: int, target: int) -> int:
         scratch = self.mover.scratch()
-        ticket = self.mover.submit("read", pid, [scratch.address], [target], [8])
+        one = lambda v: np.asarray([v], dtype=np.int64)  # noqa: E731
+        ticket = self.mover.submit("read", pid, one(scratch.address), one(target), one(8))
         try:
             deadline = time.monotonic() + self.timeout_s
             while not self.mover.done(ticket):
@@ -428,7 +435,7 @@ class DirectTransfer(Transfer):
             self.mover.release(ticket)
         return scratch.value()
 
-    def _translate(self, peer: str, remote: list[int], lengths: list[int]) -> tuple[int, list[int]]:
+    def _translate(self, peer: str, remote: np.ndarray, lengths: np.ndarray) -> tuple[int, np.ndarray]:
         """Peer addresses -> addresses this process copies to (attaching regions as needed)."""
         p = self._peer(peer)
         self._alive(peer, p.desc.pid)  # a dead peer fails at once, not after a describe timeout
@@ -453,16 +460,20 @@ class DirectTransfer(Transfer):
                 raise TransferError(f"{self.protocol}: remote range [{m.ptr:#x}, +{m.n}) at {peer!r} is not inside "
                                     "a buffer the peer registered") from None
 
-    def _map(self, p: _Peer, peer: str, remote: list[int], lengths: list[int]) -> list[int]:
-        out = []
-        regions = {r.base: r for r in p.desc.regions}
-        for ptr, n in zip(remote, lengths):
-            i = bisect.bisect_right(p.starts, ptr) - 1
-            if i < 0:
-                raise _Miss(ptr, n)
-            r = regions[p.starts[i]]
-            if ptr + n > r.base + r.nbytes:
-                raise _Miss(ptr, n)
+    def _map(self, p: _Peer, peer: str, remote: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        regions = sorted(p.desc.regions, key=lambda r: r.base)
+        if not regions:
+            raise _Miss(int(remote[0]), int(lengths[0]))
+        starts = np.asarray([r.base for r in regions], dtype=np.int64)
+        ends = np.asarray([r.base + r.nbytes for r in regions], dtype=np.int64)
+        i = np.searchsorted(starts, remote, side="right") - 1
+        bad = (i < 0) | (remote + lengths > ends[np.maximum(i, 0)])
+        if bad.any():
+            k = int(np.flatnonzero(bad)[0])
+            raise _Miss(int(remote[k]), int(lengths[k]))
+        local_base = np.empty(len(regions), dtype=np.int64)
+        for k in np.unique(i).tolist():
+            r = regions[k]
             m = p.mapped.get(r.base)
             if m is None:
                 try:
@@ -472,8 +483,8 @@ class DirectTransfer(Transfer):
                 except Exception as e:
                     raise TransferError(f"{self.protocol}: cannot attach region {r.base:#x} of peer {peer!r}: "
                                         f"{type(e).__name__}: {e}") from None
-            out.append(m[0] + (ptr - r.base))
-        return out
+            local_base[k] = m[0]
+        return local_base[i] + (remote - starts[i])
 
     def _detach(self, token: Any) -> None:
         try:
@@ -505,21 +516,36 @@ class DirectTransfer(Transfer):
         raise TransferError(f"{self.protocol}: peer {peer!r} (pid {pid}) has exited; its memory was released here")
 
     # ---- transfers --------------------------------------------------------------------------------
-    def _check(self, op: str, peer: str, local: list[int], remote: list[int], lengths: list[int]) -> list:
+    def _check(self, op: str, peer: str, local: list[int], remote: list[int], lengths: list[int]
+               ) -> tuple[list, np.ndarray, np.ndarray, np.ndarray]:
+        """Validate (vectorized; the slow per-item checks only to name a bad item) and return the
+        registered local buffers touched and the three lists as arrays."""
         check_peer(op, peer)
         names = ("src_ptrs", "dst_ptrs") if op.endswith("write") else ("local_ptrs", "remote_ptrs")
-        check_segments(op, local, lengths, remote, names)
-        touched = set()
+        ok = _ints(local) and _ints(remote) and _ints(lengths) and len(local) == len(remote) == len(lengths) > 0
+        if ok:
+            try:
+                la, ra, na = (np.asarray(v, dtype=np.int64) for v in (local, remote, lengths))
+            except OverflowError:
+                ok = False
+        if ok:
+            small = (la > 0) & (ra > 0) & (na > 0) & (la < ADDRESS_LIMIT) & (ra < ADDRESS_LIMIT) & (na < ADDRESS_LIMIT)
+            ok = bool(small.all() and (la + na <= ADDRESS_LIMIT).all() and (ra + na <= ADDRESS_LIMIT).all())
+        if not ok:
+            check_segments(op, local, lengths, remote, names)  # raises naming the argument and item
+            raise ValueError(f"{op}: invalid segments")  # (not reached: check_segments found it)
         with self._lock:
             regs = self._regs.items()
-            starts = [p for p, _ in regs]
-            for i, (a, n) in enumerate(zip(local, lengths)):
-                j = bisect.bisect_right(starts, a) - 1
-                if j < 0 or a + n > regs[j][0] + regs[j][1]:
-                    raise TransferError(f"{op}: local range [{a:#x}, +{n}) at {names[0]}[{i}] is not inside a "
-                                        "registered buffer; call register() first")
-                touched.add(regs[j])
-        return sorted(touched)
+        starts = np.asarray([p for p, _ in regs] or [0], dtype=np.int64)
+        ends = np.asarray([p + n for p, n in regs] or [0], dtype=np.int64)
+        j = np.searchsorted(starts, la, side="right") - 1
+        bad = (j < 0) | (la + na > ends[np.maximum(j, 0)]) if regs else np.ones(len(la), bool)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise TransferError(f"{op}: local range [{local[i]:#x}, +{lengths[i]}) at {names[0]}[{i}] is not inside "
+                                "a registered buffer; call register() first")
+        touched = [regs[k] for k in np.unique(j).tolist()]
+        return touched, la, ra, na
 
     def submit_write(self, peer: str, src_ptrs: list[int], dst_ptrs: list[int], lengths: list[int]) -> int:
         return self._submit("write", peer, src_ptrs, dst_ptrs, lengths)
@@ -529,19 +555,20 @@ class DirectTransfer(Transfer):
 
     def _submit(self, op: str, peer: str, local: list[int], remote: list[int], lengths: list[int]) -> int:
         self._live()
-        touched = self._check(f"submit_{op}", peer, local, remote, lengths)
-        pid, target = self._translate(peer, remote, lengths)
-        lp, tp, ln = merge_runs(local, target, lengths)
+        touched, la, ra, na = self._check(f"submit_{op}", peer, local, remote, lengths)
+        pid, target = self._translate(peer, ra, na)
+        lp, tp, ln = _merge(la, target, na)
+        nbytes = int(ln.sum())
         try:
             ticket = self.mover.submit(op, pid, lp, tp, ln)
         except TransferError:
             raise
         except Exception as e:
-            raise TransferError(f"submit_{op} with {peer!r} ({len(ln)} runs, {sum(ln)} B): "
+            raise TransferError(f"submit_{op} with {peer!r} ({len(ln)} runs, {nbytes} B): "
                                 f"{type(e).__name__}: {e}") from None
         with self._lock:
             batch = next(self._ids)
-            self._batches[batch] = _Batch(op, peer, ticket, sum(ln), touched)
+            self._batches[batch] = _Batch(op, peer, ticket, nbytes, touched)
         return batch
 
     def poll(self, batch: int) -> bool:
@@ -722,7 +749,8 @@ class HostMover(Mover):
     def detach(self, token: Any) -> None:
         return None
 
-    def submit(self, op: str, pid: int, local: list[int], target: list[int], lengths: list[int]) -> Future:
+    def submit(self, op: str, pid: int, local: np.ndarray, target: np.ndarray, lengths: np.ndarray) -> Future:
+        local, target, lengths = (np.asarray(v).tolist() for v in (local, target, lengths))
         if pid == os.getpid():
             return self._pool.submit(_memmove, op, local, target, lengths)
         return self._pool.submit(_vm_call, op, pid, local, target, lengths)

@@ -28,6 +28,7 @@ import struct
 import threading
 from typing import Any
 
+import numpy as np
 import torch
 
 from hwkv.interfaces.transfer import TransferError
@@ -262,22 +263,24 @@ class CudaIpcMover(Mover):
         return _DeviceScratch(self.device)
 
     # ---- copies -------------------------------------------------------------------------------------
-    def _choose(self, lengths: list[int], local: list[int], target: list[int]) -> str:
+    def _choose(self, lengths: np.ndarray, local: np.ndarray, target: np.ndarray) -> str:
+        fits = _kernel_fits(local, target, lengths)
+        if self.method == "kernel":
+            return "kernel" if fits else "memcpy"  # unaligned runs (e.g. the 8-byte probe) on the copy engines
         if self.method != "auto":
             return self.method
-        if len(lengths) < AUTO_KERNEL_MIN_RUNS or sum(lengths) >= AUTO_KERNEL_MAX_MEAN * len(lengths):
+        if len(lengths) < AUTO_KERNEL_MIN_RUNS or int(lengths.sum()) >= AUTO_KERNEL_MAX_MEAN * len(lengths):
             return "memcpy"
-        if self._kernel_ok and _kernel_fits(local, target, lengths):
+        if self._kernel_ok and fits:
             return "kernel"
         return "batch" if self.cuda.batch is not None else "memcpy"
 
-    def submit(self, op: str, pid: int, local: list[int], target: list[int], lengths: list[int]) -> Any:
+    def submit(self, op: str, pid: int, local: np.ndarray, target: np.ndarray, lengths: np.ndarray) -> Any:
+        local, target, lengths = (np.asarray(v, dtype=np.int64) for v in (local, target, lengths))
         src, dst = (local, target) if op == "write" else (target, local)
         method = self._choose(lengths, local, target)
         self._set()
         if method == "kernel":
-            if not _kernel_fits(local, target, lengths):
-                raise TransferError("cuda_ipc: method 'kernel' needs 16-byte aligned runs (use 'memcpy')")
             stream = self.streams[0]
             try:
                 _kernel_copy(self.device, stream, src, dst, lengths)
@@ -289,33 +292,35 @@ class CudaIpcMover(Mover):
                 self._kernel_ok = False
                 method = "batch" if self.cuda.batch is not None else "memcpy"
         used = self.streams[: max(1, min(len(self.streams), len(lengths)))]
+        k = len(used)
         if method == "batch":
-            k = len(used)
             for i, s in enumerate(used):
                 self._batch(dst[i::k], src[i::k], lengths[i::k], s)
         else:
-            memcpy, k = self.cuda.rt.cudaMemcpyAsync, len(used)
+            memcpy = self.cuda.rt.cudaMemcpyAsync
             handles = [ctypes.c_void_p(s.cuda_stream) for s in used]
-            for i, (d, s_, n) in enumerate(zip(dst, src, lengths)):
+            for i, (d, s_, n) in enumerate(zip(dst.tolist(), src.tolist(), lengths.tolist())):
                 rc = memcpy(d, s_, n, _MEMCPY_DEFAULT, handles[i % k])
                 if rc != 0:
                     self.cuda.check(rc, f"cudaMemcpyAsync of run {i} ({n} B)")
         return _Events([self._record(s) for s in used])
 
-    def _batch(self, dst: list[int], src: list[int], lengths: list[int], stream: Any) -> None:
+    def _batch(self, dst: np.ndarray, src: np.ndarray, lengths: np.ndarray, stream: Any) -> None:
         n = len(lengths)
         if not n:
             return
-        d, s, z = (ctypes.c_void_p * n)(*dst), (ctypes.c_void_p * n)(*src), (ctypes.c_size_t * n)(*lengths)
+        d, s, z = (np.ascontiguousarray(v, dtype=np.uint64) for v in (dst, src, lengths))  # kept alive: the call
+        ptr = lambda a: a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
         attrs = _MemcpyAttrs(1, _MemLoc(0, 0), _MemLoc(0, 0), 0)  # cudaMemcpySrcAccessOrderStream
         idx = (ctypes.c_size_t * 1)(0)
         h = ctypes.c_void_p(stream.cuda_stream)
         if self.cuda.version >= 13000:
-            rc = self.cuda.batch(d, s, z, ctypes.c_size_t(n), ctypes.byref(attrs), idx, ctypes.c_size_t(1), h)
+            rc = self.cuda.batch(ptr(d), ptr(s), ptr(z), ctypes.c_size_t(n), ctypes.byref(attrs), idx,
+                                 ctypes.c_size_t(1), h)
         else:
             fail = ctypes.c_size_t(0)
-            rc = self.cuda.batch(d, s, z, ctypes.c_size_t(n), ctypes.byref(attrs), idx, ctypes.c_size_t(1),
-                                 ctypes.byref(fail), h)
+            rc = self.cuda.batch(ptr(d), ptr(s), ptr(z), ctypes.c_size_t(n), ctypes.byref(attrs), idx,
+                                 ctypes.c_size_t(1), ctypes.byref(fail), h)
         self.cuda.check(rc, f"cudaMemcpyBatchAsync of {n} runs")
 
     def _record(self, stream: Any) -> int:
@@ -353,8 +358,8 @@ _KERNEL: Any = None
 CHUNK_WORDS = 8192  # 64 KiB of 8-byte words per program
 
 
-def _kernel_fits(local: list[int], target: list[int], lengths: list[int]) -> bool:
-    return all(a % 16 == 0 and b % 16 == 0 and n % 16 == 0 for a, b, n in zip(local, target, lengths))
+def _kernel_fits(local: np.ndarray, target: np.ndarray, lengths: np.ndarray) -> bool:
+    return not bool(((local | target | lengths) & 15).any())
 
 
 def _get_kernel() -> Any:
@@ -383,12 +388,12 @@ def _get_kernel() -> Any:
     return _KERNEL
 
 
-def _kernel_copy(device: int, stream: Any, src: list[int], dst: list[int], lengths: list[int]) -> None:
+def _kernel_copy(device: int, stream: Any, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> None:
     kernel = _get_kernel()
-    words = [n // 8 for n in lengths]
-    meta = torch.tensor([src, dst, words], dtype=torch.int64).pin_memory()
+    words = lengths // 8
+    meta = torch.from_numpy(np.stack([src, dst, words])).pin_memory()
     with torch.cuda.device(device), torch.cuda.stream(stream):
         dmeta = meta.to(f"cuda:{device}", non_blocking=True)
-        grid = (len(lengths), -(-max(words) // CHUNK_WORDS))
+        grid = (len(lengths), -(-int(words.max()) // CHUNK_WORDS))
         kernel[grid](dmeta[0], dmeta[1], dmeta[2], CHUNK=CHUNK_WORDS, BLOCK=1024, num_warps=8)
         dmeta.record_stream(stream)  # (the pinned source is kept by torch's host allocator until copied)
