@@ -50,15 +50,20 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, layer_kv: Any, slot_mapping
             f"key/value must be [>= {n}, {k_cache.shape[2]}, {k_cache.shape[3]}] (one row per slot), "
             f"got {tuple(key.shape)} and {tuple(value.shape)}"
         )
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    if slots.numel() == 0:
+    if n == 0:
         return
-    if int(slots.max()) >= nb * bs or bool((slot_mapping < -1).any()):
-        bad = int(slots.max()) if int(slots.max()) >= nb * bs else int(slot_mapping.min())
+    lo, hi = (int(x) for x in slot_mapping.aminmax())
+    if hi >= nb * bs or lo < -1:
+        bad = hi if hi >= nb * bs else lo
         raise ValueError(f"slot_mapping value {bad} out of range [-1, {nb * bs}) for {nb} blocks of {bs}")
+    if hi < 0:  # every row padding
+        return
+    if lo >= 0:  # no padding: no masked copies of the rows (the common case)
+        slots, k_new, v_new = slot_mapping.long(), key[:n], value[:n]
+    else:
+        keep = slot_mapping >= 0
+        slots, k_new, v_new = slot_mapping[keep].long(), key[:n][keep], value[:n][keep]
     blk, off = slots // bs, slots % bs
-    k_new, v_new = key[:n][keep], value[:n][keep]
     if is_quantized(k_cache.dtype):
         ks, vs = (scales[0], scales[1]) if scales is not None else (1.0, 1.0)
         k_cache[blk, off] = quantize(k_new, ks, k_cache.dtype)
@@ -106,6 +111,8 @@ class _Group:
 
     flat: torch.Tensor       # block ids to gather, [g * nblk]
     shape: tuple[int, ...]   # heads-first view of the gathered blocks, (H_kv, g, nblk * bs, D)
+    slots: torch.Tensor      # [H_kv * g * S]: row (block, offset, head) of [num_blocks * bs * H_kv, D], heads-first
+    blk_rows: torch.Tensor   # block * bs * H_kv of each: the extra rows of an interleaved [nb, 2, bs, H_kv, D] cache
     s_len: int
     q_len: int
     bad: tuple[torch.Tensor, torch.Tensor]  # (tile, slot) of unused KV slots, zeroed in V
@@ -151,7 +158,11 @@ def _plan(t: int, h: int, k_cache: torch.Tensor, qsl: torch.Tensor, sl: torch.Te
         q_valid = j[None] < g_q[:, None]  # [g, Q]
         tok = torch.where(q_valid, g_tok0[:, None] + j, 0)
         allowed = (s[None, None] <= (g_ctx[:, None] + j)[:, :, None]) & kv_valid[:, None]  # [g, Q, S]
-        groups.append(_Group(blocks.reshape(-1), (hkv, g, nblk * bs, d), s_len, q_len,
+        blk = blocks[:, s // bs]  # [g, S]
+        heads = torch.arange(hkv, device=dev)[:, None, None]
+        slots = ((blk * bs + s % bs)[None] * hkv + heads).reshape(-1)
+        blk_rows = (blk[None] * (bs * hkv)).expand(hkv, g, s_len).reshape(-1)
+        groups.append(_Group(blocks.reshape(-1), (hkv, g, nblk * bs, d), slots, blk_rows, s_len, q_len,
                              torch.nonzero(~kv_valid, as_tuple=True), tok, q_valid, ~allowed[None, :, None],
                              tok[q_valid]))
     return groups
@@ -208,13 +219,27 @@ def paged_attention(
     acc = torch.float64 if query.dtype == torch.float64 else torch.float32
     dev = k_cache.device
     group = h // hkv
+    interleaved = isinstance(layer_kv, torch.Tensor)
+    if interleaved:
+        rows = layer_kv.view(-1, d) if layer_kv.is_contiguous() else None
+        v_rows = None
+    elif k_cache.is_contiguous() and v_cache.is_contiguous():
+        rows, v_rows = k_cache.view(-1, d), v_cache.view(-1, d)
+    else:
+        rows = v_rows = None
     for p in plan:
         g, q_len, s_len = p.shape[1], p.q_len, p.s_len
-        # Gather the group's blocks first (cost ~ the blocks read, never the pool: an index_select
-        # on a permuted or strided view of the cache would copy the whole layer), then lay them
-        # out heads-first [H_kv, g, S, D] for the batched matmuls.
-        k = _heads_first(k_cache, p.flat, p.shape)[:, :, :s_len].to(acc)
-        v = _heads_first(v_cache, p.flat, p.shape)[:, :, :s_len].to(acc)
+        # One gather straight into the heads-first layout [H_kv, g, S, D] of the batched matmuls,
+        # rows of the cache viewed as [rows, D] (cost ~ the slots read, never the pool); other
+        # layouts gather whole blocks, then lay them out (an index_select on a permuted or strided
+        # view of the cache would copy the whole layer).
+        if rows is not None:
+            k = rows[p.slots + p.blk_rows if interleaved else p.slots].view(hkv, g, s_len, d).to(acc)
+            v = (rows[p.slots + p.blk_rows + bs * hkv] if interleaved else v_rows[p.slots]).view(hkv, g, s_len, d)
+            v = v.to(acc)
+        else:
+            k = _heads_first(k_cache, p.flat, p.shape)[:, :, :s_len].to(acc)
+            v = _heads_first(v_cache, p.flat, p.shape)[:, :, :s_len].to(acc)
         if is_quantized(k_cache.dtype) and kv_scales is not None:  # [H_kv, g, S, D] times per-head scales
             k = k * kv_scales[0].to(dev, acc)[:, None, None, None]
             v = v * kv_scales[1].to(dev, acc)[:, None, None, None]
