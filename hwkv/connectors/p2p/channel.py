@@ -1,14 +1,17 @@
 """The p2p connector's side channel: a ZMQ ROUTER served by one thread (handshakes, pull
 acquire/release, push requests and completion notices) and bounded request/reply calls to peers.
 
-Every call has a timeout (a dead peer is an error, never a hang); messages are msgspec-encoded
+Every call has a timeout (a dead peer is an error, never a hang; one whose port refuses
+connections is found within a second); messages are msgspec-encoded
 (:mod:`hwkv.connectors.p2p.protocol`), never pickled.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -79,18 +82,46 @@ def _client_ctx() -> zmq.Context:
         return _ctx
 
 
+PROBE_S = 0.5  # a call unanswered this long checks that the peer still listens (a dead one: fails at once)
+
+
+def listening(address: str, timeout_s: float = PROBE_S) -> bool:
+    """False when nothing accepts TCP connections at ``host:port`` (refused, unreachable): the
+    peer's process or host is gone. A probe that merely times out is not proof: True."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return True
+    except TimeoutError:
+        return True
+    except OSError:
+        return False
+
+
 def call(address: str, msg: Any, timeout_s: float) -> Any:
     """Send ``msg`` to the side channel at ``host:port`` and return its reply; :class:`ChannelError`
-    when none comes within ``timeout_s``. One socket per call: a lost reply cannot wedge the next."""
+    when none comes within ``timeout_s``, or as soon as a probe finds nothing listening there (every
+    ``PROBE_S`` without an answer): a dead peer costs about a second, not the whole timeout. One
+    socket per call: a lost reply cannot wedge the next."""
     sock = _client_ctx().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     ms = max(1, int(timeout_s * 1000))
     sock.setsockopt(zmq.SNDTIMEO, ms)
-    sock.setsockopt(zmq.RCVTIMEO, ms)
+    deadline = time.monotonic() + timeout_s
     try:
         sock.connect(f"tcp://{address}")
         sock.send(encode(msg))
-        return decode(sock.recv())
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise zmq.Again()
+            if sock.poll(int(1000 * min(PROBE_S, left)), zmq.POLLIN):
+                return decode(sock.recv())
+            if time.monotonic() < deadline and not listening(address):
+                raise ChannelError(f"p2p peer {address} is down (nothing listens there; {type(msg).__name__} "
+                                   "unanswered)")
+    except ChannelError:
+        raise
     except zmq.Again:
         raise ChannelError(f"p2p peer {address} did not answer {type(msg).__name__} within {timeout_s:g} s") from None
     except zmq.ZMQError as e:

@@ -9,13 +9,14 @@ State lives on :class:`~hwkv.connectors.p2p.connector.P2PConnector`; this mixin 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-from hwkv.connectors.p2p.channel import call
+from hwkv.connectors.p2p.channel import PROBE_S, call, listening
 from hwkv.connectors.p2p.protocol import (
     Ack,
     Acquire,
@@ -256,9 +257,30 @@ class ConsumerSide:
             key = f"bytes_via_{load.protocol}"
             self.counters[key] = self.counters.get(key, 0) + nbytes
 
+    def _probe_producers(self, now: float) -> None:
+        """Loads waiting on a producer (its push, its PushDone) follow its liveness: every ``PROBE_S``
+        a short-lived thread checks each such producer still listens; a dead one fails its loads at once
+        (they recompute) instead of at their deadline (30 s and more)."""
+        last = self.__dict__.setdefault("_probed", {})
+        for addr in {f"{ld.spec.params['remote_host']}:{ld.spec.params['remote_port']}"
+                     for ld in self._reading.values() if not ld.reported}:
+            if now - last.get(addr, 0.0) >= PROBE_S:
+                last[addr] = now
+                threading.Thread(target=self._probe, args=(addr,), name="p2p-probe", daemon=True).start()
+
+    def _probe(self, addr: str) -> None:
+        if listening(addr):
+            return
+        for rid, load in list(self._reading.items()):
+            p = load.spec.params
+            if not load.reported and f"{p['remote_host']}:{p['remote_port']}" == addr:
+                log.warning("p2p: producer %s is down; %s recomputes", addr, rid)
+                self._done("recv", rid, False, 0)  # dead: nothing of it can still write into the blocks
+
     def consumer_poll(self, now: float, failed: set[str], settled: list[tuple[str, bool]]) -> None:
         """Time out loads; report (in ``settled``) those no transfer can still write into, so the
         scheduler side unpins their blocks once every rank did."""
+        self._probe_producers(now)
         for rid, load in list(self._reading.items()):
             if not load.reported and now > load.deadline:
                 load.reported = True  # recompute now; the blocks stay pinned until the transfer ends
