@@ -98,7 +98,7 @@ def generate(backend: Any, setup: TinySetup, prompts: list[list[int]], max_token
 
 @pytest.fixture(scope="session")
 def tiny(backend, tmp_path_factory) -> TinySetup:
-    from hwkv.testing.tiny_models import write_tiny_model
+    from hwkv.model.tiny import write_tiny_model
 
     caps = backend.capabilities
     head = 64 if caps.head_sizes is None or 64 in caps.head_sizes else min(caps.head_sizes)

@@ -35,7 +35,7 @@ def test_generate_without_prompt_fails_before_loading_the_model(tmp_path, monkey
 
 
 def test_an_interrupted_first_demo_run_does_not_break_later_runs(tmp_path, monkeypatch, capsys):
-    import hwkv.testing.tiny_models as tm
+    import hwkv.model.tiny as tm
 
     real = tm.write_tiny_model
 

@@ -1,7 +1,7 @@
 """`hwkv bench host`: the engine's host path per decode step, with device work made negligible.
 
 The real Engine, Scheduler and ModelRunner run on the CPU reference backend with emulated graph
-capture (:class:`hwkv.testing.graphs.GraphCpuBackend`: the graph decode path and async scheduling,
+capture (:class:`hwkv.reference.graphs.GraphCpuBackend`: the graph decode path and async scheduling,
 as on a GPU), but the model's forward is a stub that returns one-hot logits (next token = a
 function of the input token) in a few tensor ops. What is left of a step is what the host does
 per step on any device: scheduling, building inputs, staging them into the graph buffers,
@@ -40,8 +40,8 @@ def make_engine(max_batch: int, max_model_len: int, graphs: bool, workdir: Path,
     """An Engine on the emulated-graph CPU backend with :func:`stub_forward` (graphs re-captured
     over the stub); ``graphs=False``: the plain eager CPU backend, synchronous."""
     import hwkv
-    from hwkv.testing.graphs import GraphCpuBackend
-    from hwkv.testing.tiny_models import write_tiny_model
+    from hwkv.model.tiny import write_tiny_model
+    from hwkv.reference.graphs import GraphCpuBackend
 
     mdir = workdir / "tiny"
     if not (mdir / "config.json").exists():

@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             master, meta = args.master, args.metadata_server
             if master is None:
-                from hwkv.testing.mooncake import mooncake_master
+                from hwkv.stores.mooncake_service import mooncake_master
 
                 m = stack.enter_context(mooncake_master())
                 master, meta = m.master, m.metadata_server

@@ -63,7 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _write_model(args: argparse.Namespace, name: str, **over: Any) -> Path:
     import torch
 
-    from hwkv.testing.tiny_models import write_tiny_model
+    from hwkv.model.tiny import write_tiny_model
 
     d = Path(args.workdir) / f"{name}-{args.dtype}"
     if not (d / "config.json").exists():
@@ -75,7 +75,7 @@ def _write_eagle(args: argparse.Namespace, target: Path) -> str:
     """A random-weight EAGLE-1 head of the target's shape (its embedding and LM head are the target's)."""
     import torch
 
-    from hwkv.testing.eagle_heads import write_eagle_head
+    from hwkv.spec_decode.tiny_heads import write_eagle_head
 
     c = json.loads((target / "config.json").read_text())
     d = Path(args.workdir) / f"{target.name}-eagle-{args.dtype}"

@@ -30,7 +30,7 @@ from typing import Any
 def _engine(scenario: str, batch: int, k: int, workdir: Path, max_len: int) -> Any:
     import hwkv
     from hwkv.bench.host import VOCAB, make_engine, stub_forward
-    from hwkv.testing.graphs import GraphCpuBackend
+    from hwkv.reference.graphs import GraphCpuBackend
 
     if scenario == "decode":
         return make_engine(max(batch, 2), max_len, True, workdir, async_scheduling=False)
@@ -54,8 +54,8 @@ def measure(scenario: str, batch: int, k: int = 4, steps: int = 100, prompt_len:
     from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
     from hwkv.bench.host import VOCAB
+    from hwkv.reference.graphs import RecordedGraph
     from hwkv.sampling_params import SamplingParams
-    from hwkv.testing.graphs import RecordedGraph
 
     clock = time.process_time
     acc = {"replay": 0.0, "ops": 0, "proposing": False, "propose": 0.0}

@@ -78,7 +78,7 @@ def _is_complete(root: Path) -> bool:
 
 def _demo_model(args: argparse.Namespace) -> str:
     """The demo model's directory, written atomically on first use (module docstring)."""
-    from hwkv.testing.tiny_models import write_tiny_model
+    from hwkv.model.tiny import write_tiny_model
 
     root = demo_model_dir(args.demo_dir)
     if _is_complete(root):

@@ -119,14 +119,14 @@ def _bad_capacity(capacity: int, allow_zero: bool) -> str | None:
 
 def _start_holder(master: str, metadata: str, capacity: int, host: str, protocol: str, metrics_url: str | None):
     """A ``mooncake_client`` holder (dies with this command); waits until mounted if ``metrics_url``."""
-    from hwkv.testing.mooncake import _die_with_parent, client_binary, holder_command, pool_capacity, wait_mounted
+    from hwkv.stores.mooncake_service import client_binary, die_with_parent, holder_command, pool_capacity, wait_mounted
 
     binary = client_binary()
     if binary is None:
         raise RuntimeError("mooncake_client (the pool memory holder) is not in the mooncake package")
     before = pool_capacity(metrics_url) if metrics_url else 0.0
     proc = subprocess.Popen(holder_command(binary, master, metadata, capacity, host=host, protocol=protocol),
-                            stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+                            stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
     if metrics_url:
         try:
             wait_mounted(proc, metrics_url, before, capacity, 30)
@@ -138,7 +138,7 @@ def _start_holder(master: str, metadata: str, capacity: int, host: str, protocol
 
 
 def run_master(args: argparse.Namespace) -> int:
-    from hwkv.testing.mooncake import _die_with_parent, master_binary, mooncake_available
+    from hwkv.stores.mooncake_service import die_with_parent, master_binary, mooncake_available
 
     ok, why = mooncake_available()
     if not ok:
@@ -150,7 +150,7 @@ def run_master(args: argparse.Namespace) -> int:
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     # the master dies with this command, even when it is SIGKILLed (no orphan holding the ports)
     proc = subprocess.Popen(master_command(args, master_binary()), stdin=subprocess.DEVNULL,
-                            preexec_fn=_die_with_parent)
+                            preexec_fn=die_with_parent)
     stopping: list[bool] = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     deadline = time.monotonic() + 15

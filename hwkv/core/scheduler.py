@@ -43,8 +43,8 @@ from hwkv.core.sched_config import SchedulerConfig
 from hwkv.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from hwkv.core.sched_policy import make_policy
 from hwkv.core.sched_results import SchedulerResults
+from hwkv.core.spec_stats import SpecDecodeStats
 from hwkv.interfaces.connector import KVConnectorBase
-from hwkv.spec_decode.stats import SpecDecodeStats
 
 __all__ = ["Scheduler", "SchedulerConfig"]
 

@@ -3,12 +3,13 @@ factories for Transfer and Store."""
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from hwkv.interfaces.attention import AttentionBackend
-from hwkv.interfaces.capabilities import Capabilities, NotSupported
+from hwkv.interfaces.capabilities import Capabilities, NotSupported  # noqa: F401 (NotSupported: raised by backends)
 from hwkv.interfaces.device import Device
 
 if TYPE_CHECKING:
@@ -17,6 +18,16 @@ if TYPE_CHECKING:
     from hwkv.interfaces.transfer import Transfer
 
 API_VERSION = "1.0"
+
+# The standard endpoints, named rather than imported (resolved on the first call, as the registry's
+# "package.module:Class" factories are): the interfaces import no implementation.
+STANDARD_TRANSFER = "hwkv.transfer:standard_transfer"
+STANDARD_STORE = "hwkv.stores:standard_store"
+
+
+def _resolve(qualname: str) -> Any:
+    module, _, attr = qualname.partition(":")
+    return getattr(importlib.import_module(module), attr)
 
 
 class BackendUnavailable(RuntimeError):
@@ -78,28 +89,12 @@ class Backend(ABC):
         return None
 
     def create_transfer(self, **options: Any) -> Transfer:
-        """A Transfer endpoint on this device; default: Mooncake TransferEngine with the first
-        declared protocol."""
-        caps = self.capabilities
-        if not caps.transfer_protocols:
-            raise NotSupported(f"backend {self.name!r} declares no transfer protocol: {caps.transfer_reason}")
-        options.setdefault("protocol", caps.transfer_protocols[0])
-        if options["protocol"] == "cma":  # same-host host memory, no Mooncake (hwkv.transfer.direct)
-            from hwkv.transfer.direct import DirectTransfer, HostMover
-
-            options.pop("protocol")
-            return DirectTransfer(HostMover(), **options)
-        from hwkv.transfer.mooncake import MooncakeTransfer
-
-        return MooncakeTransfer(**options)
+        """A Transfer endpoint on this device; default: the standard one
+        (:func:`hwkv.transfer.standard_transfer`: Mooncake TransferEngine with the first declared
+        protocol, or a same-host ``cma`` endpoint)."""
+        return _resolve(STANDARD_TRANSFER)(self, **options)
 
     def create_store(self, kind: str = "embedded", **options: Any) -> Store:
-        """A Store: ``"embedded"`` (in-process LRU, the default) or ``"mooncake"``."""
-        from hwkv.stores import create_store
-
-        if kind == "mooncake":
-            caps = self.capabilities
-            if not caps.transfer_protocols:
-                raise NotSupported(f"backend {self.name!r} declares no transfer protocol: {caps.transfer_reason}")
-            options.setdefault("protocol", caps.transfer_protocols[0])
-        return create_store(kind, **options)
+        """A Store: ``"embedded"`` (in-process LRU, the default) or ``"mooncake"``; default: the
+        standard one (:func:`hwkv.stores.standard_store`)."""
+        return _resolve(STANDARD_STORE)(self, kind, **options)

@@ -303,12 +303,11 @@ class GGUFFile:
                                           "tokenizer.ggml.eom_token_id")]
         return list(dict.fromkeys(i for i in ids if isinstance(i, int)))
 
-    def tokenizer(self) -> Any:
-        """The vocabulary as a :class:`hwkv.model.tokenizer.Tokenizer` (byte-level BPE only)."""
+    def tokenizer(self) -> tuple[Any, dict[str, Any]]:
+        """The vocabulary (byte-level BPE only) as a ``tokenizers.Tokenizer`` and the special tokens and
+        chat template: what :class:`hwkv.model.tokenizer.Tokenizer` wraps."""
         from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
         from tokenizers import Tokenizer as HFTokenizer
-
-        from hwkv.model.tokenizer import Tokenizer
 
         kind = self.meta.get("tokenizer.ggml.model")
         if kind != "gpt2":
@@ -355,8 +354,8 @@ class GGUFFile:
             tok.post_processor = processors.TemplateProcessing(
                 single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokens.index(bos))])
         template = self.meta.get("tokenizer.chat_template")
-        return Tokenizer(tok, {"bos_token": bos, "eos_token": name("tokenizer.ggml.eos_token_id"),
-                               "pad_token": name("tokenizer.ggml.padding_token_id"), "chat_template": template})
+        return tok, {"bos_token": bos, "eos_token": name("tokenizer.ggml.eos_token_id"),
+                     "pad_token": name("tokenizer.ggml.padding_token_id"), "chat_template": template}
 
     def weights(self, num_heads: int, num_kv_heads: int,
                 slices: dict[str, Any] | None = None) -> Iterator[tuple[Path, str, torch.Tensor]]:

@@ -48,7 +48,7 @@ class Tokenizer:
 
         path = Path(path)
         if (gguf := find_gguf(path)) is not None:  # vocabulary, merges and chat template from the metadata
-            return open_gguf(gguf).tokenizer()
+            return cls(*open_gguf(gguf).tokenizer())
         file = path / "tokenizer.json"
         if not file.is_file():
             raise ModelLoadError(f"{file}: file not found (a `tokenizers` tokenizer.json is required)")

@@ -29,18 +29,7 @@ from torch import nn
 
 from hwkv.engine.inputs import build_batch
 from hwkv.spec_decode.config import SpeculativeConfig
-
-
-def headless_llama(config: Any, backend: Any, device: torch.device, dtype: torch.dtype, max_positions: int) -> Any:
-    """A draft head's Llama body without embedding or LM head: the vocabulary-sized tensors come
-    from the head's bind (its own, or the target's), so none is allocated here."""
-    from hwkv.model.llama import LlamaForCausalLM
-
-    inner = LlamaForCausalLM(config, backend.attention, device, dtype, max_positions)
-    inner.model.embed_tokens = nn.Module()
-    if hasattr(inner, "lm_head"):
-        del inner.lm_head
-    return inner
+from hwkv.spec_decode.head_body import headless_llama
 
 
 class EagleHead(nn.Module):

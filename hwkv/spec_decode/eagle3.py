@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hwkv.spec_decode.eagle import headless_llama
+from hwkv.spec_decode.head_body import headless_llama
 
 
 class Eagle3Head(nn.Module):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from hwkv.interfaces.capabilities import NotSupported
 from hwkv.interfaces.store import Store
 
 KINDS = ("embedded", "mooncake")
@@ -27,4 +28,15 @@ def create_store(kind: str = "embedded", **options: Any) -> Store:
     return cls(**options)
 
 
-__all__ = ["KINDS", "create_store"]
+def standard_store(backend: Any, kind: str = "embedded", **options: Any) -> Store:
+    """What ``Backend.create_store`` returns unless a backend builds its own: :func:`create_store`,
+    a Mooncake store on the backend's first declared transfer protocol."""
+    if kind == "mooncake":
+        caps = backend.capabilities
+        if not caps.transfer_protocols:
+            raise NotSupported(f"backend {backend.name!r} declares no transfer protocol: {caps.transfer_reason}")
+        options.setdefault("protocol", caps.transfer_protocols[0])
+    return create_store(kind, **options)
+
+
+__all__ = ["KINDS", "create_store", "standard_store"]

@@ -3,7 +3,7 @@
 A client of a Mooncake cluster: it contributes ``global_segment_size`` bytes of this host's memory
 to the pool, and puts/gets values that may live on any client's segment. A running
 ``mooncake_master`` is required (see ``docs/stores-and-transfer.md`` and
-:func:`hwkv.testing.mooncake.mooncake_master`).
+:func:`hwkv.stores.mooncake_service.mooncake_master`).
 """
 
 from __future__ import annotations

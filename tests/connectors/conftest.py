@@ -3,7 +3,7 @@ import random
 import pytest
 
 import hwkv
-from hwkv.testing.tiny_models import write_tiny_model
+from hwkv.model.tiny import write_tiny_model
 
 BS = 16
 

@@ -145,7 +145,7 @@ def test_layer_hooks_run_in_order_in_every_forward(model_dir, fused):
 def test_layer_hooks_and_graphs(model_dir):
     """Capturable hooks are recorded into the graphs (graphs stay on); host-side ones turn graphs off
     but keep async scheduling possible."""
-    from hwkv.testing.graphs import GraphCpuBackend
+    from hwkv.reference.graphs import GraphCpuBackend
 
     class Capturable(LayerRecorder):
         capturable_layer_hooks = True
@@ -168,7 +168,7 @@ def test_layer_hooks_and_graphs(model_dir):
 def test_offload_keeps_graphs_async_scheduling_and_its_results(model_dir):
     """The offload connector acts between forwards only: graphs and async scheduling stay on, and a
     host-tier hit replays into the same tokens through the graph path."""
-    from hwkv.testing.graphs import GraphCpuBackend
+    from hwkv.reference.graphs import GraphCpuBackend
 
     want = run_one_by_one(engine(model_dir), workload())
     e = engine(model_dir, backend=GraphCpuBackend(), kv_connector="offload",

@@ -184,8 +184,8 @@ def test_per_layer_waits_are_captured_only_in_the_graphs_of_loading_steps(tmp_pa
     each replay; a second set of short-query graphs carries one wait per layer and serves exactly the
     steps whose loads went out layer by layer (the tail a load feeds)."""
     import hwkv
-    from hwkv.testing.graphs import GraphCpuBackend, RecordingCpuDevice
-    from hwkv.testing.tiny_models import write_tiny_model
+    from hwkv.model.tiny import write_tiny_model
+    from hwkv.reference.graphs import GraphCpuBackend, RecordingCpuDevice
 
     class Device(RecordingCpuDevice):
         def graph_event(self):  # events its graphs could wait on: the offload connector goes layerwise

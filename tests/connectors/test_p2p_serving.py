@@ -20,8 +20,8 @@ import pytest
 
 import hwkv
 from hwkv.bench.common import stop_process, wait_http
+from hwkv.model.tiny import write_tiny_model
 from hwkv.testing.mooncake import skip_unless_mooncake
-from hwkv.testing.tiny_models import write_tiny_model
 
 skip_unless_mooncake(allow_module_level=True)
 

@@ -14,7 +14,7 @@ from hwkv.connectors.pool.key import PoolKey, default_model_id
 from hwkv.connectors.pool.lookup import LookupClient
 from hwkv.connectors.pool.store import drop_embedded, embedded_store
 from hwkv.interfaces.store import ItemResult, KeyNotFound, Store, StoreError
-from hwkv.testing.tiny_models import write_tiny_model
+from hwkv.model.tiny import write_tiny_model
 
 BS = 16
 PROMPT = [(7 * i + 3) % 500 + 1 for i in range(150)]  # 9 full blocks before the last token

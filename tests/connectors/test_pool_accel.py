@@ -16,7 +16,7 @@ from hwkv import SamplingParams
 from hwkv.bench import pool as pool_bench
 from hwkv.connectors.pool import transfer as pool_transfer
 from hwkv.connectors.pool.store import drop_embedded
-from hwkv.testing.tiny_models import write_tiny_model
+from hwkv.model.tiny import write_tiny_model
 
 BS = 16
 PROMPT = [(5 * i + 2) % 400 + 1 for i in range(150)]  # 9 full blocks before the last token

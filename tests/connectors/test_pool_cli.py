@@ -19,8 +19,8 @@ import torch
 
 import hwkv
 from hwkv import SamplingParams
+from hwkv.model.tiny import write_tiny_model
 from hwkv.testing.mooncake import skip_unless_mooncake
-from hwkv.testing.tiny_models import write_tiny_model
 from hwkv.transfer.mooncake import free_port
 
 BS = 16

@@ -12,8 +12,8 @@ import random
 import pytest
 
 import hwkv
+from hwkv.model.tiny import write_tiny_model
 from hwkv.sampling_params import SamplingParams
-from hwkv.testing.tiny_models import write_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -51,8 +51,8 @@ def test_bench_scheduler_smoke(tmp_path, capsys):
 
 
 def test_generate_chat_uses_the_template(tmp_path, capsys):
+    from hwkv.model.tiny import write_tiny_model
     from hwkv.model.tokenizer import Tokenizer
-    from hwkv.testing.tiny_models import write_tiny_model
 
     model = write_tiny_model(tmp_path / "m")
     args = ["--model", str(model), "--prompt", "Hello", "--max-tokens", "3", "--num-kv-blocks", "32", "--json",

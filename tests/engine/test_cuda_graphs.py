@@ -12,9 +12,9 @@ import torch
 import hwkv
 from hwkv.engine.graph_runner import batch_buckets, pad_into, pick_bucket
 from hwkv.engine.inputs import StepBatch
+from hwkv.model.tiny import write_tiny_model
 from hwkv.sampling_params import SamplingParams
 from hwkv.testing.cuda import cuda_backend_or_skip
-from hwkv.testing.tiny_models import write_tiny_model
 
 
 def test_buckets():

@@ -6,8 +6,8 @@ import pytest
 
 import hwkv
 from hwkv.engine.detokenizer import IncrementalDetokenizer
+from hwkv.model.tiny import write_tiny_model
 from hwkv.model.tokenizer import Tokenizer
-from hwkv.testing.tiny_models import write_tiny_model
 
 PROMPTS = ["Hello, world!", "The quick brown fox jumps over the lazy dog.", "What is two plus two?",
            "Once upon a time there was a little engine", "Water", "In the morning we drink coffee or tea;"]

@@ -7,7 +7,7 @@ import pytest
 
 import hwkv
 from hwkv.engine import EngineArgs, EngineConfig
-from hwkv.testing.tiny_models import write_tiny_model
+from hwkv.model.tiny import write_tiny_model
 
 
 @pytest.fixture(scope="module")

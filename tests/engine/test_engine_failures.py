@@ -9,8 +9,8 @@ import pytest
 
 import hwkv
 from hwkv.connectors.base import NoOpConnector
+from hwkv.model.tiny import write_tiny_model
 from hwkv.sampling_params import SamplingParams
-from hwkv.testing.tiny_models import write_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[5 + i, 17, 33 + i, 9, 12, 40 + i, 7, 8, 3 + i] for i in range(4)]

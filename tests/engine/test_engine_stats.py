@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 import hwkv
+from hwkv.model.tiny import write_tiny_model
 from hwkv.sampling_params import SamplingParams
-from hwkv.testing.tiny_models import write_tiny_model
 
 
 @pytest.mark.parametrize("budget", [64, 4])  # one-shot prefill; chunks of 4 ending in a 1-token chunk

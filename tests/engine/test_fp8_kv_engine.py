@@ -11,7 +11,7 @@ import torch
 
 import hwkv
 from hwkv.interfaces.kv_quant import FP8_E4M3, parse_scales
-from hwkv.testing.tiny_models import write_tiny_model
+from hwkv.model.tiny import write_tiny_model
 
 GREEDY = hwkv.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 

@@ -1,5 +1,5 @@
 """The engine's graph decode path through the Device interface, on the CPU: a backend declaring
-``graph_capture`` (emulated graphs, :mod:`hwkv.testing.graphs`) gets captured decode graphs and async
+``graph_capture`` (emulated graphs, :mod:`hwkv.reference.graphs`) gets captured decode graphs and async
 scheduling, and replays give the eager path's greedy tokens. Also: the runtime stays hardware-neutral."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import torch
 
 import hwkv
 from hwkv.interfaces.backend import NotSupported
+from hwkv.model.tiny import write_tiny_model
 from hwkv.reference.device import CpuDevice
+from hwkv.reference.graphs import GraphCaptureError, GraphCpuBackend, capture
 from hwkv.sampling_params import SamplingParams
-from hwkv.testing.graphs import GraphCaptureError, GraphCpuBackend, capture
-from hwkv.testing.tiny_models import write_tiny_model
 
 ROOT = Path(hwkv.__file__).resolve().parent
 

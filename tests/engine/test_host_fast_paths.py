@@ -9,8 +9,8 @@ import torch
 
 import hwkv
 from hwkv.model.sampler import SamplingBatch, sample_tokens
+from hwkv.model.tiny import write_tiny_model
 from hwkv.sampling_params import SamplingParams
-from hwkv.testing.tiny_models import write_tiny_model
 
 PLAIN = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 SPECIAL = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.8),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import hwkv
-from hwkv.testing.tiny_models import write_tiny_model
+from hwkv.model.tiny import write_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import pytest
 
 import hwkv
+from hwkv.model.tiny import write_tiny_model
 from hwkv.sampling_params import SamplingParams
-from hwkv.testing.tiny_models import write_tiny_model
 
 MAX_TOKENS = 24
 MAX_MODEL_LEN = 96

@@ -1,4 +1,4 @@
-"""Short-query steps replay captured graphs (emulated on the CPU, :mod:`hwkv.testing.graphs`): a prompt's
+"""Short-query steps replay captured graphs (emulated on the CPU, :mod:`hwkv.reference.graphs`): a prompt's
 tail after a prefix-cache hit — alone, several at once, beside running decodes (async scheduling: their
 input ids are still on the device) or as partial prefill chunks that sample nothing — runs through the
 tail graphs (rows padded to one block of query tokens, logits of each row's last token) and gives the
@@ -13,9 +13,9 @@ import torch
 import hwkv
 from hwkv.engine.graph_runner import GraphRunner, pad_queries
 from hwkv.engine.inputs import build_batch
+from hwkv.model.tiny import write_tiny_model
+from hwkv.reference.graphs import GraphCpuBackend
 from hwkv.sampling_params import SamplingParams
-from hwkv.testing.graphs import GraphCpuBackend
-from hwkv.testing.tiny_models import write_tiny_model
 
 BS = 4  # block size: the tail graphs serve up to 4 query tokens per request
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 
 import hwkv
+from hwkv.model.tiny import write_tiny_model
 from hwkv.sampling_params import SamplingParams
 from hwkv.testing.cuda import cuda_backend_or_skip
-from hwkv.testing.tiny_models import write_tiny_model
 
 
 def _cuda_backend():

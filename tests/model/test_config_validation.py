@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hwkv.model import ModelConfig, ModelLoadError, load_model
-from hwkv.testing.tiny_models import write_tiny_model
+from hwkv.model.tiny import write_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import torch
 from hwkv.interfaces.decode_ops import DecodeOps
 from hwkv.model import load_model
 from hwkv.model.decode_ops import TorchDecodeOps
-from hwkv.testing.tiny_models import write_tiny_model
+from hwkv.model.tiny import write_tiny_model
 
 
 class _Counting(TorchDecodeOps):

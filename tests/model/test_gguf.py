@@ -16,9 +16,9 @@ import hwkv  # noqa: E402
 from hwkv.model import ModelLoadError, load_model  # noqa: E402
 from hwkv.model.config import ModelConfig  # noqa: E402
 from hwkv.model.gguf_file import find_gguf, permute, unpermute  # noqa: E402
+from hwkv.model.tiny import write_tiny_model  # noqa: E402
 from hwkv.model.tokenizer import Tokenizer, has_tokenizer  # noqa: E402
 from hwkv.testing.gguf_models import dequantized, write_tiny_gguf  # noqa: E402
-from hwkv.testing.tiny_models import write_tiny_model  # noqa: E402
 
 TEXTS = ["Hello, world! How are you today?", "The quick brown fox 12345", "<|end_of_text|> what  is\n\tthis"]
 

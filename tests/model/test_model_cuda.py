@@ -11,8 +11,8 @@ import torch
 
 from hwkv.interfaces.attention import AttentionBackend, AttentionImpl, AttentionMetadata
 from hwkv.model import SamplingBatch, load_model, make_generator, sample
+from hwkv.model.tiny import write_tiny_model
 from hwkv.sampling_params import SamplingParams
-from hwkv.testing.tiny_models import write_tiny_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

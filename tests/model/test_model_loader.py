@@ -11,7 +11,7 @@ import torch
 
 from hwkv.bench.common import decode_read_bytes
 from hwkv.model import GenerationConfig, ModelConfig, ModelLoadError, load_model, resolve_dtype
-from hwkv.testing.tiny_models import write_tiny_model
+from hwkv.model.tiny import write_tiny_model
 
 
 @pytest.fixture(scope="module")

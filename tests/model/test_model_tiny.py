@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hwkv.model import load_model
-from hwkv.testing.tiny_models import ARCHS, QWEN, build_tokenizer, write_tiny_model
+from hwkv.model.tiny import ARCHS, QWEN, build_tokenizer, write_tiny_model
 
 TEXT = "Hello, world! The quick brown fox — ünïcode 你好 and numbers 12345."
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hwkv.testing.tiny_models import write_tiny_model
+from hwkv.model.tiny import write_tiny_model
 
 BACKENDS = [pytest.param("cpu"), pytest.param("cuda", marks=[
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])]

@@ -12,7 +12,7 @@ import torch
 from hwkv.model import LlamaForCausalLM, ModelConfig, ModelFamily, ModelLoadError, load_model, register
 from hwkv.model import registry as reg
 from hwkv.model.decode_ops import TorchDecodeOps
-from hwkv.testing.tiny_models import write_tiny_model
+from hwkv.model.tiny import write_tiny_model
 
 ALL = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 

@@ -11,12 +11,12 @@ from hwkv.core.sched_output import CachedRequestData, NewRequestData, SchedulerO
 from hwkv.engine import Engine
 from hwkv.engine.model_runner import ModelRunner
 from hwkv.model import load_model
+from hwkv.model.tiny import write_tiny_model
 from hwkv.parallel.kv_mapping import copy_head_slices, map_kv_heads
 from hwkv.parallel.sharding import TPShard
 from hwkv.plugins import get_backend
 from hwkv.sampling_params import SamplingParams
 from hwkv.testing.thread_group import ThreadGroup
-from hwkv.testing.tiny_models import write_tiny_model
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 BS = 16

@@ -7,8 +7,8 @@ import torch
 
 from hwkv.model import load_model
 from hwkv.model.config import ModelConfig
+from hwkv.model.tiny import write_tiny_model
 from hwkv.parallel.sharding import TPShard, check_tp, kv_head_start, vocab_range
-from hwkv.testing.tiny_models import write_tiny_model
 from tests.parallel.conftest import add_biases
 
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from hwkv.engine import Engine
+from hwkv.model.tiny import write_tiny_model
 from hwkv.sampling_params import SamplingParams
-from hwkv.testing.tiny_models import write_tiny_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600),
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism needs 2 CUDA GPUs")]

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from hwkv.engine import Engine
+from hwkv.model.tiny import write_tiny_model
 from hwkv.parallel.executor import TPWorkerError
 from hwkv.sampling_params import SamplingParams
-from hwkv.testing.tiny_models import write_tiny_model
 from tests.parallel.conftest import add_biases
 
 pytestmark = pytest.mark.timeout(180)

@@ -9,8 +9,8 @@ import gc
 import pytest
 
 from hwkv.engine import Engine
+from hwkv.model.tiny import write_tiny_model
 from hwkv.sampling_params import SamplingParams
-from hwkv.testing.tiny_models import write_tiny_model
 from tests.parallel.test_tp_engine import _gone
 
 pytestmark = pytest.mark.timeout(240)

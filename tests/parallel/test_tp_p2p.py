@@ -11,8 +11,8 @@ from contextlib import closing
 import pytest
 
 import hwkv
+from hwkv.model.tiny import write_tiny_model
 from hwkv.testing.mooncake import skip_unless_mooncake
-from hwkv.testing.tiny_models import write_tiny_model
 
 skip_unless_mooncake(allow_module_level=True)
 pytestmark = pytest.mark.timeout(240)

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from hwkv.testing.tiny_models import write_tiny_model
+from hwkv.model.tiny import write_tiny_model
 
 
 @pytest.fixture(scope="session")

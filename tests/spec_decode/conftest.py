@@ -3,7 +3,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
-    from hwkv.testing.tiny_models import write_tiny_model
+    from hwkv.model.tiny import write_tiny_model
 
     return str(write_tiny_model(tmp_path_factory.mktemp("spec") / "target", vocab_size=512,
                                 max_position_embeddings=512))
@@ -12,7 +12,7 @@ def tiny_model(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_draft(tmp_path_factory) -> str:
     """A 1-layer model of the target's vocabulary (different weights: low acceptance)."""
-    from hwkv.testing.tiny_models import write_tiny_model
+    from hwkv.model.tiny import write_tiny_model
 
     return str(write_tiny_model(tmp_path_factory.mktemp("spec") / "draft", vocab_size=512, num_layers=1, seed=1,
                                 max_position_embeddings=512, tokenizer=False))
@@ -22,7 +22,7 @@ def write_tiny_eagle(path, hidden_size: int = 64, vocab_size: int = 512, seed: i
                      with_embed: bool = False, heads: int = 4, kv_heads: int = 2):
     """A random-weight EAGLE-1 head with the published tensor names (no input_layernorm on its one
     layer, no lm_head: the target's) for a Llama target of ``hidden_size``."""
-    from hwkv.testing.eagle_heads import write_eagle_head
+    from hwkv.spec_decode.tiny_heads import write_eagle_head
 
     return write_eagle_head(path, hidden_size, heads, kv_heads, vocab_size=vocab_size, seed=seed, fc_bias=fc_bias,
                             with_embed=with_embed)

@@ -47,7 +47,7 @@ def test_bench_spec_host_profile(capsys) -> None:
 def test_bench_spec_on_emulated_graphs_reports_replay_times(tmp_path, monkeypatch) -> None:
     """With a backend that captures graphs (emulated on the CPU) every row carries the device time of a
     decode and a verify graph replay and the per-step wall times (the GPU run's columns)."""
-    from hwkv.testing.graphs import GraphCpuBackend
+    from hwkv.reference.graphs import GraphCpuBackend
 
     monkeypatch.setattr(spec, "backend", lambda name: GraphCpuBackend())
     p = argparse.ArgumentParser()

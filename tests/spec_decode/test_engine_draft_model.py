@@ -54,7 +54,7 @@ def test_sampled_seeded_reproducible(tiny_model: str) -> None:
 
 
 def test_vocab_mismatch_refused(tiny_model: str, tmp_path) -> None:
-    from hwkv.testing.tiny_models import write_tiny_model
+    from hwkv.model.tiny import write_tiny_model
 
     other = write_tiny_model(tmp_path / "v", vocab_size=384, num_layers=1, tokenizer=False)
     with pytest.raises(ValueError, match="vocab_size"):

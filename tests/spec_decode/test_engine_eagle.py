@@ -155,8 +155,8 @@ def test_drafts_fed_from_the_device_equal_drafts_fed_from_the_token_table(tiny_m
     from there (the head's drafts depend on their input token and state, so a wrong feed changes them)."""
     import numpy as np
 
+    from hwkv.reference.graphs import GraphCpuBackend
     from hwkv.spec_decode.eagle import EagleProposer
-    from hwkv.testing.graphs import GraphCpuBackend
 
     spec = {"method": "eagle", "num_speculative_tokens": 4, "model": tiny_eagle}
     prompts = _prompts(5, seed=33)

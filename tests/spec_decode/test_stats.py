@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from hwkv.spec_decode.stats import SpecDecodeStats
+from hwkv.core.spec_stats import SpecDecodeStats
 
 
 def test_per_position_counts_match_their_definition() -> None:

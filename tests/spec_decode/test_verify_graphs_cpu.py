@@ -1,4 +1,4 @@
-"""Verify steps replay captured graphs (emulated on the CPU, :mod:`hwkv.testing.graphs`): a spec-decode
+"""Verify steps replay captured graphs (emulated on the CPU, :mod:`hwkv.reference.graphs`): a spec-decode
 engine on a backend declaring ``graph_capture`` captures verify graphs per (batch bucket, seq-len bound)
 at query length ``k + 1``; pure-verify steps replay them (counted) and greedy tokens equal both
 non-speculative decoding and eager speculative decoding, for n-gram and draft-model proposers, across
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from hwkv.engine.engine import Engine
+from hwkv.reference.graphs import GraphCpuBackend
 from hwkv.sampling_params import SamplingParams
-from hwkv.testing.graphs import GraphCpuBackend
 
 from .test_engine_ngram import _prompts
 
@@ -169,7 +169,7 @@ def test_builder_with_host_rebinding_gets_no_multi_token_graphs(tiny_model: str,
     """A metadata builder that re-binds host arguments per replay (``before_replay``) is taken to serve
     one-token queries only unless it declares ``supports_verify_graphs``: no verify or catch-up graphs
     then (verify steps eager), decode graphs as before, tokens unchanged."""
-    from hwkv.testing.graphs import StaticAttentionBackend
+    from hwkv.reference.graphs import StaticAttentionBackend
 
     class Builder(type(StaticAttentionBackend().metadata_builder())):
         def before_replay(self, captured, step) -> None:
@@ -211,7 +211,7 @@ def test_greedy_verify_step_launches_no_more_ops_than_a_decode_step(tiny_model: 
     built from host lists, no probabilities (each op is a kernel launch on a GPU, each host read a sync)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from hwkv.testing.graphs import RecordedGraph
+    from hwkv.reference.graphs import RecordedGraph
 
     class Count(TorchDispatchMode):
         n = 0

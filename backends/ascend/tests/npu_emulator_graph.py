@@ -14,7 +14,7 @@ captured op's *host* arguments are frozen at capture:
 
 Emulation: each torch_npu op launched during capture becomes one task (run once, then re-run on
 replay with the *frozen* host arguments — lists copied, host tensors cloned — and the live device
-tensors); other torch ops are recorded by :class:`hwkv.testing.graphs.RecordedGraph`. A replay whose
+tensors); other torch ops are recorded by :class:`hwkv.reference.graphs.RecordedGraph`. A replay whose
 graph waits on an ``ExternalEvent`` that nobody recorded since the last replay raises (a real one
 would block forever).
 """
@@ -30,7 +30,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
-from hwkv.testing.graphs import RecordedGraph
+from hwkv.reference.graphs import RecordedGraph
 
 # host arguments each op reads at launch (frozen into a captured task) [ACLGRAPH]
 HOST_ARGS = {

@@ -10,7 +10,7 @@ import torch
 
 import conformance
 import hwkv
-import hwkv.testing.tiny_models as tiny
+import hwkv.model.tiny as tiny
 
 
 def test_conformance_attention_suite_passes_on_emulator(npu, tmp_path):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import hwkv
-from hwkv.testing import tiny_models as tiny
+from hwkv.model import tiny
 
 A3 = 252
 

@@ -11,9 +11,9 @@ import contextlib
 import pytest
 import torch
 
+from hwkv.model.tiny import write_tiny_model
+from hwkv.reference.graphs import GraphCpuBackend, RecordedGraph
 from hwkv.sampling_params import SamplingParams
-from hwkv.testing.graphs import GraphCpuBackend, RecordedGraph
-from hwkv.testing.tiny_models import write_tiny_model
 
 
 class _Runtime:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import hwkv
-from hwkv.testing import tiny_models as tiny
+from hwkv.model import tiny
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -1,4 +1,4 @@
-"""Speculative decoding counters (``engine.stats()["spec_decode"]``)."""
+"""Speculative decoding counters the scheduler keeps as it verifies drafts (``engine.stats()["spec_decode"]``)."""
 
 from __future__ import annotations
 
