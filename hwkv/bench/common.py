@@ -186,3 +186,12 @@ def offload_engine(mdir: Path, args: argparse.Namespace, offload: bool, **kw: An
     if args.block_size:
         kw["block_size"] = args.block_size
     return hwkv.Engine(str(mdir), backend=backend(args.backend), dtype=args.dtype, **kw)
+
+
+def resolved(engine: Any) -> dict[str, Any]:
+    """The values the engine chose (what the defaults resolved to)."""
+    c = engine.config
+    return dict(max_num_batched_tokens=c.scheduler.max_num_batched_tokens, max_num_seqs=c.scheduler.max_num_seqs,
+                max_model_len=c.model.max_model_len, num_kv_blocks=c.cache.num_kv_blocks, block_size=c.cache.block_size,
+                graphs=c.runtime.graphs, async_scheduling=c.runtime.async_scheduling,
+                kv_cache_dtype=getattr(c.cache, "kv_cache_dtype", "auto"))

@@ -90,8 +90,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     import hwkv
-    from hwkv.model.packaged import packaged_model
-    from hwkv.testing.real_model import CHAT_PROMPTS
+    from hwkv.model.packaged import CHAT_PROMPTS, packaged_model
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     torch.set_num_threads(args.threads or cores)

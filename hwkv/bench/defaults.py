@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from hwkv.bench import results_dir
-from hwkv.bench.common import backend, copy_bandwidth, decode_read_bytes, free_engine, model_dir, workload
+from hwkv.bench.common import backend, copy_bandwidth, decode_read_bytes, free_engine, model_dir, resolved, workload
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,15 +36,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-args", default="{}", help="JSON dict of Engine kwargs (default: none at all)")
     p.add_argument("--profile", action="store_true", help="torch.profiler table of one offline pass")
     p.add_argument("--out", default=None)
-
-
-def resolved(engine: Any) -> dict[str, Any]:
-    """The values the engine chose (what the defaults resolved to)."""
-    c = engine.config
-    return dict(max_num_batched_tokens=c.scheduler.max_num_batched_tokens, max_num_seqs=c.scheduler.max_num_seqs,
-                max_model_len=c.model.max_model_len, num_kv_blocks=c.cache.num_kv_blocks, block_size=c.cache.block_size,
-                graphs=c.runtime.graphs, async_scheduling=c.runtime.async_scheduling,
-                kv_cache_dtype=getattr(c.cache, "kv_cache_dtype", "auto"))
 
 
 def run(args: argparse.Namespace) -> int:

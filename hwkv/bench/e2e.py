@@ -36,6 +36,7 @@ from hwkv.bench.common import (
     enable_weight_prefetch,
     free_engine,
     model_dir,
+    resolved,
     workload,
 )
 from hwkv.bench.e2e_report import kernel_mix, markdown, profile, replay_ms
@@ -250,8 +251,6 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     engine = make_engine(mdir, args)
     res["engine_init_s"] = time.perf_counter() - t0
-    from hwkv.bench.defaults import resolved
-
     res["resolved"] = resolved(engine)
     print(f"[e2e] non-default engine arguments: {res['engine'] or 'none'}; resolved: {res['resolved']}", flush=True)
     res["graph_buckets"] = engine.runner.graphs.buckets if engine.runner.graphs is not None else None

@@ -93,7 +93,7 @@ def model_dir(args: argparse.Namespace) -> Path:
         return Path(args.model)
     import torch
 
-    from hwkv.testing.tiny_models import write_tiny_model
+    from hwkv.model.tiny import write_tiny_model
 
     d = Path(args.workdir) / f"{args.model}-{args.dtype}-tok"
     if not (d / "config.json").exists():

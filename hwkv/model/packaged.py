@@ -35,6 +35,19 @@ PACKAGED = {
 }
 
 
+# Chat prompts of the real-model test tier and of `hwkv bench cpu`: short questions a 135M instruct model answers.
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Give me three tips for staying healthy.",
+    "Write a haiku about the sea.",
+    "Translate 'good morning' into Spanish.",
+    "What is 12 + 30?",
+    "Explain what a CPU does in one sentence.",
+    "List the days of the week.",
+    "Who wrote Romeo and Juliet?",
+]
+
+
 def packaged_model(name: str = "smollm2") -> Path:
     """The checkpoint file of the packaged model ``name``; ``FileNotFoundError`` saying how to install it."""
     if name not in PACKAGED:

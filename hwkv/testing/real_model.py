@@ -7,17 +7,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-# Chat prompts of the tier (and of bench cpu): short questions a 135M instruct model answers.
-CHAT_PROMPTS = [
-    "What is the capital of France?",
-    "Give me three tips for staying healthy.",
-    "Write a haiku about the sea.",
-    "Translate 'good morning' into Spanish.",
-    "What is 12 + 30?",
-    "Explain what a CPU does in one sentence.",
-    "List the days of the week.",
-    "Who wrote Romeo and Juliet?",
-]
+from hwkv.model.packaged import CHAT_PROMPTS  # noqa: F401 (the tier's prompts, for tests)
 
 
 def real_model_or_skip() -> Path:

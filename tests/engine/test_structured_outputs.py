@@ -12,7 +12,7 @@ import torch
 
 import hwkv
 from hwkv.model.sampler import apply_token_bitmask
-from hwkv.testing.tiny_models import write_tiny_model
+from hwkv.model.tiny import write_tiny_model
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["id", "ok", "tag"],
           "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9999}, "ok": {"type": "boolean"},
