@@ -43,7 +43,7 @@ def build_parts(engine: Any, args: EngineArgs) -> None:
     if args.tensor_parallel_size > 1:
         import weakref
 
-        from hwkv.parallel.executor import TPExecutor, check_supported
+        from hwkv.engine.tp.executor import TPExecutor, check_supported
 
         check_supported(args, backend, connector)
         engine._tp = tp = TPExecutor(args, backend)  # each worker builds its own connector from the options
@@ -89,7 +89,7 @@ def build_parts(engine: Any, args: EngineArgs) -> None:
     runner_args = (model, backend, kv_cache, cc.block_size, cfg.scheduler.max_num_seqs, engine.max_model_len,
                    tuple(engine.eos_token_ids), connector)
     if tp:
-        from hwkv.parallel.runner import DriverRunner
+        from hwkv.engine.tp.runner import DriverRunner
 
         engine.runner = DriverRunner(*runner_args, executor=tp, fuse=rt.fuse_elementwise)
     elif spec is None:
@@ -104,7 +104,7 @@ def build_parts(engine: Any, args: EngineArgs) -> None:
         fuse_elementwise(model)
     _set_decode_ops(backend, model, proposer, kv_cache, rt.decode_ops)
     if tp:  # every rank runs the driver's forward (its collectives pair up with the others')
-        from hwkv.parallel.messages import DecodeOps
+        from hwkv.engine.tp.messages import DecodeOps
 
         tp.send(DecodeOps(model.decode_ops is not None))
     if rt.graphs:

@@ -9,8 +9,8 @@ import torch
 
 from hwkv.core.sched_output import KVConnectorOutput
 from hwkv.engine.model_runner import ModelRunner
+from hwkv.engine.tp.kv_output import KVOutputAggregator
 from hwkv.interfaces.connector import KVConnectorBase
-from hwkv.parallel.kv_output import KVOutputAggregator
 from tests.connectors.conftest import assert_no_leak, engine, greedy, run_one_by_one, workload
 from tests.connectors.conftest import model_dir as model_dir  # noqa: F401 (fixture)
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from hwkv.engine import Engine
+from hwkv.engine.tp.executor import TPWorkerError
 from hwkv.model.tiny import write_tiny_model
-from hwkv.parallel.executor import TPWorkerError
 from hwkv.sampling_params import SamplingParams
 from tests.parallel.conftest import add_biases
 

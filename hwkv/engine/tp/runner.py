@@ -9,7 +9,7 @@ workers' next inputs (async scheduling fills them on the device) match the drive
 
 A KV connector's worker side runs on every rank over that rank's KV shard: the step's metadata
 travels in ``Execute``, each worker reports its completions (``KVOut``) and the driver merges them
-with its own (:class:`~hwkv.parallel.kv_output.KVOutputAggregator`) before the scheduler sees them.
+with its own (:class:`~hwkv.engine.tp.kv_output.KVOutputAggregator`) before the scheduler sees them.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import torch
 
 from hwkv.core.sched_output import CachedRequestData, KVConnectorOutput, NewRequestData, SchedulerOutput
 from hwkv.engine.model_runner import ModelRunner
-from hwkv.parallel import messages as m
-from hwkv.parallel.kv_output import KVOutputAggregator
+from hwkv.engine.tp import messages as m
+from hwkv.engine.tp.kv_output import KVOutputAggregator
 from hwkv.sampling_params import SamplingParams
 
 
@@ -86,7 +86,7 @@ class DriverRunner(ModelRunner):
         return states
 
     def connector_finished(self, so: SchedulerOutput) -> Any:
-        """Every rank's completions of this step merged (:mod:`hwkv.parallel.kv_output`); a load that
+        """Every rank's completions of this step merged (:mod:`hwkv.engine.tp.kv_output`); a load that
         failed drops the request's state on every rank (``preempt`` is forwarded)."""
         own = self.connector.get_finished(so.finished_req_ids)  # type: ignore[union-attr]
         outs = [(r.rank, None if r.output is None else self._kv_dec.decode(r.output))

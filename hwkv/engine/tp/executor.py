@@ -1,9 +1,9 @@
 """TPExecutor: the driver side of a tensor-parallel engine (rank 0 is the engine's own process).
 
 Process model (as vLLM's multiprocessing executor): the scheduler, block pool and detokenizer stay
-single, in the driver; ranks 1..N-1 are worker processes (``python -m hwkv.parallel.worker``), each
+single, in the driver; ranks 1..N-1 are worker processes (``python -m hwkv.engine.tp.worker``), each
 pinned to one device through the backend's ``Device.visible_devices_env``. The driver sends every
-runner call to them over ZMQ IPC sockets (msgspec; :mod:`hwkv.parallel.messages`) before making it
+runner call to them over ZMQ IPC sockets (msgspec; :mod:`hwkv.engine.tp.messages`) before making it
 itself; tensors move only through the communicator's collectives.
 
 Failure behaviour: a worker that cannot start reports why (``Hello`` never comes, ``Failed`` or its
@@ -28,7 +28,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from hwkv.parallel import messages as m
+from hwkv.engine.tp import messages as m
 from hwkv.parallel.sharding import TPShard
 
 PROC_POLL_S = 0.05  # send() looks for exited workers at most this often
@@ -64,9 +64,9 @@ def check_supported(cfg: Any, backend: Any, kv_connector: Any) -> None:
             except ValueError as e:
                 reasons.append(str(e))
     if cfg.speculative_config is not None:
-        from hwkv.spec_decode.config import METHODS, SpeculativeConfig
+        from hwkv.spec_decode.config import METHODS
 
-        method = SpeculativeConfig.parse(cfg.speculative_config).method  # type: ignore[union-attr]
+        method = cfg.speculative_config.method  # parsed by EngineArgs
         reasons.append(f"speculative decoding (method {method!r}) runs at tensor_parallel_size=1 only: the verify "
                        "step's rejection sampling and the proposer's state live in one runner (allowed at "
                        f"tensor_parallel_size > 1: speculative_config=None; at 1: methods {', '.join(METHODS)})")
@@ -124,7 +124,7 @@ class TPExecutor:
                         raise ValueError(f"tensor_parallel_size={n} needs {n} devices but {env_var}={visible!r} "
                                          f"lists {len(ids)}")
                     env[env_var] = ids[rank]
-                self.procs.append(subprocess.Popen([sys.executable, "-m", "hwkv.parallel.worker",
+                self.procs.append(subprocess.Popen([sys.executable, "-m", "hwkv.engine.tp.worker",
                                                     msgspec.json.encode(wc).decode()], env=env,
                                                    stdin=subprocess.DEVNULL))
             self._await_hello(n - 1)

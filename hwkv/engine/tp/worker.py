@@ -1,6 +1,6 @@
-"""A tensor-parallel worker process (rank > 0): ``python -m hwkv.parallel.worker CONFIG_JSON``.
+"""A tensor-parallel worker process (rank > 0): ``python -m hwkv.engine.tp.worker CONFIG_JSON``.
 
-Started by :class:`hwkv.parallel.executor.TPExecutor` in a fresh interpreter (no fork of a process
+Started by :class:`hwkv.engine.tp.executor.TPExecutor` in a fresh interpreter (no fork of a process
 holding threads or a device context). It says ``Hello``, joins the group, loads its shard of the
 weights, sizes its KV cache with the others (the smallest pool any rank can hold), then applies the
 driver's runner calls in order until ``Shutdown``. It exits when the driver process is gone (checked
@@ -20,16 +20,16 @@ from typing import Any
 import msgspec
 import zmq
 
-from hwkv.parallel import messages as m
+from hwkv.engine.tp import messages as m
 
 IDLE_POLL_MS = 1000
 
 
 def _run(cfg: m.WorkerConfig, cmd: Any, out: Any) -> None:
     from hwkv.engine.config import EngineArgs
+    from hwkv.engine.tp.runner import WorkerRunner, decode_step
     from hwkv.model import load_model
     from hwkv.parallel.communicator import TorchDistCommunicator
-    from hwkv.parallel.runner import WorkerRunner, decode_step
     from hwkv.parallel.sharding import TPShard
     from hwkv.plugins import get_backend
 

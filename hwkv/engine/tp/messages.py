@@ -19,7 +19,7 @@ import msgspec
 
 
 class WorkerConfig(msgspec.Struct):
-    """argv of ``python -m hwkv.parallel.worker`` (JSON)."""
+    """argv of ``python -m hwkv.engine.tp.worker`` (JSON)."""
 
     model: str
     backend: str
