@@ -64,9 +64,11 @@ def build_parts(engine: Any, args: EngineArgs) -> None:
     engine.proposer = proposer = None
     if args.speculative_config is not None:  # loaded first: a draft model's weights and KV size the pool too
         from hwkv.spec_decode.factory import make_proposer
+        from hwkv.spec_decode.proposer import ProposerTarget
 
-        engine.proposer = proposer = make_proposer(args.speculative_config, engine)
-    engine.config = cfg = args.resolve(backend, model, connector, getattr(proposer, "kv_bytes_per_block", None),
+        engine.proposer = proposer = make_proposer(args.speculative_config,
+                                                   ProposerTarget(model, engine.model_config, backend))
+    engine.config = cfg = args.resolve(backend, model, connector, proposer.kv_bytes_per_block if proposer else None,
                                        tp.agree if tp else None)
     cc, rt, spec = cfg.cache, cfg.runtime, cfg.speculative
     engine.block_size, engine.max_model_len = cc.block_size, cfg.model.max_model_len
@@ -77,7 +79,7 @@ def build_parts(engine: Any, args: EngineArgs) -> None:
 
         kv_cache.set_scales(parse_scales(args.kv_cache_scales, kv_cache.spec.num_layers, kv_cache.spec.num_kv_heads))
     model.bind_kv_cache(kv_cache)
-    if hasattr(proposer, "allocate"):
+    if proposer is not None:
         proposer.allocate(cc.num_kv_blocks, cc.block_size, engine.max_model_len)
     engine.vocab_size = engine.model_config.vocab_size
     engine.eos_token_ids = frozenset(eos_ids(engine.model_config, engine.generation_config))
@@ -117,14 +119,14 @@ def _set_decode_ops(backend: Any, model: Any, proposer: Any, kv_cache: Any, want
     ops = backend.decode_ops() if wanted is not False else None
     if wanted and ops is None:
         raise ValueError(f"decode_ops=True but backend {backend.name!r} offers none (allowed: False or None)")
-    if getattr(proposer, "needs_plain_forward", False):  # EAGLE-3 hooks inside the target's layers
+    if proposer is not None and proposer.needs_plain_forward:  # EAGLE-3 hooks inside the target's layers
         ops = None
     try:
         model.set_decode_ops(ops, kv_cache.spec.dtype)
     except ValueError:  # the ops cannot serve this model: True says why, None runs without them
         if wanted:
             raise
-    if ops is not None and hasattr(proposer, "set_decode_ops"):
+    if ops is not None and proposer is not None:
         proposer.set_decode_ops(ops)  # a draft model's few-token forwards (where the ops serve it)
 
 

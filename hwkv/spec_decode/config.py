@@ -6,7 +6,14 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+# method -> its Proposer class ("package.module:Class", imported when an engine builds it): a new
+# proposer is its module and its line here
+METHODS = {
+    "ngram": "hwkv.spec_decode.ngram:NgramProposer",
+    "draft_model": "hwkv.spec_decode.draft_model:DraftModelProposer",
+    "eagle": "hwkv.spec_decode.eagle:EagleProposer",
+    "eagle3": "hwkv.spec_decode.eagle:EagleProposer",
+}
 MAX_SPEC_TOKENS = 32
 
 

@@ -31,11 +31,12 @@ import torch
 
 from hwkv.engine.inputs import build_batch
 from hwkv.spec_decode.config import SpeculativeConfig
+from hwkv.spec_decode.proposer import Proposer, ProposerTarget, RunnerView
 
 CATCH_UP_CHUNK = 2048  # tokens per request per catch-up forward of the draft
 
 
-class DraftModelProposer:
+class DraftModelProposer(Proposer):
     def __init__(self, model: Any, backend: Any, k: int):
         self.model, self.backend, self.k = model, backend, k
         self.kv_cache: Any = None
@@ -46,15 +47,15 @@ class DraftModelProposer:
         self.num_graph_steps = 0
 
     @classmethod
-    def load(cls, cfg: SpeculativeConfig, engine: Any) -> DraftModelProposer:
+    def load(cls, cfg: SpeculativeConfig, target: ProposerTarget) -> DraftModelProposer:
         from hwkv.model import load_model
 
-        model, mc, _, _ = load_model(cfg.model, engine.backend, dtype=engine.model.dtype, load_tokenizer=False)
-        vt = engine.model_config.vocab_size
+        model, mc, _, _ = load_model(cfg.model, target.backend, dtype=target.model.dtype, load_tokenizer=False)
+        vt = target.model_config.vocab_size
         if mc.vocab_size != vt:
             raise ValueError(f"draft model {cfg.model} has vocab_size {mc.vocab_size}, the target {vt} "
                              "(allowed: a draft model with the target's vocabulary)")
-        return cls(model, engine.backend, cfg.num_speculative_tokens)
+        return cls(model, target.backend, cfg.num_speculative_tokens)
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return self.model.kv_cache_spec(1, block_size).bytes_per_block
@@ -77,7 +78,7 @@ class DraftModelProposer:
         except ValueError:
             self.model.set_decode_ops(None)
 
-    def enable_graphs(self, runner: Any, max_batch: int, use_graphs: bool = True) -> None:
+    def enable_graphs(self, runner: RunnerView, max_batch: int, use_graphs: bool = True) -> None:
         """Serve the one-token draft steps (every draft after the first) from captured graphs of the
         draft model, bucketed like the target's (``use_graphs=False``: the same path run eagerly)."""
         from hwkv.engine.graph_runner import GraphRunner, multi_token_graphs
@@ -106,7 +107,7 @@ class DraftModelProposer:
         return min(nt + m, st.num_tokens - 1)
 
     @torch.inference_mode()
-    def propose(self, runner: Any, states: list[Any], req_ids: list[str], caps: list[int]) -> list[list[int]]:
+    def propose(self, runner: RunnerView, states: list[Any], req_ids: list[str], caps: list[int]) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in states]
         rows = [i for i, c in enumerate(caps) if c > 0]
         for rid, c in zip(req_ids, caps):
@@ -144,7 +145,7 @@ class DraftModelProposer:
             self._last[req_ids[i]] = (int(total[r]), out[i])
         return out
 
-    def _forward(self, runner: Any, slots: np.ndarray, ctx: np.ndarray, qlen: np.ndarray,
+    def _forward(self, runner: RunnerView, slots: np.ndarray, ctx: np.ndarray, qlen: np.ndarray,
                  feed: torch.Tensor | None = None) -> torch.Tensor:
         """Greedy next token (on the device) of each row after feeding positions ``[ctx, ctx + qlen)`` of its
         token row; ``feed`` (one-token rows only): the rows' input tokens, on the device (the host's token

@@ -30,6 +30,7 @@ from torch import nn
 from hwkv.engine.inputs import build_batch
 from hwkv.spec_decode.config import SpeculativeConfig
 from hwkv.spec_decode.head_body import headless_llama
+from hwkv.spec_decode.proposer import Proposer, ProposerTarget, RunnerView
 
 
 class EagleHead(nn.Module):
@@ -132,20 +133,22 @@ def _shaped(t: torch.Tensor, dst: torch.Tensor, name: str, path: str) -> torch.T
     return t
 
 
-class EagleProposer:
+class EagleProposer(Proposer):
     needs_hidden = True
 
-    def __init__(self, head: EagleHead, backend: Any, k: int):
+    def __init__(self, head: EagleHead | Any, backend: Any, k: int, eagle3: bool = False):
         self.head, self.backend, self.k = head, backend, k
+        # EAGLE-3 reads states inside the target's layers: the fused decode ops would skip them
+        self.needs_plain_forward = eagle3
         self.kv_cache: Any = None
         self.graphs: Any = None  # the head's one-token draft steps (enable_graphs), where the target has graphs
         self.num_graph_steps = 0
 
     @classmethod
-    def load(cls, cfg: SpeculativeConfig, engine: Any) -> EagleProposer:
+    def load(cls, cfg: SpeculativeConfig, on: ProposerTarget) -> EagleProposer:
         from hwkv.spec_decode.eagle3 import is_eagle3, load_eagle3_head
 
-        target, tc = engine.model, engine.model.config
+        target, tc = on.model, on.model.config
         raw, tensors = read_head(cfg.model)
         v3 = is_eagle3(cfg.model, tensors)
         if v3 != (cfg.method == "eagle3"):
@@ -155,9 +158,9 @@ class EagleProposer:
             raise ValueError(f"EAGLE head {cfg.model} has hidden_size {raw.get('hidden_size')}, the target "
                              f"{tc.hidden_size} (allowed: a head trained for this target)")
         if v3:
-            head, own = load_eagle3_head(cfg.model, raw, tensors, engine.backend, target)
+            head, own = load_eagle3_head(cfg.model, raw, tensors, on.backend, target)
         else:
-            head, own = load_eagle_head(cfg.model, raw, tensors, engine.backend, target.dtype, tc.max_model_len)
+            head, own = load_eagle_head(cfg.model, raw, tensors, on.backend, target.dtype, tc.max_model_len)
         dev = target.lm_head_weight.device
         head.embed = own["embed_tokens.weight"].to(dev, target.dtype) if "embed_tokens.weight" in own \
             else target.model.embed_tokens.weight
@@ -175,12 +178,7 @@ class EagleProposer:
             if w.shape[1] != tc.hidden_size or (name == "embed_tokens" and w.shape[0] != tc.vocab_size):
                 raise ValueError(f"EAGLE head {cfg.model}: {name} has shape {tuple(w.shape)}, which does not fit the "
                                  f"target (vocab {tc.vocab_size}, hidden {tc.hidden_size})")
-        return cls(head, engine.backend, cfg.num_speculative_tokens)
-
-    @property
-    def needs_plain_forward(self) -> bool:
-        """EAGLE-3 reads states inside the target's layers: the fused decode ops skip them."""
-        return hasattr(self.head, "aux_layers")
+        return cls(head, on.backend, cfg.num_speculative_tokens, eagle3=v3)
 
     def target_states(self, target: Any, h: torch.Tensor) -> torch.Tensor:
         return self.head.target_states(target, h)
@@ -200,10 +198,7 @@ class EagleProposer:
         for t in self.kv_cache.tensors:  # positions it never wrote (prefix-cache hits) read as zeros
             t.zero_()
 
-    def drop(self, req_id: str) -> None:
-        pass
-
-    def enable_graphs(self, runner: Any, max_batch: int, use_graphs: bool = True) -> None:
+    def enable_graphs(self, runner: RunnerView, max_batch: int, use_graphs: bool = True) -> None:
         """Serve the head's one-token draft steps (every draft after the first) from captured graphs,
         bucketed like the target's (``use_graphs=False``: the same path run eagerly)."""
         from hwkv.spec_decode.state_graphs import HeadGraphRunner
@@ -213,7 +208,7 @@ class EagleProposer:
         self.graphs.capture()  # its own pool, as a draft model's graphs
 
     @torch.inference_mode()
-    def propose_with_hidden(self, runner: Any, states: list[Any], batch: Any, hidden: torch.Tensor,
+    def propose_with_hidden(self, runner: RunnerView, states: list[Any], batch: Any, hidden: torch.Tensor,
                             valid: np.ndarray, sample_rows: np.ndarray, caps: list[int]) -> list[list[int]]:
         """Consume this step's verified pairs of every row, then draft for the rows in ``sample_rows``.
 
@@ -254,7 +249,7 @@ class EagleProposer:
             out[j] = d[r, :c].tolist()
         return out
 
-    def _forward(self, runner: Any, slots: np.ndarray, ctx: np.ndarray, qlen: np.ndarray,
+    def _forward(self, runner: RunnerView, slots: np.ndarray, ctx: np.ndarray, qlen: np.ndarray,
                  hidden: torch.Tensor, feed: torch.Tensor | None = None) -> torch.Tensor:
         """Head states at the last of each row's pairs ``(x_{p+1}, h_p)``, ``p`` in ``[ctx, ctx + qlen)``;
         ``feed`` (one pair per row): the rows' tokens ``x_{p+1}`` on the device (the token table is not read)."""

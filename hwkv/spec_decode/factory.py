@@ -1,21 +1,13 @@
-"""Build the runner and proposer an ``Engine(speculative_config=...)`` asks for."""
+"""Build the proposer an ``Engine(speculative_config=...)`` asks for (:mod:`hwkv.spec_decode.proposer`)."""
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
 
-from hwkv.spec_decode.config import SpeculativeConfig
+from hwkv.spec_decode.config import METHODS, SpeculativeConfig
+from hwkv.spec_decode.proposer import Proposer, ProposerTarget
 
 
-def make_proposer(cfg: SpeculativeConfig, engine: Any) -> Any:
-    if cfg.method == "ngram":
-        from hwkv.spec_decode.ngram import NgramProposer
-
-        return NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
-    if cfg.method == "draft_model":
-        from hwkv.spec_decode.draft_model import DraftModelProposer
-
-        return DraftModelProposer.load(cfg, engine)
-    from hwkv.spec_decode.eagle import EagleProposer
-
-    return EagleProposer.load(cfg, engine)
+def make_proposer(cfg: SpeculativeConfig, target: ProposerTarget) -> Proposer:
+    module, _, name = METHODS[cfg.method].partition(":")
+    return getattr(importlib.import_module(module), name).load(cfg, target)

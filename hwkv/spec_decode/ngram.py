@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from hwkv.spec_decode.proposer import Proposer, ProposerTarget, RunnerView
+
 
 def ngram_propose_batch(token_ids: np.ndarray, rows: np.ndarray, lens: np.ndarray, ks: np.ndarray, n_min: int,
                         n_max: int) -> list[list[int]]:
@@ -62,17 +64,18 @@ def ngram_propose(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[in
     return ngram_propose_batch(t, np.zeros(1, np.int64), np.array([t.shape[1]]), np.array([k]), n_min, n_max)[0]
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     """Proposes from each request's own token row in the runner (prompt + outputs)."""
 
     def __init__(self, n_min: int, n_max: int):
         self.n_min, self.n_max = n_min, n_max
 
-    def propose(self, runner: Any, states: list[Any], req_ids: list[str], caps: Any) -> list[list[int]]:
+    @classmethod
+    def load(cls, cfg: Any, target: ProposerTarget) -> NgramProposer:
+        return cls(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+
+    def propose(self, runner: RunnerView, states: list[Any], req_ids: list[str], caps: Any) -> list[list[int]]:
         n = len(states)
         rows = np.fromiter((st.slot for st in states), dtype=np.int64, count=n)
         lens = np.fromiter((st.num_tokens for st in states), dtype=np.int64, count=n)
         return ngram_propose_batch(runner.token_ids, rows, lens, np.asarray(caps), self.n_min, self.n_max)
-
-    def drop(self, req_id: str) -> None:
-        pass

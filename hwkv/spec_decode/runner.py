@@ -48,6 +48,7 @@ from hwkv.engine.graph_runner import GraphRunner, multi_token_graphs, pad_querie
 from hwkv.engine.model_runner import ModelRunner
 from hwkv.model.sampler import logprobs_of
 from hwkv.spec_decode.config import SpeculativeConfig
+from hwkv.spec_decode.proposer import Proposer, RunnerView
 from hwkv.spec_decode.rejection import greedy_accept, greedy_verify, verify_packed
 from hwkv.spec_decode.state_graphs import StatesGraphRunner, split
 from hwkv.spec_decode.verify_inputs import verify_batch, verify_batch_rows
@@ -59,10 +60,11 @@ SMALL_VERIFY_ROWS = 4  # verify inputs of up to this many requests: built row by
 class SpecModelRunner(ModelRunner):
     serves_tail_graphs = False  # its steps do not run through execute_async
 
-    def __init__(self, *args: Any, spec_config: SpeculativeConfig, proposer: Any, **kwargs: Any):
+    def __init__(self, *args: Any, spec_config: SpeculativeConfig, proposer: Proposer, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.spec_config = spec_config
         self.proposer = proposer
+        self.view = RunnerView(self)  # what the proposer reads of this runner
         self.propose_s = 0.0  # wall time spent proposing (host-synchronised: drafts are read back)
         self.verify_graphs: GraphRunner | None = None
         self.num_verify_graph_steps = 0  # pure-verify steps served by the verify graphs
@@ -70,7 +72,7 @@ class SpecModelRunner(ModelRunner):
     def enable_graphs(self, max_batch: int, use_graphs: bool = True) -> None:
         args = (self.model, self.kv_cache, self.meta_builder, self.dev, self.block_size, max_batch,
                 self.max_model_len, use_graphs)
-        if getattr(self.proposer, "needs_hidden", False):  # EAGLE: the graphs return the target's states too
+        if self.proposer.needs_hidden:  # EAGLE: the graphs return the target's states too
             cls: Any = partial(StatesGraphRunner, states=self.proposer.target_states)
             self.graphs = cls(*args)
             self.graphs.capture()
@@ -80,8 +82,7 @@ class SpecModelRunner(ModelRunner):
         if multi_token_graphs(self.meta_builder):
             self.verify_graphs = cls(*args, query_len=self.spec_config.num_speculative_tokens + 1)
             self.verify_graphs.capture(pool=self.graphs.pool)  # type: ignore[union-attr]
-        if hasattr(self.proposer, "enable_graphs"):  # a draft model's one-token steps
-            self.proposer.enable_graphs(self, max_batch, use_graphs)
+        self.proposer.enable_graphs(self.view, max_batch, use_graphs)  # e.g. a draft model's one-token steps
 
     def _drop(self, req_id: str) -> None:
         super()._drop(req_id)
@@ -114,7 +115,7 @@ class SpecModelRunner(ModelRunner):
                     self.token_ids[st.slot, st.num_tokens : st.num_tokens + len(d)] = d
         logits = hidden = None
         q = 0  # > 0: logits are the verify graphs' q rows per request (padded rows included)
-        eagle = getattr(self.proposer, "needs_hidden", False)  # the proposer reads the target's states
+        eagle = self.proposer.needs_hidden  # the proposer reads the target's states
         vg = self.verify_graphs
         vb = None if vg is None or eagle or not spec else self._verify_inputs(so, states, drafts, ks, vg.q)
         if vb is not None:  # the steady state: the padded batch straight from the tables
@@ -149,7 +150,7 @@ class SpecModelRunner(ModelRunner):
                 logits = self._forward(inp)
         if not len(sample_idx):
             if eagle:  # prefill chunks: the head consumes their states now
-                self.proposer.propose_with_hidden(self, states, batch, hidden, np.diff(batch.query_start_loc),
+                self.proposer.propose_with_hidden(self.view, states, batch, hidden, np.diff(batch.query_start_loc),
                                                   sample_idx, [])
             return
         if len(sample_idx) == R:  # every row samples (decodes and verifies): no gather
@@ -175,9 +176,9 @@ class SpecModelRunner(ModelRunner):
         if eagle:
             valid = np.diff(batch.query_start_loc).astype(np.int64)
             valid[sample_idx] -= k_s + 1 - np.fromiter(map(len, emitted), np.int64, len(emitted))  # rejected drafts
-            proposals = self.proposer.propose_with_hidden(self, states, batch, hidden, valid, sample_idx, caps)
+            proposals = self.proposer.propose_with_hidden(self.view, states, batch, hidden, valid, sample_idx, caps)
         else:
-            proposals = self.proposer.propose(self, sampled, sampled_ids, caps)
+            proposals = self.proposer.propose(self.view, sampled, sampled_ids, caps)
         self.propose_s += time.perf_counter() - t0
         out.spec_token_ids = {rid: p for rid, p in zip(sampled_ids, proposals) if p}
 
