@@ -36,6 +36,7 @@ from hwkv.plugins import hookspecs
 from hwkv.plugins.hookspecs import ENTRY_POINT_GROUP, PROJECT
 
 BUILTIN_PLUGIN = "hwkv.reference.plugin"
+BUILTIN_CONNECTORS = "hwkv.connectors.plugin"  # the built-in KV connectors' plugin, registered first
 
 
 class BackendConflict(BackendUnavailable):
@@ -115,6 +116,7 @@ class _Registry:
         self.pm = pluggy.PluginManager(PROJECT)
         self.pm.add_hookspecs(hookspecs)
         self.entries: list[_Entry] = []
+        self.pm.register(importlib.import_module(BUILTIN_CONNECTORS), name="hwkv:connectors")
         self._discover()
 
     # -- discovery -----------------------------------------------------------------------------

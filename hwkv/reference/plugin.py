@@ -1,10 +1,8 @@
-"""Built-in plugin: registers the CPU reference backend and the built-in KV connectors through the
-same hooks as vendor plugins."""
+"""Built-in plugin: registers the CPU reference backend through the same hook as vendor plugins
+(the built-in KV connectors register through :mod:`hwkv.connectors.plugin`)."""
 
-from hwkv.connectors.pool.store import POOL_CONFIG
 from hwkv.interfaces.backend import API_VERSION, BackendSpec
 from hwkv.plugins import hookimpl
-from hwkv.plugins.hookspecs import ConnectorSpec
 
 
 @hookimpl
@@ -17,63 +15,3 @@ def hwkv_backends() -> list[BackendSpec]:
             description="CPU reference backend (pure torch): the numerical oracle of conformance",
         )
     ]
-
-
-@hookimpl
-def hwkv_connectors() -> list[ConnectorSpec]:
-    return [
-        ConnectorSpec(name="noop", api_version=API_VERSION, factory="hwkv.connectors.base:NoOpConnector",
-                      description="does nothing (the same as no connector)"),
-        ConnectorSpec(name="offload", api_version=API_VERSION, factory="hwkv.connectors.offload:OffloadConnector",
-                      description="CPU offload: a host-memory tier of KV blocks (LRU, keyed by the prefix-cache "
-                                  "block hashes) that device prefix-cache misses load from",
-                      config=OFFLOAD_CONFIG),
-        ConnectorSpec(name="p2p", api_version=API_VERSION, factory="hwkv.connectors.p2p:P2PConnector",
-                      description="prefill/decode disaggregation: the prompt's KV moves from a prefill engine "
-                                  "(producer) to a decode engine (consumer) over Mooncake TransferEngine, "
-                                  "pulled by the consumer or pushed by the producer",
-                      config=P2P_CONFIG),
-        ConnectorSpec(name="pool", api_version=API_VERSION, factory="hwkv.connectors.pool:PoolConnector",
-                      description="global KV pool: prefix KV shared across engine instances through a Store "
-                                  "(embedded in-process, or Mooncake across hosts)",
-                      config=POOL_CONFIG),
-    ]
-
-
-OFFLOAD_CONFIG = {
-    "cpu_bytes": "int, required: host memory for the tier, in bytes (whole KV blocks of all layers)",
-    "min_run_blocks": "int or None, default None (automatic: 4 blocks host to host, 2 MiB per tensor across "
-                      "a host link): block runs at least this long (both sides consecutive) are copied run by "
-                      "run with the runtime's memcpy; shorter ones go through Device.copy_blocks",
-    "store": "bool, default True: store newly full device blocks into the tier (False: load-only)",
-    "async_load": "bool, default False: load in the background while the request waits (False: the load "
-                  "runs in the step that computes the rest of the prompt, which waits for it on the device)",
-    "store_batch_blocks": "int, default 32: newly full blocks are stored once this many wait (fewer, larger "
-                          "copies; a finishing request's are stored at once)",
-    "load_timeout_s": "float, default None: an async load still running after this is reported failed and "
-                      "its tokens are recomputed",
-    "layerwise_load": "bool, default True: a synchronous load is copied layer by layer and each layer's "
-                      "attention waits only for its own layer, so the forward runs behind the copy (where the "
-                      "device's graphs can wait on events, or it captures none, and the KV layout is not "
-                      "cross-layer; else the forward waits for the whole load)",
-}
-
-P2P_CONFIG = {
-    "role": "str, required: 'producer' (prefill engine) or 'consumer' (decode engine)",
-    "mode": "str, default 'pull': 'pull' (the consumer READs the producer's held blocks) or 'push' (the "
-            "producer WRITEs into blocks the consumer allocated); both sides must agree",
-    "host": "str, default '127.0.0.1': address of the side channel and the transfer endpoint",
-    "side_channel_port": "int, default 0: ZMQ side-channel port (0: any free one; it travels in kv_transfer_params)",
-    "protocol": "str, default 'auto': Mooncake transport ('tcp', 'rdma', 'ascend'); auto: the backend's first "
-                "declared one, else tcp for a host KV cache",
-    "staging": "bool, default None: move KV through a pinned host mirror of the pool (None: when tcp meets a "
-               "device KV cache, the only way tcp reaches GPU memory)",
-    "metadata_server": "str, default 'P2PHANDSHAKE': Mooncake metadata (P2PHANDSHAKE needs no service)",
-    "device_name": "str, default '': RDMA devices for protocol 'rdma' (empty: auto)",
-    "transfer_timeout_s": "float, default 10: bound of every side-channel call and transfer; a load not done "
-                          "within 3x this recomputes",
-    "hold_timeout_s": "float, default 60: the producer frees a prefilled request's blocks no consumer "
-                      "fetched within this",
-    "layerwise": "bool, default False: producer in push mode: write each layer's KV right after its forward wrote "
-                 "it, when the consumer announced its blocks first (transfer_id); else one write at the end",
-}

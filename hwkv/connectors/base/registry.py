@@ -1,6 +1,6 @@
 """KV connectors by name: the ``hwkv_connectors`` plugin hook's registry, construction, stats.
 
-Built-ins (``noop``, ``offload``) register through the built-in plugin like any third-party
+Built-ins (``noop``, ``offload``, ``p2p``, ``pool``) register through :mod:`hwkv.connectors.plugin` like any third-party
 connector; ``"package.module:Class"`` names a connector class that no plugin registers.
 """
 
