@@ -51,13 +51,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _direct(backend: str, device: str | None, method: str, streams: int) -> Any:
-    from hwkv.transfer.direct import DirectTransfer, HostMover
+    """The backend's same-host direct endpoint (through its ``create_transfer``: hwkv names no backend package)."""
+    from hwkv.plugins import get_backend
 
     if backend == "cuda":
-        from hwkv_cuda.ipc import CudaIpcMover
-
-        return DirectTransfer(CudaIpcMover(device, method=method, streams=streams))
-    return DirectTransfer(HostMover())
+        return get_backend("cuda").create_transfer(protocol="cuda_ipc", device=device, method=method, streams=streams)
+    return get_backend(backend).create_transfer(protocol="cma")
 
 
 def _alloc(backend: str, device: str | None, nbytes: int, pinned: bool = False) -> Any:
