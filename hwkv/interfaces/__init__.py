@@ -1,5 +1,7 @@
-"""The four interfaces a hardware backend implements — Device, Attention, Transfer, Store — plus
-Capabilities, the KV layout, the plugin record and the KV connector interface. Core code depends only on these."""
+"""The interfaces: what a hardware backend implements (Device, Attention, Transfer, Store,
+Communicator, DecodeOps, declared in Capabilities and the plugin record), the KV layout every one of
+them shares, and the KV connector interface. The core depends only on these; they import no
+implementation (tests/test_layering.py)."""
 
 from hwkv.interfaces.attention import AttentionBackend, AttentionImpl, AttentionMetadata, AttentionMetadataBuilder
 from hwkv.interfaces.backend import API_VERSION, Backend, BackendSpec, BackendUnavailable, NotSupported
