@@ -321,8 +321,8 @@ def test_hostile_bodies_are_openai_format_400s(server):
 
 
 def test_a_huge_prompt_does_not_block_health(server):
-    """A 3 MB prompt tokenizes on a worker thread: /health and other requests answer meanwhile."""
-    text = "hello world, this is a test. " * 100_000  # 2.9 M characters: tokenized, then refused as too long
+    """A 2 MB prompt tokenizes on a worker thread: /health and other requests answer meanwhile."""
+    text = "hello world, this is a test. " * 70_000  # 2.0 M characters: tokenized, then refused as too long
     result = {}
 
     def send():
