@@ -1,8 +1,8 @@
 """Built-in plugin of the KV connectors: registers ``noop``, ``offload``, ``p2p`` and ``pool`` through
 the ``hwkv_connectors`` hook, as a third-party connector package would (the plugin manager loads it
-first, so a built-in name cannot be taken)."""
+first, so a built-in name cannot be taken). It imports no connector: their classes are imported
+by name when an engine builds one."""
 
-from hwkv.connectors.pool.store import POOL_CONFIG
 from hwkv.interfaces.backend import API_VERSION
 from hwkv.plugins import hookimpl
 from hwkv.plugins.hookspecs import ConnectorSpec
@@ -65,4 +65,32 @@ P2P_CONFIG = {
                       "fetched within this",
     "layerwise": "bool, default False: producer in push mode: write each layer's KV right after its forward wrote "
                  "it, when the consumer announced its blocks first (transfer_id); else one write at the end",
+}
+
+POOL_CONFIG = {
+    "store": "'embedded' (default: in-process, shared by the engines of one process) | 'mooncake' | a Store",
+    "chunk_size": "int, default the block size: tokens per pool entry (a multiple of the block size)",
+    "model_id": "str, default '<model dir name>-<fingerprint of config and weights>': the model part of keys",
+    "tp_rank": "int, default 0: tensor-parallel rank of this engine's KV shard (part of keys)",
+    "tp_size": "int, default 1: tensor-parallel size (part of keys)",
+    "pp_rank": "int, default 0: pipeline stage (part of keys)",
+    "lookup_timeout_s": "float, default 1.0: a lookup without an answer by then is a miss",
+    "load_timeout_s": "float, default 10.0: a load still running by then fails (the request recomputes)",
+    "retry_s": "float, default 2.0: after a store failure, lookups miss and puts drop this long, then retry",
+    "lookup_address": "str, default an IPC socket in a private temp dir: the lookup server's ZMQ address",
+    "staging_bytes": "int, default 64 MiB: host staging per thread when the KV cache is not host memory",
+    "save": "bool, default True: put newly computed chunks (False: load-only)",
+    "store_name": "embedded: str, default 'default': engines of one process naming the same store share it",
+    "capacity_bytes": "embedded: int, default 1 GiB: the store's capacity (LRU eviction)",
+    "master": "mooncake: 'host:port' of mooncake_master's RPC port (required; `hwkv pool master` starts one)",
+    "metadata_server": "mooncake: default 'P2PHANDSHAKE', or the master's HTTP metadata URL",
+    "protocol": "mooncake: 'tcp' (default) or 'rdma'",
+    "host": "mooncake: default '127.0.0.1': this client's address as other clients reach it",
+    "global_segment_size": "mooncake: int, default 256 MiB: memory this client contributes to the pool "
+                           "(0 with `hwkv pool master`'s holders: the pool then outlives this engine)",
+    "replicas": "mooncake: int, default 1: copies of each value, on different holders' segments",
+    "local_buffer_size": "mooncake: int, default 0",
+    "device_name": "mooncake: rdma device names ('' = auto)",
+    "timeout_s": "mooncake: float, default 5.0: bound of every store call",
+    "connect_timeout_s": "mooncake: float, default 3.0: bound of reaching the master",
 }

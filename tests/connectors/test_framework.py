@@ -4,6 +4,7 @@ forward path, kv_transfer_params in and out."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import textwrap
 
@@ -23,6 +24,15 @@ def test_builtins_are_registered_through_the_hook():
     assert make_connector("noop") is None and make_connector(NoOpConnector()) is None  # nothing to call
     conn = make_connector("offload", {"cpu_bytes": 1 << 20, "async_load": True})
     assert type(conn).__name__ == "OffloadConnector" and conn.async_load
+
+
+def test_listing_the_builtins_imports_no_connector():
+    """The registry names factories; a connector's module (and what it needs: zmq, msgspec, Mooncake)
+    is imported only when an engine builds it."""
+    code = ("import sys; from hwkv import plugins; names = [s.name for s, _ in plugins.list_connectors()]; "
+            "print(names, sorted({m.split('.')[2] for m in sys.modules if m.startswith('hwkv.connectors.')}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    assert out.strip() == "['noop', 'offload', 'p2p', 'pool'] ['base', 'plugin']"  # no offload, pool, p2p
 
 
 @pytest.mark.parametrize("args, match", [

@@ -184,33 +184,3 @@ def _close_quietly(store: Store) -> None:
         store.close()
     except Exception as e:  # closing a client of a dead master: nothing left to do
         log.debug("hwkv pool: closing the store failed: %s", e)
-
-
-# The `pool` connector's config keys (Engine(kv_connector="pool", kv_connector_config={...})).
-POOL_CONFIG = {
-    "store": "'embedded' (default: in-process, shared by the engines of one process) | 'mooncake' | a Store",
-    "chunk_size": "int, default the block size: tokens per pool entry (a multiple of the block size)",
-    "model_id": "str, default '<model dir name>-<fingerprint of config and weights>': the model part of keys",
-    "tp_rank": "int, default 0: tensor-parallel rank of this engine's KV shard (part of keys)",
-    "tp_size": "int, default 1: tensor-parallel size (part of keys)",
-    "pp_rank": "int, default 0: pipeline stage (part of keys)",
-    "lookup_timeout_s": "float, default 1.0: a lookup without an answer by then is a miss",
-    "load_timeout_s": "float, default 10.0: a load still running by then fails (the request recomputes)",
-    "retry_s": "float, default 2.0: after a store failure, lookups miss and puts drop this long, then retry",
-    "lookup_address": "str, default an IPC socket in a private temp dir: the lookup server's ZMQ address",
-    "staging_bytes": "int, default 64 MiB: host staging per thread when the KV cache is not host memory",
-    "save": "bool, default True: put newly computed chunks (False: load-only)",
-    "store_name": "embedded: str, default 'default': engines of one process naming the same store share it",
-    "capacity_bytes": "embedded: int, default 1 GiB: the store's capacity (LRU eviction)",
-    "master": "mooncake: 'host:port' of mooncake_master's RPC port (required; `hwkv pool master` starts one)",
-    "metadata_server": "mooncake: default 'P2PHANDSHAKE', or the master's HTTP metadata URL",
-    "protocol": "mooncake: 'tcp' (default) or 'rdma'",
-    "host": "mooncake: default '127.0.0.1': this client's address as other clients reach it",
-    "global_segment_size": "mooncake: int, default 256 MiB: memory this client contributes to the pool "
-                           "(0 with `hwkv pool master`'s holders: the pool then outlives this engine)",
-    "replicas": "mooncake: int, default 1: copies of each value, on different holders' segments",
-    "local_buffer_size": "mooncake: int, default 0",
-    "device_name": "mooncake: rdma device names ('' = auto)",
-    "timeout_s": "mooncake: float, default 5.0: bound of every store call",
-    "connect_timeout_s": "mooncake: float, default 3.0: bound of reaching the master",
-}
