@@ -404,3 +404,22 @@ def test_a_stream_cut_by_shutdown_ends_with_an_error_event_and_done(tiny_model):
         assert s.proc.wait(30) == 0
     finally:
         s.stop()
+
+
+def test_tool_choice_auto_parses_hermes_calls_streamed_and_not(client):
+    """The model's text is forced (a regex) to contain a Hermes call after some content: the server's
+    parser returns the content and the call; a stream sends the content, then the call whole."""
+    call = '<tool_call>{"name": "get_time", "arguments": {"tz": "UTC"}}</tool_call>'
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "Time?"}], tools=TOOLS, max_tokens=200,
+              extra_body={"structured_outputs": {"regex": "Checking[.]" + __import__("re").escape(call)}})
+    r = client.chat.completions.create(**kw)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and msg.content == "Checking."
+    want = [("get_time", {"tz": "UTC"})]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls] == want
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    text = "".join(c.delta.content or "" for ch in chunks for c in ch.choices)
+    calls = [tc for ch in chunks for c in ch.choices for tc in (c.delta.tool_calls or [])]
+    assert "<tool_call>" not in text and text.startswith("Checking")
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == want
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
