@@ -96,8 +96,15 @@ def model_dir(args: argparse.Namespace) -> Path:
     from hwkv.model.tiny import write_tiny_model
 
     d = Path(args.workdir) / f"{args.model}-{args.dtype}-tok"
-    if not (d / "config.json").exists():
-        write_tiny_model(d, dtype=getattr(torch, args.dtype), seed=0, tokenizer=False, **shapes[args.model])
+    if not (d / "tokenizer.json").exists():
+        base = Path(args.workdir) / f"{args.model}-{args.dtype}"  # the other benches' copy (no tokenizer)
+        if (base / "config.json").exists():
+            d.mkdir(parents=True, exist_ok=True)
+            for f in base.iterdir():
+                if not (d / f.name).exists():
+                    (d / f.name).symlink_to(f.resolve())
+        elif not (d / "config.json").exists():
+            write_tiny_model(d, dtype=getattr(torch, args.dtype), seed=0, tokenizer=False, **shapes[args.model])
         synthetic_tokenizer(shapes[args.model]["vocab_size"]).save(str(d / "tokenizer.json"))
         (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}) + "\n")
     return d
@@ -107,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
     import hwkv
 
     mdir = model_dir(args)
+    print(f"model at {mdir} ({time.strftime('%T')})", flush=True)
     kw = {"backend": backend(args.backend), "max_num_seqs": max(args.batch, 1), **json.loads(args.engine_args)}
     engine = hwkv.Engine(mdir, **kw)
     vocab = engine.vocab_size
@@ -134,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
         return row
 
     names = [s for s in args.schemas.split(",") if s]
+    print(f"engine ready ({time.strftime('%T')}); warm-up", flush=True)
     one(None, 0)  # warm-up: graphs, kernels, the grammars compiled
     for s in names:
         one(s, 0)
