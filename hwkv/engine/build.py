@@ -74,10 +74,13 @@ def build_parts(engine: Any, args: EngineArgs) -> None:
     engine.block_size, engine.max_model_len = cc.block_size, cfg.model.max_model_len
     engine.kv_cache = kv_cache = backend.device.allocate_kv_cache(model.kv_cache_spec(cc.num_kv_blocks, cc.block_size),
                                                                   backend.attention.kv_layout)
-    if args.kv_cache_scales is not None:
+    if kv_cache.scales is not None:  # fp8 KV: the scales given, else the checkpoint's, else 1.0
         from hwkv.interfaces.kv_quant import parse_scales
 
-        kv_cache.set_scales(parse_scales(args.kv_cache_scales, kv_cache.spec.num_layers, kv_cache.spec.num_kv_heads))
+        given = args.kv_cache_scales if args.kv_cache_scales is not None else getattr(model, "checkpoint_kv_scales",
+                                                                                         None)
+        if given is not None:
+            kv_cache.set_scales(parse_scales(given, kv_cache.spec.num_layers, kv_cache.spec.num_kv_heads))
     model.bind_kv_cache(kv_cache)
     if proposer is not None:
         proposer.allocate(cc.num_kv_blocks, cc.block_size, engine.max_model_len)

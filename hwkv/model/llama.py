@@ -113,6 +113,7 @@ class LlamaForCausalLM(nn.Module):
         self.layer_hooks: Any = None  # set_layer_hooks
         self.decode_ops: DecodeOps | None = None  # fused ops for forwards of few tokens (set_decode_ops)
         self.kv_cache_dtype: torch.dtype | None = None  # KV storage dtype (fp8 KV); None: the model's dtype
+        self.checkpoint_kv_scales: torch.Tensor | None = None  # [layers, 2, H_kv] fp8 KV scales the checkpoint has
 
     def make_mlp(self, layer: int, device: torch.device, dtype: torch.dtype) -> nn.Module:
         """The feed-forward block of decoder layer ``layer`` (called during ``__init__``)."""
@@ -297,18 +298,41 @@ class LlamaForCausalLM(nn.Module):
                 slots[name.replace(part, hf)] = p.narrow(0, start, size)
         return slots
 
+    KV_SCALE_NAMES = {"self_attn.k_scale": 0, "self_attn.v_scale": 1, "self_attn.k_proj.output_scale": 0,
+                      "self_attn.v_proj.output_scale": 1}
+
+    def _kv_scale(self, name: str, tensor: torch.Tensor) -> bool:
+        """Keep a checkpoint's fp8 KV scale (``model.layers.<i>.<KV_SCALE_NAMES>``); False: not one."""
+        parts = name.split(".")
+        if len(parts) < 5 or parts[:2] != ["model", "layers"] or ".".join(parts[3:]) not in self.KV_SCALE_NAMES:
+            return False
+        cfg = self.config
+        layer, which = int(parts[2]), self.KV_SCALE_NAMES[".".join(parts[3:])]
+        if not 0 <= layer < cfg.num_layers or tensor.numel() not in (1, cfg.num_kv_heads):
+            raise ValueError(f"KV scale {name!r} has {tensor.numel()} values for layer {layer}; allowed: 1 or "
+                             f"{cfg.num_kv_heads} (per KV head) for layers 0..{cfg.num_layers - 1}")
+        if self.checkpoint_kv_scales is None:
+            self.checkpoint_kv_scales = torch.ones((cfg.num_layers, 2, cfg.num_kv_heads), dtype=torch.float32)
+        self.checkpoint_kv_scales[layer, which] = tensor.detach().float().reshape(-1).cpu()
+        return True
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into the parameters (converting dtype); returns the names consumed.
 
         Raises ``KeyError(name)`` for a tensor this model has no slot for and ``ValueError`` for a
         shape mismatch. ``rotary_emb.inv_freq`` buffers of old checkpoints and the stored copy of a
-        tied ``lm_head.weight`` are skipped.
+        tied ``lm_head.weight`` are skipped. fp8 KV scales (``self_attn.k_scale`` / ``v_scale``, or
+        ``k_proj`` / ``v_proj.output_scale``: vLLM's and llm-compressor's names; one value per layer
+        or one per KV head) go to ``checkpoint_kv_scales`` ``[layers, 2, H_kv]``, used when the
+        engine runs an fp8 KV cache without explicit ``kv_cache_scales``.
         """
         slots = self.weight_slots()
         loaded: set[str] = set()
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq") or (self.config.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            if self._kv_scale(name, tensor):
                 continue
             if name not in slots:
                 raise KeyError(name)

@@ -119,3 +119,27 @@ def test_format_key_guards_pool_and_pd_exchanges():
     assert "dtype differs" in incompatibility(lay(a, "p"), lay(bf, "d"))
     with pytest.raises(ValueError, match="only quantised caches"):
         bf.set_scales(torch.ones(2, 2, 2))
+
+
+def test_checkpoint_kv_scales_are_used_for_fp8(tmp_path):
+    """vLLM / llm-compressor checkpoints carry ``self_attn.k_scale`` / ``v_scale`` (per layer, or per KV
+    head); an fp8 engine uses them unless ``kv_cache_scales`` is given, a model-dtype engine ignores them."""
+    from safetensors.torch import load_file, save_file
+
+    d = write_tiny_model(tmp_path / "m", max_position_embeddings=256)
+    w = load_file(str(d / "model.safetensors"))
+    w["model.layers.0.self_attn.k_scale"] = torch.tensor(0.25)
+    w["model.layers.0.self_attn.v_scale"] = torch.tensor(0.5)
+    w["model.layers.1.self_attn.k_proj.output_scale"] = torch.tensor([0.125, 2.0])  # per KV head
+    save_file(w, str(d / "model.safetensors"), metadata={"format": "pt"})
+    e = hwkv.Engine(str(d), num_kv_blocks=32, kv_cache_dtype="fp8")
+    want = torch.tensor([[[0.25, 0.25], [0.5, 0.5]], [[0.125, 2.0], [1.0, 1.0]]])
+    assert torch.equal(e.kv_cache.scales, want)
+    assert len(e.generate(_prompts(1), GREEDY, use_tqdm=False)[0].token_ids) == 12
+    assert hwkv.Engine(str(d), num_kv_blocks=32).kv_cache.scales is None  # auto: the scales mean nothing
+    e = hwkv.Engine(str(d), num_kv_blocks=32, kv_cache_dtype="fp8", kv_cache_scales=1.0)  # explicit wins
+    assert bool((e.kv_cache.scales == 1).all())
+    w["model.layers.0.self_attn.k_scale"] = torch.ones(3)
+    save_file(w, str(d / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(Exception, match="KV scale 'model.layers.0.self_attn.k_scale' has 3 values"):
+        hwkv.Engine(str(d), num_kv_blocks=32, kv_cache_dtype="fp8")
