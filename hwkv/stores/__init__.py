@@ -30,12 +30,17 @@ def create_store(kind: str = "embedded", **options: Any) -> Store:
 
 def standard_store(backend: Any, kind: str = "embedded", **options: Any) -> Store:
     """What ``Backend.create_store`` returns unless a backend builds its own: :func:`create_store`,
-    a Mooncake store on the backend's first declared transfer protocol."""
+    a Mooncake store on the backend's first declared protocol that Mooncake has (never ``cma`` /
+    ``cuda_ipc``, which are hwkv's own same-host transports)."""
     if kind == "mooncake":
+        from hwkv.transfer.mooncake_wheel import PROTOCOLS
+
         caps = backend.capabilities
-        if not caps.transfer_protocols:
-            raise NotSupported(f"backend {backend.name!r} declares no transfer protocol: {caps.transfer_reason}")
-        options.setdefault("protocol", caps.transfer_protocols[0])
+        usable = [p for p in caps.transfer_protocols if p in PROTOCOLS]  # not the same-host direct ones
+        if not usable:
+            why = caps.transfer_reason or f"declared: {list(caps.transfer_protocols)}, none of them Mooncake's"
+            raise NotSupported(f"backend {backend.name!r} declares no Mooncake transfer protocol: {why}")
+        options.setdefault("protocol", usable[0])
     return create_store(kind, **options)
 
 
