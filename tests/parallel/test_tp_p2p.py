@@ -118,8 +118,8 @@ def test_untranslatable_split_is_refused_at_handshake_and_recomputed(models, cap
         pid, did = p.scheduler.connector.engine_id, d.scheduler.connector.engine_id
         assert f"refused: the models' KV heads differ: 4 at engine {pid}, 2 at engine {did}" in caplog.text
         assert d.stats()["kv_connector"]["load_failures"] == 1
-        _settle(p, d)  # the producer's hold expires (never acquired)
-        assert p.stats()["kv_connector"]["expired_holds"] == 1
+        _settle(p, d)  # every consumer rank released the hold it could not read: freed without expiring
+        assert p.stats()["kv_connector"]["expired_holds"] == 0
 
 
 def test_layerwise_at_tp_is_refused_before_any_worker_starts(models):

@@ -179,8 +179,9 @@ class ConsumerSide:
         try:
             try:
                 peers = self._handshake(address)
-            except Exception:
-                self.release_remote(p)  # never read: the producer frees its copy now, not on its hold timeout
+            except Exception:  # never read: the producer frees its copy once every rank said so, not on its timeout
+                release = Release(str(p["remote_request_id"]), False, self.layout.tp_rank, self.layout.tp_size)
+                self._pool.submit(call, address, release, self.transfer_timeout_s)
                 raise
             load.protocol = peers[0].protocol
             transfer, me = self.transfer_for(load.protocol)

@@ -86,6 +86,12 @@ class TransportSide:
         offers = self._protocols_offered(on_host)
         if self.tp_size > 1:
             self.check_tensor_parallel(self.tp_size)
+            if self.protocol == "auto" and offers[0] == "cuda_ipc" and len(offers) > 1:
+                # a tensor-parallel rank sees only its own GPU (CUDA_VISIBLE_DEVICES), and CUDA IPC maps
+                # memory only onto visible GPUs; not verified across ranks, so auto does not bet every
+                # request on it (no fallback across ranks): protocol="cuda_ipc" asks for it
+                log.info("p2p: tensor-parallel engine: auto skips cuda_ipc, uses %s", offers[1])
+                offers = offers[1:]
             offers = offers[:1]  # every rank's layout travels for one protocol only (no fallback across ranks)
         staging = "tcp" in offers and (not on_host or bool(self.staging))
         if staging and self.layerwise and offers[0] == "tcp":
