@@ -37,6 +37,8 @@ BENCHES = {
            "TTFT, ITL, transfer GB/s"),
     "transfer": ("hwkv.bench.transfer", "one-sided writes between two processes: device-direct (cuda_ipc, cma) vs "
                  "tcp staging vs the in-process peer-copy limit, GB/s by size and segment count"),
+    "tp": ("hwkv.bench.tp", "tensor parallelism vs one device, same run: batch-1 decode, offline throughput, MBU "
+           "per GPU, greedy tokens under the conformance margin rule (CUDA, 2+ GPUs)"),
 }
 
 

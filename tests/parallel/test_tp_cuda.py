@@ -45,3 +45,27 @@ def test_tp2_cuda_tokens_equal_tp1(tmp_path, kv, eager):
             assert eng.runner.num_graph_steps > 0  # decode steps replayed graphs with NCCL all-reduces inside
     finally:
         eng.close()
+
+
+def test_tp2_cuda_engines_in_a_loop_use_the_custom_all_reduce(tmp_path):
+    """Two tp=2 engines one after the other in one process (the first dropped by rebinding), each
+    in its own group with the custom all-reduce (peer memory) inside its graphs: the tp=1 tokens,
+    bf16 decode through the fused decode ops (all_reduce_add) included."""
+    _cuda()
+    path = str(write_tiny_model(tmp_path, hidden_size=256, num_heads=8, num_kv_heads=2, vocab_size=1000,
+                                tokenizer=False))
+    prompts = [[5 + i, 6, 7, 8 * i + 1] * (i + 1) for i in range(6)]
+    sp = SamplingParams(max_tokens=16, temperature=0.0)
+    kw = {"backend": "cuda", "dtype": "float32", "block_size": 16, "num_kv_blocks": 128, "max_model_len": 256}
+    one = Engine(path, **kw)
+    ref = [o.token_ids for o in one.generate(prompts, sp, use_tqdm=False)]
+    one.close()
+    del one
+    torch.cuda.empty_cache()
+    eng = None
+    for _ in range(2):
+        eng = Engine(path, tensor_parallel_size=2, **kw)
+        assert eng._tp.comm._custom is not None
+        assert [o.token_ids for o in eng.generate(prompts, sp, use_tqdm=False)] == ref
+        assert eng.runner.num_graph_steps > 0
+    eng.close()

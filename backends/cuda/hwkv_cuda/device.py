@@ -101,6 +101,13 @@ class CudaDevice(Device):
         if self._side is not None:
             torch.cuda.current_stream(self.torch_device).wait_stream(self._side)
 
+    def custom_all_reduce(self, comm: Any) -> Any:
+        """One-shot push / one-shot / two-shot all-reduce over NVLink peer memory by message size,
+        NCCL above (:mod:`hwkv_cuda.allreduce`); ``None`` where peer memory is unavailable."""
+        from hwkv_cuda.allreduce import make_custom_all_reduce
+
+        return make_custom_all_reduce(comm)
+
     def profile_peak_memory(self, fn: Callable[[], Any]) -> int:
         """Peak bytes allocated while ``fn`` runs (a profiling forward), for KV sizing by the engine."""
         torch.cuda.synchronize(self.index)

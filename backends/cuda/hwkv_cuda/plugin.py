@@ -21,4 +21,7 @@ def hwkv_backends() -> list[BackendSpec]:
 @hookimpl
 def hwkv_benches() -> list[BenchSpec]:
     return [BenchSpec("attention", "hwkv_cuda.bench.attention",
-                      "CUDA paged attention kernels vs torch SDPA / FlexAttention")]
+                      "CUDA paged attention kernels vs torch SDPA / FlexAttention"),
+            BenchSpec("allreduce", "hwkv_cuda.bench.allreduce",
+                      "tensor-parallel all-reduce paths (one-shot push, symmetric-memory one/two-shot) vs NCCL, "
+                      "µs per call by size, eager and in a CUDA graph")]

@@ -1,0 +1,171 @@
+"""Custom all-reduce for tensor parallelism on CUDA (``CudaDevice.custom_all_reduce``), over peer
+memory that PyTorch's symmetric memory maps into every rank (NVLink; NVLink multicast is never used:
+``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` is set before the first allocation unless the user set it,
+and no ``multimem`` op runs).
+
+By message size (bytes of the tensor), as vLLM's custom all-reduce:
+
+* ``<= push_max``: one-shot push (:mod:`hwkv_cuda.kernels.allreduce`, one Triton kernel): each rank
+  writes its tensor into every rank's buffer, one flag barrier, every rank sums all copies in rank
+  order. ``all_reduce_add`` fuses the residual add into the same kernel (decode's two per layer).
+* ``<= one_shot_max``: ``torch.ops.symm_mem.one_shot_all_reduce_out`` (each rank pulls every peer's copy).
+* ``<= two_shot_max``: ``torch.ops.symm_mem.two_shot_all_reduce_`` (reduce-scatter + all-gather over
+  peer memory: each rank reads and writes ``(ws - 1) / ws`` of the message).
+* larger: declined — the communicator's NCCL all-reduce (bandwidth-optimal for prefill-sized messages).
+
+Every path is ordered on the current stream without a host sync, so it is captured into CUDA graphs;
+every rank takes the same path for the same tensor (the choice depends on size and dtype only), and
+every path gives the same bits on every rank. Thresholds are bytes; ``HWKV_CUSTOM_ALLREDUCE=off``
+turns the whole thing off (NCCL only), ``=symm`` keeps only PyTorch's ops (no Triton kernel).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from typing import Any
+
+import torch
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# defaults, bytes; measured on 2 x H100 NVLink (docs/parallelism.md)
+PUSH_MAX = 512 * 1024
+ONE_SHOT_MAX = 512 * 1024
+TWO_SHOT_MAX = 8 * 1024 * 1024
+
+
+def make_custom_all_reduce(comm: Any) -> CudaAllReduce | None:
+    """The custom all-reduce over ``comm`` (a TorchDistCommunicator on CUDA), or ``None`` where it
+    cannot run (one rank, a communicator without a store, no symmetric memory, no peer access) —
+    decided by all ranks together, so they all use it or none does."""
+    mode = os.environ.get("HWKV_CUSTOM_ALLREDUCE", "auto")
+    if mode not in ("auto", "off", "symm", "push"):
+        raise ValueError(f"HWKV_CUSTOM_ALLREDUCE={mode!r} (allowed: auto, off, symm, push)")
+    n = comm.world_size
+    if mode == "off" or not 2 <= n <= 8 or getattr(comm, "store", None) is None or not hasattr(comm, "group_name"):
+        return None
+    ar, ok = None, 1
+    try:
+        ar = CudaAllReduce(comm, push=mode != "symm", symm=mode != "push")
+    except Exception as e:  # noqa: BLE001 - any rank failing turns it off on every rank
+        ok, reason = 0, f"{type(e).__name__}: {e}"
+    if comm.all_reduce_min(ok) == 0:
+        if ar is not None:
+            ar.close()
+        if ok == 0:
+            import warnings
+
+            warnings.warn(f"custom all-reduce off (NCCL for every size): {reason}", stacklevel=2)
+        return None
+    return ar
+
+
+class CudaAllReduce:
+    """Callable as a :data:`~hwkv.interfaces.communicator.CustomAllReduce` (see the module doc)."""
+
+    def __init__(self, comm: Any, push: bool = True, symm: bool = True, push_max: int = PUSH_MAX,
+                 one_shot_max: int = ONE_SHOT_MAX, two_shot_max: int = TWO_SHOT_MAX):
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        import torch.distributed as dist
+        import torch.distributed._symmetric_memory as symm_mem
+        from torch._C._distributed_c10d import _SymmetricMemory
+
+        self.rank, self.world_size, self.device = comm.rank, comm.world_size, comm.device
+        self.push_max = push_max if push else 0
+        self.one_shot_max = one_shot_max if symm else 0
+        self.two_shot_max = two_shot_max if symm else 0
+        ops = torch.ops.symm_mem
+        if not hasattr(ops, "one_shot_all_reduce_out"):
+            self.one_shot_max = 0
+        if not hasattr(ops, "two_shot_all_reduce_"):
+            self.two_shot_max = 0
+        # a symmetric-memory group name unique in every rank's process (its group info is set once, forever)
+        store = comm.store
+        if self.rank == 0:
+            store.set("symm_mem_name", f"{comm.group_name}-{uuid.uuid4().hex[:12]}")
+        self.name = store.get("symm_mem_name").decode()
+        _SymmetricMemory.set_group_info(self.name, self.rank, self.world_size, dist.PrefixStore("symm_mem/", store))
+        self._bufs: list[Any] = []
+        get_backend = getattr(symm_mem, "get_backend", None)
+        if get_backend is not None and get_backend(self.device) not in (None, "CUDA"):
+            symm_mem.set_backend("CUDA")  # peer mappings through the CUDA driver (get_group_info's store only)
+        with torch.cuda.device(self.device):
+            if self.one_shot_max or self.two_shot_max:
+                size = max(self.one_shot_max, self.two_shot_max)
+                self.staging = symm_mem.empty(size, dtype=torch.uint8, device=self.device)
+                symm_mem.rendezvous(self.staging, self.name)
+                self._bufs.append(self.staging)
+            if self.push_max:
+                from hwkv_cuda.kernels.allreduce import REGION
+
+                self.programs = -(-self.push_max // REGION)
+                self.slot_bytes = self.programs * REGION
+                data = 2 * self.world_size * self.slot_bytes
+                self.buf = symm_mem.empty(data + self.programs * self.world_size * 8, dtype=torch.uint8,
+                                          device=self.device)
+                hdl = symm_mem.rendezvous(self.buf, self.name)
+                self.buf.zero_()  # flags start at epoch 0 on every rank before any peer raises one
+                self.flags = self.buf[data:].view(torch.int64)
+                self.flag_off = data // 8
+                self.peers = torch.tensor(list(hdl.buffer_ptrs), dtype=torch.int64, device=self.device)
+                self.epochs = torch.zeros(self.programs, dtype=torch.int64, device=self.device)
+                self.error = torch.zeros(1, dtype=torch.int32, device=self.device)
+                self._bufs.append(self.buf)
+            torch.cuda.synchronize(self.device)
+        comm.all_reduce_min(1)  # every rank's buffer zeroed before anyone pushes
+
+    def _push(self, t: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        from hwkv_cuda.kernels.allreduce import REGION, push_all_reduce_kernel
+
+        flat = t.view(-1)
+        out = flat if residual is None else torch.empty_like(flat)
+        block = REGION // t.element_size()
+        push_all_reduce_kernel[(-(-flat.numel() // block),)](
+            flat, residual.view(-1) if residual is not None else flat, out, self.buf.view(t.dtype), self.flags,
+            self.peers, self.epochs, self.error, flat.numel(), RANK=self.rank, WS=self.world_size,
+            SLOT=self.slot_bytes // t.element_size(), FLAG_OFF=self.flag_off, BLOCK=block,
+            HAS_RES=residual is not None, num_warps=4)
+        return out.view(t.shape)
+
+    def _eligible(self, t: torch.Tensor) -> int:
+        """The message's bytes, or 0 when no path here takes it."""
+        if t.dtype not in DTYPES or not t.is_cuda or not t.is_contiguous():
+            return 0
+        return t.numel() * t.element_size()
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor | None:
+        nbytes = self._eligible(t)
+        if not nbytes:
+            return None
+        if nbytes <= self.push_max:
+            self._push(t, None)
+            return t
+        if nbytes <= self.one_shot_max and nbytes % 16 == 0:
+            flat = t.view(-1)
+            buf = self.staging[:nbytes].view(t.dtype)
+            buf.copy_(flat)
+            torch.ops.symm_mem.one_shot_all_reduce_out(buf, "sum", self.name, flat)
+            return t
+        if nbytes <= self.two_shot_max and nbytes % (16 * self.world_size) == 0:
+            flat = t.view(-1)
+            buf = self.staging[:nbytes].view(t.dtype)
+            buf.copy_(flat)
+            torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", self.name)
+            flat.copy_(buf)
+            return t
+        return None
+
+    def all_reduce_add(self, t: torch.Tensor, residual: torch.Tensor) -> torch.Tensor | None:
+        nbytes = self._eligible(t)
+        if not nbytes or nbytes > self.push_max or residual.shape != t.shape or residual.dtype != t.dtype \
+                or not residual.is_contiguous():
+            return None
+        return self._push(t, residual)
+
+    def failed(self) -> bool:
+        """Whether a push ever gave up waiting for a peer (a host sync: diagnostics only)."""
+        return bool(self.push_max) and bool(self.error.item())
+
+    def close(self) -> None:
+        self._bufs.clear()
+        self.staging = self.buf = None  # type: ignore[assignment]

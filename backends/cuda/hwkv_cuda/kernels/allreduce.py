@@ -1,0 +1,57 @@
+"""One-shot "push" all-reduce over peer memory (Triton), optionally fused with the residual add.
+
+Every rank's buffer (one symmetric-memory allocation, mapped into every rank) holds two parities of
+``WS`` slots of ``SLOT`` elements, then ``[programs, WS]`` int64 flags. Program ``p`` of rank ``r``
+owns bytes ``[p * 4096, (p + 1) * 4096)`` of every slot: it writes its piece of the input into slot
+``r`` of every rank's buffer (NVLink stores are posted: a push costs one crossing, a pull two),
+raises flag ``[p, r]`` on every rank to its epoch (release, system scope), waits until every rank
+raised flag ``[p, *]`` of its own buffer to that epoch (acquire), then sums the ``WS`` slots in rank
+order — the same order on every rank, so every rank holds the same bits — and adds the residual.
+
+The epoch is program ``p``'s call count (``epochs[p]``, in device memory: graph replays advance it).
+Calls alternate between the two parities, which makes one barrier per call enough: a rank writes a
+parity's slot again two calls later, by then every rank has passed the barrier of the call between,
+which it reached only after finishing its reads of this one. The wait is bounded (``MAX_SPIN``
+polls): a peer that never comes makes the kernel set ``error[0]`` and go on, instead of hanging
+the device.
+"""
+
+import triton
+import triton.language as tl
+
+REGION = 4096  # bytes of each slot a program owns (the same for every dtype: regions never overlap)
+MAX_SPIN = 1 << 28
+
+
+@triton.jit
+def push_all_reduce_kernel(x_ptr, res_ptr, out_ptr, buf_ptr, flags_ptr, peers_ptr, epochs_ptr, err_ptr, n,
+                           RANK: tl.constexpr, WS: tl.constexpr, SLOT: tl.constexpr, FLAG_OFF: tl.constexpr,
+                           BLOCK: tl.constexpr, HAS_RES: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    epoch = tl.load(epochs_ptr + pid) + 1
+    base = (epoch % 2) * (WS * SLOT)
+    x = tl.load(x_ptr + offs, mask=mask)
+    for r in tl.static_range(WS):
+        peer = tl.load(peers_ptr + r).to(tl.pointer_type(x_ptr.dtype.element_ty))
+        tl.store(peer + base + RANK * SLOT + offs, x, mask=mask)
+    tl.debug_barrier()  # every thread's stores before the flag
+    for r in tl.static_range(WS):
+        flag = tl.load(peers_ptr + r).to(tl.pointer_type(tl.int64)) + FLAG_OFF + pid * WS + RANK
+        tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
+    for r in tl.static_range(WS):
+        spins = 0
+        while (tl.atomic_add(flags_ptr + pid * WS + r, 0, sem="acquire", scope="sys") < epoch) & (spins < MAX_SPIN):
+            spins += 1
+        if spins >= MAX_SPIN:
+            tl.store(err_ptr, 1)
+    tl.debug_barrier()
+    acc = tl.zeros([BLOCK], tl.float32)
+    for r in tl.static_range(WS):
+        acc += tl.load(buf_ptr + base + r * SLOT + offs, mask=mask).to(tl.float32)
+    y = acc.to(out_ptr.dtype.element_ty)
+    if HAS_RES:  # the sum rounded first, then the add (as all_reduce then h + out)
+        y = (y.to(tl.float32) + tl.load(res_ptr + offs, mask=mask).to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offs, y, mask=mask)
+    tl.store(epochs_ptr + pid, epoch)

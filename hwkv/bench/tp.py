@@ -1,0 +1,313 @@
+"""`hwkv bench tp`: tensor parallelism against one device, same run, through the public Engine.
+
+For each ``--tp`` size (one process: an engine is built, measured, closed, then the next):
+
+* batch-1 decode: tok/s of one request (the difference of two runs of different output lengths,
+  so prefill and start-up cancel), and the step's bytes per device against the measured copy
+  bandwidth (MBU per GPU: this rank's weights and KV read once per token);
+* offline throughput: ``--offline N:IN:OUT`` requests at the default token budget (output tok/s and
+  all tokens/s);
+* greedy tokens of a few prompts, scored by a float32 reference run on the GPU (HF transformers,
+  teacher forcing) under the conformance margin rule (each token's float32 logit within
+  ``0.02 x max(1, |max logit|)`` of the argmax), and compared with the first size's tokens.
+
+``--model`` takes a shape name (``llama-8b``: Llama-3-8B's) written once under ``--workdir`` with
+random weights made on the GPU (``HWKV_BENCH_WRITE_DEVICE``), or a checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+LLAMA_8B = dict(arch="llama", hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0,
+                max_position_embeddings=8192)
+HALF_LOGIT_MARGIN = 0.02  # conformance/test_engine.py
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="llama-8b")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--workdir", default="/dev/shm/hwkv-bench")
+    p.add_argument("--tp", default="1,2", help="comma list of tensor_parallel_size")
+    p.add_argument("--decode", default="16,272", help="two output lengths of the batch-1 runs")
+    p.add_argument("--offline", default="128:512:128", help="N:IN:OUT of the offline run ('' skips it)")
+    p.add_argument("--budget", type=int, default=None, help="max_num_batched_tokens (default: the engine's)")
+    p.add_argument("--check-tokens", type=int, default=32, help="greedy tokens per prompt scored (0: skip)")
+    p.add_argument("--reference", choices=["hf", "none"], default="hf")
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--eager", action="store_true")
+    p.add_argument("--host", action="store_true",
+                   help="also the host work per decode step: a tiny model (device time ~nothing), batch 1 and 32, "
+                        "graphs and async scheduling, every --tp size")
+    p.add_argument("--out", default=None)
+
+
+def write_random_model(path: Path, shape: dict[str, Any], dtype: Any, device: str, seed: int = 0) -> Path:
+    """A random-weight checkpoint of ``shape`` (hwkv.testing.tiny_models' config and scales),
+    generated on ``device`` (fast for billions of weights) and written shard by shard."""
+    import torch
+    from safetensors.torch import save_file
+
+    from hwkv.testing import tiny_models as tm
+
+    if (path / "config.json").exists():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    meta = {**shape}
+    arch = meta.pop("arch")
+    cfg = tm._config(arch, meta["hidden_size"], meta["num_layers"], meta["num_heads"], meta["num_kv_heads"], None,
+                     meta["intermediate_size"], meta["vocab_size"], dtype, meta["tie_word_embeddings"], None,
+                     meta["max_position_embeddings"], None)
+    cfg["rope_theta"] = float(meta["rope_theta"])
+    # the CPU writer's names and scales (hwkv.testing.tiny_models._weights), drawn on the device
+    g = torch.Generator(device=device).manual_seed(seed)
+    h, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    d = h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+
+    def rnd(*s: int, std: float | None = None, mean: float = 0.0) -> torch.Tensor:
+        std = 0.8 / s[-1] ** 0.5 if std is None else std
+        return (torch.randn(*s, generator=g, device=device) * std + mean).to(dtype).cpu()
+
+    tied = cfg["tie_word_embeddings"]
+    shard: dict[str, torch.Tensor] = {"model.embed_tokens.weight": rnd(vocab, h, std=0.4 / h**0.5 if tied else 0.5)}
+    files: dict[str, str] = {}
+
+    def flush(i: int) -> None:
+        name = f"model-{i:05d}.safetensors"
+        save_file(shard, str(path / name), metadata={"format": "pt"})
+        files.update(dict.fromkeys(shard, name))
+        shard.clear()
+
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shard[p + "input_layernorm.weight"] = rnd(h, std=0.05, mean=1.0)
+        shard[p + "post_attention_layernorm.weight"] = rnd(h, std=0.05, mean=1.0)
+        for n, o, k in (("q_proj", q, h), ("k_proj", kv, h), ("v_proj", kv, h), ("o_proj", h, q)):
+            shard[p + f"self_attn.{n}.weight"] = rnd(o, k)
+        for n, o, k in (("gate_proj", inter, h), ("up_proj", inter, h), ("down_proj", h, inter)):
+            shard[p + f"mlp.{n}.weight"] = rnd(o, k)
+        flush(i)
+    shard["model.norm.weight"] = rnd(h, std=0.05, mean=1.0)
+    if not tied:
+        shard["lm_head.weight"] = rnd(vocab, h, std=4 / h**0.5)
+    flush(cfg["num_hidden_layers"])
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": files}))
+    (path / "generation_config.json").write_text(json.dumps({"bos_token_id": cfg["bos_token_id"],
+                                                             "eos_token_id": cfg["eos_token_id"]}))
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    return path
+
+
+def copy_bandwidth() -> float:
+    """Measured device-to-device copy bandwidth of GPU 0 (bytes read + written per second)."""
+    import torch
+
+    a = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    bw = 2 * a.numel() * 10 / (time.perf_counter() - t0)
+    del a, b
+    torch.cuda.empty_cache()
+    return bw
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(n)]
+
+
+def _generate(engine: Any, prompts: list[list[int]], out: int) -> tuple[float, list[list[int]]]:
+    from hwkv.sampling_params import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True)
+    engine.backend.device.synchronize()
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, sp, use_tqdm=False)
+    engine.backend.device.synchronize()
+    return time.perf_counter() - t0, [list(o.token_ids) for o in outs]
+
+
+def measure(mdir: Path, tp: int, a: argparse.Namespace, bw: float, vocab: int) -> dict[str, Any]:
+    import torch
+
+    import hwkv
+
+    kw: dict[str, Any] = dict(backend="cuda", dtype=a.dtype, max_model_len=a.max_model_len, enforce_eager=a.eager)
+    if a.budget:
+        kw["max_num_batched_tokens"] = a.budget
+    t0 = time.perf_counter()
+    e = hwkv.Engine(str(mdir), tensor_parallel_size=tp, **kw)
+    res: dict[str, Any] = {"tp": tp, "start_s": round(time.perf_counter() - t0, 1),
+                           "decode_ops": e.model.decode_ops is not None,
+                           "custom_all_reduce": type(getattr(e._tp.comm, "_custom", None)).__name__ if e._tp else None}
+    try:
+        prompt = _prompts(1, 32, vocab, 1)
+        short, long = (int(x) for x in a.decode.split(","))
+        _generate(e, prompt, short)  # warm
+        ts, _ = _generate(e, prompt, short)
+        tl, _ = _generate(e, prompt, long)
+        per_tok = (tl - ts) / (long - short)
+        wbytes = e.model.param_bytes()
+        res["batch1"] = {"tok_per_s": round(1 / per_tok, 1), "ms_per_token": round(per_tok * 1e3, 3),
+                         "weight_bytes_per_gpu": wbytes,
+                         "mbu_per_gpu_vs_copy_bw": round(wbytes / per_tok / (bw / 2), 3),
+                         "mbu_per_gpu_vs_3.35TBps": round(wbytes / per_tok / 3.35e12, 3)}
+        print(f"tp={tp} batch-1: {res['batch1']}", flush=True)
+        if a.offline:
+            n, i, o = (int(x) for x in a.offline.split(":"))
+            ps = _prompts(n, i, vocab, 2)
+            _generate(e, ps[:8], 4)  # warm the prefill shapes
+            dt, toks = _generate(e, ps, o)
+            nout = sum(len(t) for t in toks)
+            res["offline"] = {"requests": n, "in": i, "out": o, "seconds": round(dt, 3),
+                              "output_tok_per_s": round(nout / dt, 1), "total_tok_per_s": round((nout + n * i) / dt, 1),
+                              "budget": e.config.scheduler.max_num_batched_tokens}
+            print(f"tp={tp} offline: {res['offline']}", flush=True)
+        if a.check_tokens:
+            _, res["tokens"] = _generate(e, _prompts(4, 24, vocab, 3), a.check_tokens)
+    finally:
+        e.close()
+        from hwkv.bench.common import free_engine
+
+        free_engine(e, e.backend.device)
+        del e
+        gc.collect()
+        torch.cuda.empty_cache()
+    return res
+
+
+def host_steps(a: argparse.Namespace, tps: list[int]) -> dict[str, Any]:
+    """Wall time per decode step of a tiny model (2 layers, hidden 256): what the host does per step
+    (scheduling, inputs, graph replay launch, sampling, the tp messages and collectives' launches)."""
+    import torch
+
+    import hwkv
+    from hwkv.testing.tiny_models import write_tiny_model
+
+    mdir = Path(a.workdir) / "host-tiny"
+    if not (mdir / "config.json").exists():
+        write_tiny_model(mdir, hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=512,
+                         dtype=torch.bfloat16, tokenizer=False)
+    out: dict[str, Any] = {}
+    for tp in tps:
+        e = hwkv.Engine(str(mdir), backend="cuda", dtype="bfloat16", max_model_len=512, tensor_parallel_size=tp)
+        try:
+            row = {"async_scheduling": e.async_scheduling, "graphs": e.runner.graphs is not None}
+            for batch in (1, 32):
+                ps = _prompts(batch, 16, 512, 4)
+                _generate(e, ps, 8)
+                ts, _ = _generate(e, ps, 16)
+                tl, _ = _generate(e, ps, 144)
+                row[f"batch{batch}_us_per_step"] = round((tl - ts) / 128 * 1e6, 1)
+            out[f"tp{tp}"] = row
+            print(f"host tp={tp}: {row}", flush=True)
+        finally:
+            e.close()
+            del e
+            gc.collect()
+            torch.cuda.empty_cache()
+    base = out[f"tp{tps[0]}"]
+    for tp in tps[1:]:
+        r = out[f"tp{tp}"]
+        r["vs_first"] = {k: round(r[k] / base[k], 3) for k in base if k.endswith("_us_per_step")}
+    return out
+
+
+def margin_check(mdir: Path, prompts: list[list[int]], runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every run's greedy tokens scored by float32 HF logits on its own prefix (teacher forcing)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(mdir), dtype=torch.float32, device_map="cuda").eval()
+    out: dict[str, Any] = {}
+    try:
+        for r in runs:
+            worst, bad = 0.0, []
+            for i, (p, toks) in enumerate(zip(prompts, r["tokens"])):
+                ids = torch.tensor([p + toks], device="cuda")
+                with torch.inference_mode():
+                    logits = model(ids).logits[0, len(p) - 1: len(p) - 1 + len(toks)].float()
+                best = logits.max(-1).values
+                gap = best - logits[torch.arange(len(toks)), torch.tensor(toks, device="cuda")]
+                worst = max(worst, float(gap.max()))
+                nb = (gap > HALF_LOGIT_MARGIN * best.abs().clamp_min(1.0)).nonzero()
+                if nb.numel():
+                    bad.append((i, int(nb[0])))
+            out[f"tp{r['tp']}"] = {"worst_gap": round(worst, 5), "violations": bad, "passes": not bad}
+    finally:
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+    return out
+
+
+def run(a: argparse.Namespace) -> int:
+    import torch
+
+    from hwkv.bench.common import SHAPES
+
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    shapes = {**SHAPES, "llama-8b": LLAMA_8B}
+    t0 = time.perf_counter()
+    if a.model in shapes:
+        mdir = write_random_model(Path(a.workdir) / f"{a.model}-{a.dtype}", shapes[a.model], getattr(torch, a.dtype),
+                                  os.environ.get("HWKV_BENCH_WRITE_DEVICE", "cuda"))
+    else:
+        mdir = Path(a.model)
+    vocab = json.loads((mdir / "config.json").read_text())["vocab_size"]
+    print(f"model {mdir} ready in {time.perf_counter() - t0:.1f} s", flush=True)
+    bw = copy_bandwidth()
+    doc: dict[str, Any] = {"bench": "tp", "model": a.model, "dtype": a.dtype, "device": torch.cuda.get_device_name(0),
+                           "gpus": torch.cuda.device_count(), "copy_bw_GBps": round(bw / 1e9, 1),
+                           "torch": torch.__version__, "args": vars(a) | {"func": None}, "runs": []}
+    tps = [int(x) for x in a.tp.split(",")]
+    if a.host:
+        doc["host"] = host_steps(a, tps)
+    for tp in tps:
+        doc["runs"].append(measure(mdir, tp, a, bw, vocab))
+    runs = doc["runs"]
+    if len(runs) > 1 and "batch1" in runs[0]:
+        base = runs[0]
+        doc["ratios"] = {f"tp{r['tp']}/tp{base['tp']}": {
+            "batch1": round(r["batch1"]["tok_per_s"] / base["batch1"]["tok_per_s"], 3),
+            **({"offline": round(r["offline"]["output_tok_per_s"] / base["offline"]["output_tok_per_s"], 3)}
+               if "offline" in r else {})} for r in runs[1:]}
+    if a.check_tokens and len(runs) > 1:
+        first = runs[0]["tokens"]
+        doc["token_agreement"] = {f"tp{r['tp']}": {
+            "identical_sequences": sum(x == y for x, y in zip(first, r["tokens"])), "of": len(first),
+            "first_divergence": [next((j for j, (u, v) in enumerate(zip(x, y)) if u != v), None)
+                                 for x, y in zip(first, r["tokens"])]} for r in runs[1:]}
+        if a.reference == "hf":
+            doc["margin_rule"] = margin_check(mdir, _prompts(4, 24, vocab, 3), runs)
+    print(json.dumps({k: v for k, v in doc.items() if k != "runs"}, indent=1), flush=True)
+    if a.out:
+        Path(a.out).write_text(json.dumps(doc, indent=1) + "\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="hwkv bench tp", description=__doc__.split("\n")[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
