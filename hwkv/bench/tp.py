@@ -11,8 +11,8 @@ For each ``--tp`` size (one process: an engine is built, measured, closed, then 
   teacher forcing) under the conformance margin rule (each token's float32 logit within
   ``0.02 x max(1, |max logit|)`` of the argmax), and compared with the first size's tokens.
 
-``--model`` takes a shape name (``llama-8b``: Llama-3-8B's) written once under ``--workdir`` with
-random weights made on the GPU (``HWKV_BENCH_WRITE_DEVICE``), or a checkpoint directory.
+``--model`` takes a shape name of ``hwkv bench e2e`` (``llama-8b``: Llama-3-8B's), written once
+under ``--workdir`` with random weights drawn on the GPU, or a checkpoint directory.
 """
 
 from __future__ import annotations
@@ -25,9 +25,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-LLAMA_8B = dict(arch="llama", hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
-                intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0,
-                max_position_embeddings=8192)
 HALF_LOGIT_MARGIN = 0.02  # conformance/test_engine.py
 
 
@@ -47,63 +44,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also the host work per decode step: a tiny model (device time ~nothing), batch 1 and 32, "
                         "graphs and async scheduling, every --tp size")
     p.add_argument("--out", default=None)
-
-
-def write_random_model(path: Path, shape: dict[str, Any], dtype: Any, device: str, seed: int = 0) -> Path:
-    """A random-weight checkpoint of ``shape`` (hwkv.testing.tiny_models' config and scales),
-    generated on ``device`` (fast for billions of weights) and written shard by shard."""
-    import torch
-    from safetensors.torch import save_file
-
-    from hwkv.testing import tiny_models as tm
-
-    if (path / "config.json").exists():
-        return path
-    path.mkdir(parents=True, exist_ok=True)
-    meta = {**shape}
-    arch = meta.pop("arch")
-    cfg = tm._config(arch, meta["hidden_size"], meta["num_layers"], meta["num_heads"], meta["num_kv_heads"], None,
-                     meta["intermediate_size"], meta["vocab_size"], dtype, meta["tie_word_embeddings"], None,
-                     meta["max_position_embeddings"], None)
-    cfg["rope_theta"] = float(meta["rope_theta"])
-    # the CPU writer's names and scales (hwkv.testing.tiny_models._weights), drawn on the device
-    g = torch.Generator(device=device).manual_seed(seed)
-    h, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    d = h // cfg["num_attention_heads"]
-    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
-
-    def rnd(*s: int, std: float | None = None, mean: float = 0.0) -> torch.Tensor:
-        std = 0.8 / s[-1] ** 0.5 if std is None else std
-        return (torch.randn(*s, generator=g, device=device) * std + mean).to(dtype).cpu()
-
-    tied = cfg["tie_word_embeddings"]
-    shard: dict[str, torch.Tensor] = {"model.embed_tokens.weight": rnd(vocab, h, std=0.4 / h**0.5 if tied else 0.5)}
-    files: dict[str, str] = {}
-
-    def flush(i: int) -> None:
-        name = f"model-{i:05d}.safetensors"
-        save_file(shard, str(path / name), metadata={"format": "pt"})
-        files.update(dict.fromkeys(shard, name))
-        shard.clear()
-
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        shard[p + "input_layernorm.weight"] = rnd(h, std=0.05, mean=1.0)
-        shard[p + "post_attention_layernorm.weight"] = rnd(h, std=0.05, mean=1.0)
-        for n, o, k in (("q_proj", q, h), ("k_proj", kv, h), ("v_proj", kv, h), ("o_proj", h, q)):
-            shard[p + f"self_attn.{n}.weight"] = rnd(o, k)
-        for n, o, k in (("gate_proj", inter, h), ("up_proj", inter, h), ("down_proj", h, inter)):
-            shard[p + f"mlp.{n}.weight"] = rnd(o, k)
-        flush(i)
-    shard["model.norm.weight"] = rnd(h, std=0.05, mean=1.0)
-    if not tied:
-        shard["lm_head.weight"] = rnd(vocab, h, std=4 / h**0.5)
-    flush(cfg["num_hidden_layers"])
-    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": files}))
-    (path / "generation_config.json").write_text(json.dumps({"bos_token_id": cfg["bos_token_id"],
-                                                             "eos_token_id": cfg["eos_token_id"]}))
-    (path / "config.json").write_text(json.dumps(cfg, indent=2))
-    return path
 
 
 def copy_bandwidth() -> float:
@@ -260,17 +200,12 @@ def margin_check(mdir: Path, prompts: list[list[int]], runs: list[dict[str, Any]
 def run(a: argparse.Namespace) -> int:
     import torch
 
-    from hwkv.bench.common import SHAPES
+    from hwkv.bench.common import model_dir
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    shapes = {**SHAPES, "llama-8b": LLAMA_8B}
     t0 = time.perf_counter()
-    if a.model in shapes:
-        mdir = write_random_model(Path(a.workdir) / f"{a.model}-{a.dtype}", shapes[a.model], getattr(torch, a.dtype),
-                                  os.environ.get("HWKV_BENCH_WRITE_DEVICE", "cuda"))
-    else:
-        mdir = Path(a.model)
+    mdir = model_dir(a)  # a shape name: random weights drawn on the GPU, written once under --workdir
     vocab = json.loads((mdir / "config.json").read_text())["vocab_size"]
     print(f"model {mdir} ready in {time.perf_counter() - t0:.1f} s", flush=True)
     bw = copy_bandwidth()

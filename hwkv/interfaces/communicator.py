@@ -19,7 +19,8 @@ import torch
 # then runs its default all-reduce. Results follow the Communicator contract (ordered on the
 # current stream, capturable, bitwise identical on every rank). The callable may also have
 # ``all_reduce_add(t, residual)``: ``residual + sum of t over the ranks`` as a new tensor, or
-# ``None`` to decline (it may overwrite ``t`` either way), for a fused kernel.
+# ``None`` to decline (it may overwrite ``t`` either way), for a fused kernel; and
+# ``all_reduce_add_rms_norm(t, residual, weight, eps)`` as the Communicator method of that name.
 CustomAllReduce = Callable[[torch.Tensor], "torch.Tensor | None"]
 
 
@@ -62,6 +63,15 @@ class Communicator(ABC):
         or ``t`` (``t`` may be overwritten; ``residual`` never is). Default: :meth:`all_reduce`,
         then the add in place."""
         return self.all_reduce(t).add_(residual)
+
+    def all_reduce_add_rms_norm(self, t: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(rms_norm(h, weight, eps), h)`` with ``h = residual + (t summed over all ranks)`` (the
+        rounding of ``hwkv.model.layers.add_rms_norm`` after the all-reduce) as one fused step, or
+        ``None`` where this communicator does not fuse it for this tensor — then the caller runs
+        :meth:`all_reduce` and its own add + norm. Every rank gets the same answer for the same
+        call. ``t`` may be overwritten. Default: ``None``."""
+        return None
 
     def all_reduce_min(self, value: int) -> int:
         """The smallest ``value`` over the ranks (a host int; setup only, e.g. the KV pool size

@@ -152,13 +152,13 @@ class LlamaForCausalLM(nn.Module):
         if pf is not None:
             pf([layers[0].self_attn.qkv_proj.weight])
         h = self._embed(input_ids)
-        ar = self.tp.comm.all_reduce if self.tp is not None else None  # row-parallel outputs: summed
+        add_norm = self._add_norm
         out = None
         for i, layer in enumerate(layers):
             if out is None:
                 x = layer.input_layernorm(h)
             else:
-                x, h = layer.input_layernorm(out, h)
+                x, h = add_norm(layer.input_layernorm, out, h)
             if pf is not None:  # o_proj comes into cache beside qkv, RoPE and attention
                 pf([layer.self_attn.o_proj.weight])
             if (hk := self.layer_hooks) is not None:
@@ -166,17 +166,25 @@ class LlamaForCausalLM(nn.Module):
             out = layer.self_attn(x, positions, self.rotary_emb, kv_cache.layer(i), attn_metadata, slot_mapping)
             if hk is not None:
                 hk.save_kv_layer(i, kv_cache.layer(i), attn_metadata)
-            if ar is not None:
-                out = ar(out)
-            x, h = layer.post_attention_layernorm(out, h)
+            x, h = add_norm(layer.post_attention_layernorm, out, h)
             if pf is not None and i + 1 < len(layers):  # the next qkv beside this MLP
                 pf([layers[i + 1].self_attn.qkv_proj.weight])
             out = layer.mlp(x)
-            if ar is not None:
-                out = ar(out)
         if pf is not None:
             self._join_prefetch()
+        if out is not None and self.tp is not None:
+            out = self.tp.comm.all_reduce(out)
         return h if out is None else h + out
+
+    def _add_norm(self, norm: nn.Module, out: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``norm(out, h)``: the sublayer output joins the residual stream, normalised. Tensor
+        parallel: ``out`` is a row-parallel partial, summed over the ranks first — in one kernel
+        with the add and the norm where the communicator fuses them."""
+        if self.tp is None:
+            return norm(out, h)
+        comm = self.tp.comm
+        fused = comm.all_reduce_add_rms_norm(out, h, norm.weight, norm.eps)
+        return fused if fused is not None else norm(comm.all_reduce(out), h)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         w, tp = self.model.embed_tokens.weight, self.tp

@@ -114,6 +114,11 @@ class TorchDistCommunicator(Communicator):
             return out
         return self.all_reduce(t).add_(residual)
 
+    def all_reduce_add_rms_norm(self, t: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        fused = getattr(self._custom, "all_reduce_add_rms_norm", None)
+        return fused(t, residual, weight, eps) if fused is not None else None
+
     def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
         parts = [torch.empty_like(t) for _ in range(self.world_size)]
         self._group().allgather([parts], [t.contiguous()]).wait()

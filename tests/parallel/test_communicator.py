@@ -63,13 +63,21 @@ def test_fused_add_hook_is_used():
                 return None
 
             fn.all_reduce_add = lambda t, residual: t + residual + 100  # marks its result
+            fn.all_reduce_add_rms_norm = lambda t, residual, weight, eps: (weight, t + residual)
             return fn
 
     c = TorchDistCommunicator(Fused(), 0, 1, 0, timeout_s=10, store=open_store(1, 10))
     try:
         assert c.all_reduce_add(torch.ones(2), torch.ones(2)).tolist() == [102.0, 102.0]
+        x, h = c.all_reduce_add_rms_norm(torch.ones(2), torch.ones(2), torch.full((2,), 5.0), 1e-6)
+        assert x.tolist() == [5.0, 5.0] and h.tolist() == [2.0, 2.0]
     finally:
         c.close()
+    plain = TorchDistCommunicator(CpuDevice(), 0, 1, 0, timeout_s=10, store=open_store(1, 10))
+    try:  # no backend fusion: the caller runs all_reduce and its own add + norm
+        assert plain.all_reduce_add_rms_norm(torch.ones(2), torch.ones(2), torch.ones(2), 1e-6) is None
+    finally:
+        plain.close()
 
 
 def test_failed_custom_all_reduce_leaves_no_group():

@@ -7,7 +7,9 @@ By message size (bytes of the tensor), as vLLM's custom all-reduce:
 
 * ``<= push_max``: one-shot push (:mod:`hwkv_cuda.kernels.allreduce`, one Triton kernel): each rank
   writes its tensor into every rank's buffer, one flag barrier, every rank sums all copies in rank
-  order. ``all_reduce_add`` fuses the residual add into the same kernel (decode's two per layer).
+  order. ``all_reduce_add`` fuses the residual add into the same kernel (the decode ops' two per
+  layer); ``all_reduce_add_rms_norm`` (rows up to ``norm_max`` bytes in all) also the next RMSNorm
+  (the plain forward's two per layer).
 * ``<= one_shot_max``: ``torch.ops.symm_mem.one_shot_all_reduce_out`` (each rank pulls every peer's copy).
 * ``<= two_shot_max``: ``torch.ops.symm_mem.two_shot_all_reduce_`` (reduce-scatter + all-gather over
   peer memory: each rank reads and writes ``(ws - 1) / ws`` of the message).
@@ -32,6 +34,8 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 PUSH_MAX = 512 * 1024
 ONE_SHOT_MAX = 512 * 1024
 TWO_SHOT_MAX = 8 * 1024 * 1024
+NORM_MAX = 2 * 1024 * 1024  # all_reduce_add_rms_norm: rows of hidden states up to this many bytes
+MIN_ROW_BYTES = 512
 
 
 def make_custom_all_reduce(comm: Any) -> CudaAllReduce | None:
@@ -64,7 +68,7 @@ class CudaAllReduce:
     """Callable as a :data:`~hwkv.interfaces.communicator.CustomAllReduce` (see the module doc)."""
 
     def __init__(self, comm: Any, push: bool = True, symm: bool = True, push_max: int = PUSH_MAX,
-                 one_shot_max: int = ONE_SHOT_MAX, two_shot_max: int = TWO_SHOT_MAX):
+                 one_shot_max: int = ONE_SHOT_MAX, two_shot_max: int = TWO_SHOT_MAX, norm_max: int = NORM_MAX):
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
@@ -72,6 +76,8 @@ class CudaAllReduce:
 
         self.rank, self.world_size, self.device = comm.rank, comm.world_size, comm.device
         self.push_max = push_max if push else 0
+        self.norm_max = norm_max if push else 0
+        self._norm_key: tuple[int, torch.dtype] | None = None  # (hidden size, dtype): fixed at the first call
         self.one_shot_max = one_shot_max if symm else 0
         self.two_shot_max = two_shot_max if symm else 0
         ops = torch.ops.symm_mem
@@ -111,6 +117,17 @@ class CudaAllReduce:
                 self.epochs = torch.zeros(self.programs, dtype=torch.int64, device=self.device)
                 self.error = torch.zeros(1, dtype=torch.int32, device=self.device)
                 self._bufs.append(self.buf)
+            if self.norm_max:
+                rows = self.norm_max // MIN_ROW_BYTES
+                data = 2 * self.world_size * self.norm_max
+                self.nbuf = symm_mem.empty(data + rows * self.world_size * 8, dtype=torch.uint8, device=self.device)
+                nhdl = symm_mem.rendezvous(self.nbuf, self.name)
+                self.nbuf.zero_()
+                self.nflags = self.nbuf[data:].view(torch.int64)
+                self.nflag_off = data // 8
+                self.npeers = torch.tensor(list(nhdl.buffer_ptrs), dtype=torch.int64, device=self.device)
+                self.nepochs = torch.zeros(rows, dtype=torch.int64, device=self.device)
+                self._bufs.append(self.nbuf)
             torch.cuda.synchronize(self.device)
         comm.all_reduce_min(1)  # every rank's buffer zeroed before anyone pushes
 
@@ -162,10 +179,37 @@ class CudaAllReduce:
             return None
         return self._push(t, residual)
 
+    def all_reduce_add_rms_norm(self, t: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(rms_norm(h) * weight, h)`` with ``h = residual + sum of t``, one kernel (rows of one
+        hidden size per group: the first call fixes it, other sizes are declined)."""
+        nbytes = self._eligible(t)
+        if not nbytes or nbytes > self.norm_max or t.dim() != 2 or residual.shape != t.shape \
+                or residual.dtype != t.dtype or not residual.is_contiguous() or weight.shape != (t.shape[1],) \
+                or not weight.is_contiguous() or t.shape[1] * t.element_size() < MIN_ROW_BYTES:
+            return None
+        key = (t.shape[1], t.dtype)
+        if self._norm_key is None:
+            self._norm_key = key
+        elif key != self._norm_key:
+            return None
+        from hwkv_cuda.kernels.allreduce import push_all_reduce_norm_kernel
+
+        out, h = torch.empty_like(t), torch.empty_like(t)
+        push_all_reduce_norm_kernel[(t.shape[0],)](
+            t, residual, weight, out, h, self.nbuf.view(t.dtype), self.nflags, self.npeers, self.nepochs, self.error,
+            t.shape[1], eps, RANK=self.rank, WS=self.world_size, SLOT=self.norm_max // t.element_size(),
+            FLAG_OFF=self.nflag_off, BLOCK=triton_next_pow2(t.shape[1]), num_warps=8 if t.shape[1] >= 4096 else 4)
+        return out, h
+
     def failed(self) -> bool:
         """Whether a push ever gave up waiting for a peer (a host sync: diagnostics only)."""
         return bool(self.push_max) and bool(self.error.item())
 
     def close(self) -> None:
         self._bufs.clear()
-        self.staging = self.buf = None  # type: ignore[assignment]
+        self.staging = self.buf = self.nbuf = None  # type: ignore[assignment]
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()

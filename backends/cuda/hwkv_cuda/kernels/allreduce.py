@@ -55,3 +55,47 @@ def push_all_reduce_kernel(x_ptr, res_ptr, out_ptr, buf_ptr, flags_ptr, peers_pt
         y = (y.to(tl.float32) + tl.load(res_ptr + offs, mask=mask).to(tl.float32)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + offs, y, mask=mask)
     tl.store(epochs_ptr + pid, epoch)
+
+
+@triton.jit
+def push_all_reduce_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, buf_ptr, flags_ptr, peers_ptr, epochs_ptr,
+                                err_ptr, H, eps, RANK: tl.constexpr, WS: tl.constexpr, SLOT: tl.constexpr,
+                                FLAG_OFF: tl.constexpr, BLOCK: tl.constexpr):
+    """The push all-reduce of rows of ``H`` (program ``p`` owns row ``p``: a buffer of its own, whose
+    regions are rows of one fixed ``H``), then ``h = residual + sum`` and ``out = rms_norm(h) * w``
+    with the model's rounding (sum, add and normalised row each rounded to the dtype, as
+    ``hwkv.model.layers.add_rms_norm``)."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    offs = pid * H + cols
+    epoch = tl.load(epochs_ptr + pid) + 1
+    base = (epoch % 2) * (WS * SLOT)
+    x = tl.load(x_ptr + offs, mask=mask)
+    for r in tl.static_range(WS):
+        peer = tl.load(peers_ptr + r).to(tl.pointer_type(x_ptr.dtype.element_ty))
+        tl.store(peer + base + RANK * SLOT + offs, x, mask=mask)
+    tl.debug_barrier()
+    for r in tl.static_range(WS):
+        flag = tl.load(peers_ptr + r).to(tl.pointer_type(tl.int64)) + FLAG_OFF + pid * WS + RANK
+        tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
+    for r in tl.static_range(WS):
+        spins = 0
+        while (tl.atomic_add(flags_ptr + pid * WS + r, 0, sem="acquire", scope="sys") < epoch) & (spins < MAX_SPIN):
+            spins += 1
+        if spins >= MAX_SPIN:
+            tl.store(err_ptr, 1)
+    tl.debug_barrier()
+    acc = tl.zeros([BLOCK], tl.float32)
+    for r in tl.static_range(WS):
+        acc += tl.load(buf_ptr + base + r * SLOT + offs, mask=mask).to(tl.float32)
+    dt = out_ptr.dtype.element_ty
+    s = acc.to(dt).to(tl.float32)
+    h = (s + tl.load(res_ptr + offs, mask=mask).to(tl.float32)).to(dt)
+    tl.store(h_ptr + offs, h, mask=mask)
+    hf = h.to(tl.float32)
+    var = tl.sum(hf * hf, axis=0) / H
+    y = (hf * tl.rsqrt(var + eps)).to(dt)
+    w = tl.load(w_ptr + cols, mask=mask)
+    tl.store(out_ptr + offs, (w.to(tl.float32) * y.to(tl.float32)).to(dt), mask=mask)
+    tl.store(epochs_ptr + pid, epoch)
