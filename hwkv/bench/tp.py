@@ -2,9 +2,10 @@
 
 For each ``--tp`` size (one process: an engine is built, measured, closed, then the next):
 
-* batch-1 decode: tok/s of one request (the difference of two runs of different output lengths,
-  so prefill and start-up cancel), and the step's bytes per device against the measured copy
-  bandwidth (MBU per GPU: this rank's weights and KV read once per token);
+* decode at ``--decode-batch`` sizes: the step time (the difference of two runs of different
+  output lengths, so prefill and start-up cancel), and the weight bytes per device per step
+  against the measured copy bandwidth (MBU per GPU); with ``--model tiny`` (device work ~nothing)
+  the step time is the host's work per step;
 * offline throughput: ``--offline N:IN:OUT`` requests at the default token budget (output tok/s and
   all tokens/s);
 * greedy tokens of a few prompts, scored by a float32 reference run on the GPU (HF transformers,
@@ -40,14 +41,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reference", choices=["hf", "none"], default="hf")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--eager", action="store_true")
-    p.add_argument("--host", action="store_true",
-                   help="also the host work per decode step: a tiny model (device time ~nothing), batch 1 and 32, "
-                        "graphs and async scheduling, every --tp size")
+    p.add_argument("--backend", default="cuda")
+    p.add_argument("--decode-batch", default="1", help="comma list of batch sizes of the decode runs (with "
+                   "--model tiny the step time is the host's work per step: the device's is ~nothing)")
     p.add_argument("--out", default=None)
 
 
 def copy_bandwidth() -> float:
-    """Measured device-to-device copy bandwidth of GPU 0 (bytes read + written per second)."""
+    """Measured device-to-device copy bandwidth of GPU 0 (bytes read + written per second: the
+    device's memory traffic limit, which a step that only reads its weights is held against)."""
     import torch
 
     a = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
@@ -88,7 +90,7 @@ def measure(mdir: Path, tp: int, a: argparse.Namespace, bw: float, vocab: int) -
 
     import hwkv
 
-    kw: dict[str, Any] = dict(backend="cuda", dtype=a.dtype, max_model_len=a.max_model_len, enforce_eager=a.eager)
+    kw: dict[str, Any] = dict(backend=a.backend, dtype=a.dtype, max_model_len=a.max_model_len, enforce_eager=a.eager)
     if a.budget:
         kw["max_num_batched_tokens"] = a.budget
     t0 = time.perf_counter()
@@ -97,18 +99,20 @@ def measure(mdir: Path, tp: int, a: argparse.Namespace, bw: float, vocab: int) -
                            "decode_ops": e.model.decode_ops is not None,
                            "custom_all_reduce": type(getattr(e._tp.comm, "_custom", None)).__name__ if e._tp else None}
     try:
-        prompt = _prompts(1, 32, vocab, 1)
         short, long = (int(x) for x in a.decode.split(","))
-        _generate(e, prompt, short)  # warm
-        ts, _ = _generate(e, prompt, short)
-        tl, _ = _generate(e, prompt, long)
-        per_tok = (tl - ts) / (long - short)
         wbytes = e.model.param_bytes()
-        res["batch1"] = {"tok_per_s": round(1 / per_tok, 1), "ms_per_token": round(per_tok * 1e3, 3),
-                         "weight_bytes_per_gpu": wbytes,
-                         "mbu_per_gpu_vs_copy_bw": round(wbytes / per_tok / (bw / 2), 3),
-                         "mbu_per_gpu_vs_3.35TBps": round(wbytes / per_tok / 3.35e12, 3)}
-        print(f"tp={tp} batch-1: {res['batch1']}", flush=True)
+        for batch in (int(x) for x in a.decode_batch.split(",")):
+            prompts = _prompts(batch, 32, vocab, 1)
+            _generate(e, prompts, short)  # warm
+            ts, _ = _generate(e, prompts, short)
+            tl, _ = _generate(e, prompts, long)
+            per_step = (tl - ts) / (long - short)
+            row = {"tok_per_s": round(batch / per_step, 1), "ms_per_step": round(per_step * 1e3, 3),
+                   "weight_bytes_per_gpu": wbytes,
+                   "mbu_per_gpu_vs_copy_bw": round(wbytes / per_step / bw, 3),
+                   "mbu_per_gpu_vs_3.35TBps": round(wbytes / per_step / 3.35e12, 3)}
+            res[f"batch{batch}"] = row
+            print(f"tp={tp} batch-{batch}: {row}", flush=True)
         if a.offline:
             n, i, o = (int(x) for x in a.offline.split(":"))
             ps = _prompts(n, i, vocab, 2)
@@ -128,45 +132,9 @@ def measure(mdir: Path, tp: int, a: argparse.Namespace, bw: float, vocab: int) -
         free_engine(e, e.backend.device)
         del e
         gc.collect()
-        torch.cuda.empty_cache()
-    return res
-
-
-def host_steps(a: argparse.Namespace, tps: list[int]) -> dict[str, Any]:
-    """Wall time per decode step of a tiny model (2 layers, hidden 256): what the host does per step
-    (scheduling, inputs, graph replay launch, sampling, the tp messages and collectives' launches)."""
-    import torch
-
-    import hwkv
-    from hwkv.testing.tiny_models import write_tiny_model
-
-    mdir = Path(a.workdir) / "host-tiny"
-    if not (mdir / "config.json").exists():
-        write_tiny_model(mdir, hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=512,
-                         dtype=torch.bfloat16, tokenizer=False)
-    out: dict[str, Any] = {}
-    for tp in tps:
-        e = hwkv.Engine(str(mdir), backend="cuda", dtype="bfloat16", max_model_len=512, tensor_parallel_size=tp)
-        try:
-            row = {"async_scheduling": e.async_scheduling, "graphs": e.runner.graphs is not None}
-            for batch in (1, 32):
-                ps = _prompts(batch, 16, 512, 4)
-                _generate(e, ps, 8)
-                ts, _ = _generate(e, ps, 16)
-                tl, _ = _generate(e, ps, 144)
-                row[f"batch{batch}_us_per_step"] = round((tl - ts) / 128 * 1e6, 1)
-            out[f"tp{tp}"] = row
-            print(f"host tp={tp}: {row}", flush=True)
-        finally:
-            e.close()
-            del e
-            gc.collect()
+        if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    base = out[f"tp{tps[0]}"]
-    for tp in tps[1:]:
-        r = out[f"tp{tp}"]
-        r["vs_first"] = {k: round(r[k] / base[k], 3) for k in base if k.endswith("_us_per_step")}
-    return out
+    return res
 
 
 def margin_check(mdir: Path, prompts: list[list[int]], runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -208,20 +176,21 @@ def run(a: argparse.Namespace) -> int:
     mdir = model_dir(a)  # a shape name: random weights drawn on the GPU, written once under --workdir
     vocab = json.loads((mdir / "config.json").read_text())["vocab_size"]
     print(f"model {mdir} ready in {time.perf_counter() - t0:.1f} s", flush=True)
-    bw = copy_bandwidth()
-    doc: dict[str, Any] = {"bench": "tp", "model": a.model, "dtype": a.dtype, "device": torch.cuda.get_device_name(0),
-                           "gpus": torch.cuda.device_count(), "copy_bw_GBps": round(bw / 1e9, 1),
+    cuda = a.backend == "cuda"
+    bw = copy_bandwidth() if cuda else float("inf")
+    doc: dict[str, Any] = {"bench": "tp", "model": a.model, "dtype": a.dtype,
+                           "device": torch.cuda.get_device_name(0) if cuda else a.backend,
+                           "gpus": torch.cuda.device_count() if cuda else 0, "copy_bw_GBps": round(bw / 1e9, 1),
                            "torch": torch.__version__, "args": vars(a) | {"func": None}, "runs": []}
-    tps = [int(x) for x in a.tp.split(",")]
-    if a.host:
-        doc["host"] = host_steps(a, tps)
-    for tp in tps:
+    for tp in (int(x) for x in a.tp.split(",")):
         doc["runs"].append(measure(mdir, tp, a, bw, vocab))
+        if a.out:  # what ran so far survives a timeout
+            Path(a.out).write_text(json.dumps(doc, indent=1) + "\n")
     runs = doc["runs"]
-    if len(runs) > 1 and "batch1" in runs[0]:
+    if len(runs) > 1:
         base = runs[0]
         doc["ratios"] = {f"tp{r['tp']}/tp{base['tp']}": {
-            "batch1": round(r["batch1"]["tok_per_s"] / base["batch1"]["tok_per_s"], 3),
+            **{k: round(r[k]["tok_per_s"] / base[k]["tok_per_s"], 3) for k in base if k.startswith("batch")},
             **({"offline": round(r["offline"]["output_tok_per_s"] / base["offline"]["output_tok_per_s"], 3)}
                if "offline" in r else {})} for r in runs[1:]}
     if a.check_tokens and len(runs) > 1:

@@ -187,9 +187,10 @@ class Device(ABC):
         :data:`~hwkv.interfaces.communicator.CustomAllReduce`; ``None`` (the default): the
         communicator's own. Called once per group on every rank, after the group is up (a
         collective: every rank calls it, so a rendezvous inside it is allowed). ``comm`` may also
-        offer ``store`` (a ``torch.distributed`` store private to this group) and ``group_name``
-        (unique among the process's groups) for the backend's own rendezvous; without them a
-        backend returns ``None``. A returned object with ``close()`` is closed with the group."""
+        offer ``store`` (a ``torch.distributed`` store private to this group), ``group_name``
+        (unique among the process's groups) and ``torch_group`` (the group's torch.distributed
+        backend object) for the backend's own rendezvous; without them a backend returns ``None``.
+        A returned object with ``close()`` is closed with the group."""
         return None
 
     def seed(self, seed: int) -> None:

@@ -97,6 +97,12 @@ class TorchDistCommunicator(Communicator):
             self.close()
             raise
 
+    @property
+    def torch_group(self) -> Any:
+        """This group's torch.distributed backend object (``ProcessGroupNCCL``, ...), for a
+        backend's own rendezvous (``Device.custom_all_reduce``); ``None`` once closed."""
+        return self._pg
+
     def _group(self) -> Any:
         if self._pg is None:
             raise RuntimeError(f"communicator {self.group_name!r} is closed")

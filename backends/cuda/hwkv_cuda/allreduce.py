@@ -23,6 +23,7 @@ turns the whole thing off (NCCL only), ``=symm`` keeps only PyTorch's ops (no Tr
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from typing import Any
@@ -75,6 +76,8 @@ class CudaAllReduce:
         from torch._C._distributed_c10d import _SymmetricMemory
 
         self.rank, self.world_size, self.device = comm.rank, comm.world_size, comm.device
+        self._registered = False
+        self.name = ""
         self.push_max = push_max if push else 0
         self.norm_max = norm_max if push else 0
         self._norm_key: tuple[int, torch.dtype] | None = None  # (hidden size, dtype): fixed at the first call
@@ -90,8 +93,20 @@ class CudaAllReduce:
         if self.rank == 0:
             store.set("symm_mem_name", f"{comm.group_name}-{uuid.uuid4().hex[:12]}")
         self.name = store.get("symm_mem_name").decode()
-        _SymmetricMemory.set_group_info(self.name, self.rank, self.world_size, dist.PrefixStore("symm_mem/", store))
+        symm_store = dist.PrefixStore("symm_mem/", store)
+        with contextlib.suppress(Exception):  # older torch reads the group from this map; newer resolves it
+            _SymmetricMemory.set_group_info(self.name, self.rank, self.world_size, symm_store)
+        # torch 2.11's rendezvous resolves a process group registered under the name: register a
+        # ProcessGroup wrapping this group's NCCL backend (it is no torch.distributed group of its own)
+        self._registered = _register_group(self.name, comm, symm_store)
         self._bufs: list[Any] = []
+        try:
+            self._setup(comm, symm_mem)
+        except BaseException:
+            self.close()
+            raise
+
+    def _setup(self, comm: Any, symm_mem: Any) -> None:
         get_backend = getattr(symm_mem, "get_backend", None)
         if get_backend is not None and get_backend(self.device) not in (None, "CUDA"):
             symm_mem.set_backend("CUDA")  # peer mappings through the CUDA driver (get_group_info's store only)
@@ -128,8 +143,8 @@ class CudaAllReduce:
                 self.npeers = torch.tensor(list(nhdl.buffer_ptrs), dtype=torch.int64, device=self.device)
                 self.nepochs = torch.zeros(rows, dtype=torch.int64, device=self.device)
                 self._bufs.append(self.nbuf)
+            # zeroed before any peer pushes: make_custom_all_reduce's agreement is the barrier after this
             torch.cuda.synchronize(self.device)
-        comm.all_reduce_min(1)  # every rank's buffer zeroed before anyone pushes
 
     def _push(self, t: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         from hwkv_cuda.kernels.allreduce import REGION, push_all_reduce_kernel
@@ -207,8 +222,32 @@ class CudaAllReduce:
         return bool(self.push_max) and bool(self.error.item())
 
     def close(self) -> None:
+        if self._registered:
+            from torch._C._distributed_c10d import _unregister_process_group
+
+            _unregister_process_group(self.name)
+            self._registered = False
         self._bufs.clear()
         self.staging = self.buf = self.nbuf = None  # type: ignore[assignment]
+
+
+def _register_group(name: str, comm: Any, store: Any) -> bool:
+    """Register ``comm``'s NCCL backend under ``name`` in c10d's group registry (what symmetric
+    memory's rendezvous resolves); ``False`` where this torch has no such registry."""
+    try:
+        from torch._C._distributed_c10d import ProcessGroup, _register_process_group
+    except ImportError:
+        return False
+    backend = getattr(comm, "torch_group", None)
+    pg = ProcessGroup(store, comm.rank, comm.world_size)
+    kind = ProcessGroup.BackendType.NCCL
+    pg._set_default_backend(kind)
+    if backend is not None:
+        pg._register_backend(torch.device("cuda"), kind, backend)
+    if hasattr(pg, "_set_group_name"):
+        pg._set_group_name(name)
+    _register_process_group(name, pg)
+    return True
 
 
 def triton_next_pow2(n: int) -> int:
