@@ -11,7 +11,8 @@ def check_backend(backend: Any, model: Any, block_size: int) -> None:
     mc = model.config
     spec = model.kv_cache_spec(1, block_size)
     reasons = backend.capabilities.validate(spec, mc.num_heads, backend.attention.kv_layout,
-                                            model_dtype=getattr(model, "dtype", None))
+                                            model_dtype=getattr(model, "dtype", None),
+                                            attention_features=tuple(getattr(model, "attention_features", ())))
     if reasons:
         raise ValueError(f"backend {backend.name!r} cannot run {mc.path or 'this model'}: " + "; ".join(reasons))
 

@@ -11,6 +11,12 @@ Requests in a batch appear in any order and in any of four states, all in one ``
 prefill without cached prefix, prefill chunk on a cached prefix (causal over prefix + chunk),
 decode (query length 1), and mixtures of these. Query token ``j`` of request ``r`` sits at
 absolute position ``seq_lens[r] - query_len[r] + j`` and attends to KV positions ``<=`` its own.
+Per-layer parameters on the impl (``None``: off; set by the model right after ``make_impl``, only
+when the backend declares them in ``Capabilities.attention_features``): ``window`` - a query at
+position ``p`` sees only keys in ``(p - window, p]`` (Mistral / Gemma / GPT-OSS sliding layers);
+``softcap`` - scores become ``softcap * tanh(scores / softcap)`` before the softmax (Gemma 2);
+``sinks`` - float32 ``[num_heads]`` learned logits, one per query head, added to the softmax
+denominator only (GPT-OSS): ``p_i = exp(s_i) / (exp(sink) + sum_j exp(s_j))``.
 Heads are grouped: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
 """
 
@@ -163,6 +169,10 @@ class AttentionImpl(ABC):
             raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
         self.num_heads, self.head_size, self.num_kv_heads, self.scale = num_heads, head_size, num_kv_heads, scale
         self.kv_scales: torch.Tensor | None = None
+        # per-layer attention parameters (module docstring); None: off
+        self.window: int | None = None
+        self.softcap: float | None = None
+        self.sinks: torch.Tensor | None = None
 
     def scales_for(self, layer_kv: Any) -> torch.Tensor:
         """This layer's ``[2, H_kv]`` float32 scales on ``layer_kv``'s device (ones when unbound)."""

@@ -13,6 +13,9 @@ import torch
 from hwkv.interfaces.kv_quant import is_quantized, kv_dtype_name
 from hwkv.interfaces.layout import KVCacheSpec, KVLayoutKind
 
+# per-layer attention parameters a model may need (AttentionImpl.window / softcap / sinks)
+ATTENTION_FEATURES = ("sliding_window", "logit_softcap", "attention_sinks")
+
 
 class NotSupported(RuntimeError):
     """The backend does not support a requested feature; the message names the capability."""
@@ -29,6 +32,11 @@ class Capabilities:
     reads (:mod:`hwkv.interfaces.kv_quant`): ``"auto"`` (the model's dtype, one of ``dtypes``) and
     quantised ones by canonical name (``"fp8_e4m3"``: float8 e4m3 with float32 per-head scales);
     ``kv_cache_dtype_reason`` says why one is missing (shown in the refusal).
+
+    ``attention_features``: the per-layer attention parameters of :class:`AttentionImpl` the backend
+    computes exactly (:data:`ATTENTION_FEATURES`: ``"sliding_window"``, ``"logit_softcap"``,
+    ``"attention_sinks"``); a model that needs one missing here is refused by name, with
+    ``attention_features_reason``.
     """
 
     dtypes: tuple[torch.dtype, ...] = (torch.float32,)
@@ -44,6 +52,8 @@ class Capabilities:
     max_gqa_ratio: int = 64
     kv_cache_dtypes: tuple[str, ...] = ("auto",)
     kv_cache_dtype_reason: str = ""
+    attention_features: tuple[str, ...] = ()
+    attention_features_reason: str = ""
     extras: dict[str, str] = field(default_factory=dict)
 
     def supports_block_size(self, block_size: int) -> bool:
@@ -78,10 +88,12 @@ class Capabilities:
         layout: KVLayoutKind | None = None,
         transfer_protocol: str | None = None,
         model_dtype: torch.dtype | None = None,
+        attention_features: tuple[str, ...] = (),
     ) -> list[str]:
         """Reasons this configuration is unsupported; an empty list means supported. A quantised
         ``spec.dtype`` (fp8 KV) is checked against ``kv_cache_dtypes``, and ``model_dtype`` (the
-        activations', when given) against ``dtypes``."""
+        activations', when given) against ``dtypes``; ``attention_features`` (what the model's
+        layers need, :data:`ATTENTION_FEATURES`) against the declared ones."""
         reasons: list[str] = []
         allowed = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)
         if is_quantized(spec.dtype):
@@ -109,6 +121,13 @@ class Capabilities:
             reasons.append(
                 f"transfer protocol {transfer_protocol!r} not supported (allowed: {list(self.transfer_protocols)}){why}"
             )
+        for feat in attention_features:
+            if feat not in ATTENTION_FEATURES:
+                reasons.append(f"unknown attention feature {feat!r} (known: {', '.join(ATTENTION_FEATURES)})")
+            elif feat not in self.attention_features:
+                why = f"; {self.attention_features_reason}" if self.attention_features_reason else ""
+                have = ", ".join(self.attention_features) or "none"
+                reasons.append(f"attention feature {feat} not supported (supported: {have}){why}")
         return reasons
 
     def summary(self) -> str:

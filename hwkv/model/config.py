@@ -74,6 +74,9 @@ class ModelConfig:
     mlp_bias: bool = False
     dtype: torch.dtype | None = None
     sliding_window: int | None = None  # None when the model attends to its full context
+    # "sliding_attention" / "full_attention" per layer (HF's layer_types); None: every layer windowed
+    # when sliding_window is set
+    layer_types: tuple[str, ...] | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     path: str = ""
@@ -81,19 +84,27 @@ class ModelConfig:
 
     @property
     def max_model_len(self) -> int:
-        """Longest sequence served by default: sliding-window attention is not implemented, so a
-        windowed model is capped at its window (where full attention equals windowed attention)."""
-        n = self.max_position_embeddings
-        return min(n, self.sliding_window) if self.sliding_window else n
+        """Longest sequence served by default. Sliding-window layers attend through their window
+        (``AttentionImpl.window``); their KV is kept for the whole context for now (docs/hybrid-models.md)."""
+        return self.max_position_embeddings
+
+    def window_of(self, layer: int) -> int | None:
+        """The attention window of decoder layer ``layer`` (``None``: full attention)."""
+        if not self.sliding_window:
+            return None
+        if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    @property
+    def attention_features(self) -> tuple[str, ...]:
+        """What the layers need of the attention backend (``Capabilities.attention_features``)."""
+        windowed = any(self.window_of(i) for i in range(self.num_layers))
+        return ("sliding_window",) if windowed else ()
 
     def check_max_model_len(self, max_model_len: int) -> None:
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
-        if self.sliding_window and max_model_len > self.sliding_window:
-            raise ValueError(
-                f"max_model_len {max_model_len} exceeds sliding_window {self.sliding_window} of {self.path}; "
-                f"sliding-window attention is not supported (allowed: max_model_len <= {self.sliding_window})"
-            )
 
     def kv_cache_spec(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None) -> KVCacheSpec:
         return KVCacheSpec(
@@ -195,8 +206,13 @@ class ModelConfig:
 
 
 def windowed_if_enabled(f: ConfigFields, common: dict[str, Any]) -> dict[str, Any]:
-    """Qwen-style configs carry a ``sliding_window`` size but use it only with ``use_sliding_window``."""
-    return {} if f.flag("use_sliding_window", False) else {"sliding_window": None}
+    """Qwen-style configs carry a ``sliding_window`` size but use it only with ``use_sliding_window``,
+    and then (as transformers) only in layers ``>= max_window_layers`` (default 28)."""
+    if not f.flag("use_sliding_window", False) or not common.get("sliding_window"):
+        return {"sliding_window": None}
+    first = f.integer("max_window_layers", 28, lo=0)
+    return {"layer_types": tuple("sliding_attention" if i >= first else "full_attention"
+                                 for i in range(common["num_layers"]))}
 
 
 # Per rope type: required keys, then optional ones, as (key, kind, bound) — kind "num": a finite

@@ -92,6 +92,8 @@ class LlamaForCausalLM(nn.Module):
         # one impl per layer (as vLLM): per-layer state such as fp8 KV scales lives in it
         impls = [attention.make_impl(config.num_heads, config.head_dim, config.num_kv_heads, config.head_dim**-0.5)
                  for _ in range(config.num_layers)]
+        for i, impl in enumerate(impls):  # per-layer attention parameters (hwkv.interfaces.attention)
+            impl.window = config.window_of(i)
         self.model = nn.Module()
         self.model.embed_tokens = nn.Module()
         vocab_rows = config.vocab_size if tp is None else vocab_range(config.vocab_size, tp.rank, tp.size)[2]
@@ -119,6 +121,11 @@ class LlamaForCausalLM(nn.Module):
         """The feed-forward block of decoder layer ``layer`` (called during ``__init__``)."""
         cfg = self.config
         return MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, device, dtype)
+
+    @property
+    def attention_features(self) -> tuple[str, ...]:
+        """Per-layer attention parameters this model needs of the backend (checked at Engine construction)."""
+        return self.config.attention_features
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -352,7 +359,12 @@ class LlamaForCausalLM(nn.Module):
         return loaded
 
 
-register(ModelFamily("llama", ("LlamaForCausalLM", "MistralForCausalLM"), LlamaForCausalLM))
+def _llama_config(f: ConfigFields, common: dict[str, Any]) -> dict[str, Any]:
+    # Mistral attends through sliding_window in every layer; Llama has no window (a stray key is ignored, as HF)
+    return {} if common["architecture"] == "MistralForCausalLM" else {"sliding_window": None}
+
+
+register(ModelFamily("llama", ("LlamaForCausalLM", "MistralForCausalLM"), LlamaForCausalLM, _llama_config))
 
 
 def _qwen2_config(f: ConfigFields, common: dict[str, Any]) -> dict[str, Any]:

@@ -120,6 +120,7 @@ class _Group:
     q_valid: torch.Tensor    # [g, Q]
     masked: torch.Tensor     # [1, g, 1, Q, S]: score entries set to -inf
     rows: torch.Tensor       # tok[q_valid]: output rows written
+    qpos: torch.Tensor       # [g, Q, 1]: absolute position of each query row (sliding windows)
 
 
 def _plan(t: int, h: int, k_cache: torch.Tensor, qsl: torch.Tensor, sl: torch.Tensor, block_tables: torch.Tensor,
@@ -164,7 +165,7 @@ def _plan(t: int, h: int, k_cache: torch.Tensor, qsl: torch.Tensor, sl: torch.Te
         blk_rows = (blk[None] * (bs * hkv)).expand(hkv, g, s_len).reshape(-1)
         groups.append(_Group(blocks.reshape(-1), (hkv, g, nblk * bs, d), slots, blk_rows, s_len, q_len,
                              torch.nonzero(~kv_valid, as_tuple=True), tok, q_valid, ~allowed[None, :, None],
-                             tok[q_valid]))
+                             tok[q_valid], (g_ctx[:, None] + j)[:, :, None]))
     return groups
 
 
@@ -193,9 +194,13 @@ def paged_attention(
     scale: float,
     budget: int | None = None,
     kv_scales: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention of ``query`` ``[T, H, D]`` over a paged cache (see module docstring).
     A float8 cache is dequantised with ``kv_scales`` ``[2, H_kv]`` (K, V; default 1.0) in float32.
+    ``window`` / ``softcap`` / ``sinks`` ``[H]`` as :class:`hwkv.interfaces.attention.AttentionImpl`'s.
 
     ``query_start_loc`` ``[R+1]`` and ``seq_lens`` ``[R]`` as in AttentionMetadata (host copies
     preferred); rows of ``query`` past ``query_start_loc[-1]`` (padding) come back zero.
@@ -246,8 +251,19 @@ def paged_attention(
         v[:, p.bad[0], p.bad[1]] = 0  # unused slots may hold NaN: keep 0 * NaN out of the output
         q = (query[p.tok].to(acc) * scale).view(g, q_len, hkv, group, d).permute(2, 0, 3, 1, 4)
         scores = torch.matmul(q.reshape(hkv, g, group * q_len, d), k.transpose(-1, -2))
-        scores = scores.view(hkv, g, group, q_len, s_len).masked_fill_(p.masked, float("-inf"))
-        o = torch.matmul(scores.softmax(-1).view(hkv, g, group * q_len, s_len), v)
+        scores = scores.view(hkv, g, group, q_len, s_len)
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.masked_fill_(p.masked, float("-inf"))
+        if window is not None:  # a query at p sees keys in (p - window, p]
+            out_of_window = torch.arange(s_len, device=dev)[None, None] <= p.qpos - window  # [g, Q, S]
+            scores = scores.masked_fill_(out_of_window[None, :, None], float("-inf"))
+        if sinks is not None:  # one extra logit per head in the denominator, dropped afterwards
+            sink = sinks.to(dev, acc).view(hkv, 1, group, 1, 1).expand(hkv, g, group, q_len, 1)
+            probs = torch.cat([scores, sink], -1).softmax(-1)[..., :s_len]
+        else:
+            probs = scores.softmax(-1)
+        o = torch.matmul(probs.reshape(hkv, g, group * q_len, s_len), v)
         o = o.view(hkv, g, group, q_len, d).permute(1, 3, 0, 2, 4).reshape(g, q_len, h, d)
         out[p.rows] = o[p.q_valid].to(out.dtype)
     return out
@@ -275,7 +291,7 @@ class ReferenceAttentionImpl(AttentionImpl):
             raise ValueError(f"metadata.block_size {metadata.block_size} != KV cache block size {bs}")
         return paged_attention(
             query, layer_kv, metadata.query_start_loc_cpu, metadata.seq_lens_cpu, metadata.block_tables, self.scale,
-            kv_scales=self._scales(layer_kv),
+            kv_scales=self._scales(layer_kv), window=self.window, softcap=self.softcap, sinks=self.sinks,
         )
 
     def _scales(self, layer_kv: Any) -> torch.Tensor | None:

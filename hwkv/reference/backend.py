@@ -32,6 +32,7 @@ class CpuBackend(Backend):
             transfer_reason="" if tcp else f"tcp: {NOT_INSTALLED}",
             graph_capture=False,
             kv_cache_dtypes=("auto", "fp8_e4m3"),  # e4m3 with per-head float32 scales
+            attention_features=("sliding_window", "logit_softcap", "attention_sinks"),
         )
         self._device = CpuDevice()
         self._attention = ReferenceAttentionBackend()

@@ -210,10 +210,15 @@ def test_config_details(tiny):
                                "use_sliding_window": False, "dtype": "bfloat16"})
     assert q.qkv_bias and not q.o_bias and q.sliding_window is None and q.dtype == torch.bfloat16
     mis = ModelConfig.from_dict({**base, "architectures": ["MistralForCausalLM"], "sliding_window": 64})
-    assert mis.sliding_window == 64 and mis.max_model_len == 64
-    mis.check_max_model_len(64)
-    with pytest.raises(ValueError, match="max_model_len 65 exceeds sliding_window 64"):
-        mis.check_max_model_len(65)
+    # windowed attention is computed, so the context is no longer capped at the window
+    assert mis.sliding_window == 64 and mis.max_model_len == mis.max_position_embeddings
+    assert mis.window_of(0) == 64 and mis.attention_features == ("sliding_window",)
+    mis.check_max_model_len(65)
+    qw = ModelConfig.from_dict({**base, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 32,
+                                "use_sliding_window": True, "max_window_layers": 1, "num_hidden_layers": 2})
+    assert [qw.window_of(i) for i in range(2)] == [None, 32]
+    ll = ModelConfig.from_dict({**base, "sliding_window": 64})
+    assert ll.sliding_window is None and ll.attention_features == ()
     llama = ModelConfig.from_dict({**base, "attention_bias": True, "head_dim": 32, "eos_token_id": [1, 2]})
     assert llama.qkv_bias and llama.o_bias and llama.head_dim == 32 and llama.eos_token_ids == [1, 2]
     l3 = ModelConfig.from_dict({**base, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,

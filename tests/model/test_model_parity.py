@@ -24,6 +24,9 @@ CASES = {
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16}}),
     "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}),
     "mistral": ("mistral", {}),
+    # sliding-window attention (prompts of up to 33 tokens over a window of 8): every layer / only layers >= 1
+    "mistral-window": ("mistral", {"sliding_window": 8}),
+    "qwen2-window": ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
     # head_dim decoupled from hidden_size (4 x 32 != 64), per-head q/k norms, untied and tied
     "qwen3": ("qwen3", {"head_dim": 32}),
     "qwen3-tied-bias": ("qwen3", {"head_dim": 16, "tie_word_embeddings": True, "attention_bias": True}),

@@ -72,6 +72,11 @@ class AscendBackend(Backend):
             # dequantises it through antiquant_scale/antiquant_offset (per channel); not implemented here
             kv_cache_dtypes=("auto",),
             kv_cache_dtype_reason=KV_FP8_REFUSED,
+            # FIA has pre_tokens/next_tokens (a band mask: sliding windows) but the glue does not pass them
+            # yet, and no logit soft-cap or sink logits: refused by name until wired and checked
+            attention_features=(),
+            attention_features_reason="the Ascend glue does not pass FIA's pre_tokens band mask (sliding "
+                                      "window) yet, and FIA has no logit soft-cap or attention sinks",
             extras={"torch_npu": str(getattr(npu, "__version__", "?")), "soc": soc,
                     "emulated": "yes" if self._device.emulated else "no",
                     "graphs": "acl (task update)" if graphs else f"off: {graphs_why}"},

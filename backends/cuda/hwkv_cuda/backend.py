@@ -63,6 +63,9 @@ class CudaBackend(Backend):
             graph_capture=True,
             max_gqa_ratio=64,
             kv_cache_dtypes=("auto", "fp8_e4m3"),  # e4m3 with per-head float32 scales
+            attention_features=(),
+            attention_features_reason="the Triton paged-attention kernels have no sliding-window mask, logit "
+                                      "soft-cap or attention sinks yet (the cpu reference backend computes them)",
             extras={"kernels": "triton unified paged attention (split-KV)", "transfer": why},
         )
         self._device = CudaDevice(index)
