@@ -27,6 +27,9 @@ CASES = {
     # sliding-window attention (prompts of up to 33 tokens over a window of 8): every layer / only layers >= 1
     "mistral-window": ("mistral", {"sliding_window": 8}),
     "qwen2-window": ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+    # Gemma 2: alternating window (8) / global layers, attention and final logit soft-caps, (1 + w) norms
+    "gemma2": ("gemma2", {"head_dim": 16, "sliding_window": 8, "num_hidden_layers": 3, "query_pre_attn_scalar": 24,
+                          "attn_logit_softcapping": 2.0, "final_logit_softcapping": 5.0}),
     # head_dim decoupled from hidden_size (4 x 32 != 64), per-head q/k norms, untied and tied
     "qwen3": ("qwen3", {"head_dim": 32}),
     "qwen3-tied-bias": ("qwen3", {"head_dim": 16, "tie_word_embeddings": True, "attention_bias": True}),
@@ -40,7 +43,8 @@ CASES = {
 
 def hf_checkpoint(path, arch: str, **overrides):
     """A random float32 HF model (biases and norms randomised too) saved with save_pretrained."""
-    names = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe"}[arch]
+    names = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe",
+             "gemma2": "Gemma2"}[arch]
     cfg_cls = getattr(transformers, f"{names}Config")
     model_cls = getattr(transformers, f"{names}ForCausalLM")
     kwargs = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
