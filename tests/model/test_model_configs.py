@@ -82,7 +82,8 @@ def test_fields_of_real_configs():
     q = ModelConfig.from_dict(QWEN25_7B)
     assert q.qkv_bias and not q.o_bias and q.sliding_window is None and q.max_model_len == 32768
     m = ModelConfig.from_dict(MISTRAL_7B_V01)
-    assert m.sliding_window == 4096 and m.max_model_len == 4096  # window not implemented: capped
+    assert m.sliding_window == 4096 and m.max_model_len == 32768  # windowed attention: the whole context
+    assert m.window_of(0) == 4096 and m.attention_features == ("sliding_window",)
     q3 = ModelConfig.from_dict(QWEN3_8B)  # head_dim 128 with 32 heads on a 4096 stream; 0.6B: 16 x 128 on 1024
     assert (q3.head_dim, q3.num_heads, q3.hidden_size, q3.qkv_bias, q3.o_bias) == (128, 32, 4096, False, False)
     q06 = ModelConfig.from_dict(QWEN3_06B)
