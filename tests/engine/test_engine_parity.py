@@ -1,6 +1,7 @@
 """Greedy parity with HF transformers ``generate`` on tiny random-weight checkpoints.
 
-Llama, Qwen2 and Mistral configs are built with transformers and written with ``save_pretrained``;
+Llama, Qwen2, Mistral (full and sliding-window) and Gemma 2 (hybrid window/global, soft-caps)
+configs are built with transformers and written with ``save_pretrained``;
 HF generates each prompt alone (no padding); our engine runs the whole batch under several
 scheduler configurations, each of which must produce identical tokens.
 """
@@ -45,14 +46,21 @@ def _hf_model(arch: str):
     elif arch == "qwen2":
         cfg = transformers.Qwen2Config(**kw)
         cls = transformers.Qwen2ForCausalLM
-    else:
+    elif arch == "mistral":
         cfg = transformers.MistralConfig(**kw, sliding_window=None)
         cls = transformers.MistralForCausalLM
-    torch.manual_seed({"llama": 0, "qwen2": 1, "mistral": 2}[arch])
+    elif arch == "mistral-window":  # every layer attends through a window of 8 (prompts up to 45 + 32 tokens)
+        cfg = transformers.MistralConfig(**kw, sliding_window=8)
+        cls = transformers.MistralForCausalLM
+    else:  # gemma2: a window-8 layer and a global one, attention and logit soft-caps
+        cfg = transformers.Gemma2Config(**{**kw, "tie_word_embeddings": True}, head_dim=16, query_pre_attn_scalar=16,
+                                        sliding_window=8, attn_logit_softcapping=5.0, final_logit_softcapping=8.0)
+        cls = transformers.Gemma2ForCausalLM
+    torch.manual_seed({"llama": 0, "qwen2": 1, "mistral": 2, "mistral-window": 3, "gemma2": 4}[arch])
     return cls(cfg).float().eval()
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "mistral"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "mistral", "mistral-window", "gemma2"])
 def hf_case(request, tmp_path_factory):
     arch = request.param
     model = _hf_model(arch)
