@@ -167,7 +167,7 @@ class ModelConfig:
         if head_dim % 2:  # RoPE rotates pairs of dimensions
             raise f.fail("head_dim", head_dim, "an even integer >= 2")
         max_pos = f.integer("max_position_embeddings", 2048)
-        theta, scaling = _parse_rope(f, max_pos)
+        theta, scaling = _parse_rope(f, max_pos, per_layer=family.per_layer_rope)
         attn_bias = f.flag("attention_bias", False)
         dtype_s = f.string("dtype", None) or f.string("torch_dtype", None)
         try:
@@ -227,13 +227,16 @@ _ROPE_KEYS: dict[str, tuple[tuple[tuple[str, str, float], ...], tuple[tuple[str,
 }
 
 
-def _parse_rope(f: ConfigFields, max_pos: int) -> tuple[float, dict[str, Any] | None]:
+def _parse_rope(f: ConfigFields, max_pos: int, per_layer: bool = False) -> tuple[float, dict[str, Any] | None]:
     """``(rope_theta, scaling)`` from either the ``rope_parameters`` or the ``rope_scaling`` form,
-    every value validated."""
+    every value validated. ``per_layer``: the family reads per-layer-type ``rope_parameters`` (Gemma 3)
+    itself; the common fields take the ``full_attention`` entry."""
     key = "rope_parameters" if f.raw("rope_parameters") else "rope_scaling"
     params = f.raw(key, {})
     if not isinstance(params, dict):
         raise f.fail(key, params, "an object or null")
+    if per_layer and isinstance(params.get("full_attention"), dict):
+        params = params["full_attention"]
     if any(isinstance(v, dict) for v in params.values()):
         raise f.error("per-layer-type rope_parameters are not supported")
     p = f.nested(key, params)

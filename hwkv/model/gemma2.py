@@ -87,13 +87,17 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         for i, layer in enumerate(self.model.layers):
             if (hk := self.layer_hooks) is not None:
                 hk.wait_for_layer_load(i)
-            out = layer.self_attn(layer.input_layernorm(h), positions, self.rotary_emb, kv_cache.layer(i),
+            out = layer.self_attn(layer.input_layernorm(h), positions, self.rope_of(i), kv_cache.layer(i),
                                   attn_metadata, slot_mapping)
             if hk is not None:
                 hk.save_kv_layer(i, kv_cache.layer(i), attn_metadata)
             h = h + layer.post_attention_layernorm(out)
             h = h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
         return h
+
+    def rope_of(self, layer: int) -> Any:
+        """The rotary embedding of decoder layer ``layer`` (Gemma 3: a local one for window layers)."""
+        return self.rotary_emb
 
     def compute_logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         logits = super().compute_logits(hidden, logits_indices)

@@ -16,7 +16,8 @@ from typing import Any
 
 from hwkv.model.fields import ConfigFields
 
-BUILTIN_FAMILIES = ("hwkv.model.llama", "hwkv.model.qwen3", "hwkv.model.qwen3_moe", "hwkv.model.gemma2")
+BUILTIN_FAMILIES = ("hwkv.model.llama", "hwkv.model.qwen3", "hwkv.model.qwen3_moe", "hwkv.model.gemma2",
+                     "hwkv.model.gemma3")
 
 # (validated config.json reader, the common fields already read) -> the family's ModelConfig fields
 ConfigAdapter = Callable[[ConfigFields, dict[str, Any]], dict[str, Any]]
@@ -45,6 +46,7 @@ class ModelFamily:
     model_class: type
     adapt_config: ConfigAdapter = no_adaptation
     fused_decode: str | None = None
+    per_layer_rope: bool = False  # the family reads per-layer-type rope_parameters itself (Gemma 3)
 
 
 _FAMILIES: dict[str, ModelFamily] = {}

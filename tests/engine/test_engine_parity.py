@@ -52,15 +52,20 @@ def _hf_model(arch: str):
     elif arch == "mistral-window":  # every layer attends through a window of 8 (prompts up to 45 + 32 tokens)
         cfg = transformers.MistralConfig(**kw, sliding_window=8)
         cls = transformers.MistralForCausalLM
+    elif arch == "gemma3":  # window-8 layers with their own RoPE base, then a global one; q/k norms
+        cfg = transformers.Gemma3TextConfig(**{**kw, "tie_word_embeddings": True, "num_hidden_layers": 3}, head_dim=16,
+                                            query_pre_attn_scalar=16, sliding_window=8, sliding_window_pattern=3)
+        cls = transformers.Gemma3ForCausalLM
     else:  # gemma2: a window-8 layer and a global one, attention and logit soft-caps
         cfg = transformers.Gemma2Config(**{**kw, "tie_word_embeddings": True}, head_dim=16, query_pre_attn_scalar=16,
                                         sliding_window=8, attn_logit_softcapping=5.0, final_logit_softcapping=8.0)
         cls = transformers.Gemma2ForCausalLM
-    torch.manual_seed({"llama": 0, "qwen2": 1, "mistral": 2, "mistral-window": 3, "gemma2": 4}[arch])
+    torch.manual_seed({"llama": 0, "qwen2": 1, "mistral": 2, "mistral-window": 3, "gemma2": 4, "gemma3": 5}[arch])
     return cls(cfg).float().eval()
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "mistral", "mistral-window", "gemma2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "mistral", "mistral-window", "gemma2",
+                                                   "gemma3"])
 def hf_case(request, tmp_path_factory):
     arch = request.param
     model = _hf_model(arch)

@@ -30,6 +30,12 @@ CASES = {
     # Gemma 2: alternating window (8) / global layers, attention and final logit soft-caps, (1 + w) norms
     "gemma2": ("gemma2", {"head_dim": 16, "sliding_window": 8, "num_hidden_layers": 3, "query_pre_attn_scalar": 24,
                           "attn_logit_softcapping": 2.0, "final_logit_softcapping": 5.0}),
+    # Gemma 3: q/k norms, local RoPE base on window layers, layer 3 global (pattern 3), linear-scaled global RoPE
+    "gemma3": ("gemma3", {"head_dim": 16, "sliding_window": 8, "num_hidden_layers": 3, "query_pre_attn_scalar": 24,
+                          "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+                          "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                              "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0,
+                                                                 "factor": 8.0}}}),
     # head_dim decoupled from hidden_size (4 x 32 != 64), per-head q/k norms, untied and tied
     "qwen3": ("qwen3", {"head_dim": 32}),
     "qwen3-tied-bias": ("qwen3", {"head_dim": 16, "tie_word_embeddings": True, "attention_bias": True}),
@@ -44,9 +50,9 @@ CASES = {
 def hf_checkpoint(path, arch: str, **overrides):
     """A random float32 HF model (biases and norms randomised too) saved with save_pretrained."""
     names = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe",
-             "gemma2": "Gemma2"}[arch]
+             "gemma2": "Gemma2", "gemma3": "Gemma3Text"}[arch]
     cfg_cls = getattr(transformers, f"{names}Config")
-    model_cls = getattr(transformers, f"{names}ForCausalLM")
+    model_cls = getattr(transformers, f"{names.removesuffix('Text')}ForCausalLM")
     kwargs = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=300, initializer_range=0.1, max_position_embeddings=256,
                   rms_norm_eps=1e-5)
