@@ -17,7 +17,7 @@ from typing import Any
 from hwkv.model.fields import ConfigFields
 
 BUILTIN_FAMILIES = ("hwkv.model.llama", "hwkv.model.qwen3", "hwkv.model.qwen3_moe", "hwkv.model.gemma2",
-                     "hwkv.model.gemma3")
+                     "hwkv.model.gemma3", "hwkv.model.gpt_oss")
 
 # (validated config.json reader, the common fields already read) -> the family's ModelConfig fields
 ConfigAdapter = Callable[[ConfigFields, dict[str, Any]], dict[str, Any]]

@@ -56,16 +56,22 @@ def _hf_model(arch: str):
         cfg = transformers.Gemma3TextConfig(**{**kw, "tie_word_embeddings": True, "num_hidden_layers": 3}, head_dim=16,
                                             query_pre_attn_scalar=16, sliding_window=8, sliding_window_pattern=3)
         cls = transformers.Gemma3ForCausalLM
+    elif arch == "gpt_oss":  # sinks, a window-8 layer and a global one, 4 experts top-2
+        cfg = transformers.GptOssConfig(**kw, head_dim=16, sliding_window=8, num_local_experts=4,
+                                        num_experts_per_tok=2,
+                                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+        cls = transformers.GptOssForCausalLM
     else:  # gemma2: a window-8 layer and a global one, attention and logit soft-caps
         cfg = transformers.Gemma2Config(**{**kw, "tie_word_embeddings": True}, head_dim=16, query_pre_attn_scalar=16,
                                         sliding_window=8, attn_logit_softcapping=5.0, final_logit_softcapping=8.0)
         cls = transformers.Gemma2ForCausalLM
-    torch.manual_seed({"llama": 0, "qwen2": 1, "mistral": 2, "mistral-window": 3, "gemma2": 4, "gemma3": 5}[arch])
+    seeds = {"llama": 0, "qwen2": 1, "mistral": 2, "mistral-window": 3, "gemma2": 4, "gemma3": 5, "gpt_oss": 6}
+    torch.manual_seed(seeds[arch])
     return cls(cfg).float().eval()
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "mistral", "mistral-window", "gemma2",
-                                                   "gemma3"])
+                                                   "gemma3", "gpt_oss"])
 def hf_case(request, tmp_path_factory):
     arch = request.param
     model = _hf_model(arch)
@@ -74,6 +80,10 @@ def hf_case(request, tmp_path_factory):
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.2)
+    if arch == "gpt_oss":  # sinks are created empty: give them values that matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_(0, 1.0)
     path = tmp_path_factory.mktemp(f"hf-{arch}")
     model.save_pretrained(path)
     ref = []

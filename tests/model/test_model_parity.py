@@ -36,6 +36,9 @@ CASES = {
                           "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                               "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0,
                                                                  "factor": 8.0}}}),
+    # GPT-OSS: sinks, alternating window-8 / global layers, biased attention, 4 clamped-SwiGLU experts (top-2), yarn
+    "gpt_oss": ("gpt_oss", {"head_dim": 16, "sliding_window": 8, "num_hidden_layers": 2, "num_local_experts": 4,
+                            "num_experts_per_tok": 2, "swiglu_limit": 1.0}),
     # head_dim decoupled from hidden_size (4 x 32 != 64), per-head q/k norms, untied and tied
     "qwen3": ("qwen3", {"head_dim": 32}),
     "qwen3-tied-bias": ("qwen3", {"head_dim": 16, "tie_word_embeddings": True, "attention_bias": True}),
@@ -50,7 +53,8 @@ CASES = {
 def hf_checkpoint(path, arch: str, **overrides):
     """A random float32 HF model (biases and norms randomised too) saved with save_pretrained."""
     names = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe",
-             "gemma2": "Gemma2", "gemma3": "Gemma3Text"}[arch]
+             "gemma2": "Gemma2", "gemma3": "Gemma3Text",
+             "gpt_oss": "GptOss"}[arch]
     cfg_cls = getattr(transformers, f"{names}Config")
     model_cls = getattr(transformers, f"{names.removesuffix('Text')}ForCausalLM")
     kwargs = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -65,6 +69,8 @@ def hf_checkpoint(path, arch: str, **overrides):
                 p.normal_(0, 0.1)
             elif "norm" in name:
                 p.normal_(1, 0.1)
+            elif arch == "gpt_oss" and (name.endswith("sinks") or "router" in name or "experts" in name):
+                p.normal_(0, 0.3)
     model.save_pretrained(path)
     return model
 

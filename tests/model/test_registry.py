@@ -14,8 +14,8 @@ from hwkv.model import registry as reg
 from hwkv.model.decode_ops import TorchDecodeOps
 from hwkv.model.tiny import write_tiny_model
 
-ALL = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-       "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+ALL = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
+       "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 
 @pytest.fixture
