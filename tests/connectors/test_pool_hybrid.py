@@ -1,0 +1,51 @@
+"""The pool connector with a sliding-window model: a second engine loads the first one's prefix
+(and recomputes when the pool lost it) and gives the plain engine's tokens, nothing leaked."""
+
+from __future__ import annotations
+
+import pytest
+
+import hwkv
+from hwkv import SamplingParams
+from hwkv.connectors.pool.store import embedded_store
+from hwkv.model.tiny import write_tiny_model
+
+from .test_pool import BS, PROMPT, Flaky, _close, _engine, _run, _settle, store_name  # noqa: F401
+
+
+@pytest.fixture(scope="module")
+def windowed_dir(tmp_path_factory):
+    # window 16 against a 150-token prompt: most keys fall out of the window
+    return str(write_tiny_model(tmp_path_factory.mktemp("pool-hybrid") / "m", arch="mistral", sliding_window=16,
+                                max_position_embeddings=512))
+
+
+@pytest.fixture(scope="module")
+def windowed_oracle(windowed_dir):
+    e = hwkv.Engine(windowed_dir, num_kv_blocks=64, max_model_len=256, block_size=BS)
+    return e.generate([PROMPT], SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)[0].token_ids
+
+
+def test_windowed_model_loads_from_the_pool(windowed_dir, windowed_oracle, store_name):  # noqa: F811
+    a, b = _engine(windowed_dir, store_name=store_name), _engine(windowed_dir, store_name=store_name)
+    try:
+        assert _run(a, PROMPT) == windowed_oracle
+        _settle(a)
+        assert _run(b, PROMPT) == windowed_oracle
+        assert _settle(b)["external_hit_tokens"] == 9 * BS
+    finally:
+        _close(a, b)
+
+
+def test_windowed_model_lost_keys_recompute(windowed_dir, windowed_oracle, store_name):  # noqa: F811
+    flaky = Flaky(embedded_store(store_name))
+    a, b = _engine(windowed_dir, store=flaky), _engine(windowed_dir, store=flaky)
+    try:
+        _run(a, PROMPT)
+        _settle(a)
+        flaky.lose_gets = True
+        assert _run(b, PROMPT) == windowed_oracle
+        sb = _settle(b)
+        assert sb["load_failures"] == 1 and sb["external_hit_tokens"] == 0
+    finally:
+        _close(a, b)
