@@ -1,0 +1,38 @@
+"""P/D (p2p connector) with a sliding-window model: decode continues from the remote prefill with
+the plain engine's tokens, nothing left pinned on either side."""
+
+from __future__ import annotations
+
+import pytest
+
+from hwkv.model.tiny import write_tiny_model
+from hwkv.testing.mooncake import skip_unless_mooncake
+
+from .conftest import engine, greedy
+from .test_p2p_engine import assert_clean, cfg, decode, prefill, prompts
+
+skip_unless_mooncake(allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def windowed_dir(tmp_path_factory):
+    # window 8 against prompts of 5..70 tokens
+    return str(write_tiny_model(tmp_path_factory.mktemp("p2p-hybrid") / "m", arch="mistral", sliding_window=8,
+                                max_position_embeddings=256))
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_windowed_model_decode_from_remote_prefill_token_identical(windowed_dir, mode):
+    want = [o.token_ids for o in engine(windowed_dir, num_kv_blocks=16).generate(prompts(), greedy(6),
+                                                                                    use_tqdm=False)]
+    p = engine(windowed_dir, num_kv_blocks=16, kv_connector="p2p", kv_connector_config=cfg("producer", mode))
+    d = engine(windowed_dir, num_kv_blocks=16, kv_connector="p2p", kv_connector_config=cfg("consumer", mode))
+    try:
+        got = [decode(d, q, prefill(p, q)) for q in prompts()]
+        assert got == want
+        st = d.stats()["kv_connector"]
+        assert st["load_failures"] == 0 and st["external_hit_tokens"] == sum(len(q) - 1 for q in prompts())
+        assert_clean(p, d)
+    finally:
+        p.close()
+        d.close()
