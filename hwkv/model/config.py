@@ -148,9 +148,10 @@ class ModelConfig:
                 f"(supported: {', '.join(supported_architectures())})"
             )
         arch, family = found
-        act = f.string("hidden_act", "silu")
-        if act != "silu":
-            raise ModelLoadError(f"{source}: hidden_act {act!r} is not supported (allowed: silu)")
+        act = f.string("hidden_act", None) or family.activations[0]
+        if act not in family.activations:
+            raise ModelLoadError(f"{source}: hidden_act {act!r} is not supported (allowed: "
+                                 f"{', '.join(family.activations)})")
         hidden, heads = f.integer("hidden_size"), f.integer("num_attention_heads")
         kv_heads = f.integer("num_key_value_heads", heads, hi=heads)
         if heads % kv_heads:

@@ -29,6 +29,7 @@ from hwkv.model.registry import ModelFamily, register
 
 GEMMA_FUSED_REFUSAL = "Gemma's (1 + w) norms, post-sublayer norms and GELU MLP are not part of DecodeOps"
 LAYER_TYPES = ("sliding_attention", "full_attention")
+GEMMA_ACTS = ("gelu_pytorch_tanh", "gelu")  # HF Gemma 2/3 compute the tanh approximation for both
 
 
 def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -123,4 +124,4 @@ def _gemma2_config(f: ConfigFields, common: dict[str, Any]) -> dict[str, Any]:
 
 
 register(ModelFamily("gemma2", ("Gemma2ForCausalLM",), Gemma2ForCausalLM, _gemma2_config,
-                     fused_decode=GEMMA_FUSED_REFUSAL))
+                     fused_decode=GEMMA_FUSED_REFUSAL, activations=GEMMA_ACTS))

@@ -14,7 +14,7 @@ import torch
 from hwkv.interfaces.attention import AttentionImpl
 from hwkv.model.config import ModelConfig
 from hwkv.model.fields import ConfigFields
-from hwkv.model.gemma2 import GEMMA_FUSED_REFUSAL, LAYER_TYPES, Gemma2ForCausalLM, GemmaRMSNorm
+from hwkv.model.gemma2 import GEMMA_ACTS, GEMMA_FUSED_REFUSAL, LAYER_TYPES, Gemma2ForCausalLM, GemmaRMSNorm
 from hwkv.model.llama import Attention
 from hwkv.model.registry import ModelFamily, register
 from hwkv.model.rope import RotaryEmbedding
@@ -71,4 +71,4 @@ def _gemma3_config(f: ConfigFields, common: dict[str, Any]) -> dict[str, Any]:
 
 
 register(ModelFamily("gemma3", ("Gemma3ForCausalLM",), Gemma3ForCausalLM, _gemma3_config,
-                     fused_decode=GEMMA_FUSED_REFUSAL, per_layer_rope=True))
+                     fused_decode=GEMMA_FUSED_REFUSAL, per_layer_rope=True, activations=GEMMA_ACTS))

@@ -46,6 +46,7 @@ class ModelFamily:
     model_class: type
     adapt_config: ConfigAdapter = no_adaptation
     fused_decode: str | None = None
+    activations: tuple[str, ...] = ("silu",)  # the hidden_act values the family computes
     per_layer_rope: bool = False  # the family reads per-layer-type rope_parameters itself (Gemma 3)
 
 

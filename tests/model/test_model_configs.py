@@ -94,6 +94,38 @@ def test_fields_of_real_configs():
                          "moe_intermediate_size": 768, "sparse_layers": tuple(range(48))}
 
 
+GEMMA2_2B = {
+    "architectures": ["Gemma2ForCausalLM"], "attn_logit_softcapping": 50.0, "bos_token_id": 2, "eos_token_id": 1,
+    "final_logit_softcapping": 30.0, "head_dim": 256, "hidden_act": "gelu_pytorch_tanh",
+    "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 2304, "intermediate_size": 9216,
+    "max_position_embeddings": 8192, "model_type": "gemma2", "num_attention_heads": 8, "num_hidden_layers": 26,
+    "num_key_value_heads": 4, "pad_token_id": 0, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06,
+    "rope_theta": 10000.0, "sliding_window": 4096, "torch_dtype": "float32", "vocab_size": 256000,
+}
+GEMMA3_1B = {
+    "architectures": ["Gemma3ForCausalLM"], "attn_logit_softcapping": None, "bos_token_id": 2, "eos_token_id": [1, 106],
+    "final_logit_softcapping": None, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1152,
+    "intermediate_size": 6912, "max_position_embeddings": 32768, "model_type": "gemma3_text",
+    "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1, "pad_token_id": 0,
+    "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000, "rope_scaling": None,
+    "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6, "torch_dtype": "bfloat16",
+    "vocab_size": 262144,
+}
+
+
+def test_fields_of_real_gemma_configs():
+    g2 = ModelConfig.from_dict(GEMMA2_2B)  # hidden_act gelu_pytorch_tanh is Gemma's, refused for Llama
+    assert [g2.window_of(i) for i in range(4)] == [4096, None, 4096, None] and g2.max_model_len == 8192
+    assert g2.extra == {"query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
+    assert g2.tie_word_embeddings and g2.head_dim == 256
+    g3 = ModelConfig.from_dict(GEMMA3_1B)  # the transformers-4 form: rope_local_base_freq, sliding_window_pattern
+    assert [i for i in range(26) if g3.window_of(i) is None] == [5, 11, 17, 23]
+    assert g3.rope_theta == 1e6 and g3.extra["rope_local_theta"] == 10000 and g3.eos_token_ids == [1, 106]
+    assert g3.attention_features == ("sliding_window",) and g3.max_model_len == 32768
+    with pytest.raises(Exception, match="hidden_act 'gelu_pytorch_tanh' is not supported \\(allowed: silu\\)"):
+        ModelConfig.from_dict({**LLAMA2_7B, "hidden_act": "gelu_pytorch_tanh"})
+
+
 @pytest.mark.parametrize("name", list(REAL))
 def test_rope_frequencies_equal_transformers(name):
     transformers = pytest.importorskip("transformers")
