@@ -28,6 +28,9 @@ def run(
     *,
     run_first: Sequence[str] = (),
     stop_at_first_failure: bool = False,
+    workers: int = 1,
+    devices: int = 1,
+    quick: bool = False,
 ) -> dict[str, Any]:
     """Run the suite in this process against ``backend``; return the JSON report as a dict.
 
@@ -36,7 +39,10 @@ def run(
     such as ``-k``, ``--tolerance-override``, ...) are refused with ``certify``. ``run_first`` (test id
     substrings run before the others) and ``stop_at_first_failure`` only shorten a failing run: a
     run stops only after a test that is not PASS or NOT_SUPPORTED, so they never turn a failing run
-    into a certified one (the report says ``stopped_early``). Raises ``ValueError`` for an unknown
+    into a certified one (the report says ``stopped_early``). ``workers`` > 1 runs the suite in that
+    many processes that claim tests from one shared list (:mod:`conformance.parallel`; a registered
+    backend name only); ``devices`` >= 2 spreads the workers over that many devices and adds the
+    multi-device tests; ``quick`` is the smoke subset (never a certification). Raises ``ValueError`` for an unknown
     backend or refused arguments and :class:`hwkv.interfaces.BackendUnavailable` when the backend
     cannot run here.
     """
@@ -57,9 +63,16 @@ def run(
     name = instance.name if instance is not None else backend
     if instance is None:
         get_backend(name)  # fail fast with the plugin manager's reason
-    args = [str(SUITE_DIR), "--backend", name, "-p", "no:cacheprovider", "-q", "-rfE"]
-    if certify:
-        args.append("--certify")
+    if quick and certify:
+        raise ValueError("quick=True is a smoke subset; it cannot certify")
+    if workers < 1 or devices < 1:
+        raise ValueError(f"workers and devices must be >= 1, got workers={workers}, devices={devices}")
+    opts = (["--certify"] if certify else []) + (["--quick"] if quick else [])
+    if workers > 1:
+        if instance is not None or run_first or stop_at_first_failure:
+            raise ValueError("workers > 1 takes a registered backend name, without run_first/stop_at_first_failure")
+        return _run_parallel(name, workers, devices, [*opts, *pytest_args], report_dir)
+    args = [str(SUITE_DIR), "--backend", name, "-p", "no:cacheprovider", "-q", "-rfE", f"--devices={devices}", *opts]
     if report_dir is not None:
         args += ["--report", str(report_dir)]
     plugin = ReportPlugin(instance, run_first=run_first, stop_at_first_failure=stop_at_first_failure)
@@ -68,3 +81,26 @@ def run(
         raise ValueError(f"conformance run did not complete (pytest exit code {int(code)}); see the output above")
     plugin.report["pytest_exit_code"] = int(code)
     return plugin.report
+
+
+def _run_parallel(name: str, workers: int, devices: int, args: list[str], report_dir: str | Path | None) -> dict[str, Any]:
+    import os
+    import tempfile
+    import time
+
+    from conformance.parallel import merge, run_workers
+    from conformance.report import write_report
+    from hwkv.plugins import get_backend
+
+    env = getattr(get_backend(name).device, "visible_devices_env", None)
+    t0 = time.time()
+    keep = os.environ.get("HWKV_CONFORMANCE_WORKDIR")  # keep the workers' logs and per-test times there
+    with tempfile.TemporaryDirectory(prefix="hwkv-conformance-") as d:
+        d = keep or d
+        parts = run_workers(name, workers, devices, args, env, Path(d))
+        report = merge(parts, Path(d))
+    report["duration_s"] = round(time.time() - t0, 2)
+    report["pytest_exit_code"] = max((p["returncode"] or 0) for p in parts)
+    if report_dir is not None:
+        write_report(report, Path(report_dir))
+    return report

@@ -104,6 +104,14 @@ class Coverage:
         for name, value in args.items():
             self.values.setdefault((method, name), set()).add(summarize(name, value))
 
+    def state(self) -> list[list[Any]]:
+        """Every noted value (JSON-able), for :meth:`merge` in another process."""
+        return [[m, a, sorted(v)] for (m, a), v in sorted(self.values.items())]
+
+    def merge(self, state: list[list[Any]]) -> None:
+        for m, a, vals in state:
+            self.values.setdefault((m, a), set()).update(vals)
+
     def table(self) -> list[dict[str, Any]]:
         return [{"method": m, "arg": a, "distinct": len(v), "values": sorted(v)[:SHOWN]}
                 for (m, a), v in sorted(self.values.items())]

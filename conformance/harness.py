@@ -115,8 +115,8 @@ class AttentionCase:
     v_new: torch.Tensor
     k_ctx: torch.Tensor  # [C, Hkv, D] cached prefixes of all requests, concatenated
     v_ctx: torch.Tensor
-    decoy: torch.Tensor  # [C + T, Hkv, D] written to layer 0 at the same slots
-    fill_seed: int
+    decoy: torch.Tensor | None  # [C + T, Hkv, D] written to layer 0 at the same slots (None: none)
+    fill_seed: int | None  # garbage fill of the cache (None: the zero-filled cache as allocated)
     scale: float
     strided: bool = False  # q/k/v passed as views of one fused qkv tensor (what models pass)
     # a second step through the same impl and builder: every request decodes one more token, the
@@ -169,7 +169,8 @@ def run_attention(backend: Backend, case: AttentionCase, dtype: torch.dtype, kv_
     ``kv_dtype``: the cache's storage dtype (fp8: quantised with ``kv_scales`` ``[2, H_kv]``)."""
     dev = backend.device.torch_device
     spec = case.spec(kv_dtype or dtype)
-    kv = new_cache(backend, spec, fill=torch.Generator().manual_seed(case.fill_seed))
+    fill = None if case.fill_seed is None else torch.Generator().manual_seed(case.fill_seed)
+    kv = new_cache(backend, spec, fill=fill)
     impl = backend.attention.make_impl(case.num_heads, case.head_size, case.num_kv_heads, case.scale)
     if kv_scales is not None:
         impl.kv_scales = kv_scales.to(dev)
@@ -182,7 +183,8 @@ def run_attention(backend: Backend, case: AttentionCase, dtype: torch.dtype, kv_
     )
     all_slots = torch.cat([ctx_slots, common.slot_mapping.cpu()])
     # Decoys in another layer at the same slots: a backend reading the wrong layer fails.
-    impl.write_kv(on(case.decoy), on(case.decoy.flip(0)), kv.layer(0), all_slots.to(dev))
+    if case.decoy is not None:
+        impl.write_kv(on(case.decoy), on(case.decoy.flip(0)), kv.layer(0), all_slots.to(dev))
     if ctx_slots.numel():  # the cached prefix, as earlier steps would have written it
         _, k, v = qkv(torch.zeros(ctx_slots.numel(), case.num_heads, case.head_size), case.k_ctx, case.v_ctx)
         impl.write_kv(k, v, kv.layer(LAYER), ctx_slots.to(dev))

@@ -97,6 +97,9 @@ class ReportPlugin:
         self.report_dir: Path | None = None
         self.timeout_s = DEFAULT_TIMEOUT_S
         self._t0 = time.time()
+        self.worker: tuple[Path, int] | None = None  # (directory, index) of a parallel worker
+        self.multi_device_ids: list[str] = []
+        self.collection_s: float | None = None
 
     # -- configuration (called by conformance/conftest.py) ------------------------------------
     def configure(self, meta: dict[str, Any], report_dir: str | None, timeout_s: float) -> None:
@@ -109,6 +112,7 @@ class ReportPlugin:
 
     # -- order (verdict-preserving: only makes a failing run fail sooner) -----------------------
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        self.collection_s = round(time.time() - self._t0, 2)
         if self.run_first:
             items.sort(key=lambda it: not any(s in it.nodeid for s in self.run_first))
 
@@ -220,16 +224,38 @@ class ReportPlugin:
         meta = dict(self.meta)
         self.report = {
             **meta,
-            "certified": bool(meta.get("certify")) and all_ok and not meta.get("emulated"),
+            "certified": bool(meta.get("certify")) and all_ok and not meta.get("emulated") and self.worker is None,
             "all_pass_or_not_supported": all_ok,
             "duration_s": round(time.time() - self._t0, 2),
+            "collection_s": self.collection_s,
             "summary": summary,
             "stopped_early": self.stopped_early,
+            "multi_device": {"devices": meta.get("devices", 1), "test_ids": sorted(self.multi_device_ids),
+                             "tests": [{"id": t["id"], "status": t["status"]} for t in tests
+                                       if t["id"] in set(self.multi_device_ids)]},
+            "timing": timing(tests),
             "coverage": self.coverage.table(),
             "tests": tests,
         }
-        if self.report_dir is not None:
+        if self.worker is not None:  # a partial report: only the merge of every worker's can certify
+            directory, index = self.worker
+            part = self.report | {"worker": index, "coverage_state": self.coverage.state()}
+            (directory / f"part-{index}.json").write_text(json.dumps(part))
+        elif self.report_dir is not None:
             write_report(self.report, self.report_dir)
+
+
+def timing(tests: list[dict[str, Any]]) -> dict[str, Any]:
+    """Where the time went: seconds per test function (summed over its parametrisations), slowest tests."""
+    per: dict[str, list[float]] = {}
+    for t in tests:
+        fn = t["id"].split("[")[0]
+        per.setdefault(fn, []).append(t["duration_s"])
+    funcs = sorted(((k, round(sum(v), 2), len(v)) for k, v in per.items()), key=lambda x: -x[1])
+    slow = sorted(tests, key=lambda t: -t["duration_s"])[:15]
+    return {"test_seconds": round(sum(t["duration_s"] for t in tests), 2),
+            "per_function": [{"function": k, "seconds": s, "tests": n} for k, s, n in funcs],
+            "slowest": [{"id": t["id"], "seconds": t["duration_s"]} for t in slow]}
 
 
 def environment() -> dict[str, str]:
@@ -261,9 +287,14 @@ def markdown(report: dict[str, Any]) -> str:
         "| field | value |",
         "| --- | --- |",
     ]
-    for key in ("suite_version", "hwkv_version", "backend", "backend_dist", "backend_version", "device", "emulated",
-                "seed", "certify", "certified", "tolerance_overrides", "duration_s"):
-        lines.append(f"| {key} | {report.get(key)} |")
+    for key in ("suite_version", "hwkv_version", "backend", "backend_dist", "backend_version", "device",
+                "worker_devices", "workers", "devices", "quick", "emulated", "seed", "certify", "certified",
+                "tolerance_overrides", "duration_s", "collection_s"):
+        if key in report:
+            lines.append(f"| {key} | {report.get(key)} |")
+    md = report.get("multi_device") or {}
+    ran = ", ".join(f"`{t['id']}` {t['status']}" for t in md.get("tests", [])) or "none"
+    lines.append(f"| ran on more than one device | {ran} |")
     lines += ["", "| " + " | ".join(STATUSES) + " | total |", "|" + " --- |" * (len(STATUSES) + 1)]
     lines.append("| " + " | ".join(str(s[k]) for k in STATUSES) + f" | {s['total']} |")
     bad = [t for t in report["tests"] if t["status"] not in CERTIFIABLE]

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from conformance.harness import new_cache, randn
+from conformance.harness import new_cache, randn, read_tokens
 from conformance.report import not_supported
 from hwkv.interfaces import KVCache, KVCacheSpec
 
@@ -227,3 +227,92 @@ def test_copy_blocks(backend, check, gen, dtype, direction, on_stream):
     if direction == "in_place":
         with pytest.raises(ValueError):  # contract: within one cache no block is source and destination
             dev.copy_blocks(src, dst, [(1, 2), (2, 3)])
+
+
+# -- suite 3.0: the device runtime the engine's graph and copy paths rely on ------------------------
+def _graphs(caps) -> None:
+    if not caps.graph_capture:
+        not_supported("Capabilities.graph_capture is False: the backend declares no graph capture")
+
+
+def test_graph_replay_reads_inputs_in_place(backend, check, gen):
+    """A captured graph (elementwise work and the backend's own ``write_kv`` of a decode batch)
+    replayed after its inputs changed in place — new values, new slots — computes on the new
+    contents every time and writes the outputs the capture returned; ``empty_cache`` while the graph
+    is alive frees nothing it uses (a fresh allocation right after must not alias its memory)."""
+    caps = backend.capabilities
+    _graphs(caps)
+    dev = backend.device
+    on = dev.torch_device
+    spec = _spec(caps, caps.default_block_size, caps.dtypes[0], num_layers=1)
+    spec = dataclasses.replace(spec, num_blocks=64)
+    kv = dev.allocate_kv_cache(spec, backend.attention.kv_layout)
+    impl = backend.attention.make_impl(spec.num_kv_heads, spec.head_size, spec.num_kv_heads, spec.head_size**-0.5)
+    n = 8
+    x = torch.zeros(4099, device=on)
+    w = torch.zeros(4099, device=on)
+    k = torch.zeros(n, spec.num_kv_heads, spec.head_size, dtype=spec.dtype, device=on)
+    slots = torch.full((n,), -1, dtype=torch.long, device=on)
+    impl.write_kv(k, k, kv.layer(0), slots)  # warm-up outside the capture (lazy kernel state)
+    y0 = x * w + 1
+    dev.synchronize()
+
+    def step():
+        impl.write_kv(k, k + 1, kv.layer(0), slots)
+        return x * w + 1
+
+    graph, y = dev.capture_graph(step, dev.graph_pool(), dev.new_stream())
+    del y0
+    nslots = spec.num_blocks * spec.block_size
+    for trial in range(3):
+        xs, ws = randn(gen, 4099), randn(gen, 4099)
+        ks = randn(gen, n, spec.num_kv_heads, spec.head_size, dtype=spec.dtype)
+        sl = torch.randperm(nslots, generator=gen)[:n]
+        sl[trial] = -1  # padding moves too
+        x.copy_(xs.to(on))
+        w.copy_(ws.to(on))
+        k.copy_(ks.to(on))
+        slots.copy_(sl.to(on))
+        if trial == 1:
+            dev.empty_cache()  # with the graph alive
+            junk = torch.full((1 << 20,), 7.0, device=on)  # reuses whatever empty_cache released
+        graph.replay()
+        dev.synchronize()
+        check.exact(y.cpu(), xs * ws + 1, "copy_blocks", f"graph output after replay {trial} with new inputs")
+        kc, vc = read_tokens(kv, 0)
+        keep = sl >= 0
+        check.exact(kc[sl[keep]], ks[keep], "kv_write", f"write_kv inside the graph, replay {trial}: K at the new slots")
+        check.exact(vc[sl[keep]], (ks[keep].float() + 1).to(spec.dtype) if spec.dtype != torch.float32
+                    else ks[keep] + 1, "kv_write", f"write_kv inside the graph, replay {trial}: V")
+        if trial == 1:
+            assert bool((junk == 7.0).all()), "a replay after empty_cache wrote into memory allocated since"
+    del graph
+
+
+def test_event_on_side_stream(backend, check, gen):
+    """An event recorded on a stream that is not the current one marks that stream's work: after
+    ``event.synchronize()`` (and after ``current_stream().wait_event``) the side stream's result is
+    complete; ``query`` is True once it is. The side stream gets enough work to still be running."""
+    dev = backend.device
+    on = dev.torch_device
+    a = randn(gen, 1024, 1024).to(on)
+    side = dev.new_stream()
+    ev = dev.new_event()
+    dev.synchronize()
+    with dev.stream_context(side):
+        y = a.clone()
+        for _ in range(24):
+            y = (y @ a).mul_(1.0 / 32)
+        z = y.sum()
+    ev.record(side)
+    dev.current_stream().wait_event(ev)
+    after_wait = (z * 1).cpu()  # ordered behind the event on the current stream
+    ev.synchronize()
+    assert ev.query(), "event.query() must be True after event.synchronize()"
+    final = z.cpu()
+    check.exact(after_wait, final, "copy_blocks", "a read ordered behind wait_event(event recorded on a side stream)")
+    y2 = a.clone()
+    for _ in range(24):
+        y2 = (y2 @ a).mul_(1.0 / 32)
+    check.close(final.reshape(1), y2.sum().cpu().reshape(1), torch.float32, "attention",
+                "side-stream result read after event.synchronize()")

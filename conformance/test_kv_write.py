@@ -29,11 +29,19 @@ def _write(backend, spec, k, v, slots, fill_k, fill_v):
     return [read_tokens(kv, layer) for layer in range(NUM_LAYERS)]
 
 
-@pytest.mark.parametrize("pattern", ["scatter", "with_minus_one", "all_minus_one", "production"])
+def minus_one_positions(n: int) -> list[int]:
+    """Token indices padded with -1 wherever a kernel's tiling could mishandle them: the first and
+    the last token, a run of 17 (crosses a 16-token tile), every other token of a stretch, a run of
+    16 aligned to a 16-token tile and a lone one just past it."""
+    return sorted({0, n - 1, *range(100, 117), *range(200, 232, 2), *range(256, 272), 273})
+
+
+@pytest.mark.parametrize("pattern", ["scatter", "with_minus_one", "all_minus_one", "minus_one_positions",
+                                     "production"])
 def test_write_kv(backend, reference, check, gen, dtype, block_size, head_size, pattern):
     """``production``: 4500 tokens over >= 36 blocks (past fixed-size chunks and token limits), some
     padded with -1, K/V as strided views of a fused qkv output (``with_minus_one`` is strided too)."""
-    prod = pattern == "production"
+    prod = pattern in ("production", "minus_one_positions")
     blocks = max(36, -(-5000 // block_size)) if prod else 5
     spec = KVCacheSpec(NUM_LAYERS, blocks, block_size, NUM_KV_HEADS, head_size, dtype)
     check.capability = f"kv_write/{pattern}"
@@ -41,12 +49,14 @@ def test_write_kv(backend, reference, check, gen, dtype, block_size, head_size, 
     if reasons:
         not_supported(reasons)
     n_slots = spec.num_blocks * block_size
-    n = min(n_slots - 1, 4500 if prod else 2 * block_size + 3)
+    n = min(n_slots - 1, (4500 if pattern == "production" else 300) if prod else 2 * block_size + 3)
     slots = torch.randperm(n_slots, generator=gen)[:n]  # distinct, out of order, across blocks
     if pattern in ("with_minus_one", "production"):
         slots[torch.randperm(n, generator=gen)[: max(1, n // (50 if prod else 3))]] = -1
     elif pattern == "all_minus_one":
         slots[:] = -1
+    elif pattern == "minus_one_positions":
+        slots[minus_one_positions(n)] = -1
     shape = (spec.num_kv_heads, head_size)
     k, v = randn(gen, n, *shape, dtype=dtype), randn(gen, n, *shape, dtype=dtype)
     if pattern in ("with_minus_one", "production"):

@@ -143,3 +143,137 @@ def test_batched_existing_and_missing(backend, check, gen):
         assert store.exists(keys) == [k.startswith("k-") and k not in gone for k in keys], "exists after remove"
     finally:
         store.close()
+
+
+# -- suite 3.0: realistic keys, sizes, pressure, clients, mixed batches ------------------------------
+def _keys(n: int, tag: str) -> list[str]:
+    """Keys as connectors make them and worse: 300-character hex chains that differ only at the end,
+    non-ASCII (CJK, Cyrillic, emoji: multi-byte UTF-8) and plain ones."""
+    prefix = "model=llama-3-70b/tp=8/" + "0123456789abcdef" * 18  # > 255 bytes before the part that differs
+    out = []
+    for i in range(n):
+        kind = i % 3
+        out.append(f"{prefix}/{tag}-{i}" if kind == 0 else f"块-ключ-🔑-{tag}-{i}" if kind == 1 else f"{tag}-{i}")
+    return out
+
+
+def test_keys_sizes_and_mixed_batches(backend, check, gen):
+    """Long keys that share a 300-byte prefix, non-ASCII keys; overwrites with a value of another
+    size; one get mixing hits, misses and a size mismatch, one put mixing fits and a value too
+    large for the store: every item's own result, in order, every hit's bytes in its own buffer."""
+    caps = backend.capabilities
+    head = 64 if caps.head_sizes is None or 64 in caps.head_sizes else caps.head_sizes[0]
+    spec = KVCacheSpec(2, 64, caps.default_block_size, 2, head, caps.dtypes[0])
+    src, dst = (backend.device.allocate_kv_cache(spec, backend.attention.kv_layout, host=True) for _ in range(2))
+    for t in src.tensors:
+        t.copy_(randn(gen, *t.shape, dtype=t.dtype))
+    block_bytes = sum(n for _, n in _block(src, 0))
+    store = backend.create_store("embedded", capacity_bytes=40 * block_bytes)
+    try:
+        keys = _keys(24, "k")
+        res = store.put(keys, [_block(src, b) for b in range(24)])
+        assert [r.key for r in res] == keys and all(r.ok for r in res), f"put of long/non-ASCII keys: {res[:3]}"
+        assert store.exists(keys + [keys[0][:-1], keys[1] + "x", keys[1].encode("utf-8").decode("latin-1")]) == \
+            [True] * 24 + [False] * 3, "exists: a key is its whole string (no truncation, no re-encoding)"
+        res = store.get(keys, [_block(dst, b) for b in range(24)])
+        assert all(r.ok for r in res), f"get of long/non-ASCII keys: {[r for r in res if not r.ok][:3]}"
+        for b in range(24):
+            _same_block(check, dst, b, src, b, f"value of key {keys[b][-20:]!r}")
+        # overwrite with a value of another size (two blocks), then read it back whole
+        two = _block(src, 30) + _block(src, 31)
+        assert store.put([keys[3]], [two])[0].ok, "overwrite with a larger value"
+        res = store.get([keys[3]], [_block(dst, 40) + _block(dst, 41)])
+        assert res[0].ok and res[0].nbytes == 2 * block_bytes, f"get after a resizing overwrite: {res}"
+        _same_block(check, dst, 40, src, 30, "first half of the resized value")
+        _same_block(check, dst, 41, src, 31, "second half of the resized value")
+        assert isinstance(store.get([keys[3]], [_block(dst, 42)])[0].error, SizeMismatch), \
+            "a one-block buffer for the two-block value is a SizeMismatch"
+        # one get: hits, misses and a size mismatch interleaved
+        for t in dst.tensors:
+            t.zero_()
+        mixed = [keys[0], "nope-1", keys[3], keys[4], "块-nope", keys[5]]
+        bufs = [_block(dst, 0), _block(dst, 1), _block(dst, 2), _block(dst, 3), _block(dst, 4), _block(dst, 5)]
+        res = store.get(mixed, bufs)
+        assert [r.key for r in res] == mixed, "results one per key, in order"
+        kinds = [type(r.error).__name__ if r.error else "ok" for r in res]
+        assert kinds == ["ok", "KeyNotFound", "SizeMismatch", "ok", "KeyNotFound", "ok"], f"mixed get: {kinds}"
+        for db, sb in ((0, 0), (3, 4), (5, 5)):
+            _same_block(check, dst, db, src, sb, f"hit into buffer {db} of a mixed batch")
+        for db in (1, 4):
+            for ti, t in enumerate(dst.tensors):
+                check.exact(t[db], torch.zeros_like(t[db]), "store", f"a missing key's buffer {db} (tensor {ti})")
+        # one put: fits and a value larger than the whole store
+        huge = [seg for b in range(41, 64) for seg in _block(src, b)] + [seg for b in range(0, 18) for seg in
+                                                                         _block(src, b)]
+        res = store.put(["fits-1", "too-big", "fits-2"], [_block(src, 50), huge, _block(src, 51)])
+        assert [r.ok for r in res] == [True, False, True] and isinstance(res[1].error, StoreFull), \
+            f"mixed put: {res}"
+        assert store.exists(["fits-1", "too-big", "fits-2"]) == [True, False, True]
+    finally:
+        store.close()
+
+
+def test_capacity_pressure_and_clients(backend, check, gen):
+    """A store of 16 values under a stream of 200 puts and gets from four threads at once (each its
+    own keys): every get that succeeds returns its key's latest bytes, the store never holds more
+    than its capacity, and the most recently used keys survive; then a single client checks the
+    exact LRU order after overwrites (an overwrite counts as use and frees the old bytes)."""
+    import threading
+
+    caps = backend.capabilities
+    head = 64 if caps.head_sizes is None or 64 in caps.head_sizes else caps.head_sizes[0]
+    spec = KVCacheSpec(2, 48, caps.default_block_size, 2, head, caps.dtypes[0])
+    src = backend.device.allocate_kv_cache(spec, backend.attention.kv_layout, host=True)
+    for t in src.tensors:
+        t.copy_(randn(gen, *t.shape, dtype=t.dtype))
+    outs = [backend.device.allocate_kv_cache(spec, backend.attention.kv_layout, host=True) for _ in range(4)]
+    block_bytes = sum(n for _, n in _block(src, 0))
+    store = backend.create_store("embedded", capacity_bytes=16 * block_bytes)
+    errors: list[str] = []
+    try:
+        def client(c: int) -> None:
+            try:
+                latest: dict[str, int] = {}
+                for step in range(50):
+                    key = f"c{c}-键-{step % 7}"
+                    blk = (c * 11 + step) % 48
+                    r = store.put([key], [_block(src, blk)])[0]
+                    if not r.ok:
+                        errors.append(f"client {c} put {key}: {r.error!r}")
+                        return
+                    latest[key] = blk
+                    probe = f"c{c}-键-{(step * 3) % 7}"
+                    if probe in latest:
+                        g = store.get([probe], [_block(outs[c], step % 48)])[0]
+                        if g.ok:
+                            for ti, (to, ts) in enumerate(zip(outs[c].tensors, src.tensors)):
+                                if not torch.equal(to[step % 48], ts[latest[probe]]):
+                                    errors.append(f"client {c}: {probe} gave stale or foreign bytes (tensor {ti})")
+                        elif not isinstance(g.error, KeyNotFound):
+                            errors.append(f"client {c} get {probe}: {g.error!r}")
+            except Exception as e:  # reported below: a thread's exception would vanish
+                errors.append(f"client {c}: {e!r}")
+
+        threads = [threading.Thread(target=client, args=(c,)) for c in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert not any(t.is_alive() for t in threads), "store calls from four threads did not finish in 60 s"
+        assert not errors, f"{len(errors)} errors from concurrent clients: {errors[:3]}"
+        live = store.exists([f"c{c}-键-{k}" for c in range(4) for k in range(7)])
+        assert 0 < sum(live) <= 16, f"{sum(live)} values live in a store of 16"
+    finally:
+        store.close()
+    store = backend.create_store("embedded", capacity_bytes=4 * block_bytes)
+    try:
+        assert all(r.ok for r in store.put(["a", "b", "c", "d"], [_block(src, b) for b in range(4)]))
+        assert store.put(["a"], [_block(src, 9)])[0].ok  # overwrite: "a" most recent, its old bytes freed
+        assert store.put(["e"], [_block(src, 5)])[0].ok  # evicts "b" only
+        assert store.exists(["a", "b", "c", "d", "e"]) == [True, False, True, True, True], "LRU after overwrite"
+        assert store.get(["c"], [_block(src, 20)])[0].ok  # "c" most recent
+        assert all(r.ok for r in store.put(["f", "g"], [_block(src, 6), _block(src, 7)]))  # evict "d", "a"
+        assert store.exists(["a", "b", "c", "d", "e", "f", "g"]) == [False, False, True, False, True, True, True]
+        _same_block(check, src, 20, src, 2, "value fetched under pressure")
+    finally:
+        store.close()

@@ -113,3 +113,123 @@ def _spec(caps, num_blocks: int = 1, kv_heads: int | None = None) -> KVCacheSpec
     if kv_heads is None:  # about BLOCK_BYTES per block and tensor
         kv_heads = max(1, BLOCK_BYTES // (2 * bs * head * torch.empty((), dtype=dtype).element_size()))
     return KVCacheSpec(2, num_blocks, bs, kv_heads, head, dtype)
+
+
+# -- suite 3.0: lengths, offsets, batches in flight, large batches ------------------------------------
+ODD_LENGTHS = [1, 3, 7, 4095, 4097, 65537, (1 << 20) + 1, (64 << 20) + 1]  # no page size divides them
+REGION = (66 << 20) + (1 << 20)  # one registered region per side holds every segment
+MANY = 3000  # segments in one batch: past 2,048-entry descriptor tables
+
+
+def _endpoints(backend, protocol):
+    caps = backend.capabilities
+    if protocol not in caps.transfer_protocols:
+        not_supported(caps.validate(_spec(caps), transfer_protocol=protocol))
+    a = backend.create_transfer(protocol=protocol)
+    try:
+        b = backend.create_transfer(protocol=protocol)
+    except BaseException:
+        a.close()
+        raise
+    return a, b
+
+
+def _region(backend, protocol, n: int) -> torch.Tensor:
+    """``n`` bytes where the protocol moves them: host memory for tcp, device memory otherwise."""
+    if protocol == "tcp":
+        return backend.device.host_empty(n, torch.uint8)
+    return torch.empty(n, dtype=torch.uint8, device=backend.device.torch_device)
+
+
+def _layout(lengths: list[int], start: int, gen: torch.Generator) -> list[int]:
+    """Offsets of ``lengths`` packed from ``start`` in shuffled order with odd gaps (never aligned)."""
+    order = torch.randperm(len(lengths), generator=gen).tolist()
+    offs, at = [0] * len(lengths), start
+    for i in order:
+        offs[i] = at
+        at += lengths[i] + 1 + (i % 5)
+    return offs
+
+
+def test_transfer_lengths_offsets_and_batches(backend, check, gen, protocol):
+    """Segments of 1 B .. 64 MiB + 1 (no page size divides them) at odd, non-zero offsets inside one
+    registered region per side; a batch of 3,000 small segments; three batches in flight at once
+    (two writes and a read, to disjoint ranges) polled and waited out of submission order. Every byte
+    lands where its segment says, and no byte outside the segments changes."""
+    a, b = _endpoints(backend, protocol)
+    src, dst = _region(backend, protocol, REGION), _region(backend, protocol, REGION)
+    regs = []
+    try:
+        pattern = torch.randint(0, 256, (65521,), generator=gen, dtype=torch.uint8)  # prime period: offsets show
+        src.copy_(pattern.repeat(-(-REGION // pattern.numel()))[:REGION].to(src.device))
+        dst.fill_(0)
+        backend.device.synchronize()
+        for ep, t in ((a, src), (b, dst)):
+            ep.register(t.data_ptr(), REGION)
+            regs.append((ep, t.data_ptr()))
+        sp, dp = src.data_ptr(), dst.data_ptr()
+        want = torch.zeros(REGION, dtype=torch.uint8)
+        src_h = src.cpu()
+
+        def expect(s_off, d_off, lengths):
+            for so, do, n in zip(s_off, d_off, lengths):
+                want[do : do + n] = src_h[so : so + n]
+
+        def verify(what):
+            check.exact(dst.cpu(), want, "transfer", what)
+
+        # 1. odd lengths at odd offsets, one blocking write
+        s_off, d_off = _layout(ODD_LENGTHS, 13, gen), _layout(ODD_LENGTHS, 1, gen)
+        a.write(b.endpoint(), [sp + o for o in s_off], [dp + o for o in d_off], ODD_LENGTHS)
+        expect(s_off, d_off, ODD_LENGTHS)
+        verify(f"peer region after a write of segments of {ODD_LENGTHS} bytes at odd offsets")
+        # 2. many small segments in one asynchronous batch
+        lens = (torch.randint(1, 300, (MANY,), generator=gen)).tolist()
+        s_off, d_off = _layout(lens, 5, gen), _layout(lens, 3, gen)
+        a.wait(a.submit_write(b.endpoint(), [sp + o for o in s_off], [dp + o for o in d_off], lens), timeout_s=60.0)
+        want.zero_()
+        dst.fill_(0)  # nothing else is in flight; reset both sides' view
+        backend.device.synchronize()
+        a.write(b.endpoint(), [sp + o for o in s_off], [dp + o for o in d_off], lens)
+        expect(s_off, d_off, lens)
+        verify(f"peer region after a batch of {MANY} segments")
+        # 3. three batches in flight, completed out of order
+        third = REGION // 3
+        l1 = [(8 << 20) + 5, 4097, 1]
+        l2 = [33, (2 << 20) + 3]
+        o1s, o1d = _layout(l1, 7, gen), _layout(l1, 9, gen)
+        o2s, o2d = _layout(l2, third + 11, gen), _layout(l2, third + 17, gen)
+        back = _region(backend, protocol, third)
+        back.fill_(0)
+        backend.device.synchronize()
+        a.register(back.data_ptr(), third)
+        regs.append((a, back.data_ptr()))
+        b1 = a.submit_write(b.endpoint(), [sp + o for o in o1s], [dp + o for o in o1d], l1)
+        b2 = a.submit_write(b.endpoint(), [sp + o for o in o2s], [dp + o for o in o2d], l2)
+        # the read fetches peer bytes no write touches (the last third, still as written in step 2)
+        l3 = [4095, (1 << 20) + 7]
+        o3r, o3l = _layout(l3, 2 * third + 1, gen), _layout(l3, 3, gen)
+        b3 = a.submit_read(b.endpoint(), [back.data_ptr() + o for o in o3l], [dp + o for o in o3r], l3)
+        assert len({b1, b2, b3}) == 3, f"three batches in flight got ids {b1, b2, b3}: each needs its own"
+        deadline = time.monotonic() + 60
+        while not a.poll(b3):
+            assert time.monotonic() < deadline, "submit_read: poll() not done after 60 s"
+            time.sleep(0.001)
+        a.wait(b2, timeout_s=60.0)
+        a.wait(b1, timeout_s=60.0)
+        peer_before = want.clone()
+        got_back = back.cpu()
+        want_back = torch.zeros(third, dtype=torch.uint8)
+        for lo, ro, n in zip(o3l, o3r, l3):
+            want_back[lo : lo + n] = peer_before[ro : ro + n]
+        check.exact(got_back, want_back, "transfer", "local region after a read in flight beside two writes")
+        expect(o1s, o1d, l1)
+        expect(o2s, o2d, l2)
+        verify("peer region after two writes in flight, waited out of order")
+    finally:
+        try:
+            for ep, ptr in regs:
+                ep.unregister(ptr)
+        finally:
+            a.close()
+            b.close()

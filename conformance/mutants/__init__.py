@@ -36,7 +36,7 @@ def control() -> MutantBackend:
     from conformance.mutants.transfer_store import _Store, _Transfer
 
     return MutantBackend("mutant-control", impl=VendorImpl, device=_device("control", copy_blocks=_copy()),
-                         transfer=_Transfer, store=_Store)
+                         transfer=_Transfer, store=_Store, spec="mutant:control")
 
 
 def run_mutant(m: Mutant, quiet: bool = True) -> dict[str, Any]:

@@ -37,7 +37,8 @@ def mutant(name: str, area: str, bug: str, first: tuple[str, ...] | str, **piece
     if name in MUTANTS:
         raise ValueError(f"mutant {name!r} registered twice")
     first = (first,) if isinstance(first, str) else first
-    MUTANTS[name] = Mutant(name, area, bug, lambda: MutantBackend(f"mutant-{name}", **pieces), first)
+    MUTANTS[name] = Mutant(name, area, bug, lambda: MutantBackend(f"mutant-{name}", spec=f"mutant:{name}", **pieces),
+                           first)
 
 
 class _Attention(AttentionBackend):
@@ -60,9 +61,10 @@ class MutantBackend(CpuBackend):
 
     def __init__(self, name: str, impl: type[AttentionImpl] | None = None,
                  builder: type[AttentionMetadataBuilder] | None = None, device: type | None = None,
-                 transfer: Callable[[Any], Any] | None = None, store: type | None = None):
+                 transfer: Callable[[Any], Any] | None = None, store: type | None = None, spec: str | None = None):
         super().__init__()
         self.name = name
+        self.conformance_spec = spec  # how rank processes rebuild it (conformance.ranks.build)
         if impl is not None or builder is not None:
             self._attention = _Attention(name, impl or ReferenceAttentionImpl, builder or AttentionMetadataBuilder)
         if device is not None:

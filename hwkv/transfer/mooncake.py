@@ -24,6 +24,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from typing import Any
 
 from hwkv.interfaces.transfer import Transfer, TransferError, TransferTimeout
 from hwkv.transfer.bounded import BoundedCalls, CallTimedOut
@@ -51,6 +52,11 @@ _engine_env = threading.Lock()
 # more than 2048 segments (wheel 0.3.13.post1, tcp; measured: 2048 pass, 2049 fail): a P/D transfer
 # of a long prompt into scattered blocks is ~32 segments per block, so it splits into such batches.
 MAX_BATCH_SEGMENTS = 2048
+# Asynchronous segments in flight per endpoint (each is its own wheel batch). The tcp transport's
+# lane queue rejects what does not fit ("TCP lane queue-full rejection", code -1 per segment: a
+# submit of 3,000 small segments lost 600-800 of them on a 2-core VM); the rest wait in the batch's
+# backlog and every poll() tops the window up.
+MAX_IN_FLIGHT = 256
 
 
 class MooncakeTransfer(Transfer):
@@ -118,6 +124,7 @@ class MooncakeTransfer(Transfer):
         self._endpoint = f"{host}:{self._engine.get_rpc_port()}" if p2p else name
         self._regs = Registrations()
         self._batches: dict[int, tuple[str, str, list[int], list[int], int]] = {}  # id -> op, peer, pending, failed, B
+        self._backlog: dict[int, tuple[Any, list[tuple[int, int, int]]]] = {}  # id -> submit fn, unsubmitted segments
         self._orphans: list[list[int]] = []  # segments of submits whose caller timed out
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -223,8 +230,16 @@ class MooncakeTransfer(Transfer):
         fn = engine.batch_transfer_async_write if op == "write" else engine.batch_transfer_async_read
         parts: list[int] = []  # filled on the worker: a caller that timed out leaves them to close()
         deadline = self._deadline(sum(lengths))
+        with self._lock:
+            self._refresh()
+            room = max(MAX_IN_FLIGHT - sum(len(e[2]) for e in self._batches.values()), 0)
+            # earlier batches' backlogs go first (FIFO); one segment always goes now, through the bounded
+            # worker call, so a peer that cannot be reached fails here, never inside poll()
+            room = max(room if not self._backlog else 0, 1)
+        now, later = slice(0, room), slice(room, None)
         try:
-            ok = self._calls.run(_submit_parts, fn, peer, local, remote, lengths, parts, timeout_s=deadline)
+            ok = self._calls.run(_submit_parts, fn, peer, local[now], remote[now], lengths[now], parts,
+                                 timeout_s=deadline)
         except CallTimedOut:
             with self._lock:
                 self._orphans.append(parts)
@@ -236,7 +251,40 @@ class MooncakeTransfer(Transfer):
         with self._lock:
             batch = next(self._ids)
             self._batches[batch] = (op, peer, parts, [], sum(lengths))
+            if len(lengths) > room:
+                self._backlog[batch] = (fn, list(zip(local[later], remote[later], lengths[later])))
         return batch
+
+    def _refresh(self) -> None:
+        """(Under the lock.) Move finished segments of every batch out of its pending list, then
+        submit backlogged segments, oldest batch first, while fewer than MAX_IN_FLIGHT are pending.
+        Never blocks: the async wheel calls return at once (the peer's connection is up: the batch's
+        first submit made it)."""
+        engine = self._engine
+        for _, _, pending, failed, _ in self._batches.values():
+            still = []
+            for b in pending:
+                code = engine.transfer_check_status(b)  # 1 done, 0 pending, -1 failed, -2 timed out
+                if code == 0:
+                    still.append(b)
+                elif code != 1:
+                    failed.append(code)
+            pending[:] = still
+        room = MAX_IN_FLIGHT - sum(len(e[2]) for e in self._batches.values())
+        for batch in sorted(self._backlog):
+            fn, todo = self._backlog[batch]
+            _, peer, pending, failed, _ = self._batches[batch]
+            while todo and room > 0:
+                p, r, n = todo.pop(0)
+                bid = fn(peer, [p], [r], [n])
+                if bid == 0:
+                    failed.append(-1)
+                else:
+                    pending.append(bid)
+                    room -= 1
+            if todo:
+                return
+            del self._backlog[batch]
 
     def _drain(self, parts: list[int], timeout_s: float) -> bool:
         """Wait until the submitted segments ``parts`` finished (their memory may be reused or
@@ -273,20 +321,14 @@ class MooncakeTransfer(Transfer):
         super().wait(batch, timeout_s)
 
     def poll(self, batch: int) -> bool:
-        engine = self._live()
+        self._live()
         with self._lock:
             if isinstance(batch, bool) or batch not in self._batches:
                 raise ValueError(f"batch={batch!r} is not a pending transfer batch of this endpoint")
             op, peer, pending, failed, _ = self._batches[batch]
-            still = []
-            for b in pending:
-                code = engine.transfer_check_status(b)  # 1 done, 0 pending, -1 failed, -2 timed out
-                if code == 0:
-                    still.append(b)
-                elif code != 1:
-                    failed.append(code)
-            pending[:] = still
-            if pending:
+            if self._backlog or pending:
+                self._refresh()
+            if pending or batch in self._backlog:
                 return False
             del self._batches[batch]
         if failed:
@@ -305,6 +347,7 @@ class MooncakeTransfer(Transfer):
         with self._lock:
             batches = [entry[2] for entry in self._batches.values()]
             self._batches.clear()
+            self._backlog.clear()  # never submitted: nothing of them is in flight
         done = self._calls.wait_idle(self.timeout_s) and self._quiesce(max(deadline - time.monotonic(), 0)) and all(
             self._drain(parts, max(deadline - time.monotonic(), 0)) for parts in batches)
         with self._lock:

@@ -1,0 +1,219 @@
+"""Parallel certification: N worker processes share one collected test list and claim tests from it.
+
+Every worker collects the same items (collection is deterministic for one backend), then claims the
+next unclaimed item from a counter in a shared directory (``fcntl`` lock), so the load balances
+itself: Triton compiles, CPU reference computations and engine builds of different tests overlap
+across processes and devices. Tests marked ``serial`` (``memory_info`` probes, which read a
+device-wide figure other workers move) and ``multi_device`` (several devices at once) run after
+every other test has *finished*, in worker 0 alone, which sees every device; workers 1.. are
+restricted to one device each (``Device.visible_devices_env``) round-robin over ``--devices``.
+
+Each worker writes a partial report; :func:`merge` joins them. A partial report is never a
+certification: only the merge certifies, and only when the workers ran every collected test exactly
+once, all collected the same list and none died.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+WAIT_SERIAL_S = 1800.0  # bound on worker 0's wait for the others before the serial tests
+
+
+def _bump(path: Path, limit: int | None = None) -> int:
+    """Atomically read the counter at ``path`` and add one (unless it reached ``limit``)."""
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        n = int(f.read() or 0)
+        if limit is None or n < limit:
+            f.seek(0)
+            f.truncate()
+            f.write(str(n + 1))
+        return n
+
+
+def _read(path: Path) -> int:
+    try:
+        return int(path.read_text() or 0)
+    except FileNotFoundError:
+        return 0
+
+
+def is_serial(item: pytest.Item) -> bool:
+    return item.get_closest_marker("serial") is not None or item.get_closest_marker("multi_device") is not None
+
+
+class WorkerLoop:
+    """pytest plugin of one worker: runs the items it claims (see module doc)."""
+
+    def __init__(self, directory: str, index: int):
+        self.dir, self.index = Path(directory), index
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtestloop(self, session: pytest.Session) -> bool:
+        items = session.items
+        shared = [it for it in items if not is_serial(it)]
+        serial = [it for it in items if is_serial(it)]
+        (self.dir / f"collected-{self.index}.json").write_text(json.dumps([it.nodeid for it in items]))
+        if session.config.option.collectonly:
+            return True
+        counter, finished = self.dir / "next", self.dir / "finished"
+        claim = lambda: _bump(counter, limit=len(shared))
+        times = open(self.dir / f"times-{self.index}.txt", "a", buffering=1)  # streamed: survives a kill
+        run = lambda item, nxt: self._run(item, nxt, times)
+        i = claim()
+        while i < len(shared):
+            j = claim()
+            nxt = shared[j] if j < len(shared) else (serial[0] if serial and self.index == 0 else None)
+            run(shared[i], nxt)
+            _bump(finished)
+            if session.shouldstop:
+                break
+            i = j
+        if self.index == 0 and serial:
+            deadline = time.monotonic() + WAIT_SERIAL_S
+            while _read(finished) < len(shared) and time.monotonic() < deadline:
+                if (self.dir / "abort").exists():
+                    return True
+                time.sleep(0.2)
+            for k, item in enumerate(serial):
+                run(item, serial[k + 1] if k + 1 < len(serial) else None)
+        times.close()
+        return True
+
+    @staticmethod
+    def _run(item: pytest.Item, nxt: pytest.Item | None, times: Any) -> None:
+        t0 = time.monotonic()
+        item.config.hook.pytest_runtest_protocol(item=item, nextitem=nxt)
+        times.write(f"{time.monotonic() - t0:8.2f} {item.nodeid}\n")
+
+
+def visible(backend_env: str | None, devices: int, index: int) -> dict[str, str]:
+    """Environment of worker ``index``: workers 1.. see one device each, round-robin."""
+    if backend_env is None or devices <= 1 or index == 0:
+        return {}
+    have = os.environ.get(backend_env)
+    ids = have.split(",") if have else [str(d) for d in range(devices)]
+    return {backend_env: ids[index % min(devices, len(ids))]}
+
+
+def run_workers(name: str, workers: int, devices: int, args: list[str], visible_env: str | None,
+                directory: Path, quiet: bool = False) -> list[dict[str, Any]]:
+    """Start ``workers`` pytest processes on the suite and wait; their partial reports."""
+    from conformance import SUITE_DIR
+
+    directory.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for i in range(workers):
+        env = dict(os.environ) | visible(visible_env, devices, i)
+        cmd = [sys.executable, "-m", "pytest", str(SUITE_DIR), "--backend", name, "-p", "no:cacheprovider", "-q",
+               "-rfE", f"--worker-dir={directory}", f"--worker-index={i}", f"--devices={devices}", *args]
+        log = open(directory / f"worker-{i}.log", "w")
+        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))
+    t0, last = time.monotonic(), 0.0
+    try:
+        while any(p.poll() is None for p, _ in procs):
+            if any(p.poll() not in (None, 0, 1) for p, _ in procs):  # a worker died: stop worker 0's wait
+                (directory / "abort").touch()
+            if not quiet and time.monotonic() - last > 15:
+                last = time.monotonic()
+                total = _total(directory)
+                print(f"[{time.monotonic() - t0:6.0f} s] {_read(directory / 'finished')}"
+                      f"{f' / {total}' if total else ''} tests finished on {workers} workers", flush=True)
+            time.sleep(0.5)
+    finally:
+        for p, log in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            log.close()
+    parts = []
+    for i, (p, _) in enumerate(procs):
+        f = directory / f"part-{i}.json"
+        part = json.loads(f.read_text()) if f.exists() else None
+        if part is None and not quiet:
+            print(f"worker {i} exited {p.returncode} without a report; its log:\n"
+                  + (directory / f"worker-{i}.log").read_text()[-3000:], file=sys.stderr)
+        parts.append({"index": i, "returncode": p.returncode, "report": part})
+    return parts
+
+
+def _total(directory: Path) -> int:
+    f = directory / "collected-0.json"
+    try:
+        return len(json.loads(f.read_text()))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return 0
+
+
+def merge(parts: list[dict[str, Any]], directory: Path) -> dict[str, Any]:
+    """One report from the workers' partial reports (see module doc for when it certifies)."""
+    from conformance.coverage import Coverage
+    from conformance.report import CERTIFIABLE, STATUSES, short_id, timing
+
+    problems = []
+    reports = [p["report"] for p in parts if p["report"] is not None]
+    if len(reports) != len(parts):
+        problems.append(f"workers {[p['index'] for p in parts if p['report'] is None]} left no report")
+    collected = []
+    for p in parts:
+        f = directory / f"collected-{p['index']}.json"
+        collected.append(json.loads(f.read_text()) if f.exists() else None)
+    if not reports or not collected[0]:
+        raise ValueError(f"conformance workers produced no report ({problems}); see {directory}/worker-*.log")
+    want = [short_id(n) for n in collected[0]]
+    if any(c is not None and c != collected[0] for c in collected):
+        problems.append("workers collected different test lists")
+    tests: dict[str, dict[str, Any]] = {}
+    ran = Counter()
+    cov = Coverage()
+    for r in reports:
+        for t in r["tests"]:
+            if t["id"].startswith("collect::"):
+                tests[t["id"]] = t
+                continue
+            ran[t["id"]] += 1
+            tests[t["id"]] = t
+        cov.merge(r.get("coverage_state") or [])
+    for tid in want:
+        if tid not in tests:
+            tests[tid] = {"id": tid, "capability": "", "status": "ERROR", "reason": "not run: its worker died",
+                          "duration_s": 0.0, "max_abs_err": None, "max_rel_err": None, "tolerance": None}
+    twice = sorted(t for t, n in ran.items() if n > 1)
+    if twice:
+        problems.append(f"tests run more than once: {twice[:5]}")
+    out = sorted(tests.values(), key=lambda t: t["id"])
+    counts = Counter(t["status"] for t in out)
+    all_ok = bool(out) and all(t["status"] in CERTIFIABLE for t in out) and not problems
+    head = reports[0]
+    devices = sorted({r["device"] for r in reports})
+    report = {k: v for k, v in head.items() if k not in ("tests", "coverage", "coverage_state", "summary",
+                                                          "worker", "certified", "all_pass_or_not_supported")}
+    report.update(
+        certified=bool(head.get("certify")) and all_ok and not head.get("emulated"),
+        all_pass_or_not_supported=all_ok,
+        summary={s: counts.get(s, 0) for s in STATUSES} | {"total": len(out)},
+        workers=len(parts), worker_devices=devices, parallel_problems=problems,
+        collection_s=max((r.get("collection_s") or 0) for r in reports), timing=timing(out),
+        coverage=cov.table(), tests=out,
+        multi_device=_multi(out, head),
+    )
+    return report
+
+
+def _multi(tests: list[dict[str, Any]], head: dict[str, Any]) -> dict[str, Any]:
+    md = head.get("multi_device") or {}
+    ids = set(md.get("test_ids") or ())
+    return {"devices": md.get("devices", 1), "tests": [{"id": t["id"], "status": t["status"]} for t in tests
+                                                       if t["id"] in ids]}

@@ -1,0 +1,155 @@
+"""Rank processes of the multi-device tests: ``python -m conformance.ranks SPEC RANK WORLD PORT SCENARIO OUT``.
+
+Each rank rebuilds the backend under test from ``SPEC`` (``plugin:NAME`` or ``mutant:NAME``), joins
+a group through :class:`~hwkv.parallel.communicator.TorchDistCommunicator` on the parent's
+rendezvous store at ``PORT``, runs ``SCENARIO`` and writes its findings as JSON to ``OUT``: a list of
+checks ``[what, ok, detail]`` and a digest of every result's bytes (the ranks' digests must match:
+results are bitwise identical on every rank).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+import zlib
+from typing import Any
+
+import torch
+
+# one element .. tens of MiB (float32: 4 B .. 32 MiB); odd counts (no vector width divides them)
+SIZES = (1, 3, 4097, (1 << 20) + 3, (8 << 20) + 1)
+CAPTURE_SIZES = (1, 4097, (1 << 20) + 3)
+
+
+def build(spec: str) -> Any:
+    kind, _, name = spec.partition(":")
+    if kind == "plugin":
+        from hwkv.plugins import get_backend
+
+        return get_backend(name)
+    if kind == "mutant":
+        from conformance.mutants import control, load
+
+        return control() if name == "control" else load()[name].build()
+    raise ValueError(f"backend spec {spec!r}: need plugin:NAME or mutant:NAME")
+
+
+def values(dtype: torch.dtype, n: int, rank: int, salt: str = "") -> torch.Tensor:
+    g = torch.Generator().manual_seed(zlib.crc32(f"{dtype}-{n}-{rank}-{salt}".encode()))
+    return (torch.randn(n, generator=g) * 3).to(dtype)
+
+
+class Checks:
+    def __init__(self) -> None:
+        self.items: list[list[Any]] = []
+        self.digest = hashlib.sha256()
+
+    def same(self, what: str, got: torch.Tensor, want: torch.Tensor) -> None:
+        got, want = got.detach().cpu(), want.detach().cpu()
+        self.digest.update(got.contiguous().view(torch.uint8).numpy().tobytes() if got.numel() else b"")
+        if got.shape != want.shape or got.dtype != want.dtype:
+            self.items.append([what, False, f"shape/dtype {tuple(got.shape)} {got.dtype} != {tuple(want.shape)} "
+                                            f"{want.dtype}"])
+            return
+        diff = got.float() != want.float()
+        n = int(diff.sum())
+        first = int(diff.nonzero()[0]) if n else -1
+        self.items.append([what, n == 0, f"{n} of {got.numel()} elements differ" + (
+            f" (first at {first}: {float(got.reshape(-1)[first])} vs {float(want.reshape(-1)[first])})" if n else "")])
+
+    def ok(self, what: str, cond: bool, detail: str = "") -> None:
+        self.items.append([what, bool(cond), detail])
+
+
+def collectives(backend: Any, comm: Any, rank: int, world: int, ck: Checks) -> None:
+    dev, caps = backend.device, backend.capabilities
+    on = dev.torch_device
+    for dtype in caps.dtypes:
+        dn = str(dtype).removeprefix("torch.")
+        for n in SIZES:
+            t = values(dtype, n, rank).to(on)
+            ptr = t.data_ptr()
+            out = comm.all_reduce(t)
+            want = values(dtype, n, 0)
+            for r in range(1, world):  # a + b rounds once, whatever the order, for two ranks
+                want = want + values(dtype, n, r)
+            ck.ok(f"all_reduce {dn} x{n}: returns its argument, reduced in place", out is t and t.data_ptr() == ptr)
+            ck.same(f"all_reduce {dn} x{n}", t, want)
+        for dim, shape in ((-1, (3, 5)), (0, (4, 7))):
+            t = values(dtype, shape[0] * shape[1], rank, "g").reshape(shape).to(on)
+            want = torch.cat([values(dtype, shape[0] * shape[1], r, "g").reshape(shape) for r in range(world)], dim)
+            ck.same(f"all_gather {dn} {shape} dim={dim}", comm.all_gather(t, dim), want)
+        src = world - 1
+        t = values(dtype, 4099, rank, "b").to(on)
+        ck.same(f"broadcast {dn} x4099 from rank {src}", comm.broadcast(t, src), values(dtype, 4099, src, "b"))
+        custom = dev.custom_all_reduce(comm)
+        if custom is not None:
+            for n in SIZES:
+                t = values(dtype, n, rank, "c").to(on)
+                if custom(t) is None:
+                    continue  # declined: the communicator's own all-reduce runs instead
+                want = values(dtype, n, 0, "c")
+                for r in range(1, world):
+                    want = want + values(dtype, n, r, "c")
+                ck.same(f"custom_all_reduce {dn} x{n}", t, want)
+    dev.synchronize()
+    if caps.graph_capture and comm.capturable:
+        captured(backend, comm, rank, world, ck)
+
+
+def captured(backend: Any, comm: Any, rank: int, world: int, ck: Checks) -> None:
+    """all_reduce captured into a graph, replayed after the input changed in place."""
+    dev = backend.device
+    dtype = caps_dtype(backend)
+    pool, stream = dev.graph_pool(), dev.new_stream()
+    for n in CAPTURE_SIZES:
+        t = values(dtype, n, rank, "w").to(dev.torch_device)
+        comm.all_reduce(t)  # warm-up outside the capture (lazy communicator state)
+        dev.synchronize()
+        graph, _ = dev.capture_graph(lambda t=t: comm.all_reduce(t), pool, stream)
+        for trial in range(2):
+            t.copy_(values(dtype, n, rank, f"r{trial}").to(dev.torch_device))
+            graph.replay()
+            dev.synchronize()
+            want = values(dtype, n, 0, f"r{trial}")
+            for r in range(1, world):
+                want = want + values(dtype, n, r, f"r{trial}")
+            ck.same(f"captured all_reduce x{n}, replay {trial} after the input changed in place", t, want)
+        del graph
+
+
+def caps_dtype(backend: Any) -> torch.dtype:
+    caps = backend.capabilities
+    return torch.bfloat16 if torch.bfloat16 in caps.dtypes else caps.dtypes[0]
+
+
+SCENARIOS = {"collectives": collectives}
+
+
+def main(argv: list[str]) -> int:
+    spec, rank, world, port, scenario, out = argv
+    rank, world, port = int(rank), int(world), int(port)
+    from hwkv.parallel.communicator import TorchDistCommunicator
+
+    ck = Checks()
+    t0 = time.monotonic()
+    result: dict[str, Any] = {"rank": rank}
+    try:
+        backend = build(spec)
+        comm = TorchDistCommunicator(backend.device, rank, world, port, timeout_s=120.0)
+        try:
+            SCENARIOS[scenario](backend, comm, rank, world, ck)
+        finally:
+            comm.close()
+    except Exception as e:  # reported to the parent, which fails the test with it
+        result["error"] = f"{type(e).__name__}: {e}"[:2000]
+    result.update(checks=ck.items, digest=ck.digest.hexdigest(), seconds=round(time.monotonic() - t0, 2))
+    with open(out, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

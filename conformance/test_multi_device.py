@@ -1,0 +1,93 @@
+"""Several devices (or ranks on the host): collectives and the tensor-parallel engine.
+
+* Collectives: two ranks (one process and device each; gloo on the host, the backend's
+  ``Device.dist_backend`` elsewhere) run the :class:`~hwkv.interfaces.communicator.Communicator`
+  contract through the communicator the engine uses — all_reduce in place at 1 element .. 32 MiB
+  in every declared dtype, all_gather along both ends, broadcast from the last rank — and the
+  backend's ``Device.custom_all_reduce`` where it offers one, at the same sizes; where the backend
+  captures graphs, an all_reduce captured into a graph and replayed after its input changed in
+  place. Results must equal the sum computed on the host (two ranks: one rounding, whatever the
+  order) and be bitwise identical on both ranks.
+* Tensor parallelism: the tiny model at ``tensor_parallel_size=2`` gives the reference engine's
+  greedy tokens (float32: identical; half precision: the margin rule of ``TinySetup.agree``).
+
+They run with ``--devices 2`` or more, and always on a backend whose device is the host.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from conformance.test_engine import generate, setup, tiny  # noqa: F401  (fixtures)
+
+pytestmark = [pytest.mark.multi_device, pytest.mark.timeout_s(300)]
+WORLD = 2
+
+
+def run_ranks(spec: str, scenario: str, visible_env: str | None, timeout_s: float = 240.0) -> list[dict]:
+    """``WORLD`` rank processes of :mod:`conformance.ranks`; their results (rank order)."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, WORLD, is_master=True, timeout=timedelta(seconds=timeout_s),
+                          wait_for_workers=False)
+    with tempfile.TemporaryDirectory(prefix="hwkv-ranks-") as d:
+        procs = []
+        have = os.environ.get(visible_env) if visible_env else None
+        ids = have.split(",") if have else [str(i) for i in range(WORLD)]
+        for r in range(WORLD):
+            env = dict(os.environ)
+            if visible_env:
+                env[visible_env] = ids[r % len(ids)]
+            log = open(Path(d) / f"rank{r}.log", "w")
+            cmd = [sys.executable, "-m", "conformance.ranks", spec, str(r), str(WORLD), str(store.port), scenario,
+                   str(Path(d) / f"rank{r}.json")]
+            procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+        deadline = time.monotonic() + timeout_s
+        try:
+            while any(p.poll() is None for p, _ in procs) and time.monotonic() < deadline:
+                time.sleep(0.1)
+        finally:
+            for p, log in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+                log.close()
+        out = []
+        for r in range(WORLD):
+            f = Path(d) / f"rank{r}.json"
+            if not f.exists():
+                tail = (Path(d) / f"rank{r}.log").read_text()[-1500:]
+                raise RuntimeError(f"rank {r} left no result (exit {procs[r][0].returncode}); its log ends:\n{tail}")
+            out.append(json.loads(f.read_text()))
+    return out
+
+
+@pytest.mark.capability("communicator")
+def test_collectives(backend, check, backend_spec):
+    res = run_ranks(backend_spec, "collectives", backend.device.visible_devices_env)
+    errors = [f"rank {r['rank']}: {r['error']}" for r in res if "error" in r]
+    if errors:
+        raise RuntimeError("; ".join(errors))
+    bad = [f"rank {r['rank']}: {c[0]}: {c[2]}" for r in res for c in r["checks"] if not c[1]]
+    check.rec.update(float(len(bad)), float(len(bad)), "exact (host sum of two ranks)")
+    assert not bad, f"{len(bad)} collective checks failed: {bad[:4]}"
+    assert len({r["digest"] for r in res}) == 1, "collective results differ between ranks (must be bitwise identical)"
+    assert res[0]["checks"], "no collective ran"
+
+
+@pytest.mark.capability("engine")
+@pytest.mark.registered_backend
+def test_tensor_parallel_engine(engine_backend, check, setup, pytestconfig):  # noqa: F811
+    """tp=2 greedy tokens agree with the reference (tp=1), prompts crossing blocks, prefix shared."""
+    prompts = setup.prompts([setup.block_size + 5, 7, 2 * setup.block_size + 1], seed=21, shared_prefix=9)
+    got, _ = generate(pytestconfig.option.backend, setup, prompts, 16, tensor_parallel_size=2)
+    setup.agree(check, got, prompts, 16, "tensor_parallel_size=2 greedy tokens vs the reference engine")
