@@ -42,6 +42,7 @@ def test_memory_info(backend):
     assert backend.device.description(), "description() must name the device"
 
 
+@pytest.mark.serial  # reads device-wide free memory: no other test may allocate meanwhile
 def test_memory_info_tracks_allocations(backend):
     """``memory_info`` is what the engine sizes its KV pool from: allocating a KV cache of N bytes
     lowers ``free`` by about N, and after freeing it another N-byte cache costs nothing more (the

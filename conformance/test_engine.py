@@ -164,6 +164,7 @@ def test_preemption_identity(engine_backend, check, setup):
     setup.agree(check, got, prompts, bs + 4, "preempted run vs reference")
 
 
+@pytest.mark.serial  # sizes a pool from device-wide free memory
 def test_pool_sized_from_memory(engine_backend, check, setup):
     """With no ``num_kv_blocks`` the engine sizes its KV pool from ``Device.memory_info``: a
     ``memory_fraction`` chosen to leave 512 MiB gives a pool of about 512 MiB (a quarter to twice that,
