@@ -83,7 +83,8 @@ def run(
     return plugin.report
 
 
-def _run_parallel(name: str, workers: int, devices: int, args: list[str], report_dir: str | Path | None) -> dict[str, Any]:
+def _run_parallel(name: str, workers: int, devices: int, args: list[str],
+                  report_dir: str | Path | None) -> dict[str, Any]:
     import os
     import tempfile
     import time

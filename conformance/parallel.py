@@ -70,7 +70,7 @@ class WorkerLoop:
             return True
         counter, finished = self.dir / "next", self.dir / "finished"
         claim = lambda: _bump(counter, limit=len(shared))
-        times = open(self.dir / f"times-{self.index}.txt", "a", buffering=1)  # streamed: survives a kill
+        times = open(self.dir / f"times-{self.index}.txt", "a", buffering=1)  # noqa: SIM115  (streamed: survives a kill)
         run = lambda item, nxt: self._run(item, nxt, times)
         i = claim()
         while i < len(shared):
@@ -119,7 +119,7 @@ def run_workers(name: str, workers: int, devices: int, args: list[str], visible_
         env = dict(os.environ) | visible(visible_env, devices, i)
         cmd = [sys.executable, "-m", "pytest", str(SUITE_DIR), "--backend", name, "-p", "no:cacheprovider", "-q",
                "-rfE", f"--worker-dir={directory}", f"--worker-index={i}", f"--devices={devices}", *args]
-        log = open(directory / f"worker-{i}.log", "w")
+        log = open(directory / f"worker-{i}.log", "w")  # noqa: SIM115  (closed in finally)
         procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))
     t0, last = time.monotonic(), 0.0
     try:

@@ -282,7 +282,7 @@ def test_graph_replay_reads_inputs_in_place(backend, check, gen):
         check.exact(y.cpu(), xs * ws + 1, "copy_blocks", f"graph output after replay {trial} with new inputs")
         kc, vc = read_tokens(kv, 0)
         keep = sl >= 0
-        check.exact(kc[sl[keep]], ks[keep], "kv_write", f"write_kv inside the graph, replay {trial}: K at the new slots")
+        check.exact(kc[sl[keep]], ks[keep], "kv_write", f"graph write_kv, replay {trial}: K at the new slots")
         check.exact(vc[sl[keep]], (ks[keep].float() + 1).to(spec.dtype) if spec.dtype != torch.float32
                     else ks[keep] + 1, "kv_write", f"write_kv inside the graph, replay {trial}: V")
         if trial == 1:

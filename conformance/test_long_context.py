@@ -100,7 +100,7 @@ def test_attention_padded_rows(backend, reference, check, gen, dtype):
         impl = be.attention.make_impl(HEADS, hs, KV_HEADS, hs**-0.5)
         ctx = [(r, p) for r, (c, _) in enumerate(reqs) for p in range(c)]
         slots = torch.tensor([tables[r][p // bs] * bs + p % bs for r, p in ctx])
-        rnd = lambda n, h: randn(g, n, h, hs, dtype=dtype).to(dev, dt)
+        rnd = lambda n, h, g=g, dev=dev, dt=dt: randn(g, n, h, hs, dtype=dtype).to(dev, dt)
         impl.write_kv(rnd(len(ctx), KV_HEADS), rnd(len(ctx), KV_HEADS), kv.layer(0), slots.to(dev))
         common = AttentionMetadata.build([1] * (n_real + pad), [c + 1 for c, _ in reqs] + [1] * pad,
                                          tables + [[0] * len(tables[0])] * pad, bs, device=dev)

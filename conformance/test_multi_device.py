@@ -47,7 +47,7 @@ def run_ranks(spec: str, scenario: str, visible_env: str | None, timeout_s: floa
             env = dict(os.environ)
             if visible_env:
                 env[visible_env] = ids[r % len(ids)]
-            log = open(Path(d) / f"rank{r}.log", "w")
+            log = open(Path(d) / f"rank{r}.log", "w")  # noqa: SIM115  (closed in finally)
             cmd = [sys.executable, "-m", "conformance.ranks", spec, str(r), str(WORLD), str(store.port), scenario,
                    str(Path(d) / f"rank{r}.json")]
             procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))

@@ -21,7 +21,7 @@ from hwkv import plugins
 
 BROKEN = Path(__file__).parent / "broken_backends" / "hwkv_teeth_broken.py"
 # Kernel checks at one block size in float32: enough to show each bug, cheap enough to run 5 times.
-KERNEL = ["-k", "float32 and bs16 and (test_attention or test_write_kv)"]
+KERNEL = ["-k", "float32 and bs16 and (test_attention or test_write_kv) and not long_context and not minus_one_positions"]
 # attention 4 states x 4 GQA x 2 head sizes + production + spec-decode verify + KV write 4 patterns x 2 head sizes
 N_KERNEL = 42
 
@@ -84,7 +84,7 @@ def test_cross_layer_layout_passes(teeth):
     """The suite reads K/V through the layout definitions, so a correct CROSS_LAYER backend passes."""
     got = run_kernel("teeth-crosslayer")
     assert set(got.values()) == {"PASS"}
-    got = statuses(conformance.run("teeth-crosslayer", pytest_args=["-k", "test_device"]))
+    got = statuses(conformance.run("teeth-crosslayer", pytest_args=["-k", "test_device and not graph_replay"]))
     assert got and set(got.values()) == {"PASS"}, got
 
 

@@ -12,7 +12,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="certification run: the full suite, suite tolerances, no extra options")
     parser.add_argument("--report", metavar="DIR", help="write conformance.json and conformance.md to DIR")
     parser.add_argument("--quick", action="store_true",
-                        help="about a minute of smoke: one dtype, block size and head size per test (not with --certify)")
+                        help="about a minute of smoke: one dtype, block size and head size per test "
+                             "(not with --certify)")
     parser.add_argument("--workers", default="auto", metavar="N",
                         help="processes claiming tests from one list (default auto: 1 on the host, else up to 8 "
                              "by CPU count)")
