@@ -192,3 +192,17 @@ mutant("attn-output-via-bf16", "attention", "output written through a bfloat16 i
        impl=_impl("outbf16", finish=lambda self, out: out.to(torch.bfloat16).to(out.dtype)))
 mutant("attn-block-size-16", "attention", "block size hard-coded to 16 when gathering the cache", SMALL + PROD,
        impl=_impl("bs16", gather=lambda self, c, b: c.reshape(-1, 16, *c.shape[2:])[b].flatten(0, 1)))
+
+
+# -- suite 3.0: sizes past 32k keys, 2,048 table entries, 2^15 block ids ----------------------------
+LONG = ("test_long_context.py::test_attention_long_context[float32",)
+_NARROW = type("Attn_int16", (VendorImpl,), {
+    "block_tables": lambda self, md: md.block_tables.to(torch.int16).long()})  # BUG: ids past 2^15 wrap
+_TABLE_2048 = type("Attn_t2048", (VendorImpl,), {
+    "num_blocks": lambda self, seq, bs: min(-(-seq // bs), 2048)})  # BUG: a fixed 2,048-entry table
+_KEYS_32K = type("Attn_32k", (VendorImpl,), {
+    "first_key": lambda self, seq, ql: max(0, seq - 32768)})  # BUG: 64 partitions of 512 keys: older dropped
+mutant("attn-block-id-int16", "attention", "block tables narrowed to int16 (ids past 2^15 wrap)", LONG, impl=_NARROW)
+mutant("attn-block-table-2048", "attention", "a fixed 2,048-entry block table per request", LONG, impl=_TABLE_2048)
+mutant("attn-partitions-32k", "attention", "split-KV with at most 64 partitions of 512 keys: keys older than 32k "
+       "never visited", LONG, impl=_KEYS_32K)

@@ -151,3 +151,30 @@ _STORE = {
 }
 for _name, (_bug, _methods) in _STORE.items():
     mutant(_name, "store", _bug, STORE, store=type(f"Store_{_name}", (_Store,), _methods))
+
+
+# -- suite 3.0 -----------------------------------------------------------------------------------------
+XFER3 = ("test_transfer_lengths_offsets",)
+STORE3 = ("test_store.py::test_keys_sizes",)
+mutant("xfer-length-vector-8", "transfer", "lengths rounded down to a multiple of 8 bytes (a vectorised copy drops "
+       "the tail)", XFER3, transfer=_transfer("vec8", segments=lambda self, lo, re, ln: (lo, re, [n - n % 8 or 8
+                                                                                                for n in ln])))
+mutant("xfer-segment-cap-64mib", "transfer", "segments longer than 64 MiB silently truncated to 64 MiB", XFER3,
+       transfer=_transfer("cap64", segments=lambda self, lo, re, ln: (lo, re, [min(n, 64 << 20) for n in ln])))
+
+
+def _trunc(keys: list[str]) -> list[str]:
+    return [k.encode("utf-8")[:255].decode("utf-8", "ignore") for k in keys]  # BUG: a 255-byte key field
+
+
+def _ascii(keys: list[str]) -> list[str]:
+    return [k.encode("ascii", "ignore").decode() or "_" for k in keys]  # BUG: keys stored as ASCII
+
+
+for _name, _bug, _fix in (("store-key-255-bytes", "keys truncated to 255 bytes (a fixed key field)", _trunc),
+                          ("store-key-ascii", "keys stored as ASCII, other characters dropped", _ascii)):
+    mutant(_name, "store", _bug, STORE3, store=type(f"Store_{_name}", (_Store,), {
+        "put": lambda self, keys, bufs, f=_fix: EmbeddedStore.put(self, f(keys), bufs),
+        "get": lambda self, keys, bufs, f=_fix: EmbeddedStore.get(self, f(keys), bufs),
+        "exists": lambda self, keys, f=_fix: EmbeddedStore.exists(self, f(keys)),
+        "remove": lambda self, keys, f=_fix: EmbeddedStore.remove(self, f(keys))}))
