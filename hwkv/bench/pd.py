@@ -95,17 +95,29 @@ def _visible(devices: str | None) -> str | None:
 def _server(model: str, args: argparse.Namespace, extra: list[str], devices: str | None = None) -> Any:
     ns = argparse.Namespace(backend=args.backend, api_key=None, startup_timeout=args.startup_timeout,
                             server_args=args.server_args + " " + shlex.join(extra))
-    visible, saved = _visible(devices), os.environ.get(VISIBLE)
-    if visible is None:
-        return sb._Server(model, ns)
-    os.environ[VISIBLE] = visible  # the server process inherits it at start
-    try:
-        return sb._Server(model, ns)
-    finally:
-        if saved is None:
-            os.environ.pop(VISIBLE, None)
-        else:
-            os.environ[VISIBLE] = saved
+    visible = _visible(devices)
+    # its own environment (not os.environ edited): the producer and the consumer start in parallel threads
+    return sb._Server(model, ns, env=None if visible is None else {**os.environ, VISIBLE: visible})
+
+
+def _servers(model: str, args: argparse.Namespace, specs: list[tuple[list[str], str | None]]) -> list[Any]:
+    """Start several servers at once (an 8B engine takes ~40 s to come up; the producer and the consumer
+    need not wait for each other). All of them or none: a failed start stops the others."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(specs)) as pool:
+        futs = [pool.submit(_server, model, args, extra, devices) for extra, devices in specs]
+        done, errors = [], []
+        for f in futs:
+            try:
+                done.append(f.result())
+            except BaseException as e:  # noqa: BLE001 - re-raised below after the others are stopped
+                errors.append(e)
+    if errors:
+        for s in done:
+            s.stop()
+        raise errors[0]
+    return done
 
 
 class _Proxy:
@@ -173,13 +185,12 @@ def _disaggregated(model: str, args: argparse.Namespace) -> tuple[dict[str, Any]
         proxy_args = ["--layerwise", "--prefill-side-channel", f"127.0.0.1:{port}"]
     started: list[Any] = []
     try:
-        p = _server(model, args, ["--kv-connector", "p2p", "--kv-connector-config", json.dumps(pcfg),
-                                  *shlex.split(args.prefill_args)], args.prefill_devices)
-        started.append(p)
-        d = _server(model, args, ["--kv-connector", "p2p", "--kv-connector-config",
-                                  json.dumps(dict(cfg, role="consumer")), *shlex.split(args.decode_args)],
-                    args.decode_devices)
-        started.append(d)
+        p, d = _servers(model, args, [
+            (["--kv-connector", "p2p", "--kv-connector-config", json.dumps(pcfg), *shlex.split(args.prefill_args)],
+             args.prefill_devices),
+            (["--kv-connector", "p2p", "--kv-connector-config", json.dumps(dict(cfg, role="consumer")),
+              *shlex.split(args.decode_args)], args.decode_devices)])
+        started += [p, d]
         px = _Proxy(p.url, d.url, proxy_args)
         started.append(px)
         info = httpx.get(d.url + "/server_info", timeout=30).json()
@@ -273,7 +284,8 @@ def _print(res: dict[str, Any]) -> None:
                               f"{r['tpot']['p50_ms']:.2f}"]))
     t = res["transfer"]
     rate = f"{t['GBps']:.2f} GB/s" if t["GBps"] else "n/a"
-    print(f"KV moved: {t['bytes'] / 1e6:.1f} MB in {t['seconds']:.3f} s of transfers ({rate}); "
+    per = f", {t['seconds'] / t['transfers'] * 1e3:.2f} ms per load" if t["transfers"] else ""
+    print(f"KV moved: {t['bytes'] / 1e6:.1f} MB in {t['seconds']:.3f} s of transfers ({rate}{per}); "
           f"{t['transfers']:.0f} loads, {t['failed_transfers']:.0f} failed (latencies in ms)")
     for side, errs in t.get("errors", {}).items():
         for msg, n in errs.items():

@@ -171,7 +171,7 @@ def _summary(rate: float, results: list[dict[str, Any]], duration: float, conc: 
 class _Server:
     """``hwkv serve`` started for the bench on a free port; ``stop()`` always ends it."""
 
-    def __init__(self, model: str, args: argparse.Namespace):
+    def __init__(self, model: str, args: argparse.Namespace, env: dict[str, str] | None = None):
         import socket
 
         import httpx
@@ -187,7 +187,7 @@ class _Server:
         print("starting:", shlex.join(cmd), file=sys.stderr, flush=True)
         # its stderr goes to a file (a pipe nobody reads would block it): quoted when it dies
         self.log = tempfile.NamedTemporaryFile(prefix="hwkv-bench-serve-", suffix=".log", delete=False)  # noqa: SIM115 (closed in stop)
-        self.proc = subprocess.Popen(cmd, stderr=self.log)
+        self.proc = subprocess.Popen(cmd, stderr=self.log, env=env)
         self.healthy = False
         try:
             self._await_health(httpx, args.startup_timeout)
