@@ -62,6 +62,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--startup-timeout", type=float, default=900.0)
+    p.add_argument("--check-tokens", type=int, default=0, help="greedy tokens of --check-prompts prompts, from "
+                   "each setup, compared (and with --reference hf scored by float32 HF logits under the conformance "
+                   "margin rule); 0 skips the check")
+    p.add_argument("--check-prompts", type=int, default=4)
+    p.add_argument("--reference", choices=["hf", "none"], default="none")
     p.add_argument("--skip-colocated", action="store_true", help="measure the disaggregated setup only")
     p.add_argument("--out-dir", default=None)
     p.add_argument("--tag", default="")
@@ -172,6 +177,42 @@ def _measure(url: str, info: dict[str, Any], args: argparse.Namespace) -> list[d
     return out
 
 
+def _check_prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
+    rng = random.Random(args.seed + 1000)
+    return [p for p, _ in sb._workload(args.check_prompts, args, vocab, rng)]
+
+
+def _tokens(url: str, info: dict[str, Any], args: argparse.Namespace) -> list[list[int]]:
+    """Greedy token ids of the check prompts, one request at a time (the setups' outputs compared)."""
+    import httpx
+
+    out = []
+    for prompt in _check_prompts(args, info["vocab_size"]):
+        body = {"model": info["model"], "prompt": prompt, "max_tokens": args.check_tokens, "temperature": 0.0,
+                "ignore_eos": True, "return_token_ids": True}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=300)
+        r.raise_for_status()
+        out.append(list(r.json()["choices"][0]["token_ids"]))
+    return out
+
+
+def _token_check(model: str, args: argparse.Namespace, vocab: int, runs: dict[str, list[list[int]]]) -> dict:
+    """Each setup's tokens against the first's; with --reference hf every token scored by float32 HF
+    logits on its own prefix under the conformance margin rule (:func:`hwkv.bench.tp.margin_check`)."""
+    names = list(runs)
+    doc: dict[str, Any] = {"tokens": runs, "agreement": {
+        n: {"identical_sequences": sum(x == y for x, y in zip(runs[names[0]], runs[n])), "of": len(runs[n]),
+            "first_divergence": [next((j for j, (u, v) in enumerate(zip(x, y)) if u != v), None)
+                                 for x, y in zip(runs[names[0]], runs[n])]} for n in names[1:]}}
+    if args.reference == "hf":
+        from hwkv.bench.tp import margin_check
+
+        prompts = _check_prompts(args, vocab)
+        scored = margin_check(Path(model), prompts, [{"tp": n, "tokens": t} for n, t in runs.items()])
+        doc["margin_rule"] = {k.removeprefix("tp"): v for k, v in scored.items()}
+    return doc
+
+
 def _disaggregated(model: str, args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, Any]], dict]:
     import httpx
 
@@ -199,6 +240,8 @@ def _disaggregated(model: str, args: argparse.Namespace) -> tuple[dict[str, Any]
         results = _measure(px.url, info, args)
         after = {"producer": _counters(p.url), "consumer": _counters(d.url)}
         errors = {side: _transfer_errors(s) for side, s in (("producer", p), ("consumer", d))}
+        if args.check_tokens:  # after the counters: the workload's KV figures stay its own
+            info["tokens"] = _tokens(px.url, info, args)
     finally:
         for s in reversed(started):
             s.stop()
@@ -226,15 +269,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"hwkv bench pd: error: {e}", file=sys.stderr)
         return 2
     model = sb._model_dir(args)
-    colocated = None
+    colocated, tokens = None, {}
     if not args.skip_colocated:
         s = _server(model, args, shlex.split(args.prefill_args), args.prefill_devices)
         try:
             info = httpx.get(s.url + "/server_info", timeout=30).json()
             colocated = _measure(s.url, info, args)
+            if args.check_tokens:
+                tokens["colocated"] = _tokens(s.url, info, args)
         finally:
             s.stop()
     info, disagg, transfer = _disaggregated(model, args)
+    if args.check_tokens:
+        tokens["disaggregated"] = info.pop("tokens")
     res = {
         "bench": "pd", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": "hwkv bench pd " + shlex.join(sys.argv[3:]), "commit": os.environ.get("HWKV_COMMIT") or sb._commit(),
@@ -245,6 +292,8 @@ def run(args: argparse.Namespace) -> int:
         "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
         "range_ratio": args.range_ratio, "colocated": colocated, "disaggregated": disagg, "transfer": transfer,
     }
+    if tokens:
+        res["token_check"] = _token_check(model, args, info["vocab_size"], tokens)
     _print(res)
     out_dir = Path(args.out_dir) if args.out_dir else results_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -256,6 +305,7 @@ def run(args: argparse.Namespace) -> int:
     (out_dir / f"{stem}.json").write_text(json.dumps(res, indent=2) + "\n")
     print(f"wrote {out_dir / stem}.json")
     ok = all(r["failed"] == 0 for r in disagg + (colocated or [])) and not transfer["failed_transfers"]
+    ok = ok and all(v["passes"] for v in res.get("token_check", {}).get("margin_rule", {}).values())
     return 0 if ok else 1
 
 
@@ -287,6 +337,14 @@ def _print(res: dict[str, Any]) -> None:
     per = f", {t['seconds'] / t['transfers'] * 1e3:.2f} ms per load" if t["transfers"] else ""
     print(f"KV moved: {t['bytes'] / 1e6:.1f} MB in {t['seconds']:.3f} s of transfers ({rate}{per}); "
           f"{t['transfers']:.0f} loads, {t['failed_transfers']:.0f} failed (latencies in ms)")
+    tc = res.get("token_check")
+    if tc:
+        for n, a in tc["agreement"].items():
+            print(f"tokens: {n} vs {next(iter(tc['tokens']))}: {a['identical_sequences']}/{a['of']} identical, "
+                  f"first divergence {a['first_divergence']}")
+        for n, m in tc.get("margin_rule", {}).items():
+            print(f"margin rule (float32 HF): {n}: {'passes' if m['passes'] else 'FAILS'}, worst gap "
+                  f"{m['worst_gap']}, violations {m['violations']}")
     for side, errs in t.get("errors", {}).items():
         for msg, n in errs.items():
             print(f"  {side} x{n}: {msg}")
