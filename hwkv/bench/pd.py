@@ -171,8 +171,10 @@ def _measure(url: str, info: dict[str, Any], args: argparse.Namespace) -> list[d
         work = sb._workload(args.num_prompts + args.warmup, args, info["vocab_size"], rng)
         r = asyncio.run(sb._run_rate(url, info["model"], rate, work[:args.warmup], work[args.warmup:], args, {},
                                      args.seed + i))
-        print(f"rate {rate}: {r['completed']} done, {r['failed']} failed, TTFT p50 {r['ttft']['p50_ms']:.1f} ms, "
-              f"ITL p50 {r['itl']['p50_ms']:.2f} ms", file=sys.stderr, flush=True)
+        # the whole row as it ends (a run cut short by its time limit keeps what it measured in the log)
+        print(f"rate {rate}: {r['completed']} done, {r['failed']} failed, TTFT p50/p99 {r['ttft']['p50_ms']:.1f}/"
+              f"{r['ttft']['p99_ms']:.1f} ms, ITL p50/p99 {r['itl']['p50_ms']:.2f}/{r['itl']['p99_ms']:.2f} ms, "
+              f"{r['output_throughput']:.1f} out tok/s", file=sys.stderr, flush=True)
         out.append(r)
     return out
 
