@@ -27,6 +27,9 @@ HELP = {
     "kv_cache_dtype": "auto | fp8 (float8 e4m3 KV cache, half the bytes; docs/fp8-kv-cache.md) [default: auto]",
     "kv_cache_scales": "fp8 KV scales as JSON: a float, [k, v], per layer [[k, v], ...] or per KV head [default: 1.0]",
     "scheduling_policy": "fcfs | priority (requests' `priority` field, lower first) [default: fcfs]",
+    "kv_events_endpoint": "publish KV-cache events on this ZMQ PUB address, e.g. tcp://127.0.0.1:5557 "
+                          "(docs/kv-events.md) [default: off]",
+    "kv_events_replay_endpoint": "serve missed KV-event batches on this ZMQ ROUTER address [default: none]",
 }
 
 

@@ -9,6 +9,11 @@ so it is reused first); a cached one to the TAIL (LRU: the longest-free cached b
 as vLLM's block pool does. Callers free a request's blocks in reverse order so a chain's tail is
 evicted before its head (no orphan chains: a
 cached block whose parent was evicted could never match again, as lookups walk from block 0).
+
+KV events (off unless :meth:`BlockPool.enable_kv_events`): every change of the hash→block map is
+appended to ``kv_events`` as it happens — ``BlockStored`` when blocks are registered, ``BlockRemoved``
+when hashes are evicted or unregistered, ``AllBlocksCleared`` on a reset — so the set of hashes a
+subscriber builds from them is the map's key set (``hwkv.core.kv_events``). The owner drains the list.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+from hwkv.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from hwkv.core.request import Request
 
 
@@ -149,6 +155,22 @@ class BlockPool:
             self.null_block = self.free_block_queue.popleft()
             self.null_block.is_null = True
         self.num_usable_blocks = num_blocks - use_null_block
+        self.kv_events: list | None = None  # None: events off (no cost beyond one check)
+        self.event_block_size = 0
+        self.medium = ""
+
+    def enable_kv_events(self, block_size: int, medium: str) -> None:
+        """Start appending KV events to ``kv_events`` (``block_size``: tokens per block, for
+        ``BlockStored.token_ids``; ``medium``: the tier's name in every event)."""
+        self.kv_events, self.event_block_size, self.medium = [], block_size, medium
+
+    def take_kv_events(self) -> list:
+        """The events since the last call (empty when off)."""
+        events = self.kv_events
+        if not events:
+            return []
+        self.kv_events = []
+        return events
 
     @property
     def num_free_blocks(self) -> int:
@@ -169,12 +191,17 @@ class BlockPool:
             )
         ret = self.free_block_queue.popleft_n(num_blocks)
         cached = self.cached_block_hash_to_block
+        evicted = [] if self.kv_events is not None else None
         for block in ret:
             if block.block_hash is not None:
+                if evicted is not None:
+                    evicted.append(block.block_hash)
                 del cached[block.block_hash]
                 block.block_hash = None
                 self.stats.evictions += 1
             block.ref_cnt = 1
+        if evicted:
+            self.kv_events.append(BlockRemoved(evicted, self.medium))  # type: ignore[union-attr]
         return ret
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -219,6 +246,7 @@ class BlockPool:
             )
         cached = self.cached_block_hash_to_block
         hashes = request.block_hashes
+        stored = [] if self.kv_events is not None else None
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block.block_hash is not None or block.is_null:
@@ -227,14 +255,42 @@ class BlockPool:
             if h not in cached:
                 block.block_hash = h
                 cached[h] = block
+                if stored is not None:
+                    stored.append(i)
+        if not stored:
+            return
+        if len(stored) == 1:  # a decode filled its block: the common case, kept cheap
+            i, bs = stored[0], self.event_block_size
+            self.kv_events.append(BlockStored(  # type: ignore[union-attr]
+                [hashes[i]], hashes[i - 1] if i else None, request.all_token_ids[i * bs:(i + 1) * bs], bs,
+                request.lora_id, self.medium))
+        else:
+            self._stored_events(request, stored)
+
+    def _stored_events(self, request: Request, indices: list[int]) -> None:
+        """One ``BlockStored`` per run of consecutive block indices of ``request`` just registered."""
+        hashes, tokens, bs = request.block_hashes, request.all_token_ids, self.event_block_size
+        start = prev = indices[0]
+        for i in indices[1:] + [-1]:
+            if i == prev + 1:
+                prev = i
+                continue
+            self.kv_events.append(BlockStored(  # type: ignore[union-attr]
+                hashes[start:prev + 1], hashes[start - 1] if start else None, tokens[start * bs:(prev + 1) * bs], bs,
+                request.lora_id, self.medium))
+            start = prev = i
 
     def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop the prefix-cache registration of ``blocks`` (their KV will never be written)."""
         cached = self.cached_block_hash_to_block
+        removed = []
         for block in blocks:
             if block.block_hash is not None and cached.get(block.block_hash) is block:
                 del cached[block.block_hash]
+                removed.append(block.block_hash)
             block.block_hash = None
+        if removed and self.kv_events is not None:
+            self.kv_events.append(BlockRemoved(removed, self.medium))
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash; refused (False) while any block is held by a request."""
@@ -243,4 +299,6 @@ class BlockPool:
         for block in self.cached_block_hash_to_block.values():
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
+        if self.kv_events is not None:
+            self.kv_events.append(AllBlocksCleared())
         return True

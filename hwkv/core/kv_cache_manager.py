@@ -18,6 +18,7 @@ from operator import attrgetter, is_not
 
 from hwkv.core.block_pool import BlockPool, KVCacheBlock, PrefixCacheStats
 from hwkv.core.hashing import make_block_hasher
+from hwkv.core.kv_events import MEDIUM_GPU
 from hwkv.core.request import Request
 
 _is_block = partial(is_not, None)
@@ -251,3 +252,11 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
+
+    def enable_kv_events(self, medium: str = MEDIUM_GPU) -> None:
+        """Record the prefix cache's KV events (``hwkv.core.kv_events``); :meth:`take_kv_events` drains them."""
+        if self.enable_caching:
+            self.block_pool.enable_kv_events(self.block_size, medium)
+
+    def take_kv_events(self) -> list:
+        return self.block_pool.take_kv_events()

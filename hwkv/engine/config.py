@@ -3,7 +3,7 @@
 Every option of :class:`hwkv.Engine` is a keyword-only field of one group (vLLM's config layout):
 :class:`ModelOptions`, :class:`RuntimeOptions`, :class:`CacheOptions`, the scheduler's
 :class:`~hwkv.core.sched_config.SchedulerOptions`, :class:`ParallelOptions`,
-:class:`KVTransferOptions`, :class:`SpeculativeOptions`. A group declares its fields (``None``
+:class:`KVTransferOptions`, :class:`KVEventsOptions`, :class:`SpeculativeOptions`. A group declares its fields (``None``
 meaning "choose for me") and checks their types and ranges (``check``, each error naming the
 field and what is allowed). :class:`EngineArgs` is all the groups together, so ``Engine(model,
 **options)``, ``hwkv serve``'s flags and the tensor-parallel workers see a new option without
@@ -116,6 +116,22 @@ class KVTransferOptions:
 
 
 @dataclass(kw_only=True)
+class KVEventsOptions:
+    """KV-cache events for cache-aware routers (vLLM's ``KVEventsConfig``; docs/kv-events.md)."""
+
+    kv_events_endpoint: str | None = None  # ZMQ PUB address ("tcp://127.0.0.1:5557", port * = free); None: off
+    kv_events_replay_endpoint: str | None = None  # ZMQ ROUTER address serving missed batches; None: no replay
+
+    def check(self) -> None:
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            v = getattr(self, name)
+            _need(self, name, v is None or (isinstance(v, str) and v.startswith(("tcp://", "ipc://", "inproc://"))),
+                  "None or a ZMQ endpoint ('tcp://127.0.0.1:5557', 'tcp://127.0.0.1:*', 'ipc:///path')")
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint (the events' PUB address), got None")
+
+
+@dataclass(kw_only=True)
 class SpeculativeOptions:
     speculative_config: Any = None  # dict (or JSON object text): hwkv.spec_decode.SpeculativeConfig; None: off
 
@@ -126,13 +142,13 @@ class SpeculativeOptions:
 
 
 GROUPS = (ModelOptions, RuntimeOptions, CacheOptions, SchedulerOptions, ParallelOptions, KVTransferOptions,
-          SpeculativeOptions)
+          KVEventsOptions, SpeculativeOptions)
 
 
 # fields come in reverse base order: the model's first, the speculative group's last
 @dataclass(kw_only=True)
-class EngineArgs(SpeculativeOptions, KVTransferOptions, ParallelOptions, SchedulerOptions, CacheOptions,
-                 RuntimeOptions, ModelOptions):
+class EngineArgs(SpeculativeOptions, KVEventsOptions, KVTransferOptions, ParallelOptions, SchedulerOptions,
+                 CacheOptions, RuntimeOptions, ModelOptions):
     """The options of :class:`hwkv.Engine`, keyword-only: every group's fields (``hwkv serve`` makes a
     flag of each)."""
 

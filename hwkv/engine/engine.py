@@ -81,6 +81,9 @@ class Engine(RequestTracking):
         from hwkv.engine.structured import StructuredOutputs
 
         self.runner.structured = StructuredOutputs(self.tokenizer, self.vocab_size, tuple(sorted(self.eos_token_ids)))
+        self.kv_events = None  # KV events publisher (docs/kv-events.md), opt-in
+        if args.kv_events_endpoint is not None:
+            self._start_kv_events(args.kv_events_endpoint, args.kv_events_replay_endpoint)
         # Ids: the scheduler, runner and connector see internal ids "<request_id>-<n>", unique per
         # engine lifetime (as vLLM), so a reused request id can never meet its predecessor's state.
         self._tracked: dict[str, Tracked] = {}  # internal id -> state, until finished
@@ -93,11 +96,26 @@ class Engine(RequestTracking):
 
     def close(self) -> None:
         """Stop what outlives the engine object: tensor-parallel workers (idempotent; also done when
-        the engine is collected or the interpreter exits) and the KV connector's threads and sockets."""
+        the engine is collected or the interpreter exits), the KV connector's threads and sockets,
+        and the KV events publisher (what is queued is sent first, bounded)."""
         if self._tp is not None:
             self._tp.close()
         if self.connector is not None:
             self.connector.shutdown()
+        if self.kv_events is not None:
+            self.kv_events.close()
+
+    def _start_kv_events(self, endpoint: str, replay_endpoint: str | None) -> None:
+        from hwkv.engine.kv_events import KVEventPublisher, snapshot_events
+
+        kv, conn = self.kv_cache_manager, self.connector
+        kv.enable_kv_events()
+        self._kv_event_sources = [kv]
+        if conn is not None:
+            conn.enable_kv_events()  # the connector's tiers (host offload, pool) report too
+            self._kv_event_sources.append(conn)
+        self._kv_snapshot = lambda: snapshot_events(kv, conn)
+        self.kv_events = KVEventPublisher(endpoint, replay_endpoint)
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Prompt, params: Any = None, priority: int = 0,
@@ -159,6 +177,8 @@ class Engine(RequestTracking):
             raise
         outputs = self._apply(so, ro, stream) if so is not None and ro is not None else []
         outputs, self._pending = self._pending + outputs, []
+        if self.kv_events is not None:  # this step's cache changes, as one batch
+            self.kv_events.publish_step(self._kv_event_sources, self._kv_snapshot)
         moved = ro is not None and ro.kv_connector_output is not None  # a load or send just ended
         if idle and not outputs and not moved and self.scheduler.has_unfinished_requests():
             # only KV transfers are pending: no busy spin that keeps the GIL from their threads

@@ -166,6 +166,20 @@ class KVConnectorBase:
         and load_failures)."""
         return {}
 
+    # KV events (docs/kv-events.md): a connector with cache tiers of its own (host offload, pool)
+    # reports what they gain and lose; the engine publishes them with the device cache's events.
+    def enable_kv_events(self) -> None:
+        """Start recording KV events (called once, before the first step, when events are on)."""
+
+    def take_kv_events(self) -> list[Any]:
+        """The ``hwkv.core.kv_events`` events recorded since the last call, in the order they happened
+        (``medium`` names the tier); called once per engine step on the scheduler's thread."""
+        return []
+
+    def kv_event_snapshot(self) -> list[Any]:
+        """``BlockStored`` of every block the connector's tiers hold now (a subscriber's resync)."""
+        return []
+
     # ---- worker side ----------------------------------------------------------------------
     def bind_device(self, device: Any) -> None:
         """Called once before ``register_kv_caches``: the backend's Device (streams, events, copies)."""

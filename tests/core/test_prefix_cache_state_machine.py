@@ -6,6 +6,9 @@ encodes) — whenever the "model" writes a block. After every step: blocks are c
 free queue iff ref_cnt == 0, ref counts equal table membership, the hash map and block hashes agree, and
 every cached block's content hashes to its key; every prefix hit is checked against the shadow, so a
 block whose chain predecessor was evicted can never be returned as a match with the wrong content.
+
+KV events are on: a subscriber's index, rebuilt from nothing but the events, equals the cache's key
+set after every step, and every ``BlockStored`` chain hashes from its parent and tokens.
 """
 
 from collections import Counter
@@ -14,8 +17,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from hwkv.core.hashing import hash_token_blocks, make_block_hasher
+from hwkv.core.hashing import ROOT_HASH, extra_keys, hash_block_tokens, hash_token_blocks, make_block_hasher
 from hwkv.core.kv_cache_manager import KVCacheManager
+from hwkv.core.kv_events import MEDIUM_GPU, BlockStored, apply_events
 from hwkv.core.request import Request
 
 BS = 4
@@ -44,6 +48,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.m = KVCacheManager(NUM_BLOCKS, BS)
+        self.m.enable_kv_events()
+        self.index: set[bytes] = set()  # a subscriber's view, from the events alone
         self.hasher = make_block_hasher(BS)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -184,6 +190,22 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         assert self.m.reset_prefix_cache() == idle
         if idle:
             assert not self.m.block_pool.cached_block_hash_to_block
+
+    @invariant()
+    def events_match_the_cache(self):
+        events = self.m.take_kv_events()
+        for ev in events:
+            if isinstance(ev, BlockStored):
+                assert ev.medium == MEDIUM_GPU and ev.block_size == BS
+                assert len(ev.token_ids) == BS * len(ev.block_hashes)
+                parent = ev.parent_block_hash or ROOT_HASH
+                for j, h in enumerate(ev.block_hashes):  # the chain follows from parent + tokens (salt: either)
+                    toks = ev.token_ids[j * BS : (j + 1) * BS]
+                    first = parent is ROOT_HASH
+                    assert h in {hash_block_tokens(parent, toks, extra_keys(s)[0 if first else 1]) for s in (None, "s")}
+                    parent = h
+        apply_events(self.index, events)
+        assert self.index == set(self.m.block_pool.cached_block_hash_to_block)
 
     @invariant()
     def consistent(self):
