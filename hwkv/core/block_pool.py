@@ -12,7 +12,8 @@ cached block whose parent was evicted could never match again, as lookups walk f
 
 KV events (off unless :meth:`BlockPool.enable_kv_events`): every change of the hash→block map is
 appended to ``kv_events`` as it happens — ``BlockStored`` when blocks are registered, ``BlockRemoved``
-when hashes are evicted or unregistered, ``AllBlocksCleared`` on a reset — so the set of hashes a
+when hashes are evicted, unregistered or dropped by a reset (``AllBlocksCleared`` carries no
+medium, so it would clear a subscriber's other tiers of this instance too) — so the set of hashes a
 subscriber builds from them is the map's key set (``hwkv.core.kv_events``). The owner drains the list.
 """
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from hwkv.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from hwkv.core.kv_events import BlockRemoved, BlockStored
 from hwkv.core.request import Request
 
 
@@ -296,9 +297,9 @@ class BlockPool:
         """Drop every cached hash; refused (False) while any block is held by a request."""
         if self.free_block_queue.num_free_blocks != self.num_usable_blocks:
             return False
+        if self.kv_events is not None and self.cached_block_hash_to_block:
+            self.kv_events.append(BlockRemoved(list(self.cached_block_hash_to_block), self.medium))
         for block in self.cached_block_hash_to_block.values():
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
-        if self.kv_events is not None:
-            self.kv_events.append(AllBlocksCleared())
         return True

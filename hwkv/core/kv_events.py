@@ -8,7 +8,9 @@ events unchanged:
   whose KV the tier now holds, a chain in order; ``parent_block_hash`` is the block before the first
   (``None``: the chain starts at token 0); ``token_ids`` are the blocks' tokens.
 * ``BlockRemoved(block_hashes, medium)``: blocks the tier no longer holds (evicted, dropped).
-* ``AllBlocksCleared()``: the tier dropped everything (a prefix-cache reset).
+* ``AllBlocksCleared()``: the instance holds nothing in any tier (its publisher's first batch, and
+  the head of a snapshot). A prefix-cache reset is a ``BlockRemoved`` of every hash of that tier:
+  the event has no ``medium``, and the host and pool tiers keep their blocks.
 * ``KVEventBatch(ts, events, data_parallel_rank)``: one step's events, published as one message.
 
 Hashes are hwkv's chained block hashes (``hwkv.core.hashing``: 32-byte sha256 digests, salt and LoRA

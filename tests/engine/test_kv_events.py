@@ -76,6 +76,85 @@ def test_subscriber_rebuilds_the_prefix_cache(model_dir):
         e.close()
 
 
+def _drain(e: hwkv.Engine, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while e.connector.has_pending_transfers():
+        assert time.monotonic() < deadline, "connector transfers never completed"
+        e.step()
+        time.sleep(0.005)
+    e.step()  # the completions' events go out with a step
+
+
+def test_host_tier_events_track_the_offload_tier(model_dir):
+    """medium "CPU": the subscriber's index is the host tier's registered hashes (stores land,
+    LRU evictions of a small tier remove), and a snapshot carries both tiers."""
+    e = _engine(model_dir, kv_connector="offload",
+                kv_connector_config={"cpu_bytes": 24 * _block_bytes(model_dir), "store_batch_blocks": 1})
+    sub = KVEventSubscriber(e.kv_events.endpoint, e.kv_events.replay_endpoint)
+    try:
+        assert sub.wait_ready()
+        rng = random.Random(2)
+        cpu = e.connector.cpu
+        for rnd in range(3):
+            _traffic(e, rng, 10)
+            _drain(e)
+            _settled(sub, e.kv_events)
+            assert sub.index.hashes("CPU") == set(cpu.cached_block_hash_to_block) and sub.index.hashes("CPU"), rnd
+            assert sub.index.hashes("GPU") == _cached(e)
+        assert cpu.stats.evictions > 0  # the tier evicted: removals were exercised
+        snap = {ev.medium: set(ev.block_hashes) for ev in e._kv_snapshot()}
+        assert snap == {"GPU": _cached(e), "CPU": set(cpu.cached_block_hash_to_block)}
+    finally:
+        sub.close()
+        e.close()
+
+
+def test_pool_tier_events_report_what_the_instance_knows_the_pool_holds(model_dir):
+    """medium "POOL": chunks an instance put are stored; a second (load-only) instance learns them
+    from its loads, and a lookup that finds a known chunk gone removes it and the chunks after it."""
+    from hwkv.connectors.pool.store import drop_embedded, embedded_store
+
+    cfg = {"store": "embedded", "store_name": "kv-events-pool"}
+    a = _engine(model_dir, kv_connector="pool", kv_connector_config=cfg)
+    b = _engine(model_dir, kv_connector="pool", kv_connector_config={**cfg, "save": False})
+    sa = KVEventSubscriber(a.kv_events.endpoint, a.kv_events.replay_endpoint)
+    sb = KVEventSubscriber(b.kv_events.endpoint, b.kv_events.replay_endpoint)
+    try:
+        assert sa.wait_ready() and sb.wait_ready()
+        prompt = [random.Random(3).randrange(1, 500) for _ in range(5 * BS + 3)]
+        chunks = _ordered_hashes(a, prompt)
+        sp = SamplingParams(max_tokens=2, temperature=0)
+        a.generate([prompt], sp, use_tqdm=False)
+        _drain(a)
+        _settled(sa, a.kv_events)
+        assert sa.index.hashes("POOL") == set(chunks) == set(a.connector._recent)
+        b.generate([prompt], sp, use_tqdm=False)  # loads all 5 chunks
+        _drain(b)
+        _settled(sb, b.kv_events)
+        assert sb.index.hashes("POOL") == set(chunks) and b.stats()["kv_connector"]["load_jobs"] == 1
+        store = embedded_store("kv-events-pool")
+        store.remove([k for k in list(store._values) if k.endswith(chunks[2].hex())])  # evicted behind b's back
+        assert b.kv_cache_manager.reset_prefix_cache()
+        b.generate([prompt], sp, use_tqdm=False)  # its lookup now ends at chunk 2
+        _drain(b)
+        _settled(sb, b.kv_events)
+        assert sb.index.hashes("POOL") == set(chunks[:2]) == set(b.connector._recent)
+    finally:
+        sa.close()
+        sb.close()
+        a.close()
+        b.close()
+        drop_embedded("kv-events-pool")
+
+
+def _block_bytes(model_dir: str) -> int:
+    e = hwkv.Engine(model_dir, num_kv_blocks=4, max_model_len=64, block_size=BS)
+    try:
+        return e.kv_cache.spec.bytes_per_block
+    finally:
+        e.close()
+
+
 def test_late_subscriber_replays_and_a_gap_past_the_buffer_takes_a_snapshot(model_dir):
     e = _engine(model_dir)
     try:
@@ -239,3 +318,61 @@ def test_options_group_and_serve_flags():
                       "tcp://127.0.0.1:5558"])
     assert (a.kv_events_endpoint, a.kv_events_replay_endpoint) == ("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558")
     assert p.parse_args([]).kv_events_endpoint is None
+
+
+EXIT_CHILD = r"""
+import sys, time
+import hwkv
+from hwkv.engine.kv_events import KVEventSubscriber
+model = sys.argv[1]
+kw = dict(num_kv_blocks=40, max_model_len=256, block_size=16, kv_events_replay_endpoint="tcp://127.0.0.1:*")
+e = hwkv.Engine(model, kv_events_endpoint="tcp://127.0.0.1:*", **kw)
+off = hwkv.Engine(model, kv_events_endpoint="tcp://127.0.0.1:*", kv_connector="offload",
+                  kv_connector_config={"cpu_bytes": 1 << 20}, **kw)
+pool = hwkv.Engine(model, kv_events_endpoint="tcp://127.0.0.1:*", kv_connector="pool",
+                   kv_connector_config={"store": "embedded"}, **kw)
+sub = KVEventSubscriber(off.kv_events.endpoint, off.kv_events.replay_endpoint)  # never closed either
+assert sub.wait_ready()
+print(e.kv_events.endpoint, flush=True)
+sys.stdin.readline()  # the parent's SUB is connected
+for x in (e, off, pool):
+    x.generate([list(range(1, 70))], hwkv.SamplingParams(max_tokens=20, temperature=0), use_tqdm=False)
+print(e.kv_events._seq - 1, flush=True)
+# no close(): the interpreter exit stops publishers, subscriber, connectors
+"""
+
+
+def test_interpreter_exit_without_close_flushes_and_exits_cleanly(model_dir):
+    """Engines with events (plain, offload, pool) and a subscriber, none closed: the process exits
+    with status 0 (no SIGABRT from a ZMQ context torn down under a live socket), and the batches
+    of its last steps reach a subscriber in another process (the exit's bounded flush)."""
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", EXIT_CHILD, model_dir], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.SUB)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.SUBSCRIBE, b"")
+    try:
+        endpoint = p.stdout.readline().strip()
+        assert endpoint.startswith("tcp://"), p.stderr.read() if p.poll() is not None else endpoint
+        s.connect(endpoint)
+        time.sleep(0.5)  # the subscription reaches the PUB socket (a slow joiner misses what comes before)
+        p.stdin.write("go\n")
+        p.stdin.flush()
+        last = int(p.stdout.readline())
+        rc = p.wait(60)
+        err = p.stderr.read()
+        assert rc == 0, f"exit status {rc}: {err[-2000:]}"
+        got = []
+        while s.poll(2000):
+            got.append(int.from_bytes(s.recv_multipart()[1], "big"))
+        assert got and got[-1] == last, (got, last)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        s.close()
+        ctx.term()

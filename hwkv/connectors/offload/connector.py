@@ -43,6 +43,7 @@ from hwkv.connectors.base.jobs import ReqState
 from hwkv.connectors.offload.tier import HostTier
 from hwkv.connectors.offload.worker import OffloadMeta, OffloadWorker
 from hwkv.core.block_pool import KVCacheBlock
+from hwkv.core.kv_events import MEDIUM_CPU, BlockStored
 from hwkv.core.sched_output import KVConnectorOutput
 
 
@@ -254,6 +255,20 @@ class OffloadConnector(OffloadWorker):
             elif (job := self._store_job(st)) is not None:
                 self._finished_stores.append(job)
         return False, None
+
+    # ---- KV events (medium "CPU": the host tier's registered hashes) ---------------------------------
+    def enable_kv_events(self) -> None:
+        if self.cpu is not None:
+            self.cpu.enable_kv_events(self.block_size, MEDIUM_CPU)
+
+    def take_kv_events(self) -> list[Any]:
+        return self.cpu.take_kv_events() if self.cpu is not None else []
+
+    def kv_event_snapshot(self) -> list[Any]:
+        cpu = self.cpu
+        if cpu is None or not cpu.cached_block_hash_to_block:
+            return []
+        return [BlockStored(list(cpu.cached_block_hash_to_block), None, [], self.block_size, None, MEDIUM_CPU)]
 
     def stats(self) -> dict[str, Any]:
         cpu = self.cpu

@@ -20,6 +20,7 @@ from itertools import takewhile
 from operator import is_not
 
 from hwkv.core.block_pool import BlockPool, KVCacheBlock
+from hwkv.core.kv_events import BlockStored
 
 _is_block = partial(is_not, None)
 
@@ -63,7 +64,13 @@ class HostTier(BlockPool):
         """A store landed: register ``blocks[i]`` under ``hashes[i]`` (a hash the tier got meanwhile
         from another store leaves the block hash-less, reused first)."""
         cached = self.cached_block_hash_to_block
+        stored = []
         for block, h in zip(blocks, hashes):
             if h not in cached:
                 block.block_hash = h
                 cached[h] = block
+                stored.append(h)
+        if stored and self.kv_events is not None:  # KV events: the tier's hashes (evictions: BlockPool's)
+            # a store's blocks need not be one chain (several requests' blocks): no parent, no tokens,
+            # as vLLM's offloading connector reports its tier
+            self.kv_events.append(BlockStored(stored, None, [], self.event_block_size, None, self.medium))

@@ -47,6 +47,7 @@ from hwkv.connectors.pool.lookup import LookupClient, LookupServer
 from hwkv.connectors.pool.store import StoreHandle, store_factory
 from hwkv.connectors.pool.transfer import PoolTransfer
 from hwkv.connectors.pool.worker import PoolWorker
+from hwkv.core.kv_events import MEDIUM_POOL, BlockRemoved, BlockStored
 from hwkv.core.sched_output import KVConnectorOutput
 
 _RECENT_MAX = 1 << 16  # chunk hashes known to be in the pool (puts and loads that completed)
@@ -100,6 +101,7 @@ class PoolConnector(PoolWorker):
         self._pending: dict[str, tuple[int, list[bytes]]] = {}  # rid -> (first chunk, hit hashes)
         self._lookups: dict[str, tuple[tuple[int, int], int, float]] = {}
         self._recent: OrderedDict[bytes, None] = OrderedDict()
+        self._events: list[Any] | None = None  # KV events (medium "POOL"), once enabled
         self._epoch: tuple[int, int] = (0, 0)  # (connects, failures) of the store the worker last reported
         self.counters = dict(loaded_bytes=0, stored_bytes=0, lookups=0, lookup_hit_tokens=0, load_jobs=0,
                              failed_loads=0, load_timeouts=0, store_jobs=0, stored_chunks=0, dedup_pool=0,
@@ -161,8 +163,10 @@ class PoolConnector(PoolWorker):
             hits = self.client.lookup(hashes)
             self._lookups[rid] = ((first, last), hits, now)
             self.counters["lookups"] += 1
-            for h in hashes[hits:]:  # missing from the pool (evicted, or a master restarted empty): a
-                self._recent.pop(h, None)  # "recently put" entry is stale; the sender's exists check still dedups
+            gone = [h for h in hashes[hits:] if h in self._recent]
+            for h in gone:  # missing from the pool (evicted, or a master restarted empty): a
+                del self._recent[h]  # "recently put" entry is stale; the sender's exists check still dedups
+            self._removed(gone)
         if not hits:
             return 0, False
         self._pending[rid] = (first, [request.block_hashes[(c + 1) * cb - 1] for c in range(first, first + hits)])
@@ -220,6 +224,7 @@ class PoolConnector(PoolWorker):
         epoch = output.extra.get("pool_epoch")
         if epoch is not None and epoch != self._epoch:  # the store failed or was reconnected: it may have
             self._epoch = epoch  # lost anything, so "recently put" proves nothing any more
+            self._removed(list(self._recent))
             self._recent.clear()
         super().update_connector_output(output)
 
@@ -237,11 +242,17 @@ class PoolConnector(PoolWorker):
             c["stored_chunks"] += nbytes // self._chunk_bytes
             c["dedup_pool"] += skipped
         if ok:  # known present: later stores of these chunks skip even the exists call
+            new = [h for h in job.hashes if h not in self._recent] if self._events is not None else None
             for h in job.hashes:
                 self._recent[h] = None
                 self._recent.move_to_end(h)
+            if new:
+                self._events.append(BlockStored(new, None, [], self.block_size * self.chunk_blocks, None,  # type: ignore
+                                                MEDIUM_POOL))
+            trimmed = []
             while len(self._recent) > _RECENT_MAX:
-                self._recent.popitem(last=False)
+                trimmed.append(self._recent.popitem(last=False)[0])
+            self._removed(trimmed)
         self.kv.block_pool.free_blocks(job.blocks)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -251,6 +262,32 @@ class PoolConnector(PoolWorker):
         self._lookups.pop(rid, None)
         self._forget(rid)
         return False, None
+
+    # ---- KV events (medium "POOL") ----------------------------------------------------------------
+    # What this instance knows the pool holds: chunks it put or found there (stored), chunks a lookup
+    # found gone or that a store failure/reconnect puts in doubt (removed), and the oldest ones past
+    # the bounded set of known chunks (removed: no longer vouched for). One hash per chunk: the chain
+    # hash of its last block, block_size the chunk's tokens (with the default one-block chunks, the
+    # device cache's block hashes). The pool is shared: a router may read any instance's POOL events
+    # as every instance's.
+    def enable_kv_events(self) -> None:
+        self._events = []
+
+    def take_kv_events(self) -> list[Any]:
+        events = self._events
+        if not events:
+            return []
+        self._events = []
+        return events
+
+    def kv_event_snapshot(self) -> list[Any]:
+        if self._events is None or not self._recent:
+            return []
+        return [BlockStored(list(self._recent), None, [], self.block_size * self.chunk_blocks, None, MEDIUM_POOL)]
+
+    def _removed(self, hashes: list[bytes]) -> None:
+        if hashes and self._events is not None:
+            self._events.append(BlockRemoved(hashes, MEDIUM_POOL))
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = dict(self.counters)
