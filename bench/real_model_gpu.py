@@ -1,0 +1,200 @@
+"""#39 on a GPU: the real SmolLM2-135M-Instruct GGUF through a device backend in bfloat16.
+
+    python3 bench/real_model_gpu.py --gguf PATH [--backend cuda] [--out FILE.json]
+
+1. Greedy agreement on the real-model tier's 8 chat prompts x 64 tokens, under the conformance
+   margin rule (``conformance/test_engine.py``: a half-precision backend is scored by a float32
+   reference on its own prefix, teacher-forced; each token must be the reference argmax up to
+   0.02 x max(1, |max logit|)). The float32 reference is HF transformers loading the same GGUF
+   (with the ``gguf`` package; without it, a ``LlamaForCausalLM`` holding the weights our GGUF
+   loader dequantised - equal to transformers' own, tests/model/test_real_model.py). Also reported:
+   exact token agreement with HF bfloat16 ``generate`` and HF bfloat16 scored by the same rule.
+2. Speed side by side in one run: offline (64 requests, chat prompts, 128 tokens each, ignore_eos)
+   and batch-1 decode (256 tokens) for hwkv and HF ``generate`` (bf16, same device); the host
+   share of a batch-1 decode step from ``hwkv.bench.e2e_report.profile`` (wall vs graph replay).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+import hwkv
+from hwkv.model.packaged import CHAT_PROMPTS
+
+MARGIN = 0.02  # conformance/test_engine.py HALF_LOGIT_MARGIN
+
+
+def hf_models(path: Path, device: str) -> tuple[dict, str]:
+    """float32 and bfloat16 HF models on ``device``: transformers' GGUF loading, else our weights."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        import gguf  # noqa: F401
+
+        out = {dt: AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dt)
+               .to(device).eval() for dt in (torch.float32, torch.bfloat16)}
+        return out, "transformers GGUF loader"
+    except Exception as e:  # noqa: BLE001 - no gguf/accelerate: fall back, say why
+        print(f"HF GGUF loading unavailable ({type(e).__name__}: {e}); using hwkv-dequantised weights", flush=True)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hwkv.model.gguf_file import open_gguf
+
+    f = open_gguf(path)
+    cfg = f.config_dict()
+    sd = {name: t.float() for _, name, t in f.weights(cfg["num_attention_heads"], cfg["num_key_value_heads"])}
+    out = {}
+    for dt in (torch.float32, torch.bfloat16):
+        m = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in cfg.items() if k != "dtype"}))
+        missing, unexpected = m.load_state_dict(sd, strict=False)
+        assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+        m.tie_weights()
+        out[dt] = m.to(device=device, dtype=dt).eval()
+    return out, "LlamaForCausalLM with hwkv's dequantised GGUF weights"
+
+
+def gaps(model, prompt: list[int], toks: list[int], device: str) -> list[float]:
+    """Per generated token: (max logit - logit of the token) / max(1, |max logit|), teacher-forced."""
+    if not toks:
+        return []
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + toks], device=device)).logits[0, len(prompt) - 1:-1].float()
+    best = logits.max(-1).values
+    gap = best - logits[torch.arange(len(toks)), torch.tensor(toks, device=device)]
+    return (gap / best.abs().clamp_min(1.0)).tolist()
+
+
+def hf_generate(model, ids: list[list[int]], n: int, device: str, ignore_eos: bool = False) -> list[list[int]]:
+    outs = []
+    with torch.inference_mode():
+        for p in ids:
+            kw = {"min_new_tokens": n} if ignore_eos else {}
+            o = model.generate(torch.tensor([p], device=device), max_new_tokens=n, do_sample=False,
+                               eos_token_id=2, pad_token_id=2, **kw)
+            outs.append(o[0, len(p):].tolist())
+    return outs
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gguf", required=True)
+    ap.add_argument("--backend", default="cuda")
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--offline-requests", type=int, default=64)
+    ap.add_argument("--offline-tokens", type=int, default=128)
+    ap.add_argument("--b1-tokens", type=int, default=256)
+    ap.add_argument("--out", default="real-model-gpu.json")
+    args = ap.parse_args()
+    gguf, dev = Path(args.gguf), args.device
+    res: dict = {"model": gguf.name, "backend": args.backend, "dtype": args.dtype,
+                 "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "margin": MARGIN}
+
+    t0 = time.perf_counter()
+    engine = hwkv.Engine(model=str(gguf), backend=args.backend, dtype=args.dtype)
+    res["load_s"] = round(time.perf_counter() - t0, 2)
+    res["device"] = engine.backend.device.description()
+    print(f"engine on {res['device']} in {res['load_s']} s", flush=True)
+    tok = engine.tokenizer
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
+               for p in CHAT_PROMPTS]
+
+    # 1. agreement
+    greedy = hwkv.SamplingParams(temperature=0, max_tokens=args.tokens)
+    ours = [o.token_ids for o in engine.generate(prompts, greedy, use_tqdm=False)]
+    res["answers"] = {p: tok.decode(t, skip_special_tokens=True) for p, t in zip(CHAT_PROMPTS, ours)}
+    models, res["hf_source"] = hf_models(gguf, dev)
+    ref, hbf = models[torch.float32], models[torch.bfloat16]
+    hf_bf = hf_generate(hbf, prompts, args.tokens, dev)
+    hf_fp = hf_generate(ref, prompts, args.tokens, dev)
+    rows, worst, worst_hf = [], 0.0, 0.0
+    for p, a, b, c in zip(prompts, ours, hf_bf, hf_fp):
+        g, gh = gaps(ref, p, a, dev), gaps(ref, p, b, dev)
+        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        same32 = next((i for i, (x, y) in enumerate(zip(a, c)) if x != y), min(len(a), len(c)))
+        rows.append({"tokens": len(a), "prefix_equal_hf_bf16": same, "identical_hf_bf16": a == b,
+                     "prefix_equal_hf_fp32": same32, "identical_hf_fp32": a == c,
+                     "worst_gap": max(g, default=0.0), "over_margin": sum(x > MARGIN for x in g),
+                     "hf_bf16_worst_gap": max(gh, default=0.0), "hf_bf16_over_margin": sum(x > MARGIN for x in gh)})
+        worst, worst_hf = max(worst, rows[-1]["worst_gap"]), max(worst_hf, rows[-1]["hf_bf16_worst_gap"])
+    res["agreement"] = {"prompts": rows, "pass": all(r["over_margin"] == 0 for r in rows),
+                        "identical_hf_bf16": sum(r["identical_hf_bf16"] for r in rows),
+                        "identical_hf_fp32": sum(r["identical_hf_fp32"] for r in rows),
+                        "worst_gap": worst, "hf_bf16_worst_gap": worst_hf}
+    print("agreement:", json.dumps({k: v for k, v in res["agreement"].items() if k != "prompts"}), flush=True)
+    for r in rows:
+        print("  ", r, flush=True)
+    for q, a in res["answers"].items():
+        print(f"  Q: {q}\n  A: {a!r}", flush=True)
+    del ref, models
+    torch.cuda.empty_cache() if dev.startswith("cuda") else None
+
+    # 2. speed, side by side
+    work = [prompts[i % len(prompts)] for i in range(args.offline_requests)]
+    fixed = hwkv.SamplingParams(temperature=0, max_tokens=args.offline_tokens, ignore_eos=True)
+    engine.generate(work[:8], fixed, use_tqdm=False)  # warm-up
+    t0 = time.perf_counter()
+    outs = engine.generate(work, fixed, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    n = sum(len(o.token_ids) for o in outs)
+    res["offline"] = {"requests": len(work), "tokens": n, "seconds": round(dt, 3), "tok_s": round(n / dt, 1)}
+    b1 = hwkv.SamplingParams(temperature=0, max_tokens=args.b1_tokens, ignore_eos=True)
+    engine.generate([prompts[0]], b1, use_tqdm=False)
+    t0 = time.perf_counter()
+    o = engine.generate([prompts[0]], b1, use_tqdm=False)[0]
+    dt = time.perf_counter() - t0
+    res["batch1"] = {"tokens": len(o.token_ids), "seconds": round(dt, 3), "tok_s": round(len(o.token_ids) / dt, 1)}
+    try:
+        from hwkv.bench.e2e_report import profile
+
+        prof = profile(engine, engine.vocab_size, 1, steps=64, prompt_len=64, gpu=dev.startswith("cuda"))
+        if "gpu_replay" in prof:
+            prof["host_share"] = round(1 - prof["gpu_replay"] / prof["step_wall"], 3)
+        res["batch1_profile_ms"] = prof
+    except Exception as e:  # noqa: BLE001 - the figure is optional; say why it is missing
+        res["batch1_profile_ms"] = {"error": f"{type(e).__name__}: {e}"}
+    print("hwkv offline", res["offline"], "batch-1", res["batch1"], flush=True)
+    print("batch-1 step profile (ms):", res["batch1_profile_ms"], flush=True)
+
+    # HF generate, bf16, same prompts: batch-1 decode and a padded batch of the offline requests
+    hf_generate(hbf, [prompts[0]], 8, dev)
+    sync(dev)
+    t0 = time.perf_counter()
+    h = hf_generate(hbf, [prompts[0]], args.b1_tokens, dev, ignore_eos=True)[0]
+    sync(dev)
+    dt = time.perf_counter() - t0
+    res["hf_batch1"] = {"tokens": len(h), "seconds": round(dt, 3), "tok_s": round(len(h) / dt, 1)}
+    from transformers import AutoTokenizer  # noqa: F401 - padding by hand: no tokenizer needed
+
+    L = max(len(p) for p in work)
+    ids = torch.tensor([[2] * (L - len(p)) + p for p in work], device=dev)
+    mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in work], device=dev)
+    with torch.inference_mode():
+        sync(dev)
+        t0 = time.perf_counter()
+        out = hbf.generate(ids, attention_mask=mask, max_new_tokens=args.offline_tokens,
+                           min_new_tokens=args.offline_tokens, do_sample=False, eos_token_id=2, pad_token_id=2)
+        sync(dev)
+        dt = time.perf_counter() - t0
+    n = (out.shape[1] - L) * out.shape[0]
+    res["hf_offline"] = {"requests": len(work), "tokens": n, "seconds": round(dt, 3), "tok_s": round(n / dt, 1)}
+    print("HF offline", res["hf_offline"], "batch-1", res["hf_batch1"], flush=True)
+    engine.close() if hasattr(engine, "close") else None
+    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+    print("wrote", args.out, flush=True)
+    return 0 if res["agreement"]["pass"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
