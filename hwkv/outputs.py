@@ -43,6 +43,9 @@ class RequestOutput:
     logprobs: list[Any] | None = None
     kv_transfer_params: dict[str, Any] | None = field(default=None, repr=False)
     error: str | None = None  # finish_reason "error": the exception that ended the request
+    # SamplingParams.prompt_logprobs: per prompt token {token: (logprob, rank)}, the first None; set
+    # once the prompt is computed (with the first output token)
+    prompt_logprobs: list[dict[int, tuple[float, int]] | None] | None = None
 
     def __repr__(self) -> str:
         return (

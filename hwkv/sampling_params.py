@@ -26,6 +26,9 @@ class SamplingParams:
       are); ``stop_token_ids`` end like EOS.
     * ``logprobs`` n returns the top-n log-probabilities (of the unmodified model distribution) plus
       the sampled token's; ``None`` returns none.
+    * ``prompt_logprobs`` n returns, for every prompt token after the first, its log-probability and
+      rank given the tokens before it plus the top-n there (vLLM's semantics; the first entry is
+      ``None``). Such a request reads no prefix-cache or connector hits: every prompt token is computed.
     * ``min_tokens`` suppresses EOS / stop token ids until that many tokens were generated.
     * ``cache_salt`` isolates this request's prefix-cache blocks: requests share cached blocks only
       with requests of the same salt (per-tenant isolation).
@@ -56,6 +59,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     structured_outputs: dict[str, Any] | None = None
     kv_transfer_params: dict[str, Any] | None = None  # handed to the KV connector as is (as vLLM's)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -110,6 +114,9 @@ class SamplingParams:
             bad("seed", f"None or an integer in [{SEED_MIN}, {SEED_MAX}]")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            bad("prompt_logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]")
         if not all(isinstance(s, str) and s for s in self.stop):  # type: ignore[union-attr]
             bad("stop", "a non-empty string or a list of non-empty strings")
         hi = vocab_size if vocab_size is not None else float("inf")

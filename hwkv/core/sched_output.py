@@ -68,6 +68,8 @@ class ModelRunnerOutput:
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, Any] | None = None  # req_id -> per-token logprob records
+    # req_id -> (first prompt index, records): prompt_logprobs of this step's prompt tokens
+    prompt_logprobs: dict[str, tuple[int, list[Any]]] | None = None
     kv_connector_output: KVConnectorOutput | None = None
     # speculative decoding: each sampling request's drafts for its next step (None: not speculating)
     spec_token_ids: dict[str, list[int]] | None = None

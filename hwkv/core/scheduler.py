@@ -253,7 +253,8 @@ class Scheduler(SchedulerResults):
             if seats_full and not any(self.policy.may_displace(req, r) for r in running):
                 break
             new_blocks, num_local, num_ext, load_async = None, 0, 0, False
-            if req.num_computed_tokens == 0:
+            # prompt_logprobs need every prompt token computed: no prefix-cache or connector hits (as vLLM)
+            if req.num_computed_tokens == 0 and getattr(req.sampling_params, "prompt_logprobs", None) is None:
                 new_blocks, num_local = kv.get_computed_blocks(req, record_stats=False)
                 if self.connector is not None:
                     num_ext, load_async = self.connector.get_num_new_matched_tokens(req, num_local)

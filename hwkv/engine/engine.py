@@ -216,6 +216,10 @@ class Engine(RequestTracking):
         self._stats.record_step(so, ro, self.scheduler.requests)
         outputs = []
         tracked, lps, output = self._tracked, ro.logprobs, self._output
+        for rid, (a, recs) in (ro.prompt_logprobs or {}).items():  # positions: a recompute rewrites the same
+            tr = tracked.get(rid)
+            if tr is not None and tr.prompt_logprobs is not None:
+                tr.prompt_logprobs[a : a + len(recs)] = recs
         for req in self.scheduler.update_from_output(so, ro):
             tr = tracked[req.request_id]
             toks = req.output_token_ids

@@ -104,6 +104,7 @@ class ModelRunner:
                 self.loading_tail_graphs.capture(pool=self.graphs.pool)
 
     serves_tail_graphs = True  # a subclass whose step does not go through execute_async turns this off
+    serves_prompt_logprobs = True  # a subclass with its own execute_async turns this off (refused by name)
 
     # ---- persistent state ---------------------------------------------------------------------
     def _add(self, new: NewRequestData) -> None:
@@ -251,9 +252,20 @@ class ModelRunner:
         # fill(input_ids, at=...) copies the unread tokens into the inputs on the device
         fill = partial(fill_tokens, src=src, tokens=pend.tokens, device=self.dev) if len(rows) else None  # type: ignore[union-attr]
         out, sampled, sampled_ids, logits = ModelRunnerOutput(), [], [], None
+        plp = None
         if states:
             batch = self.build_inputs(so, states, ahead)
-            if self.graphs is not None and batch.pure_decode:
+            req_ids = list(so.num_scheduled_tokens)
+            if not batch.pure_decode:  # prompt tokens: a request may want their logprobs
+                plp = self._prompt_logprob_rows(states, req_ids, batch)
+            if plp is not None:  # eager, with logits for those prompt positions after the sampling rows
+                inp = self.device_inputs(batch._replace(logits_indices=np.concatenate([batch.logits_indices, plp[0]])))
+                if fill is not None:
+                    fill(inp.input_ids, at=batch.query_start_loc[rows].astype(np.int64))
+                logits = self._forward(inp)
+                out.prompt_logprobs = self._prompt_logprobs(logits[len(batch.logits_indices):], plp[1])
+                logits = logits[: len(batch.logits_indices)]
+            elif self.graphs is not None and batch.pure_decode:
                 logits = self.graphs.run(batch, partial(fill, at=rows) if fill else None)  # type: ignore[union-attr]
                 self.num_graph_steps += logits is not None
             elif self.tail_graphs is not None and batch.max_query_len <= self.tail_graphs.q:
@@ -263,7 +275,6 @@ class ModelRunner:
                 if fill is not None:
                     fill(inp.input_ids, at=batch.query_start_loc[rows].astype(np.int64))
                 logits = self._forward(inp)  # also when nothing samples: partial prefill chunks write KV
-            req_ids = list(so.num_scheduled_tokens)
             if len(batch.sample_idx) == len(states):  # every row samples (decodes): no gather
                 sampled, sampled_ids = states, req_ids
             else:
@@ -281,6 +292,48 @@ class ModelRunner:
         self.finish_step(so, out)
         self._pending = new
         return prev
+
+    def _prompt_logprob_rows(self, states: list[_ReqState], req_ids: list[str],
+                             batch: StepBatch) -> tuple[np.ndarray, list[tuple[str, int, int, int, int]]] | None:
+        """Token rows of this step whose logits give prompt logprobs (position ``j`` predicts prompt
+        token ``j + 1``), and per request ``(id, slot, first prompt index, count, top-n)``; ``None``
+        when no request here wants them."""
+        rows, reqs = [], []
+        qsl = batch.query_start_loc
+        for i, st in enumerate(states):
+            k = st.params.prompt_logprobs
+            if k is None:
+                continue
+            q0 = int(qsl[i])
+            ctx = int(batch.positions[q0])
+            n = min(int(qsl[i + 1]) - q0, st.num_prompt_tokens - 1 - ctx)
+            if n > 0:
+                rows.append(np.arange(q0, q0 + n, dtype=np.int64))
+                reqs.append((req_ids[i], st.slot, ctx + 1, n, k))
+        return (np.concatenate(rows), reqs) if reqs else None
+
+    def _prompt_logprobs(self, logits: torch.Tensor,
+                         reqs: list[tuple[str, int, int, int, int]]) -> dict[str, tuple[int, list[Any]]]:
+        """Per request ``(first prompt index, records)``; a record is ``{token: (logprob, rank)}``: the
+        prompt token's and the top-n (of the unmodified model distribution, as vLLM's)."""
+        lp = logits.float().log_softmax(-1)
+        target = np.concatenate([self.token_ids[slot, a : a + n] for _, slot, a, n, _ in reqs]).astype(np.int64)
+        tgt = torch.from_numpy(target).to(lp.device)
+        chosen = lp.gather(1, tgt.unsqueeze(1))
+        rank = (lp > chosen).sum(-1) + 1
+        k = max(r[4] for r in reqs)
+        top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+        chosen_l, rank_l, top_v, top_i = chosen.squeeze(1).tolist(), rank.tolist(), top_v.tolist(), top_i.tolist()
+        out, row = {}, 0
+        for rid, _, a, n, kk in reqs:
+            recs = []
+            for r in range(row, row + n):
+                d = {t: (v, j + 1) for j, (t, v) in enumerate(zip(top_i[r][:kk], top_v[r][:kk]))}
+                d.setdefault(int(target[r]), (chosen_l[r], rank_l[r]))
+                recs.append(d)
+            out[rid] = (a, recs)
+            row += n
+        return out
 
     # ---- the KV connector around a forward (every runner: plain, spec-decode, tensor-parallel) ----
     def begin_step(self, so: SchedulerOutput, start_loads: bool = True) -> list[Any]:

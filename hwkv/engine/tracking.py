@@ -30,6 +30,7 @@ class Tracked:
     detok: IncrementalDetokenizer
     logprobs: list[Any] | None
     num_seen: int = 0
+    prompt_logprobs: list[Any] | None = None  # one per prompt token (the first None), filled as computed
     error: str | None = None
     metrics: CompletionMetrics | None = None  # the last output's, shared by later ones while unchanged
 
@@ -73,6 +74,9 @@ class RequestTracking:
                 f"prompt ({n} tokens) + max_tokens ({m}) = {n + m} exceeds max_model_len {lim} "
                 f"(allowed: prompt length + max_tokens <= {lim})"
             )
+        if params.prompt_logprobs is not None and not self.runner.serves_prompt_logprobs:
+            raise ValueError(f"SamplingParams.prompt_logprobs is not supported by {type(self.runner).__name__} "
+                             "(speculative decoding, tensor_parallel_size > 1) (allowed: prompt_logprobs=None there)")
         if params.structured_outputs is not None:
             if self.config.speculative is not None:
                 raise ValueError("SamplingParams.structured_outputs is not supported with speculative decoding "
@@ -88,7 +92,8 @@ class RequestTracking:
                       kv_transfer_params=params.kv_transfer_params)
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens,
                                        params.include_stop_str_in_output)
-        return req, Tracked(request_id, text, detok, [] if params.logprobs is not None else None)
+        return req, Tracked(request_id, text, detok, [] if params.logprobs is not None else None,
+                            prompt_logprobs=[None] * n if params.prompt_logprobs is not None else None)
 
     def default_sampling_params(self) -> Any:
         """SamplingParams for requests given none: the checkpoint's generation_config.json values
@@ -153,6 +158,7 @@ class RequestTracking:
             req.output_token_ids.copy(), finished, _FINISH_REASONS.get(status), metrics, req.stop_reason,
             tr.logprobs.copy() if tr.logprobs is not None else None,
             req.kv_transfer_params if finished else None, tr.error,
+            tr.prompt_logprobs if tr.prompt_logprobs is not None and req.output_token_ids else None,
         )
 
     def _next_id(self) -> str:

@@ -45,6 +45,7 @@ class _Req:
     arrival: float = field(default_factory=time.monotonic)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[Any] | None = None
+    prompt_logprobs: list[Any] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
@@ -239,7 +240,7 @@ class AsyncEngine:
             text=req.detok.text if done else req.detok.stable_text, token_ids=list(req.token_ids),
             finished=done, finish_reason=req.finish_reason, metrics=metrics, stop_reason=req.stop_reason,
             logprobs=list(req.logprobs) if req.logprobs is not None else None, error=req.exec_error,
-            kv_transfer_params=req.kv_transfer_params if done else None,
+            kv_transfer_params=req.kv_transfer_params if done else None, prompt_logprobs=req.prompt_logprobs,
         )
 
     async def _read_outputs(self) -> None:
@@ -288,6 +289,8 @@ class AsyncEngine:
             req.token_ids.extend(o.new_token_ids)
             if req.logprobs is not None and o.logprobs:
                 req.logprobs.extend(o.logprobs)
+            if o.prompt_logprobs is not None:
+                req.prompt_logprobs = o.prompt_logprobs
         stop = req.detok.add_tokens(o.new_token_ids, len(req.token_ids) >= req.params.min_tokens)
         if stop is not None:
             self._finish(req, "stop", stop)

@@ -102,6 +102,7 @@ class EngineCore:
                 continue
             new = o.token_ids[sent:]
             lps = o.logprobs[sent:] if o.logprobs is not None else None
+            plps = o.prompt_logprobs if sent == 0 and new else None
             if o.finished:
                 self.num_sent.pop(o.request_id, None)
             else:
@@ -109,7 +110,7 @@ class EngineCore:
             stop = o.stop_reason if isinstance(o.stop_reason, int) else None
             outs.append(m.CoreOutput(o.request_id, new, o.finish_reason, stop, o.metrics.num_cached_tokens,
                                      o.metrics.num_preemptions, lps, o.error,
-                                     o.kv_transfer_params if o.finished else None))
+                                     o.kv_transfer_params if o.finished else None, plps))
         return outs
 
     def stats(self) -> dict[str, Any]:

@@ -53,6 +53,8 @@ class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     logprobs: list[dict[int, float]] | None = None  # one per new token, when asked for
     error: str | None = None
     kv_transfer_params: dict[str, Any] | None = None  # the KV connector's, on the final output
+    # SamplingParams.prompt_logprobs, with the request's first output token: {token: (logprob, rank)}
+    prompt_logprobs: list[dict[int, tuple[float, int]] | None] | None = None
 
 
 class StepOutputs(msgspec.Struct, tag=True):

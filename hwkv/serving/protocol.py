@@ -120,11 +120,15 @@ class _Sampling(BaseModel):
         if not 1 <= self.n <= MAX_N:
             raise BadRequest(f"n must be in [1, {MAX_N}], got {self.n}", "n")
         if self.prompt_logprobs is not None:
-            raise BadRequest("prompt_logprobs is not supported (the engine computes logits only where it samples); "
-                             "allowed: null", "prompt_logprobs")
+            if not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+                raise BadRequest(f"prompt_logprobs must be null or an integer in [0, {MAX_LOGPROBS}], got "
+                                 f"{self.prompt_logprobs}", "prompt_logprobs")
+            if self.stream and self.prompt_logprobs > 0:  # as vLLM
+                raise BadRequest("prompt_logprobs are not available when stream=true (allowed: null or 0)",
+                                 "prompt_logprobs")
         names = ("temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
                  "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
-                 "cache_salt", "kv_transfer_params")
+                 "cache_salt", "kv_transfer_params", "prompt_logprobs")
         kw = {k: v for k in names if (v := getattr(self, k)) is not None}
         if self.logit_bias:
             try:

@@ -169,6 +169,21 @@ class Responder:
                 "top_logprobs": [{self._token(k): v for k, v in self._top(lp)} for _, lp in pairs],
                 "text_offset": offsets}
 
+    def _prompt_logprobs(self, out: RequestOutput | None) -> list[dict[str, Any] | None] | None:
+        """vLLM's ``prompt_logprobs``: per prompt token ``None`` (the first) or ``{token id: {logprob,
+        rank, decoded_token}}``, the prompt token first, then the top-n by rank; -inf as -9999.0."""
+        if out is None or out.prompt_logprobs is None:
+            return None
+        res: list[dict[str, Any] | None] = []
+        for t, rec in zip(out.prompt_token_ids, out.prompt_logprobs):
+            if rec is None:
+                res.append(None)
+                continue
+            order = sorted(rec, key=lambda k: (k != t, rec[k][1]))
+            res.append({str(k): {"logprob": max(rec[k][0], -9999.0), "rank": rec[k][1],
+                                 "decoded_token": self._token(k)} for k in order})
+        return res
+
     # ---- tool calls -----------------------------------------------------------------------------
     def _tool_result(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         if self.tool_mode == "forced":
@@ -207,6 +222,8 @@ class Responder:
         c["stop_reason"] = out.stop_reason if done and out.finish_reason == "stop" else None
         if self.body.return_token_ids:
             c["token_ids"] = out.token_ids[a:b]
+        if not self.chat and not delta and self.body.prompt_logprobs is not None:
+            c["prompt_logprobs"] = self._prompt_logprobs(out)
         return c
 
     def _usage(self, outs: list[Any]) -> dict[str, int]:
@@ -219,6 +236,8 @@ class Responder:
                    for i, o in enumerate(finals)]
         kind = "chat.completion" if self.chat else "text_completion"
         out = {**self._head(kind), "choices": choices, "usage": self._usage(finals)}
+        if self.chat and self.body.prompt_logprobs is not None:  # vLLM: top level for chat, per choice otherwise
+            out["prompt_logprobs"] = self._prompt_logprobs(finals[0])
         if len(finals) == 1 and finals[0] is not None and finals[0].kv_transfer_params is not None:
             out["kv_transfer_params"] = finals[0].kv_transfer_params  # as vLLM: where a decode server finds the KV
         return out

@@ -125,6 +125,35 @@ def test_vllm_fields(client, tiny_model):
     assert got.usage.prompt_tokens == len(tok.encode("[user]Hi>", add_special_tokens=False))
 
 
+def test_prompt_logprobs_completions_and_chat(server, client, local, tiny_model):  # noqa: F811
+    """vLLM's shape: completions per choice, chat at the top level; per prompt token None (the first)
+    or {token id: {logprob, rank, decoded_token}}, the prompt token first; values as the engine's."""
+    r = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=2, n=2,
+                                  extra_body={"prompt_logprobs": 2, "return_token_ids": True})
+    ids = local.tokenizer.encode("Once upon a time")
+    want = local.generate([ids], hwkv.SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2),
+                          use_tqdm=False)[0].prompt_logprobs
+    for c in r.choices:
+        plp = c.prompt_logprobs
+        assert len(plp) == r.usage.prompt_tokens == len(ids) and plp[0] is None
+        for t, entry, rec in zip(ids[1:], plp[1:], want[1:]):
+            assert next(iter(entry)) == str(t)  # the prompt token first
+            assert {int(k): (v["logprob"], v["rank"]) for k, v in entry.items()}.keys() == rec.keys()
+            for k, v in entry.items():
+                assert abs(v["logprob"] - rec[int(k)][0]) < 1e-4 and v["rank"] == rec[int(k)][1]
+                assert v["decoded_token"] == local.tokenizer.decode([int(k)], skip_special_tokens=False)
+    msgs = [{"role": "user", "content": "Hi there"}]
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=1, extra_body={"prompt_logprobs": 0})
+    plp = r.prompt_logprobs  # top level, as vLLM's ChatCompletionResponse
+    assert len(plp) == r.usage.prompt_tokens and plp[0] is None
+    assert all(len(e) == 1 and next(iter(e.values()))["rank"] >= 1 for e in plp[1:])
+    assert getattr(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=1),
+                   "prompt_logprobs", None) is None
+    err = assert_error(post(server, "/v1/chat/completions", {"messages": msgs, "prompt_logprobs": 1, "stream": True}),
+                       400, "prompt_logprobs")
+    assert "stream" in err["message"]
+
+
 # ---- parallel sampling ------------------------------------------------------------------------------
 def test_n4_matches_the_model_distribution(server, client, local):  # noqa: F811
     """n=4 children sample independently from the prompt's distribution: 400 first tokens (4

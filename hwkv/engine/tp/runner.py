@@ -56,6 +56,8 @@ def decode_step(e: m.Execute, metadata_type: Any = Any) -> SchedulerOutput:
 class DriverRunner(ModelRunner):
     """Rank 0: forwards every call to the workers (``executor.send``), then runs it."""
 
+    serves_prompt_logprobs = False
+
     def __init__(self, *args: Any, executor: Any, fuse: bool, **kw: Any):
         super().__init__(*args, **kw)
         self.executor, self.comm = executor, executor.comm
@@ -129,6 +131,8 @@ class DriverRunner(ModelRunner):
 
 class WorkerRunner(ModelRunner):
     """Ranks > 0: the same steps, tokens received from the driver's broadcast."""
+
+    serves_prompt_logprobs = False
 
     def __init__(self, *args: Any, comm: Any, report: Any = None, **kw: Any):
         super().__init__(*args, **kw)
