@@ -109,7 +109,7 @@ def _settle(e: Any) -> None:
 
 
 class _LoadTimer:
-    """Times the connector's loads of one ``generate``: host time issuing them (``start_load_kv``)
+    """Times the offload worker side's loads of one ``generate``: host time issuing them (``start_load_kv``)
     and device time of the copies (events on the load stream around ``load_blocks``)."""
 
     def __init__(self, conn: Any):
@@ -153,7 +153,7 @@ def bench_ttft(args: argparse.Namespace, mdir: Path) -> dict[str, Any]:
     vocab = e.vocab_size
     rng = random.Random(0)
     one = hwkv.SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    timer = _LoadTimer(e.scheduler.connector)
+    timer = _LoadTimer(e.scheduler.connector.worker)
 
     def prompt(m: int) -> list[int]:
         return [rng.randrange(100, vocab - 100) for _ in range(m)]

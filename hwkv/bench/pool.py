@@ -59,7 +59,7 @@ def _settle(eng: Any, timeout_s: float = 120.0) -> float:
 
 def _in_pool(eng: Any, hashes: list[bytes], timeout_s: float) -> float:
     """Wait (bounded) until ``eng``'s lookup sees all ``hashes`` in the pool; seconds waited."""
-    client, t0 = eng.scheduler.connector.client, time.monotonic()
+    client, t0 = eng.scheduler.connector.scheduler.client, time.monotonic()
     while (n := client.lookup(hashes)) < len(hashes):
         if time.monotonic() - t0 > timeout_s:
             raise RuntimeError(f"pool bench: only {n} of the prompt's {len(hashes)} chunks are in the pool "
@@ -106,18 +106,18 @@ def _throughput(eng: Any, hashes: list[bytes]) -> dict[str, float]:
     threads, into/from the engine's first blocks (the engine is not used afterwards)."""
     from hwkv.connectors.pool.transfer import GetJob, PutJob
 
-    conn = eng.scheduler.connector
-    cb, tr = conn.chunk_blocks, conn.transfer
+    sched, worker = eng.scheduler.connector.scheduler, eng.scheduler.connector.worker
+    cb, tr, key = sched.chunk_blocks, worker.transfer, worker.key
     chunks = [list(range(i * cb, (i + 1) * cb)) for i in range(len(hashes))]
-    nbytes = len(hashes) * conn._chunk_bytes
+    nbytes = len(hashes) * sched._chunk_bytes
     done = eng.backend.device.new_event()
     done.record()
     t0 = time.perf_counter()
-    tr.submit_put(PutJob(-1, conn.key.keys([os.urandom(32) for _ in hashes]), chunks, done))
+    tr.submit_put(PutJob(-1, key.keys([os.urandom(32) for _ in hashes]), chunks, done))
     put = _wait(tr, -1)
     t_put = time.perf_counter() - t0
     t0 = time.perf_counter()
-    tr.submit_get(GetJob(-2, "bench", conn.key.keys(hashes), chunks, done))
+    tr.submit_get(GetJob(-2, "bench", key.keys(hashes), chunks, done))
     get = _wait(tr, -2)
     t_get = time.perf_counter() - t0
     if not (put.ok and get.ok and put.nbytes == nbytes):
@@ -128,7 +128,7 @@ def _throughput(eng: Any, hashes: list[bytes]) -> dict[str, float]:
 
 
 def _lookup(eng: Any, hashes: list[bytes], iters: int) -> float:
-    client = eng.scheduler.connector.client
+    client = eng.scheduler.connector.scheduler.client
     assert client.lookup(hashes) == len(hashes), "the prompt's chunks must be in the pool"
     t0 = time.perf_counter()
     for _ in range(iters):
@@ -169,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
             stack.callback(e.scheduler.connector.shutdown)
         rng = random.Random(0)
         vocab = a.vocab_size
-        conn = b.scheduler.connector
+        conn = b.scheduler.connector.scheduler
         cs = conn.chunk_blocks * conn.block_size
         n_chunks = (args.prompt_len - 1) // cs
         warm = [rng.randrange(1, vocab) for _ in range(4 * args.block_size + 1)]

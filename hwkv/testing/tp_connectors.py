@@ -7,23 +7,30 @@ import time
 from typing import Any
 
 from hwkv.connectors.offload import OffloadConnector
+from hwkv.connectors.offload.worker import OffloadWorker
 from hwkv.connectors.p2p import P2PConnector
 from hwkv.connectors.p2p.consumer import _Load
 
 
-class FailingRank(OffloadConnector):
-    """The offload connector whose host-tier loads fail to issue ``fails`` times on rank ``fail_rank``
-    only (a transfer error on one shard), then work."""
-
-    def __init__(self, fail_rank: int = 1, fails: int = 1, **kw: Any):
-        super().__init__(**kw)
-        self.fail_rank, self.fails = fail_rank, fails
+class FailingRankWorker(OffloadWorker):
+    fail_rank, fails = 1, 1
 
     def load_blocks(self, host_ids: list[int], device_ids: list[int], layer: int | None = None) -> None:
         if self.tp_rank == self.fail_rank and self.fails:
             self.fails -= 1
             raise RuntimeError(f"injected load failure on rank {self.tp_rank}")
         super().load_blocks(host_ids, device_ids, layer)
+
+
+class FailingRank(OffloadConnector):
+    """The offload connector whose host-tier loads fail to issue ``fails`` times on rank ``fail_rank``
+    only (a transfer error on one shard), then work."""
+
+    worker_cls = FailingRankWorker
+
+    def __init__(self, fail_rank: int = 1, fails: int = 1, **kw: Any):
+        super().__init__(**kw)
+        self.worker.fail_rank, self.worker.fails = fail_rank, fails
 
 
 class FailingP2PRank(P2PConnector):

@@ -52,8 +52,8 @@ def assert_no_leak(e: hwkv.Engine) -> None:
     assert not e.has_unfinished()
     assert e.kv_cache_manager.num_free_blocks == e.kv_cache.spec.num_blocks
     assert not e.runner.reqs and not e.scheduler.requests and not e.scheduler.loading
-    conn = e.scheduler.connector
-    if getattr(conn, "cpu", None) is not None:
-        assert conn.cpu.num_free_blocks == conn.cpu.num_blocks  # no host block pinned
-        assert all(b.ref_cnt == 0 for b in conn.cpu.blocks)
-        assert not conn._jobs and not conn._pending_hits and not conn._reqs and not conn._storing
+    sched = getattr(e.scheduler.connector, "scheduler", None)
+    if getattr(sched, "cpu", None) is not None:  # the offload connector's scheduler side
+        assert sched.cpu.num_free_blocks == sched.cpu.num_blocks  # no host block pinned
+        assert all(b.ref_cnt == 0 for b in sched.cpu.blocks)
+        assert not sched._jobs and not sched._pending_hits and not sched._reqs and not sched._storing

@@ -23,7 +23,7 @@ def test_builtins_are_registered_through_the_hook():
     assert {"noop", "offload"} <= set(names)
     assert make_connector("noop") is None and make_connector(NoOpConnector()) is None  # nothing to call
     conn = make_connector("offload", {"cpu_bytes": 1 << 20, "async_load": True})
-    assert type(conn).__name__ == "OffloadConnector" and conn.async_load
+    assert type(conn).__name__ == "OffloadConnector" and conn.async_load and conn.scheduler.async_load
 
 
 def test_listing_the_builtins_imports_no_connector():

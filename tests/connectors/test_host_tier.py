@@ -132,7 +132,7 @@ def test_tier_is_an_lru_of_block_hashes_with_bounded_capacity(capacity, ops):
             assert tier.lookup(family, nblocks, admit=op == "hit") == want
             for h in want:
                 model.move_to_end(h)
-        cpu = tier.conn.cpu
+        cpu = tier.conn.scheduler.cpu
         assert len(cpu.cached_block_hash_to_block) <= capacity == cpu.num_blocks
         assert [b.block_hash for b in cpu.free_block_queue if b.block_hash is not None] == list(model)
         assert cpu.num_free_blocks == capacity and tier.kv.num_free_blocks == DEVICE_BLOCKS  # no pins left

@@ -7,6 +7,7 @@ import pytest
 
 import hwkv
 from hwkv.connectors.offload import OffloadConnector
+from hwkv.connectors.offload.worker import OffloadWorker
 from hwkv.reference.backend import CpuBackend
 from hwkv.reference.device import CpuDevice, CpuEvent
 
@@ -41,18 +42,24 @@ def test_evicted_prefix_comes_back_from_the_host_tier(model_dir, reference, kw, 
     assert_no_leak(e)
 
 
-class FailingLoads(OffloadConnector):
-    """Host-tier loads fail to issue ``fails`` times (a transfer error), then work."""
-
-    def __init__(self, fails: int = 1, **kw):
-        super().__init__(**kw)
-        self.fails = fails
+class FailingLoadsWorker(OffloadWorker):
+    fails = 1
 
     def load_blocks(self, host_ids, device_ids, layer=None):
         if self.fails:
             self.fails -= 1
             raise RuntimeError("injected load failure")
         super().load_blocks(host_ids, device_ids, layer)
+
+
+class FailingLoads(OffloadConnector):
+    """Host-tier loads fail to issue ``fails`` times (a transfer error), then work."""
+
+    worker_cls = FailingLoadsWorker
+
+    def __init__(self, fails: int = 1, **kw):
+        super().__init__(**kw)
+        self.worker.fails = fails
 
 
 @pytest.mark.parametrize("kw, cfg", [
@@ -122,7 +129,7 @@ def test_abort_mid_load_leaks_no_pin(model_dir):
     e.step()
     req = e.scheduler.requests["x-" + e._live["x"].split("-")[-1]]
     assert req.status.name == "WAITING_FOR_REMOTE_KVS"
-    (job,) = [j for j in conn._jobs.values() if j.load]
+    (job,) = [j for j in conn.scheduler._jobs.values() if j.load]
     assert all(b.ref_cnt == 2 for b in job.device) and all(b.ref_cnt == 1 for b in job.host)
     e.abort("x")
     outs = e.step()
@@ -151,7 +158,7 @@ def test_preempt_mid_load_leaks_no_pin_and_recomputes(model_dir, reference):
     e.step()
     e.add_request("low", p[3], greedy())
     e.step()  # low: admitted with a load from the host tier whose completion has not fired; 8/8 blocks used
-    (job,) = [j for j in conn._jobs.values() if j.load]
+    (job,) = [j for j in conn.scheduler._jobs.values() if j.load]
     outs = e.step()  # a needs a block: low, the newest, is preempted
     assert e.scheduler.num_preemptions == 1
     assert all(b.ref_cnt == 1 for b in job.device)  # held by the copy alone, not handed to a
@@ -172,7 +179,7 @@ def test_store_only_full_blocks_and_dedup(model_dir):
     settle(e)  # finished requests' last blocks are stored on the next step
     conn = e.scheduler.connector
     full = (len(prompt) + 6 - 1) // 16  # KV is written for all but the last sampled token
-    assert len(conn.cpu.cached_block_hash_to_block) == full  # the second copy stored nothing new
+    assert len(conn.scheduler.cpu.cached_block_hash_to_block) == full  # the second copy stored nothing new
     assert e.stats()["kv_connector"]["stored_bytes"] == full * e.kv_cache.spec.bytes_per_block
     assert_no_leak(e)
 
@@ -204,7 +211,7 @@ def test_async_load_that_times_out_is_recomputed_and_keeps_its_pins(model_dir, r
         if any(o.finished for o in outs):
             break
     assert [o.token_ids for o in outs if o.finished] == [reference[3]]
-    (job,) = [j for j in conn._jobs.values() if j.load]
+    (job,) = [j for j in conn.scheduler._jobs.values() if j.load]
     assert all(b.ref_cnt == 1 for b in job.device + job.host)  # the copy's pins alone
     st = e.stats()["kv_connector"]
     assert st["load_failures"] == 1 and st["external_hit_tokens"] == 0

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from hwkv.connectors.offload import OffloadConnector
+from hwkv.connectors.offload.worker import OffloadWorker
 from hwkv.reference.backend import CpuBackend
 from hwkv.reference.device import CpuDevice, CpuEvent, CpuStream
 
@@ -127,18 +128,24 @@ def test_a_forward_that_skips_a_layer_wait_reads_unloaded_kv(model_dir, referenc
     settle(e)
 
 
-class FailAtLayer(OffloadConnector):
-    """The first load fails to issue at ``layer`` (earlier layers' copies were already queued)."""
-
-    def __init__(self, layer: int, **kw: Any):
-        super().__init__(**kw)
-        self.fail_layer, self.failed = layer, False
+class FailAtLayerWorker(OffloadWorker):
+    fail_layer, failed = 0, False
 
     def load_blocks(self, host_ids, device_ids, layer=None):
         if layer == self.fail_layer and not self.failed:
             self.failed = True
             raise RuntimeError("injected failure at one layer")
         super().load_blocks(host_ids, device_ids, layer)
+
+
+class FailAtLayer(OffloadConnector):
+    """The first load fails to issue at ``layer`` (earlier layers' copies were already queued)."""
+
+    worker_cls = FailAtLayerWorker
+
+    def __init__(self, layer: int, **kw: Any):
+        super().__init__(**kw)
+        self.worker.fail_layer = layer
 
 
 def test_load_failing_midway_through_the_layers_is_recomputed(model_dir, reference):
@@ -148,7 +155,7 @@ def test_load_failing_midway_through_the_layers_is_recomputed(model_dir, referen
     e = engine(model_dir, backend=backend, kv_connector=conn)
     assert run_one_by_one(e, workload()) == reference
     st = e.stats()["kv_connector"]
-    assert conn.failed and st["load_failures"] == 1 and st["external_hit_tokens"] == 4 * 16
+    assert conn.worker.failed and st["load_failures"] == 1 and st["external_hit_tokens"] == 4 * 16
     assert_no_leak(e)
 
 
@@ -241,19 +248,22 @@ def test_layer_by_layer_plans_never_mix_up_two_loads(model_dir):
     copy every job's own blocks."""
     import torch
 
-    class Copying(OffloadConnector):
+    class CopyingWorker(OffloadWorker):
         def load_blocks(self, host_ids, device_ids, layer=None):
             super().load_blocks(host_ids[:], device_ids[:], layer)
 
+    class Copying(OffloadConnector):
+        worker_cls = CopyingWorker
+
     conn = Copying(cpu_bytes=MB, min_run_blocks=1 << 30)
     e = engine(model_dir, kv_connector=conn)
-    host, dev = conn.host_kv, e.kv_cache
+    host, dev = conn.worker.host_kv, e.kv_cache
     for t in host.tensors:  # host block b of every tensor holds the value b
         t.copy_(torch.arange(t.shape[0], dtype=t.dtype).view(-1, *[1] * (t.dim() - 1)).expand_as(t))
     jobs = [([h], [d]) for h, d in zip(range(1, 8), range(7, 0, -1))]
     for layer in range(dev.spec.num_layers):  # one planning window: one step's start_load_kv
         for h, d in jobs:
-            conn.load_blocks(h, d, layer)
-    conn._plans.clear()
+            conn.worker.load_blocks(h, d, layer)
+    conn.worker._plans.clear()
     for t in dev.tensors:
         assert [int(t[d[0]].flatten()[0]) for _, d in jobs] == [h[0] for h, _ in jobs]

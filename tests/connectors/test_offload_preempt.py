@@ -10,6 +10,7 @@ import pytest
 
 import hwkv
 from hwkv.connectors.offload import OffloadConnector
+from hwkv.connectors.offload.worker import OffloadWorker
 from hwkv.reference.backend import CpuBackend
 from hwkv.reference.device import CpuDevice, CpuEvent
 
@@ -66,7 +67,8 @@ def test_preempted_prefix_comes_back_from_the_host_tier(model_dir, reference, kw
     # ... and all came back from the host tier (A's growth evicted them from the device)
     assert st["external_hit_tokens"] == full * 16 and st["load_failures"] == 0
     assert_no_leak(e)
-    assert e.kv_cache_manager.num_free_blocks == free0 and conn.cpu.num_free_blocks == conn.cpu.num_blocks
+    cpu = conn.scheduler.cpu
+    assert e.kv_cache_manager.num_free_blocks == free0 and cpu.num_free_blocks == cpu.num_blocks
 
 
 def test_priority_displacement_stores_the_displaced_request(model_dir):
@@ -125,22 +127,26 @@ def test_store_still_in_flight_at_readmission_recomputes_and_leaks_nothing(model
             break
         outs += e.step()
     dev.capturing = False
-    (job,) = [j for j in conn._jobs.values() if not j.load]  # B's store, in flight
+    (job,) = [j for j in conn.scheduler._jobs.values() if not j.load]  # B's store, in flight
     assert job.device == [] and len(job.host) == 4  # it pins no device block: B freed all 5 at once
-    assert all(b.ref_cnt == 1 for b in job.host) and not conn.cpu.cached_block_hash_to_block
+    assert all(b.ref_cnt == 1 for b in job.host) and not conn.scheduler.cpu.cached_block_hash_to_block
     for _ in range(400):
         if {o.request_id for o in outs if o.finished} == {"a", "b"}:
             break
         outs += e.step()
     assert {o.request_id: o.token_ids for o in outs if o.finished} == reference
-    assert e.stats()["kv_connector"]["external_hit_tokens"] == 0 and job.job_id in conn._jobs
+    assert e.stats()["kv_connector"]["external_hit_tokens"] == 0 and job.job_id in conn.scheduler._jobs
     dev.released = True
     assert_no_leak(e)
 
 
-class FailingStores(OffloadConnector):
+class FailingStoresWorker(OffloadWorker):
     def store_blocks(self, device_ids, host_ids):
         raise RuntimeError("injected store failure")
+
+
+class FailingStores(OffloadConnector):
+    worker_cls = FailingStoresWorker
 
 
 def test_failed_preemption_store_registers_nothing(model_dir, reference):
@@ -148,7 +154,7 @@ def test_failed_preemption_store_registers_nothing(model_dir, reference):
     assert run_a_then_b(e) == reference
     st = e.stats()["kv_connector"]
     assert st["preempted_store_blocks"] == 4 and st["stored_bytes"] == 0 and st["external_hit_tokens"] == 0
-    assert not e.scheduler.connector.cpu.cached_block_hash_to_block
+    assert not e.scheduler.connector.scheduler.cpu.cached_block_hash_to_block
     assert_no_leak(e)
 
 
@@ -213,23 +219,23 @@ def test_blocks_computed_on_a_load_still_in_flight_are_stored_once_it_lands(mode
     for _ in range(5):
         e.step()
     assert e.kv_cache_manager.reset_prefix_cache()  # the prefix is in the host tier only
-    before = set(conn.cpu.cached_block_hash_to_block)
+    before = set(conn.scheduler.cpu.cached_block_hash_to_block)
     x = p[1][:64] + [random.Random(6).randrange(1, 500) for _ in range(50)]  # 4 loaded blocks + 3 computed full ones
     gate[0] = False
     e.add_request("x", x, greedy(1 if not preempt else 8))
     e.step()  # x: loads 4 blocks (event pending), computes the rest, samples
-    (load,) = [j for j in conn._jobs.values() if j.load]
+    (load,) = [j for j in conn.scheduler._jobs.values() if j.load]
     if preempt:
         (req,) = [r for r in e.scheduler.requests.values() if r.request_id.startswith("x")]
         e.scheduler.running.remove(req)
         e.scheduler._preempt(req)  # as the scheduler does when another request needs the blocks
     else:
         e.step()  # x's one token: finished
-    stores = [j for j in conn._jobs.values() if not j.load]
+    stores = [j for j in conn.scheduler._jobs.values() if not j.load]
     assert len(stores) == 1 and len(stores[0].device) == 3  # parked behind the load, device blocks pinned
     assert all(b.ref_cnt >= 1 for b in stores[0].device)
     gate[0] = True
     drain(e)
-    new = set(conn.cpu.cached_block_hash_to_block) - before
-    assert len(new) == 3 and load.job_id not in conn._jobs
+    new = set(conn.scheduler.cpu.cached_block_hash_to_block) - before
+    assert len(new) == 3 and load.job_id not in conn.scheduler._jobs
     assert_no_leak(e)

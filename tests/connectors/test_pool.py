@@ -223,7 +223,7 @@ def test_chunks_larger_than_a_block(model_dir, oracle, store_name, staged, monke
     a = _engine(model_dir, store_name=store_name, chunk_size=4 * BS, staging_bytes=1)
     b = _engine(model_dir, store_name=store_name, chunk_size=4 * BS, staging_bytes=1)
     try:
-        assert a.scheduler.connector.transfer.direct is not staged
+        assert a.scheduler.connector.worker.transfer.direct is not staged
         _run(a, PROMPT)
         assert _settle(a)["stored_chunks"] == 2  # 9 full blocks: 2 whole chunks of 4
         assert _run(b, PROMPT) == oracle(PROMPT)

@@ -95,7 +95,7 @@ def _settle(e: hwkv.Engine, timeout_s: float = 10.0) -> dict[str, Any]:
 def test_staged_late_events_second_engine_hits(model_dir, store_name, accelerator_like):
     a, b = _engine(model_dir, store_name), _engine(model_dir, store_name)
     try:
-        assert not a.scheduler.connector.transfer.direct
+        assert not a.scheduler.connector.worker.transfer.direct
         want = _run(a)
         assert _settle(a)["stored_chunks"] == 9
         assert _run(b) == want

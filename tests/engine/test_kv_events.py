@@ -94,7 +94,7 @@ def test_host_tier_events_track_the_offload_tier(model_dir):
     try:
         assert sub.wait_ready()
         rng = random.Random(2)
-        cpu = e.connector.cpu
+        cpu = e.connector.scheduler.cpu
         for rnd in range(3):
             _traffic(e, rng, 10)
             _drain(e)
@@ -127,7 +127,7 @@ def test_pool_tier_events_report_what_the_instance_knows_the_pool_holds(model_di
         a.generate([prompt], sp, use_tqdm=False)
         _drain(a)
         _settled(sa, a.kv_events)
-        assert sa.index.hashes("POOL") == set(chunks) == set(a.connector._recent)
+        assert sa.index.hashes("POOL") == set(chunks) == set(a.connector.scheduler._recent)
         b.generate([prompt], sp, use_tqdm=False)  # loads all 5 chunks
         _drain(b)
         _settled(sb, b.kv_events)
@@ -138,7 +138,7 @@ def test_pool_tier_events_report_what_the_instance_knows_the_pool_holds(model_di
         b.generate([prompt], sp, use_tqdm=False)  # its lookup now ends at chunk 2
         _drain(b)
         _settled(sb, b.kv_events)
-        assert sb.index.hashes("POOL") == set(chunks[:2]) == set(b.connector._recent)
+        assert sb.index.hashes("POOL") == set(chunks[:2]) == set(b.connector.scheduler._recent)
     finally:
         sa.close()
         sb.close()

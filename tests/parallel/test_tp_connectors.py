@@ -39,7 +39,7 @@ def tp_engine(model_dir):  # noqa: F811
 
 def _no_leak(e) -> None:
     assert_no_leak(e)
-    conn = e.scheduler.connector
+    conn = e.scheduler.connector.scheduler
     assert conn.cpu.num_free_blocks == conn.cpu.num_blocks and not conn._jobs
     assert e.runner.kv_outputs.pending() == 0  # every rank's report of every job arrived
 
@@ -258,7 +258,7 @@ def test_pool_lookup_counts_a_chunk_only_where_every_shard_is(tmp_path):
     conn = PoolConnector(store="embedded", store_name="tp-lookup")
     try:
         conn.bind_tp(0, 2)
-        conn.key = PoolKey("m-0", "nhd", "float32", 2, 1, 16, 16, 1, 0, 2)
+        conn.worker.key = PoolKey("m-0", "nhd", "float32", 2, 1, 16, 16, 1, 0, 2)
         store = embedded_store("tp-lookup")
         hashes = [bytes([i]) * 8 for i in range(3)]
         buf = torch.zeros(4)
@@ -268,9 +268,9 @@ def test_pool_lookup_counts_a_chunk_only_where_every_shard_is(tmp_path):
             store.put(PoolKey("m-0", "nhd", "float32", 2, 1, 16, 16, 1, rank, 2).keys(hs), [ptr] * len(hs))
 
         put(0, hashes)
-        assert conn._count_hits(hashes) == 0  # rank 1's shard is missing everywhere
+        assert conn.worker._count_hits(hashes) == 0  # rank 1's shard is missing everywhere
         put(1, hashes[:2])
-        assert conn._count_hits(hashes) == 2
+        assert conn.worker._count_hits(hashes) == 2
     finally:
         conn.shutdown()
         drop_embedded("tp-lookup")

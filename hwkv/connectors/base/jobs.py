@@ -3,9 +3,11 @@
 Both follow one protocol: the scheduler side turns an admitted hit into a *load job* and newly
 full blocks into *store jobs*, each pinning its device blocks until the worker reports the job
 done; the worker side issues a step's jobs from the per-step metadata and reports completions in
-``get_finished``. :class:`JobConnector` holds what is the same: the job table, per-request state,
-the no-offer set (a request whose load failed recomputes and is never offered again), and the
-metadata whose step never issued its jobs (they end, not ok, so every pin is released).
+``get_finished``. What is the same lives in two classes, one per side: :class:`JobScheduler` (the
+job table, per-request state, the no-offer set: a request whose load failed recomputes and is never
+offered again) and :class:`JobWorker` (the bound metadata, and the jobs of a metadata whose step
+never issued them: they end, not ok, so every pin is released). They share the job protocol only:
+the metadata (:class:`Meta`) one way, the completions under ``KVConnectorOutput.extra`` the other.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ from dataclasses import dataclass
 from itertools import count
 from typing import Any
 
+from hwkv.connectors.base.roles import ConnectorScheduler, ConnectorWorker
 from hwkv.core.sched_output import KVConnectorOutput
-from hwkv.interfaces.connector import KVConnectorBase
 
 
 @dataclass
@@ -35,22 +37,14 @@ class Meta:
     issued_stores: bool = False
 
 
-class JobConnector(KVConnectorBase):
-    """Subclasses set ``_extra_key`` (their entry of ``KVConnectorOutput.extra``: completions as
-    ``(job id, ok, *details)``), ``_fail_details`` (the details of a job that never ran) and
-    implement ``_complete(job, ok, *details)``; their jobs have ``job_id``, ``load`` and ``req_id``."""
+class JobScheduler(ConnectorScheduler):
+    """Subclasses set ``extra_key`` (their entry of ``KVConnectorOutput.extra``: completions as
+    ``(job id, ok, *details)``) and implement ``_complete(job, ok, *details)``; their jobs have
+    ``job_id``, ``load`` and ``req_id``."""
 
-    _extra_key = ""
-    _fail_details: tuple = ()
-    # tensor parallelism: every rank runs its jobs over its own KV shard; the metadata is plain data
-    supports_tensor_parallel = True
-    metadata_type = Meta | None
+    extra_key = ""
 
-    @property
-    def tp_job_keys(self) -> tuple[str, ...]:  # type: ignore[override]
-        return (self._extra_key,)
-
-    def _init_jobs(self) -> None:
+    def __init__(self) -> None:
         self.kv: Any = None  # the device KVCacheManager
         self._reqs: dict[str, ReqState] = {}
         self._new_loads: list[Any] = []
@@ -58,19 +52,10 @@ class JobConnector(KVConnectorBase):
         self._storing: set[bytes] = set()  # hashes with a store in flight
         self._no_offer: set[str] = set()  # a load of theirs failed: recompute, never offer again
         self._ids = count()
-        # worker side
-        self.dev: Any = None
-        self._meta: Meta | None = None
-        self._failed_now: set[str] = set()
-        self._unissued: list[tuple] = []  # jobs of a meta whose step never issued them
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         self.kv = kv_cache_manager
 
-    def bind_device(self, device: Any) -> None:
-        self.dev = device
-
-    # ---- scheduler side ------------------------------------------------------------------------
     def _add_job(self, job: Any, blocks: list[Any]) -> Any:
         """Pin ``blocks`` (device) for the job's lifetime and track it; a load is issued next step."""
         self.kv.block_pool.touch(blocks)
@@ -88,7 +73,7 @@ class JobConnector(KVConnectorBase):
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         self._no_offer |= {rid for rid in output.failed_recving if rid in self._reqs}  # finished: keep nothing
-        for job_id, ok, *details in output.extra.get(self._extra_key, ()):
+        for job_id, ok, *details in output.extra.get(self.extra_key, ()):
             job = self._jobs.pop(job_id, None)
             if job is not None:
                 self._complete(job, ok, *details)
@@ -103,15 +88,30 @@ class JobConnector(KVConnectorBase):
     def has_pending_transfers(self) -> bool:
         return bool(self._jobs)
 
-    # ---- worker side ---------------------------------------------------------------------------
+
+class JobWorker(ConnectorWorker):
+    """Subclasses set ``fail_details`` (the details of a job that never ran) and report their
+    completions under their scheduler's ``extra_key``."""
+
+    fail_details: tuple = ()
+
+    def __init__(self) -> None:
+        self.dev: Any = None
+        self._meta: Meta | None = None
+        self._failed_now: set[str] = set()
+        self._unissued: list[tuple] = []  # jobs of a meta whose step never issued them
+
+    def bind_device(self, device: Any) -> None:
+        self.dev = device
+
     def bind_connector_metadata(self, metadata: Any) -> None:
         prev = self._meta
         if prev is not None:  # its step failed before issuing: those jobs end, not ok (pins released)
             if not prev.issued_loads:
-                self._unissued += [(j, False, *self._fail_details) for j, *_ in prev.loads]
+                self._unissued += [(j, False, *self.fail_details) for j, *_ in prev.loads]
                 self._failed_now |= {rid for _, rid, *_ in prev.loads}
             if not prev.issued_stores:  # never store KV of a step that did not run
-                self._unissued += [(j, False, *self._fail_details) for j, *_ in prev.stores]
+                self._unissued += [(j, False, *self.fail_details) for j, *_ in prev.stores]
         self._meta = metadata
 
     def _issue(self, loads: bool) -> list[tuple]:

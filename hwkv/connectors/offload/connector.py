@@ -1,32 +1,10 @@
 """CPU offload connector: a host-memory tier of KV blocks behind the device prefix cache (the
 protocol of vLLM's CPU offload connector; docs/connectors.md maps it step by step).
 
-Scheduler side: the tier is a :class:`~hwkv.connectors.offload.tier.HostTier` of host blocks keyed by the
-same chained block hashes as the device prefix cache (salts included), so a host hit is exactly a
-prefix-cache hit one tier down, with the pool's LRU free queue as the tier's eviction order.
-
-* lookup (``get_num_new_matched_tokens``): the blocks after the device hit whose hashes the tier
-  holds, consecutive from there; they are touched (pinned) at once and kept as a *pending hit*
-  (a request that is then not admitted releases it on its next lookup, finish or abort);
-* admission (``update_state_after_alloc``): the pending hit becomes a load job (host → device
-  blocks); both sides stay pinned until the job's completion event;
-* every step (``build_connector_meta``): newly full device blocks of scheduled requests whose hash
-  the tier lacks become a store job (device → host) into freshly allocated host blocks (evicting
-  the LRU ones), once ``store_batch_blocks`` of them wait, and a finishing request's remaining ones
-  at once (before its blocks can be reused); both sides pinned; a block already in the tier only
-  moves to its MRU end;
-* preemption (``request_preempted``, before the blocks are freed): the request's computed full
-  blocks the tier lacks become a store job that pins only host blocks: its copy is issued first
-  thing in the step's ``start_load_kv`` and the compute stream waits for it, so the freed device
-  blocks are read before anything can overwrite them and the preemption frees all of them at once.
-  So no full block leaves the device unstored, and a re-admitted request loads its prefix from the
-  tier instead of recomputing it. A request that finishes or is preempted while a load into its
-  blocks is unconfirmed has its store *parked* (device blocks pinned) until that load completes;
-* completions (``update_connector_output``): pins released; a stored block's hash is registered
-  only now, so no lookup ever sees a block whose bytes are still in flight.
-
-Worker side (:mod:`hwkv.connectors.offload.worker`): copies on a load and a store stream, ordered
-against the forward by events; the host tier itself: :mod:`hwkv.connectors.offload.tier`.
+:class:`OffloadConnector` is the configuration and the two sides:
+:class:`~hwkv.connectors.offload.scheduler.OffloadScheduler` (the tier's index, jobs, pins) and
+:class:`~hwkv.connectors.offload.worker.OffloadWorker` (host mirror, streams, copies); the one thing
+they share is the tier's :class:`~hwkv.connectors.offload.tier.HostTierGeometry`.
 
 Failures: a load that cannot be issued is reported in ``failed_recving`` in the same step (the
 scheduler discards that step's token and recomputes); the request is never offered the tier again.
@@ -36,36 +14,28 @@ failed too; its blocks stay pinned until the copy ends, so nothing is reused und
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
 from typing import Any
 
-from hwkv.connectors.base.jobs import ReqState
-from hwkv.connectors.offload.tier import HostTier
+from hwkv.connectors.base.roles import SplitConnector
+from hwkv.connectors.offload.scheduler import OffloadScheduler
+from hwkv.connectors.offload.tier import HostTierGeometry
 from hwkv.connectors.offload.worker import OffloadMeta, OffloadWorker
-from hwkv.core.block_pool import KVCacheBlock
-from hwkv.core.kv_events import MEDIUM_CPU, BlockStored
-from hwkv.core.sched_output import KVConnectorOutput
 
 
-@dataclass
-class _Job:
-    """One transfer: ``load`` (host → device, for ``req_id``) or store (device → host)."""
-
-    job_id: int
-    load: bool
-    req_id: str
-    host: list[KVCacheBlock]
-    device: list[KVCacheBlock]  # pinned ones (a preempted request's store pins none)
-    hashes: list[bytes] = field(default_factory=list)  # store: registered on completion
-    is_async: bool = False
-
-
-class OffloadConnector(OffloadWorker):
-    """Scheduler side of the protocol above; the per-step metadata is an :class:`OffloadMeta`."""
+class OffloadConnector(SplitConnector):
+    """``kv_connector="offload"``; ``worker_cls`` is the worker side's class (tests inject failures
+    with a subclass)."""
 
     name = "offload"
     capturable_layer_hooks = True  # wait_for_layer_load only queues a wait on an event
     layer_hooks_only_when_loading = True  # other steps' graphs: one wait for the last layer, not one per layer
+    # tensor parallelism: every rank runs its jobs over its own KV shard; the metadata is plain data
+    supports_tensor_parallel = True
+    metadata_type = OffloadMeta | None  # what tensor-parallel ranks decode (early stores included)
+    tp_job_keys = (OffloadScheduler.extra_key,)
+    worker_cls: type[OffloadWorker] = OffloadWorker
+    scheduler: OffloadScheduler
+    worker: OffloadWorker
 
     def __init__(self, cpu_bytes: int, min_run_blocks: int | None = None, store: bool = True, async_load: bool = False,
                  load_timeout_s: float | None = None, store_batch_blocks: int = 32, layerwise_load: bool = True):
@@ -84,198 +54,10 @@ class OffloadConnector(OffloadWorker):
         if not isinstance(layerwise_load, bool):
             raise ValueError(f"offload: layerwise_load must be a bool, got {layerwise_load!r}")
         self.layerwise_load = layerwise_load
-        self._init_jobs()
-        self.cpu: HostTier | None = None  # created with the device KV cache
-        self.block_size = 0
-        self._pending_hits: dict[str, tuple[int, list[KVCacheBlock]]] = {}  # rid -> (first block, pinned hits)
-        self._finished_stores: list[tuple[int, list[int], list[int]]] = []  # issued with the next step
-        self._preempted_stores: list[tuple[int, list[int], list[int]]] = []  # issued before its forward
-        self._parked: dict[int, list[tuple[int, list[int], list[int]]]] = {}  # load job -> stores waiting on it
-        self.counters = dict(loaded_bytes=0, stored_bytes=0, load_jobs=0, store_jobs=0, hit_blocks=0,
-                             stores_skipped_full=0, failed_loads=0, preempted_store_blocks=0)
-        self._init_worker()
+        self.scheduler = OffloadScheduler(self.store, self.async_load, store_batch_blocks)
+        self.worker = self.worker_cls(min_run_blocks, load_timeout_s, layerwise_load)
 
-    # ---- set-up --------------------------------------------------------------------------------
     def register_kv_caches(self, kv_cache: Any) -> None:
-        spec = kv_cache.spec
-        n = self.cpu_bytes // spec.bytes_per_block
-        if n < 1:
-            raise ValueError(f"offload: cpu_bytes={self.cpu_bytes} holds no KV block (one block of all layers is "
-                             f"{spec.bytes_per_block} bytes; allowed: cpu_bytes >= {spec.bytes_per_block})")
-        self.device_kv, self.block_size = kv_cache, spec.block_size
-        self.host_kv = self.dev.allocate_kv_cache(replace(spec, num_blocks=n), kv_cache.layout, host=True)
-        self.host_kv.scales = kv_cache.scales  # fp8 KV: the mirror's codes mean what the device's do
-        self.cpu = HostTier(n)
-        self._load_stream, self._store_stream = self.dev.new_stream(), self.dev.new_stream()
-        self._init_layers(self.layerwise_load)
-
-    # ---- scheduler side ------------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        rid = request.request_id
-        self._release_hit(rid)  # stale: from a lookup that was not admitted
-        if self.cpu is None or rid in self._no_offer:
-            return 0, False
-        bs = self.block_size
-        start, end = num_computed_tokens // bs, (request.num_tokens - 1) // bs  # the last token is computed
-        hits = self.cpu.match(request.block_hashes[start:end])
-        if not hits:
-            return 0, False
-        self.cpu.touch(hits)  # pinned until admitted (then until loaded) or released
-        self._pending_hits[rid] = (start, hits)
-        return len(hits) * bs, self.async_load
-
-    def _release_hit(self, rid: str) -> None:
-        pending = self._pending_hits.pop(rid, None)
-        if pending is not None:
-            self.cpu.free_blocks(pending[1])  # type: ignore[union-attr]
-
-    def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
-        rid = request.request_id
-        self._reqs[rid] = ReqState(request)
-        start, hits = self._pending_hits.pop(rid, (0, []))
-        n = -(-num_external_tokens // self.block_size) if hits else 0
-        if hits[n:]:
-            self.cpu.free_blocks(hits[n:])  # type: ignore[union-attr]
-        if not n:
-            return
-        device = self.kv.get_blocks(rid)[start:start + n]
-        self._add_job(_Job(next(self._ids), True, rid, hits[:n], device, is_async=self.async_load), device)
-        self.counters["hit_blocks"] += n
-
-    def build_connector_meta(self, scheduler_output: Any) -> Any:
-        loads = self._take_loads(scheduler_output)
-        stores = self._prepare_stores(scheduler_output) if self.store and self.cpu is not None else []
-        early, self._preempted_stores = self._preempted_stores, []
-        if not loads and not stores and not early:
-            return None
-        return OffloadMeta([(j.job_id, j.req_id, [b.block_id for b in j.host], [b.block_id for b in j.device],
-                             j.is_async) for j in loads], stores, early_stores=early)
-
-    def _prepare_stores(self, so: Any) -> list[tuple[int, list[int], list[int]]]:
-        """Store jobs of this step: the newly full blocks of scheduled requests, once at least
-        ``store_batch_blocks`` are waiting (fewer, larger copies), plus finished requests' last ones."""
-        bs, reqs, waiting, ready = self.block_size, self._reqs, 0, []
-        for rid in so.num_scheduled_tokens:
-            st = reqs.get(rid)
-            if st is None or st.hold:
-                continue
-            req = st.request
-            full = min(req.num_computed_tokens // bs, len(req.block_hashes))
-            if full > st.num_stored:
-                waiting += full - st.num_stored
-                ready.append(st)
-        out, self._finished_stores = self._finished_stores, []
-        if waiting >= self.store_batch_blocks:
-            out += [job for st in ready if (job := self._store_job(st)) is not None]
-        return out
-
-    def _store_job(self, st: ReqState, pin: bool = True) -> tuple[int, list[int], list[int]] | None:
-        """Host blocks (evicting LRU ones) for the request's computed full blocks not yet stored that
-        the tier lacks; the device blocks are pinned (``pin``) until the copy ends, or not (a
-        preempted request's: the copy is issued before its step's forward)."""
-        cpu = self.cpu
-        req, rid = st.request, st.request.request_id
-        blocks = self.kv.get_blocks(rid)
-        full = min(req.num_computed_tokens // self.block_size, len(req.block_hashes), len(blocks))
-        # already in the tier: refreshed first, so this request never evicts its own blocks
-        have = cpu.refresh_all(req.block_hashes[st.num_stored:full])  # type: ignore[union-attr]
-        todo = [i for i, hit in enumerate(have, st.num_stored) if not hit and req.block_hashes[i] not in self._storing]
-        st.num_stored = max(st.num_stored, full)
-        host = cpu.reserve(len(todo))  # type: ignore[union-attr]  # a pinned host block is no capacity
-        self.counters["stores_skipped_full"] += len(todo) - len(host)
-        if not host:
-            return None
-        device = [blocks[i] for i in todo[:len(host)]]
-        hashes = [req.block_hashes[i] for i in todo[:len(host)]]
-        self._storing.update(hashes)
-        job = _Job(next(self._ids), False, rid, host, device if pin else [], hashes)
-        self._add_job(job, job.device)
-        return job.job_id, [b.block_id for b in device], [b.block_id for b in host]
-
-    def request_preempted(self, request: Any) -> None:
-        rid = request.request_id
-        self._release_hit(rid)
-        st = self._reqs.pop(rid, None)  # re-admission starts afresh
-        if st is None or not self.store or self.cpu is None:
-            return
-        if st.hold:
-            job = self._park(st)
-        elif (job := self._store_job(st, pin=False)) is not None:
-            self._preempted_stores.append(job)
-        if job is not None:
-            self.counters["preempted_store_blocks"] += len(job[1])
-
-    def _park(self, st: ReqState) -> tuple[int, list[int], list[int]] | None:
-        """A request leaving while a load into its blocks is unconfirmed (on a device its event may
-        fire steps after the step that used it): what it computed on top is valid only if the load
-        was, so the store pins the device blocks and waits for the load's completion."""
-        load = next((j for j in self._jobs.values() if j.load and j.req_id == st.request.request_id), None)
-        job = self._store_job(st) if load is not None else None
-        if job is not None:
-            self._parked.setdefault(load.job_id, []).append(job)  # type: ignore[union-attr]
-        return job
-
-    def update_connector_output(self, output: KVConnectorOutput) -> None:
-        self.counters["failed_loads"] += len(output.failed_recving)
-        super().update_connector_output(output)
-
-    def _complete(self, job: _Job, ok: bool) -> None:
-        # every rank moved its shard of the blocks (tensor parallelism: tp_size shards of equal size)
-        cpu, nbytes = self.cpu, len(job.host) * self.device_kv.spec.bytes_per_block * self.tp_size
-        if job.load:
-            st = self._reqs.get(job.req_id)
-            if st is not None and ok:
-                st.hold = False
-            parked = self._parked.pop(job.job_id, [])
-            if ok:
-                self._finished_stores += parked  # issued after the next forward, device blocks pinned
-            for store_id, *_ in () if ok else parked:
-                self._complete(self._jobs.pop(store_id), False)
-            if ok:
-                self.counters["loaded_bytes"] += nbytes
-                self.counters["load_jobs"] += 1
-        else:
-            self._storing.difference_update(job.hashes)
-            if ok:  # registered only now: a lookup never sees bytes still in flight
-                cpu.publish(job.host, job.hashes)  # type: ignore[union-attr]
-                self.counters["stored_bytes"] += nbytes
-                self.counters["store_jobs"] += 1
-        cpu.free_blocks(job.host)  # type: ignore[union-attr]  # cached ones join the LRU at the MRU end
-        self.kv.block_pool.free_blocks(job.device)
-
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        # In-flight transfers pin their device blocks themselves: freeing the request's blocks now is safe.
-        rid = request.request_id
-        self._release_hit(rid)
-        st = self._forget(rid)
-        # its last blocks are stored before they can be reused
-        if st is not None and self.store and self.cpu is not None:
-            if st.hold:
-                self._park(st)
-            elif (job := self._store_job(st)) is not None:
-                self._finished_stores.append(job)
-        return False, None
-
-    # ---- KV events (medium "CPU": the host tier's registered hashes) ---------------------------------
-    def enable_kv_events(self) -> None:
-        if self.cpu is not None:
-            self.cpu.enable_kv_events(self.block_size, MEDIUM_CPU)
-
-    def take_kv_events(self) -> list[Any]:
-        return self.cpu.take_kv_events() if self.cpu is not None else []
-
-    def kv_event_snapshot(self) -> list[Any]:
-        cpu = self.cpu
-        if cpu is None or not cpu.cached_block_hash_to_block:
-            return []
-        return [BlockStored(list(cpu.cached_block_hash_to_block), None, [], self.block_size, None, MEDIUM_CPU)]
-
-    def stats(self) -> dict[str, Any]:
-        cpu = self.cpu
-        out: dict[str, Any] = dict(self.counters)
-        out["cpu_blocks"] = cpu.num_blocks if cpu is not None else 0
-        out["cpu_cached_blocks"] = len(cpu.cached_block_hash_to_block) if cpu is not None else 0
-        out["cpu_evictions"] = cpu.stats.evictions if cpu is not None else 0
-        out["transfers_in_flight"] = len(self._jobs)
-        out["layerwise"] = bool(self.layerwise)
-        return out
+        geometry = HostTierGeometry.of(kv_cache.spec, self.cpu_bytes)
+        self.worker.register_kv_caches(kv_cache, geometry)
+        self.scheduler.bind_geometry(geometry)

@@ -15,14 +15,38 @@ is the tier's eviction order. Its invariants, which the connector keeps and the 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from functools import partial
 from itertools import takewhile
 from operator import is_not
+from typing import TYPE_CHECKING
 
 from hwkv.core.block_pool import BlockPool, KVCacheBlock
 from hwkv.core.kv_events import BlockStored
 
+if TYPE_CHECKING:
+    from hwkv.interfaces.layout import KVCacheSpec
+
 _is_block = partial(is_not, None)
+
+
+@dataclass(frozen=True)
+class HostTierGeometry:
+    """What both sides of the connector know of the tier: the worker allocates ``num_blocks`` host
+    blocks of the device cache's shape, the scheduler keys that many by hash."""
+
+    num_blocks: int
+    block_size: int  # tokens per block, as the device cache's
+    bytes_per_block: int  # all layers of one block (one tensor-parallel shard's)
+
+    @classmethod
+    def of(cls, spec: KVCacheSpec, cpu_bytes: int) -> HostTierGeometry:
+        """The most blocks of ``spec``'s shape ``cpu_bytes`` hold; ``ValueError`` when none fits."""
+        n = cpu_bytes // spec.bytes_per_block
+        if n < 1:
+            raise ValueError(f"offload: cpu_bytes={cpu_bytes} holds no KV block (one block of all layers is "
+                             f"{spec.bytes_per_block} bytes; allowed: cpu_bytes >= {spec.bytes_per_block})")
+        return cls(n, spec.block_size, spec.bytes_per_block)
 
 
 class HostTier(BlockPool):

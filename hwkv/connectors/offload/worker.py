@@ -1,4 +1,5 @@
-"""The offload connector's worker side: one step's loads and stores as copies on side streams.
+"""The offload connector's worker side (:class:`OffloadWorker`): one step's loads and stores as copies
+on side streams, between the device KV cache and its host mirror of ``HostTierGeometry.num_blocks``.
 
 Loads run on a load stream that first waits for the compute stream (a reused device block may
 still be written by the previous forward); the compute stream waits for a synchronous load's event
@@ -21,11 +22,12 @@ layer's event, before they replay (``wait_for_all_layer_loads``), and only in su
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hwkv.connectors.base.copy import CopyPlan, copy_block_pairs, plan_copy, run_copy
-from hwkv.connectors.base.jobs import JobConnector, Meta
+from hwkv.connectors.base.jobs import JobWorker, Meta
+from hwkv.connectors.offload.tier import HostTierGeometry
 from hwkv.core.sched_output import KVConnectorOutput
 
 
@@ -48,23 +50,38 @@ class _Flight:
     reported: bool = False
 
 
-class OffloadWorker(JobConnector):
-    """Worker half of :class:`~hwkv.connectors.offload.connector.OffloadConnector`; completions go out as
-    ``(job, ok)`` under ``extra["offload"]``."""
+class OffloadWorker(JobWorker):
+    """Completions go out as ``(job, ok)`` under ``extra["offload"]``; ``load_blocks`` and
+    ``store_blocks`` are where tests inject transfer failures."""
 
-    _extra_key = "offload"
-    metadata_type = OffloadMeta | None  # what tensor-parallel ranks decode (early stores included)
-    min_run_blocks: int | None
-    load_timeout_s: float | None
-
-    def _init_worker(self) -> None:
+    def __init__(self, min_run_blocks: int | None, load_timeout_s: float | None, layerwise_load: bool) -> None:
+        super().__init__()
+        self.min_run_blocks, self.load_timeout_s, self.layerwise_load = min_run_blocks, load_timeout_s, layerwise_load
         self.device_kv: Any = None
         self.host_kv: Any = None
+        self._load_stream: Any = None
+        self._store_stream: Any = None
         self._flights: list[_Flight] = []
         self._layer_events: list[Any] | None = None  # layerwise: one per layer, recorded behind its copies
         self._layers: list[tuple[Any, Any]] = []  # (host, device) one-layer views of the caches
         self._plans: dict[tuple[int, int], tuple[list[int], list[int], CopyPlan]] = {}  # this step's, per load
         self._layered_now = False  # this step issued loads layer by layer
+
+    def register_kv_caches(self, kv_cache: Any, geometry: HostTierGeometry | None = None) -> None:
+        """Allocate the host mirror of ``geometry.num_blocks`` blocks (the connector computes it from
+        its ``cpu_bytes``) and the copy streams."""
+        if geometry is None:
+            raise ValueError("offload: the worker side needs the host tier's geometry")
+        spec = kv_cache.spec
+        self.device_kv = kv_cache
+        self.host_kv = self.dev.allocate_kv_cache(replace(spec, num_blocks=geometry.num_blocks), kv_cache.layout,
+                                                  host=True)
+        self.host_kv.scales = kv_cache.scales  # fp8 KV: the mirror's codes mean what the device's do
+        self._load_stream, self._store_stream = self.dev.new_stream(), self.dev.new_stream()
+        self._init_layers(self.layerwise_load)
+
+    def stats(self) -> dict[str, Any]:
+        return {"layerwise": bool(self.layerwise)}
 
     def _init_layers(self, want: bool) -> None:
         """Layer-by-layer loads where wanted and possible (see the module doc); else whole loads."""
@@ -81,7 +98,7 @@ class OffloadWorker(JobConnector):
     def bind_connector_metadata(self, metadata: Any) -> None:
         prev = self._meta
         if prev is not None and not prev.issued_loads:  # its step never ran: the early stores end, not ok
-            self._unissued += [(j, False) for j, *_ in prev.early_stores]
+            self._unissued += [(j, False) for j, *_ in prev.early_stores]  # type: ignore[attr-defined]
         super().bind_connector_metadata(metadata)
 
     def load_blocks(self, host_ids: list[int], device_ids: list[int], layer: int | None = None) -> None:

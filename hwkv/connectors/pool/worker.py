@@ -1,6 +1,6 @@
-"""The pool connector's worker side: the store client, the lookup server (rank 0) and the
-sending/receiving threads, fed one step's gets and puts; completions and timeouts come back
-through ``get_finished``.
+"""The pool connector's worker side (:class:`PoolWorker`): the store client, the lookup server
+(rank 0) and the sending/receiving threads, fed one step's gets and puts; completions and timeouts
+come back through ``get_finished``.
 
 A get starts behind an event recorded on the compute stream (a reused block's last writer); a put
 behind an event recorded after this step's forward (the blocks it fills are written). A get that
@@ -17,9 +17,9 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from hwkv.connectors.base.jobs import JobConnector
+from hwkv.connectors.base.jobs import JobWorker
 from hwkv.connectors.pool.key import PoolKey
-from hwkv.connectors.pool.lookup import LookupClient, LookupServer
+from hwkv.connectors.pool.lookup import LookupServer
 from hwkv.connectors.pool.store import StoreHandle
 from hwkv.connectors.pool.transfer import GetJob, PoolTransfer, PutJob
 from hwkv.core.sched_output import KVConnectorOutput
@@ -33,33 +33,34 @@ class _Flight:
     reported: bool = False
 
 
-class PoolWorker(JobConnector):
-    """Worker half of :class:`~hwkv.connectors.pool.connector.PoolConnector`; completions go out as
-    ``(job, ok, bytes, chunks already in the pool)`` under ``extra["pool"]``."""
+class PoolWorker(JobWorker):
+    """Completions go out as ``(job, ok, bytes, chunks already in the pool)`` under ``extra["pool"]``."""
 
-    _extra_key = "pool"
-    _fail_details = (0, 0)
-    handle: StoreHandle
-    key: PoolKey | None
-    load_timeout_s: float
-    counters: dict[str, int]
+    fail_details = (0, 0)
 
-    def _init_worker(self) -> None:
+    def __init__(self, handle: StoreHandle, load_timeout_s: float, staging_bytes: int,
+                 lookup_address: str | None) -> None:
+        super().__init__()
+        self.handle, self.load_timeout_s = handle, load_timeout_s
+        self.staging_bytes, self.lookup_address = staging_bytes, lookup_address
+        self.key: PoolKey | None = None
         self.transfer: PoolTransfer | None = None
         self.server: LookupServer | None = None
-        self.client: LookupClient | None = None
         self._flights: dict[int, _Flight] = {}
         self._sent_epoch: tuple[int, int] = (0, 0)
+        self.load_timeouts = 0
         self.last_errors = {"load": "", "store": ""}  # why the latest failed get / put failed (stats)
 
-    def merge_tp_job(self, key: str, a: list[Any], b: list[Any]) -> list[Any]:
-        return [a[0] + b[0], min(a[1], b[1])]  # bytes of every shard; a chunk skipped only where every shard was
-
-    def merge_tp_extra(self, key: str, values: list[Any]) -> Any:
-        if key != "pool_epoch":
-            return super().merge_tp_extra(key, values)
-        # any rank's store reconnecting or failing changes the sum: "recently put" proves nothing then
-        return tuple(sum(v[i] for v in values if v is not None) for i in range(2))
+    def register_kv_caches(self, kv_cache: Any, key: PoolKey | None = None) -> None:
+        """Start the transfer threads over ``kv_cache`` for chunks of ``key.chunk_blocks`` blocks
+        under ``key`` (the connector derives it from the cache), and on rank 0 the lookup server."""
+        if key is None:
+            raise ValueError("pool: the worker side needs the pool key of this cache")
+        self.key = key
+        self.transfer = PoolTransfer(self.handle, self.dev, kv_cache, key.chunk_blocks, self.staging_bytes)
+        self.handle.register(self.transfer.buffers())  # connects now if it can; else on first use
+        if self.tp_rank == 0:  # the scheduler side's; the other ranks of a tensor-parallel engine serve none
+            self.server = LookupServer(self._count_hits, self.lookup_address)
 
     def _count_hits(self, hashes: list[bytes]) -> int:
         """Worker side, lookup server thread: leading chunks present in the pool — under tensor
@@ -105,7 +106,7 @@ class PoolWorker(JobConnector):
             if not f.reported and now - f.t0 > self.load_timeout_s:
                 f.reported = True  # its blocks stay pinned until the get really ends
                 failed.add(f.req_id)
-                self.counters["load_timeouts"] += 1
+                self.load_timeouts += 1
                 self.last_errors["load"] = f"a get ran past load_timeout_s={self.load_timeout_s}"
         epoch = (self.handle.connects, self.handle.failures)
         if not (done or recv or failed) and epoch == self._sent_epoch:
@@ -114,11 +115,17 @@ class PoolWorker(JobConnector):
         return KVConnectorOutput(finished_recving=recv, failed_recving=failed,
                                  extra={"pool": done, "pool_epoch": epoch})
 
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = dict(load_timeouts=self.load_timeouts, last_load_error=self.last_errors["load"],
+                                   last_store_error=self.last_errors["store"])
+        out.update(self.handle.stats())
+        return out
+
     def shutdown(self) -> None:
         """Stop the threads and the lookup server; close an owned store client. Idempotent."""
-        for part in (self.client, self.server, self.transfer):
+        for part in (self.server, self.transfer):
             if part is not None:
                 with contextlib.suppress(StoreError, OSError):
                     part.close()
-        self.client = self.server = self.transfer = None
+        self.server = self.transfer = None
         self.handle.close()

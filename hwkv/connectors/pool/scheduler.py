@@ -1,0 +1,253 @@
+"""The pool connector's scheduler side (:class:`PoolScheduler`; the connector:
+:mod:`hwkv.connectors.pool.connector`, docs/connectors.md maps the protocol).
+
+Through the lookup bridge of :class:`~hwkv.connectors.pool.lookup.LookupClient` it asks the worker
+side's lookup server (rank 0) which chunks the pool holds; the unit is a chunk of
+``PoolGeometry.chunk_blocks`` blocks.
+
+* lookup (``get_num_new_matched_tokens``): the chunks after the local prefix-cache hit, up to the
+  last prompt token, are asked of the worker side through the lookup bridge (ZMQ REQ/REP, one
+  batched ``exists``); the leading present ones are offered as an asynchronous load. A lookup that
+  fails or times out is a miss. A local hit that ends inside a chunk offers nothing (the chunk's
+  blocks are partly someone else's).
+* admission (``update_state_after_alloc``): the offer becomes a load job into the request's new
+  blocks, pinned until the job completes; the request waits in WAITING_FOR_REMOTE_KVS.
+* every step (``build_connector_meta``): newly full chunks of scheduled requests become store jobs
+  (pinned until put), unless a put of theirs completed recently (a local set) or is in flight.
+* completions (``update_connector_output``): pins released, counters; a failed load's request is
+  never offered the pool again (it recomputes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from hwkv.connectors.base.jobs import JobScheduler, Meta, ReqState
+from hwkv.connectors.pool.lookup import LookupClient
+from hwkv.core.kv_events import MEDIUM_POOL, BlockRemoved, BlockStored
+from hwkv.core.sched_output import KVConnectorOutput
+
+_RECENT_MAX = 1 << 16  # chunk hashes known to be in the pool (puts and loads that completed)
+_LOOKUP_TTL_S = 1.0  # a waiting request that is not admitted re-asks at most this often
+
+
+@dataclass(frozen=True)
+class PoolGeometry:
+    """What both sides know of the chunks: the worker moves ``chunk_blocks`` blocks per key, the
+    scheduler offers and stores whole chunks."""
+
+    block_size: int
+    chunk_blocks: int
+    chunk_bytes: int  # one chunk of every tensor-parallel shard (the bytes counters' unit)
+
+
+@dataclass
+class _Job:
+    job_id: int
+    load: bool
+    req_id: str
+    blocks: list[Any]  # pinned device KVCacheBlocks, chunk after chunk
+    hashes: list[bytes]
+
+
+class PoolScheduler(JobScheduler):
+    """Units are chunks. Meta: loads ``(job, request, hashes, blocks per chunk)``, stores ``(job, hashes,
+    blocks per chunk)``; completions ``(job, ok, bytes, chunks already in the pool)`` under ``extra["pool"]``."""
+
+    extra_key = "pool"
+
+    def __init__(self, save: bool) -> None:
+        super().__init__()
+        self.save = save
+        self.client: LookupClient | None = None  # rank 0's lookup bridge; None: nothing is offered
+        self.block_size = self.chunk_blocks = 0
+        self._chunk_bytes = 1
+        self._pending: dict[str, tuple[int, list[bytes]]] = {}  # rid -> (first chunk, hit hashes)
+        self._lookups: dict[str, tuple[tuple[int, int], int, float]] = {}
+        self._recent: OrderedDict[bytes, None] = OrderedDict()
+        self._events: list[Any] | None = None  # KV events (medium "POOL"), once enabled
+        self._epoch: tuple[int, int] = (0, 0)  # (connects, failures) of the store the worker last reported
+        self.counters = dict(loaded_bytes=0, stored_bytes=0, lookups=0, lookup_hit_tokens=0, load_jobs=0,
+                             failed_loads=0, store_jobs=0, stored_chunks=0, dedup_pool=0, dedup_local=0,
+                             failed_stores=0)
+
+    def bind_geometry(self, geometry: PoolGeometry, client: LookupClient | None) -> None:
+        """The chunks' shape, and the lookup bridge (``None`` on a rank that serves no scheduler)."""
+        self.block_size, self.chunk_blocks, self._chunk_bytes = (geometry.block_size, geometry.chunk_blocks,
+                                                                 geometry.chunk_bytes)
+        self.client = client
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        rid = request.request_id
+        self._pending.pop(rid, None)
+        if self.client is None or rid in self._no_offer:
+            return 0, False
+        bs, cb = self.block_size, self.chunk_blocks
+        if num_computed_tokens % (bs * cb):
+            return 0, False
+        first = num_computed_tokens // (bs * cb)
+        last = min((request.num_tokens - 1) // bs, len(request.block_hashes)) // cb  # last token: computed
+        if last <= first:
+            return 0, False
+        now = time.monotonic()
+        cached = self._lookups.get(rid)
+        if cached is not None and cached[0] == (first, last) and now - cached[2] < _LOOKUP_TTL_S:
+            hits = cached[1]
+        else:
+            hashes = [request.block_hashes[(c + 1) * cb - 1] for c in range(first, last)]
+            hits = self.client.lookup(hashes)
+            self._lookups[rid] = ((first, last), hits, now)
+            self.counters["lookups"] += 1
+            gone = [h for h in hashes[hits:] if h in self._recent]
+            for h in gone:  # missing from the pool (evicted, or a master restarted empty): a
+                del self._recent[h]  # "recently put" entry is stale; the sender's exists check still dedups
+            self._removed(gone)
+        if not hits:
+            return 0, False
+        self._pending[rid] = (first, [request.block_hashes[(c + 1) * cb - 1] for c in range(first, first + hits)])
+        return hits * cb * bs, True
+
+    def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+        rid = request.request_id
+        self._lookups.pop(rid, None)
+        self._reqs[rid] = ReqState(request)
+        first, hashes = self._pending.pop(rid, (0, []))
+        n = min(len(hashes), num_external_tokens // (self.block_size * self.chunk_blocks))
+        if not n:
+            return
+        cb = self.chunk_blocks
+        blocks = self.kv.get_blocks(rid)[first * cb:(first + n) * cb]
+        self._add_job(_Job(next(self._ids), True, rid, blocks, hashes[:n]), blocks)
+        self.counters["lookup_hit_tokens"] += n * cb * self.block_size
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        loads = self._take_loads(scheduler_output)
+        stores = self._prepare_stores(scheduler_output) if self.save and self.client is not None else []
+        if not loads and not stores:
+            return None
+        return Meta([(j.job_id, j.req_id, j.hashes, self._chunks(j.blocks)) for j in loads],
+                     [(j.job_id, j.hashes, self._chunks(j.blocks)) for j in stores])
+
+    def _chunks(self, blocks: list[Any]) -> list[list[int]]:
+        cb = self.chunk_blocks
+        return [[b.block_id for b in blocks[i:i + cb]] for i in range(0, len(blocks), cb)]
+
+    def _prepare_stores(self, so: Any) -> list[_Job]:
+        bs, cb, out = self.block_size, self.chunk_blocks, []
+        for rid in so.num_scheduled_tokens:
+            st = self._reqs.get(rid)
+            if st is None or st.hold:
+                continue
+            req, blocks = st.request, self.kv.get_blocks(rid)
+            full = min(req.num_computed_tokens // bs, len(req.block_hashes), len(blocks)) // cb
+            hashes, dev = [], []
+            for c in range(st.num_stored, full):
+                h = req.block_hashes[(c + 1) * cb - 1]
+                if h in self._recent:
+                    self._recent.move_to_end(h)
+                    self.counters["dedup_local"] += 1
+                elif h not in self._storing:
+                    hashes.append(h)
+                    dev.extend(blocks[c * cb:(c + 1) * cb])
+            st.num_stored = max(st.num_stored, full)
+            if hashes:
+                self._storing.update(hashes)  # pinned: a put reads them after this step's forward
+                out.append(self._add_job(_Job(next(self._ids), False, rid, dev, hashes), dev))
+        return out
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        epoch = output.extra.get("pool_epoch")
+        if epoch is not None and epoch != self._epoch:  # the store failed or was reconnected: it may have
+            self._epoch = epoch  # lost anything, so "recently put" proves nothing any more
+            self._removed(list(self._recent))
+            self._recent.clear()
+        super().update_connector_output(output)
+
+    def _complete(self, job: _Job, ok: bool, nbytes: int, skipped: int) -> None:
+        c = self.counters
+        if job.load:
+            c["load_jobs" if ok else "failed_loads"] += 1
+            c["loaded_bytes"] += nbytes
+            if ok and (st := self._reqs.get(job.req_id)) is not None:
+                st.hold = False
+        else:
+            self._storing.difference_update(job.hashes)
+            c["store_jobs" if ok else "failed_stores"] += 1
+            c["stored_bytes"] += nbytes
+            c["stored_chunks"] += nbytes // self._chunk_bytes
+            c["dedup_pool"] += skipped
+        if ok:  # known present: later stores of these chunks skip even the exists call
+            new = [h for h in job.hashes if h not in self._recent] if self._events is not None else None
+            for h in job.hashes:
+                self._recent[h] = None
+                self._recent.move_to_end(h)
+            if new:
+                self._events.append(BlockStored(new, None, [], self.block_size * self.chunk_blocks, None,  # type: ignore
+                                                MEDIUM_POOL))
+            trimmed = []
+            while len(self._recent) > _RECENT_MAX:
+                trimmed.append(self._recent.popitem(last=False)[0])
+            self._removed(trimmed)
+        self.kv.block_pool.free_blocks(job.blocks)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        # In-flight jobs pin their blocks themselves: freeing the request's blocks now is safe.
+        rid = request.request_id
+        self._pending.pop(rid, None)
+        self._lookups.pop(rid, None)
+        self._forget(rid)
+        return False, None
+
+    # ---- KV events (medium "POOL") ----------------------------------------------------------------
+    # What this instance knows the pool holds: chunks it put or found there (stored), chunks a lookup
+    # found gone or that a store failure/reconnect puts in doubt (removed), and the oldest ones past
+    # the bounded set of known chunks (removed: no longer vouched for). One hash per chunk: the chain
+    # hash of its last block, block_size the chunk's tokens (with the default one-block chunks, the
+    # device cache's block hashes). The pool is shared: a router may read any instance's POOL events
+    # as every instance's.
+    def enable_kv_events(self) -> None:
+        self._events = []
+
+    def take_kv_events(self) -> list[Any]:
+        events = self._events
+        if not events:
+            return []
+        self._events = []
+        return events
+
+    def kv_event_snapshot(self) -> list[Any]:
+        if self._events is None or not self._recent:
+            return []
+        return [BlockStored(list(self._recent), None, [], self.block_size * self.chunk_blocks, None, MEDIUM_POOL)]
+
+    def _removed(self, hashes: list[bytes]) -> None:
+        if hashes and self._events is not None:
+            self._events.append(BlockRemoved(hashes, MEDIUM_POOL))
+
+    def merge_tp_job(self, key: str, a: list[Any], b: list[Any]) -> list[Any]:
+        return [a[0] + b[0], min(a[1], b[1])]  # bytes of every shard; a chunk skipped only where every shard was
+
+    def merge_tp_extra(self, key: str, values: list[Any]) -> Any:
+        if key != "pool_epoch":
+            return super().merge_tp_extra(key, values)
+        # any rank's store reconnecting or failing changes the sum: "recently put" proves nothing then
+        return tuple(sum(v[i] for v in values if v is not None) for i in range(2))
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = dict(self.counters)
+        out["chunk_size"] = self.block_size * self.chunk_blocks
+        out["transfers_in_flight"] = len(self._jobs)
+        if self.client is not None:
+            out["lookup_timeouts"], out["lookup_errors"] = self.client.timeouts, self.client.errors
+            out["lookup_last_error"] = self.client.last_error
+        return out
+
+    def shutdown(self) -> None:
+        if self.client is not None:
+            with contextlib.suppress(OSError):
+                self.client.close()
+        self.client = None

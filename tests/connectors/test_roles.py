@@ -1,0 +1,66 @@
+"""Connectors are split by role (docs/architecture.md, "Connectors"): a scheduler-side class and a
+worker-side class that own their state, assembled by a :class:`SplitConnector` that only forwards.
+Checked on every class defined under ``hwkv/connectors``."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+
+import pytest
+
+import hwkv.connectors
+from hwkv.connectors.base.roles import ConnectorScheduler, ConnectorWorker, SplitConnector
+from hwkv.interfaces.connector import KVConnectorBase
+
+# connectors not split yet: each entry is a debt, never a new one
+NOT_SPLIT = {"hwkv.connectors.p2p.connector.P2PConnector"}
+
+
+def _classes() -> list[type]:
+    out = []
+    for info in pkgutil.walk_packages(hwkv.connectors.__path__, "hwkv.connectors."):
+        mod = importlib.import_module(info.name)
+        out += [c for _, c in inspect.getmembers(mod, inspect.isclass) if c.__module__ == mod.__name__]
+    return out
+
+
+def _name(c: type) -> str:
+    return f"{c.__module__}.{c.__qualname__}"
+
+
+def test_no_class_is_both_sides():
+    both = [_name(c) for c in _classes() if issubclass(c, ConnectorScheduler) and issubclass(c, ConnectorWorker)]
+    assert not both
+    mixed = [_name(c) for c in _classes() if issubclass(c, KVConnectorBase)
+             and issubclass(c, (ConnectorScheduler, ConnectorWorker))]
+    assert not mixed  # a connector holds its sides, it is neither
+
+
+def test_every_connector_is_split():
+    loose = {_name(c) for c in _classes() if issubclass(c, KVConnectorBase) and not issubclass(c, SplitConnector)}
+    assert loose == NOT_SPLIT
+
+
+def test_the_forwarding_connector_owns_no_side_state():
+    """SplitConnector's hooks only forward: it sets no attribute of its own."""
+    src = inspect.getsource(SplitConnector)
+    assert "self.scheduler." in src and "self.worker." in src
+    assert not [line for line in src.splitlines() if line.strip().startswith("self.") and " = " in line]
+
+
+@pytest.mark.parametrize("name, config", [("offload", {"cpu_bytes": 1 << 20}), ("pool", {"store": "embedded"})])
+def test_built_in_connectors_hold_one_side_of_each(name, config):
+    from hwkv.connectors import make_connector
+
+    conn = make_connector(name, config)
+    try:
+        assert isinstance(conn, SplitConnector)
+        assert isinstance(conn.scheduler, ConnectorScheduler) and not isinstance(conn.scheduler, ConnectorWorker)
+        assert isinstance(conn.worker, ConnectorWorker) and not isinstance(conn.worker, ConnectorScheduler)
+        shared = set(vars(conn.scheduler)) & set(vars(conn.worker)) - {"tp_rank", "tp_size"}
+        # a name on both sides would be state held twice; what they share is a typed object handed to each
+        assert not shared - {"geometry"}
+    finally:
+        conn.shutdown()
