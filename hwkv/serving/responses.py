@@ -57,7 +57,8 @@ class Responder:
         self.num_logprobs = params.logprobs
         k = len(self.inputs)
         self.text_len, self.num_ids, self.last = [0] * k, [0] * k, [None] * k
-        self.held = [False] * k  # tool calls: the rest of this choice's text waits for the whole output
+        self.held = [False] * k  # tool calls: the rest of this choice's text goes through a CallStream
+        self.streams: dict[int, tool_calls.CallStream] = {}
 
     def _overrides(self, limit: int, logprobs: int | None) -> dict[str, Any]:
         kw = self.body.sampling_overrides(limit, logprobs)
@@ -265,7 +266,9 @@ class Responder:
         return self._tool_chunks(i, out, a, t0, kind)
 
     def _tool_chunks(self, i: int, out: RequestOutput, a: int, t0: int, kind: str) -> list[dict[str, Any]]:
-        """Chat with tools: content streams until a call may start; the calls come whole at the end."""
+        """Chat with tools: content streams until a call may start; then each call's name once complete
+        and its arguments as they are written (:class:`~hwkv.serving.tools.CallStream`); a call the
+        final parse finds that did not stream comes whole in the last delta."""
         if not self.held[i]:
             stop_at = 0 if self.tool_mode == "forced" else tool_calls.may_start_call(self.parser, out.text)
             self.held[i] = stop_at < len(out.text) or self.tool_mode == "forced"
@@ -277,6 +280,10 @@ class Responder:
         if new or (not out.finished and len(out.token_ids) > a and not self.held[i]):
             c = self._choice(i, replace(out, finished=False), new, a, len(out.token_ids), t0, True)
             chunks.append({**self._head(kind), "choices": [c]})
+        streamed = self._call_stream(i).update(out.text) if self.held[i] else []
+        if streamed and not out.finished:
+            chunks.append({**self._head(kind), "choices": [{"index": i, "delta": {"tool_calls": streamed},
+                                                            "logprobs": None, "finish_reason": None}]})
         if out.finished:
             delta: dict[str, Any] = {}
             calls: list[Any] = []
@@ -286,11 +293,24 @@ class Responder:
                 if rest:
                     delta["content"] = rest
                 if calls:
-                    delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
+                    n = len(self._call_stream(i).sent)
+                    delta["tool_calls"] = streamed + [{"index": k, **c} for k, c in enumerate(calls) if k >= n]
             c = {"index": i, "delta": delta, "logprobs": None, "finish_reason": self._finish_reason(out, calls),
                  "stop_reason": out.stop_reason if out.finish_reason == "stop" else None}
             chunks.append({**self._head(kind), "choices": [c]})
         return chunks
+
+    def _call_stream(self, i: int) -> tool_calls.CallStream:
+        st = self.streams.get(i)
+        if st is None:
+            if self.tool_mode == "parse":
+                kind: Any = self.parser
+            elif self.tool_choice == "required":
+                kind = "required"
+            else:
+                kind = ("named", self.tool_choice["function"]["name"])
+            st = self.streams[i] = tool_calls.CallStream(kind)
+        return st
 
     def usage_chunk(self) -> dict[str, Any] | None:
         opts = self.body.stream_options

@@ -13,6 +13,10 @@ in a model's text, one per model family (vLLM's ``--tool-call-parser`` names).
   calling): the output is ``{"name": ..., "parameters": {...}}`` objects (``;``-separated,
   optionally after ``<|python_tag|>``).
 * ``tool_choice: "none"`` — the tools reach the chat template, no call is parsed.
+
+Streaming (:class:`CallStream`, as vLLM's parsers stream): a call's first delta carries its index,
+id, type and name (``arguments: ""``) once the name string is complete; then its arguments stream
+as the model writes them, the raw JSON text of the value (the deltas concatenate to valid JSON).
 """
 
 from __future__ import annotations
@@ -139,3 +143,165 @@ def may_start_call(parser: str, text: str) -> int:
     if not stripped or stripped.startswith(("{", "<|python_tag|>")) or "<|python_tag|>".startswith(stripped):
         return 0
     return len(text)
+
+
+# ---- streaming ----------------------------------------------------------------------------------
+_WS = " \t\r\n"
+
+
+def _skip(s: str, i: int, chars: str = _WS) -> int:
+    while i < len(s) and s[i] in chars:
+        i += 1
+    return i
+
+
+def _string_end(s: str, i: int) -> int | None:
+    """Index after the JSON string starting at ``s[i] == '"'``; ``None`` while it is open."""
+    j = i + 1
+    while j < len(s):
+        c = s[j]
+        if c == "\\":
+            j += 2
+            continue
+        if c == '"':
+            return j + 1
+        j += 1
+    return None
+
+
+def _value_end(s: str, i: int) -> int | None:
+    """Index after the JSON value starting at ``s[i]``; ``None`` while it may still grow."""
+    c = s[i]
+    if c == '"':
+        return _string_end(s, i)
+    if c in "{[":
+        depth, j = 0, i
+        while j < len(s):
+            c = s[j]
+            if c == '"':
+                e = _string_end(s, j)
+                if e is None:
+                    return None
+                j = e
+                continue
+            if c in "{[":
+                depth += 1
+            elif c in "}]":
+                depth -= 1
+                if depth == 0:
+                    return j + 1
+            j += 1
+        return None
+    j = i
+    while j < len(s) and s[j] not in _WS + ",}]":
+        j += 1
+    return j if j < len(s) else None
+
+
+def _members(s: str, i: int) -> tuple[dict[str, tuple[int, int, bool]], int | None]:
+    """Top-level members of the JSON object at ``s[i] == '{'``: key -> (value start, end so far,
+    complete), and the index after the object (``None`` while open or malformed)."""
+    out: dict[str, tuple[int, int, bool]] = {}
+    j = i + 1
+    while True:
+        j = _skip(s, j, _WS + ",")
+        if j >= len(s) or s[j] != '"':
+            return out, (j + 1 if j < len(s) and s[j] == "}" else None)
+        e = _string_end(s, j)
+        if e is None:
+            return out, None
+        try:
+            key = json.loads(s[j:e])
+        except ValueError:
+            return out, None
+        j = _skip(s, e)
+        if j >= len(s) or s[j] != ":":
+            return out, None
+        j = _skip(s, j + 1)
+        if j >= len(s):
+            return out, None
+        e = _value_end(s, j)
+        out[key] = (j, len(s) if e is None else e, e is not None)
+        if e is None:
+            return out, None
+        j = e
+
+
+def _object_calls(s: str, starts: list[int]) -> list[tuple[str | None, str]]:
+    """``(name once complete, raw arguments text so far)`` of the call objects at ``starts``."""
+    calls = []
+    for i in starts:
+        m, _ = _members(s, i)
+        name = None
+        if "name" in m and m["name"][2]:
+            try:
+                v = json.loads(s[m["name"][0] : m["name"][1]])
+                name = v if isinstance(v, str) else None
+            except ValueError:
+                pass
+        key = "arguments" if "arguments" in m else "parameters"
+        a = m.get(key)
+        calls.append((name, s[a[0] : a[1]].rstrip(_WS) if a else ""))
+    return calls
+
+
+def _starts(kind: str, s: str) -> list[int]:
+    """Where each call object of ``kind``'s format begins in ``s`` (those begun so far)."""
+    out: list[int] = []
+    if kind == "hermes":
+        for m in re.finditer(re.escape("<tool_call>"), s):
+            j = _skip(s, m.end())
+            if j < len(s) and s[j] == "{":
+                out.append(j)
+        return out
+    if kind == "llama3_json":
+        j = _skip(s, 0)
+        if s.startswith("<|python_tag|>", j):
+            j = _skip(s, j + len("<|python_tag|>"))
+        sep = _WS + ";"
+    else:  # required: a JSON array of call objects
+        j = _skip(s, 0)
+        if j >= len(s) or s[j] != "[":
+            return out
+        j, sep = j + 1, _WS + ","
+    while True:
+        j = _skip(s, j, sep)
+        if j >= len(s) or s[j] != "{":
+            return out
+        out.append(j)
+        e = _value_end(s, j)
+        if e is None:
+            return out
+        j = e
+
+
+class CallStream:
+    """The tool-call deltas of one streamed choice. ``kind``: a parser name, ``"required"``, or
+    ``("named", function name)``; :meth:`update` takes the choice's whole text so far and returns
+    the new deltas (``{"index", "id", "type", "function": {"name", "arguments": ""}}`` when a call's
+    name is complete, then ``{"index", "function": {"arguments": piece}}``)."""
+
+    def __init__(self, kind: Any):
+        self.kind = kind
+        self.sent: list[list[Any]] = []  # per call: [id, name, arguments chars sent]
+
+    def _calls(self, text: str) -> list[tuple[str | None, str]]:
+        if isinstance(self.kind, tuple):  # named: the whole output is the arguments
+            return [(self.kind[1], text.strip(_WS))]
+        return _object_calls(text, _starts(self.kind, text))
+
+    def update(self, text: str) -> list[dict[str, Any]]:
+        deltas: list[dict[str, Any]] = []
+        for k, (name, args) in enumerate(self._calls(text)):
+            if k == len(self.sent):
+                if name is None:
+                    break  # calls stream in order: the next one waits for this one's name
+                cid = f"call_{uuid.uuid4().hex[:24]}"
+                self.sent.append([cid, name, 0])
+                deltas.append({"index": k, "id": cid, "type": "function",
+                               "function": {"name": name, "arguments": ""}})
+            st = self.sent[k]
+            if len(args) > st[2] and args.startswith(args[: st[2]]):
+                deltas.append({"index": k, "function": {"arguments": args[st[2] :]}})
+                st[2] = len(args)
+        return deltas

@@ -300,8 +300,14 @@ def test_tool_choice_required_named_none_and_streamed(server, client):
     assert call.function.name == "get_time" and json.loads(call.function.arguments)["tz"] in ("UTC", "CET")
     chunks = list(client.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, tool_choice=named,
                                                  max_tokens=50, stream=True))
-    calls = [tc for ch in chunks for c in ch.choices for tc in (c.delta.tool_calls or [])]
-    assert len(calls) == 1 and calls[0].function.name == "get_time" and json.loads(calls[0].function.arguments)
+    calls = streamed_calls(chunks)
+    assert len(calls) == 1 and calls[0][0] == "get_time" and json.loads(calls[0][1])["tz"] in ("UTC", "CET")
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    chunks = list(client.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, tool_choice="required",
+                                                 max_tokens=200, stream=True, seed=1, temperature=1,
+                                                 parallel_tool_calls=False))
+    calls = streamed_calls(chunks)
+    assert calls and all(n in ("get_weather", "get_time") and isinstance(json.loads(a), dict) for n, a in calls)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     r = client.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, tool_choice="none", max_tokens=5)
     assert not r.choices[0].message.tool_calls and r.choices[0].finish_reason in ("stop", "length")
@@ -327,6 +333,40 @@ def test_tool_call_parsers():
     assert content is None and [json.loads(c["function"]["arguments"]) for c in calls] == [{"x": 1}, {}]
     assert tools.parse("llama3_json", "Hello {there}") == ("Hello {there}", [])
     assert tools.may_start_call("hermes", "abc <tool_") == 4 and tools.may_start_call("hermes", "abc") == 3
+
+
+@pytest.mark.parametrize("kind, text", [
+    ("hermes", 'Let me.\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "U\\"TC", "n": [1, {"a": "}"}]}}\n'
+               '</tool_call><tool_call>{"name": "f", "arguments": {}}</tool_call>'),
+    ("hermes", '<tool_call>{"arguments": {"late": true}, "name": "named_last"}</tool_call>'),
+    ("llama3_json", '<|python_tag|>{"name": "a", "parameters": {"x": 1, "s": "a b"}}; {"name": "b", "parameters": {}}'),
+    ("required", '[{"name": "get_weather", "parameters": {"city": "New York"}}, {"name": "t", "parameters": {}}]'),
+    (("named", "get_time"), '{"tz": "CET", "k": [1, 2]}'),
+])
+def test_call_stream_deltas_concatenate_to_the_parsed_calls(kind, text):
+    """Fed the text one character at a time, the deltas rebuild exactly the calls the whole-text
+    parser finds: names once complete, arguments as valid JSON with the same value."""
+    from hwkv.serving import tools
+
+    cs, deltas = tools.CallStream(kind), []
+    for i in range(len(text) + 1):
+        deltas += cs.update(text[:i])
+    got: dict[int, list] = {}
+    for d in deltas:
+        if "id" in d:
+            assert d["index"] == len(got) and d["function"]["arguments"] == ""
+            got[d["index"]] = [d["function"]["name"], ""]
+        else:
+            got[d["index"]][1] += d["function"]["arguments"]
+    if kind == "required" or isinstance(kind, tuple):
+        choice = "required" if kind == "required" else {"type": "function", "function": {"name": kind[1]}}
+        want = tools.forced_calls(text, choice)
+    else:
+        want = tools.parse(kind, text)[1]
+    assert [(n, json.loads(a)) for n, a in got.values()] == \
+        [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in want]
+    if '"arguments": {"late"' not in text:  # arguments written before the name come at once with it
+        assert sum("id" not in d for d in deltas) > len(want)  # the arguments came in pieces
 
 
 # ---- hostile input ------------------------------------------------------------------------------------
@@ -448,7 +488,28 @@ def test_tool_choice_auto_parses_hermes_calls_streamed_and_not(client):
     assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls] == want
     chunks = list(client.chat.completions.create(stream=True, **kw))
     text = "".join(c.delta.content or "" for ch in chunks for c in ch.choices)
-    calls = [tc for ch in chunks for c in ch.choices for tc in (c.delta.tool_calls or [])]
     assert "<tool_call>" not in text and text.startswith("Checking")
-    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == want
+    assert [(n, json.loads(a)) for n, a in streamed_calls(chunks)] == want
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def streamed_calls(chunks) -> list[tuple[str, str]]:
+    """``(name, arguments)`` of each streamed call, checking vLLM's delta shape on the way: the first
+    delta of a call has its index, id, type and name, later ones only argument pieces, and the
+    arguments stream before the last chunk (in several pieces unless tiny)."""
+    calls: dict[int, list] = {}
+    pieces_before_end = 0
+    for n, ch in enumerate(chunks):
+        for c in ch.choices:
+            for tc in c.delta.tool_calls or []:
+                if tc.index not in calls:
+                    assert tc.id.startswith("call_") and tc.type == "function" and tc.function.name, tc
+                    calls[tc.index] = [tc.function.name, tc.function.arguments or ""]
+                else:
+                    assert tc.id is None and not tc.function.name, tc
+                    calls[tc.index][1] += tc.function.arguments
+                    pieces_before_end += n < len(chunks) - 1
+    assert sorted(calls) == list(range(len(calls)))
+    total = sum(len(a) for _, a in calls.values())
+    assert pieces_before_end >= 2 or total < 8, (pieces_before_end, calls)
+    return [tuple(calls[k]) for k in sorted(calls)]
