@@ -228,13 +228,16 @@ class KVEventIndex:
 
     def __init__(self) -> None:
         self.media: dict[str, set[Any]] = {}
+        self.block_size: dict[str, int] = {}  # tokens per hash, per medium (from BlockStored)
 
     def apply(self, events: list[Any]) -> None:
         for ev in events:
             if isinstance(ev, AllBlocksCleared):
                 self.media.clear()
             elif isinstance(ev, BlockStored):
-                self.media.setdefault(ev.medium or MEDIUM_GPU, set()).update(ev.block_hashes)
+                medium = ev.medium or MEDIUM_GPU
+                self.media.setdefault(medium, set()).update(ev.block_hashes)
+                self.block_size[medium] = ev.block_size
             elif isinstance(ev, BlockRemoved):
                 self.media.get(ev.medium or MEDIUM_GPU, set()).difference_update(ev.block_hashes)
 
