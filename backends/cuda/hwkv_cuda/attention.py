@@ -154,6 +154,29 @@ class TritonAttentionImpl(AttentionImpl):
     def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float):
         super().__init__(num_heads, head_size, num_kv_heads, scale)
         self.counters = SplitCounters()  # per impl: two impls may run on different streams
+        self._sinks: tuple[torch.Tensor, torch.Tensor] | None = None  # (model's sinks, float32 copy on device)
+
+    def _features(self, device: torch.device) -> dict[str, Any]:
+        """Kernel arguments of the layer's window / soft-cap / sinks (constexpr flags: a layer without
+        them compiles the plain kernel). Sinks move to ``device`` once, as float32."""
+        kw: dict[str, Any] = {}
+        if self.window is not None:
+            if self.window < 1:
+                raise ValueError(f"window must be >= 1, got {self.window}")
+            kw.update(window=int(self.window), WINDOW=True)
+        if self.softcap is not None:
+            if not self.softcap > 0:
+                raise ValueError(f"softcap must be > 0, got {self.softcap}")
+            kw.update(cap2=float(self.softcap) * LOG2E, SOFTCAP=True)
+        if self.sinks is not None:
+            if self.sinks.shape != (self.num_heads,):
+                raise ValueError(f"sinks must be [{self.num_heads}] (one per query head), got {tuple(self.sinks.shape)}")
+            src = self.sinks
+            if self._sinks is None or self._sinks[0] is not src or self._sinks[1].device != device:
+                # the loader fills the model's sinks in place after make_impl: convert on first use
+                self._sinks = (src, src.detach().to(device=device, dtype=torch.float32).contiguous())
+            kw.update(sinks_ptr=self._sinks[1], SINKS=True)
+        return kw
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, layer_kv: Any, slot_mapping: torch.Tensor) -> None:
         """Scatter ``key``/``value`` into the cache at ``slot_mapping``. A slot must be ``-1`` (skip) or
@@ -236,6 +259,7 @@ class TritonAttentionImpl(AttentionImpl):
             SPLIT=splits > 1, FUSED=fused, NUM_SPLITS_PAD=splits_pad, G_PAD=g_pad,
             MERGE_ROWS=merge_rows, MERGE_SPLITS=merge_splits, IEEE=query.dtype == torch.float32, PDL=pdl,
             KV_FP8=fp8, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
+            **self._features(query.device),
         )
         if splits > 1 and not fused:
             reduce_kernel[(query.shape[0], self.num_heads)](

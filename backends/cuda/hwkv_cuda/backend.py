@@ -63,9 +63,7 @@ class CudaBackend(Backend):
             graph_capture=True,
             max_gqa_ratio=64,
             kv_cache_dtypes=("auto", "fp8_e4m3"),  # e4m3 with per-head float32 scales
-            attention_features=(),
-            attention_features_reason="the Triton paged-attention kernels have no sliding-window mask, logit "
-                                      "soft-cap or attention sinks yet (the cpu reference backend computes them)",
+            attention_features=("sliding_window", "logit_softcap", "attention_sinks"),
             extras={"kernels": "triton unified paged attention (split-KV)", "transfer": why},
         )
         self._device = CudaDevice(index)

@@ -4,8 +4,10 @@ whatever device its inputs live: the CPU tests and ``scripts/gpu_check.py`` shar
 import torch
 
 
-def naive_attention(q, kv, query_lens, seq_lens, block_tables, scale):
-    """q [T, H, D]; kv [nb, 2, bs, Hkv, D]; per-request loop over dense gathered K/V."""
+def naive_attention(q, kv, query_lens, seq_lens, block_tables, scale, window=None, softcap=None, sinks=None):
+    """q [T, H, D]; kv [nb, 2, bs, Hkv, D]; per-request loop over dense gathered K/V. ``window``: keys in
+    ``(p - window, p]``; ``softcap``: ``c * tanh(s / c)``; ``sinks`` ``[H]``: one more logit per head
+    in the denominator (the interface's definitions)."""
     dev = q.device
     out = torch.empty(q.shape, dtype=torch.float64, device=dev)
     bs, hkv = kv.shape[2], kv.shape[3]
@@ -13,14 +15,24 @@ def naive_attention(q, kv, query_lens, seq_lens, block_tables, scale):
     t0 = 0
     for ql, sl, bt in zip(query_lens, seq_lens, block_tables):
         ql, sl = int(ql), int(sl)
-        pos = torch.arange(sl, device=dev)
+        lo = 0 if window is None else max(0, sl - ql - window + 1)  # keys no query row sees are not read
+        pos = torch.arange(lo, sl, device=dev)
         blk = torch.as_tensor(bt, device=dev)[pos // bs].long()
         k = kv[blk, 0, pos % bs].double().repeat_interleave(g, dim=1)  # [sl, H, D]
         v = kv[blk, 1, pos % bs].double().repeat_interleave(g, dim=1)
         s = torch.einsum("qhd,khd->hqk", q[t0:t0 + ql].double(), k) * scale
         qpos = torch.arange(sl - ql, sl, device=dev)
-        s = s.masked_fill(pos[None, None, :] > qpos[None, :, None], float("-inf"))
-        out[t0:t0 + ql] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
+        hidden = pos[None, None, :] > qpos[None, :, None]
+        if window is not None:
+            hidden = hidden | (pos[None, None, :] <= qpos[None, :, None] - window)
+        s = s.masked_fill(hidden, float("-inf"))
+        if sinks is not None:
+            s = torch.cat([s, sinks.double().to(dev)[:, None, None].expand(-1, ql, 1)], -1)
+            out[t0:t0 + ql] = torch.einsum("hqk,khd->qhd", s.softmax(-1)[..., :-1], v)
+        else:
+            out[t0:t0 + ql] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
         t0 += ql
     return out
 

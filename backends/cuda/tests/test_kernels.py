@@ -211,3 +211,70 @@ def test_cuda_graph_replay_after_metadata_is_gone(mode, monkeypatch):
     g.replay()
     torch.cuda.synchronize()
     assert all(int(b.count_nonzero()) == 0 for b in impl.counters.buffers.values())
+
+
+FEATURE_CASES = {  # name: (case, window, softcap, sinks)
+    "window_decode_split": ("decode_mha_split", 48, None, False),
+    "window_prefill_on_prefix": ("prefill_on_prefix_gqa4", 13, None, False),
+    "window_mixed_split": ("mixed_gqa4_split", 40, None, False),
+    "window_wider_than_context": ("mixed_gqa4_split", 4096, None, False),
+    "window_one": ("prefill_no_cache_mqa", 1, None, False),
+    "softcap_mixed": ("mixed_gqa4_split", None, 0.5, False),
+    "sinks_mixed_split": ("mixed_gqa4_split", None, None, True),
+    "sinks_decode_split": ("decode_mha_split", None, None, True),
+    "all_prefill_no_cache": ("prefill_no_cache_mqa", 7, 2.0, True),
+    "all_mixed_split": ("mixed_gqa4_split", 64, 3.0, True),
+}
+
+
+@pytest.mark.parametrize("mode", ["fused", "kernel"])
+@pytest.mark.parametrize("name", list(FEATURE_CASES))
+def test_window_softcap_sinks_match_naive(name, mode, monkeypatch):
+    """Sliding window, logit soft-cap and per-head sinks against the naive definitions. Every key
+    before the window of a request's first query row is NaN and the table entries of whole blocks
+    there point at a NaN block: a kernel that read any of them (a decode reading past the window,
+    or a freed block's stale entry) would return NaN."""
+    case, window, softcap, with_sinks = FEATURE_CASES[name]
+    monkeypatch.setenv("HWKV_CUDA_ATTN_CONFIG", "min_split=16,split_below=1000,part_cap=0")
+    monkeypatch.setenv("HWKV_CUDA_SPLIT_REDUCE", mode)
+    qlens, slens, h, hkv, d, bs = CASES[case]
+    q, kv, md, tables = _case(qlens, slens, h, hkv, d, bs, seed=len(name))
+    sinks = torch.randn(h, generator=torch.Generator().manual_seed(5)) * 2 if with_sinks else None
+    if window is not None:
+        nan_block = kv.shape[0]
+        kv = torch.cat([kv, torch.full_like(kv[:1], float("nan"))])
+        for r, (ql, sl) in enumerate(zip(qlens, slens)):
+            lo = max(0, sl - ql - window + 1)
+            for p in range(lo):
+                kv[tables[r][p // bs], :, p % bs] = float("nan")
+            tables[r] = [nan_block if (b + 1) * bs <= lo else blk for b, blk in enumerate(tables[r])]
+        md = AttentionMetadata.build(qlens, slens, tables, bs, device=DEV)
+    impl = TritonAttentionBackend().make_impl(h, d, hkv, d**-0.5)
+    impl.window, impl.softcap, impl.sinks = window, softcap, sinks
+    built = TritonAttentionBackend().metadata_builder().build(md)
+    out = torch.full_like(q, float("nan"), device=DEV)
+    impl.forward_into(out, q.to(DEV), kv.to(DEV), built)
+    ref = naive_attention(q, kv, qlens, slens, tables, d**-0.5, window=window, softcap=softcap, sinks=sinks)
+    assert not ref.isnan().any()
+    assert not out.isnan().any(), f"{name}: NaN (a key outside the window was read, or a row was not written)"
+    err = (out.cpu().double() - ref).norm() / ref.norm()
+    assert err < 1e-5, f"{name}: rel err {err:.2e}"
+    if name == "window_wider_than_context":  # the window covers everything: the plain result exactly
+        return
+    plain = naive_attention(q, kv.nan_to_num(), qlens, slens, tables, d**-0.5)
+    assert (plain - ref).norm() / ref.norm() > 1e-3, f"{name}: the feature changed nothing (the case has no teeth)"
+
+
+def test_feature_parameters_are_checked():
+    impl = TritonAttentionBackend().make_impl(4, 16, 2, 0.25)
+    impl.window = 0
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        impl._features(torch.device("cpu"))
+    impl.window, impl.softcap = None, -1.0
+    with pytest.raises(ValueError, match="softcap must be > 0"):
+        impl._features(torch.device("cpu"))
+    impl.softcap, impl.sinks = None, torch.zeros(3)
+    with pytest.raises(ValueError, match=r"sinks must be \[4\]"):
+        impl._features(torch.device("cpu"))
+    impl.sinks = torch.zeros(4, dtype=torch.bfloat16)
+    assert impl._features(torch.device("cpu"))["sinks_ptr"].dtype == torch.float32

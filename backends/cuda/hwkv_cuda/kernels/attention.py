@@ -23,7 +23,7 @@ from hwkv_cuda.kernels.dense import gdc_launch_dependents, gdc_wait
 @triton.jit
 def _tile(acc, l_i, m_i, q, qk_scale, kv_ptr, bt_ptr, start, kv_end, q_pos, kvh_off, stride_blk, stride_tok,
           stride_kv, offs_n, offs_d, d_mask, BS: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr,
-          KV_FP8: tl.constexpr):
+          KV_FP8: tl.constexpr, window, cap2, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
     kv_pos = start + offs_n
     if MASKED:
         n_mask = kv_pos < kv_end
@@ -42,8 +42,13 @@ def _tile(acc, l_i, m_i, q, qk_scale, kv_ptr, bt_ptr, start, kv_end, q_pos, kvh_
     else:
         qk = tl.dot(q, k)
     qk = qk * qk_scale
+    if SOFTCAP:  # cap * tanh(s / cap) in base-2 units (cap2 = cap * log2 e); tanh from exp2, fp32
+        qk = cap2 * (1.0 - 2.0 / (tl.math.exp2(qk * (2.0 * 1.4426950408889634 / cap2)) + 1.0))
     if MASKED:
-        qk = tl.where((kv_pos[None, :] <= q_pos[:, None]) & n_mask[None, :], qk, float("-inf"))
+        visible = (kv_pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        if WINDOW:  # a query at p sees keys in (p - window, p]
+            visible = visible & (kv_pos[None, :] > q_pos[:, None] - window)
+        qk = tl.where(visible, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet stay at 0
     p = tl.math.exp2(qk - m_safe[:, None])
@@ -106,7 +111,7 @@ def _merge(out_ptr, part_acc_ptr, part_ml_ptr, q_start, q_len, qb, kvh, num_head
 
 
 # runtime sizes that vary per batch are not specialised on (%16, ==1): fewer recompiles across batches
-@triton.jit(do_not_specialize=["num_seqs", "min_seg", "stride_bt"])
+@triton.jit(do_not_specialize=["num_seqs", "min_seg", "stride_bt", "window"])
 def attention_kernel(
     q_ptr, kv_ptr, out_ptr, part_acc_ptr, part_ml_ptr, counter_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, kv_scale_ptr,
@@ -117,7 +122,8 @@ def attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, FUSED: tl.constexpr, NUM_SPLITS_PAD: tl.constexpr, G_PAD: tl.constexpr,
     MERGE_ROWS: tl.constexpr, MERGE_SPLITS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False,
-    KV_FP8: tl.constexpr = False,
+    KV_FP8: tl.constexpr = False, window=0, cap2=1.0, sinks_ptr=None,
+    WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False, SINKS: tl.constexpr = False,
 ):
     if PDL:  # launched early beside the previous kernel: wait for its writes before reading anything
         gdc_launch_dependents()  # the next kernel only preloads weights before its own wait
@@ -166,16 +172,26 @@ def attention_kernel(
     # follows this request's length (>= min_seg keys, whole BLOCK_N tiles), so the splits cover it
     # whatever upper bound the host planned with; splits past its end get an empty range
     kv_end = tl.minimum(seq_len, ctx_len + (qb + 1) * BLOCK_Q)
+    # a sliding window starts the range at the first row's oldest visible key: a decode reads only the
+    # window's blocks (those before it may be freed and their table entries stale), and the splits
+    # share the window, not the whole context
+    base = 0
+    if WINDOW:
+        base = tl.maximum(ctx_len + qb * BLOCK_Q - window + 1, 0)
     if SPLIT:
-        seg = (seq_len + tl.num_programs(2) - 1) // tl.num_programs(2)
+        seg = (seq_len - base + tl.num_programs(2) - 1) // tl.num_programs(2)
         seg = tl.maximum((seg + BLOCK_N - 1) // BLOCK_N * BLOCK_N, min_seg)
     else:
         seg = kv_end
-    lo_kv = split * seg
+    lo_kv = base + split * seg
     hi_kv = tl.minimum(lo_kv + seg, kv_end)
     hi_kv = tl.where(qb * BLOCK_Q < q_len, hi_kv, lo_kv)  # surplus q block: no KV work, no rows
     free_end = tl.minimum(ctx_len + qb * BLOCK_Q + 1, hi_kv)  # every row sees keys < free_end
-    n_free = tl.maximum(free_end - lo_kv, 0) // BLOCK_N
+    free_lo = lo_kv
+    if WINDOW:  # keys from the last row's oldest visible one on are in every row's window
+        last = ctx_len + tl.minimum(q_len, (qb + 1) * BLOCK_Q) - 1
+        free_lo = tl.minimum(tl.maximum(last - window + 1, lo_kv), tl.maximum(free_end, lo_kv))
+    n_free = tl.maximum(free_end - free_lo, 0) // BLOCK_N
     bt_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     kvh_off = kvh.to(tl.int64) * stride_head
     v_scale = 1.0
@@ -185,13 +201,24 @@ def attention_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if SINKS:  # the head's sink is one more logit with a zero value: split 0 starts from it (m = sink, l = 1)
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+        m_i = tl.where(split == 0, sink, float("-inf"))
+        l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    if WINDOW:  # the band's lower edge: keys some rows of the tile no longer see
+        for start in range(lo_kv, free_lo, BLOCK_N):
+            acc, l_i, m_i = _tile(acc, l_i, m_i, q, qk_scale, kv_ptr, bt_ptr, start, free_lo, q_pos, kvh_off,
+                                  stride_blk, stride_tok, stride_kv, offs_n, offs_d, d_mask, BS, True, IEEE, KV_FP8,
+                                  window, cap2, WINDOW, SOFTCAP)
     for i in range(n_free):
-        acc, l_i, m_i = _tile(acc, l_i, m_i, q, qk_scale, kv_ptr, bt_ptr, lo_kv + i * BLOCK_N, hi_kv, q_pos, kvh_off,
-                              stride_blk, stride_tok, stride_kv, offs_n, offs_d, d_mask, BS, False, IEEE, KV_FP8)
-    for start in range(lo_kv + n_free * BLOCK_N, hi_kv, BLOCK_N):
+        acc, l_i, m_i = _tile(acc, l_i, m_i, q, qk_scale, kv_ptr, bt_ptr, free_lo + i * BLOCK_N, hi_kv, q_pos,
+                              kvh_off, stride_blk, stride_tok, stride_kv, offs_n, offs_d, d_mask, BS, False, IEEE,
+                              KV_FP8, window, cap2, WINDOW, SOFTCAP)
+    for start in range(free_lo + n_free * BLOCK_N, hi_kv, BLOCK_N):
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, qk_scale, kv_ptr, bt_ptr, start, hi_kv, q_pos, kvh_off,
-                              stride_blk, stride_tok, stride_kv, offs_n, offs_d, d_mask, BS, True, IEEE, KV_FP8)
+                              stride_blk, stride_tok, stride_kv, offs_n, offs_d, d_mask, BS, True, IEEE, KV_FP8,
+                              window, cap2, WINDOW, SOFTCAP)
 
     if KV_FP8:
         acc = acc * v_scale

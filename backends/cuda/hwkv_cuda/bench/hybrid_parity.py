@@ -1,0 +1,174 @@
+"""bf16 greedy agreement of hybrid-attention models on the CUDA backend with HF transformers.
+
+    python -m hwkv_cuda.bench.hybrid_parity --shape gemma3-1b,gpt-oss-small --out hybrid.json
+
+For each shape: a random-weight HF model is built on the GPU, saved in bfloat16, and served by
+``hwkv.Engine(backend="cuda", dtype="bfloat16")`` (Triton kernels: sliding window, soft-cap, sinks);
+its greedy tokens on prompts longer than the window are scored by HF's float32 forward of the same
+bf16 weights (teacher forcing) under the conformance margin rule: every token's float32 logit within
+``0.02 x max(1, |max logit|)`` of the argmax. HF's own bf16 greedy tokens are compared as well (for
+information: two bf16 implementations may differ where logits nearly tie).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+HALF_LOGIT_MARGIN = 0.02  # conformance/test_engine.py
+
+SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
+    # Gemma-3-1B: 26 layers (5 sliding-512 : 1 global), hidden 1152, 4 q / 1 kv heads of 256, ffn 6912,
+    # vocab 262144, q/k norms, local RoPE 10k / global 1M
+    "gemma3-1b": ("Gemma3Text", dict(
+        hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, vocab_size=262144, sliding_window=512, query_pre_attn_scalar=256,
+        max_position_embeddings=32768, rms_norm_eps=1e-6, initializer_range=0.02,
+        layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(26)],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})),
+    # GPT-OSS-shaped, small: sinks, alternating window-128 / global layers, 8 experts top-2
+    "gpt-oss-small": ("GptOss", dict(
+        hidden_size=512, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+        head_dim=64, vocab_size=8192, sliding_window=128, num_local_experts=8, num_experts_per_tok=2,
+        max_position_embeddings=4096, initializer_range=0.02)),
+    # Gemma-2-shaped, small: attention soft-cap 5 (bites on random weights), final soft-cap 30, window 128
+    "gemma2-small": ("Gemma2", dict(
+        hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+        head_dim=64, vocab_size=8192, sliding_window=128, query_pre_attn_scalar=64, attn_logit_softcapping=5.0,
+        final_logit_softcapping=30.0, max_position_embeddings=4096, initializer_range=0.05)),
+    # a smoke test of this script on the CPU (--backend cpu)
+    "gemma3-tiny": ("Gemma3Text", dict(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=300, sliding_window=16, query_pre_attn_scalar=16, max_position_embeddings=512,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"], initializer_range=0.1)),
+}
+
+
+def build(shape: str, path: Path, dev: str) -> Any:
+    """Random HF model on the GPU, saved in bfloat16; returned as float32 holding the bf16 values."""
+    import torch
+    import transformers
+
+    name, kw = SHAPES[shape]
+    cfg = getattr(transformers, f"{name}Config")(**kw)
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = getattr(transformers, f"{name.removesuffix('Text')}ForCausalLM")(cfg).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.normal_(0, 0.1)  # Gemma scales by (1 + w); GPT-OSS by w, shifted below
+                if name == "GptOss":
+                    p.add_(1.0)
+            elif n.endswith("sinks") or "router" in n:
+                p.normal_(0, 0.5)
+            elif n.endswith("bias"):
+                p.normal_(0, 0.02)
+    model.to(torch.bfloat16).save_pretrained(path)
+    return model.to(torch.float32)
+
+
+def prompts(n: int, length: int, vocab: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(3)
+    return [[rng.randrange(10, vocab - 10) for _ in range(length + 37 * i)] for i in range(n)]
+
+
+def score(hf: Any, ps: list[list[int]], outs: list[list[int]], dev: str) -> dict[str, Any]:
+    import torch
+
+    worst, bad = 0.0, []
+    for i, (p, toks) in enumerate(zip(ps, outs)):
+        with torch.inference_mode():
+            logits = hf(torch.tensor([p + toks], device=dev)).logits[0, len(p) - 1: len(p) - 1 + len(toks)].float()
+        best = logits.max(-1).values
+        gap = best - logits[torch.arange(len(toks)), torch.tensor(toks, device=dev)]
+        worst = max(worst, float((gap / best.abs().clamp_min(1.0)).max()))
+        nb = (gap > HALF_LOGIT_MARGIN * best.abs().clamp_min(1.0)).nonzero()
+        if nb.numel():
+            bad.append((i, int(nb[0])))
+    return {"worst_relative_gap": round(worst, 5), "violations": bad, "passes": not bad}
+
+
+def run_shape(shape: str, a: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    import hwkv
+    from hwkv.sampling_params import SamplingParams
+
+    t0 = time.perf_counter()
+    path = Path(a.workdir) / shape
+    dev = "cuda" if a.backend == "cuda" else "cpu"
+    hf = build(shape, path, dev)
+    vocab, window = hf.config.vocab_size, hf.config.sliding_window
+    ps = prompts(a.prompts, max(window + 24, a.prompt_len), vocab)
+    res: dict[str, Any] = {"shape": shape, "window": window, "prompt_lens": [len(p) for p in ps],
+                           "new_tokens": a.tokens, "build_s": round(time.perf_counter() - t0, 1)}
+    t0 = time.perf_counter()
+    e = hwkv.Engine(str(path), backend=a.backend, dtype=a.dtype, max_model_len=min(4096, hf.config.max_position_embeddings), enforce_eager=a.eager)
+    try:
+        res["engine_start_s"] = round(time.perf_counter() - t0, 1)
+        res["attention_features"] = list(e.model.attention_features)
+        outs = e.generate(ps, SamplingParams(temperature=0.0, max_tokens=a.tokens, ignore_eos=True), use_tqdm=False)
+        toks = [list(o.token_ids) for o in outs]
+    finally:
+        e.close()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    res["margin_rule"] = score(hf, ps, toks, dev)
+    hf16 = hf.to(torch.bfloat16)
+    same = 0
+    first_div = []
+    with torch.inference_mode():
+        for p, t in zip(ps, toks):
+            g = hf16.generate(torch.tensor([p], device=dev), max_new_tokens=a.tokens, do_sample=False,
+                              min_new_tokens=a.tokens)[0, len(p):].tolist()
+            same += g == t
+            first_div.append(next((j for j, (x, y) in enumerate(zip(g, t)) if x != y), None))
+    res["hf_bf16_identical_sequences"] = f"{same}/{len(ps)}"
+    res["hf_bf16_first_divergence"] = first_div
+    res["seconds"] = round(time.perf_counter() - t0, 1)
+    del hf, hf16
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="gemma3-1b", help=f"comma list of {', '.join(SHAPES)}")
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--prompt-len", type=int, default=600)
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--eager", action="store_true")
+    p.add_argument("--backend", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--workdir", default="/dev/shm/hwkv-hybrid")
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    dev = torch.cuda.get_device_name(0) if a.backend == "cuda" else a.backend
+    doc: dict[str, Any] = {"bench": "hybrid_parity", "device": dev,
+                           "torch": torch.__version__, "args": vars(a), "runs": []}
+    ok = True
+    for shape in a.shape.split(","):
+        r = run_shape(shape, a)
+        print(json.dumps(r), flush=True)
+        doc["runs"].append(r)
+        ok &= r["margin_rule"]["passes"]
+        if a.out:
+            Path(a.out).write_text(json.dumps(doc, indent=1) + "\n")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
