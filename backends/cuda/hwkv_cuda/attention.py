@@ -170,7 +170,8 @@ class TritonAttentionImpl(AttentionImpl):
             kw.update(cap2=float(self.softcap) * LOG2E, SOFTCAP=True)
         if self.sinks is not None:
             if self.sinks.shape != (self.num_heads,):
-                raise ValueError(f"sinks must be [{self.num_heads}] (one per query head), got {tuple(self.sinks.shape)}")
+                raise ValueError(f"sinks must be [{self.num_heads}] (one per query head), "
+                                 f"got {tuple(self.sinks.shape)}")
             src = self.sinks
             if self._sinks is None or self._sinks[0] is not src or self._sinks[1].device != device:
                 # the loader fills the model's sinks in place after make_impl: convert on first use

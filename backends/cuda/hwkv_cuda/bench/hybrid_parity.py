@@ -111,7 +111,8 @@ def run_shape(shape: str, a: argparse.Namespace) -> dict[str, Any]:
     res: dict[str, Any] = {"shape": shape, "window": window, "prompt_lens": [len(p) for p in ps],
                            "new_tokens": a.tokens, "build_s": round(time.perf_counter() - t0, 1)}
     t0 = time.perf_counter()
-    e = hwkv.Engine(str(path), backend=a.backend, dtype=a.dtype, max_model_len=min(4096, hf.config.max_position_embeddings), enforce_eager=a.eager)
+    e = hwkv.Engine(str(path), backend=a.backend, dtype=a.dtype,
+                    max_model_len=min(4096, hf.config.max_position_embeddings), enforce_eager=a.eager)
     try:
         res["engine_start_s"] = round(time.perf_counter() - t0, 1)
         res["attention_features"] = list(e.model.attention_features)
