@@ -85,7 +85,10 @@ def _generate(engine: Any, prompts: list[list[int]], out: int) -> tuple[float, l
     return time.perf_counter() - t0, [list(o.token_ids) for o in outs]
 
 
-def measure(mdir: Path, tp: int, a: argparse.Namespace, bw: float, vocab: int) -> dict[str, Any]:
+def measure(mdir: Path, tp: int, a: argparse.Namespace, bw: float, vocab: int, res: dict[str, Any],
+            save: Any = None) -> dict[str, Any]:
+    """Fills ``res`` as it goes; ``save()`` runs before the engine closes and after (what was measured
+    survives a close that hangs)."""
     import torch
 
     import hwkv
@@ -95,9 +98,14 @@ def measure(mdir: Path, tp: int, a: argparse.Namespace, bw: float, vocab: int) -
         kw["max_num_batched_tokens"] = a.budget
     t0 = time.perf_counter()
     e = hwkv.Engine(str(mdir), tensor_parallel_size=tp, **kw)
-    res: dict[str, Any] = {"tp": tp, "start_s": round(time.perf_counter() - t0, 1),
-                           "decode_ops": e.model.decode_ops is not None,
-                           "custom_all_reduce": type(getattr(e._tp.comm, "_custom", None)).__name__ if e._tp else None}
+    custom = getattr(e._tp.comm, "_custom", None) if e._tp else None
+    res.update({"tp": tp, "start_s": round(time.perf_counter() - t0, 1), "decode_ops": e.model.decode_ops is not None,
+                "custom_all_reduce": type(custom).__name__ if e._tp else None})
+    if custom is not None:
+        res["custom_paths"] = {k: getattr(custom, k, None) for k in ("push_max", "norm_max", "one_shot_max",
+                                                                      "two_shot_max", "symm_error")}
+    print(f"tp={tp} engine up in {res['start_s']} s: {res['custom_all_reduce']} {res.get('custom_paths', '')}",
+          flush=True)
     try:
         short, long = (int(x) for x in a.decode.split(","))
         wbytes = e.model.param_bytes()
@@ -125,8 +133,14 @@ def measure(mdir: Path, tp: int, a: argparse.Namespace, bw: float, vocab: int) -
             print(f"tp={tp} offline: {res['offline']}", flush=True)
         if a.check_tokens:
             _, res["tokens"] = _generate(e, _prompts(4, 24, vocab, 3), a.check_tokens)
+            print(f"tp={tp} greedy tokens done", flush=True)
     finally:
+        if save is not None:
+            save()
+        t1 = time.perf_counter()
         e.close()
+        res["close_s"] = round(time.perf_counter() - t1, 2)
+        print(f"tp={tp} closed in {res['close_s']} s", flush=True)
         from hwkv.bench.common import free_engine
 
         free_engine(e, e.backend.device)
@@ -183,9 +197,16 @@ def run(a: argparse.Namespace) -> int:
                            "gpus": torch.cuda.device_count() if cuda else 0, "copy_bw_GBps": round(bw / 1e9, 1),
                            "torch": torch.__version__, "args": vars(a) | {"func": None}, "runs": []}
     for tp in (int(x) for x in a.tp.split(",")):
-        doc["runs"].append(measure(mdir, tp, a, bw, vocab))
-        if a.out:  # what ran so far survives a timeout
-            Path(a.out).write_text(json.dumps(doc, indent=1) + "\n")
+        doc["runs"].append({"tp": tp})
+
+        def save() -> None:  # what ran so far survives an error, a hang or a timeout
+            if a.out:
+                Path(a.out).write_text(json.dumps(doc, indent=1) + "\n")
+
+        try:
+            measure(mdir, tp, a, bw, vocab, doc["runs"][-1], save)
+        finally:
+            save()
     runs = doc["runs"]
     if len(runs) > 1:
         base = runs[0]

@@ -150,7 +150,10 @@ class TorchDistCommunicator(Communicator):
                 custom.close()
         pg, self._pg = self._pg, None
         if pg is not None:
-            shutdown = getattr(pg, "shutdown", None) or getattr(pg, "abort", None)
+            # NCCL: abort (local, never waits). Its shutdown finalizes with the peers, and a peer that is
+            # gone (a worker the driver has terminated) can leave it waiting forever
+            names = ("abort", "shutdown") if self.backend_name == "nccl" else ("shutdown", "abort")
+            shutdown = getattr(pg, names[0], None) or getattr(pg, names[1], None)
             if shutdown is not None:
                 with contextlib.suppress(Exception):
                     shutdown()

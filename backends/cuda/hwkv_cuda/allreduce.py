@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import struct
 import uuid
 from typing import Any
 
@@ -73,10 +74,6 @@ class CudaAllReduce:
     def __init__(self, comm: Any, push: bool = True, symm: bool = True, push_max: int = PUSH_MAX,
                  one_shot_max: int = ONE_SHOT_MAX, two_shot_max: int = TWO_SHOT_MAX, norm_max: int = NORM_MAX):
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-        import torch.distributed as dist
-        import torch.distributed._symmetric_memory as symm_mem
-        from torch._C._distributed_c10d import _SymmetricMemory
-
         self.rank, self.world_size, self.device = comm.rank, comm.world_size, comm.device
         self._registered = False
         self.name = ""
@@ -90,63 +87,118 @@ class CudaAllReduce:
             self.one_shot_max = 0
         if not hasattr(ops, "two_shot_all_reduce_"):
             self.two_shot_max = 0
-        # a symmetric-memory group name unique in every rank's process (its group info is set once, forever)
+        # a group name unique in every rank's process (symmetric memory's group info is set once, forever)
         store = comm.store
         if self.rank == 0:
             store.set("symm_mem_name", f"{comm.group_name}-{uuid.uuid4().hex[:12]}")
         self.name = store.get("symm_mem_name").decode()
-        symm_store = dist.PrefixStore("symm_mem/", store)
-        with contextlib.suppress(Exception):  # older torch reads the group from this map; newer resolves it
-            _SymmetricMemory.set_group_info(self.name, self.rank, self.world_size, symm_store)
-        # torch 2.11's rendezvous resolves a process group registered under the name: register a
-        # ProcessGroup wrapping this group's NCCL backend (it is no torch.distributed group of its own)
-        self._registered = _register_group(self.name, comm, symm_store)
+        self._store = store
         self._bufs: list[Any] = []
+        self._tokens: list[Any] = []
+        self._mover: Any = None
+        self.symm_error = ""
+        ok, err = 1, None
         try:
-            self._setup(comm, symm_mem)
-        except BaseException:
+            with torch.cuda.device(self.device):
+                self._setup_push()
+                torch.cuda.synchronize(self.device)  # zeroed before any peer pushes (the agreement below)
+        except Exception as e:  # noqa: BLE001 - agreed below: every rank gives up together
+            ok, err = 0, e
+        if comm.all_reduce_min(ok) == 0:
             self.close()
-            raise
+            raise err or RuntimeError("another rank could not map the peer buffers")
+        if self.one_shot_max or self.two_shot_max:
+            # PyTorch's ops are optional: a failure only turns them off, on every rank (agreed before the
+            # rendezvous too, so no rank waits in it for a peer that already gave up)
+            for step in (self._prepare_symm, self._rendezvous_symm):
+                ok = 1
+                try:
+                    step(comm)
+                except Exception as e:  # noqa: BLE001
+                    ok, self.symm_error = 0, f"{type(e).__name__}: {e}"
+                if comm.all_reduce_min(ok) == 0:
+                    self.one_shot_max = self.two_shot_max = 0
+                    self.symm_error = self.symm_error or "another rank could not set up symmetric memory"
+                    break
 
-    def _setup(self, comm: Any, symm_mem: Any) -> None:
+    def _peer_buffer(self, nbytes: int, tag: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A zeroed local buffer of ``nbytes`` and the int64 tensor of every rank's buffer address as
+        mapped here (CUDA IPC handles exchanged through the group's store; peers are opened with
+        lazy peer access: NVLink loads and stores, no multicast)."""
+        from hwkv_cuda.ipc import CudaIpcMover
+
+        if self._mover is None:
+            self._mover = CudaIpcMover(self.device, method="memcpy", streams=1)
+        buf = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+        self._bufs.append(buf)
+        key = f"ar/{self.name}/{tag}/"
+        try:
+            mine = self._mover.export(buf.data_ptr(), nbytes)
+        except Exception:
+            self._store.set(key + str(self.rank), b"")  # peers waiting for this key learn it failed
+            raise
+        self._store.set(key + str(self.rank), struct.pack("<qQ", os.getpid(), buf.data_ptr()) + mine)
+        ptrs = []
+        for r in range(self.world_size):
+            if r == self.rank:
+                ptrs.append(buf.data_ptr())
+                continue
+            raw = self._store.get(key + str(r))
+            if not raw:
+                raise RuntimeError(f"rank {r} could not export its {tag} buffer")
+            pid, base = struct.unpack("<qQ", raw[:16])
+            ptr, token = self._mover.attach(pid, base, nbytes, raw[16:])
+            self._tokens.append(token)
+            ptrs.append(ptr)
+        return buf, torch.tensor(ptrs, dtype=torch.int64, device=self.device)
+
+    def _setup_push(self) -> None:
+        if self.push_max:
+            from hwkv_cuda.kernels.allreduce import REGION
+
+            self.programs = -(-self.push_max // REGION)
+            self.slot_bytes = self.programs * REGION
+            data = 2 * self.world_size * self.slot_bytes
+            self.buf, self.peers = self._peer_buffer(data + self.programs * self.world_size * 8, "push")
+            self.flags = self.buf[data:].view(torch.int64)
+            self.flag_off = data // 8
+            self.epochs = torch.zeros(self.programs, dtype=torch.int64, device=self.device)
+            self.error = torch.zeros(1, dtype=torch.int32, device=self.device)
+        if self.norm_max:
+            rows = self.norm_max // MIN_ROW_BYTES
+            data = 2 * self.world_size * self.norm_max
+            self.nbuf, self.npeers = self._peer_buffer(data + rows * self.world_size * 8, "norm")
+            self.nflags = self.nbuf[data:].view(torch.int64)
+            self.nflag_off = data // 8
+            self.nepochs = torch.zeros(rows, dtype=torch.int64, device=self.device)
+
+    def _prepare_symm(self, comm: Any) -> None:
+        """PyTorch's one-shot/two-shot ops rendezvous under ``self.name``: group info set from this
+        group's store (and, where torch resolves groups by name, a registered ProcessGroup wrapping
+        this group's NCCL backend); the staging buffer allocated."""
+        import torch.distributed as dist
+        import torch.distributed._symmetric_memory as symm_mem
+        from torch._C._distributed_c10d import _SymmetricMemory
+
+        symm_store = dist.PrefixStore("symm_mem/", self._store)
+        with contextlib.suppress(Exception):  # newer torch may resolve the group instead of this map
+            _SymmetricMemory.set_group_info(self.name, self.rank, self.world_size, symm_store)
+        # keep torch's Python helper (which looks the group up in its own world) from redoing it
+        getattr(symm_mem, "_group_name_to_store", {}).setdefault(self.name, symm_store)
+        self._registered = _register_group(self.name, comm, symm_store)
         get_backend = getattr(symm_mem, "get_backend", None)
         if get_backend is not None and get_backend(self.device) not in (None, "CUDA"):
-            symm_mem.set_backend("CUDA")  # peer mappings through the CUDA driver (get_group_info's store only)
+            symm_mem.set_backend("CUDA")  # peer mappings through the CUDA driver
         with torch.cuda.device(self.device):
-            if self.one_shot_max or self.two_shot_max:
-                size = max(self.one_shot_max, self.two_shot_max)
-                self.staging = symm_mem.empty(size, dtype=torch.uint8, device=self.device)
-                symm_mem.rendezvous(self.staging, self.name)
-                self._bufs.append(self.staging)
-            if self.push_max:
-                from hwkv_cuda.kernels.allreduce import REGION
-
-                self.programs = -(-self.push_max // REGION)
-                self.slot_bytes = self.programs * REGION
-                data = 2 * self.world_size * self.slot_bytes
-                self.buf = symm_mem.empty(data + self.programs * self.world_size * 8, dtype=torch.uint8,
+            self.staging = symm_mem.empty(max(self.one_shot_max, self.two_shot_max), dtype=torch.uint8,
                                           device=self.device)
-                hdl = symm_mem.rendezvous(self.buf, self.name)
-                self.buf.zero_()  # flags start at epoch 0 on every rank before any peer raises one
-                self.flags = self.buf[data:].view(torch.int64)
-                self.flag_off = data // 8
-                self.peers = torch.tensor(list(hdl.buffer_ptrs), dtype=torch.int64, device=self.device)
-                self.epochs = torch.zeros(self.programs, dtype=torch.int64, device=self.device)
-                self.error = torch.zeros(1, dtype=torch.int32, device=self.device)
-                self._bufs.append(self.buf)
-            if self.norm_max:
-                rows = self.norm_max // MIN_ROW_BYTES
-                data = 2 * self.world_size * self.norm_max
-                self.nbuf = symm_mem.empty(data + rows * self.world_size * 8, dtype=torch.uint8, device=self.device)
-                nhdl = symm_mem.rendezvous(self.nbuf, self.name)
-                self.nbuf.zero_()
-                self.nflags = self.nbuf[data:].view(torch.int64)
-                self.nflag_off = data // 8
-                self.npeers = torch.tensor(list(nhdl.buffer_ptrs), dtype=torch.int64, device=self.device)
-                self.nepochs = torch.zeros(rows, dtype=torch.int64, device=self.device)
-                self._bufs.append(self.nbuf)
-            # zeroed before any peer pushes: make_custom_all_reduce's agreement is the barrier after this
-            torch.cuda.synchronize(self.device)
+        self._bufs.append(self.staging)
+
+    def _rendezvous_symm(self, comm: Any) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        with torch.cuda.device(self.device):
+            symm_mem.rendezvous(self.staging, self.name)
 
     def _push(self, t: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         from hwkv_cuda.kernels.allreduce import REGION, push_all_reduce_kernel
@@ -229,6 +281,11 @@ class CudaAllReduce:
 
             _unregister_process_group(self.name)
             self._registered = False
+        mover, self._mover = getattr(self, "_mover", None), None
+        for token in getattr(self, "_tokens", []):
+            with contextlib.suppress(Exception):  # closing: a peer may already be gone
+                mover.detach(token)
+        self._tokens = []
         self._bufs.clear()
         self.staging = self.buf = self.nbuf = None  # type: ignore[assignment]
 

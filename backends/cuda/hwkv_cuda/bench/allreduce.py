@@ -95,6 +95,9 @@ def _worker(rank: int, world: int, port: int, group: str, q: Any, iters: int) ->
     rows: list[dict[str, Any]] = []
     if ar is None:
         print(f"rank {rank}: custom all-reduce unavailable", flush=True)
+    else:
+        print(f"rank {rank}: custom all-reduce push<={ar.push_max} norm<={ar.norm_max} one_shot<={ar.one_shot_max} "
+              f"two_shot<={ar.two_shot_max} symm_error={ar.symm_error!r}", flush=True)
     dtype = torch.bfloat16
     pg = comm._group()
 
