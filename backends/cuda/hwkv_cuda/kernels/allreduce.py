@@ -24,17 +24,15 @@ MAX_SPIN = 1 << 28
 
 
 @triton.jit
-def push_all_reduce_kernel(x_ptr, res_ptr, out_ptr, buf_ptr, flags_ptr, peers_ptr, epochs_ptr, err_ptr, n,
-                           RANK: tl.constexpr, WS: tl.constexpr, SLOT: tl.constexpr, FLAG_OFF: tl.constexpr,
-                           BLOCK: tl.constexpr, HAS_RES: tl.constexpr):
-    pid = tl.program_id(0)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
+def _push_sum(x, offs, mask, pid, buf_ptr, flags_ptr, peers_ptr, epochs_ptr, err_ptr, RANK: tl.constexpr,
+              WS: tl.constexpr, SLOT: tl.constexpr, FLAG_OFF: tl.constexpr, BLOCK: tl.constexpr):
+    """Program ``pid``'s barrier round: push ``x`` (at ``offs`` of the slot) into slot ``RANK`` of every
+    rank's buffer, raise flag ``[pid, RANK]`` on every rank, wait for every rank's flag ``[pid, *]`` here
+    (bounded), then the float32 sum of the ``WS`` slots in rank order; the epoch is advanced."""
     epoch = tl.load(epochs_ptr + pid) + 1
     base = (epoch % 2) * (WS * SLOT)
-    x = tl.load(x_ptr + offs, mask=mask)
     for r in tl.static_range(WS):
-        peer = tl.load(peers_ptr + r).to(tl.pointer_type(x_ptr.dtype.element_ty))
+        peer = tl.load(peers_ptr + r).to(tl.pointer_type(x.dtype))
         tl.store(peer + base + RANK * SLOT + offs, x, mask=mask)
     tl.debug_barrier()  # every thread's stores before the flag
     for r in tl.static_range(WS):
@@ -50,11 +48,24 @@ def push_all_reduce_kernel(x_ptr, res_ptr, out_ptr, buf_ptr, flags_ptr, peers_pt
     acc = tl.zeros([BLOCK], tl.float32)
     for r in tl.static_range(WS):
         acc += tl.load(buf_ptr + base + r * SLOT + offs, mask=mask).to(tl.float32)
+    tl.store(epochs_ptr + pid, epoch)
+    return acc
+
+
+@triton.jit
+def push_all_reduce_kernel(x_ptr, res_ptr, out_ptr, buf_ptr, flags_ptr, peers_ptr, epochs_ptr, err_ptr, n,
+                           RANK: tl.constexpr, WS: tl.constexpr, SLOT: tl.constexpr, FLAG_OFF: tl.constexpr,
+                           BLOCK: tl.constexpr, HAS_RES: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask)
+    acc = _push_sum(x, offs, mask, pid, buf_ptr, flags_ptr, peers_ptr, epochs_ptr, err_ptr, RANK, WS, SLOT, FLAG_OFF,
+                    BLOCK)
     y = acc.to(out_ptr.dtype.element_ty)
     if HAS_RES:  # the sum rounded first, then the add (as all_reduce then h + out)
         y = (y.to(tl.float32) + tl.load(res_ptr + offs, mask=mask).to(tl.float32)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + offs, y, mask=mask)
-    tl.store(epochs_ptr + pid, epoch)
 
 
 @triton.jit
@@ -69,26 +80,9 @@ def push_all_reduce_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, buf_ptr, 
     cols = tl.arange(0, BLOCK)
     mask = cols < H
     offs = pid * H + cols
-    epoch = tl.load(epochs_ptr + pid) + 1
-    base = (epoch % 2) * (WS * SLOT)
     x = tl.load(x_ptr + offs, mask=mask)
-    for r in tl.static_range(WS):
-        peer = tl.load(peers_ptr + r).to(tl.pointer_type(x_ptr.dtype.element_ty))
-        tl.store(peer + base + RANK * SLOT + offs, x, mask=mask)
-    tl.debug_barrier()
-    for r in tl.static_range(WS):
-        flag = tl.load(peers_ptr + r).to(tl.pointer_type(tl.int64)) + FLAG_OFF + pid * WS + RANK
-        tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
-    for r in tl.static_range(WS):
-        spins = 0
-        while (tl.atomic_add(flags_ptr + pid * WS + r, 0, sem="acquire", scope="sys") < epoch) & (spins < MAX_SPIN):
-            spins += 1
-        if spins >= MAX_SPIN:
-            tl.store(err_ptr, 1)
-    tl.debug_barrier()
-    acc = tl.zeros([BLOCK], tl.float32)
-    for r in tl.static_range(WS):
-        acc += tl.load(buf_ptr + base + r * SLOT + offs, mask=mask).to(tl.float32)
+    acc = _push_sum(x, offs, mask, pid, buf_ptr, flags_ptr, peers_ptr, epochs_ptr, err_ptr, RANK, WS, SLOT, FLAG_OFF,
+                    BLOCK)
     dt = out_ptr.dtype.element_ty
     s = acc.to(dt).to(tl.float32)
     h = (s + tl.load(res_ptr + offs, mask=mask).to(tl.float32)).to(dt)
@@ -98,4 +92,3 @@ def push_all_reduce_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, buf_ptr, 
     y = (hf * tl.rsqrt(var + eps)).to(dt)
     w = tl.load(w_ptr + cols, mask=mask)
     tl.store(out_ptr + offs, (w.to(tl.float32) * y.to(tl.float32)).to(dt), mask=mask)
-    tl.store(epochs_ptr + pid, epoch)

@@ -1,0 +1,114 @@
+"""The push all-reduce kernels (plain, residual add, residual add + RMSNorm) for two ranks, on one
+device: rank 1's push into rank 0's buffer is done by hand first (its slot and flags), then rank 0's
+kernel and rank 1's run one after the other, so neither waits. Runs on CPU in Triton's interpreter
+(conftest) and on a GPU alike; two-GPU runs are ``hwkv bench allreduce``. Every rank must hold the
+same bits: the sum in rank order in float32, rounded once, then the add and the norm as the model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hwkv.model.layers import add_rms_norm
+
+REGION = 4096
+# Triton's CPU interpreter rounds float32 -> bfloat16 differently from the GPU (round to nearest even,
+# as torch): bit-exact on a GPU and in float32, one bfloat16 step apart in the interpreter
+EXACT_BF16 = torch.cuda.is_available()
+
+
+def _check(got, want, scale):
+    """Bit-exact, except bfloat16 in the interpreter: within two bfloat16 steps of ``scale`` (the
+    largest intermediate's magnitude, elementwise: a step of the partial sum survives a cancelling add)."""
+    if EXACT_BF16 or got.dtype == torch.float32:
+        assert torch.equal(got, want)
+    else:
+        assert bool(((got.float() - want.float()).abs() <= 2 ** -7 * scale.float().abs() + 1e-6).all())
+
+
+def _ranks(dev, slot_elems: int, programs: int, dtype):
+    """Two ranks' buffers ([2 parities][2 slots][slot_elems] then [programs][2] int64 flags)."""
+    esize = torch.empty((), dtype=dtype).element_size()
+    data = 2 * 2 * slot_elems * esize
+    bufs = [torch.zeros(data + programs * 2 * 8, dtype=torch.uint8, device=dev) for _ in range(2)]
+    peers = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=dev)
+    epochs = [torch.zeros(programs, dtype=torch.int64, device=dev) for _ in range(2)]
+    return bufs, peers, epochs, data
+
+
+def _prepush(bufs, data, slot_elems, programs, dtype, x1, call):
+    """What rank 1's kernel would do to rank 0's buffer at call ``call`` (epoch ``call``)."""
+    base = (call % 2) * 2 * slot_elems
+    view = bufs[0][:data].view(dtype)
+    n = x1.numel()
+    view[base + slot_elems: base + slot_elems + n] = x1.view(-1)
+    flags = bufs[0][data:].view(torch.int64).view(programs, 2)
+    flags[:, 1] = call
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("residual", [False, True])
+def test_push_all_reduce_two_ranks(dtype, residual):
+    from hwkv_cuda.kernels.allreduce import push_all_reduce_kernel
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    esize = torch.empty((), dtype=dtype).element_size()
+    block = REGION // esize
+    n = 3 * block + 17  # a ragged last program
+    programs = -(-n // block)
+    slot = programs * block
+    bufs, peers, epochs, data = _ranks(dev, slot, programs, dtype)
+    err = torch.zeros(1, dtype=torch.int32, device=dev)
+    g = torch.Generator().manual_seed(0)
+    for call in (1, 2, 3):  # both parities, epochs advancing
+        xs = [torch.randn(n, generator=g).to(dtype).to(dev) for _ in range(2)]
+        res = torch.randn(n, generator=g).to(dtype).to(dev)
+        want = (xs[0].float() + xs[1].float()).to(dtype)
+        if residual:
+            want = (want.float() + res.float()).to(dtype)
+        _prepush(bufs, data, slot, programs, dtype, xs[1], call)
+        outs = []
+        for rank in (0, 1):
+            x = xs[rank].clone()
+            out = torch.empty_like(x) if residual else x
+            push_all_reduce_kernel[(programs,)](
+                x, res if residual else x, out, bufs[rank][:data].view(dtype), bufs[rank][data:].view(torch.int64),
+                peers, epochs[rank], err, n, RANK=rank, WS=2, SLOT=slot, FLAG_OFF=data // 8, BLOCK=block,
+                HAS_RES=residual)
+            outs.append(out)
+        assert int(err.item()) == 0
+        assert torch.equal(outs[0], outs[1])  # every rank the same bits
+        _check(outs[0], want, (xs[0].float().abs() + xs[1].float().abs() + res.float().abs()) * 2)
+        assert epochs[0].tolist() == [call] * programs == epochs[1].tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_push_all_reduce_add_rms_norm_two_ranks(dtype):
+    from hwkv_cuda.kernels.allreduce import push_all_reduce_norm_kernel
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    rows, hidden, eps = 3, 256, 1e-5
+    slot = rows * hidden  # the kernel's SLOT: norm_max // element size; rows of one hidden size
+    bufs, peers, epochs, data = _ranks(dev, slot, rows, dtype)
+    err = torch.zeros(1, dtype=torch.int32, device=dev)
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(hidden, generator=g).to(dtype).to(dev)
+    for call in (1, 2):
+        xs = [torch.randn(rows, hidden, generator=g).to(dtype).to(dev) for _ in range(2)]
+        res = torch.randn(rows, hidden, generator=g).to(dtype).to(dev)
+        summed = (xs[0].float() + xs[1].float()).to(dtype)
+        want_out, want_h = add_rms_norm(summed, res.clone(), w, eps)
+        _prepush(bufs, data, slot, rows, dtype, xs[1], call)
+        got = []
+        for rank in (0, 1):
+            out, h = torch.empty_like(res), torch.empty_like(res)
+            push_all_reduce_norm_kernel[(rows,)](
+                xs[rank], res, w, out, h, bufs[rank][:data].view(dtype), bufs[rank][data:].view(torch.int64), peers,
+                epochs[rank], err, hidden, eps, RANK=rank, WS=2, SLOT=slot, FLAG_OFF=data // 8, BLOCK=hidden)
+            got.append((out, h))
+        assert int(err.item()) == 0
+        assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+        scale = xs[0].float().abs() + xs[1].float().abs() + res.float().abs()
+        _check(got[0][1], want_h, 2 * scale)
+        rms = want_h.float().pow(2).mean(-1, keepdim=True).sqrt()
+        _check(got[0][0], want_out, 4 * (scale / rms + 1) * w.float().abs())
