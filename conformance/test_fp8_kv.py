@@ -23,6 +23,7 @@ from hwkv.interfaces.kv_quant import FP8_E4M3
 
 pytestmark = pytest.mark.capability("fp8_kv")
 NUM_KV_HEADS = 2
+MAG = 8  # K/V magnitude in the attention test
 
 
 def _scales(num_kv_heads: int, gen: torch.Generator) -> torch.Tensor:
@@ -62,7 +63,8 @@ def test_fp8_write_kv(backend, reference, check, gen, dtype, block_size, pattern
         every = torch.arange(n, device=dev)
         for layer in range(NUM_LAYERS):
             impl.write_kv(v.flip(0).to(dev), k.flip(0).to(dev), kv.layer(layer), every)
-        impl.write_kv(k.to(dev), v.to(dev), kv.layer(LAYER), slots.to(dev))
+        # as many tokens as slots: a backend may reject K/V longer than slot_mapping (hwkv-cuda does)
+        impl.write_kv(k[: len(slots)].to(dev), v[: len(slots)].to(dev), kv.layer(LAYER), slots.to(dev))
         b.device.synchronize()
         out.extend(t.contiguous().view(torch.uint8) for layer in range(NUM_LAYERS) for t in read_tokens(kv, layer))
     check.close(torch.cat([t.flatten() for t in got]).float(), torch.cat([t.flatten() for t in want]).float(),
@@ -80,7 +82,11 @@ def test_fp8_attention(backend, reference, check, gen, dtype, block_size, state,
     scales = _scales(num_kv_heads, gen)
     # K/V of magnitude ~1 / scale: the stored codes span the e4m3 range
     for name in ("k_new", "v_new", "k_ctx", "v_ctx"):
-        setattr(case, name, getattr(case, name) * 8)
+        setattr(case, name, getattr(case, name) * MAG)
     out = run_attention(backend, case, dtype, FP8_E4M3, scales)
     expected = run_attention(reference, case, torch.float32, FP8_E4M3, scales)
-    check.close(out, expected, dtype, "attention", f"attention over an fp8 KV cache, {state} [tokens, heads, head]")
+    # V is MAG times the unit-scale case, so is the output and its rounding error (bf16 P times V): the
+    # attention tolerance is for unit-scale values, so both sides are compared divided by MAG (a power
+    # of two: exact). Undivided, 1-22 of 14k-91k elements fell just outside on an H200 (6d17dc2).
+    check.close(out / MAG, expected / MAG, dtype, "attention",
+                f"attention over an fp8 KV cache, {state} [tokens, heads, head], divided by {MAG}")
