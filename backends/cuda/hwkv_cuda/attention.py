@@ -115,19 +115,23 @@ class CudaAttentionMetadata:
         return self.plans[key]
 
     def launch(self, num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtype,
-               fused: bool) -> tuple[TileConfig, Plan]:
+               fused: bool, kv_dtype: torch.dtype | None = None) -> tuple[TileConfig, Plan]:
         """Tiles and plan for one layer shape, chosen once per step (every layer of a model has the
-        same); keyed by ``HWKV_CUDA_ATTN_CONFIG`` as well, so a sweep may change it between calls."""
-        key = (num_heads, num_kv_heads, head_size, dtype, fused, os.environ.get(OVERRIDE_ENV, ""))
+        same); keyed by ``HWKV_CUDA_ATTN_CONFIG`` as well, so a sweep may change it between calls.
+        ``kv_dtype`` is the cache's (None: ``dtype``): an fp8 cache reads half the bytes per key."""
+        kv_dtype = kv_dtype or dtype
+        key = (num_heads, num_kv_heads, head_size, dtype, kv_dtype, fused, os.environ.get(OVERRIDE_ENV, ""))
         if key not in self.launches:
-            self.launches[key] = self._choose(num_heads, num_kv_heads, head_size, dtype, fused)
+            self.launches[key] = self._choose(num_heads, num_kv_heads, head_size, dtype, fused, kv_dtype.itemsize)
         return self.launches[key]
 
-    def _choose(self, num_heads: int, hkv: int, d: int, dtype: torch.dtype, fused: bool) -> tuple[TileConfig, Plan]:
+    def _choose(self, num_heads: int, hkv: int, d: int, dtype: torch.dtype, fused: bool,
+                kv_elem: int) -> tuple[TileConfig, Plan]:
         c, elem, d_pad = self.common, dtype.itemsize, max(16, pow2(d))
-        pick = lambda **kw: fit_shared_memory(choose_config(c.max_query_len, num_heads // hkv, d, dtype, **kw), d_pad,
-                                              elem, self.smem)
-        plan = lambda cfg: self.plan(cfg.block_q, cfg.block_n, num_heads, hkv, d, elem, cfg.split_below,
+        pick = lambda **kw: fit_shared_memory(
+            choose_config(c.max_query_len, num_heads // hkv, d, dtype, kv_elem=kv_elem, **kw), d_pad, elem, self.smem,
+            kv_elem)
+        plan = lambda cfg: self.plan(cfg.block_q, cfg.block_n, num_heads, hkv, d, kv_elem, cfg.split_below,
                                      cfg.split_target, cfg.min_split, cfg.part_cap, cfg.merge_cap if fused else 0,
                                      cfg.max_splits)
         cfg = pick()
@@ -231,7 +235,7 @@ class TritonAttentionImpl(AttentionImpl):
         group = self.num_heads // hkv
         d_pad = max(16, pow2(d))
         fused = reduce_mode() == "fused"
-        cfg, (grid_q, splits, min_seg) = md.launch(self.num_heads, hkv, d, query.dtype, fused)
+        cfg, (grid_q, splits, min_seg) = md.launch(self.num_heads, hkv, d, query.dtype, fused, layer_kv.dtype)
         fused = fused and splits > 1
         splits_pad = pow2(splits)
         g_pad = pow2(group)

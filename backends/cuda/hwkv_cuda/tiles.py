@@ -41,7 +41,7 @@ class TileConfig:
 
 
 def choose_config(max_query_len: int, group: int, head_size: int, dtype: torch.dtype,
-                  split: bool = False, seg: int = 0, wide: bool = False) -> TileConfig:
+                  split: bool = False, seg: int = 0, wide: bool = False, kv_elem: int = 0) -> TileConfig:
     """Tiles by shape (from H100/H200 sweeps, docs/cuda-backend.md): decodes pack the G heads of a KV
     head into M (>= 16 rows for the MMA) and stream 64-key tiles three stages deep; prefills take
     128-row tiles (keys per tile and warps by grid size, below). Head 256 and fp32 shrink the tiles so
@@ -57,8 +57,15 @@ def choose_config(max_query_len: int, group: int, head_size: int, dtype: torch.d
     attention-b1b8-stages-H100-2026-11-22.txt). A prefill grid of at least two programs per SM
     (``wide``) runs 4 warps over 64-key tiles, a smaller one 8 warps over 128-key tiles (H100, chunk 2k on
     a 16k prefix 2135 → 1659 µs MHA, 2011 → 1656 GQA; chunk 512 on 4k 151 → 138 µs MHA; square causal
-    512 2-5 % slower; bench/results/attention-prefill-tiles-H100-2026-11-22.txt)."""
+    512 2-5 % slower; bench/results/attention-prefill-tiles-H100-2026-11-22.txt).
+
+    ``kv_elem`` is the KV cache's element size (0: ``dtype``'s). A decode over a 1-byte (fp8) cache
+    takes twice the keys per tile: the same bytes and shared memory per tile as the 2-byte tile, half
+    the iterations. A decode tile's time is its chain of dependent loads, not its bytes, so keeping
+    the bf16 key count left fp8 at 1.00x of bf16 (H200, 1B shape, batch 32 x 32k:
+    bench/results/kv-dtype-llama-1b-H200-2026-11-28-c98742e.json)."""
     hpad = pow2(group)
+    wide_kv = (kv_elem or dtype.itemsize) == 1 and dtype != torch.float32  # fp8 KV read by a 16-bit query
     narrow = head_size > 128 or dtype == torch.float32
     if max_query_len == 1:
         block_m = max(16, hpad)
@@ -66,6 +73,8 @@ def choose_config(max_query_len: int, group: int, head_size: int, dtype: torch.d
         one_tile = split and not narrow and 0 < seg <= SHORT_SPLIT
         if one_tile:
             block_n = SHORT_SPLIT
+        elif wide_kv and head_size <= 128:
+            block_n *= 2
         # one tile has no loop to pipeline: three stages would only take shared memory (residency)
         cfg = dict(block_m=block_m, block_q=1, block_n=block_n, num_warps=4, num_stages=1 if one_tile else 3)
     else:
@@ -88,12 +97,13 @@ def overrides() -> dict[str, int]:
     return parse_overrides(OVERRIDE_ENV, (f.name for f in fields(TileConfig)))
 
 
-def smem_bytes(cfg: TileConfig, d_pad: int, elem_size: int) -> int:
-    """Shared memory the kernel's tiles take, estimated: the Q tile and ``num_stages`` K and V tiles."""
-    return (cfg.block_m + 2 * cfg.num_stages * cfg.block_n) * d_pad * elem_size
+def smem_bytes(cfg: TileConfig, d_pad: int, elem_size: int, kv_elem: int = 0) -> int:
+    """Shared memory the kernel's tiles take, estimated: the Q tile (``elem_size`` bytes an element) and
+    ``num_stages`` K and V tiles (``kv_elem``; 0: ``elem_size``)."""
+    return (cfg.block_m * elem_size + 2 * cfg.num_stages * cfg.block_n * (kv_elem or elem_size)) * d_pad
 
 
-def fit_shared_memory(cfg: TileConfig, d_pad: int, elem_size: int, limit: int) -> TileConfig:
+def fit_shared_memory(cfg: TileConfig, d_pad: int, elem_size: int, limit: int, kv_elem: int = 0) -> TileConfig:
     """``cfg`` shrunk until :func:`smem_bytes` fits ``limit`` (0: unknown, keep it): stages down to two
     (the pipeline), then half the keys per tile down to 16, then one stage. The tiles were tuned on
     H100s (227 KB per block), where nothing shrinks; an A100 (163 KB) drops the 128-key prefill tile to
@@ -104,7 +114,7 @@ def fit_shared_memory(cfg: TileConfig, d_pad: int, elem_size: int, limit: int) -
         return cfg
     fixed = overrides()
     for rule in ("stages", "keys", "one stage"):
-        while smem_bytes(cfg, d_pad, elem_size) > limit:
+        while smem_bytes(cfg, d_pad, elem_size, kv_elem) > limit:
             if rule == "stages" and cfg.num_stages > 2 and "num_stages" not in fixed:
                 cfg = replace(cfg, num_stages=cfg.num_stages - 1)
             elif rule == "keys" and cfg.block_n > 16 and "block_n" not in fixed:
@@ -113,7 +123,7 @@ def fit_shared_memory(cfg: TileConfig, d_pad: int, elem_size: int, limit: int) -
                 cfg = replace(cfg, num_stages=1)
             else:
                 break
-    if (need := smem_bytes(cfg, d_pad, elem_size)) > limit:
+    if (need := smem_bytes(cfg, d_pad, elem_size, kv_elem)) > limit:
         raise ValueError(f"attention tile {cfg} needs ~{need} bytes of shared memory; the device allows {limit} "
                          f"per block (head size {d_pad} padded, {elem_size}-byte elements"
                          + (f"; {OVERRIDE_ENV} fixes {sorted(fixed)}" if fixed else "") + ")")

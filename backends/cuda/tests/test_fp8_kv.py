@@ -88,6 +88,34 @@ def test_attention_dequantises_like_the_reference(name, mode, monkeypatch):
     assert (out1.double() - ref.double()).norm() / ref.double().norm() > 1e-2
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["one_split", "split"])
+def test_half_decode_over_fp8_takes_double_key_tiles(split, monkeypatch):
+    """A 16-bit decode over an fp8 cache runs twice the keys per tile of a 16-bit cache (same bytes per
+    tile, half the iterations), and still equals the reference over the same fp8 cache. fp16: the
+    Triton interpreter computes bf16 dots wrongly (numpy has no bf16); bf16 takes the same tiles."""
+    monkeypatch.setenv("HWKV_CUDA_ATTN_CONFIG", "min_split=256,split_below=1000,part_cap=0" if split else
+                       "split_below=0")
+    qlens, slens, h, hkv, d, bs = [1, 1, 1], [70, 900, 130], 8, 2, 64, 16  # split: 3 x 300 keys
+    q, kv, md, tables = paged_case(qlens, slens, h, hkv, d, bs, seed=11, device=DEV)
+    scales = _scales(hkv, 11)
+    cache = _fp8_cache(kv / 0.05, scales)
+    built = TritonAttentionBackend().metadata_builder().build(md)
+    half = torch.float16
+    bf16_cfg = built.launch(h, hkv, d, torch.bfloat16, True, FP8_E4M3)[0]
+    assert bf16_cfg == built.launch(h, hkv, d, half, True, FP8_E4M3)[0]
+    cfg, plan = built.launch(h, hkv, d, half, True, FP8_E4M3)
+    base, _ = built.launch(h, hkv, d, half, True, half)
+    assert cfg.block_n == 2 * base.block_n == (64 if split else 128) and (plan.splits > 1) == split
+    impl = TritonAttentionBackend().make_impl(h, d, hkv, d**-0.5)
+    impl.kv_scales = scales
+    out = torch.full_like(q, float("nan"), dtype=half, device=DEV)
+    impl.forward_into(out, q.to(DEV, half), cache, built)
+    ref = paged_attention(q.to(DEV, half).float(), cache, md.query_start_loc_cpu, md.seq_lens_cpu, md.block_tables,
+                          d**-0.5, kv_scales=scales)
+    err = (out.double() - ref.double()).norm() / ref.double().norm()
+    assert err < 2e-3, f"rel err {err:.2e}"  # fp16 P in the P.V product: ~2^-11 relative
+
+
 def test_reference_impl_reads_what_it_wrote():
     """The oracle itself: an fp8 cache read back equals attention over the dequantised values."""
     qlens, slens, h, hkv, d, bs = CASES["prefill_on_prefix_gqa4"]

@@ -166,6 +166,13 @@ def test_short_splits_run_as_one_tile(monkeypatch):
     assert choose_config(1, 4, 128, bf16, split=True, seg=SHORT_SPLIT).num_stages == 1
     assert choose_config(1, 4, 128, bf16, split=True, seg=256).num_stages == 3
     assert choose_config(1, 4, 128, bf16).num_stages == 3
+    # an fp8 cache read by a 16-bit query: twice the keys per decode tile (same bytes), prefill and one
+    # tile splits as before; fp32 queries keep their tiles
+    assert choose_config(1, 4, 128, bf16, kv_elem=1).block_n == 128
+    assert choose_config(1, 4, 64, bf16, split=True, seg=256, kv_elem=1).block_n == 64
+    assert choose_config(1, 4, 64, bf16, split=True, seg=SHORT_SPLIT, kv_elem=1).block_n == SHORT_SPLIT
+    assert choose_config(16, 4, 128, bf16, kv_elem=1) == choose_config(16, 4, 128, bf16)
+    assert choose_config(1, 4, 128, torch.float32, kv_elem=1) == choose_config(1, 4, 128, torch.float32)
 
 
 def test_tiles_fit_the_devices_shared_memory(monkeypatch):
@@ -188,6 +195,9 @@ def test_tiles_fit_the_devices_shared_memory(monkeypatch):
             fit = fit_shared_memory(cfg, d_pad, elem, limit)
             assert smem_bytes(fit, d_pad, elem) <= limit and fit.block_m == cfg.block_m, (kw, limit)
             assert fit.block_n <= cfg.block_n and fit.num_stages <= cfg.num_stages
+    fp8_split = choose_config(1, 4, 128, bf16, split=True, seg=512, kv_elem=1)  # 64 fp8 keys: the bytes of 32 bf16
+    assert smem_bytes(fp8_split, 128, 2, 1) == smem_bytes(choose_config(1, 4, 128, bf16, split=True, seg=512), 128, 2)
+    assert fit_shared_memory(fp8_split, 128, 2, ada, 1) == fp8_split
     prefill = choose_config(64, 4, 128, bf16)  # 128-key tiles, three stages: 224 KB
     assert (fit_shared_memory(prefill, 128, 2, a100).block_n, fit_shared_memory(prefill, 128, 2, a100).num_stages) \
         == (128, 2)
