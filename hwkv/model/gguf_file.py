@@ -47,7 +47,8 @@ PRE_TOKENIZERS = {"default": "gpt2", "gpt-2": "gpt2", "smollm": "digits", "starc
                   "llama-bpe": _LLAMA3, "llama3": _LLAMA3, "llama-v3": _LLAMA3, "qwen2": _QWEN2,
                   "deepseek-r1-qwen": _QWEN2}
 
-_LAYER = {
+# GGUF tensor names (llama.cpp's) -> HF names; hwkv.testing.gguf_models writes GGUF files from the inverse
+LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight", "attn_q.bias": "self_attn.q_proj.bias",
@@ -59,7 +60,7 @@ _LAYER = {
     "ffn_down.weight": "mlp.down_proj.weight",
     "ffn_gate.bias": "mlp.gate_proj.bias", "ffn_up.bias": "mlp.up_proj.bias", "ffn_down.bias": "mlp.down_proj.bias",
 }
-_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
            "output.weight": "lm_head.weight"}
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -70,11 +71,11 @@ _STRING, _ARRAY = 8, 9
 
 def hf_name(name: str) -> str | None:
     """The HF tensor name of a GGUF tensor name, ``None`` for names we do not know."""
-    if name in _GLOBAL:
-        return _GLOBAL[name]
+    if name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[name]
     parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER:
-        return f"model.layers.{parts[1]}.{_LAYER[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}"
     return None
 
 

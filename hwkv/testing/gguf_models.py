@@ -11,19 +11,11 @@ from typing import Any
 import numpy as np
 import torch
 
-_HF_TO_GGUF = {
-    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_proj.bias": "attn_q.bias",
-    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.k_proj.bias": "attn_k.bias",
-    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.v_proj.bias": "attn_v.bias",
-    "self_attn.o_proj.weight": "attn_output.weight", "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
-    "self_attn.o_proj.bias": "attn_output.bias", "mlp.gate_proj.bias": "ffn_gate.bias",
-    "mlp.up_proj.bias": "ffn_up.bias", "mlp.down_proj.bias": "ffn_down.bias",
-}
-_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
+from hwkv.model.gguf_file import GLOBAL_NAMES, LAYER_NAMES
+
+# the loader's tables inverted: what the loader reads is by construction what this writes
+_HF_TO_GGUF = {hf: g for g, hf in LAYER_NAMES.items()}
+_GLOBAL = {hf: g for g, hf in GLOBAL_NAMES.items()}
 
 
 def gguf_name(hf: str) -> str:
