@@ -52,6 +52,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--schemas", default="string,records")
     p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--prompts", choices=("random", "chat"), default="random",
+                   help="random token ids, or the real-model tier's chat prompts asking for a JSON answer "
+                        "(a model with a chat template, e.g. the SmolLM2 GGUF)")
+    p.add_argument("--mask-threads", type=int, default=None, help="llguidance executor threads (default: its own, "
+                   "80%% of the cores)")
     p.add_argument("--engine-args", default="{}", help="JSON of extra Engine keyword arguments")
     p.add_argument("--out-dir", default=None)
 
@@ -120,7 +125,28 @@ def run(args: argparse.Namespace) -> int:
     vocab = engine.vocab_size
     rng = random.Random(0)
     prompts = [[rng.randrange(3, vocab) for _ in range(args.input_len)] for _ in range(args.batch)]
+    if args.prompts == "chat":
+        from hwkv.model.packaged import CHAT_PROMPTS
+
+        tok = engine.tokenizer
+        prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": f"{CHAT_PROMPTS[i % 8]} Answer "
+                                                        "in JSON."}]), add_special_tokens=False)
+                   for i in range(args.batch)]
     so = engine.runner.structured
+    if args.mask_threads:
+        import llguidance
+
+        so._executor = llguidance.LLExecutor(num_threads=args.mask_threads)
+    step_s: list[float] = []  # host time of each bitmask() call that masked something
+    inner = so.bitmask
+
+    def timed(*a: Any, **k: Any) -> Any:
+        t = time.perf_counter()
+        m = inner(*a, **k)
+        if m is not None:
+            step_s.append(time.perf_counter() - t)
+        return m
+    so.bitmask = timed
 
     def one(schema: str | None, seed0: int) -> dict[str, Any]:
         sps = [hwkv.SamplingParams(temperature=1.0, seed=seed0 + i, max_tokens=args.output_len,
@@ -128,12 +154,18 @@ def run(args: argparse.Namespace) -> int:
                                    structured_outputs=None if schema is None else {"json": SCHEMAS[schema]})
                for i in range(args.batch)]
         mask0, steps0 = so.mask_s, so.num_masks
+        step_s.clear()
         t0 = time.perf_counter()
         outs = engine.generate(prompts, sps, use_tqdm=False)
         dt = time.perf_counter() - t0
         toks = sum(len(o.token_ids) for o in outs)
         row = {"tokens": toks, "seconds": dt, "tok_s": toks / dt,
-               "mask_ms_per_step": 1e3 * (so.mask_s - mask0) / max(so.num_masks - steps0, 1)}
+               "mask_ms_per_step": 1e3 * (so.mask_s - mask0) / max(so.num_masks - steps0, 1),
+               "steps": so.num_masks - steps0}
+        if step_s:
+            q = sorted(step_s)
+            row["mask_ms_p50_p90_max"] = [round(1e3 * q[len(q) // 2], 3), round(1e3 * q[int(len(q) * 0.9)], 3),
+                                          round(1e3 * q[-1], 3)]
         if schema is not None:
             texts = [engine.tokenizer.decode(o.token_ids) if engine.tokenizer else o.text for o in outs]
             done = [o for o, t in zip(outs, texts) if o.finish_reason == "stop"]
@@ -149,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     best: dict[str, dict[str, Any]] = {}
     dev = engine.backend.device.description()
     out = (Path(args.out_dir) if args.out_dir else results_dir()) / \
-        f"structured-{args.model}-{dev.split(' (')[0].replace(' ', '_')}.json"
+        f"structured-{Path(args.model).stem}-{dev.split(' (')[0].replace(' ', '_')}.json"
     for r in range(args.repeat):
         for key in [None, *names]:
             row = one(key, 1000 * (r + 1))
@@ -157,11 +189,13 @@ def run(args: argparse.Namespace) -> int:
             if name not in best or row["tok_s"] > best[name]["tok_s"]:
                 best[name] = row
             print(f"{name:>8}: {row['tokens']} tokens in {row['seconds']:.3f} s = {row['tok_s']:,.0f} tok/s"
-                  f"  mask {row['mask_ms_per_step']:.3f} ms/step", flush=True)
+                  f"  mask {row['mask_ms_per_step']:.3f} ms/step (p50/p90/max {row.get('mask_ms_p50_p90_max')})",
+                  flush=True)
         free = best["free"]["tok_s"]
         for s in names:
             best[s]["cost_vs_free"] = 1 - best[s]["tok_s"] / free
         doc = {"bench": "structured", "model": args.model, "backend": args.backend, "device": dev,
+               "prompts": args.prompts, "mask_threads": args.mask_threads or "llguidance default",
                "batch": args.batch, "input_len": args.input_len, "output_len": args.output_len,
                "engine": {k: v for k, v in kw.items() if k != "backend"}, "grammar_engine": "llguidance",
                "repeats_done": r + 1, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "results": best}
