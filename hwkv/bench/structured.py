@@ -57,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(a model with a chat template, e.g. the SmolLM2 GGUF)")
     p.add_argument("--mask-threads", type=int, default=None, help="llguidance executor threads (default: its own, "
                    "80%% of the cores)")
+    p.add_argument("--mask-only", type=int, default=0, metavar="STEPS",
+                   help="no engine: time llguidance alone for --batch matchers over STEPS steps of random allowed "
+                        "tokens (the synthetic tokenizer of --model's vocabulary), its executor vs one thread")
     p.add_argument("--engine-args", default="{}", help="JSON of extra Engine keyword arguments")
     p.add_argument("--out-dir", default=None)
 
@@ -115,8 +118,60 @@ def model_dir(args: argparse.Namespace) -> Path:
     return d
 
 
+def mask_only(args: argparse.Namespace) -> int:
+    """Host cost of the masks alone: ``--batch`` matchers per schema advance by a random allowed token
+    per step (as a random-weight model samples); the executor's parallel fill vs one thread, same tokens."""
+    import llguidance
+    import numpy as np
+    import torch
+
+    from hwkv.engine.structured import grammar_of
+
+    vocab = {**SHAPES, "tiny": TINY}[args.model]["vocab_size"]
+    tok = synthetic_tokenizer(vocab)
+    llt = llguidance.LLTokenizer(tok.to_str(), n_vocab=vocab, eos_token=1)
+    words = (vocab + 31) // 32
+    res: dict[str, Any] = {}
+    for name in [s for s in args.schemas.split(",") if s]:
+        for threads in (None, 1):
+            rng = random.Random(0)
+            base = llguidance.LLMatcher(llt, grammar_of({"json": SCHEMAS[name]}), log_level=0)
+            ms = [base.deep_copy() for _ in range(args.batch)]
+            ex = llguidance.LLExecutor() if threads is None else None
+            mask = torch.full((args.batch, words), -1, dtype=torch.int32)
+            times = []
+            for _ in range(args.mask_only):
+                live = [(m, i) for i, m in enumerate(ms) if not m.is_stopped()]
+                if not live:
+                    break
+                t = time.perf_counter()
+                if ex is not None:
+                    ex.unsafe_compute_mask_ptr(live, mask.data_ptr(), words * 4, args.batch)
+                else:
+                    for m, i in live:
+                        m.unsafe_compute_mask_ptr(mask[i].data_ptr(), words * 4)
+                times.append(time.perf_counter() - t)
+                bits = np.unpackbits(mask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+                for m, i in live:
+                    allowed = np.flatnonzero(bits[i])
+                    m.consume_token(int(allowed[rng.randrange(len(allowed))]))
+            q = sorted(times)
+            key = f"{name}/{'executor' if threads is None else '1 thread'}"
+            res[key] = {"steps": len(q), "mean_ms": 1e3 * sum(q) / len(q), "p50_ms": 1e3 * q[len(q) // 2],
+                        "p90_ms": 1e3 * q[int(len(q) * 0.9)], "max_ms": 1e3 * q[-1]}
+            print(f"{key:>20}: {args.batch} rows, {len(q)} steps: mask mean {res[key]['mean_ms']:.3f} ms/step "
+                  f"p50 {res[key]['p50_ms']:.3f} p90 {res[key]['p90_ms']:.3f} max {res[key]['max_ms']:.3f}", flush=True)
+    out = (Path(args.out_dir) if args.out_dir else results_dir()) / f"structured-mask-only-{args.model}.json"
+    write_result(out, {"bench": "structured --mask-only", "model": args.model, "vocab": vocab, "batch": args.batch,
+                       "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "results": res})
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     import hwkv
+
+    if args.mask_only:
+        return mask_only(args)
 
     mdir = model_dir(args)
     print(f"model at {mdir} ({time.strftime('%T')})", flush=True)
