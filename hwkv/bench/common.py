@@ -11,6 +11,7 @@ import platform
 import random
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +93,40 @@ def backend(name: str) -> Any:
     except ValueError as e:
         raise ValueError(f"{e} (a backend run from a source checkout registers through "
                          f"HWKV_PLUGIN_MODULES, e.g. HWKV_PLUGIN_MODULES=hwkv_{name}.plugin)") from None
+
+
+@dataclass(frozen=True)
+class EngineBench:
+    """What an engine bench starts from: the checkpoint (written once for a bench shape), its
+    config.json, the backend and its device, and the ``--engine-args`` it passes beyond the defaults."""
+
+    model_dir: Path
+    config: dict[str, Any]
+    backend: Any
+    device: Any
+    engine_args: dict[str, Any]
+
+    def header(self, bench: str, args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
+        """The first keys of the bench's result: what ran, where, when."""
+        import torch
+
+        return dict(bench=bench, model=args.model, dtype=args.dtype, device=self.device.description(),
+                    date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **extra, torch=torch.__version__)
+
+
+def engine_bench(args: argparse.Namespace) -> EngineBench:
+    """:class:`EngineBench` from the common arguments ``--model/--dtype/--workdir/--backend/--engine-args``."""
+    mdir = model_dir(args)
+    be = backend(args.backend)
+    return EngineBench(mdir, json.loads((Path(mdir) / "config.json").read_text()), be, be.device,
+                       json.loads(args.engine_args))
+
+
+def result_path(args: argparse.Namespace, bench: str) -> Path:
+    """``--out`` or ``<results_dir>/<bench>-<model>-<date>.json``."""
+    from hwkv.bench import results_dir
+
+    return Path(args.out) if args.out else results_dir() / f"{bench}-{args.model}-{time.strftime('%Y-%m-%d')}.json"
 
 
 def copy_bandwidth(device: Any, nbytes: int = 1 << 30) -> float:

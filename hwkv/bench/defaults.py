@@ -17,11 +17,18 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 from typing import Any
 
-from hwkv.bench import results_dir
-from hwkv.bench.common import backend, copy_bandwidth, decode_read_bytes, free_engine, model_dir, resolved, workload
+from hwkv.bench.common import (
+    copy_bandwidth,
+    decode_read_bytes,
+    engine_bench,
+    free_engine,
+    resolved,
+    result_path,
+    workload,
+    write_result,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,15 +52,10 @@ def run(args: argparse.Namespace) -> int:
     from hwkv.bench.e2e import batch1, kv_bytes_per_token, run_engine
     from hwkv.bench.roofline import linear_params, matmul_rate, offline_roofline
 
-    mdir = model_dir(args)
-    cfg = json.loads((Path(mdir) / "config.json").read_text())
-    be = backend(args.backend)
-    dev = be.device
-    extra = json.loads(args.engine_args)
+    eb = engine_bench(args)
+    mdir, cfg, be, dev, extra = eb.model_dir, eb.config, eb.backend, eb.device, eb.engine_args
     host = dev.torch_device.type == "cpu"
-    res: dict[str, Any] = dict(bench="defaults", model=args.model, dtype=args.dtype, device=dev.description(),
-                               date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                               non_default_engine_args=extra, torch=torch.__version__)
+    res: dict[str, Any] = eb.header("defaults", args, non_default_engine_args=extra)
     print(f"[defaults] {args.model}: non-default engine arguments: {extra or 'none'}", flush=True)
     bw = copy_bandwidth(dev, 1 << 24 if host else 1 << 30)
     rate = matmul_rate(dev, getattr(torch, args.dtype), n=256 if host else 8192)
@@ -83,10 +85,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"[defaults] batch-1 decode {b['tok_per_s']:.0f} tok/s, MBU {b.get('mbu', float('nan')):.1%} "
               f"(non-default args: {extra or 'none'})", flush=True)
     free_engine(engine, dev)
-    out = Path(args.out) if args.out else results_dir() / f"defaults-{args.model}-{time.strftime('%Y-%m-%d')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2, default=str) + "\n")
-    print(f"wrote {out}", flush=True)
+    write_result(result_path(args, "defaults"), json.loads(json.dumps(res, default=str)))
     return 0
 
 

@@ -23,8 +23,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hwkv.bench import results_dir
-from hwkv.bench.common import backend, copy_bandwidth, decode_read_bytes, free_engine, model_dir, workload
+from hwkv.bench.common import (
+    copy_bandwidth,
+    decode_read_bytes,
+    engine_bench,
+    free_engine,
+    result_path,
+    workload,
+    write_result,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -125,20 +132,14 @@ def one_kv_dtype(args: argparse.Namespace, mdir: Path, be: Any, kd: str, kw: dic
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
 
     from hwkv.sampling_params import SamplingParams
 
-    mdir = model_dir(args)
-    cfg = json.loads((Path(mdir) / "config.json").read_text())
-    be = backend(args.backend)
-    dev = be.device
-    extra = json.loads(args.engine_args)
+    eb = engine_bench(args)
+    mdir, cfg, be, dev, extra = eb.model_dir, eb.config, eb.backend, eb.device, eb.engine_args
     # eager: the decode step captures its own graph; graph capture and compiled fusion would only add init time
     kw = dict(max_model_len=args.decode_context + 64, enforce_eager=True, **extra)
-    res: dict[str, Any] = dict(bench="kv-dtype", model=args.model, dtype=args.dtype, device=dev.description(),
-                               date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), engine_args=kw,
-                               torch=torch.__version__, runs={})
+    res: dict[str, Any] = eb.header("kv-dtype", args, engine_args=kw, runs={})
     print(f"[kv-dtype] non-default engine arguments: {kw}", flush=True)
     bw = copy_bandwidth(dev) if dev.torch_device.type != "cpu" else None
     res["copy_bw_TBps"] = bw / 1e12 if bw else None
@@ -160,10 +161,8 @@ def run(args: argparse.Namespace) -> int:
                          bytes_per_block=other["bytes_per_block"] / base["bytes_per_block"])
     if "decode" in base and "decode" in other:
         res["ratios"]["decode_tok_per_s"] = other["decode"]["tok_per_s"] / base["decode"]["tok_per_s"]
-    out = Path(args.out) if args.out else results_dir() / f"kv-dtype-{args.model}-{time.strftime('%Y-%m-%d')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2) + "\n")
-    print(json.dumps(res["ratios"]), f"\nwrote {out}", flush=True)
+    print(json.dumps(res["ratios"]), flush=True)
+    write_result(result_path(args, "kv-dtype"), res)
     return 0
 
 
