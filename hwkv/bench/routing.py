@@ -250,9 +250,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"cache_aware vs round_robin: hit rate x{ratios['hit_rate_x'] or 0:.2f} (goal >= 2), TTFT p50 "
               f"x{ratios['ttft_p50_x'] or 0:.2f} better (goal >= 2), p99 x{ratios['ttft_p99_x'] or 0:.2f}")
     day = dt.date.today().isoformat()
-    out = Path(args.out_dir or results_dir()) / f"routing-{args.model}-{args.backend}-{day}.json"
+    out = Path(args.out_dir or results_dir()) / f"routing-{args.model}-{args.backend}-x{args.instances}-{day}.json"
     cmd = "hwkv bench routing " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "routing"] else sys.argv[1:])
+    from hwkv.bench.serve import _commit
+
     write_result(out, {"bench": "routing", "date": day, "machine": machine(), "command": cmd,
+                       "commit": os.environ.get("HWKV_COMMIT") or _commit(),
                        "args": vars(args), "kv_blocks_per_instance": blocks, "prefix_tokens": prefix_tokens,
                        "results": results, "cache_aware_vs_round_robin": ratios})
     return 0 if all(r["failed"] == 0 for r in results.values()) else 1
