@@ -12,7 +12,8 @@ import pytest
 from hwkv.interfaces import KeyNotFound, SizeMismatch, StoreError, StoreFull, StoreUnavailable
 from hwkv.stores import create_store
 from hwkv.stores.embedded import EmbeddedStore
-from hwkv.testing.mooncake import master_metrics, mooncake_master, skip_unless_mooncake
+from hwkv.stores.mooncake_service import master_metrics, mooncake_master
+from hwkv.testing.mooncake import skip_unless_mooncake
 from hwkv.transfer.mooncake import free_port
 
 MiB = 1 << 20

@@ -17,7 +17,8 @@ import pytest
 from hwkv.interfaces import StoreError, StoreTimeout, StoreUnavailable
 from hwkv.stores import create_store
 from hwkv.stores.mooncake_faults import reaper
-from hwkv.testing.mooncake import mooncake_master, skip_unless_mooncake
+from hwkv.stores.mooncake_service import mooncake_master
+from hwkv.testing.mooncake import skip_unless_mooncake
 
 pytestmark = pytest.mark.mooncake
 skip_unless_mooncake(allow_module_level=True)

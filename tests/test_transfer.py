@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from hwkv.interfaces import KVCache, KVCacheSpec, KVLayoutKind, TransferError
-from hwkv.testing.mooncake import mooncake_master, skip_unless_mooncake
+from hwkv.stores.mooncake_service import mooncake_master
+from hwkv.testing.mooncake import skip_unless_mooncake
 from hwkv.transfer.mooncake import MooncakeTransfer, free_port
 
 pytestmark = pytest.mark.mooncake

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import hwkv
 from hwkv.bench import results_dir
 
 
@@ -115,7 +116,6 @@ def run_once(engine: Any, work: list[tuple[list[int], int, float]], reserve: boo
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    import hwkv
     from hwkv.bench.common import backend as get_backend
     from hwkv.bench.common import machine, model_dir, write_result
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import hwkv
+
 
 def workload(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
     """``n`` (prompt token ids, max_tokens) pairs, both lengths uniform in ``[lo, hi]``."""
@@ -210,7 +212,6 @@ def free_engine(engine: Any, device: Any) -> None:
 def offload_engine(mdir: Path, args: argparse.Namespace, offload: bool, **kw: Any) -> Any:
     """An engine for ``hwkv bench offload``: with the offload connector (``--cpu-gb`` of host tier,
     ``--store-batch-blocks``, ``--offload-config``) or without it (``offload=False``)."""
-    import hwkv
 
     if offload:
         cfg: dict[str, Any] = {"cpu_bytes": int(args.cpu_gb * 2**30)}

@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import hwkv
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=8)
@@ -67,8 +69,6 @@ def _hf_generate(model: Any, prompts: list[list[int]], n: int) -> tuple[list[lis
 
 
 def _ours(engine: Any, prompts: list[list[int]], n: int) -> tuple[list[list[int]], float]:
-    import hwkv
-
     sp = hwkv.SamplingParams(temperature=0, max_tokens=n, min_tokens=n)
     t0 = time.perf_counter()
     outs = engine.generate(prompts, sp, use_tqdm=False)
@@ -89,7 +89,6 @@ def _profile(engine: Any, prompts: list[list[int]], n: int) -> list[dict[str, An
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    import hwkv
     from hwkv.model.packaged import CHAT_PROMPTS, packaged_model
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import hwkv
 from hwkv.bench import results_dir
 from hwkv.bench.common import (
     SHAPES,
@@ -81,8 +82,6 @@ _model_dir = model_dir  # the name hwkv.bench.serve imports
 
 
 def make_engine(mdir: Path, args: argparse.Namespace, **kw: Any) -> Any:
-    import hwkv
-
     opts = {**ENGINE_DEFAULTS, **json.loads(args.engine_args), **kw}
     prefetch = opts.pop("prefetch_weights", False)  # a bench-only experiment, not an Engine option
     engine = hwkv.Engine(str(mdir), backend=backend(args.backend), dtype=args.dtype, **opts)
@@ -205,8 +204,6 @@ def part_r(engine: Any, cfg: dict[str, Any], work: list[tuple[list[int], int]], 
 
 def run(args: argparse.Namespace) -> int:
     import torch
-
-    import hwkv
 
     mdir = model_dir(args)
     cfg = json.loads((mdir / "config.json").read_text())

@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import hwkv
+
 VOCAB = 512
 
 
@@ -39,7 +41,6 @@ def stub_forward(vocab: int) -> Any:
 def make_engine(max_batch: int, max_model_len: int, graphs: bool, workdir: Path, **kw: Any) -> Any:
     """An Engine on the emulated-graph CPU backend with :func:`stub_forward` (graphs re-captured
     over the stub); ``graphs=False``: the plain eager CPU backend, synchronous."""
-    import hwkv
     from hwkv.model.tiny import write_tiny_model
     from hwkv.reference.graphs import GraphCpuBackend
 

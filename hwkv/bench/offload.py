@@ -25,6 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import hwkv
 from hwkv.bench import results_dir
 from hwkv.bench.common import backend as get_backend
 from hwkv.bench.common import free_engine, model_dir, offload_engine
@@ -146,7 +147,6 @@ def bench_ttft(args: argparse.Namespace, mdir: Path) -> dict[str, Any]:
     """Loaded vs recomputed TTFT, and where the loaded one goes: the same prompt again with its
     prefix in the device prefix cache (no copy: engine + the last block's forward over the whole
     context), the load copies' device time and the host time issuing them; the rest is unexplained."""
-    import hwkv
 
     n, vocab = args.prompt_len, None
     e = offload_engine(mdir, args, True, max_model_len=n + 64, max_num_seqs=8, max_num_batched_tokens=max(8192, n + 64))
@@ -203,8 +203,6 @@ def bench_ttft(args: argparse.Namespace, mdir: Path) -> dict[str, Any]:
 
 
 def bench_decode(args: argparse.Namespace, mdir: Path) -> dict[str, Any]:
-    import hwkv
-
     out: dict[str, Any] = {"requests": args.decode_requests, "prompt_len": args.decode_prompt,
                            "output_len": args.decode_tokens}
     params = hwkv.SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)

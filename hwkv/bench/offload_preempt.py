@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import hwkv
 from hwkv.bench.common import free_engine, offload_engine
 
 HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta", "update_connector_output",
@@ -57,8 +58,6 @@ def _count_scheduled(scheduler: Any) -> list[int]:
 
 
 def bench_preempt(args: argparse.Namespace, mdir: Path, block_size: int) -> dict[str, Any]:
-    import hwkv
-
     n, plen, olen = args.preempt_requests, args.decode_prompt, args.decode_tokens
     blocks = args.preempt_blocks or max(n * -(-(plen + olen) // block_size) // 3, -(-(plen + olen) // block_size) + 1)
     out: dict[str, Any] = {"requests": n, "prompt_len": plen, "output_len": olen, "device_blocks": blocks}

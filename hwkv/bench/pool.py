@@ -21,6 +21,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import hwkv
+from hwkv import SamplingParams
+from hwkv.bench import results_dir
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="tiny, a shape of `hwkv bench e2e` (llama-1b, qwen-0.5b) "
@@ -83,8 +87,6 @@ def _why(*engines: Any) -> str:
 
 
 def _ttft(eng: Any, prompt: list[int]) -> tuple[float, list[int]]:
-    from hwkv import SamplingParams
-
     eng.backend.device.synchronize()
     t0 = time.perf_counter()
     out = eng.generate([prompt], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)[0]
@@ -137,8 +139,6 @@ def _lookup(eng: Any, hashes: list[bytes], iters: int) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    import hwkv
-    from hwkv.bench import results_dir
     from hwkv.core.hashing import hash_token_blocks
 
     dtype = args.dtype or ("float32" if args.backend == "cpu" else "bfloat16")

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import hwkv
 from hwkv.bench import results_dir
 from hwkv.bench.common import SHAPES as MODEL_SHAPES
 from hwkv.bench.common import backend
@@ -164,8 +165,6 @@ def _graph_ms(engine: Any, batch: int, max_seq_len: int, reps: int = 20) -> dict
 
 
 def _engine(mdir: Path, args: argparse.Namespace, batch: int, **kw: Any) -> Any:
-    import hwkv
-
     opts = {"max_model_len": args.prompt_len + args.tokens + 64, "max_num_seqs": max(batch, 2),
             **json.loads(args.engine_args), **kw}
     return hwkv.Engine(str(mdir), backend=backend(args.backend), dtype=args.dtype, **opts)

@@ -26,9 +26,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import hwkv
+
 
 def _engine(scenario: str, batch: int, k: int, workdir: Path, max_len: int) -> Any:
-    import hwkv
     from hwkv.bench.host import VOCAB, make_engine, stub_forward
     from hwkv.reference.graphs import GraphCpuBackend
 

@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import hwkv
+
 HALF_LOGIT_MARGIN = 0.02  # conformance/test_engine.py
 
 
@@ -90,8 +92,6 @@ def measure(mdir: Path, tp: int, a: argparse.Namespace, bw: float, vocab: int, r
     """Fills ``res`` as it goes; ``save()`` runs before the engine closes and after (what was measured
     survives a close that hangs)."""
     import torch
-
-    import hwkv
 
     kw: dict[str, Any] = dict(backend=a.backend, dtype=a.dtype, max_model_len=a.max_model_len, enforce_eager=a.eager)
     if a.budget:

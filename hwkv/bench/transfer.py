@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hwkv.bench import results_dir
+
 MiB = 1 << 20
 
 
@@ -277,6 +279,4 @@ def _commit() -> str | None:
 
 
 def _results() -> Path:
-    from hwkv.bench import results_dir
-
     return results_dir()

@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import hwkv
+
 DEMO_PROMPTS = [
     "Hello, world! How are you",
     "The quick brown fox",
@@ -159,7 +161,6 @@ def _print_stats(st: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import hwkv
     from hwkv.interfaces.backend import BackendUnavailable
 
     if not args.model and not args.demo:

@@ -12,6 +12,7 @@ from typing import Any
 
 from hwkv.core.scheduler import Scheduler
 from hwkv.engine.config import EngineArgs
+from hwkv.interfaces.kv_quant import kv_storage_dtype, parse_scales
 
 
 def build_parts(engine: Any, args: EngineArgs) -> None:
@@ -56,7 +57,6 @@ def build_parts(engine: Any, args: EngineArgs) -> None:
         tp=tp.shard if tp else None,
     )
     model = engine.model
-    from hwkv.interfaces.kv_quant import kv_storage_dtype
 
     model.kv_cache_dtype = kv_storage_dtype(args.kv_cache_dtype, model.dtype)  # the spec resolve sizes the pool by
     if connector is not None:  # its worker side serves rank 0's shard
@@ -75,7 +75,6 @@ def build_parts(engine: Any, args: EngineArgs) -> None:
     engine.kv_cache = kv_cache = backend.device.allocate_kv_cache(model.kv_cache_spec(cc.num_kv_blocks, cc.block_size),
                                                                   backend.attention.kv_layout)
     if kv_cache.scales is not None:  # fp8 KV: the scales given, else the checkpoint's, else 1.0
-        from hwkv.interfaces.kv_quant import parse_scales
 
         given = args.kv_cache_scales if args.kv_cache_scales is not None else getattr(model, "checkpoint_kv_scales",
                                                                                          None)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from hwkv.core.sched_config import SchedulerConfig, SchedulerOptions
+from hwkv.interfaces.kv_quant import KV_CACHE_DTYPES
 
 
 def _need(obj: Any, name: str, ok: bool, allowed: str) -> None:
@@ -83,8 +84,6 @@ class CacheOptions:
     kv_cache_scales: Any = None  # fp8 KV dequantisation scales (hwkv.interfaces.kv_quant.parse_scales); None: 1.0
 
     def check(self) -> None:
-        from hwkv.interfaces.kv_quant import KV_CACHE_DTYPES
-
         _optional_count(self, "block_size", "num_kv_blocks")
         _need(self, "memory_fraction", isinstance(self.memory_fraction, (int, float))
               and 0 < self.memory_fraction <= 1, "in (0, 1]")
@@ -153,8 +152,6 @@ class EngineArgs(SpeculativeOptions, KVEventsOptions, KVTransferOptions, Paralle
     flag of each)."""
 
     def __post_init__(self) -> None:
-        from hwkv.interfaces.kv_quant import KV_CACHE_DTYPES
-
         for group in GROUPS:
             group.check(self)
         if KV_CACHE_DTYPES[self.kv_cache_dtype] is not None and self.tensor_parallel_size > 1:

@@ -8,6 +8,9 @@ from typing import Any
 
 import torch
 
+from hwkv.model.layers import MLP, RMSNorm, add_rms_norm, rms_norm, silu_mul
+from hwkv.model.rope import RotaryEmbedding, apply_rope
+
 
 def fuse_elementwise(model: Any, backend: str = "inductor") -> int:
     """Replace the model's RMSNorm (with its residual add), RoPE and SiLU·mul forwards by
@@ -17,8 +20,6 @@ def fuse_elementwise(model: Any, backend: str = "inductor") -> int:
     per function per process: a process building engines of many dtypes runs the surplus variants
     uncompiled (correct, slower).
     Returns the number of modules patched."""
-    from hwkv.model.layers import MLP, RMSNorm, add_rms_norm, rms_norm, silu_mul
-    from hwkv.model.rope import RotaryEmbedding, apply_rope
 
     rms = torch.compile(rms_norm, dynamic=True, backend=backend)
     add_rms = torch.compile(add_rms_norm, dynamic=True, backend=backend)

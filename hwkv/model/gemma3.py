@@ -14,7 +14,14 @@ import torch
 from hwkv.interfaces.attention import AttentionImpl
 from hwkv.model.config import ModelConfig
 from hwkv.model.fields import ConfigFields
-from hwkv.model.gemma2 import GEMMA_ACTS, GEMMA_FUSED_REFUSAL, LAYER_TYPES, Gemma2ForCausalLM, GemmaRMSNorm
+from hwkv.model.gemma2 import (
+    GEMMA_ACTS,
+    GEMMA_FUSED_REFUSAL,
+    LAYER_TYPES,
+    Gemma2ForCausalLM,
+    GemmaRMSNorm,
+    _gemma2_config,
+)
 from hwkv.model.llama import Attention
 from hwkv.model.registry import ModelFamily, register
 from hwkv.model.rope import RotaryEmbedding
@@ -45,8 +52,6 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
 
 
 def _gemma3_config(f: ConfigFields, common: dict[str, Any]) -> dict[str, Any]:
-    from hwkv.model.gemma2 import _gemma2_config
-
     n = common["num_layers"]
     if f.raw("layer_types", None) is None:
         every = f.integer("sliding_window_pattern", 6)

@@ -19,6 +19,7 @@ from hwkv.model.config import ModelConfig, ModelLoadError, parse_dtype, read_jso
 from hwkv.model.llama import LlamaForCausalLM
 from hwkv.model.registry import family_of
 from hwkv.model.tokenizer import Tokenizer
+from hwkv.parallel.sharding import check_tp, checkpoint_slices
 
 _DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
 
@@ -133,8 +134,6 @@ def load_weights(model: LlamaForCausalLM, path: str | Path) -> None:
     loaded: set[str] = set()
     slices = None
     if getattr(model, "tp", None) is not None:
-        from hwkv.parallel.sharding import checkpoint_slices
-
         slices = checkpoint_slices(slots, model.full_config, model.tp)
         skipped = {n for n, sl in slices.items() if sl is None}  # row-parallel biases off rank 0
         for n in skipped:
@@ -225,8 +224,6 @@ def load_model(
     family = family_of(config.architecture)
     kw = {}
     if tp is not None:
-        from hwkv.parallel.sharding import check_tp
-
         check_tp(config, tp.size)
         kw["tp"] = tp
     model = family.model_class(config, backend.attention, device, torch_dtype, max_model_len or config.max_model_len,

@@ -31,6 +31,7 @@ from typing import Any
 
 import pluggy
 
+from hwkv import __version__
 from hwkv.interfaces.backend import API_VERSION, Backend, BackendSpec, BackendUnavailable
 from hwkv.plugins import hookspecs
 from hwkv.plugins.hookspecs import ENTRY_POINT_GROUP, PROJECT
@@ -130,7 +131,6 @@ class _Registry:
         if not any(ep.value.split(":")[0].strip() == BUILTIN_PLUGIN for ep in eps):
             # Running from a source tree that was never pip-installed: register the reference
             # plugin anyway, through the same hook.
-            from hwkv import __version__
 
             out.append(("cpu", "hwkv", __version__, lambda: importlib.import_module(BUILTIN_PLUGIN)))
         known = {ep.value.split(":")[0].strip() for ep in eps} | {BUILTIN_PLUGIN}

@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
+from hwkv import __version__
 from hwkv.serving.async_engine import AsyncEngine
 from hwkv.serving.client import EngineDeadError
 from hwkv.serving.disconnect import unless_disconnected
@@ -283,8 +284,6 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: 
 
     @app.get("/version")
     async def version() -> dict[str, str]:
-        from hwkv import __version__
-
         return {"version": __version__}
 
     @app.get("/v1/models")
@@ -298,7 +297,6 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: 
     @app.get("/server_info")
     async def server_info() -> dict[str, Any]:
         """What serves: for benchmarks and operators (not an OpenAI endpoint)."""
-        from hwkv import __version__
 
         info = engine.info
         return {"version": __version__, "model": name, "root": engine.model,

@@ -1,11 +1,10 @@
-"""Mooncake for tests: :func:`skip_unless_mooncake`, and the launcher's names
-(:mod:`hwkv.stores.mooncake_service`, which package code uses) under this module's name."""
+"""Mooncake for tests: :func:`skip_unless_mooncake` (the launcher itself is
+:mod:`hwkv.stores.mooncake_service`)."""
 
 from __future__ import annotations
 
 import os
 
-from hwkv.stores.mooncake_service import *  # noqa: F403
 from hwkv.stores.mooncake_service import mooncake_available
 
 

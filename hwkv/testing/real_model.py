@@ -7,8 +7,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from hwkv.model.packaged import CHAT_PROMPTS  # noqa: F401 (the tier's prompts, for tests)
-
 
 def real_model_or_skip() -> Path:
     import pytest

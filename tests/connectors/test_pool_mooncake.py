@@ -15,7 +15,8 @@ import pytest
 import hwkv
 from hwkv import SamplingParams
 from hwkv.model.tiny import write_tiny_model
-from hwkv.testing.mooncake import mooncake_master, skip_unless_mooncake
+from hwkv.stores.mooncake_service import mooncake_master
+from hwkv.testing.mooncake import skip_unless_mooncake
 
 BS = 16
 PROMPT = [(5 * i + 1) % 500 + 1 for i in range(150)]  # 9 full blocks before the last token

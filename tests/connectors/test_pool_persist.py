@@ -15,7 +15,8 @@ import pytest
 import hwkv
 from hwkv import SamplingParams
 from hwkv.model.tiny import write_tiny_model
-from hwkv.testing.mooncake import client_binary, master_metrics, mooncake_holder, mooncake_master, skip_unless_mooncake
+from hwkv.stores.mooncake_service import client_binary, master_metrics, mooncake_holder, mooncake_master
+from hwkv.testing.mooncake import skip_unless_mooncake
 
 BS = 16
 PROMPT = [(11 * i + 3) % 500 + 1 for i in range(150)]  # 9 full blocks before the last token

@@ -15,7 +15,7 @@ import zmq
 import hwkv
 from hwkv import SamplingParams
 from hwkv.engine.kv_events import KVEventPublisher, KVEventSubscriber
-from hwkv.testing.tiny_models import write_tiny_model
+from hwkv.model.tiny import write_tiny_model
 
 BS = 16
 ANY = "tcp://127.0.0.1:*"

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import hwkv
-from hwkv.testing.real_model import CHAT_PROMPTS, real_model_or_skip
+from hwkv.model.packaged import CHAT_PROMPTS
+from hwkv.testing.real_model import real_model_or_skip
 
 N = 32  # tokens per parity prompt
 

@@ -201,7 +201,8 @@ def test_pool_shards_are_shared_by_equal_splits_only(tmp_path):
 
     from hwkv import Engine, SamplingParams
     from hwkv.model.tiny import write_tiny_model
-    from hwkv.testing.mooncake import mooncake_master, skip_unless_mooncake
+    from hwkv.stores.mooncake_service import mooncake_master
+    from hwkv.testing.mooncake import skip_unless_mooncake
 
     skip_unless_mooncake()
     model = str(write_tiny_model(tmp_path / "m", num_heads=4, num_kv_heads=2, tokenizer=False))

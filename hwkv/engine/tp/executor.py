@@ -29,7 +29,7 @@ import msgspec
 import zmq
 
 from hwkv.engine.tp import messages as m
-from hwkv.parallel.sharding import TPShard
+from hwkv.parallel.sharding import TPShard, check_tp
 
 PROC_POLL_S = 0.05  # send() looks for exited workers at most this often
 DEFAULT_TIMEOUT_S = 300.0  # start, join, every collective (a rank may still load or compile); HWKV_TP_TIMEOUT_S
@@ -73,7 +73,6 @@ def check_supported(cfg: Any, backend: Any, kv_connector: Any) -> None:
     if reasons:
         raise ValueError(f"tensor_parallel_size={n}: " + "; ".join(reasons))
     from hwkv.model.config import ModelConfig
-    from hwkv.parallel.sharding import check_tp
 
     check_tp(ModelConfig.from_dir(cfg.model), n)
 
