@@ -49,6 +49,13 @@ def _chunked(chunk: int, drop_partial: bool, limit: int | None = None) -> Any:
     return write
 
 
+def _rows_from_key(key: torch.Tensor, value: torch.Tensor, layer_kv: Any, slots: torch.Tensor) -> None:
+    """BUG: the token count taken from K's rows; the slots past slot_mapping's end read as 0 (the
+    zero-filled tail of a padded device buffer), so extra rows land in slot 0."""
+    pad = torch.zeros(key.shape[0] - slots.numel(), dtype=slots.dtype)
+    _scatter(key, value, layer_kv, torch.cat([slots, pad]))
+
+
 def _sorted_slots(key: torch.Tensor, value: torch.Tensor, layer_kv: Any, slots: torch.Tensor) -> None:
     write_kv(key, value, layer_kv, slots.sort().values)  # BUG: slots sorted (coalescing), rows not permuted
 
@@ -69,3 +76,5 @@ mutant("kv-chunk-tail-dropped", "kv_write", "written in chunks of 256 tokens; th
        PROD, impl=_impl("chunk", _chunked(256, True)))
 mutant("kv-sorted-slots", "kv_write", "slots sorted for coalescing without permuting the K/V rows", FIRST,
        impl=_impl("sorted", _sorted_slots))
+mutant("kv-rows-from-key", "kv_write", "token count taken from K's rows, not slot_mapping's length (a padded "
+       "batch's extra rows written to slot 0)", FIRST, impl=_impl("rows", _rows_from_key))

@@ -187,6 +187,10 @@ class AttentionImpl(ABC):
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, layer_kv: Any, slot_mapping: torch.Tensor) -> None:
         """Scatter new K/V tokens into the paged cache at ``slot_mapping``; slot ``-1`` is skipped.
 
+        Row ``i`` of ``key``/``value`` (``[>= T, H_kv, D]``) goes to ``slot_mapping[i]`` (``[T]``);
+        rows past ``T`` are ignored (vLLM's ``reshape_and_cache`` semantics: a padded batch may
+        pass longer K/V), fewer rows than ``T`` is a caller error (``ValueError``).
+
         A slot outside ``[-1, num_blocks * block_size)`` is a caller error; the backend must never
         write outside the cache for it: it raises ``ValueError`` naming the slot (the reference
         does) or, where checking would cost a host sync, skips it (hwkv-cuda, unless

@@ -193,8 +193,9 @@ class TritonAttentionImpl(AttentionImpl):
 
         _check_kv(layer_kv, self.num_kv_heads, self.head_size)
         n = slot_mapping.numel()
-        if key.shape[0] != n or value.shape[0] != n:
-            raise ValueError(f"key/value have {key.shape[0]}/{value.shape[0]} tokens but slot_mapping has {n}")
+        if key.shape[0] < n or value.shape[0] < n:  # rows past n are ignored (the interface contract)
+            raise ValueError(f"key/value have {key.shape[0]}/{value.shape[0]} tokens but slot_mapping has {n}: "
+                             "one row per slot is needed (rows past the last slot are ignored)")
         if n == 0:
             return
         if key.stride(-1) != 1 or value.stride(-1) != 1:
