@@ -62,6 +62,8 @@ class Responder:
 
     def _overrides(self, limit: int, logprobs: int | None) -> dict[str, Any]:
         kw = self.body.sampling_overrides(limit, logprobs)
+        if self._echo_logprobs():  # as vLLM: echo with logprobs covers the prompt's tokens too
+            kw["prompt_logprobs"] = logprobs
         if "structured_outputs" in kw:  # a bad grammar is a 400 naming the field it came from
             try:
                 self.engine.check_structured(kw["structured_outputs"])
@@ -138,6 +140,11 @@ class Responder:
             raise BadRequest("messages render to no tokens", "messages")
         return ids
 
+    def _echo_logprobs(self) -> bool:
+        b = self.body
+        return (not self.chat and getattr(b, "echo", False) and b.logprobs is not None and b.prompt_logprobs is None
+                and not b.stream)
+
     def _prompt_text(self, prompt: str | list[int]) -> str:
         if isinstance(prompt, str):
             return prompt
@@ -150,7 +157,7 @@ class Responder:
     def _top(self, lp: dict[int, float]) -> list[tuple[int, float]]:
         return sorted(lp.items(), key=lambda kv: -kv[1])[: self.num_logprobs or 0]
 
-    def _logprobs(self, out: RequestOutput, a: int, b: int, offset: int) -> dict[str, Any] | None:
+    def _logprobs(self, out: RequestOutput, a: int, b: int, offset: int, echo: bool = False) -> dict[str, Any] | None:
         if self.num_logprobs is None or out.logprobs is None:
             return None
         pairs = list(zip(out.token_ids[a:b], out.logprobs[a:b]))
@@ -162,13 +169,23 @@ class Responder:
             return {"content": [{**entry(t, lp.get(t, float("-inf"))),
                                  "top_logprobs": [entry(k, v) for k, v in self._top(lp)]} for t, lp in pairs]}
         tokens = [self._token(t) for t, _ in pairs]
-        offsets = []
-        for s in tokens:
+        values = [lp.get(t) for t, lp in pairs]
+        tops: list[dict[str, float] | None] = [{self._token(k): v for k, v in self._top(lp)} for _, lp in pairs]
+        offsets: list[int] = []
+        if echo and out.prompt_logprobs is not None:  # the echoed prompt's tokens first, from offset 0
+            recs, at = out.prompt_logprobs, 0
+            for t in out.prompt_token_ids:
+                offsets.append(at)
+                at += len(self._token(t))
+            offset = at  # offsets index the concatenated token strings
+            tokens = [self._token(t) for t in out.prompt_token_ids] + tokens
+            values = [None if r is None else r[t][0] for t, r in zip(out.prompt_token_ids, recs)] + values
+            tops = [None if r is None else {self._token(k): v for k, (v, rank) in sorted(r.items(), key=lambda kv:
+                    kv[1][1]) if rank <= (self.num_logprobs or 0)} for r in recs] + tops
+        for s in tokens[len(offsets):]:
             offsets.append(offset)
             offset += len(s)
-        return {"tokens": tokens, "token_logprobs": [lp.get(t) for t, lp in pairs],
-                "top_logprobs": [{self._token(k): v for k, v in self._top(lp)} for _, lp in pairs],
-                "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
     def _prompt_logprobs(self, out: RequestOutput | None) -> list[dict[str, Any] | None] | None:
         """vLLM's ``prompt_logprobs``: per prompt token ``None`` (the first) or ``{token id: {logprob,
@@ -218,7 +235,7 @@ class Responder:
                                                                                        "content": text}
         else:
             c["text"] = text
-        c["logprobs"] = self._logprobs(out, a, b, offset)
+        c["logprobs"] = self._logprobs(out, a, b, offset, echo=not delta and bool(self.echo[i]))
         c["finish_reason"] = self._finish_reason(out, calls)
         c["stop_reason"] = out.stop_reason if done and out.finish_reason == "stop" else None
         if self.body.return_token_ids:

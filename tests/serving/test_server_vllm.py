@@ -142,6 +142,14 @@ def test_prompt_logprobs_completions_and_chat(server, client, local, tiny_model)
             for k, v in entry.items():
                 assert abs(v["logprob"] - rec[int(k)][0]) < 1e-4 and v["rank"] == rec[int(k)][1]
                 assert v["decoded_token"] == local.tokenizer.decode([int(k)], skip_special_tokens=False)
+    # echo + logprobs covers the prompt too (as vLLM): None for the first token, then the prompt's values
+    r = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=2, echo=True, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) + 2 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    for t, v, top, rec in zip(ids[1:], lp.token_logprobs[1:], lp.top_logprobs[1:], want[1:]):
+        assert abs(v - rec[t][0]) < 1e-4 and 1 <= len(top) <= 2  # (token strings may collide as keys)
+    assert r.choices[0].text.startswith("Once upon a time")
     msgs = [{"role": "user", "content": "Hi there"}]
     r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=1, extra_body={"prompt_logprobs": 0})
     plp = r.prompt_logprobs  # top level, as vLLM's ChatCompletionResponse
