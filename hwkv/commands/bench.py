@@ -27,6 +27,8 @@ BENCHES = {
                 "hit vs recompute, decode throughput with the connector on vs off"),
     "spec": ("hwkv.bench.spec", "speculative decoding: decode speedup vs non-speculative (n-gram, draft = target, "
              "1-layer draft), acceptance"),
+    "pool-restart": ("hwkv.bench.pool_restart", "persistent pool: TTFT of a restarted engine's first "
+                     "shared-prefix request, loaded from the pool vs recomputed (real mooncake master + holder)"),
     "routing": ("hwkv.bench.routing", "cache-aware routing vs round-robin over several hwkv serve instances "
                 "(multi-tenant shared system prompts): TTFT p50/p99 and prefix hit rate, same run"),
     "pool": ("hwkv.bench.pool", "global KV pool: TTFT loaded from the pool vs recomputed, put/get "

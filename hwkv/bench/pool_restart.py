@@ -1,0 +1,139 @@
+"""``hwkv bench pool-restart``: TTFT of the first shared-prefix request on a freshly started engine,
+with the persistent pool vs without.
+
+A real ``mooncake_master`` and a memory holder (Mooncake's ``mooncake_client``, as ``hwkv pool
+master --capacity`` starts) hold the pool; engines contribute no memory (``global_segment_size=0``).
+
+1. *fill*: an engine process serves one request of a ``--prompt-len`` shared prefix (a system prompt)
+   plus a suffix, lets its puts land, and exits;
+2. *pool*: a new engine process (the restarted or scaled-out instance) with the pool connector;
+3. *none*: a new engine process without a connector (what a restart costs today).
+
+In 2 and 3 the engine first serves an unrelated short request (first-forward costs are nobody's),
+then the measured one: the same prefix with another suffix, ``max_tokens=1``; TTFT is that
+``generate`` call's wall time, best of ``--repeats`` fresh processes. The tokens of 2 and 3 must be
+identical (checked). Results: ``pool-restart-<model>-<backend>-<date>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+CHILD = r"""
+import json, sys, time
+import hwkv
+from hwkv import SamplingParams
+cfg = json.loads(sys.argv[1])
+kw = dict(backend=cfg["backend"], dtype=cfg["dtype"], block_size=cfg["block_size"], max_model_len=cfg["max_len"],
+          num_kv_blocks=cfg["blocks"])
+if cfg["pool"] is not None:
+    kw.update(kv_connector="pool", kv_connector_config=cfg["pool"])
+e = hwkv.Engine(cfg["model"], **kw)
+sp = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+e.generate([cfg["warm"]], sp, use_tqdm=False)
+t0 = time.perf_counter()
+out = e.generate([cfg["prompt"]], sp, use_tqdm=False)[0]
+ttft = time.perf_counter() - t0
+if cfg["pool"] is not None:
+    conn, deadline = e.connector, time.monotonic() + 120
+    while conn.has_pending_transfers() and time.monotonic() < deadline:
+        e.step()
+        time.sleep(0.001)
+st = e.stats().get("kv_connector") or {}
+print("RESULT " + json.dumps({"ttft_s": ttft, "tokens": out.token_ids, "loaded_bytes": st.get("loaded_bytes", 0),
+                               "stored_chunks": st.get("stored_chunks", 0),
+                               "lookup_hit_tokens": st.get("lookup_hit_tokens", 0)}), flush=True)
+e.close()
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny", help="tiny, a shape of `hwkv bench e2e` (llama-1b, ...) or a HF dir")
+    p.add_argument("--backend", default="cpu")
+    p.add_argument("--dtype", default=None, help="default float32 on cpu, else bfloat16")
+    p.add_argument("--prompt-len", type=int, default=8192, help="shared prefix tokens")
+    p.add_argument("--suffix-len", type=int, default=32)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--capacity-mb", type=int, default=2048, help="the holder's memory")
+    p.add_argument("--repeats", type=int, default=2, help="fresh processes per variant (best TTFT kept)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per engine process")
+    p.add_argument("--workdir", default="/tmp/hwkv-bench-models")
+    p.add_argument("--out-dir", default=None)
+
+
+def _child(cfg: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    r = subprocess.run([sys.executable, "-c", CHILD, json.dumps(cfg)], capture_output=True, text=True,
+                       timeout=timeout_s, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if r.returncode != 0 or line is None:
+        raise RuntimeError(f"engine process failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
+    return json.loads(line[7:])
+
+
+def run(args: argparse.Namespace) -> int:
+    import random
+
+    from hwkv.bench import results_dir
+    from hwkv.bench.common import machine, model_dir, write_result
+    from hwkv.bench.serve import _commit
+    from hwkv.stores.mooncake_service import mooncake_available, mooncake_holder, mooncake_master
+
+    ok, why = mooncake_available()
+    if not ok:
+        print(f"hwkv bench pool-restart: mooncake is needed ({why})", file=sys.stderr)
+        return 2
+    if args.dtype is None:
+        args.dtype = "float32" if args.backend == "cpu" else "bfloat16"
+    mdir = str(model_dir(args))
+    vocab = json.loads((Path(mdir) / "config.json").read_text()).get("vocab_size", 512)
+    rng = random.Random(0)
+    prefix = [rng.randrange(1, vocab) for _ in range(args.prompt_len)]
+    suffix = [[rng.randrange(1, vocab) for _ in range(args.suffix_len)] for _ in range(2 + args.repeats)]
+    max_len = args.prompt_len + args.suffix_len + 2 * args.block_size
+    base = dict(model=mdir, backend=args.backend, dtype=args.dtype, block_size=args.block_size, max_len=max_len,
+                blocks=2 * (max_len // args.block_size + 2), warm=[rng.randrange(1, vocab) for _ in range(40)])
+    out: dict[str, Any] = {}
+    with contextlib.ExitStack() as stack:
+        m = stack.enter_context(mooncake_master())
+        stack.enter_context(mooncake_holder(m, args.capacity_mb << 20, timeout_s=60.0))
+        pool = dict(store="mooncake", master=m.master, metadata_server=m.metadata_server, protocol="tcp",
+                    global_segment_size=0)
+        fill = _child({**base, "pool": pool, "prompt": prefix + suffix[0]}, args.timeout)
+        print(f"fill: {fill['stored_chunks']} chunks put, process exited", flush=True)
+        runs: dict[str, list[dict[str, Any]]] = {"pool": [], "none": []}
+        for i in range(args.repeats):
+            prompt = prefix + suffix[1 + i]
+            for name in ("none", "pool"):
+                r = _child({**base, "pool": pool if name == "pool" else None, "prompt": prompt}, args.timeout)
+                runs[name].append(r)
+                print(f"  {name:>4}: TTFT {1e3 * r['ttft_s']:.1f} ms, loaded {r['loaded_bytes']} B", flush=True)
+            if runs["pool"][-1]["tokens"] != runs["none"][-1]["tokens"]:
+                raise RuntimeError(f"tokens differ with the pool: {runs['pool'][-1]['tokens']} vs "
+                                   f"{runs['none'][-1]['tokens']}")
+        best = {k: min(r["ttft_s"] for r in v) for k, v in runs.items()}
+        out = {"ttft_pool_ms": 1e3 * best["pool"], "ttft_recompute_ms": 1e3 * best["none"],
+               "speedup": best["none"] / best["pool"], "runs": runs, "filled_chunks": fill["stored_chunks"],
+               "tokens_identical": True}
+    print(f"cold restart, first request of a {args.prompt_len}-token shared prefix: TTFT {out['ttft_pool_ms']:.1f} ms "
+          f"with the persistent pool vs {out['ttft_recompute_ms']:.1f} ms recomputed = x{out['speedup']:.2f} "
+          f"(goal >= 4)", flush=True)
+    day = dt.date.today().isoformat()
+    path = Path(args.out_dir or results_dir()) / f"pool-restart-{args.model}-{args.backend}-{day}.json"
+    write_result(path, {"bench": "pool-restart", "date": day, "machine": machine(), "commit": os.environ.get(
+        "HWKV_COMMIT") or _commit(), "command": "hwkv bench pool-restart " + " ".join(sys.argv[3:]),
+        "args": vars(args), "results": out})
+    return 0
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(prog="python -m hwkv.bench.pool_restart", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    raise SystemExit(run(p.parse_args()))
