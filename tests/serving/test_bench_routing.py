@@ -1,0 +1,42 @@
+"""`hwkv bench routing` and `hwkv bench pool-restart` at toy scale: both run end to end (real server,
+router and mooncake processes), write their result files, and leave no process behind."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from hwkv.bench import pool_restart, routing
+from hwkv.testing.mooncake import skip_unless_mooncake
+
+
+def _args(mod, argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    mod.add_arguments(p)
+    return p.parse_args(argv)
+
+
+@pytest.mark.slow
+def test_bench_routing_toy(tmp_path):
+    args = _args(routing, ["--instances", "2", "--tenants", "4", "--system-len", "96-160", "--suffix-len", "8",
+                           "--requests", "24", "--concurrency", "2", "--kv-share", "1.0", "--workdir",
+                           str(tmp_path / "models"), "--out-dir", str(tmp_path)])
+    assert routing.run(args) == 0
+    doc = json.loads(next(tmp_path.glob("routing-tiny-cpu-x2-*.json")).read_text())
+    rr, ca = doc["results"]["round_robin"], doc["results"]["cache_aware"]
+    assert rr["completed"] == ca["completed"] == 24 and rr["failed"] == ca["failed"] == 0
+    assert sum(rr["routed"]) == sum(ca["routed"]) == 24 and rr["routed"] == [12, 12]
+    assert ca["prompt_tokens"] > 0 and ca["prefix_hit_rate"] >= rr["prefix_hit_rate"]
+
+
+@pytest.mark.slow
+def test_bench_pool_restart_toy(tmp_path):
+    skip_unless_mooncake()
+    args = _args(pool_restart, ["--prompt-len", "256", "--repeats", "1", "--capacity-mb", "64", "--workdir",
+                                str(tmp_path / "models"), "--out-dir", str(tmp_path)])
+    assert pool_restart.run(args) == 0
+    res = json.loads(next(tmp_path.glob("pool-restart-tiny-cpu-*.json")).read_text())["results"]
+    assert res["tokens_identical"] and res["runs"]["pool"][0]["loaded_bytes"] > 0
+    assert res["runs"]["none"][0]["loaded_bytes"] == 0
