@@ -1,0 +1,159 @@
+"""Differential random traces with a hybrid model (Gemma-3-shaped: two window-16 layers and a global
+one): prefix caching + offload, pool and P/D, with load failures injected at random, give exactly
+the tokens of a plain engine (no prefix cache, no connector), and leave no block, host pin or pool
+hold behind. Seeded (bounded for CI): each seed is a trace of prompts over a few shared prefixes, so
+device hits, host-tier hits, pool hits and misses all happen, under a device pool small enough to
+evict."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import hwkv
+from hwkv.connectors.offload import OffloadConnector
+from hwkv.connectors.offload.worker import OffloadWorker
+from hwkv.connectors.pool.store import drop_embedded, embedded_store
+from hwkv.testing.mooncake import mooncake_available
+
+from .conftest import BS, assert_no_leak, engine, greedy
+from .test_pool import Flaky, _close, _settle
+
+transformers = pytest.importorskip("transformers")
+
+SEEDS = [0, 1, 2]
+
+
+@pytest.fixture(scope="module")
+def hybrid_dir(tmp_path_factory):
+    cfg = transformers.Gemma3TextConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=512, max_position_embeddings=256, initializer_range=0.2, bos_token_id=1,
+        eos_token_id=2, query_pre_attn_scalar=16, sliding_window=16, sliding_window_pattern=3)
+    torch.manual_seed(11)
+    path = tmp_path_factory.mktemp("hybrid-diff")
+    transformers.Gemma3ForCausalLM(cfg).float().eval().save_pretrained(path)
+    return str(path)
+
+
+def trace(seed: int) -> list[tuple[list[int], int]]:
+    """(prompt, max_tokens) pairs: prompts over three shared prefixes of 1-4 blocks (+ a partial one),
+    some after a filler that takes most of an 8-block device pool (the prefix must come from elsewhere)."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(3, 500) for _ in range(rng.randint(BS, 4 * BS + 5))] for _ in range(3)]
+    out = []
+    for _ in range(7):
+        if rng.random() < 0.5:
+            out.append(([rng.randrange(3, 500) for _ in range(100)], 1))
+        out.append((rng.choice(prefixes) + [rng.randrange(3, 500) for _ in range(rng.randint(1, 30))],
+                    rng.randint(1, 6)))
+    return out
+
+
+def run(e: hwkv.Engine, steps: list[tuple[list[int], int]], before=None) -> list[list[int]]:
+    out = []
+    for i, (p, n) in enumerate(steps):
+        if before:
+            before(i)
+        out.append(e.generate([p], greedy(n), use_tqdm=False)[0].token_ids)
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain(hybrid_dir):
+    e = engine(hybrid_dir, num_kv_blocks=64, enable_prefix_caching=False)
+    assert e.model.attention_features == ("sliding_window",)
+    assert [e.model.config.window_of(i) for i in range(3)] == [16, 16, None]
+    return {s: run(e, trace(s)) for s in SEEDS}
+
+
+class RandomFailWorker(OffloadWorker):
+    rng = random.Random(0)
+    p = 0.0
+
+    def load_blocks(self, host_ids, device_ids, layer=None):
+        if self.rng.random() < self.p:
+            raise RuntimeError("injected load failure")
+        super().load_blocks(host_ids, device_ids, layer)
+
+
+class RandomFailOffload(OffloadConnector):
+    worker_cls = RandomFailWorker
+
+    def __init__(self, seed: int, p: float, **kw):
+        super().__init__(**kw)
+        self.worker.rng, self.worker.p = random.Random(seed), p
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_offload_with_random_load_failures(hybrid_dir, plain, seed):
+    e = engine(hybrid_dir, num_kv_blocks=8, kv_connector=RandomFailOffload(seed, 0.4, cpu_bytes=1 << 20))
+    assert run(e, trace(seed)) == plain[seed]
+    st = e.stats()["kv_connector"]
+    assert st["load_failures"] > 0  # the seeded failures hit (seeds 0 and 1 also load from the host tier)
+    assert_no_leak(e)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_pool_with_random_lost_keys(hybrid_dir, plain, seed, request):
+    name = f"hybrid-diff-{seed}-{request.node.name}"
+    flaky = Flaky(embedded_store(name))
+    kw = dict(num_kv_blocks=16, kv_connector="pool", kv_connector_config={"store": flaky})
+    a, b = engine(hybrid_dir, **kw), engine(hybrid_dir, **kw)
+    rng = random.Random(seed)
+    try:
+        steps = trace(seed)
+        assert run(a, steps) == plain[seed]  # fills the pool (and hits its own device cache)
+        _settle(a)
+
+        def maybe_lose(_i):
+            flaky.lose_gets = rng.random() < 0.4
+
+        assert run(b, steps, maybe_lose) == plain[seed]  # a second instance: pool hits, some lost
+        flaky.lose_gets = False
+        sb = _settle(b)
+        assert sb["external_hit_tokens"] > 0 and sb["load_failures"] > 0
+        for e in (a, b):
+            assert e.kv_cache_manager.num_free_blocks == e.kv_cache.spec.num_blocks
+    finally:
+        _close(a, b)
+        drop_embedded(name)
+
+
+@pytest.mark.skipif(not mooncake_available()[0], reason="P/D needs the Mooncake transfer engine")
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_pd_with_random_failed_reads(hybrid_dir, plain, mode):
+    from hwkv.interfaces.transfer import TransferError
+
+    from .test_p2p_engine import assert_clean, cfg, decode, prefill
+
+    seed = SEEDS[0]
+    p = engine(hybrid_dir, num_kv_blocks=16, kv_connector="p2p", kv_connector_config=cfg("producer", mode))
+    d = engine(hybrid_dir, num_kv_blocks=16, kv_connector="p2p",
+               kv_connector_config=cfg("consumer", mode, transfer_timeout_s=0.3))
+    rng = random.Random(seed)
+    conn = d.scheduler.connector if mode == "pull" else p.scheduler.connector
+    real = conn.transfer.read if mode == "pull" else conn.transfer.write
+    fail = {"on": False}
+
+    def flaky(*args, **kw):
+        if fail["on"]:
+            raise TransferError("injected transfer failure")
+        return real(*args, **kw)
+
+    setattr(conn.transfer, "read" if mode == "pull" else "write", flaky)
+    try:
+        got = []
+        for prompt, n in trace(seed):
+            fail["on"] = rng.random() < 0.4
+            params = prefill(p, prompt)
+            got.append(decode(d, prompt, params, n=n))
+        fail["on"] = False
+        assert got == plain[seed]
+        assert d.stats()["kv_connector"]["load_failures"] > 0
+        assert_clean(p, d)
+    finally:
+        p.close()
+        d.close()
