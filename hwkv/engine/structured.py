@@ -86,6 +86,11 @@ class StructuredOutputs:
         self.matchers: dict[str, list[Any]] = {}  # req id -> [matcher, tokens consumed]
         self.num_compiled = 0  # grammars compiled (cache misses), for tests and stats
         self.num_masks, self.mask_s = 0, 0.0  # bitmask() calls that masked something, and their host time
+        # two pinned host buffers, used in turn: a pageable buffer's copy would wait for the device
+        # stream (the step's forward) and stall the host; a buffer is written again two steps later,
+        # when its copy has long completed (the step in between read its sampled tokens)
+        self._bufs: list[torch.Tensor] = []
+        self._turn = 0
 
     @property
     def words(self) -> int:
@@ -138,7 +143,7 @@ class StructuredOutputs:
         import llguidance
 
         t0 = time.perf_counter()
-        mask = torch.full((len(req_ids), self.words), -1, dtype=torch.int32)
+        mask = self._buffer(len(req_ids), device)
         todo = []
         for i, state in rows:
             m, seen = state
@@ -164,6 +169,19 @@ class StructuredOutputs:
         self.num_masks += 1
         self.mask_s += time.perf_counter() - t0
         return mask.to(device, non_blocking=True)
+
+    def _buffer(self, rows: int, device: torch.device) -> torch.Tensor:
+        """``[rows, words]`` int32 all ones on the host: pinned (in turn) for a device, plain for the CPU."""
+        if device.type == "cpu":
+            return torch.full((rows, self.words), -1, dtype=torch.int32)
+        if not self._bufs or self._bufs[0].shape[0] < rows:
+            n = max(rows, 2 * self._bufs[0].shape[0] if self._bufs else 64)
+            try:
+                self._bufs = [torch.empty((n, self.words), dtype=torch.int32, pin_memory=True) for _ in range(2)]
+            except RuntimeError:  # no pinned memory here: pageable (the copy then waits for the stream)
+                return torch.full((rows, self.words), -1, dtype=torch.int32)
+        self._turn ^= 1
+        return self._bufs[self._turn][:rows].fill_(-1)
 
 
 def _bit(j: int) -> int:
