@@ -12,7 +12,10 @@ public default unless ``--engine-args`` says otherwise; printed next to the figu
 * **greedy agreement**: ``--agree-prompts`` random prompts × ``--agree-tokens`` greedy tokens through
   ``generate`` vs the first kv dtype's; first-divergence position per prompt (None: identical);
 * **bytes**: what offload, pool and P/D move per block (``KVCache.segments``, the byte ranges all
-  three connectors copy).
+  three connectors copy);
+* ``--moved-bytes``: the bytes the offload connector (host tier) and the p2p connector (pull, tcp on
+  loopback) really moved per KV token, from their counters, through small engines of this model
+  (:func:`moved_bytes`; host memory only, so it runs on the CPU backend too).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--agree-tokens", type=int, default=64)
     p.add_argument("--engine-args", default="{}", help="JSON dict of Engine kwargs (default: the public defaults, "
                    "except max_model_len = the decode context + 64 and enforce_eager)")
+    p.add_argument("--moved-bytes", action="store_true", help="also measure offload and p2p bytes per KV token")
     p.add_argument("--out", default=None)
 
 
@@ -109,6 +113,63 @@ def decode_step(engine: Any, batch: int, ctx: int, reps: int) -> dict[str, Any]:
                 min_ms=times[0] * 1e3, max_ms=times[-1] * 1e3)
 
 
+def moved_bytes(mdir: Path, be: Any, dtype: str, kd: str, vocab: int, block_size: int = 16) -> dict[str, Any]:
+    """Bytes per KV token the offload and the p2p connector moved for ``kv_cache_dtype=kd``, from their
+    counters. Offload: a 4-block prefix, evicted from an 8-block device pool by a filler, comes back
+    from the host tier for its 2nd and 3rd user. p2p (pull, tcp on loopback, needs Mooncake's
+    transfer engine): a producer prefills 3 prompts, a consumer loads their full blocks and decodes."""
+    import random
+
+    import hwkv
+    from hwkv.sampling_params import SamplingParams
+
+    rng = random.Random(0)
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    kw = dict(backend=be, dtype=dtype, kv_cache_dtype=kd, block_size=block_size, max_model_len=8 * block_size,
+              enforce_eager=True)
+    out: dict[str, Any] = {}
+    prefix = [rng.randrange(100, vocab - 100) for _ in range(4 * block_size)]
+    work = []
+    for _ in range(3):
+        work.append([rng.randrange(100, vocab - 100) for _ in range(8 * block_size - 10)])
+        work.append(prefix + [rng.randrange(100, vocab - 100) for _ in range(5)])
+    e = hwkv.Engine(str(mdir), num_kv_blocks=8, kv_connector="offload", kv_connector_config={"cpu_bytes": 64 << 20},
+                    **kw)
+    for p in work:
+        e.generate([p], greedy, use_tqdm=False)
+    for _ in range(50):  # stores finish on the steps after their request
+        if not e.scheduler.connector.has_pending_transfers():
+            break
+        e.step()
+    st = e.stats()["kv_connector"]
+    out["offload"] = dict(loaded_bytes=st["loaded_bytes"], loaded_tokens=st["external_hit_tokens"],
+                          stored_bytes=st["stored_bytes"],
+                          loaded_bytes_per_token=st["loaded_bytes"] / max(1, st["external_hit_tokens"]))
+    e.close()
+    try:
+        import mooncake.engine  # noqa: F401 - the tcp transfer engine the p2p connector uses here
+    except (ImportError, OSError) as err:
+        out["p2p"] = dict(skipped=f"Mooncake's transfer engine does not import: {err}")
+        return out
+    cfg = lambda role: dict(role=role, mode="pull", transfer_timeout_s=10.0)
+    prod = hwkv.Engine(str(mdir), num_kv_blocks=32, kv_connector="p2p", kv_connector_config=cfg("producer"), **kw)
+    cons = hwkv.Engine(str(mdir), num_kv_blocks=32, kv_connector="p2p", kv_connector_config=cfg("consumer"), **kw)
+    try:
+        for p in work[1::2]:
+            sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True,
+                                kv_transfer_params={"do_remote_decode": True})
+            params = prod.generate([p], sp, use_tqdm=False)[0].kv_transfer_params
+            sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, kv_transfer_params=params)
+            cons.generate([p], sp, use_tqdm=False)
+        st = cons.stats()["kv_connector"]
+        out["p2p"] = dict(loaded_bytes=st["loaded_bytes"], loaded_tokens=st["external_hit_tokens"],
+                          loaded_bytes_per_token=st["loaded_bytes"] / max(1, st["external_hit_tokens"]))
+    finally:
+        prod.close()
+        cons.close()
+    return out
+
+
 def one_kv_dtype(args: argparse.Namespace, mdir: Path, be: Any, kd: str, kw: dict[str, Any], work: list[Any],
                  params: Any, base_tokens: list[list[int]] | None) -> tuple[dict[str, Any], list[list[int]]]:
     """One engine with ``kv_cache_dtype=kd``: its figures and greedy tokens (the engine is dropped on return)."""
@@ -128,6 +189,9 @@ def one_kv_dtype(args: argparse.Namespace, mdir: Path, be: Any, kd: str, kw: dic
     r["identical_prompts"] = sum(d is None for d in r["first_divergence"])
     if args.decode_batch > 0:
         r["decode"] = decode_step(e, args.decode_batch, args.decode_context, args.decode_reps)
+    if args.moved_bytes:
+        e.close()
+        r["moved_bytes"] = moved_bytes(mdir, be, args.dtype, kd, e.vocab_size)
     return r, toks
 
 
@@ -161,6 +225,10 @@ def run(args: argparse.Namespace) -> int:
                          bytes_per_block=other["bytes_per_block"] / base["bytes_per_block"])
     if "decode" in base and "decode" in other:
         res["ratios"]["decode_tok_per_s"] = other["decode"]["tok_per_s"] / base["decode"]["tok_per_s"]
+    for conn in ("offload", "p2p"):
+        b, o = (r.get("moved_bytes", {}).get(conn, {}).get("loaded_bytes_per_token") for r in (base, other))
+        if b and o:
+            res["ratios"][f"{conn}_bytes_per_token"] = o / b
     print(json.dumps(res["ratios"]), flush=True)
     write_result(result_path(args, "kv-dtype"), res)
     return 0

@@ -233,12 +233,19 @@ class Device(ABC):
         ctx = self.stream_context(stream) if stream is not None else _nullcontext()
         with ctx:
             for s_t, d_t in zip(src.tensors, dst.tensors):
+                s_t, d_t = _as_bytes(s_t), _as_bytes(d_t)
                 si = s_idx.to(s_t.device, non_blocking=True)
                 di = d_idx.to(d_t.device, non_blocking=True)
                 # A non-blocking device->host copy returns before the bytes land, and the host-side
                 # index_copy_ that follows is on no stream: it must wait.
                 to_host = d_t.device.type == "cpu" and s_t.device.type != "cpu"
                 d_t.index_copy_(0, di, s_t.index_select(0, si).to(d_t.device, non_blocking=not to_host))
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """fp8 tensors as uint8 (the same bytes): torch has no index_copy_ for float8 on the CPU, so an
+    fp8 KV cache's copies failed there (the offload tier silently stored nothing)."""
+    return t.view(torch.uint8) if t.dtype.is_floating_point and t.dtype.itemsize == 1 else t
 
 
 def _no_graphs(dev: Device) -> Exception:

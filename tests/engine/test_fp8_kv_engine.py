@@ -143,3 +143,19 @@ def test_checkpoint_kv_scales_are_used_for_fp8(tmp_path):
     save_file(w, str(d / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(Exception, match="KV scale 'model.layers.0.self_attn.k_scale' has 3 values"):
         hwkv.Engine(str(d), num_kv_blocks=32, kv_cache_dtype="fp8")
+
+
+def test_offload_and_p2p_move_half_the_bytes_per_token(model_dir):
+    """The offload connector (host tier) and the p2p connector (pull, tcp on loopback) move half the
+    bytes per KV token for fp8 as for bf16, measured by their counters through engines. Regression: the
+    CPU device's block copy had no float8 index_copy_, so the fp8 host tier silently stored nothing."""
+    from hwkv.bench.kv_dtype import moved_bytes
+
+    got = {kd: moved_bytes(model_dir, "cpu", "bfloat16", kd, 512) for kd in ("auto", "fp8")}
+    for conn in ("offload", "p2p"):
+        if "skipped" in got["auto"][conn]:
+            continue  # p2p needs Mooncake's transfer engine
+        bf16, fp8 = got["auto"][conn], got["fp8"][conn]
+        assert bf16["loaded_tokens"] == fp8["loaded_tokens"] > 0, (conn, got)
+        assert fp8["loaded_bytes"] * 2 == bf16["loaded_bytes"], (conn, got)
+    assert got["fp8"]["offload"]["stored_bytes"] * 2 == got["auto"]["offload"]["stored_bytes"]
