@@ -110,10 +110,28 @@ class EngineBench:
 
     def header(self, bench: str, args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
         """The first keys of the bench's result: what ran, where, when."""
+        import sys
+
         import torch
 
         return dict(bench=bench, model=args.model, dtype=args.dtype, device=self.device.description(),
-                    date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **extra, torch=torch.__version__)
+                    date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), commit=source_commit(),
+                    command=" ".join(["python3 -m hwkv bench", bench, *sys.argv[1:]]), **extra,
+                    torch=torch.__version__)
+
+
+def source_commit() -> str | None:
+    """The checkout's short commit: ``git rev-parse``, else a ``COMMIT`` file at the tree's root (a
+    copy shipped without .git, as to the GPU machine)."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=root).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    if not out and (root / "COMMIT").is_file():
+        out = (root / "COMMIT").read_text().strip()
+    return out or None
 
 
 def engine_bench(args: argparse.Namespace) -> EngineBench:
