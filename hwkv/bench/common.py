@@ -114,10 +114,10 @@ class EngineBench:
 
         import torch
 
+        sub = [] if sys.argv[1:3] == ["bench", bench] else ["bench", bench]  # run as a module of its own
         return dict(bench=bench, model=args.model, dtype=args.dtype, device=self.device.description(),
                     date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), commit=source_commit(),
-                    command=" ".join(["python3 -m hwkv bench", bench, *sys.argv[1:]]), **extra,
-                    torch=torch.__version__)
+                    command=" ".join(["python3 -m hwkv", *sub, *sys.argv[1:]]), **extra, torch=torch.__version__)
 
 
 def source_commit() -> str | None:
