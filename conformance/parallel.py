@@ -108,6 +108,22 @@ def visible(backend_env: str | None, devices: int, index: int) -> dict[str, str]
     return {backend_env: ids[index % min(devices, len(ids))]}
 
 
+def spawn_logged(cmd: list[str], env: dict[str, str], log_path: Path) -> tuple[subprocess.Popen, Any]:
+    """``cmd`` started with its stdout and stderr in ``log_path``; :func:`reap` closes the log."""
+    log = open(log_path, "w")  # noqa: SIM115  (closed by reap)
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log
+
+
+def reap(procs: list[tuple[subprocess.Popen, Any]]) -> None:
+    """Kill the processes of :func:`spawn_logged` still running (the waits before are bounded), wait
+    for them, close their logs: no test leaves a process behind."""
+    for p, log in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        log.close()
+
+
 def run_workers(name: str, workers: int, devices: int, args: list[str], visible_env: str | None,
                 directory: Path, quiet: bool = False) -> list[dict[str, Any]]:
     """Start ``workers`` pytest processes on the suite and wait; their partial reports."""
@@ -119,8 +135,7 @@ def run_workers(name: str, workers: int, devices: int, args: list[str], visible_
         env = dict(os.environ) | visible(visible_env, devices, i)
         cmd = [sys.executable, "-m", "pytest", str(SUITE_DIR), "--backend", name, "-p", "no:cacheprovider", "-q",
                "-rfE", f"--worker-dir={directory}", f"--worker-index={i}", f"--devices={devices}", *args]
-        log = open(directory / f"worker-{i}.log", "w")  # noqa: SIM115  (closed in finally)
-        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))
+        procs.append(spawn_logged(cmd, env, directory / f"worker-{i}.log"))
     t0, last = time.monotonic(), 0.0
     try:
         while any(p.poll() is None for p, _ in procs):
@@ -133,11 +148,7 @@ def run_workers(name: str, workers: int, devices: int, args: list[str], visible_
                       f"{f' / {total}' if total else ''} tests finished on {workers} workers", flush=True)
             time.sleep(0.5)
     finally:
-        for p, log in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            log.close()
+        reap(procs)
     parts = []
     for i, (p, _) in enumerate(procs):
         f = directory / f"part-{i}.json"

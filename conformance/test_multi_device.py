@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from conformance.parallel import reap, spawn_logged
 from conformance.test_engine import generate, setup, tiny  # noqa: F401  (fixtures)
 
 pytestmark = [pytest.mark.multi_device, pytest.mark.timeout_s(300)]
@@ -47,20 +47,15 @@ def run_ranks(spec: str, scenario: str, visible_env: str | None, timeout_s: floa
             env = dict(os.environ)
             if visible_env:
                 env[visible_env] = ids[r % len(ids)]
-            log = open(Path(d) / f"rank{r}.log", "w")  # noqa: SIM115  (closed in finally)
             cmd = [sys.executable, "-m", "conformance.ranks", spec, str(r), str(WORLD), str(store.port), scenario,
                    str(Path(d) / f"rank{r}.json")]
-            procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+            procs.append(spawn_logged(cmd, env, Path(d) / f"rank{r}.log"))
         deadline = time.monotonic() + timeout_s
         try:
             while any(p.poll() is None for p, _ in procs) and time.monotonic() < deadline:
                 time.sleep(0.1)
         finally:
-            for p, log in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-                log.close()
+            reap(procs)
         out = []
         for r in range(WORLD):
             f = Path(d) / f"rank{r}.json"
