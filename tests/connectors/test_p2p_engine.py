@@ -64,6 +64,20 @@ def assert_clean(*engines: hwkv.Engine) -> None:
         assert not e.scheduler.delayed_free
 
 
+def assert_round_trip(p: hwkv.Engine, d: hwkv.Engine, want: list[list[int]]) -> None:
+    """Every prompt prefilled on ``p`` and decoded on ``d`` from its KV gives ``want``; every load
+    was a hit (no failure, nothing recomputed), nothing is left pinned; both engines are closed."""
+    try:
+        got = [decode(d, q, prefill(p, q)) for q in prompts()]
+        assert got == want
+        st = d.stats()["kv_connector"]
+        assert st["load_failures"] == 0 and st["external_hit_tokens"] == sum(len(q) - 1 for q in prompts())
+        assert_clean(p, d)
+    finally:
+        p.close()
+        d.close()
+
+
 @pytest.fixture(params=["pull", "push", "push-staged"])
 def pair(request, model_dir):
     mode, staged = request.param.split("-")[0], request.param.endswith("staged")
@@ -138,14 +152,7 @@ def test_different_block_sizes_translate(model_dir, reference):
     p = engine(model_dir, num_kv_blocks=16, kv_connector="p2p", kv_connector_config=cfg("producer", "pull"))
     d = engine(model_dir, num_kv_blocks=32, block_size=BS // 2, kv_connector="p2p",
                kv_connector_config=cfg("consumer", "pull"))
-    try:
-        got = [decode(d, q, prefill(p, q)) for q in prompts()]
-        assert got == reference
-        assert d.stats()["kv_connector"]["external_hit_tokens"] == sum(len(q) - 1 for q in prompts())
-        assert_clean(p, d)
-    finally:
-        p.close()
-        d.close()
+    assert_round_trip(p, d, reference)
 
 
 def test_bad_config_is_refused_naming_what_is_allowed(model_dir):

@@ -9,7 +9,7 @@ from hwkv.model.tiny import write_tiny_model
 from hwkv.testing.mooncake import skip_unless_mooncake
 
 from .conftest import engine, greedy
-from .test_p2p_engine import assert_clean, cfg, decode, prefill, prompts
+from .test_p2p_engine import assert_round_trip, cfg, prompts
 
 skip_unless_mooncake(allow_module_level=True)
 
@@ -27,12 +27,4 @@ def test_windowed_model_decode_from_remote_prefill_token_identical(windowed_dir,
                                                                                     use_tqdm=False)]
     p = engine(windowed_dir, num_kv_blocks=16, kv_connector="p2p", kv_connector_config=cfg("producer", mode))
     d = engine(windowed_dir, num_kv_blocks=16, kv_connector="p2p", kv_connector_config=cfg("consumer", mode))
-    try:
-        got = [decode(d, q, prefill(p, q)) for q in prompts()]
-        assert got == want
-        st = d.stats()["kv_connector"]
-        assert st["load_failures"] == 0 and st["external_hit_tokens"] == sum(len(q) - 1 for q in prompts())
-        assert_clean(p, d)
-    finally:
-        p.close()
-        d.close()
+    assert_round_trip(p, d, want)

@@ -61,7 +61,7 @@ def test_pd_identity(model):
     from hwkv.testing.mooncake import skip_unless_mooncake
 
     skip_unless_mooncake()
-    from .test_p2p_engine import assert_clean, cfg, decode, prefill, prompts
+    from .test_p2p_engine import assert_round_trip, cfg, prompts
 
     ref = engine(model, dtype="float32", num_kv_blocks=16)
     want = [o.token_ids for o in ref.generate(prompts(), hwkv.SamplingParams(temperature=0, max_tokens=6,
@@ -69,12 +69,4 @@ def test_pd_identity(model):
     kw = dict(dtype="float32", num_kv_blocks=16, kv_connector="p2p")
     p = engine(model, kv_connector_config=cfg("producer", "pull"), **kw)
     d = engine(model, kv_connector_config=cfg("consumer", "pull"), **kw)
-    try:
-        got = [decode(d, q, prefill(p, q)) for q in prompts()]
-        assert got == want
-        st = d.stats()["kv_connector"]
-        assert st["load_failures"] == 0 and st["external_hit_tokens"] == sum(len(q) - 1 for q in prompts())
-        assert_clean(p, d)
-    finally:
-        p.close()
-        d.close()
+    assert_round_trip(p, d, want)
