@@ -33,7 +33,7 @@ import hwkv
 from hwkv import SamplingParams
 cfg = json.loads(sys.argv[1])
 kw = dict(backend=cfg["backend"], dtype=cfg["dtype"], block_size=cfg["block_size"], max_model_len=cfg["max_len"],
-          num_kv_blocks=cfg["blocks"])
+          num_kv_blocks=cfg["blocks"], **cfg["engine_args"])
 if cfg["pool"] is not None:
     kw.update(kv_connector="pool", kv_connector_config=cfg["pool"])
 e = hwkv.Engine(cfg["model"], **kw)
@@ -65,6 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--capacity-mb", type=int, default=2048, help="the holder's memory")
     p.add_argument("--repeats", type=int, default=2, help="fresh processes per variant (best TTFT kept)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per engine process")
+    p.add_argument("--engine-args", default="{}", help="JSON dict of extra Engine kwargs (every process)")
     p.add_argument("--workdir", default="/tmp/hwkv-bench-models")
     p.add_argument("--out-dir", default=None)
 
@@ -99,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
     suffix = [[rng.randrange(1, vocab) for _ in range(args.suffix_len)] for _ in range(2 + args.repeats)]
     max_len = args.prompt_len + args.suffix_len + 2 * args.block_size
     base = dict(model=mdir, backend=args.backend, dtype=args.dtype, block_size=args.block_size, max_len=max_len,
-                blocks=2 * (max_len // args.block_size + 2), warm=[rng.randrange(1, vocab) for _ in range(40)])
+                blocks=2 * (max_len // args.block_size + 2), engine_args=json.loads(args.engine_args),
+                warm=[rng.randrange(1, vocab) for _ in range(40)])
     out: dict[str, Any] = {}
     with contextlib.ExitStack() as stack:
         m = stack.enter_context(mooncake_master())
