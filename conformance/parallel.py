@@ -99,6 +99,16 @@ class WorkerLoop:
         times.write(f"{time.monotonic() - t0:8.2f} {item.nodeid}\n")
 
 
+def threads(workers: int) -> dict[str, str]:
+    """Each worker's share of the host's cores for torch's CPU ops (the reference oracle, inputs,
+    comparisons), unless the caller chose: by default every worker's torch would start one thread per
+    core, and N workers' thread pools oversubscribing the host make each small op wait on the
+    others' (2x slower on a 2-core host at 16 threads; worse with 8 workers on 16 cores)."""
+    if workers <= 1 or "OMP_NUM_THREADS" in os.environ:
+        return {}
+    return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // workers))}
+
+
 def visible(backend_env: str | None, devices: int, index: int) -> dict[str, str]:
     """Environment of worker ``index``: workers 1.. see one device each, round-robin."""
     if backend_env is None or devices <= 1 or index == 0:
@@ -132,7 +142,7 @@ def run_workers(name: str, workers: int, devices: int, args: list[str], visible_
     directory.mkdir(parents=True, exist_ok=True)
     procs = []
     for i in range(workers):
-        env = dict(os.environ) | visible(visible_env, devices, i)
+        env = dict(os.environ) | threads(workers) | visible(visible_env, devices, i)
         cmd = [sys.executable, "-m", "pytest", str(SUITE_DIR), "--backend", name, "-p", "no:cacheprovider", "-q",
                "-rfE", f"--worker-dir={directory}", f"--worker-index={i}", f"--devices={devices}", *args]
         procs.append(spawn_logged(cmd, env, directory / f"worker-{i}.log"))

@@ -1,0 +1,17 @@
+#!/bin/bash
+# cuda certification with --devices 2 (needs both GPUs): the multi-device section runs on two GPUs -
+# collectives through NCCL (1 element .. 32 MiB, every declared dtype, under graph capture), the
+# Communicator / Device.custom_all_reduce contract, the tensor-parallel engine (tp=2 tokens vs the
+# reference under the margin rule) - and workers spread over both devices.
+# Run from the repository root with OUT set; the report lands in $OUT/certify-2gpu.
+set -u
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+OUT=${OUT:-/tmp/hwkv-certify-out}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=index,name,memory.total --format=csv | tee "$OUT/nvidia-smi.txt"
+nvidia-smi topo -m | head -n 4
+echo "commit $(git rev-parse --short HEAD 2>/dev/null || cat COMMIT 2>/dev/null); $(nproc) cores"
+t0=$(date +%s)
+timeout 230 python3 -m hwkv conformance --backend cuda --certify --devices 2 --report "$OUT/certify-2gpu" "$@" \
+  2>&1 | tail -n 60
+echo "certify --devices 2 rc=${PIPESTATUS[0]} wall=$(( $(date +%s) - t0 ))s"
