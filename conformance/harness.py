@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -164,9 +165,10 @@ def fused_views(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torc
 
 
 def run_attention(backend: Backend, case: AttentionCase, dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
-                  kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+                  kv_scales: torch.Tensor | None = None, features: dict[str, Any] | None = None) -> torch.Tensor:
     """``case`` on ``backend`` in ``dtype``; output (both steps, concatenated) as float32 on the CPU.
-    ``kv_dtype``: the cache's storage dtype (fp8: quantised with ``kv_scales`` ``[2, H_kv]``)."""
+    ``kv_dtype``: the cache's storage dtype (fp8: quantised with ``kv_scales`` ``[2, H_kv]``).
+    ``features``: per-layer attention parameters set on the impl (``window``, ``softcap``, ``sinks``)."""
     dev = backend.device.torch_device
     spec = case.spec(kv_dtype or dtype)
     fill = None if case.fill_seed is None else torch.Generator().manual_seed(case.fill_seed)
@@ -174,6 +176,8 @@ def run_attention(backend: Backend, case: AttentionCase, dtype: torch.dtype, kv_
     impl = backend.attention.make_impl(case.num_heads, case.head_size, case.num_kv_heads, case.scale)
     if kv_scales is not None:
         impl.kv_scales = kv_scales.to(dev)
+    for name, value in (features or {}).items():
+        setattr(impl, name, value.to(dev) if isinstance(value, torch.Tensor) else value)
     builder = backend.attention.metadata_builder()
     on = lambda x: x.to(device=dev, dtype=dtype)
     qkv = lambda q, k, v: fused_views(on(q), on(k), on(v)) if case.strided else (on(q), on(k), on(v))

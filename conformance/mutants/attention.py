@@ -43,9 +43,14 @@ class VendorImpl(ReferenceAttentionImpl):
                 sc = self.scales_for(layer_kv)
                 k, v = k.float() * sc[0][heads][:, None], v.float() * sc[1][heads][:, None]
             s = self.scores(q_all[q0:q1], k, query.dtype)  # [H, Q, S] float32, scaled
+            if self.softcap is not None:
+                s = self.cap(s)
             pos_q = seq - ql + torch.arange(ql)
             pos_k = first + torch.arange(k.shape[0])
             s = s.masked_fill(~self.mask(pos_q, pos_k), float("-inf"))
+            if self.sinks is not None:  # one more logit per query head, with a zero value
+                s = torch.cat([s, self.sink_logits(heads)[:, None, None].expand(-1, ql, 1)], -1)
+                v = torch.cat([v, v.new_zeros(1, *v.shape[1:])])
             out[q0:q1] = self.combine(s, v, query.dtype).to(out.dtype)
         return self.finish(out)
 
@@ -75,7 +80,17 @@ class VendorImpl(ReferenceAttentionImpl):
         return torch.einsum("qhd,shd->hqs", q.float(), k.float()) * self.scale
 
     def mask(self, pos_q: torch.Tensor, pos_k: torch.Tensor) -> torch.Tensor:
-        return pos_k[None, :] <= pos_q[:, None]
+        m = pos_k[None, :] <= pos_q[:, None]
+        if self.window is not None:  # keys in (p - window, p]
+            m &= pos_k[None, :] > pos_q[:, None] - self.window
+        return m
+
+    def cap(self, s: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(s / self.softcap) * self.softcap
+
+    def sink_logits(self, heads: torch.Tensor) -> torch.Tensor:
+        """``[H]`` float32: query head ``h``'s sink (``heads``: each query head's KV head)."""
+        return self.sinks.float()
 
     def combine(self, s: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return torch.einsum("hqs,shd->qhd", s.softmax(-1), v.float())
@@ -206,3 +221,26 @@ mutant("attn-block-id-int16", "attention", "block tables narrowed to int16 (ids 
 mutant("attn-block-table-2048", "attention", "a fixed 2,048-entry block table per request", LONG, impl=_TABLE_2048)
 mutant("attn-partitions-32k", "attention", "split-KV with at most 64 partitions of 512 keys: keys older than 32k "
        "never visited", LONG, impl=_KEYS_32K)
+
+
+# -- per-layer attention parameters (conformance/test_attention_features.py) -----------------------
+FEAT = ("test_attention_features.py::test_attention_features[float32-bs16-",)
+
+
+def _window_mask(self: VendorImpl, pq: torch.Tensor, pk: torch.Tensor, extra: int = 0, decode: bool = True):
+    m = pk[None] <= pq[:, None]
+    if self.window is not None and (decode or len(pq) > 1):
+        m &= pk[None] > pq[:, None] - self.window - extra
+    return m
+
+
+mutant("attn-window-off-by-one", "attention", "sliding window keeps window + 1 keys (p - window included)", FEAT,
+       impl=_impl("winob1", mask=lambda self, pq, pk: _window_mask(self, pq, pk, extra=1)))
+mutant("attn-window-prefill-only", "attention", "the window is applied to prefill queries only: decodes read the "
+       "whole context", FEAT, impl=_impl("windec", mask=lambda self, pq, pk: _window_mask(self, pq, pk, decode=False)))
+mutant("attn-softcap-clamp", "attention", "soft-cap as a clamp to [-cap, cap] instead of cap * tanh(s / cap)", FEAT,
+       impl=_impl("capclamp", cap=lambda self, s: s.clamp(-self.softcap, self.softcap)))
+mutant("attn-sinks-per-kv-head", "attention", "sinks indexed by KV head instead of query head", FEAT,
+       impl=_impl("sinkkv", sink_logits=lambda self, heads: self.sinks.float()[heads]))
+mutant("attn-sinks-scaled", "attention", "sink logits multiplied by the softmax scale like a score", FEAT,
+       impl=_impl("sinkscale", sink_logits=lambda self, heads: self.sinks.float() * self.scale))
