@@ -106,21 +106,26 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
-def _gemma2_config(f: ConfigFields, common: dict[str, Any]) -> dict[str, Any]:
-    act = f.string("hidden_activation", None) or f.string("hidden_act", None) or "gelu_pytorch_tanh"
-    if act not in ("gelu_pytorch_tanh", "gelu"):  # HF Gemma 2 uses the tanh approximation for both
-        raise f.fail("hidden_activation", act, "gelu_pytorch_tanh")
-    n = common["num_layers"]
+def layer_types(f: ConfigFields, n: int) -> tuple[str, ...]:
+    """``layer_types`` of an ``n``-layer config (default: even layers sliding, odd ones global)."""
     types = f.raw("layer_types", None)
     if types is None:
         types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
     if not isinstance(types, list) or len(types) != n or any(t not in LAYER_TYPES for t in types):
         raise f.fail("layer_types", types, f"a list of {n} of {', '.join(LAYER_TYPES)}")
+    return tuple(types)
+
+
+def _gemma2_config(f: ConfigFields, common: dict[str, Any]) -> dict[str, Any]:
+    act = f.string("hidden_activation", None) or f.string("hidden_act", None) or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu"):  # HF Gemma 2 uses the tanh approximation for both
+        raise f.fail("hidden_activation", act, "gelu_pytorch_tanh")
+    types = layer_types(f, common["num_layers"])
     caps = {}
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         caps[key] = f.number(key, None, gt=0) if f.raw(key, None) is not None else None
     extra = {"query_pre_attn_scalar": f.number("query_pre_attn_scalar", 256, gt=0), **caps}
-    return {"layer_types": tuple(types), "extra": extra, "tie_word_embeddings": f.flag("tie_word_embeddings", True)}
+    return {"layer_types": types, "extra": extra, "tie_word_embeddings": f.flag("tie_word_embeddings", True)}
 
 
 register(ModelFamily("gemma2", ("Gemma2ForCausalLM",), Gemma2ForCausalLM, _gemma2_config,

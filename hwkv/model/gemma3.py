@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 
-from hwkv.interfaces.attention import AttentionImpl
 from hwkv.model.config import ModelConfig
 from hwkv.model.fields import ConfigFields
 from hwkv.model.gemma2 import (
@@ -22,20 +21,13 @@ from hwkv.model.gemma2 import (
     GemmaRMSNorm,
     _gemma2_config,
 )
-from hwkv.model.llama import Attention
+from hwkv.model.llama import QKNormAttention
 from hwkv.model.registry import ModelFamily, register
 from hwkv.model.rope import RotaryEmbedding
 
 
-class Gemma3Attention(Attention):
-    def __init__(self, cfg: ModelConfig, impl: AttentionImpl, device: torch.device, dtype: torch.dtype):
-        super().__init__(cfg, impl, device, dtype)
-        self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps, device, dtype)
-        self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps, device, dtype)
-
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k, v = super().project(x)
-        return self.q_norm(q), self.k_norm(k), v
+class Gemma3Attention(QKNormAttention):
+    norm_class = GemmaRMSNorm
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):

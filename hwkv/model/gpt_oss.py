@@ -19,7 +19,7 @@ from torch import nn
 from hwkv.interfaces.attention import AttentionImpl
 from hwkv.model.config import ModelConfig
 from hwkv.model.fields import ConfigFields
-from hwkv.model.gemma2 import LAYER_TYPES
+from hwkv.model.gemma2 import layer_types
 from hwkv.model.layers import param
 from hwkv.model.llama import Attention, LlamaForCausalLM
 from hwkv.model.registry import ModelFamily, register
@@ -82,16 +82,11 @@ class GptOssForCausalLM(LlamaForCausalLM):
 
 
 def _gpt_oss_config(f: ConfigFields, common: dict[str, Any]) -> dict[str, Any]:
-    n = common["num_layers"]
-    types = f.raw("layer_types", None)
-    if types is None:
-        types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
-    if not isinstance(types, list) or len(types) != n or any(t not in LAYER_TYPES for t in types):
-        raise f.fail("layer_types", types, f"a list of {n} of {', '.join(LAYER_TYPES)}")
+    types = layer_types(f, common["num_layers"])
     e = f.integer("num_local_experts")
     extra = {"num_local_experts": e, "num_experts_per_tok": f.integer("num_experts_per_tok", 4, hi=e),
              "swiglu_limit": f.number("swiglu_limit", 7.0, gt=0), "swiglu_alpha": f.number("swiglu_alpha", 1.702, gt=0)}
-    return {"layer_types": tuple(types), "extra": extra}
+    return {"layer_types": types, "extra": extra}
 
 
 register(ModelFamily("gpt_oss", ("GptOssForCausalLM",), GptOssForCausalLM, _gpt_oss_config,

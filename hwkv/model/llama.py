@@ -59,6 +59,22 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(x.shape[0], self.q_size))
 
 
+class QKNormAttention(Attention):
+    """Attention with a per-head RMSNorm on q and k (over ``head_dim``, per head and token) before RoPE:
+    Qwen3 (``RMSNorm``) and Gemma 3 (``norm_class = GemmaRMSNorm``, scaling by ``1 + w``)."""
+
+    norm_class: Any = RMSNorm
+
+    def __init__(self, cfg: ModelConfig, impl: AttentionImpl, device: torch.device, dtype: torch.dtype):
+        super().__init__(cfg, impl, device, dtype)
+        self.q_norm = self.norm_class(cfg.head_dim, cfg.rms_norm_eps, device, dtype)
+        self.k_norm = self.norm_class(cfg.head_dim, cfg.rms_norm_eps, device, dtype)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = super().project(x)
+        return self.q_norm(q), self.k_norm(k), v
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, attn: nn.Module, mlp: nn.Module, device: torch.device, dtype: torch.dtype):
         super().__init__()

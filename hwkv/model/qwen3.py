@@ -9,26 +9,14 @@ Qwen3 model always runs the plain forward.
 
 from __future__ import annotations
 
-import torch
-
-from hwkv.interfaces.attention import AttentionImpl
-from hwkv.model.config import ModelConfig, windowed_if_enabled
-from hwkv.model.layers import RMSNorm
-from hwkv.model.llama import Attention, LlamaForCausalLM
+from hwkv.model.config import windowed_if_enabled
+from hwkv.model.llama import LlamaForCausalLM, QKNormAttention
 from hwkv.model.registry import ModelFamily, register
 
 QK_NORM_REFUSAL = "per-head q/k RMSNorm before RoPE is not part of DecodeOps.qkv"
 
 
-class Qwen3Attention(Attention):
-    def __init__(self, cfg: ModelConfig, impl: AttentionImpl, device: torch.device, dtype: torch.dtype):
-        super().__init__(cfg, impl, device, dtype)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, device, dtype)
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, device, dtype)
-
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k, v = super().project(x)
-        return self.q_norm(q), self.k_norm(k), v  # over head_dim, per head and token
+Qwen3Attention = QKNormAttention
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
