@@ -44,6 +44,7 @@ def test_loads_waiting_on_a_dead_producer_fail_at_once():
         def __init__(self):
             spec = LoadSpec("req-1", {"remote_host": "127.0.0.1", "remote_port": port}, [1, 2], 0, 32)
             self._reading = {"req-1": _Load(spec, deadline=time.monotonic() + 90)}
+            self._probed = {}
 
         def _done(self, kind, rid, ok, nbytes, settled=True):
             done.append((kind, rid, ok))

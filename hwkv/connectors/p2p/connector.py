@@ -79,6 +79,7 @@ class P2PConnector(TransportSide, PushSide, ProducerSide, ConsumerSide, KVConnec
         self.transports: dict[str, tuple[Any, Any]] = {}  # protocol -> (Transfer, the KV cache it registered)
         self.layouts: dict[str, Layout] = {}  # protocol -> this rank's layout over it (first: preferred)
         self.dev: Any = None
+        self.kv_cache: Any = None  # this rank's device KV cache (register_kv_caches)
         self.host_kv: Any = None  # staging: pinned host mirror of the device KV (same block ids)
         self.engine_id = uuid.uuid4().hex[:16]
         self.kv: Any = None
@@ -100,6 +101,7 @@ class P2PConnector(TransportSide, PushSide, ProducerSide, ConsumerSide, KVConnec
         self._new_loads: list[Any] = []
         self._no_offer: set[str] = set()
         self._reading: dict[str, Any] = {}  # worker side: rid -> load into this rank's shard
+        self._probed: dict[str, float] = {}  # producer side-channel address -> when its liveness was last probed
         # producer (_held, _targets and _target_deadlines are shared with the side-channel thread: _lock)
         self._held: dict[str, Any] = {}
         self._targets: dict[str, tuple[PushRequest, Layout]] = {}  # transfer id -> consumer-first announcement

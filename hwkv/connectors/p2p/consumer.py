@@ -262,7 +262,7 @@ class ConsumerSide:
         """Loads waiting on a producer (its push, its PushDone) follow its liveness: every ``PROBE_S``
         a short-lived thread checks each such producer still listens; a dead one fails its loads at once
         (they recompute) instead of at their deadline (30 s and more)."""
-        last = self.__dict__.setdefault("_probed", {})
+        last = self._probed
         for addr in {f"{ld.spec.params['remote_host']}:{ld.spec.params['remote_port']}"
                      for ld in self._reading.values() if not ld.reported}:
             if now - last.get(addr, 0.0) >= PROBE_S:
