@@ -52,6 +52,8 @@ CASES = {
     "gqa": ("llama", 4, 2, 515, False, {"num_kv_blocks": 5, "max_model_len": 64}),
     "mha": ("qwen3", 4, 4, 512, True, {"async_scheduling": True}),
     "mqa": ("qwen3_moe", 4, 1, 512, False, {}),
+    # a sliding window of 8 in every layer (per layer, not per head: each rank keeps it)
+    "window": ("mistral", 4, 2, 512, False, {}),
 }
 
 
@@ -59,7 +61,7 @@ CASES = {
 def test_tp2_tokens_equal_tp1(tmp_path, case):
     arch, heads, kv, vocab, tie, opts = CASES[case]
     path = write_tiny_model(tmp_path, arch=arch, num_heads=heads, num_kv_heads=kv, vocab_size=vocab,
-                            tie_word_embeddings=tie, tokenizer=False)
+                            tie_word_embeddings=tie, tokenizer=False, sliding_window=8 if case == "window" else None)
     if arch == "llama":
         path = add_biases(path)
     kw = {"block_size": 16, "num_kv_blocks": 32, "max_model_len": 128, **opts}
@@ -68,6 +70,8 @@ def test_tp2_tokens_equal_tp1(tmp_path, case):
     pids = [p.pid for p in eng._tp.procs]
     try:
         assert eng.model.config.num_kv_heads == max(1, kv // 2)  # this rank holds only its KV heads
+        if case == "window":
+            assert eng.model.attention_features == ("sliding_window",)  # prompts of up to 40 + 10 tokens
         assert _tokens(eng) == ref
         kv = eng.kv_cache_manager
         assert kv.num_free_blocks == kv.block_pool.num_blocks and not eng.runner.reqs  # every block back
