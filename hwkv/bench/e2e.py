@@ -84,7 +84,12 @@ _model_dir = model_dir  # the name hwkv.bench.serve imports
 def make_engine(mdir: Path, args: argparse.Namespace, **kw: Any) -> Any:
     opts = {**ENGINE_DEFAULTS, **json.loads(args.engine_args), **kw}
     prefetch = opts.pop("prefetch_weights", False)  # a bench-only experiment, not an Engine option
-    engine = hwkv.Engine(str(mdir), backend=backend(args.backend), dtype=args.dtype, **opts)
+    be = backend(args.backend)
+    # the previous engine's memory goes back first: free_engine(e) returns the allocator's cache while the
+    # caller still holds e, and the default KV pool (memory_fraction of the free memory) is sized from what
+    # the device reports free (H200, public defaults: 13.8 GiB left for the eager engine, which then failed)
+    free_engine(None, be.device)
+    engine = hwkv.Engine(str(mdir), backend=be, dtype=args.dtype, **opts)
     if prefetch:
         enable_weight_prefetch(engine)
     return engine
