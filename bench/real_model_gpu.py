@@ -137,6 +137,19 @@ def main() -> int:
         print("  ", r, flush=True)
     for q, a in res["answers"].items():
         print(f"  Q: {q}\n  A: {a!r}", flush=True)
+    try:  # prompt_logprobs on this backend vs the float32 reference's log-softmax on the same prompts
+        got = engine.generate(prompts, hwkv.SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1),
+                              use_tqdm=False)
+        diffs = []
+        for p, o in zip(prompts, got):
+            with torch.inference_mode():
+                lp = ref(torch.tensor([p], device=dev)).logits[0].float().log_softmax(-1)
+            diffs += [abs(o.prompt_logprobs[j][t][0] - float(lp[j - 1, t])) for j, t in enumerate(p) if j > 0]
+        res["prompt_logprobs"] = {"tokens": len(diffs), "max_abs_diff_vs_hf_fp32": max(diffs),
+                                  "mean_abs_diff": sum(diffs) / len(diffs)}
+    except Exception as e:  # noqa: BLE001 - reported, the rest still runs
+        res["prompt_logprobs"] = {"error": f"{type(e).__name__}: {e}"}
+    print("prompt_logprobs:", res["prompt_logprobs"], flush=True)
     del ref, models
     torch.cuda.empty_cache() if dev.startswith("cuda") else None
 
