@@ -18,6 +18,8 @@ from hwkv.connectors.pool import transfer as pool_transfer
 from hwkv.connectors.pool.store import drop_embedded
 from hwkv.model.tiny import write_tiny_model
 
+from .test_pool import _settle
+
 BS = 16
 PROMPT = [(5 * i + 2) % 400 + 1 for i in range(150)]  # 9 full blocks before the last token
 
@@ -80,16 +82,6 @@ def _engine(model_dir: str, store_name: str) -> hwkv.Engine:
 
 def _run(e: hwkv.Engine, prompt: list[int] = PROMPT) -> list[int]:
     return e.generate([prompt], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)[0].token_ids
-
-
-def _settle(e: hwkv.Engine, timeout_s: float = 10.0) -> dict[str, Any]:
-    conn, deadline = e.scheduler.connector, time.monotonic() + timeout_s
-    while conn.has_pending_transfers():
-        assert time.monotonic() < deadline, "pool transfers did not complete"
-        e.step()
-        time.sleep(0.002)
-    assert e.kv_cache_manager.num_free_blocks == e.kv_cache.spec.num_blocks  # no leaked blocks or pins
-    return e.stats()["kv_connector"]
 
 
 def test_staged_late_events_second_engine_hits(model_dir, store_name, accelerator_like):
