@@ -30,9 +30,9 @@ def build(spec: str) -> Any:
 
         return get_backend(name)
     if kind == "mutant":
-        from conformance.mutants import control, load
+        from conformance.mutants import controls, load
 
-        return control() if name == "control" else load()[name].build()
+        return controls()[name] if name.startswith("control") else load()[name].build()
     raise ValueError(f"backend spec {spec!r}: need plugin:NAME or mutant:NAME")
 
 
@@ -58,6 +58,18 @@ class Checks:
         first = int(diff.nonzero()[0]) if n else -1
         self.items.append([what, n == 0, f"{n} of {got.numel()} elements differ" + (
             f" (first at {first}: {float(got.reshape(-1)[first])} vs {float(want.reshape(-1)[first])})" if n else "")])
+
+    def close(self, what: str, got: torch.Tensor, want: torch.Tensor, rtol: float, scale: torch.Tensor) -> None:
+        """``got`` within ``rtol * scale`` of ``want`` elementwise (``scale``: the sum of the terms'
+        magnitudes; a fused kernel may round once where the unfused order rounds twice)."""
+        got, want = got.detach().cpu().float(), want.detach().cpu().float()
+        self.digest.update(got.contiguous().view(torch.uint8).numpy().tobytes() if got.numel() else b"")
+        if got.shape != want.shape:
+            self.items.append([what, False, f"shape {tuple(got.shape)} != {tuple(want.shape)}"])
+            return
+        bad = (got - want).abs() > rtol * scale
+        n = int(bad.sum())
+        self.items.append([what, n == 0, f"{n} of {got.numel()} elements outside rtol={rtol}"])
 
     def ok(self, what: str, cond: bool, detail: str = "") -> None:
         self.items.append([what, bool(cond), detail])
@@ -94,6 +106,20 @@ def collectives(backend: Any, comm: Any, rank: int, world: int, ck: Checks) -> N
                 for r in range(1, world):
                     want = want + values(dtype, n, r, "c")
                 ck.same(f"custom_all_reduce {dn} x{n}", t, want)
+            add = getattr(custom, "all_reduce_add", None)
+            for n in SIZES[:3] if add is not None else ():
+                # residual + the sum over ranks (the residual is the same on every rank, as in TP)
+                t, res = values(dtype, n, rank, "a").to(on), values(dtype, n, 0, "res").to(on)
+                out = add(t, res)
+                if out is None:
+                    continue  # declined
+                parts = [values(dtype, n, r, "a").float() for r in range(world)] + [res.cpu().float()]
+                want = parts[0]
+                for p in parts[1:]:
+                    want = want + p
+                scale = sum(p.abs() for p in parts)
+                ck.close(f"custom all_reduce_add {dn} x{n}", out, want, 2**-22 if dtype == torch.float32 else 2**-7,
+                         scale)
     dev.synchronize()
     if caps.graph_capture and comm.capturable:
         captured(backend, comm, rank, world, ck)

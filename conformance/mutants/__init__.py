@@ -17,12 +17,12 @@ from typing import Any
 
 from conformance.mutants.base import AREAS, MUTANTS, Mutant, MutantBackend, mutant
 
-__all__ = ["AREAS", "MUTANTS", "Mutant", "MutantBackend", "control", "load", "mutant", "run_mutant"]
+__all__ = ["AREAS", "MUTANTS", "Mutant", "MutantBackend", "control", "controls", "load", "mutant", "run_mutant"]
 
 
 def load() -> dict[str, Mutant]:
     """Every registered mutant, by name (importing the area modules registers them)."""
-    from conformance.mutants import attention, device, fp8, kv_write, transfer_store  # noqa: F401
+    from conformance.mutants import attention, collectives, device, fp8, kv_write, runtime, transfer_store  # noqa: F401
 
     return MUTANTS
 
@@ -37,6 +37,19 @@ def control() -> MutantBackend:
 
     return MutantBackend("mutant-control", impl=VendorImpl, device=_device("control", copy_blocks=_copy()),
                          transfer=_Transfer, store=_Store, spec="mutant:control")
+
+
+def controls() -> dict[str, MutantBackend]:
+    """Bug-free controls by name: ``control`` (every piece the mutants modify), and the devices the
+    runtime and communicator mutants need: ``control-graphs`` (emulated graphs), ``control-lazy``
+    (lazy side streams), ``control-collectives`` (a correct custom all-reduce)."""
+    from conformance.mutants.collectives import collectives_device
+    from conformance.mutants.runtime import graph_backend, lazy_backend
+
+    return {"control": control(), "control-graphs": graph_backend("control-graphs"),
+            "control-lazy": lazy_backend("control-lazy"),
+            "control-collectives": MutantBackend("mutant-control-collectives", device=collectives_device(None),
+                                                 spec="mutant:control-collectives")}
 
 
 def run_mutant(m: Mutant, quiet: bool = True) -> dict[str, Any]:

@@ -8,6 +8,7 @@ device, transfer wrapper, store) carrying a single realistic vendor mistake, reg
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 from hwkv.interfaces import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, Backend, KVLayoutKind
 from hwkv.reference import CpuBackend, ReferenceAttentionImpl
 
-AREAS = ("device", "attention", "kv_write", "transfer", "store")
+AREAS = ("device", "attention", "kv_write", "transfer", "store", "communicator")
 
 
 @dataclass(frozen=True)
@@ -57,12 +58,16 @@ class _Attention(AttentionBackend):
 class MutantBackend(CpuBackend):
     """The reference backend with optional replacements: ``impl`` (an AttentionImpl class),
     ``builder`` (a metadata builder class), ``device`` (a Device class), ``transfer`` (wraps each
-    Transfer endpoint ``create_transfer`` returns), ``store`` (an embedded Store class)."""
+    Transfer endpoint ``create_transfer`` returns), ``store`` (an embedded Store class), ``caps``
+    (Capabilities fields to replace, e.g. ``graph_capture=True`` for a device that captures)."""
 
     def __init__(self, name: str, impl: type[AttentionImpl] | None = None,
                  builder: type[AttentionMetadataBuilder] | None = None, device: type | None = None,
-                 transfer: Callable[[Any], Any] | None = None, store: type | None = None, spec: str | None = None):
+                 transfer: Callable[[Any], Any] | None = None, store: type | None = None, spec: str | None = None,
+                 caps: dict[str, Any] | None = None):
         super().__init__()
+        if caps:
+            self._caps = dataclasses.replace(self._caps, **caps)
         self.name = name
         self.conformance_spec = spec  # how rank processes rebuild it (conformance.ranks.build)
         if impl is not None or builder is not None:

@@ -56,6 +56,25 @@ def _rows_from_key(key: torch.Tensor, value: torch.Tensor, layer_kv: Any, slots:
     _scatter(key, value, layer_kv, torch.cat([slots, pad]))
 
 
+def _minus_one_tail(key: torch.Tensor, value: torch.Tensor, layer_kv: Any, slots: torch.Tensor) -> None:
+    """BUG: the vector loop's masked tail forgets the -1 test: a padded last token is written at
+    slot -1 (the cache's last slot, as a negative offset from a flat view lands)."""
+    s = slots.clone()
+    if s.numel() and int(s[-1]) == -1:
+        s[-1] = split_kv(layer_kv)[0].shape[0] * split_kv(layer_kv)[0].shape[1] - 1
+    _scatter(key, value, layer_kv, s)
+
+
+def _tile_first_slot(key: torch.Tensor, value: torch.Tensor, layer_kv: Any, slots: torch.Tensor) -> None:
+    """BUG: padding decided per 16-token tile from its first slot: a tile starting with -1 is skipped
+    whole (its real tokens are lost)."""
+    s = slots.clone()
+    for a in range(0, s.numel(), 16):
+        if int(s[a]) == -1:
+            s[a : a + 16] = -1
+    _scatter(key, value, layer_kv, s)
+
+
 def _sorted_slots(key: torch.Tensor, value: torch.Tensor, layer_kv: Any, slots: torch.Tensor) -> None:
     write_kv(key, value, layer_kv, slots.sort().values)  # BUG: slots sorted (coalescing), rows not permuted
 
@@ -78,3 +97,11 @@ mutant("kv-sorted-slots", "kv_write", "slots sorted for coalescing without permu
        impl=_impl("sorted", _sorted_slots))
 mutant("kv-rows-from-key", "kv_write", "token count taken from K's rows, not slot_mapping's length (a padded "
        "batch's extra rows written to slot 0)", FIRST, impl=_impl("rows", _rows_from_key))
+mutant("kv-minus-one-last-token", "kv_write", "a -1 slot at the last token is written (the vector tail skips the "
+       "padding test)", ("test_kv_write.py::test_write_kv[float32-bs16-hd64-minus_one_positions",),
+       impl=_impl("tail1", _minus_one_tail))
+mutant("kv-tile-padding-from-first-slot", "kv_write", "a 16-token tile whose first slot is -1 is skipped whole",
+       ("test_kv_write.py::test_write_kv[float32-bs16-hd64-minus_one_positions",), impl=_impl("tile", _tile_first_slot))
+mutant("kv-padded-rows-to-block-0", "kv_write", "a graph-padded decode batch's rows (slot -1, block table of zeros) "
+       "written to block 0, which a real request owns", ("test_long_context.py::test_attention_padded_rows[float32",),
+       impl=_impl("pad0", lambda k, v, kv, s: _scatter(k, v, kv, s.clamp_min(0))), caps={"graph_capture": True})

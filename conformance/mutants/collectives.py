@@ -1,0 +1,69 @@
+"""Communicator mutants: ``Device.custom_all_reduce`` of the reference device with one mistake.
+
+The multi-device section runs two gloo ranks on the host (``conformance.ranks``), each rebuilding the
+mutant, so a vendor's custom all-reduce is checked as the engine uses it: in place, every declared
+dtype, 1 element .. 32 MiB, bitwise identical on both ranks. The control's custom all-reduce is the
+same code without the bug (it reduces over the group's own gloo process group)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from conformance.mutants.base import mutant
+from hwkv.reference import CpuDevice
+
+FIRST = ("test_multi_device.py::test_collectives",)
+TWO_SHOT = 1 << 20  # elements from which a vendor kernel switches to reduce-scatter + all-gather
+VECTOR = 8  # elements per vector load
+
+
+def _custom(bug: str | None) -> Any:
+    def custom_all_reduce(self: CpuDevice, comm: Any) -> Any:
+        pg = getattr(comm, "torch_group", None)
+        if pg is None:
+            return None
+
+        def all_reduce(t: torch.Tensor) -> torch.Tensor:
+            n, flat = t.numel(), t.view(-1)
+            if bug == "two-shot-tail" and n >= TWO_SHOT:  # chunks of n // (world * VECTOR) vectors
+                flat = flat[: n - n % (comm.world_size * VECTOR)]
+            elif bug == "vector-tail" and n < TWO_SHOT:  # the n % VECTOR tail of the one-shot path skipped
+                flat = flat[: n - n % VECTOR]
+            if bug == "half-staging" and t.dtype == torch.float32:
+                staged = flat.to(torch.bfloat16)
+                pg.allreduce([staged]).wait()
+                flat.copy_(staged)
+                return t
+            if flat.numel():
+                pg.allreduce([flat]).wait()
+            return t
+
+        def all_reduce_add(t: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+            if bug == "add-before-reduce":  # the residual joins every rank's partial: counted world times
+                return all_reduce(t.add_(residual))
+            return residual + all_reduce(t)
+
+        if bug == "out-of-place":  # the sum written to a new tensor; the argument keeps its value
+            return lambda t: all_reduce(t.clone())
+        all_reduce.all_reduce_add = all_reduce_add
+        return all_reduce
+
+    return custom_all_reduce
+
+
+def collectives_device(bug: str | None) -> type[CpuDevice]:
+    return type(f"Device_custom_ar_{bug}", (CpuDevice,), {"custom_all_reduce": _custom(bug)})
+
+
+mutant("allreduce-two-shot-tail", "communicator", "custom all-reduce's two-shot path (>= 1 Mi elements) leaves the "
+       "n % (world x vector) tail unreduced", FIRST, device=collectives_device("two-shot-tail"))
+mutant("allreduce-vector-tail", "communicator", "custom all-reduce's one-shot path skips the n % 8 tail of its "
+       "vector loads (small and odd sizes)", FIRST, device=collectives_device("vector-tail"))
+mutant("allreduce-half-staging", "communicator", "custom all-reduce stages float32 through a bfloat16 buffer",
+       FIRST, device=collectives_device("half-staging"))
+mutant("allreduce-add-before-reduce", "communicator", "fused all_reduce_add adds the residual before the reduce "
+       "(the residual counted once per rank)", FIRST, device=collectives_device("add-before-reduce"))
+mutant("allreduce-out-of-place", "communicator", "custom all-reduce writes the sum to a new tensor and leaves its "
+       "argument unreduced (the contract: in place)", FIRST, device=collectives_device("out-of-place"))
