@@ -10,9 +10,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from hwkv.connectors import bind_connector, make_connector
+from hwkv.core.hashing import make_block_hasher
+from hwkv.core.kv_cache_manager import KVCacheManager
 from hwkv.core.scheduler import Scheduler
 from hwkv.engine.config import EngineArgs
+from hwkv.engine.model_runner import ModelRunner
 from hwkv.interfaces.kv_quant import kv_storage_dtype, parse_scales
+from hwkv.model import load_model
+from hwkv.model.fuse import fuse_elementwise
+from hwkv.model.tokenizer import has_tokenizer
+from hwkv.plugins import get_backend
 
 
 def build_parts(engine: Any, args: EngineArgs) -> None:
@@ -24,13 +32,6 @@ def build_parts(engine: Any, args: EngineArgs) -> None:
     ``engine`` is passed, not returned into, because the proposer factory reads the parts built
     before it. Raises ``ValueError`` / ``BackendUnavailable`` naming a bad option; tensor-parallel
     workers started before a failure are stopped when ``engine`` is collected."""
-    from hwkv.connectors import bind_connector, make_connector
-    from hwkv.core.hashing import make_block_hasher
-    from hwkv.core.kv_cache_manager import KVCacheManager
-    from hwkv.engine.model_runner import ModelRunner
-    from hwkv.model import load_model
-    from hwkv.plugins import get_backend
-
     # the one resolution of kv_connector (+ kv_connector_config): an acting connector or None; checked
     # before the model loads. Host memory is taken only once the KV cache exists.
     engine.connector = connector = make_connector(args.kv_connector, args.kv_connector_config)
@@ -49,7 +50,6 @@ def build_parts(engine: Any, args: EngineArgs) -> None:
         check_supported(args, backend, connector)
         engine._tp = tp = TPExecutor(args, backend)  # each worker builds its own connector from the options
         weakref.finalize(engine, tp.close)  # collected, failed __init__ or interpreter exit: no worker left
-    from hwkv.model.tokenizer import has_tokenizer
 
     has_tok = has_tokenizer(args.model)
     engine.model, engine.model_config, engine.tokenizer, engine.generation_config = load_model(
@@ -103,8 +103,6 @@ def build_parts(engine: Any, args: EngineArgs) -> None:
 
         engine.runner = SpecModelRunner(*runner_args, spec_config=spec, proposer=proposer)
     if rt.fuse_elementwise:
-        from hwkv.model.fuse import fuse_elementwise
-
         fuse_elementwise(model)
     _set_decode_ops(backend, model, proposer, kv_cache, rt.decode_ops)
     if tp:  # every rank runs the driver's forward (its collectives pair up with the others')

@@ -13,6 +13,7 @@ import itertools
 import time
 from typing import Any
 
+from hwkv.connectors import connector_stats
 from hwkv.core.request import RequestStatus
 from hwkv.core.scheduler import Scheduler
 from hwkv.engine.build import build_parts
@@ -316,8 +317,6 @@ class Engine(RequestTracking):
                                   **self.scheduler.spec_stats.snapshot(), "propose_s": self.runner.propose_s,
                                   "verify_graph_steps": self.runner.num_verify_graph_steps}
         if self.connector is not None:
-            from hwkv.connectors import connector_stats
-
             out["kv_connector"] = connector_stats(self.scheduler)
         return out
 

@@ -15,6 +15,7 @@ from hwkv.core.request import Request, RequestStatus
 from hwkv.engine.detokenizer import IncrementalDetokenizer
 from hwkv.engine.prompt import Prompt, tokenize_prompt
 from hwkv.outputs import CompletionMetrics, RequestOutput
+from hwkv.sampling_params import SamplingParams
 
 LAST_UNFINISHED = RequestStatus.PREEMPTED  # statuses above it are finished
 _FINISH_REASONS = {s: s.finish_reason for s in RequestStatus}
@@ -49,8 +50,6 @@ class RequestTracking:
     _seq: itertools.count
 
     def _make_request(self, request_id: str, prompt: Prompt, params: Any) -> tuple[Request, Tracked]:
-        from hwkv.sampling_params import SamplingParams
-
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
         if self._in_use(request_id):
@@ -99,8 +98,6 @@ class RequestTracking:
         """SamplingParams for requests given none: the checkpoint's generation_config.json values
         (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens → max_tokens) over
         the SamplingParams defaults; invalid checkpoint values are ignored with a warning."""
-        from hwkv.sampling_params import SamplingParams
-
         d = dict(getattr(self.generation_config, "defaults", None) or {})
         if "max_new_tokens" in d:
             d["max_tokens"] = d.pop("max_new_tokens")
