@@ -21,7 +21,7 @@ from hwkv import plugins
 
 BROKEN = Path(__file__).parent / "broken_backends" / "hwkv_teeth_broken.py"
 # Kernel checks at one block size in float32: enough to show each bug, cheap enough to run 5 times.
-KERNEL = ["-k", "float32 and bs16 and (test_attention or test_write_kv) and not long_context "
+KERNEL = ["-k", "float32 and bs16 and (test_attention or test_write_kv) and not long_context and not features "
           "and not minus_one_positions"]
 # attention 4 states x 4 GQA x 2 head sizes + production + spec-decode verify + KV write 4 patterns x 2 head sizes
 N_KERNEL = 42
