@@ -263,7 +263,12 @@ def _disaggregated(model: str, args: argparse.Namespace) -> tuple[dict[str, Any]
 
 
 def run(args: argparse.Namespace) -> int:
+    import signal
+
     import httpx
+
+    # a time limit's SIGTERM unwinds through the finally blocks: no server is left holding a GPU
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     try:
         sb._rates(args.request_rate)

@@ -186,7 +186,14 @@ class _Server:
             cmd += ["--api-key", args.api_key]
         print("starting:", shlex.join(cmd), file=sys.stderr, flush=True)
         # its stderr goes to a file (a pipe nobody reads would block it): quoted when it dies
-        self.log = tempfile.NamedTemporaryFile(prefix="hwkv-bench-serve-", suffix=".log", delete=False)  # noqa: SIM115 (closed in stop)
+        # HWKV_BENCH_SERVER_LOGS=DIR keeps it there (read after a run, even one cut short by a time limit)
+        self.keep = os.environ.get("HWKV_BENCH_SERVER_LOGS")
+        if self.keep:
+            Path(self.keep).mkdir(parents=True, exist_ok=True)
+        self.log = tempfile.NamedTemporaryFile(prefix="hwkv-bench-serve-", suffix=".log", delete=False,  # noqa: SIM115 (closed in stop)
+                                               dir=self.keep or None)
+        self.log.write((shlex.join(cmd) + "\n").encode())  # which server this log is
+        self.log.flush()
         self.proc = subprocess.Popen(cmd, stderr=self.log, env=env)
         self.healthy = False
         try:
@@ -224,7 +231,8 @@ class _Server:
             print(f"`hwkv serve` exited with {self.proc.returncode}; its stderr ends:\n{self.stderr_tail()}",
                   file=sys.stderr)
         self.log.close()
-        Path(self.log.name).unlink(missing_ok=True)
+        if not self.keep:
+            Path(self.log.name).unlink(missing_ok=True)
 
     def _end(self) -> None:
         if self.proc.poll() is None:
