@@ -86,6 +86,9 @@ class Device(ABC):
     visible_devices_env: str | None = None
     supports_prefetch: bool = False
     async_copies: bool = False  # host<->device copies run asynchronously from pinned host memory
+    # pin_host_memory page-locks plain host memory in place (else host memory for copies is pinned
+    # when allocated)
+    pins_host_in_place: bool = False
 
     def __init__(self, index: int = 0):
         self.index = index
@@ -110,6 +113,13 @@ class Device(ABC):
         if host:
             return KVCache.allocate(spec, layout, "cpu", pin_memory=self.async_copies)
         return KVCache.allocate(spec, layout, self.torch_device)
+
+    def pin_host_memory(self, t: torch.Tensor) -> None:
+        """Page-lock the host tensor ``t`` (allocated unpinned) in place, for asynchronous copies with
+        this device; unpinned again when ``t`` is freed. Only where ``pins_host_in_place``; a no-op
+        without ``async_copies`` (the host is the device)."""
+        if self.async_copies and not t.is_pinned():
+            raise NotImplementedError(f"{self.type}: host memory cannot be pinned in place (allocate it pinned)")
 
     # ---- host staging --------------------------------------------------------------------------
     def host_empty(self, shape: tuple[int, ...] | int, dtype: torch.dtype) -> torch.Tensor:

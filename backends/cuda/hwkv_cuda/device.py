@@ -25,11 +25,29 @@ class CudaDevice(Device):
     visible_devices_env = "CUDA_VISIBLE_DEVICES"
     supports_prefetch = True
     async_copies = True
+    pins_host_in_place = True
 
     def __init__(self, index: int = 0):
         super().__init__(index)
         self._side: torch.cuda.Stream | None = None
         self._sink: torch.Tensor | None = None
+
+    def pin_host_memory(self, t: torch.Tensor) -> None:
+        """``cudaHostRegister`` of ``t``'s storage (its pages are touched and locked now: seconds for
+        tens of GB); ``cudaHostUnregister`` once the storage is freed."""
+        import weakref
+
+        if t.device.type != "cpu":
+            raise ValueError(f"pin_host_memory: {t.device} tensor (allowed: host tensors)")
+        if t.is_pinned():
+            return
+        st = t.untyped_storage()
+        ptr, n = st.data_ptr(), st.nbytes()
+        rt = torch.cuda.cudart()
+        rc = rt.cudaHostRegister(ptr, n, 0)
+        if int(rc) != 0:
+            raise RuntimeError(f"cudaHostRegister of {n} B failed: {rc} (host memory locked: ulimit -l, RAM)")
+        weakref.finalize(st, rt.cudaHostUnregister, ptr)
 
     def description(self) -> str:
         p = torch.cuda.get_device_properties(self.index)

@@ -8,6 +8,8 @@ State lives on :class:`~hwkv.connectors.p2p.connector.P2PConnector`; this mixin 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from typing import Any
 
 from hwkv.connectors.base.copy import copy_block_pairs
@@ -99,7 +101,7 @@ class TransportSide:
                              "rdma/ascend/cuda_ipc device memory), not tcp staging (allowed: layerwise=False)")
         self.kv_cache = kv_cache
         if staging:  # tcp from a device: through a pinned host mirror of the pool (same block ids)
-            self.host_kv = self.dev.allocate_kv_cache(kv_cache.spec, kv_cache.layout, host=True)
+            self.host_kv = self._mirror(kv_cache, fallback=offers[0] != "tcp")
             self.host_kv.scales = kv_cache.scales  # fp8 KV: the mirror's codes mean what the device's do
         self.transports, self.layouts = {}, {}
         for p in offers:
@@ -155,6 +157,36 @@ class TransportSide:
             return f"{theirs.protocol} probe of engine {theirs.engine_id} failed: {e}"
         return ""
 
+    def _mirror(self, kv_cache: Any, fallback: bool) -> Any:
+        """The host mirror tcp staging copies through. Behind a device-direct protocol (tcp only as the
+        fallback for peers it cannot reach) it is plain host memory, untouched (no resident pages)
+        until a peer falls back, and pinned in place then (:meth:`_pin_mirror`): a pool of tens of
+        GB is not page-locked in every engine for a path that may never run."""
+        self._mirror_pinned, self._mirror_lock = True, threading.Lock()
+        if not (fallback and self.dev.async_copies and self.dev.pins_host_in_place):
+            return self.dev.allocate_kv_cache(kv_cache.spec, kv_cache.layout, host=True)
+        import torch
+
+        from hwkv.interfaces.layout import KVCache
+
+        spec, layout = kv_cache.spec, kv_cache.layout
+        self._mirror_pinned = False
+        return KVCache(spec, layout, [torch.empty(s, dtype=spec.dtype) for s in spec.tensor_shapes(layout)])
+
+    def _pin_mirror(self) -> None:
+        if getattr(self, "_mirror_pinned", True):
+            return
+        with self._mirror_lock:  # the first fallback pins it; a concurrent one waits for that
+            if self._mirror_pinned:
+                return
+            t0 = time.perf_counter()
+            for t in self.host_kv.tensors:
+                self.dev.pin_host_memory(t)
+            self._mirror_pinned = True
+            n = sum(t.numel() * t.element_size() for t in self.host_kv.tensors)
+            log.warning("p2p: a peer uses tcp staging: pinned the %.1f GB host mirror in %.1f s", n / 1e9,
+                        time.perf_counter() - t0)
+
     def stage_for(self, protocol: str, h: Any) -> None:
         """A hold read or written over tcp while the pool's own protocol is device-direct: copy its
         blocks to the host mirror first (once)."""
@@ -164,6 +196,7 @@ class TransportSide:
 
     def _stage(self, to_host: bool, block_ids: list[int]) -> None:
         """Staging: copy ``block_ids`` between the device pool and its host mirror, and wait for it."""
+        self._pin_mirror()
         src, dst = (self.kv_cache, self.host_kv) if to_host else (self.host_kv, self.kv_cache)
         stream = self.dev.current_stream()  # behind the forwards that wrote (or will read) the blocks
         copy_block_pairs(self.dev, src, dst, block_ids, block_ids, stream)
