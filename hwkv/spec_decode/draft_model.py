@@ -29,7 +29,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from hwkv.engine.graph_runner import GraphRunner, multi_token_graphs
 from hwkv.engine.inputs import build_batch
+from hwkv.engine.kv_alloc import check_backend
+from hwkv.model import load_model
 from hwkv.spec_decode.config import SpeculativeConfig
 from hwkv.spec_decode.proposer import Proposer, ProposerTarget, RunnerView
 
@@ -48,8 +51,6 @@ class DraftModelProposer(Proposer):
 
     @classmethod
     def load(cls, cfg: SpeculativeConfig, target: ProposerTarget) -> DraftModelProposer:
-        from hwkv.model import load_model
-
         model, mc, _, _ = load_model(cfg.model, target.backend, dtype=target.model.dtype, load_tokenizer=False)
         vt = target.model_config.vocab_size
         if mc.vocab_size != vt:
@@ -61,8 +62,6 @@ class DraftModelProposer(Proposer):
         return self.model.kv_cache_spec(1, block_size).bytes_per_block
 
     def allocate(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
-        from hwkv.engine.kv_alloc import check_backend
-
         if self.model.config.max_model_len < max_model_len:
             raise ValueError(f"draft model's max length {self.model.config.max_model_len} is shorter than the "
                              f"engine's max_model_len {max_model_len} (allowed: lower max_model_len)")
@@ -81,8 +80,6 @@ class DraftModelProposer(Proposer):
     def enable_graphs(self, runner: RunnerView, max_batch: int, use_graphs: bool = True) -> None:
         """Serve the one-token draft steps (every draft after the first) from captured graphs of the
         draft model, bucketed like the target's (``use_graphs=False``: the same path run eagerly)."""
-        from hwkv.engine.graph_runner import GraphRunner, multi_token_graphs
-
         args = (self.model, self.kv_cache, runner.meta_builder, runner.dev, runner.block_size, max_batch,
                 runner.max_model_len, use_graphs)
         self.graphs = GraphRunner(*args)

@@ -28,16 +28,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from hwkv.engine.inputs import build_batch
+from hwkv.engine.kv_alloc import check_backend
+from hwkv.model.config import ModelConfig
+from hwkv.model.layers import Linear
+from hwkv.model.loader import ModelLoadError, iter_weights, weight_files
 from hwkv.spec_decode.config import SpeculativeConfig
+from hwkv.spec_decode.eagle3 import is_eagle3, load_eagle3_head
 from hwkv.spec_decode.head_body import headless_llama
 from hwkv.spec_decode.proposer import Proposer, ProposerTarget, RunnerView
+from hwkv.spec_decode.state_graphs import HeadGraphRunner
 
 
 class EagleHead(nn.Module):
     def __init__(self, config: Any, backend: Any, device: torch.device, dtype: torch.dtype, max_positions: int,
                  fc_bias: bool, has_input_norm: bool, has_norm: bool):
         super().__init__()
-        from hwkv.model.layers import Linear
 
         self.inner = headless_llama(config, backend, device, dtype, max_positions)
         h = config.hidden_size
@@ -79,8 +84,6 @@ class EagleHead(nn.Module):
 
 def read_head(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """``(config.json, tensors by name without a 'model.' prefix)`` of the head at ``path``."""
-    from hwkv.model.loader import ModelLoadError, iter_weights, weight_files
-
     cfg_path = Path(path) / "config.json"
     if not cfg_path.is_file():
         raise ValueError(f"EAGLE head {path}: config.json not found")
@@ -94,9 +97,6 @@ def read_head(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
 def load_eagle_head(path: str, raw: dict[str, Any], tensors: dict[str, torch.Tensor], backend: Any,
                     dtype: torch.dtype, max_positions: int) -> tuple[EagleHead, dict]:
     """The EAGLE-1 head at ``path`` and its own optional tensors (``embed``, ``lm_head``) by name."""
-    from hwkv.model.config import ModelConfig
-    from hwkv.model.loader import ModelLoadError
-
     raw = dict(raw, architectures=["LlamaForCausalLM"])  # EAGLE-1 heads are Llama layers whatever their name
     config = ModelConfig.from_dict(raw, source=str(Path(path) / "config.json"))
     tensors = dict(tensors)
@@ -127,8 +127,6 @@ def load_eagle_head(path: str, raw: dict[str, Any], tensors: dict[str, torch.Ten
 
 def _shaped(t: torch.Tensor, dst: torch.Tensor, name: str, path: str) -> torch.Tensor:
     if tuple(t.shape) != tuple(dst.shape):
-        from hwkv.model.loader import ModelLoadError
-
         raise ModelLoadError(f"EAGLE head {path}: {name!r} has shape {tuple(t.shape)}, expected {tuple(dst.shape)}")
     return t
 
@@ -146,8 +144,6 @@ class EagleProposer(Proposer):
 
     @classmethod
     def load(cls, cfg: SpeculativeConfig, on: ProposerTarget) -> EagleProposer:
-        from hwkv.spec_decode.eagle3 import is_eagle3, load_eagle3_head
-
         target, tc = on.model, on.model.config
         raw, tensors = read_head(cfg.model)
         v3 = is_eagle3(cfg.model, tensors)
@@ -187,8 +183,6 @@ class EagleProposer(Proposer):
         return self.head.inner.kv_cache_spec(1, block_size).bytes_per_block
 
     def allocate(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
-        from hwkv.engine.kv_alloc import check_backend
-
         if self.head.config.max_model_len < max_model_len:
             raise ValueError(f"EAGLE head's max length {self.head.config.max_model_len} is shorter than the "
                              f"engine's max_model_len {max_model_len} (allowed: lower max_model_len)")
@@ -201,8 +195,6 @@ class EagleProposer(Proposer):
     def enable_graphs(self, runner: RunnerView, max_batch: int, use_graphs: bool = True) -> None:
         """Serve the head's one-token draft steps (every draft after the first) from captured graphs,
         bucketed like the target's (``use_graphs=False``: the same path run eagerly)."""
-        from hwkv.spec_decode.state_graphs import HeadGraphRunner
-
         self.graphs = HeadGraphRunner(self.head, self.kv_cache, runner.meta_builder, runner.dev, runner.block_size,
                                       max_batch, runner.max_model_len, use_graphs)
         self.graphs.capture()  # its own pool, as a draft model's graphs

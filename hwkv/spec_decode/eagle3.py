@@ -21,6 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hwkv.model.config import ModelConfig
+from hwkv.model.layers import Linear, RMSNorm
+from hwkv.model.loader import ModelLoadError
 from hwkv.spec_decode.head_body import headless_llama
 
 
@@ -28,7 +31,6 @@ class Eagle3Head(nn.Module):
     def __init__(self, config: Any, backend: Any, device: torch.device, dtype: torch.dtype, max_positions: int,
                  fc_in: int, aux_layers: list[int], norm_before_residual: bool):
         super().__init__()
-        from hwkv.model.layers import Linear, RMSNorm
 
         self.inner = headless_llama(config, backend, device, dtype, max_positions)
         h = config.hidden_size
@@ -84,9 +86,6 @@ class Eagle3Head(nn.Module):
 
 def load_eagle3_head(path: str, raw: dict[str, Any], tensors: dict[str, torch.Tensor], backend: Any,
                      target: Any) -> tuple[Eagle3Head, dict[str, torch.Tensor]]:
-    from hwkv.model.config import ModelConfig
-    from hwkv.model.loader import ModelLoadError
-
     raw = dict(raw, architectures=["LlamaForCausalLM"])
     config = ModelConfig.from_dict(raw, source=str(Path(path) / "config.json"))
     L = target.config.num_layers
