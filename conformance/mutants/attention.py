@@ -218,6 +218,8 @@ _TABLE_2048 = type("Attn_t2048", (VendorImpl,), {
 _KEYS_32K = type("Attn_32k", (VendorImpl,), {
     "first_key": lambda self, seq, ql: max(0, seq - 32768)})  # BUG: 64 partitions of 512 keys: older dropped
 mutant("attn-block-id-int16", "attention", "block tables narrowed to int16 (ids past 2^15 wrap)", LONG, impl=_NARROW)
+mutant("attn-block-id-uint16", "attention", "block tables narrowed to 16 unsigned bits (ids past 2^16 wrap)", LONG,
+       impl=type("Attn_uint16", (VendorImpl,), {"block_tables": lambda self, md: md.block_tables.long() & 0xFFFF}))
 mutant("attn-block-table-2048", "attention", "a fixed 2,048-entry block table per request", LONG, impl=_TABLE_2048)
 mutant("attn-partitions-32k", "attention", "split-KV with at most 64 partitions of 512 keys: keys older than 32k "
        "never visited", LONG, impl=_KEYS_32K)

@@ -43,10 +43,9 @@ def mutant(name: str, area: str, bug: str, first: tuple[str, ...] | str, **piece
 
 
 class _Attention(AttentionBackend):
-    kv_layout = KVLayoutKind.PER_LAYER
-
-    def __init__(self, name: str, impl: type[AttentionImpl], builder: type[AttentionMetadataBuilder]):
-        self.name, self._impl, self._builder = name, impl, builder
+    def __init__(self, name: str, impl: type[AttentionImpl], builder: type[AttentionMetadataBuilder],
+                 layout: KVLayoutKind = KVLayoutKind.PER_LAYER):
+        self.name, self._impl, self._builder, self.kv_layout = name, impl, builder, layout
 
     def make_impl(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float) -> AttentionImpl:
         return self._impl(num_heads, head_size, num_kv_heads, scale)
@@ -59,19 +58,21 @@ class MutantBackend(CpuBackend):
     """The reference backend with optional replacements: ``impl`` (an AttentionImpl class),
     ``builder`` (a metadata builder class), ``device`` (a Device class), ``transfer`` (wraps each
     Transfer endpoint ``create_transfer`` returns), ``store`` (an embedded Store class), ``caps``
-    (Capabilities fields to replace, e.g. ``graph_capture=True`` for a device that captures)."""
+    (Capabilities fields to replace, e.g. ``graph_capture=True`` for a device that captures),
+    ``layout`` (the KV layout, e.g. ``CROSS_LAYER``: each layer a strided view of one tensor)."""
 
     def __init__(self, name: str, impl: type[AttentionImpl] | None = None,
                  builder: type[AttentionMetadataBuilder] | None = None, device: type | None = None,
                  transfer: Callable[[Any], Any] | None = None, store: type | None = None, spec: str | None = None,
-                 caps: dict[str, Any] | None = None):
+                 caps: dict[str, Any] | None = None, layout: KVLayoutKind | None = None):
         super().__init__()
         if caps:
             self._caps = dataclasses.replace(self._caps, **caps)
         self.name = name
         self.conformance_spec = spec  # how rank processes rebuild it (conformance.ranks.build)
-        if impl is not None or builder is not None:
-            self._attention = _Attention(name, impl or ReferenceAttentionImpl, builder or AttentionMetadataBuilder)
+        if impl is not None or builder is not None or layout is not None:
+            self._attention = _Attention(name, impl or ReferenceAttentionImpl, builder or AttentionMetadataBuilder,
+                                         layout or KVLayoutKind.PER_LAYER)
         if device is not None:
             self._device = device()
         self._wrap_transfer, self._store = transfer, store

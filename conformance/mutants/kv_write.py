@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from conformance.mutants.base import mutant
+from hwkv.interfaces import KVLayoutKind
 from hwkv.reference import ReferenceAttentionImpl
 from hwkv.reference.attention import split_kv, write_kv
 
@@ -75,6 +76,15 @@ def _tile_first_slot(key: torch.Tensor, value: torch.Tensor, layer_kv: Any, slot
     _scatter(key, value, layer_kv, s)
 
 
+def _flat_reshape(key: torch.Tensor, value: torch.Tensor, layer_kv: Any, slots: torch.Tensor) -> None:
+    """BUG: the layer's cache flattened with ``reshape`` to [slots, H, D] and scattered into: a
+    contiguous per-layer tensor gives a view, a CROSS_LAYER layer (strided) a copy, so the write is lost."""
+    keep = slots >= 0
+    for cache, x in zip(split_kv(layer_kv), (key, value)):
+        flat = cache.reshape(-1, *cache.shape[2:])
+        flat[slots[keep].long()] = x[: slots.numel()][keep].to(cache.dtype)
+
+
 def _sorted_slots(key: torch.Tensor, value: torch.Tensor, layer_kv: Any, slots: torch.Tensor) -> None:
     write_kv(key, value, layer_kv, slots.sort().values)  # BUG: slots sorted (coalescing), rows not permuted
 
@@ -105,3 +115,6 @@ mutant("kv-tile-padding-from-first-slot", "kv_write", "a 16-token tile whose fir
 mutant("kv-padded-rows-to-block-0", "kv_write", "a graph-padded decode batch's rows (slot -1, block table of zeros) "
        "written to block 0, which a real request owns", ("test_long_context.py::test_attention_padded_rows[float32",),
        impl=_impl("pad0", lambda k, v, kv, s: _scatter(k, v, kv, s.clamp_min(0))), caps={"graph_capture": True})
+mutant("kv-cross-layer-reshape-copy", "kv_write", "the layer's cache flattened with reshape before the scatter: "
+       "a CROSS_LAYER layer is strided, so the write goes to a copy", FIRST, impl=_impl("reshape", _flat_reshape),
+       layout=KVLayoutKind.CROSS_LAYER)
