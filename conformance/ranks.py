@@ -151,7 +151,59 @@ def caps_dtype(backend: Any) -> torch.dtype:
     return torch.bfloat16 if torch.bfloat16 in caps.dtypes else caps.dtypes[0]
 
 
-SCENARIOS = {"collectives": collectives}
+# (offset, length) in bytes: odd offsets and lengths that no page or vector width divides
+SEGMENTS = ((1, 1), (7, 3), (8191, 4097), (70001, 65537), ((1 << 21) + 5, (1 << 20) + 1))
+BUF_BYTES = 4 << 20
+
+
+def pattern(rank: int, salt: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(zlib.crc32(f"bytes-{rank}-{salt}".encode()))
+    return torch.randint(0, 256, (BUF_BYTES,), generator=g, dtype=torch.uint8)
+
+
+def direct_transfer(backend: Any, comm: Any, rank: int, world: int, ck: Checks) -> None:
+    """Each rank writes segments of its device buffer into the next rank's (on another device), in
+    two batches in flight at once waited in reverse order, and reads the previous rank's source
+    buffer whole; every declared same-host direct protocol."""
+    import json
+
+    from hwkv.transfer.direct import DIRECT_PROTOCOLS
+
+    dev, on = backend.device, backend.device.torch_device
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    for protocol in [p for p in backend.capabilities.transfer_protocols if p in DIRECT_PROTOCOLS]:
+        t = backend.create_transfer(protocol=protocol, timeout_s=30.0)
+        try:
+            src, dst = pattern(rank, protocol).to(on), torch.zeros(BUF_BYTES, dtype=torch.uint8, device=on)
+            got = torch.zeros(BUF_BYTES, dtype=torch.uint8, device=on)
+            dev.synchronize()
+            for b in (src, dst, got):
+                t.register(b.data_ptr(), BUF_BYTES)
+            comm.store.set(f"xfer/{protocol}/{rank}",
+                           json.dumps({"ep": t.endpoint(), "src": src.data_ptr(), "dst": dst.data_ptr()}))
+            peer = json.loads(comm.store.get(f"xfer/{protocol}/{nxt}"))  # waits: registered before published
+            prev = json.loads(comm.store.get(f"xfer/{protocol}/{prv}"))
+            halves = (SEGMENTS[::2][::-1], SEGMENTS[1::2])  # one batch in descending address order
+            batches = [t.submit_write(peer["ep"], [src.data_ptr() + o for o, _ in h], [peer["dst"] + o for o, _ in h],
+                                      [n for _, n in h]) for h in halves]
+            read = t.submit_read(prev["ep"], [got.data_ptr()], [prev["src"]], [BUF_BYTES])
+            for b in (read, *reversed(batches)):  # completed out of submission order
+                t.wait(b, timeout_s=60.0)
+            comm.all_reduce(torch.ones(1, device=on))  # every rank's writes done
+            dev.synchronize()
+            want = torch.zeros(BUF_BYTES, dtype=torch.uint8)
+            theirs = pattern(prv, protocol)
+            for o, n in SEGMENTS:
+                want[o : o + n] = theirs[o : o + n]
+            ck.same(f"{protocol}: segments written by rank {prv} (device {prv}) into rank {rank}'s buffer; nothing "
+                    "else changed", dst, want)
+            ck.same(f"{protocol}: rank {prv}'s whole buffer read by rank {rank}", got, theirs)
+            comm.all_reduce(torch.ones(1, device=on))  # nobody closes while a peer still reads
+        finally:
+            t.close()
+
+
+SCENARIOS = {"collectives": collectives, "direct_transfer": direct_transfer}
 
 
 def main(argv: list[str]) -> int:

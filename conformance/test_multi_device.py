@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from conformance.parallel import reap, spawn_logged
+from conformance.report import not_supported
 from conformance.test_engine import generate, setup, tiny  # noqa: F401  (fixtures)
 
 pytestmark = [pytest.mark.multi_device, pytest.mark.timeout_s(300)]
@@ -86,3 +87,27 @@ def test_tensor_parallel_engine(engine_backend, check, setup, pytestconfig):  # 
     prompts = setup.prompts([setup.block_size + 5, 7, 2 * setup.block_size + 1], seed=21, shared_prefix=9)
     got, _ = generate(pytestconfig.option.backend, setup, prompts, 16, tensor_parallel_size=2)
     setup.agree(check, got, prompts, 16, "tensor_parallel_size=2 greedy tokens vs the reference engine")
+
+
+@pytest.mark.capability("transfer")
+def test_direct_transfer_between_devices(backend, check, backend_spec):
+    """Device-direct transfer across two devices (two processes, one device each): each rank writes
+    segments of odd lengths at odd offsets (1 B .. 1 MiB + 1) into the next rank's registered buffer in
+    two batches in flight at once, waited out of order, and reads the previous rank's buffer whole
+    (4 MiB), over every declared same-host direct protocol (``cuda_ipc`` between two GPUs, ``cma``
+    between two host processes). Nothing outside the segments may change."""
+    from hwkv.transfer.direct import DIRECT_PROTOCOLS
+
+    declared = backend.capabilities.transfer_protocols
+    direct = [p for p in declared if p in DIRECT_PROTOCOLS]
+    if not direct:
+        not_supported(f"no same-host direct protocol declared (declared: {list(declared)}; direct ones: "
+                      f"{', '.join(DIRECT_PROTOCOLS)})")
+    res = run_ranks(backend_spec, "direct_transfer", backend.device.visible_devices_env)
+    errors = [f"rank {r['rank']}: {r['error']}" for r in res if "error" in r]
+    if errors:
+        raise RuntimeError("; ".join(errors))
+    bad = [f"rank {r['rank']}: {c[0]}: {c[2]}" for r in res for c in r["checks"] if not c[1]]
+    check.rec.update(float(len(bad)), float(len(bad)), "exact (bytes)")
+    assert not bad, f"{len(bad)} transfer checks failed: {bad[:4]}"
+    assert all(len(r["checks"]) == 2 * len(direct) for r in res), "a rank ran fewer transfer checks than protocols"

@@ -2,7 +2,8 @@
 # cuda certification with --devices 2 (needs both GPUs): the multi-device section runs on two GPUs -
 # collectives through NCCL (1 element .. 32 MiB, every declared dtype, under graph capture), the
 # Communicator / Device.custom_all_reduce contract, the tensor-parallel engine (tp=2 tokens vs the
-# reference under the margin rule) - and workers spread over both devices.
+# reference under the margin rule), device-direct transfer (cuda_ipc) from GPU 0 to GPU 1 and back - and
+# workers spread over both devices.
 # Run from the repository root with OUT set; the report lands in $OUT/certify-2gpu.
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
