@@ -19,8 +19,8 @@ groups). A block id means "this block of every layer of the group".
 * Admission: a step fits only if it fits in every group (window frees counted); nothing is allocated
   in any group otherwise.
 
-:class:`GroupedKVCacheManager` has :class:`KVCacheManager`'s scheduler protocol; "blocks" it hands
-out are one list per group.
+:class:`GroupedKVCacheManager` has :class:`KVCacheManager`'s scheduler protocol (the Scheduler runs
+on it unchanged); the prefix-hit "blocks" it hands out are one list per group.
 """
 
 from __future__ import annotations
@@ -169,6 +169,7 @@ class GroupedKVCacheManager:
         self.managers: list[KVCacheManager] = [
             KVCacheManager(g.num_blocks, block_size, enable_caching) if g.window is None
             else WindowKVCacheManager(g.num_blocks, block_size, g.window, enable_caching) for g in self.groups]
+        self.last_new_blocks: list[list[KVCacheBlock]] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -224,9 +225,11 @@ class GroupedKVCacheManager:
     def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        new_computed_blocks: list[list[KVCacheBlock]] | None = None, num_lookahead_tokens: int = 0,
                        num_external_tokens: int = 0, *,
-                       delay_cache_blocks: bool = False) -> list[list[KVCacheBlock]] | None:
+                       delay_cache_blocks: bool = False) -> list[KVCacheBlock] | None:
         """Every group's :meth:`KVCacheManager.allocate_slots`, or ``None`` with nothing allocated in any
-        group (window groups may have freed blocks out of their window)."""
+        group (window groups may have freed blocks out of their window). Returns the first group's new
+        blocks (every group's table grows by as many entries, which the scheduler's slot count uses);
+        :attr:`last_new_blocks` has each group's."""
         hits = self._split(new_computed_blocks)
         total = num_new_tokens + num_lookahead_tokens
         if any(m.num_blocks_short(request, total, num_new_computed_tokens, h) for m, h in zip(self.managers, hits)):
@@ -238,7 +241,8 @@ class GroupedKVCacheManager:
             if got is None:  # the checks above are exact: a failure here is a bug, not a full pool
                 raise RuntimeError(f"KV-cache group {self.managers.index(m)} refused an allocation it was checked for")
             out.append(got)
-        return out
+        self.last_new_blocks = out
+        return out[0]
 
     def num_reclaimable_blocks(self, request_ids: Iterable[str],
                                keep: Iterable[Iterable[KVCacheBlock]] = ()) -> int:
