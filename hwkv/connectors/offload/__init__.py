@@ -1,4 +1,5 @@
-"""The ``offload`` connector: a host tier of KV blocks (:mod:`.connector`, :mod:`.worker`, :mod:`.tier`)."""
+"""The ``offload`` connector: a host tier of KV blocks (:mod:`.connector` assembles :mod:`.scheduler`
+and :mod:`.worker`; the tier: :mod:`.tier`)."""
 
 from hwkv.connectors.offload.connector import OffloadConnector
 

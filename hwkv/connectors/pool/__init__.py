@@ -1,5 +1,6 @@
-"""The ``pool`` connector: prefix KV shared across engines through a Store (:mod:`.connector`,
-:mod:`.worker`, :mod:`.transfer`, :mod:`.store`, :mod:`.lookup`, :mod:`.key`)."""
+"""The ``pool`` connector: prefix KV shared across engines through a Store (:mod:`.connector`
+assembles :mod:`.scheduler` and :mod:`.worker`; :mod:`.transfer`, :mod:`.store`, :mod:`.lookup`,
+:mod:`.key`)."""
 
 from hwkv.connectors.pool.connector import PoolConnector
 
