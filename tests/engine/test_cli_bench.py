@@ -70,3 +70,32 @@ def test_generate_chat_uses_the_template(tmp_path, capsys):
     e = hwkv.Engine(model=str(model), backend="cpu", num_kv_blocks=32)
     want = e.generate([ids], hwkv.SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert chat["token_ids"] == want[0].token_ids
+
+
+def test_bench_defaults_and_kv_dtype_on_cpu(tmp_path):
+    """`hwkv bench defaults` and `hwkv bench kv-dtype` end to end on the tiny model: their shared setup
+    (bench.common.engine_bench), the result header (commit, command) and the figures they write."""
+    from hwkv.bench import defaults as bench_defaults
+    from hwkv.bench import kv_dtype as bench_kv_dtype
+
+    common = ["--model", "tiny", "--backend", "cpu", "--dtype", "bfloat16", "--workdir", str(tmp_path / "m")]
+    p = argparse.ArgumentParser()
+    bench_defaults.add_arguments(p)
+    out = tmp_path / "defaults.json"
+    assert bench_defaults.run(p.parse_args([*common, "--num-requests", "2", "--input-len", "8", "--output-len", "3",
+                                            "--b1-tokens", "4", "--out", str(out)])) == 0
+    doc = json.loads(out.read_text())
+    assert doc["bench"] == "defaults" and doc["non_default_engine_args"] == {} and "command" in doc
+    assert doc["resolved"]["max_num_batched_tokens"] == 2048  # the host row of the defaults table
+    assert doc["offline"]["hwkv"]["output_tokens"] == 6 and doc["offline"]["roofline_fraction"] > 0
+    p = argparse.ArgumentParser()
+    bench_kv_dtype.add_arguments(p)
+    out = tmp_path / "kv.json"
+    assert bench_kv_dtype.run(p.parse_args([*common, "--decode-batch", "2", "--decode-context", "64",
+                                            "--agree-prompts", "2", "--agree-prompt-len", "8", "--agree-tokens", "3",
+                                            "--out", str(out)])) == 0
+    doc = json.loads(out.read_text())
+    assert doc["bench"] == "kv-dtype" and set(doc["runs"]) == {"auto", "fp8"}
+    assert doc["ratios"]["bytes_per_block"] == 0.5
+    assert doc["runs"]["auto"]["first_divergence"] == [None, None]
+    assert all(r["decode"]["batch"] == 2 for r in doc["runs"].values())
