@@ -13,6 +13,14 @@ def model_dir(tmp_path_factory):
     return str(write_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", arch="llama", max_position_embeddings=256))
 
 
+@pytest.fixture(scope="module")
+def windowed_dir(tmp_path_factory):
+    """A Mistral with a 16-token window in every layer: most keys of the connector tests' prompts fall
+    out of it."""
+    return str(write_tiny_model(tmp_path_factory.mktemp("windowed") / "mistral", arch="mistral", sliding_window=16,
+                                max_position_embeddings=512))
+
+
 def workload(seed: int = 0) -> list[list[int]]:
     """Three prompts sharing a 4-block prefix, each after a filler that needs the whole device pool
     (8 blocks): the prefix is evicted from the device every time and must come from elsewhere."""

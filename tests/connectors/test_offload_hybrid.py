@@ -6,17 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from hwkv.model.tiny import write_tiny_model
-
 from .conftest import assert_no_leak, engine, run_one_by_one, workload
 from .test_offload import MB, FailingLoads
-
-
-@pytest.fixture(scope="module")
-def windowed_dir(tmp_path_factory):
-    # window 16 against prompts of 67..138 tokens: most keys fall out of the window
-    return str(write_tiny_model(tmp_path_factory.mktemp("tiny") / "mistral", arch="mistral", sliding_window=16,
-                                max_position_embeddings=256))
 
 
 @pytest.fixture(scope="module")

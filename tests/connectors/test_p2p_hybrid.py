@@ -5,20 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from hwkv.model.tiny import write_tiny_model
 from hwkv.testing.mooncake import skip_unless_mooncake
 
 from .conftest import engine, greedy
 from .test_p2p_engine import assert_round_trip, cfg, prompts
 
 skip_unless_mooncake(allow_module_level=True)
-
-
-@pytest.fixture(scope="module")
-def windowed_dir(tmp_path_factory):
-    # window 8 against prompts of 5..70 tokens
-    return str(write_tiny_model(tmp_path_factory.mktemp("p2p-hybrid") / "m", arch="mistral", sliding_window=8,
-                                max_position_embeddings=256))
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])

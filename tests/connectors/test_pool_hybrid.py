@@ -8,16 +8,8 @@ import pytest
 import hwkv
 from hwkv import SamplingParams
 from hwkv.connectors.pool.store import embedded_store
-from hwkv.model.tiny import write_tiny_model
 
 from .test_pool import BS, PROMPT, Flaky, _close, _engine, _run, _settle, store_name  # noqa: F401
-
-
-@pytest.fixture(scope="module")
-def windowed_dir(tmp_path_factory):
-    # window 16 against a 150-token prompt: most keys fall out of the window
-    return str(write_tiny_model(tmp_path_factory.mktemp("pool-hybrid") / "m", arch="mistral", sliding_window=16,
-                                max_position_embeddings=512))
 
 
 @pytest.fixture(scope="module")
