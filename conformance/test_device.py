@@ -317,3 +317,37 @@ def test_event_on_side_stream(backend, check, gen):
         y2 = (y2 @ a).mul_(1.0 / 32)
     check.close(final.reshape(1), y2.sum().cpu().reshape(1), torch.float32, "attention",
                 "side-stream result read after event.synchronize()")
+
+
+def test_graph_captures_side_stream_fork_join(backend, check, gen):
+    """Waits captured into a graph: inside a capture, work forks onto a side stream (an event recorded
+    on the capturing stream, waited by the side stream) and joins back (an event recorded on the side
+    stream, waited by the current one) — as the engine's prefetch does. Replays after the input
+    changed in place give the joined result: the captured waits order the replay."""
+    _graphs(backend.capabilities)
+    dev = backend.device
+    on = dev.torch_device
+    x = torch.zeros(4099, device=on)
+    side, fork, join = dev.new_stream(), dev.new_event(), dev.new_event()
+    dev.synchronize()
+
+    def step():
+        y = x * 2
+        fork.record(dev.current_stream())
+        side.wait_event(fork)
+        with dev.stream_context(side):
+            z = (y + 1).mul_(3)
+        join.record(side)
+        dev.current_stream().wait_event(join)
+        return z - x
+
+    graph, out = dev.capture_graph(step, dev.graph_pool(), dev.new_stream())
+    dev.synchronize()
+    for trial in range(2):
+        xs = randn(gen, 4099)
+        x.copy_(xs.to(on))
+        graph.replay()
+        dev.synchronize()
+        check.exact(out.cpu(), (xs * 2 + 1) * 3 - xs, "copy_blocks",
+                    f"graph with a side-stream fork/join, replay {trial} after the input changed")
+    del graph

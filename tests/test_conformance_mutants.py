@@ -52,7 +52,7 @@ def test_control_passes_what_kills_the_mutants():
 
 
 @pytest.mark.parametrize(("name", "selection"), [
-    ("control-graphs", "test_graph_replay_reads_inputs_in_place"),
+    ("control-graphs", "test_graph_replay_reads_inputs_in_place or test_graph_captures_side_stream_fork_join"),
     ("control-lazy", "test_event_on_side_stream or (test_copy_blocks and float32) or test_host_staging"),
     ("control-collectives", "test_collectives"),
 ])

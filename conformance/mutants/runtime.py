@@ -33,6 +33,7 @@ from hwkv.reference.device import CpuDevice, CpuEvent, CpuStream
 from hwkv.reference.graphs import RecordedGraph, RecordingCpuDevice, StaticAttentionImpl
 
 GRAPH = ("test_graph_replay_reads_inputs_in_place",)
+FORK = ("test_graph_captures_side_stream_fork_join",)
 EVENT = ("test_event_on_side_stream",)
 
 
@@ -92,11 +93,11 @@ class _ReleasedPoolDevice(GraphDevice):
                             t.fill_(7.0)
 
 
-def graph_backend(name: str, device: type = GraphDevice) -> MutantBackend:
-    """The reference backend whose device captures graphs (``device``) and whose ``write_kv`` survives
-    a capture (no host reads)."""
-    return MutantBackend(f"mutant-{name}", impl=StaticAttentionImpl, device=device, caps={"graph_capture": True},
-                         spec=None)
+def graph_backend(name: str, device: type | None = None) -> MutantBackend:
+    """The reference backend whose device captures graphs (``device``, default: emulated graphs with
+    lazy side streams) and whose ``write_kv`` survives a capture (no host reads)."""
+    return MutantBackend(f"mutant-{name}", impl=StaticAttentionImpl, device=device or LazyGraphDevice,
+                         caps={"graph_capture": True}, spec=None)
 
 
 # -- lazy streams ----------------------------------------------------------------------------------
@@ -236,6 +237,37 @@ class _NoWaitDevice(LazyStreamDevice):
     default_stream_cls = _WaitIgnored
 
 
+class LazyGraphDevice(LazyStreamDevice, GraphDevice):
+    """Lazy side streams and emulated graphs together: a capture records the side stream's work, the
+    NaN refills of what the caller sees and the copies each captured wait lands, in issue order."""
+
+
+class _CapturingGraph(RecordedGraph):
+    capturing: list[bool] = [False]
+
+    def __enter__(self) -> Any:
+        self.capturing[0] = True
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        self.capturing[0] = False
+        return super().__exit__(*exc)
+
+
+class _WaitNotCaptured(LazyStream):
+    """BUG: inside a capture ``wait_event`` is left out of the graph (ordering only at eager time): the
+    side stream's result lands when the host next synchronizes, never in a replay."""
+
+    def wait_event(self, event: CpuEvent) -> None:
+        if not _CapturingGraph.capturing[0]:
+            super().wait_event(event)
+
+
+class _NoCapturedWaitDevice(LazyGraphDevice):
+    default_stream_cls = _WaitNotCaptured
+    graph_cls = _CapturingGraph
+
+
 def lazy_backend(name: str, device: type = LazyStreamDevice) -> MutantBackend:
     return MutantBackend(f"mutant-{name}", device=device, spec=None)
 
@@ -254,3 +286,6 @@ mutant("event-records-current-stream", "device", "event.record(stream) records o
        "given one", EVENT, device=_event_device(_EventOnCurrentStream))
 mutant("wait-event-orders-nothing", "device", "current_stream().wait_event(e) returns without ordering the "
        "stream behind e", EVENT, device=_NoWaitDevice)
+mutant("graph-wait-not-captured", "device", "a wait_event issued during a capture is not recorded into the graph "
+       "(a side stream's fork/join is unordered on replay)", FORK, impl=StaticAttentionImpl,
+       device=_NoCapturedWaitDevice, caps={"graph_capture": True})
