@@ -60,7 +60,9 @@ def run(args: argparse.Namespace) -> int:
           f"{f'; most test time: {slow}' if slow else ''}")
     md = (report.get("multi_device") or {}).get("tests") or []
     if md:
-        print(f"multi-device: {sum(x['status'] == 'PASS' for x in md)} / {len(md)} passed")
+        ns = sum(x["status"] == "NOT_SUPPORTED" for x in md)
+        print(f"multi-device: {sum(x['status'] == 'PASS' for x in md)} / {len(md)} passed"
+              + (f", {ns} not supported" if ns else ""))
     if args.report:
         print(f"report: {args.report}/conformance.json, {args.report}/conformance.md")
     if args.certify:
