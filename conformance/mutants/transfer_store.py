@@ -178,3 +178,27 @@ for _name, _bug, _fix in (("store-key-255-bytes", "keys truncated to 255 bytes (
         "get": lambda self, keys, bufs, f=_fix: EmbeddedStore.get(self, f(keys), bufs),
         "exists": lambda self, keys, f=_fix: EmbeddedStore.exists(self, f(keys)),
         "remove": lambda self, keys, f=_fix: EmbeddedStore.remove(self, f(keys))}))
+
+
+def _keep_order(call: Any) -> Any:
+    """``call`` with the LRU order it leaves undone for keys that existed before (a store that tracks
+    recency at insertion only): BUG."""
+
+    def wrapped(self: Any, keys: list[str], *rest: Any) -> Any:
+        with self._lock:
+            before = list(self._values)
+        out = call(self, keys, *rest)
+        with self._lock:
+            for k in reversed(before):  # the old keys back in their old order, ahead of new ones
+                if k in self._values:
+                    self._values.move_to_end(k, last=False)
+        return out
+
+    return wrapped
+
+
+STORE_LRU = ("test_store.py::test_capacity_pressure_and_clients",)
+mutant("store-get-no-recency", "store", "get does not count as use: eviction in insertion order (FIFO), not LRU",
+       STORE_LRU, store=type("Store_get_fifo", (_Store,), {"get": _keep_order(EmbeddedStore.get)}))
+mutant("store-overwrite-keeps-position", "store", "an overwrite keeps the key's old LRU position (a put on an existing "
+       "key is not a use)", STORE_LRU, store=type("Store_put_pos", (_Store,), {"put": _keep_order(EmbeddedStore.put)}))
