@@ -202,7 +202,7 @@ class ModelRunner:
         params = [st.params for st in states]
         mask = None
         if self.structured is not None and self.structured.matchers:
-            mask = self.structured.bitmask(req_ids, [st.output_token_ids for st in states], self.device)
+            mask = self.structured.bitmask(req_ids, [st.output_token_ids for st in states], self.dev)
         if not self._num_special:  # every request held is plain: the sampler's argmax fast path
             return SamplingBatch(params, [st.output_token_ids for st in states], plain=True, bitmask=mask)
         prompts = None

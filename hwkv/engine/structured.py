@@ -21,9 +21,12 @@ from __future__ import annotations
 import json
 import time
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from hwkv.interfaces.device import Device
 
 KEYS = ("json", "json_object", "regex", "choice", "grammar")
 CACHE_SIZE = 256  # compiled grammars kept
@@ -133,7 +136,7 @@ class StructuredOutputs:
     def drop(self, req_id: str) -> None:
         self.matchers.pop(req_id, None)
 
-    def bitmask(self, req_ids: list[str], outputs: list[list[int]], device: torch.device) -> torch.Tensor | None:
+    def bitmask(self, req_ids: list[str], outputs: list[list[int]], device: Device) -> torch.Tensor | None:
         """Packed allowed-token bits ``[R, ceil(V / 32)]`` int32 on ``device`` for these rows, or
         ``None`` when none of them is constrained. Each matcher first consumes the row's tokens
         since the last call."""
@@ -168,16 +171,17 @@ class StructuredOutputs:
             self._executor.unsafe_compute_mask_ptr(todo, mask.data_ptr(), row_bytes, len(req_ids))
         self.num_masks += 1
         self.mask_s += time.perf_counter() - t0
-        return mask.to(device, non_blocking=True)
+        return mask.to(device.torch_device, non_blocking=True)
 
-    def _buffer(self, rows: int, device: torch.device) -> torch.Tensor:
-        """``[rows, words]`` int32 all ones on the host: pinned (in turn) for a device, plain for the CPU."""
-        if device.type == "cpu":
+    def _buffer(self, rows: int, device: Device) -> torch.Tensor:
+        """``[rows, words]`` int32 all ones on the host: staging buffers (page-locked, used in turn) for a
+        device with asynchronous copies, plain host memory where the host is the device."""
+        if not device.async_copies:
             return torch.full((rows, self.words), -1, dtype=torch.int32)
         if not self._bufs or self._bufs[0].shape[0] < rows:
             n = max(rows, 2 * self._bufs[0].shape[0] if self._bufs else 64)
             try:
-                self._bufs = [torch.empty((n, self.words), dtype=torch.int32, pin_memory=True) for _ in range(2)]
+                self._bufs = [device.host_empty((n, self.words), torch.int32) for _ in range(2)]
             except RuntimeError:  # no pinned memory here: pageable (the copy then waits for the stream)
                 return torch.full((rows, self.words), -1, dtype=torch.int32)
         self._turn ^= 1
