@@ -6,7 +6,8 @@ finite, max 448) with float32 dequantisation scales, as vLLM's ``fp8`` KV cache:
 per layer and per KV head (``KVCache.scales``, ``[num_layers, 2, H_kv]``: K then V); per-tensor scales
 (vLLM's ``k_scale`` / ``v_scale``) are the case where every head of a layer holds the same value.
 They default to 1.0 (vLLM's default when a checkpoint carries none); a checkpoint's ``k_scale`` /
-``v_scale`` tensors are used when present, and ``Engine(kv_cache_scales=...)`` sets calibrated ones. ``"auto"`` stores KV in the model's dtype. These functions are the oracle every
+``v_scale`` tensors are used when present, and ``Engine(kv_cache_scales=...)`` sets calibrated ones.
+``"auto"`` stores KV in the model's dtype. These functions are the oracle every
 backend's kernels are compared against (conformance, ``docs/fp8-kv-cache.md``).
 """
 

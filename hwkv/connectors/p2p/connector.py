@@ -1,7 +1,8 @@
 """Prefill/decode disaggregation: the ``p2p`` connector moves a prompt's KV from a prefill engine
 (``role="producer"``) to a decode engine (``role="consumer"``) over a :class:`~hwkv.interfaces.transfer.Transfer`
 (the first protocol both offer that works between them: device-direct ``cuda_ipc`` on one host,
-Mooncake ``rdma`` across hosts, ``tcp`` staging anywhere), in one of two modes (docs/disaggregation.md walks through both):
+Mooncake ``rdma`` across hosts, ``tcp`` staging anywhere), in one of two modes
+(docs/disaggregation.md walks through both):
 
 * ``mode="pull"`` (vllm-ascend's Mooncake connector): the producer keeps the prompt's blocks after
   prefill (``delay_free``) and returns where they are in ``kv_transfer_params``; the consumer
