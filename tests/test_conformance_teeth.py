@@ -85,8 +85,10 @@ def test_cross_layer_layout_passes(teeth):
     """The suite reads K/V through the layout definitions, so a correct CROSS_LAYER backend passes."""
     got = run_kernel("teeth-crosslayer")
     assert set(got.values()) == {"PASS"}
-    got = statuses(conformance.run("teeth-crosslayer", pytest_args=["-k", "test_device and not graph_replay"]))
-    assert got and set(got.values()) == {"PASS"}, got
+    # graphs are left out: the teeth backends declare none (NOT_SUPPORTED there says nothing of the layout)
+    got = statuses(conformance.run("teeth-crosslayer",
+                                   pytest_args=["-k", "test_device and not graph_replay and not graph_captures"]))
+    assert got and set(got.values()) == {"PASS"}, {k: v for k, v in got.items() if v != "PASS"}
 
 
 @pytest.mark.parametrize(
