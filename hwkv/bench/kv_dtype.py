@@ -146,10 +146,11 @@ def moved_bytes(mdir: Path, be: Any, dtype: str, kd: str, vocab: int, block_size
                           stored_bytes=st["stored_bytes"],
                           loaded_bytes_per_token=st["loaded_bytes"] / max(1, st["external_hit_tokens"]))
     e.close()
-    try:
-        import mooncake.engine  # noqa: F401 - the tcp transfer engine the p2p connector uses here
-    except (ImportError, OSError) as err:
-        out["p2p"] = dict(skipped=f"Mooncake's transfer engine does not import: {err}")
+    from hwkv.stores.mooncake_service import mooncake_available
+
+    ok, why = mooncake_available()  # the tcp transfer engine the p2p connector uses here
+    if not ok:
+        out["p2p"] = dict(skipped=why)
         return out
     cfg = lambda role: dict(role=role, mode="pull", transfer_timeout_s=10.0)
     prod = hwkv.Engine(str(mdir), num_kv_blocks=32, kv_connector="p2p", kv_connector_config=cfg("producer"), **kw)
