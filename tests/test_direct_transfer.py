@@ -158,3 +158,33 @@ def test_unanswering_peer_times_out_and_close_is_idempotent(pair):
     with pytest.raises(TransferError, match="closed"):
         a.register(src.data_ptr(), 64)
     assert a.registered_buffers() == []
+
+
+class _Event:
+    def __init__(self, log: list[str]):
+        self.log = log
+
+    def synchronize(self) -> None:
+        self.log.append("synchronize")
+
+
+def test_after_event_is_waited_by_the_host_when_the_mover_cannot_order_on_the_device(pair):
+    """A mover without ``orders_after`` (cma): ``submit_write(after=ev)`` waits for ``ev`` on the host
+    before the copies start; one that orders on the device receives the event and the host goes on."""
+    a, b = pair
+    src, dst = _buf(4096), _buf(4096, 0)
+    a.register(src.data_ptr(), 4096)
+    b.register(dst.data_ptr(), 4096)
+    a.write(b.endpoint(), [src.data_ptr()], [dst.data_ptr()], [16])  # the peer described and probed first
+    log: list[str] = []
+    submit = a.mover.submit
+    a.mover.submit = lambda *args, **kw: (log.append(f"submit after={kw.get('after')}"), submit(*args))[1]
+    assert a.orders_after is False
+    a.wait(a.submit_write(b.endpoint(), [src.data_ptr()], [dst.data_ptr()], [4096], after=_Event(log)))
+    assert log == ["synchronize", "submit after=None"] and torch.equal(dst, src)
+
+    log.clear()
+    ev = _Event(log)
+    a.mover.orders_after = True  # as cuda_ipc: the event goes to the mover, never waited on here
+    a.wait(a.submit_read(b.endpoint(), [src.data_ptr()], [dst.data_ptr()], [4096], after=ev))
+    assert log == [f"submit after={ev}"]

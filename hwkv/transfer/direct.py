@@ -93,6 +93,9 @@ class Mover(ABC):
     """The device-specific half of a direct transfer. ``submit`` never blocks on the copy itself."""
 
     protocol: str = ""
+    # whether ``submit(..., after=event)`` orders the copies after a device event on the device itself
+    # (the copy streams wait for it); otherwise the host waits for the event before submitting
+    orders_after: bool = False
 
     def check_local(self, ptr: int, nbytes: int) -> None:  # noqa: B027 - optional hook
         """Raise ``TransferError`` if ``[ptr, +nbytes)`` cannot be registered (e.g. not device memory)."""
@@ -110,9 +113,11 @@ class Mover(ABC):
     def detach(self, token: Any) -> None: ...
 
     @abstractmethod
-    def submit(self, op: str, pid: int, local: np.ndarray, target: np.ndarray, lengths: np.ndarray) -> Any:
+    def submit(self, op: str, pid: int, local: np.ndarray, target: np.ndarray, lengths: np.ndarray,
+               after: Any = None) -> Any:
         """Start copies (``op`` "write": local -> target, "read": target -> local; int64 arrays of
-        addresses and byte counts); a ticket."""
+        addresses and byte counts); a ticket. ``after`` (only where ``orders_after``): a device event
+        the copies start after, without the host waiting for it."""
 
     @abstractmethod
     def done(self, ticket: Any) -> bool:
@@ -547,20 +552,35 @@ class DirectTransfer(Transfer):
         touched = [regs[k] for k in np.unique(j).tolist()]
         return touched, la, ra, na
 
-    def submit_write(self, peer: str, src_ptrs: list[int], dst_ptrs: list[int], lengths: list[int]) -> int:
-        return self._submit("write", peer, src_ptrs, dst_ptrs, lengths)
+    def submit_write(self, peer: str, src_ptrs: list[int], dst_ptrs: list[int], lengths: list[int],
+                     after: Any = None) -> int:
+        """As :meth:`Transfer.submit_write`; ``after``: an event of this endpoint's device (e.g.
+        recorded by a forward after it wrote a layer's KV) the copies start after. Where the mover
+        ``orders_after`` the copy streams wait for it on the device (the host goes on); otherwise the
+        host waits for it here, before submitting."""
+        return self._submit("write", peer, src_ptrs, dst_ptrs, lengths, after)
 
-    def submit_read(self, peer: str, local_ptrs: list[int], remote_ptrs: list[int], lengths: list[int]) -> int:
-        return self._submit("read", peer, local_ptrs, remote_ptrs, lengths)
+    def submit_read(self, peer: str, local_ptrs: list[int], remote_ptrs: list[int], lengths: list[int],
+                    after: Any = None) -> int:
+        return self._submit("read", peer, local_ptrs, remote_ptrs, lengths, after)
 
-    def _submit(self, op: str, peer: str, local: list[int], remote: list[int], lengths: list[int]) -> int:
+    @property
+    def orders_after(self) -> bool:
+        return self.mover.orders_after
+
+    def _submit(self, op: str, peer: str, local: list[int], remote: list[int], lengths: list[int],
+                after: Any = None) -> int:
         self._live()
         touched, la, ra, na = self._check(f"submit_{op}", peer, local, remote, lengths)
         pid, target = self._translate(peer, ra, na)
         lp, tp, ln = _merge(la, target, na)
         nbytes = int(ln.sum())
+        if after is not None and not self.mover.orders_after:
+            after.synchronize()
+            after = None
         try:
-            ticket = self.mover.submit(op, pid, lp, tp, ln)
+            ticket = self.mover.submit(op, pid, lp, tp, ln) if after is None else \
+                self.mover.submit(op, pid, lp, tp, ln, after=after)
         except TransferError:
             raise
         except Exception as e:

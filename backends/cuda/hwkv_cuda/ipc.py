@@ -157,6 +157,7 @@ class _Events:
 
 class CudaIpcMover(Mover):
     protocol = "cuda_ipc"
+    orders_after = True  # copy streams wait on the caller's event (cudaStreamWaitEvent): no host stall
 
     def __init__(self, device: int | torch.device | None = None, method: str = "auto", streams: int = 2):
         if method not in METHODS:
@@ -275,11 +276,15 @@ class CudaIpcMover(Mover):
             return "kernel"
         return "batch" if self.cuda.batch is not None else "memcpy"
 
-    def submit(self, op: str, pid: int, local: np.ndarray, target: np.ndarray, lengths: np.ndarray) -> Any:
+    def submit(self, op: str, pid: int, local: np.ndarray, target: np.ndarray, lengths: np.ndarray,
+               after: Any = None) -> Any:
         local, target, lengths = (np.asarray(v, dtype=np.int64) for v in (local, target, lengths))
         src, dst = (local, target) if op == "write" else (target, local)
         method = self._choose(lengths, local, target)
         self._set()
+        if after is not None:  # every stream this call may use waits, on the device, for the event
+            for s in self.streams:
+                s.wait_event(after)
         if method == "kernel":
             stream = self.streams[0]
             try:

@@ -123,3 +123,31 @@ def test_expandable_segments_are_refused_with_the_reason():
                          env={**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
     assert "expandable" in out.stdout, out.stdout + out.stderr
     assert CudaIpcMover  # the plain allocator exports (the tests above)
+
+
+def test_after_event_orders_the_copy_on_the_device_without_a_host_wait():
+    """``submit_write(after=ev)``: the copy streams wait for an event of the forward's stream (a
+    layerwise push of a layer the forward just wrote) — the bytes are the ones written before the
+    event, and the host is not held while the device gets there."""
+    peer = Peer("cuda:1" if TWO else "cuda:0")
+    ep = _endpoint("cuda:0")
+    try:
+        n = 1 << 20
+        src = torch.zeros(n, dtype=torch.uint8, device="cuda:0")
+        ep.register(src.data_ptr(), n)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(400_000_000)  # the "forward": ~0.2 s of device time before the layer's KV exists
+        src.fill_(7)
+        ev = torch.cuda.Event()
+        ev.record()
+        t0 = time.perf_counter()
+        b = ep.submit_write(peer.info["endpoint"], [src.data_ptr()], [peer.info["ptr"]], [n], after=ev)
+        submitted = time.perf_counter() - t0
+        assert not ev.query(), "the sleep ended before the submit returned: the test shows nothing"
+        ep.wait(b, timeout_s=30)
+        assert peer.ask("sum")["sum"] == 7 * n
+        assert submitted < 0.1, f"submit_write(after=) held the host {submitted:.3f} s"
+    finally:
+        ep.close()
+        peer.stop()
+    assert _opened() == 0

@@ -235,10 +235,10 @@ class ProducerSide:
     def save_kv_layer(self, layer: int, layer_kv: Any, attn_metadata: Any) -> None:
         if not self._writes:
             return
-        if self.kv_cache.device.type != "cpu":  # the layer's KV is written once the device got there
+        ev = None
+        if self.kv_cache.device.type != "cpu":  # the layer's KV exists once the forward's stream got there
             ev = self.dev.new_event()
             ev.record()
-            ev.synchronize()
         for st, block_ids, start, end in self._writes:
             lo, hi = max(start, st.msg.start), min(end, st.msg.end)
             if st.failed or hi <= lo:
@@ -248,7 +248,12 @@ class ProducerSide:
                 sp, dp, ln = pair_segments(mine, st.peer, block_ids, st.msg.block_ids, lo, hi,
                                            layers=range(layer, layer + 1))
                 if ln:
-                    st.batches.append(transfer.submit_write(st.peer.endpoint, sp, dp, ln))
+                    if ev is not None and not getattr(transfer, "orders_after", False):
+                        ev.synchronize()  # a transport that cannot order on the device: the host waits
+                        ev = None
+                    # ordered on the device: the copy streams wait for the layer's event, the forward goes on
+                    st.batches.append(transfer.submit_write(st.peer.endpoint, sp, dp, ln, after=ev) if ev is not None
+                                      else transfer.submit_write(st.peer.endpoint, sp, dp, ln))
                     st.nbytes += sum(ln)
                     self.counters["layer_writes"] += 1
             except Exception as e:
