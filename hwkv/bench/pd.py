@@ -301,6 +301,7 @@ def run(args: argparse.Namespace) -> int:
     }
     if tokens:
         res["token_check"] = _token_check(model, args, info["vocab_size"], tokens)
+    res["bars"] = _bars(colocated, disagg, transfer)
     _print(res)
     out_dir = Path(args.out_dir) if args.out_dir else results_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -314,6 +315,28 @@ def run(args: argparse.Namespace) -> int:
     ok = all(r["failed"] == 0 for r in disagg + (colocated or [])) and not transfer["failed_transfers"]
     ok = ok and all(v["passes"] for v in res.get("token_check", {}).get("margin_rule", {}).values())
     return 0 if ok else 1
+
+
+def _bars(colocated: list[dict[str, Any]] | None, disagg: list[dict[str, Any]], transfer: dict[str, Any]
+          ) -> dict[str, Any]:
+    """The issue's two P/D figures, per rate: the consumer's ITL p99 over the colocated engine's (bar:
+    <= 0.5 under mixed load), and the transfer's share of the prefill — the mean blocking time per
+    load over the colocated TTFT p50 at the lowest rate (a prefill with the least queueing; bar:
+    <= 0.10). Also the TTFT the disaggregated path adds over colocated (proxy, transfer, the
+    consumer's first step, minus the queueing it saves)."""
+    if not colocated:
+        return {}
+    per_load = transfer["seconds"] / transfer["transfers"] if transfer.get("transfers") else None
+    prefill_ms = min(colocated, key=lambda r: float(r["request_rate"]))["ttft"]["p50_ms"]
+    out: dict[str, Any] = {"transfer_ms_per_load": per_load * 1e3 if per_load is not None else None,
+                           "prefill_ms": prefill_ms,
+                           "transfer_over_prefill": per_load * 1e3 / prefill_ms if per_load and prefill_ms else None,
+                           "rates": []}
+    for c, d in zip(colocated, disagg):
+        out["rates"].append({"request_rate": c["request_rate"],
+                             "itl_p99_ratio": d["itl"]["p99_ms"] / c["itl"]["p99_ms"] if c["itl"]["p99_ms"] else None,
+                             "ttft_p50_added_ms": d["ttft"]["p50_ms"] - c["ttft"]["p50_ms"]})
+    return out
 
 
 def _transport(transfer: dict[str, Any], info: dict[str, Any]) -> str:
@@ -344,6 +367,14 @@ def _print(res: dict[str, Any]) -> None:
     per = f", {t['seconds'] / t['transfers'] * 1e3:.2f} ms per load" if t["transfers"] else ""
     print(f"KV moved: {t['bytes'] / 1e6:.1f} MB in {t['seconds']:.3f} s of transfers ({rate}{per}); "
           f"{t['transfers']:.0f} loads, {t['failed_transfers']:.0f} failed (latencies in ms)")
+    b = res.get("bars") or {}
+    for r in b.get("rates", []):
+        ratio = f"{r['itl_p99_ratio']:.2f}" if r["itl_p99_ratio"] is not None else "n/a"
+        print(f"rate {r['request_rate']}: consumer ITL p99 / colocated ITL p99 = {ratio} (bar <= 0.5); "
+              f"TTFT p50 {r['ttft_p50_added_ms']:+.1f} ms against colocated")
+    if b.get("transfer_over_prefill") is not None:
+        print(f"transfer {b['transfer_ms_per_load']:.2f} ms per load = {b['transfer_over_prefill']:.1%} of the prefill "
+              f"(colocated TTFT p50 {b['prefill_ms']:.1f} ms at the lowest rate; bar <= 10%)")
     tc = res.get("token_check")
     if tc:
         for n, a in tc["agreement"].items():
