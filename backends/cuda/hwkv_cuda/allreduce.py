@@ -1,5 +1,6 @@
 """Custom all-reduce for tensor parallelism on CUDA (``CudaDevice.custom_all_reduce``), over peer
-memory that PyTorch's symmetric memory maps into every rank (NVLink; NVLink multicast is never used:
+memory: the push kernels' buffers are mapped into every rank through CUDA IPC handles, PyTorch's
+symmetric-memory ops (optional) over its own allocation (NVLink; NVLink multicast is never used:
 ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` is set before the first allocation unless the user set it,
 and no ``multimem`` op runs).
 
@@ -75,7 +76,7 @@ class CudaAllReduce:
                  one_shot_max: int = ONE_SHOT_MAX, two_shot_max: int = TWO_SHOT_MAX, norm_max: int = NORM_MAX):
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         self.rank, self.world_size, self.device = comm.rank, comm.world_size, comm.device
-        self._registered = False
+        self._registered, self._symm_group = False, None
         self.name = ""
         self.push_max = push_max if push else 0
         self.norm_max = norm_max if push else 0
@@ -185,7 +186,8 @@ class CudaAllReduce:
             _SymmetricMemory.set_group_info(self.name, self.rank, self.world_size, symm_store)
         # keep torch's Python helper (which looks the group up in its own world) from redoing it
         getattr(symm_mem, "_group_name_to_store", {}).setdefault(self.name, symm_store)
-        self._registered = _register_group(self.name, comm, symm_store)
+        self._symm_group = _register_group(self.name, comm, symm_store)
+        self._registered = self._symm_group is not None
         get_backend = getattr(symm_mem, "get_backend", None)
         if get_backend is not None and get_backend(self.device) not in (None, "CUDA"):
             symm_mem.set_backend("CUDA")  # peer mappings through the CUDA driver
@@ -280,7 +282,7 @@ class CudaAllReduce:
             from torch._C._distributed_c10d import _unregister_process_group
 
             _unregister_process_group(self.name)
-            self._registered = False
+            self._registered, self._symm_group = False, None
         mover, self._mover = getattr(self, "_mover", None), None
         for token in getattr(self, "_tokens", []):
             with contextlib.suppress(Exception):  # closing: a peer may already be gone
@@ -290,13 +292,15 @@ class CudaAllReduce:
         self.staging = self.buf = self.nbuf = None  # type: ignore[assignment]
 
 
-def _register_group(name: str, comm: Any, store: Any) -> bool:
+def _register_group(name: str, comm: Any, store: Any) -> Any:
     """Register ``comm``'s NCCL backend under ``name`` in c10d's group registry (what symmetric
-    memory's rendezvous resolves); ``False`` where this torch has no such registry."""
+    memory's rendezvous resolves) and return the group, which the caller must keep: the registry
+    holds a weak reference (the first two-GPU run of this path failed on "process group ... has
+    already been destroyed"). ``None`` where this torch has no such registry."""
     try:
         from torch._C._distributed_c10d import ProcessGroup, _register_process_group
     except ImportError:
-        return False
+        return None
     backend = getattr(comm, "torch_group", None)
     pg = ProcessGroup(store, comm.rank, comm.world_size)
     kind = ProcessGroup.BackendType.NCCL
@@ -306,7 +310,7 @@ def _register_group(name: str, comm: Any, store: Any) -> bool:
     if hasattr(pg, "_set_group_name"):
         pg._set_group_name(name)
     _register_process_group(name, pg)
-    return True
+    return pg
 
 
 def triton_next_pow2(n: int) -> int:

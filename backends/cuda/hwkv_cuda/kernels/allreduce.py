@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 REGION = 4096  # bytes of each slot a program owns (the same for every dtype: regions never overlap)
-MAX_SPIN = 1 << 28
+MAX_SPIN = tl.constexpr(1 << 28)  # a global a @jit function reads must be a constexpr
 
 
 @triton.jit
