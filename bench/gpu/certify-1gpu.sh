@@ -1,6 +1,6 @@
 #!/bin/bash
 # cuda certification under the current suite on ONE GPU, timed (the bar: <= 5 minutes wall on one
-# H100 with no coverage dropped). Parallel workers share the one device (auto: min(8, cores / 2));
+# H100 with no coverage dropped). Parallel workers share the one device (auto: min(12, cores / 2));
 # each worker gets its share of the host's cores for torch's CPU ops (conformance/parallel.py).
 # Run from the repository root with OUT set; the report lands in $OUT/certify. Pass --workers N to
 # override. Uses device 0 only (another one-GPU script may run on the other GPU of the host).

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+MAX_AUTO_WORKERS = 12
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", required=True, help="backend to test (see `hwkv backends`)")
@@ -15,7 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="about a minute of smoke: one dtype, block size and head size per test "
                              "(not with --certify)")
     parser.add_argument("--workers", default="auto", metavar="N",
-                        help="processes claiming tests from one list (default auto: 1 on the host, else up to 8 "
+                        help="processes claiming tests from one list (default auto: 1 on the host, else up to 12 "
                              "by CPU count)")
     parser.add_argument("--devices", type=int, default=1, metavar="N",
                         help="devices to spread the workers over; >= 2 adds the multi-device tests (tensor "
@@ -86,4 +88,6 @@ def _workers(value: str, backend: str) -> int:
 
     if getattr(get_backend(backend).device, "visible_devices_env", None) is None:
         return 1  # the device is the host: its cores already run each test's ops
-    return max(1, min(8, (os.cpu_count() or 2) // 2))
+    # a worker's time on a GPU is mostly its Triton compiles, one host core each: up to 12 processes
+    # share the device (its memory holds them easily), half the host's cores
+    return max(1, min(MAX_AUTO_WORKERS, (os.cpu_count() or 2) // 2))
