@@ -252,7 +252,9 @@ def _disaggregated(model: str, args: argparse.Namespace) -> tuple[dict[str, Any]
     nbytes = delta[mover]["loaded_bytes" if mover == "consumer" else "stored_bytes"]
     secs = delta[mover].get("transfer_s", 0.0)
     via = {k.removeprefix("bytes_via_"): v for k, v in delta["consumer"].items() if k.startswith("bytes_via_") and v}
+    copy_s = delta[mover].get("copy_s")  # pull: the read calls alone, without the segment plan
     transfer = {"bytes": nbytes, "seconds": secs, "GBps": nbytes / secs / 1e9 if secs > 0 else None,
+                "copy_seconds": copy_s, "copy_GBps": nbytes / copy_s / 1e9 if copy_s else None,
                 "bytes_by_protocol": via,
                 "transfers": delta["consumer"].get("transfers", 0.0),
                 "failed_transfers": delta["consumer"].get("failed_transfers", 0.0), "counters": delta,
@@ -367,6 +369,8 @@ def _print(res: dict[str, Any]) -> None:
     per = f", {t['seconds'] / t['transfers'] * 1e3:.2f} ms per load" if t["transfers"] else ""
     print(f"KV moved: {t['bytes'] / 1e6:.1f} MB in {t['seconds']:.3f} s of transfers ({rate}{per}); "
           f"{t['transfers']:.0f} loads, {t['failed_transfers']:.0f} failed (latencies in ms)")
+    if t.get("copy_seconds"):
+        print(f"  of which the copies: {t['copy_seconds']:.3f} s ({t['copy_GBps']:.2f} GB/s)")
     b = res.get("bars") or {}
     for r in b.get("rates", []):
         ratio = f"{r['itl_p99_ratio']:.2f}" if r["itl_p99_ratio"] is not None else "n/a"

@@ -146,3 +146,62 @@ def test_mismatched_heads_need_a_slice():
     b = layout_of(KVCache.allocate(KVCacheSpec(3, 12, 4, 1, 4, torch.float32), KVLayoutKind.PER_LAYER), "d", "y", "tcp")
     with pytest.raises(ValueError, match="give the head slice"):
         pair_segments(a, b, [0], [0], 0, 4)
+
+
+def _reference_segments(src, dst, src_blocks, dst_blocks, start, end, layers=None, heads=None):
+    """pair_segments as a plain loop over layers, K|V and token runs (the vectorized one must list
+    exactly these segments)."""
+    from hwkv.connectors.p2p.protocol import _elem, _unit
+
+    layers = range(src.num_layers) if layers is None else layers
+    h_src, h_dst, nh = (0, 0, src.num_kv_heads) if heads is None else heads[2:5]
+    head = src.head_size * _elem(src)
+    s_tok, d_tok = src.num_kv_heads * head, dst.num_kv_heads * head
+    pieces = []
+    for layer in layers:
+        for kv in (0, 1):
+            t = start
+            while t < end:
+                sb, so = divmod(t, src.block_size)
+                db, do = divmod(t, dst.block_size)
+                n = min(src.block_size - so, dst.block_size - do, end - t)
+                s0 = _unit(src, layer, kv, src_blocks[sb]) + so * s_tok + h_src * head
+                d0 = _unit(dst, layer, kv, dst_blocks[db]) + do * d_tok + h_dst * head
+                if nh == src.num_kv_heads == dst.num_kv_heads:
+                    pieces.append((s0, d0, n * s_tok))
+                else:
+                    pieces.extend((s0 + i * s_tok, d0 + i * d_tok, nh * head) for i in range(n))
+                t += n
+    out: tuple[list, list, list] = ([], [], [])
+    for s, d, n in sorted(pieces):
+        if out[2] and out[0][-1] + out[2][-1] == s and out[1][-1] + out[2][-1] == d:
+            out[2][-1] += n
+        else:
+            for lst, v in zip(out, (s, d, n)):
+                lst.append(v)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_vectorized_segments_equal_the_plain_loop(seed):
+    import random
+
+    from hwkv.parallel.kv_mapping import map_kv_heads
+
+    rng = random.Random(seed)
+    src_l, dst_l = rng.choice(LAYOUTS), rng.choice(LAYOUTS)
+    src_bs, dst_bs = rng.choice([2, 4, 8]), rng.choice([2, 4, 8])
+    a = layout_of(cache(src_l, src_bs, num_blocks=40), "p", "x", "tcp")
+    b = layout_of(cache(dst_l, dst_bs, num_blocks=40), "d", "y", "tcp")
+    end = rng.randint(1, 60)
+    start = rng.randint(0, end)
+    sb = rng.sample(range(40), -(-end // src_bs))
+    db = rng.sample(range(40), -(-end // dst_bs))
+    layers = rng.choice([None, range(1, 3), range(2, 3)])
+    assert pair_segments(a, b, sb, db, start, end, layers=layers) == \
+        _reference_segments(a, b, sb, db, start, end, layers=layers)
+    sl = rng.choice(map_kv_heads(2, 1, 2))  # the second consumer rank's head of a tp=1 -> tp=2 pair
+    c = layout_of(KVCache.allocate(KVCacheSpec(3, 40, dst_bs, 1, 4, torch.float32), dst_l), "d", "y", "tcp",
+                  tp_rank=sl.dst_rank, tp_size=2)
+    assert pair_segments(a, c, sb, db, start, end, layers=layers, heads=sl) == \
+        _reference_segments(a, c, sb, db, start, end, layers=layers, heads=sl)

@@ -352,6 +352,9 @@ class CudaIpcMover(Mover):
 class _DeviceScratch:
     def __init__(self, device: int):
         self.t = torch.zeros(1, dtype=torch.int64, device=f"cuda:{device}")
+        # the zero fill runs on the current stream, the probe read on the mover's: without this the fill
+        # may land after the read (a probe that "read 0x0" on the H200 pair)
+        torch.cuda.current_stream(device).synchronize()
         self.address = self.t.data_ptr()
 
     def value(self) -> int:

@@ -201,7 +201,10 @@ class ConsumerSide:
                         raise RuntimeError("the load's deadline passed before all of its reads started")
                     if ln:
                         settled = False  # a read that times out may still land: keep the blocks pinned a while
+                        t1 = time.perf_counter()
                         transfer.read(peer.endpoint, dp, sp, ln)
+                        # the copies alone (transfer_s also has the segment plan): where the time goes
+                        self.counters["copy_s"] = self.counters.get("copy_s", 0.0) + time.perf_counter() - t1
                     nbytes += sum(ln)
                 ok, settled = True, True
                 self.counters["transfer_s"] += time.perf_counter() - t0

@@ -19,6 +19,7 @@ import hashlib
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from hwkv.parallel.kv_mapping import HeadSlice, kv_heads_of, map_kv_heads
 
@@ -254,7 +255,10 @@ def pair_segments(src: Layout, dst: Layout, src_blocks: list[int], dst_blocks: l
 
     ``heads`` (heterogeneous tensor parallelism, a :func:`hwkv.parallel.kv_mapping.map_kv_heads`
     slice): only those heads, from their index in the source's blocks to theirs in the
-    destination's; each token is then its own range unless the slice spans both sides' heads."""
+    destination's; each token is then its own range unless the slice spans both sides' heads.
+
+    Vectorized (numpy): an 8k-token prompt of a 32-layer model in 16-token blocks is ~32k pieces,
+    which a Python loop took tens of milliseconds to list — more than the NVLink copy itself."""
     layers = range(src.num_layers) if layers is None else layers
     h_src, h_dst, nh = (0, 0, src.num_kv_heads) if heads is None else heads[2:5]
     if heads is None and src.num_kv_heads != dst.num_kv_heads:
@@ -268,31 +272,42 @@ def pair_segments(src: Layout, dst: Layout, src_blocks: list[int], dst_blocks: l
                          f"got {len(src_blocks)} and {len(dst_blocks)}")
     head = src.head_size * _elem(src)
     s_tok, d_tok = src.num_kv_heads * head, dst.num_kv_heads * head
-    whole = nh == src.num_kv_heads == dst.num_kv_heads  # token runs are contiguous on both sides
-    pieces = []
-    for layer in layers:
-        for kv in (0, 1):
-            t = start
-            while t < end:
-                sb, so = divmod(t, src.block_size)
-                db, do = divmod(t, dst.block_size)
-                n = min(src.block_size - so, dst.block_size - do, end - t)
-                s0 = _unit(src, layer, kv, src_blocks[sb]) + so * s_tok + h_src * head
-                d0 = _unit(dst, layer, kv, dst_blocks[db]) + do * d_tok + h_dst * head
-                if whole:
-                    pieces.append((s0, d0, n * s_tok))
-                else:
-                    pieces.extend((s0 + i * s_tok, d0 + i * d_tok, nh * head) for i in range(n))
-                t += n
-    pieces.sort()  # source address order: runs contiguous on both sides become neighbours
-    sp: list[int] = []
-    dp: list[int] = []
-    ln: list[int] = []
-    for s, d, n in pieces:
-        if ln and sp[-1] + ln[-1] == s and dp[-1] + ln[-1] == d:
-            ln[-1] += n
-        else:
-            sp.append(s)
-            dp.append(d)
-            ln.append(n)
-    return sp, dp, ln
+    # token runs: [start, end) cut at every block boundary of either side
+    cuts = np.unique(np.concatenate((
+        [start, end], np.arange(-(-start // src.block_size) * src.block_size, end, src.block_size),
+        np.arange(-(-start // dst.block_size) * dst.block_size, end, dst.block_size))).astype(np.int64))
+    t, n = cuts[:-1], np.diff(cuts)
+    sb, so = np.divmod(t, src.block_size)
+    db, do = np.divmod(t, dst.block_size)
+    s_off = np.asarray(src_blocks, np.int64)[sb], so * s_tok + h_src * head
+    d_off = np.asarray(dst_blocks, np.int64)[db], do * d_tok + h_dst * head
+    su, ss = _units(src, layers)
+    du, ds = _units(dst, layers)
+    # [unit, run] addresses: unit base + block * block stride + offset in the block
+    s0 = (su[:, None] + ss[:, None] * s_off[0][None, :] + s_off[1][None, :]).ravel()
+    d0 = (du[:, None] + ds[:, None] * d_off[0][None, :] + d_off[1][None, :]).ravel()
+    runs = np.broadcast_to(n, (len(su), len(n))).ravel()
+    if nh == src.num_kv_heads == dst.num_kv_heads:  # token runs are contiguous on both sides
+        ln = runs * s_tok
+    else:  # a head slice: one piece per token
+        tok = np.arange(int(runs.sum()), dtype=np.int64) - np.repeat(np.cumsum(runs) - runs, runs)
+        s0, d0 = np.repeat(s0, runs) + tok * s_tok, np.repeat(d0, runs) + tok * d_tok
+        ln = np.full(len(s0), nh * head, np.int64)
+    order = np.argsort(s0, kind="stable")  # source address order: runs contiguous on both sides become neighbours
+    s0, d0, ln = s0[order], d0[order], ln[order]
+    joins = (s0[1:] == s0[:-1] + ln[:-1]) & (d0[1:] == d0[:-1] + ln[:-1])
+    first = np.flatnonzero(np.concatenate(([True], ~joins)))
+    return s0[first].tolist(), d0[first].tolist(), np.add.reduceat(ln, first).tolist()
+
+
+def _units(lay: Layout, layers: range) -> tuple[np.ndarray, np.ndarray]:
+    """Per (layer, K|V) in ``layers`` (K then V per layer): the address of the unit in block 0 and
+    the byte stride from one block to the next (:func:`_unit` for every block at once)."""
+    base = np.asarray([_unit(lay, layer, kv, 0) for layer in layers for kv in (0, 1)], np.int64)
+    if lay.layout == PER_LAYER:
+        stride = [lay.block_nbytes[layer] for layer in layers for _ in (0, 1)]
+    elif lay.layout == SEPARATE_KV:
+        stride = [lay.block_nbytes[2 * layer + kv] for layer in layers for kv in (0, 1)]
+    else:
+        stride = [lay.block_nbytes[0]] * (2 * len(layers))
+    return base, np.asarray(stride, np.int64)
