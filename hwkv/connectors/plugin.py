@@ -89,6 +89,9 @@ POOL_CONFIG = {
     "global_segment_size": "mooncake: int, default 256 MiB: memory this client contributes to the pool "
                            "(0 with `hwkv pool master`'s holders: the pool then outlives this engine)",
     "replicas": "mooncake: int, default 1: copies of each value, on different holders' segments",
+    "holder": "mooncake: 'host:port' of a holder (mooncake_client) on this host: values move through shared "
+              "memory with it instead of tcp (`hwkv pool master --holder-port`)",
+    "shm_bytes": "mooncake with holder: int, default 2 x staging_bytes + 64 MiB: the shared memory",
     "local_buffer_size": "mooncake: int, default 0",
     "device_name": "mooncake: rdma device names ('' = auto)",
     "timeout_s": "mooncake: float, default 5.0: bound of every store call",

@@ -72,6 +72,8 @@ class Store(ABC):
       service is gone.
     """
 
+    owns_host_memory = False  # True: put/get reach only memory from host_buffer() (then register it)
+
     @abstractmethod
     def put(self, keys: list[str], buffers: list[Buffers]) -> list[ItemResult]: ...
 
@@ -83,6 +85,12 @@ class Store(ABC):
 
     @abstractmethod
     def remove(self, keys: list[str]) -> list[ItemResult]: ...
+
+    def host_buffer(self, nbytes: int) -> int:
+        """Where ``owns_host_memory``: the address of ``nbytes`` of host memory the store can put
+        from and get into (e.g. shared memory a local holder copies through), valid until
+        ``close``. Other stores have none."""
+        raise NotImplementedError(f"{type(self).__name__} moves values from any registered memory (no host_buffer)")
 
     def register_buffer(self, ptr: int, nbytes: int) -> None:
         """Register memory used as put/get buffers (only checked, for stores that need none)."""

@@ -22,6 +22,7 @@ from hwkv.interfaces.store import (
     StoreError,
     StoreFull,
     StoreTimeout,
+    StoreUnavailable,
     check_batch,
 )
 from hwkv.stores.mooncake_faults import (
@@ -67,6 +68,15 @@ class MooncakeStore(Store):
     * ``remove`` is forced by default (``force_remove``): a value being read (leased) is removed
       anyway; with ``force_remove=False`` it fails with a :class:`StoreError` naming the lease.
 
+    * Holder mode (``holder="host:port"``, a ``mooncake_client`` on this host — the holder
+      ``hwkv pool master`` starts): the client is Mooncake's *dummy client*. It holds no segment
+      and no transfer engine; the holder moves every value between the pool and ``shm_bytes`` of
+      shared memory this client maps (a local memcpy when the value lives in that holder, its
+      transport otherwise). Only that memory can be put from or got into: take it with
+      :meth:`host_buffer` and register it (``ValueError`` for other memory). ``owns_host_memory``
+      says so to callers such as the pool connector. tcp over loopback moves ~1 GB/s; this moves
+      what a memcpy does.
+
     Faults (see *Failure behaviour* in ``docs/stores-and-transfer.md``): the constructor probes
     the master (``connect_timeout_s``) before ``setup`` — which holds the GIL and would freeze
     every thread on a hung master. Every later call returns or raises within ``timeout_s``: it
@@ -89,6 +99,8 @@ class MooncakeStore(Store):
         connect_timeout_s: float = 3.0,
         timeout_s: float = 5.0,
         replicas: int = 1,
+        holder: str | None = None,
+        shm_bytes: int = 256 << 20,
     ):
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol={protocol!r} is not supported (allowed: {', '.join(PROTOCOLS)})")
@@ -104,6 +116,14 @@ class MooncakeStore(Store):
         for name, v in (("connect_timeout_s", connect_timeout_s), ("timeout_s", timeout_s)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 3600:
                 raise ValueError(f"{name}={v!r} is invalid (need seconds in (0, 3600])")
+        if holder is not None:
+            hhost, _, hport = holder.rpartition(":") if isinstance(holder, str) else ("", "", "")
+            if not hhost or not hport.isdigit():
+                raise ValueError(f"holder={holder!r} is invalid (need 'host:port' of a mooncake_client on this host, "
+                                 "`hwkv pool master`'s --holder-port)")
+            if isinstance(shm_bytes, bool) or not isinstance(shm_bytes, int) or shm_bytes < MIN_SEGMENT:
+                raise ValueError(f"shm_bytes={shm_bytes!r} is invalid (need an int >= {MIN_SEGMENT}: the shared "
+                                 "memory this client moves values through)")
         mhost, _, mport = master.rpartition(":") if isinstance(master, str) else ("", "", "")
         if not mhost or not mport.isdigit():
             raise ValueError(f"master={master!r} is invalid (need 'host:port' of mooncake_master's RPC port)")
@@ -113,8 +133,10 @@ class MooncakeStore(Store):
         why = probe_master(master, connect_timeout_s)
         if why:
             raise master_error("create", master, why)
-        self.capacity_bytes = global_segment_size
-        self.protocol = protocol
+        self.capacity_bytes = 0 if holder else global_segment_size
+        self.protocol, self.holder = protocol, holder
+        self.owns_host_memory = holder is not None
+        self._shm: list[tuple[int, int]] = []  # host_buffer() ranges (holder mode)
         self.force_remove = force_remove
         self._rpc_timeout_s = max(self.timeout_s / 2, 0.1)  # a put is two RPCs: both fit in timeout_s
         self._store = store_mod.MooncakeDistributedStore()
@@ -125,12 +147,19 @@ class MooncakeStore(Store):
         env = {"MC_RPC_TIMEOUT_MS": str(int(self._rpc_timeout_s * 1000)),
                "MC_RPC_CONNECT_TIMEOUT_MS": str(int(self.connect_timeout_s * 1000)),
                "MC_STORE_CLIENT_SETUP_RETRIES": os.environ.get("MC_STORE_CLIENT_SETUP_RETRIES", "3")}
+        if holder is not None:  # the holder answers like a master would (same RPC framework)
+            why = probe_master(holder, connect_timeout_s)
+            if why:
+                raise StoreUnavailable(f"create: the pool holder (mooncake_client) at {holder} does not answer: {why}")
         with _setup_env:
             saved = {k: os.environ.get(k) for k in env}
             os.environ.update(env)
             try:
-                rc = self._store.setup(host, metadata_server, global_segment_size, local_buffer_size, protocol,
-                                       device_name, master)
+                if holder is not None:
+                    rc = self._store.setup_dummy(shm_bytes, 0, holder)
+                else:
+                    rc = self._store.setup(host, metadata_server, global_segment_size, local_buffer_size, protocol,
+                                           device_name, master)
             finally:
                 for k, v in saved.items():
                     if v is None:
@@ -183,8 +212,25 @@ class MooncakeStore(Store):
                         raise ValueError(f"{op}: segment ({ptr:#x}, {n}) is not inside a registered buffer "
                                          "(call register_buffer first)")
 
+    def host_buffer(self, nbytes: int) -> int:
+        """Holder mode: ``nbytes`` of this client's shared memory (the holder copies values straight
+        into and out of it); valid until :meth:`close`. Register it before use."""
+        if not self.owns_host_memory:
+            raise ValueError("host_buffer: only a holder-mode client (holder='host:port') has shared memory")
+        store = self._live()
+        ptr = int(self._call("host_buffer", store.alloc_from_mem_pool, int(nbytes)) or 0)
+        if ptr <= 0:
+            raise StoreError(f"host_buffer: {nbytes} B do not fit in this client's shared memory "
+                             "(raise shm_bytes)")
+        with self._lock:
+            self._shm.append((ptr, int(nbytes)))
+        return ptr
+
     def register_buffer(self, ptr: int, nbytes: int) -> None:
         store = self._live()
+        if self.owns_host_memory and not any(p <= ptr and ptr + nbytes <= p + n for p, n in self._shm):
+            raise ValueError(f"register_buffer({ptr:#x}, {nbytes}): a holder-mode client moves values only "
+                             "through its shared memory (allocate it with host_buffer())")
         with self._lock:
             self._regs.register(ptr, nbytes, lambda p, n: self._call("register_buffer", store.register_buffer, p, n),
                                 StoreError, "register_buffer")
@@ -329,6 +375,7 @@ class MooncakeStore(Store):
         store, self._store = self._store, None
         with self._lock:
             regs, self._regs = self._regs.items(), Registrations()
+            self._shm = []
         why = probe_master(self.master, min(1.0, self.connect_timeout_s))
         if why is None and not self._calls.wait_idle(self.timeout_s):
             why = f"{self._calls.in_flight()} timed-out call(s) still running"

@@ -83,6 +83,37 @@ def test_pool_survives_engine_restarts(model_dir, expected):
         assert after["stats"]["external_hit_tokens"] == 0 or after["stats"]["load_failures"] > 0
 
 
+def test_holder_mode_engines_share_through_shared_memory(model_dir, expected):
+    """Engines attached to the local holder (``holder=``: Mooncake's dummy client, values copied
+    through shared memory, no tcp) fill and load the pool; a tcp client reads the same values."""
+    skip_unless_mooncake()
+    if client_binary() is None:
+        pytest.skip("the mooncake wheel has no mooncake_client (the pool memory holder)")
+    with mooncake_master() as m, mooncake_holder(m, 32 << 20) as h:
+        local = dict(holder=f"127.0.0.1:{h.port}", staging_bytes=1 << 20)
+        first = engine_process(m, model_dir, **local)
+        assert first["tokens"] == expected and first["stats"]["external_hit_tokens"] == 0
+        assert master_metrics(m)["master_key_count"] == 9
+        again = engine_process(m, model_dir, mode="exit", **local)  # a restart, flushed at exit
+        assert again["tokens"] == expected
+        assert again["stats"]["external_hit_tokens"] == 9 * BS and again["stats"]["load_failures"] == 0
+        assert again["stats"]["loaded_bytes"] > 0 and again["stats"]["stored_bytes"] == 0
+        remote = engine_process(m, model_dir)  # over tcp: the same keys, the same bytes
+        assert remote["tokens"] == expected and remote["stats"]["external_hit_tokens"] == 9 * BS
+
+
+def test_holder_mode_needs_its_holder(model_dir):
+    skip_unless_mooncake()
+    with mooncake_master() as m:
+        with pytest.raises(hwkv.interfaces.store.StoreError, match="holder .*127.0.0.1:1 does not answer"):
+            hwkv.Engine(model_dir, num_kv_blocks=64, max_model_len=256, block_size=BS, kv_connector="pool",
+                        kv_connector_config=dict(store="mooncake", master=m.master, holder="127.0.0.1:1",
+                                                 connect_timeout_s=0.5))
+        with pytest.raises(ValueError, match="holder='nohost' is invalid"):
+            hwkv.Engine(model_dir, num_kv_blocks=64, max_model_len=256, block_size=BS, kv_connector="pool",
+                        kv_connector_config=dict(store="mooncake", master=m.master, holder="nohost"))
+
+
 def test_replicas_outlive_a_holder():
     """``replicas=2`` over two holders: one holder killed, the value is read from the other copy once
     the master dropped the dead holder (client_ttl; 2 s here)."""

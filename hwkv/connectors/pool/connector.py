@@ -35,7 +35,7 @@ from hwkv.connectors.base.roles import SplitConnector
 from hwkv.connectors.pool.key import PoolKey, default_model_id
 from hwkv.connectors.pool.lookup import LookupClient
 from hwkv.connectors.pool.scheduler import PoolGeometry, PoolScheduler
-from hwkv.connectors.pool.store import StoreHandle, store_factory
+from hwkv.connectors.pool.store import StoreHandle, owns_memory, store_factory
 from hwkv.connectors.pool.worker import PoolWorker
 
 
@@ -67,8 +67,10 @@ class PoolConnector(SplitConnector):
         _positive("staging_bytes", staging_bytes, integer=True)
         if model_id is not None and (not isinstance(model_id, str) or not model_id or "@" in model_id):
             raise ValueError(f"pool: model_id={model_id!r} is invalid (need a non-empty str without '@')")
+        if store == "mooncake" and store_options.get("holder") is not None:
+            store_options.setdefault("shm_bytes", 2 * staging_bytes + (64 << 20))  # put + get staging, and slack
         factory, owned = store_factory(store, store_options)
-        self.handle = StoreHandle(factory, owned, float(retry_s))
+        self.handle = StoreHandle(factory, owned, float(retry_s), owns_memory(store, store_options))
         self.store_kind = store if isinstance(store, str) else type(store).__name__
         self.chunk_size, self.model_id = chunk_size, model_id
         self.shard = (tp_rank, tp_size, pp_rank)

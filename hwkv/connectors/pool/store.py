@@ -55,7 +55,14 @@ def drop_embedded(name: str = "default") -> None:
 
 
 MOONCAKE_KEYS = ("master", "metadata_server", "protocol", "host", "global_segment_size", "local_buffer_size",
-                 "device_name", "timeout_s", "connect_timeout_s", "replicas")
+                 "device_name", "timeout_s", "connect_timeout_s", "replicas", "holder", "shm_bytes")
+
+
+def owns_memory(store: Any, options: dict[str, Any]) -> bool:
+    """The configured store moves values only through its own host memory (holder mode)."""
+    if isinstance(store, Store):
+        return bool(store.owns_host_memory)
+    return store == "mooncake" and options.get("holder") is not None
 
 
 def store_factory(store: Any, options: dict[str, Any]) -> tuple[Callable[[], Store], bool]:
@@ -95,13 +102,15 @@ def store_factory(store: Any, options: dict[str, Any]) -> tuple[Callable[[], Sto
 class StoreHandle:
     """Thread-safe access to the pool's store with fail-fast while it is down (module docstring)."""
 
-    def __init__(self, factory: Callable[[], Store], owned: bool, retry_s: float):
+    def __init__(self, factory: Callable[[], Store], owned: bool, retry_s: float, owns_memory: bool = False):
         self._factory, self._owned, self.retry_s = factory, owned, retry_s
+        self.owns_memory = owns_memory  # the store will be a holder-mode client: it must connect at start
         self._store: Store | None = None
         self._buffers: list[tuple[int, int]] = []
         self._down_until = 0.0
         self._lock = threading.Lock()
         self.last_error = ""
+        self._sticky = False  # the store's memory is in use: keep the client across failures
         self.connects = 0
         self.failures = 0
 
@@ -109,9 +118,26 @@ class StoreHandle:
     def up(self) -> bool:
         return self._store is not None and time.monotonic() >= self._down_until
 
+    def host_memory(self) -> Callable[[int], int] | None:
+        """The store's own host memory allocator where it moves values only through that memory
+        (``Store.owns_host_memory``: a holder-mode Mooncake client), else ``None``. Connects now:
+        such a store must be reachable at start (``StoreError`` otherwise), and it is never rebuilt
+        afterwards (the memory is the client's) — a failure only marks it down for ``retry_s``."""
+        store = self._get(connect=True, raise_down=self.owns_memory)
+        if store is None or not getattr(store, "owns_host_memory", False):
+            return None
+        self._sticky = True
+        return store.host_buffer
+
     def register(self, buffers: list[tuple[int, int]]) -> None:
         """Buffers to register with every client this handle connects (now, if connected)."""
         self._buffers = list(buffers)
+        with self._lock:
+            live = self._store
+        if live is not None:  # connected before (host_memory): register with that client now
+            for ptr, n in self._buffers:
+                live.register_buffer(ptr, n)
+            return
         self._get(connect=True, raise_down=False)
 
     def _get(self, connect: bool = True, raise_down: bool = True) -> Store | None:
@@ -141,7 +167,7 @@ class StoreHandle:
         self._down_until = time.monotonic() + self.retry_s
         log.warning("hwkv pool: store unavailable (%s); recompute until it answers (retry in %.1f s)",
                     self.last_error, self.retry_s)
-        if store is not None and store is self._store and self._owned:
+        if store is not None and store is self._store and self._owned and not self._sticky:
             self._store = None
             threading.Thread(target=_close_quietly, args=(store,), daemon=True, name="hwkv-pool-close").start()
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -61,16 +62,53 @@ def host_addressable(kv: Any) -> bool:
 
 
 class _Staging:
-    """A host KV cache of ``n`` blocks in the device cache's layout, plus a stream to fill it."""
+    """A host KV cache of ``n`` blocks in the device cache's layout, plus a stream to fill it; in
+    the store's own memory when it has some (``alloc``: a holder-mode client's shared memory,
+    page-locked here so device copies run at DMA speed), else pinned memory of the device."""
 
-    def __init__(self, dev: Any, kv: Any, nbytes: int):
+    def __init__(self, dev: Any, kv: Any, nbytes: int, alloc: Callable[[int], int] | None = None):
         n = max(1, nbytes // kv.spec.bytes_per_block)
-        self.kv = dev.allocate_kv_cache(replace(kv.spec, num_blocks=n), kv.layout, host=True)
+        spec = replace(kv.spec, num_blocks=n)
+        if alloc is None:
+            self.kv = dev.allocate_kv_cache(spec, kv.layout, host=True)
+        else:
+            self.kv = _kv_at(alloc, spec, kv.layout, dev)
         self.kv.scales = kv.scales  # fp8 KV: the mirror's codes mean what the device's do
         self.stream, self.num_blocks = dev.new_stream(), n
 
     def buffers(self) -> list[tuple[int, int]]:
+        base = getattr(self.kv, "_base", None)
+        if base is not None:  # the store's memory: registered whole, as it was handed out
+            return [(base.data_ptr(), base.numel())]
         return [(t.data_ptr(), t.numel() * t.element_size()) for t in self.kv.tensors]
+
+
+def _kv_at(alloc: Callable[[int], int], spec: Any, layout: Any, dev: Any) -> Any:
+    """A host KVCache over ``alloc``-ed memory (one range for all its tensors), pinned in place
+    where the device can pin (else its copies stage through pageable memory: slower, correct)."""
+    import ctypes
+    import math
+
+    import torch
+
+    from hwkv.interfaces.layout import KVCache
+
+    shapes = spec.tensor_shapes(layout)
+    item = torch.empty((), dtype=spec.dtype).element_size()
+    sizes = [-(-math.prod(s) * item // 256) * 256 for s in shapes]  # 256-byte aligned tensors
+    total = sum(sizes)
+    ptr = alloc(total)
+    base = torch.frombuffer((ctypes.c_uint8 * total).from_address(ptr), dtype=torch.uint8)
+    base.zero_()  # fault the pages in now, not during the first measured transfer
+    if dev.async_copies and dev.pins_host_in_place:
+        dev.pin_host_memory(base)
+    tensors, off = [], 0
+    for s, n in zip(shapes, sizes):
+        tensors.append(base[off:off + math.prod(s) * item].view(spec.dtype).view(s))
+        off += n
+    kv = KVCache(spec, layout, tensors)
+    kv._base = base  # keeps the mapping (and its pinning) alive with the cache
+    return kv
 
 
 def _first_error(res: list[Any]) -> str:
@@ -81,12 +119,13 @@ def _first_error(res: list[Any]) -> str:
 class PoolTransfer:
     """Owns the two threads; ``submit_put`` / ``submit_get`` enqueue, ``drain`` collects completions."""
 
-    def __init__(self, handle: StoreHandle, dev: Any, kv: Any, chunk_blocks: int, staging_bytes: int):
+    def __init__(self, handle: StoreHandle, dev: Any, kv: Any, chunk_blocks: int, staging_bytes: int,
+                 alloc: Callable[[int], int] | None = None):
         self.handle, self.dev, self.kv, self.chunk_blocks = handle, dev, kv, chunk_blocks
-        self.direct = host_addressable(kv)
+        self.direct = host_addressable(kv) and alloc is None  # a store with its own memory needs staging
         self.chunk_bytes = chunk_blocks * kv.spec.bytes_per_block
-        staging_bytes = max(staging_bytes, self.chunk_bytes)
-        self._stage = {} if self.direct else {op: _Staging(dev, kv, staging_bytes) for op in ("put", "get")}
+        staging_bytes = max(staging_bytes, 2 * self.chunk_bytes)  # gets alternate between two halves
+        self._stage = {} if self.direct else {op: _Staging(dev, kv, staging_bytes, alloc) for op in ("put", "get")}
         self._done: queue.SimpleQueue[Done] = queue.SimpleQueue()
         self._puts: queue.Queue[PutJob | None] = queue.Queue()
         self._gets: queue.Queue[GetJob | None] = queue.Queue()
@@ -202,25 +241,40 @@ class PoolTransfer:
                                 error=err))
 
     def _get(self, job: GetJob) -> str:
-        """'' when every chunk landed in its blocks, else why not (the first failed item)."""
+        """'' when every chunk landed in its blocks, else why not (the first failed item).
+
+        Through staging, pieces alternate between its two halves: the store fills one half while
+        the copy of the other to the device runs on the staging stream."""
         items = list(zip(job.keys, job.chunks))
-        for piece in self._pieces(items, "get"):
-            keys = [k for k, _ in piece]
-            if self.direct:
-                res = self.handle.call("get", keys, [self.kv.addresses(ids) for _, ids in piece])
+        if self.direct:
+            for piece in self._pieces(items, "get"):
+                res = self.handle.call("get", [k for k, _ in piece], [self.kv.addresses(ids) for _, ids in piece])
                 if bad := _first_error(res):
                     return bad
-                continue
-            st, cb = self._stage["get"], self.chunk_blocks
-            res = self.handle.call("get", keys, [st.kv.addresses(list(range(i * cb, (i + 1) * cb)))
-                                                 for i in range(len(piece))])
-            if bad := _first_error(res):
-                return bad
-            dev_ids = [b for _, ids in piece for b in ids]
-            copy_block_pairs(self.dev, st.kv, self.kv, list(range(len(dev_ids))), dev_ids, st.stream)
-            ev = self.dev.new_event()
-            ev.record(st.stream)
-            ev.synchronize()
+            return ""
+        st, cb = self._stage["get"], self.chunk_blocks
+        half = st.num_blocks // cb // 2  # chunks per half
+        copies: list[Any] = [None, None]  # the event of each half's last copy out
+        try:
+            for n, piece in enumerate(items[i:i + half] for i in range(0, len(items), half)):
+                h = n % 2
+                if copies[h] is not None:
+                    copies[h].synchronize()  # this half's previous copy to the device has read it
+                first = h * half * cb
+                res = self.handle.call("get", [k for k, _ in piece],
+                                       [st.kv.addresses(list(range(first + i * cb, first + (i + 1) * cb)))
+                                        for i in range(len(piece))])
+                if bad := _first_error(res):
+                    return bad
+                dev_ids = [b for _, ids in piece for b in ids]
+                copy_block_pairs(self.dev, st.kv, self.kv, list(range(first, first + len(dev_ids))), dev_ids,
+                                 st.stream)
+                copies[h] = self.dev.new_event()
+                copies[h].record(st.stream)
+        finally:
+            for ev in copies:  # never return while a copy still reads staging or writes the blocks
+                if ev is not None:
+                    ev.synchronize()
         return ""
 
     def close(self, timeout_s: float = 5.0) -> None:

@@ -57,7 +57,8 @@ class PoolWorker(JobWorker):
         if key is None:
             raise ValueError("pool: the worker side needs the pool key of this cache")
         self.key = key
-        self.transfer = PoolTransfer(self.handle, self.dev, kv_cache, key.chunk_blocks, self.staging_bytes)
+        alloc = self.handle.host_memory()  # a holder-mode store: staging in its shared memory
+        self.transfer = PoolTransfer(self.handle, self.dev, kv_cache, key.chunk_blocks, self.staging_bytes, alloc)
         self.handle.register(self.transfer.buffers())  # connects now if it can; else on first use
         if self.tp_rank == 0:  # the scheduler side's; the other ranks of a tensor-parallel engine serve none
             self.server = LookupServer(self._count_hits, self.lookup_address)
