@@ -55,6 +55,8 @@ def test_control_passes_what_kills_the_mutants():
     ("control-graphs", "test_graph_replay_reads_inputs_in_place or test_graph_captures_side_stream_fork_join"),
     ("control-lazy", "test_event_on_side_stream or (test_copy_blocks and float32) or test_host_staging"),
     ("control-collectives", "test_collectives"),
+    ("control-collectives-graphs", "test_collectives"),
+    ("control-host-copy", "test_host_staging"),
 ])
 def test_runtime_controls_pass_what_kills_their_mutants(name, selection):
     """The emulated-graph, lazy-stream and custom-all-reduce devices without a bug pass the tests

@@ -42,14 +42,20 @@ def control() -> MutantBackend:
 def controls() -> dict[str, MutantBackend]:
     """Bug-free controls by name: ``control`` (every piece the mutants modify), and the devices the
     runtime and communicator mutants need: ``control-graphs`` (emulated graphs), ``control-lazy``
-    (lazy side streams), ``control-collectives`` (a correct custom all-reduce)."""
-    from conformance.mutants.collectives import collectives_device
-    from conformance.mutants.runtime import graph_backend, lazy_backend
+    (lazy side streams), ``control-host-copy`` (``to_host_async`` on a lazy copy stream),
+    ``control-collectives`` (a correct custom all-reduce), ``control-collectives-graphs`` (the same,
+    captured into emulated graphs)."""
+    from conformance.mutants.collectives import collectives_device, graph_collectives_pieces
+    from conformance.mutants.runtime import AsyncHostCopyDevice, graph_backend, lazy_backend
 
     return {"control": control(), "control-graphs": graph_backend("control-graphs"),
             "control-lazy": lazy_backend("control-lazy"),
+            "control-host-copy": lazy_backend("control-host-copy", AsyncHostCopyDevice),
             "control-collectives": MutantBackend("mutant-control-collectives", device=collectives_device(None),
-                                                 spec="mutant:control-collectives")}
+                                                 spec="mutant:control-collectives"),
+            "control-collectives-graphs": MutantBackend("mutant-control-collectives-graphs",
+                                                        spec="mutant:control-collectives-graphs",
+                                                        **graph_collectives_pieces(stale=False))}
 
 
 def run_mutant(m: Mutant, quiet: bool = True) -> dict[str, Any]:

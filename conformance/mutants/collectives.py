@@ -3,16 +3,24 @@
 The multi-device section runs two gloo ranks on the host (``conformance.ranks``), each rebuilding the
 mutant, so a vendor's custom all-reduce is checked as the engine uses it: in place, every declared
 dtype, 1 element .. 32 MiB, bitwise identical on both ranks. The control's custom all-reduce is the
-same code without the bug (it reduces over the group's own gloo process group)."""
+same code without the bug (it reduces over the group's own gloo process group).
+
+``allreduce-captured-stale`` needs a device that captures graphs: :func:`graph_collectives_device`
+records a custom all-reduce issued during a capture as one step of the emulated graph
+(:mod:`conformance.mutants.runtime`), which at replay reduces the tensor's contents *then*, as a
+captured NCCL or IPC kernel does."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from conformance.mutants.base import mutant
+from conformance.mutants.runtime import GraphDevice
 from hwkv.reference import CpuDevice
+from hwkv.reference.graphs import StaticAttentionImpl
 
 FIRST = ("test_multi_device.py::test_collectives",)
 TWO_SHOT = 1 << 20  # elements from which a vendor kernel switches to reduce-scatter + all-gather
@@ -67,3 +75,63 @@ mutant("allreduce-add-before-reduce", "communicator", "fused all_reduce_add adds
        "(the residual counted once per rank)", FIRST, device=collectives_device("add-before-reduce"))
 mutant("allreduce-out-of-place", "communicator", "custom all-reduce writes the sum to a new tensor and leaves its "
        "argument unreduced (the contract: in place)", FIRST, device=collectives_device("out-of-place"))
+
+
+class _CollectiveGraphDevice(GraphDevice):
+    """Emulated graphs (``GraphDevice``) and a capturable custom all-reduce: outside a capture it
+    reduces at once; inside one it adds a step to the graph that reduces the tensor at replay."""
+
+    stale = False  # the bug of allreduce-captured-stale
+    capturing: Any = None  # the graph being captured
+
+    def capture_graph(self, fn: Any, pool: Any, stream: Any) -> Any:
+        g = self.graph_cls()
+        self.capturing = g
+        try:
+            with g:
+                out = fn()
+        finally:
+            self.capturing = None
+        self.captured.append(g)
+        return g, out
+
+    def custom_all_reduce(self, comm: Any) -> Any:
+        pg = getattr(comm, "torch_group", None)
+        if pg is None:
+            return None
+        dev = self
+
+        def reduce(t: torch.Tensor) -> torch.Tensor:
+            pg.allreduce([t]).wait()
+            return t
+
+        def all_reduce(t: torch.Tensor) -> torch.Tensor:
+            g = dev.capturing
+            if g is None:
+                return reduce(t)
+            if dev.stale:
+                # BUG: the input is staged into the kernel's buffer by a host-issued copy at capture
+                # time, outside the graph; every replay reduces that snapshot
+                with _disable_current_modes():
+                    staged = t.clone()
+                g.ops.append((lambda: t.copy_(reduce(staged.clone())), (), {}, []))
+            else:
+                g.ops.append((lambda: reduce(t), (), {}, []))
+            return t
+
+        return all_reduce
+
+
+def graph_collectives_device(stale: bool) -> type[CpuDevice]:
+    return type(f"Device_graph_ar_{'stale' if stale else 'ok'}", (_CollectiveGraphDevice,), {"stale": stale})
+
+
+def graph_collectives_pieces(stale: bool) -> dict[str, Any]:
+    """What :class:`~conformance.mutants.base.MutantBackend` takes for a graph-capturing backend with
+    the custom all-reduce above (``impl``: a capture-safe ``write_kv``)."""
+    return {"device": graph_collectives_device(stale), "impl": StaticAttentionImpl, "caps": {"graph_capture": True}}
+
+
+mutant("allreduce-captured-stale", "communicator", "custom all-reduce captured into a graph stages its input at "
+       "capture time, outside the graph: every replay reduces the capture-time data", FIRST,
+       **graph_collectives_pieces(stale=True))

@@ -35,6 +35,7 @@ from hwkv.reference.graphs import RecordedGraph, RecordingCpuDevice, StaticAtten
 GRAPH = ("test_graph_replay_reads_inputs_in_place",)
 FORK = ("test_graph_captures_side_stream_fork_join",)
 EVENT = ("test_event_on_side_stream",)
+STAGING = ("test_host_staging",)
 
 
 def _written(func: Any) -> set[int]:
@@ -268,6 +269,27 @@ class _NoCapturedWaitDevice(LazyGraphDevice):
     graph_cls = _CapturingGraph
 
 
+class AsyncHostCopyDevice(LazyStreamDevice):
+    """``to_host_async`` as a GPU runtime does it: the copy runs on a copy stream (lazy: it lands when
+    ordered) into a fresh host buffer, and the returned event is recorded on that stream after it.
+    The buffer starts as NaN: what a read racing the copy sees."""
+
+    early = False  # the bug of host-copy-event-early
+
+    def to_host_async(self, t: torch.Tensor) -> tuple[torch.Tensor, LazyEvent]:
+        if not hasattr(self, "_copy_stream"):
+            self._copy_stream = self.new_stream()
+        s, event = self._copy_stream, self.new_event()
+        host = torch.full_like(t, float("nan")) if t.is_floating_point() else torch.zeros_like(t)
+        if self.early:  # BUG: the event is recorded when the copy is queued, before the copy itself
+            event.record(s)
+        with self.stream_context(s):
+            host.copy_(t)
+        if not self.early:
+            event.record(s)
+        return host, event
+
+
 def lazy_backend(name: str, device: type = LazyStreamDevice) -> MutantBackend:
     return MutantBackend(f"mutant-{name}", device=device, spec=None)
 
@@ -289,3 +311,6 @@ mutant("wait-event-orders-nothing", "device", "current_stream().wait_event(e) re
 mutant("graph-wait-not-captured", "device", "a wait_event issued during a capture is not recorded into the graph "
        "(a side stream's fork/join is unordered on replay)", FORK, impl=StaticAttentionImpl,
        device=_NoCapturedWaitDevice, caps={"graph_capture": True})
+mutant("host-copy-event-early", "device", "to_host_async records its event before the copy on the copy stream: "
+       "the event fires while the host buffer still holds stale data", STAGING,
+       device=type("AsyncHostCopyDevice_early", (AsyncHostCopyDevice,), {"early": True}))
