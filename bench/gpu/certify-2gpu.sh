@@ -12,7 +12,11 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=index,name,memory.total --format=csv | tee "$OUT/nvidia-smi.txt"
 nvidia-smi topo -m | head -n 4
 echo "commit $(git rev-parse --short HEAD 2>/dev/null || cat COMMIT 2>/dev/null); $(nproc) cores"
+# the workers' logs and per-test times, in claim order (conformance/parallel.py)
+export HWKV_CONFORMANCE_WORKDIR=${HWKV_CONFORMANCE_WORKDIR:-$OUT/certify-2gpu-work}
+echo "triton cache: ${TRITON_CACHE_DIR:-~/.triton/cache} ($(find "${TRITON_CACHE_DIR:-$HOME/.triton/cache}" -name '*.cubin' 2>/dev/null | wc -l) cubins before)"
 t0=$(date +%s)
-timeout 230 python3 -m hwkv conformance --backend cuda --certify --devices 2 --report "$OUT/certify-2gpu" "$@" \
+timeout ${CERTIFY_TIMEOUT:-230} python3 -m hwkv conformance --backend cuda --certify --devices 2 --report "$OUT/certify-2gpu" "$@" \
   2>&1 | tail -n 60
 echo "certify --devices 2 rc=${PIPESTATUS[0]} wall=$(( $(date +%s) - t0 ))s"
+echo "triton cache: $(find "${TRITON_CACHE_DIR:-$HOME/.triton/cache}" -name '*.cubin' 2>/dev/null | wc -l) cubins after"
