@@ -98,7 +98,8 @@ class Engine(RequestTracking):
     def close(self) -> None:
         """Stop what outlives the engine object: tensor-parallel workers (idempotent; also done when
         the engine is collected or the interpreter exits), the KV connector's threads and sockets,
-        and the KV events publisher (what is queued is sent first, bounded)."""
+        and the KV events publisher (what is queued is sent first, bounded), the grammar worker thread."""
+        self.runner.structured.close()
         if self._tp is not None:
             self._tp.close()
         if self.connector is not None:

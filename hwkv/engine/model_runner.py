@@ -202,7 +202,8 @@ class ModelRunner:
         params = [st.params for st in states]
         mask = None
         if self.structured is not None and self.structured.matchers:
-            mask = self.structured.bitmask(req_ids, [st.output_token_ids for st in states], self.dev)
+            mask = self.structured.bitmask(req_ids, [st.output_token_ids for st in states], self.dev,
+                                           [st.slot for st in states])
         if not self._num_special:  # every request held is plain: the sampler's argmax fast path
             return SamplingBatch(params, [st.output_token_ids for st in states], plain=True, bitmask=mask)
         prompts = None
@@ -287,6 +288,9 @@ class ModelRunner:
                 out.logprobs = {rid: [lp] for rid, lp in zip(sampled_ids, logprobs) if lp is not None}
             new = Pending(out, sampled, sampled_ids, tokens, num_drops=self._num_drops)
             new.host, new.event = self.dev.to_host_async(tokens)
+            if self.structured is not None and self.structured.matchers:  # the next step's masks, overlapped
+                self.structured.prefetch(sampled_ids, [st.slot for st in sampled],
+                                         [len(st.output_token_ids) for st in sampled], new.host, new.event)
         else:
             new = Pending(out)
         self.finish_step(so, out)

@@ -14,6 +14,15 @@ allows token ``32 w + j`` (llguidance's and xgrammar's layout). The sampler appl
 tensor ops on the device (:func:`hwkv.model.sampler.apply_token_bitmask`): no vendor kernel, no host
 sync. Rows of unconstrained requests stay all ones. Compiled grammars are cached (LRU by grammar
 text): a new request deep-copies the compiled matcher instead of compiling again.
+
+Overlap (:meth:`StructuredOutputs.prefetch`): as soon as a step's sampling is launched, a worker
+thread waits for its tokens, advances the matchers (llguidance's executor, in parallel, the GIL
+released) and computes the *next* step's masks into host rows indexed by the runner's request
+slot - while the main thread applies the previous step's output, schedules, builds and launches the
+next forward, and the device runs it (SGLang's overlap scheduler and vLLM's async scheduling hide
+grammar work behind the forward the same way). The next :meth:`~StructuredOutputs.bitmask` joins
+the worker and gathers those rows; a row the worker could not know (a request's first token, a
+preempted one restarted, a matcher in error) is computed there, on the main thread, as before.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from __future__ import annotations
 import json
 import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -86,9 +96,18 @@ class StructuredOutputs:
         self._tok: Any = None
         self._executor: Any = None
         self._cache: OrderedDict[str, Any] = OrderedDict()
-        self.matchers: dict[str, list[Any]] = {}  # req id -> [matcher, tokens consumed]
+        # req id -> [matcher, tokens consumed, slot whose prefetched row is the mask after them (or None)]
+        self.matchers: dict[str, list[Any]] = {}
         self.num_compiled = 0  # grammars compiled (cache misses), for tests and stats
-        self.num_masks, self.mask_s = 0, 0.0  # bitmask() calls that masked something, and their host time
+        # bitmask() calls that masked something, and their main-thread time (the part on the step's
+        # critical path: the join of the worker included)
+        self.num_masks, self.mask_s = 0, 0.0
+        self.join_s = 0.0  # of mask_s: waiting for the worker
+        self.worker_s = 0.0  # the worker's matcher and mask time (overlapped), its waits for the tokens left out
+        self.rows_prefetched = self.rows_computed = 0  # mask rows from the worker / computed in bitmask()
+        self._worker: ThreadPoolExecutor | None = None
+        self._future: Future[None] | None = None
+        self._slot_rows = torch.empty((0, 0), dtype=torch.int32)  # the worker's masks, row = request slot
         # two pinned host buffers, used in turn: a pageable buffer's copy would wait for the device
         # stream (the step's forward) and stall the host; a buffer is written again two steps later,
         # when its copy has long completed (the step in between read its sampled tokens)
@@ -131,26 +150,92 @@ class StructuredOutputs:
 
     def add(self, req_id: str, spec: dict[str, Any]) -> None:
         """Start (or, after a preemption, restart) ``req_id``'s matcher at its first output token."""
-        self.matchers[req_id] = [self.compile(spec).deep_copy(), 0]
+        self.matchers[req_id] = [self.compile(spec).deep_copy(), 0, None]  # a new list: the worker keeps the old
 
     def drop(self, req_id: str) -> None:
         self.matchers.pop(req_id, None)
 
-    def bitmask(self, req_ids: list[str], outputs: list[list[int]], device: Device) -> torch.Tensor | None:
+    def _executor_(self) -> Any:
+        if self._executor is None:
+            import llguidance
+
+            self._executor = llguidance.LLExecutor()
+        return self._executor
+
+    def prefetch(self, req_ids: list[str], slots: list[int], num_outputs: list[int], host: torch.Tensor,
+                 event: Any) -> None:
+        """Start the next step's masks on the worker thread: row ``j`` of ``host`` (valid once ``event``
+        fired; ``None``: now) is the token just sampled for ``req_ids[j]`` (slot ``slots[j]``,
+        ``num_outputs[j]`` outputs recorded before it). Only matchers that have consumed every
+        recorded output take part; :meth:`bitmask` joins the worker before anything reads its rows."""
+        self.join()
+        jobs = [(j, st, slots[j]) for j, rid in enumerate(req_ids)
+                if (st := self.matchers.get(rid)) is not None and st[1] == num_outputs[j]]
+        if not jobs:
+            return
+        for _, st, _ in jobs:
+            st[2] = None  # until the worker wrote the row
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="hwkv-grammar")
+        self._future = self._worker.submit(self._advance, jobs, host, event)
+
+    def _advance(self, jobs: list[tuple[int, list[Any], int]], host: torch.Tensor, event: Any) -> None:
+        if event is not None:
+            event.synchronize()  # (releases the GIL)
+        t0 = time.perf_counter()
+        toks = host.tolist()
+        ex = self._executor_()
+        ok = ex.consume_token_par([(st[0], toks[j]) for j, st, _ in jobs])
+        todo = []
+        for (_, st, slot), good in zip(jobs, ok):
+            st[1] += 1
+            if good:  # a matcher in error is left to bitmask() (it allows only EOS)
+                todo.append((st[0], slot))
+        n = max(slot for _, slot in todo) + 1 if todo else 0
+        if self._slot_rows.shape[0] < n or self._slot_rows.shape[1] != self.words:
+            self._slot_rows = torch.empty((max(n, 2 * self._slot_rows.shape[0]), self.words), dtype=torch.int32)
+        if todo:
+            ex.unsafe_compute_mask_ptr(todo, self._slot_rows.data_ptr(), self.words * 4, self._slot_rows.shape[0])
+        for (_, st, slot), good in zip(jobs, ok):
+            if good:
+                st[2] = slot
+        self.worker_s += time.perf_counter() - t0
+
+    def join(self) -> None:
+        """Wait for the worker's masks (re-raising its failure)."""
+        fut, self._future = self._future, None
+        if fut is not None:
+            fut.result()
+
+    def close(self) -> None:
+        """Stop the worker thread (idempotent)."""
+        self.join()
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+
+    def bitmask(self, req_ids: list[str], outputs: list[list[int]], device: Device,
+                slots: list[int] | None = None) -> torch.Tensor | None:
         """Packed allowed-token bits ``[R, ceil(V / 32)]`` int32 on ``device`` for these rows, or
-        ``None`` when none of them is constrained. Each matcher first consumes the row's tokens
-        since the last call."""
+        ``None`` when none of them is constrained. A row the worker prefetched for this request's slot
+        (``slots[i]``) after all of its outputs is gathered; any other matcher first consumes the
+        row's tokens since the last call and computes its mask here."""
         rows = [(i, self.matchers[rid]) for i, rid in enumerate(req_ids) if rid in self.matchers]
         if not rows:
             return None
-        import llguidance
-
         t0 = time.perf_counter()
+        self.join()
+        self.join_s += time.perf_counter() - t0
         mask = self._buffer(len(req_ids), device)
-        todo = []
+        todo, hit, hit_slots = [], [], []
         for i, state in rows:
-            m, seen = state
+            m, seen, ready = state
             out = outputs[i]
+            if ready is not None and seen == len(out) and slots is not None and ready == slots[i]:
+                hit.append(i)
+                hit_slots.append(ready)
+                continue
+            state[2] = None
             if len(out) > seen:
                 m.consume_tokens(out[seen:])
                 state[1] = len(out)
@@ -160,15 +245,17 @@ class StructuredOutputs:
                     mask[i, t // 32] |= _bit(t % 32)
             else:
                 todo.append((m, i))
+        if hit:
+            mask[hit] = self._slot_rows[hit_slots]
         # (llguidance.torch's helpers do the same; importing it runs torch.compile decorators)
         row_bytes = self.words * 4
         if len(todo) == 1:
             m, i = todo[0]
             m.unsafe_compute_mask_ptr(mask[i].data_ptr(), row_bytes)
         elif todo:  # in parallel, on llguidance's own threads (the GIL released)
-            if self._executor is None:
-                self._executor = llguidance.LLExecutor()
-            self._executor.unsafe_compute_mask_ptr(todo, mask.data_ptr(), row_bytes, len(req_ids))
+            self._executor_().unsafe_compute_mask_ptr(todo, mask.data_ptr(), row_bytes, len(req_ids))
+        self.rows_prefetched += len(hit)
+        self.rows_computed += len(todo)
         self.num_masks += 1
         self.mask_s += time.perf_counter() - t0
         return mask.to(device.torch_device, non_blocking=True)

@@ -72,6 +72,26 @@ def test_async_equals_sync_and_preemption_restarts_the_matcher(model):
     assert not tight.runner.structured.matchers
 
 
+def test_prefetched_masks_equal_masks_computed_in_the_step(model):
+    """The worker's masks (computed while the next forward runs) are the ones the step would compute:
+    same answers as an engine that computes every mask in the step, constrained and free rows mixed."""
+    sp = [hwkv.SamplingParams(temperature=1.0, seed=i, max_tokens=60, structured_outputs=[
+        {"json": SCHEMA}, {"regex": "[a-z]{3,40}"}, None][i % 3]) for i in range(12)]
+    ref = hwkv.Engine(model, backend="cpu", num_kv_blocks=128, max_num_seqs=16)
+    ref.runner.structured.prefetch = lambda *a, **k: None
+    want = [o.text for o in ref.generate(["Give JSON:"] * 12, sp, use_tqdm=False)]
+    assert ref.runner.structured.rows_prefetched == 0
+    for async_scheduling in (False, True):
+        e = hwkv.Engine(model, backend="cpu", num_kv_blocks=128, max_num_seqs=16, async_scheduling=async_scheduling)
+        assert [o.text for o in e.generate(["Give JSON:"] * 12, sp, use_tqdm=False)] == want
+        so = e.runner.structured
+        # only each request's first mask (no token sampled before it) is computed in the step
+        assert so.rows_computed == 8 and so.rows_prefetched > 8 * 10, (so.rows_computed, so.rows_prefetched)
+        assert not so.matchers
+        e.close()
+        assert so._worker is None
+
+
 def test_regex_choice_grammar_and_errors(model):
     e = hwkv.Engine(model, backend="cpu", num_kv_blocks=64, max_num_seqs=8)
     so = [{"regex": r"[a-c]{2}-[0-9]{2}"}, {"choice": ["north", "south"]}, {"grammar": 'start: "x" ("y" | "z")+ "."'}]
