@@ -50,6 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-devices", default=None, help="device indices of the consumer, e.g. '1'")
     p.add_argument("--protocol", default="auto", help="p2p protocol(s) both servers offer: auto (the backend's "
                    "order), or e.g. 'cuda_ipc', 'tcp', 'cuda_ipc,tcp'")
+    p.add_argument("--baseline-protocol", default=None, help="also measure a second producer/consumer pair that "
+                   "offers only this protocol (e.g. 'tcp': the staged baseline of a device-direct run), same "
+                   "placement and workload")
     p.add_argument("--mode", default="pull", choices=["pull", "push"])
     p.add_argument("--layerwise", action="store_true", help="push mode, consumer first, per-layer writes")
     p.add_argument("--transfer-timeout", type=float, default=30.0)
@@ -215,27 +218,30 @@ def _token_check(model: str, args: argparse.Namespace, vocab: int, runs: dict[st
     return doc
 
 
-def _disaggregated(model: str, args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, Any]], dict]:
-    import httpx
-
+def _pair(args: argparse.Namespace, protocol: str) -> tuple[list[tuple[list[str], str | None]], list[str], str]:
+    """A producer/consumer pair offering ``protocol``: the two servers' specs, the proxy's flags, the mode."""
     cfg = {"mode": args.mode, "transfer_timeout_s": args.transfer_timeout, "hold_timeout_s": 300.0,
-           "protocol": args.protocol}
+           "protocol": protocol}
     pcfg, proxy_args = dict(cfg, role="producer"), []
     if args.layerwise:
         port = _free_port()
         pcfg.update(mode="push", layerwise=True, side_channel_port=port)
         cfg["mode"] = "push"
         proxy_args = ["--layerwise", "--prefill-side-channel", f"127.0.0.1:{port}"]
-    started: list[Any] = []
+    specs = [(["--kv-connector", "p2p", "--kv-connector-config", json.dumps(pcfg), *shlex.split(args.prefill_args)],
+              args.prefill_devices),
+             (["--kv-connector", "p2p", "--kv-connector-config", json.dumps(dict(cfg, role="consumer")),
+               *shlex.split(args.decode_args)], args.decode_devices)]
+    return specs, proxy_args, cfg["mode"]
+
+
+def _disaggregated(p: Any, d: Any, proxy_args: list[str], mode: str, args: argparse.Namespace
+                   ) -> tuple[dict[str, Any], list[dict[str, Any]], dict]:
+    """Measure one started producer/consumer pair behind a proxy: its rows and the KV it moved."""
+    import httpx
+
+    px = _Proxy(p.url, d.url, proxy_args)
     try:
-        p, d = _servers(model, args, [
-            (["--kv-connector", "p2p", "--kv-connector-config", json.dumps(pcfg), *shlex.split(args.prefill_args)],
-             args.prefill_devices),
-            (["--kv-connector", "p2p", "--kv-connector-config", json.dumps(dict(cfg, role="consumer")),
-              *shlex.split(args.decode_args)], args.decode_devices)])
-        started += [p, d]
-        px = _Proxy(p.url, d.url, proxy_args)
-        started.append(px)
         info = httpx.get(d.url + "/server_info", timeout=30).json()
         info["producer"] = httpx.get(p.url + "/server_info", timeout=30).json()
         before = {"producer": _counters(p.url), "consumer": _counters(d.url)}
@@ -245,10 +251,9 @@ def _disaggregated(model: str, args: argparse.Namespace) -> tuple[dict[str, Any]
         if args.check_tokens:  # after the counters: the workload's KV figures stay its own
             info["tokens"] = _tokens(px.url, info, args)
     finally:
-        for s in reversed(started):
-            s.stop()
+        px.stop()
     delta = {side: {k: after[side].get(k, 0.0) - before[side].get(k, 0.0) for k in after[side]} for side in after}
-    mover = "consumer" if cfg["mode"] == "pull" else "producer"
+    mover = "consumer" if mode == "pull" else "producer"
     nbytes = delta[mover]["loaded_bytes" if mover == "consumer" else "stored_bytes"]
     secs = delta[mover].get("transfer_s", 0.0)
     via = {k.removeprefix("bytes_via_"): v for k, v in delta["consumer"].items() if k.startswith("bytes_via_") and v}
@@ -278,19 +283,40 @@ def run(args: argparse.Namespace) -> int:
         print(f"hwkv bench pd: error: {e}", file=sys.stderr)
         return 2
     model = sb._model_dir(args)
-    colocated, tokens = None, {}
+    colocated, tokens, baseline = None, {}, None
+    specs, proxy_args, mode = _pair(args, args.protocol)
+    pairs = [(specs, proxy_args, mode)]
+    if args.baseline_protocol:
+        pairs.append(_pair(args, args.baseline_protocol))
     if not args.skip_colocated:
-        s = _server(model, args, shlex.split(args.prefill_args), args.prefill_devices)
-        try:
+        specs = [(shlex.split(args.prefill_args), args.prefill_devices)]
+    else:
+        specs = []
+    # every server starts at once (an 8B engine takes ~40 s); they are measured one setup at a time
+    started = _servers(model, args, specs + [s for pair in pairs for s in pair[0]])
+    servers = started[len(specs):]  # the pairs' servers, in order
+    try:
+        if not args.skip_colocated:
+            s = started[0]
             info = httpx.get(s.url + "/server_info", timeout=30).json()
             colocated = _measure(s.url, info, args)
             if args.check_tokens:
                 tokens["colocated"] = _tokens(s.url, info, args)
-        finally:
+            s.stop()  # the GPU it shares with the producer is the producer's alone from here
+        info, disagg, transfer = _disaggregated(servers[0], servers[1], proxy_args, mode, args)
+        if args.check_tokens:
+            tokens["disaggregated"] = info.pop("tokens")
+        if args.baseline_protocol:
+            for s in servers[:2]:
+                s.stop()
+            binfo, bres, btransfer = _disaggregated(servers[2], servers[3], pairs[1][1], pairs[1][2], args)
+            if args.check_tokens:
+                tokens[f"disaggregated-{args.baseline_protocol}"] = binfo.pop("tokens")
+            baseline = {"protocol": args.baseline_protocol, "transport": _transport(btransfer, binfo),
+                        "disaggregated": bres, "transfer": btransfer}
+    finally:
+        for s in reversed(started):
             s.stop()
-    info, disagg, transfer = _disaggregated(model, args)
-    if args.check_tokens:
-        tokens["disaggregated"] = info.pop("tokens")
     res = {
         "bench": "pd", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": "hwkv bench pd " + shlex.join(sys.argv[3:]), "commit": os.environ.get("HWKV_COMMIT") or sb._commit(),
@@ -300,6 +326,7 @@ def run(args: argparse.Namespace) -> int:
         "producer_server": info.pop("producer", None),
         "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
         "range_ratio": args.range_ratio, "colocated": colocated, "disaggregated": disagg, "transfer": transfer,
+        "baseline": baseline,
     }
     if tokens:
         res["token_check"] = _token_check(model, args, info["vocab_size"], tokens)
@@ -314,7 +341,8 @@ def run(args: argparse.Namespace) -> int:
         stem += f"-gpu{args.prefill_devices or 'x'}to{args.decode_devices or 'x'}".replace(",", "+")
     (out_dir / f"{stem}.json").write_text(json.dumps(res, indent=2) + "\n")
     print(f"wrote {out_dir / stem}.json")
-    ok = all(r["failed"] == 0 for r in disagg + (colocated or [])) and not transfer["failed_transfers"]
+    ok = all(r["failed"] == 0 for r in disagg + (colocated or []) + (baseline or {}).get("disaggregated", []))
+    ok = ok and not transfer["failed_transfers"] and not (baseline or {}).get("transfer", {}).get("failed_transfers")
     ok = ok and all(v["passes"] for v in res.get("token_check", {}).get("margin_rule", {}).values())
     return 0 if ok else 1
 
@@ -358,19 +386,18 @@ def _print(res: dict[str, Any]) -> None:
           f"{res['input_len']}±{res['range_ratio']:.0%}, output {res['output_len']}; p2p {res['mode']}"
           f"{' layerwise' if res['layerwise'] else ''} over {res['transport']}")
     print("setup | rate | done | fail | out tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | TPOT p50")
-    for name in ("colocated", "disaggregated"):
-        for r in res[name] or []:
+    base = res.get("baseline") or {}
+    rows = [("colocated", res["colocated"]), ("disaggregated", res["disaggregated"])]
+    rows += [(f"disaggregated ({base['protocol']})", base["disaggregated"])] if base else []
+    for name, setup in rows:
+        for r in setup or []:
             print(" | ".join([name, str(r["request_rate"]), str(r["completed"]), str(r["failed"]),
                               f"{r['output_throughput']:.1f}", f"{r['ttft']['p50_ms']:.1f}",
                               f"{r['ttft']['p99_ms']:.1f}", f"{r['itl']['p50_ms']:.2f}", f"{r['itl']['p99_ms']:.2f}",
                               f"{r['tpot']['p50_ms']:.2f}"]))
-    t = res["transfer"]
-    rate = f"{t['GBps']:.2f} GB/s" if t["GBps"] else "n/a"
-    per = f", {t['seconds'] / t['transfers'] * 1e3:.2f} ms per load" if t["transfers"] else ""
-    print(f"KV moved: {t['bytes'] / 1e6:.1f} MB in {t['seconds']:.3f} s of transfers ({rate}{per}); "
-          f"{t['transfers']:.0f} loads, {t['failed_transfers']:.0f} failed (latencies in ms)")
-    if t.get("copy_seconds"):
-        print(f"  of which the copies: {t['copy_seconds']:.3f} s ({t['copy_GBps']:.2f} GB/s)")
+    _print_transfer("KV moved", res["transfer"])
+    if base:
+        _print_transfer(f"KV moved over {base['protocol']}", base["transfer"])
     b = res.get("bars") or {}
     for r in b.get("rates", []):
         ratio = f"{r['itl_p99_ratio']:.2f}" if r["itl_p99_ratio"] is not None else "n/a"
@@ -387,6 +414,15 @@ def _print(res: dict[str, Any]) -> None:
         for n, m in tc.get("margin_rule", {}).items():
             print(f"margin rule (float32 HF): {n}: {'passes' if m['passes'] else 'FAILS'}, worst gap "
                   f"{m['worst_gap']}, violations {m['violations']}")
+
+
+def _print_transfer(what: str, t: dict[str, Any]) -> None:
+    rate = f"{t['GBps']:.2f} GB/s" if t["GBps"] else "n/a"
+    per = f", {t['seconds'] / t['transfers'] * 1e3:.2f} ms per load" if t["transfers"] else ""
+    print(f"{what}: {t['bytes'] / 1e6:.1f} MB in {t['seconds']:.3f} s of transfers ({rate}{per}); "
+          f"{t['transfers']:.0f} loads, {t['failed_transfers']:.0f} failed (latencies in ms)")
+    if t.get("copy_seconds"):
+        print(f"  of which the copies: {t['copy_seconds']:.3f} s ({t['copy_GBps']:.2f} GB/s)")
     for side, errs in t.get("errors", {}).items():
         for msg, n in errs.items():
             print(f"  {side} x{n}: {msg}")

@@ -175,7 +175,27 @@ class CudaIpcMover(Mover):
                                 f"{self.cuda.version})")
         self.streams = [torch.cuda.Stream(self.device) for _ in range(streams)]
         self._rr = 0
-        self._kernel_ok = True
+        self._kernel_ok = method in ("auto", "kernel") and self._warm_kernel()
+
+    def _warm_kernel(self) -> bool:
+        """Compile the SM copy kernel now (a copy of two runs within this GPU): its first launch JIT-compiles
+        for about a second, which would otherwise land on the first request's transfer (its TTFT)."""
+        try:
+            buf = torch.arange(64, dtype=torch.int64, device=f"cuda:{self.device}")
+            torch.cuda.current_stream(self.device).synchronize()
+            p = buf.data_ptr()
+            _kernel_copy(self.device, self.streams[0], np.asarray([p, p + 256], np.int64),
+                         np.asarray([p + 128, p + 384], np.int64), np.asarray([128, 128], np.int64))
+            self.streams[0].synchronize()
+            if buf[16:32].tolist() != list(range(16)):
+                raise RuntimeError("the warm-up copy moved the wrong bytes")
+            return True
+        except Exception as e:
+            if self.method == "kernel":
+                raise TransferError(f"cuda_ipc: the copy kernel failed: {type(e).__name__}: {e}") from None
+            log.warning("cuda_ipc: the SM copy kernel is unavailable (%s: %s); using the copy engines",
+                        type(e).__name__, e)
+            return False
 
     # ---- memory -------------------------------------------------------------------------------------
     def _set(self) -> None:
