@@ -266,6 +266,9 @@ def _disaggregated(p: Any, d: Any, proxy_args: list[str], mode: str, args: argpa
                 "errors": errors,
                 "note": "seconds: blocking transfer calls of the side that moves the KV (layerwise writes overlap "
                         "the forward and are not timed)"}
+    print(f"moved {nbytes / 1e6:.1f} MB in {transfer['transfers']:.0f} loads "
+          f"({transfer['failed_transfers']:.0f} failed) over {via or 'nothing'}: {secs:.3f} s of transfers, "
+          f"{copy_s or 0.0:.3f} s of copies", file=sys.stderr, flush=True)  # as it ends (kept if cut short)
     return info, results, transfer
 
 
