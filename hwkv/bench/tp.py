@@ -3,9 +3,10 @@
 For each ``--tp`` size (one process: an engine is built, measured, closed, then the next):
 
 * decode at ``--decode-batch`` sizes: the step time (the difference of two runs of different
-  output lengths, so prefill and start-up cancel), and the weight bytes per device per step
-  against the measured copy bandwidth (MBU per GPU); with ``--model tiny`` (device work ~nothing)
-  the step time is the host's work per step;
+  output lengths, so prefill and start-up cancel), the weight bytes per device per step
+  against the measured copy bandwidth (MBU per GPU), and the driver's host work per step (its time
+  in ``Engine.step`` less its waits for the sampled tokens; the same difference); with ``--model
+  tiny`` (device work ~nothing) the step time is the host's work per step too;
 * offline throughput: ``--offline N:IN:OUT`` requests at the default token budget (output tok/s and
   all tokens/s);
 * greedy tokens of a few prompts, scored by a float32 reference run on the GPU (HF transformers,
@@ -87,6 +88,12 @@ def _generate(engine: Any, prompts: list[list[int]], out: int) -> tuple[float, l
     return time.perf_counter() - t0, [list(o.token_ids) for o in outs]
 
 
+def _host_counters(engine: Any) -> tuple[float, float, int]:
+    """(seconds in step(), of them waiting for sampled tokens, steps) of the driver so far."""
+    st = engine._stats
+    return st.busy_s, engine.runner.token_wait_s, st.num_steps
+
+
 def measure(mdir: Path, tp: int, a: argparse.Namespace, bw: float, vocab: int, res: dict[str, Any],
             save: Any = None) -> dict[str, Any]:
     """Fills ``res`` as it goes; ``save()`` runs before the engine closes and after (what was measured
@@ -112,10 +119,18 @@ def measure(mdir: Path, tp: int, a: argparse.Namespace, bw: float, vocab: int, r
         for batch in (int(x) for x in a.decode_batch.split(",")):
             prompts = _prompts(batch, 32, vocab, 1)
             _generate(e, prompts, short)  # warm
+            c0 = _host_counters(e)
             ts, _ = _generate(e, prompts, short)
+            c1 = _host_counters(e)
             tl, _ = _generate(e, prompts, long)
+            c2 = _host_counters(e)
             per_step = (tl - ts) / (long - short)
+            # the driver's own work per step: time in step() less its waits for sampled tokens (the
+            # difference of the two runs, as the step time)
+            steps = (c2[2] - c1[2]) - (c1[2] - c0[2])
+            host = ((c2[0] - c1[0]) - (c1[0] - c0[0]) - (c2[1] - c1[1]) + (c1[1] - c0[1])) / max(steps, 1)
             row = {"tok_per_s": round(batch / per_step, 1), "ms_per_step": round(per_step * 1e3, 3),
+                   "driver_host_ms_per_step": round(host * 1e3, 3),
                    "weight_bytes_per_gpu": wbytes,
                    "mbu_per_gpu_vs_copy_bw": round(wbytes / per_step / bw, 3),
                    "mbu_per_gpu_vs_3.35TBps": round(wbytes / per_step / 3.35e12, 3)}

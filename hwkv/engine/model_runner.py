@@ -20,6 +20,7 @@ is ``execute_async`` + :meth:`flush`: the synchronous step, one code path.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -69,6 +70,9 @@ class ModelRunner:
         self.loading_tail_graphs: GraphRunner | None = None  # the same with per-layer load waits
         self.max_model_len = max_model_len
         self.num_graph_steps = 0  # pure-decode steps served by the graph path (stats / tests)
+        # seconds the host waited for sampled tokens: a step's wall time less this is the host's own
+        # work (`hwkv bench tp` holds the driver's at tp=2 against tp=1's)
+        self.token_wait_s = 0.0
         self.num_tail_graph_steps = 0  # short-query steps (prefill tails, mixed with decodes) served by graphs
         self._pending: Pending | None = None  # the last launched step, until its output is returned
         self._num_special = 0  # requests held that are not ``plain`` (the sampler's fast path needs none)
@@ -385,7 +389,9 @@ class ModelRunner:
         """Read ``pend``'s tokens (waiting for its step), record them for the requests still here."""
         if pend.tokens is not None:
             if pend.event is not None:
+                t0 = time.perf_counter()
                 pend.event.synchronize()
+                self.token_wait_s += time.perf_counter() - t0
             toks = pend.host.tolist()  # type: ignore[union-attr]
             if pend.num_drops == self._num_drops:  # no request left since the launch: all still here
                 self.record_sampled(pend.states, toks)

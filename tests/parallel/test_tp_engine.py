@@ -22,6 +22,7 @@ pytestmark = pytest.mark.timeout(180)
 
 PROMPTS = [[5, 6, 7, 8, 9], [100, 200, 300], list(range(30, 70)), [7] * 20]
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
+SEEDED = SamplingParams(max_tokens=10, temperature=0.8, seed=7)  # not plain: the driver samples, then broadcasts
 
 
 def _tokens(engine: Engine) -> list[list[int]]:
@@ -65,14 +66,23 @@ def test_tp2_tokens_equal_tp1(tmp_path, case):
     if arch == "llama":
         path = add_biases(path)
     kw = {"block_size": 16, "num_kv_blocks": 32, "max_model_len": 128, **opts}
-    ref = _tokens(Engine(str(path), **kw))
+    one = Engine(str(path), **kw)
+    ref = _tokens(one)
+    seeded = [o.token_ids for o in one.generate(PROMPTS, SEEDED, use_tqdm=False)] if case == "mha" else None
     eng = Engine(str(path), tensor_parallel_size=2, **kw)
     pids = [p.pid for p in eng._tp.procs]
     try:
         assert eng.model.config.num_kv_heads == max(1, kv // 2)  # this rank holds only its KV heads
         if case == "window":
             assert eng.model.attention_features == ("sliding_window",)  # prompts of up to 40 + 10 tokens
+        comm, broadcasts = eng.runner.comm, []
+        real = comm.broadcast
+        comm.broadcast = lambda t, src=0: broadcasts.append(len(t)) or real(t, src)
         assert _tokens(eng) == ref
+        assert not broadcasts  # greedy, plain: every rank took the argmax itself
+        if seeded is not None:
+            assert [o.token_ids for o in eng.generate(PROMPTS, SEEDED, use_tqdm=False)] == seeded
+            assert broadcasts  # sampled on the driver, tokens broadcast
         kv = eng.kv_cache_manager
         assert kv.num_free_blocks == kv.block_pool.num_blocks and not eng.runner.reqs  # every block back
         if case == "gqa":

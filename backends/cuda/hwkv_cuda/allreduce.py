@@ -108,6 +108,15 @@ class CudaAllReduce:
         if comm.all_reduce_min(ok) == 0:
             self.close()
             raise err or RuntimeError("another rank could not map the peer buffers")
+        ok, err = 1, None
+        try:
+            with torch.cuda.device(self.device):
+                self._self_test()
+        except Exception as e:  # noqa: BLE001 - agreed below
+            ok, err = 0, e
+        if comm.all_reduce_min(ok) == 0:
+            self.close()
+            raise err or RuntimeError("another rank's push kernels failed their self-test")
         if self.one_shot_max or self.two_shot_max:
             # PyTorch's ops are optional: a failure only turns them off, on every rank (agreed before the
             # rendezvous too, so no rank waits in it for a peer that already gave up)
@@ -172,6 +181,39 @@ class CudaAllReduce:
             self.nflags = self.nbuf[data:].view(torch.int64)
             self.nflag_off = data // 8
             self.nepochs = torch.zeros(rows, dtype=torch.int64, device=self.device)
+
+    def _self_test(self) -> None:
+        """One call of every push kernel on known values (small integers: every sum exact), checked
+        here, before any forward relies on them: a kernel this Triton cannot compile or peer memory
+        that does not carry the stores raises (every rank then falls back to NCCL together) instead of
+        failing or corrupting the first forward. Every rank runs the same calls (the epochs stay equal)."""
+        from hwkv.model.layers import add_rms_norm
+        from hwkv_cuda.kernels.allreduce import REGION
+
+        ws, dev = self.world_size, self.device
+        base = torch.arange(3 * REGION // 2 + 5, device=dev, dtype=torch.float32) % 13  # a ragged last program
+        want = ws * base + ws * (ws - 1) // 2
+        problems = []
+        if self.push_max:
+            got = self._push((base + self.rank).to(torch.bfloat16), None)
+            if not torch.equal(got.float(), want):
+                problems.append("push")
+            one = torch.ones_like(base, dtype=torch.bfloat16)
+            got = self._push((base + self.rank).to(torch.bfloat16), one)
+            if not torch.equal(got.float(), want + 1):
+                problems.append("push + residual")
+        if self.norm_max:
+            rows = (base[: 2 * 256] + self.rank).to(torch.bfloat16).view(2, 256)
+            res, w = torch.ones_like(rows), torch.full((256,), 0.5, dtype=torch.bfloat16, device=dev)
+            got = self._push_norm(rows, res, w, 1e-5)  # (the model's first call fixes the hidden size)
+            want_out, want_h = add_rms_norm(want[: 2 * 256].view(2, 256).to(torch.bfloat16), res.clone(), w, 1e-5)
+            if not torch.equal(got[1], want_h) or not torch.allclose(got[0].float(), want_out.float(), rtol=2e-2,
+                                                                    atol=1e-2):
+                problems.append("push + residual + RMSNorm")
+        if (self.push_max or self.norm_max) and int(self.error.item()):
+            problems.append("a peer's flag never came")
+        if problems:
+            raise RuntimeError(f"push all-reduce self-test failed on rank {self.rank}: {', '.join(problems)}")
 
     def _prepare_symm(self, comm: Any) -> None:
         """PyTorch's one-shot/two-shot ops rendezvous under ``self.name``: group info set from this
@@ -264,6 +306,10 @@ class CudaAllReduce:
             self._norm_key = key
         elif key != self._norm_key:
             return None
+        return self._push_norm(t, residual, weight, eps)
+
+    def _push_norm(self, t: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         from hwkv_cuda.kernels.allreduce import push_all_reduce_norm_kernel
 
         out, h = torch.empty_like(t), torch.empty_like(t)

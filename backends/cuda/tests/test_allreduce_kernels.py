@@ -145,3 +145,33 @@ def test_push_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     p = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0 and "compiled" in p.stdout, p.stderr[-3000:]
+
+
+def _one_rank(monkeypatch):
+    """A one-rank CudaAllReduce on this device (its peer table: its own buffer), for the self-test."""
+    from hwkv_cuda.allreduce import CudaAllReduce
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    ar = CudaAllReduce.__new__(CudaAllReduce)
+    ar.rank, ar.world_size, ar.device, ar._bufs = 0, 1, dev, []
+    ar.push_max, ar.norm_max, ar._norm_key = 16 * 1024, 4 * 1024, None
+
+    def peer_buffer(nbytes, tag):
+        buf = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
+        ar._bufs.append(buf)
+        return buf, torch.tensor([buf.data_ptr()], dtype=torch.int64, device=dev)
+
+    monkeypatch.setattr(ar, "_peer_buffer", peer_buffer)
+    ar._setup_push()
+    return ar
+
+
+def test_self_test_passes_and_names_a_broken_path(monkeypatch):
+    ar = _one_rank(monkeypatch)
+    ar._self_test()
+    assert ar._norm_key is None  # the model's first call fixes the hidden size, not the self-test
+    assert ar.epochs.tolist()[:3] == [2, 2, 2]  # plain and residual calls: every program advanced
+    push = ar._push
+    monkeypatch.setattr(ar, "_push", lambda t, residual: push(t, None))  # a kernel that drops the residual
+    with pytest.raises(RuntimeError, match=r"self-test failed on rank 0: push \+ residual$"):
+        ar._self_test()

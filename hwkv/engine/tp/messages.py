@@ -90,6 +90,7 @@ class Execute(msgspec.Struct, tag=True, array_like=True):
     forward: bool = True  # False: the driver failed applying the state changes; apply them, run nothing
     step: int = 0  # the driver's count of forward steps sent (tags the rank's KVOut)
     kv_meta: bytes | None = None  # the connector's metadata, msgpack (decoded as its metadata_type)
+    argmax: bool = False  # every request plain: each rank takes the argmax of its logits, no broadcast
 
 
 class Flush(msgspec.Struct, tag=True, array_like=True):

@@ -3,9 +3,11 @@
 Every rank runs the same :class:`~hwkv.engine.model_runner.ModelRunner` code on the same scheduler
 output, so each holds the same per-request state and block tables over its own KV cache shard and
 replays the same graphs. The driver forwards each runner call to the workers before making it
-itself; the collectives inside the forward keep the ranks in step. Sampling happens once, on the
-driver (the logits are all-gathered, identical on every rank); the tokens are broadcast, so the
-workers' next inputs (async scheduling fills them on the device) match the driver's.
+itself; the collectives inside the forward keep the ranks in step. The logits are all-gathered,
+identical on every rank. Where every request is plain (the sampler's argmax fast path: no
+penalties, seeds, grammars or logprobs), every rank takes their argmax itself, the same tokens with
+no collective and no host work for it; otherwise the driver samples and broadcasts the tokens. Either
+way the workers' next inputs (async scheduling fills them on the device) match the driver's.
 
 A KV connector's worker side runs on every rank over that rank's KV shard: the step's metadata
 travels in ``Execute``, each worker reports its completions (``KVOut``) and the driver merges them
@@ -27,7 +29,7 @@ from hwkv.engine.tp.kv_output import KVOutputAggregator
 from hwkv.sampling_params import SamplingParams
 
 
-def encode_step(so: SchedulerOutput, forward: bool = True, step: int = 0) -> m.Execute:
+def encode_step(so: SchedulerOutput, forward: bool = True, step: int = 0, argmax: bool = False) -> m.Execute:
     meta = so.kv_connector_metadata
     c = so.scheduled_cached_reqs
     return m.Execute(
@@ -35,7 +37,7 @@ def encode_step(so: SchedulerOutput, forward: bool = True, step: int = 0) -> m.E
                   n.num_computed_tokens) for n in so.scheduled_new_reqs],
         list(c.req_ids), list(c.new_block_ids), list(c.num_computed_tokens), list(so.num_scheduled_tokens.values()),
         so.total_num_scheduled_tokens, list(so.finished_req_ids), list(so.preempted_req_ids), forward, step,
-        None if meta is None else msgspec.msgpack.encode(meta),
+        None if meta is None else msgspec.msgpack.encode(meta), argmax,
     )
 
 
@@ -62,6 +64,7 @@ class DriverRunner(ModelRunner):
         super().__init__(*args, **kw)
         self.executor, self.comm = executor, executor.comm
         self.step_id = 0  # forward steps sent to the workers (their KVOut reports name it)
+        self.argmax = False  # this step's tokens are the argmax on every rank (no broadcast)
         self.kv_outputs = KVOutputAggregator(executor.comm.world_size, self.connector) if self.connector else None
         self._kv_dec = msgspec.msgpack.Decoder(KVConnectorOutput)
         executor.send(m.Setup(self.token_ids.shape[0], self.max_model_len, fuse))
@@ -84,7 +87,9 @@ class DriverRunner(ModelRunner):
             self.executor.send(encode_step(so, forward=False))
             raise
         self.step_id += 1
-        self.executor.send(encode_step(so, step=self.step_id))
+        # plain argmax on every rank (the sampler's fast path; a grammar's bitmask is not on the workers)
+        self.argmax = not self._num_special and (self.structured is None or not self.structured.matchers)
+        self.executor.send(encode_step(so, step=self.step_id, argmax=self.argmax))
         return states
 
     def connector_finished(self, so: SchedulerOutput) -> Any:
@@ -119,6 +124,8 @@ class DriverRunner(ModelRunner):
         super().preempt(req_id)
 
     def _sample(self, logits: torch.Tensor, states: list[Any], req_ids: list[str]) -> tuple[torch.Tensor, Any]:
+        if self.argmax:  # the workers take the same argmax of the same logits
+            return super()._sample(logits, states, req_ids)
         try:
             tokens, logprobs = super()._sample(logits, states, req_ids)
         except BaseException:  # the workers wait in the broadcast: release them (Rollback follows)
@@ -140,6 +147,7 @@ class WorkerRunner(ModelRunner):
         self._before: Any = None
         self.report = report  # sends this rank's connector output of a step to the driver
         self.step_id = 0
+        self.argmax = False  # the driver's word for this step: take the argmax here, no broadcast
 
     def connector_finished(self, so: SchedulerOutput) -> Any:
         # the driver merges every rank's output and forwards the preemptions a failed load needs
@@ -158,5 +166,7 @@ class WorkerRunner(ModelRunner):
         self._pending = self._before
 
     def _sample(self, logits: torch.Tensor, states: list[Any], req_ids: list[str]) -> tuple[torch.Tensor, Any]:
+        if self.argmax:
+            return logits.float().argmax(-1), None  # the driver's sampler fast path, on the same logits
         tokens = torch.empty(len(states), dtype=torch.long, device=self.device)
         return self.comm.broadcast(tokens), None

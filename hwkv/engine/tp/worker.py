@@ -64,7 +64,7 @@ def _run(cfg: m.WorkerConfig, cmd: Any, out: Any) -> None:
                 continue
             msg = dec.decode(cmd.recv())
             if isinstance(msg, m.Execute):
-                runner.step_id = msg.step  # type: ignore[union-attr]
+                runner.step_id, runner.argmax = msg.step, msg.argmax  # type: ignore[union-attr]
                 runner.execute_async(decode_step(msg, meta_type), msg.forward)  # type: ignore[union-attr]
             elif isinstance(msg, m.Flush):
                 runner.flush()  # type: ignore[union-attr]
