@@ -6,13 +6,16 @@ master --capacity`` starts) hold the pool; engines contribute no memory (``globa
 
 1. *fill*: an engine process serves one request of a ``--prompt-len`` shared prefix (a system prompt)
    plus a suffix, lets its puts land, and exits;
-2. *pool*: a new engine process (the restarted or scaled-out instance) with the pool connector;
+2. *pool*: a new engine process (the restarted or scaled-out instance) with the pool connector, once
+   per ``--via``: ``holder`` (attached to the holder on this host, values through shared memory) and
+   ``tcp`` (a plain client: values over the transfer engine's tcp, as from another host);
 3. *none*: a new engine process without a connector (what a restart costs today).
 
 In 2 and 3 the engine first serves an unrelated short request (first-forward costs are nobody's),
 then the measured one: the same prefix with another suffix, ``max_tokens=1``; TTFT is that
 ``generate`` call's wall time, best of ``--repeats`` fresh processes. The tokens of 2 and 3 must be
-identical (checked). Results: ``pool-restart-<model>-<backend>-<date>.json``.
+identical (checked). The measured pool processes load only (``save=False``), so each finds exactly
+what the fill put. Results: ``pool-restart-<model>-<backend>-<date>.json``.
 """
 
 from __future__ import annotations
@@ -63,6 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suffix-len", type=int, default=32)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--capacity-mb", type=int, default=2048, help="the holder's memory")
+    p.add_argument("--via", default="holder,tcp", help="pool clients to measure: holder (shared memory with the "
+                   "holder on this host) and/or tcp")
+    p.add_argument("--staging-mb", type=int, default=64, help="the pool connector's staging_bytes (per direction)")
     p.add_argument("--repeats", type=int, default=2, help="fresh processes per variant (best TTFT kept)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per engine process")
     p.add_argument("--engine-args", default="{}", help="JSON dict of extra Engine kwargs (every process)")
@@ -93,6 +99,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.dtype is None:
         args.dtype = "float32" if args.backend == "cpu" else "bfloat16"
+    via = [v.strip() for v in args.via.split(",") if v.strip()]
+    if not via or set(via) - {"holder", "tcp"}:
+        print(f"hwkv bench pool-restart: --via={args.via!r} is invalid (allowed: holder, tcp, or both)",
+              file=sys.stderr)
+        return 2
     mdir = str(model_dir(args))
     vocab = json.loads((Path(mdir) / "config.json").read_text()).get("vocab_size", 512)
     rng = random.Random(0)
@@ -105,28 +116,33 @@ def run(args: argparse.Namespace) -> int:
     out: dict[str, Any] = {}
     with contextlib.ExitStack() as stack:
         m = stack.enter_context(mooncake_master())
-        stack.enter_context(mooncake_holder(m, args.capacity_mb << 20, timeout_s=60.0))
-        pool = dict(store="mooncake", master=m.master, metadata_server=m.metadata_server, protocol="tcp",
-                    global_segment_size=0)
-        fill = _child({**base, "pool": pool, "prompt": prefix + suffix[0]}, args.timeout)
-        print(f"fill: {fill['stored_chunks']} chunks put, process exited", flush=True)
-        runs: dict[str, list[dict[str, Any]]] = {"pool": [], "none": []}
+        h = stack.enter_context(mooncake_holder(m, args.capacity_mb << 20, timeout_s=60.0))
+        tcp = dict(store="mooncake", master=m.master, metadata_server=m.metadata_server, protocol="tcp",
+                   global_segment_size=0, staging_bytes=args.staging_mb << 20)
+        pools = {"holder": {**tcp, "holder": f"127.0.0.1:{h.port}"}, "tcp": tcp}
+        fill = _child({**base, "pool": pools[via[0]], "prompt": prefix + suffix[0]}, args.timeout)
+        print(f"fill ({via[0]}): {fill['stored_chunks']} chunks put, process exited", flush=True)
+        runs: dict[str, list[dict[str, Any]]] = {"none": [], **{f"pool-{v}": [] for v in via}}
         for i in range(args.repeats):
             prompt = prefix + suffix[1 + i]
-            for name in ("none", "pool"):
-                r = _child({**base, "pool": pool if name == "pool" else None, "prompt": prompt}, args.timeout)
+            for name in runs:
+                pool = pools.get(name[5:])  # load-only: every variant finds what the fill put, no more
+                r = _child({**base, "pool": pool and {**pool, "save": False}, "prompt": prompt}, args.timeout)
                 runs[name].append(r)
-                print(f"  {name:>4}: TTFT {1e3 * r['ttft_s']:.1f} ms, loaded {r['loaded_bytes']} B", flush=True)
-            if runs["pool"][-1]["tokens"] != runs["none"][-1]["tokens"]:
-                raise RuntimeError(f"tokens differ with the pool: {runs['pool'][-1]['tokens']} vs "
-                                   f"{runs['none'][-1]['tokens']}")
+                print(f"  {name:>11}: TTFT {1e3 * r['ttft_s']:.1f} ms, loaded {r['loaded_bytes']} B", flush=True)
+                if r["tokens"] != runs["none"][-1]["tokens"]:
+                    raise RuntimeError(f"tokens differ with {name}: {r['tokens']} vs {runs['none'][-1]['tokens']}")
         best = {k: min(r["ttft_s"] for r in v) for k, v in runs.items()}
-        out = {"ttft_pool_ms": 1e3 * best["pool"], "ttft_recompute_ms": 1e3 * best["none"],
-               "speedup": best["none"] / best["pool"], "runs": runs, "filled_chunks": fill["stored_chunks"],
+        out = {"ttft_recompute_ms": 1e3 * best["none"], "runs": runs, "filled_chunks": fill["stored_chunks"],
                "tokens_identical": True}
-    print(f"cold restart, first request of a {args.prompt_len}-token shared prefix: TTFT {out['ttft_pool_ms']:.1f} ms "
-          f"with the persistent pool vs {out['ttft_recompute_ms']:.1f} ms recomputed = x{out['speedup']:.2f} "
-          f"(goal >= 4)", flush=True)
+        for v in via:
+            out[f"ttft_pool_{v}_ms"] = 1e3 * best[f"pool-{v}"]
+            out[f"speedup_{v}"] = best["none"] / best[f"pool-{v}"]
+        out["speedup"] = out[f"speedup_{via[0]}"]
+    for v in via:
+        print(f"cold restart, first request of a {args.prompt_len}-token shared prefix: TTFT "
+              f"{out[f'ttft_pool_{v}_ms']:.1f} ms from the persistent pool ({v}) vs {out['ttft_recompute_ms']:.1f} ms "
+              f"recomputed = x{out[f'speedup_{v}']:.2f} (goal >= 4)", flush=True)
     day = dt.date.today().isoformat()
     path = Path(args.out_dir or results_dir()) / f"pool-restart-{args.model}-{args.backend}-{day}.json"
     write_result(path, {"bench": "pool-restart", "date": day, "machine": machine(), "commit": os.environ.get(

@@ -63,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "engines' own segments hold the values and leave with them)")
     m.add_argument("--holder-host", default=None,
                    help="address other clients reach the holder's memory at (default: --host, or 127.0.0.1)")
+    m.add_argument("--holder-port", type=int, default=50052,
+                   help="the holder's client port: engines on this host attach with holder='HOST:PORT' and move "
+                        "values through shared memory instead of tcp (default 50052)")
     m.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this host only; "
                    "0.0.0.0 for engines on other hosts)")
     m.add_argument("--port", type=int, default=50051, help="RPC port engines use as master= (default 50051)")
@@ -78,6 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     h.add_argument("--metadata-server", required=True, help="the master's metadata URL (http://host:port/metadata)")
     h.add_argument("--capacity", type=_size_arg, required=True, help="memory this holder gives the pool (e.g. 4GiB)")
     h.add_argument("--host", default="127.0.0.1", help="address other clients reach this holder's memory at")
+    h.add_argument("--port", type=int, default=50052,
+                   help="client port: engines on this host attach with holder='HOST:PORT' (default 50052)")
     h.add_argument("--protocol", default="tcp", choices=("tcp", "rdma"), help="transfer protocol (default tcp)")
     h.add_argument("--metrics", default=None, help="the master's metrics URL: wait until the memory is mounted")
     s = sub.add_parser("stats", help="print the master's counters")
@@ -98,12 +103,12 @@ def master_command(args: argparse.Namespace, binary: str) -> list[str]:
 
 
 def _bad(args: argparse.Namespace) -> str | None:
-    for name in ("port", "http_port", "metrics_port"):
+    for name in ("port", "http_port", "metrics_port", "holder_port"):
         v = getattr(args, name)
         if not 0 < v < 65536:
             return f"--{name.replace('_', '-')}={v} is invalid (allowed: 1..65535)"
-    if len({args.port, args.http_port, args.metrics_port}) < 3:
-        return "--port, --http-port and --metrics-port must differ"
+    if len({args.port, args.http_port, args.metrics_port, args.holder_port}) < 4:
+        return "--port, --http-port, --metrics-port and --holder-port must differ"
     if not 0 < args.eviction_high_watermark <= 1 or not 0 < args.eviction_ratio <= 1:
         return "--eviction-high-watermark and --eviction-ratio must be in (0, 1]"
     return _bad_capacity(args.capacity, allow_zero=True)
@@ -117,7 +122,8 @@ def _bad_capacity(capacity: int, allow_zero: bool) -> str | None:
     return f"--capacity={capacity} B is invalid (need {'0 or ' if allow_zero else ''}>= {MIN_SEGMENT >> 20}MiB)"
 
 
-def _start_holder(master: str, metadata: str, capacity: int, host: str, protocol: str, metrics_url: str | None):
+def _start_holder(master: str, metadata: str, capacity: int, host: str, protocol: str, metrics_url: str | None,
+                  port: int = 0):
     """A ``mooncake_client`` holder (dies with this command); waits until mounted if ``metrics_url``."""
     from hwkv.stores.mooncake_service import client_binary, die_with_parent, holder_command, pool_capacity, wait_mounted
 
@@ -125,7 +131,7 @@ def _start_holder(master: str, metadata: str, capacity: int, host: str, protocol
     if binary is None:
         raise RuntimeError("mooncake_client (the pool memory holder) is not in the mooncake package")
     before = pool_capacity(metrics_url) if metrics_url else 0.0
-    proc = subprocess.Popen(holder_command(binary, master, metadata, capacity, host=host, protocol=protocol),
+    proc = subprocess.Popen(holder_command(binary, master, metadata, capacity, host=host, port=port, protocol=protocol),
                             stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
     if metrics_url:
         try:
@@ -170,14 +176,15 @@ def run_master(args: argparse.Namespace) -> int:
     if args.capacity:
         try:
             holder = _start_holder(cfg["master"], cfg["metadata_server"], args.capacity, args.holder_host or host,
-                                   "tcp", metrics_url)
+                                   "tcp", metrics_url, args.holder_port)
         except RuntimeError as e:
             print(f"hwkv pool master: {e}", file=sys.stderr)
             _stop_all([proc])
             return 1
         cfg["global_segment_size"] = 0  # the holder holds the values: engines stay pure clients
+    local = f"\n  engines on this host add \"holder\": \"127.0.0.1:{args.holder_port}\" (shared memory, not tcp)"
     print(f"hwkv pool master: serving{f' {args.capacity} B held' if holder else ''}; engines join with\n"
-          f"  kv_connector='pool', kv_connector_config={json.dumps(cfg)}"
+          f"  kv_connector='pool', kv_connector_config={json.dumps(cfg)}{local if holder else ''}"
           f"\n  stats: hwkv pool stats --metrics {metrics_url}", flush=True)
     procs = [p for p in (holder, proc) if p is not None]
     rc = _wait_any(procs, stopping)
@@ -217,13 +224,15 @@ def run_holder(args: argparse.Namespace) -> int:
         print(f"hwkv pool holder: {err}", file=sys.stderr)
         return 2
     try:
-        proc = _start_holder(args.master, args.metadata_server, args.capacity, args.host, args.protocol, args.metrics)
+        proc = _start_holder(args.master, args.metadata_server, args.capacity, args.host, args.protocol, args.metrics,
+                             args.port)
     except (RuntimeError, OSError) as e:
         print(f"hwkv pool holder: {e}", file=sys.stderr)
         return 1
     stopping: list[bool] = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
-    print(f"hwkv pool holder: {args.capacity} B of {args.host} in the pool of {args.master}", flush=True)
+    print(f"hwkv pool holder: {args.capacity} B of {args.host} in the pool of {args.master}; engines on this host "
+          f"attach with holder='{args.host}:{args.port}'", flush=True)
     rc = _wait_any([proc], stopping)
     _stop_all([proc])
     return 0 if stopping else rc

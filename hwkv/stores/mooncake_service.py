@@ -225,13 +225,14 @@ class MooncakeHolder:
 
 
 def holder_command(binary: str, master: str, metadata_server: str, capacity_bytes: int, host: str = "127.0.0.1",
-                   port: int = 0, protocol: str = "tcp") -> list[str]:
+                   port: int = 0, protocol: str = "tcp", threads: int = 4) -> list[str]:
     """The ``mooncake_client`` command line of a holder contributing ``capacity_bytes`` (its own
     staging buffer is 0: it only serves its segment). ``host`` is the address other clients reach
-    its segment at."""
+    its segment at; engines on this host attach at ``port`` (holder mode, shared memory), served
+    by ``threads`` service threads (one engine per accelerator of the host may call at once)."""
     return [binary, f"--master_server_address={master}", f"--metadata_server={metadata_server}",
             f"--global_segment_size={capacity_bytes}", "--local_buffer_size=0", f"--host={host}",
-            f"--port={port or free_port()}", f"--protocol={protocol}", "--threads=1"]
+            f"--port={port or free_port()}", f"--protocol={protocol}", f"--threads={threads}"]
 
 
 def pool_capacity(metrics_url: str) -> float:

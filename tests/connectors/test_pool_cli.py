@@ -34,11 +34,11 @@ def _hwkv(*args: str, **kw) -> subprocess.Popen:
 
 class Master:
     def __init__(self, ports: tuple[int, int, int], *extra: str):
-        self.ports = ports
+        self.ports, self.holder_port = ports, free_port()
         p, h, m = ports
         self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (read on failure, closed with the object)
         self.proc = _hwkv("pool", "master", "--port", str(p), "--http-port", str(h), "--metrics-port", str(m),
-                          *extra, stderr=self.log, start_new_session=True)
+                          "--holder-port", str(self.holder_port), *extra, stderr=self.log, start_new_session=True)
         sel = selectors.DefaultSelector()
         sel.register(self.proc.stdout, selectors.EVENT_READ)
         deadline, seen = time.monotonic() + 60, ""
@@ -84,13 +84,14 @@ def test_master_and_stats():
         assert f'"master": "127.0.0.1:{ports[0]}"' in m.banner
         assert f'"metadata_server": "http://127.0.0.1:{ports[1]}/metadata"' in m.banner
         assert '"global_segment_size": 0' in m.banner  # the holder holds the values; engines are pure clients
+        assert f'"holder": "127.0.0.1:{m.holder_port}"' in m.banner  # engines on this host: shared memory
         out = subprocess.run([sys.executable, "-m", "hwkv", "pool", "stats", "--metrics",
                               f"http://127.0.0.1:{ports[2]}"], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0 and "master_key_count" in out.stdout
         assert _capacity(ports[2]) == 32 << 20
         # one more holder (another host's memory, here this one's) joins the running master
         holder = _hwkv("pool", "holder", "--master", f"127.0.0.1:{ports[0]}", "--metadata-server",
-                       f"http://127.0.0.1:{ports[1]}/metadata", "--capacity", "16MiB", "--metrics",
+                       f"http://127.0.0.1:{ports[1]}/metadata", "--capacity", "16MiB", "--port", str(free_port()), "--metrics",
                        f"http://127.0.0.1:{ports[2]}", stderr=subprocess.DEVNULL)
         try:
             assert "hwkv pool holder: 16777216 B" in holder.stdout.readline()
@@ -109,7 +110,7 @@ def test_master_and_stats():
 def test_bad_master_arguments():
     out = subprocess.run([sys.executable, "-m", "hwkv", "pool", "master", "--port", "7", "--http-port", "7"],
                          capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and "--port, --http-port and --metrics-port must differ" in out.stderr
+    assert out.returncode == 2 and "--port, --http-port, --metrics-port and --holder-port must differ" in out.stderr
     out = subprocess.run([sys.executable, "-m", "hwkv", "pool", "master", "--capacity", "1MiB"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--capacity=1048576 B is invalid (need 0 or >= 16MiB)" in out.stderr

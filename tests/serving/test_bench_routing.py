@@ -34,9 +34,10 @@ def test_bench_routing_toy(tmp_path):
 @pytest.mark.slow
 def test_bench_pool_restart_toy(tmp_path):
     skip_unless_mooncake()
-    args = _args(pool_restart, ["--prompt-len", "256", "--repeats", "1", "--capacity-mb", "64", "--workdir",
-                                str(tmp_path / "models"), "--out-dir", str(tmp_path)])
+    args = _args(pool_restart, ["--prompt-len", "256", "--repeats", "1", "--capacity-mb", "64", "--staging-mb", "8",
+                                "--workdir", str(tmp_path / "models"), "--out-dir", str(tmp_path)])
     assert pool_restart.run(args) == 0
     res = json.loads(next(tmp_path.glob("pool-restart-tiny-cpu-*.json")).read_text())["results"]
-    assert res["tokens_identical"] and res["runs"]["pool"][0]["loaded_bytes"] > 0
+    assert res["tokens_identical"] and res["runs"]["pool-holder"][0]["loaded_bytes"] > 0
+    assert res["runs"]["pool-tcp"][0]["loaded_bytes"] == res["runs"]["pool-holder"][0]["loaded_bytes"]
     assert res["runs"]["none"][0]["loaded_bytes"] == 0
