@@ -91,8 +91,8 @@ def test_master_and_stats():
         assert _capacity(ports[2]) == 32 << 20
         # one more holder (another host's memory, here this one's) joins the running master
         holder = _hwkv("pool", "holder", "--master", f"127.0.0.1:{ports[0]}", "--metadata-server",
-                       f"http://127.0.0.1:{ports[1]}/metadata", "--capacity", "16MiB", "--port", str(free_port()), "--metrics",
-                       f"http://127.0.0.1:{ports[2]}", stderr=subprocess.DEVNULL)
+                       f"http://127.0.0.1:{ports[1]}/metadata", "--capacity", "16MiB", "--port", str(free_port()),
+                       "--metrics", f"http://127.0.0.1:{ports[2]}", stderr=subprocess.DEVNULL)
         try:
             assert "hwkv pool holder: 16777216 B" in holder.stdout.readline()
             assert _capacity(ports[2]) == 48 << 20
