@@ -21,7 +21,15 @@ from hwkv.interfaces.kv_quant import is_quantized
 from hwkv.interfaces.layout import KVLayoutKind
 from hwkv_cuda.launch import device_limits, use_pdl
 from hwkv_cuda.splitkv import SplitCounters, merge_tile, reduce_mode
-from hwkv_cuda.tiles import MAX_SPLITS, OVERRIDE_ENV, TileConfig, choose_config, fit_shared_memory, pow2
+from hwkv_cuda.tiles import (
+    FP8_OVERRIDE_ENV,
+    MAX_SPLITS,
+    OVERRIDE_ENV,
+    TileConfig,
+    choose_config,
+    fit_shared_memory,
+    pow2,
+)
 
 LOG2E = 1.4426950408889634
 CHECK_SLOTS_ENV = "HWKV_CUDA_CHECK_SLOTS"
@@ -120,7 +128,8 @@ class CudaAttentionMetadata:
         same); keyed by ``HWKV_CUDA_ATTN_CONFIG`` as well, so a sweep may change it between calls.
         ``kv_dtype`` is the cache's (None: ``dtype``): an fp8 cache reads half the bytes per key."""
         kv_dtype = kv_dtype or dtype
-        key = (num_heads, num_kv_heads, head_size, dtype, kv_dtype, fused, os.environ.get(OVERRIDE_ENV, ""))
+        key = (num_heads, num_kv_heads, head_size, dtype, kv_dtype, fused, os.environ.get(OVERRIDE_ENV, ""),
+               os.environ.get(FP8_OVERRIDE_ENV, ""))
         if key not in self.launches:
             self.launches[key] = self._choose(num_heads, num_kv_heads, head_size, dtype, fused, kv_dtype.itemsize)
         return self.launches[key]
@@ -254,17 +263,21 @@ class TritonAttentionImpl(AttentionImpl):
         pdl = use_pdl(query.device)
         fp8 = is_quantized(layer_kv.dtype)
         scales = self.scales_for(layer_kv) if fp8 else out  # unused unless fp8
+        # fp8_unpack: 1 reads int16 words of two codes (even head sizes), 2 casts K rows and transposes them
+        unpack = cfg.fp8_unpack if fp8 and (cfg.fp8_unpack != 1 or d % 2 == 0) else 0
+        kv = layer_kv.view(torch.int16) if unpack == 1 else layer_kv  # two e4m3 codes per word, strides in words
         attention_kernel[(grid_q, hkv, splits)](
-            query, layer_kv, out, part_acc, part_ml, counters,
+            query, kv, out, part_acc, part_ml, counters,
             c.query_start_loc, c.seq_lens, c.block_tables, scales,
             c.num_reqs, min_seg, self.scale * LOG2E, scales.stride(0) if fp8 else 0,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-            layer_kv.stride(0), layer_kv.stride(1), layer_kv.stride(2), layer_kv.stride(3), c.block_tables.stride(0),
+            kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), c.block_tables.stride(0),
             G=group, HEAD_SIZE=d, D_PAD=d_pad, BS=bs,
             BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n,
             SPLIT=splits > 1, FUSED=fused, NUM_SPLITS_PAD=splits_pad, G_PAD=g_pad,
             MERGE_ROWS=merge_rows, MERGE_SPLITS=merge_splits, IEEE=query.dtype == torch.float32, PDL=pdl,
-            KV_FP8=fp8, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
+            KV_FP8=fp8, UNPACK=unpack, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **({"launch_pdl": True} if pdl else {}),
             **self._features(query.device),
         )
         if splits > 1 and not fused:

@@ -14,6 +14,7 @@ from hwkv_cuda.launch import parse_overrides
 MAX_SPLITS = 64
 SHORT_SPLIT = 128  # a split of at most this many keys runs as one tile
 OVERRIDE_ENV = "HWKV_CUDA_ATTN_CONFIG"
+FP8_OVERRIDE_ENV = "HWKV_CUDA_ATTN_CONFIG_FP8"  # applied on top for an fp8 (1-byte) cache
 
 
 def pow2(n: int) -> int:
@@ -37,6 +38,8 @@ class TileConfig:
     # the H100 A/B (bench/results/reduce-ab-H100-2026-11-21.json) found the cap slower at b1 ctx 8k)
     merge_regs: int = 32  # fp32 values per thread in one load of the fused merge
     max_splits: int = MAX_SPLITS  # most splits per (q block, KV head)
+    fp8_unpack: int = 0  # how an fp8 cache is read: 0 e4m3 tiles cast (K as [D, keys]); 1 int16 words of
+    # two codes unpacked in registers (even head sizes); 2 e4m3 rows cast, K transposed after the cast
 
 
 
@@ -85,16 +88,21 @@ def choose_config(max_query_len: int, group: int, head_size: int, dtype: torch.d
         else:  # a small grid has SMs to spare: wider tiles, more warps per program
             cfg = dict(block_m=block_m, block_q=block_m // hpad, block_n=64 if wide else 128,
                        num_warps=4 if wide else 8, num_stages=3)
-    cfg.update(overrides())
+    cfg.update(overrides(fp8=(kv_elem or dtype.itemsize) == 1))
     if cfg["block_m"] // cfg["block_q"] < group:
         raise ValueError(f"tile config {cfg}: block_m // block_q must be >= the GQA group {group}")
     return TileConfig(**cfg)
 
 
-def overrides() -> dict[str, int]:
+def overrides(fp8: bool = False) -> dict[str, int]:
     """``HWKV_CUDA_ATTN_CONFIG`` (``"block_n=128,num_warps=8"``) as a dict (read per call); names are
-    :class:`TileConfig`'s fields."""
-    return parse_overrides(OVERRIDE_ENV, (f.name for f in fields(TileConfig)))
+    :class:`TileConfig`'s fields. ``fp8``: a launch over a 1-byte cache, where
+    ``HWKV_CUDA_ATTN_CONFIG_FP8`` is applied on top (one process can time both caches, each with its own)."""
+    names = [f.name for f in fields(TileConfig)]
+    out = parse_overrides(OVERRIDE_ENV, names)
+    if fp8:
+        out.update(parse_overrides(FP8_OVERRIDE_ENV, names))
+    return out
 
 
 def smem_bytes(cfg: TileConfig, d_pad: int, elem_size: int, kv_elem: int = 0) -> int:
@@ -112,7 +120,7 @@ def fit_shared_memory(cfg: TileConfig, d_pad: int, elem_size: int, limit: int, k
     labelled with). Raises ``ValueError`` when even the smallest tile does not fit."""
     if limit <= 0:
         return cfg
-    fixed = overrides()
+    fixed = overrides(fp8=(kv_elem or elem_size) == 1)
     for rule in ("stages", "keys", "one stage"):
         while smem_bytes(cfg, d_pad, elem_size, kv_elem) > limit:
             if rule == "stages" and cfg.num_stages > 2 and "num_stages" not in fixed:

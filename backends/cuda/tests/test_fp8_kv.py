@@ -58,12 +58,16 @@ def test_write_kv_stores_the_reference_bytes(hkv, d, bs):
 
 # prefill on a prefix (GQA 4), split decode (MHA), mixed prefill + split decode: every kernel path
 FP8_CASES = ["prefill_on_prefix_gqa4", "decode_mha_split", "mixed_gqa4_split"]
+READS = {"cast": "", "unpack": ",fp8_unpack=1", "rows": ",fp8_unpack=2"}  # HWKV_CUDA_ATTN_CONFIG suffixes
 
 
+@pytest.mark.parametrize("read", list(READS))
 @pytest.mark.parametrize("mode", ["fused", "kernel"])
 @pytest.mark.parametrize("name", FP8_CASES)
-def test_attention_dequantises_like_the_reference(name, mode, monkeypatch):
-    monkeypatch.setenv("HWKV_CUDA_ATTN_CONFIG", "min_split=32,split_below=1000,part_cap=0")
+def test_attention_dequantises_like_the_reference(name, mode, read, monkeypatch):
+    """Every way of reading the cache (``fp8_unpack``): e4m3 tiles cast to the query dtype (0), int16
+    words of two codes unpacked in registers (1), e4m3 rows cast with K transposed after the cast (2)."""
+    monkeypatch.setenv("HWKV_CUDA_ATTN_CONFIG", "min_split=32,split_below=1000,part_cap=0" + READS[read])
     monkeypatch.setenv("HWKV_CUDA_SPLIT_REDUCE", mode)
     qlens, slens, h, hkv, d, bs = CASES[name]
     q, kv, md, tables = paged_case(qlens, slens, h, hkv, d, bs, seed=len(name), device=DEV)
@@ -88,13 +92,14 @@ def test_attention_dequantises_like_the_reference(name, mode, monkeypatch):
     assert (out1.double() - ref.double()).norm() / ref.double().norm() > 1e-2
 
 
+@pytest.mark.parametrize("read", list(READS))
 @pytest.mark.parametrize("split", [False, True], ids=["one_split", "split"])
-def test_half_decode_over_fp8_takes_double_key_tiles(split, monkeypatch):
+def test_half_decode_over_fp8_takes_double_key_tiles(split, read, monkeypatch):
     """A 16-bit decode over an fp8 cache runs twice the keys per tile of a 16-bit cache (same bytes per
     tile, half the iterations), and still equals the reference over the same fp8 cache. fp16: the
     Triton interpreter computes bf16 dots wrongly (numpy has no bf16); bf16 takes the same tiles."""
-    monkeypatch.setenv("HWKV_CUDA_ATTN_CONFIG", "min_split=256,split_below=1000,part_cap=0" if split else
-                       "split_below=0")
+    monkeypatch.setenv("HWKV_CUDA_ATTN_CONFIG", ("min_split=256,split_below=1000,part_cap=0" if split else
+                                                 "split_below=0") + READS[read])
     qlens, slens, h, hkv, d, bs = [1, 1, 1], [70, 900, 130], 8, 2, 64, 16  # split: 3 x 300 keys
     q, kv, md, tables = paged_case(qlens, slens, h, hkv, d, bs, seed=11, device=DEV)
     scales = _scales(hkv, 11)

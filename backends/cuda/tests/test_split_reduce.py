@@ -221,6 +221,22 @@ def test_override_fields_survive_the_fit(monkeypatch):
         fit_shared_memory(choose_config(64, 4, 128, torch.bfloat16), 128, 2, 166912)
 
 
+def test_fp8_override_applies_only_to_an_fp8_cache(monkeypatch):
+    """HWKV_CUDA_ATTN_CONFIG_FP8 goes on top of HWKV_CUDA_ATTN_CONFIG for a 1-byte cache only, so one
+    process can run each cache with its own tiles."""
+    from hwkv_cuda.tiles import choose_config
+
+    monkeypatch.setenv("HWKV_CUDA_ATTN_CONFIG", "block_n=128,num_warps=8")
+    monkeypatch.setenv("HWKV_CUDA_ATTN_CONFIG_FP8", "block_n=256,fp8_unpack=1")
+    bf16 = choose_config(1, 4, 64, torch.bfloat16, split=True, seg=4096)
+    fp8 = choose_config(1, 4, 64, torch.bfloat16, split=True, seg=4096, kv_elem=1)
+    assert (bf16.block_n, bf16.num_warps, bf16.fp8_unpack) == (128, 8, 0)
+    assert (fp8.block_n, fp8.num_warps, fp8.fp8_unpack) == (256, 8, 1)
+    monkeypatch.setenv("HWKV_CUDA_ATTN_CONFIG_FP8", "fp8_unpak=1")
+    with pytest.raises(ValueError, match="HWKV_CUDA_ATTN_CONFIG_FP8: 'fp8_unpak=1'"):
+        choose_config(1, 4, 64, torch.bfloat16, kv_elem=1)
+
+
 @pytest.mark.parametrize("qlens,wide", [([40], False), ([40, 40, 40], True), ([9, 9, 9], False)])
 def test_prefill_tiles_follow_the_program_count(qlens, wide, monkeypatch):
     """The wide-grid decision counts programs with work, two per SM (4 SMs here): fp32 prefill tiles

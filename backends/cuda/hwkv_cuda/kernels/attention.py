@@ -21,9 +21,31 @@ from hwkv_cuda.kernels.dense import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
+def _e4m3_to_f16(c):
+    """e4m3 codes (int32 in [0, 256)) as float16 values 2^-8 times theirs, exactly: e4m3's 4-bit
+    exponent and 3 mantissa bits dropped into fp16's fields (bias 15 instead of 7) scale every code,
+    subnormals included, by the same 2^-8. The caller folds the 256 into its scale."""
+    return (((c & 0x80) << 8) | ((c & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _unpack_e4m3(w, dtype: tl.constexpr):
+    """int16 words ``[N, D / 2]`` of two e4m3 codes (little endian: the low byte is the even element) as
+    ``[N, D]`` of ``dtype``, 2^-8 times their values (exact in fp16, bf16 and fp32). The cache reaches
+    shared memory and registers as 16-bit words, and the 8-to-16-bit step is register arithmetic, not
+    an 8-bit operand path into the MMA."""
+    w = w.to(tl.int32)
+    lo = _e4m3_to_f16(w & 0xFF)
+    hi = _e4m3_to_f16((w >> 8) & 0xFF)
+    x = tl.reshape(tl.join(lo, hi), (w.shape[0], 2 * w.shape[1]))
+    return x.to(dtype)
+
+
+@triton.jit
 def _tile(acc, l_i, m_i, q, qk_scale, kv_ptr, bt_ptr, start, kv_end, q_pos, kvh_off, stride_blk, stride_tok,
           stride_kv, offs_n, offs_d, d_mask, BS: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr,
-          KV_FP8: tl.constexpr, window, cap2, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
+          KV_FP8: tl.constexpr, window, cap2, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+          UNPACK: tl.constexpr = 0, offs_h=None, h_mask=None):
     kv_pos = start + offs_n
     if MASKED:
         n_mask = kv_pos < kv_end
@@ -31,12 +53,25 @@ def _tile(acc, l_i, m_i, q, qk_scale, kv_ptr, bt_ptr, start, kv_end, q_pos, kvh_
     else:
         blk = tl.load(bt_ptr + kv_pos // BS).to(tl.int64)
     off = blk * stride_blk + (kv_pos % BS) * stride_tok + kvh_off
-    if MASKED:
-        k = tl.load(kv_ptr + off[None, :] + offs_d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0)
+    if UNPACK == 1:  # kv_ptr is an int16 view: [keys, D / 2] words, two e4m3 codes each, unpacked to [D, keys]
+        if MASKED:
+            kw = tl.load(kv_ptr + off[:, None] + offs_h[None, :], mask=n_mask[:, None] & h_mask[None, :], other=0)
+        else:
+            kw = tl.load(kv_ptr + off[:, None] + offs_h[None, :], mask=h_mask[None, :], other=0)
+        k = tl.trans(_unpack_e4m3(kw, q.dtype))
+    elif UNPACK == 2:  # e4m3 rows [keys, D] cast, then transposed (the layout V has)
+        if MASKED:
+            k = tl.load(kv_ptr + off[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        else:
+            k = tl.load(kv_ptr + off[:, None] + offs_d[None, :], mask=d_mask[None, :], other=0.0)
+        k = tl.trans(k.to(q.dtype))
     else:
-        k = tl.load(kv_ptr + off[None, :] + offs_d[:, None], mask=d_mask[:, None], other=0.0)
-    if KV_FP8:  # e4m3 is exact in bf16/fp16/fp32; the K scale is folded into qk_scale, V's into the output
-        k = k.to(q.dtype)
+        if MASKED:
+            k = tl.load(kv_ptr + off[None, :] + offs_d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0)
+        else:
+            k = tl.load(kv_ptr + off[None, :] + offs_d[:, None], mask=d_mask[:, None], other=0.0)
+        if KV_FP8:  # e4m3 is exact in bf16/fp16/fp32; the K scale is folded into qk_scale, V's into the output
+            k = k.to(q.dtype)
     if IEEE:
         qk = tl.dot(q, k, input_precision="ieee")
     else:
@@ -54,13 +89,21 @@ def _tile(acc, l_i, m_i, q, qk_scale, kv_ptr, bt_ptr, start, kv_end, q_pos, kvh_
     p = tl.math.exp2(qk - m_safe[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if MASKED:
-        v = tl.load(kv_ptr + stride_kv + off[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :],
-                    other=0.0)
+    if UNPACK == 1:
+        if MASKED:
+            vw = tl.load(kv_ptr + stride_kv + off[:, None] + offs_h[None, :], mask=n_mask[:, None] & h_mask[None, :],
+                         other=0)
+        else:
+            vw = tl.load(kv_ptr + stride_kv + off[:, None] + offs_h[None, :], mask=h_mask[None, :], other=0)
+        v = _unpack_e4m3(vw, q.dtype)
     else:
-        v = tl.load(kv_ptr + stride_kv + off[:, None] + offs_d[None, :], mask=d_mask[None, :], other=0.0)
-    if KV_FP8:
-        v = v.to(q.dtype)
+        if MASKED:
+            v = tl.load(kv_ptr + stride_kv + off[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :],
+                        other=0.0)
+        else:
+            v = tl.load(kv_ptr + stride_kv + off[:, None] + offs_d[None, :], mask=d_mask[None, :], other=0.0)
+        if KV_FP8:
+            v = v.to(q.dtype)
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
@@ -124,6 +167,7 @@ def attention_kernel(
     MERGE_ROWS: tl.constexpr, MERGE_SPLITS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False,
     KV_FP8: tl.constexpr = False, window=0, cap2=1.0, sinks_ptr=None,
     WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False, SINKS: tl.constexpr = False,
+    UNPACK: tl.constexpr = False,
 ):
     if PDL:  # launched early beside the previous kernel: wait for its writes before reading anything
         gdc_launch_dependents()  # the next kernel only preloads weights before its own wait
@@ -198,6 +242,11 @@ def attention_kernel(
     if KV_FP8:  # this KV head's dequantisation scales: K's multiplies the scores, V's the output
         qk_scale = qk_scale * tl.load(kv_scale_ptr + kvh)
         v_scale = tl.load(kv_scale_ptr + stride_scale + kvh)
+        if UNPACK == 1:  # the unpacked values are 2^-8 times the codes' (_e4m3_to_f16)
+            qk_scale = qk_scale * 256.0
+            v_scale = v_scale * 256.0
+    offs_h = tl.arange(0, D_PAD // 2)
+    h_mask = offs_h < HEAD_SIZE // 2
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -210,15 +259,15 @@ def attention_kernel(
         for start in range(lo_kv, free_lo, BLOCK_N):
             acc, l_i, m_i = _tile(acc, l_i, m_i, q, qk_scale, kv_ptr, bt_ptr, start, free_lo, q_pos, kvh_off,
                                   stride_blk, stride_tok, stride_kv, offs_n, offs_d, d_mask, BS, True, IEEE, KV_FP8,
-                                  window, cap2, WINDOW, SOFTCAP)
+                                  window, cap2, WINDOW, SOFTCAP, UNPACK, offs_h, h_mask)
     for i in range(n_free):
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, qk_scale, kv_ptr, bt_ptr, free_lo + i * BLOCK_N, hi_kv, q_pos,
                               kvh_off, stride_blk, stride_tok, stride_kv, offs_n, offs_d, d_mask, BS, False, IEEE,
-                              KV_FP8, window, cap2, WINDOW, SOFTCAP)
+                              KV_FP8, window, cap2, WINDOW, SOFTCAP, UNPACK, offs_h, h_mask)
     for start in range(free_lo + n_free * BLOCK_N, hi_kv, BLOCK_N):
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, qk_scale, kv_ptr, bt_ptr, start, hi_kv, q_pos, kvh_off,
                               stride_blk, stride_tok, stride_kv, offs_n, offs_d, d_mask, BS, True, IEEE, KV_FP8,
-                              window, cap2, WINDOW, SOFTCAP)
+                              window, cap2, WINDOW, SOFTCAP, UNPACK, offs_h, h_mask)
 
     if KV_FP8:
         acc = acc * v_scale
