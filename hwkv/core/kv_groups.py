@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from hwkv.core.block_pool import BlockPool, KVCacheBlock, PrefixCacheStats
 from hwkv.core.kv_cache_manager import KVCacheManager
@@ -270,6 +271,17 @@ class GroupedKVCacheManager:
     def get_group_block_ids(self, request_id: str) -> list[list[int]]:
         """One block table per group; a window group's entries before the window are the null block (0)."""
         return [m.get_block_ids(request_id) for m in self.managers]
+
+    def step_block_ids(self, new_reqs: Iterable[Any], cached: Any) -> dict[str, list[list[int]]]:
+        """A step's block ids of groups 1.. for the runner (``SchedulerOutput.group_block_ids``): each
+        new request's whole tables, each running request's appended ids (its tables' tails: every group's
+        table grows by as many entries as group 0's)."""
+        rest = self.managers[1:]
+        out = {r.req_id: [m.get_block_ids(r.req_id) for m in rest] for r in new_reqs}
+        for rid, ids in zip(cached.req_ids, cached.new_block_ids):
+            if ids:
+                out[rid] = [[b.block_id for b in m.req_to_blocks[rid][-len(ids):]] for m in rest]
+        return out
 
     def get_blocks(self, request_id: str) -> list[list[KVCacheBlock]]:
         return [m.get_blocks(request_id) for m in self.managers]

@@ -45,6 +45,10 @@ class SchedulerOutput:
     # speculative decoding: the draft tokens scheduled for verification (counted in
     # num_scheduled_tokens, after the request's last known token); requests without drafts absent
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # KV-cache groups (hwkv.core.kv_groups): per request with new blocks this step, the block ids of
+    # groups 1.. (group 0's are block_ids / new_block_ids above): a new request's whole tables, a
+    # running one's appended ids (as many as group 0's)
+    group_block_ids: dict[str, list[list[int]]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -68,6 +68,7 @@ class Scheduler(SchedulerResults):
                  num_lookahead_tokens: int = 0):
         self.config = config
         self.kv = kv_cache_manager
+        self._grouped = hasattr(kv_cache_manager, "step_block_ids")  # KV-cache groups (hwkv.core.kv_groups)
         self.connector = connector  # None: no connector (hwkv.connectors.make_connector)
         if connector is not None:
             connector.bind_kv_cache_manager(kv_cache_manager)
@@ -151,6 +152,8 @@ class Scheduler(SchedulerResults):
             scheduled_spec_decode_tokens=st.spec,
         )
         self.finished_req_ids, self._dropped = set(), set()
+        if self._grouped:
+            out.group_block_ids = self.kv.step_block_ids(st.new_reqs, st.cached)
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out

@@ -13,8 +13,10 @@ from typing import Any
 from hwkv.connectors import bind_connector, make_connector
 from hwkv.core.hashing import make_block_hasher
 from hwkv.core.kv_cache_manager import KVCacheManager
+from hwkv.core.kv_groups import GroupedKVCacheManager
 from hwkv.core.scheduler import Scheduler
 from hwkv.engine.config import EngineArgs
+from hwkv.engine.kv_groups import GroupedKVCache
 from hwkv.engine.model_runner import ModelRunner
 from hwkv.interfaces.kv_quant import kv_storage_dtype, parse_scales
 from hwkv.model import load_model
@@ -72,8 +74,13 @@ def build_parts(engine: Any, args: EngineArgs) -> None:
                                        tp.agree if tp else None)
     cc, rt, spec = cfg.cache, cfg.runtime, cfg.speculative
     engine.block_size, engine.max_model_len = cc.block_size, cfg.model.max_model_len
-    engine.kv_cache = kv_cache = backend.device.allocate_kv_cache(model.kv_cache_spec(cc.num_kv_blocks, cc.block_size),
-                                                                  backend.attention.kv_layout)
+    if cfg.kv_groups:  # hybrid models: a KV cache and a block pool per group (docs/hybrid-models.md)
+        engine.kv_cache = kv_cache = GroupedKVCache.allocate(
+            cfg.kv_groups, model.kv_cache_spec(cc.num_kv_blocks, cc.block_size), backend.device,
+            backend.attention.kv_layout)
+    else:
+        engine.kv_cache = kv_cache = backend.device.allocate_kv_cache(
+            model.kv_cache_spec(cc.num_kv_blocks, cc.block_size), backend.attention.kv_layout)
     if kv_cache.scales is not None:  # fp8 KV: the scales given, else the checkpoint's, else 1.0
 
         given = args.kv_cache_scales if args.kv_cache_scales is not None else getattr(model, "checkpoint_kv_scales",
@@ -85,7 +92,9 @@ def build_parts(engine: Any, args: EngineArgs) -> None:
         proposer.allocate(cc.num_kv_blocks, cc.block_size, engine.max_model_len)
     engine.vocab_size = engine.model_config.vocab_size
     engine.eos_token_ids = frozenset(eos_ids(engine.model_config, engine.generation_config))
-    engine.kv_cache_manager = KVCacheManager(cc.num_kv_blocks, cc.block_size, cc.enable_prefix_caching)
+    engine.kv_cache_manager = (
+        GroupedKVCacheManager(cfg.kv_groups, cc.block_size, cc.enable_prefix_caching) if cfg.kv_groups
+        else KVCacheManager(cc.num_kv_blocks, cc.block_size, cc.enable_prefix_caching))
     engine._hasher = make_block_hasher(cc.block_size)
     engine.async_scheduling = rt.async_scheduling
     engine.scheduler = Scheduler(cfg.scheduler, engine.kv_cache_manager, connector,
@@ -104,7 +113,7 @@ def build_parts(engine: Any, args: EngineArgs) -> None:
         engine.runner = SpecModelRunner(*runner_args, spec_config=spec, proposer=proposer)
     if rt.fuse_elementwise:
         fuse_elementwise(model)
-    _set_decode_ops(backend, model, proposer, kv_cache, rt.decode_ops)
+    _set_decode_ops(backend, model, proposer, kv_cache, False if cfg.kv_groups else rt.decode_ops)
     if tp:  # every rank runs the driver's forward (its collectives pair up with the others')
         from hwkv.engine.tp.messages import DecodeOps
 

@@ -82,12 +82,16 @@ class CacheOptions:
     enable_prefix_caching: bool = True  # reuse KV of identical prompt prefixes (hash-chained blocks)
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8" / "fp8_e4m3" (docs/fp8-kv-cache.md)
     kv_cache_scales: Any = None  # fp8 KV dequantisation scales (hwkv.interfaces.kv_quant.parse_scales); None: 1.0
+    # sliding-window layers in their own KV-cache groups, freeing blocks that left the window
+    # (docs/hybrid-models.md); True: required (ValueError saying what prevents it), None: where possible
+    kv_cache_groups: bool | None = False
 
     def check(self) -> None:
         _optional_count(self, "block_size", "num_kv_blocks")
         _need(self, "memory_fraction", isinstance(self.memory_fraction, (int, float))
               and 0 < self.memory_fraction <= 1, "in (0, 1]")
         _need(self, "enable_prefix_caching", isinstance(self.enable_prefix_caching, bool), "a bool")
+        _optional_bool(self, "kv_cache_groups")
         _need(self, "kv_cache_dtype", self.kv_cache_dtype in KV_CACHE_DTYPES, f"one of {sorted(KV_CACHE_DTYPES)}")
         if self.kv_cache_scales is not None and KV_CACHE_DTYPES[self.kv_cache_dtype] is None:
             raise ValueError(f"kv_cache_scales needs a quantised kv_cache_dtype (allowed: fp8, fp8_e4m3), "
@@ -190,6 +194,7 @@ class EngineArgs(SpeculativeOptions, KVEventsOptions, KVTransferOptions, Paralle
         parallelism: the communicator's ``all_reduce_min``): the pool every rank can hold."""
         from hwkv.engine.defaults import MAX_GRAPH_BATCH
         from hwkv.engine.kv_alloc import check_backend, pool_blocks
+        from hwkv.engine.kv_groups import plan_groups, window_reserve
 
         if self.max_num_seqs is None or (self.max_num_batched_tokens is None and self.enable_chunked_prefill):
             return self.with_device_defaults(backend.device).resolve(backend, model, kv_connector,
@@ -207,7 +212,15 @@ class EngineArgs(SpeculativeOptions, KVEventsOptions, KVTransferOptions, Paralle
         per_block = model.kv_cache_spec(1, block_size).bytes_per_block
         if extra_kv_bytes_per_block is not None:
             per_block += extra_kv_bytes_per_block(block_size)
-        n = pool_blocks(self, backend, per_block, block_size, max_len)
+        grouped = self._grouped(model, kv_connector)
+        reserved = 0
+        if grouped:  # the window groups' blocks are set aside; the full group shares the rest
+            full, reserved = window_reserve(model, block_size, self.max_num_seqs,
+                                            self.max_num_batched_tokens or max_len,
+                                            model.kv_cache_spec(1, block_size).bytes_per_block // mc.num_layers)
+            per_block = full or per_block
+            reserved = reserved if full else 0
+        n = pool_blocks(self, backend, per_block, block_size, max_len, reserved)
         if agree is not None:
             n = agree(n)
         if self.max_model_len is None:
@@ -227,6 +240,7 @@ class EngineArgs(SpeculativeOptions, KVEventsOptions, KVTransferOptions, Paralle
         # if it runs per-layer host work inside the forward (KVConnectorBase.capturable_layer_hooks)
         graphs = not self.enforce_eager and backend.capabilities.graph_capture and (
             kv_connector is None or not kv_connector.layerwise or kv_connector.capturable_layer_hooks)
+        graphs = graphs and not grouped  # graph buffers hold one block table per request
         async_ = graphs if self.async_scheduling is None else self.async_scheduling
         if self.speculative_config is not None:  # drafts of step N+1 come from step N's tokens
             async_ = False
@@ -242,7 +256,19 @@ class EngineArgs(SpeculativeOptions, KVEventsOptions, KVTransferOptions, Paralle
                                graph_max_batch=min(self.max_num_seqs, budget, MAX_GRAPH_BATCH) if graphs else 0),
             kv_transfer=self.group(KVTransferOptions) if kv_connector is not None else None,
             speculative=self.speculative_config,
+            kv_groups=plan_groups(model, n, block_size, self.max_num_seqs, budget) if grouped else (),
         )
+
+    def _grouped(self, model: Any, kv_connector: Any) -> bool:
+        """Whether the engine runs KV-cache groups (``kv_cache_groups``; ValueError when True cannot be met)."""
+        from hwkv.engine.kv_groups import grouping_blockers
+
+        if self.kv_cache_groups is False:
+            return False
+        reasons = grouping_blockers(self, kv_connector, model)
+        if reasons and self.kv_cache_groups:
+            raise ValueError("kv_cache_groups=True cannot be met: " + "; ".join(reasons) + " (allowed: False or None)")
+        return not reasons
 
 
 @dataclass(kw_only=True)
@@ -270,6 +296,7 @@ class EngineConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     kv_transfer: KVTransferOptions | None = None  # None: no connector acts; the object is engine.connector
     speculative: Any = None  # a hwkv.spec_decode.SpeculativeConfig, or None (no speculative decoding)
+    kv_groups: tuple = ()  # hwkv.core.kv_groups.KVCacheGroup per group; (): one group of every layer
 
 
 def _is_int(v: Any) -> bool:

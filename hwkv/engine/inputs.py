@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from hwkv.interfaces.attention import AttentionMetadata, slot_mapping
+from hwkv.interfaces.attention import AttentionMetadata, GroupedMetadata, slot_mapping
 from hwkv.interfaces.device import Device
 
 
@@ -33,6 +33,8 @@ class StepBatch(NamedTuple):
     sample_idx: np.ndarray  # [S] batch rows that sample a token this step
     num_decodes: int  # requests scheduling one token
     max_query_len: int
+    # KV-cache groups 1.. (hwkv.engine.kv_groups): each group's (block_tables, slot_mapping) as above
+    groups: tuple[tuple[np.ndarray, np.ndarray], ...] = ()
 
     @property
     def pure_decode(self) -> bool:
@@ -76,6 +78,16 @@ def build_batch(token_ids: np.ndarray, block_table: np.ndarray, slots: np.ndarra
     )
 
 
+def group_inputs(batch: StepBatch, tables: list[np.ndarray], slots: np.ndarray,
+                 block_size: int) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
+    """``(block_tables, slot_mapping)`` of ``batch`` over each of ``tables`` (the runner's per-slot block
+    tables of KV-cache groups 1..): the same rows and width as group 0's."""
+    w = batch.block_tables.shape[1]
+    req_idx = np.repeat(np.arange(len(slots)), np.diff(batch.query_start_loc))
+    return tuple((bt, slot_mapping(bt, req_idx, batch.positions, block_size).astype(np.int64, copy=False))
+                 for bt in (t[slots, :w] for t in tables))
+
+
 def metadata(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
              slots: torch.Tensor, query_start_loc_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor, block_size: int,
              num_decodes: int, max_query_len: int) -> AttentionMetadata:
@@ -89,14 +101,24 @@ def metadata(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables
     )
 
 
-def to_device(batch: StepBatch, device: Device, meta_builder: Any, block_size: int) -> StepInputs:
-    """The eager route: two host→device copies (all int64 arrays, all int32 arrays), sliced on device."""
+def to_device(batch: StepBatch, device: Device, meta_builder: Any, block_size: int,
+              layer_group: list[int] | None = None) -> StepInputs:
+    """The eager route: two host→device copies (all int64 arrays, all int32 arrays), sliced on device.
+    With KV-cache groups (``batch.groups``, ``layer_group[i]``: layer ``i``'s group) the metadata is a
+    :class:`~hwkv.interfaces.attention.GroupedMetadata`."""
     b = batch
-    i64 = _packed([b.input_ids, b.positions, b.slot_mapping, b.logits_indices], np.int64, device)
-    i32 = _packed([b.query_start_loc, b.seq_lens, b.block_tables], np.int32, device)
-    md = metadata(i32[0], i32[1], i32[2], i64[2], torch.from_numpy(b.query_start_loc),
-                  torch.from_numpy(b.seq_lens), block_size, b.num_decodes, b.max_query_len)
-    return StepInputs(i64[0], i64[1], meta_builder.build(md), i64[3], i64[2])
+    i64 = _packed([b.input_ids, b.positions, b.slot_mapping, b.logits_indices, *(sm for _, sm in b.groups)],
+                  np.int64, device)
+    i32 = _packed([b.query_start_loc, b.seq_lens, b.block_tables, *(bt for bt, _ in b.groups)], np.int32, device)
+    qsl_cpu, seq_cpu = torch.from_numpy(b.query_start_loc), torch.from_numpy(b.seq_lens)
+    md = meta_builder.build(metadata(i32[0], i32[1], i32[2], i64[2], qsl_cpu, seq_cpu, block_size, b.num_decodes,
+                                     b.max_query_len))
+    if b.groups:
+        per = [(md, i64[2])] + [(meta_builder.build(metadata(i32[0], i32[1], bt, sm, qsl_cpu, seq_cpu, block_size,
+                                                             b.num_decodes, b.max_query_len)), sm)
+                                for bt, sm in zip(i32[3:], i64[4:])]
+        md = GroupedMetadata(per, layer_group)  # type: ignore[arg-type]
+    return StepInputs(i64[0], i64[1], md, i64[3], i64[2])
 
 
 def _packed(arrays: list[np.ndarray], dtype: type, device: Device) -> list[torch.Tensor]:

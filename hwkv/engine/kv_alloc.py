@@ -17,13 +17,15 @@ def check_backend(backend: Any, model: Any, block_size: int) -> None:
         raise ValueError(f"backend {backend.name!r} cannot run {mc.path or 'this model'}: " + "; ".join(reasons))
 
 
-def pool_blocks(args: Any, backend: Any, bytes_per_block: int, block_size: int, max_model_len: int) -> int:
+def pool_blocks(args: Any, backend: Any, bytes_per_block: int, block_size: int, max_model_len: int,
+                reserved_bytes: int = 0) -> int:
     """``args.num_kv_blocks``, else what ``memory_fraction`` of device memory leaves after everything
-    already allocated (weights included), capped at what ``max_num_seqs`` full-length requests use."""
+    already allocated (weights included) and ``reserved_bytes`` (KV-cache window groups), capped at what
+    ``max_num_seqs`` full-length requests use."""
     if args.num_kv_blocks is not None:
         return int(args.num_kv_blocks)
     free, total = backend.device.memory_info()
-    budget = free - int(total * (1.0 - args.memory_fraction))
+    budget = free - int(total * (1.0 - args.memory_fraction)) - reserved_bytes
     n = budget // bytes_per_block
     if n < 1:
         raise ValueError(

@@ -30,7 +30,7 @@ import torch
 
 from hwkv.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from hwkv.engine.graph_runner import GraphRunner, multi_token_graphs
-from hwkv.engine.inputs import StepBatch, StepInputs, build_batch, to_device
+from hwkv.engine.inputs import StepBatch, StepInputs, build_batch, group_inputs, to_device
 from hwkv.engine.pending import EMPTY, Pending, fill_tokens
 from hwkv.interfaces.connector import KVConnectorBase
 from hwkv.model.sampler import SamplingBatch, make_generator, sample_tokens
@@ -60,6 +60,9 @@ class ModelRunner:
         max_blocks = -(-max_model_len // block_size)
         self.token_ids = np.zeros((max_num_seqs, max_model_len), dtype=np.int32)  # widened per step
         self.block_table = np.zeros((max_num_seqs, max_blocks), dtype=np.int32)
+        # KV-cache groups 1.. (hwkv.engine.kv_groups.GroupedKVCache): a block table each, rows as block_table's
+        self.layer_group: list[int] | None = getattr(kv_cache, "layer_group", None)
+        self.group_tables = [np.zeros_like(self.block_table) for _ in getattr(kv_cache, "groups", ())[1:]]
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))
         self.reqs: dict[str, _ReqState] = {}
         # Seeded requests' generators outlive a preemption (dropped only on finish), so a
@@ -165,7 +168,19 @@ class ModelRunner:
         for new in so.scheduled_new_reqs:
             self._add(new)
             states.append(self.reqs[new.req_id])
+        if self.group_tables:
+            self._group_blocks(so)
         return states
+
+    def _group_blocks(self, so: SchedulerOutput) -> None:
+        """Write KV-cache groups 1..'s block ids of this step (a new request's padding cleaned, as group 0's)."""
+        new = {n.req_id for n in so.scheduled_new_reqs}
+        for rid, per_group in so.group_block_ids.items():
+            st = self.reqs[rid]
+            for table, ids in zip(self.group_tables, per_group):
+                table[st.slot, st.num_blocks - len(ids) : st.num_blocks] = ids
+                if rid in new:
+                    table[st.slot, st.num_blocks :] = 0
 
     # ---- one step -----------------------------------------------------------------------------
     def build_inputs(self, so: SchedulerOutput, states: list[_ReqState],
@@ -181,11 +196,14 @@ class ModelRunner:
         total = np.fromiter((st.num_tokens for st in states), dtype=np.int64, count=R)
         if ahead is not None:
             total += ahead
-        return build_batch(self.token_ids, self.block_table, slots, ctx, ql, total, self.block_size)
+        batch = build_batch(self.token_ids, self.block_table, slots, ctx, ql, total, self.block_size)
+        if self.group_tables:
+            batch = batch._replace(groups=group_inputs(batch, self.group_tables, slots, self.block_size))
+        return batch
 
     def device_inputs(self, batch: StepBatch) -> StepInputs:
         """The eager route of ``batch`` to the device, metadata built by the backend's builder."""
-        return to_device(batch, self.dev, self.meta_builder, self.block_size)
+        return to_device(batch, self.dev, self.meta_builder, self.block_size, self.layer_group)
 
     def prepare_inputs(self, so: SchedulerOutput, states: list[_ReqState],
                        ahead: np.ndarray | None = None) -> StepInputs:

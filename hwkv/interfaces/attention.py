@@ -227,3 +227,24 @@ class AttentionBackend(ABC):
     @abstractmethod
     def make_impl(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float) -> AttentionImpl:
         """An impl for one attention geometry."""
+
+
+class GroupedMetadata:
+    """One step's metadata of a model whose layers are in several KV-cache groups (docs/hybrid-models.md):
+    ``per_group[g]`` is ``(what the builder returned, slot_mapping)`` over group ``g``'s block tables,
+    ``per_layer[i]`` layer ``i``'s group's. Attributes not found here are the first group's (lengths and
+    query layout are the same in every group)."""
+
+    def __init__(self, per_group: list[tuple[Any, torch.Tensor]], layer_group: list[int]):
+        self.per_group = per_group
+        self.per_layer = [per_group[g] for g in layer_group]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.per_group[0][0], name)
+
+
+def layer_metadata(attn_metadata: Any, slot_mapping: torch.Tensor, i: int) -> tuple[Any, torch.Tensor]:
+    """Layer ``i``'s ``(metadata, slot_mapping)``: its group's under :class:`GroupedMetadata`, else as given."""
+    if type(attn_metadata) is GroupedMetadata:
+        return attn_metadata.per_layer[i]
+    return attn_metadata, slot_mapping

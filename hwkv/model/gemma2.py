@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hwkv.interfaces.attention import layer_metadata
 from hwkv.interfaces.layout import KVCache
 from hwkv.model.config import ModelConfig
 from hwkv.model.fields import ConfigFields
@@ -88,8 +89,8 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         for i, layer in enumerate(self.model.layers):
             if (hk := self.layer_hooks) is not None:
                 hk.wait_for_layer_load(i)
-            out = layer.self_attn(layer.input_layernorm(h), positions, self.rope_of(i), kv_cache.layer(i),
-                                  attn_metadata, slot_mapping)
+            md, sm = layer_metadata(attn_metadata, slot_mapping, i)  # KV-cache groups: the layer's group's
+            out = layer.self_attn(layer.input_layernorm(h), positions, self.rope_of(i), kv_cache.layer(i), md, sm)
             if hk is not None:
                 hk.save_kv_layer(i, kv_cache.layer(i), attn_metadata)
             h = h + layer.post_attention_layernorm(out)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hwkv.interfaces.attention import AttentionBackend, AttentionImpl
+from hwkv.interfaces.attention import AttentionBackend, AttentionImpl, layer_metadata
 from hwkv.interfaces.decode_ops import DecodeOps
 from hwkv.interfaces.layout import KVCache, KVCacheSpec
 from hwkv.model.config import ModelConfig, windowed_if_enabled
@@ -186,7 +186,8 @@ class LlamaForCausalLM(nn.Module):
                 pf([layer.self_attn.o_proj.weight])
             if (hk := self.layer_hooks) is not None:
                 hk.wait_for_layer_load(i)
-            out = layer.self_attn(x, positions, self.rotary_emb, kv_cache.layer(i), attn_metadata, slot_mapping)
+            md, sm = layer_metadata(attn_metadata, slot_mapping, i)  # KV-cache groups: the layer's group's
+            out = layer.self_attn(x, positions, self.rotary_emb, kv_cache.layer(i), md, sm)
             if hk is not None:
                 hk.save_kv_layer(i, kv_cache.layer(i), attn_metadata)
             x, h = add_norm(layer.post_attention_layernorm, out, h)

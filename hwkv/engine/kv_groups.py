@@ -1,0 +1,123 @@
+"""KV-cache groups in the engine (docs/hybrid-models.md): which layers share a block table, how many
+blocks each group's tensors hold, and the two facades the model sees.
+
+A model with sliding-window layers runs with one group per attention kind (``hwkv.core.kv_groups``):
+each group has its own KV tensors (its layers hold its pool's block count), its own block table per
+request (kept by the runner) and its own attention metadata per step (block tables and slot mapping
+differ; lengths and query layout are shared). :class:`GroupedKVCache` is what ``kv_cache.layer(i)``
+returns through; :class:`GroupedMetadata` hands layer ``i`` its group's metadata and slot mapping
+(``hwkv.interfaces.attention.layer_metadata``, the one call a model's layer loop makes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from hwkv.core.kv_groups import KVCacheGroup, layer_groups
+from hwkv.interfaces.layout import KVCache, KVCacheSpec
+
+
+def model_windows(model: Any) -> list[int | None]:
+    """The attention window of each decoder layer (``None``: full attention)."""
+    mc = model.config
+    return [mc.window_of(i) for i in range(mc.num_layers)]
+
+
+def grouping_blockers(args: Any, connector: Any, model: Any) -> list[str]:
+    """Why this engine cannot run ``model`` with KV-cache groups (empty: it can)."""
+    reasons = []
+    if not any(model_windows(model)):
+        reasons.append("the model has no sliding-window layers (one group is all it has)")
+    if connector is not None:
+        reasons.append("a KV connector moves one block table per request (kv_connector must be None)")
+    if args.tensor_parallel_size > 1:
+        reasons.append("tensor-parallel workers keep one block table (tensor_parallel_size must be 1)")
+    if args.speculative_config is not None:
+        reasons.append("speculative decoding's proposers keep one block table (speculative_config must be None)")
+    if args.decode_ops:
+        reasons.append("the fused decode ops write one slot mapping for every layer (decode_ops must be None or False)")
+    if args.kv_events_endpoint is not None:
+        reasons.append("KV events report one block pool (kv_events_endpoint must be None)")
+    return reasons
+
+
+def window_cap(window: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    """The most blocks a window group's live windows use: per running request its window plus one
+    block either side, plus one step's tokens."""
+    return max_num_seqs * (-(-(window - 1) // block_size) + 2) + -(-max_num_batched_tokens // block_size)
+
+
+def plan_groups(model: Any, num_blocks: int, block_size: int, max_num_seqs: int,
+                max_num_batched_tokens: int) -> tuple[KVCacheGroup, ...]:
+    """Groups in ``layer_groups`` order. A full group holds ``num_blocks``; a window group what its live
+    windows can use at most — every running request's window plus one block either side, plus one
+    step's tokens — capped at ``num_blocks`` (a model with no full layer gives its window group the
+    whole pool: extra window blocks keep prefixes cached)."""
+    kinds = layer_groups(model_windows(model))
+    has_full = kinds[0][0] is None
+    out = []
+    for w, layers in kinds:
+        n = num_blocks
+        if w is not None and has_full:
+            n = min(num_blocks, window_cap(w, block_size, max_num_seqs, max_num_batched_tokens))
+        out.append(KVCacheGroup(layers, w, n))
+    return tuple(out)
+
+
+def window_reserve(model: Any, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                   layer_bytes_per_block: int) -> tuple[int, int]:
+    """``(bytes per block of the full layers, bytes of the window groups at their cap)`` for sizing
+    the pool: the full group's blocks share what the window groups leave."""
+    kinds = layer_groups(model_windows(model))
+    full = sum(len(layers) for w, layers in kinds if w is None)
+    fixed = sum(len(layers) * layer_bytes_per_block * window_cap(w, block_size, max_num_seqs, max_num_batched_tokens)
+                for w, layers in kinds if w is not None)
+    return full * layer_bytes_per_block, fixed
+
+
+class GroupedKVCache:
+    """The KV tensors of a grouped model: one :class:`KVCache` per group, ``layer(i)`` from layer ``i``'s.
+
+    ``spec`` is the whole model's (every layer) with the first group's block count (the full group's
+    when there is one: the longest request it can hold); ``caches[g].spec`` each group's own."""
+
+    def __init__(self, groups: tuple[KVCacheGroup, ...], caches: list[KVCache]):
+        self.groups, self.caches = groups, caches
+        self.where: dict[int, tuple[int, int]] = {layer: (g, j) for g, grp in enumerate(groups)
+                                                  for j, layer in enumerate(grp.layers)}
+        c0 = caches[0]
+        self.layout = c0.layout
+        self.spec = replace(c0.spec, num_layers=len(self.where))
+        self.tensors = [t for c in caches for t in c.tensors]
+        self.scales = None if c0.scales is None else True  # per group: layer_scales / set_scales
+
+    @classmethod
+    def allocate(cls, groups: tuple[KVCacheGroup, ...], spec: KVCacheSpec, device: Any, layout: Any) -> GroupedKVCache:
+        return cls(groups, [device.allocate_kv_cache(replace(spec, num_layers=len(g.layers), num_blocks=g.num_blocks),
+                                                     layout) for g in groups])
+
+    @property
+    def device(self) -> torch.device:
+        return self.caches[0].device
+
+    @property
+    def layer_group(self) -> list[int]:
+        return [self.where[i][0] for i in range(len(self.where))]
+
+    def layer(self, i: int) -> Any:
+        g, j = self.where[i]
+        return self.caches[g].layer(j)
+
+    def layer_scales(self, i: int) -> torch.Tensor | None:
+        g, j = self.where[i]
+        return self.caches[g].layer_scales(j)
+
+    def set_scales(self, scales: torch.Tensor) -> None:
+        for g, c in zip(self.groups, self.caches):
+            c.set_scales(scales[list(g.layers)])
+
+    def format_key(self) -> str:
+        return self.caches[0].format_key()

@@ -1,0 +1,128 @@
+"""KV-cache groups through the engine (docs/hybrid-models.md): windowed models with a KV cache, a block
+pool and a block table per group give transformers' greedy tokens under prefix caching, chunking and
+preemption; a window group holds at most its window plus one step's blocks per request; every block of
+every group is free at the end; what cannot run with groups is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import hwkv  # noqa: E402
+from hwkv.core.kv_groups import GroupedKVCacheManager  # noqa: E402
+from hwkv.engine.kv_groups import GroupedKVCache, plan_groups  # noqa: E402
+from tests.engine.test_engine_parity import CASES, NEW_TOKENS, PROMPTS, _hf_model  # noqa: E402
+
+WINDOW = 8  # _hf_model's windowed configs
+
+
+@pytest.fixture(scope="module", params=["mistral-window", "gemma2", "gemma3", "gpt_oss"])
+def window_case(request, tmp_path_factory):
+    arch = request.param
+    model = _hf_model(arch)
+    if arch == "gpt_oss":
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_(0, 1.0)
+    path = tmp_path_factory.mktemp(f"hf-groups-{arch}")
+    model.save_pretrained(path)
+    ref = []
+    with torch.no_grad():
+        for p in PROMPTS:
+            out = model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                 do_sample=False, pad_token_id=0)
+            ref.append(out[0, len(p):].tolist())
+    return arch, str(path), ref
+
+
+def _whole(engine) -> None:
+    kv = engine.kv_cache_manager
+    for m in kv.managers:
+        assert m.block_pool.num_free_blocks == m.block_pool.num_usable_blocks
+        assert not m.req_to_blocks
+    assert not engine.runner.reqs and len(engine.runner.free_slots) == engine.config.scheduler.max_num_seqs
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_grouped_greedy_parity_with_hf(window_case, case):
+    arch, path, ref = window_case
+    kw = CASES[case]
+    engine = hwkv.Engine(path, backend="cpu", dtype="float32", max_model_len=80, kv_cache_groups=True, **kw)
+    kv, cache = engine.kv_cache_manager, engine.kv_cache
+    assert isinstance(kv, GroupedKVCacheManager) and isinstance(cache, GroupedKVCache)
+    windows = [g.window for g in engine.config.kv_groups]
+    assert windows == ([WINDOW] if arch == "mistral-window" else [None, WINDOW])
+    for g, c in zip(engine.config.kv_groups, cache.caches):  # each group's layers hold its pool's blocks
+        assert c.spec.num_layers == len(g.layers) and c.spec.num_blocks == g.num_blocks
+    bs = engine.block_size
+    chunk = engine.config.scheduler.max_num_batched_tokens
+    bound = -(-(WINDOW - 1 + min(chunk, 80)) // bs) + 1
+    most = 0
+    params = hwkv.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(str(i), p, params)
+    outs: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = list(o.token_ids)
+        for r in engine.scheduler.running:  # the window group: the window and one step, not the context
+            live = kv.num_live_blocks(r.request_id)
+            most = max(most, live[-1])
+            assert live[-1] <= bound, (r.request_id, live, r.num_computed_tokens)
+    assert [outs[str(i)] for i in range(len(PROMPTS))] == ref
+    assert most > 0
+    stats = engine.stats()
+    if case == "default":
+        assert stats["prefix_cache_hits"] > 0
+    if case == "no_prefix_cache":
+        assert stats["prefix_cache_hits"] == 0
+    if case == "preemption" and arch != "mistral-window":  # the full group's 10 blocks run short
+        assert stats["num_preemptions"] > 0
+    _whole(engine)
+
+
+def test_groups_refused_by_name(window_case):
+    _, path, _ = window_case
+    with pytest.raises(ValueError, match=r"kv_cache_groups=True cannot be met: a KV connector"):
+        hwkv.Engine(path, backend="cpu", dtype="float32", max_model_len=80, num_kv_blocks=64, kv_cache_groups=True,
+                    kv_connector="offload", kv_connector_config={"cpu_bytes": 1 << 20})
+    with pytest.raises(ValueError, match=r"speculative decoding"):
+        hwkv.Engine(path, backend="cpu", dtype="float32", max_model_len=80, num_kv_blocks=64, kv_cache_groups=True,
+                    speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    # None: where possible; a connector keeps one group of every layer
+    e = hwkv.Engine(path, backend="cpu", dtype="float32", max_model_len=80, num_kv_blocks=64, kv_cache_groups=None,
+                    kv_connector="offload", kv_connector_config={"cpu_bytes": 1 << 20})
+    assert e.config.kv_groups == () and not isinstance(e.kv_cache, GroupedKVCache)
+    e.close()
+
+
+def test_full_attention_model_refuses_groups(tmp_path):
+    model = _hf_model("llama")
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="no sliding-window layers"):
+        hwkv.Engine(str(tmp_path), backend="cpu", dtype="float32", max_model_len=80, num_kv_blocks=64,
+                    kv_cache_groups=True)
+    e = hwkv.Engine(str(tmp_path), backend="cpu", dtype="float32", max_model_len=80, num_kv_blocks=64,
+                    kv_cache_groups=None)
+    assert e.config.kv_groups == ()
+
+
+def test_plan_groups_caps_window_groups():
+    class Cfg:
+        num_layers = 6
+
+        @staticmethod
+        def window_of(i):
+            return None if i % 3 == 2 else 512
+
+    class M:
+        config = Cfg()
+
+    full, win = plan_groups(M(), 10_000, 16, max_num_seqs=8, max_num_batched_tokens=2048)
+    assert (full.window, full.layers, full.num_blocks) == (None, (2, 5), 10_000)
+    # 8 requests x (ceil(511 / 16) + 2 blocks) + one step's 2048 tokens
+    assert (win.window, win.layers, win.num_blocks) == (512, (0, 1, 3, 4), 8 * 34 + 128)
+    assert plan_groups(M(), 100, 16, 8, 2048)[1].num_blocks == 100
