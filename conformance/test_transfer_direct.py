@@ -67,3 +67,36 @@ def _probe_revoke_close(backend, check, gen, protocol: str) -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_direct_write_after_an_event_moves_what_was_written_before_it(backend, check, gen):
+    """``submit_write(..., after=event)`` (a layerwise push: the event recorded by the forward after it
+    wrote a layer's KV): the copy moves the bytes written on the device before the event — ordered on
+    the device where the mover can (``orders_after``: ``cuda_ipc``), waited on the host otherwise."""
+    caps = backend.capabilities
+    direct = [p for p in caps.transfer_protocols if p in DIRECT_PROTOCOLS]
+    if not direct:
+        not_supported(f"no same-host direct protocol declared (declared: {list(caps.transfer_protocols)})")
+    spec = KVCacheSpec(1, 4, caps.default_block_size, 2, 64 if caps.head_sizes is None else caps.head_sizes[0],
+                       caps.dtypes[0])
+    for protocol in direct:
+        a = backend.create_transfer(protocol=protocol, timeout_s=2.0)
+        b = backend.create_transfer(protocol=protocol, timeout_s=2.0)
+        try:
+            src = backend.device.allocate_kv_cache(spec, backend.attention.kv_layout).tensors[0]
+            dst = backend.device.allocate_kv_cache(spec, backend.attention.kv_layout).tensors[0]
+            src.zero_()
+            dst.zero_()
+            backend.device.synchronize()
+            n = src.numel() * src.element_size()
+            a.register(src.data_ptr(), n)
+            b.register(dst.data_ptr(), n)
+            src.copy_(randn(gen, *src.shape, dtype=src.dtype).to(src.device))  # the "forward", not synchronized
+            ev = backend.device.new_event()
+            ev.record()
+            a.wait(a.submit_write(b.endpoint(), [src.data_ptr()], [dst.data_ptr()], [n], after=ev), timeout_s=30.0)
+            check.exact(dst.cpu(), src.cpu(), "transfer", f"{protocol}: submit_write(after=event) moved the bytes "
+                        "written before the event")
+        finally:
+            a.close()
+            b.close()
