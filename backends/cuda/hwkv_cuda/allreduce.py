@@ -34,8 +34,10 @@ from typing import Any
 import torch
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# defaults, bytes; measured on 2 x H100 NVLink (docs/parallelism.md)
-PUSH_MAX = 512 * 1024
+# defaults, bytes: first choices, to be set from `hwkv bench allreduce` once it has timed the push
+# kernel (push up to 2 MB: a decode step of up to 256 rows of 4096 bf16; vLLM's custom all-reduce runs
+# one-shot at every size for two ranks). 2 parities x world size x PUSH_MAX of peer buffer per rank.
+PUSH_MAX = 2 * 1024 * 1024
 ONE_SHOT_MAX = 512 * 1024
 TWO_SHOT_MAX = 8 * 1024 * 1024
 NORM_MAX = 2 * 1024 * 1024  # all_reduce_add_rms_norm: rows of hidden states up to this many bytes

@@ -1,0 +1,33 @@
+#!/bin/bash
+# Tensor parallelism on two GPUs (#34), one script, results into $OUT (run from the repository root):
+# 0) the push all-reduce kernels on GPU 0 (two ranks by hand, bit-exact vs torch; the sm_90 compile test)
+# 1) hwkv bench allreduce: us per call by size, every path vs NCCL, eager and in a CUDA graph, bit-exact
+# 2) Llama-3-8B shape bf16, tp=1 vs tp=2 (custom all-reduce on): batch-1 decode, offline 128 x 512/128
+#    at the default budget, MBU per GPU, the driver's host work per step, greedy tokens under the margin
+#    rule against float32 HF
+# 3) the tiny model in float32, tp=1 vs tp=2: greedy tokens identical, host work per step
+# The checkpoint is drawn on GPU 1 in the background while 0) runs on GPU 0. Nothing filtered.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONFAULTHANDLER=1 HWKV_CUSTOM_ALLREDUCE=auto OMP_NUM_THREADS=4
+export PYTHONPATH=$PWD:$PWD/backends/cuda:$PYTHONPATH
+OUT=${OUT:-/tmp/hwkv-tp-out}; mkdir -p "$OUT"
+W=/dev/shm/hwkv-models
+echo "commit: $(cat COMMIT 2>/dev/null || git rev-parse --short HEAD)"; date -u
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+python3 -c "import hwkv, hwkv_cuda, torch, triton; print('hwkv from', hwkv.__file__, hwkv_cuda.__file__, 'torch', torch.__version__, 'triton', triton.__version__)"
+(CUDA_VISIBLE_DEVICES=1 timeout -k 5 100 python3 -c "
+import argparse, time; t = time.time()
+from hwkv.bench.common import model_dir
+print(model_dir(argparse.Namespace(model='llama-8b', dtype='bfloat16', workdir='$W')), 'written in', round(time.time() - t, 1), 's')
+" > $OUT/write.log 2>&1; echo "write rc=$?" >> $OUT/write.log) &
+WRITER=$!
+echo "=== 0 push kernels on GPU 0"; date -u
+CUDA_VISIBLE_DEVICES=0 timeout -k 5 60 python3 -m pytest -q -p no:cacheprovider backends/cuda/tests/test_allreduce_kernels.py 2>&1 | tail -n 30
+echo "=== 1 allreduce microbench"; date -u
+timeout -k 5 -s ABRT 45 python3 -m hwkv_cuda.bench.allreduce --world-size 2 --iters 50 --out $OUT/allreduce.json > $OUT/allreduce.log 2>&1; echo "rc=$?"; tail -n 70 $OUT/allreduce.log
+wait $WRITER; tail -n 5 $OUT/write.log
+echo "=== 2 llama-8b bf16 tp1 vs tp2"; date -u
+timeout -k 5 -s ABRT 140 python3 -m hwkv.bench.tp --model llama-8b --workdir $W --tp 1,2 --decode 16,144 --decode-batch 1 --offline 128:512:128 --check-tokens 32 --reference hf --out $OUT/tp-llama8b.json > $OUT/tp-llama8b.log 2>&1; echo "rc=$?"; tail -n 80 $OUT/tp-llama8b.log
+echo "=== 3 tiny fp32 tp1 vs tp2"; date -u
+timeout -k 5 -s ABRT 60 python3 -m hwkv.bench.tp --model tiny --dtype float32 --workdir $W --tp 1,2 --decode 16,144 --decode-batch 1 --offline '' --check-tokens 48 --reference none --max-model-len 512 --out $OUT/tp-tiny-f32.json > $OUT/tp-tiny-f32.log 2>&1; echo "rc=$?"; tail -n 50 $OUT/tp-tiny-f32.log
+date -u
