@@ -23,6 +23,8 @@ import argparse
 import gc
 import json
 import os
+import shlex
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -207,10 +209,15 @@ def run(a: argparse.Namespace) -> int:
     print(f"model {mdir} ready in {time.perf_counter() - t0:.1f} s", flush=True)
     cuda = a.backend == "cuda"
     bw = copy_bandwidth() if cuda else float("inf")
-    doc: dict[str, Any] = {"bench": "tp", "model": a.model, "dtype": a.dtype,
+    from hwkv.bench.common import source_commit
+
+    argv = getattr(a, "argv", None)  # main() sets it; `hwkv bench tp ARGS` runs run() under sys.argv
+    argv = sys.argv[3:] if argv is None else argv
+    doc: dict[str, Any] = {"bench": "tp", "commit": source_commit(), "command": "hwkv bench tp " + shlex.join(argv),
+                           "model": a.model, "dtype": a.dtype,
                            "device": torch.cuda.get_device_name(0) if cuda else a.backend,
                            "gpus": torch.cuda.device_count() if cuda else 0, "copy_bw_GBps": round(bw / 1e9, 1),
-                           "torch": torch.__version__, "args": vars(a) | {"func": None}, "runs": []}
+                           "torch": torch.__version__, "args": vars(a) | {"func": None, "argv": None}, "runs": []}
     for tp in (int(x) for x in a.tp.split(",")):
         doc["runs"].append({"tp": tp})
 
@@ -246,7 +253,9 @@ def run(a: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="hwkv bench tp", description=__doc__.split("\n")[0])
     add_arguments(p)
-    return run(p.parse_args(argv))
+    a = p.parse_args(argv)
+    a.argv = list(sys.argv[1:] if argv is None else argv)
+    return run(a)
 
 
 if __name__ == "__main__":

@@ -208,7 +208,11 @@ def run(a: argparse.Namespace) -> int:
     kind, rows = q.get(timeout=600)
     for pr in procs:
         pr.join(60)
-    doc = {"bench": "allreduce", "world_size": a.world_size, "device": torch.cuda.get_device_name(0),
+    from hwkv.bench.common import source_commit
+
+    doc = {"bench": "allreduce", "commit": source_commit(),
+           "command": "python -m hwkv_cuda.bench.allreduce " + " ".join(sys.argv[1:]),
+           "world_size": a.world_size, "device": torch.cuda.get_device_name(0),
            "torch": torch.__version__, "dtype": "bfloat16", "iters": a.iters, "rows": rows,
            "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST")}}
     if a.out:
