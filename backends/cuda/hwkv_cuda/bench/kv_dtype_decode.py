@@ -38,24 +38,33 @@ def main() -> int:
     ap.add_argument("--fp8-variants", default=None, help="the fp8 rows' variants (default: --variants)")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--query-dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # "cpu": a dry run under the interpreter
     a = ap.parse_args()
     h, hkv = (int(x) for x in a.heads.split("/"))
     d, bs = a.head_size, a.block_size
-    dev = torch.device("cuda")
-    bw = copy_bandwidth()
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, heads=a.heads, head_size=d,
+    dev = torch.device(a.device)
+    bw = copy_bandwidth() if dev.type == "cuda" else 1e12
+    meta = dict(device=torch.cuda.get_device_name() if dev.type == "cuda" else a.device, torch=torch.__version__,
+                query_dtype=a.query_dtype, heads=a.heads, head_size=d,
                 block_size=bs, copy_bw_TBps=bw / 1e12, date=time.strftime("%Y-%m-%d %H:%M UTC"))
     print(json.dumps(meta), flush=True)
     variants = {"bf16": a.variants, "fp8": a.fp8_variants or a.variants}
     rows, speedups = [], {}
+
+    def save() -> None:
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(dict(meta, fp8_speedup=speedups, rows=rows), f, indent=2)
+
     for b in (int(x) for x in a.batch.split(",")):
         for ctx in (int(x) for x in a.context.split(",")):
             nblk = -(-ctx // bs)
             tables = torch.randperm(b * nblk, device=dev).to(torch.int32).view(b, nblk)
             md = AttentionMetadata.build([1] * b, [ctx] * b, tables, bs, device=dev)
-            q = torch.randn(b, h, d, dtype=torch.bfloat16, device=dev)
+            q = torch.randn(b, h, d, dtype=getattr(torch, a.query_dtype), device=dev)
             out = torch.empty_like(q)
-            base = torch.randn(b * nblk, 2, bs, hkv, d, dtype=torch.bfloat16, device=dev)
+            base = torch.randn(b * nblk, 2, bs, hkv, d, dtype=q.dtype, device=dev)
             caches = {"bf16": base, "fp8": (base * 8).to(FP8_E4M3)}
             del base
             scales = torch.full((2, hkv), 0.125, device=dev)
@@ -63,6 +72,7 @@ def main() -> int:
             for name in a.kv_dtypes.split(","):
                 kv = caches[name]
                 kv_bytes = kv.numel() * kv.element_size()
+                same = None  # this cache's first output: every variant reads the same codes
                 for variant in variants[name].split(";"):
                     if variant == "default":
                         os.environ.pop(OVERRIDE_ENV, None)
@@ -73,7 +83,8 @@ def main() -> int:
                         impl.kv_scales = scales
                         built = CudaMetadataBuilder().build(md)
                         cfg, plan = built.launch(h, hkv, d, q.dtype, True, kv.dtype)
-                        t = _time([lambda i=impl, k=kv, m=built, o=out, x=q: i.forward_into(o, x, k, m)], a.replays)
+                        run = lambda i=impl, k=kv, m=built, o=out, x=q: i.forward_into(o, x, k, m)  # noqa: E731
+                        t = _time([run], a.replays) if dev.type == "cuda" else _cpu_time(run)
                     except Exception as e:  # noqa: BLE001 - one failing variant must not end the sweep
                         print(json.dumps(dict(kv=name, variant=variant, batch=b, context=ctx, error=repr(e))),
                               flush=True)
@@ -81,15 +92,21 @@ def main() -> int:
                     if ref is None:
                         ref = out.float().clone()
                     err = ((out.float() - ref).norm() / ref.norm()).item()
+                    if same is None:
+                        same = out.float().clone()
+                    err_same = ((out.float() - same).norm() / same.norm()).item()
                     row = dict(kv=name, variant=variant, batch=b, context=ctx, block_n=cfg.block_n,
                                num_warps=cfg.num_warps, num_stages=cfg.num_stages, fp8_unpack=cfg.fp8_unpack,
                                splits=plan.splits, us=t * 1e6, kv_bytes=kv_bytes, TBps=kv_bytes / t / 1e12,
-                               fraction_of_copy_bw=kv_bytes / t / bw, rel_err_vs_first=err)
+                               fraction_of_copy_bw=kv_bytes / t / bw, rel_err_vs_first=err,
+                               rel_err_vs_same_cache=err_same)
                     rows.append(row)
                     print(json.dumps(row), flush=True)
+                    save()  # row by row: a later variant that takes the process down loses nothing before it
                     if variant == "default":
                         best[name + ":default"] = row["us"]
-                    best[name] = min(best.get(name, float("inf")), row["us"])
+                    if err_same < 1e-2:  # a faster variant that reads the cache wrongly is no candidate
+                        best[name] = min(best.get(name, float("inf")), row["us"])
             del caches, kv
             os.environ.pop(OVERRIDE_ENV, None)
             if "bf16:default" in best and "fp8:default" in best:
@@ -97,11 +114,14 @@ def main() -> int:
                           fp8_default_vs_bf16_best=best["bf16"] / best["fp8:default"])
                 speedups[f"{b}x{ctx}"] = sp
                 print(json.dumps({"fp8_speedup": {f"{b}x{ctx}": sp}}), flush=True)
-    meta["fp8_speedup"] = speedups
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(dict(meta, rows=rows), f, indent=2)
+    save()
     return 0
+
+
+def _cpu_time(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 if __name__ == "__main__":
