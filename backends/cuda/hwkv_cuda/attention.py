@@ -263,9 +263,10 @@ class TritonAttentionImpl(AttentionImpl):
         pdl = use_pdl(query.device)
         fp8 = is_quantized(layer_kv.dtype)
         scales = self.scales_for(layer_kv) if fp8 else out  # unused unless fp8
-        # fp8_unpack: 1 reads int16 words of two codes (even head sizes), 2 casts K rows and transposes them
-        unpack = cfg.fp8_unpack if fp8 and (cfg.fp8_unpack != 1 or d % 2 == 0) else 0
-        kv = layer_kv.view(torch.int16) if unpack == 1 else layer_kv  # two e4m3 codes per word, strides in words
+        # fp8_unpack: 1 reads int16 words of two codes (even head sizes), 2 casts K rows and transposes them,
+        # 3 is 1 with fp16 dots for a bf16 query
+        unpack = cfg.fp8_unpack if fp8 and (cfg.fp8_unpack % 2 == 0 or d % 2 == 0) else 0
+        kv = layer_kv.view(torch.int16) if unpack % 2 == 1 else layer_kv  # two codes per word, strides in words
         attention_kernel[(grid_q, hkv, splits)](
             query, kv, out, part_acc, part_ml, counters,
             c.query_start_loc, c.seq_lens, c.block_tables, scales,

@@ -53,7 +53,7 @@ def _tile(acc, l_i, m_i, q, qk_scale, kv_ptr, bt_ptr, start, kv_end, q_pos, kvh_
     else:
         blk = tl.load(bt_ptr + kv_pos // BS).to(tl.int64)
     off = blk * stride_blk + (kv_pos % BS) * stride_tok + kvh_off
-    if UNPACK == 1:  # kv_ptr is an int16 view: [keys, D / 2] words, two e4m3 codes each, unpacked to [D, keys]
+    if UNPACK % 2 == 1:  # kv_ptr is an int16 view: [keys, D / 2] words, two e4m3 codes each, unpacked to [D, keys]
         if MASKED:
             kw = tl.load(kv_ptr + off[:, None] + offs_h[None, :], mask=n_mask[:, None] & h_mask[None, :], other=0)
         else:
@@ -89,7 +89,7 @@ def _tile(acc, l_i, m_i, q, qk_scale, kv_ptr, bt_ptr, start, kv_end, q_pos, kvh_
     p = tl.math.exp2(qk - m_safe[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if UNPACK == 1:
+    if UNPACK % 2 == 1:
         if MASKED:
             vw = tl.load(kv_ptr + stride_kv + off[:, None] + offs_h[None, :], mask=n_mask[:, None] & h_mask[None, :],
                          other=0)
@@ -167,7 +167,7 @@ def attention_kernel(
     MERGE_ROWS: tl.constexpr, MERGE_SPLITS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False,
     KV_FP8: tl.constexpr = False, window=0, cap2=1.0, sinks_ptr=None,
     WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False, SINKS: tl.constexpr = False,
-    UNPACK: tl.constexpr = False,
+    UNPACK: tl.constexpr = 0,
 ):
     if PDL:  # launched early beside the previous kernel: wait for its writes before reading anything
         gdc_launch_dependents()  # the next kernel only preloads weights before its own wait
@@ -242,9 +242,14 @@ def attention_kernel(
     if KV_FP8:  # this KV head's dequantisation scales: K's multiplies the scores, V's the output
         qk_scale = qk_scale * tl.load(kv_scale_ptr + kvh)
         v_scale = tl.load(kv_scale_ptr + stride_scale + kvh)
-        if UNPACK == 1:  # the unpacked values are 2^-8 times the codes' (_e4m3_to_f16)
+        if UNPACK % 2 == 1:  # the unpacked values are 2^-8 times the codes' (_e4m3_to_f16)
             qk_scale = qk_scale * 256.0
             v_scale = v_scale * 256.0
+        if UNPACK == 3 and q.dtype == tl.bfloat16:
+            # fp16 dots with a bf16 query: no per-tile conversion to bf16 at all. The query, 2^-8 times
+            # itself, keeps its 8 significant bits in fp16 down to 2^-6 (and overflows only past 2^24)
+            q = (q.to(tl.float32) * 0.00390625).to(tl.float16)
+            qk_scale = qk_scale * 256.0
     offs_h = tl.arange(0, D_PAD // 2)
     h_mask = offs_h < HEAD_SIZE // 2
 
