@@ -175,15 +175,14 @@ class TPExecutor:
             wait_ms = 0
 
     def send(self, msg: Any) -> None:
-        """Send one runner call to every worker (raises if one failed; a worker's exit is looked for
-        at most every ``PROC_POLL_S``: a step sends a few messages, and waitpid per message is host
-        time every step pays)."""
+        """Send one runner call to every worker (raises if one failed; a worker's failure or exit is
+        looked for at most every ``PROC_POLL_S``: a step sends a message or more, and a waitpid or a
+        socket poll per message is host time every step pays — a poll alone costs as much as the
+        send; a failed worker's peers fail their next collective anyway, within the timeout)."""
         now = time.monotonic()
         if now - self._polled > PROC_POLL_S or self.error is not None or self._closed:
             self._polled = now
             self.check()
-        else:
-            self._drain(0)
         data = self._enc.encode(msg)
         for s in self._cmds:
             s.send(data)
