@@ -96,13 +96,14 @@ def main() -> int:
     ap.add_argument("--offline-tokens", type=int, default=128)
     ap.add_argument("--b1-tokens", type=int, default=256)
     ap.add_argument("--out", default="real-model-gpu.json")
+    ap.add_argument("--engine-args", default="{}", help="JSON of extra Engine keyword arguments")
     args = ap.parse_args()
     gguf, dev = Path(args.gguf), args.device
     res: dict = {"model": gguf.name, "backend": args.backend, "dtype": args.dtype,
                  "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "margin": MARGIN}
 
     t0 = time.perf_counter()
-    engine = hwkv.Engine(model=str(gguf), backend=args.backend, dtype=args.dtype)
+    engine = hwkv.Engine(model=str(gguf), backend=args.backend, dtype=args.dtype, **json.loads(args.engine_args))
     res["load_s"] = round(time.perf_counter() - t0, 2)
     res["device"] = engine.backend.device.description()
     print(f"engine on {res['device']} in {res['load_s']} s", flush=True)
@@ -123,7 +124,11 @@ def main() -> int:
         g, gh = gaps(ref, p, a, dev), gaps(ref, p, b, dev)
         same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         same32 = next((i for i, (x, y) in enumerate(zip(a, c)) if x != y), min(len(a), len(c)))
+        # at the first token where ours and HF bf16 part (same prefix before it), how far is each choice
+        # from the float32 reference's best, relative to the max logit: both small = a near-tie
+        at = [g[same], gh[same]] if same < min(len(a), len(b)) else None
         rows.append({"tokens": len(a), "prefix_equal_hf_bf16": same, "identical_hf_bf16": a == b,
+                     "first_divergence_gap_ours_hf": at,
                      "prefix_equal_hf_fp32": same32, "identical_hf_fp32": a == c,
                      "worst_gap": max(g, default=0.0), "over_margin": sum(x > MARGIN for x in g),
                      "hf_bf16_worst_gap": max(gh, default=0.0), "hf_bf16_over_margin": sum(x > MARGIN for x in gh)})
@@ -137,6 +142,18 @@ def main() -> int:
         print("  ", r, flush=True)
     for q, a in res["answers"].items():
         print(f"  Q: {q}\n  A: {a!r}", flush=True)
+    # the first answer token of each prompt: the float32 reference's top 3 (logit) and ours (logprob)
+    first = engine.generate(prompts, hwkv.SamplingParams(temperature=0, max_tokens=1, logprobs=3), use_tqdm=False)
+    res["first_token"] = []
+    for p, o in zip(prompts, first):
+        with torch.inference_mode():
+            v, i = ref(torch.tensor([p], device=dev)).logits[0, -1].float().topk(3)
+        res["first_token"].append({"ref_fp32_logits": [[tok.decode([t]), round(x, 3)] for t, x in
+                                                       zip(i.tolist(), v.tolist())],
+                                   "ours_logprobs": [[tok.decode([t]), round(x, 3)] for t, x in
+                                                     sorted(o.logprobs[0].items(), key=lambda kv: -kv[1])]})
+    print("first tokens:", json.dumps(res["first_token"][0]), flush=True)
+    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")  # a run cut short keeps what it measured
     try:  # prompt_logprobs on this backend vs the float32 reference's log-softmax on the same prompts
         got = engine.generate(prompts, hwkv.SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1),
                               use_tqdm=False)
@@ -179,6 +196,7 @@ def main() -> int:
         res["batch1_profile_ms"] = {"error": f"{type(e).__name__}: {e}"}
     print("hwkv offline", res["offline"], "batch-1", res["batch1"], flush=True)
     print("batch-1 step profile (ms):", res["batch1_profile_ms"], flush=True)
+    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
 
     # HF generate, bf16, same prompts: batch-1 decode and a padded batch of the offline requests
     hf_generate(hbf, [prompts[0]], 8, dev)
