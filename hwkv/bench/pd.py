@@ -329,7 +329,7 @@ def run(args: argparse.Namespace) -> int:
         "bench": "pd", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": "hwkv bench pd " + shlex.join(sys.argv[3:]), "commit": os.environ.get("HWKV_COMMIT") or sb._commit(),
         "server": info,
-        "mode": args.mode, "layerwise": args.layerwise, "transport": _transport(transfer, info),
+        "mode": mode, "layerwise": args.layerwise, "transport": _transport(transfer, info),
         "prefill_devices": args.prefill_devices, "decode_devices": args.decode_devices, "protocol": args.protocol,
         "producer_server": info.pop("producer", None),
         "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
@@ -344,7 +344,7 @@ def run(args: argparse.Namespace) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     device = re.sub(r"[^A-Za-z0-9._-]+", "_", str(info.get("device", "unknown"))).strip("_")
     stem = f"pd-{Path(str(info.get('model', 'model'))).name}-{device}-{time.strftime('%Y-%m-%d', time.gmtime())}"
-    stem += f"-{args.mode}{'-layerwise' if args.layerwise else ''}{'-' + args.tag if args.tag else ''}"
+    stem += f"-{mode}{'-layerwise' if args.layerwise else ''}{'-' + args.tag if args.tag else ''}"
     if args.prefill_devices or args.decode_devices:
         stem += f"-gpu{args.prefill_devices or 'x'}to{args.decode_devices or 'x'}".replace(",", "+")
     (out_dir / f"{stem}.json").write_text(json.dumps(res, indent=2) + "\n")
