@@ -58,11 +58,15 @@ def _run(cfg: m.WorkerConfig, cmd: Any, out: Any) -> None:
             out.send(enc.encode(m.KVOut(cfg.rank, step, None if kvo is None else enc.encode(kvo))))
 
         while True:
-            if not cmd.poll(IDLE_POLL_MS):
-                if os.getppid() != cfg.parent_pid:  # the driver is gone
-                    return
-                continue
-            msg = dec.decode(cmd.recv())
+            try:  # the driver runs ahead: the next call is usually queued (no Poller built for it)
+                raw = cmd.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                if not cmd.poll(IDLE_POLL_MS):
+                    if os.getppid() != cfg.parent_pid:  # the driver is gone
+                        return
+                    continue
+                raw = cmd.recv()
+            msg = dec.decode(raw)
             if isinstance(msg, m.Execute):
                 runner.step_id, runner.argmax = msg.step, msg.argmax  # type: ignore[union-attr]
                 runner.execute_async(decode_step(msg, meta_type), msg.forward)  # type: ignore[union-attr]
