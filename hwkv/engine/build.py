@@ -18,7 +18,7 @@ from hwkv.core.scheduler import Scheduler
 from hwkv.engine.config import EngineArgs
 from hwkv.engine.kv_groups import GroupedKVCache
 from hwkv.engine.model_runner import ModelRunner
-from hwkv.interfaces.kv_quant import kv_storage_dtype, parse_scales
+from hwkv.interfaces.kv_quant import kv_storage_dtype, shard_scales
 from hwkv.model import load_model
 from hwkv.model.fuse import fuse_elementwise
 from hwkv.model.tokenizer import has_tokenizer
@@ -81,12 +81,7 @@ def build_parts(engine: Any, args: EngineArgs) -> None:
     else:
         engine.kv_cache = kv_cache = backend.device.allocate_kv_cache(
             model.kv_cache_spec(cc.num_kv_blocks, cc.block_size), backend.attention.kv_layout)
-    if kv_cache.scales is not None:  # fp8 KV: the scales given, else the checkpoint's, else 1.0
-
-        given = args.kv_cache_scales if args.kv_cache_scales is not None else getattr(model, "checkpoint_kv_scales",
-                                                                                         None)
-        if given is not None:
-            kv_cache.set_scales(parse_scales(given, kv_cache.spec.num_layers, kv_cache.spec.num_kv_heads))
+    set_kv_scales(kv_cache, model, args.kv_cache_scales)
     model.bind_kv_cache(kv_cache)
     if proposer is not None:
         proposer.allocate(cc.num_kv_blocks, cc.block_size, engine.max_model_len)
@@ -146,3 +141,23 @@ def eos_ids(mc: Any, gen_cfg: Any) -> list[int]:
     if isinstance(g, int):
         g = [g]
     return ids + [i for i in (g or []) if i not in ids]
+
+
+def set_kv_scales(kv_cache: Any, model: Any, given: Any) -> None:
+    """An fp8 KV cache's scales: ``given`` (``kv_cache_scales``), else the checkpoint's, else the 1.0
+    it was allocated with; a model-dtype cache has none. Scales are per the checkpoint's KV heads: a
+    tensor-parallel rank (``model.tp``) keeps its own heads' (``hwkv.parallel.sharding.kv_head_start``)."""
+    if kv_cache.scales is None:
+        return
+    if given is None:
+        given = getattr(model, "checkpoint_kv_scales", None)
+    if given is None:
+        return
+    from hwkv.parallel.sharding import kv_head_start
+
+    spec, tp, full = kv_cache.spec, getattr(model, "tp", None), getattr(model, "full_config", None)
+    sharded = tp is not None and full is not None
+    heads = full.num_kv_heads if sharded else spec.num_kv_heads
+    start = kv_head_start(heads, tp.rank, tp.size) if sharded else 0
+    kv_cache.set_scales(shard_scales(given, spec.num_layers, heads, start, spec.num_kv_heads))
+

@@ -158,9 +158,6 @@ class EngineArgs(SpeculativeOptions, KVEventsOptions, KVTransferOptions, Paralle
     def __post_init__(self) -> None:
         for group in GROUPS:
             group.check(self)
-        if KV_CACHE_DTYPES[self.kv_cache_dtype] is not None and self.tensor_parallel_size > 1:
-            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not implemented with tensor_parallel_size "
-                             f"{self.tensor_parallel_size} (the worker ranks allocate model-dtype KV; allowed: 1)")
         if self.speculative_config is not None and self.async_scheduling:
             raise ValueError("speculative_config needs async_scheduling False or None (a step's drafts come "
                              "from its own sampled tokens, so steps cannot overlap)")

@@ -85,3 +85,10 @@ def parse_scales(value: Any, num_layers: int, num_kv_heads: int) -> torch.Tensor
     if not bool(torch.isfinite(t).all()) or bool((t <= 0).any()):
         raise ValueError("kv_cache_scales must all be finite and > 0")
     return t.contiguous()
+
+
+def shard_scales(value: Any, num_layers: int, num_kv_heads: int, head_start: int, local_heads: int) -> torch.Tensor:
+    """:func:`parse_scales` over the checkpoint's ``num_kv_heads``, cut to one tensor-parallel rank's KV heads
+    ``[head_start, head_start + local_heads)`` (a rank holding a replicated head gets that head's scales)."""
+    return parse_scales(value, num_layers, num_kv_heads)[:, :, head_start:head_start + local_heads].contiguous()
+

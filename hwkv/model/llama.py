@@ -338,7 +338,7 @@ class LlamaForCausalLM(nn.Module):
         parts = name.split(".")
         if len(parts) < 5 or parts[:2] != ["model", "layers"] or ".".join(parts[3:]) not in self.KV_SCALE_NAMES:
             return False
-        cfg = self.config
+        cfg = self.full_config  # the checkpoint's KV heads: a tensor-parallel rank keeps its own (engine.build)
         layer, which = int(parts[2]), self.KV_SCALE_NAMES[".".join(parts[3:])]
         if not 0 <= layer < cfg.num_layers or tensor.numel() not in (1, cfg.num_kv_heads):
             raise ValueError(f"KV scale {name!r} has {tensor.numel()} values for layer {layer}; allowed: 1 or "

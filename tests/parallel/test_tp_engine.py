@@ -93,6 +93,35 @@ def test_tp2_tokens_equal_tp1(tmp_path, case):
     eng.close()  # idempotent
 
 
+def test_tp2_fp8_kv_tokens_equal_tp1(tmp_path):
+    """fp8 KV at tp=2: every rank stores e4m3 and reads it with its own KV heads' scales. Head 1's scale is
+    small enough to saturate its keys and values, so a rank that took head 0's scale would not reproduce
+    tp=1 (checked: the unsaturated run differs); per-head scales come from the checkpoint for layer 0
+    and from ``kv_cache_scales`` in the second engine pair."""
+    from safetensors.torch import load_file, save_file
+
+    path = write_tiny_model(tmp_path, num_heads=4, num_kv_heads=2, tokenizer=False)
+    w = load_file(str(path / "model.safetensors"))
+    w["model.layers.0.self_attn.k_scale"] = torch.tensor([1.0, 1e-3])
+    w["model.layers.0.self_attn.v_scale"] = torch.tensor([1.0, 1e-3])
+    save_file(w, str(path / "model.safetensors"), metadata={"format": "pt"})
+    kw = {"block_size": 16, "num_kv_blocks": 32, "max_model_len": 128, "kv_cache_dtype": "fp8"}
+    explicit = [[[1.0, 2e-3], [1.0, 2e-3]]] * 2  # [layers, K/V, KV heads]
+    for scales in (None, explicit):
+        one = Engine(str(path), kv_cache_scales=scales, **kw)
+        ref = _tokens(one)
+        assert _tokens(Engine(str(path), kv_cache_scales=1.0, **kw)) != ref  # the scales matter here
+        eng = Engine(str(path), tensor_parallel_size=2, kv_cache_scales=scales, **kw)
+        pids = [p.pid for p in eng._tp.procs]
+        try:
+            assert eng.kv_cache.spec.dtype == torch.float8_e4m3fn
+            assert torch.equal(eng.kv_cache.scales, one.kv_cache.scales[:, :, :1])  # rank 0: head 0's
+            assert _tokens(eng) == ref
+        finally:
+            eng.close()
+        assert _gone(pids)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("HWKV_TEST_TP4") != "1", reason="4 processes on a 2-core CI box (~20 s): "
                     "HWKV_TEST_TP4=1 runs it")

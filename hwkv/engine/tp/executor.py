@@ -116,7 +116,8 @@ class TPExecutor:
                 wc = m.WorkerConfig(cfg.model, cfg.backend, dtype, cfg.max_model_len, cfg.block_size, cfg.num_kv_blocks,
                                     cfg.memory_fraction, cfg.max_num_seqs, cfg.seed, rank, n, store.port,
                                     f"ipc://{self._dir}/cmd{rank}", f"ipc://{self._dir}/out", self.timeout_s,
-                                    os.getpid(), name, dict(cfg.kv_connector_config or {}), group)
+                                    os.getpid(), name, dict(cfg.kv_connector_config or {}), group,
+                                    cfg.kv_cache_dtype, _scales_json(cfg.kv_cache_scales))
                 env = dict(os.environ)
                 if env_var:
                     if rank >= len(ids):
@@ -241,3 +242,13 @@ class TPExecutor:
             s.close(0)
         self._ctx.term()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _scales_json(scales: Any) -> str | None:
+    """``kv_cache_scales`` for a worker's argv: a JSON string as given, a tensor or numbers as JSON."""
+    if scales is None or isinstance(scales, str):
+        return scales
+    import json
+
+    return json.dumps(scales.tolist() if hasattr(scales, "tolist") else scales)
+

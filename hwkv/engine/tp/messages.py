@@ -40,6 +40,8 @@ class WorkerConfig(msgspec.Struct):
     kv_connector: str | None = None  # a registered name or "package.module:Class"; this rank builds its own
     kv_connector_config: dict[str, Any] = {}
     group: str = "hwkv-tp"  # the engine's group name (its prefix of the rendezvous store)
+    kv_cache_dtype: str = "auto"
+    kv_cache_scales: str | None = None  # JSON of the engine's kv_cache_scales (over the checkpoint's KV heads)
 
 
 class Hello(msgspec.Struct, tag=True):

@@ -26,8 +26,10 @@ IDLE_POLL_MS = 1000
 
 
 def _run(cfg: m.WorkerConfig, cmd: Any, out: Any) -> None:
+    from hwkv.engine.build import set_kv_scales
     from hwkv.engine.config import EngineArgs
     from hwkv.engine.tp.runner import WorkerRunner, decode_step
+    from hwkv.interfaces.kv_quant import kv_storage_dtype
     from hwkv.model import load_model
     from hwkv.parallel.communicator import TorchDistCommunicator
     from hwkv.parallel.sharding import TPShard
@@ -42,6 +44,7 @@ def _run(cfg: m.WorkerConfig, cmd: Any, out: Any) -> None:
     try:
         model, model_config, *_ = load_model(cfg.model, backend, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
                                              load_tokenizer=False, tp=TPShard(cfg.rank, cfg.world_size, comm))
+        model.kv_cache_dtype = kv_storage_dtype(cfg.kv_cache_dtype, model.dtype)  # before the pool is sized
         conn = _connector(cfg, backend, model_config)
         # the driver's pool sizing, over this rank's shard; the pool is the smallest any rank holds
         args = EngineArgs(model=cfg.model, backend=cfg.backend, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
@@ -51,6 +54,8 @@ def _run(cfg: m.WorkerConfig, cmd: Any, out: Any) -> None:
         block_size = cc.block_size
         kv_cache = backend.device.allocate_kv_cache(model.kv_cache_spec(cc.num_kv_blocks, block_size),
                                                     backend.attention.kv_layout)
+        set_kv_scales(kv_cache, model, cfg.kv_cache_scales)
+        model.bind_kv_cache(kv_cache)
         runner = None
         meta_type = conn.metadata_type if conn is not None else Any
 
