@@ -13,12 +13,12 @@ nvidia-smi --query-gpu=index,name,memory.total --format=csv | tee "$OUT/nvidia-s
 python3 -c "import hwkv; print('hwkv from', hwkv.__file__, 'commit', '$HWKV_COMMIT')"
 t0=$(date +%s)
 echo "== routing: llama-1b, 4 instances (2 per GPU), 16 tenants of 2k-8k tokens"
-timeout ${ROUTING_TIMEOUT:-95} python3 -m hwkv bench routing --model llama-1b --backend cuda --instances 4 \
+timeout ${ROUTING_TIMEOUT:-90} python3 -m hwkv bench routing --model llama-1b --backend cuda --instances 4 \
   --devices 0,1 --system-len 2048-8192 --suffix-len 64 --requests 160 --concurrency 8 --max-tokens 4 \
   --workdir /dev/shm/hwkv-bench-models --start-timeout 75 --out-dir "$OUT" 2>&1 | tail -n 40
 echo "routing rc=${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s"
 echo "== pool-restart: llama-1b, 8192-token prefix, GPU 0, via holder (shared memory) and tcp"
-CUDA_VISIBLE_DEVICES=0 timeout ${POOL_RESTART_TIMEOUT:-80} python3 -m hwkv bench pool-restart --model llama-1b \
+CUDA_VISIBLE_DEVICES=0 timeout ${POOL_RESTART_TIMEOUT:-75} python3 -m hwkv bench pool-restart --model llama-1b \
   --backend cuda --prompt-len 8192 --repeats 1 --capacity-mb 4096 --timeout 45 --via holder,tcp \
   --engine-args '{"enforce_eager": true}' --workdir /dev/shm/hwkv-bench-models --out-dir "$OUT" 2>&1 | tail -n 40
 echo "pool-restart rc=${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s"

@@ -261,13 +261,15 @@ def run(args: argparse.Namespace) -> int:
     tm, c = ev["step_trimmed_mean_ms"], ev["step_cpu_mean_ms"]
     rep = ev["repeats"]
     q = statistics.quantiles(rep["step_cpu_delta_fractions"], n=4) if rep["n"] > 1 else [rep["median"]] * 3
+    mean_rep = statistics.mean(rep["step_cpu_delta_fractions"])
+    ev["bar_pass"] = ev_ok = max(ev["step_cpu_delta_fraction"], mean_rep) <= 0.02
     print(f"KV events at {args.num_decodes} decodes (events recorded in the step, a sender thread encodes and "
           f"sends; off/on steps interleaved, {rep['n']} repeats x {rep['steps_each']} steps each): step thread CPU "
-          f"{100 * rep['median']:+.2f}% (median of repeats; quartiles {100 * q[0]:+.2f}% .. {100 * q[2]:+.2f}%; "
-          f"bar <= 2%: {'PASS' if rep['median'] <= 0.02 else 'FAIL'}); pooled {c['on']:.3f} vs {c['off']:.3f} ms "
-          f"= {100 * ev['step_cpu_delta_fraction']:+.2f}%; process CPU (sender + zmq I/O threads too) "
-          f"{100 * ev['step_process_cpu_delta_fraction']:+.2f}%; wall (trimmed mean) {tm['on']:.3f} vs "
-          f"{tm['off']:.3f} ms = {100 * ev['step_delta_fraction']:+.2f}%")
+          f"by the mean {c['on']:.3f} vs {c['off']:.3f} ms = {100 * ev['step_cpu_delta_fraction']:+.2f}% (mean of "
+          f"repeats {100 * mean_rep:+.2f}%, median {100 * rep['median']:+.2f}%, quartiles {100 * q[0]:+.2f}% .. "
+          f"{100 * q[2]:+.2f}%; bar <= 2% by the mean: {'PASS' if ev_ok else 'FAIL'}); process CPU (sender + zmq "
+          f"I/O threads too) {100 * ev['step_process_cpu_delta_fraction']:+.2f}%; wall (trimmed mean) "
+          f"{tm['on']:.3f} vs {tm['off']:.3f} ms = {100 * ev['step_delta_fraction']:+.2f}%")
     results["decode_kv_events"] = events
     print(f"peer: {PEER['source']}")
     day = dt.date.today().isoformat()
