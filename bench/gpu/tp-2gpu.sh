@@ -22,12 +22,12 @@ print(model_dir(argparse.Namespace(model='llama-8b', dtype='bfloat16', workdir='
 " > $OUT/write.log 2>&1; echo "write rc=$?" >> $OUT/write.log) &
 WRITER=$!
 echo "=== 0 push kernels on GPU 0"; date -u
-CUDA_VISIBLE_DEVICES=0 timeout -k 5 60 python3 -m pytest -q -p no:cacheprovider backends/cuda/tests/test_allreduce_kernels.py 2>&1 | tail -n 30
+CUDA_VISIBLE_DEVICES=0 timeout -k 5 40 python3 -m pytest -q -p no:cacheprovider backends/cuda/tests/test_allreduce_kernels.py 2>&1 | tail -n 30
 echo "=== 1 allreduce microbench"; date -u
-timeout -k 5 -s ABRT 45 python3 -m hwkv_cuda.bench.allreduce --world-size 2 --iters 50 --out $OUT/allreduce.json > $OUT/allreduce.log 2>&1; echo "rc=$?"; tail -n 70 $OUT/allreduce.log
+timeout -k 5 -s ABRT 40 python3 -m hwkv_cuda.bench.allreduce --world-size 2 --iters 50 --out $OUT/allreduce.json > $OUT/allreduce.log 2>&1; echo "rc=$?"; tail -n 70 $OUT/allreduce.log
 wait $WRITER; tail -n 5 $OUT/write.log
 echo "=== 2 llama-8b bf16 tp1 vs tp2"; date -u
-timeout -k 5 -s ABRT 140 python3 -m hwkv.bench.tp --model llama-8b --workdir $W --tp 1,2 --decode 16,144 --decode-batch 1 --offline 128:512:128 --check-tokens 32 --reference hf --out $OUT/tp-llama8b.json > $OUT/tp-llama8b.log 2>&1; echo "rc=$?"; tail -n 80 $OUT/tp-llama8b.log
+timeout -k 5 -s ABRT 135 python3 -m hwkv.bench.tp --model llama-8b --workdir $W --tp 1,2 --decode 16,144 --decode-batch 1 --offline 128:512:128 --check-tokens 32 --reference hf --out $OUT/tp-llama8b.json > $OUT/tp-llama8b.log 2>&1; echo "rc=$?"; tail -n 80 $OUT/tp-llama8b.log
 echo "=== 3 tiny fp32 tp1 vs tp2"; date -u
-timeout -k 5 -s ABRT 60 python3 -m hwkv.bench.tp --model tiny --dtype float32 --workdir $W --tp 1,2 --decode 16,144 --decode-batch 1 --offline '' --check-tokens 48 --reference none --max-model-len 512 --out $OUT/tp-tiny-f32.json > $OUT/tp-tiny-f32.log 2>&1; echo "rc=$?"; tail -n 50 $OUT/tp-tiny-f32.log
+timeout -k 5 -s ABRT 55 python3 -m hwkv.bench.tp --model tiny --dtype float32 --workdir $W --tp 1,2 --decode 16,144 --decode-batch 1 --offline '' --check-tokens 48 --reference none --max-model-len 512 --out $OUT/tp-tiny-f32.json > $OUT/tp-tiny-f32.log 2>&1; echo "rc=$?"; tail -n 50 $OUT/tp-tiny-f32.log
 date -u
