@@ -10,6 +10,7 @@ from hwkv.connectors.offload import OffloadConnector
 from hwkv.connectors.offload.worker import OffloadWorker
 from hwkv.connectors.p2p import P2PConnector
 from hwkv.connectors.p2p.consumer import _Load
+from hwkv.connectors.p2p.worker import P2PWorker
 
 
 class FailingRankWorker(OffloadWorker):
@@ -33,19 +34,25 @@ class FailingRank(OffloadConnector):
         self.worker.fail_rank, self.worker.fails = fail_rank, fails
 
 
-class FailingP2PRank(P2PConnector):
-    """The p2p connector whose transfers into rank ``fail_rank`` fail (a read or push that errors on
-    one consumer shard) ``fails`` times."""
-
-    def __init__(self, fail_rank: int = 1, fails: int = 1, **kw: Any):
-        super().__init__(**kw)
-        self.fail_rank, self.fails = fail_rank, fails
+class FailingP2PRankWorker(P2PWorker):
+    fail_rank, fails = 1, 1
 
     def start_loads(self, loads: list[Any]) -> None:
         if self.tp_rank == self.fail_rank and self.fails and loads:
             self.fails -= 1
             for spec in loads:  # as a transfer error would: reported failed, the blocks settled
-                self._reading[spec.rid] = _Load(spec, time.monotonic() + 3 * self.transfer_timeout_s)
+                self._reading[spec.rid] = _Load(spec, time.monotonic() + 3 * self.config.transfer_timeout_s)
                 self._done("recv", spec.rid, False, 0)
             return
         super().start_loads(loads)
+
+
+class FailingP2PRank(P2PConnector):
+    """The p2p connector whose transfers into rank ``fail_rank`` fail (a read or push that errors on
+    one consumer shard) ``fails`` times."""
+
+    worker_cls = FailingP2PRankWorker
+
+    def __init__(self, fail_rank: int = 1, fails: int = 1, **kw: Any):
+        super().__init__(**kw)
+        self.worker.fail_rank, self.worker.fails = fail_rank, fails

@@ -172,11 +172,11 @@ def test_untranslatable_layout_is_refused_at_handshake_and_recomputed(model_dir,
             [prompts()[3]], greedy(6), use_tqdm=False)]
         with caplog.at_level("WARNING"):
             assert [decode(d, prompts()[3], prefill(p, prompts()[3]))] == want
-        pid, did = p.scheduler.connector.engine_id, d.scheduler.connector.engine_id
-        assert f"handshake with {p.scheduler.connector.channel.address} refused: dtype differs: 'float32' at " \
+        pid, did = p.scheduler.connector.worker.engine_id, d.scheduler.connector.worker.engine_id
+        assert f"handshake with {p.scheduler.connector.worker.channel.address} refused: dtype differs: 'float32' at " \
             f"engine {pid}, 'bfloat16' at engine {did}" in caplog.text
         assert d.stats()["kv_connector"]["load_failures"] == 1
-        p.scheduler.connector._held.clear()  # never fetched: the hold would expire later
+        p.scheduler.connector.scheduler.state.held.clear()  # never fetched: the hold would expire later
         p.scheduler.delayed_free.clear()
     finally:
         p.close()
@@ -195,19 +195,19 @@ def test_read_timing_out_mid_transfer_recomputes_and_keeps_blocks_pinned_a_while
     d = engine(model_dir, num_kv_blocks=16, kv_connector="p2p",
                kv_connector_config=cfg("consumer", "pull", transfer_timeout_s=0.3))
     conn = d.scheduler.connector
-    real_read = conn.transfer.read
+    real_read = conn.worker.transfer.read
 
     def torn_read(peer, local, remote, lengths):
         ctypes.memset(local[0], 0x7F, lengths[0])  # half-arrived bytes
         raise TransferTimeout("injected: read timed out mid-transfer")
 
-    conn.transfer.read = torn_read
+    conn.worker.transfer.read = torn_read
     try:
         prompt = prompts()[4]
         assert decode(d, prompt, prefill(p, prompt)) == reference[4]
         assert d.stats()["kv_connector"]["load_failures"] == 1
-        assert conn._loads and d.kv_cache_manager.num_free_blocks < 16  # still pinned after the request ended
-        conn.transfer.read = real_read
+        assert conn.scheduler._loads and d.kv_cache_manager.num_free_blocks < 16  # still pinned after the request ended
+        conn.worker.transfer.read = real_read
         assert_clean(p, d)  # the grace period ends: every block comes back
     finally:
         p.close()

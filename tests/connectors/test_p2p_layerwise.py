@@ -25,14 +25,14 @@ def reference(model_dir):
 
 
 def run_pair(p: hwkv.Engine, d: hwkv.Engine, prompt: list[int], tid: str, consumer_first: bool = True) -> list[int]:
-    host, port = p.scheduler.connector.channel.address.split(":")
+    host, port = p.scheduler.connector.worker.channel.address.split(":")
     d.add_request(tid, prompt, hwkv.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, kv_transfer_params={
         "do_remote_prefill": True, "mode": "push", "remote_host": host, "remote_port": int(port), "transfer_id": tid}))
     pre = hwkv.SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True,
                               kv_transfer_params={"do_remote_decode": True, "transfer_id": tid})
     if consumer_first:  # the announcement reaches the producer before its prefill is scheduled
         deadline = time.monotonic() + 10
-        while not p.scheduler.connector._targets:
+        while not p.scheduler.connector.scheduler.state.targets:
             assert time.monotonic() < deadline
             d.step()
         p.add_request(tid, prompt, pre)

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from hwkv.connectors.p2p.channel import ChannelError, SideChannel, call, listening
-from hwkv.connectors.p2p.consumer import ConsumerSide, LoadSpec, _Load
+from hwkv.connectors.p2p.consumer import Consumer, LoadSpec, _Load
 from hwkv.connectors.p2p.protocol import Ack, Release
 
 pytestmark = pytest.mark.timeout(30)
@@ -40,7 +40,7 @@ def test_loads_waiting_on_a_dead_producer_fail_at_once():
     port = dead_port()
     done: list[tuple] = []
 
-    class Consumer(ConsumerSide):
+    class Probing(Consumer):
         def __init__(self):
             spec = LoadSpec("req-1", {"remote_host": "127.0.0.1", "remote_port": port}, [1, 2], 0, 32)
             self._reading = {"req-1": _Load(spec, deadline=time.monotonic() + 90)}
@@ -49,7 +49,7 @@ def test_loads_waiting_on_a_dead_producer_fail_at_once():
         def _done(self, kind, rid, ok, nbytes, settled=True):
             done.append((kind, rid, ok))
 
-    c = Consumer()
+    c = Probing()
     t0 = time.monotonic()
     c._probe_producers(time.monotonic())
     while not done:

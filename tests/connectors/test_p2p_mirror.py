@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hwkv.connectors.p2p import P2PConnector
+from hwkv.connectors.p2p.worker import P2PWorker
 from hwkv.interfaces import KVCache, KVCacheSpec, KVLayoutKind
 
 
@@ -35,9 +36,9 @@ def kv():
     return KVCache.allocate(KVCacheSpec(2, 8, 16, 2, 8, torch.float32), KVLayoutKind.SEPARATE_KV, "cpu")
 
 
-def _connector(dev: _Device) -> P2PConnector:
-    c = P2PConnector(role="producer")
-    c.dev = dev
+def _connector(dev: _Device) -> P2PWorker:
+    c = P2PConnector(role="producer").worker
+    c.bind_device(dev)
     return c
 
 

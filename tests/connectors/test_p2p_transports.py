@@ -70,7 +70,7 @@ def test_a_failing_probe_falls_back_to_tcp_with_the_reason(model_dir, reference,
     def refuse(peer):
         raise TransferError("cma: cannot read peer's memory: PermissionError: [Errno 1] Operation not permitted")
 
-    copier.scheduler.connector.transports["cma"][0].probe = refuse
+    copier.scheduler.connector.worker.transports["cma"][0].probe = refuse
     try:
         with caplog.at_level("WARNING"):
             st = _run(p, d, reference)
@@ -102,7 +102,7 @@ def test_no_working_protocol_refuses_and_recomputes(model_dir, reference, caplog
     def refuse(peer):
         raise TransferError("injected probe failure")
 
-    d.scheduler.connector.transports["cma"][0].probe = refuse
+    d.scheduler.connector.worker.transports["cma"][0].probe = refuse
     try:
         with caplog.at_level("WARNING"):
             got = [decode(d, q, prefill(p, q)) for q in prompts()[3:5]]

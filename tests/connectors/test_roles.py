@@ -14,9 +14,6 @@ import hwkv.connectors
 from hwkv.connectors.base.roles import ConnectorScheduler, ConnectorWorker, SplitConnector
 from hwkv.interfaces.connector import KVConnectorBase
 
-# connectors not split yet: each entry is a debt, never a new one
-NOT_SPLIT = {"hwkv.connectors.p2p.connector.P2PConnector"}
-
 
 def _classes() -> list[type]:
     out = []
@@ -40,7 +37,7 @@ def test_no_class_is_both_sides():
 
 def test_every_connector_is_split():
     loose = {_name(c) for c in _classes() if issubclass(c, KVConnectorBase) and not issubclass(c, SplitConnector)}
-    assert loose == NOT_SPLIT
+    assert not loose
 
 
 def test_the_forwarding_connector_owns_no_side_state():
@@ -50,7 +47,8 @@ def test_the_forwarding_connector_owns_no_side_state():
     assert not [line for line in src.splitlines() if line.strip().startswith("self.") and " = " in line]
 
 
-@pytest.mark.parametrize("name, config", [("offload", {"cpu_bytes": 1 << 20}), ("pool", {"store": "embedded"})])
+@pytest.mark.parametrize("name, config", [("offload", {"cpu_bytes": 1 << 20}), ("pool", {"store": "embedded"}),
+                                          ("p2p", {"role": "producer"})])
 def test_built_in_connectors_hold_one_side_of_each(name, config):
     from hwkv.connectors import make_connector
 
@@ -61,6 +59,8 @@ def test_built_in_connectors_hold_one_side_of_each(name, config):
         assert isinstance(conn.worker, ConnectorWorker) and not isinstance(conn.worker, ConnectorScheduler)
         shared = set(vars(conn.scheduler)) & set(vars(conn.worker)) - {"tp_rank", "tp_size"}
         # a name on both sides would be state held twice; what they share is a typed object handed to each
-        assert not shared - {"geometry"}
+        assert not shared - {"geometry", "config", "state"}
+        for key in shared:
+            assert getattr(conn.scheduler, key) is getattr(conn.worker, key)  # one object, not two copies
     finally:
         conn.shutdown()

@@ -115,7 +115,7 @@ def test_untranslatable_split_is_refused_at_handshake_and_recomputed(models, cap
         params = p.generate([prompt], greedy(1, {"do_remote_decode": True}), use_tqdm=False)[0].kv_transfer_params
         with caplog.at_level("WARNING"):
             assert d.generate([prompt], greedy(6, params), use_tqdm=False)[0].token_ids == want
-        pid, did = p.scheduler.connector.engine_id, d.scheduler.connector.engine_id
+        pid, did = p.scheduler.connector.worker.engine_id, d.scheduler.connector.worker.engine_id
         assert f"refused: the models' KV heads differ: 4 at engine {pid}, 2 at engine {did}" in caplog.text
         assert d.stats()["kv_connector"]["load_failures"] == 1
         _settle(p, d)  # every consumer rank released the hold it could not read: freed without expiring

@@ -1,5 +1,6 @@
-"""The ``p2p`` connector: prefill/decode disaggregation (:mod:`.connector`, :mod:`.producer`,
-:mod:`.consumer`, :mod:`.push`, :mod:`.transport`, :mod:`.channel`, :mod:`.protocol`)."""
+"""The ``p2p`` connector: prefill/decode disaggregation (:mod:`.connector` assembles
+:mod:`.scheduler` and :mod:`.worker` over :mod:`.state`; the worker's parts :mod:`.transport`,
+:mod:`.consumer`, :mod:`.producer`, :mod:`.push`; :mod:`.channel`, :mod:`.protocol`)."""
 
 from hwkv.connectors.p2p.connector import P2PConnector
 

@@ -1,9 +1,10 @@
-"""The p2p connector's consumer (decode engine) side: offer the remote prompt KV as an async
-external hit (the request waits in WAITING_FOR_REMOTE_KVS), pin the blocks it arrives in, READ it
-(pull) or ask the producer to WRITE it (push), and report the load done or failed (recompute).
+"""The p2p worker side's consumer (decode engine) part: bring in the loads the scheduler side
+listed (:class:`LoadSpec`) - READ the producer's blocks (pull) or ask the producer to WRITE them
+(push) - over the protocol the handshake chose, follow the producer's liveness, and report each
+load done or failed (the request recomputes) and, separately, settled (no transfer can still write
+its blocks: the scheduler side unpins them once every rank did).
 
-A request is offered once: after a failure, a refusal or a preemption it recomputes locally.
-State lives on :class:`~hwkv.connectors.p2p.connector.P2PConnector`; this mixin holds the consumer's logic.
+A mixin of :class:`~hwkv.connectors.p2p.worker.P2PWorker`, whose ``__init__`` declares the state it uses.
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import Any
-
-import msgspec
 
 from hwkv.connectors.p2p.channel import PROBE_S, call, listening
 from hwkv.connectors.p2p.protocol import (
@@ -27,24 +26,12 @@ from hwkv.connectors.p2p.protocol import (
     Release,
     incompatibility,
     pair_segments,
-    prompt_digest,
     read_plan,
 )
+from hwkv.connectors.p2p.state import LoadSpec
 from hwkv.interfaces.transfer import TransferTimeout
 
 log = logging.getLogger(__name__)
-_NEED = ("remote_host", "remote_port", "remote_request_id", "remote_block_ids", "remote_num_tokens", "prompt_digest")
-
-
-class LoadSpec(msgspec.Struct, array_like=True):
-    """Per-step metadata: load tokens ``[start, end)`` of the remote request ``params`` names into
-    ``block_ids`` (the request's blocks, all of them, in order; pinned by the scheduler side)."""
-
-    rid: str
-    params: dict[str, Any]
-    block_ids: list[int]
-    start: int
-    end: int
 
 
 @dataclass
@@ -58,71 +45,15 @@ class _Load:
     protocol: str = ""  # chosen at the handshake ("tcp" from a device: it arrives in the host mirror)
 
 
-class ConsumerSide:
-    # ---- scheduler side ------------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        rid, p = request.request_id, request.kv_transfer_params or {}
-        if self.role != "consumer" or not p.get("do_remote_prefill") or rid in self._no_offer or self.layout is None:
-            return 0, False
-        why = self._refusal(request, p)
-        if why:
-            self._no_offer.add(rid)
-            self.counters["refused_offers"] += 1
-            log.warning("p2p: request %s recomputes its prompt: %s", rid, why)
-            self.release_remote(p)
-            return 0, False
-        end = request.num_tokens - 1
-        if "remote_num_tokens" in p:
-            end = min(int(p["remote_num_tokens"]), end)
-        if end <= num_computed_tokens:  # the local prefix cache has it all
-            self._no_offer.add(rid)
-            self.release_remote(p)
-            return 0, False
-        self._offers[rid] = (num_computed_tokens, end)
-        return end - num_computed_tokens, True
-
-    def release_remote(self, p: dict[str, Any]) -> None:
+class Consumer:
+    def send_release(self, p: dict[str, Any]) -> None:
         """Best effort, in the background: the producer may free blocks this consumer will not fetch
         (else they go on its hold timeout)."""
-        if "remote_request_id" in p and "remote_host" in p and "remote_port" in p:
-            address = f"{p['remote_host']}:{p['remote_port']}"
-            self._pool.submit(call, address, Release(str(p["remote_request_id"]), False), self.transfer_timeout_s)
+        address = f"{p['remote_host']}:{p['remote_port']}"
+        self._pool.submit(call, address, Release(str(p["remote_request_id"]), False),
+                          self.config.transfer_timeout_s)
 
-    def _refusal(self, request: Any, p: dict[str, Any]) -> str:
-        if p.get("mode", self.mode) != self.mode:
-            return f"the producer runs mode {p.get('mode')!r}, this consumer {self.mode!r}"
-        if "transfer_id" in p and "remote_request_id" not in p:  # consumer first: the producer checks the prompt
-            missing = [k for k in ("remote_host", "remote_port") if k not in p]
-            if self.mode != "push":
-                return "a transfer_id (consumer-first request) needs mode 'push'"
-            return f"kv_transfer_params lack {', '.join(missing)}" if missing else ""
-        missing = [k for k in _NEED if k not in p]
-        if missing:
-            return f"kv_transfer_params lack {', '.join(missing)}"
-        n = int(p["remote_num_tokens"])
-        if n > request.num_prompt_tokens or \
-                prompt_digest(request.prompt_token_ids[:n], request.cache_salt) != p["prompt_digest"]:
-            return "the prompt (or cache_salt) differs from the one the producer prefilled"
-        return ""
-
-    def consumer_admitted(self, request: Any, num_external_tokens: int) -> None:
-        rid = request.request_id
-        offer = self._offers.pop(rid, None)
-        if offer is None or not num_external_tokens:
-            return
-        start, _ = offer
-        blocks = list(self.kv.get_blocks(rid))
-        self.kv.block_pool.touch(blocks)  # pinned until every rank reports no transfer can write them
-        load = LoadSpec(rid, dict(request.kv_transfer_params), [b.block_id for b in blocks], start,
-                        start + num_external_tokens)
-        if "transfer_id" in load.params and "remote_request_id" not in load.params:
-            load.params["remote_request_id"] = load.params["transfer_id"]
-            load.params["digest"] = prompt_digest(request.prompt_token_ids[:load.end], request.cache_salt)
-        self._loads[rid] = blocks
-        self._new_loads.append(load)
-        self._no_offer.add(rid)  # offered once: a preempted or failed request recomputes
-
-    # ---- worker side ---------------------------------------------------------------------------
+    # ---- loads ---------------------------------------------------------------------------
     def _handshake(self, address: str) -> list[Layout]:
         """The producer's rank layouts over the protocol chosen with it (cached per address): the first
         of this engine's offers, in its order, that the producer offers too and that works between
@@ -132,7 +63,7 @@ class ConsumerSide:
         if peers is not None:
             return peers
         mine = list(self.layouts.values()) or [self.layout]
-        reply = call(address, Hello(mine[0], mine[1:]), self.transfer_timeout_s)  # type: ignore[arg-type]
+        reply = call(address, Hello(mine[0], mine[1:]), self.config.transfer_timeout_s)  # type: ignore[arg-type]
         if not isinstance(reply, HelloReply) or reply.layout is None:
             raise RuntimeError(f"p2p handshake with {address} refused: {getattr(reply, 'reason', reply)}")
         theirs = {lay.protocol: lay for lay in [reply.layout, *reply.alternatives]}
@@ -144,7 +75,7 @@ class ConsumerSide:
                 continue
             why = reply.unusable.get(me.protocol, "")
             if not why:  # pull: this side copies (push: the producer checked in its reply)
-                why = self.usable(me, lay) if self.mode == "pull" else incompatibility(me, lay)
+                why = self.usable(me, lay) if self.config.mode == "pull" else incompatibility(me, lay)
             if why:
                 skipped.append(f"{me.protocol}: {why}")
                 continue
@@ -166,9 +97,9 @@ class ConsumerSide:
     def start_loads(self, loads: list[LoadSpec]) -> None:
         for spec in loads:
             # consumer first: the producer may still be queueing the prefill, so allow its hold time
-            wait = self.hold_timeout_s if "digest" in spec.params else 0.0
-            load = self._reading[spec.rid] = _Load(spec, time.monotonic() + 3 * self.transfer_timeout_s + wait)
-            self._pool.submit(self._pull if self.mode == "pull" else self._ask_push, load)
+            wait = self.config.hold_timeout_s if "digest" in spec.params else 0.0
+            load = self._reading[spec.rid] = _Load(spec, time.monotonic() + 3 * self.config.transfer_timeout_s + wait)
+            self._pool.submit(self._pull if self.config.mode == "pull" else self._ask_push, load)
 
     def _pull(self, load: _Load) -> None:
         """Read this rank's KV heads from the producer ranks that hold them (one whole-block slice
@@ -181,15 +112,16 @@ class ConsumerSide:
                 peers = self._handshake(address)
             except Exception:  # never read: the producer frees its copy once every rank said so, not on its timeout
                 release = Release(str(p["remote_request_id"]), False, self.layout.tp_rank, self.layout.tp_size)
-                self._pool.submit(call, address, release, self.transfer_timeout_s)
+                self._pool.submit(call, address, release, self.config.transfer_timeout_s)
                 raise
             load.protocol = peers[0].protocol
             transfer, me = self.transfer_for(load.protocol)
             rid, rank, size = p["remote_request_id"], me.tp_rank, me.tp_size
-            ack = call(address, Acquire(rid, rank, size, load.protocol), self.transfer_timeout_s)
-            while isinstance(ack, Ack) and ack.retry and time.monotonic() < load.deadline - self.transfer_timeout_s:
+            ack = call(address, Acquire(rid, rank, size, load.protocol), self.config.transfer_timeout_s)
+            timeout_s = self.config.transfer_timeout_s
+            while isinstance(ack, Ack) and ack.retry and time.monotonic() < load.deadline - timeout_s:
                 time.sleep(0.005)  # the producer's ranks are still staging the KV
-                ack = call(address, Acquire(rid, rank, size, load.protocol), self.transfer_timeout_s)
+                ack = call(address, Acquire(rid, rank, size, load.protocol), self.config.transfer_timeout_s)
             if not (isinstance(ack, Ack) and ack.ok):
                 raise RuntimeError(getattr(ack, "reason", "acquire refused"))
             t0 = time.perf_counter()
@@ -215,7 +147,7 @@ class ConsumerSide:
                 raise
             finally:
                 try:
-                    call(address, Release(rid, ok, rank, size), self.transfer_timeout_s)
+                    call(address, Release(rid, ok, rank, size), self.config.transfer_timeout_s)
                 except Exception as e:  # the producer frees the blocks on its hold timeout
                     log.info("p2p: release of %s at %s failed: %s", p["remote_request_id"], address, e)
         except Exception as e:
@@ -231,12 +163,12 @@ class ConsumerSide:
                 load.protocol = self._handshake(address)[0].protocol
             except Exception:
                 if p.get("remote_request_id") != p.get("transfer_id"):  # a held prefill: free it now
-                    self.release_remote(p)
+                    self.send_release(p)
                 raise
             msg = PushRequest(p["remote_request_id"], self.engine_id, spec.rid, spec.block_ids, spec.start, spec.end,
                               self.channel.address, p.get("digest", ""), self.layout.tp_rank, self.layout.tp_size,
                               load.protocol)
-            ack = call(address, msg, self.transfer_timeout_s)
+            ack = call(address, msg, self.config.transfer_timeout_s)
             if not (isinstance(ack, Ack) and ack.ok):
                 raise RuntimeError(getattr(ack, "reason", "push refused"))
         except Exception as e:
@@ -291,6 +223,6 @@ class ConsumerSide:
                 failed.add(rid)
                 self.counters["failed_transfers"] += 1
                 log.warning("p2p: KV of %s did not arrive in time (it recomputes)", rid)
-            if load.settled or now > load.deadline + 3 * self.transfer_timeout_s:
+            if load.settled or now > load.deadline + 3 * self.config.transfer_timeout_s:
                 settled.append((rid, True))
                 del self._reading[rid]

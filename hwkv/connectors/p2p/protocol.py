@@ -311,3 +311,13 @@ def _units(lay: Layout, layers: range) -> tuple[np.ndarray, np.ndarray]:
     else:
         stride = [lay.block_nbytes[0]] * (2 * len(layers))
     return base, np.asarray(stride, np.int64)
+
+
+def push_refusal(msg: Any, prompt: list[int], salt: str | None, n: int) -> str:
+    """Why a push of tokens ``[msg.start, msg.end)`` cannot be served from a prefill of ``n`` tokens
+    of ``prompt`` ("" when it can)."""
+    if msg.end > n or msg.start < 0:
+        return f"tokens [{msg.start}, {msg.end}) are outside the prefilled {n}"
+    if msg.digest and prompt_digest(prompt[:msg.end], salt) != msg.digest:
+        return "the prompt (or cache_salt) differs from the one the producer prefilled"
+    return ""

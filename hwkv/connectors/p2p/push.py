@@ -10,7 +10,7 @@ the driver sends the consumer rank ``PushDone`` (ok only if every part was); the
 once every consumer rank was answered (or the hold expires). With one rank on each side this is
 the single whole-block write of the untensor-parallel push.
 
-State lives on :class:`~hwkv.connectors.p2p.connector.P2PConnector`; this mixin holds the push logic.
+A mixin of :class:`~hwkv.connectors.p2p.worker.P2PWorker`, whose ``__init__`` declares the state it uses.
 """
 
 from __future__ import annotations
@@ -21,7 +21,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hwkv.connectors.p2p.channel import call
-from hwkv.connectors.p2p.protocol import Ack, Layout, PushOrder, PushPart, PushRequest, pair_segments, write_plan
+from hwkv.connectors.p2p.protocol import (
+    Ack,
+    Layout,
+    PushOrder,
+    PushPart,
+    PushRequest,
+    pair_segments,
+    push_refusal,
+    write_plan,
+)
 from hwkv.interfaces.transfer import TransferTimeout
 from hwkv.parallel.kv_mapping import HeadSlice
 
@@ -40,12 +49,12 @@ class _Parts:
     t0: float = field(default_factory=time.monotonic)
 
 
-class PushSide:
+class Pusher:
     def _push(self, msg: PushRequest, h: Any, peer: Layout) -> None:
         """Driver: split the push into its producer ranks' parts and start them."""
-        why = self._push_refusal(msg, *h.digest_of, h.num_tokens)
+        why = push_refusal(msg, *h.digest_of, h.num_tokens)
         try:
-            plan = {} if why else write_plan(self.rank_layouts, peer)
+            plan = {} if why else write_plan(self.state.rank_layouts, peer)
             if not why:
                 self.stage_for(peer.protocol, h)  # a tcp consumer while the pool's own protocol is device-direct
         except Exception as e:
@@ -54,7 +63,7 @@ class PushSide:
             self._notify(msg, False, why or "no KV heads to write", 0, h.rid)
             return
         key = f"{h.rid}/{msg.reader}"
-        with self._lock:
+        with self.state.lock:
             self._parts[key] = _Parts(msg, h.rid, set(plan))
         for rank, slices in sorted(plan.items()):
             if rank == self.tp_rank:
@@ -62,7 +71,7 @@ class PushSide:
                 continue
             order = PushOrder(key, msg, peer, list(h.block_ids), [tuple(s) for s in slices], self.channel.address)
             try:
-                ack = call(self.rank_layouts[rank].side_channel, order, self.transfer_timeout_s)
+                ack = call(self.state.rank_layouts[rank].side_channel, order, self.config.transfer_timeout_s)
                 if not (isinstance(ack, Ack) and ack.ok):
                     raise RuntimeError(getattr(ack, "reason", "refused"))
             except Exception as e:
@@ -96,7 +105,7 @@ class PushSide:
         """A producer rank other than the driver: write its part in the background."""
         if self.layout is None:
             return Ack(False, "this rank has no registered KV cache")
-        self._pool.submit(self._write_part, order, time.monotonic() + 3 * self.transfer_timeout_s)
+        self._pool.submit(self._write_part, order, time.monotonic() + 3 * self.config.transfer_timeout_s)
         return Ack(True)
 
     def _write_part(self, order: PushOrder, deadline: float) -> None:
@@ -104,11 +113,11 @@ class PushSide:
                                                [HeadSlice(*s) for s in order.slices], deadline)
         part = PushPart(order.key, self.tp_rank, ok, why, nbytes, settled)
         with contextlib.suppress(Exception):  # else the driver's hold expires; the consumer recomputes
-            call(order.reply_to, part, self.transfer_timeout_s)
+            call(order.reply_to, part, self.config.transfer_timeout_s)
 
     def _part_done(self, part: PushPart) -> Ack:
         """Driver: one rank's part ended; the last one answers the consumer rank."""
-        with self._lock:
+        with self.state.lock:
             p = self._parts.get(part.key)
             if p is None or part.rank not in p.pending:
                 return Ack(False, f"no push part {part.key} of rank {part.rank} is pending")

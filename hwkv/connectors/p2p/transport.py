@@ -2,15 +2,16 @@
 it, tcp staging through a pinned host mirror of the device pool, and the side channel's message
 dispatch (on the channel's own thread).
 
-State lives on :class:`~hwkv.connectors.p2p.connector.P2PConnector`; this mixin holds the transport logic.
+A mixin of :class:`~hwkv.connectors.p2p.worker.P2PWorker`, whose ``__init__`` declares the state it uses.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Any
+
+import torch
 
 from hwkv.connectors.base.copy import copy_block_pairs
 from hwkv.connectors.p2p.channel import SideChannel
@@ -28,31 +29,33 @@ from hwkv.connectors.p2p.protocol import (
     incompatibility,
     layout_of,
 )
+from hwkv.interfaces.layout import KVCache
 from hwkv.transfer.direct import DIRECT_PROTOCOLS, host_identity
+from hwkv.transfer.mooncake import MooncakeTransfer
 
 log = logging.getLogger(__name__)
 HOST_PROTOCOLS = ("cma",)  # move host memory only
 DEVICE_PROTOCOLS = ("cuda_ipc", "rdma", "ascend")  # move device memory
 
 
-class TransportSide:
+class Transport:
     # ---- set-up --------------------------------------------------------------------------------
     def _protocols_offered(self, on_host: bool) -> list[str]:
         """The protocols this engine offers peers, in preference order: ``protocol="auto"`` takes the
         backend's declared order (device-direct first), else the given one or comma-separated list;
         each kept only where it moves the memory the KV lives in."""
         declared = list(self._backend_protocols or ())
-        if self.protocol == "auto":
+        if self.config.protocol == "auto":
             wanted = declared or (["tcp"] if on_host else [])
             if not wanted:
                 raise ValueError(f"p2p: the backend declares no transfer protocol ({self._backend_reason or 'none'})")
         else:
-            wanted = [p.strip() for p in str(self.protocol).split(",") if p.strip()]
+            wanted = [p.strip() for p in str(self.config.protocol).split(",") if p.strip()]
             for p in wanted:
                 if declared and p not in declared and not (p == "tcp" and on_host):
                     raise ValueError(f"p2p: protocol {p!r} is not offered by the backend (allowed: "
                                      f"{', '.join(declared)}, a comma-separated list of them, or 'auto')")
-        if self.staging:
+        if self.config.staging:
             wanted = [p for p in wanted if p == "tcp"] or ["tcp"]
         dropped = {}
         offers = []
@@ -61,9 +64,9 @@ class TransportSide:
                 dropped[p] = "moves host memory, the KV cache is on the device"
             elif p in DEVICE_PROTOCOLS and on_host:
                 dropped[p] = "moves device memory, the KV cache is in host memory"
-            elif p == "tcp" and not on_host and self.staging is False:
+            elif p == "tcp" and not on_host and self.config.staging is False:
                 dropped[p] = "would stage device KV through host memory (staging=False)"
-            elif p == "tcp" and self.layerwise and (not on_host or self.staging) and offers:
+            elif p == "tcp" and self.layerwise and (not on_host or self.config.staging) and offers:
                 dropped[p] = "layerwise writes need memory the transfer reaches directly"
             elif p not in offers:
                 offers.append(p)
@@ -77,25 +80,24 @@ class TransportSide:
         if protocol in DIRECT_PROTOCOLS:
             if self._backend is None:
                 raise ValueError(f"p2p: protocol {protocol!r} needs the backend (bind_backend) to create it")
-            return self._backend.create_transfer(protocol=protocol, host=self.host, timeout_s=self.transfer_timeout_s)
-        from hwkv.transfer.mooncake import MooncakeTransfer
-
-        return MooncakeTransfer(protocol=protocol, host=self.host, metadata_server=self.metadata_server,
-                                device_name=self.device_name, timeout_s=self.transfer_timeout_s)
+            return self._backend.create_transfer(protocol=protocol, host=self.config.host,
+                                                  timeout_s=self.config.transfer_timeout_s)
+        return MooncakeTransfer(protocol=protocol, host=self.config.host, metadata_server=self.config.metadata_server,
+                                device_name=self.config.device_name, timeout_s=self.config.transfer_timeout_s)
 
     def register_kv_caches(self, kv_cache: Any) -> None:
         on_host = kv_cache.device.type == "cpu"
         offers = self._protocols_offered(on_host)
         if self.tp_size > 1:
-            self.check_tensor_parallel(self.tp_size)
-            if self.protocol == "auto" and offers[0] == "cuda_ipc" and len(offers) > 1:
+            self.config.check_tensor_parallel(self.tp_size)
+            if self.config.protocol == "auto" and offers[0] == "cuda_ipc" and len(offers) > 1:
                 # a tensor-parallel rank sees only its own GPU (CUDA_VISIBLE_DEVICES), and CUDA IPC maps
                 # memory only onto visible GPUs; not verified across ranks, so auto does not bet every
                 # request on it (no fallback across ranks): protocol="cuda_ipc" asks for it
                 log.info("p2p: tensor-parallel engine: auto skips cuda_ipc, uses %s", offers[1])
                 offers = offers[1:]
             offers = offers[:1]  # every rank's layout travels for one protocol only (no fallback across ranks)
-        staging = "tcp" in offers and (not on_host or bool(self.staging))
+        staging = "tcp" in offers and (not on_host or bool(self.config.staging))
         if staging and self.layerwise and offers[0] == "tcp":
             raise ValueError("p2p: layerwise=True needs KV the transfer engine reaches directly (host memory, or "
                              "rdma/ascend/cuda_ipc device memory), not tcp staging (allowed: layerwise=False)")
@@ -121,8 +123,9 @@ class TransportSide:
             self.transports[p] = (t, xfer)
         # the driver's; in push mode every rank's too (a producer rank takes write orders, a consumer
         # rank its PushDone); in pull mode the other ranks only read (consumer) or are read (producer)
-        if self.tp_rank == 0 or self.mode == "push":
-            self.channel = SideChannel(self.host, self.port if self.tp_rank == 0 else 0, self._handle)
+        if self.tp_rank == 0 or self.config.mode == "push":
+            port = self.config.side_channel_port if self.tp_rank == 0 else 0
+            self.channel = SideChannel(self.config.host, port, self._handle)
         host_id = host_identity()
         for p, (t, xfer) in self.transports.items():
             self.layouts[p] = layout_of(xfer, self.engine_id, t.endpoint(), p, tp_rank=self.tp_rank,
@@ -131,8 +134,8 @@ class TransportSide:
                                         host_id=host_id)
         self.protocol = next(iter(self.transports))
         self.transfer, self.layout = self.transports[self.protocol][0], self.layouts[self.protocol]
-        self.rank_layouts = [self.layout]  # the driver learns the other ranks' in bind_tp_worker_info
-        log.info("p2p %s: offers %s", self.role, ", ".join(self.transports))
+        self.state.rank_layouts = [self.layout]  # the driver learns the other ranks' in bind_tp_worker_info
+        log.info("p2p %s: offers %s", self.config.role, ", ".join(self.transports))
 
     def transfer_for(self, protocol: str) -> tuple[Any, Layout]:
         """This engine's transfer endpoint and layout for ``protocol`` (the handshake's choice)."""
@@ -162,19 +165,15 @@ class TransportSide:
         fallback for peers it cannot reach) it is plain host memory, untouched (no resident pages)
         until a peer falls back, and pinned in place then (:meth:`_pin_mirror`): a pool of tens of
         GB is not page-locked in every engine for a path that may never run."""
-        self._mirror_pinned, self._mirror_lock = True, threading.Lock()
+        self._mirror_pinned = True
         if not (fallback and self.dev.async_copies and self.dev.pins_host_in_place):
             return self.dev.allocate_kv_cache(kv_cache.spec, kv_cache.layout, host=True)
-        import torch
-
-        from hwkv.interfaces.layout import KVCache
-
         spec, layout = kv_cache.spec, kv_cache.layout
         self._mirror_pinned = False
         return KVCache(spec, layout, [torch.empty(s, dtype=spec.dtype) for s in spec.tensor_shapes(layout)])
 
     def _pin_mirror(self) -> None:
-        if getattr(self, "_mirror_pinned", True):
+        if self._mirror_pinned:
             return
         with self._mirror_lock:  # the first fallback pins it; a concurrent one waits for that
             if self._mirror_pinned:
@@ -188,11 +187,15 @@ class TransportSide:
                         time.perf_counter() - t0)
 
     def stage_for(self, protocol: str, h: Any) -> None:
-        """A hold read or written over tcp while the pool's own protocol is device-direct: copy its
-        blocks to the host mirror first (once)."""
-        if protocol == "tcp" and self.host_kv is not None and not getattr(h, "host_staged", True):
-            self._stage(True, h.block_ids)
-            h.host_staged = True
+        """A hold read or written over tcp while the KV is on the device: copy its blocks to the host
+        mirror first, once (at tp=1 when the first tcp peer needs them; tensor-parallel ranks stage
+        theirs at the step after the prefill, and the hold is host-staged then)."""
+        if protocol != "tcp" or self.host_kv is None or h.host_staged:
+            return
+        with self._stage_lock:  # two consumer ranks may ask at once: one copy
+            if not h.host_staged:
+                self._stage(True, h.block_ids)
+                h.host_staged = True
 
     def _stage(self, to_host: bool, block_ids: list[int]) -> None:
         """Staging: copy ``block_ids`` between the device pool and its host mirror, and wait for it."""
@@ -248,7 +251,7 @@ class TransportSide:
                        f"{lay.tp_size} at engine {lay.engine_id}; allowed: layerwise=False)")
             if not why and self.layerwise and lay.protocol == "tcp" and self.host_kv is not None:
                 why = "layerwise writes need memory the transfer reaches directly, not tcp staging"
-            if not why and self.mode == "push":
+            if not why and self.config.mode == "push":
                 why = self.usable(mine, lay)
             if why:
                 unusable[lay.protocol] = why
@@ -258,10 +261,10 @@ class TransportSide:
             whys = set(unusable.values())
             why = whys.pop() if len(whys) == 1 else "; ".join(f"{p}: {w}" for p, w in unusable.items())
             return HelloReply(None, why or "no layout given")
-        with self._lock:
+        with self.state.lock:
             self._peers[msg.layout.engine_id] = ok
         rest = [lay for p, lay in self.layouts.items() if p != self.protocol] if self.tp_size == 1 else []
-        return HelloReply(self.layout, layouts=self.rank_layouts, alternatives=rest, unusable=unusable)
+        return HelloReply(self.layout, layouts=self.state.rank_layouts, alternatives=rest, unusable=unusable)
 
     def _done(self, kind: str, rid: str, ok: bool, nbytes: int, settled: bool = True) -> None:
         self._results.put((kind, rid, ok, nbytes, settled))
