@@ -174,7 +174,9 @@ class GroupedKVCacheManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return min(m.num_free_blocks for m in self.managers)
+        """The first group's free blocks (the full group's where there is one: the pool the longest
+        request needs; ``Engine.stats()`` reports it beside ``num_kv_blocks``)."""
+        return self.managers[0].block_pool.num_free_blocks
 
     @property
     def usage(self) -> float:

@@ -84,7 +84,7 @@ class CacheOptions:
     kv_cache_scales: Any = None  # fp8 KV dequantisation scales (hwkv.interfaces.kv_quant.parse_scales); None: 1.0
     # sliding-window layers in their own KV-cache groups, freeing blocks that left the window
     # (docs/hybrid-models.md); True: required (ValueError saying what prevents it), None: where possible
-    kv_cache_groups: bool | None = False
+    kv_cache_groups: bool | None = None
 
     def check(self) -> None:
         _optional_count(self, "block_size", "num_kv_blocks")
@@ -237,7 +237,6 @@ class EngineArgs(SpeculativeOptions, KVEventsOptions, KVTransferOptions, Paralle
         # if it runs per-layer host work inside the forward (KVConnectorBase.capturable_layer_hooks)
         graphs = not self.enforce_eager and backend.capabilities.graph_capture and (
             kv_connector is None or not kv_connector.layerwise or kv_connector.capturable_layer_hooks)
-        graphs = graphs and not grouped  # graph buffers hold one block table per request
         async_ = graphs if self.async_scheduling is None else self.async_scheduling
         if self.speculative_config is not None:  # drafts of step N+1 come from step N's tokens
             async_ = False

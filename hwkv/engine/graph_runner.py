@@ -56,6 +56,7 @@ import numpy as np
 import torch
 
 from hwkv.engine.inputs import StepBatch, metadata
+from hwkv.interfaces.attention import GroupedMetadata
 from hwkv.interfaces.device import Device, Graph
 
 
@@ -107,6 +108,17 @@ def pad_into(batch: StepBatch, bucket: int, i64: np.ndarray, seq: np.ndarray, bt
     bt[n:bucket, 0] = 0
 
 
+def pad_groups(batch: StepBatch, bucket: int, g64: np.ndarray, g32: np.ndarray, q: int = 1) -> None:
+    """:func:`pad_into` of KV-cache groups 1..'s slot mappings (``g64 [G-1, >=bucket·q]``) and block tables
+    (``g32 [G-1, >=bucket, max_blocks]``), padded rows as there."""
+    n, w = batch.block_tables.shape
+    t, tb = n * q, bucket * q
+    for g, (bt, sm) in enumerate(batch.groups):
+        g64[g, :t], g64[g, t:tb] = sm, -1
+        g32[g, :n, :w] = bt
+        g32[g, n:bucket, 0] = 0
+
+
 def pad_queries(batch: StepBatch, q: int, block_size: int) -> StepBatch:
     """``batch`` of decode rows with ``1..q`` query tokens each, as a batch of exactly ``q`` per row (the
     verify graphs' shape): each row's tokens first, then ``q - len`` padding tokens (id 0 at position 0,
@@ -120,15 +132,21 @@ def pad_queries(batch: StepBatch, q: int, block_size: int) -> StepBatch:
     if ql.min(initial=1) < 1 or ql.max(initial=1) > q:
         raise ValueError(f"query lengths {ql.tolist()} are not all in [1, {q}]")
     dst = np.repeat(np.arange(n) * q, ql) + (np.arange(int(qsl[-1])) - np.repeat(qsl[:-1], ql))
-    ids, pos, slots = np.zeros(n * q, np.int64), np.zeros(n * q, np.int64), np.full(n * q, -1, np.int64)
-    ids[dst], pos[dst], slots[dst] = batch.input_ids, batch.positions, batch.slot_mapping
+    ids, pos = np.zeros(n * q, np.int64), np.zeros(n * q, np.int64)
+    ids[dst], pos[dst] = batch.input_ids, batch.positions
     seq = batch.seq_lens.astype(np.int64) + q - ql
-    bt = np.zeros((n, -(-int(seq.max()) // block_size)), np.int32)
-    bt[:, : batch.block_tables.shape[1]] = batch.block_tables
+    width = -(-int(seq.max()) // block_size)
+
+    def widen(table: np.ndarray, sm: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        bt, s = np.zeros((n, width), np.int32), np.full(n * q, -1, np.int64)
+        bt[:, : table.shape[1]], s[dst] = table, sm
+        return bt, s
+
+    bt, slots = widen(batch.block_tables, batch.slot_mapping)
     return batch._replace(input_ids=ids, positions=pos, slot_mapping=slots,
                           query_start_loc=np.arange(0, (n + 1) * q, q, dtype=np.int32),
                           seq_lens=seq.astype(np.int32), block_tables=bt, num_decodes=n if q == 1 else 0,
-                          max_query_len=q)
+                          max_query_len=q, groups=tuple(widen(t, sm) for t, sm in batch.groups))
 
 
 def multi_token_graphs(meta_builder: Any) -> bool:
@@ -175,6 +193,13 @@ class GraphRunner:
         self.block_tables = self.d32[mb:].view(mb, self.max_blocks)
         self.query_start_loc = torch.arange(0, (mb + 1) * q, q, dtype=torch.int32, device=td)
         self.logits_indices = torch.arange(mb * q, dtype=torch.int64, device=td)
+        # KV-cache groups 1.. (hwkv.engine.kv_groups.GroupedKVCache): their slot mappings and block tables
+        self.layer_group = getattr(kv_cache, "layer_group", None)
+        ng = len(getattr(kv_cache, "groups", ())[1:])
+        self.g64, self.g32 = device.host_zeros((ng, mb * q), torch.int64), device.host_zeros(
+            (ng, mb, self.max_blocks), torch.int32)
+        self.dg64 = torch.zeros((ng, mb * q), dtype=torch.int64, device=td)
+        self.dg32 = torch.zeros((ng, mb, self.max_blocks), dtype=torch.int32, device=td)
         self._copied = device.new_event()
         # (batch, seq-len bound) -> (graph, logits, metadata): the metadata must outlive the graph,
         # since it owns tensors the backend built outside the capture (hwkv-cuda's cached plan)
@@ -189,7 +214,17 @@ class GraphRunner:
                         num_decodes=b if q == 1 else 0, max_query_len=q)
 
     def _metadata(self, b: int, seq_cpu: torch.Tensor) -> Any:
-        return self.meta_builder.build(self._common(b, seq_cpu))
+        md = self.meta_builder.build(self._common(b, seq_cpu))
+        if not len(self.dg64):
+            return md
+        q = self.q
+        qsl_cpu = torch.arange(0, (b + 1) * q, q, dtype=torch.int32)
+        per = [(md, self.d64[2, : b * q])] + [
+            (self.meta_builder.build(metadata(self.query_start_loc[: b + 1], self.seq_lens[:b], bt[:b], sm[: b * q],
+                                              qsl_cpu, seq_cpu, self.block_size, num_decodes=b if q == 1 else 0,
+                                              max_query_len=q)), sm[: b * q])
+            for bt, sm in zip(self.dg32, self.dg64)]
+        return GroupedMetadata(per, self.layer_group)  # type: ignore[arg-type]
 
     def _forward(self, b: int, md: Any) -> torch.Tensor:
         t = b * self.q
@@ -225,6 +260,8 @@ class GraphRunner:
             return
         dev = self.device
         self.d64[2].fill_(-1)  # capture-time passes write no KV
+        self.dg64.fill_(-1)
+        self.dg32.zero_()
         if self.last_only:
             self.d64[3, : self.max_batch].copy_(self.logits_indices[:: self.q])
         self.seq_lens.fill_(self.q)
@@ -269,6 +306,10 @@ class GraphRunner:
         bt = h32[mb:].reshape(mb, self.max_blocks)
         h64 = self.h64.numpy()
         pad_into(batch, b, h64, h32[:mb], bt, q)
+        if batch.groups:
+            pad_groups(batch, b, self.g64.numpy(), self.g32.numpy(), q)
+            self.dg64[:, : b * q].copy_(self.g64[:, : b * q], non_blocking=True)
+            self.dg32[:, :b].copy_(self.g32[:, :b], non_blocking=True)
         if self.last_only:  # each row's last real token; padded rows their first (any valid row)
             h64[3, :b] = np.arange(0, b * q, q)
             h64[3, :n] += last

@@ -55,14 +55,15 @@ def plan_groups(model: Any, num_blocks: int, block_size: int, max_num_seqs: int,
     """Groups in ``layer_groups`` order. A full group holds ``num_blocks``; a window group what its live
     windows can use at most — every running request's window plus one block either side, plus one
     step's tokens — capped at ``num_blocks`` (a model with no full layer gives its window group the
-    whole pool: extra window blocks keep prefixes cached)."""
+    whole pool: extra window blocks keep prefixes cached), plus its null block."""
     kinds = layer_groups(model_windows(model))
     has_full = kinds[0][0] is None
     out = []
     for w, layers in kinds:
         n = num_blocks
-        if w is not None and has_full:
-            n = min(num_blocks, window_cap(w, block_size, max_num_seqs, max_num_batched_tokens))
+        if w is not None:  # + its null block (id 0: the table entries before the window), never handed out
+            n = 1 + (min(num_blocks, window_cap(w, block_size, max_num_seqs, max_num_batched_tokens)) if has_full
+                     else num_blocks)
         out.append(KVCacheGroup(layers, w, n))
     return tuple(out)
 
@@ -73,7 +74,8 @@ def window_reserve(model: Any, block_size: int, max_num_seqs: int, max_num_batch
     the pool: the full group's blocks share what the window groups leave."""
     kinds = layer_groups(model_windows(model))
     full = sum(len(layers) for w, layers in kinds if w is None)
-    fixed = sum(len(layers) * layer_bytes_per_block * window_cap(w, block_size, max_num_seqs, max_num_batched_tokens)
+    fixed = sum(len(layers) * layer_bytes_per_block
+                * (1 + window_cap(w, block_size, max_num_seqs, max_num_batched_tokens))
                 for w, layers in kinds if w is not None)
     return full * layer_bytes_per_block, fixed
 
@@ -81,8 +83,8 @@ def window_reserve(model: Any, block_size: int, max_num_seqs: int, max_num_batch
 class GroupedKVCache:
     """The KV tensors of a grouped model: one :class:`KVCache` per group, ``layer(i)`` from layer ``i``'s.
 
-    ``spec`` is the whole model's (every layer) with the first group's block count (the full group's
-    when there is one: the longest request it can hold); ``caches[g].spec`` each group's own."""
+    ``spec`` is the whole model's (every layer) with the first group's usable block count (the full
+    group's when there is one: the longest request it can hold); ``caches[g].spec`` each group's own."""
 
     def __init__(self, groups: tuple[KVCacheGroup, ...], caches: list[KVCache]):
         self.groups, self.caches = groups, caches
@@ -90,7 +92,9 @@ class GroupedKVCache:
                                                   for j, layer in enumerate(grp.layers)}
         c0 = caches[0]
         self.layout = c0.layout
-        self.spec = replace(c0.spec, num_layers=len(self.where))
+        # usable blocks: a window group's null block is never handed out
+        self.spec = replace(c0.spec, num_layers=len(self.where),
+                            num_blocks=c0.spec.num_blocks - (groups[0].window is not None))
         self.tensors = [t for c in caches for t in c.tensors]
         self.scales = None if c0.scales is None else True  # per group: layer_scales / set_scales
 

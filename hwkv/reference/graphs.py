@@ -86,7 +86,8 @@ class RecordingCpuDevice(CpuDevice):
 
 class StaticAttentionImpl(AttentionImpl):
     """Paged attention whose work depends only on tensor *shapes* and device-tensor contents (no host
-    reads), so it survives capture: a static-shape reference for graph tests (float32 math)."""
+    reads), so it survives capture: a static-shape reference for graph tests (float32 math), with the
+    window, soft-cap and sinks the CPU backend declares (``AttentionImpl``)."""
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, layer_kv: Any, slot_mapping: torch.Tensor) -> None:
         k_cache, v_cache = split_kv(layer_kv)
@@ -110,9 +111,19 @@ class StaticAttentionImpl(AttentionImpl):
         k = k_cache[blocks].flatten(1, 2).float().repeat_interleave(rep, dim=2)  # [T, S, H, D]
         v = v_cache[blocks].flatten(1, 2).float().repeat_interleave(rep, dim=2)
         scores = torch.einsum("thd,tshd->ths", query.float(), k) * self.scale
+        if self.softcap is not None:
+            scores = self.softcap * torch.tanh(scores / self.softcap)
         s = torch.arange(blocks.shape[1] * bs, device=query.device)
-        scores = scores.masked_fill((s[None, :] > pos[:, None]).unsqueeze(1), float("-inf"))
-        return torch.einsum("ths,tshd->thd", scores.softmax(-1), v).to(query.dtype)
+        hidden = s[None, :] > pos[:, None]
+        if self.window is not None:  # a query at p sees keys in (p - window, p]
+            hidden = hidden | (s[None, :] <= pos[:, None] - self.window)
+        scores = scores.masked_fill(hidden.unsqueeze(1), float("-inf"))
+        if self.sinks is not None:  # one more logit per head in the denominator only
+            sink = self.sinks.float().to(scores.device)[None, :, None].expand(t, -1, 1)
+            probs = torch.cat([scores, sink], -1).softmax(-1)[..., :-1]
+        else:
+            probs = scores.softmax(-1)
+        return torch.einsum("ths,tshd->thd", probs, v).to(query.dtype)
 
 
 class StaticAttentionBackend(AttentionBackend):

@@ -115,7 +115,10 @@ def test_greedy_parity_with_hf(hf_case, case):
     assert [o.token_ids for o in outs] == ref
     assert all(o.finish_reason == "length" and o.finished for o in outs)
     stats = engine.stats()
-    if case == "preemption":
+    # windowed models run with KV-cache groups (docs/hybrid-models.md); with windows only (Mistral) a
+    # request stops growing at its window, so the small pool need not preempt
+    windows_only = bool(engine.config.kv_groups) and all(g.window for g in engine.config.kv_groups)
+    if case == "preemption" and not windows_only:
         assert stats["num_preemptions"] > 0
     if case == "default":
         assert stats["prefix_cache_hits"] > 0
