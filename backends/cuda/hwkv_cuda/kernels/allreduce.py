@@ -1,12 +1,13 @@
 """One-shot "push" all-reduce over peer memory (Triton), optionally fused with the residual add.
 
-Every rank's buffer (one symmetric-memory allocation, mapped into every rank) holds two parities of
+Every rank's buffer (one allocation, mapped into every rank through CUDA IPC) holds two parities of
 ``WS`` slots of ``SLOT`` elements, then ``[programs, WS]`` int64 flags. Program ``p`` of rank ``r``
 owns bytes ``[p * 4096, (p + 1) * 4096)`` of every slot: it writes its piece of the input into slot
-``r`` of every rank's buffer (NVLink stores are posted: a push costs one crossing, a pull two),
-raises flag ``[p, r]`` on every rank to its epoch (release, system scope), waits until every rank
-raised flag ``[p, *]`` of its own buffer to that epoch (acquire), then sums the ``WS`` slots in rank
-order — the same order on every rank, so every rank holds the same bits — and adds the residual.
+``r`` of every peer's buffer (NVLink stores are posted: a push costs one crossing, a pull two),
+raises flag ``[p, r]`` on every peer to its epoch (release, system scope), waits until every peer
+raised flag ``[p, *]`` of its own buffer to that epoch (acquire), then sums the ``WS`` parts (its own
+from registers, the peers' from its buffer) in rank order — the same order on every rank, so every
+rank holds the same bits — and adds the residual.
 
 The epoch is program ``p``'s call count (``epochs[p]``, in device memory: graph replays advance it).
 Calls alternate between the two parities, which makes one barrier per call enough: a rank writes a
@@ -27,27 +28,35 @@ MAX_SPIN = tl.constexpr(1 << 28)  # a global a @jit function reads must be a con
 def _push_sum(x, offs, mask, pid, buf_ptr, flags_ptr, peers_ptr, epochs_ptr, err_ptr, RANK: tl.constexpr,
               WS: tl.constexpr, SLOT: tl.constexpr, FLAG_OFF: tl.constexpr, BLOCK: tl.constexpr):
     """Program ``pid``'s barrier round: push ``x`` (at ``offs`` of the slot) into slot ``RANK`` of every
-    rank's buffer, raise flag ``[pid, RANK]`` on every rank, wait for every rank's flag ``[pid, *]`` here
-    (bounded), then the float32 sum of the ``WS`` slots in rank order; the epoch is advanced."""
+    peer's buffer, raise flag ``[pid, RANK]`` on every peer, wait for every peer's flag ``[pid, r]``
+    here (bounded), then the float32 sum of the ``WS`` parts in rank order (this rank's own part from
+    registers: no store, flag, system-scope fence or wait for it); the epoch is advanced."""
     epoch = tl.load(epochs_ptr + pid) + 1
     base = (epoch % 2) * (WS * SLOT)
     for r in tl.static_range(WS):
-        peer = tl.load(peers_ptr + r).to(tl.pointer_type(x.dtype))
-        tl.store(peer + base + RANK * SLOT + offs, x, mask=mask)
+        if r != RANK:
+            peer = tl.load(peers_ptr + r).to(tl.pointer_type(x.dtype))
+            tl.store(peer + base + RANK * SLOT + offs, x, mask=mask)
     tl.debug_barrier()  # every thread's stores before the flag
     for r in tl.static_range(WS):
-        flag = tl.load(peers_ptr + r).to(tl.pointer_type(tl.int64)) + FLAG_OFF + pid * WS + RANK
-        tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
+        if r != RANK:
+            flag = tl.load(peers_ptr + r).to(tl.pointer_type(tl.int64)) + FLAG_OFF + pid * WS + RANK
+            tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
     for r in tl.static_range(WS):
-        spins = 0
-        while (tl.atomic_add(flags_ptr + pid * WS + r, 0, sem="acquire", scope="sys") < epoch) & (spins < MAX_SPIN):
-            spins += 1
-        if spins >= MAX_SPIN:
-            tl.store(err_ptr, 1)
+        if r != RANK:
+            spins = 0
+            while (tl.atomic_add(flags_ptr + pid * WS + r, 0, sem="acquire", scope="sys") < epoch) & (
+                    spins < MAX_SPIN):
+                spins += 1
+            if spins >= MAX_SPIN:
+                tl.store(err_ptr, 1)
     tl.debug_barrier()
     acc = tl.zeros([BLOCK], tl.float32)
     for r in tl.static_range(WS):
-        acc += tl.load(buf_ptr + base + r * SLOT + offs, mask=mask).to(tl.float32)
+        if r == RANK:
+            acc += x.to(tl.float32)
+        else:
+            acc += tl.load(buf_ptr + base + r * SLOT + offs, mask=mask).to(tl.float32)
     tl.store(epochs_ptr + pid, epoch)
     return acc
 
