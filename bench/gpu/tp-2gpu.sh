@@ -26,9 +26,9 @@ CUDA_VISIBLE_DEVICES=0 timeout -k 5 40 python3 -m pytest -q -p no:cacheprovider 
 echo "=== 1 allreduce microbench"; date -u
 timeout -k 5 -s ABRT 40 python3 -m hwkv_cuda.bench.allreduce --world-size 2 --iters 50 --out $OUT/allreduce.json > $OUT/allreduce.log 2>&1; echo "rc=$?"; tail -n 70 $OUT/allreduce.log
 wait $WRITER; tail -n 5 $OUT/write.log
-# the engine runs only take the custom all-reduce if the microbench saw its push path bit-exact on two GPUs
+# the engine runs take the custom all-reduce only if the microbench saw push, push_add and auto bit-exact at every size
 # (else NCCL: the tp table, margin rule and host work still come out)
-if python3 -c "import json,sys; r=json.load(open('$OUT/allreduce.json'))['rows']; sys.exit(not any(x.get('path')=='push' and x.get('exact') for x in r) or any(x.get('path')=='push' and 'exact' in x and not x['exact'] for x in r))"; then
+if python3 -c "import json,sys; r=json.load(open('$OUT/allreduce.json'))['rows']; sys.exit(not any(x.get('path')=='push' and x.get('exact') for x in r) or any(x.get('path') in ('push', 'push_add', 'auto') and not x.get('exact') for x in r) or any(x.get('push_spin_timeouts') for x in r))"; then
   echo "push all-reduce bit-exact in the microbench: HWKV_CUSTOM_ALLREDUCE=auto"
 else
   echo "push all-reduce NOT seen bit-exact: engine runs on NCCL (HWKV_CUSTOM_ALLREDUCE=off)"; export HWKV_CUSTOM_ALLREDUCE=off
