@@ -45,6 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check-tokens", type=int, default=32, help="greedy tokens per prompt scored (0: skip)")
     p.add_argument("--reference", choices=["hf", "none"], default="hf")
     p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--max-num-seqs", type=int, default=None, help="default: the engine's (fewer: fewer graphs "
+                   "to capture, a faster start)")
     p.add_argument("--eager", action="store_true")
     p.add_argument("--backend", default="cuda")
     p.add_argument("--decode-batch", default="1", help="comma list of batch sizes of the decode runs (with "
@@ -105,6 +107,8 @@ def measure(mdir: Path, tp: int, a: argparse.Namespace, bw: float, vocab: int, r
     kw: dict[str, Any] = dict(backend=a.backend, dtype=a.dtype, max_model_len=a.max_model_len, enforce_eager=a.eager)
     if a.budget:
         kw["max_num_batched_tokens"] = a.budget
+    if a.max_num_seqs:
+        kw["max_num_seqs"] = a.max_num_seqs
     t0 = time.perf_counter()
     e = hwkv.Engine(str(mdir), tensor_parallel_size=tp, **kw)
     custom = getattr(e._tp.comm, "_custom", None) if e._tp else None
