@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from hwkv.interfaces.connector import KVConnectorOutput
+
 
 @dataclass
 class NewRequestData:
@@ -53,16 +55,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
-
-
-@dataclass
-class KVConnectorOutput:
-    """Worker-side connector completions reported back to the scheduler."""
-
-    finished_sending: set[str] = field(default_factory=set)  # delayed-free blocks may go now
-    finished_recving: set[str] = field(default_factory=set)  # async loads done: may run now
-    failed_recving: set[str] = field(default_factory=set)  # loads failed: recompute instead
-    extra: dict[str, Any] = field(default_factory=dict)  # connector-specific (e.g. store events)
 
 
 @dataclass

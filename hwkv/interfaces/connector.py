@@ -42,12 +42,48 @@ Only a connector that declares ``supports_tensor_parallel`` is accepted there.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from hwkv.core.request import Request
-    from hwkv.core.sched_output import KVConnectorOutput, SchedulerOutput
     from hwkv.interfaces.layout import KVCache
+
+
+class Request(Protocol):
+    """What a connector may read of a request (``hwkv.core.request.Request`` is the one the
+    scheduler hands it); ``kv_transfer_params`` it may also replace (what the response carries)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    num_prompt_tokens: int
+    num_tokens: int  # prompt + output so far
+    num_computed_tokens: int
+    cache_salt: str | None
+    kv_transfer_params: dict[str, Any] | None
+    status: Any  # hwkv.core.request.RequestStatus
+    block_hashes: list[bytes]  # the prefix-cache chain hash of each full block
+
+
+class SchedulerOutput(Protocol):
+    """What a connector may read of a step's schedule (``hwkv.core.sched_output.SchedulerOutput``)."""
+
+    scheduled_new_reqs: Sequence[Any]  # NewRequestData: req_id, block_ids, num_computed_tokens, ...
+    scheduled_cached_reqs: Any  # CachedRequestData: req_ids, new_block_ids, num_computed_tokens
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str]
+    preempted_req_ids: set[str]
+
+
+@dataclass
+class KVConnectorOutput:
+    """Worker-side connector completions reported back to the scheduler."""
+
+    finished_sending: set[str] = field(default_factory=set)  # delayed-free blocks may go now
+    finished_recving: set[str] = field(default_factory=set)  # async loads done: may run now
+    failed_recving: set[str] = field(default_factory=set)  # loads failed: recompute instead
+    extra: dict[str, Any] = field(default_factory=dict)  # connector-specific (e.g. store events)
 
 
 class KVConnectorBase:

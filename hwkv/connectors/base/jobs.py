@@ -17,7 +17,7 @@ from itertools import count
 from typing import Any
 
 from hwkv.connectors.base.roles import ConnectorScheduler, ConnectorWorker
-from hwkv.core.sched_output import KVConnectorOutput
+from hwkv.interfaces.connector import KVConnectorOutput
 
 
 @dataclass

@@ -17,8 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hwkv.core.sched_output import KVConnectorOutput
-from hwkv.interfaces.connector import KVConnectorBase
+from hwkv.interfaces.connector import KVConnectorBase, KVConnectorOutput
 
 
 class ConnectorScheduler:

@@ -41,7 +41,7 @@ from hwkv.connectors.offload.tier import HostTier, HostTierGeometry
 from hwkv.connectors.offload.worker import OffloadMeta
 from hwkv.core.block_pool import KVCacheBlock
 from hwkv.core.kv_events import MEDIUM_CPU, BlockStored
-from hwkv.core.sched_output import KVConnectorOutput
+from hwkv.interfaces.connector import KVConnectorOutput
 
 
 @dataclass

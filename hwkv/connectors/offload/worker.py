@@ -28,7 +28,7 @@ from typing import Any
 from hwkv.connectors.base.copy import CopyPlan, copy_block_pairs, plan_copy, run_copy
 from hwkv.connectors.base.jobs import JobWorker, Meta
 from hwkv.connectors.offload.tier import HostTierGeometry
-from hwkv.core.sched_output import KVConnectorOutput
+from hwkv.interfaces.connector import KVConnectorOutput
 
 
 @dataclass

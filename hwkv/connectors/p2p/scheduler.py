@@ -19,7 +19,7 @@ from hwkv.connectors.base.roles import ConnectorScheduler
 from hwkv.connectors.p2p.protocol import prompt_digest, push_refusal
 from hwkv.connectors.p2p.state import DriverState, Held, LoadSpec, P2PConfig, P2PMeta, Stream
 from hwkv.core.request import RequestStatus
-from hwkv.core.sched_output import KVConnectorOutput
+from hwkv.interfaces.connector import KVConnectorOutput
 
 log = logging.getLogger(__name__)
 _NEED = ("remote_host", "remote_port", "remote_request_id", "remote_block_ids", "remote_num_tokens", "prompt_digest")

@@ -25,7 +25,7 @@ from hwkv.connectors.p2p.protocol import Layout
 from hwkv.connectors.p2p.push import Pusher, _Parts
 from hwkv.connectors.p2p.state import DriverState, P2PConfig, P2PMeta
 from hwkv.connectors.p2p.transport import Transport
-from hwkv.core.sched_output import KVConnectorOutput
+from hwkv.interfaces.connector import KVConnectorOutput
 
 
 class P2PWorker(Transport, Pusher, Producer, Consumer, ConnectorWorker):

@@ -29,7 +29,7 @@ from typing import Any
 from hwkv.connectors.base.jobs import JobScheduler, Meta, ReqState
 from hwkv.connectors.pool.lookup import LookupClient
 from hwkv.core.kv_events import MEDIUM_POOL, BlockRemoved, BlockStored
-from hwkv.core.sched_output import KVConnectorOutput
+from hwkv.interfaces.connector import KVConnectorOutput
 
 _RECENT_MAX = 1 << 16  # chunk hashes known to be in the pool (puts and loads that completed)
 _LOOKUP_TTL_S = 1.0  # a waiting request that is not admitted re-asks at most this often

@@ -22,7 +22,7 @@ from hwkv.connectors.pool.key import PoolKey
 from hwkv.connectors.pool.lookup import LookupServer
 from hwkv.connectors.pool.store import StoreHandle
 from hwkv.connectors.pool.transfer import GetJob, PoolTransfer, PutJob
-from hwkv.core.sched_output import KVConnectorOutput
+from hwkv.interfaces.connector import KVConnectorOutput
 from hwkv.interfaces.store import StoreError
 
 
