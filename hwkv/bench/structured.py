@@ -61,11 +61,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", choices=("random", "chat"), default="random",
                    help="random token ids, or the real-model tier's chat prompts asking for a JSON answer "
                         "(a model with a chat template, e.g. the SmolLM2 GGUF)")
-    p.add_argument("--mask-threads", type=int, default=None, help="llguidance executor threads (default: its own, "
-                   "80%% of the cores)")
+    p.add_argument("--mask-threads", type=int, default=None, help="llguidance executor threads (default: the "
+                   "engine's, hwkv.engine.structured.MASK_THREADS)")
     p.add_argument("--mask-only", type=int, default=0, metavar="STEPS",
                    help="no engine: time llguidance alone for --batch matchers over STEPS steps of random allowed "
-                        "tokens (the synthetic tokenizer of --model's vocabulary), its executor vs one thread")
+                        "tokens (the synthetic tokenizer of --model's vocabulary): llguidance's executor with its "
+                        "default threads, with the engine's (MASK_THREADS), and one thread")
     p.add_argument("--engine-args", default="{}", help="JSON of extra Engine keyword arguments")
     p.add_argument("--out-dir", default=None)
 
@@ -126,12 +127,15 @@ def model_dir(args: argparse.Namespace) -> Path:
 
 def mask_only(args: argparse.Namespace) -> int:
     """Host cost of the masks alone: ``--batch`` matchers per schema advance by a random allowed token
-    per step (as a random-weight model samples); the executor's parallel fill vs one thread, same tokens."""
+    per step (as a random-weight model samples); the executor's parallel fill with llguidance's default threads,
+    with the engine's, and one thread, same tokens."""
     import llguidance
     import numpy as np
     import torch
 
-    from hwkv.engine.structured import grammar_of
+    from hwkv.engine.structured import MASK_THREADS, grammar_of
+
+    llguidance_default = "default (80% of cores)"
 
     vocab = {**SHAPES, "tiny": TINY}[args.model]["vocab_size"]
     tok = synthetic_tokenizer(vocab)
@@ -139,11 +143,11 @@ def mask_only(args: argparse.Namespace) -> int:
     words = (vocab + 31) // 32
     res: dict[str, Any] = {}
     for name in [s for s in args.schemas.split(",") if s]:
-        for threads in (None, 1):
+        for threads in dict.fromkeys((None, MASK_THREADS, 1)):  # llguidance's default, the engine's, one
             rng = random.Random(0)
             base = llguidance.LLMatcher(llt, grammar_of({"json": SCHEMAS[name]}), log_level=0)
             ms = [base.deep_copy() for _ in range(args.batch)]
-            ex = llguidance.LLExecutor() if threads is None else None
+            ex = None if threads == 1 else llguidance.LLExecutor(num_threads=threads)
             mask = torch.full((args.batch, words), -1, dtype=torch.int32)
             times = []
             for _ in range(args.mask_only):
@@ -162,7 +166,7 @@ def mask_only(args: argparse.Namespace) -> int:
                     allowed = np.flatnonzero(bits[i])
                     m.consume_token(int(allowed[rng.randrange(len(allowed))]))
             q = sorted(times)
-            key = f"{name}/{'executor' if threads is None else '1 thread'}"
+            key = f"{name}/{'1 thread' if threads == 1 else f'executor {threads or llguidance_default} threads'}"
             res[key] = {"steps": len(q), "mean_ms": 1e3 * sum(q) / len(q), "p50_ms": 1e3 * q[len(q) // 2],
                         "p90_ms": 1e3 * q[int(len(q) * 0.9)], "max_ms": 1e3 * q[-1]}
             print(f"{key:>20}: {args.batch} rows, {len(q)} steps: mask mean {res[key]['mean_ms']:.3f} ms/step "
@@ -175,6 +179,7 @@ def mask_only(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     import hwkv
+    from hwkv.engine.structured import MASK_THREADS
 
     if args.mask_only:
         return mask_only(args)
@@ -275,7 +280,7 @@ def run(args: argparse.Namespace) -> int:
         for s in names:
             best[s]["cost_vs_free"] = 1 - best[s]["tok_s"] / free
         doc = {"bench": "structured", "model": args.model, "backend": args.backend, "device": dev,
-               "prompts": args.prompts, "mask_threads": args.mask_threads or "llguidance default",
+               "prompts": args.prompts, "mask_threads": args.mask_threads or MASK_THREADS,
                "batch": args.batch, "input_len": args.input_len, "output_len": args.output_len,
                "engine": {k: v for k, v in kw.items() if k != "backend"}, "grammar_engine": "llguidance",
                "repeats_done": r + 1, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "results": best}

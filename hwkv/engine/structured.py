@@ -28,6 +28,7 @@ preempted one restarted, a matcher in error) is computed there, on the main thre
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -40,6 +41,12 @@ if TYPE_CHECKING:
 
 KEYS = ("json", "json_object", "regex", "choice", "grammar")
 CACHE_SIZE = 256  # compiled grammars kept
+# llguidance's executor threads: at most 8, and two cores left to the engine's main thread and the
+# process's other work. Its own default (80% of the cores, up to 32) oversubscribes a host shared by
+# several GPUs' processes, where a parallel fill waits for its last thread to be scheduled; 64 rows
+# at tens of microseconds each need no more than 8.
+MASK_THREADS = max(1, min(8, len(os.sched_getaffinity(0)) - 2 if hasattr(os, "sched_getaffinity")
+                          else (os.cpu_count() or 1) - 2))
 
 
 def grammar_of(spec: Any) -> str:
@@ -159,7 +166,7 @@ class StructuredOutputs:
         if self._executor is None:
             import llguidance
 
-            self._executor = llguidance.LLExecutor()
+            self._executor = llguidance.LLExecutor(num_threads=MASK_THREADS)
         return self._executor
 
     def prefetch(self, req_ids: list[str], slots: list[int], num_outputs: list[int], host: torch.Tensor,
