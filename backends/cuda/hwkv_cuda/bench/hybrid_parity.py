@@ -8,6 +8,12 @@ its greedy tokens on prompts longer than the window are scored by HF's float32 f
 bf16 weights (teacher forcing) under the conformance margin rule: every token's float32 logit within
 ``0.02 x max(1, |max logit|)`` of the argmax. HF's own bf16 greedy tokens are compared as well (for
 information: two bf16 implementations may differ where logits nearly tie).
+
+The engine runs with its defaults, so a windowed model runs with KV-cache groups (docs/hybrid-models.md):
+each run records the groups (window, layers, blocks). ``--memory-len N`` then serves one request of
+``N - 64`` prompt tokens + 64 decoded through a ``max_model_len=N`` engine on the first shape's
+checkpoint and records the most blocks each group held (stepping the engine), against the blocks one
+group of every layer would hold.
 """
 
 from __future__ import annotations
@@ -106,18 +112,28 @@ def run_shape(shape: str, a: argparse.Namespace) -> dict[str, Any]:
     path = Path(a.workdir) / shape
     dev = "cuda" if a.backend == "cuda" else "cpu"
     hf = build(shape, path, dev)
+    print(f"[{shape}] built and saved in {time.perf_counter() - t0:.1f} s", flush=True)
     vocab, window = hf.config.vocab_size, hf.config.sliding_window
     ps = prompts(a.prompts, max(window + 24, a.prompt_len), vocab)
     res: dict[str, Any] = {"shape": shape, "window": window, "prompt_lens": [len(p) for p in ps],
                            "new_tokens": a.tokens, "build_s": round(time.perf_counter() - t0, 1)}
     t0 = time.perf_counter()
-    e = hwkv.Engine(str(path), backend=a.backend, dtype=a.dtype,
-                    max_model_len=min(4096, hf.config.max_position_embeddings), enforce_eager=a.eager)
+    longest = max(len(p) for p in ps) + a.tokens  # graphs are captured up to max_model_len: no longer
+    e = hwkv.Engine(str(path), backend=a.backend, dtype=a.dtype, max_num_seqs=max(a.prompts, 1),
+                    max_model_len=min(1 << (longest - 1).bit_length(), hf.config.max_position_embeddings),
+                    enforce_eager=a.eager)
     try:
         res["engine_start_s"] = round(time.perf_counter() - t0, 1)
+        print(f"[{shape}] engine started in {res['engine_start_s']} s", flush=True)
         res["attention_features"] = list(e.model.attention_features)
+        res["kv_groups"] = groups_of(e)
+        res["graphs"] = e.config.runtime.graphs
+        t1 = time.perf_counter()
         outs = e.generate(ps, SamplingParams(temperature=0.0, max_tokens=a.tokens, ignore_eos=True), use_tqdm=False)
         toks = [list(o.token_ids) for o in outs]
+        res["generate_s"] = round(time.perf_counter() - t1, 2)
+        res["graph_steps"] = e.runner.num_graph_steps
+        print(f"[{shape}] generated in {res['generate_s']} s", flush=True)
     finally:
         e.close()
         gc.collect()
@@ -143,6 +159,60 @@ def run_shape(shape: str, a: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
+def groups_of(e: Any) -> list[dict[str, Any]]:
+    return [{"window": g.window, "layers": len(g.layers), "blocks": g.num_blocks} for g in e.config.kv_groups]
+
+
+def memory_run(shape: str, a: argparse.Namespace) -> dict[str, Any]:
+    """One ``a.memory_len``-token request through a grouped engine: the most blocks each group held."""
+    import hwkv
+    from hwkv.sampling_params import SamplingParams
+
+    t0 = time.perf_counter()
+    n = a.memory_len
+    e = hwkv.Engine(str(Path(a.workdir) / shape), backend=a.backend, dtype=a.dtype, max_model_len=n,
+                    max_num_seqs=4, max_num_batched_tokens=2048, enforce_eager=True)
+    try:
+        bs, kv = e.block_size, e.kv_cache_manager
+        res: dict[str, Any] = {"shape": shape, "max_model_len": n, "block_size": bs, "kv_groups": groups_of(e),
+                               "engine_start_s": round(time.perf_counter() - t0, 1),
+                               "max_num_batched_tokens": e.config.scheduler.max_num_batched_tokens}
+        vocab = e.model_config.vocab_size
+        e.add_request("long", [(7 * i) % (vocab - 20) + 10 for i in range(n - 64)],
+                      SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
+        most, steps, t1 = [0] * len(e.config.kv_groups), 0, time.perf_counter()
+        last = list(most)
+        while e.has_unfinished():
+            e.step()
+            steps += 1
+            for r in e.scheduler.running:
+                live = kv.num_live_blocks(r.request_id)
+                most = [max(m, x) for m, x in zip(most, live)]
+                last = live  # the last step: the window (and one block); the prefill chunk's blocks are
+                # freed at the request's next block boundary (the scheduler allocates only there)
+        res["serve_s"] = round(time.perf_counter() - t1, 2)
+        res["steps"] = steps
+        res["most_live_blocks_per_group"] = most
+        res["live_blocks_per_group_last_step"] = last
+        layer_block = e.kv_cache.caches[0].spec.bytes_per_block // len(e.config.kv_groups[0].layers)
+        grouped = sum(m * len(g.layers) * layer_block for m, g in zip(most, e.config.kv_groups))
+        one = -(-n // bs) * e.model.config.num_layers * layer_block
+        at_end = sum(m * len(g.layers) * layer_block for m, g in zip(last, e.config.kv_groups))
+        res["kv_bytes_request_grouped_peak_mib"] = round(grouped / 2**20, 2)
+        res["kv_bytes_request_grouped_last_step_mib"] = round(at_end / 2**20, 2)
+        res["kv_bytes_request_one_group_mib"] = round(one / 2**20, 2)
+        res["ratio"] = round(one / grouped, 2)
+        res["ratio_last_step"] = round(one / at_end, 2)
+        pool = sum(c.spec.num_blocks * c.spec.bytes_per_block for c in e.kv_cache.caches)
+        res["pool_mib"] = round(pool / 2**20, 1)
+        res["pool_tokens_grouped_full_group"] = e.kv_cache.spec.num_blocks * bs
+        res["pool_tokens_one_group_same_bytes"] = pool // (e.model.config.num_layers * layer_block) * bs
+        assert all(m.block_pool.num_free_blocks == m.block_pool.num_usable_blocks for m in kv.managers)
+        return res
+    finally:
+        e.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch
 
@@ -156,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--workdir", default="/dev/shm/hwkv-hybrid")
     p.add_argument("--out", default=None)
+    p.add_argument("--memory-len", type=int, default=0, help="then one request of this many tokens (0: none)")
     a = p.parse_args(argv)
     dev = torch.cuda.get_device_name(0) if a.backend == "cuda" else a.backend
     doc: dict[str, Any] = {"bench": "hybrid_parity", "device": dev,
@@ -166,6 +237,12 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(r), flush=True)
         doc["runs"].append(r)
         ok &= r["margin_rule"]["passes"]
+        if a.out:
+            Path(a.out).write_text(json.dumps(doc, indent=1) + "\n")
+    if a.memory_len:
+        r = memory_run(a.shape.split(",")[0], a)
+        print(json.dumps(r), flush=True)
+        doc["memory"] = r
         if a.out:
             Path(a.out).write_text(json.dumps(doc, indent=1) + "\n")
     return 0 if ok else 1
