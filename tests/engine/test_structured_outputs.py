@@ -92,6 +92,43 @@ def test_prefetched_masks_equal_masks_computed_in_the_step(model):
         assert so._worker is None
 
 
+def test_prefetch_with_aborts_and_reused_slots(model):
+    """Requests aborted while the worker fills their next masks, and new requests taking their slots
+    at once: every answer equals the one of an engine computing each mask in the step, nothing left."""
+    def run(prefetch: bool) -> dict[str, str]:
+        e = hwkv.Engine(model, backend="cpu", num_kv_blocks=128, max_num_seqs=6, async_scheduling=True)
+        if not prefetch:
+            e.runner.structured.prefetch = lambda *a, **k: None
+        sp = lambda i: hwkv.SamplingParams(temperature=1.0, seed=i, max_tokens=50,  # noqa: E731
+                                           structured_outputs={"json": SCHEMA})
+        texts, n = {}, 0
+        for i in range(6):
+            e.add_request(f"r{i}", "Give JSON:", sp(i))
+        for step in range(400):
+            if step % 3 == 2 and n < 12:  # abort the lowest live request, start two new ones in its slot's place
+                live = sorted(e._live, key=lambda r: int(r[1:]))
+                if live:
+                    e.abort(live[0])
+                for _ in range(2):
+                    e.add_request(f"r{6 + n}", "Give JSON:", sp(6 + n))
+                    n += 1
+            for o in e.step():
+                if o.finished:
+                    texts[o.request_id] = (o.finish_reason, o.text)
+            if not e.has_unfinished():
+                break
+        so = e.runner.structured
+        assert not e.has_unfinished() and not so.matchers and e.kv_cache_manager.num_free_blocks == 128
+        assert (so.rows_prefetched > 0) == prefetch
+        e.close()
+        return texts
+
+    got, want = run(True), run(False)
+    assert got == want and len(got) == 18
+    assert sum(r == "abort" for r, _ in got.values()) >= 4
+    assert all(valid(t) for r, t in got.values() if r == "stop")
+
+
 def test_regex_choice_grammar_and_errors(model):
     e = hwkv.Engine(model, backend="cpu", num_kv_blocks=64, max_num_seqs=8)
     so = [{"regex": r"[a-c]{2}-[0-9]{2}"}, {"choice": ["north", "south"]}, {"grammar": 'start: "x" ("y" | "z")+ "."'}]
