@@ -149,7 +149,8 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """``logits [R, V]`` with ``-inf`` where ``bitmask [R, ceil(V / 32)]`` (int32; bit ``j`` of word
     ``w`` = token ``32 w + j``) has a 0. A table lookup and an add on the device: no host sync, no
-    vendor kernel, capturable in a graph; out of place (logprobs keep the model's distribution)."""
+    vendor kernel, capturable in a graph once the first call made the device's table; out of place
+    (logprobs keep the model's distribution)."""
     key = (logits.device, logits.dtype)
     table = _BYTE_TABLES.get(key)
     if table is None:  # byte value -> its 8 tokens' addends: 0 where the bit is set, -inf where not
