@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import hwkv
+from hwkv.bench import results_dir
 
 
 def workload(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
@@ -144,8 +145,6 @@ def engine_bench(args: argparse.Namespace) -> EngineBench:
 
 def result_path(args: argparse.Namespace, bench: str) -> Path:
     """``--out`` or ``<results_dir>/<bench>-<model>-<date>.json``."""
-    from hwkv.bench import results_dir
-
     return Path(args.out) if args.out else results_dir() / f"{bench}-{args.model}-{time.strftime('%Y-%m-%d')}.json"
 
 

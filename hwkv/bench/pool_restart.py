@@ -31,6 +31,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hwkv.bench import results_dir
+from hwkv.bench.common import machine, model_dir, write_result
+
 CHILD = r"""
 import json, sys, time
 import hwkv
@@ -89,8 +92,6 @@ def _child(cfg: dict[str, Any], timeout_s: float) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     import random
 
-    from hwkv.bench import results_dir
-    from hwkv.bench.common import machine, model_dir, write_result
     from hwkv.bench.serve import _commit
     from hwkv.stores.mooncake_service import mooncake_available, mooncake_holder, mooncake_master
 

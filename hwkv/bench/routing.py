@@ -34,6 +34,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hwkv.bench import results_dir
+from hwkv.bench.common import machine, model_dir, wait_http, write_result
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="tiny, a shape of `hwkv bench e2e` (llama-1b, ...) or a HF dir")
@@ -156,9 +159,6 @@ def _workloads(args: argparse.Namespace, vocab: int, phases: int) -> list[list[l
 
 def run(args: argparse.Namespace) -> int:
     import httpx
-
-    from hwkv.bench import results_dir
-    from hwkv.bench.common import machine, model_dir, wait_http, write_result
 
     if args.dtype is None:
         args.dtype = "float32" if args.backend == "cpu" else "bfloat16"

@@ -22,6 +22,7 @@ from hwkv.interfaces.kv_quant import kv_storage_dtype, shard_scales
 from hwkv.model import load_model
 from hwkv.model.fuse import fuse_elementwise
 from hwkv.model.tokenizer import has_tokenizer
+from hwkv.parallel.sharding import kv_head_start
 from hwkv.plugins import get_backend
 
 
@@ -153,8 +154,6 @@ def set_kv_scales(kv_cache: Any, model: Any, given: Any) -> None:
         given = getattr(model, "checkpoint_kv_scales", None)
     if given is None:
         return
-    from hwkv.parallel.sharding import kv_head_start
-
     spec, tp, full = kv_cache.spec, getattr(model, "tp", None), getattr(model, "full_config", None)
     sharded = tp is not None and full is not None
     heads = full.num_kv_heads if sharded else spec.num_kv_heads

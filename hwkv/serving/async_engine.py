@@ -27,6 +27,7 @@ from typing import Any
 
 from hwkv.engine.detokenizer import IncrementalDetokenizer
 from hwkv.engine.prompt import Prompt, tokenize_prompt
+from hwkv.model.tokenizer import Tokenizer, has_tokenizer
 from hwkv.outputs import CompletionMetrics, RequestOutput
 from hwkv.sampling_params import SamplingParams
 from hwkv.serving import messages as m
@@ -88,8 +89,6 @@ class AsyncEngine:
         unreadable tokenizer.json raises ``ModelLoadError``). On any failure nothing is left behind:
         no core process, socket or socket directory."""
         try:
-            from hwkv.model.tokenizer import Tokenizer, has_tokenizer
-
             if has_tokenizer(self.model):
                 self.tokenizer = Tokenizer.from_dir(self.model)
             self.info = await self.client.start(self.startup_timeout, self._core_died)

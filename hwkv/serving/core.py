@@ -21,6 +21,7 @@ from typing import Any
 
 import zmq
 
+from hwkv.engine import Engine
 from hwkv.serving import messages as m
 
 IDLE_POLL_MS = 1000  # while idle: how often the parent-alive check (and a heartbeat) runs
@@ -33,8 +34,6 @@ MAX_STEP_FAILURES = 3
 
 class EngineCore:
     def __init__(self, cfg: m.CoreConfig):
-        from hwkv.engine import Engine
-
         self.cfg = cfg
         # by name: a tensor-parallel engine builds one connector per rank from the name and config
         kw = dict(cfg.engine_kwargs)

@@ -46,6 +46,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from hwkv.core.hashing import hash_token_blocks
 from hwkv.serving.disconnect import unless_disconnected
 
 log = logging.getLogger(__name__)
@@ -123,8 +124,6 @@ class Router:
         return None
 
     def hashes(self, tokens: list[int] | None, salt: str | None) -> list[bytes]:
-        from hwkv.core.hashing import hash_token_blocks
-
         bs = self.block_size()
         if not tokens or bs is None:
             return []

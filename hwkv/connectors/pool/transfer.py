@@ -24,6 +24,7 @@ from typing import Any
 
 from hwkv.connectors.base.copy import copy_block_pairs
 from hwkv.connectors.pool.store import StoreHandle
+from hwkv.interfaces.layout import KVCache
 from hwkv.interfaces.store import StoreError
 
 
@@ -90,8 +91,6 @@ def _kv_at(alloc: Callable[[int], int], spec: Any, layout: Any, dev: Any) -> Any
     import math
 
     import torch
-
-    from hwkv.interfaces.layout import KVCache
 
     shapes = spec.tensor_shapes(layout)
     item = torch.empty((), dtype=spec.dtype).element_size()

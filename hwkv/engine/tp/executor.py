@@ -29,6 +29,7 @@ import msgspec
 import zmq
 
 from hwkv.engine.tp import messages as m
+from hwkv.model.config import ModelConfig
 from hwkv.parallel.sharding import TPShard, check_tp
 
 PROC_POLL_S = 0.05  # send() looks for exited workers at most this often
@@ -72,8 +73,6 @@ def check_supported(cfg: Any, backend: Any, kv_connector: Any) -> None:
                        f"tensor_parallel_size > 1: speculative_config=None; at 1: methods {', '.join(METHODS)})")
     if reasons:
         raise ValueError(f"tensor_parallel_size={n}: " + "; ".join(reasons))
-    from hwkv.model.config import ModelConfig
-
     check_tp(ModelConfig.from_dir(cfg.model), n)
 
 

@@ -20,21 +20,22 @@ from typing import Any
 import msgspec
 import zmq
 
+from hwkv.connectors import bind_connector, make_connector
+from hwkv.engine.build import set_kv_scales
+from hwkv.engine.config import EngineArgs
 from hwkv.engine.tp import messages as m
+from hwkv.engine.tp.runner import WorkerRunner, decode_step
+from hwkv.interfaces.kv_quant import kv_storage_dtype
+from hwkv.model import load_model
+from hwkv.model.fuse import fuse_elementwise
+from hwkv.parallel.communicator import TorchDistCommunicator
+from hwkv.parallel.sharding import TPShard
+from hwkv.plugins import get_backend
 
 IDLE_POLL_MS = 1000
 
 
 def _run(cfg: m.WorkerConfig, cmd: Any, out: Any) -> None:
-    from hwkv.engine.build import set_kv_scales
-    from hwkv.engine.config import EngineArgs
-    from hwkv.engine.tp.runner import WorkerRunner, decode_step
-    from hwkv.interfaces.kv_quant import kv_storage_dtype
-    from hwkv.model import load_model
-    from hwkv.parallel.communicator import TorchDistCommunicator
-    from hwkv.parallel.sharding import TPShard
-    from hwkv.plugins import get_backend
-
     enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(m.ToWorker)
     backend = get_backend(cfg.backend)
     backend.device.seed(cfg.seed)
@@ -89,8 +90,6 @@ def _run(cfg: m.WorkerConfig, cmd: Any, out: Any) -> None:
                 if conn is not None:  # after register_kv_caches: what the driver's scheduler side needs of this rank
                     out.send(enc.encode(m.ConnectorInfo(cfg.rank, enc.encode(conn.tp_worker_info()))))
                 if msg.fuse:
-                    from hwkv.model.fuse import fuse_elementwise
-
                     fuse_elementwise(model)
             elif isinstance(msg, m.DecodeOps):
                 model.set_decode_ops(backend.decode_ops() if msg.on else None, kv_cache.spec.dtype)
@@ -106,8 +105,6 @@ def _run(cfg: m.WorkerConfig, cmd: Any, out: Any) -> None:
 
 def _connector(cfg: m.WorkerConfig, backend: Any, model_config: Any) -> Any:
     """This rank's instance of the engine's KV connector (its worker side serves this rank's shard)."""
-    from hwkv.connectors import bind_connector, make_connector
-
     conn = make_connector(cfg.kv_connector, cfg.kv_connector_config)
     if conn is not None:
         bind_connector(conn, backend, cfg.model, model_config, cfg.rank, cfg.world_size)
