@@ -221,8 +221,6 @@ def run(args: argparse.Namespace) -> int:
     def pageable(rows: int, device: Any) -> torch.Tensor:  # the mask buffer before pinning (A/B)
         return torch.full((rows, so.words), -1, dtype=torch.int32)
 
-    prefetch = so.prefetch
-
     def one(schema: str | None, seed0: int) -> dict[str, Any]:
         base = schema.split("+")[0] if schema else None  # "records+pageable": that schema, mask buffer pageable
         sps = [hwkv.SamplingParams(temperature=1.0, seed=seed0 + i, max_tokens=args.output_len,
@@ -232,11 +230,11 @@ def run(args: argparse.Namespace) -> int:
         c0 = (so.mask_s, so.num_masks, so.join_s, so.worker_s, so.rows_prefetched, so.rows_computed)
         step_s.clear()
         so._buffer = pageable if schema and "+pageable" in schema else pinned
-        so.prefetch = (lambda *a, **k: None) if schema and "+inline" in schema else prefetch
+        so.overlap = not (schema and "+inline" in schema)
         t0 = time.perf_counter()
         outs = engine.generate(prompts, sps, use_tqdm=False)
         dt = time.perf_counter() - t0
-        so._buffer, so.prefetch = pinned, prefetch
+        so._buffer, so.overlap = pinned, True
         toks = sum(len(o.token_ids) for o in outs)
         n = max(so.num_masks - c0[1], 1)
         row = {"tokens": toks, "seconds": dt, "tok_s": toks / dt,

@@ -124,7 +124,7 @@ class ModelRunner:
         sp = new.sampling_params
         plain = sp.greedy and not sp.uses_penalties and not sp.min_tokens and sp.logprobs is None and not sp.logit_bias
         if sp.structured_outputs is not None:  # (re)started at the first output token: a fresh matcher
-            self.structured.add(new.req_id, sp.structured_outputs)
+            self.structured.add(new.req_id, sp.structured_outputs, slot, new.output_token_ids)
         self.reqs[new.req_id] = _ReqState(slot, len(toks), len(new.block_ids), len(new.prompt_token_ids),
                                           sp, list(new.output_token_ids), plain)
         self._num_special += not plain
@@ -267,6 +267,8 @@ class ModelRunner:
         previous step stays pending (``flush`` returns it) and this step left nothing behind."""
         pend = self._pending
         states = self.begin_step(so)
+        if self.structured is not None:  # new requests' first masks, on the worker beside this forward
+            self.structured.start_fresh()
         rows, src = pend.rows(states) if pend is not None else (EMPTY, EMPTY)
         ahead = None
         if len(rows):

@@ -21,8 +21,9 @@ released) and computes the *next* step's masks into host rows indexed by the run
 slot - while the main thread applies the previous step's output, schedules, builds and launches the
 next forward, and the device runs it (SGLang's overlap scheduler and vLLM's async scheduling hide
 grammar work behind the forward the same way). The next :meth:`~StructuredOutputs.bitmask` joins
-the worker and gathers those rows; a row the worker could not know (a request's first token, a
-preempted one restarted, a matcher in error) is computed there, on the main thread, as before.
+the worker and gathers those rows. A new request's first mask is computed on the worker too, submitted
+when the request is added (:meth:`~StructuredOutputs.start_fresh`, beside its prefill); only a
+matcher in error, or ``overlap = False``, leaves a row to be computed in the step.
 """
 
 from __future__ import annotations
@@ -113,7 +114,9 @@ class StructuredOutputs:
         self.worker_s = 0.0  # the worker's matcher and mask time (overlapped), its waits for the tokens left out
         self.rows_prefetched = self.rows_computed = 0  # mask rows from the worker / computed in bitmask()
         self._worker: ThreadPoolExecutor | None = None
-        self._future: Future[None] | None = None
+        self.overlap = True  # masks on the worker thread (False: every mask computed in the step)
+        self._futures: list[Future[None]] = []
+        self._fresh: list[tuple[list[Any], int, list[int]]] = []  # added matchers whose first mask is due
         self._slot_rows = torch.empty((0, 0), dtype=torch.int32)  # the worker's masks, row = request slot
         # two pinned host buffers, used in turn: a pageable buffer's copy would wait for the device
         # stream (the step's forward) and stall the host; a buffer is written again two steps later,
@@ -155,9 +158,24 @@ class StructuredOutputs:
             self._cache.popitem(last=False)
         return m
 
-    def add(self, req_id: str, spec: dict[str, Any]) -> None:
-        """Start (or, after a preemption, restart) ``req_id``'s matcher at its first output token."""
-        self.matchers[req_id] = [self.compile(spec).deep_copy(), 0, None]  # a new list: the worker keeps the old
+    def add(self, req_id: str, spec: dict[str, Any], slot: int | None = None, outputs: list[int] | None = None) -> None:
+        """Start (or, after a preemption, restart) ``req_id``'s matcher at its first output token. With
+        its runner ``slot`` (and the ``outputs`` a restarted request recomputes), :meth:`start_fresh`
+        computes its first mask on the worker, beside the request's prefill."""
+        st = self.matchers[req_id] = [self.compile(spec).deep_copy(), 0, None]  # a new list: the worker keeps the old
+        if slot is not None and self.overlap:
+            self._fresh.append((st, slot, list(outputs or ())))
+
+    def start_fresh(self) -> None:
+        """Submit the first masks of the matchers added since the last call to the worker."""
+        if self._fresh:
+            jobs, self._fresh = self._fresh, []
+            self._submit(self._first, jobs)
+
+    def _submit(self, fn: Any, *args: Any) -> None:
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="hwkv-grammar")
+        self._futures.append(self._worker.submit(fn, *args))
 
     def drop(self, req_id: str) -> None:
         self.matchers.pop(req_id, None)
@@ -176,15 +194,40 @@ class StructuredOutputs:
         ``num_outputs[j]`` outputs recorded before it). Only matchers that have consumed every
         recorded output take part; :meth:`bitmask` joins the worker before anything reads its rows."""
         self.join()
+        if not self.overlap:
+            return
         jobs = [(j, st, slots[j]) for j, rid in enumerate(req_ids)
                 if (st := self.matchers.get(rid)) is not None and st[1] == num_outputs[j]]
         if not jobs:
             return
         for _, st, _ in jobs:
             st[2] = None  # until the worker wrote the row
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(1, thread_name_prefix="hwkv-grammar")
-        self._future = self._worker.submit(self._advance, jobs, host, event)
+        self._submit(self._advance, jobs, host, event)
+
+    def _first(self, jobs: list[tuple[list[Any], int, list[int]]]) -> None:
+        t0 = time.perf_counter()
+        todo = []
+        for st, slot, outs in jobs:
+            if outs:
+                st[0].consume_tokens(outs)
+                st[1] = len(outs)
+            if not st[0].is_error():
+                todo.append((st[0], slot))
+        self._fill(todo)
+        for st, slot, _ in jobs:
+            if not st[0].is_error():
+                st[2] = slot
+        self.worker_s += time.perf_counter() - t0
+
+    def _fill(self, todo: list[tuple[Any, int]]) -> None:
+        """Masks of ``(matcher, slot)`` into the slot rows (grown as needed; only the worker writes them)."""
+        if not todo:
+            return
+        n = max(slot for _, slot in todo) + 1
+        if self._slot_rows.shape[0] < n or self._slot_rows.shape[1] != self.words:
+            self._slot_rows = torch.empty((max(n, 2 * self._slot_rows.shape[0]), self.words), dtype=torch.int32)
+        self._executor_().unsafe_compute_mask_ptr(todo, self._slot_rows.data_ptr(), self.words * 4,
+                                                  self._slot_rows.shape[0])
 
     def _advance(self, jobs: list[tuple[int, list[Any], int]], host: torch.Tensor, event: Any) -> None:
         if event is not None:
@@ -198,11 +241,7 @@ class StructuredOutputs:
             st[1] += 1
             if good:  # a matcher in error is left to bitmask() (it allows only EOS)
                 todo.append((st[0], slot))
-        n = max(slot for _, slot in todo) + 1 if todo else 0
-        if self._slot_rows.shape[0] < n or self._slot_rows.shape[1] != self.words:
-            self._slot_rows = torch.empty((max(n, 2 * self._slot_rows.shape[0]), self.words), dtype=torch.int32)
-        if todo:
-            ex.unsafe_compute_mask_ptr(todo, self._slot_rows.data_ptr(), self.words * 4, self._slot_rows.shape[0])
+        self._fill(todo)
         for (_, st, slot), good in zip(jobs, ok):
             if good:
                 st[2] = slot
@@ -210,12 +249,13 @@ class StructuredOutputs:
 
     def join(self) -> None:
         """Wait for the worker's masks (re-raising its failure)."""
-        fut, self._future = self._future, None
-        if fut is not None:
+        futs, self._futures = self._futures, []
+        for fut in futs:
             fut.result()
 
     def close(self) -> None:
         """Stop the worker thread (idempotent)."""
+        self._fresh.clear()
         self.join()
         if self._worker is not None:
             self._worker.shutdown(wait=True)
