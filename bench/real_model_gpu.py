@@ -36,9 +36,17 @@ def hf_models(path: Path, device: str) -> tuple[dict, str]:
     try:
         import gguf  # noqa: F401
 
-        out = {dt: AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dt)
+        kw = {}
+        try:  # transformers >= 5 may keep GGUF blocks packed and compute in float32: a plain model is asked for
+            from transformers.utils.quantization_config import GgufConfig
+
+            kw["quantization_config"] = GgufConfig(dequantize=True)
+        except ImportError:
+            pass
+        out = {dt: AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dt, **kw)
                .to(device).eval() for dt in (torch.float32, torch.bfloat16)}
-        return out, "transformers GGUF loader"
+        w = out[torch.bfloat16].model.layers[0].mlp.down_proj.weight
+        return out, f"transformers GGUF loader, dequantised (a layer's weight: {w.dtype}, {tuple(w.shape)})"
     except Exception as e:  # noqa: BLE001 - no gguf/accelerate: fall back, say why
         print(f"HF GGUF loading unavailable ({type(e).__name__}: {e}); using hwkv-dequantised weights", flush=True)
     from transformers import LlamaConfig, LlamaForCausalLM
