@@ -21,8 +21,9 @@ from hwkv.testing.mooncake import skip_unless_mooncake
 BS = 16
 PROMPT = [(11 * i + 3) % 500 + 1 for i in range(150)]  # 9 full blocks before the last token
 
-# One engine's life: generate, then exit through close() (mode "close") or without it ("exit"):
-# pending puts are flushed either way (close(), or the connector's exit hook).
+# One engine's life: generate, then exit through close() (mode "close") or without it: falling off
+# the end ("exit"), sys.exit right away ("sys_exit") or after dropping the engine ("del"). Pending
+# puts are flushed either way (close(), or the connector's finalizer: collected or at exit).
 CHILD = r"""
 import json, sys
 import torch
@@ -39,6 +40,10 @@ print(json.dumps({"tokens": toks, "stats": {k: v for k, v in st.items() if isins
       flush=True)
 if mode == "close":
     e.close()
+elif mode == "del":
+    del e
+elif mode == "sys_exit":
+    sys.exit(0)
 """
 
 
@@ -53,9 +58,9 @@ def expected(model_dir):
     return e.generate([PROMPT], SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)[0].token_ids
 
 
-def engine_process(m, model_dir: str, mode: str = "close", **kw) -> dict:
+def engine_process(m, model_dir: str, mode: str = "close", prompt: list[int] = PROMPT, **kw) -> dict:
     """Run one engine process to its exit (bounded); its JSON result. It must exit 0."""
-    cfg = dict(model=model_dir, prompt=PROMPT, mode=mode, store="mooncake", master=m.master,
+    cfg = dict(model=model_dir, prompt=prompt, mode=mode, store="mooncake", master=m.master,
                metadata_server=m.metadata_server, global_segment_size=0, timeout_s=3.0, **kw)
     r = subprocess.run([sys.executable, "-c", CHILD, json.dumps(cfg)], capture_output=True, text=True, timeout=120,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -100,6 +105,26 @@ def test_holder_mode_engines_share_through_shared_memory(model_dir, expected):
         assert again["stats"]["loaded_bytes"] > 0 and again["stats"]["stored_bytes"] == 0
         remote = engine_process(m, model_dir)  # over tcp: the same keys, the same bytes
         assert remote["tokens"] == expected and remote["stats"]["external_hit_tokens"] == 9 * BS
+
+
+def test_pool_processes_exit_cleanly_without_close(model_dir, expected):
+    """No exit path aborts: before the connector's finalizer, 10 of 12 tcp-client processes exiting
+    without close() died with SIGABRT (the Mooncake client torn down by the wheel's destructors),
+    2 of 12 in holder mode. Every process here exits 0 with a prompt of its own, so its puts are
+    still in flight when it exits, and they all reach the pool (9 chunks each)."""
+    skip_unless_mooncake()
+    if client_binary() is None:
+        pytest.skip("the mooncake wheel has no mooncake_client (the pool memory holder)")
+    with mooncake_master() as m, mooncake_holder(m, 32 << 20) as h:
+        local = dict(holder=f"127.0.0.1:{h.port}", staging_bytes=1 << 20)
+        n = 0
+        for mode in ("exit", "del", "sys_exit"):
+            for kw in ({}, local):
+                n += 1
+                prompt = [(11 * i + 7 * n) % 500 + 1 for i in range(150)]
+                r = engine_process(m, model_dir, mode=mode, prompt=prompt, **kw)  # asserts exit status 0
+                assert r["stats"]["external_hit_tokens"] == 0 and len(r["tokens"]) == 6
+                assert master_metrics(m)["master_key_count"] == 9 * n
 
 
 def test_holder_mode_needs_its_holder(model_dir):

@@ -28,6 +28,7 @@ only where every rank's key is present; a load is done once every rank's get is.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from hwkv.connectors.base.jobs import Meta
@@ -78,6 +79,10 @@ class PoolConnector(SplitConnector):
         self.lookup_address, self.staging_bytes, self.save = lookup_address, staging_bytes, bool(save)
         self.scheduler = PoolScheduler(self.save)
         self.worker = PoolWorker(self.handle, self.load_timeout_s, staging_bytes, lookup_address)
+        # A connector never shut down still flushes its queued puts (bounded) and closes its store
+        # client, when it is collected or at the latest at interpreter exit (before the teardown): a
+        # Mooncake client left to the wheel's destructors aborts the process (std::terminate).
+        weakref.finalize(self, _shutdown_sides, self.scheduler, self.worker)
 
     # ---- set-up --------------------------------------------------------------------------------
     def bind_model(self, model: str, model_config: Any = None) -> None:
@@ -113,3 +118,7 @@ class PoolConnector(SplitConnector):
     def stats(self) -> dict[str, Any]:
         return {**super().stats(), "store_kind": self.store_kind}
 
+
+def _shutdown_sides(scheduler: PoolScheduler, worker: PoolWorker) -> None:
+    scheduler.shutdown()
+    worker.shutdown()
