@@ -166,6 +166,7 @@ class Scheduler(SchedulerResults):
         cached, num_sched = st.cached, st.num_sched
         # hot loop (hundreds of decodes per step): locals, no property calls
         loading, async_sched, partial, placeholders = self.loading, cfg.async_scheduling, st.partial, st.placeholders
+        grouped = self._grouped
         add_id, add_blocks, add_computed = cached.req_ids.append, cached.new_block_ids.append, \
             cached.num_computed_tokens.append
         i = 0
@@ -187,8 +188,9 @@ class Scheduler(SchedulerResults):
             if n <= 0:  # nothing left to compute (a failed step was rolled back elsewhere)
                 i += 1
                 continue
-            if c + n + la <= slots[rid] and (c + n) // bs == c // bs:
+            if c + n + la <= slots[rid] and (c + n) // bs == c // bs and not grouped:
                 new_ids = None  # fits the held blocks and fills none: allocate_slots would be a no-op
+                # (with KV-cache groups it frees the blocks that left a window: called every step)
             else:
                 while (blocks := kv.allocate_slots(req, n, num_lookahead_tokens=la)) is None:
                     v = self.policy.victim(running)

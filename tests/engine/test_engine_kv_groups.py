@@ -64,6 +64,8 @@ def test_grouped_greedy_parity_with_hf(window_case, case):
     for i, p in enumerate(PROMPTS):
         engine.add_request(str(i), p, params)
     outs: dict[str, list[int]] = {}
+    computed: dict[str, int] = {}
+    decodes = 0
     while engine.has_unfinished():
         for o in engine.step():
             if o.finished:
@@ -72,8 +74,13 @@ def test_grouped_greedy_parity_with_hf(window_case, case):
             live = kv.num_live_blocks(r.request_id)
             most = max(most, live[-1])
             assert live[-1] <= bound, (r.request_id, live, r.num_computed_tokens)
+            # a decode step (never preempted: a re-admission may look like one): its window and one block
+            if r.num_computed_tokens == computed.get(r.request_id, -1) + 1 and not r.num_preemptions:
+                assert live[-1] <= -(-WINDOW // bs) + 1, (r.request_id, live)  # (freed every step)
+                decodes += 1
+            computed[r.request_id] = r.num_computed_tokens
     assert [outs[str(i)] for i in range(len(PROMPTS))] == ref
-    assert most > 0
+    assert most > 0 and decodes > 0
     stats = engine.stats()
     if case == "default":
         assert stats["prefix_cache_hits"] > 0
