@@ -21,6 +21,8 @@ from typing import NamedTuple
 
 import torch
 
+from hwkv.interfaces.kv_quant import is_quantized, kv_dtype_name
+
 
 class KVLayoutKind(str, enum.Enum):
     PER_LAYER = "per_layer"
@@ -124,8 +126,6 @@ class KVCache:
             if not t.is_contiguous() or t.dtype != spec.dtype:
                 raise ValueError("KV tensors must be contiguous and of the spec's dtype")
         self.spec, self.layout, self.tensors = spec, layout, tensors
-        from hwkv.interfaces.kv_quant import is_quantized
-
         if scales is None and is_quantized(spec.dtype):
             scales = torch.ones((spec.num_layers, 2, spec.num_kv_heads), dtype=torch.float32,
                                 device=tensors[0].device)
@@ -147,8 +147,6 @@ class KVCache:
         """What the bytes of a block mean beyond its shape: the storage dtype and, when quantised, a
         digest of the scales. Two caches may exchange blocks only when their keys are equal (pool
         keys and P/D handshakes include it): ``"bfloat16"``, or ``"fp8_e4m3-s<16 hex of the scales' sha256>"``."""
-        from hwkv.interfaces.kv_quant import kv_dtype_name
-
         name = kv_dtype_name(self.spec.dtype)
         if self.scales is None:
             return name

@@ -18,6 +18,8 @@ import torch
 
 from hwkv.interfaces.layout import KVCacheSpec
 from hwkv.model.fields import ConfigFields, ModelLoadError
+from hwkv.model.gguf_file import find_gguf, open_gguf
+from hwkv.model.registry import find_family, supported_architectures
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -121,8 +123,6 @@ class ModelConfig:
     def from_dir(cls, path: str | Path) -> ModelConfig:
         """From an HF directory's config.json, or a GGUF checkpoint's metadata (a ``.gguf`` file or a
         directory holding one and no config.json; :mod:`hwkv.model.gguf_file`)."""
-        from hwkv.model.gguf_file import find_gguf, open_gguf
-
         path = Path(path)
         if (file := find_gguf(path)) is not None:
             return cls.from_dict(open_gguf(file).config_dict(), source=str(file))
@@ -135,8 +135,6 @@ class ModelConfig:
     def from_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
         """Parse and validate ``cfg``; every malformed field raises :class:`ModelLoadError` naming
         ``source``, the field, its value and the allowed range."""
-        from hwkv.model.registry import find_family, supported_architectures
-
         f = ConfigFields(cfg, source)
         archs = cfg.get("architectures") or []
         if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):

@@ -23,7 +23,7 @@ from hwkv.interfaces.layout import KVCache, KVCacheSpec
 from hwkv.model.config import ModelConfig, windowed_if_enabled
 from hwkv.model.fields import ConfigFields
 from hwkv.model.layers import MLP, Linear, RMSNorm, add_rms_norm, param, rms_norm, silu_mul
-from hwkv.model.registry import ModelFamily, register
+from hwkv.model.registry import ModelFamily, family_of, register
 from hwkv.model.rope import RotaryEmbedding
 from hwkv.parallel.sharding import TPShard, local_config, vocab_range
 
@@ -260,8 +260,6 @@ class LlamaForCausalLM(nn.Module):
         tokens; ``None``: off. ``kv_dtype``: the KV cache's (default: the model dtype). Raises
         ``ValueError`` with the reasons when they cannot serve this model."""
         if ops is not None:
-            from hwkv.model.registry import family_of
-
             cfg = self.config
             refusal = family_of(cfg.architecture).fused_decode
             if refusal is not None:

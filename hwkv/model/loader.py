@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from hwkv.model.config import ModelConfig, ModelLoadError, parse_dtype, read_json
+from hwkv.model.gguf_file import find_gguf, open_gguf
 from hwkv.model.llama import LlamaForCausalLM
 from hwkv.model.registry import family_of
 from hwkv.model.tokenizer import Tokenizer
@@ -126,8 +127,6 @@ def load_weights(model: LlamaForCausalLM, path: str | Path) -> None:
     checkpoint, dequantised on the way).
 
     Warns (``RuntimeWarning``) naming every tensor that holds NaN or inf values."""
-    from hwkv.model.gguf_file import find_gguf, open_gguf
-
     gguf = find_gguf(path)
     files = weight_files(path) if gguf is None else [gguf]
     slots = model.weight_slots()

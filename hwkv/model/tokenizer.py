@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from hwkv.model.config import ModelLoadError, read_json
+from hwkv.model.gguf_file import find_gguf, open_gguf
 
 
 def _token_name(value: Any) -> str | None:
@@ -19,8 +20,6 @@ def _token_name(value: Any) -> str | None:
 def has_tokenizer(path: str | Path) -> bool:
     """Whether the checkpoint at ``path`` carries a tokenizer: an HF directory's tokenizer.json,
     or a GGUF checkpoint (its vocabulary is in the metadata)."""
-    from hwkv.model.gguf_file import find_gguf
-
     return (Path(path) / "tokenizer.json").is_file() or find_gguf(path) is not None
 
 
@@ -43,8 +42,6 @@ class Tokenizer:
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
         from tokenizers import Tokenizer as HFTokenizer
-
-        from hwkv.model.gguf_file import find_gguf, open_gguf
 
         path = Path(path)
         if (gguf := find_gguf(path)) is not None:  # vocabulary, merges and chat template from the metadata
