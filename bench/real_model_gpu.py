@@ -105,6 +105,7 @@ def main() -> int:
     ap.add_argument("--b1-tokens", type=int, default=256)
     ap.add_argument("--out", default="real-model-gpu.json")
     ap.add_argument("--engine-args", default="{}", help="JSON of extra Engine keyword arguments")
+    ap.add_argument("--hf-fp32-generate", action="store_true", help="also HF float32 greedy generate (exact agreement)")
     args = ap.parse_args()
     gguf, dev = Path(args.gguf), args.device
     res: dict = {"model": gguf.name, "backend": args.backend, "dtype": args.dtype,
@@ -126,24 +127,25 @@ def main() -> int:
     models, res["hf_source"] = hf_models(gguf, dev)
     ref, hbf = models[torch.float32], models[torch.bfloat16]
     hf_bf = hf_generate(hbf, prompts, args.tokens, dev)
-    hf_fp = hf_generate(ref, prompts, args.tokens, dev)
+    # HF float32 generate (exact agreement with float32) only when asked: ~1 s a prompt on a GPU
+    hf_fp = hf_generate(ref, prompts, args.tokens, dev) if args.hf_fp32_generate else [[] for _ in prompts]
     rows, worst, worst_hf = [], 0.0, 0.0
     for p, a, b, c in zip(prompts, ours, hf_bf, hf_fp):
         g, gh = gaps(ref, p, a, dev), gaps(ref, p, b, dev)
         same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        same32 = next((i for i, (x, y) in enumerate(zip(a, c)) if x != y), min(len(a), len(c)))
+        same32 = next((i for i, (x, y) in enumerate(zip(a, c)) if x != y), min(len(a), len(c))) if c else None
         # at the first token where ours and HF bf16 part (same prefix before it), how far is each choice
         # from the float32 reference's best, relative to the max logit: both small = a near-tie
         at = [g[same], gh[same]] if same < min(len(a), len(b)) else None
         rows.append({"tokens": len(a), "prefix_equal_hf_bf16": same, "identical_hf_bf16": a == b,
                      "first_divergence_gap_ours_hf": at,
-                     "prefix_equal_hf_fp32": same32, "identical_hf_fp32": a == c,
+                     "prefix_equal_hf_fp32": same32, "identical_hf_fp32": a == c if c else None,
                      "worst_gap": max(g, default=0.0), "over_margin": sum(x > MARGIN for x in g),
                      "hf_bf16_worst_gap": max(gh, default=0.0), "hf_bf16_over_margin": sum(x > MARGIN for x in gh)})
         worst, worst_hf = max(worst, rows[-1]["worst_gap"]), max(worst_hf, rows[-1]["hf_bf16_worst_gap"])
     res["agreement"] = {"prompts": rows, "pass": all(r["over_margin"] == 0 for r in rows),
                         "identical_hf_bf16": sum(r["identical_hf_bf16"] for r in rows),
-                        "identical_hf_fp32": sum(r["identical_hf_fp32"] for r in rows),
+                        "identical_hf_fp32": sum(bool(r["identical_hf_fp32"]) for r in rows) if hf_fp[0] else None,
                         "worst_gap": worst, "hf_bf16_worst_gap": worst_hf}
     print("agreement:", json.dumps({k: v for k, v in res["agreement"].items() if k != "prompts"}), flush=True)
     for r in rows:
