@@ -319,6 +319,11 @@ class Engine(RequestTracking):
                                   "verify_graph_steps": self.runner.num_verify_graph_steps}
         if self.connector is not None:
             out["kv_connector"] = connector_stats(self.scheduler)
+        if self.config.kv_groups:  # per KV-cache group (docs/hybrid-models.md): window None is full attention
+            out["kv_groups"] = [{"window": g.window, "num_layers": len(g.layers),
+                                 "num_blocks": m.block_pool.num_usable_blocks,
+                                 "num_free_blocks": m.block_pool.num_free_blocks}
+                                for g, m in zip(self.config.kv_groups, kv.managers)]
         return out
 
 

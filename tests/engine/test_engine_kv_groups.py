@@ -88,6 +88,8 @@ def test_grouped_greedy_parity_with_hf(window_case, case):
         assert stats["prefix_cache_hits"] == 0
     if case == "preemption" and arch != "mistral-window":  # the full group's 10 blocks run short
         assert stats["num_preemptions"] > 0
+    assert [(g["window"], g["num_free_blocks"]) for g in stats["kv_groups"]] == [
+        (g.window, g.num_blocks - (g.window is not None)) for g in engine.config.kv_groups]
     _whole(engine)
 
 
