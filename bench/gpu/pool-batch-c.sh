@@ -2,7 +2,8 @@
 # #35 on two GPUs, one script (batch C): (1) cache-aware routing vs round-robin with 4 instances of the
 # Llama-3.2-1B shape (random weights, bf16), two per GPU, 16 tenants of 2k-8k tokens; (2) cold restart
 # at an 8k shared prefix on GPU 0: the persistent pool through the local holder (shared memory) and
-# over tcp, vs recompute. Needs both GPUs and the mooncake wheel. Run from the repository root with OUT set.
+# over tcp, vs recompute; (3) the pool get throughput of this host, tcp vs holder mode. Needs both GPUs and
+# the mooncake wheel. Run from the repository root with OUT set.
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 OMP_NUM_THREADS=4
 export PYTHONPATH=$PWD:$PWD/backends/cuda:${PYTHONPATH:-}
@@ -22,3 +23,6 @@ CUDA_VISIBLE_DEVICES=0 timeout ${POOL_RESTART_TIMEOUT:-75} python3 -m hwkv bench
   --backend cuda --prompt-len 8192 --repeats 1 --capacity-mb 4096 --timeout 45 --via holder,tcp \
   --engine-args '{"enforce_eager": true}' --workdir /dev/shm/hwkv-bench-models --out-dir "$OUT" 2>&1 | tail -n 40
 echo "pool-restart rc=${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s"
+echo "== holder get throughput on this host (tcp vs holder mode, 1/2/4 callers)"
+timeout ${TPUT_TIMEOUT:-20} python3 bench/gpu/holder_tput.py 2>&1 | grep -v "^[IWE][0-9]" | tail -n 12
+echo "tput rc=${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s"

@@ -1,0 +1,50 @@
+"""Pool get throughput on this host: 256 values of 1 MiB held by a local holder (mooncake_client,
+4 service threads), read by a tcp client and by a holder-mode client (shared memory), with 1, 2 and
+4 concurrent callers. Prints GB/s (best of 3). Usage: python bench/gpu/holder_tput.py [N] [SIZE]."""
+
+import ctypes
+import sys
+import threading
+import time
+
+from hwkv.stores.mooncake import MooncakeStore
+from hwkv.stores.mooncake_service import mooncake_holder, mooncake_master
+
+N = int(sys.argv[1]) if len(sys.argv) > 1 else 256
+SZ = int(sys.argv[2]) if len(sys.argv) > 2 else 1 << 20
+keys = [f"k{i}" for i in range(N)]
+
+
+def timed(store: MooncakeStore, base: int, par: int) -> float:
+    def part(j: int) -> None:
+        idx = list(range(j, N, par))
+        res = store.get([keys[i] for i in idx], [[(base + i * SZ, SZ)] for i in idx])
+        assert all(r.ok for r in res), res[:2]
+
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        ths = [threading.Thread(target=part, args=(j,)) for j in range(par)]
+        for x in ths:
+            x.start()
+        for x in ths:
+            x.join()
+        best = min(best, time.perf_counter() - t)
+    return N * SZ / best / 1e9
+
+
+with mooncake_master() as m, mooncake_holder(m, N * SZ + (256 << 20), timeout_s=60.0) as h:
+    kw = dict(master=m.master, metadata_server=m.metadata_server, global_segment_size=0, timeout_s=30.0)
+    shm = MooncakeStore(**kw, holder=f"127.0.0.1:{h.port}", shm_bytes=N * SZ + (64 << 20))
+    p = shm.host_buffer(N * SZ)
+    ctypes.memset(p, 7, N * SZ)
+    shm.register_buffer(p, N * SZ)
+    assert all(r.ok for r in shm.put(keys, [[(p + i * SZ, SZ)] for i in range(N)]))
+    buf = (ctypes.c_uint8 * (N * SZ))()
+    tcp = MooncakeStore(**kw)
+    tcp.register_buffer(ctypes.addressof(buf), N * SZ)
+    for par in (1, 2, 4):
+        print(f"get {N} x {SZ >> 10} KiB, {par} caller(s): tcp {timed(tcp, ctypes.addressof(buf), par):.2f} GB/s, "
+              f"holder mode {timed(shm, p, par):.2f} GB/s", flush=True)
+    tcp.close()
+    shm.close()
