@@ -25,6 +25,6 @@ CUDA_VISIBLE_DEVICES=0 timeout ${POOL_RESTART_TIMEOUT:-75} python3 -m hwkv bench
 echo "pool-restart rc=${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s"
 if [ "${TPUT_TIMEOUT:-20}" != 0 ]; then
   echo "== holder get throughput on this host (tcp vs holder mode, 1/2/4 callers)"
-  timeout ${TPUT_TIMEOUT:-20} python3 bench/gpu/holder_tput.py 2>&1 | tail -n 12
-  echo "tput rc=${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s"
+  timeout ${TPUT_TIMEOUT:-20} python3 bench/gpu/holder_tput.py 2> "$OUT/holder_tput.stderr" | tail -n 12
+  echo "tput rc=${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s (its log: holder_tput.stderr)"
 fi
