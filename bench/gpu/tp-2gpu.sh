@@ -22,9 +22,9 @@ print(model_dir(argparse.Namespace(model='llama-8b', dtype='bfloat16', workdir='
 " > $OUT/write.log 2>&1; echo "write rc=$?" >> $OUT/write.log) &
 WRITER=$!
 echo "=== 0 push kernels on GPU 0"; date -u
-CUDA_VISIBLE_DEVICES=0 timeout -k 5 40 python3 -m pytest -q -p no:cacheprovider backends/cuda/tests/test_allreduce_kernels.py 2>&1 | tail -n 30
+CUDA_VISIBLE_DEVICES=0 timeout -k 5 30 python3 -m pytest -q -p no:cacheprovider backends/cuda/tests/test_allreduce_kernels.py 2>&1 | tail -n 30
 echo "=== 1 allreduce microbench"; date -u
-timeout -k 5 -s ABRT 40 python3 -m hwkv_cuda.bench.allreduce --world-size 2 --iters 50 --out $OUT/allreduce.json > $OUT/allreduce.log 2>&1; echo "rc=$?"; tail -n 70 $OUT/allreduce.log
+timeout -k 5 -s ABRT 35 python3 -m hwkv_cuda.bench.allreduce --world-size 2 --iters 50 --out $OUT/allreduce.json > $OUT/allreduce.log 2>&1; echo "rc=$?"; tail -n 70 $OUT/allreduce.log
 wait $WRITER; tail -n 5 $OUT/write.log
 # the engine runs take the custom all-reduce only if the microbench saw push, push_add and auto bit-exact at every size
 # (else NCCL: the tp table, margin rule and host work still come out)
@@ -34,7 +34,7 @@ else
   echo "push all-reduce NOT seen bit-exact: engine runs on NCCL (HWKV_CUSTOM_ALLREDUCE=off)"; export HWKV_CUSTOM_ALLREDUCE=off
 fi
 echo "=== 2 llama-8b bf16 tp1 vs tp2"; date -u
-timeout -k 5 -s ABRT 135 python3 -m hwkv.bench.tp --model llama-8b --workdir $W --tp 1,2 --decode 16,144 --decode-batch 1 --offline 128:512:128 --check-tokens 32 --reference hf --out $OUT/tp-llama8b.json > $OUT/tp-llama8b.log 2>&1; echo "rc=$?"; tail -n 80 $OUT/tp-llama8b.log
+timeout -k 5 -s ABRT 130 python3 -m hwkv.bench.tp --model llama-8b --workdir $W --tp 1,2 --decode 16,144 --decode-batch 1 --offline 128:512:128 --check-tokens 32 --reference hf --out $OUT/tp-llama8b.json > $OUT/tp-llama8b.log 2>&1; echo "rc=$?"; tail -n 80 $OUT/tp-llama8b.log
 echo "=== 3 tiny fp32 tp1 vs tp2"; date -u
-timeout -k 5 -s ABRT 55 python3 -m hwkv.bench.tp --model tiny --dtype float32 --workdir $W --tp 1,2 --decode 16,144 --decode-batch 1 --offline '' --check-tokens 48 --reference none --max-model-len 512 --max-num-seqs 8 --out $OUT/tp-tiny-f32.json > $OUT/tp-tiny-f32.log 2>&1; echo "rc=$?"; tail -n 50 $OUT/tp-tiny-f32.log
+timeout -k 5 -s ABRT 50 python3 -m hwkv.bench.tp --model tiny --dtype float32 --workdir $W --tp 1,2 --decode 16,144 --decode-batch 1 --offline '' --check-tokens 48 --reference none --max-model-len 512 --max-num-seqs 8 --out $OUT/tp-tiny-f32.json > $OUT/tp-tiny-f32.log 2>&1; echo "rc=$?"; tail -n 50 $OUT/tp-tiny-f32.log
 date -u
