@@ -33,14 +33,9 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
-from hwkv.serving.disconnect import unless_disconnected
-
-
-def _error(code: int, message: str) -> JSONResponse:
-    kind = "ServiceUnavailable" if code == 503 else "BadGateway"
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status_code=code)
+from hwkv.serving.relay import Upstream, add_openai_routes, error, forward_headers, json_body, relay
 
 
 class _Failed(Exception):
@@ -64,24 +59,18 @@ def build_proxy(prefill: list[str], decode: list[str], timeout_s: float = 600.0,
     timeout = httpx.Timeout(timeout_s, connect=min(5.0, timeout_s))
     app = FastAPI(title="hwkv proxy")
     state: dict[str, Any] = {}
-
-    def client() -> httpx.AsyncClient:
-        if "client" not in state:
-            state["client"] = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None))
-        return state["client"]
-
-    def headers(request: Request) -> dict[str, str]:
-        return {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "x-request-id")}
+    upstream = Upstream(timeout)
+    client = upstream.client
 
     async def post(side: str, url: str, body: dict[str, Any], hdrs: dict[str, str]) -> httpx.Response:
         try:
             r = await client().post(url, json=body, headers=hdrs)
         except httpx.TimeoutException:
-            raise _Failed(_error(503, f"{side} server {url} did not answer within {timeout_s:g} s")) from None
+            raise _Failed(error(503, f"{side} server {url} did not answer within {timeout_s:g} s")) from None
         except httpx.HTTPError as e:
-            raise _Failed(_error(503, f"{side} server {url} is unreachable ({type(e).__name__}: {e})")) from None
+            raise _Failed(error(503, f"{side} server {url} is unreachable ({type(e).__name__}: {e})")) from None
         if r.status_code >= 500:
-            raise _Failed(_error(502, f"{side} server {url} failed with HTTP {r.status_code}: {r.text[:500]}"))
+            raise _Failed(error(502, f"{side} server {url} failed with HTTP {r.status_code}: {r.text[:500]}"))
         if r.status_code >= 400:
             raise _Failed(Response(r.content, r.status_code, media_type=r.headers.get("content-type")))
         return r
@@ -101,20 +90,15 @@ def build_proxy(prefill: list[str], decode: list[str], timeout_s: float = 600.0,
         except ValueError:
             params = None
         if not isinstance(params, dict) or not params.get("do_remote_prefill"):  # e.g. echoed back unused
-            raise _Failed(_error(502, f"prefill server {url} returned no kv_transfer_params (is it serving with "
+            raise _Failed(error(502, f"prefill server {url} returned no kv_transfer_params (is it serving with "
                                       "--kv-connector p2p and role 'producer'?)"))
         return params
 
     async def handle(request: Request, path: str) -> Response:
-        try:
-            body = await request.json()
-        except ValueError:
-            return JSONResponse({"error": {"message": "the request body is not JSON", "type": "BadRequestError",
-                                           "param": None, "code": 400}}, status_code=400)
+        body = await json_body(request)
         if not isinstance(body, dict):
-            return JSONResponse({"error": {"message": "the request body must be a JSON object",
-                                           "type": "BadRequestError", "param": None, "code": 400}}, status_code=400)
-        hdrs = headers(request)
+            return body
+        hdrs = forward_headers(request)
         try:
             if side_channels is not None:
                 params = consumer_first(path, body, hdrs)
@@ -134,12 +118,6 @@ def build_proxy(prefill: list[str], decode: list[str], timeout_s: float = 600.0,
         except _Failed as f:
             return f.response
         return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
-
-    async def handle_or_abort(request: Request, path: str) -> Response:
-        """A non-streamed request whose client hangs up is cancelled: the proxy closes its connection
-        to the prefill / decode server, which aborts the request there (frees its KV blocks)."""
-        await request.body()  # read (and cached) first: the disconnect watch then sees only a hang-up
-        return await unless_disconnected(request, handle(request, path))
 
     def consumer_first(path: str, body: dict[str, Any], hdrs: dict[str, str]) -> dict[str, Any]:
         i, tid = next(next_p), uuid.uuid4().hex
@@ -162,54 +140,32 @@ def build_proxy(prefill: list[str], decode: list[str], timeout_s: float = 600.0,
         try:
             r = await client().send(req, stream=True)
         except httpx.HTTPError as e:
-            return _error(503, f"decode server {url} is unreachable ({type(e).__name__}: {e})")
+            return error(503, f"decode server {url} is unreachable ({type(e).__name__}: {e})")
         if r.status_code >= 400:
             content = await r.aread()
             await r.aclose()
             if r.status_code >= 500:
-                return _error(502, f"decode server {url} failed with HTTP {r.status_code}: {content[:500]!r}")
+                return error(502, f"decode server {url} failed with HTTP {r.status_code}: {content[:500]!r}")
             return Response(content, r.status_code, media_type=r.headers.get("content-type"))
 
-        async def relay():
-            try:
-                async for chunk in r.aiter_raw():
-                    yield chunk
-            except httpx.HTTPError as e:  # the decode server died mid-stream: say so in-band
-                yield f'data: {{"error": {{"message": "decode server {url} failed mid-stream: {type(e).__name__}", ' \
-                      f'"type": "BadGateway", "code": 502}}}}\n\n'.encode()
-            finally:
-                await r.aclose()
+        return relay(r, f"decode server {url}")  # a client that hangs up closes the decode connection
 
-        return StreamingResponse(relay(), media_type=r.headers.get("content-type", "text/event-stream"))
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await handle_or_abort(request, "/v1/completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await handle_or_abort(request, "/v1/chat/completions")
+    add_openai_routes(app, handle)  # a non-streamed request whose client hangs up is cancelled (aborted upstream)
 
     @app.get("/health")
     async def health() -> Response:
-        bad: list[str] = []
-        for url in prefill + decode:
-            try:
-                if (await client().get(f"{url}/health", timeout=5.0)).status_code != 200:
-                    bad.append(url)
-            except httpx.HTTPError:
-                bad.append(url)
+        bad = await upstream.unhealthy(prefill + decode)
         if bad:
-            return _error(503, f"unhealthy: {', '.join(bad)}")
+            return error(503, f"unhealthy: {', '.join(bad)}")
         return Response(status_code=200)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         url = f"{decode[0]}/v1/models"
         try:
-            r = await client().get(url, headers=headers(request))
+            r = await client().get(url, headers=forward_headers(request))
         except httpx.HTTPError as e:
-            return _error(503, f"decode server {url} is unreachable ({type(e).__name__}: {e})")
+            return error(503, f"decode server {url} is unreachable ({type(e).__name__}: {e})")
         return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
 
     return app

@@ -44,18 +44,14 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from hwkv.core.hashing import hash_token_blocks
-from hwkv.serving.disconnect import unless_disconnected
+from hwkv.serving.relay import Upstream, add_openai_routes, error, forward_headers, json_body, relay
 
 log = logging.getLogger(__name__)
 
 POLICIES = ("cache_aware", "round_robin", "least_loaded")
-
-
-def _error(code: int, message: str, kind: str = "ServiceUnavailable") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status_code=code)
 
 
 @dataclass
@@ -222,7 +218,8 @@ def build_router(router: Router, timeout_s: float = 600.0) -> FastAPI:
     """The router's HTTP app: ``/v1/completions``, ``/v1/chat/completions`` (streamed or not, passed
     through), ``/v1/models``, ``/health``, ``/router/stats``."""
     timeout = httpx.Timeout(timeout_s, connect=min(5.0, timeout_s))
-    state: dict[str, Any] = {}
+    upstream = Upstream(timeout)
+    client = upstream.client
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -231,26 +228,14 @@ def build_router(router: Router, timeout_s: float = 600.0) -> FastAPI:
             yield
         finally:
             router.close()
-            if "client" in state:
-                await state["client"].aclose()
+            await upstream.aclose()
 
     app = FastAPI(title="hwkv router", lifespan=lifespan)
 
-    def client() -> httpx.AsyncClient:
-        if "client" not in state:
-            state["client"] = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None))
-        return state["client"]
-
-    def headers(request: Request) -> dict[str, str]:
-        return {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "x-request-id")}
-
     async def handle(request: Request, path: str) -> Response:
-        try:
-            body = await request.json()
-        except ValueError:
-            return _error(400, "the request body is not JSON", "BadRequestError")
+        body = await json_body(request)
         if not isinstance(body, dict):
-            return _error(400, "the request body must be a JSON object", "BadRequestError")
+            return body
         hashes: list[bytes] = []
         if router.policy == "cache_aware":
             try:
@@ -268,7 +253,7 @@ def build_router(router: Router, timeout_s: float = 600.0) -> FastAPI:
             router.routed(i, hashes, score)  # before the send: requests arriving meanwhile follow this one
             done = True
             try:
-                resp = await send(inst, path, body, headers(request))
+                resp = await send(inst, path, body, forward_headers(request))
                 if resp is not None:
                     if isinstance(resp, StreamingResponse):
                         done = False  # the relay releases the instance when the stream ends
@@ -280,7 +265,7 @@ def build_router(router: Router, timeout_s: float = 600.0) -> FastAPI:
             inst.down_until = time.monotonic() + router.retry_s
             router.stats["unreachable"] += 1
             if len(tried) == len(router.instances):
-                return _error(503, f"no instance is reachable (tried {', '.join(x.url for x in router.instances)})")
+                return error(503, f"no instance is reachable (tried {', '.join(x.url for x in router.instances)})")
 
     async def send(inst: Instance, path: str, body: dict[str, Any], hdrs: dict[str, str]) -> Response | None:
         """The instance's answer, passed through; None when it cannot be reached (try another)."""
@@ -289,7 +274,7 @@ def build_router(router: Router, timeout_s: float = 600.0) -> FastAPI:
         try:
             r = await client().send(req, stream=bool(body.get("stream")))
         except httpx.TimeoutException:
-            return _error(503, f"instance {inst.url} did not answer within {timeout_s:g} s")
+            return error(503, f"instance {inst.url} did not answer within {timeout_s:g} s")
         except httpx.HTTPError:
             return None
         if not body.get("stream") or r.status_code >= 400:
@@ -297,52 +282,28 @@ def build_router(router: Router, timeout_s: float = 600.0) -> FastAPI:
             await r.aclose()
             return Response(content, r.status_code, media_type=r.headers.get("content-type"))
 
-        async def relay() -> AsyncIterator[bytes]:
-            try:
-                async for chunk in r.aiter_raw():
-                    yield chunk
-            except httpx.HTTPError as e:  # the instance died mid-stream: say so in-band
-                yield (f'data: {{"error": {{"message": "instance {inst.url} failed mid-stream: '
-                       f'{type(e).__name__}", "type": "BadGateway", "code": 502}}}}\n\n').encode()
-            finally:
-                inst.inflight -= 1
-                await r.aclose()
+        def release() -> None:  # the stream ended, failed or its client went away
+            inst.inflight -= 1
 
-        return StreamingResponse(relay(), media_type=r.headers.get("content-type", "text/event-stream"))
+        return relay(r, f"instance {inst.url}", on_end=release)
 
-    async def handle_or_abort(request: Request, path: str) -> Response:
-        await request.body()  # read first: the disconnect watch then sees only a hang-up
-        return await unless_disconnected(request, handle(request, path))
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await handle_or_abort(request, "/v1/completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await handle_or_abort(request, "/v1/chat/completions")
+    add_openai_routes(app, handle)
 
     @app.get("/health")
     async def health() -> Response:
-        bad = []
-        for inst in router.instances:
-            try:
-                if (await client().get(f"{inst.url}/health", timeout=5.0)).status_code != 200:
-                    bad.append(inst.url)
-            except httpx.HTTPError:
-                bad.append(inst.url)
-        return _error(503, f"unhealthy: {', '.join(bad)}") if len(bad) == len(router.instances) else \
+        bad = await upstream.unhealthy([inst.url for inst in router.instances])
+        return error(503, f"unhealthy: {', '.join(bad)}") if len(bad) == len(router.instances) else \
             Response(status_code=200)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         for inst in router.instances:
             try:
-                r = await client().get(f"{inst.url}/v1/models", headers=headers(request))
+                r = await client().get(f"{inst.url}/v1/models", headers=forward_headers(request))
             except httpx.HTTPError:
                 continue
             return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
-        return _error(503, "no instance is reachable")
+        return error(503, "no instance is reachable")
 
     @app.get("/router/stats")
     async def stats() -> dict[str, Any]:
