@@ -7,9 +7,8 @@ import pytest
 
 import hwkv
 from hwkv import SamplingParams
-from hwkv.connectors.pool.store import embedded_store
 
-from .test_pool import BS, PROMPT, Flaky, _close, _engine, _run, _settle, store_name  # noqa: F401
+from .test_pool import BS, PROMPT, _close, _engine, _run, _settle, lost_keys_recompute, store_name  # noqa: F401
 
 
 @pytest.fixture(scope="module")
@@ -30,14 +29,4 @@ def test_windowed_model_loads_from_the_pool(windowed_dir, windowed_oracle, store
 
 
 def test_windowed_model_lost_keys_recompute(windowed_dir, windowed_oracle, store_name):  # noqa: F811
-    flaky = Flaky(embedded_store(store_name))
-    a, b = _engine(windowed_dir, store=flaky), _engine(windowed_dir, store=flaky)
-    try:
-        _run(a, PROMPT)
-        _settle(a)
-        flaky.lose_gets = True
-        assert _run(b, PROMPT) == windowed_oracle
-        sb = _settle(b)
-        assert sb["load_failures"] == 1 and sb["external_hit_tokens"] == 0
-    finally:
-        _close(a, b)
+    lost_keys_recompute(windowed_dir, windowed_oracle, store_name)

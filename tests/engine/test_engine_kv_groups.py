@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 import hwkv  # noqa: E402
 from hwkv.core.kv_groups import GroupedKVCacheManager  # noqa: E402
 from hwkv.engine.kv_groups import GroupedKVCache, plan_groups  # noqa: E402
-from tests.engine.test_engine_parity import CASES, NEW_TOKENS, PROMPTS, _hf_model  # noqa: E402
+from tests.engine.test_engine_parity import CASES, NEW_TOKENS, PROMPTS, _hf_model, _saved_with_reference  # noqa: E402
 
 WINDOW = 8  # _hf_model's windowed configs
 
@@ -21,20 +21,7 @@ WINDOW = 8  # _hf_model's windowed configs
 @pytest.fixture(scope="module", params=["mistral-window", "gemma2", "gemma3", "gpt_oss"])
 def window_case(request, tmp_path_factory):
     arch = request.param
-    model = _hf_model(arch)
-    if arch == "gpt_oss":
-        with torch.no_grad():
-            for layer in model.model.layers:
-                layer.self_attn.sinks.normal_(0, 1.0)
-    path = tmp_path_factory.mktemp(f"hf-groups-{arch}")
-    model.save_pretrained(path)
-    ref = []
-    with torch.no_grad():
-        for p in PROMPTS:
-            out = model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                 do_sample=False, pad_token_id=0)
-            ref.append(out[0, len(p):].tolist())
-    return arch, str(path), ref
+    return arch, *_saved_with_reference(_hf_model(arch), tmp_path_factory.mktemp(f"hf-groups-{arch}"))
 
 
 def _whole(engine) -> None:

@@ -67,7 +67,24 @@ def _hf_model(arch: str):
         cls = transformers.Gemma2ForCausalLM
     seeds = {"llama": 0, "qwen2": 1, "mistral": 2, "mistral-window": 3, "gemma2": 4, "gemma3": 5, "gpt_oss": 6}
     torch.manual_seed(seeds[arch])
-    return cls(cfg).float().eval()
+    model = cls(cfg).float().eval()
+    if arch == "gpt_oss":  # sinks are created empty: give them values that matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_(0, 1.0)
+    return model
+
+
+def _saved_with_reference(model, path) -> tuple[str, list[list[int]]]:
+    """``model`` saved at ``path``, and its greedy continuations of ``PROMPTS`` (the reference)."""
+    model.save_pretrained(path)
+    ref = []
+    with torch.no_grad():
+        for p in PROMPTS:
+            out = model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                 do_sample=False, pad_token_id=0)
+            ref.append(out[0, len(p):].tolist())
+    return str(path), ref
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "mistral", "mistral-window", "gemma2",
@@ -80,19 +97,7 @@ def hf_case(request, tmp_path_factory):
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.2)
-    if arch == "gpt_oss":  # sinks are created empty: give them values that matter
-        with torch.no_grad():
-            for layer in model.model.layers:
-                layer.self_attn.sinks.normal_(0, 1.0)
-    path = tmp_path_factory.mktemp(f"hf-{arch}")
-    model.save_pretrained(path)
-    ref = []
-    with torch.no_grad():
-        for p in PROMPTS:
-            out = model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                 do_sample=False, pad_token_id=0)
-            ref.append(out[0, len(p):].tolist())
-    return str(path), ref
+    return _saved_with_reference(model, tmp_path_factory.mktemp(f"hf-{arch}"))
 
 
 CASES = {
