@@ -81,11 +81,16 @@ def build_batch(token_ids: np.ndarray, block_table: np.ndarray, slots: np.ndarra
 def group_inputs(batch: StepBatch, tables: list[np.ndarray], slots: np.ndarray,
                  block_size: int) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
     """``(block_tables, slot_mapping)`` of ``batch`` over each of ``tables`` (the runner's per-slot block
-    tables of KV-cache groups 1..): the same rows and width as group 0's."""
+    tables of KV-cache groups 1..): the same rows and width as group 0's, padding tokens (slot -1 in
+    group 0) at -1 too. A row's entries past its blocks are 0 in the runner's tables, as group 0's."""
     w = batch.block_tables.shape[1]
     req_idx = np.repeat(np.arange(len(slots)), np.diff(batch.query_start_loc))
-    return tuple((bt, slot_mapping(bt, req_idx, batch.positions, block_size).astype(np.int64, copy=False))
-                 for bt in (t[slots, :w] for t in tables))
+    pad = batch.slot_mapping < 0
+    out = []
+    for bt in (t[slots, :w] for t in tables):
+        sm = slot_mapping(bt, req_idx, batch.positions, block_size).astype(np.int64, copy=False)
+        out.append((bt, np.where(pad, -1, sm) if pad.any() else sm))
+    return tuple(out)
 
 
 def metadata(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,

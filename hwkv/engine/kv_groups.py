@@ -35,8 +35,10 @@ def grouping_blockers(args: Any, connector: Any, model: Any) -> list[str]:
         reasons.append("a KV connector moves one block table per request (kv_connector must be None)")
     if args.tensor_parallel_size > 1:
         reasons.append("tensor-parallel workers keep one block table (tensor_parallel_size must be 1)")
-    if args.speculative_config is not None:
-        reasons.append("speculative decoding's proposers keep one block table (speculative_config must be None)")
+    spec = args.speculative_config
+    if spec is not None and getattr(spec, "method", None) != "ngram":
+        reasons.append(f"speculative decoding's {spec.method!r} proposer keeps one block table (allowed: "
+                       "speculative_config None or method 'ngram')")
     if args.decode_ops:
         reasons.append("the fused decode ops write one slot mapping for every layer (decode_ops must be None or False)")
     if args.kv_events_endpoint is not None:

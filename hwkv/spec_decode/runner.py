@@ -45,6 +45,7 @@ import torch
 
 from hwkv.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from hwkv.engine.graph_runner import GraphRunner, multi_token_graphs, pad_queries
+from hwkv.engine.inputs import group_inputs
 from hwkv.engine.model_runner import ModelRunner
 from hwkv.model.sampler import logprobs_of
 from hwkv.spec_decode.config import SpeculativeConfig
@@ -245,12 +246,15 @@ class SpecModelRunner(ModelRunner):
         for st, c, n, d in zip(states, ctx, so.num_scheduled_tokens.values(), drafts):  # one pass, no numpy calls
             if n != len(d) + 1 or n > q or c + 1 != st.num_tokens:
                 return None
-        if len(states) <= SMALL_VERIFY_ROWS:
+        if len(states) <= SMALL_VERIFY_ROWS and not self.group_tables:
             return verify_batch_rows(self.token_ids, self.block_table, [st.slot for st in states], ctx,
                                      [len(d) for d in drafts], q, self.block_size)
         slots = np.fromiter((st.slot for st in states), dtype=np.int64, count=len(states))
-        return verify_batch(self.token_ids, self.block_table, slots, np.array(ctx, dtype=np.int64), ks, q,
-                            self.block_size)
+        batch = verify_batch(self.token_ids, self.block_table, slots, np.array(ctx, dtype=np.int64), ks, q,
+                             self.block_size)
+        if self.group_tables:  # KV-cache groups 1..: their tables and slots, padding as group 0's
+            batch = batch._replace(groups=group_inputs(batch, self.group_tables, slots, self.block_size))
+        return batch
 
     def _pure_verify(self, batch: Any, ks: np.ndarray) -> bool:
         """Every request decodes: runs its last token and its drafts (at most the verify graphs' ``k``),

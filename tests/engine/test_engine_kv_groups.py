@@ -85,9 +85,9 @@ def test_groups_refused_by_name(window_case):
     with pytest.raises(ValueError, match=r"kv_cache_groups=True cannot be met: a KV connector"):
         hwkv.Engine(path, backend="cpu", dtype="float32", max_model_len=80, num_kv_blocks=64, kv_cache_groups=True,
                     kv_connector="offload", kv_connector_config={"cpu_bytes": 1 << 20})
-    with pytest.raises(ValueError, match=r"speculative decoding"):
+    with pytest.raises(ValueError, match=r"speculative decoding's 'draft_model' proposer keeps one block table"):
         hwkv.Engine(path, backend="cpu", dtype="float32", max_model_len=80, num_kv_blocks=64, kv_cache_groups=True,
-                    speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+                    speculative_config={"method": "draft_model", "num_speculative_tokens": 2, "model": path})
     # None: where possible; a connector keeps one group of every layer
     e = hwkv.Engine(path, backend="cpu", dtype="float32", max_model_len=80, num_kv_blocks=64, kv_cache_groups=None,
                     kv_connector="offload", kv_connector_config={"cpu_bytes": 1 << 20})
@@ -189,4 +189,27 @@ def test_grouped_random_traces_match_one_group(window_case, seed):
     assert st["prefix_cache_hits"] > 0
     if arch != "mistral-window":  # the full group's 16 blocks run short (windows alone stop growing)
         assert st["num_preemptions"] > 0
+    _whole(e)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_grouped_ngram_speculation_matches_hf(window_case, graphs):
+    """N-gram speculative decoding (no proposer KV) with KV-cache groups: verify steps (eager, and the
+    verify graphs emulated on the CPU) write and read each group's blocks; HF's greedy tokens."""
+    from hwkv.reference.graphs import GraphCpuBackend
+
+    arch, path, ref = window_case
+    if graphs and arch == "gpt_oss":
+        pytest.skip("GPT-OSS's reference expert loop has data-dependent shapes: not capturable")
+    torch.set_num_threads(1)
+    e = hwkv.Engine(path, backend=GraphCpuBackend() if graphs else "cpu", dtype="float32", max_model_len=80,
+                    num_kv_blocks=64, block_size=4, max_num_seqs=8, fuse_elementwise=False, kv_cache_groups=True,
+                    speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    assert e.config.kv_groups
+    params = hwkv.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = e.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == ref
+    assert e.stats()["spec_decode"]["draft_tokens"] > 0
+    if graphs:
+        assert e.runner.num_verify_graph_steps > 0
     _whole(e)
