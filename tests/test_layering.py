@@ -75,6 +75,12 @@ def test_core_imports_only_interfaces():
     assert _breaking(lambda a, b: _area(a) == "core" and _area(b) not in ("core", "interfaces")) == []
 
 
+def test_engine_finds_speculative_decoding_by_name():
+    """``spec_decode`` extends the engine (its runner is a ModelRunner); the engine reaches it only by
+    name (``hwkv/engine/spec_config.py``: ``METHODS``, ``SPEC_RUNNER``), as it reaches backends."""
+    assert _breaking(lambda a, b: _area(a) == "engine" and _area(b) == "spec_decode") == []
+
+
 def test_package_code_never_imports_testing():
     assert _breaking(lambda a, b: _area(b) == "testing" and _area(a) != "testing") == []
 

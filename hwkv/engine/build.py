@@ -18,6 +18,7 @@ from hwkv.core.scheduler import Scheduler
 from hwkv.engine.config import EngineArgs
 from hwkv.engine.kv_groups import GroupedKVCache
 from hwkv.engine.model_runner import ModelRunner
+from hwkv.engine.spec_config import ProposerTarget, make_proposer, spec_runner
 from hwkv.interfaces.kv_quant import kv_storage_dtype, shard_scales
 from hwkv.model import load_model
 from hwkv.model.fuse import fuse_elementwise
@@ -66,9 +67,6 @@ def build_parts(engine: Any, args: EngineArgs) -> None:
         bind_connector(connector, backend, args.model, engine.model_config, 0, args.tensor_parallel_size)
     engine.proposer = proposer = None
     if args.speculative_config is not None:  # loaded first: a draft model's weights and KV size the pool too
-        from hwkv.spec_decode.factory import make_proposer
-        from hwkv.spec_decode.proposer import ProposerTarget
-
         engine.proposer = proposer = make_proposer(args.speculative_config,
                                                    ProposerTarget(model, engine.model_config, backend))
     engine.config = cfg = args.resolve(backend, model, connector, proposer.kv_bytes_per_block if proposer else None,
@@ -104,9 +102,7 @@ def build_parts(engine: Any, args: EngineArgs) -> None:
     elif spec is None:
         engine.runner = ModelRunner(*runner_args)
     else:
-        from hwkv.spec_decode.runner import SpecModelRunner
-
-        engine.runner = SpecModelRunner(*runner_args, spec_config=spec, proposer=proposer)
+        engine.runner = spec_runner()(*runner_args, spec_config=spec, proposer=proposer)
     if rt.fuse_elementwise:
         fuse_elementwise(model)
     _set_decode_ops(backend, model, proposer, kv_cache, False if cfg.kv_groups else rt.decode_ops)

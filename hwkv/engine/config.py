@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from hwkv.core.sched_config import SchedulerConfig, SchedulerOptions
+from hwkv.engine.spec_config import SpeculativeConfig
 from hwkv.interfaces.kv_quant import KV_CACHE_DTYPES
 
 
@@ -136,11 +137,9 @@ class KVEventsOptions:
 
 @dataclass(kw_only=True)
 class SpeculativeOptions:
-    speculative_config: Any = None  # dict (or JSON object text): hwkv.spec_decode.SpeculativeConfig; None: off
+    speculative_config: Any = None  # dict (or JSON object text): hwkv.engine.spec_config.SpeculativeConfig; None: off
 
     def check(self) -> None:
-        from hwkv.spec_decode.config import SpeculativeConfig
-
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)  # ValueError naming the key
 
 
@@ -291,7 +290,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     kv_transfer: KVTransferOptions | None = None  # None: no connector acts; the object is engine.connector
-    speculative: Any = None  # a hwkv.spec_decode.SpeculativeConfig, or None (no speculative decoding)
+    speculative: Any = None  # a hwkv.engine.spec_config.SpeculativeConfig, or None (no speculative decoding)
     kv_groups: tuple = ()  # hwkv.core.kv_groups.KVCacheGroup per group; (): one group of every layer
 
 

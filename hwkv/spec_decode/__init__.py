@@ -1,6 +1,6 @@
 """Speculative decoding: exact rejection sampling (``rejection``), proposers (``ngram``,
 ``draft_model``, ``eagle``) and the runner step that verifies and proposes (``runner``)."""
 
-from hwkv.spec_decode.config import SpeculativeConfig
+from hwkv.engine.spec_config import SpeculativeConfig
 
 __all__ = ["SpeculativeConfig"]

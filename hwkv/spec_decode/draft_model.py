@@ -32,9 +32,9 @@ import torch
 from hwkv.engine.graph_runner import GraphRunner, multi_token_graphs
 from hwkv.engine.inputs import build_batch
 from hwkv.engine.kv_alloc import check_backend
+from hwkv.engine.spec_config import ProposerTarget, SpeculativeConfig
 from hwkv.model import load_model
-from hwkv.spec_decode.config import SpeculativeConfig
-from hwkv.spec_decode.proposer import Proposer, ProposerTarget, RunnerView
+from hwkv.spec_decode.proposer import Proposer, RunnerView
 
 CATCH_UP_CHUNK = 2048  # tokens per request per catch-up forward of the draft
 

@@ -29,13 +29,13 @@ from torch import nn
 
 from hwkv.engine.inputs import build_batch
 from hwkv.engine.kv_alloc import check_backend
+from hwkv.engine.spec_config import ProposerTarget, SpeculativeConfig
 from hwkv.model.config import ModelConfig
 from hwkv.model.layers import Linear
 from hwkv.model.loader import ModelLoadError, iter_weights, weight_files
-from hwkv.spec_decode.config import SpeculativeConfig
 from hwkv.spec_decode.eagle3 import is_eagle3, load_eagle3_head
 from hwkv.spec_decode.head_body import headless_llama
-from hwkv.spec_decode.proposer import Proposer, ProposerTarget, RunnerView
+from hwkv.spec_decode.proposer import Proposer, RunnerView
 from hwkv.spec_decode.state_graphs import HeadGraphRunner
 
 

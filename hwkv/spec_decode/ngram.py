@@ -12,7 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from hwkv.spec_decode.proposer import Proposer, ProposerTarget, RunnerView
+from hwkv.engine.spec_config import ProposerTarget
+from hwkv.spec_decode.proposer import Proposer, RunnerView
 
 
 def ngram_propose_batch(token_ids: np.ndarray, rows: np.ndarray, lens: np.ndarray, ks: np.ndarray, n_min: int,

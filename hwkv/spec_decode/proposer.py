@@ -1,9 +1,10 @@
 """The Proposer interface: what a speculative proposer is built from, what it gets from the runner
 each step, and what it returns.
 
-Built once by :func:`hwkv.spec_decode.factory.make_proposer` from the :class:`ProposerTarget` (the
-target model, its config, the backend). The engine then asks it, in this order: its KV bytes per
-block (:meth:`Proposer.kv_bytes_per_block`: sized into the pool with the target's), its own KV cache
+Built once by :func:`hwkv.engine.spec_config.make_proposer` (the method's class, found by name in
+``METHODS``) from the :class:`~hwkv.engine.spec_config.ProposerTarget` (the target model, its
+config, the backend). The engine then asks it, in this order: its KV bytes per block
+(:meth:`Proposer.kv_bytes_per_block`: sized into the pool with the target's), its own KV cache
 (:meth:`~Proposer.allocate`), the backend's fused decode ops (:meth:`~Proposer.set_decode_ops`),
 graphs (:meth:`~Proposer.enable_graphs`). Each step :class:`~hwkv.spec_decode.runner.SpecModelRunner`
 asks it for drafts: :meth:`~Proposer.propose` from the requests' tokens, or, for a proposer that
@@ -14,23 +15,15 @@ is :class:`RunnerView`, nothing else.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from hwkv.engine.spec_config import ProposerTarget
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
 
     from hwkv.engine.inputs import StepBatch
-
-
-@dataclass(frozen=True)
-class ProposerTarget:
-    """What a proposer is built from."""
-
-    model: Any  # the target model (weights on the device): its dtype, embedding, LM head, config
-    model_config: Any  # hwkv.model.config.ModelConfig of the target
-    backend: Any  # the engine's Backend (a draft model loads and allocates on it)
 
 
 class RunnerView:
@@ -83,7 +76,7 @@ class Proposer:
 
     @classmethod
     def load(cls, cfg: Any, target: ProposerTarget) -> Proposer:
-        """The proposer ``cfg`` (a :class:`~hwkv.spec_decode.config.SpeculativeConfig`) asks for, on
+        """The proposer ``cfg`` (a :class:`~hwkv.engine.spec_config.SpeculativeConfig`) asks for, on
         ``target`` (``ValueError`` naming what does not fit it)."""
         raise NotImplementedError
 

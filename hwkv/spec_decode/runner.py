@@ -47,8 +47,8 @@ from hwkv.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from hwkv.engine.graph_runner import GraphRunner, multi_token_graphs, pad_queries
 from hwkv.engine.inputs import group_inputs
 from hwkv.engine.model_runner import ModelRunner
+from hwkv.engine.spec_config import SpeculativeConfig
 from hwkv.model.sampler import logprobs_of
-from hwkv.spec_decode.config import SpeculativeConfig
 from hwkv.spec_decode.proposer import Proposer, RunnerView
 from hwkv.spec_decode.rejection import greedy_accept, greedy_verify, verify_packed
 from hwkv.spec_decode.state_graphs import StatesGraphRunner, split

@@ -28,6 +28,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from hwkv.engine.spec_config import METHODS
 from hwkv.engine.tp import messages as m
 from hwkv.model.config import ModelConfig
 from hwkv.parallel.sharding import TPShard, check_tp
@@ -65,8 +66,6 @@ def check_supported(cfg: Any, backend: Any, kv_connector: Any) -> None:
             except ValueError as e:
                 reasons.append(str(e))
     if cfg.speculative_config is not None:
-        from hwkv.spec_decode.config import METHODS
-
         method = cfg.speculative_config.method  # parsed by EngineArgs
         reasons.append(f"speculative decoding (method {method!r}) runs at tensor_parallel_size=1 only: the verify "
                        "step's rejection sampling and the proposer's state live in one runner (allowed at "

@@ -1,7 +1,12 @@
-"""SpeculativeConfig: ``Engine(speculative_config={...})`` validated once (vLLM's option names)."""
+"""The engine's speculative-decoding option group: ``Engine(speculative_config={...})`` validated once
+(vLLM's option names), and how the engine finds what implements it - by name, as it finds backends
+and connectors: each method's proposer class (``METHODS``) and the runner that verifies drafts
+(``SPEC_RUNNER``) live in :mod:`hwkv.spec_decode`, which imports the engine, never the other way.
+"""
 
 from __future__ import annotations
 
+import importlib
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +20,31 @@ METHODS = {
     "eagle3": "hwkv.spec_decode.eagle:EagleProposer",
 }
 MAX_SPEC_TOKENS = 32
+SPEC_RUNNER = "hwkv.spec_decode.runner:SpecModelRunner"  # the model runner of a speculating engine
+
+
+@dataclass(frozen=True)
+class ProposerTarget:
+    """What a proposer is built from."""
+
+    model: Any  # the target model (weights on the device): its dtype, embedding, LM head, config
+    model_config: Any  # hwkv.model.config.ModelConfig of the target
+    backend: Any  # the engine's Backend (a draft model loads and allocates on it)
+
+
+def _named(path: str) -> Any:
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def make_proposer(cfg: SpeculativeConfig, target: ProposerTarget) -> Any:
+    """The :class:`hwkv.spec_decode.proposer.Proposer` ``cfg.method`` names, loaded on ``target``."""
+    return _named(METHODS[cfg.method]).load(cfg, target)
+
+
+def spec_runner() -> type:
+    """The model runner class of a speculating engine (:class:`hwkv.spec_decode.runner.SpecModelRunner`)."""
+    return _named(SPEC_RUNNER)
 
 
 @dataclass(frozen=True)
