@@ -9,7 +9,7 @@ import pytest
 from hwkv.engine.engine import Engine
 from hwkv.sampling_params import SamplingParams
 
-from .test_engine_ngram import GREEDY, _prompts, _run
+from .test_engine_ngram import GREEDY, _prompts, _run, speculate_like_plain
 
 CASES = {
     "default": {},
@@ -20,12 +20,8 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_target_as_draft_accepts_everything(tiny_model: str, case: str) -> None:
-    kw = CASES[case]
-    prompts = _prompts(seed=11)
-    base, _ = _run(tiny_model, prompts, GREEDY, **kw)
     spec = {"method": "draft_model", "num_speculative_tokens": 4, "model": tiny_model}
-    outs, eng = _run(tiny_model, prompts, GREEDY, spec, **kw)
-    assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+    eng = speculate_like_plain(tiny_model, _prompts(seed=11), spec, **CASES[case])
     st = eng.stats()["spec_decode"]
     assert st["draft_tokens"] > 0 and st["acceptance_rate"] > 0.97, st
     if case == "preemption_tiny_pool":
@@ -34,12 +30,8 @@ def test_target_as_draft_accepts_everything(tiny_model: str, case: str) -> None:
 
 @pytest.mark.parametrize("case", ["default", "preemption_tiny_pool"])
 def test_small_draft_greedy_identity(tiny_model: str, tiny_draft: str, case: str) -> None:
-    kw = CASES[case]
-    prompts = _prompts(seed=12)
-    base, _ = _run(tiny_model, prompts, GREEDY, **kw)
     spec = {"method": "draft_model", "num_speculative_tokens": 3, "model": tiny_draft}
-    outs, eng = _run(tiny_model, prompts, GREEDY, spec, **kw)
-    assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+    eng = speculate_like_plain(tiny_model, _prompts(seed=12), spec, **CASES[case])
     assert eng.stats()["spec_decode"]["draft_tokens"] > 0
 
 
@@ -102,9 +94,6 @@ def test_catch_up_in_pieces(tiny_model: str, monkeypatch) -> None:
     from hwkv.spec_decode import draft_model
 
     monkeypatch.setattr(draft_model, "CATCH_UP_CHUNK", 3)
-    prompts = _prompts(seed=15)
-    base, _ = _run(tiny_model, prompts, GREEDY)
-    outs, eng = _run(tiny_model, prompts, GREEDY,
-                     {"method": "draft_model", "num_speculative_tokens": 3, "model": tiny_model})
-    assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+    spec = {"method": "draft_model", "num_speculative_tokens": 3, "model": tiny_model}
+    eng = speculate_like_plain(tiny_model, _prompts(seed=15), spec)
     assert eng.stats()["spec_decode"]["acceptance_rate"] > 0.97

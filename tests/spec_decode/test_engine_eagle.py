@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from hwkv.engine.engine import Engine
 
 from .conftest import write_tiny_eagle
-from .test_engine_ngram import GREEDY, _prompts, _run
+from .test_engine_ngram import GREEDY, _prompts, _run, speculate_like_plain
 
 CASES = {
     "default": {},
@@ -24,12 +24,8 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_identity(tiny_model: str, tiny_eagle: str, case: str) -> None:
-    kw = CASES[case]
-    prompts = _prompts(seed=21)
-    base, _ = _run(tiny_model, prompts, GREEDY, **kw)
     spec = {"method": "eagle", "num_speculative_tokens": 3, "model": tiny_eagle}
-    outs, eng = _run(tiny_model, prompts, GREEDY, spec, **kw)
-    assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+    eng = speculate_like_plain(tiny_model, _prompts(seed=21), spec, **CASES[case])
     assert eng.stats()["spec_decode"]["draft_tokens"] > 0
     if case == "preemption_tiny_pool":
         assert eng.stats()["num_preemptions"] > 0
@@ -100,10 +96,8 @@ def test_bad_heads_refused(tiny_model: str, tiny_eagle: str, tmp_path) -> None:
 
 def test_head_with_own_embedding_and_fc_bias(tiny_model: str, tmp_path) -> None:
     head = write_tiny_eagle(tmp_path / "e2", with_embed=True, fc_bias=True, seed=3)
-    prompts = _prompts(3, seed=23)
-    base, _ = _run(tiny_model, prompts, GREEDY)
-    outs, eng = _run(tiny_model, prompts, GREEDY, {"method": "eagle", "num_speculative_tokens": 2, "model": head})
-    assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+    eng = speculate_like_plain(tiny_model, _prompts(3, seed=23), {"method": "eagle", "num_speculative_tokens": 2,
+                                                                  "model": head})
     assert eng.proposer.head.embed is not eng.model.model.embed_tokens.weight
 
 

@@ -37,6 +37,15 @@ def _run(model: str, prompts, params, spec=None, **kw):
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
+
+def speculate_like_plain(model: str, prompts, spec, **kw) -> Engine:
+    """Greedy tokens of an engine speculating with ``spec`` are the plain engine's (asserted, both
+    leaving nothing behind); the speculating engine is returned for its stats."""
+    base, _ = _run(model, prompts, GREEDY, **kw)
+    outs, eng = _run(model, prompts, GREEDY, spec, **kw)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+    return eng
+
 CASES = {
     "default": {},
     "no_prefix_cache": {"enable_prefix_caching": False},
