@@ -64,3 +64,30 @@ def test_built_in_connectors_hold_one_side_of_each(name, config):
             assert getattr(conn.scheduler, key) is getattr(conn.worker, key)  # one object, not two copies
     finally:
         conn.shutdown()
+
+
+def test_p2p_worker_parts_set_only_declared_state():
+    """The p2p worker's logic is spread over mixins by topic; every attribute they assign is declared
+    in ``P2PWorker.__init__`` (one place says what a worker holds)."""
+    import ast
+    from pathlib import Path
+
+    from hwkv.connectors.p2p import consumer, producer, push, transport, worker
+    from hwkv.connectors.p2p.state import DriverState, P2PConfig
+
+    w = worker.P2PWorker(P2PConfig("producer"), DriverState())
+    try:
+        declared = set(vars(w))
+        assigned = set()
+        for mod in (transport, consumer, producer, push, worker):
+            tree = ast.parse(Path(mod.__file__).read_text())
+            for node in ast.walk(tree):
+                targets = node.targets if isinstance(node, ast.Assign) else \
+                    [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+                for t in targets:
+                    for e in ast.walk(t):
+                        if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "self":
+                            assigned.add(e.attr)
+        assert assigned - declared == set()
+    finally:
+        w.shutdown()
