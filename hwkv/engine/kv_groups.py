@@ -33,8 +33,6 @@ def grouping_blockers(args: Any, connector: Any, model: Any) -> list[str]:
         reasons.append("the model has no sliding-window layers (one group is all it has)")
     if connector is not None:
         reasons.append("a KV connector moves one block table per request (kv_connector must be None)")
-    if args.tensor_parallel_size > 1:
-        reasons.append("tensor-parallel workers keep one block table (tensor_parallel_size must be 1)")
     spec = args.speculative_config
     if spec is not None and getattr(spec, "method", None) != "ngram":
         reasons.append(f"speculative decoding's {spec.method!r} proposer keeps one block table (allowed: "

@@ -3,6 +3,7 @@ greedy tokens for GQA, MHA and KV-replicated (MQA) models; clear refusals; no pr
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -55,6 +56,8 @@ CASES = {
     "mqa": ("qwen3_moe", 4, 1, 512, False, {}),
     # a sliding window of 8 in every layer (per layer, not per head: each rank keeps it)
     "window": ("mistral", 4, 2, 512, False, {}),
+    # Qwen2 windowed from layer 1 on: a full-attention and a window KV-cache group on every rank
+    "hybrid": ("qwen2", 4, 2, 512, False, {}),
 }
 
 
@@ -62,7 +65,11 @@ CASES = {
 def test_tp2_tokens_equal_tp1(tmp_path, case):
     arch, heads, kv, vocab, tie, opts = CASES[case]
     path = write_tiny_model(tmp_path, arch=arch, num_heads=heads, num_kv_heads=kv, vocab_size=vocab,
-                            tie_word_embeddings=tie, tokenizer=False, sliding_window=8 if case == "window" else None)
+                            tie_word_embeddings=tie, tokenizer=False,
+                            sliding_window=8 if case in ("window", "hybrid") else None)
+    if case == "hybrid":
+        cfg = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**cfg, "use_sliding_window": True, "max_window_layers": 1}))
     if arch == "llama":
         path = add_biases(path)
     kw = {"block_size": 16, "num_kv_blocks": 32, "max_model_len": 128, **opts}
@@ -83,8 +90,10 @@ def test_tp2_tokens_equal_tp1(tmp_path, case):
         if seeded is not None:
             assert [o.token_ids for o in eng.generate(PROMPTS, SEEDED, use_tqdm=False)] == seeded
             assert broadcasts  # sampled on the driver, tokens broadcast
-        kv = eng.kv_cache_manager
-        assert kv.num_free_blocks == kv.block_pool.num_blocks and not eng.runner.reqs  # every block back
+        pools = [m.block_pool for m in getattr(eng.kv_cache_manager, "managers", [eng.kv_cache_manager])]
+        assert all(p.num_free_blocks == p.num_usable_blocks for p in pools) and not eng.runner.reqs  # all back
+        if case in ("window", "hybrid"):  # KV-cache groups on every rank (docs/hybrid-models.md)
+            assert [g.window for g in eng.config.kv_groups] == ([8] if case == "window" else [None, 8])
         if case == "gqa":
             assert eng.scheduler.num_preemptions > 0  # the preempt path was mirrored on the worker
     finally:

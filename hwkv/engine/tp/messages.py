@@ -58,6 +58,9 @@ class Setup(msgspec.Struct, tag=True, array_like=True):
     max_num_seqs: int
     max_model_len: int
     fuse: bool
+    # the driver's KV-cache groups (docs/hybrid-models.md) as (layers, window, blocks); []: one group of
+    # every layer with the agreed pool. The rank allocates its KV cache from this.
+    kv_groups: list[tuple[list[int], int | None, int]] = []
 
 
 class DecodeOps(msgspec.Struct, tag=True, array_like=True):
@@ -93,6 +96,7 @@ class Execute(msgspec.Struct, tag=True, array_like=True):
     step: int = 0  # the driver's count of forward steps sent (tags the rank's KVOut)
     kv_meta: bytes | None = None  # the connector's metadata, msgpack (decoded as its metadata_type)
     argmax: bool = False  # every request plain: each rank takes the argmax of its logits, no broadcast
+    groups: dict[str, list[list[int]]] = {}  # SchedulerOutput.group_block_ids (KV-cache groups 1..)
 
 
 class Flush(msgspec.Struct, tag=True, array_like=True):

@@ -37,7 +37,7 @@ def encode_step(so: SchedulerOutput, forward: bool = True, step: int = 0, argmax
                   n.num_computed_tokens) for n in so.scheduled_new_reqs],
         list(c.req_ids), list(c.new_block_ids), list(c.num_computed_tokens), list(so.num_scheduled_tokens.values()),
         so.total_num_scheduled_tokens, list(so.finished_req_ids), list(so.preempted_req_ids), forward, step,
-        None if meta is None else msgspec.msgpack.encode(meta), argmax,
+        None if meta is None else msgspec.msgpack.encode(meta), argmax, so.group_block_ids,
     )
 
 
@@ -52,6 +52,7 @@ def decode_step(e: m.Execute, metadata_type: Any = Any) -> SchedulerOutput:
                          dict(zip(ids, e.num_scheduled)), e.total, set(e.finished), set(e.preempted))
     if e.kv_meta is not None:
         so.kv_connector_metadata = msgspec.msgpack.decode(e.kv_meta, type=metadata_type)
+    so.group_block_ids = e.groups
     return so
 
 
@@ -67,7 +68,8 @@ class DriverRunner(ModelRunner):
         self.argmax = False  # this step's tokens are the argmax on every rank (no broadcast)
         self.kv_outputs = KVOutputAggregator(executor.comm.world_size, self.connector) if self.connector else None
         self._kv_dec = msgspec.msgpack.Decoder(KVConnectorOutput)
-        executor.send(m.Setup(self.token_ids.shape[0], self.max_model_len, fuse))
+        groups = [(list(g.layers), g.window, g.num_blocks) for g in getattr(self.kv_cache, "groups", ())]
+        executor.send(m.Setup(self.token_ids.shape[0], self.max_model_len, fuse, groups))
         if self.connector is not None:
             dec = msgspec.msgpack.Decoder(self.connector.tp_worker_info_type)
             infos = [dec.decode(b) for b in executor.collect_info()]

@@ -21,8 +21,10 @@ import msgspec
 import zmq
 
 from hwkv.connectors import bind_connector, make_connector
+from hwkv.core.kv_groups import KVCacheGroup
 from hwkv.engine.build import set_kv_scales
 from hwkv.engine.config import EngineArgs
+from hwkv.engine.kv_groups import GroupedKVCache
 from hwkv.engine.tp import messages as m
 from hwkv.engine.tp.runner import WorkerRunner, decode_step
 from hwkv.interfaces.kv_quant import kv_storage_dtype
@@ -50,14 +52,11 @@ def _run(cfg: m.WorkerConfig, cmd: Any, out: Any) -> None:
         # the driver's pool sizing, over this rank's shard; the pool is the smallest any rank holds
         args = EngineArgs(model=cfg.model, backend=cfg.backend, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
                           block_size=cfg.block_size, num_kv_blocks=cfg.num_kv_blocks,
-                          memory_fraction=cfg.memory_fraction, max_num_seqs=cfg.max_num_seqs)
+                          memory_fraction=cfg.memory_fraction, max_num_seqs=cfg.max_num_seqs,
+                          kv_cache_groups=False)  # every layer's blocks: at most what the driver's groups use
         cc = args.resolve(backend, model, agree=comm.all_reduce_min).cache
         block_size = cc.block_size
-        kv_cache = backend.device.allocate_kv_cache(model.kv_cache_spec(cc.num_kv_blocks, block_size),
-                                                    backend.attention.kv_layout)
-        set_kv_scales(kv_cache, model, cfg.kv_cache_scales)
-        model.bind_kv_cache(kv_cache)
-        runner = None
+        kv_cache = runner = None  # allocated at Setup: the driver's KV-cache groups (if any) come with it
         meta_type = conn.metadata_type if conn is not None else Any
 
         def report(step: int, kvo: Any) -> None:
@@ -85,6 +84,14 @@ def _run(cfg: m.WorkerConfig, cmd: Any, out: Any) -> None:
             elif isinstance(msg, m.Rollback):
                 runner.rollback()  # type: ignore[union-attr]
             elif isinstance(msg, m.Setup):
+                spec = model.kv_cache_spec(cc.num_kv_blocks, block_size)
+                if msg.kv_groups:
+                    groups = tuple(KVCacheGroup(tuple(layers), w, n) for layers, w, n in msg.kv_groups)
+                    kv_cache = GroupedKVCache.allocate(groups, spec, backend.device, backend.attention.kv_layout)
+                else:
+                    kv_cache = backend.device.allocate_kv_cache(spec, backend.attention.kv_layout)
+                set_kv_scales(kv_cache, model, cfg.kv_cache_scales)
+                model.bind_kv_cache(kv_cache)
                 runner = WorkerRunner(model, backend, kv_cache, block_size, msg.max_num_seqs, msg.max_model_len,
                                       connector=conn, comm=comm, report=report)
                 if conn is not None:  # after register_kv_caches: what the driver's scheduler side needs of this rank
@@ -92,7 +99,7 @@ def _run(cfg: m.WorkerConfig, cmd: Any, out: Any) -> None:
                 if msg.fuse:
                     fuse_elementwise(model)
             elif isinstance(msg, m.DecodeOps):
-                model.set_decode_ops(backend.decode_ops() if msg.on else None, kv_cache.spec.dtype)
+                model.set_decode_ops(backend.decode_ops() if msg.on else None, kv_cache.spec.dtype)  # type: ignore[union-attr]
             elif isinstance(msg, m.Graphs):
                 runner.enable_graphs(msg.max_batch, msg.use_graphs)  # type: ignore[union-attr]
             elif isinstance(msg, m.Shutdown):
