@@ -17,6 +17,7 @@ def test_hybrid_parity_script_runs_on_cpu(tmp_path):
                  "--memory-len", "256"]) == 0
     doc = json.loads(out.read_text())
     (run,) = doc["runs"]
+    assert "error" not in doc["memory"], doc["memory"]
     assert run["margin_rule"]["passes"] and run["attention_features"] == ["sliding_window"]
     assert min(run["prompt_lens"]) > run["window"]  # the window matters
     assert [g["window"] for g in run["kv_groups"]] == [None, 16]

@@ -10,7 +10,7 @@ bf16 weights (teacher forcing) under the conformance margin rule: every token's 
 information: two bf16 implementations may differ where logits nearly tie).
 
 The engine runs with its defaults, so a windowed model runs with KV-cache groups (docs/hybrid-models.md):
-each run records the groups (window, layers, blocks). ``--memory-len N`` then serves one request of
+each run records the groups (window, layers, blocks). ``--memory-len N`` first serves one request of
 ``N - 64`` prompt tokens + 64 decoded through a ``max_model_len=N`` engine on the first shape's
 checkpoint and records the most blocks each group held (stepping the engine), against the blocks one
 group of every layer would hold.
@@ -22,6 +22,7 @@ import argparse
 import gc
 import json
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -232,19 +233,35 @@ def main(argv: list[str] | None = None) -> int:
     doc: dict[str, Any] = {"bench": "hybrid_parity", "device": dev,
                            "torch": torch.__version__, "args": vars(a), "runs": []}
     ok = True
-    for shape in a.shape.split(","):
-        r = run_shape(shape, a)
+
+    def save() -> None:
+        if a.out:
+            Path(a.out).write_text(json.dumps(doc, indent=1) + "\n")
+
+    shapes = a.shape.split(",")
+    if a.memory_len:  # first: eager, cheap, and the figure the parity runs cannot take away
+        t0 = time.perf_counter()
+        build(shapes[0], Path(a.workdir) / shapes[0], "cuda" if a.backend == "cuda" else "cpu")
+        gc.collect()
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        print(f"[{shapes[0]}] checkpoint for the memory run in {time.perf_counter() - t0:.1f} s", flush=True)
+        try:
+            doc["memory"] = memory_run(shapes[0], a)
+        except Exception:  # recorded, and the parity runs still go
+            doc["memory"] = {"error": traceback.format_exc()}
+            ok = False
+        print(json.dumps(doc["memory"]), flush=True)
+        save()
+    for shape in shapes:
+        try:
+            r = run_shape(shape, a)
+            ok &= r["margin_rule"]["passes"]
+        except Exception:
+            r = {"shape": shape, "error": traceback.format_exc()}
+            ok = False
         print(json.dumps(r), flush=True)
         doc["runs"].append(r)
-        ok &= r["margin_rule"]["passes"]
-        if a.out:
-            Path(a.out).write_text(json.dumps(doc, indent=1) + "\n")
-    if a.memory_len:
-        r = memory_run(a.shape.split(",")[0], a)
-        print(json.dumps(r), flush=True)
-        doc["memory"] = r
-        if a.out:
-            Path(a.out).write_text(json.dumps(doc, indent=1) + "\n")
+        save()
     return 0 if ok else 1
 
 
