@@ -1,12 +1,12 @@
-"""KV-cache groups in the engine (docs/hybrid-models.md): which layers share a block table, how many
-blocks each group's tensors hold, and the two facades the model sees.
+"""KV-cache groups in the engine (docs/hybrid-models.md): whether an engine runs them, which layers share
+a block table, how many blocks each group's tensors hold, and the KV cache the model sees.
 
 A model with sliding-window layers runs with one group per attention kind (``hwkv.core.kv_groups``):
 each group has its own KV tensors (its layers hold its pool's block count), its own block table per
 request (kept by the runner) and its own attention metadata per step (block tables and slot mapping
 differ; lengths and query layout are shared). :class:`GroupedKVCache` is what ``kv_cache.layer(i)``
-returns through; :class:`GroupedMetadata` hands layer ``i`` its group's metadata and slot mapping
-(``hwkv.interfaces.attention.layer_metadata``, the one call a model's layer loop makes).
+returns through; the runner's ``hwkv.interfaces.attention.GroupedMetadata`` hands layer ``i`` its group's
+metadata and slot mapping (``layer_metadata``, the one call a model's layer loop makes).
 """
 
 from __future__ import annotations
@@ -96,7 +96,6 @@ class GroupedKVCache:
         self.spec = replace(c0.spec, num_layers=len(self.where),
                             num_blocks=c0.spec.num_blocks - (groups[0].window is not None))
         self.tensors = [t for c in caches for t in c.tensors]
-        self.scales = None if c0.scales is None else True  # per group: layer_scales / set_scales
 
     @classmethod
     def allocate(cls, groups: tuple[KVCacheGroup, ...], spec: KVCacheSpec, device: Any, layout: Any) -> GroupedKVCache:
@@ -106,6 +105,11 @@ class GroupedKVCache:
     @property
     def device(self) -> torch.device:
         return self.caches[0].device
+
+    @property
+    def scales(self) -> torch.Tensor | None:
+        """The first group's (``None``: not quantised); every group's through :meth:`layer_scales`."""
+        return self.caches[0].scales
 
     @property
     def layer_group(self) -> list[int]:
