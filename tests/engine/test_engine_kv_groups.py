@@ -213,3 +213,17 @@ def test_grouped_ngram_speculation_matches_hf(window_case, graphs):
     if graphs:
         assert e.runner.num_verify_graph_steps > 0
     _whole(e)
+
+
+def test_grouped_fp8_kv_matches_one_group(window_case):
+    """An fp8 KV cache with groups: each group's layers keep their scales; the tokens of one group."""
+    _, path, _ = window_case
+    params = hwkv.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = []
+    for groups in (False, True):
+        e = hwkv.Engine(path, backend="cpu", dtype="float32", max_model_len=80, num_kv_blocks=64,
+                        kv_cache_dtype="fp8", kv_cache_scales=0.5, kv_cache_groups=groups)
+        assert bool(e.config.kv_groups) == groups
+        assert all(float(e.kv_cache.layer_scales(i).min()) == 0.5 for i in range(e.model.config.num_layers))
+        outs.append([o.token_ids for o in e.generate(PROMPTS, params, use_tqdm=False)])
+    assert outs[0] == outs[1]
