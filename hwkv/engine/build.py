@@ -19,6 +19,9 @@ from hwkv.engine.config import EngineArgs
 from hwkv.engine.kv_groups import GroupedKVCache
 from hwkv.engine.model_runner import ModelRunner
 from hwkv.engine.spec_config import ProposerTarget, make_proposer, spec_runner
+from hwkv.engine.tp.executor import TPExecutor, check_supported
+from hwkv.engine.tp.messages import DecodeOps
+from hwkv.engine.tp.runner import DriverRunner
 from hwkv.interfaces.kv_quant import kv_storage_dtype, shard_scales
 from hwkv.model import load_model
 from hwkv.model.fuse import fuse_elementwise
@@ -48,8 +51,6 @@ def build_parts(engine: Any, args: EngineArgs) -> None:
     engine._tp = tp = None  # tensor parallelism: ranks 1..N-1 (docs/parallelism.md); rank 0 is this process
     if args.tensor_parallel_size > 1:
         import weakref
-
-        from hwkv.engine.tp.executor import TPExecutor, check_supported
 
         check_supported(args, backend, connector)
         engine._tp = tp = TPExecutor(args, backend)  # each worker builds its own connector from the options
@@ -96,8 +97,6 @@ def build_parts(engine: Any, args: EngineArgs) -> None:
     runner_args = (model, backend, kv_cache, cc.block_size, cfg.scheduler.max_num_seqs, engine.max_model_len,
                    tuple(engine.eos_token_ids), connector)
     if tp:
-        from hwkv.engine.tp.runner import DriverRunner
-
         engine.runner = DriverRunner(*runner_args, executor=tp, fuse=rt.fuse_elementwise)
     elif spec is None:
         engine.runner = ModelRunner(*runner_args)
@@ -107,8 +106,6 @@ def build_parts(engine: Any, args: EngineArgs) -> None:
         fuse_elementwise(model)
     _set_decode_ops(backend, model, proposer, kv_cache, False if cfg.kv_groups else rt.decode_ops)
     if tp:  # every rank runs the driver's forward (its collectives pair up with the others')
-        from hwkv.engine.tp.messages import DecodeOps
-
         tp.send(DecodeOps(model.decode_ops is not None))
     if rt.graphs:
         engine.runner.enable_graphs(rt.graph_max_batch)

@@ -21,6 +21,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from hwkv.core.sched_config import SchedulerConfig, SchedulerOptions
+from hwkv.engine.defaults import MAX_GRAPH_BATCH, USAGE_CONTEXTS, scheduler_defaults
+from hwkv.engine.kv_alloc import check_backend, pool_blocks
+from hwkv.engine.kv_groups import grouping_blockers, plan_groups, window_reserve
 from hwkv.engine.spec_config import SpeculativeConfig
 from hwkv.interfaces.kv_quant import KV_CACHE_DTYPES
 
@@ -65,8 +68,6 @@ class RuntimeOptions:
     usage_context: str | None = None
 
     def check(self) -> None:
-        from hwkv.engine.defaults import USAGE_CONTEXTS
-
         _need(self, "usage_context", self.usage_context is None or self.usage_context in USAGE_CONTEXTS,
               f"None or one of {list(USAGE_CONTEXTS)}")
         _need(self, "backend", (isinstance(self.backend, str) and bool(self.backend))
@@ -167,8 +168,6 @@ class EngineArgs(SpeculativeOptions, KVEventsOptions, KVTransferOptions, Paralle
         raised to ``max_model_len`` in :meth:`resolve`)."""
         import copy
 
-        from hwkv.engine.defaults import scheduler_defaults
-
         d = scheduler_defaults(device, self.usage_context)
         out = copy.copy(self)  # fields already checked (and speculative_config parsed): no __post_init__ again
         out.max_num_seqs = self.max_num_seqs or d.max_num_seqs
@@ -188,10 +187,6 @@ class EngineArgs(SpeculativeOptions, KVEventsOptions, KVTransferOptions, Paralle
         ``extra_kv_bytes_per_block(block_size)``: bytes per block of another cache indexed by the
         same block ids (a draft model's KV), counted when sizing the pool; ``agree(n)`` (tensor
         parallelism: the communicator's ``all_reduce_min``): the pool every rank can hold."""
-        from hwkv.engine.defaults import MAX_GRAPH_BATCH
-        from hwkv.engine.kv_alloc import check_backend, pool_blocks
-        from hwkv.engine.kv_groups import plan_groups, window_reserve
-
         if self.max_num_seqs is None or (self.max_num_batched_tokens is None and self.enable_chunked_prefill):
             return self.with_device_defaults(backend.device).resolve(backend, model, kv_connector,
                                                                      extra_kv_bytes_per_block, agree)
@@ -228,8 +223,6 @@ class EngineArgs(SpeculativeOptions, KVEventsOptions, KVTransferOptions, Paralle
             )
         budget = self.max_num_batched_tokens
         if budget is None:  # without chunking a whole prompt must fit one step (as vLLM)
-            from hwkv.engine.defaults import scheduler_defaults
-
             budget = max(scheduler_defaults(backend.device, self.usage_context).max_num_batched_tokens, max_len)
 
         # graphs for pure-decode steps where the backend declares capture; a connector costs them only
@@ -256,8 +249,6 @@ class EngineArgs(SpeculativeOptions, KVEventsOptions, KVTransferOptions, Paralle
 
     def _grouped(self, model: Any, kv_connector: Any) -> bool:
         """Whether the engine runs KV-cache groups (``kv_cache_groups``; ValueError when True cannot be met)."""
-        from hwkv.engine.kv_groups import grouping_blockers
-
         if self.kv_cache_groups is False:
             return False
         reasons = grouping_blockers(self, kv_connector, model)

@@ -18,8 +18,10 @@ from hwkv.core.request import RequestStatus
 from hwkv.core.scheduler import Scheduler
 from hwkv.engine.build import build_parts
 from hwkv.engine.config import EngineArgs
+from hwkv.engine.kv_events import KVEventPublisher, snapshot_events
 from hwkv.engine.prompt import Prompt
 from hwkv.engine.stats import EngineStats
+from hwkv.engine.structured import StructuredOutputs
 from hwkv.engine.tracking import LAST_UNFINISHED, RequestTracking, Tracked
 from hwkv.outputs import RequestOutput
 
@@ -79,8 +81,6 @@ class Engine(RequestTracking):
     def __init__(self, model: str, **options: Any):
         args = EngineArgs(model=str(model), **options)  # TypeError: an unknown option; ValueError: a bad value
         build_parts(self, args)  # hwkv/engine/build.py: the parts, in order
-        from hwkv.engine.structured import StructuredOutputs
-
         self.runner.structured = StructuredOutputs(self.tokenizer, self.vocab_size, tuple(sorted(self.eos_token_ids)))
         self.kv_events = None  # KV events publisher (docs/kv-events.md), opt-in
         if args.kv_events_endpoint is not None:
@@ -108,8 +108,6 @@ class Engine(RequestTracking):
             self.kv_events.close()
 
     def _start_kv_events(self, endpoint: str, replay_endpoint: str | None) -> None:
-        from hwkv.engine.kv_events import KVEventPublisher, snapshot_events
-
         kv, conn = self.kv_cache_manager, self.connector
         kv.enable_kv_events()
         self._kv_event_sources = [kv]
