@@ -29,7 +29,8 @@ def model_windows(model: Any) -> list[int | None]:
 def grouping_blockers(args: Any, connector: Any, model: Any) -> list[str]:
     """Why this engine cannot run ``model`` with KV-cache groups (empty: it can)."""
     reasons = []
-    if not any(model_windows(model)):
+    windows = model_windows(model)
+    if not any(windows):
         reasons.append("the model has no sliding-window layers (one group is all it has)")
     if connector is not None:
         reasons.append("a KV connector moves one block table per request (kv_connector must be None)")
@@ -37,8 +38,9 @@ def grouping_blockers(args: Any, connector: Any, model: Any) -> list[str]:
     if spec is not None and getattr(spec, "method", None) != "ngram":
         reasons.append(f"speculative decoding's {spec.method!r} proposer keeps one block table (allowed: "
                        "speculative_config None or method 'ngram')")
-    if args.decode_ops:
-        reasons.append("the fused decode ops write one slot mapping for every layer (decode_ops must be None or False)")
+    if args.decode_ops and len(set(windows)) > 1:
+        reasons.append("the fused decode ops write one slot mapping for every layer, and this model's layers are "
+                       "in several groups (decode_ops must be None or False)")
     if args.kv_events_endpoint is not None:
         reasons.append("KV events report one block pool (kv_events_endpoint must be None)")
     return reasons
