@@ -27,6 +27,7 @@ from typing import Any
 
 from hwkv.engine.detokenizer import IncrementalDetokenizer
 from hwkv.engine.prompt import Prompt, tokenize_prompt
+from hwkv.engine.structured import StructuredOutputs
 from hwkv.model.tokenizer import Tokenizer, has_tokenizer
 from hwkv.outputs import CompletionMetrics, RequestOutput
 from hwkv.sampling_params import SamplingParams
@@ -103,8 +104,6 @@ class AsyncEngine:
         """``ValueError`` if ``spec`` (``SamplingParams.structured_outputs``) is not a valid grammar:
         checked here so the caller can name its field; compiled grammars are cached."""
         if self._structured is None:
-            from hwkv.engine.structured import StructuredOutputs
-
             info = self.info
             assert info is not None, "start() the engine first"
             self._structured = StructuredOutputs(self.tokenizer, info.vocab_size, tuple(info.eos_token_ids))

@@ -47,6 +47,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from hwkv.core.hashing import hash_token_blocks
+from hwkv.engine.kv_events import KVEventSubscriber
 from hwkv.serving.relay import Upstream, add_openai_routes, error, forward_headers, json_body, relay
 
 log = logging.getLogger(__name__)
@@ -99,8 +100,6 @@ class Router:
 
     def start(self) -> None:
         """Subscribe to every instance's events (threads; :meth:`close` stops them)."""
-        from hwkv.engine.kv_events import KVEventSubscriber
-
         for inst in self.instances:
             if inst.events is not None and inst.sub is None:
                 inst.sub = KVEventSubscriber(inst.events, inst.replay)
