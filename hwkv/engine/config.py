@@ -206,8 +206,10 @@ class EngineArgs(SpeculativeOptions, KVEventsOptions, KVTransferOptions, Paralle
         grouped = self._grouped(model, kv_connector)
         reserved = 0
         if grouped:  # the window groups' blocks are set aside; the full group shares the rest
-            full, reserved = window_reserve(model, block_size, self.max_num_seqs,
-                                            self.max_num_batched_tokens or max_len,
+            # the step budget resolved below is at most this one (max_len only shrinks): the reserve covers it
+            step = self.max_num_batched_tokens or max(
+                scheduler_defaults(backend.device, self.usage_context).max_num_batched_tokens, max_len)
+            full, reserved = window_reserve(model, block_size, self.max_num_seqs, step,
                                             model.kv_cache_spec(1, block_size).bytes_per_block // mc.num_layers)
             per_block = full or per_block
             reserved = reserved if full else 0
