@@ -255,11 +255,16 @@ def run(args: argparse.Namespace) -> int:
             row["valid_json_of_finished"] = sum(_parses(o.text) for o in done)
         return row
 
+    def show(name: str, row: dict[str, Any]) -> None:
+        print(f"{name:>8}: {row['tokens']} tokens in {row['seconds']:.3f} s = {row['tok_s']:,.0f} tok/s"
+              f"  mask {row['mask_ms_per_step']:.3f} ms/step (p50/p90/max {row.get('mask_ms_p50_p90_max')}; "
+              f"join {row['join_ms_per_step']:.3f}, worker {row['worker_ms_per_step']:.3f} ms/step, rows "
+              f"prefetched/computed {row['rows_prefetched']}/{row['rows_computed']})", flush=True)
+
     names = [s for s in args.schemas.split(",") if s]
-    print(f"engine ready ({time.strftime('%T')}); warm-up", flush=True)
-    one(None, 0)  # warm-up: graphs, kernels, the grammars compiled
-    for s in names:
-        one(s, 0)
+    print(f"engine ready ({time.strftime('%T')}); warm-up (graphs, kernels, grammars compiled)", flush=True)
+    for key in [None, *names]:
+        show(f"{key or 'free'} (warm-up)", one(key, 0))
     best: dict[str, dict[str, Any]] = {}
     dev = engine.backend.device.description()
     out = (Path(args.out_dir) if args.out_dir else results_dir()) / \
@@ -270,10 +275,7 @@ def run(args: argparse.Namespace) -> int:
             name = key or "free"
             if name not in best or row["tok_s"] > best[name]["tok_s"]:
                 best[name] = row
-            print(f"{name:>8}: {row['tokens']} tokens in {row['seconds']:.3f} s = {row['tok_s']:,.0f} tok/s"
-                  f"  mask {row['mask_ms_per_step']:.3f} ms/step (p50/p90/max {row.get('mask_ms_p50_p90_max')}; "
-                  f"join {row['join_ms_per_step']:.3f}, worker {row['worker_ms_per_step']:.3f} ms/step, rows "
-                  f"prefetched/computed {row['rows_prefetched']}/{row['rows_computed']})", flush=True)
+            show(name, row)
         free = best["free"]["tok_s"]
         for s in names:
             best[s]["cost_vs_free"] = 1 - best[s]["tok_s"] / free
