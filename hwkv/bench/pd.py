@@ -291,7 +291,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"hwkv bench pd: error: {e}", file=sys.stderr)
         return 2
     model = sb._model_dir(args)
-    colocated, tokens, baseline = None, {}, None
+    colocated, tokens, baseline, producer = None, {}, None, None
     specs, proxy_args, mode = _pair(args, args.protocol)
     pairs = [(specs, proxy_args, mode)]
     if args.baseline_protocol:
@@ -312,9 +312,13 @@ def run(args: argparse.Namespace) -> int:
                 tokens["colocated"] = _tokens(s.url, info, args)
             s.stop()  # the GPU it shares with the producer is the producer's alone from here
         info, disagg, transfer = _disaggregated(servers[0], servers[1], proxy_args, mode, args)
+        producer = info.pop("producer", None)
         if args.check_tokens:
             tokens["disaggregated"] = info.pop("tokens")
         if args.baseline_protocol:
+            # written now: a time limit during the baseline keeps the main comparison and its bars
+            _save(_result(args, model, mode, info, producer, colocated, disagg, transfer, None, {}, partial=True),
+                  args, mode, info, show=True)
             for s in servers[:2]:
                 s.stop()
             binfo, bres, btransfer = _disaggregated(servers[2], servers[3], pairs[1][1], pairs[1][2], args)
@@ -325,21 +329,39 @@ def run(args: argparse.Namespace) -> int:
     finally:
         for s in reversed(started):
             s.stop()
+    res = _result(args, model, mode, info, producer, colocated, disagg, transfer, baseline, tokens)
+    _save(res, args, mode, info, show=True)
+    ok = all(r["failed"] == 0 for r in disagg + (colocated or []) + (baseline or {}).get("disaggregated", []))
+    ok = ok and not transfer["failed_transfers"] and not (baseline or {}).get("transfer", {}).get("failed_transfers")
+    ok = ok and all(v["passes"] for v in res.get("token_check", {}).get("margin_rule", {}).values())
+    return 0 if ok else 1
+
+
+def _result(args: argparse.Namespace, model: str, mode: str, info: dict[str, Any], producer: Any,
+            colocated: list[dict[str, Any]] | None, disagg: list[dict[str, Any]], transfer: dict[str, Any],
+            baseline: dict[str, Any] | None, tokens: dict[str, Any], partial: bool = False) -> dict[str, Any]:
     res = {
         "bench": "pd", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": "hwkv bench pd " + shlex.join(sys.argv[3:]), "commit": os.environ.get("HWKV_COMMIT") or sb._commit(),
         "server": info,
         "mode": mode, "layerwise": args.layerwise, "transport": _transport(transfer, info),
         "prefill_devices": args.prefill_devices, "decode_devices": args.decode_devices, "protocol": args.protocol,
-        "producer_server": info.pop("producer", None),
+        "producer_server": producer,
         "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
         "range_ratio": args.range_ratio, "colocated": colocated, "disaggregated": disagg, "transfer": transfer,
         "baseline": baseline,
     }
+    if partial:
+        res["partial"] = "written before the baseline pair ran; the final file replaces it"
     if tokens:
         res["token_check"] = _token_check(model, args, info["vocab_size"], tokens)
     res["bars"] = _bars(colocated, disagg, transfer)
-    _print(res)
+    return res
+
+
+def _save(res: dict[str, Any], args: argparse.Namespace, mode: str, info: dict[str, Any], show: bool) -> None:
+    if show:
+        _print(res)
     out_dir = Path(args.out_dir) if args.out_dir else results_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     device = re.sub(r"[^A-Za-z0-9._-]+", "_", str(info.get("device", "unknown"))).strip("_")
@@ -348,11 +370,7 @@ def run(args: argparse.Namespace) -> int:
     if args.prefill_devices or args.decode_devices:
         stem += f"-gpu{args.prefill_devices or 'x'}to{args.decode_devices or 'x'}".replace(",", "+")
     (out_dir / f"{stem}.json").write_text(json.dumps(res, indent=2) + "\n")
-    print(f"wrote {out_dir / stem}.json")
-    ok = all(r["failed"] == 0 for r in disagg + (colocated or []) + (baseline or {}).get("disaggregated", []))
-    ok = ok and not transfer["failed_transfers"] and not (baseline or {}).get("transfer", {}).get("failed_transfers")
-    ok = ok and all(v["passes"] for v in res.get("token_check", {}).get("margin_rule", {}).values())
-    return 0 if ok else 1
+    print(f"wrote {out_dir / stem}.json", flush=True)
 
 
 def _bars(colocated: list[dict[str, Any]] | None, disagg: list[dict[str, Any]], transfer: dict[str, Any]
