@@ -7,10 +7,11 @@
 #      pair over tcp staging (--baseline-protocol tcp; the main comparison's JSON is written before it runs),
 #      prompts 2k-8k, rates 1 and 3 req/s; all five servers start at once.
 set -u
+C0=$(cat COMMIT 2>/dev/null || cat ../../COMMIT 2>/dev/null || true)
 [ -d hwkv ] || cd ../..  # run from the repository root (the carried main tree)
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export PYTHONPATH=$PWD:$PWD/backends/cuda:${PYTHONPATH:-}
-export HWKV_COMMIT=${HWKV_COMMIT:-$(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+export HWKV_COMMIT=${HWKV_COMMIT:-${C0:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export HWKV_BENCH_SERVER_LOGS="$OUT/server-logs"
 W=/dev/shm/hwkv-models
