@@ -20,6 +20,11 @@ class _Transfer(Transfer):
     def __init__(self, inner: Transfer):
         self.inner, self.protocol = inner, inner.protocol
 
+    def __getattr__(self, name: str) -> Any:  # the endpoint's extras (``orders_after``, ...) pass through
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
     def segments(self, local: list[int], remote: list[int], lengths: list[int]) -> tuple[list[int], ...]:
         return local, remote, lengths
 
@@ -35,11 +40,14 @@ class _Transfer(Transfer):
     def unregister(self, ptr: int) -> None:
         self.inner.unregister(ptr)
 
-    def submit_write(self, peer: str, src_ptrs: list[int], dst_ptrs: list[int], lengths: list[int]) -> int:
-        return self.inner.submit_write(peer, *self.segments(src_ptrs, dst_ptrs, lengths))
+    # ``**options``: what the endpoint takes beyond the interface (a direct mover's ``after=event``)
+    def submit_write(self, peer: str, src_ptrs: list[int], dst_ptrs: list[int], lengths: list[int],
+                     **options: Any) -> int:
+        return self.inner.submit_write(peer, *self.segments(src_ptrs, dst_ptrs, lengths), **options)
 
-    def submit_read(self, peer: str, local_ptrs: list[int], remote_ptrs: list[int], lengths: list[int]) -> int:
-        return self.inner.submit_read(peer, *self.segments(local_ptrs, remote_ptrs, lengths))
+    def submit_read(self, peer: str, local_ptrs: list[int], remote_ptrs: list[int], lengths: list[int],
+                    **options: Any) -> int:
+        return self.inner.submit_read(peer, *self.segments(local_ptrs, remote_ptrs, lengths), **options)
 
     def write(self, peer: str, src_ptrs: list[int], dst_ptrs: list[int], lengths: list[int]) -> None:
         self.inner.write(peer, *self.segments(src_ptrs, dst_ptrs, lengths))
