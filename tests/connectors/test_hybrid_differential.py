@@ -134,7 +134,7 @@ def test_pd_with_random_failed_reads(hybrid_dir, plain, mode):
     d = engine(hybrid_dir, num_kv_blocks=16, kv_connector="p2p",
                kv_connector_config=cfg("consumer", mode, transfer_timeout_s=0.3))
     rng = random.Random(seed)
-    conn = d.scheduler.connector if mode == "pull" else p.scheduler.connector
+    conn = (d if mode == "pull" else p).scheduler.connector.worker  # the worker side owns the transfer
     real = conn.transfer.read if mode == "pull" else conn.transfer.write
     fail = {"on": False}
 
