@@ -155,6 +155,27 @@ class TorchDistCommunicator(Communicator):
             names = ("abort", "shutdown") if self.backend_name == "nccl" else ("shutdown", "abort")
             shutdown = getattr(pg, names[0], None) or getattr(pg, names[1], None)
             if shutdown is not None:
-                with contextlib.suppress(Exception):
-                    shutdown()
+                _bounded(shutdown, CLOSE_WAIT_S)
         self.store = self._root = None
+
+
+CLOSE_WAIT_S = 10.0
+
+
+def _bounded(fn: Any, wait_s: float) -> None:
+    """``fn()`` on a daemon thread, waited for at most ``wait_s``: an NCCL abort after the peers left
+    did not return on 2 x H200 (ed3398d, a tp=2 engine's close), and a close must not hang its caller;
+    what it leaves is the process's to reclaim at exit."""
+
+    def run() -> None:
+        with contextlib.suppress(Exception):
+            fn()
+
+    t = threading.Thread(target=run, name="hwkv-comm-close", daemon=True)
+    t.start()
+    t.join(wait_s)
+    if t.is_alive():
+        import warnings
+
+        warnings.warn(f"communicator close did not return within {wait_s:.0f} s; left to the process exit",
+                      stacklevel=3)

@@ -91,3 +91,29 @@ def test_failed_custom_all_reduce_leaves_no_group():
     with pytest.raises(RuntimeError, match="no peer access"):
         TorchDistCommunicator(Broken(), 0, 1, 0, timeout_s=10, store=open_store(1, 10))
     assert not dist.is_initialized()
+
+
+def test_close_is_bounded_when_the_group_never_returns(monkeypatch):
+    """A backend whose abort blocks (an NCCL abort after the peers left did on 2 x H200) leaves close()
+    after CLOSE_WAIT_S with a warning, not forever."""
+    import threading
+    import time
+
+    import pytest
+
+    import hwkv.parallel.communicator as c
+
+    stuck = threading.Event()
+
+    class _Stuck:
+        def abort(self):
+            stuck.wait(30)
+
+    comm = c.TorchDistCommunicator.__new__(c.TorchDistCommunicator)
+    comm._custom, comm._pg, comm.backend_name, comm.store, comm._root = None, _Stuck(), "nccl", None, None
+    monkeypatch.setattr(c, "CLOSE_WAIT_S", 0.3)
+    t0 = time.monotonic()
+    with pytest.warns(UserWarning, match="did not return within"):
+        comm.close()
+    assert time.monotonic() - t0 < 5 and comm._pg is None
+    stuck.set()

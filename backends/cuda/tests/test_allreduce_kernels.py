@@ -110,8 +110,15 @@ def test_push_all_reduce_add_rms_norm_two_ranks(dtype):
         assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
         scale = xs[0].float().abs() + xs[1].float().abs() + res.float().abs()
         _check(got[0][1], want_h, 2 * scale)
+        # the normalised row: its sum of squares is a reduction in the kernel's order, not torch's
+        # (a float32 ulp apart on the H200 at ed3398d), so it is held to a few ulps of its magnitude;
+        # the sum and h above stay bit-exact, and every rank's bits the same
         rms = want_h.float().pow(2).mean(-1, keepdim=True).sqrt()
-        _check(got[0][0], want_out, 4 * (scale / rms + 1) * w.float().abs())
+        if dtype == torch.float32:
+            err = (got[0][0] - want_out).abs()
+            assert bool((err <= 2**-20 * (want_out.abs() + w.abs())).all())
+        else:
+            _check(got[0][0], want_out, 4 * (scale / rms + 1) * w.float().abs())
 
 
 COMPILE = """
