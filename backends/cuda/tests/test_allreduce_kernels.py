@@ -115,8 +115,8 @@ def test_push_all_reduce_add_rms_norm_two_ranks(dtype):
         # the sum and h above stay bit-exact, and every rank's bits the same
         rms = want_h.float().pow(2).mean(-1, keepdim=True).sqrt()
         if dtype == torch.float32:
-            err = (got[0][0] - want_out).abs()
-            assert bool((err <= 2**-20 * (want_out.abs() + w.abs())).all())
+            off = (got[0][0] - want_out).abs()
+            assert bool((off <= 2**-20 * (want_out.abs() + w.abs())).all())
         else:
             _check(got[0][0], want_out, 4 * (scale / rms + 1) * w.float().abs())
 
