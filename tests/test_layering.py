@@ -69,6 +69,18 @@ def test_interfaces_import_no_implementation():
     assert _breaking(lambda a, b: _area(a) == "interfaces" and _area(b) != "interfaces") == []
 
 
+def test_interfaces_name_no_implementation_even_in_annotations():
+    """The interfaces declare what they need of the core's records as Protocols
+    (``interfaces/connector.py``): not even an annotation-only import points up."""
+    up = []
+    for path in sorted((PKG / "interfaces").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hwkv.") \
+                    and not node.module.startswith("hwkv.interfaces"):
+                up.append(f"{path.name}: {node.module} (line {node.lineno})")
+    assert up == []
+
+
 def test_core_imports_only_interfaces():
     """The scheduler, KV cache manager and prefix cache know neither connectors nor speculative
     decoding (they see the connector interface) nor anything above them."""
