@@ -122,16 +122,17 @@ class EngineBench:
 
 
 def source_commit() -> str | None:
-    """The checkout's short commit: ``git rev-parse``, else a ``COMMIT`` file at the tree's root (a
-    copy shipped without .git, as to the GPU machine)."""
+    """The checkout's short commit: a ``COMMIT`` file at the tree's root (a copy shipped to the GPU
+    machine, which may sit inside another checkout: its ``git rev-parse`` names that one), else
+    ``git rev-parse``."""
     root = Path(__file__).resolve().parents[2]
+    if (root / "COMMIT").is_file():
+        return (root / "COMMIT").read_text().strip() or None
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
                              cwd=root).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         out = ""
-    if not out and (root / "COMMIT").is_file():
-        out = (root / "COMMIT").read_text().strip()
     return out or None
 
 

@@ -52,7 +52,7 @@ def test_tp2_cuda_engines_in_a_loop_use_the_custom_all_reduce(tmp_path, monkeypa
     in its own group with the custom all-reduce (peer memory) inside its graphs: the tp=1 tokens,
     bf16 decode through the fused decode ops (all_reduce_add) included."""
     _cuda()
-    monkeypatch.setenv("HWKV_CUSTOM_ALLREDUCE", "auto")  # opt-in (inherited by the workers)
+    monkeypatch.setenv("HWKV_CUSTOM_ALLREDUCE", "auto")  # the default, pinned (inherited by the workers)
     path = str(write_tiny_model(tmp_path, hidden_size=256, num_heads=8, num_kv_heads=2, vocab_size=1000,
                                 tokenizer=False))
     prompts = [[5 + i, 6, 7, 8 * i + 1] * (i + 1) for i in range(6)]
