@@ -1,0 +1,25 @@
+#!/bin/bash
+# Tensor parallelism (#34), the checks batch C could not finish (run from the repository root, results into $OUT):
+# 1) the tiny model in float32, tp=1 vs tp=2: greedy tokens identical, the driver's host work per step
+# 2) Llama-3-8B shape bf16, tp=1 vs tp=2 (custom all-reduce, the default): greedy tokens under the margin
+#    rule against float32 HF (no offline run), batch-1 decode again
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONFAULTHANDLER=1 OMP_NUM_THREADS=4
+export PYTHONPATH=$PWD:$PWD/backends/cuda:$PYTHONPATH
+OUT=${OUT:-/tmp/hwkv-tp-out}; mkdir -p "$OUT"
+W=/dev/shm/hwkv-models
+echo "commit: $(cat COMMIT 2>/dev/null || git rev-parse --short HEAD)"; date -u
+python3 -c "import hwkv, hwkv_cuda, torch; print('hwkv from', hwkv.__file__, hwkv_cuda.__file__, torch.__version__)"
+(CUDA_VISIBLE_DEVICES=1 timeout -k 5 150 python3 -c "
+import argparse, time; t = time.time()
+from hwkv.bench.common import model_dir
+print(model_dir(argparse.Namespace(model='llama-8b', dtype='bfloat16', workdir='$W')), 'written in', round(time.time() - t, 1), 's')
+" > $OUT/write.log 2>&1; echo "write rc=$?" >> $OUT/write.log) &
+WRITER=$!
+echo "=== 1 tiny fp32 tp1 vs tp2"; date -u
+timeout -k 5 -s ABRT 60 python3 -m hwkv.bench.tp --model tiny --dtype float32 --workdir $W --tp 1,2 --decode 16,144 --decode-batch 1 --offline '' --check-tokens 48 --reference none --max-model-len 512 --max-num-seqs 8 --out $OUT/tp-tiny-f32.json > $OUT/tp-tiny-f32.log 2>&1; echo "rc=$?"; tail -n 50 $OUT/tp-tiny-f32.log
+wait $WRITER; tail -n 5 $OUT/write.log
+grep -q "write rc=0" $OUT/write.log || rm -rf $W/llama-8b-bfloat16
+echo "=== 2 llama-8b bf16 tp1 vs tp2, margin rule"; date -u
+timeout -k 5 -s ABRT 130 python3 -m hwkv.bench.tp --model llama-8b --workdir $W --tp 1,2 --decode 16,80 --decode-batch 1 --offline '' --check-tokens 32 --reference hf --out $OUT/tp-llama8b-margin.json > $OUT/tp-llama8b-margin.log 2>&1; echo "rc=$?"; tail -n 60 $OUT/tp-llama8b-margin.log
+date -u
