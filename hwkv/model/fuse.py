@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from hwkv.model.gemma2 import GemmaRMSNorm, gemma_rms_norm
 from hwkv.model.layers import MLP, RMSNorm, add_rms_norm, rms_norm, silu_mul
 from hwkv.model.rope import RotaryEmbedding, apply_rope
 
@@ -23,18 +24,30 @@ def fuse_elementwise(model: Any, backend: str = "inductor") -> int:
 
     rms = torch.compile(rms_norm, dynamic=True, backend=backend)
     add_rms = torch.compile(add_rms_norm, dynamic=True, backend=backend)
+    gemma_rms = torch.compile(gemma_rms_norm, dynamic=True, backend=backend)
+    gemma_add_rms = torch.compile(_gemma_add_rms_norm, dynamic=True, backend=backend)
     rope = torch.compile(apply_rope, dynamic=True, backend=backend)
     act = torch.compile(silu_mul, dynamic=True, backend=backend)
     n = 0
+    # exact types: a subclass computes something else (Gemma's norms scale by 1 + w, its MLP is GELU)
     for m in model.modules():
-        if isinstance(m, RMSNorm):
+        if type(m) is RMSNorm:
             m.forward = lambda x, residual=None, m=m: (rms(x, m.weight, m.eps) if residual is None
                                                         else add_rms(x, residual, m.weight, m.eps))
+        elif type(m) is GemmaRMSNorm:
+            m.forward = lambda x, residual=None, m=m: (gemma_rms(x, m.weight, m.eps) if residual is None
+                                                        else gemma_add_rms(x, residual, m.weight, m.eps))
         elif isinstance(m, RotaryEmbedding):
             m.forward = lambda positions, q, k, m=m: rope(m.cos, m.sin, positions, q, k)
-        elif isinstance(m, MLP):
+        elif type(m) is MLP:
             m.forward = lambda x, m=m: m.down_proj(act(m.gate_up_proj(x), m.inter))
         else:
             continue
         n += 1
     return n
+
+
+def _gemma_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    h = x + residual
+    return gemma_rms_norm(h, weight, eps), h

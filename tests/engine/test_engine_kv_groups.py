@@ -231,3 +231,21 @@ def test_grouped_fp8_kv_matches_one_group(window_case):
         assert all(float(e.kv_cache.layer_scales(i).min()) == 0.5 for i in range(e.model.config.num_layers))
         outs.append([o.token_ids for o in e.generate(PROMPTS, params, use_tqdm=False)])
     assert outs[0] == outs[1]
+
+
+def test_fused_elementwise_keeps_each_family_math(window_case):
+    """The fused elementwise ops (on with graphs on a GPU) patch only the modules whose math they
+    compute: Gemma's (1 + w) norms get their own fused form, GELU MLPs stay as they are. (They once
+    replaced Gemma's norms and MLPs by Llama's: wrong from the first token on the H200.) Through
+    torch.compile's eager backend: no compiler needed."""
+    from hwkv.model.fuse import fuse_elementwise
+
+    _, path, ref = window_case
+    torch._dynamo.reset()
+    try:
+        e = hwkv.Engine(path, backend="cpu", dtype="float32", max_model_len=80, num_kv_blocks=64)
+        assert fuse_elementwise(e.model, backend="eager") > 0
+        params = hwkv.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+        assert [o.token_ids for o in e.generate(PROMPTS, params, use_tqdm=False)] == ref
+    finally:
+        torch._dynamo.reset()
