@@ -13,6 +13,7 @@ from hwkv_cuda.launch import parse_overrides
 
 MAX_SPLITS = 64
 SHORT_SPLIT = 128  # a split of at most this many keys runs as one tile
+LONG_SPLIT = 512  # a split of at least this many keys runs 128-key tiles (fp8: int16 words, see choose_config)
 OVERRIDE_ENV = "HWKV_CUDA_ATTN_CONFIG"
 FP8_OVERRIDE_ENV = "HWKV_CUDA_ATTN_CONFIG_FP8"  # applied on top for an fp8 (1-byte) cache
 
@@ -63,24 +64,41 @@ def choose_config(max_query_len: int, group: int, head_size: int, dtype: torch.d
     a 16k prefix 2135 → 1659 µs MHA, 2011 → 1656 GQA; chunk 512 on 4k 151 → 138 µs MHA; square causal
     512 2-5 % slower; bench/results/attention-prefill-tiles-H100-2026-11-22.txt).
 
-    ``kv_elem`` is the KV cache's element size (0: ``dtype``'s). A decode over a 1-byte (fp8) cache
-    takes twice the keys per tile: the same bytes and shared memory per tile as the 2-byte tile, half
-    the iterations. A decode tile's time is its chain of dependent loads, not its bytes, so keeping
-    the bf16 key count left fp8 at 1.00x of bf16 (H200, 1B shape, batch 32 x 32k:
-    bench/results/kv-dtype-llama-1b-H200-2026-11-28-c98742e.json)."""
+    Decode tiles since the H200 sweep of 2026-11-28 (bench/results/issue36-round3-H200-2026-11-28-918b7a9.md):
+    a split decode whose splits are at least ``LONG_SPLIT`` keys takes 128 keys (the 32-key tile above
+    was 1.2-1.5x slower at every measured shape, all with splits of >= 512 keys: 1B b1 x 32k, b4 x 8k/32k,
+    b32 x 32k, 8B b32 x 32k; 128 keys read 96-97% of the copy bandwidth at 32 x 32k); splits of 129-511
+    keys keep 32 (the H100 case above); an unsplit decode of head size <= 64 takes 128 (256 x 1k:
+    170 -> 149 µs); head 128 unsplit keeps 64 keys (not measured).
+
+    ``kv_elem`` is the KV cache's element size (0: ``dtype``'s). A split decode over a 1-byte (fp8)
+    cache with splits of >= ``LONG_SPLIT`` keys reads it as int16 words of two codes unpacked in
+    registers, with fp16 dots (``fp8_unpack=3``), 256 keys per tile at head size <= 64 and 128 above:
+    the e4m3 tiles cast to bf16 stayed at <= 40% of the copy bandwidth at any tile size (per-element
+    cost, not bytes); the unpacked read is 1.3x / 1.4x faster (1B / 8B shape, 32 x 32k) but still not
+    bound by bytes. An unsplit fp8 decode keeps 128 keys cast (not measured)."""
     hpad = pow2(group)
     wide_kv = (kv_elem or dtype.itemsize) == 1 and dtype != torch.float32  # fp8 KV read by a 16-bit query
     narrow = head_size > 128 or dtype == torch.float32
     if max_query_len == 1:
         block_m = max(16, hpad)
-        block_n = 32 if narrow or split else 64
         one_tile = split and not narrow and 0 < seg <= SHORT_SPLIT
-        if one_tile:
+        unpack = 0
+        if narrow:
+            block_n = 32
+        elif one_tile:
             block_n = SHORT_SPLIT
-        elif wide_kv and head_size <= 128:
-            block_n *= 2
+        elif split and seg < LONG_SPLIT:  # 2-3 tiles of 128 keys were slower than 32-key ones (H100 b1 16k)
+            block_n = 64 if wide_kv else 32
+        elif wide_kv and split:  # fp8: int16 words unpacked in registers, fp16 dots (module doc)
+            block_n, unpack = (256 if head_size <= 64 else 128), 3
+        elif wide_kv:
+            block_n = 128
+        else:
+            block_n = 128 if split or head_size <= 64 else 64
         # one tile has no loop to pipeline: three stages would only take shared memory (residency)
-        cfg = dict(block_m=block_m, block_q=1, block_n=block_n, num_warps=4, num_stages=1 if one_tile else 3)
+        cfg = dict(block_m=block_m, block_q=1, block_n=block_n, num_warps=4, num_stages=1 if one_tile else 3,
+                   fp8_unpack=unpack)
     else:
         block_m = max(64 if narrow else 128, hpad)
         if narrow:

@@ -96,8 +96,8 @@ def test_attention_dequantises_like_the_reference(name, mode, read, monkeypatch)
 @pytest.mark.parametrize("read", ["cast", "unpack"])
 @pytest.mark.parametrize("split", [False, True], ids=["one_split", "split"])
 def test_half_decode_over_fp8_takes_double_key_tiles(split, read, monkeypatch):
-    """A 16-bit decode over an fp8 cache runs twice the keys per tile of a 16-bit cache (same bytes per
-    tile, half the iterations), and still equals the reference over the same fp8 cache. fp16: the
+    """A split 16-bit decode over an fp8 cache runs twice the keys per tile of a 16-bit cache (same bytes
+    per tile, half the iterations), and still equals the reference over the same fp8 cache, read either way. fp16: the
     Triton interpreter computes bf16 dots wrongly (numpy has no bf16); bf16 takes the same tiles."""
     monkeypatch.setenv("HWKV_CUDA_ATTN_CONFIG", ("min_split=256,split_below=1000,part_cap=0" if split else
                                                  "split_below=0") + READS[read])
@@ -111,7 +111,9 @@ def test_half_decode_over_fp8_takes_double_key_tiles(split, read, monkeypatch):
     assert bf16_cfg == built.launch(h, hkv, d, half, True, FP8_E4M3)[0]
     cfg, plan = built.launch(h, hkv, d, half, True, FP8_E4M3)
     base, _ = built.launch(h, hkv, d, half, True, half)
-    assert cfg.block_n == 2 * base.block_n == (64 if split else 128) and (plan.splits > 1) == split
+    # splits of ~300 keys (< LONG_SPLIT): 64 fp8 keys, the bytes of the 16-bit cache's 32; unsplit: 128 each
+    assert (cfg.block_n, base.block_n) == ((64, 32) if split else (128, 128)) and (plan.splits > 1) == split
+    assert cfg.fp8_unpack == (int(READS[read][-1]) if READS[read] else 0)
     impl = TritonAttentionBackend().make_impl(h, d, hkv, d**-0.5)
     impl.kv_scales = scales
     out = torch.full_like(q, float("nan"), dtype=half, device=DEV)

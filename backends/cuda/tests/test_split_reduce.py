@@ -145,14 +145,17 @@ def test_split_reduce_hot_on_gpu(mode, monkeypatch):
 
 
 def test_short_splits_run_as_one_tile(monkeypatch):
-    """Split decodes take 32-key tiles, or one 128-key tile when every split is that short; head 256
-    and fp32 (shared memory) and non-split decodes keep their tiles."""
+    """Split decodes take 128-key tiles from 512 keys per split, 32-key ones below, one unpipelined
+    128-key tile when every split is that short; head 256 and fp32 (shared memory) keep 32; unsplit
+    decodes take 128 keys up to head 64, 64 above."""
     from hwkv_cuda.tiles import SHORT_SPLIT, choose_config
 
     monkeypatch.delenv("HWKV_CUDA_ATTN_CONFIG", raising=False)
     bf16 = torch.bfloat16
     assert choose_config(1, 4, 128, bf16).block_n == 64
-    assert choose_config(1, 4, 128, bf16, split=True, seg=256).block_n == 32
+    assert choose_config(1, 4, 128, bf16, split=True, seg=512).block_n == 128
+    assert choose_config(1, 4, 128, bf16, split=True, seg=256).block_n == 32  # 2 tiles of 128: slower (H100)
+    assert choose_config(1, 4, 64, bf16).block_n == 128
     assert choose_config(1, 4, 64, bf16, split=True, seg=SHORT_SPLIT).block_n == SHORT_SPLIT == 128
     assert choose_config(1, 4, 256, bf16, split=True, seg=64).block_n == 32
     assert choose_config(1, 4, 128, torch.float32, split=True, seg=64).block_n == 32
@@ -166,10 +169,16 @@ def test_short_splits_run_as_one_tile(monkeypatch):
     assert choose_config(1, 4, 128, bf16, split=True, seg=SHORT_SPLIT).num_stages == 1
     assert choose_config(1, 4, 128, bf16, split=True, seg=256).num_stages == 3
     assert choose_config(1, 4, 128, bf16).num_stages == 3
-    # an fp8 cache read by a 16-bit query: twice the keys per decode tile (same bytes), prefill and one
-    # tile splits as before; fp32 queries keep their tiles
+    # an fp8 cache read by a 16-bit query: a split decode reads int16 words (fp8_unpack=3), 256 keys
+    # up to head 64; prefill, unsplit and one-tile splits as before; fp32 queries keep their tiles
     assert choose_config(1, 4, 128, bf16, kv_elem=1).block_n == 128
-    assert choose_config(1, 4, 64, bf16, split=True, seg=256, kv_elem=1).block_n == 64
+    fp8 = choose_config(1, 4, 64, bf16, split=True, seg=512, kv_elem=1)
+    assert (fp8.block_n, fp8.fp8_unpack) == (256, 3)
+    fp8 = choose_config(1, 4, 128, bf16, split=True, seg=4096, kv_elem=1)
+    assert (fp8.block_n, fp8.fp8_unpack) == (128, 3)
+    fp8 = choose_config(1, 4, 64, bf16, split=True, seg=256, kv_elem=1)
+    assert (fp8.block_n, fp8.fp8_unpack) == (64, 0)
+    assert choose_config(1, 4, 64, bf16, split=True, seg=512).fp8_unpack == 0  # a 16-bit cache
     assert choose_config(1, 4, 64, bf16, split=True, seg=SHORT_SPLIT, kv_elem=1).block_n == SHORT_SPLIT
     assert choose_config(16, 4, 128, bf16, kv_elem=1) == choose_config(16, 4, 128, bf16)
     assert choose_config(1, 4, 128, torch.float32, kv_elem=1) == choose_config(1, 4, 128, torch.float32)
@@ -195,9 +204,9 @@ def test_tiles_fit_the_devices_shared_memory(monkeypatch):
             fit = fit_shared_memory(cfg, d_pad, elem, limit)
             assert smem_bytes(fit, d_pad, elem) <= limit and fit.block_m == cfg.block_m, (kw, limit)
             assert fit.block_n <= cfg.block_n and fit.num_stages <= cfg.num_stages
-    fp8_split = choose_config(1, 4, 128, bf16, split=True, seg=512, kv_elem=1)  # 64 fp8 keys: the bytes of 32 bf16
-    assert smem_bytes(fp8_split, 128, 2, 1) == smem_bytes(choose_config(1, 4, 128, bf16, split=True, seg=512), 128, 2)
-    assert fit_shared_memory(fp8_split, 128, 2, ada, 1) == fp8_split
+    fp8_split = choose_config(1, 4, 64, bf16, split=True, seg=512, kv_elem=1)  # 256 fp8 keys: the bytes of 128 bf16
+    assert smem_bytes(fp8_split, 64, 2, 1) == smem_bytes(choose_config(1, 4, 64, bf16, split=True, seg=512), 64, 2)
+    assert fit_shared_memory(fp8_split, 64, 2, ada, 1) == fp8_split
     prefill = choose_config(64, 4, 128, bf16)  # 128-key tiles, three stages: 224 KB
     assert (fit_shared_memory(prefill, 128, 2, a100).block_n, fit_shared_memory(prefill, 128, 2, a100).num_stages) \
         == (128, 2)
