@@ -56,11 +56,16 @@ def layer_groups(windows: Sequence[int | None]) -> list[tuple[int | None, tuple[
 class WindowKVCacheManager(KVCacheManager):
     """One sliding-window group: blocks that fell out of every future query's window are freed."""
 
-    def __init__(self, num_blocks: int, block_size: int, window: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, window: int, enable_caching: bool = True,
+                 max_step_tokens: int | None = None) -> None:
         super().__init__(num_blocks, block_size, enable_caching)
         if not isinstance(window, int) or window < 1:
             raise ValueError(f"window must be an int >= 1, got {window!r}")
         self.window = window
+        # the most tokens one step schedules for a request: a question about more (the scheduler's
+        # whole-prompt reservation) is answered for one step of them, since the blocks of earlier
+        # steps leave the window before later ones need theirs
+        self.max_step_tokens = max_step_tokens
         self.block_pool = BlockPool(num_blocks, enable_caching, use_null_block=True)
         self.null = self.block_pool.null_block
         assert self.null is not None
@@ -144,6 +149,8 @@ class WindowKVCacheManager(KVCacheManager):
                          new_computed_blocks: list[KVCacheBlock] | None = None) -> int:
         hits = new_computed_blocks or ()
         num_computed = request.num_computed_tokens + num_new_computed_tokens
+        if self.max_step_tokens is not None:
+            num_new_tokens = min(num_new_tokens, self.max_step_tokens)
         need = -(-(num_computed + num_new_tokens) // self.block_size)
         need -= len(self.req_to_blocks.get(request.request_id, ())) + len(hits)
         if need <= 0:
@@ -161,7 +168,10 @@ class GroupedKVCacheManager:
     """:class:`KVCacheManager`'s scheduler protocol over several KV-cache groups (module docstring).
     Blocks returned and accepted are one list per group, in ``groups`` order."""
 
-    def __init__(self, groups: Sequence[KVCacheGroup], block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, groups: Sequence[KVCacheGroup], block_size: int, enable_caching: bool = True,
+                 max_step_tokens: int | None = None) -> None:
+        """``max_step_tokens``: the most tokens a step schedules for one request (the token budget plus
+        lookahead slots): window groups answer ``num_blocks_short`` for at most that many new tokens."""
         if not groups:
             raise ValueError("at least one KV-cache group is needed")
         self.groups = list(groups)
@@ -169,7 +179,8 @@ class GroupedKVCacheManager:
         self.enable_caching = enable_caching
         self.managers: list[KVCacheManager] = [
             KVCacheManager(g.num_blocks, block_size, enable_caching) if g.window is None
-            else WindowKVCacheManager(g.num_blocks, block_size, g.window, enable_caching) for g in self.groups]
+            else WindowKVCacheManager(g.num_blocks, block_size, g.window, enable_caching, max_step_tokens)
+            for g in self.groups]
         self.last_new_blocks: list[list[KVCacheBlock]] = []
 
     @property

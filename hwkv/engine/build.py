@@ -88,7 +88,9 @@ def build_parts(engine: Any, args: EngineArgs) -> None:
     engine.vocab_size = engine.model_config.vocab_size
     engine.eos_token_ids = frozenset(eos_ids(engine.model_config, engine.generation_config))
     engine.kv_cache_manager = (
-        GroupedKVCacheManager(cfg.kv_groups, cc.block_size, cc.enable_prefix_caching) if cfg.kv_groups
+        GroupedKVCacheManager(cfg.kv_groups, cc.block_size, cc.enable_prefix_caching,
+                              cfg.scheduler.max_num_batched_tokens + (spec.num_lookahead_tokens if spec else 0))
+        if cfg.kv_groups
         else KVCacheManager(cc.num_kv_blocks, cc.block_size, cc.enable_prefix_caching))
     engine._hasher = make_block_hasher(cc.block_size)
     engine.async_scheduling = rt.async_scheduling

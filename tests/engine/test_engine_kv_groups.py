@@ -249,3 +249,21 @@ def test_fused_elementwise_keeps_each_family_math(window_case):
         assert [o.token_ids for o in e.generate(PROMPTS, params, use_tqdm=False)] == ref
     finally:
         torch._dynamo.reset()
+
+
+def test_long_prompt_fits_a_window_group_sized_for_windows(window_case):
+    """A prompt far longer than a window group's pool (sized for windows and one step, not contexts)
+    is admitted under whole-prompt reservation and prefilled in chunks: the window group is asked for
+    one step's blocks (earlier chunks leave the window first). HF's tokens, every pool whole."""
+    arch, path, ref = window_case
+    i = max(range(len(PROMPTS)), key=lambda j: len(PROMPTS[j]))
+    e = hwkv.Engine(path, backend="cpu", dtype="float32", max_model_len=80, num_kv_blocks=20, block_size=4,
+                    max_num_seqs=1, max_num_batched_tokens=8, kv_cache_groups=True)
+    win = e.config.kv_groups[-1]
+    assert win.window == WINDOW
+    if arch != "mistral-window":  # (windows only: the window group has the whole pool)
+        assert (win.num_blocks - 1) * 4 < len(PROMPTS[i])  # the pool holds less than the prompt
+    assert e.config.scheduler.reserve_full_prompt
+    params = hwkv.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    assert e.generate([PROMPTS[i]], params, use_tqdm=False)[0].token_ids == ref[i]
+    _whole(e)
