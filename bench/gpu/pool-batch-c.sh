@@ -18,8 +18,8 @@ nvidia-smi --query-gpu=index,name,memory.total --format=csv | tee "$OUT/nvidia-s
 python3 -c "import hwkv; print('hwkv from', hwkv.__file__, 'commit', '$HWKV_COMMIT')"
 echo "== (GPU 1) routing: llama-1b, 4 instances on one GPU, 16 tenants of 2k-8k tokens; (GPU 0) pool-restart 8k; limit $T s each"
 ( CUDA_VISIBLE_DEVICES=1 timeout $T python3 -m hwkv bench routing --model llama-1b --backend cuda --instances 4 \
-    --system-len 2048-8192 --suffix-len 64 --requests 160 --concurrency 8 --max-tokens 4 \
-    --workdir /dev/shm/hwkv-bench-models --start-timeout 80 --out-dir "$OUT" > "$OUT/routing.txt" 2>&1
+    --system-len 2048-8192 --suffix-len 64 --requests 120 --concurrency 8 --max-tokens 4 \
+    --workdir /dev/shm/hwkv-bench-models --start-timeout 70 --out-dir "$OUT" > "$OUT/routing.txt" 2>&1
   echo "routing rc=$? after $(( $(date +%s) - t0 )) s" >> "$OUT/routing.txt" ) &
 ( CUDA_VISIBLE_DEVICES=0 timeout $T python3 -m hwkv bench pool-restart --model llama-1b --backend cuda \
     --prompt-len 8192 --repeats 1 --capacity-mb 4096 --timeout 40 --via holder,tcp \
