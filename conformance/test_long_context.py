@@ -20,6 +20,7 @@ every declared dtype at the default block size, and the smallest declared block 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -57,6 +58,15 @@ def long_case(bs: int, head_size: int, dtype: torch.dtype, gen: torch.Generator)
                          scale=0.75 / math.sqrt(head_size))
 
 
+def compact(case: AttentionCase) -> AttentionCase:
+    """The same case on the fewest blocks, ids renumbered in order of use: for the reference only. The
+    oracle's block ids cannot change its output, and the whole pool in float32 is ~4.6 GB at block size
+    128 (the backend under test still gets the ids past 2^16)."""
+    ids: dict[int, int] = {}
+    tables = [[ids.setdefault(b, len(ids)) for b in t] for t in case.tables]
+    return replace(case, tables=tables, num_blocks=len(ids))
+
+
 @pytest.mark.slow
 def test_attention_long_context(backend, reference, check, gen, long_combo):
     """128k / 32k / 40k-prefix requests with k+1 verify queries, > 2^16 blocks, > 2,048-entry tables."""
@@ -70,7 +80,7 @@ def test_attention_long_context(backend, reference, check, gen, long_combo):
         not_supported(reasons)
     assert max(max(t) for t in case.tables) >= 1 << 16 and case.num_blocks > 1 << 16
     out = run_attention(backend, case, dtype)
-    expected = run_attention(reference, case, torch.float32)
+    expected = run_attention(reference, compact(case), torch.float32)
     check.close(out, expected, dtype, "attention", "attention at 128k / 32k contexts, > 2^16 blocks [tokens, heads, "
                 "head_size]")
 
