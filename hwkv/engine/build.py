@@ -106,8 +106,7 @@ def build_parts(engine: Any, args: EngineArgs) -> None:
         engine.runner = spec_runner()(*runner_args, spec_config=spec, proposer=proposer)
     if rt.fuse_elementwise:
         fuse_elementwise(model)
-    # several KV-cache groups: one slot mapping per group, which the fused ops do not take
-    _set_decode_ops(backend, model, proposer, kv_cache, False if len(cfg.kv_groups) > 1 else rt.decode_ops)
+    _set_decode_ops(backend, model, proposer, kv_cache, rt.decode_ops)
     if tp:  # every rank runs the driver's forward (its collectives pair up with the others')
         tp.send(DecodeOps(model.decode_ops is not None))
     if rt.graphs:

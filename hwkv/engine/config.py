@@ -201,8 +201,7 @@ class EngineArgs(SpeculativeOptions, KVEventsOptions, KVTransferOptions, Paralle
                                  f"(allowed: 1..{model_max})")
         max_len = self.max_model_len or model_max
         per_block = model.kv_cache_spec(1, block_size).bytes_per_block
-        if extra_kv_bytes_per_block is not None:
-            per_block += extra_kv_bytes_per_block(block_size)
+        extra = extra_kv_bytes_per_block(block_size) if extra_kv_bytes_per_block is not None else 0
         grouped = self._grouped(model, kv_connector)
         reserved = 0
         if grouped:  # the window groups' blocks are set aside; the full group shares the rest
@@ -213,6 +212,7 @@ class EngineArgs(SpeculativeOptions, KVEventsOptions, KVTransferOptions, Paralle
                                             model.kv_cache_spec(1, block_size).bytes_per_block // mc.num_layers)
             per_block = full or per_block
             reserved = reserved if full else 0
+        per_block += extra  # a proposer's KV: indexed by the (full) group 0's block ids
         n = pool_blocks(self, backend, per_block, block_size, max_len, reserved)
         if agree is not None:
             n = agree(n)

@@ -35,12 +35,12 @@ def grouping_blockers(args: Any, connector: Any, model: Any) -> list[str]:
     if connector is not None:
         reasons.append("a KV connector moves one block table per request (kv_connector must be None)")
     spec = args.speculative_config
-    if spec is not None and getattr(spec, "method", None) != "ngram":
-        reasons.append(f"speculative decoding's {spec.method!r} proposer keeps one block table (allowed: "
-                       "speculative_config None or method 'ngram')")
-    if args.decode_ops and len(set(windows)) > 1:
-        reasons.append("the fused decode ops write one slot mapping for every layer, and this model's layers are "
-                       "in several groups (decode_ops must be None or False)")
+    if spec is not None and getattr(spec, "method", None) != "ngram" and None not in windows:
+        # a model proposer's KV is indexed by group 0's block ids (the runner's block_table: the full
+        # group's when there is one); a window group's table has dropped the blocks its catch-up reads
+        reasons.append(f"speculative decoding's {spec.method!r} proposer indexes its KV by the full-attention "
+                       "group's block ids, and every layer of this model is windowed (allowed: speculative_config "
+                       "None or method 'ngram')")
     if args.kv_events_endpoint is not None:
         reasons.append("KV events report one block pool (kv_events_endpoint must be None)")
     return reasons

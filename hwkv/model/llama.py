@@ -235,12 +235,13 @@ class LlamaForCausalLM(nn.Module):
             a, mlp, layer_kv = layer.self_attn, layer.mlp, kv_cache.layer(i)
             if (hk := self.layer_hooks) is not None:
                 hk.wait_for_layer_load(i)
+            md, sm = layer_metadata(attn_metadata, slot_mapping, i)  # KV-cache groups: the layer's group's
             qkv = ops.qkv(h, layer.input_layernorm.weight, cfg.rms_norm_eps, a.qkv_proj.weight, a.qkv_proj.bias,
-                          rope.cos, rope.sin, positions, a.impl, layer_kv, slot_mapping, a.num_heads,
+                          rope.cos, rope.sin, positions, a.impl, layer_kv, sm, a.num_heads,
                           a.num_kv_heads, a.head_dim)
             q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
             out = a.impl.forward(q.view(t, a.num_heads, a.head_dim), k.view(t, a.num_kv_heads, a.head_dim),
-                                 v.view(t, a.num_kv_heads, a.head_dim), layer_kv, attn_metadata)
+                                 v.view(t, a.num_kv_heads, a.head_dim), layer_kv, md)
             if hk is not None:  # qkv wrote this layer's KV
                 hk.save_kv_layer(i, layer_kv, attn_metadata)
             if ar_add is None:
