@@ -9,6 +9,7 @@ For each ``--tp`` size (one process: an engine is built, measured, closed, then 
   tiny`` (device work ~nothing) the step time is the host's work per step too;
 * offline throughput: ``--offline N:IN:OUT`` requests at the default token budget (output tok/s and
   all tokens/s);
+* with ``--profile``: every rank's GPU time per step by kind and kernel (:mod:`hwkv.bench.tp_profile`);
 * greedy tokens of a few prompts, scored by a float32 reference run on the GPU (HF transformers,
   teacher forcing) under the conformance margin rule (each token's float32 logit within
   ``0.02 x max(1, |max logit|)`` of the argmax), and compared with the first size's tokens.
@@ -52,6 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-batch", default="1", help="comma list of batch sizes of the decode runs (with "
                    "--model tiny the step time is the host's work per step: the device's is ~nothing)")
     p.add_argument("--out", default=None)
+    p.add_argument("--profile", default=None, help="path prefix: also profile every rank's GPU time per step (batch-1 "
+                   "decode, the offline prefill and decode steps; hwkv.bench.tp_profile), files <prefix>-tpN-*")
 
 
 def copy_bandwidth() -> float:
@@ -152,6 +155,11 @@ def measure(mdir: Path, tp: int, a: argparse.Namespace, bw: float, vocab: int, r
                               "output_tok_per_s": round(nout / dt, 1), "total_tok_per_s": round((nout + n * i) / dt, 1),
                               "budget": e.config.scheduler.max_num_batched_tokens}
             print(f"tp={tp} offline: {res['offline']}", flush=True)
+        if a.profile:
+            from hwkv.bench.tp_profile import profile_engine
+
+            res["profile"] = profile_engine(e, lambda n, ln, seed: _prompts(n, ln, vocab, seed),
+                                            f"{a.profile}-tp{tp}", a.offline)
         if a.check_tokens:
             _, res["tokens"] = _generate(e, _prompts(4, 24, vocab, 3), a.check_tokens)
             print(f"tp={tp} greedy tokens done", flush=True)

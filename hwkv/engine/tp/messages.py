@@ -120,6 +120,13 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
+class Profile(msgspec.Struct, tag=True, array_like=True):
+    """Start (``path`` empty) or stop a kernel profile of the steps in between
+    (:mod:`hwkv.engine.tp.profile`); at stop the rank writes ``<path>.rank<r>.json``."""
+
+    path: str = ""
+
+
 class KVOut(msgspec.Struct, tag=True):
     """A rank's connector output of forward step ``step`` (msgpack of a KVConnectorOutput, or None)."""
 
@@ -135,5 +142,5 @@ class ConnectorInfo(msgspec.Struct, tag=True):
     info: bytes
 
 
-ToWorker = Setup | DecodeOps | Graphs | Execute | Flush | Release | Preempt | Rollback | Shutdown
+ToWorker = Setup | DecodeOps | Graphs | Execute | Flush | Release | Preempt | Rollback | Shutdown | Profile
 FromWorker = Hello | Failed | KVOut | ConnectorInfo

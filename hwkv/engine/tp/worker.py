@@ -59,6 +59,9 @@ def _run(cfg: m.WorkerConfig, cmd: Any, out: Any) -> None:
         kv_cache = runner = None  # allocated at Setup: the driver's KV-cache groups (if any) come with it
         meta_type = conn.metadata_type if conn is not None else Any
 
+        prof: Any = None  # a KernelProfile between two Profile messages, and its forward steps
+        prof_steps = 0
+
         def report(step: int, kvo: Any) -> None:
             out.send(enc.encode(m.KVOut(cfg.rank, step, None if kvo is None else enc.encode(kvo))))
 
@@ -75,6 +78,7 @@ def _run(cfg: m.WorkerConfig, cmd: Any, out: Any) -> None:
             if isinstance(msg, m.Execute):
                 runner.step_id, runner.argmax = msg.step, msg.argmax  # type: ignore[union-attr]
                 runner.execute_async(decode_step(msg, meta_type), msg.forward)  # type: ignore[union-attr]
+                prof_steps += msg.forward
             elif isinstance(msg, m.Flush):
                 runner.flush()  # type: ignore[union-attr]
             elif isinstance(msg, m.Release):
@@ -102,6 +106,15 @@ def _run(cfg: m.WorkerConfig, cmd: Any, out: Any) -> None:
                 model.set_decode_ops(backend.decode_ops() if msg.on else None, kv_cache.spec.dtype)  # type: ignore[union-attr]
             elif isinstance(msg, m.Graphs):
                 runner.enable_graphs(msg.max_batch, msg.use_graphs)  # type: ignore[union-attr]
+            elif isinstance(msg, m.Profile):
+                from hwkv.engine.tp import profile
+
+                if not msg.path:
+                    prof, prof_steps = profile.KernelProfile(), 0
+                    prof.start()
+                elif prof is not None:
+                    profile.write(msg.path, cfg.rank, prof.stop(prof_steps))
+                    prof = None
             elif isinstance(msg, m.Shutdown):
                 return
     finally:

@@ -1,0 +1,41 @@
+"""The per-rank kernel profile's arithmetic (hwkv.engine.tp.profile) and its message."""
+
+import msgspec
+
+from hwkv.engine.tp import messages as m
+from hwkv.engine.tp.profile import kind_of, summarize, table
+
+
+def test_summarize_charges_overlap_once_and_counts_idle():
+    # two steps: a GEMM, an overlapping push all-reduce (PDL-style tail overlap), a gap, an NCCL gather
+    k = []
+    for t0 in (0.0, 100.0):
+        k += [(t0, t0 + 40, "dense_kernel"), (t0 + 30, t0 + 50, "push_all_reduce_kernel"),
+              (t0 + 60, t0 + 70, "ncclDevKernel_AllGather_RING_LL")]
+    s = summarize(k, steps=2)
+    assert s["span_us_per_step"] == 85.0  # 0..170 over two steps
+    assert s["idle_us_per_step"] == 25.0  # 50..60, 70..100 (between the steps), 150..160: 50 / 2
+    assert s["busy_us_per_step"] == 60.0
+    kinds = s["kinds"]
+    assert kinds["gemm"] == {"critical_us": 40.0, "raw_us": 40.0, "calls": 1.0}
+    assert kinds["push_allreduce"]["critical_us"] == 10.0 and kinds["push_allreduce"]["raw_us"] == 20.0
+    assert kinds["nccl"]["critical_us"] == 10.0
+    top = {r["name"]: r for r in s["top"]}
+    assert top["push_all_reduce_kernel"]["us_per_call"] == 20.0
+    assert top["dense_kernel"]["calls_per_step"] == 1.0
+    assert "push_allreduce" in table(s, "rank 0")
+
+
+def test_kinds_and_empty_window():
+    assert kind_of("nvjet_tst_128x256_64x4_2x1_v_bz_coopB_TNT") == "gemm"
+    assert kind_of("attention_kernel") == "attention"
+    assert kind_of("Memcpy DtoD (Device -> Device)") == "memcpy"
+    assert kind_of("triton_poi_fused_add_0") == "other"
+    assert summarize([], steps=3) == {"steps": 3, "kernels": 0}
+    assert "no kernels" in table({"steps": 3, "kernels": 0}, "rank 1")
+
+
+def test_profile_message_round_trip():
+    enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(m.ToWorker)
+    assert dec.decode(enc.encode(m.Profile())) == m.Profile("")
+    assert dec.decode(enc.encode(m.Profile("/tmp/x"))).path == "/tmp/x"
