@@ -1,14 +1,17 @@
 #!/bin/bash
-# Tensor parallelism (#34), the checks batch C could not finish (run from the repository root, results into $OUT):
+# Tensor parallelism (#34) on two GPUs, one script (run from the repository root, results into $OUT):
 # 1) the tiny model in float32, tp=1 vs tp=2: greedy tokens identical, the driver's host work per step
-# 2) Llama-3-8B shape bf16, tp=1 vs tp=2 (custom all-reduce, the default): greedy tokens under the margin
-#    rule against float32 HF (no offline run), batch-1 decode again
+# 2) Llama-3-8B shape bf16, tp=1 vs tp=2 (custom all-reduce, the default): batch-1 decode, offline 128 x 512/128
+#    at the default budget, greedy tokens under the margin rule against float32 HF, the close (bounded), and
+#    --profile: every rank's GPU time per step by kernel kind (batch-1 decode, the offline prefill and decode)
+# 3) tp=2 batch-1 decode again with the push all-reduce launched without PDL (HWKV_PUSH_PDL=0): the A/B
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONFAULTHANDLER=1 OMP_NUM_THREADS=4
 export PYTHONPATH=$PWD:$PWD/backends/cuda:$PYTHONPATH
 OUT=${OUT:-/tmp/hwkv-tp-out}; mkdir -p "$OUT"
 W=/dev/shm/hwkv-models
 echo "commit: $(cat COMMIT 2>/dev/null || git rev-parse --short HEAD)"; date -u
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import hwkv, hwkv_cuda, torch; print('hwkv from', hwkv.__file__, hwkv_cuda.__file__, torch.__version__)"
 (CUDA_VISIBLE_DEVICES=1 timeout -k 5 150 python3 -c "
 import argparse, time; t = time.time()
@@ -20,6 +23,8 @@ echo "=== 1 tiny fp32 tp1 vs tp2"; date -u
 timeout -k 5 -s ABRT 60 python3 -m hwkv.bench.tp --model tiny --dtype float32 --workdir $W --tp 1,2 --decode 16,144 --decode-batch 1 --offline '' --check-tokens 48 --reference none --max-model-len 512 --max-num-seqs 8 --out $OUT/tp-tiny-f32.json > $OUT/tp-tiny-f32.log 2>&1; echo "rc=$?"; tail -n 50 $OUT/tp-tiny-f32.log
 wait $WRITER; tail -n 5 $OUT/write.log
 grep -q "write rc=0" $OUT/write.log || rm -rf $W/llama-8b-bfloat16
-echo "=== 2 llama-8b bf16 tp1 vs tp2, margin rule"; date -u
-timeout -k 5 -s ABRT 130 python3 -m hwkv.bench.tp --model llama-8b --workdir $W --tp 1,2 --decode 16,80 --decode-batch 1 --offline '' --check-tokens 32 --reference hf --out $OUT/tp-llama8b-margin.json > $OUT/tp-llama8b-margin.log 2>&1; echo "rc=$?"; tail -n 60 $OUT/tp-llama8b-margin.log
+echo "=== 2 llama-8b bf16 tp1 vs tp2: table, margin rule, profile"; date -u
+timeout -k 5 -s ABRT 240 python3 -m hwkv.bench.tp --model llama-8b --workdir $W --tp 1,2 --decode 16,144 --decode-batch 1 --offline 128:512:128 --check-tokens 32 --reference hf --profile $OUT/prof --out $OUT/tp-llama8b.json > $OUT/tp-llama8b.log 2>&1; echo "rc=$?"; tail -n 400 $OUT/tp-llama8b.log
+echo "=== 3 llama-8b tp2 batch-1, push all-reduce without PDL"; date -u
+HWKV_PUSH_PDL=0 timeout -k 5 -s ABRT 80 python3 -m hwkv.bench.tp --model llama-8b --workdir $W --tp 2 --decode 16,144 --decode-batch 1 --offline '' --check-tokens 0 --reference none --out $OUT/tp-llama8b-nopdl.json > $OUT/tp-llama8b-nopdl.log 2>&1; echo "rc=$?"; tail -n 30 $OUT/tp-llama8b-nopdl.log
 date -u

@@ -74,6 +74,8 @@ def make_custom_all_reduce(comm: Any) -> CudaAllReduce | None:
 class CudaAllReduce:
     """Callable as a :data:`~hwkv.interfaces.communicator.CustomAllReduce` (see the module doc)."""
 
+    pdl = False  # the push kernels launched with programmatic dependent launch (set in __init__)
+
     def __init__(self, comm: Any, push: bool = True, symm: bool = True, push_max: int = PUSH_MAX,
                  one_shot_max: int = ONE_SHOT_MAX, two_shot_max: int = TWO_SHOT_MAX, norm_max: int = NORM_MAX):
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -83,6 +85,8 @@ class CudaAllReduce:
         self.push_max = push_max if push else 0
         self.norm_max = norm_max if push else 0
         self._norm_key: tuple[int, torch.dtype] | None = None  # (hidden size, dtype): fixed at the first call
+        # programmatic dependent launch, as the decode GEMVs (kernels/allreduce.py); HWKV_PUSH_PDL=0: off (A/B)
+        self.pdl = os.environ.get("HWKV_PUSH_PDL", "1") != "0" and _use_pdl(self.device)
         self.one_shot_max = one_shot_max if symm else 0
         self.two_shot_max = two_shot_max if symm else 0
         ops = torch.ops.symm_mem
@@ -256,7 +260,7 @@ class CudaAllReduce:
             flat, residual.view(-1) if residual is not None else flat, out, self.buf.view(t.dtype), self.flags,
             self.peers, self.epochs, self.error, flat.numel(), RANK=self.rank, WS=self.world_size,
             SLOT=self.slot_bytes // t.element_size(), FLAG_OFF=self.flag_off, BLOCK=block,
-            HAS_RES=residual is not None, num_warps=4)
+            HAS_RES=residual is not None, PDL=self.pdl, num_warps=4, **({"launch_pdl": True} if self.pdl else {}))
         return out.view(t.shape)
 
     def _eligible(self, t: torch.Tensor) -> int:
@@ -318,7 +322,8 @@ class CudaAllReduce:
         push_all_reduce_norm_kernel[(t.shape[0],)](
             t, residual, weight, out, h, self.nbuf.view(t.dtype), self.nflags, self.npeers, self.nepochs, self.error,
             t.shape[1], eps, RANK=self.rank, WS=self.world_size, SLOT=self.norm_max // t.element_size(),
-            FLAG_OFF=self.nflag_off, BLOCK=triton_next_pow2(t.shape[1]), num_warps=8 if t.shape[1] >= 4096 else 4)
+            FLAG_OFF=self.nflag_off, BLOCK=triton_next_pow2(t.shape[1]), PDL=self.pdl,
+            num_warps=8 if t.shape[1] >= 4096 else 4, **({"launch_pdl": True} if self.pdl else {}))
         return out, h
 
     def failed(self) -> bool:
@@ -359,6 +364,12 @@ def _register_group(name: str, comm: Any, store: Any) -> Any:
         pg._set_group_name(name)
     _register_process_group(name, pg)
     return pg
+
+
+def _use_pdl(device: Any) -> bool:
+    from hwkv_cuda.launch import use_pdl
+
+    return use_pdl(torch.device(device))
 
 
 def triton_next_pow2(n: int) -> int:

@@ -130,13 +130,15 @@ common = dict(flags_ptr="*i64", peers_ptr="*i64", epochs_ptr="*i64", err_ptr="*i
               WS="constexpr", SLOT="constexpr", FLAG_OFF="constexpr", BLOCK="constexpr")
 for dt in ("bf16", "fp32"):
     p = f"*{dt}"
-    sig = dict(x_ptr=p, res_ptr=p, out_ptr=p, buf_ptr=p, n="i32", HAS_RES="constexpr", **common)
-    for res in (False, True):
+    sig = dict(x_ptr=p, res_ptr=p, out_ptr=p, buf_ptr=p, n="i32", HAS_RES="constexpr", PDL="constexpr", **common)
+    for res, pdl in ((False, False), (True, False), (True, True)):
         compile(ASTSource(k.push_all_reduce_kernel, sig, dict(RANK=1, WS=2, SLOT=4096, FLAG_OFF=64, BLOCK=2048,
-                                                              HAS_RES=res)), target=GPUTarget("cuda", 90, 32))
-    sig = dict(x_ptr=p, res_ptr=p, w_ptr=p, out_ptr=p, h_ptr=p, buf_ptr=p, H="i32", eps="fp32", **common)
-    compile(ASTSource(k.push_all_reduce_norm_kernel, sig, dict(RANK=0, WS=2, SLOT=8192, FLAG_OFF=64, BLOCK=4096)),
-            target=GPUTarget("cuda", 90, 32))
+                                                              HAS_RES=res, PDL=pdl)), target=GPUTarget("cuda", 90, 32))
+    sig = dict(x_ptr=p, res_ptr=p, w_ptr=p, out_ptr=p, h_ptr=p, buf_ptr=p, H="i32", eps="fp32", PDL="constexpr",
+               **common)
+    for pdl in (False, True):
+        compile(ASTSource(k.push_all_reduce_norm_kernel, sig, dict(RANK=0, WS=2, SLOT=8192, FLAG_OFF=64, BLOCK=4096,
+                                                                   PDL=pdl)), target=GPUTarget("cuda", 90, 32))
 print("compiled")
 """
 

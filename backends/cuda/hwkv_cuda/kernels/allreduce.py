@@ -15,10 +15,18 @@ parity's slot again two calls later, by then every rank has passed the barrier o
 which it reached only after finishing its reads of this one. The wait is bounded (``MAX_SPIN``
 polls): a peer that never comes makes the kernel set ``error[0]`` and go on, instead of hanging
 the device.
+
+With ``PDL`` (programmatic dependent launch, as the decode GEMVs of :mod:`hwkv_cuda.kernels.dense`)
+the kernel is launched during the previous kernel's tail and waits (``gdc_wait``) before reading
+anything; it lets the next kernel start at once, whose programs only load their first weight tile
+before their own wait: the next projection's weights stream while this all-reduce crosses NVLink,
+instead of the chain of a tensor-parallel layer breaking twice at every all-reduce.
 """
 
 import triton
 import triton.language as tl
+
+from hwkv_cuda.kernels.dense import gdc_launch_dependents, gdc_wait
 
 REGION = 4096  # bytes of each slot a program owns (the same for every dtype: regions never overlap)
 MAX_SPIN = tl.constexpr(1 << 28)  # a global a @jit function reads must be a constexpr
@@ -64,7 +72,10 @@ def _push_sum(x, offs, mask, pid, buf_ptr, flags_ptr, peers_ptr, epochs_ptr, err
 @triton.jit
 def push_all_reduce_kernel(x_ptr, res_ptr, out_ptr, buf_ptr, flags_ptr, peers_ptr, epochs_ptr, err_ptr, n,
                            RANK: tl.constexpr, WS: tl.constexpr, SLOT: tl.constexpr, FLAG_OFF: tl.constexpr,
-                           BLOCK: tl.constexpr, HAS_RES: tl.constexpr):
+                           BLOCK: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -80,11 +91,14 @@ def push_all_reduce_kernel(x_ptr, res_ptr, out_ptr, buf_ptr, flags_ptr, peers_pt
 @triton.jit
 def push_all_reduce_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, buf_ptr, flags_ptr, peers_ptr, epochs_ptr,
                                 err_ptr, H, eps, RANK: tl.constexpr, WS: tl.constexpr, SLOT: tl.constexpr,
-                                FLAG_OFF: tl.constexpr, BLOCK: tl.constexpr):
+                                FLAG_OFF: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """The push all-reduce of rows of ``H`` (program ``p`` owns row ``p``: a buffer of its own, whose
     regions are rows of one fixed ``H``), then ``h = residual + sum`` and ``out = rms_norm(h) * w``
     with the model's rounding (sum, add and normalised row each rounded to the dtype, as
     ``hwkv.model.layers.add_rms_norm``)."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
