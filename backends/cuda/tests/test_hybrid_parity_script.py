@@ -14,7 +14,7 @@ def test_hybrid_parity_script_runs_on_cpu(tmp_path):
     out = tmp_path / "hybrid.json"
     assert main(["--shape", "gemma3-tiny", "--backend", "cpu", "--dtype", "float32", "--prompts", "2",
                  "--prompt-len", "24", "--tokens", "4", "--workdir", str(tmp_path), "--out", str(out),
-                 "--memory-len", "256"]) == 0
+                 "--memory-len", "256", "--spec-shapes", "gemma3-tiny"]) == 0
     doc = json.loads(out.read_text())
     (run,) = doc["runs"]
     assert "error" not in doc["memory"], doc["memory"]
@@ -25,3 +25,6 @@ def test_hybrid_parity_script_runs_on_cpu(tmp_path):
     full, win = mem["most_live_blocks_per_group"]
     assert full == 256 // mem["block_size"] and win < full and mem["ratio"] > 1
     assert mem["live_blocks_per_group_last_step"][1] <= -(-16 // mem["block_size"]) + 1
+    spec = run["spec_draft_self"]  # the target as its own draft with groups: the plain run's tokens
+    assert spec["kv_groups"] == run["kv_groups"] and spec["draft_tokens"] > 0 and spec["pools_whole"]
+    assert spec["identical_to_plain_run"] == "2/2" and spec["margin_rule"]["passes"]

@@ -1,6 +1,7 @@
 """bf16 greedy agreement of hybrid-attention models on the CUDA backend with HF transformers.
 
     python -m hwkv_cuda.bench.hybrid_parity --shape gemma3-1b,gpt-oss-small --out hybrid.json
+    python -m hwkv_cuda.bench.hybrid_parity --shape gemma2-small,qwen2-window --spec-shapes gemma2-small
 
 For each shape: a random-weight HF model is built on the GPU, saved in bfloat16, and served by
 ``hwkv.Engine(backend="cuda", dtype="bfloat16")`` (Triton kernels: sliding window, soft-cap, sinks);
@@ -13,7 +14,9 @@ The engine runs with its defaults, so a windowed model runs with KV-cache groups
 each run records the groups (window, layers, blocks). ``--memory-len N`` first serves one request of
 ``N - 64`` prompt tokens + 64 decoded through a ``max_model_len=N`` engine on the first shape's
 checkpoint and records the most blocks each group held (stepping the engine), against the blocks one
-group of every layer would hold.
+group of every layer would hold. ``--spec-shapes`` serves those shapes a second time speculating with
+the target as its own draft model (KV-cache groups; the draft's cache on the full group's block ids)
+and scores those tokens the same way.
 """
 
 from __future__ import annotations
@@ -48,6 +51,16 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
         hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
         head_dim=64, vocab_size=8192, sliding_window=128, query_pre_attn_scalar=64, attn_logit_softcapping=5.0,
         final_logit_softcapping=30.0, max_position_embeddings=4096, initializer_range=0.05)),
+    # Qwen2-shaped, small: window-128 layers from max_window_layers on (a full and a window group); its
+    # family keeps the backend's fused decode ops, which run per group
+    "qwen2-window": ("Qwen2", dict(
+        hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+        vocab_size=8192, use_sliding_window=True, sliding_window=128, max_window_layers=2,
+        max_position_embeddings=4096, initializer_range=0.05)),
+    # Mistral-shaped, small: every layer windowed (one window group), fused decode ops
+    "mistral-window": ("Mistral", dict(
+        hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+        vocab_size=8192, sliding_window=128, max_position_embeddings=4096, initializer_range=0.05)),
     # a smoke test of this script on the CPU (--backend cpu)
     "gemma3-tiny": ("Gemma3Text", dict(
         hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
@@ -69,8 +82,8 @@ def build(shape: str, path: Path, dev: str) -> Any:
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "norm" in n:
-                p.normal_(0, 0.1)  # Gemma scales by (1 + w); GPT-OSS by w, shifted below
-                if name == "GptOss":
+                p.normal_(0, 0.1)  # Gemma scales by (1 + w); the others by w, shifted below
+                if not name.startswith("Gemma"):
                     p.add_(1.0)
             elif n.endswith("sinks") or "router" in n:
                 p.normal_(0, 0.5)
@@ -120,9 +133,9 @@ def run_shape(shape: str, a: argparse.Namespace) -> dict[str, Any]:
                            "new_tokens": a.tokens, "build_s": round(time.perf_counter() - t0, 1)}
     t0 = time.perf_counter()
     longest = max(len(p) for p in ps) + a.tokens  # graphs are captured up to max_model_len: no longer
+    max_len = min(1 << (longest - 1).bit_length(), hf.config.max_position_embeddings)
     e = hwkv.Engine(str(path), backend=a.backend, dtype=a.dtype, max_num_seqs=max(a.prompts, 1),
-                    max_model_len=min(1 << (longest - 1).bit_length(), hf.config.max_position_embeddings),
-                    enforce_eager=a.eager)
+                    max_model_len=max_len, enforce_eager=a.eager)
     try:
         res["engine_start_s"] = round(time.perf_counter() - t0, 1)
         print(f"[{shape}] engine started in {res['engine_start_s']} s", flush=True)
@@ -134,6 +147,7 @@ def run_shape(shape: str, a: argparse.Namespace) -> dict[str, Any]:
         toks = [list(o.token_ids) for o in outs]
         res["generate_s"] = round(time.perf_counter() - t1, 2)
         res["graph_steps"] = e.runner.num_graph_steps
+        res["decode_ops"] = type(e.model.decode_ops).__name__ if e.model.decode_ops is not None else None
         print(f"[{shape}] generated in {res['generate_s']} s", flush=True)
     finally:
         e.close()
@@ -141,6 +155,8 @@ def run_shape(shape: str, a: argparse.Namespace) -> dict[str, Any]:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     res["margin_rule"] = score(hf, ps, toks, dev)
+    if shape in a.spec_shapes.split(","):
+        res["spec_draft_self"] = spec_run(str(path), ps, toks, hf, a, dev, max_len)
     hf16 = hf.to(torch.bfloat16)
     same = 0
     first_div = []
@@ -157,6 +173,48 @@ def run_shape(shape: str, a: argparse.Namespace) -> dict[str, Any]:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+    return res
+
+
+def spec_run(path: str, ps: list[list[int]], plain: list[list[int]], hf: Any, a: argparse.Namespace,
+             dev: str, max_len: int) -> dict[str, Any]:
+    """The same prompts through the grouped engine speculating with the target as its own draft model
+    (k = 3; its cache indexed by the full group's block ids): tokens against the plain run's, the margin
+    rule against HF, acceptance, graph replays of the verify and draft steps."""
+    import torch
+
+    import hwkv
+    from hwkv.sampling_params import SamplingParams
+
+    t0 = time.perf_counter()
+    e = hwkv.Engine(path, backend=a.backend, dtype=a.dtype, max_num_seqs=max(a.prompts, 1), max_model_len=max_len,
+                    enforce_eager=a.eager,
+                    speculative_config={"method": "draft_model", "num_speculative_tokens": 3, "model": path})
+    try:
+        res: dict[str, Any] = {"engine_start_s": round(time.perf_counter() - t0, 1), "kv_groups": groups_of(e),
+                               "graphs": e.config.runtime.graphs}
+        t1 = time.perf_counter()
+        outs = e.generate(ps, SamplingParams(temperature=0.0, max_tokens=a.tokens, ignore_eos=True), use_tqdm=False)
+        toks = [list(o.token_ids) for o in outs]
+        res["generate_s"] = round(time.perf_counter() - t1, 2)
+        st = e.stats()["spec_decode"]
+        res["acceptance_rate"] = round(st["acceptance_rate"], 4)
+        res["draft_tokens"] = st["draft_tokens"]
+        res["verify_graph_steps"] = getattr(e.runner, "num_verify_graph_steps", 0)
+        res["draft_graph_steps"] = getattr(e.runner.proposer, "num_graph_steps", 0)
+        kv = e.kv_cache_manager
+        res["pools_whole"] = all(m.block_pool.num_free_blocks == m.block_pool.num_usable_blocks
+                                 for m in getattr(kv, "managers", [kv]))
+    finally:
+        e.close()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    res["identical_to_plain_run"] = f"{sum(x == y for x, y in zip(toks, plain))}/{len(ps)}"
+    res["first_divergence_from_plain"] = [next((j for j, (x, y) in enumerate(zip(s, p)) if x != y), None)
+                                          for s, p in zip(toks, plain)]
+    res["margin_rule"] = score(hf, ps, toks, dev)
+    print(f"[spec] {json.dumps(res)}", flush=True)
     return res
 
 
@@ -228,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", default="/dev/shm/hwkv-hybrid")
     p.add_argument("--out", default=None)
     p.add_argument("--memory-len", type=int, default=0, help="then one request of this many tokens (0: none)")
+    p.add_argument("--spec-shapes", default="", help="comma list of shapes also run speculating (draft = target)")
     a = p.parse_args(argv)
     dev = torch.cuda.get_device_name(0) if a.backend == "cuda" else a.backend
     doc: dict[str, Any] = {"bench": "hybrid_parity", "device": dev,
@@ -255,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     for shape in shapes:
         try:
             r = run_shape(shape, a)
-            ok &= r["margin_rule"]["passes"]
+            ok &= r["margin_rule"]["passes"] and r.get("spec_draft_self", {}).get("margin_rule", {}).get("passes", True)
         except Exception:
             r = {"shape": shape, "error": traceback.format_exc()}
             ok = False
