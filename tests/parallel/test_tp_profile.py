@@ -35,6 +35,25 @@ def test_kinds_and_empty_window():
     assert "no kernels" in table({"steps": 3, "kernels": 0}, "rank 1")
 
 
+def test_decode_gemvs_named_by_their_order():
+    # two steps of a two-layer decode: qkv, o_proj, gate_up, down twice, then the LM head
+    k, t = [], 0.0
+    for _ in range(2):
+        for _ in range(9):
+            k.append((t, t + 1, "dense_kernel"))
+            k.append((t + 1, t + 2, "attention_kernel"))
+            t += 2
+    s = summarize(k, steps=2)
+    top = {r["name"]: r for r in s["top"]}
+    assert top["dense_kernel:qkv"]["calls_per_step"] == 2.0
+    assert top["dense_kernel:lm_head"]["calls_per_step"] == 1.0
+    assert set(top) == {"attention_kernel"} | {f"dense_kernel:{n}" for n in ("qkv", "o_proj", "gate_up", "down",
+                                                                              "lm_head")}
+    assert s["kinds"]["gemm"]["calls"] == 9.0
+    # a count that is not 4 x layers + 1 per step stays unnamed
+    assert summarize(k[:4], steps=1)["top"][0]["name"] in ("dense_kernel", "attention_kernel")
+
+
 def test_profile_message_round_trip():
     enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(m.ToWorker)
     assert dec.decode(enc.encode(m.Profile())) == m.Profile("")

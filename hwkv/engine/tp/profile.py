@@ -37,6 +37,7 @@ def summarize(kernels: list[tuple[float, float, str]], steps: int, top: int = 25
     steps = max(steps, 1)
     if not kernels:
         return {"steps": steps, "kernels": 0}
+    kernels = _label_dense(kernels, steps)
     frontier = kernels[0][0]
     idle = 0.0
     crit: dict[str, float] = {}
@@ -66,6 +67,28 @@ def summarize(kernels: list[tuple[float, float, str]], steps: int, top: int = 25
                  "us_per_call": round(raw[n] / count[n], 2), "critical_us_per_step": round(c / steps, 1)}
                 for n, c in rows],
     }
+
+
+DENSE = "dense_kernel"
+DENSE_ORDER = ("qkv", "o_proj", "gate_up", "down")  # a decoder layer's fused GEMVs, in launch order
+
+
+def _label_dense(kernels: list[tuple[float, float, str]], steps: int) -> list[tuple[float, float, str]]:
+    """The fused decode GEMVs all carry one kernel name; where every step launched the same number,
+    ``4 x layers + 1`` (a decode step of a dense model: four per layer, the LM head last), their order
+    names them (``dense_kernel:o_proj``, ...)."""
+    count = sum(k[2] == DENSE for k in kernels)
+    per = count // steps
+    if per < 5 or count % steps or (per - 1) % 4:
+        return kernels
+    out, i = [], 0
+    for s, e, name in kernels:
+        if name == DENSE:
+            j = i % per
+            name = f"{DENSE}:{'lm_head' if j == per - 1 else DENSE_ORDER[j % 4]}"
+            i += 1
+        out.append((s, e, name))
+    return out
 
 
 def table(summary: dict[str, Any], title: str = "") -> str:
