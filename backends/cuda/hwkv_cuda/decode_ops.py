@@ -3,7 +3,7 @@
 
 ``HWKV_CUDA_PDL=0`` launches without PDL (for A/B runs; :mod:`hwkv_cuda.launch`);
 ``HWKV_CUDA_DENSE_CONFIG`` (``"block_n=16,block_k=1024,num_warps=8"``) overrides the tile choice for
-tuning sweeps.
+tuning sweeps, ``HWKV_CUDA_DENSE_CONFIG_<N>X<K>`` (e.g. ``_4096X2048``) for one ``[N, K]`` weight only.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ def choose_config(m: int, n: int, k: int) -> DenseConfig:
         cfg = {"block_n": 4 if n * k > 8 << 20 else 8, "block_k": block_k, "num_warps": 4, "num_stages": 1,
                "preload": 1}
     cfg.update(parse_overrides(CONFIG_ENV, DenseConfig._fields))
+    cfg.update(parse_overrides(f"{CONFIG_ENV}_{n}X{k}", DenseConfig._fields))  # one weight shape only
     if cfg["block_n"] < 2 or cfg["block_n"] & (cfg["block_n"] - 1):
         raise ValueError(f"{CONFIG_ENV}: block_n must be a power of two >= 2, got {cfg['block_n']}")
     return DenseConfig(**cfg)

@@ -21,13 +21,22 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
-from hwkv_cuda.decode_ops import CONFIG_ENV, TritonDecodeOps
+from hwkv_cuda.decode_ops import CONFIG_ENV, TritonDecodeOps, choose_config
 from hwkv_cuda.launch import PDL_ENV
 
 # (name, N, K, copies): Llama-3.2-1B (hidden 2048, 32/8 heads of 64, intermediate 8192, vocab 128256)
 SHAPES = [("qkv", 3072, 2048, 16), ("o_proj", 2048, 2048, 16), ("gate_up", 16384, 2048, 16),
           ("down", 2048, 8192, 16), ("lm_head", 128256, 2048, 2)]
 H, HKV, D = 32, 8, 64
+# --model: (shapes, H, HKV, D) of one rank; llama-8b-tp2 is a rank's shard of Llama-3-8B at tp=2 (hidden
+# 4096, 32/8 heads of 128 -> 16/4, intermediate 14336 -> 7168, vocab 128256 -> 64128)
+MODELS = {
+    "llama-1b": (SHAPES, 32, 8, 64),
+    "llama-8b": ([("qkv", 6144, 4096, 4), ("o_proj", 4096, 4096, 8), ("gate_up", 28672, 4096, 2),
+                  ("down", 4096, 14336, 2), ("lm_head", 128256, 4096, 2)], 32, 8, 128),
+    "llama-8b-tp2": ([("qkv", 3072, 4096, 8), ("o_proj", 4096, 2048, 16), ("gate_up", 14336, 4096, 4),
+                      ("down", 4096, 7168, 4), ("lm_head", 64128, 4096, 2)], 16, 4, 128),
+}
 
 
 def time_graph(fn, per: int, reps: int = 20) -> float:
@@ -106,16 +115,23 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp")
     ap.add_argument("--m", default="1")
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
+    ap.add_argument("--model", default="llama-1b", choices=sorted(MODELS))
+    ap.add_argument("--quick", action="store_true", help="a 12-config sweep (block_n 4/8/16 x block_k 1024/2048 x "
+                    "pipelined or preloaded, num_warps by block_n) instead of 36")
     args = ap.parse_args()
+    global SHAPES, H, HKV, D
+    SHAPES, H, HKV, D = MODELS[args.model]
     torch.manual_seed(0)
     res: dict = dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), torch=torch.__version__,
-                     triton=triton.__version__, rows=[])
+                     triton=triton.__version__, model=args.model, rows=[])
     n = 1 << 28
     src, dst = torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda")
     res["copy_TBps"] = 2 * n / time_graph(lambda: [dst.copy_(src) for _ in range(16)], 16) / 1e6
     print(f"copy {res['copy_TBps']:.3f} TB/s", flush=True)
     sweep = [dict(block_n=bn, block_k=bk, num_warps=wp, num_stages=st, preload=pre)
              for bn, bk, wp, (st, pre) in itertools.product((4, 8, 16), (512, 1024, 2048), (4, 8), ((3, 0), (1, 1)))]
+    if args.quick:
+        sweep = [c for c in sweep if c["block_k"] != 512 and c["num_warps"] == (4 if c["preload"] else 8)]
     wanted = set(args.shapes.split(","))
     for name, N, K, copies in SHAPES:
         if name not in wanted:
@@ -125,7 +141,8 @@ def main() -> None:
             t_cublas = time_graph(partial(c.chain, c.cublas), copies)
             row = dict(shape=name, N=N, K=K, M=m, MB=c.bytes / 1e6, cublas_us=t_cublas,
                        cublas_TBps=c.bytes / t_cublas / 1e6, configs=[])
-            for cfg in sweep:  # the sweep with PDL, then its best three without
+            default = choose_config(m, N, K)  # what the engine launches for this shape
+            for cfg in [dict(default._asdict()), *sweep]:  # the sweep with PDL, then its best three without
                 if cfg["block_k"] <= triton.next_power_of_2(K) and not (
                         cfg["preload"] and cfg["block_n"] * cfg["block_k"] > 16384):
                     run(c, row, cfg, "1")
@@ -134,6 +151,10 @@ def main() -> None:
             os.environ.pop(CONFIG_ENV, None)
             os.environ.pop(PDL_ENV, None)
             best = min(row["configs"], key=lambda r: r["us"])
+            chosen = next((r for r in row["configs"] if r["pdl"] == 1 and all(
+                r[f] == getattr(default, f) for f in sweep[0])), None)
+            print(json.dumps(dict(shape=name, N=N, K=K, M=m, default=dict(default._asdict()),
+                                  default_us=chosen and round(chosen["us"], 2))), flush=True)
             print(json.dumps(dict(shape=name, M=m, cublas_us=round(t_cublas, 2),
                                   cublas_TBps=round(row["cublas_TBps"], 3), best=best)), flush=True)
             for pdl in (1, 0):

@@ -109,7 +109,10 @@ def test_config_env_override(monkeypatch):
     assert choose_config(1, 2048, 2048).preload and not choose_config(1, 128256, 2048).preload
     monkeypatch.setenv("HWKV_CUDA_DENSE_CONFIG", "block_n=16,num_warps=2")
     assert choose_config(1, 2048, 2048)[:3:2] == (16, 2)
+    monkeypatch.setenv("HWKV_CUDA_DENSE_CONFIG_2048X2048", "block_n=32")  # one shape only, over the global one
+    assert choose_config(1, 2048, 2048)[:3:2] == (32, 2) and choose_config(1, 4096, 2048)[:3:2] == (16, 2)
     monkeypatch.setenv("HWKV_CUDA_DENSE_CONFIG", "block_n=6")
+    monkeypatch.delenv("HWKV_CUDA_DENSE_CONFIG_2048X2048")
     with pytest.raises(ValueError, match="power of two"):
         choose_config(1, 2048, 2048)
 
