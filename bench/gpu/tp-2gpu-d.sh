@@ -1,5 +1,7 @@
 #!/bin/bash
 # Tensor parallelism (#34) on two GPUs, one script (run from the repository root, results into $OUT):
+# 0) while the checkpoint is drawn on GPU 1: the decode GEMV tile sweep at a tp=2 rank's Llama-3-8B shapes on GPU 0
+#    (dense_probe --model llama-8b-tp2 --quick: the engine's choice per shape vs 12 tiles, PDL chains in a graph)
 # 1) the tiny model in float32, tp=1 vs tp=2: greedy tokens identical, the driver's host work per step
 # 2) Llama-3-8B shape bf16, tp=1 vs tp=2 (custom all-reduce, the default): batch-1 decode, offline 128 x 512/128
 #    at the default budget, greedy tokens under the margin rule against float32 HF, the close (bounded), and
@@ -21,9 +23,11 @@ from hwkv.bench.common import model_dir
 print(model_dir(argparse.Namespace(model='llama-8b', dtype='bfloat16', workdir='$W')), 'written in', round(time.time() - t, 1), 's')
 " > $OUT/write.log 2>&1; echo "write rc=$?" >> $OUT/write.log) &
 WRITER=$!
+echo "=== 0 dense GEMV tiles at tp=2 shapes (GPU 0)"; date -u
+CUDA_VISIBLE_DEVICES=0 timeout -k 5 110 python3 backends/cuda/scripts/dense_probe.py --model llama-8b-tp2 --quick --out $OUT/dense-tp2 > $OUT/dense-tp2.log 2>&1; echo "rc=$?"; tail -n 60 $OUT/dense-tp2.log
+wait $WRITER; tail -n 5 $OUT/write.log
 echo "=== 1 tiny fp32 tp1 vs tp2"; date -u
 timeout -k 5 -s ABRT 60 python3 -m hwkv.bench.tp --model tiny --dtype float32 --workdir $W --tp 1,2 --decode 16,144 --decode-batch 1 --offline '' --check-tokens 48 --reference none --max-model-len 512 --max-num-seqs 8 --out $OUT/tp-tiny-f32.json > $OUT/tp-tiny-f32.log 2>&1; echo "rc=$?"; tail -n 50 $OUT/tp-tiny-f32.log
-wait $WRITER; tail -n 5 $OUT/write.log
 grep -q "write rc=0" $OUT/write.log || rm -rf $W/llama-8b-bfloat16
 echo "=== 2 llama-8b bf16 tp1 vs tp2: table, margin rule, profile"; date -u
 timeout -k 5 -s ABRT 240 python3 -m hwkv.bench.tp --model llama-8b --workdir $W --tp 1,2 --decode 16,144 --decode-batch 1 --offline 128:512:128 --check-tokens 32 --reference hf --profile $OUT/prof --out $OUT/tp-llama8b.json > $OUT/tp-llama8b.log 2>&1; echo "rc=$?"; tail -n 400 $OUT/tp-llama8b.log
