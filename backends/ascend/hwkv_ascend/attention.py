@@ -7,6 +7,14 @@
   (right-down causal) with the 2048x2048 int8 upper-triangular mask; with no cached prefix it reads
   this step's raw K/V (``block_table=None``, cumulative KV lengths), otherwise the paged cache viewed
   as ``(num_blocks, block_size, H_kv*D)`` with per-request KV lengths.
+* Sliding-window layers (``impl.window = w``: a query at ``p`` sees keys ``(p - w, p]``): FIA in every
+  state, decode included (ATB PagedAttention takes no window), with the band mode ``sparse_mode=4``
+  (same compressed mask), ``pre_tokens = w - 1`` and ``next_tokens = 0``: FIA's band keeps, right-down
+  aligned, the keys ``[p - pre_tokens, p + next_tokens]`` (the op documentation's band rule; vllm-ascend
+  passes ``pre_tokens = w``, which by that rule keeps ``w + 1`` keys). Which edge the kernel keeps is
+  what a run on an NPU must confirm (``hwkv conformance --backend ascend``: the window case has a
+  13-key window beside > 4096-token contexts). Logit soft-caps and attention sinks have no FIA or
+  ATB input: refused by name (``Capabilities.attention_features``) and here.
 
 Per-step conversion happens once in :class:`AscendMetadataBuilder` from core's host tensors;
 the per-layer ``forward`` only launches ops.
@@ -195,6 +203,9 @@ class AscendMetadataBuilder(AttentionMetadataBuilder):
 
 
 MAX_HEADS = 256  # FIA: num_heads <= 256 (prompt-flash-attention tiling NLIMIT)
+ATTENTION_FEATURES = ("sliding_window",)  # FIA's band mode (module docstring)
+FEATURES_REASON = ("npu_fused_infer_attention_score and ATB PagedAttention have no logit soft-cap and no "
+                   "attention-sink input (allowed: sliding_window, through FIA's band mode)")
 
 
 def check_geometry(num_heads: int, head_size: int) -> None:
@@ -258,7 +269,11 @@ class AscendAttentionImpl(AttentionImpl):
         md: AscendMetadata = metadata
         npu = _npu.torch_npu()
         query = query.contiguous()
-        paged = md.state is AscendAttentionState.DECODE_ONLY and self.use_paged_attention
+        if self.softcap is not None or self.sinks is not None:
+            what = "logit soft-cap" if self.softcap is not None else "sinks"
+            raise ValueError(f"the Ascend attention ops take no {what} ({FEATURES_REASON})")
+        # ATB PagedAttention has no window: a window layer decodes through FIA's band mode
+        paged = md.state is AscendAttentionState.DECODE_ONLY and self.use_paged_attention and self.window is None
         args = self._pa_args(query, layer_kv, md) if paged else self._fia_args(query, key, value, layer_kv, md)
         if _npu.capturing(npu):
             return self._captured(npu, query, args, paged, md)
@@ -285,10 +300,11 @@ class AscendAttentionImpl(AttentionImpl):
             nb, bs = key_cache.shape[:2]
             k, v = key_cache.view(nb, bs, -1), value_cache.view(nb, bs, -1)
             block_table, block_size = md.block_tables, bs
+        band = {} if self.window is None else dict(sparse_mode=4, pre_tokens=self.window - 1, next_tokens=0)
         return dict(query=query, key=k, value=v, atten_mask=md.attn_mask, block_table=block_table,
                     input_layout="TND", block_size=block_size, actual_seq_lengths=md.actual_seq_lengths_q,
                     actual_seq_lengths_kv=_kv_lens(md), num_key_value_heads=self.num_kv_heads,
-                    num_heads=self.num_heads, scale=self.scale, sparse_mode=3)
+                    num_heads=self.num_heads, scale=self.scale, **{"sparse_mode": 3, **band})
 
     def _captured(self, npu: Any, query: torch.Tensor, args: dict[str, Any], paged: bool,
                   md: AscendMetadata) -> torch.Tensor:

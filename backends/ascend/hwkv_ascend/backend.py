@@ -19,7 +19,13 @@ from hwkv.interfaces import (
 from hwkv.interfaces.decode_ops import DecodeOps
 from hwkv.transfer.mooncake import engine_installed
 from hwkv_ascend import _npu
-from hwkv_ascend.attention import BLOCK_SIZE, HEAD_SIZES, AscendAttentionBackend
+from hwkv_ascend.attention import (
+    ATTENTION_FEATURES,
+    BLOCK_SIZE,
+    FEATURES_REASON,
+    HEAD_SIZES,
+    AscendAttentionBackend,
+)
 from hwkv_ascend.device import TRANSFER_ALIGNMENT, AscendDevice
 
 MOONCAKE_MISSING = "mooncake-transfer-engine-npu not installed: pip install 'hwkv-ascend[mooncake]'"
@@ -72,11 +78,10 @@ class AscendBackend(Backend):
             # dequantises it through antiquant_scale/antiquant_offset (per channel); not implemented here
             kv_cache_dtypes=("auto",),
             kv_cache_dtype_reason=KV_FP8_REFUSED,
-            # FIA has pre_tokens/next_tokens (a band mask: sliding windows) but the glue does not pass them
-            # yet, and no logit soft-cap or sink logits: refused by name until wired and checked
-            attention_features=(),
-            attention_features_reason="the Ascend glue does not pass FIA's pre_tokens band mask (sliding "
-                                      "window) yet, and FIA has no logit soft-cap or attention sinks",
+            # windows through FIA's band mode (sparse_mode=4, pre_tokens/next_tokens; hwkv_ascend.attention);
+            # no op takes a logit soft-cap or sink logits: refused by name
+            attention_features=ATTENTION_FEATURES,
+            attention_features_reason=FEATURES_REASON,
             extras={"torch_npu": str(getattr(npu, "__version__", "?")), "soc": soc,
                     "emulated": "yes" if self._device.emulated else "no",
                     "graphs": "acl (task update)" if graphs else f"off: {graphs_why}"},

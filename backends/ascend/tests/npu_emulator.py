@@ -6,7 +6,11 @@ was read:
 * [FIA-doc] Ascend/op-plugin ``docs/context/torch_npu-npu_fused_infer_attention_score.md`` and the
   schema in ``op_plugin/config/op_plugin_functions.yaml`` (keyword-only after ``value``, fp16/bf16,
   contiguity, TND length rules, ``sparse_mode=3`` with the fixed 2048x2048 mask, page attention:
-  int32 block table, block_size a multiple of 128 in [128, 512], GQA ratio <= 64).
+  int32 block table, block_size a multiple of 128 in [128, 512], GQA ratio <= 64). [FIA-band]: the
+  same document's ``sparse_mode=4`` (band) takes the same compressed mask and keeps, right-down
+  aligned, the keys ``[p - pre_tokens, p + next_tokens]`` of a query at ``p`` (both edges included);
+  ``pre_tokens`` / ``next_tokens`` mean nothing in modes 2/3. Negative bounds and a band in mode 0 (a
+  full mask) are not emulated. The included edge is this reading of the document, not a run.
 * [PFA-tiling] hicann/ops-transformer ``attention/prompt_flash_attention/op_host/
   prompt_flash_attention_tiling.cpp`` (which FIA's TND path runs through): TND takes head dims
   64/128/192 only; the text of its error is what aclnnFusedInferAttentionScoreV3 reports (561002).
@@ -127,9 +131,11 @@ def _cumulative(name: str, ends: list[int]) -> list[int]:
     return out
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int | None) -> torch.Tensor:
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int | None,
+            band: tuple[int, int] | None = None) -> torch.Tensor:
     """q [Sq, N, D], k/v [Skv, Nkv, D] → [Sq, N, D] float32. ``causal_offset`` = Skv - Sq for the
-    right-down causal mask (query row i sees KV j <= i + offset); fully masked rows give 0."""
+    right-down causal mask (query row i sees KV j <= i + offset); ``band`` = (pre, next) instead keeps
+    ``i + offset - pre <= j <= i + offset + next`` [FIA-band]; fully masked rows give 0."""
     g = q.shape[1] // k.shape[1]
     k = k.float().repeat_interleave(g, dim=1)
     v = v.float().repeat_interleave(g, dim=1)
@@ -137,7 +143,10 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cau
     if causal_offset is not None:
         i = torch.arange(q.shape[0]).unsqueeze(1)
         j = torch.arange(k.shape[0]).unsqueeze(0)
-        s = s.masked_fill(j > i + causal_offset, float("-inf"))
+        pre, nxt = band if band is not None else (None, 0)
+        s = s.masked_fill(j > i + causal_offset + nxt, float("-inf"))
+        if pre is not None:
+            s = s.masked_fill(j < i + causal_offset - pre, float("-inf"))
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # all -inf rows → 0
     return torch.einsum("nqk,knd->qnd", p, v)
 
@@ -152,10 +161,10 @@ def _check_mask(atten_mask: torch.Tensor | None, sparse_mode: int) -> None:
         if atten_mask is not None:
             raise NotImplementedError("sparse_mode=0 with a full atten_mask is not emulated")
         return
-    if sparse_mode != 3:
-        raise NpuOpError(f"TND supports sparse_mode=0 without mask or sparse_mode=3 with mask, got {sparse_mode}")
+    if sparse_mode not in (3, 4):
+        raise NpuOpError(f"TND supports sparse_mode=0 without mask or sparse_mode=3/4 with mask, got {sparse_mode}")
     if atten_mask is None:
-        raise NpuOpError("sparse_mode=3 requires atten_mask (the optimised 2048x2048 mask)")
+        raise NpuOpError(f"sparse_mode={sparse_mode} requires atten_mask (the optimised 2048x2048 mask)")
     _contiguous(atten_mask=atten_mask)
     if atten_mask.dtype not in (torch.bool, torch.int8, torch.uint8):
         raise NpuOpError(f"atten_mask dtype must be bool/int8/uint8, got {atten_mask.dtype}")
@@ -231,6 +240,14 @@ def npu_fused_infer_attention_score(
     if len(kv_arg) != batch:
         raise NpuOpError(f"actual_seq_lengths_kv has {len(kv_arg)} entries, batch (len(actual_seq_lengths)) is {batch}")
     _check_mask(atten_mask, sparse_mode)
+    band = None
+    if sparse_mode == 4:  # [FIA-band]
+        if pre_tokens < 0 or next_tokens < 0:
+            raise NotImplementedError(f"negative band bounds (pre_tokens {pre_tokens}, next_tokens {next_tokens}) "
+                                      "are not emulated")
+        band = (pre_tokens, next_tokens)
+    elif sparse_mode == 0 and (pre_tokens, next_tokens) != (INT_MAX, INT_MAX):
+        raise NotImplementedError("pre_tokens / next_tokens with sparse_mode=0 are not emulated")
 
     if block_table is not None:  # page attention: per-request KV lengths into (blocks, block_size, H*D)
         kv_lens = kv_arg
@@ -272,7 +289,7 @@ def npu_fused_infer_attention_score(
         q1 = q0 + q_lens[b]
         if q_lens[b] and kv_lens[b]:
             k, v = kv_of(b)
-            out[q0:q1] = _attend(query[q0:q1], k, v, scale, kv_lens[b] - q_lens[b] if sparse_mode == 3 else None)
+            out[q0:q1] = _attend(query[q0:q1], k, v, scale, kv_lens[b] - q_lens[b] if sparse_mode else None, band)
         q0 = q1
     return out.to(query.dtype), torch.zeros(1)  # softmax_lse_flag=False: a [1] zero tensor
 

@@ -20,14 +20,18 @@ HEADS = [(4, 4), (8, 2), (4, 1)]  # MHA, GQA 4, MQA
 TOL = {torch.float16: (2e-3, 5e-3), torch.bfloat16: (1.6e-2, 2e-2)}  # the conformance suite's table
 
 
-def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
-    """q [Sq, N, D] at positions start.., k/v [S, Nkv, D] (whole sequence), causal; float64 softmax."""
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
+                    window: int | None = None) -> torch.Tensor:
+    """q [Sq, N, D] at positions start.., k/v [S, Nkv, D] (whole sequence), causal (and a query at p sees
+    only keys in (p - window, p]); float64 softmax."""
     n, nkv = q.shape[1], k.shape[1]
     k = k.double()[:, torch.arange(n) // (n // nkv)]  # query head h reads KV head h // group
     v = v.double()[:, torch.arange(n) // (n // nkv)]
     scores = torch.einsum("ihd,jhd->hij", q.double(), k) * scale
     pos = start + torch.arange(q.shape[0])
     scores[:, torch.arange(k.shape[0])[None, :] > pos[:, None]] = float("-inf")
+    if window is not None:
+        scores[:, torch.arange(k.shape[0])[None, :] <= pos[:, None] - window] = float("-inf")
     return torch.einsum("hij,jhd->ihd", torch.softmax(scores, dim=-1), v)
 
 
@@ -56,10 +60,10 @@ def make_case(reqs, num_heads, num_kv_heads, head_size, dtype, seed=0):
     return md, torch.cat(q_new), new_k, new_v, (kc, vc), k_full, v_full, tables
 
 
-def expected(reqs, q, k_full, v_full, scale):
+def expected(reqs, q, k_full, v_full, scale, window=None):
     outs, at = [], 0
     for (ctx, ql), kf, vf in zip(reqs, k_full, v_full):
-        outs.append(naive_attention(q[at : at + ql], kf, vf, ctx, scale))
+        outs.append(naive_attention(q[at : at + ql], kf, vf, ctx, scale, window))
         at += ql
     return torch.cat(outs)
 
@@ -110,3 +114,48 @@ def test_non_contiguous_query_is_made_contiguous(npu):
     impl.write_kv(k_view, v_view, kv, md.slot_mapping)
     out = impl.forward(q_view, k_view, v_view, kv, amd)
     torch.testing.assert_close(out.double(), expected(reqs, q, k_full, v_full, 64**-0.5), atol=2e-3, rtol=5e-3)
+
+
+@pytest.mark.parametrize("state", list(SCENARIOS))
+@pytest.mark.parametrize("window", [1, 13, 128], ids=lambda w: f"w{w}")
+def test_window_through_fia_band_matches_naive(npu, monkeypatch, state, window):
+    """A window layer runs FIA's band mode (sparse_mode=4, pre_tokens = window - 1, next_tokens = 0) in
+    every state, decode included (ATB PagedAttention has no window, and is not called)."""
+    import torch_npu
+    from hwkv_ascend.backend import AscendBackend
+
+    backend = AscendBackend()
+    assert backend.capabilities.attention_features == ("sliding_window",)
+    calls = []
+    real = torch_npu.npu_fused_infer_attention_score
+    monkeypatch.setattr(torch_npu, "npu_fused_infer_attention_score", lambda *a, **k: calls.append(k) or real(*a, **k))
+    monkeypatch.setattr(torch_npu, "_npu_paged_attention", None)  # a call would fail
+    reqs = SCENARIOS[state]
+    md, q, new_k, new_v, kv, k_full, v_full, _ = make_case(reqs, 8, 2, 64, torch.float16, seed=2)
+    impl = backend.attention.make_impl(8, 64, 2, 64**-0.5)
+    impl.window = window
+    amd = backend.attention.metadata_builder().build(md)
+    impl.write_kv(new_k, new_v, kv, md.slot_mapping)
+    out = impl.forward(q, new_k, new_v, kv, amd)
+    assert [(c["sparse_mode"], c["pre_tokens"], c["next_tokens"]) for c in calls] == [(4, window - 1, 0)]
+    torch.testing.assert_close(out.double(), expected(reqs, q, k_full, v_full, 64**-0.5, window), atol=2e-3,
+                               rtol=5e-3)
+    if window < 128:  # the window matters here: the causal answer differs
+        assert not torch.allclose(out.double(), expected(reqs, q, k_full, v_full, 64**-0.5), atol=2e-3, rtol=5e-3)
+
+
+@pytest.mark.parametrize("feature", ["softcap", "sinks"])
+def test_softcap_and_sinks_refused_by_name(npu, feature):
+    from hwkv_ascend.backend import AscendBackend
+
+    backend = AscendBackend()
+    spec = KVCacheSpec(1, 4, BS, 2, 64, torch.float16)
+    need = {"softcap": "logit_softcap", "sinks": "attention_sinks"}[feature]
+    (why,) = backend.capabilities.validate(spec, 8, attention_features=(need,))
+    assert why.startswith(f"attention feature {need} not supported (supported: sliding_window)")
+    assert "no logit soft-cap and no attention-sink input" in why
+    md, q, new_k, new_v, kv, *_ = make_case(SCENARIOS["decode_only"], 8, 2, 64, torch.float16)
+    impl = backend.attention.make_impl(8, 64, 2, 64**-0.5)
+    setattr(impl, feature, 8.0 if feature == "softcap" else torch.zeros(8))
+    with pytest.raises(ValueError, match="the Ascend attention ops take no"):
+        impl.forward(q, new_k, new_v, kv, backend.attention.metadata_builder().build(md))

@@ -183,3 +183,27 @@ def test_paged_attention_argument_rules(emulator):
                                          "out": torch.empty_like(q256)})
     with pytest.raises(RuntimeError, match="context_lens\\[1\\]=200"):
         emulator._npu_paged_attention(**{**ok, "context_lens": torch.tensor([3, 200], dtype=torch.int32)})
+
+
+def test_fia_band_keeps_pre_tokens_before_and_next_tokens_after(emulator):
+    """sparse_mode=4 [FIA-band]: right-down aligned, a query at p keeps kv [p - pre_tokens, p + next_tokens];
+    the bounds mean nothing in mode 3; a band in mode 0 and negative bounds are not emulated."""
+    d = 64
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(3, 1, d, generator=g).to(torch.float16)
+    k = torch.randn(9, 1, d, generator=g).to(torch.float16)
+    v = torch.randn(9, 1, d, generator=g).to(torch.float16)
+    mask = torch.triu(torch.ones(2048, 2048, dtype=torch.int8), 1)
+    kw = dict(query=q, key=k, value=v, atten_mask=mask, input_layout="TND", actual_seq_lengths=[3],
+              actual_seq_lengths_kv=[9], num_key_value_heads=1, num_heads=1, scale=1.0)
+    out, _ = emulator.npu_fused_infer_attention_score(**kw, sparse_mode=4, pre_tokens=2, next_tokens=0)
+    for i in range(3):  # row i sits at position 6 + i: it keeps kv 4 + i .. 6 + i
+        s = (k[4 + i : 7 + i, 0].float() @ q[i, 0].float()).softmax(0)
+        torch.testing.assert_close(out[i, 0].float(), s @ v[4 + i : 7 + i, 0].float(), atol=2e-3, rtol=5e-3)
+    causal, _ = emulator.npu_fused_infer_attention_score(**kw, sparse_mode=3, pre_tokens=2, next_tokens=0)
+    wide, _ = emulator.npu_fused_infer_attention_score(**kw, sparse_mode=4, pre_tokens=8, next_tokens=0)
+    assert torch.equal(causal, wide) and not torch.equal(causal, out)
+    with pytest.raises(NotImplementedError, match="sparse_mode=0"):
+        emulator.npu_fused_infer_attention_score(**{**kw, "atten_mask": None}, sparse_mode=0, pre_tokens=2)
+    with pytest.raises(NotImplementedError, match="negative band"):
+        emulator.npu_fused_infer_attention_score(**kw, sparse_mode=4, pre_tokens=2, next_tokens=-1)
