@@ -209,7 +209,8 @@ class EngineArgs(SpeculativeOptions, KVEventsOptions, KVTransferOptions, Paralle
             step = self.max_num_batched_tokens or max(
                 scheduler_defaults(backend.device, self.usage_context).max_num_batched_tokens, max_len)
             full, reserved = window_reserve(model, block_size, self.max_num_seqs, step,
-                                            model.kv_cache_spec(1, block_size).bytes_per_block // mc.num_layers)
+                                            model.kv_cache_spec(1, block_size).bytes_per_block // mc.num_layers,
+                                            self._lookahead())
             per_block = full or per_block
             reserved = reserved if full else 0
         per_block += extra  # a proposer's KV: indexed by the (full) group 0's block ids
@@ -246,8 +247,14 @@ class EngineArgs(SpeculativeOptions, KVEventsOptions, KVTransferOptions, Paralle
                                graph_max_batch=min(self.max_num_seqs, budget, MAX_GRAPH_BATCH) if graphs else 0),
             kv_transfer=self.group(KVTransferOptions) if kv_connector is not None else None,
             speculative=self.speculative_config,
-            kv_groups=plan_groups(model, n, block_size, self.max_num_seqs, budget) if grouped else (),
+            kv_groups=plan_groups(model, n, block_size, self.max_num_seqs, budget, self._lookahead()) if grouped
+            else (),
         )
+
+    def _lookahead(self) -> int:
+        """Speculative slots the scheduler holds per request beyond a step's tokens (0: none)."""
+        spec = self.speculative_config
+        return spec.num_lookahead_tokens if spec is not None else 0
 
     def _grouped(self, model: Any, kv_connector: Any) -> bool:
         """Whether the engine runs KV-cache groups (``kv_cache_groups``; ValueError when True cannot be met)."""

@@ -46,14 +46,17 @@ def grouping_blockers(args: Any, connector: Any, model: Any) -> list[str]:
     return reasons
 
 
-def window_cap(window: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> int:
-    """The most blocks a window group's live windows use: per running request its window plus one
-    block either side, plus one step's tokens."""
-    return max_num_seqs * (-(-(window - 1) // block_size) + 2) + -(-max_num_batched_tokens // block_size)
+def window_cap(window: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+               lookahead: int = 0) -> int:
+    """The most blocks a window group's live windows use: per running request its window (and its
+    ``lookahead`` speculative slots, held beyond the step's tokens) plus one block either side, plus
+    one step's tokens."""
+    return (max_num_seqs * (-(-(window - 1 + lookahead) // block_size) + 2)
+            + -(-max_num_batched_tokens // block_size))
 
 
 def plan_groups(model: Any, num_blocks: int, block_size: int, max_num_seqs: int,
-                max_num_batched_tokens: int) -> tuple[KVCacheGroup, ...]:
+                max_num_batched_tokens: int, lookahead: int = 0) -> tuple[KVCacheGroup, ...]:
     """Groups in ``layer_groups`` order. A full group holds ``num_blocks``; a window group what its live
     windows can use at most — every running request's window plus one block either side, plus one
     step's tokens — capped at ``num_blocks`` (a model with no full layer gives its window group the
@@ -64,20 +67,20 @@ def plan_groups(model: Any, num_blocks: int, block_size: int, max_num_seqs: int,
     for w, layers in kinds:
         n = num_blocks
         if w is not None:  # + its null block (id 0: the table entries before the window), never handed out
-            n = 1 + (min(num_blocks, window_cap(w, block_size, max_num_seqs, max_num_batched_tokens)) if has_full
-                     else num_blocks)
+            n = 1 + (min(num_blocks, window_cap(w, block_size, max_num_seqs, max_num_batched_tokens, lookahead))
+                     if has_full else num_blocks)
         out.append(KVCacheGroup(layers, w, n))
     return tuple(out)
 
 
 def window_reserve(model: Any, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-                   layer_bytes_per_block: int) -> tuple[int, int]:
+                   layer_bytes_per_block: int, lookahead: int = 0) -> tuple[int, int]:
     """``(bytes per block of the full layers, bytes of the window groups at their cap)`` for sizing
     the pool: the full group's blocks share what the window groups leave."""
     kinds = layer_groups(model_windows(model))
     full = sum(len(layers) for w, layers in kinds if w is None)
     fixed = sum(len(layers) * layer_bytes_per_block
-                * (1 + window_cap(w, block_size, max_num_seqs, max_num_batched_tokens))
+                * (1 + window_cap(w, block_size, max_num_seqs, max_num_batched_tokens, lookahead))
                 for w, layers in kinds if w is not None)
     return full * layer_bytes_per_block, fixed
 

@@ -220,3 +220,30 @@ def test_decode_ops_refusal_is_the_familys(hybrid_case, monkeypatch):
                     kv_cache_groups=True, decode_ops=True)
     e = hwkv.Engine(path, backend=backend, dtype="float32", max_model_len=80, num_kv_blocks=64, kv_cache_groups=True)
     assert e.config.kv_groups and e.model.decode_ops is None  # None: used only where they serve
+
+
+def test_window_groups_are_sized_for_lookahead_slots(tmp_path, llama_draft):
+    """A model proposer's k lookahead slots are held in every group (the tables grow together), so a
+    window group's cap counts them per request: ceil((window - 1 + k) / bs) + 2 blocks each."""
+    from hwkv.engine.kv_groups import plan_groups
+
+    class Cfg:
+        num_layers = 6
+
+        @staticmethod
+        def window_of(i):
+            return None if i % 3 == 2 else 512
+
+    class M:
+        config = Cfg()
+
+    assert plan_groups(M(), 10_000, 16, 8, 2048)[1].num_blocks == 8 * 34 + 128 + 1
+    assert plan_groups(M(), 10_000, 16, 8, 2048, lookahead=4)[1].num_blocks == 8 * 35 + 128 + 1
+    path, _ = _saved_with_reference(_hf_model("gemma3"), tmp_path / "gemma3")
+    kw = dict(backend="cpu", dtype="float32", max_model_len=80, num_kv_blocks=64, block_size=4, max_num_seqs=8,
+              max_num_batched_tokens=16, kv_cache_groups=True)
+    plain = hwkv.Engine(path, **kw).config.kv_groups[1].num_blocks
+    spec = hwkv.Engine(path, **kw, speculative_config={"method": "draft_model", "num_speculative_tokens": 5,
+                                                       "model": llama_draft}).config.kv_groups[1].num_blocks
+    # window 8, blocks of 4: ceil(7 / 4) + 2 = 4 per request without, ceil(12 / 4) + 2 = 5 with 5 slots
+    assert (plain, spec) == (1 + 8 * 4 + 4, 1 + 8 * 5 + 4)
