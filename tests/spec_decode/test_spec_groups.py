@@ -247,3 +247,50 @@ def test_window_groups_are_sized_for_lookahead_slots(tmp_path, llama_draft):
                                                        "model": llama_draft}).config.kv_groups[1].num_blocks
     # window 8, blocks of 4: ceil(7 / 4) + 2 = 4 per request without, ceil(12 / 4) + 2 = 5 with 5 slots
     assert (plain, spec) == (1 + 8 * 4 + 4, 1 + 8 * 5 + 4)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_model_proposer_random_traces_with_groups(hybrid_case, llama_draft, tmp_path, seed):
+    """Random traces through a grouped engine speculating (a draft model or EAGLE, by seed): shared
+    prefixes, random arrivals, chunk budgets, a pool that preempts, aborts mid-speculation — every
+    finished request has the tokens of a plain engine (one group, no prefix cache, no speculation)
+    and every block of every group is free at the end."""
+    import random
+
+    arch, path, _ = hybrid_case
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(3, 250) for _ in range(rng.randint(8, 30))] for _ in range(3)]
+    reqs = [(rng.choice(prefixes) + [rng.randrange(3, 250) for _ in range(rng.randint(1, 20))], rng.randint(1, 14))
+            for _ in range(14)]
+    aborts = set(rng.sample(range(14), 3))
+    plain = hwkv.Engine(path, backend="cpu", dtype="float32", max_model_len=80, num_kv_blocks=128,
+                        enable_prefix_caching=False, kv_cache_groups=False)
+    want = [o.token_ids for o in plain.generate([p for p, _ in reqs],
+                                                [hwkv.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                                                 for _, n in reqs], use_tqdm=False)]
+    spec = _spec("draft_llama" if seed == 0 else "eagle", path, llama_draft, tmp_path)
+    torch.set_num_threads(1)
+    e = hwkv.Engine(path, backend="cpu", dtype="float32", max_model_len=80, num_kv_blocks=24, block_size=4,
+                    max_num_batched_tokens=rng.choice([16, 24]), kv_cache_groups=True, speculative_config=spec)
+    got: dict[int, list[int]] = {}
+    pending = list(range(len(reqs)))
+    while pending or e.has_unfinished():
+        for _ in range(rng.randint(0, 3)):
+            if pending:
+                i = pending.pop(0)
+                e.add_request(str(i), reqs[i][0], hwkv.SamplingParams(temperature=0.0, max_tokens=reqs[i][1],
+                                                                      ignore_eos=True))
+        if not e.has_unfinished():
+            continue
+        for o in e.step():
+            if o.finished:
+                got[int(o.request_id)] = list(o.token_ids)
+            elif int(o.request_id) in aborts and rng.random() < 0.3:
+                e.abort(o.request_id)
+    for i, toks in got.items():
+        assert toks == want[i][: len(toks)] if i in aborts else toks == want[i], i
+    assert len(got) >= len(reqs) - len(aborts)
+    st = e.stats()
+    assert st["spec_decode"]["draft_tokens"] > 0 and st["prefix_cache_hits"] > 0
+    assert st["num_preemptions"] > 0, st["num_preemptions"]
+    _whole(e)
