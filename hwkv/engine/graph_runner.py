@@ -322,8 +322,10 @@ class GraphRunner:
             fill(self.d64[0, : b * q])
         if self.use_graphs:
             g, out, md = self.graphs[key]
-            if self._before_replay is not None:
-                self._before_replay(md, self._common(b, torch.from_numpy(h32[:b].copy())))
+            if self._before_replay is not None:  # each KV-cache group's captured launches (same lengths)
+                common = self._common(b, torch.from_numpy(h32[:b].copy()))
+                for gmd, _ in md.per_group if type(md) is GroupedMetadata else ((md, None),):
+                    self._before_replay(gmd, common)
             if self.hooks_left_out is not None:
                 self.hooks_left_out.wait_for_all_layer_loads()
             g.replay()

@@ -30,6 +30,7 @@ records the event — vllm-ascend's ``update_attn_params``.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import itertools
@@ -51,6 +52,7 @@ from hwkv_ascend import _npu
 
 BLOCK_SIZE = 128  # FIA page attention: block_size multiple of 128 in [128, 512]; ATB PA: bs*D <= 128*128
 MASK_SIZE = 2048  # sparse_mode 2/3/4 take a fixed 2048x2048 "optimised" mask
+RECENT_STEPS = 8  # metadata kept for KV writes to recognise: one per KV-cache group of a step (and a few more)
 # FIA in TND layout (every prefill, prefix-hit and mixed step) takes only these head dims
 # (ops-transformer prompt-flash-attention tiling; the op's error 561002 "input_layout is TND, only
 # headDim = 64/128/192 are supported"). MLA's q/k 192 with v 128 needs split head dims: not offered.
@@ -107,13 +109,16 @@ class AscendMetadataBuilder(AttentionMetadataBuilder):
     (slot ``-1`` tail), a dummy request of the missing length is appended (KV length 1, block 0 —
     its output rows are padding and its K/V are never written).
 
-    ``step`` is the last metadata built: the impls of every layer read its real-token count to
-    slice their KV writes (one builder per backend, shared by all impls).
+    ``step`` is the last metadata built and ``recent`` the last few (a step of a model in several
+    KV-cache groups builds one per group, each with its own slot mapping): the impls of every layer
+    find theirs by its slot mapping and read its real-token count to slice their KV writes (one
+    builder per backend, shared by all impls).
     """
 
     def __init__(self) -> None:
         self._masks: dict[torch.device, torch.Tensor] = {}
         self.step: AscendMetadata | None = None
+        self.recent: collections.deque[AscendMetadata] = collections.deque(maxlen=RECENT_STEPS)
         self._update_stream: Any = None
 
     def mask(self, device: torch.device) -> torch.Tensor:
@@ -170,6 +175,7 @@ class AscendMetadataBuilder(AttentionMetadataBuilder):
             num_prefills=common.num_prefills,
             num_decodes=common.num_decodes,
         )
+        self.recent.append(self.step)
         return self.step
 
     def before_replay(self, captured: AscendMetadata, common: AttentionMetadata) -> None:
@@ -233,16 +239,16 @@ class AscendAttentionImpl(AttentionImpl):
         (``[:num_actual_tokens]``) instead of handing the kernel padding slots (-1): whether the
         kernel skips them is only confirmed on A3 with CANN 9.
 
-        On the engine's step path the slot mapping is the one the builder saw: its real tokens
-        come first and their count is host-known. (``step`` holds that tensor, so its memory cannot
-        be reused by another; a graph replay must rebuild the step's metadata, which FIA's host
-        length lists need anyway.) Any other slot mapping (a direct call) is read on the host once
-        to find its non-negative slots."""
-        step = self.builder.step
+        On the engine's step path the slot mapping is one the builder saw (a KV-cache group's own,
+        among ``recent``): its real tokens come first and their count is host-known. (``recent``
+        holds those tensors, so their memory cannot be reused by another; a graph replay must
+        rebuild the step's metadata, which FIA's host length lists need anyway.) Any other slot
+        mapping (a direct call) is read on the host once to find its non-negative slots."""
         n = slot_mapping.shape[0]
-        if (step is not None and n == step.num_tokens and step.slot_mapping.device == slot_mapping.device
-                and step.slot_mapping.data_ptr() == slot_mapping.data_ptr()):
-            return slice(0, step.num_actual_tokens)
+        for step in reversed(self.builder.recent):
+            if (n == step.num_tokens and step.slot_mapping.device == slot_mapping.device
+                    and step.slot_mapping.data_ptr() == slot_mapping.data_ptr()):
+                return slice(0, step.num_actual_tokens)
         keep = slot_mapping.cpu() >= 0  # off the step path only: one host read
         if bool(keep.all()):
             return slice(0, n)

@@ -168,3 +168,21 @@ def test_graph_serves_a_batch_of_one_token_prompts(a3, tmp_path):
         outs.append([list(o.token_ids) for o in e.generate(prompts, params, use_tqdm=False)])
     assert e.runner.num_graph_steps == 5  # the first step too
     assert outs[1] == outs[0]
+
+
+def test_graph_decode_of_window_layers_matches_eager(a3, tmp_path):
+    """A Qwen2 model with a full and a window-8 layer (two KV-cache groups): the window layer's decode
+    is FIA's band mode inside the graph, re-bound every replay like the full layer's PA task."""
+    import json
+
+    torch.set_num_threads(1)
+    path = tiny.write_tiny_model(tmp_path / "qw", arch="qwen2", hidden_size=128, num_heads=2, num_kv_heads=1,
+                                 head_dim=64, num_layers=2, vocab_size=512, max_position_embeddings=512,
+                                 sliding_window=8)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "max_window_layers": 1}))
+    e, want = _generate(str(path), enforce_eager=True)
+    assert [g.window for g in e.config.kv_groups] == [None, 8]
+    e, got = _generate(str(path))
+    assert e.backend.capabilities.graph_capture and e.runner.num_graph_steps > 5
+    assert got == want
