@@ -309,16 +309,26 @@ def test_a_driver_side_step_failure_is_contained(tmp_path, monkeypatch, where):
         eng.close()
 
 
-def test_tp2_fused_decode_ops_tokens_equal_tp1(tmp_path, monkeypatch):
+@pytest.mark.parametrize("hybrid", [False, True], ids=["dense", "hybrid"])
+def test_tp2_fused_decode_ops_tokens_equal_tp1(tmp_path, monkeypatch, hybrid):
     """The backend's fused decode ops at tp=2 (every rank takes them; each projection's partial
-    output goes through all_reduce_add into the residual): the tp=1 greedy tokens, fp32."""
+    output goes through all_reduce_add into the residual): the tp=1 greedy tokens, fp32. ``hybrid``:
+    a Qwen2 model with a full and a window-8 layer, two KV-cache groups on every rank, the ops taking
+    each layer's group's slot mapping."""
     from hwkv import plugins
 
     monkeypatch.setenv("HWKV_PLUGIN_MODULES", "tests.parallel.ops_plugin")
     monkeypatch.syspath_prepend(os.getcwd())
     plugins.reset()
     try:
-        path = add_biases(write_tiny_model(tmp_path, num_heads=4, num_kv_heads=2, vocab_size=515, tokenizer=False))
+        if hybrid:
+            path = write_tiny_model(tmp_path, arch="qwen2", num_heads=4, num_kv_heads=2, vocab_size=512,
+                                    tie_word_embeddings=False, tokenizer=False, sliding_window=8)
+            cfg = json.loads((path / "config.json").read_text())
+            (path / "config.json").write_text(json.dumps({**cfg, "max_window_layers": 1}))
+        else:
+            path = add_biases(write_tiny_model(tmp_path, num_heads=4, num_kv_heads=2, vocab_size=515,
+                                               tokenizer=False))
         kw = {"backend": "cpu-decode-ops", "block_size": 16, "num_kv_blocks": 32, "max_model_len": 128,
               "decode_ops": True}
         one = Engine(str(path), **kw)
@@ -327,6 +337,7 @@ def test_tp2_fused_decode_ops_tokens_equal_tp1(tmp_path, monkeypatch):
         eng = Engine(str(path), tensor_parallel_size=2, **kw)
         try:
             assert eng.model.decode_ops is not None
+            assert [g.window for g in eng.config.kv_groups] == ([None, 8] if hybrid else [])
             assert _tokens(eng) == ref
         finally:
             eng.close()
