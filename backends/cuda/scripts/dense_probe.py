@@ -73,14 +73,16 @@ class Case:
         ang = torch.cat([ang, ang], dim=-1)
         self.cos, self.sin = ang.cos().to(dt), ang.sin().to(dt)
         self.pos = torch.arange(m, device=dev) + 1000
-        self.kv = torch.zeros(64, 2, 16, HKV, D, device=dev, dtype=dt)
+        # Llama's GQA of 4: N = (4 + 2) x kv heads x D for the qkv shapes of every model here
+        self.h, self.hkv = (4 * (n // (6 * D)), n // (6 * D)) if name == "qkv" else (H, HKV)
+        self.kv = torch.zeros(64, 2, 16, self.hkv, D, device=dev, dtype=dt)
         self.slots = torch.arange(m, device=dev) + 100
         self.bytes = n * k * 2 + m * (n + k_in) * 2
 
     def fused(self, ops: TritonDecodeOps, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if self.name == "qkv":
             return ops.qkv(x, self.nw, 1e-5, w, None, self.cos, self.sin, self.pos, None, self.kv, self.slots,
-                           H, HKV, D)
+                           self.h, self.hkv, D)
         if self.name == "o_proj":
             return ops.linear(x, w, None, self.res)
         if self.name == "down":
@@ -111,16 +113,19 @@ def run(c: Case, row: dict, cfg: dict, pdl: str) -> None:
 
 
 def main() -> None:
+    global SHAPES, H, HKV, D
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="/tmp")
     ap.add_argument("--m", default="1")
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
-    ap.add_argument("--model", default="llama-1b", choices=sorted(MODELS))
+    ap.add_argument("--model", default="llama-1b", help=f"comma list of {sorted(MODELS)} (head size: the first's)")
     ap.add_argument("--quick", action="store_true", help="a 12-config sweep (block_n 4/8/16 x block_k 1024/2048 x "
                     "pipelined or preloaded, num_warps by block_n) instead of 36")
+    ap.add_argument("--pick", default=None, help="write the fastest PDL config per shape here, as shell exports of "
+                    "HWKV_CUDA_DENSE_CONFIG_<N>X<K> (only where it beats the engine's own choice by >= 3%%)")
     args = ap.parse_args()
-    global SHAPES, H, HKV, D
-    SHAPES, H, HKV, D = MODELS[args.model]
+    SHAPES = [s for name in args.model.split(",") for s in MODELS[name][0]]
+    H, HKV, D = MODELS[args.model.split(",")[0]][1:]
     torch.manual_seed(0)
     res: dict = dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), torch=torch.__version__,
                      triton=triton.__version__, model=args.model, rows=[])
@@ -132,6 +137,10 @@ def main() -> None:
              for bn, bk, wp, (st, pre) in itertools.product((4, 8, 16), (512, 1024, 2048), (4, 8), ((3, 0), (1, 1)))]
     if args.quick:
         sweep = [c for c in sweep if c["block_k"] != 512 and c["num_warps"] == (4 if c["preload"] else 8)]
+    # K of 4096 / 8192 in one preloaded tile (every weight byte of a program in flight before the PDL wait)
+    sweep += [dict(block_n=bn, block_k=bk, num_warps=wp, num_stages=1, preload=1)
+              for bn, bk, wp in ((2, 4096, 4), (4, 4096, 4), (4, 4096, 8), (2, 8192, 8), (2, 8192, 4))]
+    picks = []
     wanted = set(args.shapes.split(","))
     for name, N, K, copies in SHAPES:
         if name not in wanted:
@@ -142,9 +151,11 @@ def main() -> None:
             row = dict(shape=name, N=N, K=K, M=m, MB=c.bytes / 1e6, cublas_us=t_cublas,
                        cublas_TBps=c.bytes / t_cublas / 1e6, configs=[])
             default = choose_config(m, N, K)  # what the engine launches for this shape
+            seen: list[dict] = []
             for cfg in [dict(default._asdict()), *sweep]:  # the sweep with PDL, then its best three without
-                if cfg["block_k"] <= triton.next_power_of_2(K) and not (
+                if cfg not in seen and cfg["block_k"] <= triton.next_power_of_2(K) and not (
                         cfg["preload"] and cfg["block_n"] * cfg["block_k"] > 16384):
+                    seen.append(cfg)
                     run(c, row, cfg, "1")
             for r in sorted(row["configs"], key=lambda r: r["us"])[:3]:
                 run(c, row, {k: r[k] for k in sweep[0]}, "0")
@@ -163,6 +174,12 @@ def main() -> None:
                     f"{r['block_n']}/{r['block_k']}/w{r['num_warps']}/s{r['num_stages']}/p{r['preload']} "
                     f"{r['us']:.2f}us" for r in top), flush=True)
             res["rows"].append(row)
+            if chosen and best["pdl"] == 1 and best["us"] < 0.97 * chosen["us"]:
+                picks.append(f"export {CONFIG_ENV}_{N}X{K}=" + ",".join(f"{f}={best[f]}" for f in sweep[0])
+                             + f"  # {name}: {chosen['us']:.2f} -> {best['us']:.2f} us")
+    if args.pick:
+        Path(args.pick).write_text("".join(p + "\n" for p in picks))
+        print("picked:\n" + "\n".join(picks), flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "dense-probe.json").write_text(json.dumps(res, indent=2))
 
