@@ -149,6 +149,10 @@ class TorchDistCommunicator(Communicator):
             with contextlib.suppress(Exception):
                 custom.close()
         pg, self._pg = self._pg, None
+        if pg is not None and self.backend_name == "nccl" and torch.cuda.is_available():
+            # the collectives already enqueued (a last async step) finish before the abort (bounded: a
+            # peer that died mid-collective must not hang the close)
+            _bounded(lambda: torch.cuda.synchronize(self.device), CLOSE_WAIT_S)
         if pg is not None:
             # NCCL: abort (local, never waits). Its shutdown finalizes with the peers, and a peer that is
             # gone (a worker the driver has terminated) can leave it waiting forever
@@ -159,7 +163,7 @@ class TorchDistCommunicator(Communicator):
         self.store = self._root = None
 
 
-CLOSE_WAIT_S = 10.0
+CLOSE_WAIT_S = 5.0
 
 
 def _bounded(fn: Any, wait_s: float) -> None:

@@ -184,7 +184,26 @@ class TPExecutor:
             self.check()
         data = self._enc.encode(msg)
         for s in self._cmds:
-            s.send(data)
+            try:
+                s.send(data, zmq.NOBLOCK)
+            except zmq.Again:  # no peer (a worker that died since the last check) or a full queue
+                self._send_waiting(s, data)
+
+    def _send_waiting(self, sock: Any, data: bytes) -> None:
+        """A send that would block: wait for room, looking for dead workers meanwhile (a PUSH socket
+        whose worker died blocks a plain send forever), at most ``timeout_s``."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            self.check()
+            if sock.poll(100, zmq.POLLOUT):
+                try:
+                    sock.send(data, zmq.NOBLOCK)
+                    return
+                except zmq.Again:
+                    pass
+            if time.monotonic() > deadline:
+                self.error = f"a tensor-parallel worker took no message within {self.timeout_s:.0f} s"
+                raise TPWorkerError(self.error)
 
     def collect_info(self) -> list[bytes]:
         """Every worker's connector ``tp_worker_info`` (ranks 1..N-1, encoded), once they sent it."""
@@ -221,6 +240,11 @@ class TPExecutor:
         if self._closed:
             return
         self._closed = True
+        # the group first, while every worker is alive and idle in its loop: on 2 x H200 (a51b4e4) an NCCL
+        # abort after the peer had exited did not return (each close waited out its bound, 15 s in all);
+        # the workers then exit without tearing their group down (the process exit reclaims it)
+        if self.comm is not None:
+            self.comm.close()
         data = self._enc.encode(m.Shutdown())
         for s in self._cmds:
             with contextlib.suppress(zmq.ZMQError):
@@ -234,8 +258,6 @@ class TPExecutor:
                     break
                 except subprocess.TimeoutExpired:
                     continue
-        if self.comm is not None:
-            self.comm.close()
         for s in [*self._cmds, self._out]:
             s.close(0)
         self._ctx.term()

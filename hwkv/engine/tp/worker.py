@@ -42,6 +42,7 @@ def _run(cfg: m.WorkerConfig, cmd: Any, out: Any) -> None:
     backend = get_backend(cfg.backend)
     backend.device.seed(cfg.seed)
     out.send(enc.encode(m.Hello(cfg.rank, os.getpid())))
+    clean = False  # a Shutdown came: the driver has already left the group
     comm = TorchDistCommunicator(backend.device, cfg.rank, cfg.world_size, cfg.port, cfg.timeout_s, group=cfg.group)
     conn = None
     try:
@@ -116,11 +117,13 @@ def _run(cfg: m.WorkerConfig, cmd: Any, out: Any) -> None:
                     profile.write(msg.path, cfg.rank, prof.stop(prof_steps))
                     prof = None
             elif isinstance(msg, m.Shutdown):
+                clean = True
                 return
     finally:
         if conn is not None:
             conn.shutdown()
-        comm.close()
+        if not clean:  # a clean shutdown leaves the group to the process exit (main: os._exit, no teardown)
+            comm.close()
 
 
 def _connector(cfg: m.WorkerConfig, backend: Any, model_config: Any) -> Any:
@@ -156,4 +159,8 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    code = main(sys.argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # no interpreter teardown: collecting a CUDA / NCCL process group there can wait on peers that are gone
+    os._exit(code)
