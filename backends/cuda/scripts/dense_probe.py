@@ -177,9 +177,9 @@ def main() -> None:
             if chosen and best["pdl"] == 1 and best["us"] < 0.97 * chosen["us"]:
                 picks.append(f"export {CONFIG_ENV}_{N}X{K}=" + ",".join(f"{f}={best[f]}" for f in sweep[0])
                              + f"  # {name}: {chosen['us']:.2f} -> {best['us']:.2f} us")
-    if args.pick:
-        Path(args.pick).write_text("".join(p + "\n" for p in picks))
-        print("picked:\n" + "\n".join(picks), flush=True)
+                print("picked: " + picks[-1], flush=True)
+            if args.pick:  # after every shape: a run cut by its time limit keeps what it found
+                Path(args.pick).write_text("".join(p + "\n" for p in picks))
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "dense-probe.json").write_text(json.dumps(res, indent=2))
 
