@@ -22,7 +22,7 @@ print(model_dir(argparse.Namespace(model='llama-8b', dtype='bfloat16', workdir='
 " > $OUT/write.log 2>&1; echo "write rc=$?" >> $OUT/write.log) &
 WRITER=$!
 echo "=== 0 dense GEMV tiles, 8B tp=1 and tp=2 shapes (GPU 0)"; date -u
-CUDA_VISIBLE_DEVICES=0 timeout -k 5 140 python3 backends/cuda/scripts/dense_probe.py --model llama-8b-tp2,llama-8b --shapes qkv,o_proj,down,gate_up --quick --pick $OUT/dense-picks.sh --out $OUT/dense > $OUT/dense.log 2>&1; echo "rc=$?"; tail -n 70 $OUT/dense.log
+CUDA_VISIBLE_DEVICES=0 timeout -k 5 110 python3 backends/cuda/scripts/dense_probe.py --model llama-8b-tp2,llama-8b --shapes qkv,o_proj,down,gate_up --quick --pick $OUT/dense-picks.sh --out $OUT/dense > $OUT/dense.log 2>&1; echo "rc=$?"; tail -n 70 $OUT/dense.log
 wait $WRITER; tail -n 5 $OUT/write.log
 grep -q "write rc=0" $OUT/write.log || rm -rf $W/llama-8b-bfloat16
 echo "=== 1 tiny fp32 tp1 vs tp2"; date -u
