@@ -211,8 +211,10 @@ def test_dead_worker_is_fatal_and_reported(tmp_path):
     try:
         eng._tp.procs[0].send_signal(signal.SIGKILL)
         eng._tp.procs[0].wait(10)
+        t = time.monotonic()
         with pytest.raises(TPWorkerError, match="rank 1"):
             eng.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+        assert time.monotonic() - t < 30  # a send to the dead rank's socket blocked until a 180 s timeout
         with pytest.raises(TPWorkerError):  # and stays dead
             eng.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
     finally:
