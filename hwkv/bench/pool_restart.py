@@ -16,7 +16,10 @@ compilation and first-forward costs of that length are nobody's),
 then the measured one: the same prefix with another suffix, ``max_tokens=1``; TTFT is that
 ``generate`` call's wall time, best of ``--repeats`` fresh processes. The tokens of 2 and 3 must be
 identical (checked). The measured pool processes load only (``save=False``), so each finds exactly
-what the fill put. Results: ``pool-restart-<model>-<backend>-<date>.json``.
+what the fill put. Each pool run also reports where its load's time went (the connector's
+``load_*_s`` counters over the measured request only): the store's get calls, waiting for the
+staging -> device copies, and the rest of the TTFT (lookup, scheduling, the suffix's prefill).
+Results: ``pool-restart-<model>-<backend>-<date>.json``.
 """
 
 from __future__ import annotations
@@ -45,7 +48,11 @@ if cfg["pool"] is not None:
     kw.update(kv_connector="pool", kv_connector_config=cfg["pool"])
 e = hwkv.Engine(cfg["model"], **kw)
 sp = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+def timing():
+    st = e.stats().get("kv_connector") or {}
+    return {k: v for k, v in st.items() if k.startswith(("load_", "put_")) and k.endswith(("_s", "_jobs"))}
 e.generate([cfg["warm"]], sp, use_tqdm=False)
+before = timing()  # the warm request's own loads (the fill put its chunks too) are not the measured one's
 t0 = time.perf_counter()
 out = e.generate([cfg["prompt"]], sp, use_tqdm=False)[0]
 ttft = time.perf_counter() - t0
@@ -55,9 +62,10 @@ if cfg["pool"] is not None:
         e.step()
         time.sleep(0.001)
 st = e.stats().get("kv_connector") or {}
+timing = {k: round(v - before.get(k, 0.0), 6) for k, v in timing().items()}
 print("RESULT " + json.dumps({"ttft_s": ttft, "tokens": out.token_ids, "loaded_bytes": st.get("loaded_bytes", 0),
                                "stored_chunks": st.get("stored_chunks", 0),
-                               "lookup_hit_tokens": st.get("lookup_hit_tokens", 0)}), flush=True)
+                               "lookup_hit_tokens": st.get("lookup_hit_tokens", 0), "timing": timing}), flush=True)
 e.close()
 """
 
@@ -73,6 +81,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--via", default="holder,tcp", help="pool clients to measure: holder (shared memory with the "
                    "holder on this host) and/or tcp")
     p.add_argument("--staging-mb", type=int, default=64, help="the pool connector's staging_bytes (per direction)")
+    p.add_argument("--chunk-size", type=int, default=None, help="the pool connector's chunk_size in tokens (a "
+                   "multiple of --block-size; default one block): the tokens of one pool value")
     p.add_argument("--repeats", type=int, default=2, help="fresh processes per variant (best TTFT kept)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per engine process")
     p.add_argument("--engine-args", default="{}", help="JSON dict of extra Engine kwargs (every process)")
@@ -121,7 +131,14 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     mdir = str(model_dir(args))
-    vocab = json.loads((Path(mdir) / "config.json").read_text()).get("vocab_size", 512)
+    mcfg = json.loads((Path(mdir) / "config.json").read_text())
+    vocab, model_max = mcfg.get("vocab_size", 512), mcfg.get("max_position_embeddings")
+    need = args.prompt_len + args.suffix_len + 2 * args.block_size
+    if model_max is not None and need > model_max:
+        print(f"hwkv bench pool-restart: --prompt-len {args.prompt_len} + --suffix-len {args.suffix_len} + two "
+              f"blocks = {need} tokens exceed the model's {model_max} (allowed: --prompt-len <= "
+              f"{model_max - args.suffix_len - 2 * args.block_size})", file=sys.stderr)
+        return 2
     rng = random.Random(0)
     prefix = [rng.randrange(1, vocab) for _ in range(args.prompt_len)]
     suffix = [[rng.randrange(1, vocab) for _ in range(args.suffix_len)] for _ in range(2 + args.repeats)]
@@ -135,6 +152,8 @@ def run(args: argparse.Namespace) -> int:
         h = stack.enter_context(mooncake_holder(m, args.capacity_mb << 20, timeout_s=60.0))
         tcp = dict(store="mooncake", master=m.master, metadata_server=m.metadata_server, protocol="tcp",
                    global_segment_size=0, staging_bytes=args.staging_mb << 20)
+        if args.chunk_size is not None:
+            tcp["chunk_size"] = args.chunk_size
         pools = {"holder": {**tcp, "holder": f"127.0.0.1:{h.port}"}, "tcp": tcp}
         fill = _child({**base, "pool": pools[via[0]], "prompt": prefix + suffix[0]}, args.timeout)
         print(f"fill ({via[0]}): {fill['stored_chunks']} chunks put, process exited", flush=True)
@@ -155,7 +174,14 @@ def run(args: argparse.Namespace) -> int:
                         raise
                     continue
                 runs[name].append(r)
-                print(f"  {name:>11}: TTFT {1e3 * r['ttft_s']:.1f} ms, loaded {r['loaded_bytes']} B", flush=True)
+                tm = r.get("timing") or {}
+                split = "" if not tm.get("load_jobs") else (
+                    f" (get: store calls {1e3 * tm['load_store_s']:.1f} ms, waiting for device copies "
+                    f"{1e3 * tm['load_copy_wait_s']:.1f} ms, compute-stream event {1e3 * tm['load_event_s']:.1f} ms,"
+                    f" whole get {1e3 * tm['load_wall_s']:.1f} ms in {tm['load_jobs']:.0f} job(s); the rest of the "
+                    f"TTFT (lookup, scheduling, the suffix's prefill) "
+                    f"{1e3 * (r['ttft_s'] - tm['load_wall_s']):.1f} ms)")
+                print(f"  {name:>11}: TTFT {1e3 * r['ttft_s']:.1f} ms, loaded {r['loaded_bytes']} B{split}", flush=True)
                 if r["tokens"] != runs["none"][-1]["tokens"]:
                     raise RuntimeError(f"tokens differ with {name}: {r['tokens']} vs {runs['none'][-1]['tokens']}")
                 out = _summary(runs, errors, fill)

@@ -126,6 +126,11 @@ class PoolTransfer:
         staging_bytes = max(staging_bytes, 2 * self.chunk_bytes)  # gets alternate between two halves
         self._stage = {} if self.direct else {op: _Staging(dev, kv, staging_bytes, alloc) for op in ("put", "get")}
         self._done: queue.SimpleQueue[Done] = queue.SimpleQueue()
+        # where a load's time goes (seconds, summed over gets; read by stats()): waiting for the
+        # compute stream's event, the store's get calls, waiting for the copies to the device, and
+        # the whole get from dequeue to completion
+        self.timing = dict.fromkeys(("load_jobs", "load_event_s", "load_store_s", "load_copy_wait_s",
+                                     "load_wall_s", "put_store_s", "put_copy_s"), 0.0)
         self._puts: queue.Queue[PutJob | None] = queue.Queue()
         self._gets: queue.Queue[GetJob | None] = queue.Queue()
         self._threads = [threading.Thread(target=self._send_loop, daemon=True, name="hwkv-pool-send"),
@@ -216,22 +221,32 @@ class PoolTransfer:
         keys = [k for _, k, _ in piece]
         if self.direct:
             return self.handle.call("put", keys, [self.kv.addresses(ids) for _, _, ids in piece])
-        st, cb = self._stage["put"], self.chunk_blocks
+        st, cb, tm = self._stage["put"], self.chunk_blocks, self.timing
+        t0 = time.perf_counter()
         dev_ids = [b for _, _, ids in piece for b in ids]
         copy_block_pairs(self.dev, self.kv, st.kv, dev_ids, list(range(len(dev_ids))), st.stream)
         ev = self.dev.new_event()
         ev.record(st.stream)
         ev.synchronize()
-        return self.handle.call("put", keys, [st.kv.addresses(list(range(i * cb, (i + 1) * cb)))
-                                              for i in range(len(piece))])
+        t1 = time.perf_counter()
+        out = self.handle.call("put", keys, [st.kv.addresses(list(range(i * cb, (i + 1) * cb)))
+                                             for i in range(len(piece))])
+        tm["put_copy_s"] += t1 - t0
+        tm["put_store_s"] += time.perf_counter() - t1
+        return out
 
     # ---- receiving -------------------------------------------------------------------------
     def _recv_loop(self) -> None:
+        tm = self.timing
         while (job := self._gets.get()) is not None:
             try:
+                t0 = time.perf_counter()
                 job.event.synchronize()  # a reused block's last writer is done
+                tm["load_event_s"] += time.perf_counter() - t0
                 err = self._get(job)
                 ok = not err
+                tm["load_jobs"] += 1
+                tm["load_wall_s"] += time.perf_counter() - t0
             except StoreError as e:
                 ok, err = False, str(e)
             except Exception as e:  # never a wrong token: the request recomputes
@@ -244,10 +259,12 @@ class PoolTransfer:
 
         Through staging, pieces alternate between its two halves: the store fills one half while
         the copy of the other to the device runs on the staging stream."""
-        items = list(zip(job.keys, job.chunks))
+        items, tm = list(zip(job.keys, job.chunks)), self.timing
         if self.direct:
             for piece in self._pieces(items, "get"):
+                t0 = time.perf_counter()
                 res = self.handle.call("get", [k for k, _ in piece], [self.kv.addresses(ids) for _, ids in piece])
+                tm["load_store_s"] += time.perf_counter() - t0
                 if bad := _first_error(res):
                     return bad
             return ""
@@ -257,12 +274,16 @@ class PoolTransfer:
         try:
             for n, piece in enumerate(items[i:i + half] for i in range(0, len(items), half)):
                 h = n % 2
+                t0 = time.perf_counter()
                 if copies[h] is not None:
                     copies[h].synchronize()  # this half's previous copy to the device has read it
+                t1 = time.perf_counter()
                 first = h * half * cb
                 res = self.handle.call("get", [k for k, _ in piece],
                                        [st.kv.addresses(list(range(first + i * cb, first + (i + 1) * cb)))
                                         for i in range(len(piece))])
+                tm["load_copy_wait_s"] += t1 - t0
+                tm["load_store_s"] += time.perf_counter() - t1
                 if bad := _first_error(res):
                     return bad
                 dev_ids = [b for _, ids in piece for b in ids]
@@ -271,9 +292,11 @@ class PoolTransfer:
                 copies[h] = self.dev.new_event()
                 copies[h].record(st.stream)
         finally:
+            t0 = time.perf_counter()
             for ev in copies:  # never return while a copy still reads staging or writes the blocks
                 if ev is not None:
                     ev.synchronize()
+            tm["load_copy_wait_s"] += time.perf_counter() - t0
         return ""
 
     def close(self, timeout_s: float = 5.0) -> None:

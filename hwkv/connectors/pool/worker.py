@@ -120,6 +120,8 @@ class PoolWorker(JobWorker):
         out: dict[str, Any] = dict(load_timeouts=self.load_timeouts, last_load_error=self.last_errors["load"],
                                    last_store_error=self.last_errors["store"])
         out.update(self.handle.stats())
+        if self.transfer is not None:
+            out.update({k: round(v, 6) for k, v in self.transfer.timing.items()})
         return out
 
     def shutdown(self) -> None:
