@@ -264,9 +264,10 @@ class TritonAttentionImpl(AttentionImpl):
         fp8 = is_quantized(layer_kv.dtype)
         scales = self.scales_for(layer_kv) if fp8 else out  # unused unless fp8
         # fp8_unpack: 1 reads int16 words of two codes (even head sizes), 2 casts K rows and transposes them,
-        # 3 is 1 with fp16 dots for a bf16 query
-        unpack = cfg.fp8_unpack if fp8 and (cfg.fp8_unpack % 2 == 0 or d % 2 == 0) else 0
-        kv = layer_kv.view(torch.int16) if unpack % 2 == 1 else layer_kv  # two codes per word, strides in words
+        # 3 is 1 with fp16 dots for a bf16 query, 4 / 6 are 0 / 2 cast to fp16 with fp16 dots (TileConfig)
+        words = cfg.fp8_unpack in (1, 3)
+        unpack = cfg.fp8_unpack if fp8 and (not words or d % 2 == 0) else 0
+        kv = layer_kv.view(torch.int16) if fp8 and words and unpack else layer_kv  # two codes per word
         attention_kernel[(grid_q, hkv, splits)](
             query, kv, out, part_acc, part_ml, counters,
             c.query_start_loc, c.seq_lens, c.block_tables, scales,

@@ -53,13 +53,13 @@ def _tile(acc, l_i, m_i, q, qk_scale, kv_ptr, bt_ptr, start, kv_end, q_pos, kvh_
     else:
         blk = tl.load(bt_ptr + kv_pos // BS).to(tl.int64)
     off = blk * stride_blk + (kv_pos % BS) * stride_tok + kvh_off
-    if UNPACK % 2 == 1:  # kv_ptr is an int16 view: [keys, D / 2] words, two e4m3 codes each, unpacked to [D, keys]
+    if UNPACK == 1 or UNPACK == 3:  # kv_ptr is an int16 view: [keys, D / 2] words of two e4m3 codes, to [D, keys]
         if MASKED:
             kw = tl.load(kv_ptr + off[:, None] + offs_h[None, :], mask=n_mask[:, None] & h_mask[None, :], other=0)
         else:
             kw = tl.load(kv_ptr + off[:, None] + offs_h[None, :], mask=h_mask[None, :], other=0)
         k = tl.trans(_unpack_e4m3(kw, q.dtype))
-    elif UNPACK == 2:  # e4m3 rows [keys, D] cast, then transposed (the layout V has)
+    elif UNPACK == 2 or UNPACK == 6:  # e4m3 rows [keys, D] cast, then transposed (the layout V has)
         if MASKED:
             k = tl.load(kv_ptr + off[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
         else:
@@ -71,7 +71,7 @@ def _tile(acc, l_i, m_i, q, qk_scale, kv_ptr, bt_ptr, start, kv_end, q_pos, kvh_
         else:
             k = tl.load(kv_ptr + off[None, :] + offs_d[:, None], mask=d_mask[:, None], other=0.0)
         if KV_FP8:  # e4m3 is exact in bf16/fp16/fp32; the K scale is folded into qk_scale, V's into the output
-            k = k.to(q.dtype)
+            k = k.to(q.dtype)  # modes 4 and 6: fp16, two codes per cvt.rn.f16x2.e4m3x2 on sm_89+
     if IEEE:
         qk = tl.dot(q, k, input_precision="ieee")
     else:
@@ -89,7 +89,7 @@ def _tile(acc, l_i, m_i, q, qk_scale, kv_ptr, bt_ptr, start, kv_end, q_pos, kvh_
     p = tl.math.exp2(qk - m_safe[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if UNPACK % 2 == 1:
+    if UNPACK == 1 or UNPACK == 3:
         if MASKED:
             vw = tl.load(kv_ptr + stride_kv + off[:, None] + offs_h[None, :], mask=n_mask[:, None] & h_mask[None, :],
                          other=0)
@@ -242,11 +242,13 @@ def attention_kernel(
     if KV_FP8:  # this KV head's dequantisation scales: K's multiplies the scores, V's the output
         qk_scale = qk_scale * tl.load(kv_scale_ptr + kvh)
         v_scale = tl.load(kv_scale_ptr + stride_scale + kvh)
-        if UNPACK % 2 == 1:  # the unpacked values are 2^-8 times the codes' (_e4m3_to_f16)
+        if UNPACK == 1 or UNPACK == 3:  # the unpacked values are 2^-8 times the codes' (_e4m3_to_f16)
             qk_scale = qk_scale * 256.0
             v_scale = v_scale * 256.0
-        if UNPACK == 3 and q.dtype == tl.bfloat16:
-            # fp16 dots with a bf16 query: no per-tile conversion to bf16 at all. The query, 2^-8 times
+        if UNPACK >= 3 and q.dtype == tl.bfloat16:
+            # fp16 dots with a bf16 query: no per-tile conversion to bf16 at all (3: the words' codes in
+            # fp16 by bit arithmetic; 4 and 6: e4m3 tiles cast to fp16, which sm_89+ does two codes per
+            # cvt.rn.f16x2.e4m3x2, where a cast to bf16 goes through fp16 and fp32). The query, 2^-8 times
             # itself, keeps its 8 significant bits in fp16 down to 2^-6 (and overflows only past 2^24)
             q = (q.to(tl.float32) * 0.00390625).to(tl.float16)
             qk_scale = qk_scale * 256.0
