@@ -1,6 +1,8 @@
 """Pool get throughput on this host: 256 values of 1 MiB held by a local holder (mooncake_client,
 4 service threads), read by a tcp client and by a holder-mode client (shared memory), with 1, 2 and
-4 concurrent callers. Prints GB/s (best of 3). Usage: python bench/gpu/holder_tput.py [N] [SIZE]."""
+4 concurrent callers. Prints GB/s (best of 3). Usage: python bench/gpu/holder_tput.py [N] [SIZE] [SEGS]:
+SEGS > 1 splits every value into that many equal segments (the pool connector's values are one
+segment per KV tensor: 2 x layers of them, 16-32 KiB each at one block per chunk)."""
 
 import ctypes
 import sys
@@ -12,13 +14,19 @@ from hwkv.stores.mooncake_service import mooncake_holder, mooncake_master
 
 N = int(sys.argv[1]) if len(sys.argv) > 1 else 256
 SZ = int(sys.argv[2]) if len(sys.argv) > 2 else 1 << 20
+SEGS = int(sys.argv[3]) if len(sys.argv) > 3 else 1
 keys = [f"k{i}" for i in range(N)]
+
+
+def split(ptr: int) -> list[tuple[int, int]]:
+    seg = SZ // SEGS
+    return [(ptr + j * seg, seg) for j in range(SEGS)]
 
 
 def timed(store: MooncakeStore, base: int, par: int) -> float:
     def part(j: int) -> None:
         idx = list(range(j, N, par))
-        res = store.get([keys[i] for i in idx], [[(base + i * SZ, SZ)] for i in idx])
+        res = store.get([keys[i] for i in idx], [split(base + i * SZ) for i in idx])
         assert all(r.ok for r in res), res[:2]
 
     best = float("inf")
@@ -39,12 +47,13 @@ with mooncake_master() as m, mooncake_holder(m, N * SZ + (256 << 20), timeout_s=
     p = shm.host_buffer(N * SZ)
     ctypes.memset(p, 7, N * SZ)
     shm.register_buffer(p, N * SZ)
-    assert all(r.ok for r in shm.put(keys, [[(p + i * SZ, SZ)] for i in range(N)]))
+    assert all(r.ok for r in shm.put(keys, [split(p + i * SZ) for i in range(N)]))
     buf = (ctypes.c_uint8 * (N * SZ))()
     tcp = MooncakeStore(**kw)
     tcp.register_buffer(ctypes.addressof(buf), N * SZ)
-    for par in (1, 2, 4):
-        print(f"get {N} x {SZ >> 10} KiB, {par} caller(s): tcp {timed(tcp, ctypes.addressof(buf), par):.2f} GB/s, "
-              f"holder mode {timed(shm, p, par):.2f} GB/s", flush=True)
+    for par in (1, 2, 4) if SEGS == 1 else (1,):
+        what = f"get {N} x {SZ >> 10} KiB in {SEGS} segment(s), {par} caller(s)"
+        print(f"{what}: holder mode {timed(shm, p, par):.2f} GB/s", flush=True)  # first: a slow tcp may be cut
+        print(f"{what}: tcp {timed(tcp, ctypes.addressof(buf), par):.2f} GB/s", flush=True)
     tcp.close()
     shm.close()
