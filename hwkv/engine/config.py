@@ -230,8 +230,10 @@ class EngineArgs(SpeculativeOptions, KVEventsOptions, KVTransferOptions, Paralle
 
         # graphs for pure-decode steps where the backend declares capture; a connector costs them only
         # if it runs per-layer host work inside the forward (KVConnectorBase.capturable_layer_hooks)
+        # (and a model whose forward can be captured: model.graph_capturable, default True)
         graphs = not self.enforce_eager and backend.capabilities.graph_capture and (
-            kv_connector is None or not kv_connector.layerwise or kv_connector.capturable_layer_hooks)
+            kv_connector is None or not kv_connector.layerwise or kv_connector.capturable_layer_hooks) and (
+            getattr(model, "graph_capturable", True))
         async_ = graphs if self.async_scheduling is None else self.async_scheduling
         if self.speculative_config is not None:  # drafts of step N+1 come from step N's tokens
             async_ = False

@@ -66,6 +66,9 @@ class GptOssMoE(nn.Module):
 
 class GptOssForCausalLM(LlamaForCausalLM):
     attention_class = GptOssAttention
+    # the reference expert loop reads the routing on the host (torch.unique) and runs data-dependent
+    # shapes: the engine runs this family eagerly (a capture would fail at engine start)
+    graph_capturable = False
 
     def __init__(self, config: ModelConfig, attention: Any, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, max_positions: int | None = None, tp: Any = None):

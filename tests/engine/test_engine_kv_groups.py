@@ -264,3 +264,18 @@ def test_long_prompt_fits_a_window_group_sized_for_windows(window_case):
     params = hwkv.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     assert e.generate([PROMPTS[i]], params, use_tqdm=False)[0].token_ids == ref[i]
     _whole(e)
+
+
+def test_gpt_oss_runs_eagerly_where_graphs_are_offered(tmp_path):
+    """GPT-OSS's reference expert loop cannot be captured (host routing, data-dependent shapes): on a
+    backend with graphs the engine turns them off for it (model.graph_capturable) instead of failing
+    its capture at start (the H200 run of hybrid_parity did), and gives transformers' tokens."""
+    from hwkv.reference.graphs import GraphCpuBackend
+
+    path, ref = _saved_with_reference(_hf_model("gpt_oss"), tmp_path / "oss")
+    e = hwkv.Engine(path, backend=GraphCpuBackend(), dtype="float32", max_model_len=80, num_kv_blocks=64)
+    assert not e.config.runtime.graphs and e.config.kv_groups
+    outs = e.generate(PROMPTS, hwkv.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True),
+                      use_tqdm=False)
+    assert [o.token_ids for o in outs] == ref
+    _whole(e)
