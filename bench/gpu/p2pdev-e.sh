@@ -29,7 +29,7 @@ step "the llama-1b bf16 checkpoint"; ckpt llama-1b 40
 CHECK="--check-tokens 32 --check-prompts 4 --reference hf --transfer-timeout 10 --startup-timeout 80"
 S1="--max-model-len 8192 --num-kv-blocks 4096 --max-num-seqs 8"
 step "(a) tp=2 -> tp=1 over cuda_ipc with the margin rule: in the background"
-( timeout -k 5 100 python3 -m hwkv bench pd --model llama-1b --backend cuda --workdir $W --dtype bfloat16 \
+( timeout -k 5 110 python3 -m hwkv bench pd --model llama-1b --backend cuda --workdir $W --dtype bfloat16 \
     --prefill-devices 0,1 --prefill-args "--tensor-parallel-size 2" --decode-devices 1 --protocol cuda_ipc \
     --server-args "$S1" --mode pull --skip-colocated --input-len 2048 --range-ratio 0.5 --output-len 32 \
     --num-prompts 4 --request-rate inf --warmup 1 $CHECK --out-dir "$OUT" --tag e-hetero-tp2to1
