@@ -12,21 +12,16 @@ export PYTHONFAULTHANDLER=1 HWKV_CUSTOM_ALLREDUCE=auto OMP_NUM_THREADS=4
 export PYTHONPATH=$PWD:$PWD/backends/cuda:$PYTHONPATH
 OUT=${OUT:-/tmp/hwkv-tp-out}; mkdir -p "$OUT"
 W=/dev/shm/hwkv-models
+source bench/gpu/lib.sh  # ckpt_start / ckpt_wait
 echo "commit: $(cat COMMIT 2>/dev/null || git rev-parse --short HEAD)"; date -u
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import hwkv, hwkv_cuda, torch, triton; print('hwkv from', hwkv.__file__, hwkv_cuda.__file__, 'torch', torch.__version__, 'triton', triton.__version__)"
-(CUDA_VISIBLE_DEVICES=1 timeout -k 5 150 python3 -c "
-import argparse, time; t = time.time()
-from hwkv.bench.common import model_dir
-print(model_dir(argparse.Namespace(model='llama-8b', dtype='bfloat16', workdir='$W')), 'written in', round(time.time() - t, 1), 's')
-" > $OUT/write.log 2>&1; echo "write rc=$?" >> $OUT/write.log) &
-WRITER=$!
+ckpt_start llama-8b bfloat16 1
 echo "=== 0 push kernels on GPU 0"; date -u
 CUDA_VISIBLE_DEVICES=0 timeout -k 5 30 python3 -m pytest -q -p no:cacheprovider backends/cuda/tests/test_allreduce_kernels.py 2>&1 | tail -n 30
 echo "=== 1 allreduce microbench"; date -u
 timeout -k 5 -s ABRT 35 python3 -m hwkv_cuda.bench.allreduce --world-size 2 --iters 50 --out $OUT/allreduce.json > $OUT/allreduce.log 2>&1; echo "rc=$?"; tail -n 70 $OUT/allreduce.log
-wait $WRITER; tail -n 5 $OUT/write.log
-grep -q "write rc=0" $OUT/write.log || rm -rf $W/llama-8b-bfloat16  # config.json is written first: no half checkpoint
+ckpt_wait
 # the engine runs take the custom all-reduce only if the microbench saw push, push_add and auto bit-exact at every size
 # (else NCCL: the tp table, margin rule and host work still come out)
 if python3 -c "import json,sys; r=json.load(open('$OUT/allreduce.json'))['rows']; sys.exit(not any(x.get('path')=='push' and x.get('exact') for x in r) or any(x.get('path') in ('push', 'push_add', 'auto') and not x.get('exact') for x in r) or any(x.get('push_spin_timeouts') for x in r))"; then
