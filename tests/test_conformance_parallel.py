@@ -36,3 +36,29 @@ def test_long_groups_first_and_functions_apart():
     groups = claim_groups([*short, other, prod, engine])
     assert [[it.nodeid for it in g] for g in groups] == [
         [engine.nodeid], [prod.nodeid], [it.nodeid for it in short], [other.nodeid]]
+
+
+def test_cli_devices_2_on_the_host(tmp_path):
+    """``hwkv conformance --devices 2 --workers 2`` on the CPU (gloo ranks): the workers split over two
+    devices, the collectives run on two ranks, and the merged report names the suite version, the
+    devices, what ran on more than one device and the argument coverage."""
+    import json
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "hwkv", "conformance", "--backend", "cpu", "--devices", "2", "--workers", "2",
+           "-k", "test_collectives or test_keys_sizes_and_mixed_batches", "--report", str(tmp_path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "over 2 device(s)" in out.stdout and "multi-device: 1 / 1 passed" in out.stdout, out.stdout[-1000:]
+    r = json.loads((tmp_path / "conformance.json").read_text())
+    assert r["suite_version"] == __import__("conformance").SUITE_VERSION
+    assert (r["devices"], r["workers"], r["quick"], r["certified"]) == (2, 2, False, False)
+    assert r["worker_devices"] and r["device"] in r["worker_devices"]
+    assert r["multi_device"] == {"devices": 2, "tests": [{"id": "test_multi_device.py::test_collectives",
+                                                           "status": "PASS"}]}
+    assert r["summary"] == {**r["summary"], "PASS": 2, "total": 2} and not r["parallel_problems"]
+    cov = {(c["method"], c["arg"]) for c in r["coverage"]}
+    assert {("Store.put", "keys"), ("Store.get", "keys"), ("Backend.create_store", "capacity_bytes")} <= cov, cov
+    md = (tmp_path / "conformance.md").read_text()
+    assert "ran on more than one device" in md and "## Argument coverage" in md
