@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -56,8 +57,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schemas", default="string,records",
                    help="comma list of string, records; NAME+pageable: that schema with the mask in pageable "
                         "host memory (an A/B of the pinned double buffer); NAME+inline: every mask computed in "
-                        "the step, no worker thread (an A/B of the overlap)")
+                        "the step, no worker thread (an A/B of the overlap); NAME+gil: a short GIL switch interval")
     p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--gil-switch-ms", type=float, default=0.2,
+                   help="NAME+gil in --schemas: that schema with sys.setswitchinterval at this many ms")
     p.add_argument("--prompts", choices=("random", "chat"), default="random",
                    help="random token ids, or the real-model tier's chat prompts asking for a JSON answer "
                         "(a model with a chat template, e.g. the SmolLM2 GGUF)")
@@ -105,7 +108,21 @@ def synthetic_tokenizer(vocab_size: int, seed: int = 0) -> Any:
 def model_dir(args: argparse.Namespace) -> Path:
     shapes = {**SHAPES, "tiny": TINY}
     if args.model not in shapes:
-        return Path(args.model)
+        src = Path(args.model)
+        if not src.is_dir() or (src / "tokenizer.json").exists() or not (src / "config.json").exists():
+            return src
+        # a random-weight checkpoint without a tokenizer (bench/real_model_gpu.py --shape): a copy of
+        # links beside it, with the synthetic tokenizer of its vocabulary size
+        d = Path(args.workdir) / f"{src.name}-tok"
+        if not (d / "tokenizer.json").exists():
+            d.mkdir(parents=True, exist_ok=True)
+            for f in src.iterdir():
+                if not (d / f.name).exists():
+                    (d / f.name).symlink_to(f.resolve())
+            vocab = json.loads((src / "config.json").read_text())["vocab_size"]
+            synthetic_tokenizer(vocab).save(str(d / "tokenizer.json"))
+            (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}) + "\n")
+        return d
     import torch
 
     from hwkv.model.tiny import write_tiny_model
@@ -218,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
 
     pinned = so._buffer
 
-    def pageable(rows: int, device: Any) -> torch.Tensor:  # the mask buffer before pinning (A/B)
+    def pageable(rows: int, device: Any, fill: bool = True) -> torch.Tensor:  # the mask buffer before pinning (A/B)
         return torch.full((rows, so.words), -1, dtype=torch.int32)
 
     def one(schema: str | None, seed0: int) -> dict[str, Any]:
@@ -228,11 +245,19 @@ def run(args: argparse.Namespace) -> int:
                                    structured_outputs=None if base is None else {"json": SCHEMAS[base]})
                for i in range(args.batch)]
         c0 = (so.mask_s, so.num_masks, so.join_s, so.worker_s, so.rows_prefetched, so.rows_computed)
+        parts = ("gather_s", "compute_s", "copy_s", "consume_s", "fill_s")
+        p0 = [getattr(so, k) for k in parts]
         step_s.clear()
         so._buffer = pageable if schema and "+pageable" in schema else pinned
         so.overlap = not (schema and "+inline" in schema)
+        switch = sys.getswitchinterval()
+        if schema and "+gil" in schema:  # the A/B of a short GIL switch interval (Python's default: 5 ms)
+            sys.setswitchinterval(args.gil_switch_ms / 1e3)
         t0 = time.perf_counter()
-        outs = engine.generate(prompts, sps, use_tqdm=False)
+        try:
+            outs = engine.generate(prompts, sps, use_tqdm=False)
+        finally:
+            sys.setswitchinterval(switch)
         dt = time.perf_counter() - t0
         so._buffer, so.overlap = pinned, True
         toks = sum(len(o.token_ids) for o in outs)
@@ -244,6 +269,9 @@ def run(args: argparse.Namespace) -> int:
                "worker_ms_per_step": 1e3 * (so.worker_s - c0[3]) / n,  # overlapped with the step's other work
                "rows_prefetched": so.rows_prefetched - c0[4], "rows_computed": so.rows_computed - c0[5],
                "steps": so.num_masks - c0[1]}
+        # main thread after the join: gather of the worker's rows, rows computed in the step (their
+        # consumes included), the copy's launch; worker: consume_token_par, mask fill
+        row["parts_ms_per_step"] = {k[:-2]: round(1e3 * (getattr(so, k) - v) / n, 3) for k, v in zip(parts, p0)}
         if step_s:
             q = sorted(step_s)
             row["mask_ms_p50_p90_max"] = [round(1e3 * q[len(q) // 2], 3), round(1e3 * q[int(len(q) * 0.9)], 3),
@@ -259,7 +287,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"{name:>8}: {row['tokens']} tokens in {row['seconds']:.3f} s = {row['tok_s']:,.0f} tok/s"
               f"  mask {row['mask_ms_per_step']:.3f} ms/step (p50/p90/max {row.get('mask_ms_p50_p90_max')}; "
               f"join {row['join_ms_per_step']:.3f}, worker {row['worker_ms_per_step']:.3f} ms/step, rows "
-              f"prefetched/computed {row['rows_prefetched']}/{row['rows_computed']})", flush=True)
+              f"prefetched/computed {row['rows_prefetched']}/{row['rows_computed']}; {row['parts_ms_per_step']})",
+              flush=True)
 
     names = [s for s in args.schemas.split(",") if s]
     print(f"engine ready ({time.strftime('%T')}); warm-up (graphs, kernels, grammars compiled)", flush=True)

@@ -113,6 +113,10 @@ class StructuredOutputs:
         self.join_s = 0.0  # of mask_s: waiting for the worker
         self.worker_s = 0.0  # the worker's matcher and mask time (overlapped), its waits for the tokens left out
         self.rows_prefetched = self.rows_computed = 0  # mask rows from the worker / computed in bitmask()
+        # where mask_s goes after the join (gather of the worker's rows, rows computed in the step, the
+        # copy's launch) and where the worker's time goes (consume, fill): the bench reports them
+        self.gather_s = self.compute_s = self.copy_s = 0.0
+        self.consume_s = self.fill_s = 0.0
         self._worker: ThreadPoolExecutor | None = None
         self.overlap = True  # masks on the worker thread (False: every mask computed in the step)
         self._futures: list[Future[None]] = []
@@ -236,12 +240,15 @@ class StructuredOutputs:
         toks = host.tolist()
         ex = self._executor_()
         ok = ex.consume_token_par([(st[0], toks[j]) for j, st, _ in jobs])
+        t1 = time.perf_counter()
         todo = []
         for (_, st, slot), good in zip(jobs, ok):
             st[1] += 1
             if good:  # a matcher in error is left to bitmask() (it allows only EOS)
                 todo.append((st[0], slot))
         self._fill(todo)
+        self.consume_s += t1 - t0
+        self.fill_s += time.perf_counter() - t1
         for (_, st, slot), good in zip(jobs, ok):
             if good:
                 st[2] = slot
@@ -271,10 +278,10 @@ class StructuredOutputs:
         if not rows:
             return None
         t0 = time.perf_counter()
+        join0 = self.join_s
         self.join()
         self.join_s += time.perf_counter() - t0
-        mask = self._buffer(len(req_ids), device)
-        todo, hit, hit_slots = [], [], []
+        todo, hit, hit_slots, dead = [], [], [], []
         for i, state in rows:
             m, seen, ready = state
             out = outputs[i]
@@ -287,13 +294,22 @@ class StructuredOutputs:
                 m.consume_tokens(out[seen:])
                 state[1] = len(out)
             if m.is_error():  # cannot happen through the mask; end the request rather than sample garbage
-                mask[i].zero_()
-                for t in self.eos:
-                    mask[i, t // 32] |= _bit(t % 32)
+                dead.append(i)
             else:
                 todo.append((m, i))
+        t1 = time.perf_counter()
+        # host rows through numpy: single-threaded copies. torch's CPU fill / gather of a 1 MB mask run
+        # on its intra-op thread pool, which on a many-core host beside llguidance's threads waits for its
+        # slowest thread to be scheduled (milliseconds, on the step's critical path)
+        mask = self._buffer(len(req_ids), device, fill=len(hit) < len(req_ids))
+        rows_np = mask.numpy()
         if hit:
-            mask[hit] = self._slot_rows[hit_slots]
+            rows_np[hit] = self._slot_rows.numpy()[hit_slots]
+        for i in dead:
+            rows_np[i] = 0
+            for t in self.eos:
+                rows_np[i, t // 32] |= _bit(t % 32)
+        t2 = time.perf_counter()
         # (llguidance.torch's helpers do the same; importing it runs torch.compile decorators)
         row_bytes = self.words * 4
         if len(todo) == 1:
@@ -301,15 +317,22 @@ class StructuredOutputs:
             m.unsafe_compute_mask_ptr(mask[i].data_ptr(), row_bytes)
         elif todo:  # in parallel, on llguidance's own threads (the GIL released)
             self._executor_().unsafe_compute_mask_ptr(todo, mask.data_ptr(), row_bytes, len(req_ids))
+        t3 = time.perf_counter()
         self.rows_prefetched += len(hit)
         self.rows_computed += len(todo)
         self.num_masks += 1
-        self.mask_s += time.perf_counter() - t0
-        return mask.to(device.torch_device, non_blocking=True)
+        out_mask = mask.to(device.torch_device, non_blocking=True)
+        t4 = time.perf_counter()
+        self.gather_s += t2 - t1
+        self.compute_s += (t3 - t2) + (t1 - t0 - (self.join_s - join0))  # the consumes in the loop included
+        self.copy_s += t4 - t3
+        self.mask_s += t4 - t0
+        return out_mask
 
-    def _buffer(self, rows: int, device: Device) -> torch.Tensor:
-        """``[rows, words]`` int32 all ones on the host: staging buffers (page-locked, used in turn) for a
-        device with asynchronous copies, plain host memory where the host is the device."""
+    def _buffer(self, rows: int, device: Device, fill: bool = True) -> torch.Tensor:
+        """``[rows, words]`` int32 on the host, all ones (``fill``; else the caller writes every row):
+        staging buffers (page-locked, used in turn) for a device with asynchronous copies, plain host
+        memory where the host is the device."""
         if not device.async_copies:
             return torch.full((rows, self.words), -1, dtype=torch.int32)
         if not self._bufs or self._bufs[0].shape[0] < rows:
@@ -319,7 +342,10 @@ class StructuredOutputs:
             except RuntimeError:  # no pinned memory here: pageable (the copy then waits for the stream)
                 return torch.full((rows, self.words), -1, dtype=torch.int32)
         self._turn ^= 1
-        return self._bufs[self._turn][:rows].fill_(-1)
+        buf = self._bufs[self._turn][:rows]
+        if fill:
+            buf.numpy().fill(-1)  # (numpy: one thread, see bitmask())
+        return buf
 
 
 def _bit(j: int) -> int:
