@@ -82,6 +82,15 @@ class Transport:
                 raise ValueError(f"p2p: protocol {protocol!r} needs the backend (bind_backend) to create it")
             return self._backend.create_transfer(protocol=protocol, host=self.config.host,
                                                   timeout_s=self.config.transfer_timeout_s)
+        if protocol in DEVICE_PROTOCOLS and self._backend is not None and protocol in (self._backend_protocols or ()):
+            # the backend's own endpoint for its device fabric: Ascend's names the NPU as Mooncake's
+            # device_name (vllm-ascend passes the NPU id; "" would leave HCCS without a device) and
+            # refuses registrations past HCCL's per-process limit with a reason
+            opts = {"protocol": protocol, "host": self.config.host, "metadata_server": self.config.metadata_server,
+                    "timeout_s": self.config.transfer_timeout_s}
+            if self.config.device_name:
+                opts["device_name"] = self.config.device_name
+            return self._backend.create_transfer(**opts)
         return MooncakeTransfer(protocol=protocol, host=self.config.host, metadata_server=self.config.metadata_server,
                                 device_name=self.config.device_name, timeout_s=self.config.transfer_timeout_s)
 
@@ -111,8 +120,12 @@ class Transport:
             t = None
             try:
                 t = self._create_transfer(p)
-                for tensor in xfer.tensors:
-                    t.register(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+                by_backend = getattr(self._backend, "register_kv_cache", None) if p in DEVICE_PROTOCOLS else None
+                if by_backend is not None and p not in DIRECT_PROTOCOLS:
+                    by_backend(t, xfer)  # as few regions as the fabric needs (HCCL: at most 256 per process)
+                else:
+                    for tensor in xfer.tensors:
+                        t.register(tensor.data_ptr(), tensor.numel() * tensor.element_size())
             except Exception as e:
                 if t is not None:
                     t.close()
