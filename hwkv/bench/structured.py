@@ -57,7 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schemas", default="string,records",
                    help="comma list of string, records; NAME+pageable: that schema with the mask in pageable "
                         "host memory (an A/B of the pinned double buffer); NAME+inline: every mask computed in "
-                        "the step, no worker thread (an A/B of the overlap); NAME+gil: a short GIL switch interval")
+                        "the step, no worker thread (an A/B of the overlap); NAME+gil: a short GIL switch "
+                        "interval; NAME+tN: llguidance's executor with N threads")
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--gil-switch-ms", type=float, default=0.2,
                    help="NAME+gil in --schemas: that schema with sys.setswitchinterval at this many ms")
@@ -250,14 +251,20 @@ def run(args: argparse.Namespace) -> int:
         step_s.clear()
         so._buffer = pageable if schema and "+pageable" in schema else pinned
         so.overlap = not (schema and "+inline" in schema)
-        switch = sys.getswitchinterval()
+        switch, executor = sys.getswitchinterval(), so._executor
         if schema and "+gil" in schema:  # the A/B of a short GIL switch interval (Python's default: 5 ms)
             sys.setswitchinterval(args.gil_switch_ms / 1e3)
+        threads = next((int(x[1:]) for x in (schema or "").split("+")[1:] if x[:1] == "t" and x[1:].isdigit()), 0)
+        if threads:  # NAME+tN: llguidance's executor with N threads for this run
+            import llguidance
+
+            so._executor = llguidance.LLExecutor(num_threads=threads)
         t0 = time.perf_counter()
         try:
             outs = engine.generate(prompts, sps, use_tqdm=False)
         finally:
             sys.setswitchinterval(switch)
+            so._executor = executor
         dt = time.perf_counter() - t0
         so._buffer, so.overlap = pinned, True
         toks = sum(len(o.token_ids) for o in outs)
