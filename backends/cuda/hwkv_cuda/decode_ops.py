@@ -29,6 +29,19 @@ class DenseConfig(NamedTuple):
     preload: int = 0
 
 
+# One token, per weight shape [N, K]: the fastest tile of the H200 sweep (dense_probe --model llama-8b-tp2,llama-8b
+# --quick, PDL chains in a graph; bench/results/tp-H200x2-2026-11-28-bf27901.md) at Llama-3-8B's projections, whole
+# (tp=1) and a rank's shard at tp=2, where it beat the rule below by >= 3 %: 8-row programs for the pipelined K loop
+# (12-18 % faster), 4 x 1024 preloaded for the o_proj shapes (7-12 %). In the engine they took the batch-1 step from
+# 5.00 to 4.33 ms (tp=1) and 3.25 to 2.83 ms (tp=2). Other shapes keep the rule (its sweeps: H100, Llama-3.2-1B).
+M1_TILES: dict[tuple[int, int], tuple[int, int, int, int, int]] = {  # (N, K): block_n, block_k, warps, stages, preload
+    (6144, 4096): (8, 2048, 8, 3, 0), (4096, 4096): (4, 1024, 4, 1, 1), (28672, 4096): (8, 2048, 8, 3, 0),
+    (4096, 14336): (8, 2048, 8, 3, 0),  # Llama-3-8B: qkv, o_proj, gate_up, down
+    (3072, 4096): (8, 2048, 8, 3, 0), (4096, 2048): (4, 1024, 4, 1, 1), (14336, 4096): (8, 2048, 8, 3, 0),
+    (4096, 7168): (8, 2048, 8, 3, 0),  # its rank's shard at tp=2
+}
+
+
 def choose_config(m: int, n: int, k: int) -> DenseConfig:
     """Tiles by shape, from the H100 sweeps at M=1 (bench/results/dense-probe-*-H100-2026-11-22.json):
     a K tile of up to 2048, shrinking with the token count so the weight tile and the fp32 inputs
@@ -42,6 +55,8 @@ def choose_config(m: int, n: int, k: int) -> DenseConfig:
     else:  # one tile, loaded before the PDL wait
         cfg = {"block_n": 4 if n * k > 8 << 20 else 8, "block_k": block_k, "num_warps": 4, "num_stages": 1,
                "preload": 1}
+    if m == 1 and (n, k) in M1_TILES:
+        cfg = dict(zip(DenseConfig._fields, M1_TILES[(n, k)]))
     cfg.update(parse_overrides(CONFIG_ENV, DenseConfig._fields))
     cfg.update(parse_overrides(f"{CONFIG_ENV}_{n}X{k}", DenseConfig._fields))  # one weight shape only
     if cfg["block_n"] < 2 or cfg["block_n"] & (cfg["block_n"] - 1):

@@ -107,6 +107,9 @@ def test_bad_inputs_name_the_problem():
 def test_config_env_override(monkeypatch):
     assert choose_config(1, 2048, 2048).block_k == 2048 and choose_config(8, 2048, 8192).block_k == 512
     assert choose_config(1, 2048, 2048).preload and not choose_config(1, 128256, 2048).preload
+    # the measured one-token tiles of Llama-3-8B's shapes (tp=1 and a tp=2 rank's); more tokens keep the rule
+    assert choose_config(1, 3072, 4096) == (8, 2048, 8, 3, 0) and choose_config(1, 4096, 2048) == (4, 1024, 4, 1, 1)
+    assert choose_config(2, 3072, 4096).block_n == 4
     monkeypatch.setenv("HWKV_CUDA_DENSE_CONFIG", "block_n=16,num_warps=2")
     assert choose_config(1, 2048, 2048)[:3:2] == (16, 2)
     monkeypatch.setenv("HWKV_CUDA_DENSE_CONFIG_2048X2048", "block_n=32")  # one shape only, over the global one
@@ -120,6 +123,10 @@ def test_config_env_override(monkeypatch):
 MODEL_SHAPES = {  # (projection, N, K); the qkv bias flag (Qwen2 has one)
     "llama-1b": ([("qkv", 3072, 2048), ("o_proj", 2048, 2048), ("gate_up", 16384, 2048), ("down", 2048, 8192),
                   ("lm_head", 128256, 2048)], False),
+    # Llama-3-8B and its rank's shard at tp=2: the one-token tiles of M1_TILES
+    "llama-8b": ([("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)], False),
+    "llama-8b-tp2": ([("qkv", 3072, 4096), ("o_proj", 4096, 2048), ("gate_up", 14336, 4096), ("down", 4096, 7168)],
+                     False),
     "qwen-0.5b": ([("qkv", 1152, 896), ("o_proj", 896, 896), ("gate_up", 9728, 896), ("down", 896, 4864),
                    ("lm_head", 151936, 896)], True),
 }
