@@ -195,6 +195,10 @@ def test_transfer_lengths_offsets_and_batches(backend, check, gen, protocol):
         verify(f"peer region after a batch of {MANY} segments")
         # 3. three batches in flight, completed out of order
         third = REGION // 3
+        # the read below fetches the peer's last third: fill it first (step 2 left it zero, and a read
+        # that never ran would look like one that read zeros)
+        a.write(b.endpoint(), [sp + 2 * third], [dp + 2 * third], [REGION - 2 * third])
+        expect([2 * third], [2 * third], [REGION - 2 * third])
         l1 = [(8 << 20) + 5, 4097, 1]
         l2 = [33, (2 << 20) + 3]
         o1s, o1d = _layout(l1, 7, gen), _layout(l1, 9, gen)
@@ -206,7 +210,7 @@ def test_transfer_lengths_offsets_and_batches(backend, check, gen, protocol):
         regs.append((a, back.data_ptr()))
         b1 = a.submit_write(b.endpoint(), [sp + o for o in o1s], [dp + o for o in o1d], l1)
         b2 = a.submit_write(b.endpoint(), [sp + o for o in o2s], [dp + o for o in o2d], l2)
-        # the read fetches peer bytes no write touches (the last third, still as written in step 2)
+        # the read fetches peer bytes no write touches (the last third, filled just above)
         l3 = [4095, (1 << 20) + 7]
         o3r, o3l = _layout(l3, 2 * third + 1, gen), _layout(l3, 3, gen)
         b3 = a.submit_read(b.endpoint(), [back.data_ptr() + o for o in o3l], [dp + o for o in o3r], l3)

@@ -210,3 +210,98 @@ mutant("store-get-no-recency", "store", "get does not count as use: eviction in 
        STORE_LRU, store=type("Store_get_fifo", (_Store,), {"get": _keep_order(EmbeddedStore.get)}))
 mutant("store-overwrite-keeps-position", "store", "an overwrite keeps the key's old LRU position (a put on an existing "
        "key is not a use)", STORE_LRU, store=type("Store_put_pos", (_Store,), {"put": _keep_order(EmbeddedStore.put)}))
+
+
+# -- suite 3.0, the issue's transfer and store clauses that had no mutant of their own --------------------
+mutant("xfer-segment-limit-2048", "transfer", "a fixed 2,048-entry descriptor table: segments past the 2,048th of a "
+       "call silently dropped", XFER3,
+       transfer=_transfer("limit2048", segments=lambda self, lo, re, ln: (lo[:2048], re[:2048], ln[:2048])))
+mutant("xfer-remote-aligned-64", "transfer", "remote addresses aligned down to 64 B (a DMA engine's alignment applied "
+       "silently: offsets inside a registered region lose their low bits)", XFER3,
+       transfer=_transfer("align64", segments=lambda self, lo, re, ln: (lo, [r - r % 64 for r in re], ln)))
+
+
+def _submit_in_queue(kind: str) -> Any:
+    """BUG: a completion queue two batches deep: a batch submitted while two others are still in flight
+    is acknowledged with an id of its own but never queued (its poll says done at once)."""
+
+    def submit(self: Any, peer: str, a: list[int], b: list[int], lengths: list[int], **options: Any) -> int:
+        live = self.__dict__.setdefault("_live", set())
+        if len(live) >= 2:
+            self.__dict__["_dropped"] = self.__dict__.get("_dropped", 0) - 1
+            return self._dropped  # negative: never a real batch id
+        batch = getattr(self.inner, f"submit_{kind}")(peer, a, b, lengths, **options)
+        live.add(batch)
+        return batch
+
+    return submit
+
+
+def _poll_in_queue(self: Any, batch: int) -> bool:
+    if batch < 0:
+        return True  # the dropped batch "completed"
+    done = self.inner.poll(batch)
+    if done:
+        self.__dict__.setdefault("_live", set()).discard(batch)
+    return done
+
+
+mutant("xfer-inflight-limit-2", "transfer", "a completion queue two batches deep: a third batch in flight is "
+       "acknowledged but never run", XFER3,
+       transfer=_transfer("inflight2", submit_write=_submit_in_queue("write"), submit_read=_submit_in_queue("read"),
+                          poll=_poll_in_queue))
+
+
+def _put_stops_at_full(self: Any, keys: list[str], buffers: list[Buffers]) -> list[ItemResult]:
+    """BUG: the batch aborts at the first value that does not fit; the items after it are reported full
+    and never stored."""
+    out: list[ItemResult] = []
+    for i, (k, b) in enumerate(zip(keys, buffers)):
+        r = EmbeddedStore.put(self, [k], [b])[0]
+        out.append(r)
+        if not r.ok:
+            return out + [ItemResult(k2, sum(n for _, n in b2), r.error) for k2, b2 in zip(keys[i + 1:],
+                                                                                        buffers[i + 1:])]
+    return out
+
+
+def _get_copies_what_fits(self: Any, keys: list[str], buffers: list[Buffers]) -> list[ItemResult]:
+    """BUG: a value of another size than the buffers is copied as far as both reach and reported a hit."""
+    out = []
+    for k, segs in zip(keys, buffers):
+        with self._lock:
+            value = self._values.get(k)
+        want = sum(n for _, n in segs)
+        if value is None or value.nbytes == want:
+            out += EmbeddedStore.get(self, [k], [segs])
+            continue
+        import ctypes
+
+        off = 0
+        for ptr, n in segs:
+            m = max(0, min(n, value.nbytes - off))
+            ctypes.memmove(ptr, value.ctypes.data + off, m)
+            off += n
+        out.append(ItemResult(k, want))
+    return out
+
+
+def _put_leaks_overwritten(self: Any, keys: list[str], buffers: list[Buffers]) -> list[ItemResult]:
+    """BUG: an overwrite never gives the old value's bytes back to the capacity account, so the store
+    evicts live values early."""
+    with self._lock:
+        old = sum(self._values[k].nbytes for k in set(keys) if k in self._values)
+    out = EmbeddedStore.put(self, keys, buffers)
+    with self._lock:
+        self._used += old
+    return out
+
+
+mutant("store-put-stops-at-full", "store", "put aborts the batch at the first value that does not fit: the items "
+       "after it are reported full and not stored", STORE3,
+       store=type("Store_put_stops", (_Store,), {"put": _put_stops_at_full}))
+mutant("store-get-size-mismatch-copied", "store", "a get into buffers of another size than the value copies what "
+       "fits and reports a hit", STORE3, store=type("Store_get_fits", (_Store,), {"get": _get_copies_what_fits}))
+mutant("store-overwrite-leaks-bytes", "store", "an overwrite does not give the old value's bytes back to the capacity "
+       "account (live values evicted early)", STORE_LRU,
+       store=type("Store_put_leak", (_Store,), {"put": _put_leaks_overwritten}))
