@@ -246,3 +246,19 @@ mutant("attn-sinks-per-kv-head", "attention", "sinks indexed by KV head instead 
        impl=_impl("sinkkv", sink_logits=lambda self, heads: self.sinks.float()[heads]))
 mutant("attn-sinks-scaled", "attention", "sink logits multiplied by the softmax scale like a score", FEAT,
        impl=_impl("sinkscale", sink_logits=lambda self, heads: self.sinks.float() * self.scale))
+
+
+# -- spec-decode verify queries (conformance/test_spec_decode.py, test_long_context.py) ------------
+VERIFY = ("test_spec_decode.py::test_attention_verify_queries[float32-",)
+
+
+def _verify_unmasked(self: VendorImpl, pq: torch.Tensor, pk: torch.Tensor) -> torch.Tensor:
+    """BUG: a query of 2..8 tokens (a k+1 verify) takes the multi-token decode path, which masks no row:
+    every draft position also sees the drafts after it."""
+    if 2 <= len(pq) <= 8:
+        return (pk[None] <= pq[-1]).expand(len(pq), -1)
+    return VendorImpl.mask(self, pq, pk)
+
+
+mutant("attn-verify-not-causal", "attention", "a 2..8-token query (spec verify) runs the multi-token decode path "
+       "without the causal mask among its rows", VERIFY, impl=_impl("verifymask", mask=_verify_unmasked))
