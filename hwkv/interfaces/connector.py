@@ -105,6 +105,10 @@ class KVConnectorBase:
     layer_hooks_only_when_loading: bool = False
     # tensor parallelism (see the module doc): may run one worker side per rank
     supports_tensor_parallel: bool = False
+    # KV-cache groups (docs/hybrid-models.md): the connector moves every group's blocks - its scheduler
+    # side gets a manager with ``managers`` (one per group), its worker side a KV cache with ``caches``;
+    # False: a hybrid model runs with one group (every layer keeps the whole context)
+    supports_kv_groups: bool = False
     metadata_type: Any = Any  # what the ranks decode build_connector_meta's result as (msgspec types)
     tp_job_keys: tuple[str, ...] = ()  # extra keys listing job completions ``(job id, ok, *numbers)``
     # finished_sending comes from rank 0 alone (its scheduler side knows when every rank's blocks were

@@ -59,9 +59,12 @@ def assert_no_leak(e: hwkv.Engine) -> None:
     settle(e)
     assert not e.has_unfinished()
     assert e.kv_cache_manager.num_free_blocks == e.kv_cache.spec.num_blocks
+    for m in getattr(e.kv_cache_manager, "managers", ()):  # KV-cache groups: every group's pool
+        assert m.block_pool.num_free_blocks == m.block_pool.num_usable_blocks
     assert not e.runner.reqs and not e.scheduler.requests and not e.scheduler.loading
     sched = getattr(e.scheduler.connector, "scheduler", None)
     if getattr(sched, "cpu", None) is not None:  # the offload connector's scheduler side
-        assert sched.cpu.num_free_blocks == sched.cpu.num_blocks  # no host block pinned
-        assert all(b.ref_cnt == 0 for b in sched.cpu.blocks)
+        for cpu in sched.cpus:  # one host tier per KV-cache group
+            assert cpu.num_free_blocks == cpu.num_blocks  # no host block pinned
+            assert all(b.ref_cnt == 0 for b in cpu.blocks)
         assert not sched._jobs and not sched._pending_hits and not sched._reqs and not sched._storing

@@ -1,7 +1,7 @@
 """Differential random traces with a hybrid model (Gemma-3-shaped: two window-16 layers and a global
-one): prefix caching + offload, pool and P/D, with load failures injected at random, give exactly
-the tokens of a plain engine (no prefix cache, no connector), and leave no block, host pin or pool
-hold behind. Seeded (bounded for CI): each seed is a trace of prompts over a few shared prefixes, so
+one): prefix caching + offload (with KV-cache groups: a host tier per group), pool and P/D, with load
+failures injected at random, give exactly the tokens of a plain engine (no prefix cache, no
+connector), and leave no block, host pin or pool hold behind. Seeded (bounded for CI): each seed is a trace of prompts over a few shared prefixes, so
 device hits, host-tier hits, pool hits and misses all happen, under a device pool small enough to
 evict."""
 
@@ -73,8 +73,11 @@ class RandomFailWorker(OffloadWorker):
     rng = random.Random(0)
     p = 0.0
 
+    first = False  # the first load fails whatever the draw (a trace with few loads still fails one)
+
     def load_blocks(self, host_ids, device_ids, layer=None):
-        if self.rng.random() < self.p:
+        first, self.first = self.first, False
+        if self.rng.random() < self.p or first:
             raise RuntimeError("injected load failure")
         super().load_blocks(host_ids, device_ids, layer)
 
@@ -82,17 +85,28 @@ class RandomFailWorker(OffloadWorker):
 class RandomFailOffload(OffloadConnector):
     worker_cls = RandomFailWorker
 
-    def __init__(self, seed: int, p: float, **kw):
+    def __init__(self, seed: int, p: float, first: bool = False, **kw):
         super().__init__(**kw)
-        self.worker.rng, self.worker.p = random.Random(seed), p
+        self.worker.rng, self.worker.p, self.worker.first = random.Random(seed), p, first
 
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_offload_with_random_load_failures(hybrid_dir, plain, seed):
-    e = engine(hybrid_dir, num_kv_blocks=8, kv_connector=RandomFailOffload(seed, 0.4, cpu_bytes=1 << 20))
+    e = engine(hybrid_dir, num_kv_blocks=8, kv_connector=RandomFailOffload(seed, 0.4, first=True, cpu_bytes=1 << 20))
+    assert [g.window for g in e.config.kv_groups] == [None, 16]  # KV-cache groups with the connector
     assert run(e, trace(seed)) == plain[seed]
     st = e.stats()["kv_connector"]
-    assert st["load_failures"] > 0  # the seeded failures hit (seeds 0 and 1 also load from the host tier)
+    assert st["load_failures"] > 0 and st["hit_blocks"] > 0  # host hits were offered and failures hit
+    assert_no_leak(e)
+
+
+def test_offload_groups_load_every_groups_blocks(hybrid_dir, plain):
+    """No failures: host hits load both groups' blocks (the window group only its window)."""
+    e = engine(hybrid_dir, num_kv_blocks=8, kv_connector=RandomFailOffload(0, 0.0, cpu_bytes=1 << 20))
+    assert run(e, trace(0)) == plain[0]
+    st = e.stats()["kv_connector"]
+    assert st["load_jobs"] > 0 and st["load_failures"] == 0 and st["external_hit_tokens"] > 0
+    assert all(t.cached_block_hash_to_block for t in e.scheduler.connector.scheduler.cpus)
     assert_no_leak(e)
 
 
@@ -157,3 +171,21 @@ def test_pd_with_random_failed_reads(hybrid_dir, plain, mode):
     finally:
         p.close()
         d.close()
+
+
+def test_offload_window_blocks_before_the_loaded_window_are_never_hits(hybrid_dir):
+    """A 4-block host hit loads the window group's last block only; its table entries before that
+    window were never loaded, so they must not become prefix-cache entries (a later request hitting 2
+    of those blocks on the device would read the window group's block 1 unloaded)."""
+    rng = random.Random(5)
+    prefix = [rng.randrange(3, 500) for _ in range(4 * BS + 3)]
+    steps = [(prefix, 2), ([rng.randrange(3, 500) for _ in range(100)], 1), (prefix, 2),
+             (prefix[:2 * BS] + [7, 9], 3)]
+    want = run(engine(hybrid_dir, num_kv_blocks=64, enable_prefix_caching=False), steps)
+    e = engine(hybrid_dir, num_kv_blocks=8, kv_connector=RandomFailOffload(0, 0.0, cpu_bytes=1 << 20))
+    assert run(e, steps) == want
+    st = e.stats()
+    # the device has the full group's 2 blocks but not the window group's block 1: no device hit,
+    # the host tier serves both groups (4 + 2 blocks)
+    assert st["prefix_cache_hits"] == 0 and st["kv_connector"]["hit_blocks"] == 6
+    assert_no_leak(e)

@@ -82,17 +82,26 @@ def test_grouped_greedy_parity_with_hf(window_case, case):
 
 def test_groups_refused_by_name(window_case):
     arch, path, _ = window_case
-    with pytest.raises(ValueError, match=r"kv_cache_groups=True cannot be met: a KV connector"):
+    from hwkv.connectors.offload import OffloadConnector
+
+    one_group = type("OneGroup", (OffloadConnector,), {"name": "one-group", "supports_kv_groups": False})
+    with pytest.raises(ValueError, match=r"kv_cache_groups=True cannot be met: the 'one-group' KV connector "
+                                         r"moves one block table per request"):
         hwkv.Engine(path, backend="cpu", dtype="float32", max_model_len=80, num_kv_blocks=64, kv_cache_groups=True,
-                    kv_connector="offload", kv_connector_config={"cpu_bytes": 1 << 20})
+                    kv_connector=one_group(cpu_bytes=1 << 20))
     if arch == "mistral-window":  # no full group to index a proposer's KV by (tests/spec_decode/test_spec_groups.py)
         with pytest.raises(ValueError, match=r"speculative decoding's 'draft_model' proposer indexes its KV"):
             hwkv.Engine(path, backend="cpu", dtype="float32", max_model_len=80, num_kv_blocks=64, kv_cache_groups=True,
                         speculative_config={"method": "draft_model", "num_speculative_tokens": 2, "model": path})
-    # None: where possible; a connector keeps one group of every layer
+    # None: where possible; a connector without groups keeps one group of every layer
     e = hwkv.Engine(path, backend="cpu", dtype="float32", max_model_len=80, num_kv_blocks=64, kv_cache_groups=None,
-                    kv_connector="offload", kv_connector_config={"cpu_bytes": 1 << 20})
+                    kv_connector=one_group(cpu_bytes=1 << 20))
     assert e.config.kv_groups == () and not isinstance(e.kv_cache, GroupedKVCache)
+    e.close()
+    # offload moves every group's blocks (tests/connectors/test_hybrid_differential.py)
+    e = hwkv.Engine(path, backend="cpu", dtype="float32", max_model_len=80, num_kv_blocks=64, kv_cache_groups=True,
+                    kv_connector="offload", kv_connector_config={"cpu_bytes": 1 << 20})
+    assert e.config.kv_groups and isinstance(e.kv_cache, GroupedKVCache)
     e.close()
 
 

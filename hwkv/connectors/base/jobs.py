@@ -58,12 +58,15 @@ class JobScheduler(ConnectorScheduler):
 
     def _add_job(self, job: Any, blocks: list[Any]) -> Any:
         """Pin ``blocks`` (device) for the job's lifetime and track it; a load is issued next step."""
-        self.kv.block_pool.touch(blocks)
+        self._pin(job, blocks)
         self._jobs[job.job_id] = job
         if job.load:
             self._new_loads.append(job)
             self._reqs[job.req_id].hold = True
         return job
+
+    def _pin(self, job: Any, blocks: list[Any]) -> None:
+        self.kv.block_pool.touch(blocks)
 
     def _take_loads(self, scheduler_output: Any) -> list[Any]:
         for rid in scheduler_output.preempted_req_ids:  # blocks gone; stores resume on re-admission

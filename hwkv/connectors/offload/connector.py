@@ -31,6 +31,7 @@ class OffloadConnector(SplitConnector):
     layer_hooks_only_when_loading = True  # other steps' graphs: one wait for the last layer, not one per layer
     # tensor parallelism: every rank runs its jobs over its own KV shard; the metadata is plain data
     supports_tensor_parallel = True
+    supports_kv_groups = True  # a host tier per KV-cache group (docs/hybrid-models.md)
     metadata_type = OffloadMeta | None  # what tensor-parallel ranks decode (early stores included)
     tp_job_keys = (OffloadScheduler.extra_key,)
     worker_cls: type[OffloadWorker] = OffloadWorker
@@ -60,4 +61,5 @@ class OffloadConnector(SplitConnector):
     def register_kv_caches(self, kv_cache: Any) -> None:
         geometry = HostTierGeometry.of(kv_cache.spec, self.cpu_bytes)
         self.worker.register_kv_caches(kv_cache, geometry)
-        self.scheduler.bind_geometry(geometry)
+        groups = getattr(kv_cache, "groups", None)  # hwkv.engine.kv_groups.GroupedKVCache
+        self.scheduler.bind_geometry(geometry, [len(g.layers) for g in groups] if groups else None)

@@ -66,19 +66,44 @@ class OffloadWorker(JobWorker):
         self._layers: list[tuple[Any, Any]] = []  # (host, device) one-layer views of the caches
         self._plans: dict[tuple[int, int], tuple[list[int], list[int], CopyPlan]] = {}  # this step's, per load
         self._layered_now = False  # this step issued loads layer by layer
+        self._pairs: list[tuple[Any, Any]] = []  # KV-cache groups: (host mirror, device cache) per group
+        self._offsets: tuple[list[int], list[int]] = ([], [])  # groups: (device, host) flat id offsets
 
     def register_kv_caches(self, kv_cache: Any, geometry: HostTierGeometry | None = None) -> None:
         """Allocate the host mirror of ``geometry.num_blocks`` blocks (the connector computes it from
         its ``cpu_bytes``) and the copy streams."""
         if geometry is None:
             raise ValueError("offload: the worker side needs the host tier's geometry")
-        spec = kv_cache.spec
         self.device_kv = kv_cache
-        self.host_kv = self.dev.allocate_kv_cache(replace(spec, num_blocks=geometry.num_blocks), kv_cache.layout,
-                                                  host=True)
-        self.host_kv.scales = kv_cache.scales  # fp8 KV: the mirror's codes mean what the device's do
         self._load_stream, self._store_stream = self.dev.new_stream(), self.dev.new_stream()
+        caches = getattr(kv_cache, "caches", None)  # KV-cache groups: a mirror per group, ids flat over them
+        if caches is not None:
+            self._pairs = [(self._mirror(c, geometry), c) for c in caches]
+            self._offsets = ([sum(c.spec.num_blocks for c in caches[:g]) for g in range(len(caches))],
+                             [g * geometry.num_blocks for g in range(len(caches))])
+            self.host_kv = [h for h, _ in self._pairs]
+            self.layerwise = False  # a layer's blocks are in its group's tensors: whole loads
+            return
+        self.host_kv = self._mirror(kv_cache, geometry)
         self._init_layers(self.layerwise_load)
+
+    def _mirror(self, kv_cache: Any, geometry: HostTierGeometry) -> Any:
+        host = self.dev.allocate_kv_cache(replace(kv_cache.spec, num_blocks=geometry.num_blocks), kv_cache.layout,
+                                          host=True)
+        host.scales = kv_cache.scales  # fp8 KV: the mirror's codes mean what the device's do
+        return host
+
+    def _by_group(self, host_ids: list[int], device_ids: list[int]) -> list[tuple[Any, Any, list[int], list[int]]]:
+        """Flat ids (the scheduler's: ``offset[g] + id``) as ``(host cache, device cache, host ids, device
+        ids)`` per group with blocks."""
+        dev_off, host_off = self._offsets
+        out = []
+        for g, (host, dev) in enumerate(self._pairs):
+            sel = [i for i, d in enumerate(device_ids) if dev_off[g] <= d < dev_off[g] + dev.spec.num_blocks]
+            if sel:
+                out.append((host, dev, [host_ids[i] - host_off[g] for i in sel],
+                            [device_ids[i] - dev_off[g] for i in sel]))
+        return out
 
     def stats(self) -> dict[str, Any]:
         return {"layerwise": bool(self.layerwise)}
@@ -104,6 +129,10 @@ class OffloadWorker(JobWorker):
     def load_blocks(self, host_ids: list[int], device_ids: list[int], layer: int | None = None) -> None:
         """Queue one request's host → device copies (of one ``layer``, or all) on the load stream
         (tests inject failures here)."""
+        if self._pairs:
+            for host, dev, h, d in self._by_group(host_ids, device_ids):
+                run_copy(self.dev, host, dev, plan_copy(host, dev, h, d, self.min_run_blocks), self._load_stream)
+            return
         if layer is None:
             plan = plan_copy(self.host_kv, self.device_kv, host_ids, device_ids, self.min_run_blocks)
             run_copy(self.dev, self.host_kv, self.device_kv, plan, self._load_stream)
@@ -184,6 +213,10 @@ class OffloadWorker(JobWorker):
 
     def store_blocks(self, device_ids: list[int], host_ids: list[int]) -> None:
         """Queue device → host copies on the store stream (tests inject failures here)."""
+        if self._pairs:
+            for host, dev, h, d in self._by_group(host_ids, device_ids):
+                copy_block_pairs(self.dev, dev, host, d, h, self._store_stream, self.min_run_blocks)
+            return
         copy_block_pairs(self.dev, self.device_kv, self.host_kv, device_ids, host_ids, self._store_stream,
                          self.min_run_blocks)
 
