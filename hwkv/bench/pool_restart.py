@@ -20,6 +20,11 @@ what the fill put. Each pool run also reports where its load's time went (the co
 ``load_*_s`` counters over the measured request only): the store's get calls, waiting for the
 staging -> device copies, and the rest of the TTFT (lookup, scheduling, the suffix's prefill).
 Results: ``pool-restart-<model>-<backend>-<date>.json``.
+
+``--one-process`` needs one engine start per ``--via`` instead of four in all (an 8B start takes ~40 s
+on the device): the engine recomputes the prompt, its chunks reach the pool, its device prefix cache
+is dropped, and the same prompt again loads from the pool — a restarted instance's load path
+without the restart (``pool-restart-one-process-*.json``).
 """
 
 from __future__ import annotations
@@ -69,6 +74,44 @@ print("RESULT " + json.dumps({"ttft_s": ttft, "tokens": out.token_ids, "loaded_b
 e.close()
 """
 
+# --one-process: one engine start per --via instead of four in all (an 8B start takes ~40 s). The engine
+# recomputes the prompt (its lookup misses: the prefix is new to the pool), its chunks reach the
+# pool, its device prefix cache is dropped, and the same prompt again loads from the pool: what a
+# restarted instance does, without the restart.
+CHILD_ONE = r"""
+import json, sys, time
+import hwkv
+from hwkv import SamplingParams
+cfg = json.loads(sys.argv[1])
+kw = dict(backend=cfg["backend"], dtype=cfg["dtype"], block_size=cfg["block_size"], max_model_len=cfg["max_len"],
+          num_kv_blocks=cfg["blocks"], kv_connector="pool", kv_connector_config=cfg["pool"], **cfg["engine_args"])
+e = hwkv.Engine(cfg["model"], **kw)
+sp = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+def settle():
+    deadline = time.monotonic() + 120
+    while e.connector.has_pending_transfers() and time.monotonic() < deadline:
+        e.step()
+        time.sleep(0.001)
+    assert not e.connector.has_pending_transfers(), "pool transfers still pending after 120 s"
+    assert e.kv_cache_manager.reset_prefix_cache(), "prefix cache reset refused: blocks still held"
+def timing():
+    st = e.stats().get("kv_connector") or {}
+    return {k: v for k, v in st.items() if k.startswith(("load_", "put_")) and k.endswith(("_s", "_jobs"))}
+res = {}
+for name, prompt in (("warm", cfg["warm"]), ("warm_load", cfg["warm"]), ("none", cfg["prompt"]),
+                     ("pool", cfg["prompt"])):
+    settle()
+    before = timing()
+    t0 = time.perf_counter()
+    out = e.generate([prompt], sp, use_tqdm=False)[0]
+    ttft = time.perf_counter() - t0
+    st = e.stats().get("kv_connector") or {}
+    res[name] = {"ttft_s": ttft, "tokens": out.token_ids, "loaded_bytes": st.get("loaded_bytes", 0),
+                 "timing": {k: round(v - before.get(k, 0.0), 6) for k, v in timing().items()}}
+print("RESULT " + json.dumps(res), flush=True)
+e.close()
+"""
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="tiny, a shape of `hwkv bench e2e` (llama-1b, ...) or a HF dir")
@@ -85,13 +128,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "multiple of --block-size; default one block): the tokens of one pool value")
     p.add_argument("--repeats", type=int, default=2, help="fresh processes per variant (best TTFT kept)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per engine process")
+    p.add_argument("--one-process", action="store_true", help="one engine process per --via: recompute, then "
+                   "drop the device prefix cache and load the same prompt from the pool (no fill, no restart)")
     p.add_argument("--engine-args", default="{}", help="JSON dict of extra Engine kwargs (every process)")
     p.add_argument("--workdir", default="/tmp/hwkv-bench-models")
     p.add_argument("--out-dir", default=None)
 
 
-def _child(cfg: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-    r = subprocess.run([sys.executable, "-c", CHILD, json.dumps(cfg)], capture_output=True, text=True,
+def _child(cfg: dict[str, Any], timeout_s: float, code: str = CHILD) -> dict[str, Any]:
+    r = subprocess.run([sys.executable, "-c", code, json.dumps(cfg)], capture_output=True, text=True,
                        timeout=timeout_s, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
     line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if r.returncode != 0 or line is None:
@@ -155,6 +200,8 @@ def run(args: argparse.Namespace) -> int:
         if args.chunk_size is not None:
             tcp["chunk_size"] = args.chunk_size
         pools = {"holder": {**tcp, "holder": f"127.0.0.1:{h.port}"}, "tcp": tcp}
+        if args.one_process:
+            return _one_process(args, base, pools, via, prefix + suffix[1])
         fill = _child({**base, "pool": pools[via[0]], "prompt": prefix + suffix[0]}, args.timeout)
         print(f"fill ({via[0]}): {fill['stored_chunks']} chunks put, process exited", flush=True)
         runs: dict[str, list[dict[str, Any]]] = {"none": [], **{f"pool-{v}": [] for v in via}}
@@ -196,6 +243,41 @@ def run(args: argparse.Namespace) -> int:
                   f"{out[f'ttft_pool_{v}_ms']:.1f} ms from the persistent pool ({v}) vs "
                   f"{out['ttft_recompute_ms']:.1f} ms recomputed = x{out[f'speedup_{v}']:.2f} (goal >= 4)", flush=True)
     return 1 if out.get("errors") else 0
+
+
+def _one_process(args: argparse.Namespace, base: dict[str, Any], pools: dict[str, Any], via: list[str],
+                 prompt: list[int]) -> int:
+    """``--one-process``: per ``--via`` one engine recomputes ``prompt`` and then loads it from the pool."""
+    from hwkv.bench.serve import _commit
+
+    day = dt.date.today().isoformat()
+    path = Path(args.out_dir or results_dir()) / f"pool-restart-one-process-{args.model}-{args.backend}-{day}.json"
+    out: dict[str, Any] = {}
+    failed = False
+    for n, v in enumerate(via):
+        # a prompt of its own per variant: the earlier variant's chunks must not be a hit here
+        p = prompt if n == 0 else [(t + 7 * n) % (max(prompt) + 1) or 1 for t in prompt]
+        try:
+            r = _child({**base, "pool": pools[v], "prompt": p}, args.timeout, CHILD_ONE)
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            out[v] = {"error": str(e)[-2000:]}
+            failed = True
+            print(f"  {v}: FAILED {out[v]['error']}", flush=True)
+            continue
+        if r["pool"]["tokens"] != r["none"]["tokens"]:
+            raise RuntimeError(f"tokens differ with the pool ({v}): {r['pool']['tokens']} vs {r['none']['tokens']}")
+        none, pool, tm = r["none"]["ttft_s"], r["pool"]["ttft_s"], r["pool"]["timing"]
+        out[v] = {"ttft_recompute_ms": 1e3 * none, "ttft_pool_ms": 1e3 * pool, "speedup": none / pool,
+                  "loaded_bytes": r["pool"]["loaded_bytes"] - r["none"]["loaded_bytes"], "runs": r}
+        print(f"  {v}: recompute {1e3 * none:.1f} ms, from the pool {1e3 * pool:.1f} ms = x{none / pool:.2f} "
+              f"(goal >= 4); load: store calls {1e3 * tm.get('load_store_s', 0):.1f} ms, waiting for device copies "
+              f"{1e3 * tm.get('load_copy_wait_s', 0):.1f} ms, whole get {1e3 * tm.get('load_wall_s', 0):.1f} ms",
+              flush=True)
+        write_result(path, {"bench": "pool-restart --one-process", "date": day, "machine": machine(),
+                            "commit": os.environ.get("HWKV_COMMIT") or _commit(),
+                            "command": "hwkv bench pool-restart " + " ".join(sys.argv[3:]), "args": vars(args),
+                            "results": out})
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -41,3 +41,18 @@ def test_bench_pool_restart_toy(tmp_path):
     assert res["tokens_identical"] and res["runs"]["pool-holder"][0]["loaded_bytes"] > 0
     assert res["runs"]["pool-tcp"][0]["loaded_bytes"] == res["runs"]["pool-holder"][0]["loaded_bytes"]
     assert res["runs"]["none"][0]["loaded_bytes"] == 0
+    for via in ("pool-holder", "pool-tcp"):  # the measured request's load split (the warm request's excluded)
+        tm = res["runs"][via][0]["timing"]
+        assert tm["load_jobs"] == 1 and 0 < tm["load_store_s"] <= tm["load_wall_s"] <= res["runs"][via][0]["ttft_s"]
+    # one engine per --via: recompute, then the same prompt from the pool, tokens equal
+    args = _args(pool_restart, ["--prompt-len", "256", "--capacity-mb", "64", "--staging-mb", "8", "--one-process",
+                                "--workdir", str(tmp_path / "models"), "--out-dir", str(tmp_path)])
+    assert pool_restart.run(args) == 0
+    one = json.loads(next(tmp_path.glob("pool-restart-one-process-tiny-cpu-*.json")).read_text())["results"]
+    for via in ("holder", "tcp"):
+        assert one[via]["loaded_bytes"] > 0 and one[via]["runs"]["pool"]["timing"]["load_jobs"] == 1
+        assert one[via]["runs"]["none"]["timing"]["load_jobs"] == 0
+    # a prompt longer than the model's positions is refused before any engine starts
+    args = _args(pool_restart, ["--prompt-len", "1000000", "--workdir", str(tmp_path / "models"),
+                                "--out-dir", str(tmp_path)])
+    assert pool_restart.run(args) == 2
