@@ -18,6 +18,7 @@ groups). A block id means "this block of every layer of the group".
   usable hit is the longest ``n`` every group serves (:meth:`GroupedKVCacheManager.get_computed_blocks`).
 * Admission: a step fits only if it fits in every group (window frees counted); nothing is allocated
   in any group otherwise.
+* KV events report the first group's prefix cache (the full group's when there is one).
 
 :class:`GroupedKVCacheManager` has :class:`KVCacheManager`'s scheduler protocol (the Scheduler runs
 on it unchanged); the prefix-hit "blocks" it hands out are one list per group.
@@ -31,6 +32,7 @@ from typing import Any
 
 from hwkv.core.block_pool import BlockPool, KVCacheBlock, PrefixCacheStats
 from hwkv.core.kv_cache_manager import KVCacheManager
+from hwkv.core.kv_events import MEDIUM_GPU
 from hwkv.core.request import Request
 
 
@@ -302,6 +304,20 @@ class GroupedKVCacheManager:
     def num_live_blocks(self, request_id: str) -> list[int]:
         """Blocks the request holds in each group (null entries not counted)."""
         return [sum(1 for b in m.get_blocks(request_id) if not b.is_null) for m in self.managers]
+
+    def enable_kv_events(self, medium: str = MEDIUM_GPU) -> None:
+        """KV events of the first group (the full-attention group's where there is one: its hashes are
+        the prefix chain, so a subscriber's longest match bounds the usable hit; a window group's blocks
+        are not reported - the hit a window group serves may be shorter)."""
+        self.managers[0].enable_kv_events(medium)
+
+    def take_kv_events(self) -> list:
+        return self.managers[0].take_kv_events()
+
+    @property
+    def event_pool(self) -> BlockPool:
+        """The block pool whose prefix cache KV events report (snapshots read it)."""
+        return self.managers[0].block_pool
 
     def reset_prefix_cache(self) -> bool:
         if any(m.block_pool.num_free_blocks != m.block_pool.num_usable_blocks for m in self.managers):

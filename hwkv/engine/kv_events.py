@@ -222,7 +222,7 @@ def _close_ref(ref: weakref.ref) -> None:
 def snapshot_events(kv_cache_manager: Any, connector: Any = None) -> list[Any]:
     """``BlockStored`` of everything each tier holds now (device prefix cache, and the connector's
     tiers: ``KVConnectorBase.kv_event_snapshot``)."""
-    bp = kv_cache_manager.block_pool
+    bp = getattr(kv_cache_manager, "event_pool", None) or kv_cache_manager.block_pool  # groups: the one reported
     out: list[Any] = []
     if bp.kv_events is not None and bp.cached_block_hash_to_block:
         out.append(BlockStored(list(bp.cached_block_hash_to_block), None, [], bp.event_block_size, None,

@@ -43,8 +43,6 @@ def grouping_blockers(args: Any, connector: Any, model: Any) -> list[str]:
         reasons.append(f"speculative decoding's {spec.method!r} proposer indexes its KV by the full-attention "
                        "group's block ids, and every layer of this model is windowed (allowed: speculative_config "
                        "None or method 'ngram')")
-    if args.kv_events_endpoint is not None:
-        reasons.append("KV events report one block pool (kv_events_endpoint must be None)")
     return reasons
 
 

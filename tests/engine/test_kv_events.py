@@ -76,6 +76,32 @@ def test_subscriber_rebuilds_the_prefix_cache(model_dir):
         e.close()
 
 
+def test_kv_cache_groups_report_the_first_groups_prefix_cache(tmp_path):
+    """With KV-cache groups (a windowed Mistral: one window group; with offload, its host tier too) the
+    events are the first group's: the subscriber's GPU set is that group's cached hashes, CPU its tier's."""
+    path = str(write_tiny_model(tmp_path / "mistral", arch="mistral", sliding_window=16, max_position_embeddings=512))
+    e = _engine(path, kv_cache_groups=True, kv_connector="offload",
+                kv_connector_config={"cpu_bytes": 24 * _block_bytes(path)})
+    sub = KVEventSubscriber(e.kv_events.endpoint, e.kv_events.replay_endpoint)
+    try:
+        assert [g.window for g in e.config.kv_groups] == [16]
+        assert sub.wait_ready()
+        rng = random.Random(3)
+        pool = e.kv_cache_manager.managers[0].block_pool
+        cpu = e.connector.scheduler.cpus[0]
+        for rnd in range(2):
+            _traffic(e, rng, 10)
+            _drain(e)
+            _settled(sub, e.kv_events)
+            assert sub.index.hashes("GPU") == set(pool.cached_block_hash_to_block) and sub.index.hashes("GPU"), rnd
+            assert sub.index.hashes("CPU") == set(cpu.cached_block_hash_to_block) and sub.index.hashes("CPU"), rnd
+        snap = {ev.medium: set(ev.block_hashes) for ev in e._kv_snapshot()}
+        assert snap == {"GPU": set(pool.cached_block_hash_to_block), "CPU": set(cpu.cached_block_hash_to_block)}
+    finally:
+        sub.close()
+        e.close()
+
+
 def _drain(e: hwkv.Engine, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while e.connector.has_pending_transfers():
