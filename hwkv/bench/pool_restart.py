@@ -128,6 +128,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "multiple of --block-size; default one block): the tokens of one pool value")
     p.add_argument("--repeats", type=int, default=2, help="fresh processes per variant (best TTFT kept)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per engine process")
+    p.add_argument("--pool-config", default="{}", help="JSON dict merged into the pool connector's config "
+                   "(every pool engine), e.g. '{\"pack\": true}'")
     p.add_argument("--one-process", action="store_true", help="one engine process per --via: recompute, then "
                    "drop the device prefix cache and load the same prompt from the pool (no fill, no restart)")
     p.add_argument("--engine-args", default="{}", help="JSON dict of extra Engine kwargs (every process)")
@@ -199,6 +201,7 @@ def run(args: argparse.Namespace) -> int:
                    global_segment_size=0, staging_bytes=args.staging_mb << 20)
         if args.chunk_size is not None:
             tcp["chunk_size"] = args.chunk_size
+        tcp.update(json.loads(args.pool_config))
         pools = {"holder": {**tcp, "holder": f"127.0.0.1:{h.port}"}, "tcp": tcp}
         if args.one_process:
             return _one_process(args, base, pools, via, prefix + suffix[1])

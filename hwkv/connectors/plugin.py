@@ -80,6 +80,8 @@ POOL_CONFIG = {
     "lookup_address": "str, default an IPC socket in a private temp dir: the lookup server's ZMQ address",
     "staging_bytes": "int, default 64 MiB: host staging per thread when the KV cache is not host memory",
     "save": "bool, default True: put newly computed chunks (False: load-only)",
+    "pack": "bool, default False: with one block per chunk and host staging, a load gets each value as one "
+            "segment and scatters it into the blocks on the device (else one segment per KV tensor)",
     "store_name": "embedded: str, default 'default': engines of one process naming the same store share it",
     "capacity_bytes": "embedded: int, default 1 GiB: the store's capacity (LRU eviction)",
     "master": "mooncake: 'host:port' of mooncake_master's RPC port (required; `hwkv pool master` starts one)",

@@ -105,6 +105,10 @@ def test_holder_mode_engines_share_through_shared_memory(model_dir, expected):
         assert again["stats"]["loaded_bytes"] > 0 and again["stats"]["stored_bytes"] == 0
         remote = engine_process(m, model_dir)  # over tcp: the same keys, the same bytes
         assert remote["tokens"] == expected and remote["stats"]["external_hit_tokens"] == 9 * BS
+        # packed loads (one segment per value, scattered into the blocks) read the per-tensor puts' bytes
+        packed = engine_process(m, model_dir, pack=True, **local)
+        assert packed["tokens"] == expected and packed["stats"]["packed_loads"] is True
+        assert packed["stats"]["external_hit_tokens"] == 9 * BS and packed["stats"]["load_failures"] == 0
 
 
 def test_pool_processes_exit_cleanly_without_close(model_dir, expected):

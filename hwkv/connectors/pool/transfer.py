@@ -115,16 +115,74 @@ def _first_error(res: list[Any]) -> str:
     return "" if bad is None else f"{type(bad.error).__name__}: {bad.error}"[:300]
 
 
+class _Packed:
+    """Packed loads (``pack=True``, one block per chunk): each value is got as ONE segment — the
+    block's bytes of every KV tensor in tensor order, the same bytes as the per-tensor segments of
+    :class:`_Staging` — into a flat host buffer, copied to the device in one piece per half, and
+    scattered into the blocks there (one ``index_copy_`` per KV tensor). The store then moves one
+    segment per value instead of one per KV tensor (2 x layers of 16-32 KiB each)."""
+
+    def __init__(self, dev: Any, kv: Any, nbytes: int, alloc: Callable[[int], int] | None):
+        import ctypes
+
+        import torch
+
+        self.bpb = kv.spec.bytes_per_block
+        self.num_blocks = max(2, nbytes // self.bpb)
+        total = self.num_blocks * self.bpb
+        if alloc is None:
+            self.flat = dev.pinned_empty(total)
+        else:
+            self.flat = torch.frombuffer((ctypes.c_uint8 * total).from_address(alloc(total)), dtype=torch.uint8)
+            self.flat.zero_()  # fault the pages in now
+            if dev.async_copies and dev.pins_host_in_place:
+                dev.pin_host_memory(self.flat)
+        half = self.num_blocks // 2
+        where = kv.tensors[0].device
+        self.scratch = [torch.empty(half * self.bpb, dtype=torch.uint8, device=where) for _ in range(2)]
+        self.widths = [kv.block_nbytes(i) for i in range(len(kv.tensors))]
+        self.rows = [t.view(-1).view(torch.uint8).view(t.shape[0], -1) for t in kv.tensors]  # blocks as byte rows
+        self.stream = dev.new_stream()
+
+    @staticmethod
+    def usable(kv: Any, chunk_blocks: int) -> bool:
+        return chunk_blocks == 1 and all(t.is_contiguous() for t in kv.tensors) and \
+            sum(kv.block_nbytes(i) for i in range(len(kv.tensors))) == kv.spec.bytes_per_block
+
+    def buffers(self) -> list[tuple[int, int]]:
+        return [(self.flat.data_ptr(), self.flat.numel())]
+
+    def value(self, block: int) -> list[tuple[int, int]]:
+        return [(self.flat.data_ptr() + block * self.bpb, self.bpb)]
+
+    def scatter(self, dev: Any, h: int, first: int, dev_ids: list[int]) -> None:
+        """Queue on this stream: staging blocks ``first...`` -> the device in one copy, then into ``dev_ids``."""
+        import torch
+
+        m = len(dev_ids)
+        with dev.stream_context(self.stream):
+            buf = self.scratch[h][:m * self.bpb]
+            buf.copy_(self.flat[first * self.bpb:(first + m) * self.bpb], non_blocking=True)
+            ids = torch.tensor(dev_ids, dtype=torch.long).to(buf.device, non_blocking=True)
+            rows, off = buf.view(m, self.bpb), 0
+            for dst, w in zip(self.rows, self.widths):
+                dst.index_copy_(0, ids, rows[:, off:off + w])
+                off += w
+
+
 class PoolTransfer:
     """Owns the two threads; ``submit_put`` / ``submit_get`` enqueue, ``drain`` collects completions."""
 
     def __init__(self, handle: StoreHandle, dev: Any, kv: Any, chunk_blocks: int, staging_bytes: int,
-                 alloc: Callable[[int], int] | None = None):
+                 alloc: Callable[[int], int] | None = None, pack: bool = False):
         self.handle, self.dev, self.kv, self.chunk_blocks = handle, dev, kv, chunk_blocks
         self.direct = host_addressable(kv) and alloc is None  # a store with its own memory needs staging
         self.chunk_bytes = chunk_blocks * kv.spec.bytes_per_block
         staging_bytes = max(staging_bytes, 2 * self.chunk_bytes)  # gets alternate between two halves
-        self._stage = {} if self.direct else {op: _Staging(dev, kv, staging_bytes, alloc) for op in ("put", "get")}
+        pack = pack and not self.direct and _Packed.usable(kv, chunk_blocks)
+        ops = ("put",) if pack else ("put", "get")  # packed loads have their own staging
+        self._stage = {} if self.direct else {op: _Staging(dev, kv, staging_bytes, alloc) for op in ops}
+        self._packed = _Packed(dev, kv, staging_bytes, alloc) if pack else None
         self._done: queue.SimpleQueue[Done] = queue.SimpleQueue()
         # where a load's time goes (seconds, summed over gets; read by stats()): waiting for the
         # compute stream's event, the store's get calls, waiting for the copies to the device, and
@@ -138,11 +196,16 @@ class PoolTransfer:
         for t in self._threads:
             t.start()
 
+    @property
+    def packed(self) -> bool:
+        return self._packed is not None
+
     def buffers(self) -> list[tuple[int, int]]:
         """The memory every put/get touches: register it with the store."""
         if self.direct:
             return [(t.data_ptr(), t.numel() * t.element_size()) for t in self.kv.tensors]
-        return [b for s in self._stage.values() for b in s.buffers()]
+        extra = self._packed.buffers() if self._packed is not None else []
+        return [b for s in self._stage.values() for b in s.buffers()] + extra
 
     def submit_put(self, job: PutJob) -> None:
         self._puts.put(job)
@@ -268,6 +331,8 @@ class PoolTransfer:
                 if bad := _first_error(res):
                     return bad
             return ""
+        if self._packed is not None:
+            return self._get_packed(job)
         st, cb = self._stage["get"], self.chunk_blocks
         half = st.num_blocks // cb // 2  # chunks per half
         copies: list[Any] = [None, None]  # the event of each half's last copy out
@@ -291,6 +356,36 @@ class PoolTransfer:
                                  st.stream)
                 copies[h] = self.dev.new_event()
                 copies[h].record(st.stream)
+        finally:
+            t0 = time.perf_counter()
+            for ev in copies:  # never return while a copy still reads staging or writes the blocks
+                if ev is not None:
+                    ev.synchronize()
+            tm["load_copy_wait_s"] += time.perf_counter() - t0
+        return ""
+
+    def _get_packed(self, job: GetJob) -> str:
+        """:meth:`_get` with one segment per value (:class:`_Packed`); halves alternate the same way."""
+        pk, tm = self._packed, self.timing
+        items = list(zip(job.keys, job.chunks))
+        half = pk.num_blocks // 2
+        copies: list[Any] = [None, None]
+        try:
+            for n, piece in enumerate(items[i:i + half] for i in range(0, len(items), half)):
+                h = n % 2
+                t0 = time.perf_counter()
+                if copies[h] is not None:
+                    copies[h].synchronize()  # this half's previous copy to the device has read it
+                t1 = time.perf_counter()
+                first = h * half
+                res = self.handle.call("get", [k for k, _ in piece], [pk.value(first + i) for i in range(len(piece))])
+                tm["load_copy_wait_s"] += t1 - t0
+                tm["load_store_s"] += time.perf_counter() - t1
+                if bad := _first_error(res):
+                    return bad
+                pk.scatter(self.dev, h, first, [b for _, ids in piece for b in ids])
+                copies[h] = self.dev.new_event()
+                copies[h].record(pk.stream)
         finally:
             t0 = time.perf_counter()
             for ev in copies:  # never return while a copy still reads staging or writes the blocks

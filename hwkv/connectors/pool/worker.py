@@ -39,8 +39,9 @@ class PoolWorker(JobWorker):
     fail_details = (0, 0)
 
     def __init__(self, handle: StoreHandle, load_timeout_s: float, staging_bytes: int,
-                 lookup_address: str | None) -> None:
+                 lookup_address: str | None, pack: bool = False) -> None:
         super().__init__()
+        self.pack = pack
         self.handle, self.load_timeout_s = handle, load_timeout_s
         self.staging_bytes, self.lookup_address = staging_bytes, lookup_address
         self.key: PoolKey | None = None
@@ -58,7 +59,8 @@ class PoolWorker(JobWorker):
             raise ValueError("pool: the worker side needs the pool key of this cache")
         self.key = key
         alloc = self.handle.host_memory()  # a holder-mode store: staging in its shared memory
-        self.transfer = PoolTransfer(self.handle, self.dev, kv_cache, key.chunk_blocks, self.staging_bytes, alloc)
+        self.transfer = PoolTransfer(self.handle, self.dev, kv_cache, key.chunk_blocks, self.staging_bytes, alloc,
+                                     self.pack)
         self.handle.register(self.transfer.buffers())  # connects now if it can; else on first use
         if self.tp_rank == 0:  # the scheduler side's; the other ranks of a tensor-parallel engine serve none
             self.server = LookupServer(self._count_hits, self.lookup_address)
@@ -122,6 +124,7 @@ class PoolWorker(JobWorker):
         out.update(self.handle.stats())
         if self.transfer is not None:
             out.update({k: round(v, 6) for k, v in self.transfer.timing.items()})
+            out["packed_loads"] = self.transfer.packed  # pack=True took effect (one block per chunk, staging)
         return out
 
     def shutdown(self) -> None:
