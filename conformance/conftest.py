@@ -239,6 +239,12 @@ def backend(pytestconfig: pytest.Config):
 
 
 @pytest.fixture(scope="session")
+def coverage_log(pytestconfig: pytest.Config):
+    """The run's argument coverage (:class:`conformance.coverage.Coverage`): rank processes' notes merge here."""
+    return pytestconfig.stash[_PLUGIN].coverage
+
+
+@pytest.fixture(scope="session")
 def engine_backend(pytestconfig: pytest.Config):
     """What ``Engine(backend=...)`` takes: the backend instance under test itself (unrecorded)."""
     return pytestconfig.stash[_BACKEND]

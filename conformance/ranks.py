@@ -3,8 +3,10 @@
 Each rank rebuilds the backend under test from ``SPEC`` (``plugin:NAME`` or ``mutant:NAME``), joins
 a group through :class:`~hwkv.parallel.communicator.TorchDistCommunicator` on the parent's
 rendezvous store at ``PORT``, runs ``SCENARIO`` and writes its findings as JSON to ``OUT``: a list of
-checks ``[what, ok, detail]`` and a digest of every result's bytes (the ranks' digests must match:
-results are bitwise identical on every rank).
+checks ``[what, ok, detail]``, a digest of every result's bytes (the ranks' digests must match:
+results are bitwise identical on every rank) and the argument coverage of the rank's interface calls
+(the backend seen through :func:`conformance.coverage.recording`, plus the communicator and custom
+all-reduce calls), which the parent merges into the report's.
 """
 
 from __future__ import annotations
@@ -17,6 +19,14 @@ import zlib
 from typing import Any
 
 import torch
+
+from conformance.coverage import Coverage, recording
+
+COV = Coverage()  # this rank's argument coverage (written to OUT)
+
+
+def note(method: str, **args: Any) -> None:
+    COV.note(method, args)
 
 # one element .. tens of MiB (float32: 4 B .. 32 MiB); odd counts (no vector width divides them)
 SIZES = (1, 3, 4097, (1 << 20) + 3, (8 << 20) + 1)
@@ -83,6 +93,7 @@ def collectives(backend: Any, comm: Any, rank: int, world: int, ck: Checks) -> N
         for n in SIZES:
             t = values(dtype, n, rank).to(on)
             ptr = t.data_ptr()
+            note("Communicator.all_reduce", t=t)
             out = comm.all_reduce(t)
             want = values(dtype, n, 0)
             for r in range(1, world):  # a + b rounds once, whatever the order, for two ranks
@@ -92,14 +103,18 @@ def collectives(backend: Any, comm: Any, rank: int, world: int, ck: Checks) -> N
         for dim, shape in ((-1, (3, 5)), (0, (4, 7))):
             t = values(dtype, shape[0] * shape[1], rank, "g").reshape(shape).to(on)
             want = torch.cat([values(dtype, shape[0] * shape[1], r, "g").reshape(shape) for r in range(world)], dim)
+            note("Communicator.all_gather", t=t, dim=dim)
             ck.same(f"all_gather {dn} {shape} dim={dim}", comm.all_gather(t, dim), want)
         src = world - 1
         t = values(dtype, 4099, rank, "b").to(on)
+        note("Communicator.broadcast", t=t, src=src)
         ck.same(f"broadcast {dn} x4099 from rank {src}", comm.broadcast(t, src), values(dtype, 4099, src, "b"))
         custom = dev.custom_all_reduce(comm)
+        note("Device.custom_all_reduce", comm=comm, returned=custom)
         if custom is not None:
             for n in SIZES:
                 t = values(dtype, n, rank, "c").to(on)
+                note("CustomAllReduce.__call__", t=t)
                 if custom(t) is None:
                     continue  # declined: the communicator's own all-reduce runs instead
                 want = values(dtype, n, 0, "c")
@@ -110,6 +125,7 @@ def collectives(backend: Any, comm: Any, rank: int, world: int, ck: Checks) -> N
             for n in SIZES[:3] if add is not None else ():
                 # residual + the sum over ranks (the residual is the same on every rank, as in TP)
                 t, res = values(dtype, n, rank, "a").to(on), values(dtype, n, 0, "res").to(on)
+                note("CustomAllReduce.all_reduce_add", t=t, residual=res)
                 out = add(t, res)
                 if out is None:
                     continue  # declined
@@ -134,6 +150,7 @@ def captured(backend: Any, comm: Any, rank: int, world: int, ck: Checks) -> None
         t = values(dtype, n, rank, "w").to(dev.torch_device)
         comm.all_reduce(t)  # warm-up outside the capture (lazy communicator state)
         dev.synchronize()
+        note("Communicator.all_reduce", t=t, captured=True)
         graph, _ = dev.capture_graph(lambda t=t: comm.all_reduce(t), pool, stream)
         for trial in range(2):
             t.copy_(values(dtype, n, rank, f"r{trial}").to(dev.torch_device))
@@ -218,12 +235,13 @@ def main(argv: list[str]) -> int:
         backend = build(spec)
         comm = TorchDistCommunicator(backend.device, rank, world, port, timeout_s=120.0)
         try:
-            SCENARIOS[scenario](backend, comm, rank, world, ck)
+            SCENARIOS[scenario](recording(backend, COV), comm, rank, world, ck)
         finally:
             comm.close()
     except Exception as e:  # reported to the parent, which fails the test with it
         result["error"] = f"{type(e).__name__}: {e}"[:2000]
-    result.update(checks=ck.items, digest=ck.digest.hexdigest(), seconds=round(time.monotonic() - t0, 2))
+    result.update(checks=ck.items, digest=ck.digest.hexdigest(), seconds=round(time.monotonic() - t0, 2),
+                  coverage=COV.state())
     with open(out, "w") as f:
         json.dump(result, f)
     return 0

@@ -23,6 +23,7 @@ import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -34,8 +35,10 @@ pytestmark = [pytest.mark.multi_device, pytest.mark.timeout_s(300)]
 WORLD = 2
 
 
-def run_ranks(spec: str, scenario: str, visible_env: str | None, timeout_s: float = 240.0) -> list[dict]:
-    """``WORLD`` rank processes of :mod:`conformance.ranks`; their results (rank order)."""
+def run_ranks(spec: str, scenario: str, visible_env: str | None, timeout_s: float = 240.0,
+              coverage: Any = None) -> list[dict]:
+    """``WORLD`` rank processes of :mod:`conformance.ranks`; their results (rank order). Each rank's
+    argument coverage is merged into ``coverage`` (the run's)."""
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, WORLD, is_master=True, timeout=timedelta(seconds=timeout_s),
@@ -64,12 +67,15 @@ def run_ranks(spec: str, scenario: str, visible_env: str | None, timeout_s: floa
                 tail = (Path(d) / f"rank{r}.log").read_text()[-1500:]
                 raise RuntimeError(f"rank {r} left no result (exit {procs[r][0].returncode}); its log ends:\n{tail}")
             out.append(json.loads(f.read_text()))
+    for r in out:
+        if coverage is not None and r.get("coverage"):
+            coverage.merge(r["coverage"])
     return out
 
 
 @pytest.mark.capability("communicator")
-def test_collectives(backend, check, backend_spec):
-    res = run_ranks(backend_spec, "collectives", backend.device.visible_devices_env)
+def test_collectives(backend, check, backend_spec, coverage_log):
+    res = run_ranks(backend_spec, "collectives", backend.device.visible_devices_env, coverage=coverage_log)
     errors = [f"rank {r['rank']}: {r['error']}" for r in res if "error" in r]
     if errors:
         raise RuntimeError("; ".join(errors))
@@ -90,7 +96,7 @@ def test_tensor_parallel_engine(engine_backend, check, setup, pytestconfig):  # 
 
 
 @pytest.mark.capability("transfer")
-def test_direct_transfer_between_devices(backend, check, backend_spec):
+def test_direct_transfer_between_devices(backend, check, backend_spec, coverage_log):
     """Device-direct transfer across two devices (two processes, one device each): each rank writes
     segments of odd lengths at odd offsets (1 B .. 1 MiB + 1) into the next rank's registered buffer in
     two batches in flight at once, waited out of order, and reads the previous rank's buffer whole
@@ -103,7 +109,7 @@ def test_direct_transfer_between_devices(backend, check, backend_spec):
     if not direct:
         not_supported(f"no same-host direct protocol declared (declared: {list(declared)}; direct ones: "
                       f"{', '.join(DIRECT_PROTOCOLS)})")
-    res = run_ranks(backend_spec, "direct_transfer", backend.device.visible_devices_env)
+    res = run_ranks(backend_spec, "direct_transfer", backend.device.visible_devices_env, coverage=coverage_log)
     errors = [f"rank {r['rank']}: {r['error']}" for r in res if "error" in r]
     if errors:
         raise RuntimeError("; ".join(errors))

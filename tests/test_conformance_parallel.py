@@ -60,5 +60,11 @@ def test_cli_devices_2_on_the_host(tmp_path):
     assert r["summary"] == {**r["summary"], "PASS": 2, "total": 2} and not r["parallel_problems"]
     cov = {(c["method"], c["arg"]) for c in r["coverage"]}
     assert {("Store.put", "keys"), ("Store.get", "keys"), ("Backend.create_store", "capacity_bytes")} <= cov, cov
+    # the rank processes' calls merge in: the communicator contract, 1 element .. tens of MiB, and a capture
+    ar = next(c for c in r["coverage"] if (c["method"], c["arg"]) == ("Communicator.all_reduce", "t"))
+    assert {"bfloat16[1] contiguous", "bfloat16[8388608..16777215] contiguous"} <= set(ar["values"]), ar
+    assert ar["distinct"] >= 3 * 5, ar  # every dtype at every size
+    assert {("Communicator.all_gather", "dim"), ("Communicator.broadcast", "src"),
+            ("Device.custom_all_reduce", "comm")} <= cov, cov
     md = (tmp_path / "conformance.md").read_text()
     assert "ran on more than one device" in md and "## Argument coverage" in md
