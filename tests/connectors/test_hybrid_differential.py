@@ -1,9 +1,9 @@
 """Differential random traces with a hybrid model (Gemma-3-shaped: two window-16 layers and a global
 one): prefix caching + offload (with KV-cache groups: a host tier per group), pool and P/D, with load
 failures injected at random, give exactly the tokens of a plain engine (no prefix cache, no
-connector), and leave no block, host pin or pool hold behind. Seeded (bounded for CI): each seed is a trace of prompts over a few shared prefixes, so
-device hits, host-tier hits, pool hits and misses all happen, under a device pool small enough to
-evict."""
+connector), and leave no block, host pin or pool hold behind. Seeded (bounded for CI): each seed is
+a trace of prompts over a few shared prefixes, so device hits, host-tier hits, pool hits and misses
+all happen, under a device pool small enough to evict."""
 
 from __future__ import annotations
 
@@ -188,4 +188,25 @@ def test_offload_window_blocks_before_the_loaded_window_are_never_hits(hybrid_di
     # the device has the full group's 2 blocks but not the window group's block 1: no device hit,
     # the host tier serves both groups (4 + 2 blocks)
     assert st["prefix_cache_hits"] == 0 and st["kv_connector"]["hit_blocks"] == 6
+    assert_no_leak(e)
+
+
+@pytest.mark.parametrize("async_load", [False, True])
+def test_offload_groups_concurrent_requests_preempt_and_match(hybrid_dir, async_load):
+    """Requests at once over shared prefixes in a 12-block device pool that preempts, then some again
+    (host hits): tokens equal to a plain engine, nothing leaked, synchronous or asynchronous loads."""
+    rng = random.Random(9)
+    prefixes = [[rng.randrange(3, 500) for _ in range(3 * BS + 2)] for _ in range(2)]
+    prompts = [rng.choice(prefixes) + [rng.randrange(3, 500) for _ in range(rng.randint(1, 20))] for _ in range(6)]
+    plain_e = engine(hybrid_dir, num_kv_blocks=64, enable_prefix_caching=False)
+    want = [o.token_ids for o in plain_e.generate(prompts, greedy(12), use_tqdm=False)]
+    e = engine(hybrid_dir, num_kv_blocks=12, kv_connector="offload",
+               kv_connector_config={"cpu_bytes": 1 << 20, "async_load": async_load})
+    assert e.config.kv_groups
+    assert [o.token_ids for o in e.generate(prompts, greedy(12), use_tqdm=False)] == want
+    again = [o.token_ids for o in e.generate(prompts[:3], greedy(12), use_tqdm=False)]
+    assert again == want[:3]
+    st = e.stats()
+    assert st["num_preemptions"] > 0 and st["kv_connector"]["load_failures"] == 0
+    assert st["kv_connector"]["load_jobs"] > 0  # host hits of both groups (the device pool evicted them)
     assert_no_leak(e)

@@ -275,3 +275,22 @@ def test_pool_lookup_counts_a_chunk_only_where_every_shard_is(tmp_path):
     finally:
         conn.shutdown()
         drop_embedded("tp-lookup")
+
+
+@pytest.mark.timeout(240)
+def test_offload_with_kv_cache_groups_at_tp2(tmp_path):
+    """A windowed Mistral (one window group) through offload at tp=2: every rank's worker side moves
+    its shard of the group's blocks under the flat ids; tokens equal the tp=1 run's, nothing leaked."""
+    from hwkv.model.tiny import write_tiny_model
+
+    path = str(write_tiny_model(tmp_path / "mistral", arch="mistral", sliding_window=16, max_position_embeddings=512))
+    want = run_one_by_one(engine(path), workload())
+    e = engine(path, tensor_parallel_size=2, kv_connector="offload", kv_connector_config={"cpu_bytes": MB})
+    try:
+        assert [g.window for g in e.config.kv_groups] == [16]
+        assert run_one_by_one(e, workload()) == want
+        st = e.stats()["kv_connector"]
+        assert st["load_failures"] == 0 and st["external_hit_tokens"] > 0
+        _no_leak(e)
+    finally:
+        e.close()
