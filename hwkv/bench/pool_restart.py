@@ -108,6 +108,7 @@ for name, prompt in (("warm", cfg["warm"]), ("warm_load", cfg["warm"]), ("none",
     st = e.stats().get("kv_connector") or {}
     res[name] = {"ttft_s": ttft, "tokens": out.token_ids, "loaded_bytes": st.get("loaded_bytes", 0),
                  "timing": {k: round(v - before.get(k, 0.0), 6) for k, v in timing().items()}}
+res["packed_loads"] = (e.stats().get("kv_connector") or {}).get("packed_loads")
 print("RESULT " + json.dumps(res), flush=True)
 e.close()
 """
@@ -271,10 +272,12 @@ def _one_process(args: argparse.Namespace, base: dict[str, Any], pools: dict[str
             raise RuntimeError(f"tokens differ with the pool ({v}): {r['pool']['tokens']} vs {r['none']['tokens']}")
         none, pool, tm = r["none"]["ttft_s"], r["pool"]["ttft_s"], r["pool"]["timing"]
         out[v] = {"ttft_recompute_ms": 1e3 * none, "ttft_pool_ms": 1e3 * pool, "speedup": none / pool,
+                  "packed_loads": r.pop("packed_loads", None),
                   "loaded_bytes": r["pool"]["loaded_bytes"] - r["none"]["loaded_bytes"], "runs": r}
         print(f"  {v}: recompute {1e3 * none:.1f} ms, from the pool {1e3 * pool:.1f} ms = x{none / pool:.2f} "
               f"(goal >= 4); load: store calls {1e3 * tm.get('load_store_s', 0):.1f} ms, waiting for device copies "
-              f"{1e3 * tm.get('load_copy_wait_s', 0):.1f} ms, whole get {1e3 * tm.get('load_wall_s', 0):.1f} ms",
+              f"{1e3 * tm.get('load_copy_wait_s', 0):.1f} ms, whole get {1e3 * tm.get('load_wall_s', 0):.1f} ms"
+              f"{'; packed' if out[v]['packed_loads'] else ''}",
               flush=True)
         write_result(path, {"bench": "pool-restart --one-process", "date": day, "machine": machine(),
                             "commit": os.environ.get("HWKV_COMMIT") or _commit(),
