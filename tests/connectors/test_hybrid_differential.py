@@ -107,6 +107,7 @@ def test_offload_groups_load_every_groups_blocks(hybrid_dir, plain):
     st = e.stats()["kv_connector"]
     assert st["load_jobs"] > 0 and st["load_failures"] == 0 and st["external_hit_tokens"] > 0
     assert all(t.cached_block_hash_to_block for t in e.scheduler.connector.scheduler.cpus)
+    assert all(n > 0 for n in st["cpu_cached_blocks_per_group"]) and len(st["cpu_cached_blocks_per_group"]) == 2
     assert_no_leak(e)
 
 

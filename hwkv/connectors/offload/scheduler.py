@@ -359,4 +359,6 @@ class OffloadScheduler(JobScheduler):
         out["cpu_cached_blocks"] = len(cpu.cached_block_hash_to_block) if cpu is not None else 0
         out["cpu_evictions"] = cpu.stats.evictions if cpu is not None else 0
         out["transfers_in_flight"] = len(self._jobs)
+        if self.grouped:  # the counters above are group 0's tier; each group's (docs/hybrid-models.md)
+            out["cpu_cached_blocks_per_group"] = [len(c.cached_block_hash_to_block) for c in self.cpus]
         return out
