@@ -11,10 +11,13 @@ worker, and reused from its in-process cache. Claimed test by test, the four sta
 to four workers at the same moment, each compiling the same kernels with nothing cached yet: on an
 H200 that made ``test_attention`` ~2.9 s a test against 0.05-0.16 s on the CPU (6d17dc2's
 certification, 1,394 of 3,127 worker-seconds). Groups of long tests (a larger ``timeout_s``) are
-claimed first so that none of them is the run's tail. Tests marked ``serial`` (``memory_info`` probes, which read a
-device-wide figure other workers move) and ``multi_device`` (several devices at once) run after
-every other test has *finished*, in worker 0 alone, which sees every device; workers 1.. are
-restricted to one device each (``Device.visible_devices_env``) round-robin over ``--devices``.
+claimed first so that none of them is the run's tail. Tests marked ``multi_device`` (several devices
+at once) run in worker 0, which sees every device, *before* it claims any group, beside the other
+workers' groups (on 2 x H200 at 80e5a4c they ran last and were the final ~60 s of a 179 s run; their
+engine is sized for the test, 64 KV blocks, so it leaves the others their memory). Tests marked
+``serial`` (``memory_info`` probes, which read a device-wide figure other workers move) run after
+every other test has *finished*, in worker 0 alone. Workers 1.. are restricted to one device each
+(``Device.visible_devices_env``) round-robin over ``--devices``.
 
 Each worker writes a partial report; :func:`merge` joins them. A partial report is never a
 certification: only the merge certifies, and only when the workers ran every collected test exactly
@@ -97,7 +100,8 @@ class WorkerLoop:
     def pytest_runtestloop(self, session: pytest.Session) -> bool:
         items = session.items
         shared = [it for it in items if not is_serial(it)]
-        serial = [it for it in items if is_serial(it)]
+        multi = [it for it in items if it.get_closest_marker("multi_device") is not None]
+        serial = [it for it in items if is_serial(it) and it not in multi]
         groups = claim_groups(shared)
         (self.dir / f"collected-{self.index}.json").write_text(json.dumps([it.nodeid for it in items]))
         if session.config.option.collectonly:
@@ -106,6 +110,11 @@ class WorkerLoop:
         claim = lambda: _bump(counter, limit=len(groups))
         times = open(self.dir / f"times-{self.index}.txt", "a", buffering=1)  # noqa: SIM115  (streamed: survives a kill)
         run = lambda item, nxt: self._run(item, nxt, times)
+        for k, item in enumerate(multi if self.index == 0 else ()):
+            run(item, multi[k + 1] if k + 1 < len(multi) else None)
+            if session.shouldstop:
+                times.close()
+                return True
         g = claim()
         queue = list(groups[g]) if g < len(groups) else []
         while queue:

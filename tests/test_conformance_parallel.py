@@ -43,12 +43,14 @@ def test_cli_devices_2_on_the_host(tmp_path):
     devices, the collectives run on two ranks, and the merged report names the suite version, the
     devices, what ran on more than one device and the argument coverage."""
     import json
+    import os
     import subprocess
     import sys
 
     cmd = [sys.executable, "-m", "hwkv", "conformance", "--backend", "cpu", "--devices", "2", "--workers", "2",
            "-k", "test_collectives or test_keys_sizes_and_mixed_batches", "--report", str(tmp_path)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    env = {**os.environ, "HWKV_CONFORMANCE_WORKDIR": str(tmp_path / "work")}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "over 2 device(s)" in out.stdout and "multi-device: 1 / 1 passed" in out.stdout, out.stdout[-1000:]
     r = json.loads((tmp_path / "conformance.json").read_text())
@@ -66,5 +68,8 @@ def test_cli_devices_2_on_the_host(tmp_path):
     assert ar["distinct"] >= 3 * 5, ar  # every dtype at every size
     assert {("Communicator.all_gather", "dim"), ("Communicator.broadcast", "src"),
             ("Device.custom_all_reduce", "comm")} <= cov, cov
+    # worker 0 (every device) runs the multi-device tests first, beside the other workers' groups
+    first = (tmp_path / "work" / "times-0.txt").read_text().split("\n")[0]
+    assert first.endswith("test_multi_device.py::test_collectives"), first
     md = (tmp_path / "conformance.md").read_text()
     assert "ran on more than one device" in md and "## Argument coverage" in md
