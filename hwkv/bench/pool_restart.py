@@ -211,7 +211,8 @@ def run(args: argparse.Namespace) -> int:
         runs: dict[str, list[dict[str, Any]]] = {"none": [], **{f"pool-{v}": [] for v in via}}
         errors: dict[str, str] = {}
         day = dt.date.today().isoformat()
-        path = Path(args.out_dir or results_dir()) / f"pool-restart-{args.model}-{args.backend}-{day}.json"
+        name = f"pool-restart-{Path(args.model).name}-{args.backend}-{day}.json"  # a model path: its last part
+        path = Path(args.out_dir or results_dir()) / name
         for i in range(args.repeats):
             prompt = prefix + suffix[1 + i]
             for name in runs:
@@ -255,7 +256,8 @@ def _one_process(args: argparse.Namespace, base: dict[str, Any], pools: dict[str
     from hwkv.bench.serve import _commit
 
     day = dt.date.today().isoformat()
-    path = Path(args.out_dir or results_dir()) / f"pool-restart-one-process-{args.model}-{args.backend}-{day}.json"
+    name = f"pool-restart-one-process-{Path(args.model).name}-{args.backend}-{day}.json"
+    path = Path(args.out_dir or results_dir()) / name
     out: dict[str, Any] = {}
     failed = False
     for n, v in enumerate(via):
