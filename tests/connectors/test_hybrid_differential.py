@@ -211,3 +211,45 @@ def test_offload_groups_concurrent_requests_preempt_and_match(hybrid_dir, async_
     assert st["num_preemptions"] > 0 and st["kv_connector"]["load_failures"] == 0
     assert st["kv_connector"]["load_jobs"] > 0  # host hits of both groups (the device pool evicted them)
     assert_no_leak(e)
+
+
+def _block_bytes_of(e: hwkv.Engine, rid: str) -> list[list[list[torch.Tensor]]]:
+    """Per group, per block of the request's table, the block's data in every KV tensor of the group
+    (``None`` for a null entry)."""
+    out = []
+    for cache, ids, m in zip(e.kv_cache.caches, e.kv_cache_manager.get_group_block_ids(rid),
+                             e.kv_cache_manager.managers):
+        out.append([None if b == 0 and m.block_pool.null_block is not None else [t[b].clone() for t in cache.tensors]
+                    for b in ids])
+    return out
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
+def test_offload_loads_every_groups_bytes(hybrid_dir, layerwise):
+    """The loaded blocks of each group hold exactly the KV a recompute writes (the full group's 4
+    prefix blocks, the window group's last one): tokens alone do not show a missing window load with
+    this tiny model."""
+    from .test_offload_layerwise import lazy_engine
+
+    rng = random.Random(4)
+    prefix = [rng.randrange(3, 500) for _ in range(4 * BS)]
+    prompt = prefix + [rng.randrange(3, 500) for _ in range(5)]
+    ref = engine(hybrid_dir, num_kv_blocks=64, enable_prefix_caching=False)
+    ref.add_request("p", prompt, greedy(4))
+    ref.step()
+    want = _block_bytes_of(ref, next(iter(ref.scheduler.requests)))  # the engine's id for the request
+    e, _ = lazy_engine(hybrid_dir, layerwise_load=layerwise)
+    run(e, [(prompt, 1), ([rng.randrange(3, 500) for _ in range(118)], 1)])  # stored, then evicted
+    e.add_request("p", prompt, greedy(4))
+    e.step()  # loads the 4 prefix blocks from the host tier, computes the rest
+    got = _block_bytes_of(e, next(iter(e.scheduler.requests)))
+    assert e.stats()["kv_connector"]["load_jobs"] >= 1
+    loaded = {0: range(4), 1: range(3, 4)}  # window 16 = one block: the next query sees block 3 only
+    for g, blocks in loaded.items():
+        for i in blocks:
+            assert got[g][i] is not None, (g, i)
+            for a, b in zip(got[g][i], want[g][i]):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"group {g} block {i}")
+    while e.has_unfinished():
+        e.step()
+    assert_no_leak(e)

@@ -20,6 +20,7 @@ from hwkv.reference.backend import CpuBackend
 from hwkv.reference.device import CpuDevice, CpuEvent, CpuStream
 
 from .conftest import assert_no_leak, engine, run_one_by_one, settle, workload
+from .test_hybrid_differential import hybrid_dir as hybrid_dir  # noqa: F401 (fixture)
 
 MB = 1 << 20
 
@@ -267,3 +268,19 @@ def test_layer_by_layer_plans_never_mix_up_two_loads(model_dir):
     conn.worker._plans.clear()
     for t in dev.tensors:
         assert [int(t[d[0]].flatten()[0]) for _, d in jobs] == [h[0] for h, _ in jobs]
+
+
+def test_layerwise_loads_with_kv_cache_groups(hybrid_dir):
+    """A hybrid model (two window-16 layers and a global one: two groups): each layer's copies are its
+    group's blocks of the load, behind that layer's event; tokens equal the engine without a connector."""
+    want = run_one_by_one(engine(hybrid_dir), workload())
+    e, conn = lazy_engine(hybrid_dir, layerwise_load=True)
+    assert [g.window for g in e.config.kv_groups] == [None, 16] and e.stats()["kv_connector"]["layerwise"]
+    waits: list[int] = []
+    wait = conn.wait_for_layer_load
+    conn.wait_for_layer_load = lambda i: (waits.append(i), wait(i))[1]  # type: ignore[method-assign]
+    assert run_one_by_one(e, workload()) == want
+    st = e.stats()["kv_connector"]
+    assert st["external_hit_tokens"] > 0 and st["load_failures"] == 0
+    assert waits and waits == [0, 1, 2] * (len(waits) // 3)
+    assert_no_leak(e)

@@ -68,6 +68,7 @@ class OffloadWorker(JobWorker):
         self._layered_now = False  # this step issued loads layer by layer
         self._pairs: list[tuple[Any, Any]] = []  # KV-cache groups: (host mirror, device cache) per group
         self._offsets: tuple[list[int], list[int]] = ([], [])  # groups: (device, host) flat id offsets
+        self._layer_group: list[int] = []  # groups: each layer's group
 
     def register_kv_caches(self, kv_cache: Any, geometry: HostTierGeometry | None = None) -> None:
         """Allocate the host mirror of ``geometry.num_blocks`` blocks (the connector computes it from
@@ -82,7 +83,11 @@ class OffloadWorker(JobWorker):
             self._offsets = ([sum(c.spec.num_blocks for c in caches[:g]) for g in range(len(caches))],
                              [g * geometry.num_blocks for g in range(len(caches))])
             self.host_kv = [h for h, _ in self._pairs]
-            self.layerwise = False  # a layer's blocks are in its group's tensors: whole loads
+            # layer i's blocks are in its group's tensors: its views, and its group's share of a load
+            self._layer_group = kv_cache.layer_group
+            where = kv_cache.where
+            self._init_layers(self.layerwise_load, [(self.host_kv[g].layer_cache(j), caches[g].layer_cache(j))
+                                                    for g, j in (where[i] for i in range(kv_cache.spec.num_layers))])
             return
         self.host_kv = self._mirror(kv_cache, geometry)
         self._init_layers(self.layerwise_load)
@@ -93,25 +98,27 @@ class OffloadWorker(JobWorker):
         host.scales = kv_cache.scales  # fp8 KV: the mirror's codes mean what the device's do
         return host
 
-    def _by_group(self, host_ids: list[int], device_ids: list[int]) -> list[tuple[Any, Any, list[int], list[int]]]:
-        """Flat ids (the scheduler's: ``offset[g] + id``) as ``(host cache, device cache, host ids, device
-        ids)`` per group with blocks."""
+    def _by_group(self, host_ids: list[int], device_ids: list[int]) -> list[tuple[int, Any, Any, list[int], list[int]]]:
+        """Flat ids (the scheduler's: ``offset[g] + id``) as ``(group, host cache, device cache, host ids,
+        device ids)`` per group with blocks."""
         dev_off, host_off = self._offsets
         out = []
         for g, (host, dev) in enumerate(self._pairs):
             sel = [i for i, d in enumerate(device_ids) if dev_off[g] <= d < dev_off[g] + dev.spec.num_blocks]
             if sel:
-                out.append((host, dev, [host_ids[i] - host_off[g] for i in sel],
+                out.append((g, host, dev, [host_ids[i] - host_off[g] for i in sel],
                             [device_ids[i] - dev_off[g] for i in sel]))
         return out
 
     def stats(self) -> dict[str, Any]:
         return {"layerwise": bool(self.layerwise)}
 
-    def _init_layers(self, want: bool) -> None:
-        """Layer-by-layer loads where wanted and possible (see the module doc); else whole loads."""
+    def _init_layers(self, want: bool, views: list[tuple[Any, Any]] | None = None) -> None:
+        """Layer-by-layer loads where wanted and possible (see the module doc); else whole loads.
+        ``views``: each layer's ``(host, device)`` one-layer caches (KV-cache groups: its group's)."""
         n = self.device_kv.spec.num_layers
-        views = [(self.host_kv.layer_cache(i), self.device_kv.layer_cache(i)) for i in range(n)]
+        if views is None:
+            views = [(self.host_kv.layer_cache(i), self.device_kv.layer_cache(i)) for i in range(n)]
         if not want or views[0][0] is None:  # off, or a layout whose layers are not separate ranges
             self.layerwise = False
             return
@@ -130,8 +137,20 @@ class OffloadWorker(JobWorker):
         """Queue one request's host → device copies (of one ``layer``, or all) on the load stream
         (tests inject failures here)."""
         if self._pairs:
-            for host, dev, h, d in self._by_group(host_ids, device_ids):
-                run_copy(self.dev, host, dev, plan_copy(host, dev, h, d, self.min_run_blocks), self._load_stream)
+            if layer is None:
+                for _, host, dev, h, d in self._by_group(host_ids, device_ids):
+                    run_copy(self.dev, host, dev, plan_copy(host, dev, h, d, self.min_run_blocks), self._load_stream)
+                return
+            key = (id(host_ids), id(device_ids))  # split and planned once per group for all layers
+            entry = self._plans.get(key)
+            if entry is None or entry[0] is not host_ids or entry[1] is not device_ids:
+                plans = {g: plan_copy(host, dev, h, d, self.min_run_blocks)
+                         for g, host, dev, h, d in self._by_group(host_ids, device_ids)}
+                entry = self._plans[key] = (host_ids, device_ids, plans)  # type: ignore[assignment]
+            plan = entry[2].get(self._layer_group[layer])  # type: ignore[union-attr]
+            if plan is not None:  # a load without blocks of this layer's group copies nothing for it
+                host, device = self._layers[layer]
+                run_copy(self.dev, host, device, plan, self._load_stream)
             return
         if layer is None:
             plan = plan_copy(self.host_kv, self.device_kv, host_ids, device_ids, self.min_run_blocks)
@@ -214,7 +233,7 @@ class OffloadWorker(JobWorker):
     def store_blocks(self, device_ids: list[int], host_ids: list[int]) -> None:
         """Queue device → host copies on the store stream (tests inject failures here)."""
         if self._pairs:
-            for host, dev, h, d in self._by_group(host_ids, device_ids):
+            for _, host, dev, h, d in self._by_group(host_ids, device_ids):
                 copy_block_pairs(self.dev, dev, host, d, h, self._store_stream, self.min_run_blocks)
             return
         copy_block_pairs(self.dev, self.device_kv, self.host_kv, device_ids, host_ids, self._store_stream,
