@@ -181,6 +181,25 @@ def test_bench_structured_runs_on_the_tiny_shape(tmp_path):
     assert tok.get_vocab_size() == 1000 and tok.decode(tok.encode("hello world").ids) == "hello world"
 
 
+def test_bench_structured_mask_only_times_rows_of_a_checkpoint_vocab(tmp_path):
+    import argparse
+
+    from hwkv.bench import structured as bench
+
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "config.json").write_text(json.dumps({"vocab_size": 1000}))
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    args = p.parse_args(["--model", str(tmp_path / "ck"), "--mask-only", "5", "--batch", "3", "--schemas", "records",
+                         "--out-dir", str(tmp_path / "out")])
+    assert bench.run(args) == 0
+    doc = json.loads((tmp_path / "out" / "structured-mask-only-ck.json").read_text())
+    one = doc["results"]["records/1 thread"]
+    assert doc["vocab"] == 1000 and one["steps"] == 5
+    p50, p90, p99, top = one["row_ms_p50_p90_p99_max"]
+    assert 0 < p50 <= p90 <= p99 <= top and 0 < one["slowest_row_mean_ms"] <= top
+
+
 def test_graph_replayed_decode_steps_apply_the_mask(model):
     """Through captured decode graphs (the CPU backend that records and replays them) with async
     scheduling: the same valid answers as eager."""
