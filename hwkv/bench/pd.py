@@ -327,6 +327,9 @@ def run(args: argparse.Namespace) -> int:
             baseline = {"protocol": args.baseline_protocol, "transport": _transport(btransfer, binfo),
                         "disaggregated": bres, "transfer": btransfer}
     finally:
+        for s in started:  # all at once (an 8B server takes seconds to exit; a time limit may end the bench here)
+            if s.proc.poll() is None:
+                s.proc.terminate()
         for s in reversed(started):
             s.stop()
     res = _result(args, model, mode, info, producer, colocated, disagg, transfer, baseline, tokens)
