@@ -73,11 +73,14 @@ def choose_config(max_query_len: int, group: int, head_size: int, dtype: torch.d
     170 -> 149 µs); head 128 unsplit keeps 64 keys (not measured).
 
     ``kv_elem`` is the KV cache's element size (0: ``dtype``'s). A split decode over a 1-byte (fp8)
-    cache with splits of >= ``LONG_SPLIT`` keys reads it as int16 words of two codes unpacked in
-    registers, with fp16 dots (``fp8_unpack=3``), 256 keys per tile at head size <= 64 and 128 above:
-    the e4m3 tiles cast to bf16 stayed at <= 40% of the copy bandwidth at any tile size (per-element
-    cost, not bytes); the unpacked read is 1.3x / 1.4x faster (1B / 8B shape, 32 x 32k) but still not
-    bound by bytes. An unsplit fp8 decode keeps 128 keys cast (not measured)."""
+    cache with splits of >= ``LONG_SPLIT`` keys casts its e4m3 tiles to fp16 (two codes per
+    ``cvt.rn.f16x2.e4m3x2``) and runs fp16 dots: rows of 256 keys with K transposed after the cast
+    (``fp8_unpack=6``) at head size <= 64, ``[D, keys]`` tiles of 128 keys (``fp8_unpack=4``) above.
+    H200, one layer at 32 x 32k (bench/results/issue36-batch3-H200-2026-11-28-d0dcc93.md): 1B shape
+    539 -> 495 µs against the int16-word read of before (``fp8_unpack=3``; 1.09x the bf16 cache's 540),
+    8B shape 921 -> 907 µs (1.20x bf16's 1092); the e4m3 tiles cast to bf16 stayed at <= 40% of the copy
+    bandwidth. None is bound by bytes (52-57% of the copy bandwidth on half the bytes). An unsplit fp8
+    decode keeps 128 keys cast (not measured)."""
     hpad = pow2(group)
     wide_kv = (kv_elem or dtype.itemsize) == 1 and dtype != torch.float32  # fp8 KV read by a 16-bit query
     narrow = head_size > 128 or dtype == torch.float32
@@ -91,8 +94,8 @@ def choose_config(max_query_len: int, group: int, head_size: int, dtype: torch.d
             block_n = SHORT_SPLIT
         elif split and seg < LONG_SPLIT:  # 2-3 tiles of 128 keys were slower than 32-key ones (H100 b1 16k)
             block_n = 64 if wide_kv else 32
-        elif wide_kv and split:  # fp8: int16 words unpacked in registers, fp16 dots (module doc)
-            block_n, unpack = (256 if head_size <= 64 else 128), 3
+        elif wide_kv and split:  # fp8: e4m3 tiles cast to fp16 (cvt.rn.f16x2.e4m3x2), fp16 dots (module doc)
+            block_n, unpack = (256, 6) if head_size <= 64 else (128, 4)
         elif wide_kv:
             block_n = 128
         else:

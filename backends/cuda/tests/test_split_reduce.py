@@ -169,13 +169,14 @@ def test_short_splits_run_as_one_tile(monkeypatch):
     assert choose_config(1, 4, 128, bf16, split=True, seg=SHORT_SPLIT).num_stages == 1
     assert choose_config(1, 4, 128, bf16, split=True, seg=256).num_stages == 3
     assert choose_config(1, 4, 128, bf16).num_stages == 3
-    # an fp8 cache read by a 16-bit query: a split decode reads int16 words (fp8_unpack=3), 256 keys
-    # up to head 64; prefill, unsplit and one-tile splits as before; fp32 queries keep their tiles
+    # an fp8 cache read by a 16-bit query: a split decode casts e4m3 tiles to fp16 (rows of 256 keys,
+    # fp8_unpack=6, up to head 64; [D, keys] tiles of 128, fp8_unpack=4, above); prefill, unsplit and
+    # one-tile splits as before; fp32 queries keep their tiles
     assert choose_config(1, 4, 128, bf16, kv_elem=1).block_n == 128
     fp8 = choose_config(1, 4, 64, bf16, split=True, seg=512, kv_elem=1)
-    assert (fp8.block_n, fp8.fp8_unpack) == (256, 3)
+    assert (fp8.block_n, fp8.fp8_unpack) == (256, 6)
     fp8 = choose_config(1, 4, 128, bf16, split=True, seg=4096, kv_elem=1)
-    assert (fp8.block_n, fp8.fp8_unpack) == (128, 3)
+    assert (fp8.block_n, fp8.fp8_unpack) == (128, 4)
     fp8 = choose_config(1, 4, 64, bf16, split=True, seg=256, kv_elem=1)
     assert (fp8.block_n, fp8.fp8_unpack) == (64, 0)
     assert choose_config(1, 4, 64, bf16, split=True, seg=512).fp8_unpack == 0  # a 16-bit cache
