@@ -30,7 +30,7 @@ def note(method: str, **args: Any) -> None:
 
 # one element .. tens of MiB (float32: 4 B .. 32 MiB); odd counts (no vector width divides them)
 SIZES = (1, 3, 4097, (1 << 20) + 3, (8 << 20) + 1)
-CAPTURE_SIZES = (1, 4097, (1 << 20) + 3)
+CAPTURE_SIZES = (1, 4097, (1 << 20) + 3, (8 << 20) + 1)  # captured too: 1 element .. tens of MiB
 
 
 def build(spec: str) -> Any:
