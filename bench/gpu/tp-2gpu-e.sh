@@ -13,18 +13,13 @@ export PYTHONFAULTHANDLER=1 OMP_NUM_THREADS=4
 export PYTHONPATH=$PWD:$PWD/backends/cuda:$PYTHONPATH
 OUT=${OUT:-/tmp/hwkv-tp-out}; mkdir -p "$OUT"
 W=/dev/shm/hwkv-models
+source bench/gpu/lib.sh  # ckpt_start / ckpt_wait
 echo "commit: $(cat COMMIT 2>/dev/null || git rev-parse --short HEAD)"; date -u
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-(CUDA_VISIBLE_DEVICES=1 timeout -k 5 150 python3 -c "
-import argparse, time; t = time.time()
-from hwkv.bench.common import model_dir
-print(model_dir(argparse.Namespace(model='llama-8b', dtype='bfloat16', workdir='$W')), 'written in', round(time.time() - t, 1), 's')
-" > $OUT/write.log 2>&1; echo "write rc=$?" >> $OUT/write.log) &
-WRITER=$!
+ckpt_start llama-8b bfloat16 1
 echo "=== 0 dense GEMV tiles, 8B tp=1 and tp=2 shapes (GPU 0)"; date -u
 CUDA_VISIBLE_DEVICES=0 timeout -k 5 110 python3 backends/cuda/scripts/dense_probe.py --model llama-8b-tp2,llama-8b --shapes qkv,o_proj,down,gate_up --quick --pick $OUT/dense-picks.sh --out $OUT/dense > $OUT/dense.log 2>&1; echo "rc=$?"; tail -n 70 $OUT/dense.log
-wait $WRITER; tail -n 5 $OUT/write.log
-grep -q "write rc=0" $OUT/write.log || rm -rf $W/llama-8b-bfloat16
+ckpt_wait
 echo "=== 1 tiny fp32 tp1 vs tp2"; date -u
 timeout -k 5 -s ABRT 90 python3 -m hwkv.bench.tp --model tiny --dtype float32 --workdir $W --tp 1,2 --decode 16,144 --decode-batch 1 --offline '' --check-tokens 48 --reference none --max-model-len 512 --max-num-seqs 8 --out $OUT/tp-tiny-f32.json > $OUT/tp-tiny-f32.log 2>&1; echo "rc=$?"; tail -n 40 $OUT/tp-tiny-f32.log
 echo "=== 2 llama-8b bf16 tp1 vs tp2 with the picked tiles"; date -u
