@@ -33,7 +33,7 @@ def _window(e: Any, path: str, run: Any) -> dict[str, Any]:
     tp = e._tp
     if tp is not None:
         tp.send(m.Profile())  # in the step stream: the workers start before the window's first step
-    prof = kp.KernelProfile()
+    prof = kp.KernelProfile(e.backend.device)
     s0 = e._stats.num_steps
     prof.start()
     t0 = time.perf_counter()

@@ -111,17 +111,20 @@ def table(summary: dict[str, Any], title: str = "") -> str:
 
 
 class KernelProfile:
-    """torch.profiler over a window of steps on this rank (start ... stop)."""
+    """torch.profiler over a window of steps on this rank (start ... stop). ``device`` is the backend's
+    Device: it is synchronised before the profiler stops, so the window's last kernels are in it."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: Any) -> None:
+        self._device = device
         self._prof: Any = None
 
     def start(self) -> None:
-        import torch
-        from torch.profiler import ProfilerActivity, profile
+        from torch.profiler import ProfilerActivity, profile, supported_activities
 
-        # CUDA: kernels and the runtime's host calls; without a GPU the host's ops (tests)
-        self._prof = profile(activities=[ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU])
+        # the accelerator's activity (its kernels and its runtime's host calls) where torch has one; the
+        # host's ops otherwise (tests) - tracing both would add the host ops' overhead to the window
+        acc = [a for a in supported_activities() if a != ProfilerActivity.CPU]
+        self._prof = profile(activities=acc or [ProfilerActivity.CPU])
         self._prof.start()
 
     def stop(self, steps: int) -> dict[str, Any]:
@@ -130,15 +133,15 @@ class KernelProfile:
         prof, self._prof = self._prof, None
         if prof is None:
             return {"steps": steps, "kernels": 0}
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        self._device.synchronize()
         prof.stop()
         kernels, host = [], {}
+        on_host = torch.autograd.DeviceType.CPU
         for e in prof.events():
-            if e.device_type == torch.autograd.DeviceType.CUDA:
+            if e.device_type != on_host:  # a kernel on the accelerator
                 if e.time_range.end > e.time_range.start:
                     kernels.append((e.time_range.start, e.time_range.end, e.name))
-            else:  # the CUDA runtime's host calls (launches, syncs)
+            else:  # the runtime's host calls (launches, syncs)
                 d = host.setdefault(e.name, [0, 0.0])
                 d[0] += 1
                 d[1] += e.time_range.end - e.time_range.start

@@ -111,7 +111,7 @@ def _run(cfg: m.WorkerConfig, cmd: Any, out: Any) -> None:
                 from hwkv.engine.tp import profile
 
                 if not msg.path:
-                    prof, prof_steps = profile.KernelProfile(), 0
+                    prof, prof_steps = profile.KernelProfile(backend.device), 0
                     prof.start()
                 elif prof is not None:
                     profile.write(msg.path, cfg.rank, prof.stop(prof_steps))
