@@ -332,9 +332,30 @@ class PoolTransfer:
                     return bad
             return ""
         if self._packed is not None:
-            return self._get_packed(job)
+            pk = self._packed
+
+            def land_packed(h: int, first: int, piece: list) -> None:
+                pk.scatter(self.dev, h, first, [b for _, ids in piece for b in ids])
+
+            return self._get_halves(items, pk.num_blocks // 2, lambda first, piece: [
+                pk.value(first + i) for i in range(len(piece))], land_packed, pk.stream)
         st, cb = self._stage["get"], self.chunk_blocks
-        half = st.num_blocks // cb // 2  # chunks per half
+
+        def land(h: int, first: int, piece: list) -> None:
+            dev_ids = [b for _, ids in piece for b in ids]
+            copy_block_pairs(self.dev, st.kv, self.kv, list(range(first * cb, first * cb + len(dev_ids))), dev_ids,
+                             st.stream)
+
+        return self._get_halves(items, st.num_blocks // cb // 2, lambda first, piece: [
+            st.kv.addresses(list(range((first + i) * cb, (first + i + 1) * cb))) for i in range(len(piece))],
+            land, st.stream)
+
+    def _get_halves(self, items: list, half: int, dests: Any, land: Any, stream: Any) -> str:
+        """Pieces of ``half`` chunks alternate between the two halves of a staging buffer: the store
+        fills one half (``dests(first, piece)``: each value's destination, ``first`` the half's first
+        chunk) while ``land(h, first, piece)``, queued on ``stream``, takes the other to the device.
+        Staging (one segment per KV tensor) and packed (one segment per value) differ only there."""
+        tm = self.timing
         copies: list[Any] = [None, None]  # the event of each half's last copy out
         try:
             for n, piece in enumerate(items[i:i + half] for i in range(0, len(items), half)):
@@ -343,49 +364,15 @@ class PoolTransfer:
                 if copies[h] is not None:
                     copies[h].synchronize()  # this half's previous copy to the device has read it
                 t1 = time.perf_counter()
-                first = h * half * cb
-                res = self.handle.call("get", [k for k, _ in piece],
-                                       [st.kv.addresses(list(range(first + i * cb, first + (i + 1) * cb)))
-                                        for i in range(len(piece))])
-                tm["load_copy_wait_s"] += t1 - t0
-                tm["load_store_s"] += time.perf_counter() - t1
-                if bad := _first_error(res):
-                    return bad
-                dev_ids = [b for _, ids in piece for b in ids]
-                copy_block_pairs(self.dev, st.kv, self.kv, list(range(first, first + len(dev_ids))), dev_ids,
-                                 st.stream)
-                copies[h] = self.dev.new_event()
-                copies[h].record(st.stream)
-        finally:
-            t0 = time.perf_counter()
-            for ev in copies:  # never return while a copy still reads staging or writes the blocks
-                if ev is not None:
-                    ev.synchronize()
-            tm["load_copy_wait_s"] += time.perf_counter() - t0
-        return ""
-
-    def _get_packed(self, job: GetJob) -> str:
-        """:meth:`_get` with one segment per value (:class:`_Packed`); halves alternate the same way."""
-        pk, tm = self._packed, self.timing
-        items = list(zip(job.keys, job.chunks))
-        half = pk.num_blocks // 2
-        copies: list[Any] = [None, None]
-        try:
-            for n, piece in enumerate(items[i:i + half] for i in range(0, len(items), half)):
-                h = n % 2
-                t0 = time.perf_counter()
-                if copies[h] is not None:
-                    copies[h].synchronize()  # this half's previous copy to the device has read it
-                t1 = time.perf_counter()
                 first = h * half
-                res = self.handle.call("get", [k for k, _ in piece], [pk.value(first + i) for i in range(len(piece))])
+                res = self.handle.call("get", [k for k, _ in piece], dests(first, piece))
                 tm["load_copy_wait_s"] += t1 - t0
                 tm["load_store_s"] += time.perf_counter() - t1
                 if bad := _first_error(res):
                     return bad
-                pk.scatter(self.dev, h, first, [b for _, ids in piece for b in ids])
+                land(h, first, piece)
                 copies[h] = self.dev.new_event()
-                copies[h].record(pk.stream)
+                copies[h].record(stream)
         finally:
             t0 = time.perf_counter()
             for ev in copies:  # never return while a copy still reads staging or writes the blocks
