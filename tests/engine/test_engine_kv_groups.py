@@ -177,24 +177,7 @@ def test_grouped_random_traces_match_one_group(window_case, seed):
                                                  for _, n in reqs], use_tqdm=False)]
     e = hwkv.Engine(path, backend="cpu", dtype="float32", max_model_len=64, num_kv_blocks=16, block_size=4,
                     max_num_batched_tokens=rng.choice([16, 24, 80]), kv_cache_groups=True)
-    got: dict[int, list[int]] = {}
-    pending = list(range(16))
-    while pending or e.has_unfinished():
-        for _ in range(rng.randint(0, 3)):  # arrivals between steps
-            if pending:
-                i = pending.pop(0)
-                e.add_request(str(i), reqs[i][0], hwkv.SamplingParams(temperature=0.0, max_tokens=reqs[i][1],
-                                                                      ignore_eos=True))
-        if not e.has_unfinished():
-            continue
-        for o in e.step():
-            if o.finished:
-                got[int(o.request_id)] = list(o.token_ids)
-            elif int(o.request_id) in aborts and rng.random() < 0.3:
-                e.abort(o.request_id)
-    for i, toks in got.items():
-        assert toks == want[i][: len(toks)] if i in aborts else toks == want[i], i
-    assert len(got) >= 16 - len(aborts)
+    run_random_trace(e, reqs, want, aborts, rng)
     st = e.stats()
     assert st["prefix_cache_hits"] > 0
     if arch != "mistral-window":  # the full group's 16 blocks run short (windows alone stop growing)
@@ -288,3 +271,28 @@ def test_gpt_oss_runs_eagerly_where_graphs_are_offered(tmp_path):
                       use_tqdm=False)
     assert [o.token_ids for o in outs] == ref
     _whole(e)
+
+
+def run_random_trace(e, reqs: list, want: list, aborts: set, rng) -> dict[int, list[int]]:
+    """Feed ``reqs`` ((prompt, max_tokens) each, greedy) to ``e`` a few at a time between steps, aborting
+    requests in ``aborts`` at random; every finished request's tokens must equal ``want`` (a prefix of
+    it when aborted). Returns the finished tokens by request index."""
+    got: dict[int, list[int]] = {}
+    pending = list(range(len(reqs)))
+    while pending or e.has_unfinished():
+        for _ in range(rng.randint(0, 3)):  # arrivals between steps
+            if pending:
+                i = pending.pop(0)
+                e.add_request(str(i), reqs[i][0], hwkv.SamplingParams(temperature=0.0, max_tokens=reqs[i][1],
+                                                                      ignore_eos=True))
+        if not e.has_unfinished():
+            continue
+        for o in e.step():
+            if o.finished:
+                got[int(o.request_id)] = list(o.token_ids)
+            elif int(o.request_id) in aborts and rng.random() < 0.3:
+                e.abort(o.request_id)
+    for i, toks in got.items():
+        assert toks == want[i][: len(toks)] if i in aborts else toks == want[i], i
+    assert len(got) >= len(reqs) - len(aborts)
+    return got

@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 import hwkv  # noqa: E402
 from hwkv.engine.kv_groups import GroupedKVCache  # noqa: E402
 from hwkv.model.tiny import write_tiny_model  # noqa: E402
-from tests.engine.test_engine_kv_groups import WINDOW, _whole  # noqa: E402
+from tests.engine.test_engine_kv_groups import WINDOW, _whole, run_random_trace  # noqa: E402
 from tests.engine.test_engine_parity import NEW_TOKENS, PROMPTS, VOCAB, _hf_model, _saved_with_reference  # noqa: E402
 
 from .conftest import write_tiny_eagle, write_tiny_eagle3  # noqa: E402
@@ -272,24 +272,7 @@ def test_model_proposer_random_traces_with_groups(hybrid_case, llama_draft, tmp_
     torch.set_num_threads(1)
     e = hwkv.Engine(path, backend="cpu", dtype="float32", max_model_len=80, num_kv_blocks=24, block_size=4,
                     max_num_batched_tokens=rng.choice([16, 24]), kv_cache_groups=True, speculative_config=spec)
-    got: dict[int, list[int]] = {}
-    pending = list(range(len(reqs)))
-    while pending or e.has_unfinished():
-        for _ in range(rng.randint(0, 3)):
-            if pending:
-                i = pending.pop(0)
-                e.add_request(str(i), reqs[i][0], hwkv.SamplingParams(temperature=0.0, max_tokens=reqs[i][1],
-                                                                      ignore_eos=True))
-        if not e.has_unfinished():
-            continue
-        for o in e.step():
-            if o.finished:
-                got[int(o.request_id)] = list(o.token_ids)
-            elif int(o.request_id) in aborts and rng.random() < 0.3:
-                e.abort(o.request_id)
-    for i, toks in got.items():
-        assert toks == want[i][: len(toks)] if i in aborts else toks == want[i], i
-    assert len(got) >= len(reqs) - len(aborts)
+    run_random_trace(e, reqs, want, aborts, rng)
     st = e.stats()
     assert st["spec_decode"]["draft_tokens"] > 0 and st["prefix_cache_hits"] > 0
     assert st["num_preemptions"] > 0, st["num_preemptions"]
