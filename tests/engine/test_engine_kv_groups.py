@@ -166,15 +166,7 @@ def test_grouped_random_traces_match_one_group(window_case, seed):
 
     arch, path, _ = window_case
     rng = random.Random(seed)
-    prefixes = [[rng.randrange(3, 250) for _ in range(rng.randint(8, 30))] for _ in range(3)]
-    reqs = [(rng.choice(prefixes) + [rng.randrange(3, 250) for _ in range(rng.randint(1, 20))], rng.randint(1, 12))
-            for _ in range(16)]
-    aborts = set(rng.sample(range(16), 3))
-    plain = hwkv.Engine(path, backend="cpu", dtype="float32", max_model_len=64, num_kv_blocks=128,
-                        enable_prefix_caching=False, kv_cache_groups=False)
-    want = [o.token_ids for o in plain.generate([p for p, _ in reqs],
-                                                [hwkv.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-                                                 for _, n in reqs], use_tqdm=False)]
+    reqs, aborts, want = make_random_trace(rng, path, 16, 12, max_model_len=64)
     e = hwkv.Engine(path, backend="cpu", dtype="float32", max_model_len=64, num_kv_blocks=16, block_size=4,
                     max_num_batched_tokens=rng.choice([16, 24, 80]), kv_cache_groups=True)
     run_random_trace(e, reqs, want, aborts, rng)
@@ -271,6 +263,21 @@ def test_gpt_oss_runs_eagerly_where_graphs_are_offered(tmp_path):
                       use_tqdm=False)
     assert [o.token_ids for o in outs] == ref
     _whole(e)
+
+
+def make_random_trace(rng, path, n: int, max_tokens: int, max_model_len: int) -> tuple[list, set, list]:
+    """``n`` greedy requests over three shared prefixes (up to ``max_tokens`` new tokens each), three
+    of them to abort, and each one's tokens from a plain engine (one group, no prefix cache)."""
+    prefixes = [[rng.randrange(3, 250) for _ in range(rng.randint(8, 30))] for _ in range(3)]
+    reqs = [(rng.choice(prefixes) + [rng.randrange(3, 250) for _ in range(rng.randint(1, 20))],
+             rng.randint(1, max_tokens)) for _ in range(n)]
+    aborts = set(rng.sample(range(n), 3))
+    plain = hwkv.Engine(path, backend="cpu", dtype="float32", max_model_len=max_model_len, num_kv_blocks=128,
+                        enable_prefix_caching=False, kv_cache_groups=False)
+    want = [o.token_ids for o in plain.generate([p for p, _ in reqs],
+                                                [hwkv.SamplingParams(temperature=0.0, max_tokens=k, ignore_eos=True)
+                                                 for _, k in reqs], use_tqdm=False)]
+    return reqs, aborts, want
 
 
 def run_random_trace(e, reqs: list, want: list, aborts: set, rng) -> dict[int, list[int]]:

@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 import hwkv  # noqa: E402
 from hwkv.engine.kv_groups import GroupedKVCache  # noqa: E402
 from hwkv.model.tiny import write_tiny_model  # noqa: E402
-from tests.engine.test_engine_kv_groups import WINDOW, _whole, run_random_trace  # noqa: E402
+from tests.engine.test_engine_kv_groups import WINDOW, _whole, make_random_trace, run_random_trace  # noqa: E402
 from tests.engine.test_engine_parity import NEW_TOKENS, PROMPTS, VOCAB, _hf_model, _saved_with_reference  # noqa: E402
 
 from .conftest import write_tiny_eagle, write_tiny_eagle3  # noqa: E402
@@ -259,15 +259,7 @@ def test_model_proposer_random_traces_with_groups(hybrid_case, llama_draft, tmp_
 
     arch, path, _ = hybrid_case
     rng = random.Random(seed)
-    prefixes = [[rng.randrange(3, 250) for _ in range(rng.randint(8, 30))] for _ in range(3)]
-    reqs = [(rng.choice(prefixes) + [rng.randrange(3, 250) for _ in range(rng.randint(1, 20))], rng.randint(1, 14))
-            for _ in range(14)]
-    aborts = set(rng.sample(range(14), 3))
-    plain = hwkv.Engine(path, backend="cpu", dtype="float32", max_model_len=80, num_kv_blocks=128,
-                        enable_prefix_caching=False, kv_cache_groups=False)
-    want = [o.token_ids for o in plain.generate([p for p, _ in reqs],
-                                                [hwkv.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-                                                 for _, n in reqs], use_tqdm=False)]
+    reqs, aborts, want = make_random_trace(rng, path, 14, 14, max_model_len=80)
     spec = _spec("draft_llama" if seed == 0 else "eagle", path, llama_draft, tmp_path)
     torch.set_num_threads(1)
     e = hwkv.Engine(path, backend="cpu", dtype="float32", max_model_len=80, num_kv_blocks=24, block_size=4,
