@@ -9,7 +9,10 @@ such argument is printed next to the figures), then:
 * **batch 1**: steady decode tok/s and MBU (weights + mean KV bytes per step / step time / copy
   bandwidth), as ``hwkv bench e2e`` part b;
 * optional ``--profile``: a torch.profiler table of one timed offline pass (CUDA time per kernel name
-  and host time per step), to see where the gap to the roofline goes.
+  and host time per step), then the decode step at the offline batch and at batch 1 taken apart: wall
+  time per step by host phase against the GPU time of one graph replay (host-bound or not), and each
+  kernel's share of the replay's critical path (:func:`hwkv.bench.timeline.graph_timeline`), to see
+  where the gap to the roofline goes.
 """
 
 from __future__ import annotations
@@ -77,8 +80,10 @@ def run(args: argparse.Namespace) -> int:
                           roofline_fraction=r["tok_per_s"] / roof["tok_per_s"], stats=engine.stats())
     print(f"[defaults] offline {r['tok_per_s']:.0f} tok/s = {res['offline']['roofline_fraction']:.1%} of the "
           f"roofline {roof['tok_per_s']:.0f} (non-default args: {extra or 'none'})", flush=True)
-    if args.profile and not host:
-        res["profile"] = profile_pass(engine, [(p, n_out) for p, _ in workload(n, n_in, n_in, vocab, seed=7)])
+    if args.profile:
+        if not host:
+            res["profile"] = profile_pass(engine, [(p, n_out) for p, _ in workload(n, n_in, n_in, vocab, seed=7)])
+        res["decode_profile"] = decode_profile(engine, vocab, [n, 1], n_in)
     if args.b1_tokens:
         b = batch1(engine, cfg, vocab, args.b1_tokens, None if host else bw)
         res["batch1"] = b
@@ -109,6 +114,26 @@ def profile_pass(engine: Any, work: list[tuple[list[int], int]]) -> dict[str, An
     print(table, flush=True)
     return dict(wall_s=r["seconds"], tok_per_s=r["tok_per_s"], top_cuda=kernels, cuda_total_s_approx=busy,
                 cpu_table=table)
+
+
+def decode_profile(engine: Any, vocab: int, batches: list[int], prompt_len: int, steps: int = 32) -> dict[str, Any]:
+    """Per batch size: host phases and wall ms per decode step against one graph replay's GPU ms
+    (:func:`hwkv.bench.e2e_report.profile`), and the replay's critical path per kernel label."""
+    from hwkv.bench.e2e_report import profile
+    from hwkv.bench.timeline import graph_timeline
+
+    out: dict[str, Any] = {}
+    for b in batches:
+        if b > engine.config.scheduler.max_num_seqs:
+            continue
+        step = profile(engine, vocab, b, steps=steps, prompt_len=prompt_len)
+        tl = graph_timeline(engine, b, prompt_len + steps)
+        out[f"batch {b}"] = dict(step=step, timeline=tl)
+        top = ", ".join(f"{k} {v}" for k, v in list(tl.get("critical_us", {}).items())[:8])
+        print(f"[defaults] decode batch {b} @ {prompt_len}+{steps}: wall {step.get('step_wall')} ms/step, "
+              f"GPU replay {step.get('gpu_replay')} ms; replay span {tl.get('span_us')} us, idle "
+              f"{tl.get('idle_us')} us; critical path (us): {top}", flush=True)
+    return out
 
 
 if __name__ == "__main__":

@@ -83,9 +83,11 @@ def test_bench_defaults_and_kv_dtype_on_cpu(tmp_path):
     bench_defaults.add_arguments(p)
     out = tmp_path / "defaults.json"
     assert bench_defaults.run(p.parse_args([*common, "--num-requests", "2", "--input-len", "8", "--output-len", "3",
-                                            "--b1-tokens", "4", "--out", str(out)])) == 0
+                                            "--b1-tokens", "4", "--profile", "--out", str(out)])) == 0
     doc = json.loads(out.read_text())
     assert doc["bench"] == "defaults" and doc["non_default_engine_args"] == {} and "command" in doc
+    steps = {b: doc["decode_profile"][f"batch {b}"]["step"] for b in (2, 1)}  # --profile: the decode step taken apart
+    assert all(s["step_wall"] > 0 and s["schedule"] > 0 for s in steps.values())
     assert doc["resolved"]["max_num_batched_tokens"] == 2048  # the host row of the defaults table
     assert doc["offline"]["hwkv"]["output_tokens"] == 6 and doc["offline"]["roofline_fraction"] > 0
     p = argparse.ArgumentParser()
