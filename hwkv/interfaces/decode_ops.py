@@ -47,6 +47,16 @@ class DecodeOps(ABC):
         """Reasons these ops cannot serve the model (empty: they can)."""
         return []
 
+    def rank_sum(self, comm: Any) -> Any | None:
+        """Ops that run tensor parallelism's row-parallel all-reduce inside the projections around it
+        (``None``: not offered; the model then calls ``comm.all_reduce_add`` after each). The object
+        returned has ``linear(x, weight, bias)`` and ``silu_linear(gate_up, weight, bias)``, which return
+        a pending sum (this rank's partial output, already on its way to the peers), and ``qkv(s, h,
+        ...)`` and ``norm_linear(s, h, ...)`` (the arguments after ``h`` as the ops here), which form
+        ``h = h + sum over ranks of s`` first and return ``(output, h)``; ``sum(s, h)`` forms it alone.
+        Every rank makes the same calls in the same order; ``h`` is rounded as ``all_reduce_add``."""
+        return None
+
     @abstractmethod
     def qkv(self, h: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
             bias: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,

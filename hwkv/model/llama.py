@@ -230,31 +230,44 @@ class LlamaForCausalLM(nn.Module):
         t, cfg, rope = input_ids.shape[0], self.config, self.rotary_emb
         h = self._embed(input_ids)
         ar_add = self.tp.comm.all_reduce_add if self.tp is not None else None
-        zero = torch.zeros_like(h) if ar_add is not None else None
+        # or the backend runs that all-reduce inside the projections: s is the last row-parallel output,
+        # summed over the ranks (and added to h) by the op that takes it
+        red = ops.rank_sum(self.tp.comm) if self.tp is not None else None
+        s = None
+        zero = torch.zeros_like(h) if ar_add is not None and red is None else None
         for i, layer in enumerate(self.model.layers):
             a, mlp, layer_kv = layer.self_attn, layer.mlp, kv_cache.layer(i)
             if (hk := self.layer_hooks) is not None:
                 hk.wait_for_layer_load(i)
             md, sm = layer_metadata(attn_metadata, slot_mapping, i)  # KV-cache groups: the layer's group's
-            qkv = ops.qkv(h, layer.input_layernorm.weight, cfg.rms_norm_eps, a.qkv_proj.weight, a.qkv_proj.bias,
-                          rope.cos, rope.sin, positions, a.impl, layer_kv, sm, a.num_heads,
-                          a.num_kv_heads, a.head_dim)
+            args = (layer.input_layernorm.weight, cfg.rms_norm_eps, a.qkv_proj.weight, a.qkv_proj.bias, rope.cos,
+                    rope.sin, positions, a.impl, layer_kv, sm, a.num_heads, a.num_kv_heads, a.head_dim)
+            if s is None:
+                qkv = ops.qkv(h, *args)
+            else:
+                qkv, h = red.qkv(s, h, *args)
             q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
             out = a.impl.forward(q.view(t, a.num_heads, a.head_dim), k.view(t, a.num_kv_heads, a.head_dim),
                                  v.view(t, a.num_kv_heads, a.head_dim), layer_kv, md)
             if hk is not None:  # qkv wrote this layer's KV
                 hk.save_kv_layer(i, layer_kv, attn_metadata)
+            norm = (layer.post_attention_layernorm.weight, cfg.rms_norm_eps, mlp.gate_up_proj.weight,
+                    mlp.gate_up_proj.bias)
+            if red is not None:
+                s = red.linear(out.reshape(t, a.q_size), a.o_proj.weight, a.o_proj.bias)
+                x, h = red.norm_linear(s, h, *norm)
+                s = red.silu_linear(x, mlp.down_proj.weight, mlp.down_proj.bias)
+                continue
             if ar_add is None:
                 h = ops.linear(out.reshape(t, a.q_size), a.o_proj.weight, a.o_proj.bias, h)
             else:
                 h = ar_add(ops.linear(out.reshape(t, a.q_size), a.o_proj.weight, a.o_proj.bias, zero), h)
-            x = ops.norm_linear(h, layer.post_attention_layernorm.weight, cfg.rms_norm_eps,
-                                mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
+            x = ops.norm_linear(h, *norm)
             if ar_add is None:
                 h = ops.silu_linear(x, mlp.down_proj.weight, mlp.down_proj.bias, h)
             else:
                 h = ar_add(ops.silu_linear(x, mlp.down_proj.weight, mlp.down_proj.bias, zero), h)
-        return h
+        return h if s is None else red.sum(s, h)
 
     def set_decode_ops(self, ops: DecodeOps | None, kv_dtype: torch.dtype | None = None) -> None:
         """Use ``ops`` (a backend's :class:`DecodeOps`) for every forward of at most ``ops.use_up_to``

@@ -103,6 +103,12 @@ class TorchDistCommunicator(Communicator):
         backend's own rendezvous (``Device.custom_all_reduce``); ``None`` once closed."""
         return self._pg
 
+    @property
+    def custom_all_reduce(self) -> CustomAllReduce | None:
+        """The backend's custom all-reduce (``Device.custom_all_reduce``) or ``None``: a backend's
+        decode ops may run the all-reduce inside their kernels over its buffers (``DecodeOps.rank_sum``)."""
+        return self._custom
+
     def _group(self) -> Any:
         if self._pg is None:
             raise RuntimeError(f"communicator {self.group_name!r} is closed")

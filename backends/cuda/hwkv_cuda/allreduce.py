@@ -42,6 +42,10 @@ PUSH_MAX = 2 * 1024 * 1024
 ONE_SHOT_MAX = 512 * 1024
 TWO_SHOT_MAX = 8 * 1024 * 1024
 NORM_MAX = 2 * 1024 * 1024  # all_reduce_add_rms_norm: rows of hidden states up to this many bytes
+# the all-reduce inside the decode GEMVs (hwkv_cuda.decode_ops.TritonRankSum): a rank slot of one site holds a
+# row-parallel projection's output, up to 8 tokens x 16384 float32 (HWKV_TP_FUSED_AR=0: the push kernel instead)
+FUSED_SLOT = 8 * 16384 * 4
+FUSED_SITES = 2
 MIN_ROW_BYTES = 512
 
 
@@ -75,6 +79,7 @@ class CudaAllReduce:
     """Callable as a :data:`~hwkv.interfaces.communicator.CustomAllReduce` (see the module doc)."""
 
     pdl = False  # the push kernels launched with programmatic dependent launch (set in __init__)
+    fused = False  # the buffers of the all-reduce inside the decode GEMVs set up (set in __init__)
 
     def __init__(self, comm: Any, push: bool = True, symm: bool = True, push_max: int = PUSH_MAX,
                  one_shot_max: int = ONE_SHOT_MAX, two_shot_max: int = TWO_SHOT_MAX, norm_max: int = NORM_MAX):
@@ -84,6 +89,8 @@ class CudaAllReduce:
         self.name = ""
         self.push_max = push_max if push else 0
         self.norm_max = norm_max if push else 0
+        # the row-parallel all-reduce inside the decode GEMVs (TritonRankSum); HWKV_TP_FUSED_AR=0: off (A/B)
+        self.fused = push and os.environ.get("HWKV_TP_FUSED_AR", "0") != "0"
         self._norm_key: tuple[int, torch.dtype] | None = None  # (hidden size, dtype): fixed at the first call
         # programmatic dependent launch, as the decode GEMVs (kernels/allreduce.py); HWKV_PUSH_PDL=0: off (A/B)
         self.pdl = os.environ.get("HWKV_PUSH_PDL", "1") != "0" and _use_pdl(self.device)
@@ -187,6 +194,13 @@ class CudaAllReduce:
             self.nflags = self.nbuf[data:].view(torch.int64)
             self.nflag_off = data // 8
             self.nepochs = torch.zeros(rows, dtype=torch.int64, device=self.device)
+        if self.fused:  # [site][rank] slots, then int64 [arrivals per site | finished programs per site]
+            data = FUSED_SITES * self.world_size * FUSED_SLOT
+            self.fbuf, self.fpeers = self._peer_buffer(data + 2 * FUSED_SITES * 8, "fused")
+            self.fcnt = self.fbuf[data:].view(torch.int64)
+            self.fcnt_off = data // 8
+            if not hasattr(self, "error"):
+                self.error = torch.zeros(1, dtype=torch.int32, device=self.device)
 
     def _self_test(self) -> None:
         """One call of every push kernel on known values (small integers: every sum exact), checked
@@ -342,7 +356,7 @@ class CudaAllReduce:
                 mover.detach(token)
         self._tokens = []
         self._bufs.clear()
-        self.staging = self.buf = self.nbuf = None  # type: ignore[assignment]
+        self.staging = self.buf = self.nbuf = self.fbuf = None  # type: ignore[assignment]
 
 
 def _register_group(name: str, comm: Any, store: Any) -> Any:

@@ -14,6 +14,7 @@ import torch
 
 from hwkv.interfaces.decode_ops import DecodeOps
 from hwkv.interfaces.kv_quant import is_quantized
+from hwkv_cuda.allreduce import FUSED_SITES, FUSED_SLOT
 from hwkv_cuda.launch import parse_overrides, use_pdl
 from hwkv_cuda.tiles import pow2
 
@@ -84,10 +85,16 @@ class TritonDecodeOps(DecodeOps):
                            "casts without a scale; allowed: the same dtype, or fp8 e4m3 with scales)")
         return reasons
 
+    def rank_sum(self, comm: Any) -> TritonRankSum | None:
+        ar = getattr(comm, "custom_all_reduce", None)
+        return TritonRankSum(self, ar) if getattr(ar, "fused", False) and getattr(ar, "fbuf", None) is not None \
+            else None
+
     def _launch(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, in_per_k: int,
                 prologue: int, epilogue: int, *, residual: torch.Tensor | None = None,
                 norm_weight: torch.Tensor | None = None, eps: float = 0.0, rope: tuple[Any, ...] | None = None,
-                ) -> torch.Tensor:
+                push: tuple[Any, int] | None = None, rs: tuple[Any, Pending, torch.Tensor] | None = None,
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         from hwkv_cuda.kernels.dense import dense_kernel
 
         if weight.dim() != 2 or not weight.is_contiguous():
@@ -108,8 +115,25 @@ class TritonDecodeOps(DecodeOps):
             if t is not None and t.stride(-1) != 1:
                 raise ValueError(f"{name} must have a unit last stride, got strides {t.stride()}")
         y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        ar_args: dict[str, Any] = {}
+        h_out = None
+        if push is not None:  # EPILOGUE 3: this partial into every peer's slot of the site
+            ar, site = push
+            ar_args = dict(peers_ptr=ar.fpeers, site=site, RANK=ar.rank, WS=ar.world_size,
+                           SLOT=FUSED_SLOT // x.element_size(), CNT_OFF=ar.fcnt_off)
+        if rs is not None:  # the input is residual + sum over ranks of the pending partial
+            ar, pend, res = rs
+            if res.shape != x.shape or res.dtype != x.dtype or not res.is_contiguous():
+                raise ValueError(f"residual must be a contiguous {tuple(x.shape)} {x.dtype} tensor")
+            h_out = torch.empty_like(res)
+            ar_args = dict(buf_ptr=ar.fbuf.view(x.dtype), cnt_ptr=ar.fcnt, err_ptr=ar.error, hres_ptr=res,
+                           hout_ptr=h_out, stride_hm=res.stride(0), site=pend.site,
+                           expect=pend.programs * (ar.world_size - 1), RANK=ar.rank, RS=ar.world_size,
+                           SLOT=FUSED_SLOT // x.element_size())
         if m == 0:
-            return y
+            if push is not None:
+                return Pending(y, push[1], 0)
+            return y if h_out is None else (y, h_out)
         pdl = use_pdl(x.device)
         cfg = choose_config(m, n, k)
         res = residual if residual is not None else y
@@ -131,13 +155,16 @@ class TritonDecodeOps(DecodeOps):
             PROLOGUE=prologue, EPILOGUE=epilogue, HAS_BIAS=bias is not None, M_PAD=pow2(m),
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=pdl, PRELOAD=bool(cfg.preload), ONE_TILE=cfg.block_k >= k,
             **geo, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
+            **ar_args,
         )
-        return y
+        if push is not None:
+            return Pending(y, push[1], -(-n // cfg.block_n))
+        return y if h_out is None else (y, h_out)
 
     def qkv(self, h: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
             bias: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
             impl: Any, layer_kv: Any, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
-            head_dim: int) -> torch.Tensor:
+            head_dim: int, rs: tuple[Any, Pending, torch.Tensor] | None = None) -> Any:
         from hwkv_cuda.attention import _check_kv
 
         _check_kv(layer_kv, num_kv_heads, head_dim)
@@ -149,7 +176,7 @@ class TritonDecodeOps(DecodeOps):
                              f"{slot_mapping.shape[0]} slots")
         scales = impl.scales_for(layer_kv) if is_quantized(layer_kv.dtype) else None
         rope = (cos, sin, positions, layer_kv, slot_mapping, num_heads, num_kv_heads, head_dim, scales)
-        return self._launch(h, weight, bias, 1, 1, 2, norm_weight=norm_weight, eps=eps, rope=rope)
+        return self._launch(h, weight, bias, 1, 1, 2, norm_weight=norm_weight, eps=eps, rope=rope, rs=rs)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                residual: torch.Tensor) -> torch.Tensor:
@@ -164,6 +191,60 @@ class TritonDecodeOps(DecodeOps):
                     residual: torch.Tensor) -> torch.Tensor:
         _same_rows(residual, gate_up, weight.shape[0])
         return self._launch(gate_up, weight, bias, 2, 2, 1, residual=residual)
+
+
+class Pending(NamedTuple):
+    """A row-parallel projection's output on this rank, pushed to every peer's slot of ``site`` by its
+    ``programs`` programs: summed over the ranks by the op that takes it (:class:`TritonRankSum`)."""
+
+    partial: torch.Tensor
+    site: int
+    programs: int
+
+
+class TritonRankSum:
+    """:meth:`DecodeOps.rank_sum` on CUDA: the row-parallel all-reduce inside the decode GEMVs
+    (:mod:`hwkv_cuda.kernels.dense`, ``EPILOGUE=3`` and ``RS``) over the custom all-reduce's peer buffers
+    (``HWKV_TP_FUSED_AR=1``), instead of a push kernel and its barrier between them. Sites alternate
+    per call (every forward makes an even number: two per layer), as the push kernel's parities."""
+
+    def __init__(self, ops: TritonDecodeOps, ar: Any):
+        self.ops, self.ar, self._calls = ops, ar, 0
+
+    def _site(self) -> int:
+        site, self._calls = self._calls % FUSED_SITES, self._calls + 1
+        return site
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> Pending:
+        return self.ops._launch(x, weight, bias, 1, 0, 3, push=(self.ar, self._site()))
+
+    def silu_linear(self, gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> Pending:
+        return self.ops._launch(gate_up, weight, bias, 2, 2, 3, push=(self.ar, self._site()))
+
+    def qkv(self, s: Pending, h: torch.Tensor, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ops.qkv(s.partial, *args, rs=(self.ar, s, h))
+
+    def norm_linear(self, s: Pending, h: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                    bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ops._launch(s.partial, weight, bias, 1, 1, 0, norm_weight=norm_weight, eps=eps,
+                                rs=(self.ar, s, h))
+
+    def sum(self, s: Pending, h: torch.Tensor) -> torch.Tensor:
+        from hwkv_cuda.kernels.dense import rank_sum_kernel
+
+        x, ar = s.partial, self.ar
+        if h.shape != x.shape or h.dtype != x.dtype or not h.is_contiguous():
+            raise ValueError(f"residual must be a contiguous {tuple(x.shape)} {x.dtype} tensor")
+        out = torch.empty_like(h)
+        if x.numel() == 0:
+            return out
+        pdl = use_pdl(x.device)
+        block = 1024
+        rank_sum_kernel[(max(1, -(-x.numel() // block)),)](
+            x, ar.fbuf.view(x.dtype), h, out, ar.fcnt, ar.error, x.numel(), x.shape[1], s.site,
+            s.programs * (ar.world_size - 1), RANK=ar.rank, RS=ar.world_size, SLOT=FUSED_SLOT // x.element_size(),
+            BLOCK=block, PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}))
+        return out
 
 
 def _same_rows(residual: torch.Tensor, x: torch.Tensor, n: int) -> None:

@@ -139,6 +139,27 @@ for dt in ("bf16", "fp32"):
     for pdl in (False, True):
         compile(ASTSource(k.push_all_reduce_norm_kernel, sig, dict(RANK=0, WS=2, SLOT=8192, FLAG_OFF=64, BLOCK=4096,
                                                                    PDL=pdl)), target=GPUTarget("cuda", 90, 32))
+from hwkv_cuda.kernels import dense as d  # the all-reduce inside the decode GEMVs (push epilogue, rank-sum prologue)
+
+ptrs = ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "res_ptr", "nw_ptr", "cos_ptr", "sin_ptr", "pos_ptr", "kv_ptr", "slot_ptr")
+ints = ("M", "N", "K", "num_slots", "stride_xm", "stride_ym", "stride_rm", "stride_cos", "stride_blk", "stride_kv",
+        "stride_tok", "stride_head")
+consts = ("PROLOGUE", "EPILOGUE", "HAS_BIAS", "M_PAD", "BLOCK_N", "BLOCK_K", "HEAD", "Q_N", "KV_N", "BS", "PDL",
+          "PRELOAD", "ONE_TILE", "KV_FP8", "RANK", "WS", "RS", "SLOT", "CNT_OFF")
+for prologue, epilogue, rs, one in ((0, 3, 0, True), (2, 3, 0, False), (1, 0, 2, False), (1, 2, 2, True)):
+    sig = {**{n: "*bf16" for n in ptrs}, "pos_ptr": "*i64", "slot_ptr": "*i64", **{n: "i32" for n in ints},
+           "eps": "fp32", "scale_ptr": "constexpr", "stride_scale": "constexpr", "buf_ptr": "*bf16",
+           "peers_ptr": "*i64", "cnt_ptr": "*i64", "err_ptr": "*i32", "hres_ptr": "*bf16", "hout_ptr": "*bf16",
+           "stride_hm": "i32", "site": "i32", "expect": "i32", **{n: "constexpr" for n in consts}}
+    vals = dict(PROLOGUE=prologue, EPILOGUE=epilogue, HAS_BIAS=False, M_PAD=1, BLOCK_N=8, BLOCK_K=2048, HEAD=128,
+                Q_N=2048, KV_N=512, BS=16, PDL=True, PRELOAD=False, ONE_TILE=one, KV_FP8=False, RANK=1, WS=2, RS=rs,
+                SLOT=65536, CNT_OFF=64, scale_ptr=None, stride_scale=0)
+    compile(ASTSource(d.dense_kernel, sig, vals), target=GPUTarget("cuda", 90, 32))
+sig = dict(x_ptr="*bf16", buf_ptr="*bf16", hres_ptr="*bf16", hout_ptr="*bf16", cnt_ptr="*i64", err_ptr="*i32",
+           n="i32", K="i32", site="i32", expect="i32", RANK="constexpr", RS="constexpr", SLOT="constexpr",
+           BLOCK="constexpr", PDL="constexpr")
+compile(ASTSource(d.rank_sum_kernel, sig, dict(RANK=0, RS=2, SLOT=65536, BLOCK=1024, PDL=True)),
+        target=GPUTarget("cuda", 90, 32))
 print("compiled")
 """
 

@@ -152,3 +152,66 @@ def test_production_tiles_on_model_shapes(model, m):
         else:  # qkv's RoPE/KV epilogue is covered above; here its tile config, as norm_linear
             b = _rand(n, dtype=dt, gen=gen) if name == "qkv" and qkv_bias else None
             _close(ops.norm_linear(x, nw, 1e-5, w, b), ref.norm_linear(x, nw, 1e-5, w, b), dt, f"{model} {name}")
+
+
+def _rank_sum_pair():
+    """Two ranks' fused all-reduce state on this device (a CudaAllReduce's fused buffers: each rank's
+    peer table holds both buffers, so rank r's GEMV pushes into the other's slot)."""
+    from types import SimpleNamespace
+
+    from hwkv_cuda.allreduce import FUSED_SITES, FUSED_SLOT
+
+    data = FUSED_SITES * 2 * FUSED_SLOT
+    bufs = [torch.zeros(data + 2 * FUSED_SITES * 8, dtype=torch.uint8, device=DEV) for _ in range(2)]
+    peers = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=DEV)
+    err = torch.zeros(1, dtype=torch.int32, device=DEV)
+    return [SimpleNamespace(rank=r, world_size=2, fused=True, fbuf=bufs[r], fpeers=peers, error=err,
+                            fcnt=bufs[r][data:].view(torch.int64), fcnt_off=data // 8) for r in range(2)]
+
+
+@pytest.mark.parametrize("cfg", ["", "block_k=32"])  # the norm in one tile, and over three (its own pass)
+def test_rank_sum_in_the_gemvs_two_ranks(cfg, monkeypatch):
+    """The row-parallel all-reduce inside the GEMVs (TritonRankSum) for two ranks on one device: each
+    rank's producer runs first (they only push), then each consumer, so nothing waits. Every rank holds
+    the same bits, equal to the sum in rank order, rounded, plus the residual, rounded; the consumer's
+    output is the plain op's on that h; every counter is back at zero after each call."""
+    from types import SimpleNamespace
+
+    from hwkv_cuda.decode_ops import TritonRankSum
+
+    monkeypatch.setenv("HWKV_CUDA_DENSE_CONFIG", cfg)
+    dtype, gen = torch.float32, torch.Generator().manual_seed(7)
+    m, hidden, q, inter = 3, 96, 40, 72
+    ops = TritonDecodeOps()
+    reds = [TritonRankSum(ops, ar) for ar in _rank_sum_pair()]
+    wo = [_rand(hidden, q // 2, dtype=dtype, scale=0.1, gen=gen) for _ in range(2)]  # o_proj's column shards
+    wd = [_rand(hidden, inter // 2, dtype=dtype, scale=0.1, gen=gen) for _ in range(2)]
+    wgu, nw = _rand(inter, hidden, dtype=dtype, scale=0.1, gen=gen), _rand(hidden, dtype=dtype, gen=gen)
+    h = _rand(m, hidden, dtype=dtype, gen=gen)
+    for _ in range(2):  # both sites, each used twice
+        xs = [_rand(m, q // 2, dtype=dtype, gen=gen) for _ in range(2)]
+        pend = [reds[r].linear(xs[r], wo[r], None) for r in range(2)]
+        parts = [p.partial for p in pend]
+        assert torch.equal(parts[0], xs[0] @ wo[0].T) or torch.allclose(parts[0], xs[0] @ wo[0].T, atol=1e-5)
+        got = [reds[r].norm_linear(pend[r], h, nw, 1e-6, wgu, None) for r in range(2)]
+        want_h = (parts[0] + parts[1]) + h
+        assert torch.equal(got[0][1], got[1][1]) and torch.equal(got[0][1], want_h)
+        assert torch.equal(got[0][0], got[1][0])
+        assert torch.equal(got[0][0], ops.norm_linear(want_h, nw, 1e-6, wgu, None))
+        h = got[0][1]
+        gu = [_rand(m, inter, dtype=dtype, gen=gen) for _ in range(2)]  # [gate | up] halves of this rank
+        pend = [reds[r].silu_linear(gu[r], wd[r], None) for r in range(2)]
+        out = [reds[r].sum(pend[r], h) for r in range(2)]
+        assert torch.equal(out[0], out[1]) and torch.equal(out[0], (pend[0].partial + pend[1].partial) + h)
+        h = out[0]
+        for red in reds:
+            assert red.ar.fcnt.tolist() == [0, 0, 0, 0]
+    assert int(reds[0].ar.error.item()) == 0
+    # a consumer whose peer never pushed gives up (bounded) and says so, instead of hanging
+    if DEV == "cpu":
+        import hwkv_cuda.kernels.dense as dense
+
+        monkeypatch.setattr(dense, "MAX_SPIN", 4)
+        late = SimpleNamespace(partial=parts[0], site=0, programs=5)
+        reds[0].sum(late, h)
+        assert int(reds[0].ar.error.item()) == 1

@@ -12,6 +12,15 @@ K loop is a plain one that Triton software-pipelines ``num_stages`` deep.
 Every intermediate is rounded to the activation dtype where the unfused torch ops round
 (hwkv/model/llama.py, rope.py), so only the dot product's summation order differs from them.
 
+Tensor parallel (``RS`` = the world size, :class:`hwkv_cuda.decode_ops.TritonRankSum`): the row-parallel all-reduce
+rides in the GEMVs instead of a kernel of its own. The row-parallel projection (``EPILOGUE=3``) stores its partial
+output here and pushes it into its slot of every peer's buffer, then adds one (release, system scope) to the peer's
+counter of the call's site; the next projection (``PROLOGUE=1`` with ``RS``) waits, after its PDL wait, until every
+peer program arrived, and forms its input ``h = residual + sum of the parts`` in rank order (the same bits on every
+rank, rounded as the push all-reduce), program 0 storing ``h`` for the residual stream. The last program to finish
+resets the site's counter; two sites alternate, so a site is written again only after every rank passed the call
+between (as the push all-reduce's parities). A wait that never ends sets ``err`` instead of hanging.
+
 A program owns ``BLOCK_N`` output rows as two halves ``a``/``b``: consecutive rows for the plain
 epilogues; for RoPE the pair ``(i, i + D/2)`` of a head, so the rotation stays inside the program.
 """
@@ -27,14 +36,42 @@ except ImportError:  # pragma: no cover - PDL is then reported unavailable (hwkv
     gdc_launch_dependents = gdc_wait = None
 
 
+MAX_SPIN = tl.constexpr(1 << 28)  # polls before a rank-sum wait gives up (err set)
+
+
+@triton.jit
+def _rank_sum(x_ptr, buf_ptr, hres_ptr, offs_m, kk, mask, K, stride_xm, stride_hm, site, RANK: tl.constexpr,
+              RS: tl.constexpr, SLOT: tl.constexpr):
+    """``residual + sum over ranks`` of one ``[M_PAD, BLOCK_K]`` chunk (this rank's part at ``x_ptr``,
+    each peer's in its slot of this rank's buffer): the float32 sum in rank order rounded, then the add
+    rounded (as the push all-reduce's residual kernel). Returned in the activation dtype."""
+    acc = tl.zeros(mask.shape, dtype=tl.float32)
+    for r in tl.static_range(RS):
+        if r == RANK:
+            p = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=mask, other=0.0)
+        else:
+            p = tl.load(buf_ptr + (site * RS + r) * SLOT + offs_m[:, None] * K + kk[None, :], mask=mask, other=0.0)
+        acc += p.to(tl.float32)
+    dt = hres_ptr.dtype.element_ty
+    res = tl.load(hres_ptr + offs_m[:, None] * stride_hm + kk[None, :], mask=mask, other=0.0)
+    return (acc.to(dt).to(tl.float32) + res.to(tl.float32)).to(dt)
+
+
 @triton.jit
 def _prologue(x_ptr, nw_ptr, k0, M, K, eps, stride_xm, rstd, offs_m, offs_k, PROLOGUE: tl.constexpr,
-              ONE_TILE: tl.constexpr):
-    """One ``[M_PAD, BLOCK_K]`` chunk of the GEMV input, as float32 holding dtype-rounded values."""
+              ONE_TILE: tl.constexpr, buf_ptr=None, hres_ptr=None, hout_ptr=None, stride_hm=0, site=0, store_h=False,
+              RANK: tl.constexpr = 0, RS: tl.constexpr = 0, SLOT: tl.constexpr = 0):
+    """One ``[M_PAD, BLOCK_K]`` chunk of the GEMV input, as float32 holding dtype-rounded values
+    (``RS``: the input is ``residual + sum over ranks``, stored to ``hout`` where ``store_h``)."""
     kk = k0 + offs_k
     mask = (offs_m[:, None] < M) & (kk[None, :] < K)
     ptrs = x_ptr + offs_m[:, None] * stride_xm + kk[None, :]
-    x = tl.load(ptrs, mask=mask, other=0.0)
+    if RS > 0:
+        x = _rank_sum(x_ptr, buf_ptr, hres_ptr, offs_m, kk, mask, K, stride_xm, stride_hm, site, RANK, RS, SLOT)
+        if store_h:
+            tl.store(hout_ptr + offs_m[:, None] * stride_hm + kk[None, :], x, mask=mask)
+    else:
+        x = tl.load(ptrs, mask=mask, other=0.0)
     dt = x.dtype
     out = x.to(tl.float32)
     if PROLOGUE == 1:  # rms_norm: normalise in fp32, round, scale by the weight, round
@@ -85,6 +122,9 @@ def dense_kernel(
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HEAD: tl.constexpr, Q_N: tl.constexpr, KV_N: tl.constexpr, BS: tl.constexpr, PDL: tl.constexpr,
     PRELOAD: tl.constexpr, ONE_TILE: tl.constexpr, scale_ptr=None, stride_scale=0, KV_FP8: tl.constexpr = False,
+    buf_ptr=None, peers_ptr=None, cnt_ptr=None, err_ptr=None, hres_ptr=None, hout_ptr=None, stride_hm=0, site=0,
+    expect=0, RANK: tl.constexpr = 0, WS: tl.constexpr = 1, RS: tl.constexpr = 0, SLOT: tl.constexpr = 0,
+    CNT_OFF: tl.constexpr = 0,
 ):
     HB: tl.constexpr = BLOCK_N // 2
     pid = tl.program_id(0)
@@ -109,6 +149,13 @@ def dense_kernel(
         # so they stream those while this kernel (and the one it waits on) runs
         gdc_launch_dependents()
         gdc_wait()  # from here on we read what earlier kernels wrote
+    if RS > 0:  # every peer program's part of this site arrived (bounded: err instead of a hung device)
+        spins = 0
+        while (tl.atomic_add(cnt_ptr + site, 0, sem="acquire", scope="sys") < expect) & (spins < MAX_SPIN):
+            spins += 1
+        if spins >= MAX_SPIN:
+            tl.store(err_ptr, 1)
+        tl.debug_barrier()
     m_ok = offs_m[:, None] < M
     # the epilogue's loads go out now, beside the weight stream, not after it
     if EPILOGUE == 1:
@@ -130,8 +177,12 @@ def dense_kernel(
         ss = tl.zeros([M_PAD], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + offs_k
-            xs = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :],
-                         mask=(offs_m[:, None] < M) & (kk[None, :] < K), other=0.0).to(tl.float32)
+            xmask = (offs_m[:, None] < M) & (kk[None, :] < K)
+            if RS > 0:
+                xs = _rank_sum(x_ptr, buf_ptr, hres_ptr, offs_m, kk, xmask, K, stride_xm, stride_hm, site, RANK, RS,
+                               SLOT).to(tl.float32)
+            else:
+                xs = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=xmask, other=0.0).to(tl.float32)
             ss += tl.sum(xs * xs, axis=1)
         rstd = tl.rsqrt(ss / K + eps)
     acc_a = tl.zeros([M_PAD, HB], dtype=tl.float32)
@@ -141,7 +192,8 @@ def dense_kernel(
             kk = k0 + offs_k
             wa = tl.load(w_a + k0, mask=ok_a[:, None] & (kk[None, :] < K), other=0.0)
             wb = tl.load(w_b + k0, mask=ok_b[:, None] & (kk[None, :] < K), other=0.0)
-        x = _prologue(x_ptr, nw_ptr, k0, M, K, eps, stride_xm, rstd, offs_m, offs_k, PROLOGUE, ONE_TILE)
+        x = _prologue(x_ptr, nw_ptr, k0, M, K, eps, stride_xm, rstd, offs_m, offs_k, PROLOGUE, ONE_TILE, buf_ptr,
+                      hres_ptr, hout_ptr, stride_hm, site, pid == 0, RANK, RS, SLOT)
         acc_a = _rows_dot(wa, x, offs_m, acc_a, M_PAD)
         acc_b = _rows_dot(wb, x, offs_m, acc_b, M_PAD)
         if PRELOAD:  # the next tile (fully masked after the last)
@@ -175,4 +227,52 @@ def dense_kernel(
                   KV_FP8)
     tl.store(y_ptr + offs_m[:, None] * stride_ym + rows_a[None, :], ya, mask=m_ok & ok_a[None, :])
     tl.store(y_ptr + offs_m[:, None] * stride_ym + rows_b[None, :], yb, mask=m_ok & ok_b[None, :])
+    if EPILOGUE == 3:  # the partial into this rank's slot of every peer's buffer, then one arrival on its counter
+        for r in tl.static_range(WS):
+            if r != RANK:
+                peer = tl.load(peers_ptr + r).to(tl.pointer_type(dt)) + (site * WS + RANK) * SLOT
+                tl.store(peer + offs_m[:, None] * N + rows_a[None, :], ya, mask=m_ok & ok_a[None, :])
+                tl.store(peer + offs_m[:, None] * N + rows_b[None, :], yb, mask=m_ok & ok_b[None, :])
+        tl.debug_barrier()  # every thread's stores before the arrival
+        for r in tl.static_range(WS):
+            if r != RANK:
+                cnt = tl.load(peers_ptr + r).to(tl.pointer_type(tl.int64)) + CNT_OFF + site
+                tl.atomic_add(cnt, 1, sem="release", scope="sys")
+    if RS > 0:  # the last program out resets the site's counter (every program is past its wait by then)
+        done = tl.atomic_add(cnt_ptr + 2 + site, 1, sem="acq_rel", scope="gpu")
+        if done == tl.num_programs(0) - 1:
+            tl.atomic_xchg(cnt_ptr + site, 0, sem="relaxed", scope="sys")
+            tl.atomic_xchg(cnt_ptr + 2 + site, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def rank_sum_kernel(x_ptr, buf_ptr, hres_ptr, hout_ptr, cnt_ptr, err_ptr, n, K, site, expect, RANK: tl.constexpr,
+                    RS: tl.constexpr, SLOT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """``hout = residual + sum over ranks`` of the last row-parallel projection's parts (the consumer half
+    of ``dense_kernel``'s ``RS`` prologue, for the end of the forward); ``[M, K]`` contiguous, ``n = M K``."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    spins = 0
+    while (tl.atomic_add(cnt_ptr + site, 0, sem="acquire", scope="sys") < expect) & (spins < MAX_SPIN):
+        spins += 1
+    if spins >= MAX_SPIN:
+        tl.store(err_ptr, 1)
+    tl.debug_barrier()
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for r in tl.static_range(RS):
+        if r == RANK:
+            p = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        else:
+            p = tl.load(buf_ptr + (site * RS + r) * SLOT + offs, mask=mask, other=0.0)
+        acc += p.to(tl.float32)
+    dt = hout_ptr.dtype.element_ty
+    res = tl.load(hres_ptr + offs, mask=mask, other=0.0)
+    tl.store(hout_ptr + offs, (acc.to(dt).to(tl.float32) + res.to(tl.float32)).to(dt), mask=mask)
+    done = tl.atomic_add(cnt_ptr + 2 + site, 1, sem="acq_rel", scope="gpu")
+    if done == tl.num_programs(0) - 1:
+        tl.atomic_xchg(cnt_ptr + site, 0, sem="relaxed", scope="sys")
+        tl.atomic_xchg(cnt_ptr + 2 + site, 0, sem="relaxed", scope="gpu")
 
