@@ -40,7 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="llama-8b")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--workdir", default="/dev/shm/hwkv-bench")
-    p.add_argument("--tp", default="1,2", help="comma list of tensor_parallel_size")
+    p.add_argument("--tp", default="1,2", help="comma list of tensor_parallel_size, each optionally with environment "
+                   "variables set for that run alone (an A/B in one process): '1,2,2:HWKV_TP_FUSED_AR=1+HWKV_X=0'")
     p.add_argument("--decode", default="16,272", help="two output lengths of the batch-1 runs")
     p.add_argument("--offline", default="128:512:128", help="N:IN:OUT of the offline run ('' skips it)")
     p.add_argument("--budget", type=int, default=None, help="max_num_batched_tokens (default: the engine's)")
@@ -205,12 +206,24 @@ def margin_check(mdir: Path, prompts: list[list[int]], runs: list[dict[str, Any]
                 nb = (gap > HALF_LOGIT_MARGIN * best.abs().clamp_min(1.0)).nonzero()
                 if nb.numel():
                     bad.append((i, int(nb[0])))
-            out[f"tp{r['tp']}"] = {"worst_gap": round(worst, 5), "violations": bad, "passes": not bad}
+            out[r.get("label", f"tp{r['tp']}")] = {"worst_gap": round(worst, 5), "violations": bad, "passes": not bad}
     finally:
         del model
         gc.collect()
         torch.cuda.empty_cache()
     return out
+
+
+def parse_run(item: str) -> tuple[int, dict[str, str]]:
+    """``'2'`` or ``'2:VAR=VAL+VAR=VAL'``: the tensor-parallel size and the environment of that run."""
+    size, _, rest = item.partition(":")
+    env = {}
+    for kv in filter(None, rest.split("+")):
+        k, eq, v = kv.partition("=")
+        if not eq or not k:
+            raise SystemExit(f"--tp item {item!r}: expected N or N:VAR=VALUE+VAR=VALUE")
+        env[k] = v
+    return int(size), env
 
 
 def run(a: argparse.Namespace) -> int:
@@ -235,30 +248,41 @@ def run(a: argparse.Namespace) -> int:
                            "device": torch.cuda.get_device_name(0) if cuda else a.backend,
                            "gpus": torch.cuda.device_count() if cuda else 0, "copy_bw_GBps": round(bw / 1e9, 1),
                            "torch": torch.__version__, "args": vars(a) | {"func": None, "argv": None}, "runs": []}
-    for tp in (int(x) for x in a.tp.split(",")):
-        doc["runs"].append({"tp": tp})
+    for item in a.tp.split(","):
+        tp, env = parse_run(item)
+        doc["runs"].append({"tp": tp, "label": f"tp{item}", "env": env})
 
         def save() -> None:  # what ran so far survives an error, a hang or a timeout
             if a.out:
                 Path(a.out).write_text(json.dumps(doc, indent=1) + "\n")
 
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)  # for the whole run: the workers inherit it, and some are read per call
         try:
             measure(mdir, tp, a, bw, vocab, doc["runs"][-1], save)
         finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
             save()
     runs = doc["runs"]
     if len(runs) > 1:
         base = runs[0]
-        doc["ratios"] = {f"tp{r['tp']}/tp{base['tp']}": {
+        doc["ratios"] = {f"{r['label']}/{base['label']}": {
             **{k: round(r[k]["tok_per_s"] / base[k]["tok_per_s"], 3) for k in base if k.startswith("batch")},
             **({"offline": round(r["offline"]["output_tok_per_s"] / base["offline"]["output_tok_per_s"], 3)}
                if "offline" in r else {})} for r in runs[1:]}
     if a.check_tokens and len(runs) > 1:
         first = runs[0]["tokens"]
-        doc["token_agreement"] = {f"tp{r['tp']}": {
+        doc["token_agreement"] = {r["label"]: {
             "identical_sequences": sum(x == y for x, y in zip(first, r["tokens"])), "of": len(first),
             "first_divergence": [next((j for j, (u, v) in enumerate(zip(x, y)) if u != v), None)
-                                 for x, y in zip(first, r["tokens"])]} for r in runs[1:]}
+                                 for x, y in zip(first, r["tokens"])],
+            # a variant against the first run of its tp size (the same sums: the same tokens)
+            **{f"identical_to_{q['label']}": sum(x == y for x, y in zip(q["tokens"], r["tokens"]))
+               for q in [next(u for u in runs if u["tp"] == r["tp"])] if q is not r}} for r in runs[1:]}
         if a.reference == "hf":
             doc["margin_rule"] = margin_check(mdir, _prompts(4, 24, vocab, 3), runs)
     print(json.dumps({k: v for k, v in doc.items() if k != "runs"}, indent=1), flush=True)
