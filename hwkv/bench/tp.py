@@ -46,6 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offline", default="128:512:128", help="N:IN:OUT of the offline run ('' skips it)")
     p.add_argument("--budget", type=int, default=None, help="max_num_batched_tokens (default: the engine's)")
     p.add_argument("--check-tokens", type=int, default=32, help="greedy tokens per prompt scored (0: skip)")
+    p.add_argument("--check-alone", action="store_true", help="generate each checked prompt alone (batch 1: the "
+                   "one-token decode path, fused ops and all) instead of the four together")
     p.add_argument("--reference", choices=["hf", "none"], default="hf")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--max-num-seqs", type=int, default=None, help="default: the engine's (fewer: fewer graphs "
@@ -167,7 +169,11 @@ def measure(mdir: Path, tp: int, a: argparse.Namespace, bw: float, vocab: int, r
             res["profile"] = profile_engine(e, lambda n, ln, seed: _prompts(n, ln, vocab, seed),
                                             f"{a.profile}-tp{tp}", a.offline)
         if a.check_tokens:
-            _, res["tokens"] = _generate(e, _prompts(4, 24, vocab, 3), a.check_tokens)
+            checked = _prompts(4, 24, vocab, 3)
+            if a.check_alone:
+                res["tokens"] = [_generate(e, [p], a.check_tokens)[1][0] for p in checked]
+            else:
+                _, res["tokens"] = _generate(e, checked, a.check_tokens)
             print(f"tp={tp} greedy tokens done", flush=True)
     finally:
         if save is not None:
