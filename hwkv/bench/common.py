@@ -42,6 +42,10 @@ SHAPES: dict[str, dict[str, Any]] = {
     "qwen-0.5b": dict(arch="qwen2", hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
                       intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
                       rope_theta=1000000.0, max_position_embeddings=32768),
+    # SmolLM2-135M: 30 layers, hidden 576, 9 q / 3 kv heads, head 64, ffn 1536, vocab 49152, tied.
+    "smollm2-135m": dict(arch="llama", hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
+                         intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
+                         rope_theta=100000.0, max_position_embeddings=8192),
 }
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
@@ -58,7 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma list of string, records; NAME+pageable: that schema with the mask in pageable "
                         "host memory (an A/B of the pinned double buffer); NAME+inline: every mask computed in "
                         "the step, no worker thread (an A/B of the overlap); NAME+gil: a short GIL switch "
-                        "interval; NAME+tN: llguidance's executor with N threads")
+                        "interval; NAME+tN: llguidance's executor with N threads; NAME+shared: each request's "
+                        "matcher a deep copy of the cached one (sharing its lexer and lock; the A/B of matchers "
+                        "of their own)")
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--gil-switch-ms", type=float, default=0.2,
                    help="NAME+gil in --schemas: that schema with sys.setswitchinterval at this many ms")
@@ -69,8 +72,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "engine's, hwkv.engine.structured.MASK_THREADS)")
     p.add_argument("--mask-only", type=int, default=0, metavar="STEPS",
                    help="no engine: time llguidance alone for --batch matchers over STEPS steps of random allowed "
-                        "tokens (the synthetic tokenizer of --model's vocabulary): llguidance's executor with its "
-                        "default threads, with the engine's (MASK_THREADS), and one thread")
+                        "tokens (the synthetic tokenizer of --model's vocabulary): matchers of their own (the "
+                        "engine's) vs deep copies of one (sharing its lexer), one thread and llguidance's executor "
+                        "on each of --thread-counts")
+    p.add_argument("--thread-counts", default="2,4,8,16,0",
+                   help="--mask-only: executor thread counts to time (0: llguidance's default, 80%% of the cores)")
     p.add_argument("--engine-args", default="{}", help="JSON of extra Engine keyword arguments")
     p.add_argument("--out-dir", default=None)
 
@@ -145,15 +151,15 @@ def model_dir(args: argparse.Namespace) -> Path:
 
 def mask_only(args: argparse.Namespace) -> int:
     """Host cost of the masks alone: ``--batch`` matchers per schema advance by a random allowed token
-    per step (as a random-weight model samples); the executor's parallel fill with llguidance's default threads,
-    with the engine's, and one thread, same tokens."""
+    per step (as a random-weight model samples), same tokens in every configuration: matchers of their
+    own (each compiled: the engine's) vs deep copies of one compiled matcher (llguidance shares the
+    lexer and its lock between copies), filled by one thread (each row also timed alone: the per-row
+    tail) and by llguidance's executor with each of ``--thread-counts`` threads."""
     import llguidance
     import numpy as np
     import torch
 
     from hwkv.engine.structured import MASK_THREADS, grammar_of
-
-    llguidance_default = "default (80% of cores)"
 
     shapes = {**SHAPES, "tiny": TINY}
     if args.model in shapes:
@@ -163,52 +169,85 @@ def mask_only(args: argparse.Namespace) -> int:
     tok = synthetic_tokenizer(vocab)
     llt = llguidance.LLTokenizer(tok.to_str(), n_vocab=vocab, eos_token=1)
     words = (vocab + 31) // 32
+    counts = [int(x) for x in args.thread_counts.split(",") if x.strip()]
     res: dict[str, Any] = {}
     for name in [s for s in args.schemas.split(",") if s]:
-        for threads in dict.fromkeys((None, MASK_THREADS, 1)):  # llguidance's default, the engine's, one
-            rng = random.Random(0)
-            base = llguidance.LLMatcher(llt, grammar_of({"json": SCHEMAS[name]}), log_level=0)
-            ms = [base.deep_copy() for _ in range(args.batch)]
-            ex = None if threads == 1 else llguidance.LLExecutor(num_threads=threads)
-            mask = torch.full((args.batch, words), -1, dtype=torch.int32)
-            times, rows, slowest = [], [], []  # one thread: each row timed alone too
-            for _ in range(args.mask_only):
-                live = [(m, i) for i, m in enumerate(ms) if not m.is_stopped()]
-                if not live:
-                    break
-                t = time.perf_counter()
-                if ex is not None:
-                    ex.unsafe_compute_mask_ptr(live, mask.data_ptr(), words * 4, args.batch)
+        grammar = grammar_of({"json": SCHEMAS[name]})
+        for kind in ("own", "copies"):
+            for threads in [1, *counts]:
+                if kind == "own":
+                    ms = [llguidance.LLMatcher(llt, grammar, log_level=0) for _ in range(args.batch)]
                 else:
-                    ts = []
+                    base = llguidance.LLMatcher(llt, grammar, log_level=0)
+                    ms = [base.deep_copy() for _ in range(args.batch)]
+                ex = None if threads == 1 else llguidance.LLExecutor(num_threads=threads or None)
+                mask = torch.full((args.batch, words), -1, dtype=torch.int32)
+                # a warm-up walk (other tokens), then the timed one from the start: the engine reuses a
+                # request's matcher, reset, for the next one, so its lexer's caches are warm
+                _walk(ms, ex, mask, words, vocab, args.mask_only, random.Random(1))
+                for m in ms:
+                    m.reset()
+                rng = random.Random(0)
+                times, rows, slowest = [], [], []  # one thread: each row timed alone too
+                for _ in range(args.mask_only):
+                    live = [(m, i) for i, m in enumerate(ms) if not m.is_stopped()]
+                    if not live:
+                        break
+                    t = time.perf_counter()
+                    if ex is not None:
+                        ex.unsafe_compute_mask_ptr(live, mask.data_ptr(), words * 4, args.batch)
+                    else:
+                        ts = []
+                        for m, i in live:
+                            t1 = time.perf_counter()
+                            m.unsafe_compute_mask_ptr(mask[i].data_ptr(), words * 4)
+                            ts.append(time.perf_counter() - t1)
+                        rows += ts
+                        slowest.append(max(ts))
+                    times.append(time.perf_counter() - t)
+                    bits = np.unpackbits(mask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
                     for m, i in live:
-                        t1 = time.perf_counter()
-                        m.unsafe_compute_mask_ptr(mask[i].data_ptr(), words * 4)
-                        ts.append(time.perf_counter() - t1)
-                    rows += ts
-                    slowest.append(max(ts))
-                times.append(time.perf_counter() - t)
-                bits = np.unpackbits(mask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
-                for m, i in live:
-                    allowed = np.flatnonzero(bits[i])
-                    m.consume_token(int(allowed[rng.randrange(len(allowed))]))
-            q = sorted(times)
-            key = f"{name}/{'1 thread' if threads == 1 else f'executor {threads or llguidance_default} threads'}"
-            res[key] = {"steps": len(q), "mean_ms": 1e3 * sum(q) / len(q), "p50_ms": 1e3 * q[len(q) // 2],
-                        "p90_ms": 1e3 * q[int(len(q) * 0.9)], "max_ms": 1e3 * q[-1]}
-            if rows:  # a parallel fill ends with its slowest row: the mean of those is its floor
-                r = sorted(rows)
-                res[key]["row_ms_p50_p90_p99_max"] = [round(1e3 * r[int(len(r) * f)], 4) for f in (0.5, 0.9, 0.99)] + [
-                    round(1e3 * r[-1], 4)]
-                res[key]["slowest_row_mean_ms"] = 1e3 * sum(slowest) / len(slowest)
-                print(f"{key:>20}: per row p50/p90/p99/max {res[key]['row_ms_p50_p90_p99_max']} ms; the slowest row "
-                      f"of a step {res[key]['slowest_row_mean_ms']:.3f} ms on average", flush=True)
-            print(f"{key:>20}: {args.batch} rows, {len(q)} steps: mask mean {res[key]['mean_ms']:.3f} ms/step "
-                  f"p50 {res[key]['p50_ms']:.3f} p90 {res[key]['p90_ms']:.3f} max {res[key]['max_ms']:.3f}", flush=True)
+                        allowed = np.flatnonzero(bits[i])
+                        m.consume_token(int(allowed[rng.randrange(len(allowed))]))
+                q = sorted(times)
+                label = "1 thread" if threads == 1 else f"executor {threads or 'default (80% of cores)'} threads"
+                key = f"{name}/{kind}/{label}"
+                res[key] = {"steps": len(q), "mean_ms": 1e3 * sum(q) / len(q), "p50_ms": 1e3 * q[len(q) // 2],
+                            "p90_ms": 1e3 * q[int(len(q) * 0.9)], "max_ms": 1e3 * q[-1]}
+                if rows:  # a parallel fill ends with its slowest row: the mean of those is its floor
+                    r = sorted(rows)
+                    res[key]["row_ms_p50_p90_p99_max"] = [round(1e3 * r[int(len(r) * f)], 4)
+                                                          for f in (0.5, 0.9, 0.99)] + [round(1e3 * r[-1], 4)]
+                    res[key]["slowest_row_mean_ms"] = 1e3 * sum(slowest) / len(slowest)
+                    print(f"{key:>44}: per row p50/p90/p99/max {res[key]['row_ms_p50_p90_p99_max']} ms; the slowest "
+                          f"row of a step {res[key]['slowest_row_mean_ms']:.3f} ms on average", flush=True)
+                print(f"{key:>44}: {args.batch} rows, {len(q)} steps: mask mean {res[key]['mean_ms']:.3f} ms/step "
+                      f"p50 {res[key]['p50_ms']:.3f} p90 {res[key]['p90_ms']:.3f} max {res[key]['max_ms']:.3f}",
+                      flush=True)
     out = (Path(args.out_dir) if args.out_dir else results_dir()) / f"structured-mask-only-{Path(args.model).name}.json"
     write_result(out, {"bench": "structured --mask-only", "model": args.model, "vocab": vocab, "batch": args.batch,
+                       "engine_mask_threads": MASK_THREADS, "cores": len(os.sched_getaffinity(0)),
                        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "results": res})
     return 0
+
+
+def _walk(ms: list[Any], ex: Any, mask: Any, words: int, vocab: int, steps: int, rng: random.Random) -> None:
+    """``steps`` masks of every live matcher, each then consuming a random allowed token (warm-up)."""
+    import numpy as np
+
+    for _ in range(steps):
+        live = [(m, i) for i, m in enumerate(ms) if not m.is_stopped()]
+        if not live:
+            return
+        if ex is not None:
+            ex.unsafe_compute_mask_ptr(live, mask.data_ptr(), words * 4, len(ms))
+        else:
+            for m, i in live:
+                m.unsafe_compute_mask_ptr(mask[i].data_ptr(), words * 4)
+        bits = np.unpackbits(mask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+        for m, i in live:
+            allowed = np.flatnonzero(bits[i])
+            m.consume_token(int(allowed[rng.randrange(len(allowed))]))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -261,12 +300,14 @@ def run(args: argparse.Namespace) -> int:
                                    ignore_eos=schema is None,
                                    structured_outputs=None if base is None else {"json": SCHEMAS[base]})
                for i in range(args.batch)]
-        c0 = (so.mask_s, so.num_masks, so.join_s, so.worker_s, so.rows_prefetched, so.rows_computed)
+        c0 = (so.mask_s, so.num_masks, so.join_s, so.worker_s, so.rows_prefetched, so.rows_computed,
+              so.wake_s, engine.runner.token_wait_s)
         parts = ("gather_s", "compute_s", "copy_s", "consume_s", "fill_s")
         p0 = [getattr(so, k) for k in parts]
         step_s.clear()
         so._buffer = pageable if schema and "+pageable" in schema else pinned
         so.overlap = not (schema and "+inline" in schema)
+        so.shared_lexer = bool(schema and "+shared" in schema)
         switch, executor = sys.getswitchinterval(), so._executor
         if schema and "+gil" in schema:  # the A/B of a short GIL switch interval (Python's default: 5 ms)
             sys.setswitchinterval(args.gil_switch_ms / 1e3)
@@ -282,7 +323,7 @@ def run(args: argparse.Namespace) -> int:
             sys.setswitchinterval(switch)
             so._executor = executor
         dt = time.perf_counter() - t0
-        so._buffer, so.overlap = pinned, True
+        so._buffer, so.overlap, so.shared_lexer = pinned, True, False
         toks = sum(len(o.token_ids) for o in outs)
         n = max(so.num_masks - c0[1], 1)
         row = {"tokens": toks, "seconds": dt, "tok_s": toks / dt,
@@ -291,7 +332,12 @@ def run(args: argparse.Namespace) -> int:
                "join_ms_per_step": 1e3 * (so.join_s - c0[2]) / n,
                "worker_ms_per_step": 1e3 * (so.worker_s - c0[3]) / n,  # overlapped with the step's other work
                "rows_prefetched": so.rows_prefetched - c0[4], "rows_computed": so.rows_computed - c0[5],
-               "steps": so.num_masks - c0[1]}
+               "steps": so.num_masks - c0[1],
+               # worker: from a step's submit to its tokens read (the device's sampling + the GIL); main
+               # thread: waiting for the previous step's tokens (per step of this run, free runs too)
+               "worker_wake_ms_per_step": 1e3 * (so.wake_s - c0[6]) / n,
+               "main_token_wait_ms_per_step": 1e3 * (engine.runner.token_wait_s - c0[7]) / max(args.output_len, 1),
+               "matchers_built": so.num_matchers}
         # main thread after the join: gather of the worker's rows, rows computed in the step (their
         # consumes included), the copy's launch; worker: consume_token_par, mask fill
         row["parts_ms_per_step"] = {k[:-2]: round(1e3 * (getattr(so, k) - v) / n, 3) for k, v in zip(parts, p0)}
@@ -310,7 +356,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"{name:>8}: {row['tokens']} tokens in {row['seconds']:.3f} s = {row['tok_s']:,.0f} tok/s"
               f"  mask {row['mask_ms_per_step']:.3f} ms/step (p50/p90/max {row.get('mask_ms_p50_p90_max')}; "
               f"join {row['join_ms_per_step']:.3f}, worker {row['worker_ms_per_step']:.3f} ms/step, rows "
-              f"prefetched/computed {row['rows_prefetched']}/{row['rows_computed']}; {row['parts_ms_per_step']})",
+              f"prefetched/computed {row['rows_prefetched']}/{row['rows_computed']}; {row['parts_ms_per_step']}; "
+              f"worker wake {row['worker_wake_ms_per_step']:.3f}, main token wait "
+              f"{row['main_token_wait_ms_per_step']:.3f} ms/step)",
               flush=True)
 
     names = [s for s in args.schemas.split(",") if s]

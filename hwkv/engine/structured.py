@@ -13,7 +13,10 @@ also with async scheduling) and fills one packed int32 row per request: bit ``j`
 allows token ``32 w + j`` (llguidance's and xgrammar's layout). The sampler applies it with plain
 tensor ops on the device (:func:`hwkv.model.sampler.apply_token_bitmask`): no vendor kernel, no host
 sync. Rows of unconstrained requests stay all ones. Compiled grammars are cached (LRU by grammar
-text): a new request deep-copies the compiled matcher instead of compiling again.
+text, for validation and errors); each request gets a matcher of its own, taken from the grammar's
+idle matchers (reset when their request ended) or compiled for it. Not a copy of the cached one:
+llguidance's ``deep_copy`` shares the lexer (and the lock around it) between copies, so a parallel
+fill of many copies runs one row at a time.
 
 Overlap (:meth:`StructuredOutputs.prefetch`): as soon as a step's sampling is launched, a worker
 thread waits for its tokens, advances the matchers (llguidance's executor, in parallel, the GIL
@@ -42,6 +45,7 @@ if TYPE_CHECKING:
 
 KEYS = ("json", "json_object", "regex", "choice", "grammar")
 CACHE_SIZE = 256  # compiled grammars kept
+IDLE_MAX = 256  # idle matchers kept per grammar (at most the peak of its concurrent requests)
 # llguidance's executor threads: at most 8, and two cores left to the engine's main thread and the
 # process's other work. Its own default (80% of the cores, up to 32) oversubscribes a host shared by
 # several GPUs' processes, where a parallel fill waits for its last thread to be scheduled; 64 rows
@@ -103,10 +107,17 @@ class StructuredOutputs:
         self.vocab_size, self.eos = vocab_size, list(eos_token_ids)
         self._tok: Any = None
         self._executor: Any = None
-        self._cache: OrderedDict[str, Any] = OrderedDict()
-        # req id -> [matcher, tokens consumed, slot whose prefetched row is the mask after them (or None)]
+        # grammar text -> [the compiled matcher (validation), idle matchers of their own (reset)]
+        self._cache: OrderedDict[str, list[Any]] = OrderedDict()
+        # req id -> [matcher, tokens consumed, slot whose prefetched row is the mask after them (or None),
+        #            its grammar's cache entry]
         self.matchers: dict[str, list[Any]] = {}
         self.num_compiled = 0  # grammars compiled (cache misses), for tests and stats
+        self.num_matchers = 0  # matchers built for requests (the rest were idle ones, reused)
+        # True: a request's matcher is a deep_copy of the cached one (llguidance shares the lexer and its
+        # lock between copies: the A/B of matchers of their own, `hwkv bench structured NAME+shared`)
+        self.shared_lexer = False
+        self._retired: list[list[Any]] = []  # dropped requests' states, made idle after the worker's join
         # bitmask() calls that masked something, and their main-thread time (the part on the step's
         # critical path: the join of the worker included)
         self.num_masks, self.mask_s = 0, 0.0
@@ -117,6 +128,7 @@ class StructuredOutputs:
         # copy's launch) and where the worker's time goes (consume, fill): the bench reports them
         self.gather_s = self.compute_s = self.copy_s = 0.0
         self.consume_s = self.fill_s = 0.0
+        self.wake_s = 0.0  # worker: from a step's submit to its tokens read (device + GIL waits)
         self._worker: ThreadPoolExecutor | None = None
         self.overlap = True  # masks on the worker thread (False: every mask computed in the step)
         self._futures: list[Future[None]] = []
@@ -145,28 +157,45 @@ class StructuredOutputs:
 
     def compile(self, spec: dict[str, Any]) -> Any:
         """The compiled matcher of ``spec`` (cached); ``ValueError`` if the grammar is invalid."""
+        return self._entry(spec)[0]
+
+    def _entry(self, spec: dict[str, Any]) -> list[Any]:
         import llguidance
 
         grammar = grammar_of(spec)
-        m = self._cache.get(grammar)
-        if m is not None:
+        entry = self._cache.get(grammar)
+        if entry is not None:
             self._cache.move_to_end(grammar)
-            return m
+            return entry
         m = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)
         if m.is_error():
             kind = next(k for k in KEYS if spec.get(k) not in (None, False))
             raise ValueError(f"SamplingParams.structured_outputs.{kind} is invalid: {m.get_error()}")
         self.num_compiled += 1
-        self._cache[grammar] = m
+        entry = self._cache[grammar] = [m, [], grammar]
         if len(self._cache) > CACHE_SIZE:
             self._cache.popitem(last=False)
-        return m
+        return entry
+
+    def _matcher(self, entry: list[Any]) -> Any:
+        """A matcher of ``entry``'s grammar at its start, with a lexer of its own: an idle one, else
+        compiled (about as costly as a few masks; llguidance releases the GIL meanwhile)."""
+        import llguidance
+
+        if self.shared_lexer:
+            return entry[0].deep_copy()
+        if entry[1]:
+            return entry[1].pop()
+        self.num_matchers += 1
+        return llguidance.LLMatcher(self._tokenizer(), entry[2], log_level=0)
 
     def add(self, req_id: str, spec: dict[str, Any], slot: int | None = None, outputs: list[int] | None = None) -> None:
         """Start (or, after a preemption, restart) ``req_id``'s matcher at its first output token. With
         its runner ``slot`` (and the ``outputs`` a restarted request recomputes), :meth:`start_fresh`
         computes its first mask on the worker, beside the request's prefill."""
-        st = self.matchers[req_id] = [self.compile(spec).deep_copy(), 0, None]  # a new list: the worker keeps the old
+        self.drop(req_id)
+        entry = self._entry(spec)
+        st = self.matchers[req_id] = [self._matcher(entry), 0, None, entry]  # a new list: the worker keeps the old
         if slot is not None and self.overlap:
             self._fresh.append((st, slot, list(outputs or ())))
 
@@ -182,7 +211,24 @@ class StructuredOutputs:
         self._futures.append(self._worker.submit(fn, *args))
 
     def drop(self, req_id: str) -> None:
-        self.matchers.pop(req_id, None)
+        st = self.matchers.pop(req_id, None)
+        if st is not None and not self.shared_lexer:
+            self._retired.append(st)  # made idle once no worker job can hold it (join)
+            if all(f.done() for f in self._futures):
+                self.join()  # the worker is done: no wait
+
+    def _recycle(self) -> None:
+        """Reset the dropped requests' matchers into their grammar's idle list (the worker is joined).
+        A matcher whose first mask is still to be submitted (:meth:`start_fresh`) waits."""
+        due = {id(st) for st, _, _ in self._fresh}
+        keep = []
+        for st in self._retired:
+            if id(st) in due:
+                keep.append(st)
+            elif not st[0].is_error() and len(st[3][1]) < IDLE_MAX:
+                st[0].reset()
+                st[3][1].append(st[0])
+        self._retired = keep
 
     def _executor_(self) -> Any:
         if self._executor is None:
@@ -206,7 +252,7 @@ class StructuredOutputs:
             return
         for _, st, _ in jobs:
             st[2] = None  # until the worker wrote the row
-        self._submit(self._advance, jobs, host, event)
+        self._submit(self._advance, jobs, host, event, time.perf_counter())
 
     def _first(self, jobs: list[tuple[list[Any], int, list[int]]]) -> None:
         t0 = time.perf_counter()
@@ -233,10 +279,11 @@ class StructuredOutputs:
         self._executor_().unsafe_compute_mask_ptr(todo, self._slot_rows.data_ptr(), self.words * 4,
                                                   self._slot_rows.shape[0])
 
-    def _advance(self, jobs: list[tuple[int, list[Any], int]], host: torch.Tensor, event: Any) -> None:
+    def _advance(self, jobs: list[tuple[int, list[Any], int]], host: torch.Tensor, event: Any, t_submit: float) -> None:
         if event is not None:
             event.synchronize()  # (releases the GIL)
         t0 = time.perf_counter()
+        self.wake_s += t0 - t_submit
         toks = host.tolist()
         ex = self._executor_()
         ok = ex.consume_token_par([(st[0], toks[j]) for j, st, _ in jobs])
@@ -259,6 +306,8 @@ class StructuredOutputs:
         futs, self._futures = self._futures, []
         for fut in futs:
             fut.result()
+        if self._retired:
+            self._recycle()
 
     def close(self) -> None:
         """Stop the worker thread (idempotent)."""
@@ -283,7 +332,7 @@ class StructuredOutputs:
         self.join_s += time.perf_counter() - t0
         todo, hit, hit_slots, dead = [], [], [], []
         for i, state in rows:
-            m, seen, ready = state
+            m, seen, ready = state[:3]
             out = outputs[i]
             if ready is not None and seen == len(out) and slots is not None and ready == slots[i]:
                 hit.append(i)

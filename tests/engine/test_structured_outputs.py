@@ -129,6 +129,27 @@ def test_prefetch_with_aborts_and_reused_slots(model):
     assert all(valid(t) for r, t in got.values() if r == "stop")
 
 
+def test_matchers_of_their_own_are_reused_and_answer_as_copies(model):
+    """Each request gets a matcher with a lexer of its own (not a copy sharing the cached one's lexer
+    lock), reset and reused when its request ends (after the worker's next join): no more built than
+    ran at once plus those that ended in the same step, none for a second batch, the same answers."""
+    sp = [hwkv.SamplingParams(temperature=1.0, seed=i, max_tokens=60, structured_outputs={"json": SCHEMA})
+          for i in range(20)]
+    e = hwkv.Engine(model, backend="cpu", num_kv_blocks=128, max_num_seqs=6, async_scheduling=True)
+    so = e.runner.structured
+    got = [o.text for o in e.generate(["Give JSON:"] * 20, sp, use_tqdm=False)]
+    assert 1 <= so.num_matchers <= 2 * 6 and so.num_compiled == 1
+    so.join()  # the last requests' matchers become idle once the worker's last job is joined
+    idle = so._entry({"json": SCHEMA})[1]
+    assert len(idle) == so.num_matchers and not so.matchers and not so._retired
+    assert [o.text for o in e.generate(["Give JSON:"] * 20, sp, use_tqdm=False)] == got
+    so.join()
+    assert len(idle) == so.num_matchers <= 2 * 6  # the second run built none
+    so.shared_lexer = True  # the copies' path (llguidance deep_copy): the same answers
+    assert [o.text for o in e.generate(["Give JSON:"] * 20, sp, use_tqdm=False)] == got
+    e.close()
+
+
 def test_regex_choice_grammar_and_errors(model):
     e = hwkv.Engine(model, backend="cpu", num_kv_blocks=64, max_num_seqs=8)
     so = [{"regex": r"[a-c]{2}-[0-9]{2}"}, {"choice": ["north", "south"]}, {"grammar": 'start: "x" ("y" | "z")+ "."'}]
@@ -191,13 +212,16 @@ def test_bench_structured_mask_only_times_rows_of_a_checkpoint_vocab(tmp_path):
     p = argparse.ArgumentParser()
     bench.add_arguments(p)
     args = p.parse_args(["--model", str(tmp_path / "ck"), "--mask-only", "5", "--batch", "3", "--schemas", "records",
-                         "--out-dir", str(tmp_path / "out")])
+                         "--thread-counts", "2", "--out-dir", str(tmp_path / "out")])
     assert bench.run(args) == 0
     doc = json.loads((tmp_path / "out" / "structured-mask-only-ck.json").read_text())
-    one = doc["results"]["records/1 thread"]
-    assert doc["vocab"] == 1000 and one["steps"] == 5
-    p50, p90, p99, top = one["row_ms_p50_p90_p99_max"]
-    assert 0 < p50 <= p90 <= p99 <= top and 0 < one["slowest_row_mean_ms"] <= top
+    assert doc["vocab"] == 1000 and sorted(doc["results"]) == [
+        f"records/{kind}/{label}" for kind in ("copies", "own") for label in ("1 thread", "executor 2 threads")]
+    for kind in ("own", "copies"):
+        one = doc["results"][f"records/{kind}/1 thread"]
+        assert one["steps"] == 5 and doc["results"][f"records/{kind}/executor 2 threads"]["mean_ms"] > 0
+        p50, p90, p99, top = one["row_ms_p50_p90_p99_max"]
+        assert 0 < p50 <= p90 <= p99 <= top and 0 < one["slowest_row_mean_ms"] <= top
 
 
 def test_graph_replayed_decode_steps_apply_the_mask(model):
