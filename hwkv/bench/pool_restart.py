@@ -11,10 +11,14 @@ master --capacity`` starts) hold the pool; engines contribute no memory (``globa
    ``tcp`` (a plain client: values over the transfer engine's tcp, as from another host);
 3. *none*: a new engine process without a connector (what a restart costs today).
 
-In 2 and 3 the engine first serves an unrelated request as long as the measured one (kernel
-compilation and first-forward costs of that length are nobody's),
-then the measured one: the same prefix with another suffix, ``max_tokens=1``; TTFT is that
-``generate`` call's wall time, best of ``--repeats`` fresh processes. The tokens of 2 and 3 must be
+In 2 and 3 the engine first serves a warm-up request of exactly the measured one's shape: another
+prefix of ``--prompt-len`` tokens that the fill also put (so the pool runs load it), plus a suffix of
+``--suffix-len`` new tokens, so first-use costs of that shape (kernel compilation for a prefill of
+the suffix over a loaded prefix) are nobody's. (Until 2026-11-28 the warm-up was a fresh prompt: its
+load left 16 tokens to compute where the measured request computes 32, and the first pool variant
+measured ~2 s more than the next one, which may have found the compiled kernels on disk.) Then the
+measured one: the same prefix with another suffix, ``max_tokens=1``; TTFT is that ``generate`` call's
+wall time, best of ``--repeats`` fresh processes. The tokens of 2 and 3 must be
 identical (checked). The measured pool processes load only (``save=False``), so each finds exactly
 what the fill put. Each pool run also reports where its load's time went (the connector's
 ``load_*_s`` counters over the measured request only): the store's get calls, waiting for the
@@ -55,7 +59,7 @@ e = hwkv.Engine(cfg["model"], **kw)
 sp = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 def timing():
     st = e.stats().get("kv_connector") or {}
-    return {k: v for k, v in st.items() if k.startswith(("load_", "put_")) and k.endswith(("_s", "_jobs"))}
+    return {k: v for k, v in st.items() if k.startswith(("load_", "put_", "lookup")) and k.endswith(("_s", "_jobs"))}
 e.generate([cfg["warm"]], sp, use_tqdm=False)
 before = timing()  # the warm request's own loads (the fill put its chunks too) are not the measured one's
 t0 = time.perf_counter()
@@ -70,7 +74,8 @@ st = e.stats().get("kv_connector") or {}
 timing = {k: round(v - before.get(k, 0.0), 6) for k, v in timing().items()}
 print("RESULT " + json.dumps({"ttft_s": ttft, "tokens": out.token_ids, "loaded_bytes": st.get("loaded_bytes", 0),
                                "stored_chunks": st.get("stored_chunks", 0),
-                               "lookup_hit_tokens": st.get("lookup_hit_tokens", 0), "timing": timing}), flush=True)
+                               "lookup_hit_tokens": st.get("lookup_hit_tokens", 0),
+                               "failed_loads": st.get("failed_loads", 0), "timing": timing}), flush=True)
 e.close()
 """
 
@@ -96,7 +101,7 @@ def settle():
     assert e.kv_cache_manager.reset_prefix_cache(), "prefix cache reset refused: blocks still held"
 def timing():
     st = e.stats().get("kv_connector") or {}
-    return {k: v for k, v in st.items() if k.startswith(("load_", "put_")) and k.endswith(("_s", "_jobs"))}
+    return {k: v for k, v in st.items() if k.startswith(("load_", "put_", "lookup")) and k.endswith(("_s", "_jobs"))}
 res = {}
 for name, prompt in (("warm", cfg["warm"]), ("warm_load", cfg["warm"]), ("none", cfg["prompt"]),
                      ("pool", cfg["prompt"])):
@@ -191,9 +196,10 @@ def run(args: argparse.Namespace) -> int:
     prefix = [rng.randrange(1, vocab) for _ in range(args.prompt_len)]
     suffix = [[rng.randrange(1, vocab) for _ in range(args.suffix_len)] for _ in range(2 + args.repeats)]
     max_len = args.prompt_len + args.suffix_len + 2 * args.block_size
+    warm_prefix = [rng.randrange(1, vocab) for _ in range(args.prompt_len)]
+    warm = [warm_prefix + [rng.randrange(1, vocab) for _ in range(args.suffix_len)] for _ in range(2 + args.repeats)]
     base = dict(model=mdir, backend=args.backend, dtype=args.dtype, block_size=args.block_size, max_len=max_len,
-                blocks=2 * (max_len // args.block_size + 2), engine_args=json.loads(args.engine_args),
-                warm=[rng.randrange(1, vocab) for _ in range(args.prompt_len + args.suffix_len)])
+                blocks=2 * (max_len // args.block_size + 2), engine_args=json.loads(args.engine_args), warm=warm[0])
     out: dict[str, Any] = {}
     with contextlib.ExitStack() as stack:
         m = stack.enter_context(mooncake_master())
@@ -206,6 +212,7 @@ def run(args: argparse.Namespace) -> int:
         pools = {"holder": {**tcp, "holder": f"127.0.0.1:{h.port}"}, "tcp": tcp}
         if args.one_process:
             return _one_process(args, base, pools, via, prefix + suffix[1])
+        # the fill puts the warm-up prefix too: each measured process's warm-up loads it (another suffix)
         fill = _child({**base, "pool": pools[via[0]], "prompt": prefix + suffix[0]}, args.timeout)
         print(f"fill ({via[0]}): {fill['stored_chunks']} chunks put, process exited", flush=True)
         runs: dict[str, list[dict[str, Any]]] = {"none": [], **{f"pool-{v}": [] for v in via}}
@@ -218,7 +225,8 @@ def run(args: argparse.Namespace) -> int:
             for name in runs:
                 pool = pools.get(name[5:])  # load-only: every variant finds what the fill put, no more
                 try:
-                    r = _child({**base, "pool": pool and {**pool, "save": False}, "prompt": prompt}, args.timeout)
+                    cfg = {**base, "pool": pool and {**pool, "save": False}, "prompt": prompt, "warm": warm[1 + i]}
+                    r = _child(cfg, args.timeout)
                 except (RuntimeError, subprocess.TimeoutExpired) as e:  # the other variants still run
                     errors[name] = str(e)[-2000:]
                     print(f"  {name:>11}: FAILED {errors[name]}", flush=True)
@@ -230,9 +238,9 @@ def run(args: argparse.Namespace) -> int:
                 split = "" if not tm.get("load_jobs") else (
                     f" (get: store calls {1e3 * tm['load_store_s']:.1f} ms, waiting for device copies "
                     f"{1e3 * tm['load_copy_wait_s']:.1f} ms, compute-stream event {1e3 * tm['load_event_s']:.1f} ms,"
-                    f" whole get {1e3 * tm['load_wall_s']:.1f} ms in {tm['load_jobs']:.0f} job(s); the rest of the "
-                    f"TTFT (lookup, scheduling, the suffix's prefill) "
-                    f"{1e3 * (r['ttft_s'] - tm['load_wall_s']):.1f} ms)")
+                    f" whole get {1e3 * tm['load_wall_s']:.1f} ms in {tm['load_jobs']:.0f} job(s); lookup "
+                    f"{1e3 * tm.get('lookup_s', 0):.1f} ms; the rest of the TTFT (scheduling, the suffix's prefill) "
+                    f"{1e3 * (r['ttft_s'] - tm['load_wall_s'] - tm.get('lookup_s', 0)):.1f} ms)")
                 print(f"  {name:>11}: TTFT {1e3 * r['ttft_s']:.1f} ms, loaded {r['loaded_bytes']} B{split}", flush=True)
                 if r["tokens"] != runs["none"][-1]["tokens"]:
                     raise RuntimeError(f"tokens differ with {name}: {r['tokens']} vs {runs['none'][-1]['tokens']}")
@@ -278,7 +286,8 @@ def _one_process(args: argparse.Namespace, base: dict[str, Any], pools: dict[str
                   "loaded_bytes": r["pool"]["loaded_bytes"] - r["none"]["loaded_bytes"], "runs": r}
         print(f"  {v}: recompute {1e3 * none:.1f} ms, from the pool {1e3 * pool:.1f} ms = x{none / pool:.2f} "
               f"(goal >= 4); load: store calls {1e3 * tm.get('load_store_s', 0):.1f} ms, waiting for device copies "
-              f"{1e3 * tm.get('load_copy_wait_s', 0):.1f} ms, whole get {1e3 * tm.get('load_wall_s', 0):.1f} ms"
+              f"{1e3 * tm.get('load_copy_wait_s', 0):.1f} ms, whole get {1e3 * tm.get('load_wall_s', 0):.1f} ms, "
+              f"lookup {1e3 * tm.get('lookup_s', 0):.1f} ms"
               f"{'; packed' if out[v]['packed_loads'] else ''}",
               flush=True)
         write_result(path, {"bench": "pool-restart --one-process", "date": day, "machine": machine(),

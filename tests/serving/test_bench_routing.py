@@ -44,6 +44,9 @@ def test_bench_pool_restart_toy(tmp_path):
     for via in ("pool-holder", "pool-tcp"):  # the measured request's load split (the warm request's excluded)
         tm = res["runs"][via][0]["timing"]
         assert tm["load_jobs"] == 1 and 0 < tm["load_store_s"] <= tm["load_wall_s"] <= res["runs"][via][0]["ttft_s"]
+        # the warm-up has the measured request's shape: it loads its own 256-token prefix too
+        assert res["runs"][via][0]["lookup_hit_tokens"] == 2 * 256 and res["runs"][via][0]["failed_loads"] == 0
+        assert 0 < tm["lookup_s"] < res["runs"][via][0]["ttft_s"]
     # one engine per --via: recompute, then the same prompt from the pool, tokens equal
     args = _args(pool_restart, ["--prompt-len", "256", "--capacity-mb", "64", "--staging-mb", "8", "--one-process",
                                 "--workdir", str(tmp_path / "models"), "--out-dir", str(tmp_path)])

@@ -73,7 +73,7 @@ class PoolScheduler(JobScheduler):
         self._epoch: tuple[int, int] = (0, 0)  # (connects, failures) of the store the worker last reported
         self.counters = dict(loaded_bytes=0, stored_bytes=0, lookups=0, lookup_hit_tokens=0, load_jobs=0,
                              failed_loads=0, store_jobs=0, stored_chunks=0, dedup_pool=0, dedup_local=0,
-                             failed_stores=0)
+                             failed_stores=0, lookup_s=0.0)
 
     def bind_geometry(self, geometry: PoolGeometry, client: LookupClient | None) -> None:
         """The chunks' shape, and the lookup bridge (``None`` on a rank that serves no scheduler)."""
@@ -100,6 +100,7 @@ class PoolScheduler(JobScheduler):
         else:
             hashes = [request.block_hashes[(c + 1) * cb - 1] for c in range(first, last)]
             hits = self.client.lookup(hashes)
+            self.counters["lookup_s"] += time.monotonic() - now  # the bridge and the store's exists
             self._lookups[rid] = ((first, last), hits, now)
             self.counters["lookups"] += 1
             gone = [h for h in hashes[hits:] if h in self._recent]
