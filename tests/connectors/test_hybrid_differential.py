@@ -148,6 +148,7 @@ def test_pd_with_random_failed_reads(hybrid_dir, plain, mode):
     p = engine(hybrid_dir, num_kv_blocks=16, kv_connector="p2p", kv_connector_config=cfg("producer", mode))
     d = engine(hybrid_dir, num_kv_blocks=16, kv_connector="p2p",
                kv_connector_config=cfg("consumer", mode, transfer_timeout_s=0.3))
+    assert [g.window for g in d.config.kv_groups] == [None, 16]  # KV-cache groups on both sides
     rng = random.Random(seed)
     conn = (d if mode == "pull" else p).scheduler.connector.worker  # the worker side owns the transfer
     real = conn.transfer.read if mode == "pull" else conn.transfer.write

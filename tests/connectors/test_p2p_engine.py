@@ -60,7 +60,10 @@ def assert_clean(*engines: hwkv.Engine) -> None:
     settle(*engines)
     for e in engines:
         assert e.kv_cache_manager.num_free_blocks == e.kv_cache.spec.num_blocks
-        assert all(b.ref_cnt == 0 for b in e.kv_cache_manager.block_pool.blocks)
+        for m in getattr(e.kv_cache_manager, "managers", [e.kv_cache_manager]):  # KV-cache groups: each pool
+            pool = m.block_pool
+            assert pool.num_free_blocks == pool.num_usable_blocks
+            assert all(b.ref_cnt == 0 for b in pool.blocks if b is not pool.null_block)
         assert not e.scheduler.delayed_free
 
 

@@ -64,6 +64,9 @@ class P2PConnector(SplitConnector):
     # a load's blocks are unpinned once no rank's transfer can write them; a staged hold is served
     # once every rank staged its shard
     tp_job_keys = ("p2p_settled", "p2p_staged")
+    # KV-cache groups (docs/hybrid-models.md): every group's blocks move (a window group's live window
+    # only); the groups travel in the handshake's layout and a mismatch is refused naming both sides
+    supports_kv_groups = True
     tp_sending_from_driver = True
     tp_worker_info_type = Layout
 

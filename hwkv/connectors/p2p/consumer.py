@@ -25,7 +25,7 @@ from hwkv.connectors.p2p.protocol import (
     PushRequest,
     Release,
     incompatibility,
-    pair_segments,
+    kv_segments,
     read_plan,
 )
 from hwkv.connectors.p2p.state import LoadSpec
@@ -126,8 +126,9 @@ class Consumer:
                 raise RuntimeError(getattr(ack, "reason", "acquire refused"))
             t0 = time.perf_counter()
             try:
-                reads = [(peer, pair_segments(peer, me, list(p["remote_block_ids"]), spec.block_ids, spec.start,
-                                              spec.end, heads=sl)) for peer, sl in read_plan(peers, me)]
+                theirs = [list(p["remote_block_ids"]), *map(list, p.get("remote_group_block_ids") or ())]
+                reads = [(peer, kv_segments(peer, me, theirs, spec.all_block_ids, spec.start, spec.end, heads=sl))
+                         for peer, sl in read_plan(peers, me)]
                 for peer, (sp, dp, ln) in reads:
                     if time.monotonic() > load.deadline:  # given up (or about to be): no read may start now
                         raise RuntimeError("the load's deadline passed before all of its reads started")
@@ -167,7 +168,7 @@ class Consumer:
                 raise
             msg = PushRequest(p["remote_request_id"], self.engine_id, spec.rid, spec.block_ids, spec.start, spec.end,
                               self.channel.address, p.get("digest", ""), self.layout.tp_rank, self.layout.tp_size,
-                              load.protocol)
+                              load.protocol, spec.group_block_ids)
             ack = call(address, msg, self.config.transfer_timeout_s)
             if not (isinstance(ack, Ack) and ack.ok):
                 raise RuntimeError(getattr(ack, "reason", "push refused"))
@@ -186,7 +187,7 @@ class Consumer:
         load.reported = True
         if ok and self.host_kv is not None and load.protocol in ("tcp", ""):  # it arrived in the host mirror
             bs, spec = self.kv_cache.spec.block_size, load.spec
-            self._stage(False, spec.block_ids[spec.start // bs:-(-spec.end // bs)])
+            self._stage(False, [ids[spec.start // bs:-(-spec.end // bs)] for ids in spec.all_block_ids])
         (recv if ok else failed).add(rid)
         self.counters["loaded_bytes"] += nbytes if ok else 0
         if ok and load.protocol:

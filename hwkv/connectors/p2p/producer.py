@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from hwkv.connectors.p2p.channel import call
-from hwkv.connectors.p2p.protocol import Ack, Acquire, Layout, PushDone, PushRequest, Release, pair_segments
+from hwkv.connectors.p2p.protocol import Ack, Acquire, Layout, PushDone, PushRequest, Release, kv_segments
 from hwkv.connectors.p2p.state import Held
 
 
@@ -124,8 +124,8 @@ class Producer:
                 continue
             try:
                 transfer, mine = self.transfer_for(st.peer.protocol)
-                sp, dp, ln = pair_segments(mine, st.peer, block_ids, st.msg.block_ids, lo, hi,
-                                           layers=range(layer, layer + 1))
+                sp, dp, ln = kv_segments(mine, st.peer, block_ids, st.msg.all_block_ids, lo, hi, st.msg.end,
+                                         layers=range(layer, layer + 1))
                 if ln:
                     if ev is not None and not getattr(transfer, "orders_after", False):
                         ev.synchronize()  # a transport that cannot order on the device: the host waits

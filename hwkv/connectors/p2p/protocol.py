@@ -11,11 +11,18 @@ turned into byte ranges with the layout's head stride (:func:`pair_segments`).
 Within a block, each (layer, K|V) unit is token-major ``[block_size, H_kv, D]`` in every layout,
 so any two layouts with equal heads, head size and dtype translate token run by token run; runs
 contiguous on both sides (consecutive blocks, adjacent K/V halves) are merged into one segment.
+
+KV-cache groups (a hybrid model, docs/hybrid-models.md): a layout lists its groups (:class:`KVGroup`:
+window, layers, blocks, tensors); each group is its own KV cache with its own block ids, so a
+request's blocks are one list per group (:func:`kv_segments`), and a window group moves only the
+blocks the consumer's next query sees (:func:`window_start`). Both sides must group alike
+(:func:`group_mismatch`).
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -24,6 +31,17 @@ import numpy as np
 from hwkv.parallel.kv_mapping import HeadSlice, kv_heads_of, map_kv_heads
 
 PER_LAYER, SEPARATE_KV, CROSS_LAYER = "per_layer", "separate_kv", "cross_layer"
+
+
+class KVGroup(msgspec.Struct, frozen=True, array_like=True):
+    """One KV-cache group of a layout: ``window`` 0 is full attention; ``layers`` the model's layers
+    it holds (in its tensors' order); ``num_blocks`` its pool (a window group's block 0 is its null
+    block); ``tensors`` how many of the layout's ``bases`` are its (they follow the groups before it)."""
+
+    window: int
+    layers: list[int]
+    num_blocks: int
+    tensors: int
 
 
 class Layout(msgspec.Struct, frozen=True):
@@ -45,10 +63,18 @@ class Layout(msgspec.Struct, frozen=True):
     total_kv_heads: int = 0  # the model's KV heads (0: num_kv_heads * tp_size, no replication)
     side_channel: str = ""  # this rank's side channel host:port ("" where it serves none)
     host_id: str = ""  # hwkv.transfer.direct.host_identity(): same-host (device-direct) protocols need equal ids
+    groups: list[KVGroup] = []  # KV-cache groups ([]: one cache of every layer)
 
     @property
     def total_heads(self) -> int:
         return self.total_kv_heads or self.num_kv_heads * self.tp_size
+
+    def group(self, g: int) -> Layout:
+        """Group ``g``'s own layout (its layers, blocks and tensors), as an ungrouped cache's."""
+        grp, t0 = self.groups[g], sum(x.tensors for x in self.groups[:g])
+        return msgspec.structs.replace(self, num_layers=len(grp.layers), num_blocks=grp.num_blocks,
+                                       bases=self.bases[t0:t0 + grp.tensors],
+                                       block_nbytes=self.block_nbytes[t0:t0 + grp.tensors], groups=[])
 
 
 # ---- side-channel messages (requests get exactly one reply) ----------------------------------
@@ -105,6 +131,11 @@ class PushRequest(msgspec.Struct, tag=True):
     reader: int = 0  # the consumer rank asking (tensor parallelism: every rank asks for its heads)
     readers: int = 1  # the consumer's tensor-parallel size
     protocol: str = ""  # the protocol chosen at the handshake ("": the producer's first)
+    group_block_ids: list[list[int]] = []  # KV-cache groups 1.. (block_ids is group 0's)
+
+    @property
+    def all_block_ids(self) -> list[list[int]]:
+        return [self.block_ids, *self.group_block_ids]
 
 
 class PushDone(msgspec.Struct, tag=True):
@@ -123,7 +154,7 @@ class PushOrder(msgspec.Struct, tag=True):
     key: str
     push: PushRequest
     consumer: Layout
-    src_block_ids: list[int]
+    src_block_ids: list[list[int]]  # one list per KV-cache group
     slices: list[tuple[int, int, int, int, int]]
     reply_to: str
 
@@ -168,17 +199,47 @@ def prompt_digest(token_ids: list[int], salt: str | None) -> str:
 def layout_of(kv_cache: Any, engine_id: str, endpoint: str, protocol: str, bases: list[int] | None = None,
               tp_rank: int = 0, tp_size: int = 1, total_kv_heads: int | None = None, side_channel: str = "",
               host_id: str = "") -> Layout:
+    """The layout of a :class:`~hwkv.interfaces.layout.KVCache`, or of a
+    :class:`~hwkv.engine.kv_groups.GroupedKVCache` (one cache per KV-cache group: its ``groups``)."""
     spec = kv_cache.spec
     total = total_kv_heads or spec.num_kv_heads * tp_size
+    caches = getattr(kv_cache, "caches", None)
+    groups, dtype, nbytes = [], kv_cache.format_key(), None
+    if caches is not None:
+        groups = [KVGroup(g.window or 0, list(g.layers), c.spec.num_blocks, len(c.tensors))
+                  for g, c in zip(kv_cache.groups, caches)]
+        dtype = ",".join(dict.fromkeys(c.format_key() for c in caches))  # fp8: each group's scales
+        nbytes = [c.block_nbytes(i) for c in caches for i in range(len(c.tensors))]
     return Layout(
         engine_id=engine_id, endpoint=endpoint, protocol=protocol, layout=kv_cache.layout.value,
         num_layers=spec.num_layers, block_size=spec.block_size, num_blocks=spec.num_blocks,
-        num_kv_heads=spec.num_kv_heads, head_size=spec.head_size, dtype=kv_cache.format_key(),
+        num_kv_heads=spec.num_kv_heads, head_size=spec.head_size, dtype=dtype,
         bases=bases if bases is not None else [t.data_ptr() for t in kv_cache.tensors],
-        block_nbytes=[kv_cache.block_nbytes(i) for i in range(len(kv_cache.tensors))],
+        block_nbytes=nbytes or [kv_cache.block_nbytes(i) for i in range(len(kv_cache.tensors))],
         tp_rank=tp_rank, tp_size=tp_size, head_start=kv_heads_of(total, tp_size, tp_rank).start,
-        total_kv_heads=total, side_channel=side_channel, host_id=host_id,
+        total_kv_heads=total, side_channel=side_channel, host_id=host_id, groups=groups,
     )
+
+
+def describe_groups(lay: Layout) -> str:
+    """``lay``'s KV-cache groups in words (for refusals)."""
+    if not lay.groups:
+        return "one KV-cache group of every layer"
+    return "KV-cache groups " + "; ".join(
+        f"{'full' if g.window == 0 else f'window {g.window}'}: layers {','.join(map(str, g.layers))}"
+        for g in lay.groups)
+
+
+def group_mismatch(mine: Layout, theirs: Layout) -> str:
+    """Why the two engines' KV-cache groups cannot exchange blocks ("" when they group alike: the same
+    kinds and windows over the same layers). Block sizes may differ (token runs translate)."""
+    a = [(g.window, list(g.layers)) for g in mine.groups]
+    b = [(g.window, list(g.layers)) for g in theirs.groups]
+    if a == b:
+        return ""
+    return (f"the KV-cache groups differ: {describe_groups(mine)} at engine {mine.engine_id}, "
+            f"{describe_groups(theirs)} at engine {theirs.engine_id} (allowed: the same model and the same "
+            "kv_cache_groups setting on both sides)")
 
 
 def incompatibility(mine: Layout, theirs: Layout) -> str:
@@ -188,6 +249,9 @@ def incompatibility(mine: Layout, theirs: Layout) -> str:
         a, b = getattr(mine, what), getattr(theirs, what)
         if a != b:
             return f"{what} differs: {a!r} at engine {mine.engine_id}, {b!r} at engine {theirs.engine_id}"
+    why = group_mismatch(mine, theirs)
+    if why:
+        return why
     if mine.total_heads != theirs.total_heads:
         return (f"the models' KV heads differ: {mine.total_heads} at engine {mine.engine_id}, {theirs.total_heads} "
                 f"at engine {theirs.engine_id}")
@@ -247,7 +311,7 @@ def _elem(lay: Layout) -> int:
 
 
 def pair_segments(src: Layout, dst: Layout, src_blocks: list[int], dst_blocks: list[int], start: int, end: int,
-                  layers: range | None = None, heads: HeadSlice | None = None
+                  layers: Sequence[int] | None = None, heads: HeadSlice | None = None
                   ) -> tuple[list[int], list[int], list[int]]:
     """``(src_ptrs, dst_ptrs, lengths)`` moving the KV of tokens ``[start, end)`` (positions in the
     request; ``src_blocks``/``dst_blocks`` are each side's block ids of the request in order) of
@@ -300,7 +364,49 @@ def pair_segments(src: Layout, dst: Layout, src_blocks: list[int], dst_blocks: l
     return s0[first].tolist(), d0[first].tolist(), np.add.reduceat(ln, first).tolist()
 
 
-def _units(lay: Layout, layers: range) -> tuple[np.ndarray, np.ndarray]:
+def window_start(end: int, window: int, block_size: int) -> int:
+    """First token a window group moves for a load ending at ``end``: the start of the block holding
+    the oldest key the query at ``end`` sees (``end - window + 1``), so every block the consumer
+    registers in its prefix cache is whole."""
+    return max(0, end - window + 1) // block_size * block_size
+
+
+def kv_segments(src: Layout, dst: Layout, src_blocks: list[list[int]], dst_blocks: list[list[int]], start: int,
+                end: int, load_end: int | None = None, layers: Sequence[int] | None = None,
+                heads: HeadSlice | None = None) -> tuple[list[int], list[int], list[int]]:
+    """:func:`pair_segments` over every KV-cache group: ``src_blocks``/``dst_blocks`` are each side's
+    block ids of the request, one list per group (one list without groups). A window group moves only
+    tokens from :func:`window_start` of ``load_end`` (the load's end; default ``end``) in ``dst``'s
+    (the consumer's) blocks; a block it needs that the source no longer holds (its null block, id 0)
+    is an error. ``layers``: the model's layers (a layerwise write: the one its group holds)."""
+    if not src.groups:
+        return pair_segments(src, dst, src_blocks[0], dst_blocks[0], start, end, layers, heads)
+    if len(src_blocks) != len(src.groups) or len(dst_blocks) != len(src.groups):
+        raise ValueError(f"block ids for {len(src_blocks)} and {len(dst_blocks)} KV-cache groups, the layout has "
+                         f"{len(src.groups)}")
+    out: tuple[list[int], list[int], list[int]] = ([], [], [])
+    for g, grp in enumerate(src.groups):
+        lo = start
+        if grp.window:
+            lo = max(start, window_start(end if load_end is None else load_end, grp.window, dst.block_size))
+        if lo >= end:
+            continue
+        mine = [j for j, layer in enumerate(grp.layers) if layers is None or layer in layers]
+        if not mine:
+            continue
+        if grp.window:
+            for lay, ids in ((src, src_blocks[g]), (dst, dst_blocks[g])):
+                need = ids[lo // lay.block_size:-(-end // lay.block_size)]
+                if 0 in need:
+                    raise ValueError(f"engine {lay.engine_id} no longer holds window-{grp.window} group blocks of "
+                                     f"tokens [{lo}, {end}) (they left the window)")
+        seg = pair_segments(src.group(g), dst.group(g), src_blocks[g], dst_blocks[g], lo, end, mine, heads)
+        for acc, part in zip(out, seg):
+            acc += part
+    return out
+
+
+def _units(lay: Layout, layers: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     """Per (layer, K|V) in ``layers`` (K then V per layer): the address of the unit in block 0 and
     the byte stride from one block to the next (:func:`_unit` for every block at once)."""
     base = np.asarray([_unit(lay, layer, kv, 0) for layer in layers for kv in (0, 1)], np.int64)

@@ -27,7 +27,7 @@ from hwkv.connectors.p2p.protocol import (
     PushOrder,
     PushPart,
     PushRequest,
-    pair_segments,
+    kv_segments,
     push_refusal,
     write_plan,
 )
@@ -67,9 +67,9 @@ class Pusher:
             self._parts[key] = _Parts(msg, h.rid, set(plan))
         for rank, slices in sorted(plan.items()):
             if rank == self.tp_rank:
-                self._part_done(PushPart(key, rank, *self._write(peer, h.block_ids, msg, slices, h.deadline)))
+                self._part_done(PushPart(key, rank, *self._write(peer, h.all_block_ids, msg, slices, h.deadline)))
                 continue
-            order = PushOrder(key, msg, peer, list(h.block_ids), [tuple(s) for s in slices], self.channel.address)
+            order = PushOrder(key, msg, peer, h.all_block_ids, [tuple(s) for s in slices], self.channel.address)
             try:
                 ack = call(self.state.rank_layouts[rank].side_channel, order, self.config.transfer_timeout_s)
                 if not (isinstance(ack, Ack) and ack.ok):
@@ -77,9 +77,10 @@ class Pusher:
             except Exception as e:
                 self._part_done(PushPart(key, rank, False, f"rank {rank}: {type(e).__name__}: {e}"))
 
-    def _write(self, peer: Layout, src_blocks: list[int], msg: PushRequest, slices: list[HeadSlice],
+    def _write(self, peer: Layout, src_blocks: list[list[int]], msg: PushRequest, slices: list[HeadSlice],
                deadline: float) -> tuple[bool, str, int, bool]:
-        """Write this rank's ``slices`` into the consumer's blocks: ``(ok, why, bytes, settled)``.
+        """Write this rank's ``slices`` into the consumer's blocks (``src_blocks``: one list per KV-cache
+        group): ``(ok, why, bytes, settled)``.
         No write starts past ``deadline`` (monotonic): a part queued behind other pushes must not
         land in blocks the consumer has given up on and unpinned."""
         nbytes = 0
@@ -89,8 +90,8 @@ class Pusher:
                 if time.monotonic() > deadline:
                     return False, "the push's deadline passed before this part was written", 0, True
                 transfer, mine = self.transfer_for(peer.protocol)
-                sp, dp, ln = pair_segments(mine, peer, src_blocks, msg.block_ids, msg.start, msg.end,
-                                           heads=HeadSlice(*sl))
+                sp, dp, ln = kv_segments(mine, peer, src_blocks, msg.all_block_ids, msg.start, msg.end,
+                                         heads=HeadSlice(*sl))
                 if ln:
                     transfer.write(peer.endpoint, sp, dp, ln)
                 nbytes += sum(ln)

@@ -93,6 +93,10 @@ class P2PScheduler(ConnectorScheduler):
         missing = [k for k in _NEED if k not in p]
         if missing:
             return f"kv_transfer_params lack {', '.join(missing)}"
+        theirs, mine = 1 + len(p.get("remote_group_block_ids") or ()), len(getattr(self.kv, "managers", [0]))
+        if theirs != mine:
+            return (f"the producer holds {theirs} KV-cache group(s) per request, this consumer has {mine} (allowed: "
+                    "the same model and kv_cache_groups setting on both sides)")
         n = int(p["remote_num_tokens"])
         if n > request.num_prompt_tokens or \
                 prompt_digest(request.prompt_token_ids[:n], request.cache_salt) != p["prompt_digest"]:
@@ -114,16 +118,44 @@ class P2PScheduler(ConnectorScheduler):
         if offer is None or not num_external_tokens:
             return
         start, _ = offer
-        blocks = list(self.kv.get_blocks(rid))
-        self.kv.block_pool.touch(blocks)  # pinned until every rank reports no transfer can write them
-        load = LoadSpec(rid, dict(request.kv_transfer_params), [b.block_id for b in blocks], start,
-                        start + num_external_tokens)
+        end = start + num_external_tokens
+        ids = [self.kv.get_block_ids(rid)]
+        if self.grouped:
+            for m in self.kv.managers:
+                if getattr(m, "window", None):  # blocks before the loaded window: never loaded, never read
+                    m.free_outside_window(request, end)
+            ids = self.kv.get_group_block_ids(rid)
+        blocks = self._pin(rid)  # pinned until every rank reports no transfer can write them
+        load = LoadSpec(rid, dict(request.kv_transfer_params), ids[0], start, end, ids[1:])
         if "transfer_id" in load.params and "remote_request_id" not in load.params:
             load.params["remote_request_id"] = load.params["transfer_id"]
             load.params["digest"] = prompt_digest(request.prompt_token_ids[:load.end], request.cache_salt)
         self._loads[rid] = blocks
         self._new_loads.append(load)
         self._no_offer.add(rid)  # offered once: a preempted or failed request recomputes
+
+    @property
+    def grouped(self) -> bool:
+        """The KV-cache manager has KV-cache groups (docs/hybrid-models.md)."""
+        return hasattr(self.kv, "managers")
+
+    def _pin(self, rid: str) -> list[list[Any]]:
+        """Touch the request's blocks (each group's live ones, in its own pool); returns them per group."""
+        if not self.grouped:
+            blocks = list(self.kv.get_blocks(rid))
+            self.kv.block_pool.touch(blocks)
+            return [blocks]
+        out = []
+        for m in self.kv.managers:
+            live = [b for b in m.get_blocks(rid) if not b.is_null]
+            m.block_pool.touch(live)
+            out.append(live)
+        return out
+
+    def _unpin(self, blocks: list[list[Any]]) -> None:
+        pools = [m.block_pool for m in self.kv.managers] if self.grouped else [self.kv.block_pool]
+        for pool, b in zip(pools, blocks):
+            pool.free_blocks(b)
 
     # ---- both roles ----------------------------------------------------------------------------
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -154,7 +186,7 @@ class P2PScheduler(ConnectorScheduler):
         for rid, *_ in output.extra.get("p2p_settled", ()):  # every rank's transfers into them ended
             blocks = self._loads.pop(rid, None)
             if blocks is not None:
-                self.kv.block_pool.free_blocks(blocks)
+                self._unpin(blocks)
 
     def has_pending_transfers(self) -> bool:
         return bool(self._loads or self.state.held or self.state.streams or self._releases)
@@ -172,6 +204,9 @@ class P2PScheduler(ConnectorScheduler):
         n = min(request.num_computed_tokens, request.num_prompt_tokens)
         me = st.rank_layouts[0]
         ids = list(block_ids[:-(-n // me.block_size)])
+        # KV-cache groups: every group's table (a window group's entries before its window are its
+        # null block: the consumer refuses a load that needs them)
+        rest = [list(g[:len(ids)]) for g in self.kv.get_group_block_ids(rid)[1:]] if self.grouped else []
         if not ok_end or n < 1 or not ids:
             if stream is not None:
                 stream.failed = stream.failed or f"the prefill request ended {request.status.name}"
@@ -182,9 +217,9 @@ class P2PScheduler(ConnectorScheduler):
         # peer first reads or writes it over tcp
         tp_staged = not (self.staging and self.tp_size > 1)
         if not tp_staged:
-            self._to_stage.append((rid, ids))
+            self._to_stage.append((rid, [ids, *rest]))
         with st.lock:
-            h = st.held[rid] = Held(rid, ids, n, time.monotonic() + self.config.hold_timeout_s,
+            h = st.held[rid] = Held(rid, ids, n, time.monotonic() + self.config.hold_timeout_s, rest,
                                     (request.prompt_token_ids, request.cache_salt), staged=tp_staged,
                                     host_staged=not tp_staged)
             tid = params.get("transfer_id")
@@ -199,7 +234,7 @@ class P2PScheduler(ConnectorScheduler):
             "do_remote_prefill": True, "do_remote_decode": False, "mode": self.config.mode,
             "remote_engine_id": me.engine_id, "remote_host": host, "remote_port": int(port),
             "remote_request_id": rid, "remote_block_ids": ids, "remote_num_tokens": n,
-            "remote_block_size": me.block_size,
+            "remote_block_size": me.block_size, **({"remote_group_block_ids": rest} if rest else {}),
             "prompt_digest": prompt_digest(request.prompt_token_ids[:n], request.cache_salt),
         }
 
@@ -219,8 +254,8 @@ class P2PScheduler(ConnectorScheduler):
                         st.claim(h, msg, self.config.transfer_timeout_s)
                     st.ready.append((msg, h, peer, bool(ok)))
 
-    def _layer_writes(self, so: Any) -> list[tuple[Stream, list[int], int, int]]:
-        """This step's layerwise writes: ``(stream, block ids, start, end)`` per request whose
+    def _layer_writes(self, so: Any) -> list[tuple[Stream, list[list[int]], int, int]]:
+        """This step's layerwise writes: ``(stream, block ids per group, start, end)`` per request whose
         consumer announced its blocks before the request's first forward."""
         out, st = [], self.state
         for rid in so.preempted_req_ids:  # its blocks go back to the pool under in-flight layer writes
@@ -237,11 +272,15 @@ class P2PScheduler(ConnectorScheduler):
             msg, peer = target
             why = push_refusal(msg, req.prompt_token_ids, req.cache_salt, req.num_prompt_tokens)
             s = st.streams[new.req_id] = Stream(msg, peer, failed=why)
-            out.append((s, new.block_ids, 0, new.num_computed_tokens + so.num_scheduled_tokens[new.req_id]))
+            out.append((s, self._all_ids(new.req_id), 0, new.num_computed_tokens + so.num_scheduled_tokens[new.req_id]))
         cached = so.scheduled_cached_reqs
         for rid, c in zip(cached.req_ids, cached.num_computed_tokens):
             s = st.streams.get(rid)
             if s is not None and not s.finished and c < s.msg.end:
-                out.append((s, self.kv.get_block_ids(rid), c, c + so.num_scheduled_tokens[rid]))
+                out.append((s, self._all_ids(rid), c, c + so.num_scheduled_tokens[rid]))
         return out
+
+    def _all_ids(self, rid: str) -> list[list[int]]:
+        """The request's block ids, one list per KV-cache group."""
+        return self.kv.get_group_block_ids(rid) if self.grouped else [self.kv.get_block_ids(rid)]
 

@@ -19,13 +19,20 @@ ROLES, MODES = ("producer", "consumer"), ("pull", "push")
 
 class LoadSpec(msgspec.Struct, array_like=True):
     """Per-step metadata: load tokens ``[start, end)`` of the remote request ``params`` names into
-    ``block_ids`` (the request's blocks, all of them, in order; pinned by the scheduler side)."""
+    ``block_ids`` (the request's blocks, all of them, in order; pinned by the scheduler side) and, with
+    KV-cache groups, ``group_block_ids`` (groups 1.., the same; a window group's entries before its
+    window are its null block 0)."""
 
     rid: str
     params: dict[str, Any]
     block_ids: list[int]
     start: int
     end: int
+    group_block_ids: list[list[int]] = []
+
+    @property
+    def all_block_ids(self) -> list[list[int]]:
+        return [self.block_ids, *self.group_block_ids]
 
 
 class P2PMeta(msgspec.Struct, array_like=True):
@@ -34,7 +41,7 @@ class P2PMeta(msgspec.Struct, array_like=True):
     loads: list[LoadSpec]
     writes: list[Any]  # layerwise: (Stream, block ids, start, end) of this step's forwards
     idle: bool  # nothing scheduled: the worker may wait briefly for its side channel
-    stage: list[tuple[str, list[int]]]  # tp staging: holds whose shards every rank copies to its host mirror
+    stage: list[tuple[str, list[list[int]]]]  # tp staging: holds (block ids per group) each rank copies to host
     releases: list[dict[str, Any]]  # kv_transfer_params of remote holds this consumer will not fetch
 
 
@@ -87,6 +94,7 @@ class Held:
     block_ids: list[int]
     num_tokens: int
     deadline: float
+    group_block_ids: list[list[int]] = field(default_factory=list)  # KV-cache groups 1.. (LoadSpec's)
     digest_of: Any = None  # (prompt ids, salt): checks a consumer-first push names the same prompt
     busy: bool = False  # a push (write) of them is running
     readers: set[int] = field(default_factory=set)  # consumer ranks that acquired them (pull) or asked a push
@@ -94,6 +102,10 @@ class Held:
     waiting: list[Any] = field(default_factory=list)  # pushes asked for before they were staged
     released: set[int] = field(default_factory=set)  # consumer ranks whose read ended / push was answered
     host_staged: bool = False  # in the host mirror (where there is one; else staged when a tcp peer needs it)
+
+    @property
+    def all_block_ids(self) -> list[list[int]]:
+        return [self.block_ids, *self.group_block_ids]
 
 
 @dataclass

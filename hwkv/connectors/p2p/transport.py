@@ -113,7 +113,6 @@ class Transport:
         self.kv_cache = kv_cache
         if staging:  # tcp from a device: through a pinned host mirror of the pool (same block ids)
             self.host_kv = self._mirror(kv_cache, fallback=offers[0] != "tcp")
-            self.host_kv.scales = kv_cache.scales  # fp8 KV: the mirror's codes mean what the device's do
         self.transports, self.layouts = {}, {}
         for p in offers:
             xfer = self.host_kv if (p == "tcp" and staging) else kv_cache
@@ -122,7 +121,8 @@ class Transport:
                 t = self._create_transfer(p)
                 by_backend = getattr(self._backend, "register_kv_cache", None) if p in DEVICE_PROTOCOLS else None
                 if by_backend is not None and p not in DIRECT_PROTOCOLS:
-                    by_backend(t, xfer)  # as few regions as the fabric needs (HCCL: at most 256 per process)
+                    for c in getattr(xfer, "caches", [xfer]):  # KV-cache groups: each group's cache
+                        by_backend(t, c)  # as few regions as the fabric needs (HCCL: at most 256 per process)
                 else:
                     for tensor in xfer.tensors:
                         t.register(tensor.data_ptr(), tensor.numel() * tensor.element_size())
@@ -177,13 +177,25 @@ class Transport:
         """The host mirror tcp staging copies through. Behind a device-direct protocol (tcp only as the
         fallback for peers it cannot reach) it is plain host memory, untouched (no resident pages)
         until a peer falls back, and pinned in place then (:meth:`_pin_mirror`): a pool of tens of
-        GB is not page-locked in every engine for a path that may never run."""
-        self._mirror_pinned = True
+        GB is not page-locked in every engine for a path that may never run. KV-cache groups: a
+        mirror of each group's cache (the same block ids per group)."""
+        caches = getattr(kv_cache, "caches", None)
+        if caches is not None:
+            mirrors = [self._mirror_one(c, fallback) for c in caches]
+            self._mirror_pinned = all(pinned for _, pinned in mirrors)
+            return type(kv_cache)(kv_cache.groups, [m for m, _ in mirrors])
+        mirror, self._mirror_pinned = self._mirror_one(kv_cache, fallback)
+        return mirror
+
+    def _mirror_one(self, kv_cache: KVCache, fallback: bool) -> tuple[KVCache, bool]:
         if not (fallback and self.dev.async_copies and self.dev.pins_host_in_place):
-            return self.dev.allocate_kv_cache(kv_cache.spec, kv_cache.layout, host=True)
-        spec, layout = kv_cache.spec, kv_cache.layout
-        self._mirror_pinned = False
-        return KVCache(spec, layout, [torch.empty(s, dtype=spec.dtype) for s in spec.tensor_shapes(layout)])
+            mirror, pinned = self.dev.allocate_kv_cache(kv_cache.spec, kv_cache.layout, host=True), True
+        else:
+            spec, layout = kv_cache.spec, kv_cache.layout
+            mirror = KVCache(spec, layout, [torch.empty(s, dtype=spec.dtype) for s in spec.tensor_shapes(layout)])
+            pinned = False
+        mirror.scales = kv_cache.scales  # fp8 KV: the mirror's codes mean what the device's do
+        return mirror, pinned
 
     def _pin_mirror(self) -> None:
         if self._mirror_pinned:
@@ -207,15 +219,20 @@ class Transport:
             return
         with self._stage_lock:  # two consumer ranks may ask at once: one copy
             if not h.host_staged:
-                self._stage(True, h.block_ids)
+                self._stage(True, h.all_block_ids)
                 h.host_staged = True
 
-    def _stage(self, to_host: bool, block_ids: list[int]) -> None:
-        """Staging: copy ``block_ids`` between the device pool and its host mirror, and wait for it."""
+    def _stage(self, to_host: bool, block_ids: list[list[int]]) -> None:
+        """Staging: copy ``block_ids`` (one list per KV-cache group) between the device pool and its host
+        mirror, and wait for it."""
         self._pin_mirror()
         src, dst = (self.kv_cache, self.host_kv) if to_host else (self.host_kv, self.kv_cache)
         stream = self.dev.current_stream()  # behind the forwards that wrote (or will read) the blocks
-        copy_block_pairs(self.dev, src, dst, block_ids, block_ids, stream)
+        pairs = list(zip(src.caches, dst.caches)) if hasattr(src, "caches") else [(src, dst)]
+        for (s, d), ids, g in zip(pairs, block_ids, getattr(src, "groups", [None])):
+            if g is not None and g.window is not None:
+                ids = [b for b in ids if b]  # a window group's null entries (block 0) hold nothing
+            copy_block_pairs(self.dev, s, d, ids, ids, stream)
         ev = self.dev.new_event()
         ev.record(stream)
         ev.synchronize()
