@@ -2,7 +2,7 @@
 # Tensor parallelism (#34), batch 2 of the 2026-11-28 fifth session: the row-parallel all-reduce inside the decode
 # GEMVs (HWKV_TP_FUSED_AR=1) against main's push kernel, in one process beside tp=1: Llama-3-8B shape bf16, batch-1
 # decode, greedy tokens of every checked prompt generated alone (the one-token path the fused ops take), so the
-# fused run's tokens must equal the push run's (the same sums); then, time left, where the fused step's time goes.
+# fused run's tokens must equal the push run's (the same sums); and offline, NCCL with more channels and buffer.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONFAULTHANDLER=1 OMP_NUM_THREADS=4
 export PYTHONPATH=$PWD:$PWD/backends/cuda:$PYTHONPATH
@@ -14,14 +14,12 @@ echo "commit: $(cat COMMIT 2>/dev/null || git rev-parse --short HEAD)"; date -u
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 env | grep HWKV_ || echo "no HWKV_ variable set"
 echo "=== checkpoint"; ckpt_start llama-8b bfloat16 0 110; ckpt_wait; echo "at $((SECONDS - T0)) s"
-echo "=== llama-8b bf16: tp1, tp2 (push kernel), tp2 (all-reduce in the GEMVs)"; date -u
-timeout -k 5 -s ABRT 150 python3 -m hwkv.bench.tp --model llama-8b --workdir $W --tp 1,2,2:HWKV_TP_FUSED_AR=1 --decode 16,144 --decode-batch 1 --offline '' --check-tokens 32 --check-alone --reference none --out $OUT/tp-llama8b-fused.json > $OUT/tp-llama8b-fused.log 2>&1; echo "rc=$?"
-grep -v "^ " $OUT/tp-llama8b-fused.log | tail -n 25; python3 -c "
-import json; d = json.load(open('$OUT/tp-llama8b-fused.json')); print(json.dumps({k: d.get(k) for k in ('ratios', 'token_agreement')}, indent=1))" 2>&1 | tail -40
-LEFT=$((228 - (SECONDS - T0)))
-echo "=== profile of the fused tp=2 batch-1 step ($LEFT s left)"; date -u
-if [ $LEFT -gt 45 ]; then
-  timeout -k 5 -s ABRT $LEFT python3 -m hwkv.bench.tp --model llama-8b --workdir $W --tp 2:HWKV_TP_FUSED_AR=1 --decode 16,144 --decode-batch 1 --offline '' --check-tokens 0 --reference none --profile $OUT/prof --out $OUT/tp-llama8b-fused-prof.json > $OUT/tp-llama8b-fused-prof.log 2>&1; echo "rc=$?"
-  grep -v "^ " $OUT/tp-llama8b-fused-prof.log | tail -n 60
-fi
+echo "=== llama-8b bf16: tp1, tp2 (push kernel), tp2 (all-reduce in the GEMVs), the same with NCCL's channels raised"
+date -u; LEFT=$((232 - (SECONDS - T0)))
+# one process: tp2 vs tp2:FUSED is the batch-1 A/B (offline is unaffected: the fused path is one-token forwards only),
+# the last two runs the offline A/B of NCCL's 128 MB prefill all-reduces; the JSON is saved after every run
+timeout -k 5 -s ABRT $LEFT python3 -m hwkv.bench.tp --model llama-8b --workdir $W --tp 1,2,2:HWKV_TP_FUSED_AR=1,2:HWKV_TP_FUSED_AR=1+NCCL_MIN_NCHANNELS=32+NCCL_BUFFSIZE=8388608 --decode 16,144 --decode-batch 1 --offline 128:512:128 --check-tokens 32 --check-alone --reference none --out $OUT/tp-llama8b-fused.json > $OUT/tp-llama8b-fused.log 2>&1; echo "rc=$?"
+grep -v "^ " $OUT/tp-llama8b-fused.log | tail -n 30; python3 -c "
+import json; d = json.load(open('$OUT/tp-llama8b-fused.json')); print(json.dumps({k: d.get(k) for k in ('ratios', 'token_agreement')}, indent=1))
+for r in d['runs']: print(r.get('label'), r.get('batch1'), r.get('offline'), r.get('custom_paths'))" 2>&1 | tail -60
 date -u; echo "wall $((SECONDS - T0)) s"

@@ -80,6 +80,7 @@ class CudaAllReduce:
 
     pdl = False  # the push kernels launched with programmatic dependent launch (set in __init__)
     fused = False  # the buffers of the all-reduce inside the decode GEMVs set up (set in __init__)
+    fused_error = ""  # why that path was turned off
 
     def __init__(self, comm: Any, push: bool = True, symm: bool = True, push_max: int = PUSH_MAX,
                  one_shot_max: int = ONE_SHOT_MAX, two_shot_max: int = TWO_SHOT_MAX, norm_max: int = NORM_MAX):
@@ -130,6 +131,20 @@ class CudaAllReduce:
         if comm.all_reduce_min(ok) == 0:
             self.close()
             raise err or RuntimeError("another rank's push kernels failed their self-test")
+        if self.fused:  # optional as well: a failure turns only it off, on every rank
+            ok = 1
+            try:
+                with torch.cuda.device(self.device):
+                    self._self_test_fused()
+            except Exception as e:  # noqa: BLE001 - agreed below
+                ok, self.fused_error = 0, f"{type(e).__name__}: {e}"
+            if comm.all_reduce_min(ok) == 0:
+                import warnings
+
+                self.fused = False
+                self.fused_error = self.fused_error or "another rank's fused all-reduce failed its self-test"
+                warnings.warn(f"all-reduce inside the decode GEMVs off (the push kernel instead): {self.fused_error}",
+                              stacklevel=2)
         if self.one_shot_max or self.two_shot_max:
             # PyTorch's ops are optional: a failure only turns them off, on every rank (agreed before the
             # rendezvous too, so no rank waits in it for a peer that already gave up)
@@ -234,6 +249,32 @@ class CudaAllReduce:
             problems.append("a peer's flag never came")
         if problems:
             raise RuntimeError(f"push all-reduce self-test failed on rank {self.rank}: {', '.join(problems)}")
+
+    def _self_test_fused(self) -> None:
+        """The all-reduce inside the decode GEMVs on known values (an identity weight, small integers:
+        every sum exact): a projection pushing its output, then the sum alone and the sum inside an
+        RMSNorm GEMV (both sites, so the model's first forward finds them as a forward leaves them)."""
+        from hwkv.model.layers import add_rms_norm
+        from hwkv_cuda.decode_ops import TritonDecodeOps, TritonRankSum
+
+        ws, dev, k = self.world_size, self.device, 256
+        red = TritonRankSum(TritonDecodeOps(), self)
+        base = torch.arange(k, device=dev, dtype=torch.float32)[None, :] % 7
+        x, eye = (base + self.rank).to(torch.bfloat16), torch.eye(k, dtype=torch.bfloat16, device=dev)
+        res = torch.ones_like(x)
+        want = (ws * base + ws * (ws - 1) // 2 + 1).to(torch.bfloat16)
+        problems = []
+        if not torch.equal(red.sum(red.linear(x, eye, None), res), want):
+            problems.append("sum")
+        nw = torch.full((k,), 0.5, dtype=torch.bfloat16, device=dev)
+        out, h = red.norm_linear(red.linear(x, eye, None), res, nw, 1e-5, eye, None)
+        want_out, _ = add_rms_norm(want - 1, torch.ones_like(want), nw, 1e-5)
+        if not torch.equal(h, want) or not torch.allclose(out.float(), want_out.float(), rtol=2e-2, atol=1e-2):
+            problems.append("sum in the RMSNorm prologue")
+        if int(self.error.item()):
+            problems.append("a peer's arrivals never came")
+        if problems:
+            raise RuntimeError(f"fused all-reduce self-test failed on rank {self.rank}: {', '.join(problems)}")
 
     def _prepare_symm(self, comm: Any) -> None:
         """PyTorch's one-shot/two-shot ops rendezvous under ``self.name``: group info set from this

@@ -205,3 +205,19 @@ def test_self_test_passes_and_names_a_broken_path(monkeypatch):
     monkeypatch.setattr(ar, "_push", lambda t, residual: push(t, None))  # a kernel that drops the residual
     with pytest.raises(RuntimeError, match=r"self-test failed on rank 0: push \+ residual$"):
         ar._self_test()
+
+
+def test_fused_self_test_passes_and_names_a_broken_path(monkeypatch):
+    """The all-reduce inside the decode GEMVs checks itself at setup (one rank here: no peer to wait
+    for, the same kernels); a consumer that drops the residual is named."""
+    from hwkv_cuda.allreduce import CudaAllReduce
+    from hwkv_cuda.decode_ops import TritonRankSum
+
+    monkeypatch.setattr(CudaAllReduce, "fused", True)
+    ar = _one_rank(monkeypatch)
+    ar._self_test_fused()
+    assert ar.fcnt.tolist() == [0, 0, 0, 0] and int(ar.error.item()) == 0
+    total = TritonRankSum.sum
+    monkeypatch.setattr(TritonRankSum, "sum", lambda self, s, h: total(self, s, torch.zeros_like(h)))
+    with pytest.raises(RuntimeError, match=r"fused all-reduce self-test failed on rank 0: sum$"):
+        ar._self_test_fused()
