@@ -133,6 +133,7 @@ def decode_profile(engine: Any, vocab: int, batches: list[int], prompt_len: int,
         print(f"[defaults] decode batch {b} @ {prompt_len}+{steps}: wall {step.get('step_wall')} ms/step, "
               f"GPU replay {step.get('gpu_replay')} ms; replay span {tl.get('span_us')} us, idle "
               f"{tl.get('idle_us')} us; critical path (us): {top}", flush=True)
+        print(f"[defaults]   first kernels (us): {tl.get('first_kernels')}", flush=True)
     return out
 
 

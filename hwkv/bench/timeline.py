@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+FIRST_KERNELS = 32
+
 
 def _label(names: list[str]) -> list[str]:
     # the decoder's dense launches carry one kernel name; their order in a layer names them
@@ -59,15 +61,22 @@ def graph_timeline(engine: Any, batch: int = 1, max_seq_len: int = 512, reps: in
     n = len(runs[-1])
     runs = [x for x in runs if len(x) == n]
     charge: dict[str, float] = {}
+    seq = [0.0] * n  # critical-path us per kernel position (the same graph every run)
     idle = span = 0.0
+    labels = _label([k[2] for k in runs[0]])
     for run in runs:
         frontier = run[0][0]
-        for (s, e, _), label in zip(run, _label([k[2] for k in run])):
+        for i, ((s, e, _), label) in enumerate(zip(run, labels)):
             idle += max(0.0, s - frontier)
-            charge[label] = charge.get(label, 0.0) + max(0.0, e - max(frontier, s))
+            c = max(0.0, e - max(frontier, s))
+            charge[label] = charge.get(label, 0.0) + c
+            seq[i] += c
             frontier = max(frontier, e)
         span += frontier - run[0][0]
     k = len(runs)
     rows = sorted(((v / k, name) for name, v in charge.items()), reverse=True)
+    # the first kernels in launch order (embedding, layer 0, the start of layer 1): where one layer's
+    # time goes when several projections share a kernel name (cuBLAS at larger batches)
+    first = [(labels[i][:48], round(seq[i] / k, 1)) for i in range(min(n, FIRST_KERNELS))]
     return dict(batch=batch, max_seq_len=max_seq_len, kernels=n, span_us=round(span / k, 1),
-                idle_us=round(idle / k, 1), critical_us={name: round(v, 1) for v, name in rows})
+                idle_us=round(idle / k, 1), critical_us={name: round(v, 1) for v, name in rows}, first_kernels=first)
