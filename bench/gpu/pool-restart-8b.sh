@@ -5,7 +5,8 @@
 #    c16 holder run (outside the get) a per-key cost, or the first use of a kernel shape (the old
 #    warm-up computed 16 tokens after its load, the measured request 32)? --one-process has a
 #    warm-up of the measured shape, and every run now reports its lookup time;
-# 2. Llama-3-8B shape, one process, 256-token chunks, holder: recompute vs load at an 8,000-token prefix;
+# 2. Llama-3-8B shape, one process, 256-token chunks (32 MiB values), 256 MiB staging, holder: recompute vs
+#    load at an 8,000-token prefix;
 # 3. (if time is left) the same at the 1B shape with 256-token chunks (same-run A/B with step 1).
 # Run from the repository root with OUT set.
 set -u
@@ -36,7 +37,7 @@ wait "$WRITER"; tail -n 3 "$OUT/write.log"
 grep -q "write rc=0" "$OUT/write.log" || { rm -rf "$W/llama-8b-bfloat16"; echo "no 8B checkpoint"; }
 echo "== 2. llama-8b, 8000-token prefix, 256-token chunks, holder, one process ($(date -u +%T))"
 mkdir -p "$OUT/8b-c256"
-timeout "$(left 2)" "${R[@]}" --model llama-8b --prompt-len 8000 --chunk-size 256 --timeout 90 --out-dir "$OUT/8b-c256" 2>&1 | tee "$OUT/8b-c256.log" | tail -n 14
+timeout "$(left 2)" "${R[@]}" --model llama-8b --prompt-len 8000 --chunk-size 256 --staging-mb 256 --timeout 90 --out-dir "$OUT/8b-c256" 2>&1 | tee "$OUT/8b-c256.log" | tail -n 14
 echo "8b-c256 rc=${PIPESTATUS[0]} ($(date -u +%T))"
 echo "== 3. llama-1b, 8192-token prefix, 256-token chunks, holder, one process ($(left 0) s left)"
 [[ $(left 0) -gt 20 ]] || exit 0
