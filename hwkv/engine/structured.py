@@ -38,6 +38,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -352,7 +353,9 @@ class StructuredOutputs:
         # slowest thread to be scheduled (milliseconds, on the step's critical path)
         mask = self._buffer(len(req_ids), device, fill=len(hit) < len(req_ids))
         rows_np = mask.numpy()
-        if hit:
+        if len(hit) == len(req_ids):  # every row from the worker (a decode step): one pass, no temporary
+            np.take(self._slot_rows.numpy(), hit_slots, axis=0, out=rows_np, mode="clip")  # (clip: unbuffered)
+        elif hit:
             rows_np[hit] = self._slot_rows.numpy()[hit_slots]
         for i in dead:
             rows_np[i] = 0
