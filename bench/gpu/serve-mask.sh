@@ -1,6 +1,7 @@
 # serve (#37): structured-output cost at batch 64 on one H200 (cuda:0), <= 120 s. Results are written as they finish.
 # 1. hwkv bench structured --mask-only on the GPU host: llguidance alone, matchers of their own (the engine's since
-#    9d28d74) vs deep copies of one (sharing its lexer lock), 1 thread and the executor on 2/4/8/16/default threads.
+#    9d28d74) vs deep copies of one (sharing its lexer lock), 1 thread and the executor on 2/4/8/16/default threads;
+#    then the 1B shape's 128k vocabulary on 4/8/16 threads.
 # 2. the sampler's bitmask apply on the device (apply_token_bitmask, 64 rows, 49k and 128k vocab) vs an argmax.
 # 3. hwkv bench structured, SmolLM2-135M's shape (random weights, synthetic 49k tokenizer), batch 64, 128 + 128:
 #    free vs records (own matchers, 8 threads) and its A/Bs: +shared (copies), +t4, +t16, +gil (0.1 ms), +inline.
@@ -17,6 +18,10 @@ say "1: python3 -m hwkv bench structured --mask-only 64 --model smollm2-135m --b
 timeout -k 2 25 python3 -m hwkv bench structured --mask-only 64 --model smollm2-135m --batch 64 --schemas records \
   --thread-counts 2,4,8,16,0 --out-dir "$OUT" 2>&1 | tail -n 30
 say "1 rc=${PIPESTATUS[0]}"
+say "1b: python3 -m hwkv bench structured --mask-only 48 --model llama-1b --batch 64 --schemas records --thread-counts 4,8,16"
+timeout -k 2 20 python3 -m hwkv bench structured --mask-only 48 --model llama-1b --batch 64 --schemas records \
+  --thread-counts 4,8,16 --out-dir "$OUT" 2>&1 | grep -v "per row" | tail -n 12
+say "1b rc=${PIPESTATUS[0]}"
 say "2: apply_token_bitmask on the device"
 timeout -k 2 20 python3 - <<'PY' 2>&1 | tail -n 8
 import json, os, torch
