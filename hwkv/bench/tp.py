@@ -25,6 +25,7 @@ import argparse
 import gc
 import json
 import os
+import re
 import shlex
 import sys
 import time
@@ -254,7 +255,8 @@ def run(a: argparse.Namespace) -> int:
                            "device": torch.cuda.get_device_name(0) if cuda else a.backend,
                            "gpus": torch.cuda.device_count() if cuda else 0, "copy_bw_GBps": round(bw / 1e9, 1),
                            "torch": torch.__version__, "args": vars(a) | {"func": None, "argv": None}, "runs": []}
-    for item in a.tp.split(","):
+    # a run starts at a comma followed by its size (values may hold commas: a tile config's items)
+    for item in re.split(r",(?=\d+(?::|,|$))", a.tp):
         tp, env = parse_run(item)
         doc["runs"].append({"tp": tp, "label": f"tp{item}", "env": env})
 

@@ -27,7 +27,7 @@ class DenseConfig(NamedTuple):
     block_k: int
     num_warps: int
     num_stages: int = 3
-    preload: int = 0
+    preload: int = 0  # 1, 2: the first weight tile loaded before the PDL wait (kernels/dense.py)
 
 
 # One token, per weight shape [N, K]: the fastest tile of the H200 sweep (dense_probe --model llama-8b-tp2,llama-8b
@@ -62,6 +62,9 @@ def choose_config(m: int, n: int, k: int) -> DenseConfig:
     cfg.update(parse_overrides(f"{CONFIG_ENV}_{n}X{k}", DenseConfig._fields))  # one weight shape only
     if cfg["block_n"] < 2 or cfg["block_n"] & (cfg["block_n"] - 1):
         raise ValueError(f"{CONFIG_ENV}: block_n must be a power of two >= 2, got {cfg['block_n']}")
+    if cfg["preload"] not in (0, 1, 2):
+        raise ValueError(f"{CONFIG_ENV}: preload must be 0 (pipelined loop), 1 (each next tile after the dot) or 2 "
+                         f"(the first tile before the wait, the rest pipelined), got {cfg['preload']}")
     return DenseConfig(**cfg)
 
 
@@ -153,7 +156,7 @@ class TritonDecodeOps(DecodeOps):
             x, weight, bias if bias is not None else y, y, res, norm_weight if norm_weight is not None else y,
             *kv_args, m, n, k, eps, num_slots, x.stride(0), y.stride(0), res.stride(0), stride_cos, *strides,
             PROLOGUE=prologue, EPILOGUE=epilogue, HAS_BIAS=bias is not None, M_PAD=pow2(m),
-            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=pdl, PRELOAD=bool(cfg.preload), ONE_TILE=cfg.block_k >= k,
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=pdl, PRELOAD=cfg.preload, ONE_TILE=cfg.block_k >= k,
             **geo, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
             **ar_args,
         )

@@ -32,7 +32,7 @@ def _close(got, want, dtype, what):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [1, 3, 8])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("cfg", ["", "block_k=32,preload=0", "block_k=32,preload=1"])
+@pytest.mark.parametrize("cfg", ["", "block_k=32,preload=0", "block_k=32,preload=1", "block_k=32,preload=2"])
 def test_linear_ops_match_torch(m, bias, dtype, cfg, monkeypatch):
     monkeypatch.setenv("HWKV_CUDA_DENSE_CONFIG", cfg)
     gen = torch.Generator().manual_seed(m + 10 * bias)
@@ -169,7 +169,7 @@ def _rank_sum_pair():
                             fcnt=bufs[r][data:].view(torch.int64), fcnt_off=data // 8) for r in range(2)]
 
 
-@pytest.mark.parametrize("cfg", ["", "block_k=32"])  # the norm in one tile, and over three (its own pass)
+@pytest.mark.parametrize("cfg", ["", "block_k=32", "block_k=32,preload=2"])  # the norm in one tile, over three
 def test_rank_sum_in_the_gemvs_two_ranks(cfg, monkeypatch):
     """The row-parallel all-reduce inside the GEMVs (TritonRankSum) for two ranks on one device: each
     rank's producer runs first (they only push), then each consumer, so nothing waits. Every rank holds

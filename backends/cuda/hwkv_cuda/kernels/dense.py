@@ -6,8 +6,9 @@ folds them in — prologue: the RMSNorm (``PROLOGUE=1``) or SiLU·mul (``2``) of
 the residual add (``EPILOGUE=1``) or RoPE on q/k plus the k/v write into the paged cache (``2``) —
 and is launched with programmatic dependent launch (``PDL``): its programs start during the previous
 kernel's tail and wait (``gdc_wait``) only before reading activations; with ``PRELOAD`` the first
-weight tile is loaded before that wait (weights never depend on the previous kernel), otherwise the
-K loop is a plain one that Triton software-pipelines ``num_stages`` deep.
+weight tile is loaded before that wait (weights never depend on the previous kernel), then (``1``) each
+next tile after the current one's dot, or (``2``) the first tile's dot and a pipelined loop over the
+rest; otherwise (``0``) the K loop is a plain one that Triton software-pipelines ``num_stages`` deep.
 
 Every intermediate is rounded to the activation dtype where the unfused torch ops round
 (hwkv/model/llama.py, rope.py), so only the dot product's summation order differs from them.
@@ -187,8 +188,14 @@ def dense_kernel(
         rstd = tl.rsqrt(ss / K + eps)
     acc_a = tl.zeros([M_PAD, HB], dtype=tl.float32)
     acc_b = tl.zeros([M_PAD, HB], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if not PRELOAD:  # plain loads: Triton software-pipelines them num_stages deep
+    K0: tl.constexpr = (PRELOAD // 2) * BLOCK_K
+    if PRELOAD == 2:  # the tile loaded before the wait first, then the pipelined loop over the rest
+        x = _prologue(x_ptr, nw_ptr, 0, M, K, eps, stride_xm, rstd, offs_m, offs_k, PROLOGUE, ONE_TILE, buf_ptr,
+                      hres_ptr, hout_ptr, stride_hm, site, pid == 0, RANK, RS, SLOT)
+        acc_a = _rows_dot(wa, x, offs_m, acc_a, M_PAD)
+        acc_b = _rows_dot(wb, x, offs_m, acc_b, M_PAD)
+    for k0 in range(K0, K, BLOCK_K):
+        if PRELOAD != 1:  # plain loads: Triton software-pipelines them num_stages deep
             kk = k0 + offs_k
             wa = tl.load(w_a + k0, mask=ok_a[:, None] & (kk[None, :] < K), other=0.0)
             wb = tl.load(w_b + k0, mask=ok_b[:, None] & (kk[None, :] < K), other=0.0)
@@ -196,7 +203,7 @@ def dense_kernel(
                       hres_ptr, hout_ptr, stride_hm, site, pid == 0, RANK, RS, SLOT)
         acc_a = _rows_dot(wa, x, offs_m, acc_a, M_PAD)
         acc_b = _rows_dot(wb, x, offs_m, acc_b, M_PAD)
-        if PRELOAD:  # the next tile (fully masked after the last)
+        if PRELOAD == 1:  # the next tile (fully masked after the last)
             nk = k0 + BLOCK_K + offs_k
             wa = tl.load(w_a + k0 + BLOCK_K, mask=ok_a[:, None] & (nk[None, :] < K), other=0.0)
             wb = tl.load(w_b + k0 + BLOCK_K, mask=ok_b[:, None] & (nk[None, :] < K), other=0.0)
