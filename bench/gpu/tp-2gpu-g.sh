@@ -17,12 +17,12 @@ echo "=== checkpoint"; ckpt_start llama-8b bfloat16 0 110; ckpt_wait; echo "at $
 echo "=== llama-8b bf16: tp1, tp2 (push kernel), tp2 (all-reduce in the GEMVs), the same + NCCL channels + preload=2"
 date -u; LEFT=$((232 - (SECONDS - T0)))
 # one process: tp2 vs tp2:FUSED is the batch-1 A/B (offline is unaffected: the fused path is one-token forwards only);
-# the last run adds two things that touch different steps: NCCL's channels and buffer (the 128 MB prefill
+# the last run adds two things that touch different steps: NCCL's channels, buffer and protocol (the 128 MB prefill
 # all-reduces: the offline A/B against run 3) and, for tp=2's qkv, gate_up and down GEMVs at one token only, the first
 # weight tile loaded before the wait with the rest pipelined (preload=2: the batch-1 A/B against run 3; the logits'
 # 256 KB all-gather is NCCL's too). The JSON is saved after every run.
 PEEL="block_n=8,block_k=2048,num_warps=8,num_stages=3,preload=2"
-timeout -k 5 -s ABRT $LEFT python3 -m hwkv.bench.tp --model llama-8b --workdir $W --tp 1,2,2:HWKV_TP_FUSED_AR=1,2:HWKV_TP_FUSED_AR=1+NCCL_MIN_NCHANNELS=32+NCCL_BUFFSIZE=8388608+HWKV_CUDA_DENSE_CONFIG_3072X4096=$PEEL+HWKV_CUDA_DENSE_CONFIG_14336X4096=$PEEL+HWKV_CUDA_DENSE_CONFIG_4096X7168=$PEEL --decode 16,144 --decode-batch 1 --offline 128:512:128 --check-tokens 32 --check-alone --reference none --out $OUT/tp-llama8b-fused.json > $OUT/tp-llama8b-fused.log 2>&1; echo "rc=$?"
+timeout -k 5 -s ABRT $LEFT python3 -m hwkv.bench.tp --model llama-8b --workdir $W --tp 1,2,2:HWKV_TP_FUSED_AR=1,2:HWKV_TP_FUSED_AR=1+NCCL_MIN_NCHANNELS=32+NCCL_BUFFSIZE=8388608+NCCL_PROTO=Simple+HWKV_CUDA_DENSE_CONFIG_3072X4096=$PEEL+HWKV_CUDA_DENSE_CONFIG_14336X4096=$PEEL+HWKV_CUDA_DENSE_CONFIG_4096X7168=$PEEL --decode 16,144 --decode-batch 1 --offline 128:512:128 --check-tokens 32 --check-alone --reference none --out $OUT/tp-llama8b-fused.json > $OUT/tp-llama8b-fused.log 2>&1; echo "rc=$?"
 grep -v "^ " $OUT/tp-llama8b-fused.log | tail -n 30; python3 -c "
 import json; d = json.load(open('$OUT/tp-llama8b-fused.json')); print(json.dumps({k: d.get(k) for k in ('ratios', 'token_agreement')}, indent=1))
 for r in d['runs']: print(r.get('label'), r.get('batch1'), r.get('offline'), r.get('custom_paths'))" 2>&1 | tail -60
