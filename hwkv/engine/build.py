@@ -105,7 +105,7 @@ def build_parts(engine: Any, args: EngineArgs) -> None:
     else:
         engine.runner = spec_runner()(*runner_args, spec_config=spec, proposer=proposer)
     if rt.fuse_elementwise:
-        fuse_elementwise(model)
+        fuse_elementwise(model, kernels=backend.elementwise_ops())
     _set_decode_ops(backend, model, proposer, kv_cache, rt.decode_ops)
     if tp:  # every rank runs the driver's forward (its collectives pair up with the others')
         tp.send(DecodeOps(model.decode_ops is not None))

@@ -88,6 +88,12 @@ class Backend(ABC):
         ``None`` (the default): the model then runs its torch ops."""
         return None
 
+    def elementwise_ops(self) -> Any:
+        """Hand-written RMSNorm / RoPE / SiLU·mul for forwards of many tokens, taken before
+        torch.compile's where the engine fuses elementwise ops (:func:`hwkv.model.fuse.fuse_elementwise`
+        says what they compute), or ``None`` (the default): the compiled functions run."""
+        return None
+
     def create_transfer(self, **options: Any) -> Transfer:
         """A Transfer endpoint on this device; default: the standard one
         (:func:`hwkv.transfer.standard_transfer`: Mooncake TransferEngine with the first declared

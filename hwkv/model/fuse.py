@@ -13,21 +13,27 @@ from hwkv.model.layers import MLP, RMSNorm, add_rms_norm, rms_norm, silu_mul
 from hwkv.model.rope import RotaryEmbedding, apply_rope
 
 
-def fuse_elementwise(model: Any, backend: str = "inductor") -> int:
+def fuse_elementwise(model: Any, backend: str = "inductor", kernels: Any = None) -> int:
     """Replace the model's RMSNorm (with its residual add), RoPE and SiLU·mul forwards by
     ``torch.compile``d functions (one fused kernel each instead of 2–12 small ones; a decode step
     of a small model is dominated by those launches). Same math; shapes are dynamic, so one
     compilation (plus one for a single token) serves every batch. Dynamo keeps at most 8 variants
     per function per process: a process building engines of many dtypes runs the surplus variants
     uncompiled (correct, slower).
+
+    ``kernels``: a backend's hand-written ops (``Backend.elementwise_ops()``), taken first: an object
+    with ``rms_norm(x, weight, eps)``, ``add_rms_norm(x, residual, weight, eps)`` (-> ``(normed, x +
+    residual)``), ``rope(cos, sin, positions, q, k)`` (-> ``(q, k)``) and ``silu_mul(gate_up, inter)``,
+    each computing the function of the same name in hwkv.model (rounding where it rounds) or returning
+    ``None`` where it does not apply (that call then runs the compiled function). Gemma's norms stay compiled.
     Returns the number of modules patched."""
 
-    rms = torch.compile(rms_norm, dynamic=True, backend=backend)
-    add_rms = torch.compile(add_rms_norm, dynamic=True, backend=backend)
+    rms = _first(kernels, "rms_norm", torch.compile(rms_norm, dynamic=True, backend=backend))
+    add_rms = _first(kernels, "add_rms_norm", torch.compile(add_rms_norm, dynamic=True, backend=backend))
     gemma_rms = torch.compile(gemma_rms_norm, dynamic=True, backend=backend)
     gemma_add_rms = torch.compile(_gemma_add_rms_norm, dynamic=True, backend=backend)
-    rope = torch.compile(apply_rope, dynamic=True, backend=backend)
-    act = torch.compile(silu_mul, dynamic=True, backend=backend)
+    rope = _first(kernels, "rope", torch.compile(apply_rope, dynamic=True, backend=backend))
+    act = _first(kernels, "silu_mul", torch.compile(silu_mul, dynamic=True, backend=backend))
     n = 0
     # exact types: a subclass computes something else (Gemma's norms scale by 1 + w, its MLP is GELU)
     for m in model.modules():
@@ -45,6 +51,18 @@ def fuse_elementwise(model: Any, backend: str = "inductor") -> int:
             continue
         n += 1
     return n
+
+
+def _first(kernels: Any, name: str, compiled: Any) -> Any:
+    """``kernels.<name>`` where it returns a result, else ``compiled``."""
+    op = getattr(kernels, name, None) if kernels is not None else None
+    if op is None:
+        return compiled
+
+    def call(*args: Any) -> Any:
+        out = op(*args)
+        return compiled(*args) if out is None else out
+    return call
 
 
 def _gemma_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,

@@ -74,6 +74,11 @@ class CudaBackend(Backend):
 
         return TritonDecodeOps()
 
+    def elementwise_ops(self) -> Any:
+        from hwkv_cuda.elementwise import elementwise_ops
+
+        return elementwise_ops()
+
     def create_transfer(self, **options: Any) -> Transfer:
         """``protocol="cuda_ipc"`` (the default): a same-host device-direct endpoint on this backend's
         GPU (options: ``host``, ``timeout_s``, ``method``, ``streams``; :mod:`hwkv_cuda.ipc`); other

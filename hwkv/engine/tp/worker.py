@@ -102,7 +102,7 @@ def _run(cfg: m.WorkerConfig, cmd: Any, out: Any) -> None:
                 if conn is not None:  # after register_kv_caches: what the driver's scheduler side needs of this rank
                     out.send(enc.encode(m.ConnectorInfo(cfg.rank, enc.encode(conn.tp_worker_info()))))
                 if msg.fuse:
-                    fuse_elementwise(model)
+                    fuse_elementwise(model, kernels=backend.elementwise_ops())
             elif isinstance(msg, m.DecodeOps):
                 model.set_decode_ops(backend.decode_ops() if msg.on else None, kv_cache.spec.dtype)  # type: ignore[union-attr]
             elif isinstance(msg, m.Graphs):

@@ -1,0 +1,99 @@
+"""Triton elementwise ops for the model's fused path (:func:`hwkv.model.fuse.fuse_elementwise`): RMSNorm (+
+residual add), neox RoPE and SiLU·mul as one hand-written launch each instead of torch.compile's kernels.
+
+Why: torch.compile's kernels (dynamic shapes) ran far below the copy bandwidth at the offline batch on
+the H100 (issue 36, ``bench/results/issue36-round1-H100-2026-11-28-868af0d.md``): SiLU·mul 27 µs per
+batch-256 decode call where its 12 MB need ~4 µs, RoPE 21 µs, and a prefill-sized SiLU·mul 0.53 ms for
+768 MB. Each op returns ``None`` where it does not apply (a dtype, layout or width it does not take); the
+model then runs the compiled function. Off until measured on the device: ``HWKV_CUDA_ELEMENTWISE=1``
+turns them on (``0``: off).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from hwkv_cuda.tiles import pow2
+
+ENV = "HWKV_CUDA_ELEMENTWISE"
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_ROW = 16384  # widest RMSNorm row kept in one program's registers
+
+
+class TritonElementwise:
+    """The four ops :func:`hwkv.model.fuse.fuse_elementwise` takes from a backend. ``device_type``: where
+    the tensors must live ("cpu" only for tests under Triton's interpreter)."""
+
+    def __init__(self, device_type: str = "cuda") -> None:
+        self.device_type = device_type
+
+    def _ok(self, *ts: torch.Tensor) -> bool:
+        return all(t.device.type == self.device_type and t.dtype in DTYPES and t.stride(-1) == 1 for t in ts)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+        return self._norm(x, None, weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self._norm(x, residual, weight, eps)
+
+    def _norm(self, x: torch.Tensor, res: torch.Tensor | None, weight: torch.Tensor, eps: float) -> object:
+        from hwkv_cuda.kernels.elementwise import rms_norm_kernel
+
+        n = x.shape[-1]
+        if (x.dim() != 2 or not self._ok(x, weight) or weight.shape != (n,) or n > MAX_ROW
+                or (res is not None and (res.shape != x.shape or res.dtype != x.dtype or not self._ok(res)))):
+            return None
+        y = torch.empty(x.shape, dtype=torch.result_type(weight, x), device=x.device)
+        h = torch.empty_like(x, memory_format=torch.contiguous_format) if res is not None else y
+        if x.shape[0]:
+            block = pow2(n)
+            rms_norm_kernel[(x.shape[0],)](
+                x, res if res is not None else x, weight, y, h, n, eps, x.stride(0),
+                (res if res is not None else x).stride(0), y.stride(0), h.stride(0), HAS_RES=res is not None,
+                BLOCK=block, num_warps=8 if block >= 4096 else 4)
+        return y if res is None else (y, h)
+
+    def silu_mul(self, gate_up: torch.Tensor, inter: int) -> torch.Tensor | None:
+        from hwkv_cuda.kernels.elementwise import silu_mul_kernel
+
+        if gate_up.dim() != 2 or gate_up.shape[1] != 2 * inter or not self._ok(gate_up):
+            return None
+        y = torch.empty((gate_up.shape[0], inter), dtype=gate_up.dtype, device=gate_up.device)
+        block = min(1024, pow2(inter))
+        cols = -(-inter // block)
+        if gate_up.shape[0] and cols <= 65535:
+            silu_mul_kernel[(gate_up.shape[0], cols)](gate_up, y, inter, gate_up.stride(0), y.stride(0),
+                                                      BLOCK=block, num_warps=4)
+        elif gate_up.shape[0]:
+            return None
+        return y
+
+    def rope(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, q: torch.Tensor,
+             k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        d = q.shape[-1]
+        if (q.dim() != 3 or k.dim() != 3 or k.shape[-1] != d or d % 2 or cos.shape[-1] != d
+                or not self._ok(q, k, cos, sin) or cos.stride() != sin.stride()
+                or not q.dtype == k.dtype == cos.dtype == sin.dtype or positions.dim() != 1
+                or positions.shape[0] != q.shape[0] or k.shape[0] != q.shape[0]):
+            return None
+        return self._rope(cos, sin, positions, q), self._rope(cos, sin, positions, k)
+
+    def _rope(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        from hwkv_cuda.kernels.elementwise import rope_kernel
+
+        t, heads, d = x.shape
+        out = torch.empty((t, heads, d), dtype=x.dtype, device=x.device)
+        block_h = min(pow2(heads), max(1, 2048 // d))
+        if t:
+            rope_kernel[(t, -(-heads // block_h))](x, out, cos, sin, positions, heads, x.stride(0), x.stride(1),
+                                                   cos.stride(0), HALF=d // 2, HALF_PAD=pow2(d // 2),
+                                                   BLOCK_H=block_h, num_warps=4)
+        return out
+
+
+def elementwise_ops() -> TritonElementwise | None:
+    """The ops where ``HWKV_CUDA_ELEMENTWISE=1``, else ``None`` (torch.compile's kernels run)."""
+    return TritonElementwise() if os.environ.get(ENV, "0") == "1" else None
