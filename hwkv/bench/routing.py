@@ -53,7 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-share", type=float, default=1.25, help="each instance's KV pool, in multiples of its "
                    "share of the tenants' prefix tokens")
-    p.add_argument("--policies", default="round_robin,cache_aware")
+    p.add_argument("--policies", default="round_robin,cache_aware", help="router policies, one phase each; "
+                   "cache_aware:W sets its --load-weight W (e.g. round_robin,cache_aware,cache_aware:1)")
     p.add_argument("--engine-args", default="", help="extra `hwkv serve` flags, one string")
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--workdir", default="/tmp/hwkv-bench-models")
@@ -206,9 +207,11 @@ def run(args: argparse.Namespace) -> int:
                        timeout=600).raise_for_status()
         for ph, policy in enumerate(policies):
             port = _port()
+            name, _, weight = policy.partition(":")
             router = _Proc([sys.executable, "-m", "hwkv", "proxy", "--instances", ",".join(urls), "--kv-events",
-                            ",".join(events), "--kv-events-replay", ",".join(replays), "--policy", policy,
-                            "--port", str(port), "--log-level", "warning"], env, f"router-{policy}")
+                            ",".join(events), "--kv-events-replay", ",".join(replays), "--policy", name,
+                            *(["--load-weight", weight] if weight else []),
+                            "--port", str(port), "--log-level", "warning"], env, f"router-{name}")
             procs.append(router)
             rurl = f"http://127.0.0.1:{port}"
             if not wait_http(router.proc, rurl + "/v1/models", 60):
@@ -241,14 +244,18 @@ def run(args: argparse.Namespace) -> int:
     finally:
         for p in reversed(procs):
             p.stop()
-    ratios = {}
-    if "round_robin" in results and "cache_aware" in results:
-        rr, ca = results["round_robin"], results["cache_aware"]
-        ratios = {"hit_rate_x": ca["prefix_hit_rate"] / rr["prefix_hit_rate"] if rr["prefix_hit_rate"] else None,
-                  "ttft_p50_x": rr["ttft_p50_ms"] / ca["ttft_p50_ms"] if ca["ttft_p50_ms"] else None,
-                  "ttft_p99_x": rr["ttft_p99_ms"] / ca["ttft_p99_ms"] if ca["ttft_p99_ms"] else None}
-        print(f"cache_aware vs round_robin: hit rate x{ratios['hit_rate_x'] or 0:.2f} (goal >= 2), TTFT p50 "
-              f"x{ratios['ttft_p50_x'] or 0:.2f} better (goal >= 2), p99 x{ratios['ttft_p99_x'] or 0:.2f}")
+    vs_rr: dict[str, dict[str, float | None]] = {}
+    for name, ca in results.items():
+        if "round_robin" not in results or not name.startswith("cache_aware"):
+            continue
+        rr = results["round_robin"]
+        hit = ca["prefix_hit_rate"] / rr["prefix_hit_rate"] if rr["prefix_hit_rate"] else None
+        r = vs_rr[name] = {"hit_rate_x": hit,
+                           "ttft_p50_x": rr["ttft_p50_ms"] / ca["ttft_p50_ms"] if ca["ttft_p50_ms"] else None,
+                           "ttft_p99_x": rr["ttft_p99_ms"] / ca["ttft_p99_ms"] if ca["ttft_p99_ms"] else None}
+        print(f"{name} vs round_robin: hit rate x{r['hit_rate_x'] or 0:.2f} (goal >= 2), TTFT p50 "
+              f"x{r['ttft_p50_x'] or 0:.2f} better (goal >= 2), p99 x{r['ttft_p99_x'] or 0:.2f}")
+    ratios = vs_rr.get("cache_aware", {})
     day = dt.date.today().isoformat()
     out = Path(args.out_dir or results_dir()) / f"routing-{args.model}-{args.backend}-x{args.instances}-{day}.json"
     cmd = "hwkv bench routing " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "routing"] else sys.argv[1:])
@@ -257,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
     write_result(out, {"bench": "routing", "date": day, "machine": machine(), "command": cmd,
                        "commit": os.environ.get("HWKV_COMMIT") or _commit(),
                        "args": vars(args), "kv_blocks_per_instance": blocks, "prefix_tokens": prefix_tokens,
-                       "results": results, "cache_aware_vs_round_robin": ratios})
+                       "results": results, "cache_aware_vs_round_robin": ratios, "vs_round_robin": vs_rr})
     return 0 if all(r["failed"] == 0 for r in results.values()) else 1
 
 

@@ -60,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--policy", default="cache_aware", choices=["cache_aware", "round_robin", "least_loaded"])
     r.add_argument("--balance-abs", type=int, default=16, help="cache_aware: an instance with more than this "
                    "many requests in flight above the least loaded one is not a candidate")
+    r.add_argument("--load-weight", type=float, default=0.0, help="cache_aware: > 0 weighs the prefix against "
+                   "queued work: the instance with the fewest blocks to compute for this prompt plus this x the "
+                   "blocks its in-flight requests had to compute wins (0: the longest cached prefix wins)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a backend server may take per request")
@@ -112,7 +115,7 @@ def _run_router(args: argparse.Namespace, uvicorn) -> int:
               "prompts are routed least-loaded", file=sys.stderr)
     try:
         router = Router(args.instances, args.kv_events, args.kv_events_replay, policy=args.policy,
-                        tokenizer=tokenizer, balance_abs=args.balance_abs)
+                        tokenizer=tokenizer, balance_abs=args.balance_abs, load_weight=args.load_weight)
     except ValueError as e:
         print(f"hwkv proxy: error: {e}", file=sys.stderr)
         return 2

@@ -19,6 +19,12 @@ prefix-cache scorer):
 2. among them the highest prefix score wins; ties go to the less loaded, then round-robin;
 3. no candidate holds any block of the prompt: the least loaded, round-robin among equals.
 
+With ``load_weight > 0`` step 2 weighs the prefix against the work already queued (the cost of
+Dynamo's KV router): each candidate costs the blocks it would have to compute for this prompt plus
+``load_weight`` x the blocks its in-flight requests (routed here) had to compute, and the cheapest
+wins — a hit behind long prefills elsewhere may lose to a recompute on an idle instance. Ties go to
+the higher score, then the less loaded, then round-robin.
+
 A routed request's block hashes count as cached on its instance at once, for ``predict_ttl_s``
 seconds (the prefill has not finished, so no event has come yet): requests of the same prefix
 that arrive meanwhile follow it instead of computing it elsewhere (SGLang inserts into its
@@ -35,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import time
@@ -62,6 +69,7 @@ class Instance:
     replay: str | None = None  # its replay ROUTER endpoint
     sub: Any = None  # KVEventSubscriber
     inflight: int = 0
+    queued: float = 0.0  # blocks its in-flight requests had to compute (uncached when routed)
     routed: int = 0
     down_until: float = 0.0
     predicted: dict[bytes, float] = field(default_factory=dict)  # hash -> expiry (monotonic)
@@ -73,7 +81,8 @@ class Router:
 
     def __init__(self, urls: list[str], events: list[str | None] | None = None,
                  replays: list[str | None] | None = None, *, policy: str = "cache_aware", tokenizer: Any = None,
-                 balance_abs: int = 16, cpu_weight: float = 0.5, predict_ttl_s: float = 10.0, retry_s: float = 2.0):
+                 balance_abs: int = 16, cpu_weight: float = 0.5, predict_ttl_s: float = 10.0, retry_s: float = 2.0,
+                 load_weight: float = 0.0):
         if not urls:
             raise ValueError("the router needs at least one instance URL")
         if policy not in POLICIES:
@@ -86,10 +95,12 @@ class Router:
             raise ValueError(f"balance_abs={balance_abs!r} is invalid (need an int >= 0)")
         if not 0 <= cpu_weight <= 1:
             raise ValueError(f"cpu_weight={cpu_weight!r} is invalid (need a number in [0, 1])")
+        if isinstance(load_weight, bool) or not isinstance(load_weight, (int, float)) or not 0 <= load_weight <= 1e6:
+            raise ValueError(f"load_weight={load_weight!r} is invalid (need a number >= 0; 0: prefix first)")
         if policy == "cache_aware" and not events:
             raise ValueError("policy cache_aware needs each instance's KV events endpoint (hwkv serve "
                              "--kv-events-endpoint); allowed without: round_robin, least_loaded")
-        self.policy, self.tokenizer = policy, tokenizer
+        self.policy, self.tokenizer, self.load_weight = policy, tokenizer, float(load_weight)
         self.balance_abs, self.cpu_weight, self.predict_ttl_s, self.retry_s = balance_abs, cpu_weight, predict_ttl_s, \
             retry_s
         self.instances = [Instance(u.rstrip("/"), (events or [None] * len(urls))[i],
@@ -156,14 +167,22 @@ class Router:
         lo = min(loads.values())
         cands = [i for i in order if loads[i] <= lo + self.balance_abs]
         scores = {i: self.score(self.instances[i], hashes, now) for i in cands}
+        if self.load_weight > 0:  # blocks to compute here + weighted blocks queued here; min keeps the rotation
+            n, lw = len(hashes), self.load_weight
+            best = min(cands, key=lambda i: (n - scores[i] + lw * self.instances[i].queued, -scores[i], loads[i]))
+            return best, scores[best]
         best = max(cands, key=lambda i: (scores[i], -loads[i]))  # max keeps the first of equals: the rotation
         if scores[best] <= 0:
             return min(cands, key=loads.__getitem__), 0.0
         return best, scores[best]
 
-    def routed(self, i: int, hashes: list[bytes], score: float) -> None:
-        """Count a request sent to instance ``i`` and take its blocks as cached there from now on."""
+    def routed(self, i: int, hashes: list[bytes], score: float) -> float:
+        """Count a request sent to instance ``i`` and take its blocks as cached there from now on.
+        Returns the blocks it has to compute there (queued on ``i`` until :meth:`released`)."""
         inst, now = self.instances[i], time.monotonic()
+        inst.inflight += 1
+        work = max(0.0, len(hashes) - score)
+        inst.queued += work
         inst.routed += 1
         self.stats["requests"] += 1
         self.stats["cache_routed" if score > 0 else "fallback_routed"] += 1
@@ -176,6 +195,13 @@ class Router:
                     del pred[h]
             for h in hashes:
                 pred[h] = expiry
+        return work
+
+    def released(self, i: int, work: float) -> None:
+        """A request routed to ``i`` (``work``: what :meth:`routed` returned) ended or failed."""
+        inst = self.instances[i]
+        inst.inflight -= 1
+        inst.queued = max(0.0, inst.queued - work)
 
     # ---- prompts -------------------------------------------------------------------------------
     def prompt_tokens(self, path: str, body: dict[str, Any]) -> list[int] | None:
@@ -202,9 +228,9 @@ class Router:
 
     def summary(self) -> dict[str, Any]:
         s = dict(self.stats)
-        s["policy"] = self.policy
+        s["policy"], s["load_weight"] = self.policy, self.load_weight
         s["matched_fraction"] = s["matched_blocks"] / s["prompt_blocks"] if s["prompt_blocks"] else 0.0
-        s["instances"] = [{"url": x.url, "inflight": x.inflight, "routed": x.routed,
+        s["instances"] = [{"url": x.url, "inflight": x.inflight, "queued_blocks": x.queued, "routed": x.routed,
                            "events": x.events is not None,
                            "ready": x.sub is not None and x.sub.next_seq is not None,
                            "gpu_blocks": len(x.sub.index.hashes("GPU")) if x.sub is not None else 0,
@@ -248,11 +274,11 @@ def build_router(router: Router, timeout_s: float = 600.0) -> FastAPI:
             i, score = router.choose(hashes, tried)
             inst = router.instances[i]
             tried.add(i)
-            inst.inflight += 1
-            router.routed(i, hashes, score)  # before the send: requests arriving meanwhile follow this one
+            work = router.routed(i, hashes, score)  # before the send: requests arriving meanwhile follow this one
             done = True
             try:
-                resp = await send(inst, path, body, forward_headers(request))
+                release = functools.partial(router.released, i, work)
+                resp = await send(inst, path, body, forward_headers(request), release)
                 if resp is not None:
                     if isinstance(resp, StreamingResponse):
                         done = False  # the relay releases the instance when the stream ends
@@ -260,13 +286,14 @@ def build_router(router: Router, timeout_s: float = 600.0) -> FastAPI:
                     return resp
             finally:
                 if done:
-                    inst.inflight -= 1
+                    router.released(i, work)
             inst.down_until = time.monotonic() + router.retry_s
             router.stats["unreachable"] += 1
             if len(tried) == len(router.instances):
                 return error(503, f"no instance is reachable (tried {', '.join(x.url for x in router.instances)})")
 
-    async def send(inst: Instance, path: str, body: dict[str, Any], hdrs: dict[str, str]) -> Response | None:
+    async def send(inst: Instance, path: str, body: dict[str, Any], hdrs: dict[str, str],
+                   release: Any) -> Response | None:
         """The instance's answer, passed through; None when it cannot be reached (try another)."""
         url = f"{inst.url}{path}"
         req = client().build_request("POST", url, json=body, headers=hdrs)
@@ -280,11 +307,7 @@ def build_router(router: Router, timeout_s: float = 600.0) -> FastAPI:
             content = await r.aread()
             await r.aclose()
             return Response(content, r.status_code, media_type=r.headers.get("content-type"))
-
-        def release() -> None:  # the stream ended, failed or its client went away
-            inst.inflight -= 1
-
-        return relay(r, f"instance {inst.url}", on_end=release)
+        return relay(r, f"instance {inst.url}", on_end=release)  # the stream ended, failed or its client left
 
     add_openai_routes(app, handle)
 

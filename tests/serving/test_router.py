@@ -200,6 +200,27 @@ def test_policy_longest_prefix_balance_and_fallbacks():
     assert r.choose([bytes([9]) * 32])[0] != 2
 
 
+def test_policy_load_weight_trades_the_prefix_against_queued_work():
+    h = [bytes([i]) * 32 for i in range(10)]
+    r = _router(2, load_weight=1.0)
+    r.instances[0].sub = _Sub(gpu=h[:8])  # 2 blocks to compute there
+    assert r.choose(h) == (0, 8.0)  # nothing queued anywhere: the prefix wins
+    work = r.routed(0, [bytes([20 + i]) * 32 for i in range(9)], 0.0)  # a 9-block miss queued on 0
+    assert work == 9.0 and r.instances[0].queued == 9.0 and r.instances[0].inflight == 1
+    assert r.choose(h) == (1, 0.0)  # 2 + 9 queued > 10 to compute on the idle one
+    r.load_weight = 0.5
+    assert r.choose(h) == (0, 8.0)  # 2 + 4.5 < 10
+    r.released(0, work)
+    assert r.instances[0].queued == 0.0 and r.instances[0].inflight == 0
+    assert _router(2).choose(h)[1] == 0.0 and r.summary()["load_weight"] == 0.5
+    r.load_weight = 1.0
+    r.instances[1].sub = _Sub(gpu=h[:8])
+    r.instances[1].queued = 1.0
+    assert r.choose(h) == (0, 8.0)  # equal prefixes: the less queued
+    with pytest.raises(ValueError, match="load_weight=-1 is invalid"):
+        _router(2, load_weight=-1)
+
+
 def test_policy_routed_requests_count_as_cached_until_events_come():
     h = [bytes([i]) * 32 for i in range(4)]
     r = _router(2, predict_ttl_s=0.2)
