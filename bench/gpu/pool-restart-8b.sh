@@ -7,7 +7,7 @@
 #    warm-up of the measured shape, and every run now reports its lookup time;
 # 2. Llama-3-8B shape, one process, 256-token chunks (32 MiB values), 256 MiB staging, holder: recompute vs
 #    load at an 8,000-token prefix;
-# 3. (if time is left) the same at the 1B shape with 256-token chunks (same-run A/B with step 1).
+# 3. with >= 60 s left: step 2 with fp8 KV (half the bytes); else with >= 20 s: step 1 with 256-token chunks.
 # Run from the repository root with OUT set.
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 OMP_NUM_THREADS=4
@@ -39,8 +39,15 @@ echo "== 2. llama-8b, 8000-token prefix, 256-token chunks, holder, one process (
 mkdir -p "$OUT/8b-c256"
 timeout "$(left 2)" "${R[@]}" --model llama-8b --prompt-len 8000 --chunk-size 256 --staging-mb 256 --timeout 90 --out-dir "$OUT/8b-c256" 2>&1 | tee "$OUT/8b-c256.log" | tail -n 14
 echo "8b-c256 rc=${PIPESTATUS[0]} ($(date -u +%T))"
-echo "== 3. llama-1b, 8192-token prefix, 256-token chunks, holder, one process ($(left 0) s left)"
-[[ $(left 0) -gt 20 ]] || exit 0
-mkdir -p "$OUT/1b-c256"
-timeout "$(left 1)" "${R[@]}" --model llama-1b --prompt-len 8192 --chunk-size 256 --timeout 40 --out-dir "$OUT/1b-c256" 2>&1 | tee "$OUT/1b-c256.log" | tail -n 14
-echo "1b-c256 rc=${PIPESTATUS[0]} ($(date -u +%T))"
+if [[ $(left 0) -ge 60 ]]; then
+  echo "== 3. llama-8b as in 2 with fp8 KV (half the bytes to load; recompute with fp8 KV too) ($(left 0) s left)"
+  mkdir -p "$OUT/8b-c256-fp8"
+  timeout "$(left 1)" "${R[@]}" --model llama-8b --prompt-len 8000 --chunk-size 256 --staging-mb 256 --timeout 90 \
+    --engine-args '{"enforce_eager": true, "kv_cache_dtype": "fp8"}' --out-dir "$OUT/8b-c256-fp8" 2>&1 | tee "$OUT/8b-c256-fp8.log" | tail -n 14
+  echo "8b-c256-fp8 rc=${PIPESTATUS[0]} ($(date -u +%T))"
+elif [[ $(left 0) -ge 20 ]]; then
+  echo "== 3. llama-1b, 8192-token prefix, 256-token chunks, holder, one process ($(left 0) s left)"
+  mkdir -p "$OUT/1b-c256"
+  timeout "$(left 1)" "${R[@]}" --model llama-1b --prompt-len 8192 --chunk-size 256 --timeout 40 --out-dir "$OUT/1b-c256" 2>&1 | tee "$OUT/1b-c256.log" | tail -n 14
+  echo "1b-c256 rc=${PIPESTATUS[0]} ($(date -u +%T))"
+fi
