@@ -103,9 +103,11 @@ class SchedulerResults:
     def _settle_loads(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> None:
         """Confirm or undo the synchronous connector loads of the step ``sched_out``: a load the
         connector reports failed loses the step's token and restarts by recompute (its local
-        prefix-cache hit is kept: those blocks were never the connector's)."""
+        prefix-cache hit is kept: those blocks were never the connector's, and so are the blocks the
+        load did land, ``valid_tokens``: it recomputes only the rest)."""
         kvo = runner_out.kv_connector_output
         failed = kvo.failed_recving if kvo is not None else ()
+        valid = kvo.valid_tokens if kvo is not None else {}
         for new in sched_out.scheduled_new_reqs:
             n_ext = self.loading.pop(new.req_id, None)
             req = self.requests.get(new.req_id)
@@ -126,6 +128,7 @@ class SchedulerResults:
                 continue
             self.running.remove(req)
             self.kv.uncache_blocks(req, new.num_computed_tokens - n_ext)
+            self._keep_landed(req, valid.get(new.req_id, 0), new.num_computed_tokens)
             self.kv.free(req)
             self._num_slots.pop(req.request_id, None)
             req.num_computed_tokens = 0
@@ -133,6 +136,13 @@ class SchedulerResults:
             req.status = RequestStatus.PREEMPTED
             self.waiting.prepend_request(req)
             self._dropped.add(req.request_id)
+
+    def _keep_landed(self, req: Request, valid: int, loaded_to: int) -> None:
+        """Register the blocks a failed load did land (its first ``valid`` tokens, at most the
+        ``loaded_to`` the load was to reach) before the request's blocks are freed: its re-admission
+        hits them in the prefix cache (every group's rule applies) and recomputes only the rest."""
+        if valid > 0 and self.kv.enable_caching:
+            self.kv.cache_blocks(req, min(valid, loaded_to))
 
     def _free(self, req: Request) -> None:
         if req.finish_time is None:
@@ -174,7 +184,8 @@ class SchedulerResults:
                 self.num_load_failures += 1
                 self.remote_ext.pop(rid, None)
                 req.num_cached_tokens = -1
-                self.kv.free(req)  # recompute from scratch; the connector must not offer it again
+                self._keep_landed(req, out.valid_tokens.get(rid, 0), req.num_computed_tokens)
+                self.kv.free(req)  # recompute (past its hits); the connector must not offer it again
                 self._num_slots.pop(rid, None)
                 req.num_computed_tokens = 0
                 req.status = RequestStatus.WAITING

@@ -35,7 +35,7 @@ def grouping_blockers(args: Any, connector: Any, model: Any) -> list[str]:
     if connector is not None and not getattr(connector, "supports_kv_groups", False):
         reasons.append(f"the {getattr(connector, 'name', type(connector).__name__)!r} KV connector moves one block "
                        "table per request (allowed: kv_connector None or one that supports KV-cache groups: "
-                       "'offload', 'p2p')")
+                       "'offload', 'pool', 'p2p')")
     spec = args.speculative_config
     if spec is not None and getattr(spec, "method", None) != "ngram" and None not in windows:
         # a model proposer's KV is indexed by group 0's block ids (the runner's block_table: the full

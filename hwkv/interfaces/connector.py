@@ -20,7 +20,9 @@ worker side, inside ``ModelRunner.execute``::
     wait_for_save(); get_finished(finished_req_ids) -> KVConnectorOutput
 
 Contract: a load that fails must be reported in ``KVConnectorOutput.failed_recving`` (the
-scheduler then recomputes) — never silently produce wrong KV. A *synchronous* load (offered with
+scheduler then recomputes) — never silently produce wrong KV. A load that failed part-way may say in
+``KVConnectorOutput.valid_tokens`` how many of the request's first tokens did land (every block
+before the first failed one); only the rest is recomputed. A *synchronous* load (offered with
 ``load_async=False``) must be reported as failed in the output of the very step that scheduled it:
 the scheduler then discards that step's token for the request and recomputes it. ``delay_free=True``
 hands the request's blocks to the connector until it reports the request in ``finished_sending``.
@@ -83,6 +85,11 @@ class KVConnectorOutput:
     finished_sending: set[str] = field(default_factory=set)  # delayed-free blocks may go now
     finished_recving: set[str] = field(default_factory=set)  # async loads done: may run now
     failed_recving: set[str] = field(default_factory=set)  # loads failed: recompute instead
+    # a request of failed_recving -> its first tokens whose KV is valid in its blocks after the failed
+    # load (the device hit and the loaded blocks before the first failed one, in every KV-cache
+    # group; whole blocks). The scheduler keeps them in the prefix cache, so the request recomputes
+    # only the rest. Absent: nothing beyond its device hit.
+    valid_tokens: dict[str, int] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)  # connector-specific (e.g. store events)
 
 

@@ -21,6 +21,22 @@ def windowed_dir(tmp_path_factory):
                                 max_position_embeddings=512))
 
 
+@pytest.fixture(scope="module")
+def hybrid_dir(tmp_path_factory):
+    """A Gemma-3-shaped model: two window-16 layers (one block) and a global one (two KV-cache groups)."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    cfg = transformers.Gemma3TextConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=512, max_position_embeddings=256, initializer_range=0.2, bos_token_id=1,
+        eos_token_id=2, query_pre_attn_scalar=16, sliding_window=16, sliding_window_pattern=3)
+    torch.manual_seed(11)
+    path = tmp_path_factory.mktemp("hybrid-diff")
+    transformers.Gemma3ForCausalLM(cfg).float().eval().save_pretrained(path)
+    return str(path)
+
+
 def workload(seed: int = 0) -> list[list[int]]:
     """Three prompts sharing a 4-block prefix, each after a filler that needs the whole device pool
     (8 blocks): the prefix is evicted from the device every time and must come from elsewhere."""
@@ -68,3 +84,7 @@ def assert_no_leak(e: hwkv.Engine) -> None:
             assert cpu.num_free_blocks == cpu.num_blocks  # no host block pinned
             assert all(b.ref_cnt == 0 for b in cpu.blocks)
         assert not sched._jobs and not sched._pending_hits and not sched._reqs and not sched._storing
+    if hasattr(sched, "_pending") and hasattr(sched, "_recent"):  # the pool connector's scheduler side
+        assert not sched._jobs and not sched._pending and not sched._reqs and not sched._storing
+        worker = e.scheduler.connector.worker
+        assert not worker._flights and not worker._ending

@@ -16,6 +16,7 @@ import hwkv
 from hwkv.connectors.offload import OffloadConnector
 from hwkv.connectors.offload.worker import OffloadWorker
 from hwkv.connectors.pool.store import drop_embedded, embedded_store
+from hwkv.interfaces.store import ItemResult, KeyNotFound
 from hwkv.testing.mooncake import mooncake_available
 
 from .conftest import BS, assert_no_leak, engine, greedy
@@ -24,18 +25,6 @@ from .test_pool import Flaky, _close, _settle
 transformers = pytest.importorskip("transformers")
 
 SEEDS = [0, 1, 2]
-
-
-@pytest.fixture(scope="module")
-def hybrid_dir(tmp_path_factory):
-    cfg = transformers.Gemma3TextConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, vocab_size=512, max_position_embeddings=256, initializer_range=0.2, bos_token_id=1,
-        eos_token_id=2, query_pre_attn_scalar=16, sliding_window=16, sliding_window_pattern=3)
-    torch.manual_seed(11)
-    path = tmp_path_factory.mktemp("hybrid-diff")
-    transformers.Gemma3ForCausalLM(cfg).float().eval().save_pretrained(path)
-    return str(path)
 
 
 def trace(seed: int) -> list[tuple[list[int], int]]:
@@ -111,27 +100,52 @@ def test_offload_groups_load_every_groups_blocks(hybrid_dir, plain):
     assert_no_leak(e)
 
 
+class LoseSome(Flaky):
+    """:class:`Flaky`, and with ``p`` each key of a get is lost on its own (a get fails part-way: the
+    chunks before the first lost one land); ``got`` counts the keys asked per KV-cache group tag."""
+
+    def __init__(self, inner, seed: int):
+        super().__init__(inner)
+        self.rng, self.p, self.got = random.Random(seed), 0.0, {}
+
+    def get(self, keys, buffers):
+        for k in keys:
+            tag = k.rsplit("@", 2)[-2]
+            self.got[tag] = self.got.get(tag, 0) + 1
+        lost = [self.p > 0 and self.rng.random() < self.p for _ in keys]
+        if self.lose_gets or not any(lost):
+            return super().get(keys, buffers)
+        res = iter(super().get([k for k, x in zip(keys, lost) if not x], [b for b, x in zip(buffers, lost) if not x]))
+        return [ItemResult(k, 0, KeyNotFound(f"key {k!r} not found")) if x else next(res) for k, x in zip(keys, lost)]
+
+
 @pytest.mark.parametrize("seed", SEEDS)
-def test_pool_with_random_lost_keys(hybrid_dir, plain, seed, request):
+def test_pool_groups_with_random_lost_keys(hybrid_dir, plain, seed, request):
+    """The pool with KV-cache groups (each group's chunks under its own keys): a second instance hits
+    the first one's chunks of both groups while whole gets and single keys are lost at random."""
     name = f"hybrid-diff-{seed}-{request.node.name}"
-    flaky = Flaky(embedded_store(name))
+    flaky = LoseSome(embedded_store(name), seed)
     kw = dict(num_kv_blocks=16, kv_connector="pool", kv_connector_config={"store": flaky})
     a, b = engine(hybrid_dir, **kw), engine(hybrid_dir, **kw)
     rng = random.Random(seed)
     try:
+        assert [g.window for g in b.config.kv_groups] == [None, 16]  # KV-cache groups with the connector
         steps = trace(seed)
         assert run(a, steps) == plain[seed]  # fills the pool (and hits its own device cache)
         _settle(a)
 
         def maybe_lose(_i):
-            flaky.lose_gets = rng.random() < 0.4
+            r = rng.random()
+            flaky.lose_gets, flaky.p = r < 0.2, 0.3 if r < 0.6 else 0.0
 
         assert run(b, steps, maybe_lose) == plain[seed]  # a second instance: pool hits, some lost
-        flaky.lose_gets = False
+        flaky.lose_gets, flaky.p = False, 0.0
         sb = _settle(b)
         assert sb["external_hit_tokens"] > 0 and sb["load_failures"] > 0
+        # both groups were loaded, the window group (one block: window 16) less than the full one
+        assert 0 < flaky.got["g1-w16"] < flaky.got["g0-full"]
         for e in (a, b):
-            assert e.kv_cache_manager.num_free_blocks == e.kv_cache.spec.num_blocks
+            assert_no_leak(e)
     finally:
         _close(a, b)
         drop_embedded(name)

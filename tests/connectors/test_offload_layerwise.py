@@ -20,7 +20,6 @@ from hwkv.reference.backend import CpuBackend
 from hwkv.reference.device import CpuDevice, CpuEvent, CpuStream
 
 from .conftest import assert_no_leak, engine, run_one_by_one, settle, workload
-from .test_hybrid_differential import hybrid_dir as hybrid_dir  # noqa: F401 (fixture)
 
 MB = 1 << 20
 

@@ -123,7 +123,7 @@ class _Conn(KVConnectorBase):
 
 
 def _out(**kw) -> KVConnectorOutput:
-    return KVConnectorOutput(**{k: set(v) if k != "extra" else v for k, v in kw.items()})
+    return KVConnectorOutput(**{k: set(v) if k not in ("extra", "valid_tokens") else v for k, v in kw.items()})
 
 
 def test_aggregation_rules():
@@ -142,7 +142,14 @@ def test_aggregation_rules():
     assert agg.aggregate([(0, _out(extra={"jobs": [(7, True, 10)]}))], ()) is None
     out = agg.aggregate([(1, _out(extra={"jobs": [(7, False, 12)], "epoch": 3}))], ())
     assert out.extra == {"jobs": [(7, False, 22)], "epoch": (None, 3)}
-    assert agg.pending() == 0
+    # a failed load's valid tokens: the smallest over the ranks that failed it (one saying none: none)
+    assert agg.aggregate([(0, _out(failed_recving={"v"}, valid_tokens={"v": 48}))], ()) is None
+    out = agg.aggregate([(1, _out(failed_recving={"v"}, valid_tokens={"v": 32}))], ())
+    assert out.failed_recving == {"v"} and out.valid_tokens == {"v": 32}
+    out = agg.aggregate([(0, _out(failed_recving={"w"}, valid_tokens={"w": 16})), (1, _out(failed_recving={"w"}))],
+                        {"w"})
+    assert out.failed_recving == {"w"} and out.valid_tokens == {}
+    assert agg.pending() == 0 and not agg._valid
 
 
 # ---- pool -----------------------------------------------------------------------------------------

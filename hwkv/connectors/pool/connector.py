@@ -29,6 +29,7 @@ only where every rank's key is present; a load is done once every rank's get is.
 from __future__ import annotations
 
 import weakref
+from dataclasses import replace
 from typing import Any
 
 from hwkv.connectors.base.jobs import Meta
@@ -51,6 +52,7 @@ class PoolConnector(SplitConnector):
 
     name = "pool"
     supports_tensor_parallel = True  # every rank gets and puts its own shard; the metadata is plain data
+    supports_kv_groups = True  # each group's chunks under its own keys (docs/hybrid-models.md)
     metadata_type = Meta | None
     tp_job_keys = (PoolScheduler.extra_key,)
     scheduler: PoolScheduler
@@ -113,7 +115,14 @@ class PoolConnector(SplitConnector):
         # engines with other scales (or bf16 KV) never read each other's chunks
         key = PoolKey(self.model_id, kv_cache.layout.value, kv_cache.format_key(),
                       spec.num_layers, spec.num_kv_heads, spec.head_size, bs, chunk_blocks, tp_rank, tp_size, pp_rank)
-        self.worker.register_kv_caches(kv_cache, key)
+        groups = getattr(kv_cache, "groups", None)  # hwkv.engine.kv_groups.GroupedKVCache: a key per group
+        if groups:
+            keys = [replace(key, dtype=c.format_key(), num_layers=len(g.layers),
+                            group=f"g{i}-full" if g.window is None else f"g{i}-w{g.window}")
+                    for i, (g, c) in enumerate(zip(groups, kv_cache.caches))]
+            self.worker.register_kv_caches(kv_cache, keys)
+        else:
+            self.worker.register_kv_caches(kv_cache, key)
         server = self.worker.server  # rank 0's: the scheduler side asks it through the lookup bridge
         client = LookupClient(server.address, self.lookup_timeout_s) if server is not None else None
         self.scheduler.bind_geometry(geometry, client)

@@ -4,7 +4,7 @@ A key names everything that decides the chunk's bytes, so KV can never load into
 layout, dtype or shard::
 
     hwkv1@<model_id>@<layout>:<dtype>:L<layers>H<kv_heads>D<head_size>B<block_size>x<chunk_blocks>
-         @tp<rank>/<size>@pp<rank>@<chunk hash hex>          (one string, no line break)
+         @tp<rank>/<size>@pp<rank>@[<group>@]<chunk hash hex>          (one string, no line break)
 
 * ``model_id`` — ``<name>-<fingerprint>``: the model directory's name and 12 hex digits of sha256
   over its ``config.json`` and a sample of its weight bytes (so two fine-tunes of one architecture
@@ -12,6 +12,9 @@ layout, dtype or shard::
 * the chunk hash is the prefix-cache chain hash of the chunk's last block: it covers every token of
   the prefix up to there and the request's ``cache_salt``, so tenants with different salts never
   share entries, and equal keys mean equal prefixes.
+* ``group`` — with KV-cache groups (a hybrid model, docs/hybrid-models.md) each group's chunks are
+  keyed apart: ``g<index>-full`` or ``g<index>-w<window>``, and ``L`` counts that group's layers
+  (absent without groups, so those keys are unchanged).
 * the value is the chunk's blocks in every KV tensor, tensor-major then block order (what
   ``KVCache.segments`` of the chunk's block ids concatenates to, whatever the physical ids).
 """
@@ -74,6 +77,7 @@ class PoolKey:
     tp_rank: int = 0
     tp_size: int = 1
     pp_rank: int = 0
+    group: str = ""  # KV-cache groups: the group's tag (``g<i>-full`` / ``g<i>-w<window>``); "" without
 
     def __post_init__(self) -> None:
         if not self.model_id or "@" in self.model_id:
@@ -87,7 +91,7 @@ class PoolKey:
     def prefix(self) -> str:
         return (f"hwkv1@{self.model_id}@{self.layout}:{self.dtype}:L{self.num_layers}H{self.num_kv_heads}"
                 f"D{self.head_size}B{self.block_size}x{self.chunk_blocks}@tp{self.tp_rank}/{self.tp_size}"
-                f"@pp{self.pp_rank}@")
+                f"@pp{self.pp_rank}@" + (f"{self.group}@" if self.group else ""))
 
     def key(self, chunk_hash: bytes) -> str:
         return self.prefix + chunk_hash.hex()

@@ -15,7 +15,18 @@ side's lookup server (rank 0) which chunks the pool holds; the unit is a chunk o
 * every step (``build_connector_meta``): newly full chunks of scheduled requests become store jobs
   (pinned until put), unless a put of theirs completed recently (a local set) or is in flight.
 * completions (``update_connector_output``): pins released, counters; a failed load's request is
-  never offered the pool again (it recomputes).
+  never offered the pool again (it recomputes from the first chunk that did not land: the worker
+  side reports ``valid_tokens``).
+
+KV-cache groups (a hybrid model, docs/hybrid-models.md): each group's chunks have their own keys.
+The lookup asks which chunks each group holds (one ``presence`` request); a hit of ``n`` chunks
+needs, in a full group, every chunk of ``[first, n)``, in a window group only the chunks covering
+the window of the next query, ``[max(first, first_needed(n) // chunk_blocks), n)``; the offer is
+the longest ``n`` every group serves. Admission makes one load job per group (a window group's
+blocks before its loaded window are freed first: never loaded, so never registered); the request
+is loaded once every group's job ended. Stores: each group's newly full chunks whose blocks it
+still holds (a window group frees a block only at the step after it became full, so in practice
+every chunk), one job per group.
 """
 
 from __future__ import annotations
@@ -52,6 +63,8 @@ class _Job:
     req_id: str
     blocks: list[Any]  # pinned device KVCacheBlocks, chunk after chunk
     hashes: list[bytes]
+    group: int = 0  # the KV-cache group whose blocks these are
+    first: int = 0  # a load: the index of its first chunk in the request
 
 
 class PoolScheduler(JobScheduler):
@@ -64,11 +77,13 @@ class PoolScheduler(JobScheduler):
         super().__init__()
         self.save = save
         self.client: LookupClient | None = None  # rank 0's lookup bridge; None: nothing is offered
+        self.windows: list[int | None] = [None]  # each KV-cache group's window (None: full attention)
         self.block_size = self.chunk_blocks = 0
         self._chunk_bytes = 1
         self._pending: dict[str, tuple[int, list[bytes]]] = {}  # rid -> (first chunk, hit hashes)
         self._lookups: dict[str, tuple[tuple[int, int], int, float]] = {}
-        self._recent: OrderedDict[bytes, None] = OrderedDict()
+        # chunks known to be in the pool: group 0's by hash, another group's as (group, hash)
+        self._recent: OrderedDict[Any, None] = OrderedDict()
         self._events: list[Any] | None = None  # KV events (medium "POOL"), once enabled
         self._epoch: tuple[int, int] = (0, 0)  # (connects, failures) of the store the worker last reported
         self.counters = dict(loaded_bytes=0, stored_bytes=0, lookups=0, lookup_hit_tokens=0, load_jobs=0,
@@ -80,6 +95,26 @@ class PoolScheduler(JobScheduler):
         self.block_size, self.chunk_blocks, self._chunk_bytes = (geometry.block_size, geometry.chunk_blocks,
                                                                  geometry.chunk_bytes)
         self.client = client
+        self.windows = [getattr(m, "window", None) for m in self._managers()]
+
+    @property
+    def grouped(self) -> bool:
+        return len(self.windows) > 1
+
+    def _managers(self) -> list[Any]:
+        """The device KV-cache manager of each group (one without groups)."""
+        return list(getattr(self.kv, "managers", [self.kv]))
+
+    def _key(self, g: int, h: bytes) -> Any:
+        return h if g == 0 else (g, h)
+
+    def _lo(self, g: int, first: int, n: int) -> int:
+        """First chunk group ``g`` needs of a hit ending at chunk ``n`` after a local hit of ``first`` chunks."""
+        w, cb, bs = self.windows[g], self.chunk_blocks, self.block_size
+        return first if w is None else max(first, max(0, n * cb * bs - w + 1) // bs // cb)
+
+    def _pin(self, job: Any, blocks: list[Any]) -> None:
+        self._managers()[job.group].block_pool.touch(blocks)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         rid = request.request_id
@@ -97,6 +132,9 @@ class PoolScheduler(JobScheduler):
         cached = self._lookups.get(rid)
         if cached is not None and cached[0] == (first, last) and now - cached[2] < _LOOKUP_TTL_S:
             hits = cached[1]
+        elif self.grouped:
+            hits = self._grouped_hits(request, first, last)
+            self._lookups[rid] = ((first, last), hits, now)
         else:
             hashes = [request.block_hashes[(c + 1) * cb - 1] for c in range(first, last)]
             hits = self.client.lookup(hashes)
@@ -112,6 +150,29 @@ class PoolScheduler(JobScheduler):
         self._pending[rid] = (first, [request.block_hashes[(c + 1) * cb - 1] for c in range(first, first + hits)])
         return hits * cb * bs, True
 
+    def _grouped_hits(self, request: Any, first: int, last: int) -> int:
+        """Chunks after ``first`` every group serves (module docstring): a full group needs each chunk
+        from ``first``, a window group those covering the next query's window (each ``n`` tried from the
+        full groups' longest run down: a shorter prefix's window is other chunks)."""
+        cb = self.chunk_blocks
+        hashes = [request.block_hashes[(c + 1) * cb - 1] for c in range(first, last)]
+        present = self.client.presence(hashes, len(self.windows))  # type: ignore[union-attr]
+        self.counters["lookups"] += 1
+        n = last
+        for g, w in enumerate(self.windows):
+            if w is None:
+                n = min(n, first + next((i for i, p in enumerate(present[g]) if not p), len(hashes)))
+        while n > first and not all(all(present[g][c - first] for c in range(self._lo(g, first, n), n))
+                                    for g, w in enumerate(self.windows) if w is not None):
+            n -= 1
+        for g, flags in enumerate(present):  # missing from the pool: a "recently put" entry is stale
+            gone = [h for h, p in zip(hashes, flags) if not p and self._key(g, h) in self._recent]
+            for h in gone:
+                del self._recent[self._key(g, h)]
+            if g == 0:
+                self._removed(gone)
+        return n - first
+
     def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
         rid = request.request_id
         self._lookups.pop(rid, None)
@@ -120,18 +181,24 @@ class PoolScheduler(JobScheduler):
         n = min(len(hashes), num_external_tokens // (self.block_size * self.chunk_blocks))
         if not n:
             return
-        cb = self.chunk_blocks
-        blocks = self.kv.get_blocks(rid)[first * cb:(first + n) * cb]
-        self._add_job(_Job(next(self._ids), True, rid, blocks, hashes[:n]), blocks)
-        self.counters["lookup_hit_tokens"] += n * cb * self.block_size
+        cb, bs, end = self.chunk_blocks, self.block_size, first + n
+        for g, m in enumerate(self._managers()):
+            lo = self._lo(g, first, end)
+            if self.windows[g] is not None:  # its entries before the loaded window are never loaded: freed now
+                # (the load holds only the window, and a failed load's landed blocks, registered up to
+                # valid_tokens, never include them; a test fails without it)
+                m.free_outside_window(request, lo * cb * bs + self.windows[g] - 1)  # frees blocks [0, lo * cb)
+            blocks = m.get_blocks(rid)[lo * cb:end * cb]
+            self._add_job(_Job(next(self._ids), True, rid, blocks, hashes[lo - first:n], g, lo), blocks)
+        self.counters["lookup_hit_tokens"] += n * cb * bs
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         loads = self._take_loads(scheduler_output)
         stores = self._prepare_stores(scheduler_output) if self.save and self.client is not None else []
         if not loads and not stores:
             return None
-        return Meta([(j.job_id, j.req_id, j.hashes, self._chunks(j.blocks)) for j in loads],
-                     [(j.job_id, j.hashes, self._chunks(j.blocks)) for j in stores])
+        return Meta([(j.job_id, j.req_id, j.hashes, self._chunks(j.blocks), j.group, j.first) for j in loads],
+                     [(j.job_id, j.hashes, self._chunks(j.blocks), j.group) for j in stores])
 
     def _chunks(self, blocks: list[Any]) -> list[list[int]]:
         cb = self.chunk_blocks
@@ -143,57 +210,62 @@ class PoolScheduler(JobScheduler):
             st = self._reqs.get(rid)
             if st is None or st.hold:
                 continue
-            req, blocks = st.request, self.kv.get_blocks(rid)
-            full = min(req.num_computed_tokens // bs, len(req.block_hashes), len(blocks)) // cb
-            hashes, dev = [], []
-            for c in range(st.num_stored, full):
-                h = req.block_hashes[(c + 1) * cb - 1]
-                if h in self._recent:
-                    self._recent.move_to_end(h)
-                    self.counters["dedup_local"] += 1
-                elif h not in self._storing:
-                    hashes.append(h)
-                    dev.extend(blocks[c * cb:(c + 1) * cb])
+            req, tables = st.request, [m.get_blocks(rid) for m in self._managers()]
+            full = min(req.num_computed_tokens // bs, len(req.block_hashes), len(tables[0])) // cb
+            for g, blocks in enumerate(tables):
+                hashes, dev = [], []
+                for c in range(st.num_stored, full):
+                    h = req.block_hashes[(c + 1) * cb - 1]
+                    k = self._key(g, h)
+                    if k in self._recent:
+                        self._recent.move_to_end(k)
+                        self.counters["dedup_local"] += 1
+                    elif k not in self._storing and not any(b.is_null for b in blocks[c * cb:(c + 1) * cb]):
+                        hashes.append(h)  # (a window group's chunk it no longer holds is skipped)
+                        dev.extend(blocks[c * cb:(c + 1) * cb])
+                if hashes:
+                    self._storing.update(self._key(g, h) for h in hashes)  # pinned: a put reads them after
+                    out.append(self._add_job(_Job(next(self._ids), False, rid, dev, hashes, g), dev))  # the forward
             st.num_stored = max(st.num_stored, full)
-            if hashes:
-                self._storing.update(hashes)  # pinned: a put reads them after this step's forward
-                out.append(self._add_job(_Job(next(self._ids), False, rid, dev, hashes), dev))
         return out
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         epoch = output.extra.get("pool_epoch")
         if epoch is not None and epoch != self._epoch:  # the store failed or was reconnected: it may have
             self._epoch = epoch  # lost anything, so "recently put" proves nothing any more
-            self._removed(list(self._recent))
+            self._removed([k for k in self._recent if isinstance(k, bytes)])
             self._recent.clear()
         super().update_connector_output(output)
 
     def _complete(self, job: _Job, ok: bool, nbytes: int, skipped: int) -> None:
-        c = self.counters
+        c, g = self.counters, job.group
+        keys = [self._key(g, h) for h in job.hashes]
         if job.load:
             c["load_jobs" if ok else "failed_loads"] += 1
             c["loaded_bytes"] += nbytes
-            if ok and (st := self._reqs.get(job.req_id)) is not None:
+            mine = any(j.load and j.req_id == job.req_id for j in self._jobs.values())  # another group's
+            if ok and not mine and (st := self._reqs.get(job.req_id)) is not None:
                 st.hold = False
         else:
-            self._storing.difference_update(job.hashes)
+            self._storing.difference_update(keys)
             c["store_jobs" if ok else "failed_stores"] += 1
             c["stored_bytes"] += nbytes
             c["stored_chunks"] += nbytes // self._chunk_bytes
             c["dedup_pool"] += skipped
         if ok:  # known present: later stores of these chunks skip even the exists call
-            new = [h for h in job.hashes if h not in self._recent] if self._events is not None else None
-            for h in job.hashes:
-                self._recent[h] = None
-                self._recent.move_to_end(h)
+            # KV events report group 0's chunks (the full group's where there is one)
+            new = [h for h in job.hashes if h not in self._recent] if self._events is not None and not g else None
+            for k in keys:
+                self._recent[k] = None
+                self._recent.move_to_end(k)
             if new:
                 self._events.append(BlockStored(new, None, [], self.block_size * self.chunk_blocks, None,  # type: ignore
                                                 MEDIUM_POOL))
             trimmed = []
             while len(self._recent) > _RECENT_MAX:
                 trimmed.append(self._recent.popitem(last=False)[0])
-            self._removed(trimmed)
-        self.kv.block_pool.free_blocks(job.blocks)
+            self._removed([k for k in trimmed if isinstance(k, bytes)])
+        self._managers()[g].block_pool.free_blocks(job.blocks)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # In-flight jobs pin their blocks themselves: freeing the request's blocks now is safe.
@@ -221,9 +293,10 @@ class PoolScheduler(JobScheduler):
         return events
 
     def kv_event_snapshot(self) -> list[Any]:
-        if self._events is None or not self._recent:
+        hashes = [k for k in self._recent if isinstance(k, bytes)] if self._events is not None else []
+        if not hashes:
             return []
-        return [BlockStored(list(self._recent), None, [], self.block_size * self.chunk_blocks, None, MEDIUM_POOL)]
+        return [BlockStored(hashes, None, [], self.block_size * self.chunk_blocks, None, MEDIUM_POOL)]
 
     def _removed(self, hashes: list[bytes]) -> None:
         if hashes and self._events is not None:

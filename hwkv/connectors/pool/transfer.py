@@ -55,6 +55,7 @@ class Done:
     nbytes: int = 0  # bytes moved
     skipped: int = 0  # chunks found in the pool already (puts)
     error: str = ""
+    landed: int = 0  # a failed get: its leading chunks that did land in their blocks (copies ended)
 
 
 def host_addressable(kv: Any) -> bool:
@@ -113,6 +114,10 @@ def _kv_at(alloc: Callable[[int], int], spec: Any, layout: Any, dev: Any) -> Any
 def _first_error(res: list[Any]) -> str:
     bad = next((r for r in res if not r.ok), None)
     return "" if bad is None else f"{type(bad.error).__name__}: {bad.error}"[:300]
+
+
+def _leading_ok(res: list[Any]) -> int:
+    return next((i for i, r in enumerate(res) if not r.ok), len(res))
 
 
 class _Packed:
@@ -306,7 +311,8 @@ class PoolTransfer:
                 t0 = time.perf_counter()
                 job.event.synchronize()  # a reused block's last writer is done
                 tm["load_event_s"] += time.perf_counter() - t0
-                err = self._get(job)
+                landed = [0]
+                err = self._get(job, landed)
                 ok = not err
                 tm["load_jobs"] += 1
                 tm["load_wall_s"] += time.perf_counter() - t0
@@ -314,11 +320,12 @@ class PoolTransfer:
                 ok, err = False, str(e)
             except Exception as e:  # never a wrong token: the request recomputes
                 ok, err = False, f"{type(e).__name__}: {e}"
-            self._done.put(Done(job.job_id, True, ok, job.req_id, len(job.keys) * self.chunk_bytes if ok else 0,
-                                error=err))
+            n = len(job.keys) if ok else landed[0]
+            self._done.put(Done(job.job_id, True, ok, job.req_id, n * self.chunk_bytes, error=err, landed=n))
 
-    def _get(self, job: GetJob) -> str:
-        """'' when every chunk landed in its blocks, else why not (the first failed item).
+    def _get(self, job: GetJob, landed: list[int]) -> str:
+        """'' when every chunk landed in its blocks, else why not (the first failed item);
+        ``landed[0]``: the leading chunks whose bytes are in their blocks (copies ended) either way.
 
         Through staging, pieces alternate between its two halves: the store fills one half while
         the copy of the other to the device runs on the staging stream."""
@@ -328,6 +335,7 @@ class PoolTransfer:
                 t0 = time.perf_counter()
                 res = self.handle.call("get", [k for k, _ in piece], [self.kv.addresses(ids) for _, ids in piece])
                 tm["load_store_s"] += time.perf_counter() - t0
+                landed[0] += _leading_ok(res)
                 if bad := _first_error(res):
                     return bad
             return ""
@@ -338,7 +346,7 @@ class PoolTransfer:
                 pk.scatter(self.dev, h, first, [b for _, ids in piece for b in ids])
 
             return self._get_halves(items, pk.num_blocks // 2, lambda first, piece: [
-                pk.value(first + i) for i in range(len(piece))], land_packed, pk.stream)
+                pk.value(first + i) for i in range(len(piece))], land_packed, pk.stream, landed)
         st, cb = self._stage["get"], self.chunk_blocks
 
         def land(h: int, first: int, piece: list) -> None:
@@ -348,15 +356,17 @@ class PoolTransfer:
 
         return self._get_halves(items, st.num_blocks // cb // 2, lambda first, piece: [
             st.kv.addresses(list(range((first + i) * cb, (first + i + 1) * cb))) for i in range(len(piece))],
-            land, st.stream)
+            land, st.stream, landed)
 
-    def _get_halves(self, items: list, half: int, dests: Any, land: Any, stream: Any) -> str:
+    def _get_halves(self, items: list, half: int, dests: Any, land: Any, stream: Any, landed: list[int]) -> str:
         """Pieces of ``half`` chunks alternate between the two halves of a staging buffer: the store
         fills one half (``dests(first, piece)``: each value's destination, ``first`` the half's first
         chunk) while ``land(h, first, piece)``, queued on ``stream``, takes the other to the device.
-        Staging (one segment per KV tensor) and packed (one segment per value) differ only there."""
+        Staging (one segment per KV tensor) and packed (one segment per value) differ only there.
+        A piece with a failed item still lands its leading good chunks (``landed``)."""
         tm = self.timing
         copies: list[Any] = [None, None]  # the event of each half's last copy out
+        done = 0  # chunks whose copies to the device are queued
         try:
             for n, piece in enumerate(items[i:i + half] for i in range(0, len(items), half)):
                 h = n % 2
@@ -368,17 +378,21 @@ class PoolTransfer:
                 res = self.handle.call("get", [k for k, _ in piece], dests(first, piece))
                 tm["load_copy_wait_s"] += t1 - t0
                 tm["load_store_s"] += time.perf_counter() - t1
+                good = _leading_ok(res)
+                if good:
+                    land(h, first, piece[:good])
+                    copies[h] = self.dev.new_event()
+                    copies[h].record(stream)
+                    done += good
                 if bad := _first_error(res):
                     return bad
-                land(h, first, piece)
-                copies[h] = self.dev.new_event()
-                copies[h].record(stream)
         finally:
             t0 = time.perf_counter()
             for ev in copies:  # never return while a copy still reads staging or writes the blocks
                 if ev is not None:
                     ev.synchronize()
             tm["load_copy_wait_s"] += time.perf_counter() - t0
+            landed[0] = done  # every queued copy has ended (an exception in one: none counted past it)
         return ""
 
     def close(self, timeout_s: float = 5.0) -> None:

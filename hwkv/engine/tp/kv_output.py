@@ -12,6 +12,8 @@ one rank's report says nothing about the others':
 * ``failed_recving`` of a synchronous load (the request ran in the step that reports it) — failed
   at once: every rank's synchronous load ended inside that step, and its token must be discarded
   in that very step;
+* ``valid_tokens`` of a failed load — the smallest over the ranks that failed it (a rank whose
+  load landed holds all its blocks; a failing rank that says nothing holds none);
 * ``extra`` job completions (``connector.tp_job_keys``: entries ``(job id, ok, *details)``) —
   reported once every rank reported the job, ok only if every rank's was, details merged by
   ``connector.merge_tp_job`` (pins are released once no rank reads or writes the blocks);
@@ -33,6 +35,7 @@ class KVOutputAggregator:
         self._recving: dict[str, tuple[int, bool]] = {}  # rid -> (ranks that reported the load, any failed)
         self._jobs: dict[tuple[str, Any], tuple[int, bool, list[Any]]] = {}  # (key, job) -> (ranks, ok, details)
         self._latest: dict[str, list[Any]] = {}  # other extra keys: key -> each rank's latest value
+        self._valid: dict[str, int] = {}  # rid -> the smallest valid_tokens of the ranks that failed its load
 
     def pending(self) -> int:
         """Requests and jobs some rank has reported but not every rank yet."""
@@ -57,6 +60,8 @@ class KVOutputAggregator:
             else:
                 sent |= {rid for rid in out.finished_sending if self._count(self._sending, rid)}
             for rid in out.failed_recving:
+                v = out.valid_tokens.get(rid, 0)
+                self._valid[rid] = min(self._valid.get(rid, v), v)
                 if rid in scheduled:
                     failed.add(rid)
                     self._recving.pop(rid, None)
@@ -75,10 +80,13 @@ class KVOutputAggregator:
                     changed.add(key)
         for key in sorted(changed):
             extra[key] = self.conn.merge_tp_extra(key, self._latest[key])
+        for rid in recv - failed:
+            self._valid.pop(rid, None)
+        valid = {rid: v for rid in failed if (v := self._valid.pop(rid, 0))}
         if not (sent or recv or failed or extra):
             return None
         return KVConnectorOutput(finished_sending=sent, finished_recving=recv - failed, failed_recving=failed,
-                                 extra=extra)
+                                 extra=extra, valid_tokens=valid)
 
     def _count(self, table: dict[str, int], rid: str) -> bool:
         k = table.get(rid, 0) + 1
