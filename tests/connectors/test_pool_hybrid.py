@@ -18,12 +18,20 @@ def windowed_oracle(windowed_dir):
 
 
 def test_windowed_model_loads_from_the_pool(windowed_dir, windowed_oracle, store_name):  # noqa: F811
-    a, b = _engine(windowed_dir, store_name=store_name), _engine(windowed_dir, store_name=store_name)
+    """One window group (window 16 = one block): a 9-chunk hit loads the last chunk only."""
+    from hwkv.connectors.pool.store import embedded_store
+
+    from .test_pool_groups import Recording
+
+    store = Recording(embedded_store(store_name))
+    a, b = _engine(windowed_dir, store=store), _engine(windowed_dir, store=store)
     try:
+        assert [g.window for g in b.config.kv_groups] == [16]
         assert _run(a, PROMPT) == windowed_oracle
         _settle(a)
         assert _run(b, PROMPT) == windowed_oracle
         assert _settle(b)["external_hit_tokens"] == 9 * BS
+        assert len(store.got) == 1 and "@g0-w16@" in store.got[0]  # the window's chunk only
     finally:
         _close(a, b)
 

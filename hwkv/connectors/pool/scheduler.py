@@ -99,7 +99,8 @@ class PoolScheduler(JobScheduler):
 
     @property
     def grouped(self) -> bool:
-        return len(self.windows) > 1
+        """KV-cache groups with a window: the per-group lookup (a window needs only its chunks)."""
+        return any(w is not None for w in self.windows)
 
     def _managers(self) -> list[Any]:
         """The device KV-cache manager of each group (one without groups)."""

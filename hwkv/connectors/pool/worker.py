@@ -85,7 +85,7 @@ class PoolWorker(JobWorker):
         self.handle.register([b for t in self.transfers for b in t.buffers()])  # connects now if it can
         if self.tp_rank == 0:  # the scheduler side's; the other ranks of a tensor-parallel engine serve none
             self.server = LookupServer(self._count_hits, self.lookup_address,
-                                       self._presence if len(self.keys) > 1 else None)
+                                       self._presence if getattr(kv_cache, "caches", None) else None)
 
     def _count_hits(self, hashes: list[bytes]) -> int:
         """Worker side, lookup server thread: leading chunks present in the pool — under tensor
