@@ -20,7 +20,7 @@ from hwkv.interfaces.transfer import TransferError
 from hwkv.testing.mooncake import skip_unless_mooncake
 
 from .conftest import BS, engine, greedy
-from .test_hybrid_differential import _block_bytes_of, hybrid_dir  # noqa: F401 (fixture)
+from .test_hybrid_differential import _block_bytes_of
 from .test_p2p_engine import assert_clean, cfg, decode, prefill
 
 skip_unless_mooncake(allow_module_level=True)
