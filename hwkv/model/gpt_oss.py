@@ -6,6 +6,11 @@ up interleaved in ``gate_up_proj``), routed by a biased router, softmax over the
 
 The experts are a torch reference (a loop over the experts a batch hits), as transformers computes
 them; fused decode ops and tensor parallelism are refused for this family.
+
+In bf16 the op order is transformers' where GPT-OSS differs from Llama: its RMSNorm scales in
+float32 and rounds once (Llama's rounds the normalised input, then scales), and the SwiGLU is
+``(up + 1) * (gate * sigmoid(alpha * gate))``; the expert loop is then bit-identical to
+transformers' on the same input (``tests/model/test_gpt_oss_bf16.py``).
 """
 
 from __future__ import annotations
@@ -20,11 +25,26 @@ from hwkv.interfaces.attention import AttentionImpl
 from hwkv.model.config import ModelConfig
 from hwkv.model.fields import ConfigFields
 from hwkv.model.gemma2 import layer_types
-from hwkv.model.layers import param
+from hwkv.model.layers import RMSNorm, param
 from hwkv.model.llama import Attention, LlamaForCausalLM
 from hwkv.model.registry import ModelFamily, register
 
 GPT_OSS_FUSED_REFUSAL = "attention sinks and the clamped-SwiGLU experts are not part of DecodeOps"
+
+
+def gpt_oss_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # transformers' GptOssRMSNorm: normalise and scale in float32, one rounding to the model dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.float() * h).to(x.dtype)
+
+
+class GptOssRMSNorm(RMSNorm):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+        if residual is None:
+            return gpt_oss_rms_norm(x, self.weight, self.eps)
+        h = x + residual
+        return gpt_oss_rms_norm(h, self.weight, self.eps), h
 
 
 class GptOssAttention(Attention):
@@ -59,7 +79,9 @@ class GptOssMoE(nn.Module):
             tok, slot = torch.where(idx == e)
             gate_up = x[tok] @ ex.gate_up_proj[e] + ex.gate_up_proj_bias[e]
             gate, up = gate_up[..., ::2].clamp(max=self.limit), gate_up[..., 1::2].clamp(-self.limit, self.limit)
-            y = ((up + 1) * gate * torch.sigmoid(gate * self.alpha)) @ ex.down_proj[e] + ex.down_proj_bias[e]
+            # transformers' association: (up + 1) * (gate * sigmoid(alpha * gate)); in bf16 the other
+            # order rounds differently
+            y = ((up + 1) * (gate * torch.sigmoid(gate * self.alpha))) @ ex.down_proj[e] + ex.down_proj_bias[e]
             out.index_add_(0, tok, (y * weights[tok, slot, None]).to(x.dtype))
         return out
 
@@ -75,6 +97,11 @@ class GptOssForCausalLM(LlamaForCausalLM):
         if tp is not None:
             raise ValueError(f"tensor parallelism is not supported for {config.architecture} (allowed: tp=1)")
         super().__init__(config, attention, device, dtype, max_positions)
+        h, eps, dev = config.hidden_size, config.rms_norm_eps, self.device
+        for layer in self.model.layers:
+            layer.input_layernorm = GptOssRMSNorm(h, eps, dev, dtype)
+            layer.post_attention_layernorm = GptOssRMSNorm(h, eps, dev, dtype)
+        self.model.norm = GptOssRMSNorm(h, eps, dev, dtype)
 
     def make_mlp(self, layer: int, device: torch.device, dtype: torch.dtype) -> nn.Module:
         return GptOssMoE(self.config, device, dtype)

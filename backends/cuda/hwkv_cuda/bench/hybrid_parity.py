@@ -8,7 +8,9 @@ For each shape: a random-weight HF model is built on the GPU, saved in bfloat16,
 its greedy tokens on prompts longer than the window are scored by HF's float32 forward of the same
 bf16 weights (teacher forcing) under the conformance margin rule: every token's float32 logit within
 ``0.02 x max(1, |max logit|)`` of the argmax. HF's own bf16 greedy tokens are compared as well (for
-information: two bf16 implementations may differ where logits nearly tie).
+information: two bf16 implementations may differ where logits nearly tie) and scored by the same rule
+(``hf_bf16_margin_rule``: what transformers' own bf16 gives on the same shape, the yardstick for a
+random model with many near-ties).
 
 The engine runs with its defaults, so a windowed model runs with KV-cache groups (docs/hybrid-models.md):
 each run records the groups (window, layers, blocks). ``--memory-len N`` first serves one request of
@@ -169,19 +171,20 @@ def run_shape(shape: str, a: argparse.Namespace) -> dict[str, Any]:
     res["margin_rule"] = score(hf, ps, toks, dev)
     if shape in a.spec_shapes.split(","):
         res["spec_draft_self"] = spec_run(str(path), ps, toks, hf, a, dev, max_len)
-    del hf
-    gc.collect()
     hf16 = load_hf(shape, path, dev, torch.bfloat16)
     same = 0
-    first_div = []
+    first_div, hf_toks = [], []
     with torch.inference_mode():
         for p, t in zip(ps, toks):
             g = hf16.generate(torch.tensor([p], device=dev), max_new_tokens=a.tokens, do_sample=False,
                               min_new_tokens=a.tokens)[0, len(p):].tolist()
+            hf_toks.append(g)
             same += g == t
             first_div.append(next((j for j, (x, y) in enumerate(zip(g, t)) if x != y), None))
     res["hf_bf16_identical_sequences"] = f"{same}/{len(ps)}"
     res["hf_bf16_first_divergence"] = first_div
+    res["hf_bf16_margin_rule"] = score(hf, ps, hf_toks, dev)
+    del hf
     res["seconds"] = round(time.perf_counter() - t0, 1)
     del hf16
     gc.collect()
