@@ -68,6 +68,10 @@ def batch_buckets(max_batch: int) -> list[int]:
     return sizes + [max_batch]
 
 
+# Block-table entries past a step's widest request that a full-row copy would move before the step packs its
+# tables instead (three copies instead of one): the full rows of 256 requests at max_model_len 131,072 are 8 MB
+# a step over PCIe, for a few hundred KB the step reads
+COMPACT_MIN = 1 << 16
 SMALL_BATCH = 8  # batch buckets up to this many requests are also captured per seq-len bucket
 
 
@@ -191,6 +195,9 @@ class GraphRunner:
         self.d32 = torch.zeros(mb + mb * self.max_blocks, dtype=torch.int32, device=td)
         self.seq_lens = self.d32[:mb]
         self.block_tables = self.d32[mb:].view(mb, self.max_blocks)
+        # a step's block tables packed [b, width] (COMPACT_MIN): staged, copied, spread into block_tables' rows
+        self.hbt = device.host_zeros(mb * self.max_blocks, torch.int32)
+        self.dbt = torch.zeros(mb * self.max_blocks, dtype=torch.int32, device=td)
         self.query_start_loc = torch.arange(0, (mb + 1) * q, q, dtype=torch.int32, device=td)
         self.logits_indices = torch.arange(mb * q, dtype=torch.int64, device=td)
         # KV-cache groups 1.. (hwkv.engine.kv_groups.GroupedKVCache): their slot mappings and block tables
@@ -303,7 +310,9 @@ class GraphRunner:
         self._copied.synchronize()  # the previous step's copies have read the staging buffers
         mb = self.max_batch
         h32 = self.h32.numpy()
-        bt = h32[mb:].reshape(mb, self.max_blocks)
+        w = batch.block_tables.shape[1]
+        packed = b * (self.max_blocks - w) > COMPACT_MIN
+        bt = self.hbt.numpy()[: b * w].reshape(b, w) if packed else h32[mb:].reshape(mb, self.max_blocks)
         h64 = self.h64.numpy()
         pad_into(batch, b, h64, h32[:mb], bt, q)
         if batch.groups:
@@ -314,9 +323,13 @@ class GraphRunner:
             h64[3, :b] = np.arange(0, b * q, q)
             h64[3, :n] += last
         self.d64[:, : b * q].copy_(self.h64[:, : b * q], non_blocking=True)
-        # seq_lens and the first b block-table rows are contiguous: one copy
-        end = mb + b * self.max_blocks
-        self.d32[:end].copy_(self.h32[:end], non_blocking=True)
+        if packed:  # only the columns this step's requests use: the rest is never read
+            self.d32[:mb].copy_(self.h32[:mb], non_blocking=True)
+            self.dbt[: b * w].copy_(self.hbt[: b * w], non_blocking=True)
+            self.block_tables[:b, :w].copy_(self.dbt[: b * w].view(b, w))
+        else:  # seq_lens and the first b block-table rows are contiguous: one copy
+            end = mb + b * self.max_blocks
+            self.d32[:end].copy_(self.h32[:end], non_blocking=True)
         self._copied.record()
         if fill is not None:
             fill(self.d64[0, : b * q])

@@ -51,6 +51,18 @@ def test_declared_graph_capture_turns_on_graphs_and_replays_match_eager(model_di
     assert replays == decode_replays + e.runner.num_tail_graph_steps  # the rest: short-query steps' graphs
 
 
+def test_packed_block_tables_give_the_same_tokens(model_dir, monkeypatch):
+    """Steps whose block tables are copied packed (only the columns the step's requests use; the
+    default for wide tables: graph_runner.COMPACT_MIN) replay to the full-row copies' tokens."""
+    from hwkv.engine import graph_runner
+
+    torch.set_num_threads(1)
+    _, want = _run(model_dir)
+    monkeypatch.setattr(graph_runner, "COMPACT_MIN", -1)  # every graph step packed
+    e, got = _run(model_dir)
+    assert got == want and e.runner.num_graph_steps > 10
+
+
 def test_only_a_per_layer_host_connector_keeps_graphs_off(model_dir):
     from hwkv.interfaces.connector import KVConnectorBase
 
