@@ -44,6 +44,10 @@ class Communicator(ABC):
     rank: int
     world_size: int
     capturable: bool = True
+    # a forward of at least this many tokens runs its MLPs in two row halves, each half's all-reduces
+    # started (all_reduce_start) before the other half's MLP, so a communicator whose collectives run
+    # beside compute hides part of them (0: off)
+    overlap_tokens: int = 0
 
     @abstractmethod
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
@@ -56,6 +60,14 @@ class Communicator(ABC):
     @abstractmethod
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
         """``t`` of rank ``src`` copied into ``t`` on every rank, in place; returns ``t``."""
+
+    def all_reduce_start(self, t: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Start summing ``t`` over all ranks, in place; the returned ``wait()`` orders the current
+        stream after the sum and returns ``t``. Work enqueued between the two may run beside the
+        collective (``t`` is not to be touched until ``wait()``). Collective in the order of the
+        starts; every start is waited for. Default: :meth:`all_reduce` at once."""
+        self.all_reduce(t)
+        return lambda: t
 
     def all_reduce_add(self, t: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``residual + (t summed over all ranks)``: the sum rounded to ``t``'s dtype first, then

@@ -177,8 +177,13 @@ class LlamaForCausalLM(nn.Module):
         h = self._embed(input_ids)
         add_norm = self._add_norm
         out = None
+        halves = self._overlap_halves(h.shape[0])
+        pend: list = []  # with halves: each half's MLP output, its all-reduce started
         for i, layer in enumerate(layers):
-            if out is None:
+            if pend:
+                x, h = self._norm_halves(layer.input_layernorm, pend, h)
+                pend = []
+            elif out is None:
                 x = layer.input_layernorm(h)
             else:
                 x, h = add_norm(layer.input_layernorm, out, h)
@@ -190,15 +195,43 @@ class LlamaForCausalLM(nn.Module):
             out = layer.self_attn(x, positions, self.rotary_emb, kv_cache.layer(i), md, sm)
             if hk is not None:
                 hk.save_kv_layer(i, kv_cache.layer(i), attn_metadata)
+            if halves:  # each half's MLP runs while the other half's all-reduce crosses the link
+                comm = self.tp.comm
+                started = [(a, b, comm.all_reduce_start(out[a:b])) for a, b in halves]
+                h_next = torch.empty_like(h)
+                for a, b, wait in started:
+                    xh, h_next[a:b] = layer.post_attention_layernorm(wait(), h[a:b])
+                    oh = layer.mlp(xh)
+                    pend.append((a, b, comm.all_reduce_start(oh)))
+                h, out = h_next, None
+                continue
             x, h = add_norm(layer.post_attention_layernorm, out, h)
             if pf is not None and i + 1 < len(layers):  # the next qkv beside this MLP
                 pf([layers[i + 1].self_attn.qkv_proj.weight])
             out = layer.mlp(x)
         if pf is not None:
             self._join_prefetch()
+        if pend:
+            return torch.cat([h[a:b] + wait() for a, b, wait in pend])
         if out is not None and self.tp is not None:
             out = self.tp.comm.all_reduce(out)
         return h if out is None else h + out
+
+    def _overlap_halves(self, tokens: int) -> list[tuple[int, int]]:
+        """Row halves of a forward of ``tokens`` whose all-reduces overlap the other half's MLP
+        (``Communicator.overlap_tokens``), or ``[]``."""
+        n = self.tp.comm.overlap_tokens if self.tp is not None else 0
+        if not n or tokens < max(n, 2):
+            return []
+        mid = tokens // 2
+        return [(0, mid), (mid, tokens)]
+
+    def _norm_halves(self, norm: nn.Module, pend: list, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``norm(sum of out, h)`` half by half, each as its all-reduce (started after its MLP) ends."""
+        x, h_next = torch.empty_like(h), torch.empty_like(h)
+        for a, b, wait in pend:
+            x[a:b], h_next[a:b] = norm(wait(), h[a:b])
+        return x, h_next
 
     def _add_norm(self, norm: nn.Module, out: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``norm(out, h)``: the sublayer output joins the residual stream, normalised. Tensor

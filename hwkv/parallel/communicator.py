@@ -16,6 +16,7 @@ import contextlib
 import itertools
 import os
 import threading
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -86,6 +87,8 @@ class TorchDistCommunicator(Communicator):
         self.device = device.torch_device
         self.backend_name = device.dist_backend
         self.group_name = group
+        # the MLP halves' overlap of prefill all-reduces (Communicator.overlap_tokens); HWKV_TP_OVERLAP_TOKENS
+        self.overlap_tokens = int(os.environ.get("HWKV_TP_OVERLAP_TOKENS", "0") or 0)
         self.store = dist.PrefixStore(group + "/", store)
         self._root = store  # keeps a client connection open for as long as the group lives
         self._pg: Any = _make_group(self.backend_name, dist.PrefixStore("pg/", self.store), rank, world_size, timeout,
@@ -119,6 +122,17 @@ class TorchDistCommunicator(Communicator):
             return t
         self._group().allreduce([t]).wait()
         return t
+
+    def all_reduce_start(self, t: torch.Tensor) -> Callable[[], torch.Tensor]:
+        if self._custom is not None and self._custom(t) is not None:
+            return lambda: t
+        work = self._group().allreduce([t])  # on the group's own stream (NCCL), after what is enqueued here
+
+        def wait() -> torch.Tensor:
+            work.wait()
+            return t
+
+        return wait
 
     def all_reduce_add(self, t: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         add = getattr(self._custom, "all_reduce_add", None)
