@@ -147,7 +147,7 @@ ints = ("M", "N", "K", "num_slots", "stride_xm", "stride_ym", "stride_rm", "stri
 consts = ("PROLOGUE", "EPILOGUE", "HAS_BIAS", "M_PAD", "BLOCK_N", "BLOCK_K", "HEAD", "Q_N", "KV_N", "BS", "PDL",
           "PRELOAD", "ONE_TILE", "KV_FP8", "RANK", "WS", "RS", "SLOT", "CNT_OFF")
 for prologue, epilogue, rs, one, pre in ((0, 3, 0, True, 0), (2, 3, 0, False, 0), (1, 0, 2, False, 2),
-                                        (1, 2, 2, True, 0), (1, 2, 2, False, 2)):
+                                        (1, 2, 2, True, 0), (1, 2, 2, False, 2), (2, 3, 0, False, 2)):
     sig = {**{n: "*bf16" for n in ptrs}, "pos_ptr": "*i64", "slot_ptr": "*i64", **{n: "i32" for n in ints},
            "eps": "fp32", "scale_ptr": "constexpr", "stride_scale": "constexpr", "buf_ptr": "*bf16",
            "peers_ptr": "*i64", "cnt_ptr": "*i64", "err_ptr": "*i32", "hres_ptr": "*bf16", "hout_ptr": "*bf16",
