@@ -7,16 +7,23 @@
 heads, ffn 1536, vocab 49,152, tied) and runs the same steps on random prompt ids: the speed figures
 and the host share do not depend on the weights; agreement there only checks numerics.
 
-1. Greedy agreement on the real-model tier's 8 chat prompts x 64 tokens, under the conformance
+Steps in order of what a short device slot must keep (the JSON is rewritten after each, so a run cut
+short keeps what it measured): speed and the host share first, then HF ``generate`` speed, then
+agreement.
+
+1. Speed, side by side in one run: offline (64 requests, chat prompts, 128 tokens each, ignore_eos)
+   and batch-1 decode (128 tokens) for hwkv and HF ``generate`` (bf16, same device); the host
+   share of a decode step at batch 1 and at the offline batch from ``hwkv.bench.e2e_report.profile``
+   (wall vs graph replay, per phase).
+2. Greedy agreement on the real-model tier's 8 chat prompts x 64 tokens, under the conformance
    margin rule (``conformance/test_engine.py``: a half-precision backend is scored by a float32
    reference on its own prefix, teacher-forced; each token must be the reference argmax up to
-   0.02 x max(1, |max logit|)). The float32 reference is HF transformers loading the same GGUF
-   (with the ``gguf`` package; without it, a ``LlamaForCausalLM`` holding the weights our GGUF
-   loader dequantised - equal to transformers' own, tests/model/test_real_model.py). Also reported:
-   exact token agreement with HF bfloat16 ``generate`` and HF bfloat16 scored by the same rule.
-2. Speed side by side in one run: offline (64 requests, chat prompts, 128 tokens each, ignore_eos)
-   and batch-1 decode (256 tokens) for hwkv and HF ``generate`` (bf16, same device); the host
-   share of a batch-1 decode step from ``hwkv.bench.e2e_report.profile`` (wall vs graph replay).
+   0.02 x max(1, |max logit|)). The float32 reference is HF transformers' ``LlamaForCausalLM``
+   holding the weights hwkv's GGUF loader dequantised (``--hf-weights hwkv``, the default: seconds;
+   the real-model tier checks they equal transformers' own dequantisation of the file,
+   tests/model/test_real_model.py) or transformers loading the GGUF itself (``--hf-weights
+   transformers``: slower, it needs ``gguf``). Also reported: exact token agreement with HF bfloat16
+   ``generate`` and HF bfloat16 scored by the same rule.
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import resource
+import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -41,30 +50,32 @@ SMOLLM2_SHAPE = dict(arch="llama", hidden_size=576, num_layers=30, num_heads=9, 
                      max_position_embeddings=8192)
 
 
-def hf_models(path: Path, device: str) -> tuple[dict, str]:
-    """float32 and bfloat16 HF models on ``device``: transformers' GGUF loading, else our weights."""
+def hf_models(path: Path, device: str, source: str = "hwkv") -> tuple[dict, str]:
+    """float32 and bfloat16 HF models on ``device``: ``source`` "hwkv" (a ``LlamaForCausalLM`` with
+    the weights hwkv's GGUF loader dequantised) or "transformers" (its own GGUF loading, else "hwkv")."""
     from transformers import AutoModelForCausalLM
 
     if path.is_dir():  # an HF checkpoint (--shape)
         return {dt: AutoModelForCausalLM.from_pretrained(str(path), dtype=dt).to(device).eval()
                 for dt in (torch.float32, torch.bfloat16)}, "transformers, the same safetensors checkpoint"
 
-    try:
-        import gguf  # noqa: F401
+    if source == "transformers":
+        try:
+            import gguf  # noqa: F401
 
-        kw = {}
-        try:  # transformers >= 5 may keep GGUF blocks packed and compute in float32: a plain model is asked for
-            from transformers.utils.quantization_config import GgufConfig
+            kw = {}
+            try:  # transformers >= 5 may keep GGUF blocks packed and compute in float32: a plain model is asked for
+                from transformers.utils.quantization_config import GgufConfig
 
-            kw["quantization_config"] = GgufConfig(dequantize=True)
-        except ImportError:
-            pass
-        out = {dt: AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dt, **kw)
-               .to(device).eval() for dt in (torch.float32, torch.bfloat16)}
-        w = out[torch.bfloat16].model.layers[0].mlp.down_proj.weight
-        return out, f"transformers GGUF loader, dequantised (a layer's weight: {w.dtype}, {tuple(w.shape)})"
-    except Exception as e:  # noqa: BLE001 - no gguf/accelerate: fall back, say why
-        print(f"HF GGUF loading unavailable ({type(e).__name__}: {e}); using hwkv-dequantised weights", flush=True)
+                kw["quantization_config"] = GgufConfig(dequantize=True)
+            except ImportError:
+                pass
+            out = {dt: AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dt, **kw)
+                   .to(device).eval() for dt in (torch.float32, torch.bfloat16)}
+            w = out[torch.bfloat16].model.layers[0].mlp.down_proj.weight
+            return out, f"transformers GGUF loader, dequantised (a layer's weight: {w.dtype}, {tuple(w.shape)})"
+        except Exception as e:  # noqa: BLE001 - no gguf/accelerate: fall back, say why
+            print(f"HF GGUF loading unavailable ({type(e).__name__}: {e}); using hwkv-dequantised weights", flush=True)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from hwkv.model.gguf_file import open_gguf
@@ -74,12 +85,14 @@ def hf_models(path: Path, device: str) -> tuple[dict, str]:
     sd = {name: t.float() for _, name, t in f.weights(cfg["num_attention_heads"], cfg["num_key_value_heads"])}
     out = {}
     for dt in (torch.float32, torch.bfloat16):
-        m = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in cfg.items() if k != "dtype"}))
-        missing, unexpected = m.load_state_dict(sd, strict=False)
+        with torch.device("meta"):  # no random init of 135M parameters: every one is loaded below
+            m = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in cfg.items() if k != "dtype"}))
+        missing, unexpected = m.load_state_dict(sd, strict=False, assign=True)
         assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
         m.tie_weights()
+        m.model.rotary_emb = type(m.model.rotary_emb)(config=m.config)  # its buffers were on meta
         out[dt] = m.to(device=device, dtype=dt).eval()
-    return out, "LlamaForCausalLM with hwkv's dequantised GGUF weights"
+    return out, "LlamaForCausalLM, hwkv's dequantised GGUF weights (= transformers' own: the real-model tier)"
 
 
 def gaps(model, prompt: list[int], toks: list[int], device: str) -> list[float]:
@@ -109,6 +122,14 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def timed(fn, dev: str) -> tuple[object, float]:
+    sync(dev)
+    t0 = time.perf_counter()
+    out = fn()
+    sync(dev)
+    return out, time.perf_counter() - t0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gguf", default=None)
@@ -120,12 +141,19 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--offline-requests", type=int, default=64)
     ap.add_argument("--offline-tokens", type=int, default=128)
-    ap.add_argument("--b1-tokens", type=int, default=256)
+    ap.add_argument("--b1-tokens", type=int, default=128)
     ap.add_argument("--out", default="real-model-gpu.json")
     ap.add_argument("--engine-args", default="{}", help="JSON of extra Engine keyword arguments")
+    ap.add_argument("--hf-weights", choices=("hwkv", "transformers"), default="hwkv",
+                    help="the HF models' weights: hwkv's dequantisation (seconds) or transformers' GGUF loader")
     ap.add_argument("--hf-fp32-generate", action="store_true", help="also HF float32 greedy generate (exact agreement)")
     args = ap.parse_args()
     dev = args.device
+    t_start = time.perf_counter()
+
+    def say(msg: str) -> None:
+        print(f"[real_model_gpu +{time.perf_counter() - t_start:.1f}s] {msg}", flush=True)
+
     if args.shape:
         from hwkv.model.tiny import write_tiny_model
 
@@ -137,14 +165,30 @@ def main() -> int:
     else:
         ap.error("give --gguf PATH or --shape")
     res: dict = {"model": "SmolLM2-135M shape, random weights" if args.shape else gguf.name,
-                 "backend": args.backend, "dtype": args.dtype,
-                 "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "margin": MARGIN}
+                 "backend": args.backend, "dtype": args.dtype, "engine_args": json.loads(args.engine_args),
+                 "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "margin": MARGIN,
+                 "commit": Path("COMMIT").read_text().strip() if Path("COMMIT").exists() else None,
+                 "command": "python3 bench/real_model_gpu.py " + " ".join(sys.argv[1:])}
+
+    def save(part: str) -> None:  # a run cut short keeps what it measured
+        Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+        say(f"{part} written to {args.out}")
 
     t0 = time.perf_counter()
     engine = hwkv.Engine(model=str(gguf), backend=args.backend, dtype=args.dtype, **json.loads(args.engine_args))
     res["load_s"] = round(time.perf_counter() - t0, 2)
     res["device"] = engine.backend.device.description()
-    print(f"engine on {res['device']} in {res['load_s']} s", flush=True)
+    res["peak_host_rss_mib_after_load"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    if dev.startswith("cuda"):
+        res["device_mem_gib_after_load"] = {"allocated": round(torch.cuda.memory_allocated(dev) / 2**30, 2),
+                                            "reserved": round(torch.cuda.memory_reserved(dev) / 2**30, 2)}
+    cfg = engine.config
+    res["engine_config"] = {"num_kv_blocks": cfg.cache.num_kv_blocks, "block_size": cfg.cache.block_size,
+                            "max_model_len": cfg.model.max_model_len, "graphs": cfg.runtime.graphs,
+                            "graph_max_batch": cfg.runtime.graph_max_batch,
+                            "async_scheduling": cfg.runtime.async_scheduling,
+                            "fuse_elementwise": cfg.runtime.fuse_elementwise}
+    say(f"engine on {res['device']} in {res['load_s']} s: {res['engine_config']}")
     tok = engine.tokenizer
     if tok is not None:
         prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
@@ -155,12 +199,61 @@ def main() -> int:
         prompts = [[rng.randrange(3, engine.vocab_size) for _ in range(40 + 3 * i)] for i in range(len(CHAT_PROMPTS))]
         decode = str
 
-    # 1. agreement
+    # 1. hwkv speed and the host share
+    work = [prompts[i % len(prompts)] for i in range(args.offline_requests)]
+    fixed = hwkv.SamplingParams(temperature=0, max_tokens=args.offline_tokens, ignore_eos=True)
+    _, warm = timed(lambda: engine.generate(work[:8], fixed, use_tqdm=False), dev)  # warm-up: first prefills compile
+    res["first_generate_s"] = round(warm, 2)
+    outs, dt = timed(lambda: engine.generate(work, fixed, use_tqdm=False), dev)
+    n = sum(len(o.token_ids) for o in outs)
+    res["offline"] = {"requests": len(work), "tokens": n, "seconds": round(dt, 3), "tok_s": round(n / dt, 1)}
+    b1 = hwkv.SamplingParams(temperature=0, max_tokens=args.b1_tokens, ignore_eos=True)
+    engine.generate([prompts[0]], b1, use_tqdm=False)
+    o, dt = timed(lambda: engine.generate([prompts[0]], b1, use_tqdm=False)[0], dev)
+    res["batch1"] = {"tokens": len(o.token_ids), "seconds": round(dt, 3), "tok_s": round(len(o.token_ids) / dt, 1)}
+    say(f"hwkv offline {res['offline']} batch-1 {res['batch1']}")
+    save("hwkv speed")
+    from hwkv.bench.e2e_report import profile
+
+    res["step_profile_ms"] = {}
+    for batch in (1, args.offline_requests):
+        try:  # wall per decode step by phase vs the decode graph's replay alone on the device
+            prof = profile(engine, engine.vocab_size, batch, steps=64, prompt_len=64, gpu=dev.startswith("cuda"))
+            if "gpu_replay" in prof:
+                prof["host_share"] = round(1 - prof["gpu_replay"] / prof["step_wall"], 3)
+        except Exception as e:  # noqa: BLE001 - the figure is optional; say why it is missing
+            prof = {"error": f"{type(e).__name__}: {e}"}
+        res["step_profile_ms"][f"batch{batch}"] = prof
+        say(f"decode step profile at batch {batch} (ms): {prof}")
+    save("step profiles")
+
+    # 2. HF generate speed, bf16, the same prompts: batch-1 decode and a left-padded batch of the offline requests
+    t0 = time.perf_counter()
+    models, res["hf_source"] = hf_models(gguf, dev, args.hf_weights)
+    res["hf_load_s"] = round(time.perf_counter() - t0, 2)
+    ref, hbf = models[torch.float32], models[torch.bfloat16]
+    say(f"HF models in {res['hf_load_s']} s: {res['hf_source']}")
+    hf_generate(hbf, [prompts[0]], 8, dev)
+    h, dt = timed(lambda: hf_generate(hbf, [prompts[0]], args.b1_tokens, dev, ignore_eos=True)[0], dev)
+    res["hf_batch1"] = {"tokens": len(h), "seconds": round(dt, 3), "tok_s": round(len(h) / dt, 1)}
+    L = max(len(p) for p in work)
+    ids = torch.tensor([[2] * (L - len(p)) + p for p in work], device=dev)
+    mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in work], device=dev)
+    with torch.inference_mode():
+        out, dt = timed(lambda: hbf.generate(ids, attention_mask=mask, max_new_tokens=args.offline_tokens,
+                                             min_new_tokens=args.offline_tokens, do_sample=False, eos_token_id=2,
+                                             pad_token_id=2), dev)
+    n = (out.shape[1] - L) * out.shape[0]
+    res["hf_offline"] = {"requests": len(work), "tokens": n, "seconds": round(dt, 3), "tok_s": round(n / dt, 1)}
+    res["hwkv_over_hf"] = {"batch1": round(res["batch1"]["tok_s"] / res["hf_batch1"]["tok_s"], 2),
+                           "offline": round(res["offline"]["tok_s"] / res["hf_offline"]["tok_s"], 2)}
+    say(f"HF offline {res['hf_offline']} batch-1 {res['hf_batch1']}; hwkv / HF {res['hwkv_over_hf']}")
+    save("HF speed")
+
+    # 3. agreement
     greedy = hwkv.SamplingParams(temperature=0, max_tokens=args.tokens)
     ours = [o.token_ids for o in engine.generate(prompts, greedy, use_tqdm=False)]
     res["answers"] = {p: decode(t) for p, t in zip(CHAT_PROMPTS, ours)}
-    models, res["hf_source"] = hf_models(gguf, dev)
-    ref, hbf = models[torch.float32], models[torch.bfloat16]
     hf_bf = hf_generate(hbf, prompts, args.tokens, dev)
     # HF float32 generate (exact agreement with float32) only when asked: ~1 s a prompt on a GPU
     hf_fp = hf_generate(ref, prompts, args.tokens, dev) if args.hf_fp32_generate else [[] for _ in prompts]
@@ -179,14 +272,16 @@ def main() -> int:
                      "hf_bf16_worst_gap": max(gh, default=0.0), "hf_bf16_over_margin": sum(x > MARGIN for x in gh)})
         worst, worst_hf = max(worst, rows[-1]["worst_gap"]), max(worst_hf, rows[-1]["hf_bf16_worst_gap"])
     res["agreement"] = {"prompts": rows, "pass": all(r["over_margin"] == 0 for r in rows),
+                        "hf_bf16_pass": all(r["hf_bf16_over_margin"] == 0 for r in rows),
                         "identical_hf_bf16": sum(r["identical_hf_bf16"] for r in rows),
                         "identical_hf_fp32": sum(bool(r["identical_hf_fp32"]) for r in rows) if hf_fp[0] else None,
                         "worst_gap": worst, "hf_bf16_worst_gap": worst_hf}
-    print("agreement:", json.dumps({k: v for k, v in res["agreement"].items() if k != "prompts"}), flush=True)
+    say("agreement: " + json.dumps({k: v for k, v in res["agreement"].items() if k != "prompts"}))
     for r in rows:
         print("  ", r, flush=True)
     for q, a in res["answers"].items():
         print(f"  Q: {q}\n  A: {a!r}", flush=True)
+    save("agreement")
     # the first answer token of each prompt: the float32 reference's top 3 (logit) and ours (logprob)
     first = engine.generate(prompts, hwkv.SamplingParams(temperature=0, max_tokens=1, logprobs=3), use_tqdm=False)
     res["first_token"] = []
@@ -197,8 +292,7 @@ def main() -> int:
                                                        zip(i.tolist(), v.tolist())],
                                    "ours_logprobs": [[decode([t]), round(x, 3)] for t, x in
                                                      sorted(o.logprobs[0].items(), key=lambda kv: -kv[1])]})
-    print("first tokens:", json.dumps(res["first_token"][0]), flush=True)
-    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")  # a run cut short keeps what it measured
+    say("first tokens: " + json.dumps(res["first_token"][0]))
     try:  # prompt_logprobs on this backend vs the float32 reference's log-softmax on the same prompts
         got = engine.generate(prompts, hwkv.SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1),
                               use_tqdm=False)
@@ -211,64 +305,10 @@ def main() -> int:
                                   "mean_abs_diff": sum(diffs) / len(diffs)}
     except Exception as e:  # noqa: BLE001 - reported, the rest still runs
         res["prompt_logprobs"] = {"error": f"{type(e).__name__}: {e}"}
-    print("prompt_logprobs:", res["prompt_logprobs"], flush=True)
-    del ref, models
-    torch.cuda.empty_cache() if dev.startswith("cuda") else None
-
-    # 2. speed, side by side
-    work = [prompts[i % len(prompts)] for i in range(args.offline_requests)]
-    fixed = hwkv.SamplingParams(temperature=0, max_tokens=args.offline_tokens, ignore_eos=True)
-    engine.generate(work[:8], fixed, use_tqdm=False)  # warm-up
-    t0 = time.perf_counter()
-    outs = engine.generate(work, fixed, use_tqdm=False)
-    dt = time.perf_counter() - t0
-    n = sum(len(o.token_ids) for o in outs)
-    res["offline"] = {"requests": len(work), "tokens": n, "seconds": round(dt, 3), "tok_s": round(n / dt, 1)}
-    b1 = hwkv.SamplingParams(temperature=0, max_tokens=args.b1_tokens, ignore_eos=True)
-    engine.generate([prompts[0]], b1, use_tqdm=False)
-    t0 = time.perf_counter()
-    o = engine.generate([prompts[0]], b1, use_tqdm=False)[0]
-    dt = time.perf_counter() - t0
-    res["batch1"] = {"tokens": len(o.token_ids), "seconds": round(dt, 3), "tok_s": round(len(o.token_ids) / dt, 1)}
-    try:
-        from hwkv.bench.e2e_report import profile
-
-        prof = profile(engine, engine.vocab_size, 1, steps=64, prompt_len=64, gpu=dev.startswith("cuda"))
-        if "gpu_replay" in prof:
-            prof["host_share"] = round(1 - prof["gpu_replay"] / prof["step_wall"], 3)
-        res["batch1_profile_ms"] = prof
-    except Exception as e:  # noqa: BLE001 - the figure is optional; say why it is missing
-        res["batch1_profile_ms"] = {"error": f"{type(e).__name__}: {e}"}
-    print("hwkv offline", res["offline"], "batch-1", res["batch1"], flush=True)
-    print("batch-1 step profile (ms):", res["batch1_profile_ms"], flush=True)
-    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
-
-    # HF generate, bf16, same prompts: batch-1 decode and a padded batch of the offline requests
-    hf_generate(hbf, [prompts[0]], 8, dev)
-    sync(dev)
-    t0 = time.perf_counter()
-    h = hf_generate(hbf, [prompts[0]], args.b1_tokens, dev, ignore_eos=True)[0]
-    sync(dev)
-    dt = time.perf_counter() - t0
-    res["hf_batch1"] = {"tokens": len(h), "seconds": round(dt, 3), "tok_s": round(len(h) / dt, 1)}
-    from transformers import AutoTokenizer  # noqa: F401 - padding by hand: no tokenizer needed
-
-    L = max(len(p) for p in work)
-    ids = torch.tensor([[2] * (L - len(p)) + p for p in work], device=dev)
-    mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in work], device=dev)
-    with torch.inference_mode():
-        sync(dev)
-        t0 = time.perf_counter()
-        out = hbf.generate(ids, attention_mask=mask, max_new_tokens=args.offline_tokens,
-                           min_new_tokens=args.offline_tokens, do_sample=False, eos_token_id=2, pad_token_id=2)
-        sync(dev)
-        dt = time.perf_counter() - t0
-    n = (out.shape[1] - L) * out.shape[0]
-    res["hf_offline"] = {"requests": len(work), "tokens": n, "seconds": round(dt, 3), "tok_s": round(n / dt, 1)}
-    print("HF offline", res["hf_offline"], "batch-1", res["hf_batch1"], flush=True)
+    say(f"prompt_logprobs: {res['prompt_logprobs']}")
     engine.close() if hasattr(engine, "close") else None
-    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
-    print("wrote", args.out, flush=True)
+    res["wall_s"] = round(time.perf_counter() - t_start, 1)
+    save("all")
     return 0 if res["agreement"]["pass"] or args.shape else 1  # random weights: agreement is informative only
 
 

@@ -1,6 +1,8 @@
 # serve-gguf: #39 on the REAL SmolLM2-135M-Instruct Q4_1 GGUF (bench/real_model_gpu.py), then the #37 structured cost
 # with its real tokenizer and chat prompts; one GPU, <= 120 s. GGUF=path (98,362,432 bytes: more than this session's
-# device carry of 64 MiB; zstd gives 92.8 MB) or a shared/*.gguf. Not run yet.
+# device carry of 64 MiB; zstd gives 92.8 MB) or a shared/*.gguf. Ran in session 5 call 1 (main 09915b9): the fresh
+# engine start took 46 s and both steps were killed at their limits (bench/results/gguf-smollm2-call1-H200-*); real-gguf.sh
+# runs the #39 step alone.
 set -u
 export PYTHONPATH=$PWD:$PWD/backends/cuda:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 t0=$(date +%s); say() { echo "[serve-gguf] $(date -u +%T) +$(( $(date +%s) - t0 ))s $*"; }
