@@ -64,7 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "of their own)")
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--gil-switch-ms", type=float, default=0.2,
-                   help="NAME+gil in --schemas: that schema with sys.setswitchinterval at this many ms")
+                   help="NAME+gil in --schemas: that schema with the GIL switch interval at this many ms while "
+                        "constrained requests run (StructuredOutputs.switch_s; NAME+nogil: Python's interval)")
     p.add_argument("--prompts", choices=("random", "chat"), default="random",
                    help="random token ids, or the real-model tier's chat prompts asking for a JSON answer "
                         "(a model with a chat template, e.g. the SmolLM2 GGUF)")
@@ -308,9 +309,11 @@ def run(args: argparse.Namespace) -> int:
         so._buffer = pageable if schema and "+pageable" in schema else pinned
         so.overlap = not (schema and "+inline" in schema)
         so.shared_lexer = bool(schema and "+shared" in schema)
-        switch, executor = sys.getswitchinterval(), so._executor
-        if schema and "+gil" in schema:  # the A/B of a short GIL switch interval (Python's default: 5 ms)
-            sys.setswitchinterval(args.gil_switch_ms / 1e3)
+        switch, executor, switch_s = sys.getswitchinterval(), so._executor, so.switch_s
+        if schema and "+gil" in schema:  # the A/B of a short GIL switch interval while constrained requests run
+            so.switch_s = args.gil_switch_ms / 1e3
+        elif schema and "+nogil" in schema:  # the A/B of Python's interval (5 ms by default)
+            so.switch_s = None
         threads = next((int(x[1:]) for x in (schema or "").split("+")[1:] if x[:1] == "t" and x[1:].isdigit()), 0)
         if threads:  # NAME+tN: llguidance's executor with N threads for this run
             import llguidance
@@ -321,6 +324,7 @@ def run(args: argparse.Namespace) -> int:
             outs = engine.generate(prompts, sps, use_tqdm=False)
         finally:
             sys.setswitchinterval(switch)
+            so.switch_s = switch_s
             so._executor = executor
         dt = time.perf_counter() - t0
         so._buffer, so.overlap, so.shared_lexer = pinned, True, False

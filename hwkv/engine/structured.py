@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
 KEYS = ("json", "json_object", "regex", "choice", "grammar")
 CACHE_SIZE = 256  # compiled grammars kept
 IDLE_MAX = 256  # idle matchers kept per grammar (at most the peak of its concurrent requests)
+SWITCH_S: float | None = None  # StructuredOutputs.switch_s: the GIL switch interval while constrained requests run
 # llguidance's executor threads: at most 8, and two cores left to the engine's main thread and the
 # process's other work. Its own default (80% of the cores, up to 32) oversubscribes a host shared by
 # several GPUs' processes, where a parallel fill waits for its last thread to be scheduled; 64 rows
@@ -119,6 +121,12 @@ class StructuredOutputs:
         # lock between copies: the A/B of matchers of their own, `hwkv bench structured NAME+shared`)
         self.shared_lexer = False
         self._retired: list[list[Any]] = []  # dropped requests' states, made idle after the worker's join
+        # The GIL switch interval while constrained requests run (None: Python's, 5 ms by default). The worker
+        # needs the GIL to start on a step's tokens; while the main thread runs Python (output processing,
+        # scheduling, input building) it gets it only after one interval, so a step's host work can hold the
+        # mask off. The process's previous interval comes back when the last constrained request leaves.
+        self.switch_s: float | None = SWITCH_S
+        self._saved_switch: float | None = None
         # bitmask() calls that masked something, and their main-thread time (the part on the step's
         # critical path: the join of the worker included)
         self.num_masks, self.mask_s = 0, 0.0
@@ -209,7 +217,15 @@ class StructuredOutputs:
     def _submit(self, fn: Any, *args: Any) -> None:
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="hwkv-grammar")
+        if self.switch_s is not None and self._saved_switch is None and sys.getswitchinterval() > self.switch_s:
+            self._saved_switch = sys.getswitchinterval()
+            sys.setswitchinterval(self.switch_s)
         self._futures.append(self._worker.submit(fn, *args))
+
+    def _restore_switch(self) -> None:
+        if self._saved_switch is not None:
+            sys.setswitchinterval(self._saved_switch)
+            self._saved_switch = None
 
     def drop(self, req_id: str) -> None:
         st = self.matchers.pop(req_id, None)
@@ -217,6 +233,8 @@ class StructuredOutputs:
             self._retired.append(st)  # made idle once no worker job can hold it (join)
             if all(f.done() for f in self._futures):
                 self.join()  # the worker is done: no wait
+        if not self.matchers:
+            self._restore_switch()
 
     def _recycle(self) -> None:
         """Reset the dropped requests' matchers into their grammar's idle list (the worker is joined).
@@ -314,6 +332,7 @@ class StructuredOutputs:
         """Stop the worker thread (idempotent)."""
         self._fresh.clear()
         self.join()
+        self._restore_switch()
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None

@@ -150,6 +150,23 @@ def test_matchers_of_their_own_are_reused_and_answer_as_copies(model):
     e.close()
 
 
+def test_gil_switch_interval_is_short_only_while_constrained_requests_run(model):
+    import sys
+
+    e = hwkv.Engine(model, backend="cpu", num_kv_blocks=64, max_num_seqs=4, async_scheduling=True)
+    so, before, seen = e.runner.structured, sys.getswitchinterval(), []
+    so.switch_s = 1e-4
+    inner = so.bitmask
+    so.bitmask = lambda *a, **k: (seen.append(sys.getswitchinterval()), inner(*a, **k))[1]
+    sp = [hwkv.SamplingParams(temperature=1.0, seed=i, max_tokens=30, structured_outputs={"json": SCHEMA})
+          for i in range(4)]
+    e.generate(["Give JSON:"] * 4, sp, use_tqdm=False)
+    assert seen and all(abs(s - 1e-4) < 1e-9 for s in seen)  # from the first worker job on (the first mask is added with the request)
+    assert sys.getswitchinterval() == before
+    e.close()
+    assert sys.getswitchinterval() == before
+
+
 def test_regex_choice_grammar_and_errors(model):
     e = hwkv.Engine(model, backend="cpu", num_kv_blocks=64, max_num_seqs=8)
     so = [{"regex": r"[a-c]{2}-[0-9]{2}"}, {"choice": ["north", "south"]}, {"grammar": 'start: "x" ("y" | "z")+ "."'}]
