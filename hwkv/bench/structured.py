@@ -302,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
                                    structured_outputs=None if base is None else {"json": SCHEMAS[base]})
                for i in range(args.batch)]
         c0 = (so.mask_s, so.num_masks, so.join_s, so.worker_s, so.rows_prefetched, so.rows_computed,
-              so.wake_s, engine.runner.token_wait_s)
+              so.wake_s, engine.runner.token_wait_s, so.rows_in_place)
         parts = ("gather_s", "compute_s", "copy_s", "consume_s", "fill_s")
         p0 = [getattr(so, k) for k in parts]
         step_s.clear()
@@ -341,7 +341,8 @@ def run(args: argparse.Namespace) -> int:
                # thread: waiting for the previous step's tokens (per step of this run, free runs too)
                "worker_wake_ms_per_step": 1e3 * (so.wake_s - c0[6]) / n,
                "main_token_wait_ms_per_step": 1e3 * (engine.runner.token_wait_s - c0[7]) / max(args.output_len, 1),
-               "matchers_built": so.num_matchers}
+               "matchers_built": so.num_matchers,
+               "rows_in_place": so.rows_in_place - c0[8]}  # of rows_prefetched: no gather (see prefetch())
         # main thread after the join: gather of the worker's rows, rows computed in the step (their
         # consumes included), the copy's launch; worker: consume_token_par, mask fill
         row["parts_ms_per_step"] = {k[:-2]: round(1e3 * (getattr(so, k) - v) / n, 3) for k, v in zip(parts, p0)}

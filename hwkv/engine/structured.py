@@ -133,6 +133,10 @@ class StructuredOutputs:
         self.join_s = 0.0  # of mask_s: waiting for the worker
         self.worker_s = 0.0  # the worker's matcher and mask time (overlapped), its waits for the tokens left out
         self.rows_prefetched = self.rows_computed = 0  # mask rows from the worker / computed in bitmask()
+        self.rows_in_place = 0  # of rows_prefetched: written by the worker into the staging buffer, in order
+        # (staging buffer address, request ids, epoch) of the rows the worker wrote in place (see prefetch())
+        self._pred: tuple[int, tuple[str, ...], int] | None = None
+        self._epoch = 0  # prefetch() and bitmask() calls
         # where mask_s goes after the join (gather of the worker's rows, rows computed in the step, the
         # copy's launch) and where the worker's time goes (consume, fill): the bench reports them
         self.gather_s = self.compute_s = self.copy_s = 0.0
@@ -271,7 +275,15 @@ class StructuredOutputs:
             return
         for _, st, _ in jobs:
             st[2] = None  # until the worker wrote the row
-        self._submit(self._advance, jobs, host, event, time.perf_counter())
+        # when every row takes part, the worker also writes the rows in this order into the staging buffer the
+        # next bitmask() takes: a next step of the same requests in the same order (a decode step) gathers
+        # nothing. That buffer's last copy was launched a step before this one's, before the sampling whose
+        # tokens the worker waits for, so it has completed when the worker writes
+        pred = None
+        self._epoch += 1  # a prediction holds for the next bitmask() call only
+        if len(jobs) == len(req_ids) and self._bufs and len(jobs) <= self._bufs[0].shape[0]:
+            pred = (self._bufs[self._turn ^ 1], tuple(req_ids), self._epoch)
+        self._submit(self._advance, jobs, host, event, time.perf_counter(), pred)
 
     def _first(self, jobs: list[tuple[list[Any], int, list[int]]]) -> None:
         t0 = time.perf_counter()
@@ -298,7 +310,8 @@ class StructuredOutputs:
         self._executor_().unsafe_compute_mask_ptr(todo, self._slot_rows.data_ptr(), self.words * 4,
                                                   self._slot_rows.shape[0])
 
-    def _advance(self, jobs: list[tuple[int, list[Any], int]], host: torch.Tensor, event: Any, t_submit: float) -> None:
+    def _advance(self, jobs: list[tuple[int, list[Any], int]], host: torch.Tensor, event: Any, t_submit: float,
+                 pred: tuple[torch.Tensor, tuple[str, ...], int] | None = None) -> None:
         if event is not None:
             event.synchronize()  # (releases the GIL)
         t0 = time.perf_counter()
@@ -313,6 +326,11 @@ class StructuredOutputs:
             if good:  # a matcher in error is left to bitmask() (it allows only EOS)
                 todo.append((st[0], slot))
         self._fill(todo)
+        if pred is not None and len(todo) == len(jobs):
+            buf, ids, epoch = pred
+            np.take(self._slot_rows.numpy(), [slot for _, _, slot in jobs], axis=0, out=buf.numpy()[: len(jobs)],
+                    mode="clip")
+            self._pred = (buf.data_ptr(), ids, epoch)
         self.consume_s += t1 - t0
         self.fill_s += time.perf_counter() - t1
         for (_, st, slot), good in zip(jobs, ok):
@@ -343,6 +361,8 @@ class StructuredOutputs:
         ``None`` when none of them is constrained. A row the worker prefetched for this request's slot
         (``slots[i]``) after all of its outputs is gathered; any other matcher first consumes the
         row's tokens since the last call and computes its mask here."""
+        epoch = self._epoch
+        self._epoch += 1
         rows = [(i, self.matchers[rid]) for i, rid in enumerate(req_ids) if rid in self.matchers]
         if not rows:
             return None
@@ -372,7 +392,10 @@ class StructuredOutputs:
         # slowest thread to be scheduled (milliseconds, on the step's critical path)
         mask = self._buffer(len(req_ids), device, fill=len(hit) < len(req_ids))
         rows_np = mask.numpy()
-        if len(hit) == len(req_ids):  # every row from the worker (a decode step): one pass, no temporary
+        pred, self._pred = self._pred, None
+        if len(hit) == len(req_ids) and pred == (mask.data_ptr(), tuple(req_ids), epoch):
+            self.rows_in_place += len(hit)  # the worker wrote them there, in this order (see prefetch())
+        elif len(hit) == len(req_ids):  # every row from the worker: one pass, no temporary
             np.take(self._slot_rows.numpy(), hit_slots, axis=0, out=rows_np, mode="clip")  # (clip: unbuffered)
         elif hit:
             rows_np[hit] = self._slot_rows.numpy()[hit_slots]
