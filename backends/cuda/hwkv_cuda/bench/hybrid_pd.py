@@ -1,0 +1,171 @@
+"""P/D (the p2p connector) with KV-cache groups on the device: a hybrid model's prompt KV moves from
+a prefill engine to a decode engine in one process (one device), over each protocol asked for.
+
+    python -m hwkv_cuda.bench.hybrid_pd --shape gemma3-1b --out pd.json
+    python -m hwkv_cuda.bench.hybrid_pd --shape gemma3-tiny --backend cpu --dtype float32 --setups pull:tcp
+
+A random-weight checkpoint of a :mod:`hwkv_cuda.bench.hybrid_parity` shape (saved in bf16) is served by
+a plain engine (no connector) and by producer/consumer pairs (``--setups``: ``mode:protocol`` each; the
+producer offers ``cuda_ipc,tcp`` on a device, the consumer only the protocol named, ``tcp`` from a
+device staging through a host mirror of each group). Every pair runs with KV-cache groups (checked),
+prefills each prompt (longer than the window) on the producer and decodes it on the consumer. Recorded
+per setup: the groups; the consumer's loaded bytes against what one group of every layer would move
+(the window group moves its live window only); greedy tokens against the plain engine's and scored by
+HF's float32 forward of the same weights under the conformance margin rule; load failures; every pool
+whole at the end on both sides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+
+def _engine(path: str, a: argparse.Namespace, max_len: int, **kw: Any) -> Any:
+    import hwkv
+
+    return hwkv.Engine(path, backend=a.backend, dtype=a.dtype, max_model_len=max_len, max_num_seqs=4,
+                       num_kv_blocks=a.num_kv_blocks, enforce_eager=True, **kw)
+
+
+def _whole(e: Any) -> bool:
+    return all(m.block_pool.num_free_blocks == m.block_pool.num_usable_blocks
+               for m in getattr(e.kv_cache_manager, "managers", [e.kv_cache_manager]))
+
+
+def _settle(*engines: Any, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(e.scheduler.connector.has_pending_transfers() or e.has_unfinished() for e in engines):
+        if time.monotonic() > deadline:
+            raise RuntimeError("p2p transfers never settled")
+        for e in engines:
+            e.step()
+
+
+def expected_bytes(e: Any, lens: list[int]) -> tuple[int, int]:
+    """(bytes the grouped loads move, bytes one group of every layer would move) for prompts of ``lens``
+    (each load is ``[0, len - 1)``)."""
+    from hwkv.connectors.p2p.protocol import window_start
+
+    spec, bs = e.kv_cache.spec, e.block_size
+    per = 2 * spec.num_kv_heads * spec.head_size * spec.dtype.itemsize  # one token of one layer
+    grouped = sum(len(g.layers) * (n - 1 - (0 if g.window is None else window_start(n - 1, g.window, bs))) * per
+                  for n in lens for g in e.config.kv_groups)
+    return grouped, sum((n - 1) * spec.num_layers * per for n in lens)
+
+
+def run_setup(path: str, setup: str, ps: list[list[int]], plain: list[list[int]], hf: Any, a: argparse.Namespace,
+              max_len: int) -> dict[str, Any]:
+    from hwkv.sampling_params import SamplingParams
+    from hwkv_cuda.bench.hybrid_parity import groups_of, score
+
+    mode, protocol = setup.split(":")
+    offer = "cuda_ipc,tcp" if a.backend == "cuda" else "tcp"
+    cfg = {"mode": mode, "transfer_timeout_s": 20.0}
+    t0 = time.perf_counter()
+    p = _engine(path, a, max_len, kv_connector="p2p",
+                kv_connector_config={**cfg, "role": "producer", "protocol": offer})
+    d = _engine(path, a, max_len, kv_connector="p2p",
+                kv_connector_config={**cfg, "role": "consumer", "protocol": protocol})
+    res: dict[str, Any] = {"setup": setup, "engines_start_s": round(time.perf_counter() - t0, 1),
+                           "kv_groups": groups_of(d), "producer_offers": offer}
+    try:
+        assert [g.window for g in d.config.kv_groups] == [g.window for g in p.config.kv_groups]
+        assert len(d.config.kv_groups) > 1 or d.config.kv_groups[0].window is not None, "no KV-cache groups"
+        toks, t1 = [], time.perf_counter()
+        for q in ps:
+            pre = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True,
+                                 kv_transfer_params={"do_remote_decode": True})
+            params = p.generate([q], pre, use_tqdm=False)[0].kv_transfer_params
+            sp = SamplingParams(temperature=0.0, max_tokens=a.tokens, ignore_eos=True, kv_transfer_params=params)
+            toks.append(list(d.generate([q], sp, use_tqdm=False)[0].token_ids))
+        res["serve_s"] = round(time.perf_counter() - t1, 2)
+        _settle(p, d)
+        st = d.stats()["kv_connector"]
+        grouped, one = expected_bytes(d, [len(q) for q in ps])
+        res.update({
+            "load_failures": st["load_failures"], "external_hit_tokens": st["external_hit_tokens"],
+            "loaded_bytes": st["loaded_bytes"], "expected_grouped_bytes": grouped, "one_group_bytes": one,
+            "bytes_ratio_one_group_over_grouped": round(one / max(grouped, 1), 2),
+            "bytes_via": {k: v for k, v in st.items() if k.startswith("bytes_via_")},
+            "identical_to_plain": f"{sum(t == x for t, x in zip(toks, plain))}/{len(ps)}",
+            "first_divergence": [next((j for j, (x, y) in enumerate(zip(t, w)) if x != y), None)
+                                 for t, w in zip(toks, plain)],
+            "margin_rule": score(hf, ps, toks, "cuda" if a.backend == "cuda" else "cpu"),
+            "pools_whole": _whole(p) and _whole(d),
+        })
+        res["ok"] = (res["load_failures"] == 0 and res["loaded_bytes"] == grouped and res["pools_whole"]
+                     and res["margin_rule"]["passes"] and st["external_hit_tokens"] == sum(len(q) - 1 for q in ps))
+    finally:
+        p.close()
+        d.close()
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    from hwkv.sampling_params import SamplingParams
+    from hwkv_cuda.bench.hybrid_parity import build, prompts, score
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="gemma3-1b")
+    ap.add_argument("--setups", default="pull:cuda_ipc,push:cuda_ipc,pull:tcp")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--prompt-len", type=int, default=600)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--num-kv-blocks", type=int, default=512)
+    ap.add_argument("--backend", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--workdir", default="/dev/shm/hwkv-hybrid-pd")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    dev = "cuda" if a.backend == "cuda" else "cpu"
+    doc: dict[str, Any] = {"bench": "hybrid_pd", "device": torch.cuda.get_device_name(0) if dev == "cuda" else dev,
+                           "torch": torch.__version__, "args": vars(a), "setups": []}
+
+    def save() -> None:
+        if a.out:
+            Path(a.out).write_text(json.dumps(doc, indent=1) + "\n")
+
+    t0 = time.perf_counter()
+    path = Path(a.workdir) / a.shape
+    hf = build(a.shape, path, dev)
+    doc["build_s"] = round(time.perf_counter() - t0, 1)
+    window = hf.config.sliding_window
+    ps = prompts(a.prompts, max(window + 24, a.prompt_len), hf.config.vocab_size)
+    doc["prompt_lens"], doc["window"] = [len(q) for q in ps], window
+    max_len = min(1 << (max(len(q) for q in ps) + a.tokens - 1).bit_length(), hf.config.max_position_embeddings)
+    print(f"[{a.shape}] built in {doc['build_s']} s; prompts {doc['prompt_lens']}", flush=True)
+    e = _engine(str(path), a, max_len)
+    try:
+        plain = [list(o.token_ids) for o in e.generate(
+            ps, SamplingParams(temperature=0.0, max_tokens=a.tokens, ignore_eos=True), use_tqdm=False)]
+    finally:
+        e.close()
+    doc["plain_margin_rule"] = score(hf, ps, plain, dev)
+    print(f"[plain] margin rule {doc['plain_margin_rule']}", flush=True)
+    save()
+    ok = True
+    for setup in a.setups.split(","):
+        try:
+            r = run_setup(str(path), setup, ps, plain, hf, a, max_len)
+        except Exception:
+            r = {"setup": setup, "error": traceback.format_exc(), "ok": False}
+        ok &= r["ok"]
+        print(json.dumps(r), flush=True)
+        doc["setups"].append(r)
+        save()
+        gc.collect()
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
