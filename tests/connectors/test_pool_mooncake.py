@@ -151,3 +151,39 @@ def test_master_killed_mid_run_recomputes(model_dir, expected):
             assert st["external_hit_tokens"] == 9 * BS  # nothing loaded after the kill
         finally:
             e.scheduler.connector.shutdown()
+
+
+def test_kv_cache_groups_through_a_real_master(hybrid_dir):
+    """A Gemma-3-shaped model (a full and a window-16 group) on a real mooncake_master: a second
+    engine loads the first one's chunks of both groups (the window group's window only) and gives the
+    plain engine's tokens; every pool of every group whole at the end."""
+    skip_unless_mooncake()
+    from .conftest import assert_no_leak
+
+    prompt = PROMPT[:4 * BS + 5]
+    sp = SamplingParams(max_tokens=6, temperature=0)
+    plain = hwkv.Engine(hybrid_dir, num_kv_blocks=64, max_model_len=128, block_size=BS, enable_prefix_caching=False)
+    want = plain.generate([prompt], sp, use_tqdm=False)[0].token_ids
+    with mooncake_master() as m:
+        a, b = (hwkv.Engine(hybrid_dir, num_kv_blocks=32, max_model_len=128, block_size=BS, kv_connector="pool",
+                            kv_connector_config=_cfg(m)) for _ in range(2))
+        try:
+            assert [g.window for g in b.config.kv_groups] == [None, 16]
+            assert a.generate([prompt], sp, use_tqdm=False)[0].token_ids == want
+            sa = _settle(a)
+            assert b.generate([prompt], sp, use_tqdm=False)[0].token_ids == want
+            sb = _settle(b)
+            assert sb["external_hit_tokens"] == 4 * BS and sb["load_failures"] == 0
+            # a chunk of a group is that group's layers: the window group (2 layers) twice the full one's (1)
+            per_layer = a.kv_cache.caches[0].spec.bytes_per_block
+            assert sa["stored_bytes"] == 4 * per_layer * 3 and sa["stored_chunks"] == 8  # 4 chunks of each group
+            assert sb["loaded_bytes"] == 4 * per_layer + 1 * 2 * per_layer  # the window group: its last chunk
+            for e in (a, b):
+                assert_no_leak(e)
+        finally:
+            _close_all(a, b)
+
+
+def _close_all(*engines: hwkv.Engine) -> None:
+    for e in engines:
+        e.scheduler.connector.shutdown()

@@ -110,12 +110,13 @@ class PoolConnector(SplitConnector):
                              "the connector is used outside an Engine)")
         tp_rank, tp_size, pp_rank = self.shard
         chunk_blocks = chunk // bs
-        geometry = PoolGeometry(bs, chunk_blocks, chunk_blocks * spec.bytes_per_block * self.tp_size)  # every shard's
+        groups = getattr(kv_cache, "groups", None)  # hwkv.engine.kv_groups.GroupedKVCache: a key per group
+        geometry = PoolGeometry(bs, chunk_blocks, chunk_blocks * spec.bytes_per_block * self.tp_size,  # every shard's
+                                tuple(len(g.layers) for g in groups) if groups else ())
         # the dtype part is the cache's format key: an fp8 cache's includes a digest of its scales, so
         # engines with other scales (or bf16 KV) never read each other's chunks
         key = PoolKey(self.model_id, kv_cache.layout.value, kv_cache.format_key(),
                       spec.num_layers, spec.num_kv_heads, spec.head_size, bs, chunk_blocks, tp_rank, tp_size, pp_rank)
-        groups = getattr(kv_cache, "groups", None)  # hwkv.engine.kv_groups.GroupedKVCache: a key per group
         if groups:
             keys = [replace(key, dtype=c.format_key(), num_layers=len(g.layers),
                             group=f"g{i}-full" if g.window is None else f"g{i}-w{g.window}")

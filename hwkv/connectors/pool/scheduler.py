@@ -54,6 +54,7 @@ class PoolGeometry:
     block_size: int
     chunk_blocks: int
     chunk_bytes: int  # one chunk of every tensor-parallel shard (the bytes counters' unit)
+    group_layers: tuple[int, ...] = ()  # KV-cache groups: each group's layers (a group's chunk is its share)
 
 
 @dataclass
@@ -80,6 +81,7 @@ class PoolScheduler(JobScheduler):
         self.windows: list[int | None] = [None]  # each KV-cache group's window (None: full attention)
         self.block_size = self.chunk_blocks = 0
         self._chunk_bytes = 1
+        self._group_chunk_bytes = [1]
         self._pending: dict[str, tuple[int, list[bytes]]] = {}  # rid -> (first chunk, hit hashes)
         self._lookups: dict[str, tuple[tuple[int, int], int, float]] = {}
         # chunks known to be in the pool: group 0's by hash, another group's as (group, hash)
@@ -96,6 +98,8 @@ class PoolScheduler(JobScheduler):
                                                                  geometry.chunk_bytes)
         self.client = client
         self.windows = [getattr(m, "window", None) for m in self._managers()]
+        layers = geometry.group_layers or (1,)
+        self._group_chunk_bytes = [max(1, geometry.chunk_bytes * n // sum(layers)) for n in layers]
 
     @property
     def grouped(self) -> bool:
@@ -251,7 +255,7 @@ class PoolScheduler(JobScheduler):
             self._storing.difference_update(keys)
             c["store_jobs" if ok else "failed_stores"] += 1
             c["stored_bytes"] += nbytes
-            c["stored_chunks"] += nbytes // self._chunk_bytes
+            c["stored_chunks"] += nbytes // self._group_chunk_bytes[g]  # (with groups: every group's chunks)
             c["dedup_pool"] += skipped
         if ok:  # known present: later stores of these chunks skip even the exists call
             # KV events report group 0's chunks (the full group's where there is one)
