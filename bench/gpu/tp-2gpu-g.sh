@@ -13,7 +13,10 @@ T0=$SECONDS
 echo "commit: $(cat COMMIT 2>/dev/null || git rev-parse --short HEAD)"; date -u
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 env | grep HWKV_ || echo "no HWKV_ variable set"
-echo "=== checkpoint"; ckpt_start llama-8b bfloat16 0 110; ckpt_wait; echo "at $((SECONDS - T0)) s"
+echo "=== checkpoint (GPU 0, background) beside the GPU test of the fused all-reduce (tiny bf16, tp=2: same tokens as the push kernel)"
+ckpt_start llama-8b bfloat16 0 110
+HWKV_PLUGIN_MODULES=hwkv_cuda.plugin timeout -k 5 -s ABRT 100 python3 -m pytest -q -p no:cacheprovider tests/parallel/test_tp_cuda.py -k push_kernel > $OUT/test-fused.log 2>&1; echo "test rc=$?"; tail -n 15 $OUT/test-fused.log
+ckpt_wait; echo "at $((SECONDS - T0)) s"
 echo "=== llama-8b bf16 tp=2: push kernel (main), all-reduce in the GEMVs, + preload=2, + MLP halves, + NCCL settings"
 date -u; LEFT=$((232 - (SECONDS - T0)))
 # one process, five tp=2 engines, each against the first (main's defaults; tp=1 is call 1's and batch 3's): the fused

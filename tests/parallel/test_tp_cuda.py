@@ -70,3 +70,27 @@ def test_tp2_cuda_engines_in_a_loop_use_the_custom_all_reduce(tmp_path, monkeypa
         assert [o.token_ids for o in eng.generate(prompts, sp, use_tqdm=False)] == ref
         assert eng.runner.num_graph_steps > 0
     eng.close()
+
+
+def test_tp2_cuda_all_reduce_in_the_gemvs_same_tokens_as_the_push_kernel(tmp_path, monkeypatch):
+    """The row-parallel all-reduce inside the decode GEMVs (HWKV_TP_FUSED_AR=1) against the push kernel
+    (=0): each prompt generated alone (one-token forwards: the path the fused ops take), bf16, the same
+    sums in the same order - the same tokens; the path was set up (self-test passed) and no wait gave up."""
+    _cuda()
+    path = str(write_tiny_model(tmp_path, hidden_size=256, num_heads=8, num_kv_heads=2, vocab_size=1000,
+                                tokenizer=False))
+    prompts = [[5 + i, 6, 7, 8 * i + 1] * (i + 1) for i in range(4)]
+    sp = SamplingParams(max_tokens=24, temperature=0.0)
+    kw = {"backend": "cuda", "dtype": "bfloat16", "block_size": 16, "num_kv_blocks": 128, "max_model_len": 256}
+    got = {}
+    for fused in ("0", "1"):
+        monkeypatch.setenv("HWKV_TP_FUSED_AR", fused)  # read at setup, inherited by the workers
+        eng = Engine(path, tensor_parallel_size=2, **kw)
+        try:
+            ar = eng._tp.comm._custom
+            assert ar is not None and ar.fused == (fused == "1"), getattr(ar, "fused_error", "")
+            got[fused] = [eng.generate([p], sp, use_tqdm=False)[0].token_ids for p in prompts]
+            assert eng.runner.num_graph_steps > 0 and not ar.failed()
+        finally:
+            eng.close()
+    assert got["1"] == got["0"]
