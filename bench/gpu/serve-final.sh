@@ -1,7 +1,8 @@
 # serve (#37), batch 3: one H200 (cuda:0), <= LIMIT s (default 118). Results are written as they finish.
 # 1. hwkv bench structured on the Llama-3.2-1B shape (random weights, synthetic 128,256-token tokenizer), batch 64,
 #    128 + 128: free vs records (main's defaults: own matchers, 8 mask threads, rows in place, the sampler's bitmask
-#    by shifts) and records+t16; not measured since 80e5a4c (-78% then).
+#    by shifts), records+t16 and records+gil (a 0.2 ms GIL switch interval while constrained requests run);
+#    not measured since 80e5a4c (-78% then).
 # 2. the sampler's bitmask apply on the device: shifts (main's default off the CPU) vs the byte table, vs an argmax.
 # 3. the SmolLM2-135M shape: free vs records, 2 rounds, if time is left.
 set -u
@@ -12,9 +13,10 @@ left() { echo $(( LIMIT - ($(date +%s) - t0) )); }
 say "commit $(cat COMMIT 2>/dev/null) $(git rev-parse --short HEAD 2>/dev/null); $(python3 -c 'import hwkv, llguidance, os; print(hwkv.__file__, llguidance.__version__, len(os.sched_getaffinity(0)), "cores")' 2>&1 | tail -n 2)"
 nvidia-smi -L 2>&1 | head -n 2
 W=/dev/shm/hwkv-serve-models
-say "1 (limit $(( $(left) - 8 ))s): python3 -m hwkv bench structured --model llama-1b --backend cuda --batch 64 --input-len 128 --output-len 128 --schemas records,records+t16 --repeat 1"
+say "1 (limit $(( $(left) - 8 ))s): python3 -m hwkv bench structured --model llama-1b --backend cuda --batch 64 --input-len 128 --output-len 128 --schemas records,records+t16,records+gil --gil-switch-ms 0.2 --repeat 1"
 timeout -k 2 $(( $(left) - 8 )) python3 -m hwkv bench structured --model llama-1b --backend cuda --batch 64 \
-  --input-len 128 --output-len 128 --schemas records,records+t16 --repeat 1 --workdir $W --out-dir "$OUT" 2>&1 | tail -n 20
+  --input-len 128 --output-len 128 --schemas records,records+t16,records+gil --gil-switch-ms 0.2 --repeat 1 --workdir $W \
+  --out-dir "$OUT" 2>&1 | tail -n 20
 say "1 rc=${PIPESTATUS[0]}"
 say "2: apply_token_bitmask on the device (shifts vs table)"
 timeout -k 2 $(( $(left) > 12 ? 12 : $(left) )) python3 - <<'PY' 2>&1 | tail -n 8
