@@ -173,6 +173,12 @@ class TorchDistCommunicator(Communicator):
             # the collectives already enqueued (a last async step) finish before the abort (bounded: a
             # peer that died mid-collective must not hang the close)
             _bounded(lambda: torch.cuda.synchronize(self.device), CLOSE_WAIT_S)
+        if pg is not None and os.environ.get("HWKV_NCCL_CLOSE", "abort") == "keep" and self.backend_name == "nccl":
+            # kept, never torn down (the process exit reclaims it): a stuck abort on a thread of its own
+            # may block the next group's start (batch 2 of 2026-11-28: the second tp=2 engine of a
+            # process never came up after the first's abort was left running) - the A/B of that
+            _KEPT_GROUPS.append(pg)
+            pg = None
         if pg is not None:
             # NCCL: abort (local, never waits). Its shutdown finalizes with the peers, and a peer that is
             # gone (a worker the driver has terminated) can leave it waiting forever
@@ -187,6 +193,7 @@ class TorchDistCommunicator(Communicator):
 
 CLOSE_WAIT_S = 5.0
 ABORT_WAIT_S = 1.0
+_KEPT_GROUPS: list[Any] = []  # HWKV_NCCL_CLOSE=keep: closed groups held until the process exits
 
 
 def _bounded(fn: Any, wait_s: float) -> None:
