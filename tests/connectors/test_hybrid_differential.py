@@ -268,3 +268,49 @@ def test_offload_loads_every_groups_bytes(hybrid_dir, layerwise):
     while e.has_unfinished():
         e.step()
     assert_no_leak(e)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_trace_harness_with_offload_and_pool_failing_loads(hybrid_dir, seed, request):
+    """The engine's random-trace harness (requests arriving between steps, random aborts, chunk
+    budgets, 4-token blocks so the window group holds 4 blocks, a pool small enough to preempt and
+    evict) through connectors with KV-cache groups and failing loads: offload (loads failing at
+    random, synchronous or asynchronous) and the pool (a second instance, whole gets and single keys
+    lost at random), each trace run twice - every finished request's tokens are a plain engine's
+    (one group, no prefix cache, no connector), and nothing is left held."""
+    from tests.engine.test_engine_kv_groups import make_random_trace, run_random_trace
+
+    rng = random.Random(seed)
+    reqs, aborts, want = make_random_trace(rng, hybrid_dir, 16, 10, max_model_len=64)
+    kw = dict(backend="cpu", dtype="float32", max_model_len=64, block_size=4, num_kv_blocks=24,
+              max_num_batched_tokens=rng.choice([16, 24, 80]))
+    off = hwkv.Engine(hybrid_dir, kv_connector=RandomFailOffload(seed, 0.3, first=True, cpu_bytes=1 << 20,
+                                                                  async_load=bool(seed % 2)), **kw)
+    assert [g.window for g in off.config.kv_groups] == [None, 16]
+    for _ in range(2):
+        run_random_trace(off, reqs, want, aborts, rng)
+    st = off.stats()
+    assert st["kv_connector"]["load_failures"] > 0 and st["kv_connector"]["hit_blocks"] > 0
+    assert st["num_preemptions"] > 0
+    assert_no_leak(off)
+
+    name = f"hybrid-harness-{seed}-{request.node.name}"
+    flaky = LoseSome(embedded_store(name), seed)
+    pool = dict(kw, kv_connector="pool", kv_connector_config={"store": flaky})
+    a, b = hwkv.Engine(hybrid_dir, **pool), hwkv.Engine(hybrid_dir, **pool)
+    try:
+        run_random_trace(a, reqs, want, aborts, rng)
+        _settle(a)
+        flaky.p = 0.3
+        for i in range(2):
+            flaky.lose_gets = i == 0 and seed == 0  # every get of one pass lost (seed 0), single keys always
+            run_random_trace(b, reqs, want, aborts, rng)
+        flaky.lose_gets, flaky.p = False, 0.0
+        sb = _settle(b)
+        assert sb["external_hit_tokens"] > 0 and sb["load_failures"] > 0
+        assert 0 < flaky.got["g1-w16"] < flaky.got["g0-full"]
+        for e in (a, b):
+            assert_no_leak(e)
+    finally:
+        _close(a, b)
+        drop_embedded(name)

@@ -189,10 +189,12 @@ class PoolScheduler(JobScheduler):
         cb, bs, end = self.chunk_blocks, self.block_size, first + n
         for g, m in enumerate(self._managers()):
             lo = self._lo(g, first, end)
-            if self.windows[g] is not None:  # its entries before the loaded window are never loaded: freed now
-                # (the load holds only the window, and a failed load's landed blocks, registered up to
-                # valid_tokens, never include them; a test fails without it)
-                m.free_outside_window(request, lo * cb * bs + self.windows[g] - 1)  # frees blocks [0, lo * cb)
+            if self.windows[g] is not None:  # its entries before the window are never loaded: freed now (the
+                # load holds only the window, and a failed load's landed blocks, registered up to valid_tokens,
+                # never include them; a test fails without it). Not before `lo`: when the window starts inside
+                # the device hit, those hit blocks are the window's (lo is clamped to the hit; a test fails so)
+                start = self._lo(g, 0, end)
+                m.free_outside_window(request, start * cb * bs + self.windows[g] - 1)  # frees blocks [0, start * cb)
             blocks = m.get_blocks(rid)[lo * cb:end * cb]
             self._add_job(_Job(next(self._ids), True, rid, blocks, hashes[lo - first:n], g, lo), blocks)
         self.counters["lookup_hit_tokens"] += n * cb * bs
