@@ -129,11 +129,56 @@ class WindowKVCacheManager(KVCacheManager):
                        new_computed_blocks: list[KVCacheBlock] | None = None, num_lookahead_tokens: int = 0,
                        num_external_tokens: int = 0, *, delay_cache_blocks: bool = False) -> list[KVCacheBlock] | None:
         """:meth:`KVCacheManager.allocate_slots`, first freeing the blocks that fell out of the window
-        (those are freed even when the step does not fit: no query will read them again)."""
+        (those are freed even when the step does not fit: no query will read them again). External
+        tokens (a KV connector loads them): the table entries wholly before the window of the first
+        token after them are the null block, never allocated - a P/D consumer of a prompt longer than
+        the window group's pool needs only the window."""
         self.free_outside_window(request, request.num_computed_tokens + num_new_computed_tokens)
+        if num_external_tokens and 0 <= num_external_tokens <= num_new_tokens:
+            plan = self._external_plan(request, num_new_tokens + num_lookahead_tokens, num_new_computed_tokens,
+                                       new_computed_blocks, num_external_tokens)
+            if plan is None:
+                return None
+            nulls, new, hits = plan
+            table = self.req_to_blocks.setdefault(request.request_id, [])
+            if hits:
+                self.block_pool.touch(hits)
+                table.extend(hits)
+                self.num_cached_block[request.request_id] = len(hits)
+            got = self.block_pool.get_new_blocks(new) if new else []
+            table.extend([self.null] * nulls + got)
+            return [self.null] * nulls + got  # the table grew by this many entries
         return super().allocate_slots(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
                                       num_lookahead_tokens, num_external_tokens,
                                       delay_cache_blocks=delay_cache_blocks)
+
+    def _external_plan(self, request: Request, num_slots_new: int, num_new_computed_tokens: int,
+                       new_computed_blocks: list[KVCacheBlock] | None,
+                       num_external_tokens: int) -> tuple[int, int, list[KVCacheBlock]] | None:
+        """``(null entries, new blocks, hit blocks)`` of an allocation with external tokens, ``None`` when
+        the pool cannot serve it (no side effect)."""
+        hits = list(new_computed_blocks or ())
+        held = len(self.req_to_blocks.get(request.request_id, ()))
+        if hits or num_new_computed_tokens:
+            self._check_computed_blocks(request, hits, num_new_computed_tokens, held)
+        c = request.num_computed_tokens + num_new_computed_tokens
+        have = held + len(hits)
+        nulls = max(0, self.first_needed(c + num_external_tokens) - have)
+        new = max(0, -(-(c + num_slots_new) // self.block_size) - have - nulls)
+        if new > self.block_pool.num_free_blocks - sum(1 for b in hits if b.ref_cnt == 0):
+            return None
+        return nulls, new, hits
+
+    def num_external_blocks_short(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int,
+                                  new_computed_blocks: list[KVCacheBlock] | None, num_external_tokens: int) -> int:
+        """:meth:`num_blocks_short` of an allocation with external tokens (their blocks before the window
+        are null entries: :meth:`allocate_slots`)."""
+        hits = list(new_computed_blocks or ())
+        have = len(self.req_to_blocks.get(request.request_id, ())) + len(hits)
+        c = request.num_computed_tokens + num_new_computed_tokens
+        nulls = max(0, self.first_needed(c + num_external_tokens) - have)
+        new = max(0, -(-(c + num_new_tokens) // self.block_size) - have - nulls)
+        return max(0, new + sum(1 for b in hits if b.ref_cnt == 0) - self.block_pool.num_free_blocks)
 
     def _check_computed_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int,
                                num_held: int) -> int:
@@ -248,7 +293,13 @@ class GroupedKVCacheManager:
         :attr:`last_new_blocks` has each group's."""
         hits = self._split(new_computed_blocks)
         total = num_new_tokens + num_lookahead_tokens
-        if any(m.num_blocks_short(request, total, num_new_computed_tokens, h) for m, h in zip(self.managers, hits)):
+
+        def short(m: KVCacheManager, h: list[KVCacheBlock] | None) -> int:
+            if num_external_tokens and isinstance(m, WindowKVCacheManager):  # null entries before the window
+                return m.num_external_blocks_short(request, total, num_new_computed_tokens, h, num_external_tokens)
+            return m.num_blocks_short(request, total, num_new_computed_tokens, h)
+
+        if any(short(m, h) for m, h in zip(self.managers, hits)):
             return None
         out = []
         for m, h in zip(self.managers, hits):

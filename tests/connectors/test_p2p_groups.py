@@ -248,3 +248,41 @@ def test_layerwise_push_with_groups(hybrid_dir, reference, chunk):  # noqa: F811
     finally:
         p.close()
         d.close()
+
+
+@pytest.fixture(scope="module")
+def long_dir(tmp_path_factory):
+    """The hybrid model's shape with room for 1024 positions."""
+    import transformers
+
+    cfg = transformers.Gemma3TextConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=512, max_position_embeddings=1024, initializer_range=0.2, bos_token_id=1,
+        eos_token_id=2, query_pre_attn_scalar=16, sliding_window=WINDOW, sliding_window_pattern=3)
+    torch.manual_seed(11)
+    path = tmp_path_factory.mktemp("hybrid-long")
+    transformers.Gemma3ForCausalLM(cfg).float().eval().save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_a_prompt_longer_than_the_window_groups_pool(long_dir, mode):
+    """600 prompt tokens into a window group of 8 blocks (2 seats, 32-token steps): the consumer's window
+    group allocates only the window of the loaded prompt (null entries before it), instead of refusing
+    an allocation it was checked for; tokens of the plain engine, every pool whole."""
+    kw = dict(num_kv_blocks=64, max_model_len=1024, max_num_seqs=2, max_num_batched_tokens=32)
+    rng = random.Random(1)
+    q = [rng.randrange(3, 500) for _ in range(600)]
+    want = engine(long_dir, enable_prefix_caching=False, **kw).generate([q], greedy(4), use_tqdm=False)[0].token_ids
+    p = engine(long_dir, kv_connector="p2p", kv_connector_config=cfg("producer", mode), **kw)
+    d = engine(long_dir, kv_connector="p2p", kv_connector_config=cfg("consumer", mode), **kw)
+    try:
+        assert [(g.window, g.num_blocks) for g in d.config.kv_groups] == [(None, 64), (WINDOW, 9)]
+        assert decode(d, q, prefill(p, q), n=4) == want
+        st = d.stats()["kv_connector"]
+        assert st["load_failures"] == 0 and st["external_hit_tokens"] == len(q) - 1
+        assert st["loaded_bytes"] == expected_bytes(d, len(q))
+        assert_clean(p, d)
+    finally:
+        p.close()
+        d.close()
