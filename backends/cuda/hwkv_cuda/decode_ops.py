@@ -122,6 +122,9 @@ class TritonDecodeOps(DecodeOps):
         h_out = None
         if push is not None:  # EPILOGUE 3: this partial into every peer's slot of the site
             ar, site = push
+            if m * n * x.element_size() > FUSED_SLOT:
+                raise ValueError(f"a [{m}, {n}] {x.dtype} output does not fit the fused all-reduce's slot of "
+                                 f"{FUSED_SLOT} bytes (HWKV_TP_FUSED_AR=0 runs the push kernel instead)")
             ar_args = dict(peers_ptr=ar.fpeers, site=site, RANK=ar.rank, WS=ar.world_size,
                            SLOT=FUSED_SLOT // x.element_size(), CNT_OFF=ar.fcnt_off)
         if rs is not None:  # the input is residual + sum over ranks of the pending partial
