@@ -33,7 +33,7 @@ from hwkv.engine.graph_runner import GraphRunner, multi_token_graphs
 from hwkv.engine.inputs import StepBatch, StepInputs, build_batch, group_inputs, to_device
 from hwkv.engine.pending import EMPTY, Pending, fill_tokens
 from hwkv.interfaces.connector import KVConnectorBase
-from hwkv.model.sampler import SamplingBatch, make_generator, sample_tokens
+from hwkv.model.sampler import SamplingBatch, draw_uniforms, make_generator, sample_tokens
 
 
 @dataclass
@@ -222,11 +222,10 @@ class ModelRunner:
 
     def _sampling_batch(self, states: list[_ReqState], req_ids: list[str]) -> SamplingBatch:
         params = [st.params for st in states]
-        mask = None
-        if self.structured is not None and self.structured.matchers:
-            mask = self.structured.bitmask(req_ids, [st.output_token_ids for st in states], self.dev,
-                                           [st.slot for st in states])
+        masked = self.structured is not None and self.structured.matchers
         if not self._num_special:  # every request held is plain: the sampler's argmax fast path
+            mask = self.structured.bitmask(req_ids, [st.output_token_ids for st in states], self.dev,
+                                           [st.slot for st in states]) if masked else None
             return SamplingBatch(params, [st.output_token_ids for st in states], plain=True, bitmask=mask)
         prompts = None
         if any(sp.repetition_penalty != 1.0 for sp in params):
@@ -234,8 +233,14 @@ class ModelRunner:
         gens = None
         if self.generators:
             gens = [self.generators.get(rid) for rid in req_ids]
-        return SamplingBatch(params, [st.output_token_ids for st in states], prompts, gens,
-                             eos_token_ids=self.eos_token_ids, bitmask=mask)
+        batch = SamplingBatch(params, [st.output_token_ids for st in states], prompts, gens,
+                              eos_token_ids=self.eos_token_ids)
+        if masked:
+            # the draws first: the mask's worker fills beside their launches (per-row generators: two each)
+            batch.uniforms = draw_uniforms(batch, self.device)
+            batch.bitmask = self.structured.bitmask(req_ids, batch.output_token_ids, self.dev,
+                                                    [st.slot for st in states])
+        return batch
 
     def _sample(self, logits: torch.Tensor, states: list[_ReqState],
                 req_ids: list[str]) -> tuple[torch.Tensor, Any]:

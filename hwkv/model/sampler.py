@@ -46,6 +46,8 @@ class SamplingBatch:
     plain: bool = False
     # structured outputs: packed allowed-token bits [R, ceil(V / 32)] int32 on the logits' device
     bitmask: torch.Tensor | None = None
+    # the non-greedy rows' U[0, 1) draws, if made already (:func:`draw_uniforms`; None: drawn in sampling)
+    uniforms: torch.Tensor | None = None
 
 
 @dataclass
@@ -122,6 +124,15 @@ def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Ten
         drop[:, -1] = False
         srt = srt.masked_fill(drop, float("-inf"))
     return srt.scatter(-1, idx, srt)
+
+
+def draw_uniforms(batch: SamplingBatch, device: torch.device) -> torch.Tensor | None:
+    """The U[0, 1) draws :func:`sample_tokens` would make for ``batch``'s non-greedy rows, made now
+    (``None`` if every row is greedy): the same generators in the same order, so the tokens do not
+    change. A caller launches them before waiting for something the draws do not depend on (a
+    structured-output mask: a seeded batch's per-row draws are a launch or two per row)."""
+    rand = [i for i, sp in enumerate(batch.params) if not sp.greedy]
+    return _uniforms(rand, batch, device) if rand else None
 
 
 def _uniforms(rows: list[int], batch: SamplingBatch, device: torch.device) -> torch.Tensor:
@@ -239,7 +250,8 @@ def sample_tokens(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Ten
     if rand:
         rows = torch.tensor(rand, device=x.device)
         sub = x if len(rand) == len(params) else x.index_select(0, rows)
-        drawn = draw(warped_probs(sub, [params[i] for i in rand]), _uniforms(rand, batch, x.device))
+        u = batch.uniforms if batch.uniforms is not None else _uniforms(rand, batch, x.device)
+        drawn = draw(warped_probs(sub, [params[i] for i in rand]), u)
         tokens = drawn if len(rand) == len(params) else tokens.index_copy(0, rows, drawn)
     logprobs = logprobs_of(logits, tokens, params) if any(sp.logprobs is not None for sp in params) else None
     return tokens, logprobs

@@ -95,6 +95,24 @@ def test_prefetched_masks_equal_masks_computed_in_the_step(model):
         assert so._worker is None
 
 
+def test_draws_made_before_the_mask_give_the_same_tokens(model, monkeypatch):
+    """The runner launches a masked step's random draws before it waits for the mask: the same
+    generators in the same order, so the same answers as draws made inside the sampler."""
+    import hwkv.engine.model_runner as mr
+
+    sp = [hwkv.SamplingParams(temperature=1.0, seed=i if i % 2 else None, max_tokens=40,
+                              structured_outputs={"json": SCHEMA}) for i in range(6)]
+    texts = []
+    for early in (True, False):
+        if not early:
+            monkeypatch.setattr(mr, "draw_uniforms", lambda batch, device: None)
+        torch.manual_seed(7)  # the unseeded rows draw from torch's default generator
+        e = hwkv.Engine(model, backend="cpu", num_kv_blocks=64, max_num_seqs=8, async_scheduling=True)
+        texts.append([o.text for o in e.generate(["Give JSON:"] * 6, sp, use_tqdm=False)])
+        e.close()
+    assert texts[0] == texts[1] and all(valid(t) for t in texts[0])
+
+
 def test_prefetch_with_aborts_and_reused_slots(model):
     """Requests aborted while the worker fills their next masks, and new requests taking their slots
     at once: every answer equals the one of an engine computing each mask in the step, nothing left."""
