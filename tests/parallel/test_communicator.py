@@ -117,3 +117,19 @@ def test_close_is_bounded_when_the_group_never_returns(monkeypatch):
         comm.close()
     assert time.monotonic() - t0 < 5 and comm._pg is None
     stuck.set()
+
+
+def test_all_reduce_start_sums_in_place_when_waited_for(comm, monkeypatch):
+    """all_reduce_start: the custom hook's tensors summed at once, the others by the group's own work,
+    each ``wait()`` returning its tensor; overlap_tokens from HWKV_TP_OVERLAP_TOKENS (0 by default)."""
+    c, dev = comm
+    small, big = torch.arange(4.0), torch.arange(8.0)
+    waits = [c.all_reduce_start(small), c.all_reduce_start(big)]
+    assert [w() for w in waits] == [small, big] and torch.equal(big, torch.arange(8.0))
+    assert dev.calls == [4, 8] and c.overlap_tokens == 0
+    monkeypatch.setenv("HWKV_TP_OVERLAP_TOKENS", "4096")
+    other = TorchDistCommunicator(CpuDevice(), 0, 1, 0, timeout_s=10, store=open_store(1, 10), group="ov")
+    try:
+        assert other.overlap_tokens == 4096
+    finally:
+        other.close()
