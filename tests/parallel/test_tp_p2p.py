@@ -174,3 +174,29 @@ def test_staged_tp2_producer(models, mode):
             got = next((o.token_ids for o in d.step() if o.finished), got)
         assert got == want and d.stats()["kv_connector"]["load_failures"] == 0
         _settle(p, d)
+
+
+@pytest.mark.parametrize("p_tp, d_tp, mode", [(2, 1, "pull"), (1, 2, "push")], ids=["pull-2to1", "push-1to2"])
+def test_kv_cache_groups_across_tensor_parallel_sizes(tmp_path, p_tp, d_tp, mode):
+    """A Qwen2 with a full and a window-8 layer (two KV-cache groups on every rank): each consumer rank
+    gets its heads of both groups (the window group's window only), one tp=1 engine's tokens."""
+    import json
+
+    path = write_tiny_model(tmp_path / "hybrid", arch="qwen2", num_heads=4, num_kv_heads=4, tokenizer=False,
+                            max_position_embeddings=256, sliding_window=8)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "use_sliding_window": True, "max_window_layers": 1}))
+    reference = _reference(str(path))
+    with (
+        closing(_engine(str(path), "producer", p_tp, mode)) as p,
+        closing(_engine(str(path), "consumer", d_tp, mode)) as d,
+    ):
+        assert [g.window for g in d.config.kv_groups] == [None, 8] == [g.window for g in p.config.kv_groups]
+        for prompt, want in zip(prompts(), reference):
+            params = p.generate([prompt], greedy(1, {"do_remote_decode": True}), use_tqdm=False)[0].kv_transfer_params
+            assert d.generate([prompt], greedy(6, params), use_tqdm=False)[0].token_ids == want
+        from tests.connectors.test_p2p_engine import assert_clean
+
+        assert_clean(p, d)
+        st = d.stats()["kv_connector"]
+        assert st["external_hit_tokens"] == sum(len(q) - 1 for q in prompts()) and st["load_failures"] == 0
