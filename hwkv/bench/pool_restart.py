@@ -92,26 +92,29 @@ kw = dict(backend=cfg["backend"], dtype=cfg["dtype"], block_size=cfg["block_size
           num_kv_blocks=cfg["blocks"], kv_connector="pool", kv_connector_config=cfg["pool"], **cfg["engine_args"])
 e = hwkv.Engine(cfg["model"], **kw)
 sp = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-def settle():
+def settle(reset):
     deadline = time.monotonic() + 120
     while e.connector.has_pending_transfers() and time.monotonic() < deadline:
         e.step()
         time.sleep(0.001)
     assert not e.connector.has_pending_transfers(), "pool transfers still pending after 120 s"
-    assert e.kv_cache_manager.reset_prefix_cache(), "prefix cache reset refused: blocks still held"
+    assert not reset or e.kv_cache_manager.reset_prefix_cache(), "prefix cache reset refused: blocks still held"
 def timing():
     st = e.stats().get("kv_connector") or {}
     return {k: v for k, v in st.items() if k.startswith(("load_", "put_", "lookup")) and k.endswith(("_s", "_jobs"))}
 res = {}
+# hit: the prompt again with its blocks still in the device prefix cache (no load): the floor of a
+# load's TTFT, and the reference for its tokens where both reuse the same number of prompt tokens
 for name, prompt in (("warm", cfg["warm"]), ("warm_load", cfg["warm"]), ("none", cfg["prompt"]),
-                     ("pool", cfg["prompt"])):
-    settle()
+                     ("hit", cfg["prompt"]), ("pool", cfg["prompt"])):
+    settle(reset=name != "hit")
     before = timing()
     t0 = time.perf_counter()
     out = e.generate([prompt], sp, use_tqdm=False)[0]
     ttft = time.perf_counter() - t0
     st = e.stats().get("kv_connector") or {}
     res[name] = {"ttft_s": ttft, "tokens": out.token_ids, "loaded_bytes": st.get("loaded_bytes", 0),
+                 "cached_tokens": out.metrics.num_cached_tokens if out.metrics is not None else None,
                  "timing": {k: round(v - before.get(k, 0.0), 6) for k, v in timing().items()}}
 res["packed_loads"] = (e.stats().get("kv_connector") or {}).get("packed_loads")
 print("RESULT " + json.dumps(res), flush=True)
@@ -278,13 +281,28 @@ def _one_process(args: argparse.Namespace, base: dict[str, Any], pools: dict[str
             failed = True
             print(f"  {v}: FAILED {out[v]['error']}", flush=True)
             continue
-        if r["pool"]["tokens"] != r["none"]["tokens"]:
-            raise RuntimeError(f"tokens differ with the pool ({v}): {r['pool']['tokens']} vs {r['none']['tokens']}")
+        # The pool's KV is the recompute's, byte for byte (put by it); its tokens must equal a device-cache
+        # hit's that reuses as many prompt tokens (the same kernels then compute the same tail). Against
+        # the recompute (the whole prompt in one forward) a greedy token may flip between near-equal
+        # logits (random weights): reported, not an error.
+        # (A prompt of k x chunk_size + 1 tokens makes both reuse k chunks.)
+        same_split = r["pool"]["cached_tokens"] == r["hit"]["cached_tokens"]
+        ref = "hit" if same_split else "none"
         none, pool, tm = r["none"]["ttft_s"], r["pool"]["ttft_s"], r["pool"]["timing"]
         out[v] = {"ttft_recompute_ms": 1e3 * none, "ttft_pool_ms": 1e3 * pool, "speedup": none / pool,
+                  "ttft_device_hit_ms": 1e3 * r["hit"]["ttft_s"], "tokens_checked_against": ref,
+                  "tokens_equal_recompute": r["pool"]["tokens"] == r["none"]["tokens"],
                   "packed_loads": r.pop("packed_loads", None),
                   "loaded_bytes": r["pool"]["loaded_bytes"] - r["none"]["loaded_bytes"], "runs": r}
+        if r["pool"]["tokens"] != r[ref]["tokens"]:  # the figures are kept; the run fails
+            out[v]["error"] = (f"tokens differ with the pool ({v}): {r['pool']['tokens']} vs {r[ref]['tokens']} of the "
+                               f"{'device-cache hit' if same_split else 'recompute'} ({r['pool']['cached_tokens']} vs "
+                               f"{r[ref]['cached_tokens']} prompt tokens reused)")
+            failed = True
+            print(f"  {v}: FAILED {out[v]['error']}", flush=True)
         print(f"  {v}: recompute {1e3 * none:.1f} ms, from the pool {1e3 * pool:.1f} ms = x{none / pool:.2f} "
+              f"(device-cache hit {1e3 * r['hit']['ttft_s']:.1f} ms; tokens checked against the "
+              f"{'hit' if same_split else 'recompute'}, equal to the recompute's: {out[v]['tokens_equal_recompute']}) "
               f"(goal >= 4); load: store calls {1e3 * tm.get('load_store_s', 0):.1f} ms, waiting for device copies "
               f"{1e3 * tm.get('load_copy_wait_s', 0):.1f} ms, whole get {1e3 * tm.get('load_wall_s', 0):.1f} ms, "
               f"lookup {1e3 * tm.get('lookup_s', 0):.1f} ms"

@@ -55,6 +55,9 @@ def test_bench_pool_restart_toy(tmp_path):
     for via in ("holder", "tcp"):
         assert one[via]["loaded_bytes"] > 0 and one[via]["runs"]["pool"]["timing"]["load_jobs"] == 1
         assert one[via]["runs"]["none"]["timing"]["load_jobs"] == 0
+        # 288 tokens: the device-cache hit and the pool both reuse 17 blocks, so the tokens are checked
+        # against the hit's (same kernels for the tail)
+        assert one[via]["tokens_checked_against"] == "hit" and one[via]["ttft_device_hit_ms"] > 0
     # a prompt longer than the model's positions is refused before any engine starts
     args = _args(pool_restart, ["--prompt-len", "1000000", "--workdir", str(tmp_path / "models"),
                                 "--out-dir", str(tmp_path)])
