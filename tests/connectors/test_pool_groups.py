@@ -22,14 +22,24 @@ pytest.importorskip("transformers")
 
 
 class Recording(Flaky):
-    """Records the keys put and asked; ``lose``: positions in the next get's keys answered not found
-    (the get fails part-way: the keys before the first lost one land)."""
+    """Records the keys put and asked; ``lose``: positions among the keys asked from now on (over every
+    get call: a staged load asks in pieces) answered not found (the get fails part-way: the keys before
+    the first lost one land)."""
 
     def __init__(self, inner):
         super().__init__(inner)
         self.put_keys: list[str] = []
         self.got: list[str] = []
-        self.lose: set[int] = set()
+        self._lose: set[int] = set()
+        self._asked = 0
+
+    @property
+    def lose(self) -> set[int]:
+        return self._lose
+
+    @lose.setter
+    def lose(self, positions: set[int]) -> None:
+        self._lose, self._asked = set(positions), 0
 
     def put(self, keys, buffers):
         self.put_keys += keys
@@ -37,7 +47,8 @@ class Recording(Flaky):
 
     def get(self, keys, buffers):
         self.got += keys
-        lose, self.lose = self.lose, set()
+        lose = {p - self._asked for p in self._lose if 0 <= p - self._asked < len(keys)}
+        self._asked += len(keys)
         if not lose:
             return super().get(keys, buffers)
         keep = [i for i in range(len(keys)) if i not in lose]
@@ -57,9 +68,24 @@ def store(request):
     drop_embedded(name)
 
 
-def pool_engine(model: str, store: Recording, **kw) -> hwkv.Engine:
-    return engine(model, num_kv_blocks=kw.pop("num_kv_blocks", 32), kv_connector="pool",
-                  kv_connector_config={"store": store}, **kw)
+def pool_engine(model: str, store: Recording, mode: str = "direct", **kw) -> hwkv.Engine:
+    """``mode``: how values move - ``direct`` (the store reads and writes the CPU KV cache), ``staged``
+    (the accelerator path: 32 KiB of host staging, so a get runs in several pieces) or ``packed``
+    (one segment per value, scattered on the device)."""
+    cfg = {"store": store}
+    if mode != "direct":
+        cfg.update(staging_bytes=1 << 15, pack=mode == "packed")  # the Llama's: 4 blocks, gets of 2 chunks
+    e = engine(model, num_kv_blocks=kw.pop("num_kv_blocks", 32), kv_connector="pool", kv_connector_config=cfg, **kw)
+    assert e.scheduler.connector.worker.transfer.direct is (mode == "direct")
+    assert e.scheduler.connector.worker.transfer.packed is (mode == "packed")
+    return e
+
+
+@pytest.fixture(params=["direct", "staged", "packed"])
+def mode(request, monkeypatch):
+    if request.param != "direct":
+        monkeypatch.setattr("hwkv.connectors.pool.transfer.host_addressable", lambda kv: False)
+    return request.param
 
 
 def run(e: hwkv.Engine, prompt: list[int], n: int = 4):
@@ -75,14 +101,14 @@ def _bytes(e: hwkv.Engine, rid: str) -> list[list[list[torch.Tensor] | None]]:
     return out
 
 
-def test_each_groups_chunks_under_its_own_keys_and_the_window_loads_only_its_window(hybrid_dir, store):
+def test_each_groups_chunks_under_its_own_keys_and_the_window_loads_only_its_window(hybrid_dir, store, mode):
     rng = random.Random(4)
     prompt = [rng.randrange(3, 500) for _ in range(4 * BS + 5)]
     ref = engine(hybrid_dir, num_kv_blocks=64, enable_prefix_caching=False)
     ref.add_request("p", prompt, greedy(4))
     ref.step()
     want = _bytes(ref, next(iter(ref.scheduler.requests)))
-    a, b = pool_engine(hybrid_dir, store), pool_engine(hybrid_dir, store)
+    a, b = pool_engine(hybrid_dir, store, mode), pool_engine(hybrid_dir, store, mode)
     try:
         assert [g.window for g in b.config.kv_groups] == [None, 16]
         plain = run(a, prompt).token_ids
@@ -126,12 +152,13 @@ def test_each_groups_chunks_under_its_own_keys_and_the_window_loads_only_its_win
 
 
 @pytest.mark.parametrize("lost", [0, 5, 8])
-def test_a_lost_chunk_recomputes_from_that_chunk(model_dir, store, lost):
+def test_a_lost_chunk_recomputes_from_that_chunk(model_dir, store, lost, mode):
     """One group (a Llama): chunk ``lost`` of 9 is gone when the load runs; the chunks before it landed
-    and stay as prefix-cache entries, so the request recomputes from chunk ``lost`` on (its prompt's
-    cached tokens say so), with the plain engine's tokens."""
+    (staged: in pieces of two chunks, a failing piece's good first one too) and stay as prefix-cache
+    entries, so the request recomputes from chunk ``lost`` on (its prompt's cached tokens say so), with
+    the plain engine's tokens."""
     plain = run(engine(model_dir, num_kv_blocks=64, max_model_len=256), PROMPT).token_ids
-    a, b = (pool_engine(model_dir, store, max_model_len=256) for _ in range(2))
+    a, b = (pool_engine(model_dir, store, mode, max_model_len=256) for _ in range(2))
     try:
         assert run(a, PROMPT).token_ids == plain
         _settle(a)
