@@ -34,6 +34,7 @@ from typing import Any
 
 from hwkv.bench import results_dir
 from hwkv.bench.common import SHAPES, TINY, backend, write_result
+from hwkv.bench.common import model_dir as common_model_dir
 
 SCHEMAS: dict[str, dict[str, Any]] = {
     "string": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"],
@@ -131,20 +132,14 @@ def model_dir(args: argparse.Namespace) -> Path:
             synthetic_tokenizer(vocab).save(str(d / "tokenizer.json"))
             (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}) + "\n")
         return d
-    import torch
-
-    from hwkv.model.tiny import write_tiny_model
-
     d = Path(args.workdir) / f"{args.model}-{args.dtype}-tok"
     if not (d / "tokenizer.json").exists():
-        base = Path(args.workdir) / f"{args.model}-{args.dtype}"  # the other benches' copy (no tokenizer)
-        if (base / "config.json").exists():
-            d.mkdir(parents=True, exist_ok=True)
-            for f in base.iterdir():
-                if not (d / f.name).exists():
-                    (d / f.name).symlink_to(f.resolve())
-        elif not (d / "config.json").exists():
-            write_tiny_model(d, dtype=getattr(torch, args.dtype), seed=0, tokenizer=False, **shapes[args.model])
+        # the other benches' random-weight copy (no tokenizer; drawn on the GPU where there is one), linked
+        base = common_model_dir(args)
+        d.mkdir(parents=True, exist_ok=True)
+        for f in base.iterdir():
+            if not (d / f.name).exists():
+                (d / f.name).symlink_to(f.resolve())
         synthetic_tokenizer(shapes[args.model]["vocab_size"]).save(str(d / "tokenizer.json"))
         (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}) + "\n")
     return d
