@@ -4,7 +4,7 @@
 #    by shifts), records+t16 and records+gil (a 0.2 ms GIL switch interval while constrained requests run);
 #    not measured since 80e5a4c (-78% then).
 # 2. the sampler's bitmask apply on the device: shifts (main's default off the CPU) vs the byte table, vs an argmax.
-# 3. the SmolLM2-135M shape: free vs records, 2 rounds, if time is left.
+# 3. the SmolLM2-135M shape: free vs records and records+gil, 2 rounds, if time is left.
 set -u
 export PYTHONPATH=$PWD:$PWD/backends/cuda:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 LIMIT=${LIMIT:-118}
@@ -38,9 +38,9 @@ print("device us per call (shifts and table give equal logits):", res)
 json.dump({"device": torch.cuda.get_device_name(0), "us_per_call": res}, open(os.environ["OUT"] + "/bitmask-apply-us.json", "w"), indent=1)
 PY
 if [ "$(left)" -gt 45 ]; then
-  say "3 (limit $(left)s): python3 -m hwkv bench structured --model smollm2-135m --backend cuda --batch 64 --input-len 128 --output-len 128 --schemas records --repeat 2"
+  say "3 (limit $(left)s): python3 -m hwkv bench structured --model smollm2-135m --backend cuda --batch 64 --input-len 128 --output-len 128 --schemas records,records+gil --gil-switch-ms 0.2 --repeat 2"
   timeout -k 2 $(left) python3 -m hwkv bench structured --model smollm2-135m --backend cuda --batch 64 --input-len 128 \
-    --output-len 128 --schemas records --repeat 2 --workdir $W --out-dir "$OUT" 2>&1 | tail -n 12
+    --output-len 128 --schemas records,records+gil --gil-switch-ms 0.2 --repeat 2 --workdir $W --out-dir "$OUT" 2>&1 | tail -n 12
   say "3 rc=${PIPESTATUS[0]}"
 fi
 say done
