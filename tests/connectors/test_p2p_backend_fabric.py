@@ -100,3 +100,25 @@ def test_without_a_backend_registration_every_tensor_is_registered():
         assert t.regions == [(x.data_ptr(), x.numel() * x.element_size()) for x in kv.tensors]
     finally:
         w.shutdown()
+
+
+def test_kv_cache_groups_register_each_groups_cache_through_the_backend():
+    """KV-cache groups (docs/hybrid-models.md): the backend's registration gets each group's cache (one
+    merged region per group: the groups' tensors are separate allocations), and the layout lists them."""
+    from hwkv.core.kv_groups import KVCacheGroup
+    from hwkv.engine.kv_groups import GroupedKVCache
+
+    spec = KVCacheSpec(num_layers=3, num_blocks=4, block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float32)
+    groups = (KVCacheGroup((2,), None, 4), KVCacheGroup((0, 1), 16, 3))
+    kv = _OnDevice(GroupedKVCache.allocate(groups, spec, CpuDevice(), KVLayoutKind.PER_LAYER))
+    b = _Backend(("ascend",), merge=True)
+    w = _worker(b)
+    try:
+        w.register_kv_caches(kv)
+        (t,) = b.made
+        assert len(t.regions) == 2
+        assert [(g.window, g.layers, g.num_blocks, g.tensors) for g in w.layout.groups] == [(0, [2], 4, 1),
+                                                                                            (16, [0, 1], 3, 2)]
+        assert w.layout.bases == [x.data_ptr() for x in kv.tensors] and w.layout.group(1).num_layers == 2
+    finally:
+        w.shutdown()
