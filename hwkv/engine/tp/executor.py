@@ -240,15 +240,16 @@ class TPExecutor:
         if self._closed:
             return
         self._closed = True
-        # the group first, while every worker is alive and idle in its loop: on 2 x H200 (a51b4e4) an NCCL
-        # abort after the peer had exited did not return (each close waited out its bound, 15 s in all);
-        # the workers then exit without tearing their group down (the process exit reclaims it)
-        if self.comm is not None:
-            self.comm.close()
+        # every rank leaves the group at the same time: the workers on their Shutdown, the driver right after
+        # sending it. NCCL's abort frees a communicator only once every rank of the node aborts: the driver's
+        # alone, with the workers idle (bf27901) or gone (a51b4e4), never returned, and the abort left
+        # running on its thread kept the process's next tp engine from coming up (479d2cf)
         data = self._enc.encode(m.Shutdown())
         for s in self._cmds:
             with contextlib.suppress(zmq.ZMQError):
                 s.send(data, zmq.NOBLOCK)
+        if self.comm is not None:
+            self.comm.close()
         for p in self.procs:
             for stop in (None, p.terminate, p.kill):
                 if stop is not None:

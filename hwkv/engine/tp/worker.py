@@ -42,7 +42,6 @@ def _run(cfg: m.WorkerConfig, cmd: Any, out: Any) -> None:
     backend = get_backend(cfg.backend)
     backend.device.seed(cfg.seed)
     out.send(enc.encode(m.Hello(cfg.rank, os.getpid())))
-    clean = False  # a Shutdown came: the driver has already left the group
     comm = TorchDistCommunicator(backend.device, cfg.rank, cfg.world_size, cfg.port, cfg.timeout_s, group=cfg.group)
     conn = None
     try:
@@ -117,13 +116,13 @@ def _run(cfg: m.WorkerConfig, cmd: Any, out: Any) -> None:
                     profile.write(msg.path, cfg.rank, prof.stop(prof_steps))
                     prof = None
             elif isinstance(msg, m.Shutdown):
-                clean = True
                 return
     finally:
         if conn is not None:
             conn.shutdown()
-        if not clean:  # a clean shutdown leaves the group to the process exit (main: os._exit, no teardown)
-            comm.close()
+        # on a Shutdown the driver leaves the group at the same time: NCCL's abort frees its resources only
+        # once every rank of the node aborts (one rank alone waits forever), so every rank aborts (bounded)
+        comm.close()
 
 
 def _connector(cfg: m.WorkerConfig, backend: Any, model_config: Any) -> Any:
