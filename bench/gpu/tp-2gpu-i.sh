@@ -21,7 +21,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 env | grep HWKV_ || echo "no HWKV_ variable set"
 ckpt_start llama-8b bfloat16 0 60
 echo "=== beside the checkpoint write: two tp=2 engines in one process (tiny), main's close (every rank aborts)"; date -u
-timeout -k 3 -s ABRT 40 python3 bench/gpu/tp_engines_loop.py --engines 2 --dump-after 36 > $OUT/loop-abort.log 2>&1; echo "rc=$?"; tail -n 60 $OUT/loop-abort.log
+timeout -k 3 -s ABRT 50 python3 bench/gpu/tp_engines_loop.py --engines 2 --dump-after 46 > $OUT/loop-abort.log 2>&1; echo "rc=$?"; tail -n 60 $OUT/loop-abort.log
 ckpt_wait; echo "at $((SECONDS - T0)) s"
 B8="--model llama-8b --workdir $W --decode 16,144 --decode-batch 1 --offline 128:512:128 --check-tokens 32 --check-alone --reference none"
 for run in B:2:HWKV_TP_FUSED_AR=1+HWKV_TP_OVERLAP_TOKENS=4096 A:2; do
