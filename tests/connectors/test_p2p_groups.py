@@ -286,3 +286,32 @@ def test_a_prompt_longer_than_the_window_groups_pool(long_dir, mode):
     finally:
         p.close()
         d.close()
+
+
+def test_a_local_prefix_hit_loads_only_the_rest(hybrid_dir):  # noqa: F811
+    """The consumer already holds a 4-block prefix in both groups (an earlier request): the offer starts
+    after it, the full group loads the rest of the prompt and the window group its window; the plain
+    engine's tokens, nothing leaked."""
+    rng = random.Random(8)
+    prefix = [rng.randrange(3, 500) for _ in range(4 * BS)]
+    first = prefix + [rng.randrange(3, 500) for _ in range(3)]
+    second = prefix + [rng.randrange(3, 500) for _ in range(40)]
+    plain = engine(hybrid_dir, num_kv_blocks=64, enable_prefix_caching=False)
+    want = [plain.generate([q], greedy(6), use_tqdm=False)[0].token_ids for q in (first, second)]
+    p, d = pd(hybrid_dir, "pull")
+    try:
+        assert decode(d, first, prefill(p, first)) == want[0]
+        before = d.stats()["kv_connector"]["loaded_bytes"]
+        assert decode(d, second, prefill(p, second)) == want[1]
+        st = d.stats()
+        assert st["prefix_cache_hits"] >= 4 * BS  # the consumer's own blocks of the prefix (both groups)
+        spec, end = d.kv_cache.spec, len(second) - 1
+        per = 2 * spec.num_kv_heads * spec.head_size * spec.dtype.itemsize
+        full = (end - 4 * BS) * per  # one global layer, from the hit on
+        window = 2 * (end - max(4 * BS, window_start(end, WINDOW, BS))) * per  # two window layers
+        assert st["kv_connector"]["loaded_bytes"] - before == full + window
+        assert st["kv_connector"]["load_failures"] == 0
+        assert_clean(p, d)
+    finally:
+        p.close()
+        d.close()
