@@ -284,6 +284,79 @@ def test_pool_lookup_counts_a_chunk_only_where_every_shard_is(tmp_path):
         drop_embedded("tp-lookup")
 
 
+def test_pool_presence_per_group_counts_a_chunk_only_where_every_shard_is():
+    """KV-cache groups at tp=2: the lookup's presence flags, group-major, need the group's key of
+    every rank (a group's chunks never stand in for another's)."""
+    from dataclasses import replace
+
+    from hwkv.connectors.pool import PoolConnector
+    from hwkv.connectors.pool.key import PoolKey
+    from hwkv.connectors.pool.store import drop_embedded, embedded_store
+
+    conn = PoolConnector(store="embedded", store_name="tp-presence")
+    try:
+        conn.bind_tp(0, 2)
+        base = PoolKey("m-0", "nhd", "float32", 1, 1, 16, 16, 1, 0, 2)
+        conn.worker.keys = [replace(base, group="g0-full"), replace(base, num_layers=2, group="g1-w16")]
+        store = embedded_store("tp-presence")
+        hashes = [bytes([i]) * 8 for i in range(3)]
+        buf = torch.zeros(4)
+        ptr = [(buf.data_ptr(), 16)]
+
+        def put(g, rank, hs):
+            store.put(replace(conn.worker.keys[g], tp_rank=rank).keys(hs), [ptr] * len(hs))
+
+        put(0, 0, hashes)
+        put(0, 1, hashes[:2])
+        put(1, 0, hashes[1:])
+        assert conn.worker._presence(hashes) == [True, True, False, False, False, False]
+        put(1, 1, hashes[2:])
+        assert conn.worker._presence(hashes) == [True, True, False, False, False, True]
+    finally:
+        conn.shutdown()
+        drop_embedded("tp-presence")
+
+
+@pytest.mark.timeout(240)
+def test_pool_with_kv_cache_groups_at_tp2(tmp_path):
+    """A Qwen2 windowed from layer 1 (a full and a window-16 group) at tp=2 through the pool on a real
+    mooncake_master, without a device prefix cache (every repeat asks the pool): each rank puts and
+    gets its shard of each group's chunks; the repeat loads the full group's 9 chunks and the window
+    group's last one, tokens equal the tp=1 run's, nothing held on any rank."""
+    import json
+
+    from hwkv import Engine, SamplingParams
+    from hwkv.model.tiny import write_tiny_model
+    from hwkv.stores.mooncake_service import mooncake_master
+    from hwkv.testing.mooncake import skip_unless_mooncake
+
+    skip_unless_mooncake()
+    path = write_tiny_model(tmp_path / "qwen2", arch="qwen2", num_heads=4, num_kv_heads=2, tokenizer=False,
+                            sliding_window=16, max_position_embeddings=512)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "use_sliding_window": True, "max_window_layers": 1}))
+    sp = SamplingParams(max_tokens=6, temperature=0)
+    kw = dict(num_kv_blocks=64, max_model_len=256, block_size=16, enable_prefix_caching=False)
+    want = Engine(str(path), **kw).generate([POOL_PROMPT], sp, use_tqdm=False)[0].token_ids
+    with mooncake_master() as m:
+        e = Engine(str(path), tensor_parallel_size=2, kv_connector="pool", kv_connector_config=_pool_cfg(m), **kw)
+        try:
+            assert [g.window for g in e.config.kv_groups] == [None, 16]
+            assert e.generate([POOL_PROMPT], sp, use_tqdm=False)[0].token_ids == want
+            st = _settled_pool(e)
+            assert st["stored_chunks"] == 18 and st["external_hit_tokens"] == 0  # 9 chunks of each group
+            assert e.generate([POOL_PROMPT], sp, use_tqdm=False)[0].token_ids == want
+            st2 = _settled_pool(e)
+            assert st2["external_hit_tokens"] == 9 * 16 and st2["load_failures"] == 0
+            # each group's chunk is one layer of both shards: 9 full-group chunks + the window group's last
+            assert st2["loaded_bytes"] == 10 * st["stored_bytes"] // 18
+            for mgr in e.kv_cache_manager.managers:
+                assert mgr.block_pool.num_free_blocks == mgr.block_pool.num_usable_blocks
+        finally:
+            e.close()
+            e.scheduler.connector.shutdown()
+
+
 @pytest.mark.timeout(240)
 def test_offload_with_kv_cache_groups_at_tp2(tmp_path):
     """A windowed Mistral (one window group) through offload at tp=2: every rank's worker side moves
