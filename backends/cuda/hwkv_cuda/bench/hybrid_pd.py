@@ -6,7 +6,7 @@ a prefill engine to a decode engine in one process (one device), over each proto
 
 A random-weight checkpoint of a :mod:`hwkv_cuda.bench.hybrid_parity` shape (saved in bf16) is served by
 a plain engine (no connector) and by producer/consumer pairs (``--setups``: ``mode:protocol`` each; the
-producer offers ``cuda_ipc,tcp`` on a device, the consumer only the protocol named, ``tcp`` from a
+producer offers every protocol its backend declares, the consumer only the protocol named, ``tcp`` from a
 device staging through a host mirror of each group). Every pair runs with KV-cache groups (checked),
 prefills each prompt (longer than the window) on the producer and decodes it on the consumer. Recorded
 per setup: the groups; the consumer's loaded bytes against what one group of every layer would move
@@ -65,7 +65,7 @@ def run_setup(path: str, setup: str, ps: list[list[int]], plain: list[list[int]]
     from hwkv_cuda.bench.hybrid_parity import groups_of, score
 
     mode, protocol = setup.split(":")
-    offer = "cuda_ipc,tcp" if a.backend == "cuda" else "tcp"
+    offer = "auto"  # every protocol the backend declares (cuda: cuda_ipc, then tcp where Mooncake is installed)
     cfg = {"mode": mode, "transfer_timeout_s": 20.0}
     t0 = time.perf_counter()
     p = _engine(path, a, max_len, kv_connector="p2p",
