@@ -161,7 +161,9 @@ class PoolScheduler(JobScheduler):
         full groups' longest run down: a shorter prefix's window is other chunks)."""
         cb = self.chunk_blocks
         hashes = [request.block_hashes[(c + 1) * cb - 1] for c in range(first, last)]
+        t0 = time.monotonic()
         present = self.client.presence(hashes, len(self.windows))  # type: ignore[union-attr]
+        self.counters["lookup_s"] += time.monotonic() - t0  # the bridge and the store's exists
         self.counters["lookups"] += 1
         n = last
         for g, w in enumerate(self.windows):
