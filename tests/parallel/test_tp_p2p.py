@@ -176,10 +176,13 @@ def test_staged_tp2_producer(models, mode):
         _settle(p, d)
 
 
-@pytest.mark.parametrize("p_tp, d_tp, mode", [(2, 1, "pull"), (1, 2, "push")], ids=["pull-2to1", "push-1to2"])
-def test_kv_cache_groups_across_tensor_parallel_sizes(tmp_path, p_tp, d_tp, mode):
+@pytest.mark.parametrize("p_tp, d_tp, mode, staging", [(2, 1, "pull", False), (1, 2, "push", False),
+                                                      (2, 1, "push", True)],
+                         ids=["pull-2to1", "push-1to2", "push-2to1-staged"])
+def test_kv_cache_groups_across_tensor_parallel_sizes(tmp_path, p_tp, d_tp, mode, staging):
     """A Qwen2 with a full and a window-8 layer (two KV-cache groups on every rank): each consumer rank
-    gets its heads of both groups (the window group's window only), one tp=1 engine's tokens."""
+    gets its heads of both groups (the window group's window only), one tp=1 engine's tokens; a staged
+    tp=2 producer copies both groups' blocks of a hold to its ranks' host mirrors first."""
     import json
 
     path = write_tiny_model(tmp_path / "hybrid", arch="qwen2", num_heads=4, num_kv_heads=4, tokenizer=False,
@@ -188,13 +191,19 @@ def test_kv_cache_groups_across_tensor_parallel_sizes(tmp_path, p_tp, d_tp, mode
     (path / "config.json").write_text(json.dumps({**cfg, "use_sliding_window": True, "max_window_layers": 1}))
     reference = _reference(str(path))
     with (
-        closing(_engine(str(path), "producer", p_tp, mode)) as p,
+        closing(_engine(str(path), "producer", p_tp, mode, staging=staging)) as p,  # staging: a host mirror per group
         closing(_engine(str(path), "consumer", d_tp, mode)) as d,
     ):
         assert [g.window for g in d.config.kv_groups] == [None, 8] == [g.window for g in p.config.kv_groups]
-        for prompt, want in zip(prompts(), reference):
+        for i, (prompt, want) in enumerate(zip(prompts(), reference)):
             params = p.generate([prompt], greedy(1, {"do_remote_decode": True}), use_tqdm=False)[0].kv_transfer_params
-            assert d.generate([prompt], greedy(6, params), use_tqdm=False)[0].token_ids == want
+            d.add_request(str(i), prompt, greedy(6, params))
+            got, t0 = None, time.monotonic()
+            while d.has_unfinished():  # the producer steps too: a staged hold is copied at its next step
+                assert time.monotonic() < t0 + 30, "the transfer never completed"
+                p.step()
+                got = next((o.token_ids for o in d.step() if o.finished), got)
+            assert got == want
         from tests.connectors.test_p2p_engine import assert_clean
 
         assert_clean(p, d)
