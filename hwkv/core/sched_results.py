@@ -30,6 +30,7 @@ class SchedulerResults:
     remote_ext: dict[str, int]
     num_external_hit_tokens: int
     num_load_failures: int
+    num_load_kept_tokens: int
     _dropped: set[str]
     _num_slots: dict[str, int]
     spec_stats: Any
@@ -128,7 +129,7 @@ class SchedulerResults:
                 continue
             self.running.remove(req)
             self.kv.uncache_blocks(req, new.num_computed_tokens - n_ext)
-            self._keep_landed(req, valid.get(new.req_id, 0), new.num_computed_tokens)
+            self._keep_landed(req, valid.get(new.req_id, 0), new.num_computed_tokens, n_ext)
             self.kv.free(req)
             self._num_slots.pop(req.request_id, None)
             req.num_computed_tokens = 0
@@ -137,12 +138,14 @@ class SchedulerResults:
             self.waiting.prepend_request(req)
             self._dropped.add(req.request_id)
 
-    def _keep_landed(self, req: Request, valid: int, loaded_to: int) -> None:
+    def _keep_landed(self, req: Request, valid: int, loaded_to: int, n_ext: int) -> None:
         """Register the blocks a failed load did land (its first ``valid`` tokens, at most the
-        ``loaded_to`` the load was to reach) before the request's blocks are freed: its re-admission
-        hits them in the prefix cache (every group's rule applies) and recomputes only the rest."""
+        ``loaded_to`` the load of ``n_ext`` tokens was to reach) before the request's blocks are freed:
+        its re-admission hits them in the prefix cache (every group's rule applies) and recomputes only
+        the rest. ``num_load_kept_tokens`` counts the loaded tokens so kept."""
         if valid > 0 and self.kv.enable_caching:
             self.kv.cache_blocks(req, min(valid, loaded_to))
+            self.num_load_kept_tokens += max(0, min(valid, loaded_to) - (loaded_to - n_ext))
 
     def _free(self, req: Request) -> None:
         if req.finish_time is None:
@@ -182,9 +185,9 @@ class SchedulerResults:
             req = self.requests.get(rid)
             if req is not None and req.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
                 self.num_load_failures += 1
-                self.remote_ext.pop(rid, None)
+                n_ext = self.remote_ext.pop(rid, 0)
                 req.num_cached_tokens = -1
-                self._keep_landed(req, out.valid_tokens.get(rid, 0), req.num_computed_tokens)
+                self._keep_landed(req, out.valid_tokens.get(rid, 0), req.num_computed_tokens, n_ext)
                 self.kv.free(req)  # recompute (past its hits); the connector must not offer it again
                 self._num_slots.pop(rid, None)
                 req.num_computed_tokens = 0

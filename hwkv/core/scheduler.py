@@ -89,6 +89,7 @@ class Scheduler(SchedulerResults):
         self.remote_ext: dict[str, int] = {}  # asynchronous loads in flight: rid -> tokens
         self.num_external_hit_tokens = 0  # prompt tokens whose KV a connector supplied (confirmed)
         self.num_load_failures = 0
+        self.num_load_kept_tokens = 0  # tokens a failed load had landed, kept as prefix-cache entries
         self._dropped: set[str] = set()  # rolled back outside schedule(): the runner drops their state
 
     # ---- requests ---------------------------------------------------------------------------

@@ -209,8 +209,8 @@ class KVConnectorBase:
 
     def stats(self) -> dict[str, Any]:
         """Connector counters for ``engine.stats()["kv_connector"]``: ``loaded_bytes`` and
-        ``stored_bytes`` plus any connector-specific ones (the engine adds name, external_hit_tokens
-        and load_failures)."""
+        ``stored_bytes`` plus any connector-specific ones (the engine adds name, external_hit_tokens,
+        load_failures and load_kept_tokens)."""
         return {}
 
     # KV events (docs/kv-events.md): a connector with cache tiers of its own (host offload, pool)

@@ -167,7 +167,7 @@ def test_a_lost_chunk_recomputes_from_that_chunk(model_dir, store, lost, mode):
         assert out.token_ids == plain
         assert out.metrics.num_cached_tokens == lost * BS  # re-admitted on the landed chunks' device hit
         st = _settle(b)
-        assert st["load_failures"] == 1 and st["external_hit_tokens"] == 0
+        assert st["load_failures"] == 1 and st["external_hit_tokens"] == 0 and st["load_kept_tokens"] == lost * BS
         assert_no_leak(b)
         assert run(b, PROMPT).token_ids == plain  # the kept blocks are good prefix-cache entries
     finally:
@@ -200,7 +200,9 @@ def test_a_lost_chunk_of_either_group_recomputes_what_every_group_needs(hybrid_d
         store.get = real
         assert out.token_ids == plain and out.metrics.num_cached_tokens == 0
         st = _settle(b)
-        assert st["load_failures"] == 1
+        # kept: the full group's chunks before the lost one (2), or every full-group chunk before the
+        # window's lost one (3); the window group's blocks before them were never loaded, so no hit
+        assert st["load_failures"] == 1 and st["load_kept_tokens"] == (2 if group == "g0-full" else 3) * BS
         assert_no_leak(b)
         assert run(b, prompt).token_ids == plain
     finally:

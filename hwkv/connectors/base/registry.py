@@ -100,4 +100,5 @@ def connector_stats(scheduler: Any) -> dict[str, Any]:
     out.update(conn.stats())
     out["external_hit_tokens"] = scheduler.num_external_hit_tokens
     out["load_failures"] = scheduler.num_load_failures
+    out["load_kept_tokens"] = scheduler.num_load_kept_tokens
     return out
