@@ -276,8 +276,8 @@ def test_random_trace_harness_with_offload_and_pool_failing_loads(hybrid_dir, se
     budgets, 4-token blocks so the window group holds 4 blocks, a pool small enough to preempt and
     evict) through connectors with KV-cache groups and failing loads: offload (loads failing at
     random, synchronous or asynchronous) and the pool (a second instance, whole gets and single keys
-    lost at random), each trace run twice - every finished request's tokens are a plain engine's
-    (one group, no prefix cache, no connector), and nothing is left held."""
+    lost at random; chunks of one block or three), each trace run twice - every finished request's
+    tokens are a plain engine's (one group, no prefix cache, no connector), and nothing is left held."""
     from tests.engine.test_engine_kv_groups import make_random_trace, run_random_trace
 
     rng = random.Random(seed)
@@ -296,7 +296,8 @@ def test_random_trace_harness_with_offload_and_pool_failing_loads(hybrid_dir, se
 
     name = f"hybrid-harness-{seed}-{request.node.name}"
     flaky = LoseSome(embedded_store(name), seed)
-    pool = dict(kw, kv_connector="pool", kv_connector_config={"store": flaky})
+    # chunks of one block (seed 0) or three (seed 1: a window's first chunk starts before the window)
+    pool = dict(kw, kv_connector="pool", kv_connector_config={"store": flaky, "chunk_size": 4 * (1 + 2 * seed)})
     a, b = hwkv.Engine(hybrid_dir, **pool), hwkv.Engine(hybrid_dir, **pool)
     try:
         run_random_trace(a, reqs, want, aborts, rng)
