@@ -322,6 +322,7 @@ def run(args: argparse.Namespace) -> int:
             so.switch_s = switch_s
             so._executor = executor
         dt = time.perf_counter() - t0
+        so.join()  # the last step's prefetch (masks no step takes) counts here, not in the next run
         so._buffer, so.overlap, so.shared_lexer = pinned, True, False
         toks = sum(len(o.token_ids) for o in outs)
         n = max(so.num_masks - c0[1], 1)
