@@ -64,6 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "matcher a deep copy of the cached one (sharing its lexer and lock; the A/B of matchers "
                         "of their own)")
     p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--unseeded", action="store_true",
+                   help="requests without a seed (every run): one draw from the shared generator per step instead "
+                        "of two launches of each request's own")
     p.add_argument("--gil-switch-ms", type=float, default=0.2,
                    help="NAME+gil in --schemas: that schema with the GIL switch interval at this many ms while "
                         "constrained requests run (StructuredOutputs.switch_s; NAME+nogil: Python's interval)")
@@ -292,8 +295,8 @@ def run(args: argparse.Namespace) -> int:
 
     def one(schema: str | None, seed0: int) -> dict[str, Any]:
         base = schema.split("+")[0] if schema else None  # "records+pageable": that schema, mask buffer pageable
-        sps = [hwkv.SamplingParams(temperature=1.0, seed=seed0 + i, max_tokens=args.output_len,
-                                   ignore_eos=schema is None,
+        sps = [hwkv.SamplingParams(temperature=1.0, seed=None if args.unseeded else seed0 + i,
+                                   max_tokens=args.output_len, ignore_eos=schema is None,
                                    structured_outputs=None if base is None else {"json": SCHEMAS[base]})
                for i in range(args.batch)]
         c0 = (so.mask_s, so.num_masks, so.join_s, so.worker_s, so.rows_prefetched, so.rows_computed,
@@ -381,7 +384,7 @@ def run(args: argparse.Namespace) -> int:
         for s in names:
             best[s]["cost_vs_free"] = 1 - best[s]["tok_s"] / free
         doc = {"bench": "structured", "model": args.model, "backend": args.backend, "device": dev,
-               "prompts": args.prompts, "mask_threads": args.mask_threads or MASK_THREADS,
+               "prompts": args.prompts, "seeded": not args.unseeded, "mask_threads": args.mask_threads or MASK_THREADS,
                "batch": args.batch, "input_len": args.input_len, "output_len": args.output_len,
                "engine": {k: v for k, v in kw.items() if k != "backend"}, "grammar_engine": "llguidance",
                "repeats_done": r + 1, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "results": best}
