@@ -117,6 +117,21 @@ def hf_generate(model, ids: list[list[int]], n: int, device: str, ignore_eos: bo
     return outs
 
 
+def hf_decode_forward_ms(model, prompt: list[int], device: str, steps: int = 32) -> float:
+    """Mean ms of one HF batch-1 decode forward (its KV cache, no ``generate``), device-synchronised."""
+    with torch.inference_mode():
+        out = model(torch.tensor([prompt], device=device), use_cache=True)
+        past, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        for i in range(steps + 4):
+            if i == 4:  # after a warm-up
+                sync(device)
+                t0 = time.perf_counter()
+            out = model(tok, past_key_values=past, use_cache=True)
+            past, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        sync(device)
+    return round((time.perf_counter() - t0) / steps * 1e3, 3)
+
+
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -225,6 +240,14 @@ def main() -> int:
             prof = {"error": f"{type(e).__name__}: {e}"}
         res["step_profile_ms"][f"batch{batch}"] = prof
         say(f"decode step profile at batch {batch} (ms): {prof}")
+    if dev.startswith("cuda"):  # where the batch-1 replay's device time goes (one eager forward, torch.profiler)
+        from hwkv.bench.e2e_report import kernel_mix
+
+        try:
+            res["batch1_kernel_mix"] = kernel_mix(engine, top=16)
+        except Exception as e:  # noqa: BLE001 - optional; say why it is missing
+            res["batch1_kernel_mix"] = {"error": f"{type(e).__name__}: {e}"}
+        say(f"batch-1 kernel mix: {res['batch1_kernel_mix']}")
     save("step profiles")
 
     # 2. HF generate speed, bf16, the same prompts: batch-1 decode and a left-padded batch of the offline requests
@@ -244,10 +267,12 @@ def main() -> int:
                                              min_new_tokens=args.offline_tokens, do_sample=False, eos_token_id=2,
                                              pad_token_id=2), dev)
     n = (out.shape[1] - L) * out.shape[0]
+    res["hf_batch1_forward_ms"] = hf_decode_forward_ms(hbf, prompts[0], dev)  # generate's own cost is the rest
     res["hf_offline"] = {"requests": len(work), "tokens": n, "seconds": round(dt, 3), "tok_s": round(n / dt, 1)}
     res["hwkv_over_hf"] = {"batch1": round(res["batch1"]["tok_s"] / res["hf_batch1"]["tok_s"], 2),
                            "offline": round(res["offline"]["tok_s"] / res["hf_offline"]["tok_s"], 2)}
-    say(f"HF offline {res['hf_offline']} batch-1 {res['hf_batch1']}; hwkv / HF {res['hwkv_over_hf']}")
+    say(f"HF offline {res['hf_offline']} batch-1 {res['hf_batch1']} (forward alone {res['hf_batch1_forward_ms']} "
+        f"ms); hwkv / HF {res['hwkv_over_hf']}")
     save("HF speed")
 
     # 3. agreement
@@ -296,13 +321,18 @@ def main() -> int:
     try:  # prompt_logprobs on this backend vs the float32 reference's log-softmax on the same prompts
         got = engine.generate(prompts, hwkv.SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1),
                               use_tqdm=False)
-        diffs = []
+        diffs, hf_diffs = [], []
         for p, o in zip(prompts, got):
             with torch.inference_mode():
                 lp = ref(torch.tensor([p], device=dev)).logits[0].float().log_softmax(-1)
             diffs += [abs(o.prompt_logprobs[j][t][0] - float(lp[j - 1, t])) for j, t in enumerate(p) if j > 0]
+            with torch.inference_mode():  # HF bf16 on the same tokens: how far bf16 itself moves them
+                hb = hbf(torch.tensor([p], device=dev)).logits[0].float().log_softmax(-1)
+            hf_diffs += [abs(float(hb[j - 1, t]) - float(lp[j - 1, t])) for j, t in enumerate(p) if j > 0]
         res["prompt_logprobs"] = {"tokens": len(diffs), "max_abs_diff_vs_hf_fp32": max(diffs),
-                                  "mean_abs_diff": sum(diffs) / len(diffs)}
+                                  "mean_abs_diff": sum(diffs) / len(diffs),
+                                  "hf_bf16_max_abs_diff": max(hf_diffs),
+                                  "hf_bf16_mean_abs_diff": sum(hf_diffs) / len(hf_diffs)}
     except Exception as e:  # noqa: BLE001 - reported, the rest still runs
         res["prompt_logprobs"] = {"error": f"{type(e).__name__}: {e}"}
     say(f"prompt_logprobs: {res['prompt_logprobs']}")
