@@ -156,6 +156,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--offline-requests", type=int, default=64)
     ap.add_argument("--offline-tokens", type=int, default=128)
+    ap.add_argument("--offline-large", type=int, default=512, help="hwkv alone: this many requests (0: skip)")
     ap.add_argument("--b1-tokens", type=int, default=128)
     ap.add_argument("--out", default="real-model-gpu.json")
     ap.add_argument("--engine-args", default="{}", help="JSON of extra Engine keyword arguments")
@@ -222,11 +223,16 @@ def main() -> int:
     outs, dt = timed(lambda: engine.generate(work, fixed, use_tqdm=False), dev)
     n = sum(len(o.token_ids) for o in outs)
     res["offline"] = {"requests": len(work), "tokens": n, "seconds": round(dt, 3), "tok_s": round(n / dt, 1)}
+    if args.offline_large:  # hwkv alone at a larger offline batch (HF's padded batch would take minutes)
+        big = [prompts[i % len(prompts)] + [100 + i % 1000] for i in range(args.offline_large)]
+        outs, dt = timed(lambda: engine.generate(big, fixed, use_tqdm=False), dev)
+        n = sum(len(o.token_ids) for o in outs)
+        res["offline_large"] = {"requests": len(big), "tokens": n, "seconds": round(dt, 3), "tok_s": round(n / dt, 1)}
     b1 = hwkv.SamplingParams(temperature=0, max_tokens=args.b1_tokens, ignore_eos=True)
     engine.generate([prompts[0]], b1, use_tqdm=False)
     o, dt = timed(lambda: engine.generate([prompts[0]], b1, use_tqdm=False)[0], dev)
     res["batch1"] = {"tokens": len(o.token_ids), "seconds": round(dt, 3), "tok_s": round(len(o.token_ids) / dt, 1)}
-    say(f"hwkv offline {res['offline']} batch-1 {res['batch1']}")
+    say(f"hwkv offline {res['offline']} {res.get('offline_large', '')} batch-1 {res['batch1']}")
     save("hwkv speed")
     from hwkv.bench.e2e_report import profile
 
