@@ -238,6 +238,28 @@ def test_chunks_larger_than_a_block(model_dir, oracle, store_name, staged, monke
         _close(a, b)
 
 
+@pytest.mark.parametrize("staged", [False, True])
+def test_a_local_hit_ending_inside_a_chunk_loads_the_rest_of_it(model_dir, oracle, store_name, staged, monkeypatch):
+    """b's device cache holds 6 blocks of the prompt, chunks are 4 blocks: the pool's second chunk is got
+    whole and only its blocks 6 and 7 are written (4 and 5 are b's cached blocks, left as they are)."""
+    if staged:
+        monkeypatch.setattr("hwkv.connectors.pool.transfer.host_addressable", lambda kv: False)
+    a = _engine(model_dir, store_name=store_name, chunk_size=4 * BS, staging_bytes=1)
+    b = _engine(model_dir, store_name=store_name, chunk_size=4 * BS, staging_bytes=1)
+    try:
+        _run(a, PROMPT)
+        assert _settle(a)["stored_chunks"] == 2
+        head = PROMPT[:6 * BS + 3]
+        assert _run(b, head) == oracle(head)  # loads chunk 0, computes blocks 4 and 5 (cached in b now)
+        before = _settle(b)["lookup_hit_tokens"]
+        assert _run(b, PROMPT) == oracle(PROMPT)
+        st = _settle(b)  # nothing pinned: the chunk's leading (cached) blocks were pinned and released too
+        assert st["lookup_hit_tokens"] - before == 2 * BS and st["failed_loads"] == 0
+        assert _run(b, PROMPT) == oracle(PROMPT)  # the cached blocks 4 and 5 were not disturbed
+    finally:
+        _close(a, b)
+
+
 @pytest.mark.parametrize(("cfg", "msg"), [
     (dict(chunk_size=24), "chunk_size=24 is not a multiple of the block size 16"),
     (dict(store="redis"), "store='redis' is invalid (allowed: 'embedded', 'mooncake' or a Store instance)"),

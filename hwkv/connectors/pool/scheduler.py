@@ -8,8 +8,10 @@ side's lookup server (rank 0) which chunks the pool holds; the unit is a chunk o
 * lookup (``get_num_new_matched_tokens``): the chunks after the local prefix-cache hit, up to the
   last prompt token, are asked of the worker side through the lookup bridge (ZMQ REQ/REP, one
   batched ``exists``); the leading present ones are offered as an asynchronous load. A lookup that
-  fails or times out is a miss. A local hit that ends inside a chunk offers nothing (the chunk's
-  blocks are partly someone else's).
+  fails or times out is a miss. A local hit that ends inside a chunk offers the rest of that chunk
+  (and the chunks after it): the chunk is got whole and only its blocks after the hit are written —
+  its leading blocks are the device cache's, shared, and stay as they are (with KV-cache groups that
+  have a window such a hit offers nothing).
 * admission (``update_state_after_alloc``): the offer becomes a load job into the request's new
   blocks, pinned until the job completes; the request waits in WAITING_FOR_REMOTE_KVS.
 * every step (``build_connector_meta``): newly full chunks of scheduled requests become store jobs
@@ -66,6 +68,7 @@ class _Job:
     hashes: list[bytes]
     group: int = 0  # the KV-cache group whose blocks these are
     first: int = 0  # a load: the index of its first chunk in the request
+    skip: int = 0  # a load: leading blocks of its first chunk the device cache had (pinned, never written)
 
 
 class PoolScheduler(JobScheduler):
@@ -82,7 +85,8 @@ class PoolScheduler(JobScheduler):
         self.block_size = self.chunk_blocks = 0
         self._chunk_bytes = 1
         self._group_chunk_bytes = [1]
-        self._pending: dict[str, tuple[int, list[bytes]]] = {}  # rid -> (first chunk, hit hashes)
+        self._pending: dict[str, tuple[int, int, list[bytes]]] = {}  # rid -> (first chunk, blocks of it
+        # the device cache had, hit hashes)
         self._lookups: dict[str, tuple[tuple[int, int], int, float]] = {}
         # chunks known to be in the pool: group 0's by hash, another group's as (group, hash)
         self._recent: OrderedDict[Any, None] = OrderedDict()
@@ -127,9 +131,12 @@ class PoolScheduler(JobScheduler):
         if self.client is None or rid in self._no_offer:
             return 0, False
         bs, cb = self.block_size, self.chunk_blocks
-        if num_computed_tokens % (bs * cb):
+        # A local hit ending inside a chunk: that chunk is loaded whole and only its blocks after the
+        # hit are written (KV-cache groups with a window: not offered, as their chunk windows need it)
+        if num_computed_tokens % bs or (num_computed_tokens % (bs * cb) and self.grouped):
             return 0, False
         first = num_computed_tokens // (bs * cb)
+        skip = num_computed_tokens // bs - first * cb
         last = min((request.num_tokens - 1) // bs, len(request.block_hashes)) // cb  # last token: computed
         if last <= first:
             return 0, False
@@ -152,8 +159,9 @@ class PoolScheduler(JobScheduler):
             self._removed(gone)
         if not hits:
             return 0, False
-        self._pending[rid] = (first, [request.block_hashes[(c + 1) * cb - 1] for c in range(first, first + hits)])
-        return hits * cb * bs, True
+        self._pending[rid] = (first, skip,
+                              [request.block_hashes[(c + 1) * cb - 1] for c in range(first, first + hits)])
+        return (hits * cb - skip) * bs, True
 
     def _grouped_hits(self, request: Any, first: int, last: int) -> int:
         """Chunks after ``first`` every group serves (module docstring): a full group needs each chunk
@@ -184,8 +192,8 @@ class PoolScheduler(JobScheduler):
         rid = request.request_id
         self._lookups.pop(rid, None)
         self._reqs[rid] = ReqState(request)
-        first, hashes = self._pending.pop(rid, (0, []))
-        n = min(len(hashes), num_external_tokens // (self.block_size * self.chunk_blocks))
+        first, skip, hashes = self._pending.pop(rid, (0, 0, []))
+        n = min(len(hashes), (num_external_tokens + skip * self.block_size) // (self.block_size * self.chunk_blocks))
         if not n:
             return
         cb, bs, end = self.chunk_blocks, self.block_size, first + n
@@ -198,20 +206,23 @@ class PoolScheduler(JobScheduler):
                 start = self._lo(g, 0, end)
                 m.free_outside_window(request, start * cb * bs + self.windows[g] - 1)  # frees blocks [0, start * cb)
             blocks = m.get_blocks(rid)[lo * cb:end * cb]
-            self._add_job(_Job(next(self._ids), True, rid, blocks, hashes[lo - first:n], g, lo), blocks)
-        self.counters["lookup_hit_tokens"] += n * cb * bs
+            self._add_job(_Job(next(self._ids), True, rid, blocks, hashes[lo - first:n], g, lo,
+                               skip if lo == first else 0), blocks)
+        self.counters["lookup_hit_tokens"] += (n * cb - skip) * bs
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         loads = self._take_loads(scheduler_output)
         stores = self._prepare_stores(scheduler_output) if self.save and self.client is not None else []
         if not loads and not stores:
             return None
-        return Meta([(j.job_id, j.req_id, j.hashes, self._chunks(j.blocks), j.group, j.first) for j in loads],
+        return Meta([(j.job_id, j.req_id, j.hashes, self._chunks(j.blocks, j.skip), j.group, j.first) for j in loads],
                      [(j.job_id, j.hashes, self._chunks(j.blocks), j.group) for j in stores])
 
-    def _chunks(self, blocks: list[Any]) -> list[list[int]]:
+    def _chunks(self, blocks: list[Any], skip: int = 0) -> list[list[int]]:
+        """Block ids per chunk; the first ``skip`` are -1 (a load must not write them)."""
         cb = self.chunk_blocks
-        return [[b.block_id for b in blocks[i:i + cb]] for i in range(0, len(blocks), cb)]
+        ids = [-1] * skip + [b.block_id for b in blocks[skip:]]
+        return [ids[i:i + cb] for i in range(0, len(ids), cb)]
 
     def _prepare_stores(self, so: Any) -> list[_Job]:
         bs, cb, out = self.block_size, self.chunk_blocks, []

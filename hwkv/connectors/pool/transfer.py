@@ -188,6 +188,10 @@ class PoolTransfer:
         ops = ("put",) if pack else ("put", "get")  # packed loads have their own staging
         self._stage = {} if self.direct else {op: _Staging(dev, kv, staging_bytes, alloc) for op in ops}
         self._packed = _Packed(dev, kv, staging_bytes, alloc) if pack else None
+        # direct loads: where a chunk's leading blocks that the device cache had (-1 ids) are got into
+        # (a chunk is got whole); the receiving thread's alone
+        self._scratch = dev.allocate_kv_cache(replace(kv.spec, num_blocks=chunk_blocks), kv.layout, host=True) \
+            if self.direct and chunk_blocks > 1 else None
         self._done: queue.SimpleQueue[Done] = queue.SimpleQueue()
         # where a load's time goes (seconds, summed over gets; read by stats()): waiting for the
         # compute stream's event, the store's get calls, waiting for the copies to the device, and
@@ -208,7 +212,8 @@ class PoolTransfer:
     def buffers(self) -> list[tuple[int, int]]:
         """The memory every put/get touches: register it with the store."""
         if self.direct:
-            return [(t.data_ptr(), t.numel() * t.element_size()) for t in self.kv.tensors]
+            scratch = self._scratch.tensors if self._scratch is not None else []
+            return [(t.data_ptr(), t.numel() * t.element_size()) for t in [*self.kv.tensors, *scratch]]
         extra = self._packed.buffers() if self._packed is not None else []
         return [b for s in self._stage.values() for b in s.buffers()] + extra
 
@@ -333,7 +338,7 @@ class PoolTransfer:
         if self.direct:
             for piece in self._pieces(items, "get"):
                 t0 = time.perf_counter()
-                res = self.handle.call("get", [k for k, _ in piece], [self.kv.addresses(ids) for _, ids in piece])
+                res = self.handle.call("get", [k for k, _ in piece], [self._direct_dest(ids) for _, ids in piece])
                 tm["load_store_s"] += time.perf_counter() - t0
                 landed[0] += _leading_ok(res)
                 if bad := _first_error(res):
@@ -349,14 +354,24 @@ class PoolTransfer:
                 pk.value(first + i) for i in range(len(piece))], land_packed, pk.stream, landed)
         st, cb = self._stage["get"], self.chunk_blocks
 
-        def land(h: int, first: int, piece: list) -> None:
-            dev_ids = [b for _, ids in piece for b in ids]
-            copy_block_pairs(self.dev, st.kv, self.kv, list(range(first * cb, first * cb + len(dev_ids))), dev_ids,
-                             st.stream)
+        def land(h: int, first: int, piece: list) -> None:  # blocks the device cache had (-1) stay as they are
+            pairs = [(first * cb + i, b) for i, b in enumerate(b for _, ids in piece for b in ids) if b >= 0]
+            copy_block_pairs(self.dev, st.kv, self.kv, [s for s, _ in pairs], [d for _, d in pairs], st.stream)
 
         return self._get_halves(items, st.num_blocks // cb // 2, lambda first, piece: [
             st.kv.addresses(list(range((first + i) * cb, (first + i + 1) * cb))) for i in range(len(piece))],
             land, st.stream, landed)
+
+    def _direct_dest(self, ids: list[int]) -> list[tuple[int, int]]:
+        """A chunk's segments in the KV tensors themselves; its blocks the device cache had (-1 ids,
+        leading) go to the scratch blocks instead, so the value's bytes land in order."""
+        if ids[0] >= 0:
+            return self.kv.addresses(ids)
+        out = []
+        for ti, (t, sc) in enumerate(zip(self.kv.tensors, self._scratch.tensors)):  # type: ignore[union-attr]
+            nb = self.kv.block_nbytes(ti)
+            out += [(sc.data_ptr() + j * nb, nb) if b < 0 else (t.data_ptr() + b * nb, nb) for j, b in enumerate(ids)]
+        return out
 
     def _get_halves(self, items: list, half: int, dests: Any, land: Any, stream: Any, landed: list[int]) -> str:
         """Pieces of ``half`` chunks alternate between the two halves of a staging buffer: the store
