@@ -71,14 +71,14 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def build(shape: str, path: Path, dev: str) -> Any:
+def build(shape: str, path: Path, dev: str, seed: int = 0) -> Any:
     """Random HF model on the GPU, saved in bfloat16; returned loaded back in float32 (the bf16 values)."""
     import torch
     import transformers
 
     name, kw = SHAPES[shape]
     cfg = getattr(transformers, f"{name}Config")(**kw)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     with torch.device(dev):
         model = getattr(transformers, f"{name.removesuffix('Text')}ForCausalLM")(cfg).eval()
     with torch.no_grad():
