@@ -1,0 +1,77 @@
+"""One layer of the offline workload's attention (Llama-3.2-1B: 32/8 heads of 64, blocks of 16) at the steps that
+workload runs: the prefill step (32 x 512 causal), mixed steps (decodes first, then prefills, as the scheduler
+orders them), the batch-256 decode; median of CUDA-graph replays, µs and causal TFLOP/s, for the default tiles and
+a few ``HWKV_CUDA_ATTN_CONFIG`` variants (each row's error against the default's output).
+
+Why: the offline run's prefill phase takes ~0.48 s against a 0.33 s roofline, and a profile over the whole pass
+cannot tell the prefill steps' attention from the decodes' (issue 36).
+
+    PYTHONPATH=.:backends/cuda python3 backends/cuda/scripts/attn_step_probe.py OUT.json [cuda|cpu] [scale]
+
+``cpu`` with a ``scale`` (every size divided by it) is a dry run under ``TRITON_INTERPRET=1``."""
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from hwkv_cuda.attention import CudaMetadataBuilder, TritonAttentionBackend
+from hwkv_cuda.tiles import OVERRIDE_ENV
+
+from hwkv.interfaces.attention import AttentionMetadata
+
+out_path = sys.argv[1]
+dev = torch.device(sys.argv[2] if len(sys.argv) > 2 else "cuda")
+sc = int(sys.argv[3]) if len(sys.argv) > 3 else 1  # divide every size (a CPU dry run under the interpreter)
+h, hkv, d, bs = 32 // sc, 8 // sc, 64, 16
+P, N = 512 // sc, 32 // sc
+cases = [("prefill 32 x 512", [P] * N, [P] * N),
+         ("mixed 32 decodes @ 600 + 31 x 512 prefills", [1] * N + [P] * (N - 1), [600 // sc] * N + [P] * (N - 1)),
+         ("mixed 224 decodes @ 600 + 1 x 512 prefill", [1] * (224 // sc) + [P], [600 // sc] * (224 // sc) + [P]),
+         ("decode 256 x 640", [1] * (256 // sc), [640 // sc] * (256 // sc))]
+VARIANTS = ["default", "block_n=128,num_warps=8", "block_n=32", "num_stages=2", "block_m=64,block_q=16",
+            "block_m=64,block_q=16,block_n=128,num_warps=8"]
+rows = []
+for name, ql, sl in cases:
+    n, w = len(ql), -(-max(sl) // bs)
+    tables = torch.randperm(n * w, device=dev).to(torch.int32).view(n, w)
+    md = AttentionMetadata.build(ql, sl, tables, bs, device=dev)
+    q = torch.randn(sum(ql), h, d, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32, device=dev)
+    out = torch.empty_like(q)
+    kv = torch.randn(n * w, 2, bs, hkv, d, dtype=q.dtype, device=dev)
+    impl = TritonAttentionBackend().make_impl(h, d, hkv, d**-0.5)
+    ref = None
+    for variant in (VARIANTS if name.startswith(("prefill", "mixed 224")) else ["default"]):
+        if variant == "default":
+            os.environ.pop(OVERRIDE_ENV, None)
+        else:
+            os.environ[OVERRIDE_ENV] = variant
+        try:
+            built = CudaMetadataBuilder().build(md)
+            cfg, plan = built.launch(h, hkv, d, q.dtype, True, kv.dtype)
+
+            def run(i=impl, k=kv, m=built, o=out, x=q):
+                i.forward_into(o, x, k, m)
+
+            if dev.type == "cuda":
+                from hwkv_cuda.bench.attention import _time
+
+                t = _time([run], 20)
+            else:
+                run()
+                t = float("nan")
+        except Exception as e:  # noqa: BLE001 - one variant failing must not end the probe
+            print(json.dumps(dict(case=name, variant=variant, error=repr(e)[:200])), flush=True)
+            continue
+        if ref is None:
+            ref = out.float().clone()
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        pairs = sum(a * (s - a) + a * (a + 1) / 2 for a, s in zip(ql, sl))
+        row = dict(case=name, variant=variant, tokens=sum(ql), us=t * 1e6, TFLOPs=4 * h * d * pairs / t / 1e12,
+                   kv_GB=sum(sl) * 2 * hkv * d * q.element_size() / 1e9, block_m=cfg.block_m, block_q=cfg.block_q,
+                   block_n=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages, splits=plan.splits,
+                   rel_err_vs_default=err)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        Path(out_path).write_text(json.dumps(rows, indent=1))
+    os.environ.pop(OVERRIDE_ENV, None)
