@@ -132,7 +132,7 @@ def _window_ranges(e: hwkv.Engine) -> list[tuple[int, int]]:
 @pytest.mark.parametrize("mode", ["pull", "push"])
 def test_a_failed_window_group_load_recomputes_without_leaks(hybrid_dir, reference, mode):  # noqa: F811
     """The transfer moves the full group's segments, then fails on the window group's: the request
-    recomputes (the loaded full-group blocks are never registered as prefix-cache entries), tokens
+    recomputes from scratch (its blocks are freed unregistered; the recompute registers its own), tokens
     identical, nothing left pinned or held on either side; the next loads succeed."""
     p, d = pd(hybrid_dir, mode)
     side = d if mode == "pull" else p  # the worker side that issues the copies
@@ -162,7 +162,7 @@ def test_a_failed_window_group_load_recomputes_without_leaks(hybrid_dir, referen
         assert fail["hits"] == 3 and st["load_failures"] == 3
         # the successful loads (prompts 0, 2, 4) only
         assert st["external_hit_tokens"] == sum(len(q) - 1 for q in prompts()[0::2])
-        again = decode(d, prompts()[5], prefill(p, prompts()[5]))  # a failed prompt's blocks: no bad hit
+        again = decode(d, prompts()[5], prefill(p, prompts()[5]))  # a failed prompt again: its recomputed blocks
         assert again == reference[5]
         assert_clean(p, d)
     finally:
