@@ -4,8 +4,8 @@
 # concurrency 8, in one run: round_robin and cache_aware (POLICIES; cache_aware:W adds --load-weight W).
 # The servers take a 2,048-token step budget (ENGINE_ARGS): at the default 8,192 (batch D, main 07a489e:
 # TTFT p50 x1.59) a hit that arrives while its instance prefills an 8k miss waits for that whole step;
-# chunks of 2,048 let it in after one chunk. Both policies run on the same servers. Run from the
-# repository root, OUT set.
+# does a smaller budget help the hits more than round-robin's misses? (On the CPU it did not:
+# docs/routing.md.) Both policies run on the same servers. Run from the repository root, OUT set.
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 OMP_NUM_THREADS=4
 export PYTHONPATH=$PWD:$PWD/backends/cuda:${PYTHONPATH:-}
