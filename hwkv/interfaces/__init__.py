@@ -1,5 +1,5 @@
 """The interfaces: what a hardware backend implements (Device, Attention, Transfer, Store,
-Communicator, DecodeOps, declared in Capabilities and the plugin record), the KV layout every one of
+Communicator, DecodeOps, ElementwiseOps, declared in Capabilities and the plugin record), the KV layout every one of
 them shares, and the KV connector interface. The core depends only on these; they import no
 implementation (tests/test_layering.py)."""
 

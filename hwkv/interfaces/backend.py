@@ -14,6 +14,7 @@ from hwkv.interfaces.device import Device
 
 if TYPE_CHECKING:
     from hwkv.interfaces.decode_ops import DecodeOps
+    from hwkv.interfaces.elementwise_ops import ElementwiseOps
     from hwkv.interfaces.store import Store
     from hwkv.interfaces.transfer import Transfer
 
@@ -88,10 +89,10 @@ class Backend(ABC):
         ``None`` (the default): the model then runs its torch ops."""
         return None
 
-    def elementwise_ops(self) -> Any:
+    def elementwise_ops(self) -> ElementwiseOps | None:
         """Hand-written RMSNorm / RoPE / SiLU·mul for forwards of many tokens, taken before
-        torch.compile's where the engine fuses elementwise ops (:func:`hwkv.model.fuse.fuse_elementwise`
-        says what they compute), or ``None`` (the default): the compiled functions run."""
+        torch.compile's where the engine fuses elementwise ops (contract:
+        :mod:`hwkv.interfaces.elementwise_ops`), or ``None`` (the default): the compiled functions run."""
         return None
 
     def create_transfer(self, **options: Any) -> Transfer:

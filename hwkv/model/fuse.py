@@ -21,11 +21,9 @@ def fuse_elementwise(model: Any, backend: str = "inductor", kernels: Any = None)
     per function per process: a process building engines of many dtypes runs the surplus variants
     uncompiled (correct, slower).
 
-    ``kernels``: a backend's hand-written ops (``Backend.elementwise_ops()``), taken first: an object
-    with ``rms_norm(x, weight, eps)``, ``add_rms_norm(x, residual, weight, eps)`` (-> ``(normed, x +
-    residual)``), ``rope(cos, sin, positions, q, k)`` (-> ``(q, k)``) and ``silu_mul(gate_up, inter)``,
-    each computing the function of the same name in hwkv.model (rounding where it rounds) or returning
-    ``None`` where it does not apply (that call then runs the compiled function). Gemma's norms stay compiled.
+    ``kernels``: a backend's hand-written ops (``Backend.elementwise_ops()``, contract:
+    :mod:`hwkv.interfaces.elementwise_ops`), taken first; an op that returns ``None`` for a call leaves it
+    to the compiled function. Gemma's norms stay compiled.
     Returns the number of modules patched."""
 
     rms = _first(kernels, "rms_norm", torch.compile(rms_norm, dynamic=True, backend=backend))

@@ -74,7 +74,7 @@ class CudaBackend(Backend):
 
         return TritonDecodeOps()
 
-    def elementwise_ops(self) -> Any:
+    def elementwise_ops(self) -> Any:  # hwkv.interfaces.elementwise_ops.ElementwiseOps | None
         from hwkv_cuda.elementwise import elementwise_ops
 
         return elementwise_ops()

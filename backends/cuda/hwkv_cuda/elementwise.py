@@ -27,8 +27,8 @@ MAX_ROW = 16384  # widest RMSNorm row kept in one program's registers
 
 
 class TritonElementwise:
-    """The four ops :func:`hwkv.model.fuse.fuse_elementwise` takes from a backend. ``device_type``: where
-    the tensors must live ("cpu" only for tests under Triton's interpreter)."""
+    """:class:`hwkv.interfaces.elementwise_ops.ElementwiseOps` in Triton. ``device_type``: where the tensors
+    must live ("cpu" only for tests under Triton's interpreter)."""
 
     def __init__(self, device_type: str = "cuda") -> None:
         self.device_type = device_type
