@@ -25,9 +25,7 @@ def test_external_tokens_allocate_only_the_window(window, prompt, warm, ext, ste
     warm = min(warm, prompt)
     if warm >= BS:  # an earlier request leaves a cached prefix: the new one starts with a local hit
         w = Request("warm", tokens[:warm], block_hasher=make_block_hasher(BS))
-        assert m.allocate_slots(w, warm) is not None or True
-        if m.get_group_block_ids("warm")[0]:
-            m.cache_blocks(w, warm)
+        m.allocate_slots(w, warm)  # registers its full blocks (None: a window pool too small, no hit then)
         m.free(w)
     r = Request("r", tokens, block_hasher=make_block_hasher(BS))
     hits, local = m.get_computed_blocks(r)
