@@ -205,6 +205,19 @@ def run(args: argparse.Namespace) -> int:
         for u in urls:  # warm-up, direct: first-request costs (compilation, graphs) are no policy's
             httpx.post(u + "/v1/completions", json={"model": "m", "prompt": [1] * 64, "max_tokens": 2},
                        timeout=600).raise_for_status()
+        # the floor, one request at a time straight to instance 0: a longest-tenant-sized prompt (a miss),
+        # then the same prefix with another suffix (a device-cache hit); what each policy's TTFT adds to these
+        # is queueing and contention
+        rng = random.Random(args.seed + 1)
+        head = [rng.randrange(1, vocab) for _ in range(hi)]
+        isolated = {}
+        for name in ("miss", "hit"):
+            r = asyncio.run(_drive(urls[0], [head + [rng.randrange(1, vocab) for _ in range(args.suffix_len)]],
+                                   argparse.Namespace(concurrency=1, max_tokens=args.max_tokens)))[0][0]
+            isolated[f"{name}_ttft_ms"] = 1e3 * r["ttft"] if r["ok"] else None
+        miss, hit = (isolated[k] or float("nan") for k in ("miss_ttft_ms", "hit_ttft_ms"))
+        print(f"one request alone on instance 0, {hi} + {args.suffix_len} tokens: TTFT miss {miss:.1f} ms, "
+              f"hit {hit:.1f} ms", flush=True)
         for ph, policy in enumerate(policies):
             port = _port()
             name, _, weight = policy.partition(":")
@@ -264,6 +277,7 @@ def run(args: argparse.Namespace) -> int:
     write_result(out, {"bench": "routing", "date": day, "machine": machine(), "command": cmd,
                        "commit": os.environ.get("HWKV_COMMIT") or _commit(),
                        "args": vars(args), "kv_blocks_per_instance": blocks, "prefix_tokens": prefix_tokens,
+                       "isolated": isolated,
                        "results": results, "cache_aware_vs_round_robin": ratios, "vs_round_robin": vs_rr})
     return 0 if all(r["failed"] == 0 for r in results.values()) else 1
 

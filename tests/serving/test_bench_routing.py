@@ -29,6 +29,7 @@ def test_bench_routing_toy(tmp_path):
     assert rr["completed"] == ca["completed"] == 24 and rr["failed"] == ca["failed"] == 0
     assert sum(rr["routed"]) == sum(ca["routed"]) == 24 and rr["routed"] == [12, 12]
     assert ca["prompt_tokens"] > 0 and ca["prefix_hit_rate"] >= rr["prefix_hit_rate"]
+    assert doc["isolated"]["miss_ttft_ms"] > 0 and doc["isolated"]["hit_ttft_ms"] > 0  # the floor, alone
 
 
 @pytest.mark.slow
