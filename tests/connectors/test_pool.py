@@ -260,6 +260,35 @@ def test_a_local_hit_ending_inside_a_chunk_loads_the_rest_of_it(model_dir, oracl
         _close(a, b)
 
 
+@pytest.mark.parametrize("staged", [False, True])
+@pytest.mark.parametrize("chunk_blocks", [3, 4])
+def test_every_local_hit_length_gets_the_rest_from_the_pool(model_dir, oracle, store_name, staged, chunk_blocks,
+                                                           monkeypatch):
+    """The pool holds the prompt's whole chunks (blocks [0, covered)); b's device cache holds its first
+    ``hit`` blocks, for every ``hit``: the pool gives exactly blocks [hit, covered), tokens are the
+    oracle's, nothing stays pinned."""
+    if staged:
+        monkeypatch.setattr("hwkv.connectors.pool.transfer.host_addressable", lambda kv: False)
+    cs = chunk_blocks * BS
+    a = _engine(model_dir, store_name=store_name, chunk_size=cs, staging_bytes=1)
+    b = _engine(model_dir, store_name=store_name, chunk_size=cs, staging_bytes=1, save=False)
+    covered = 9 // chunk_blocks * chunk_blocks  # whole chunks of the prompt's 9 full blocks
+    try:
+        _run(a, PROMPT)
+        _settle(a)
+        for hit in range(1, 10):
+            assert b.kv_cache_manager.reset_prefix_cache()
+            head = PROMPT[:hit * BS + 1]
+            assert _run(b, head) == oracle(head)
+            before = _settle(b)["lookup_hit_tokens"]
+            assert _run(b, PROMPT) == oracle(PROMPT), hit
+            st = _settle(b)
+            assert st["lookup_hit_tokens"] - before == max(0, covered - hit) * BS, hit
+            assert st["failed_loads"] == 0
+    finally:
+        _close(a, b)
+
+
 @pytest.mark.parametrize(("cfg", "msg"), [
     (dict(chunk_size=24), "chunk_size=24 is not a multiple of the block size 16"),
     (dict(store="redis"), "store='redis' is invalid (allowed: 'embedded', 'mooncake' or a Store instance)"),
