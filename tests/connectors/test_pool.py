@@ -261,6 +261,33 @@ def test_a_local_hit_ending_inside_a_chunk_loads_the_rest_of_it(model_dir, oracl
 
 
 @pytest.mark.parametrize("staged", [False, True])
+def test_a_failed_load_behind_a_local_hit_inside_a_chunk_recomputes(model_dir, oracle, store_name, staged,
+                                                                    monkeypatch):
+    """The get of the partly cached chunk fails: the request recomputes from its local hit, the cached
+    blocks (pinned during the load) are intact, nothing stays pinned."""
+    if staged:
+        monkeypatch.setattr("hwkv.connectors.pool.transfer.host_addressable", lambda kv: False)
+    flaky = Flaky(embedded_store(store_name))
+    a = _engine(model_dir, store=flaky, chunk_size=4 * BS, staging_bytes=1)
+    b = _engine(model_dir, store=flaky, chunk_size=4 * BS, staging_bytes=1, save=False)
+    try:
+        _run(a, PROMPT)
+        _settle(a)
+        head = PROMPT[:6 * BS + 1]
+        assert _run(b, head) == oracle(head)
+        _settle(b)
+        flaky.lose_gets = True
+        assert _run(b, PROMPT) == oracle(PROMPT)
+        st = _settle(b)
+        assert st["failed_loads"] == 1 and st["load_failures"] == 1
+        flaky.lose_gets = False
+        assert _run(b, PROMPT) == oracle(PROMPT)  # its device cache, blocks 4 and 5 included, is sound
+        _settle(b)
+    finally:
+        _close(a, b)
+
+
+@pytest.mark.parametrize("staged", [False, True])
 @pytest.mark.parametrize("chunk_blocks", [3, 4])
 def test_every_local_hit_length_gets_the_rest_from_the_pool(model_dir, oracle, store_name, staged, chunk_blocks,
                                                            monkeypatch):
