@@ -145,6 +145,14 @@ class CudaAllReduce:
                 self.fused_error = self.fused_error or "another rank's fused all-reduce failed its self-test"
                 warnings.warn(f"all-reduce inside the decode GEMVs off (the push kernel instead): {self.fused_error}",
                               stacklevel=2)
+        if (self.one_shot_max or self.two_shot_max) and _same_device_index(comm, self.device):
+            # every rank sees its GPU at the same index (a tensor-parallel engine's workers each see one GPU
+            # as cuda:0): symmetric memory's rendezvous refuses that ("allocations from overlapping devices"),
+            # and a process's second rendezvous waits forever for peers whose first it is (the store
+            # exchange counts rendezvous per process: the second tp=2 engine of a process hung in it on
+            # 2 x H200, batch 3 of 2026-11-28), so it is not tried
+            self.one_shot_max = self.two_shot_max = 0
+            self.symm_error = "every rank sees its GPU at the same index (one GPU per process): not tried"
         if self.one_shot_max or self.two_shot_max:
             # PyTorch's ops are optional: a failure only turns them off, on every rank (agreed before the
             # rendezvous too, so no rank waits in it for a peer that already gave up)
@@ -419,6 +427,12 @@ def _register_group(name: str, comm: Any, store: Any) -> Any:
         pg._set_group_name(name)
     _register_process_group(name, pg)
     return pg
+
+
+def _same_device_index(comm: Any, device: Any) -> bool:
+    """Whether every rank's device has the same index (collective: every rank calls it)."""
+    idx = torch.device(device).index or 0
+    return comm.all_reduce_min(idx) == -comm.all_reduce_min(-idx)
 
 
 def _use_pdl(device: Any) -> bool:

@@ -30,3 +30,19 @@ def test_bad_mode_is_named(monkeypatch):
 
 def test_next_pow2():
     assert [triton_next_pow2(n) for n in (1, 2, 3, 4096, 4097, 14336)] == [1, 2, 4, 4096, 8192, 16384]
+
+
+@pytest.mark.parametrize("peer, same", [(0, True), (1, False)])
+def test_symmetric_memory_is_not_tried_when_every_rank_sees_the_same_index(peer, same):
+    """A tp engine's ranks each see one GPU as cuda:0: symmetric memory's rendezvous refuses that, and a
+    process's second rendezvous hung (batch 3 of 2026-11-28), so it is skipped when the indices agree."""
+    from hwkv_cuda.allreduce import _same_device_index
+
+    class TwoRanks:  # rank 0 at cuda:0, its peer at cuda:``peer`` (the same calls: the index, then its negative)
+        calls = 0
+
+        def all_reduce_min(self, v):
+            self.calls += 1
+            return min(v, peer if self.calls == 1 else -peer)
+
+    assert _same_device_index(TwoRanks(), "cuda:0") is same
