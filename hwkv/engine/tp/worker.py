@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
+import time
 import traceback
 from typing import Any
 
@@ -133,8 +135,19 @@ def _connector(cfg: m.WorkerConfig, backend: Any, model_config: Any) -> Any:
     return conn
 
 
+def _exit_with_driver(parent_pid: int) -> None:
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent_pid:
+            os._exit(3)
+
+
 def main(argv: list[str]) -> int:
     cfg = msgspec.json.decode(argv[1], type=m.WorkerConfig)
+    # gone with the driver wherever this rank is stuck (a setup rendezvous, a collective): the idle loop's
+    # check alone left a worker waiting in symmetric memory's rendezvous behind its killed driver, on the GPU
+    # the next runs measured (batch 3 of 2026-11-28)
+    threading.Thread(target=_exit_with_driver, args=(cfg.parent_pid,), name="hwkv-tp-orphan", daemon=True).start()
     ctx = zmq.Context()
     cmd, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     for s in (cmd, out):
