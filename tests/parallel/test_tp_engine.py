@@ -367,3 +367,16 @@ def test_tp2_overlapped_mlp_halves_tokens_equal_tp1(tmp_path, monkeypatch):
         assert starts and len(starts) % (4 * layers) == 0  # every layer: two halves, twice
     finally:
         eng.close()
+
+
+def test_a_worker_exits_with_its_driver_wherever_it_is_stuck():
+    """The worker's watcher thread: once the process's parent is not the driver it was started by, it exits
+    (code 3) whatever the main thread is doing - here sleeping, as a rank stuck in a rendezvous would."""
+    import subprocess
+    import sys
+
+    code = ("import threading, time; from hwkv.engine.tp.worker import _exit_with_driver; "
+            "threading.Thread(target=_exit_with_driver, args=(-1,), daemon=True).start(); time.sleep(60)")
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-c", code], timeout=60, capture_output=True)
+    assert p.returncode == 3 and time.monotonic() - t0 < 30, p.stderr[-2000:]
