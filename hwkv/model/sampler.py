@@ -161,39 +161,22 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     """``logits [R, V]`` with ``-inf`` where ``bitmask [R, ceil(V / 32)]`` (int32; bit ``j`` of word
     ``w`` = token ``32 w + j``) has a 0. Plain tensor ops on the device: no host sync, no vendor
     kernel, capturable in a graph once the first call made the device's constants; out of place
-    (logprobs keep the model's distribution). On a CPU a byte-to-addends table and one add; elsewhere
-    the bits by shifts and one select (the table's gather costs 251 us at [64, 49152] on an H200, 19x
-    an argmax of the same logits: ``bench/results/structured-*-H200-*``)."""
-    if logits.device.type == "cpu":
-        return _apply_bitmask_by_table(logits, bitmask)
-    return _apply_bitmask_by_bits(logits, bitmask)
+    (logprobs keep the model's distribution).
 
-
-def _apply_bitmask_by_bits(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    The words are read as bytes (little-endian, as every device hwkv runs on: byte ``k`` of a word
+    holds its bits ``8k .. 8k + 7``) and spread by eight shifts into a ``uint8 [R, 32 W]`` mask, one
+    select. One path for every device: a byte-to-addends table's gather cost 251 us at [64, 49152]
+    on an H200 (19x an argmax of the same logits: ``bench/results/structured-*-H200-*``), and 32
+    shifts of the int32 words write four times the bytes of this and ran 2x slower than the table on
+    a CPU; the byte shifts are on a par with the table there."""
     shifts = _SHIFTS.get(logits.device)
     if shifts is None:
-        shifts = _SHIFTS[logits.device] = torch.arange(32, dtype=torch.int32, device=logits.device)
-    # [R, W, 32] bits in token order (an arithmetic shift of a negative word keeps bit j at position 0)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
-    allowed = bits.view(bitmask.shape[0], -1)[:, : logits.shape[1]].bool()
-    return torch.where(allowed, logits, float("-inf"))
-
-
-def _apply_bitmask_by_table(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    key = (logits.device, logits.dtype)
-    table = _BYTE_TABLES.get(key)
-    if table is None:  # byte value -> its 8 tokens' addends: 0 where the bit is set, -inf where not
-        bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
-        table = _BYTE_TABLES[key] = torch.where(bits.bool(), 0.0, float("-inf")).to(logits.device, logits.dtype)
-    # the words' bytes in memory order are their bits 0-7, 8-15, ... (little-endian, as every device
-    # hwkv runs on); one [R, 32 W] addend, cut to the vocabulary (a masked_fill by a bool mask cut the
-    # same way costs 5x more on a CPU)
-    add = table.index_select(0, bitmask.view(torch.uint8).flatten().int()).view(bitmask.shape[0], -1)
-    return logits + add[:, : logits.shape[1]]
+        shifts = _SHIFTS[logits.device] = torch.arange(8, dtype=torch.uint8, device=logits.device)
+    allowed = ((bitmask.view(torch.uint8).unsqueeze(-1) >> shifts) & 1).view(bitmask.shape[0], -1)
+    return torch.where(allowed[:, : logits.shape[1]].bool(), logits, float("-inf"))
 
 
 _SHIFTS: dict[torch.device, torch.Tensor] = {}
-_BYTE_TABLES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
 def _suppress_stops(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
