@@ -78,6 +78,12 @@ class CudaAttentionMetadata:
         qlen = self.common.query_lens_cpu.to(torch.int64)
         return max(1, int(((qlen + block_q - 1) // block_q).sum()) * num_kv_heads)
 
+    def mostly_short(self, block_q: int) -> bool:
+        """More than half the step's q blocks of ``block_q`` tokens belong to requests shorter than one block
+        (decodes beside a prefill chunk): most tile rows would be empty (:func:`hwkv_cuda.tiles.choose_config`)."""
+        qlen = self.common.query_lens_cpu.to(torch.int64)
+        return 2 * int((qlen < block_q).sum()) > int(((qlen + block_q - 1) // block_q).sum())
+
     def plan(self, block_q: int, block_n: int, num_heads: int, num_kv_heads: int, head_size: int, elem_size: int,
              split_below: int = 2, split_target: int = 8, min_split: int = 128, part_cap: int = 4,
              merge_cap: int = 0, max_splits: int = MAX_SPLITS) -> Plan:
@@ -144,13 +150,16 @@ class CudaAttentionMetadata:
                                      cfg.split_target, cfg.min_split, cfg.part_cap, cfg.merge_cap if fused else 0,
                                      cfg.max_splits)
         cfg = pick()
+        short = c.max_query_len > 1 and self.mostly_short(cfg.block_q)
+        if short:
+            cfg = pick(short=True)
         # prefill tiles follow the programs with work (q blocks x KV heads), which depend only on BLOCK_Q
         wide = c.max_query_len > 1 and self.programs(cfg.block_q, hkv) >= 2 * self.num_sms
         if wide:
-            cfg = pick(wide=True)
+            cfg = pick(wide=True, short=short)
         p = plan(cfg)
         if p.splits > 1:
-            split_cfg = pick(split=True, seg=-(-max(c.max_seq_len, 1) // p.splits), wide=wide)
+            split_cfg = pick(split=True, seg=-(-max(c.max_seq_len, 1) // p.splits), wide=wide, short=short)
             if split_cfg != cfg:
                 cfg, p = split_cfg, plan(split_cfg)
         return cfg, p

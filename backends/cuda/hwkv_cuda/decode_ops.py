@@ -41,10 +41,10 @@ M1_TILES: dict[tuple[int, int], tuple[int, int, int, int, int]] = {  # (N, K): b
     (3072, 4096): (8, 2048, 8, 3, 0), (4096, 2048): (4, 1024, 4, 1, 1), (14336, 4096): (8, 2048, 8, 3, 0),
     (4096, 7168): (8, 2048, 8, 3, 0),  # its rank's shard at tp=2
     # Llama-3.2-1B: qkv and o_proj from the H200 sweep of batch 2 (dense_probe --model llama-1b --quick: 6.85 ->
-    # 5.94 and 3.55 -> 3.41 µs; bench/results/issue36-batch2-H200-2026-11-28-479d2cf.md); gate_up and down (not
-    # reached by that sweep) take the 8-row pipelined tile that won at every Llama-3-8B shape above
-    (3072, 2048): (8, 2048, 8, 3, 0), (2048, 2048): (4, 2048, 4, 1, 1), (16384, 2048): (8, 2048, 8, 3, 0),
-    (2048, 8192): (8, 2048, 8, 3, 0),
+    # 5.94 and 3.55 -> 3.41 µs; bench/results/issue36-batch2-H200-2026-11-28-479d2cf.md). gate_up and down keep the
+    # rule: the 8-row pipelined tile of the 8B shapes, unswept at 1B, cost the batch-1 step 962 vs 999 tok/s in the
+    # same-run A/B of call 1 (bench/results/issue36-call1-H200-2026-11-28-8b3214a.md)
+    (3072, 2048): (8, 2048, 8, 3, 0), (2048, 2048): (4, 2048, 4, 1, 1),
 }
 
 

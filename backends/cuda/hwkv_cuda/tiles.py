@@ -47,7 +47,8 @@ class TileConfig:
 
 
 def choose_config(max_query_len: int, group: int, head_size: int, dtype: torch.dtype,
-                  split: bool = False, seg: int = 0, wide: bool = False, kv_elem: int = 0) -> TileConfig:
+                  split: bool = False, seg: int = 0, wide: bool = False, kv_elem: int = 0,
+                  short: bool = False) -> TileConfig:
     """Tiles by shape (from H100/H200 sweeps, docs/cuda-backend.md): decodes pack the G heads of a KV
     head into M (>= 16 rows for the MMA) and stream 64-key tiles three stages deep; prefills take
     128-row tiles (keys per tile and warps by grid size, below). Head 256 and fp32 shrink the tiles so
@@ -80,7 +81,14 @@ def choose_config(max_query_len: int, group: int, head_size: int, dtype: torch.d
     539 -> 495 µs against the int16-word read of before (``fp8_unpack=3``; 1.09x the bf16 cache's 540),
     8B shape 921 -> 907 µs (1.20x bf16's 1092); the e4m3 tiles cast to bf16 stayed at <= 40% of the copy
     bandwidth. None is bound by bytes (52-57% of the copy bandwidth on half the bytes). An unsplit fp8
-    decode keeps 128 keys cast (not measured)."""
+    decode keeps 128 keys cast (not measured).
+
+    A step of many tokens whose q blocks are mostly requests shorter than one block (``short``: decodes beside a
+    prefill chunk, see ``CudaAttentionMetadata.mostly_short``) takes 64-row tiles instead of 128: a decode fills
+    one token's rows of its tile, so half the rows are half the wasted MMA work and registers. H200, one layer of
+    the 1B shape (bench/results/issue36-call1-H200-2026-11-28-8b3214a.md): 224 decodes at 600 keys + one
+    512-token prefill 197 -> 125 µs; a prefill alone (32 x 512) is 8% slower with them (225 -> 242 µs), so only
+    such steps take them."""
     hpad = pow2(group)
     wide_kv = (kv_elem or dtype.itemsize) == 1 and dtype != torch.float32  # fp8 KV read by a 16-bit query
     narrow = head_size > 128 or dtype == torch.float32
@@ -104,7 +112,7 @@ def choose_config(max_query_len: int, group: int, head_size: int, dtype: torch.d
         cfg = dict(block_m=block_m, block_q=1, block_n=block_n, num_warps=4, num_stages=1 if one_tile else 3,
                    fp8_unpack=unpack)
     else:
-        block_m = max(64 if narrow else 128, hpad)
+        block_m = max(64 if narrow or short else 128, hpad)
         if narrow:
             cfg = dict(block_m=block_m, block_q=block_m // hpad, block_n=32, num_warps=8 if block_m >= 128 else 4,
                        num_stages=2)

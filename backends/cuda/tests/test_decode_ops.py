@@ -110,7 +110,8 @@ def test_config_env_override(monkeypatch):
     # the measured one-token tiles of Llama-3-8B's shapes (tp=1 and a tp=2 rank's); more tokens keep the rule
     assert choose_config(1, 3072, 4096) == (8, 2048, 8, 3, 0) and choose_config(1, 4096, 2048) == (4, 1024, 4, 1, 1)
     assert choose_config(2, 3072, 4096).block_n == 4
-    assert choose_config(1, 2048, 8192) == (8, 2048, 8, 3, 0)  # Llama-3.2-1B's down projection (H200)
+    assert choose_config(1, 2048, 8192) == (4, 2048, 8, 3, 0)  # Llama-3.2-1B's down projection: the rule
+    assert choose_config(1, 3072, 2048) == (8, 2048, 8, 3, 0)  # its qkv: the H200 sweep's tile
     monkeypatch.setenv("HWKV_CUDA_DENSE_CONFIG", "block_n=16,num_warps=2")
     assert choose_config(1, 2048, 2048)[:3:2] == (16, 2)
     monkeypatch.setenv("HWKV_CUDA_DENSE_CONFIG_2048X2048", "block_n=32")  # one shape only, over the global one

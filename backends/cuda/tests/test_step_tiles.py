@@ -1,0 +1,46 @@
+"""Attention tiles chosen by the step's shape: a step of many tokens whose q blocks are mostly decodes takes
+64-row tiles (hwkv_cuda.tiles.choose_config, ``short``); prefill-heavy steps keep 128 rows; an override wins."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from hwkv_cuda.attention import CudaAttentionMetadata  # noqa: E402
+
+from hwkv.interfaces.attention import AttentionMetadata  # noqa: E402
+
+BF16 = torch.bfloat16
+
+
+def _tiles(qlens, slens, num_heads=32, num_kv_heads=8, head_size=64, dtype=BF16):
+    bs = 16
+    width = -(-max(slens) // bs)
+    tables = torch.arange(len(qlens) * width, dtype=torch.int32).view(len(qlens), width)
+    md = CudaAttentionMetadata(AttentionMetadata.build(qlens, slens, tables, bs, device="cpu"), num_sms=132)
+    return md, md.launch(num_heads, num_kv_heads, head_size, dtype, True)[0]
+
+
+def test_mostly_decodes_take_64_rows(monkeypatch):
+    monkeypatch.delenv("HWKV_CUDA_ATTN_CONFIG", raising=False)
+    md, cfg = _tiles([1] * 224 + [512], [600] * 224 + [512])  # the probe's mixed step (1B: G = 4)
+    assert md.mostly_short(32) and (cfg.block_m, cfg.block_q) == (64, 16)
+    # prefill-heavy steps (the offline run's admission steps) and prefills alone keep 128-row tiles
+    md, cfg = _tiles([1] * 32 + [512] * 31, [600] * 32 + [512] * 31)
+    assert not md.mostly_short(32) and (cfg.block_m, cfg.block_q) == (128, 32)
+    assert _tiles([512] * 32, [512] * 32)[1].block_m == 128
+    # exactly half the q blocks short is not "mostly"
+    md, cfg = _tiles([1] * 16 + [512], [600] * 16 + [512])
+    assert not md.mostly_short(32) and cfg.block_m == 128
+    # decodes alone keep the decode tiles (one token per program)
+    assert _tiles([1] * 256, [640] * 256)[1].block_q == 1
+
+
+def test_short_tiles_respect_the_group_and_overrides(monkeypatch):
+    monkeypatch.delenv("HWKV_CUDA_ATTN_CONFIG", raising=False)
+    # a group of 16 (64 heads over 4 KV heads): 64 rows are 4 tokens of 16 heads
+    _, cfg = _tiles([1] * 64 + [256], [300] * 64 + [256], num_heads=64, num_kv_heads=4, head_size=64)
+    assert cfg.block_m == 64 and cfg.block_m // cfg.block_q >= 16
+    monkeypatch.setenv("HWKV_CUDA_ATTN_CONFIG", "block_m=128,block_q=32")
+    _, cfg = _tiles([1] * 224 + [512], [600] * 224 + [512])
+    assert (cfg.block_m, cfg.block_q) == (128, 32)
