@@ -23,7 +23,7 @@ say "L: backends/cuda/scripts/logits_probe.py"
 timeout -k 2 20 python3 backends/cuda/scripts/logits_probe.py "$OUT/logits-probe.json" 2>&1 | cut -c1-300
 echo "rc=$?"
 say "D: backends/cuda/scripts/dense_probe.py --model llama-1b --quick --shapes gate_up,down --pick"
-timeout -k 2 50 python3 backends/cuda/scripts/dense_probe.py --model llama-1b --quick --shapes gate_up,down,qkv \
+timeout -k 2 50 python3 backends/cuda/scripts/dense_probe.py --model llama-1b --quick --shapes gate_up,down \
   --out "$OUT" --pick "$OUT/dense-picks.env" 2>&1 | grep -v "^\s*$" | cut -c1-300
 echo "rc=$?"; cat "$OUT/dense-picks.env" 2>/dev/null
 say "E: python3 -m hwkv bench defaults --model llama-1b --b1-tokens 256 --profile (main)"
