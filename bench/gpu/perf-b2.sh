@@ -19,6 +19,8 @@ for line in sys.stdin:
         print(line.rstrip()[:300])
 "
 echo "rc=$?"
+say "T: the float32-out LM head on the GPU (backends/cuda/tests/test_elementwise.py -k logits)"
+timeout -k 2 30 python3 -m pytest -q -x -p no:cacheprovider backends/cuda/tests/test_elementwise.py -k logits 2>&1 | tail -n 3
 say "L: backends/cuda/scripts/logits_probe.py"
 timeout -k 2 20 python3 backends/cuda/scripts/logits_probe.py "$OUT/logits-probe.json" 2>&1 | cut -c1-300
 echo "rc=$?"

@@ -38,3 +38,9 @@ class ElementwiseOps(Protocol):
 
     def silu_mul(self, gate_up: torch.Tensor, inter: int) -> torch.Tensor | None:
         """``silu(gate_up[:, :inter]) * gate_up[:, inter:]``."""
+
+    def logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+        """Optional (a backend may leave it out): the LM head's float32 logits ``x @ weight.T`` (``x [R, hidden]``,
+        ``weight [vocab, hidden]``, both in the model dtype) written as float32 by the product itself, with no
+        cast pass over ``[R, vocab]``. The one exception to the rounding rule above: the float32 accumulator is
+        not rounded to the model dtype first (the model's path is ``F.linear(x, weight).float()``)."""

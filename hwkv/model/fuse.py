@@ -33,6 +33,8 @@ def fuse_elementwise(model: Any, backend: str = "inductor", kernels: Any = None)
     rope = _first(kernels, "rope", torch.compile(apply_rope, dynamic=True, backend=backend))
     act = _first(kernels, "silu_mul", torch.compile(silu_mul, dynamic=True, backend=backend))
     n = 0
+    if kernels is not None and getattr(kernels, "logits", None) is not None and hasattr(model, "logits_op"):
+        model.logits_op = kernels.logits  # the LM head's float32 logits without a cast pass (compute_logits)
     # exact types: a subclass computes something else (Gemma's norms scale by 1 + w, its MLP is GELU)
     for m in model.modules():
         if type(m) is RMSNorm:

@@ -130,6 +130,8 @@ class LlamaForCausalLM(nn.Module):
         self.set_prefetch()
         self.layer_hooks: Any = None  # set_layer_hooks
         self.decode_ops: DecodeOps | None = None  # fused ops for forwards of few tokens (set_decode_ops)
+        # a backend's float32-out LM head (ElementwiseOps.logits, set by fuse_elementwise); None: linear + cast
+        self.logits_op: Any = None
         self.kv_cache_dtype: torch.dtype | None = None  # KV storage dtype (fp8 KV); None: the model's dtype
         self.checkpoint_kv_scales: torch.Tensor | None = None  # [layers, 2, H_kv] fp8 KV scales the checkpoint has
 
@@ -335,7 +337,12 @@ class LlamaForCausalLM(nn.Module):
         if ops is not None and hidden.shape[0] <= ops.use_up_to:
             logits = ops.norm_linear(hidden, norm.weight, norm.eps, self.lm_head_weight, None)
         else:
-            logits = F.linear(norm(hidden), self.lm_head_weight)
+            x = norm(hidden)
+            if self.logits_op is not None and self.tp is None:
+                out = self.logits_op(x, self.lm_head_weight)
+                if out is not None:  # float32 already: the cast pass below was ~4% of a batch-256 decode step
+                    return out
+            logits = F.linear(x, self.lm_head_weight)
         if self.tp is not None:  # vocab-parallel: every rank's rows, in rank order, padding cut
             logits = self.tp.comm.all_gather(logits, dim=-1)[:, : self.config.vocab_size]
         return logits.float()

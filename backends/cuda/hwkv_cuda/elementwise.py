@@ -5,7 +5,8 @@ Why: torch.compile's kernels (dynamic shapes) ran far below the copy bandwidth a
 the H100 (issue 36, ``bench/results/issue36-round1-H100-2026-11-28-868af0d.md``): SiLU·mul 27 µs per
 batch-256 decode call where its 12 MB need ~4 µs, RoPE 21 µs, and a prefill-sized SiLU·mul 0.53 ms for
 768 MB. Each op returns ``None`` where it does not apply (a dtype, layout or width it does not take); the
-model then runs the compiled function. ``HWKV_CUDA_ELEMENTWISE=0`` turns them off (A/B runs).
+model then runs the compiled function. ``logits`` gives the LM head's float32 logits straight from cuBLAS (no cast
+pass). ``HWKV_CUDA_ELEMENTWISE=0`` turns them all off (A/B runs).
 
 Measured (one H200, main 479d2cf, ``hwkv bench defaults --model llama-1b``, no engine argument: 256 x 512 in /
 256 out): offline 49,798 tok/s = 61.6% of the roofline, against 45,423 = 56.5% at 09915b9 without them (another
@@ -32,6 +33,7 @@ class TritonElementwise:
 
     def __init__(self, device_type: str = "cuda") -> None:
         self.device_type = device_type
+        self._no_fp32_mm = False  # torch.mm(..., out_dtype=float32) raised once (logits)
 
     def _ok(self, *ts: torch.Tensor) -> bool:
         return all(t.device.type == self.device_type and t.dtype in DTYPES and t.stride(-1) == 1 for t in ts)
@@ -74,6 +76,20 @@ class TritonElementwise:
         elif gate_up.shape[0]:
             return None
         return y
+
+    def logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+        """cuBLAS's product with a float32 output (``torch.mm(..., out_dtype=float32)``): at the offline batch the
+        model's ``F.linear(x, w).float()`` spent a second pass over the logits, 97 µs of a 2.33 ms batch-256 decode
+        step of the 1B shape on the H200 (bench/results/issue36-batch2-H200-2026-11-28-479d2cf.md)."""
+        if (x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or x.dtype != weight.dtype
+                or x.dtype not in (torch.bfloat16, torch.float16) or not self._ok(x, weight)
+                or self.device_type != "cuda" or self._no_fp32_mm):
+            return None
+        try:
+            return torch.mm(x, weight.t(), out_dtype=torch.float32)
+        except (RuntimeError, TypeError, NotImplementedError):  # a torch without it: the model's path, from now on
+            self._no_fp32_mm = True  # (the first call is an eager warm-up, never inside a graph capture)
+            return None
 
     def rope(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, q: torch.Tensor,
              k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -26,11 +26,11 @@ rows = []
 for m in (256, 64, 1):
     x = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
     ways = {
-        "linear+float": lambda w: F.linear(x, w).float(),
-        "mm fp32 out": lambda w: torch.mm(x, w.t(), out_dtype=torch.float32),
-        "linear+float+argmax": lambda w: F.linear(x, w).float().argmax(-1),
-        "mm fp32 out+argmax": lambda w: torch.mm(x, w.t(), out_dtype=torch.float32).argmax(-1),
-        "linear+argmax(bf16)": lambda w: F.linear(x, w).argmax(-1),
+        "linear+float": lambda w, x=x: F.linear(x, w).float(),
+        "mm fp32 out": lambda w, x=x: torch.mm(x, w.t(), out_dtype=torch.float32),
+        "linear+float+argmax": lambda w, x=x: F.linear(x, w).float().argmax(-1),
+        "mm fp32 out+argmax": lambda w, x=x: torch.mm(x, w.t(), out_dtype=torch.float32).argmax(-1),
+        "linear+argmax(bf16)": lambda w, x=x: F.linear(x, w).argmax(-1),
     }
     a, b = F.linear(x, ws[0]).float(), torch.mm(x, ws[0].t(), out_dtype=torch.float32)
     same = bool((F.linear(x, ws[0]).argmax(-1) == a.argmax(-1)).all())

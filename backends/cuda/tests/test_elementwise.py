@@ -131,3 +131,20 @@ def test_engine_with_the_kernels_gives_the_same_tokens(tmp_path):
     finally:
         torch._dynamo.reset()
     assert set(Counting.ran) == {"rms_norm", "add_rms_norm", "rope", "silu_mul"} and min(Counting.ran.values()) > 0
+
+
+def test_logits_float32_out():
+    """The LM head's float32 logits: cuBLAS's float32 output on a GPU (within bf16's rounding of the model's
+    ``F.linear(x, w).float()``, argmax equal), ``None`` for what it does not take (float32 inputs, CPU tensors)."""
+    gen = torch.Generator().manual_seed(3)
+    x32, w32 = torch.randn(7, 256, generator=gen), torch.randn(1000, 256, generator=gen) / 16
+    assert TritonElementwise(DEV).logits(x32.to(DEV), w32.to(DEV)) is None  # float32: the model's path
+    assert TritonElementwise("cpu").logits(x32.bfloat16(), w32.bfloat16()) is None  # no float32-out GEMM on CPU
+    if DEV != "cuda":
+        return
+    x, w = x32.to(DEV, torch.bfloat16), w32.to(DEV, torch.bfloat16)
+    got, want = TritonElementwise(DEV).logits(x, w), torch.nn.functional.linear(x, w).float()
+    assert got.dtype == torch.float32 and got.shape == (7, 1000)
+    exact = x.double() @ w.double().t()
+    assert (got.double() - exact).abs().max() <= (want.double() - exact).abs().max()  # no bf16 rounding
+    assert (got - want).abs().max() <= want.abs().max() * 2**-7
