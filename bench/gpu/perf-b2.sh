@@ -1,8 +1,8 @@
-# usage (one GPU, repository root): OUT=<dir> bash bench/gpu/perf-b2.sh   (<= 200 s)
+# usage (one GPU, repository root): OUT=<dir> bash bench/gpu/perf-b2.sh   (<= 200 s: A 45, T 30, L 20, D 50, E 66 at most)
 # perf (#36) batch 2, over main: (A) the attention of the offline workload's steps, default tiles vs variants
 # (mixed steps: the 64/32/16-row tiles; decodes 256 x 640/544: stages, keys, warps; batch 1: splits);
 # (L) the LM head's logits path (bf16 + float cast vs cuBLAS float32 out, argmax on bf16); (D) 1B one-token GEMV
-# tiles of gate_up and down (the rule vs the sweep); (E) the public defaults at main with the profile.
+# tiles of gate_up and down (the rule vs the sweep); (E) the public defaults at main.
 set -u
 export PYTHONPATH=$PWD:$PWD/backends/cuda:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 t0=$(date +%s); say() { echo "[perf] $(date -u +%T) +$(( $(date +%s) - t0 ))s $*"; }
@@ -20,16 +20,16 @@ for line in sys.stdin:
 "
 echo "rc=$?"
 say "T: the float32-out LM head on the GPU (backends/cuda/tests/test_elementwise.py -k logits)"
-timeout -k 2 30 python3 -m pytest -q -x -p no:cacheprovider backends/cuda/tests/test_elementwise.py -k logits 2>&1 | tail -n 3
+timeout -k 2 25 python3 -m pytest -q -x -p no:cacheprovider backends/cuda/tests/test_elementwise.py -k logits 2>&1 | tail -n 3
 say "L: backends/cuda/scripts/logits_probe.py"
-timeout -k 2 20 python3 backends/cuda/scripts/logits_probe.py "$OUT/logits-probe.json" 2>&1 | cut -c1-300
+timeout -k 2 15 python3 backends/cuda/scripts/logits_probe.py "$OUT/logits-probe.json" 2>&1 | cut -c1-300
 echo "rc=$?"
 say "D: backends/cuda/scripts/dense_probe.py --model llama-1b --quick --shapes gate_up,down --pick"
 timeout -k 2 50 python3 backends/cuda/scripts/dense_probe.py --model llama-1b --quick --shapes gate_up,down \
   --out "$OUT" --pick "$OUT/dense-picks.env" 2>&1 | grep -v "^\s*$" | cut -c1-300
 echo "rc=$?"; cat "$OUT/dense-picks.env" 2>/dev/null
-say "E: python3 -m hwkv bench defaults --model llama-1b --b1-tokens 256 --profile (main)"
-timeout -k 2 80 python3 -m hwkv bench defaults --model llama-1b --workdir /dev/shm/hwkv-def --b1-tokens 256 --profile \
-  --out "$OUT/defaults-llama-1b-profile.json" 2>&1 | grep -E "^\[defaults\]|Error|Traceback|^ *(Name|aten|cuda|hwkv)" | cut -c1-300
+say "E: python3 -m hwkv bench defaults --model llama-1b --b1-tokens 256 (main)"
+timeout -k 2 66 python3 -m hwkv bench defaults --model llama-1b --workdir /dev/shm/hwkv-def --b1-tokens 256 \
+  --out "$OUT/defaults-llama-1b.json" 2>&1 | grep -E "^\[defaults\]|Error|Traceback" | cut -c1-300
 echo "rc=$?"
 say done
