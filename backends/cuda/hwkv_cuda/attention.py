@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, NamedTuple
 
 import torch
@@ -77,6 +78,14 @@ class CudaAttentionMetadata:
         """Programs with work before any split: each request's q blocks times the KV heads."""
         qlen = self.common.query_lens_cpu.to(torch.int64)
         return max(1, int(((qlen + block_q - 1) // block_q).sum()) * num_kv_heads)
+
+    @cached_property
+    def one_token(self) -> bool:
+        """Every request runs exactly one query token (a pure decode; the decode graphs' metadata too): the
+        kernel's program ``i`` is request ``i``, with no binary search over ``query_start_loc`` (8 dependent
+        loads at batch 256 before a program reads its first key)."""
+        c = self.common
+        return c.max_query_len == 1 and int(c.query_start_loc_cpu[-1]) == c.num_reqs
 
     def mostly_short(self, block_q: int) -> bool:
         """More than half the step's q blocks of ``block_q`` tokens belong to requests shorter than one block
@@ -287,7 +296,8 @@ class TritonAttentionImpl(AttentionImpl):
             BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n,
             SPLIT=splits > 1, FUSED=fused, NUM_SPLITS_PAD=splits_pad, G_PAD=g_pad,
             MERGE_ROWS=merge_rows, MERGE_SPLITS=merge_splits, IEEE=query.dtype == torch.float32, PDL=pdl,
-            KV_FP8=fp8, UNPACK=unpack, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            KV_FP8=fp8, UNPACK=unpack, ONE_TOKEN=cfg.block_q == 1 and bool(cfg.direct) and md.one_token,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **({"launch_pdl": True} if pdl else {}),
             **self._features(query.device),
         )

@@ -44,3 +44,10 @@ def test_short_tiles_respect_the_group_and_overrides(monkeypatch):
     monkeypatch.setenv("HWKV_CUDA_ATTN_CONFIG", "block_m=128,block_q=32")
     _, cfg = _tiles([1] * 224 + [512], [600] * 224 + [512])
     assert (cfg.block_m, cfg.block_q) == (128, 32)
+
+
+def test_one_token_steps_skip_the_request_search():
+    """A pure decode maps program i to request i (``one_token``); a decode launch must not take that shortcut when
+    some request has another query length."""
+    assert _tiles([1] * 8, [40] * 8)[0].one_token
+    assert not _tiles([1] * 7 + [3], [40] * 8)[0].one_token

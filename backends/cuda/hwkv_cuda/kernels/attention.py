@@ -167,7 +167,7 @@ def attention_kernel(
     MERGE_ROWS: tl.constexpr, MERGE_SPLITS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False,
     KV_FP8: tl.constexpr = False, window=0, cap2=1.0, sinks_ptr=None,
     WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False, SINKS: tl.constexpr = False,
-    UNPACK: tl.constexpr = 0,
+    UNPACK: tl.constexpr = 0, ONE_TOKEN: tl.constexpr = False,
 ):
     if PDL:  # launched early beside the previous kernel: wait for its writes before reading anything
         gdc_launch_dependents()  # the next kernel only preloads weights before its own wait
@@ -182,6 +182,9 @@ def attention_kernel(
     # (qsl[s] with BLOCK_Q 1); the grid is that upper bound, and surplus blocks get an empty tile
     lo = 0
     hi = num_seqs - 1
+    if ONE_TOKEN:  # every request has exactly one query token (a pure decode): request = program
+        lo = pid
+        hi = pid
     while lo < hi:
         mid = (lo + hi + 1) // 2
         first = tl.load(query_start_loc_ptr + mid)
