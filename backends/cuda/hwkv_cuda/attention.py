@@ -286,7 +286,8 @@ class TritonAttentionImpl(AttentionImpl):
         words = cfg.fp8_unpack in (1, 3)
         unpack = cfg.fp8_unpack if fp8 and (not words or d % 2 == 0) else 0
         kv = layer_kv.view(torch.int16) if fp8 and words and unpack else layer_kv  # two codes per word
-        attention_kernel[(grid_q, hkv, splits)](
+        head_major = bool(cfg.head_major) and grid_q <= 65535  # a grid's y and z sizes stop at 65,535
+        attention_kernel[(hkv, grid_q, splits) if head_major else (grid_q, hkv, splits)](
             query, kv, out, part_acc, part_ml, counters,
             c.query_start_loc, c.seq_lens, c.block_tables, scales,
             c.num_reqs, min_seg, self.scale * LOG2E, scales.stride(0) if fp8 else 0,
@@ -297,6 +298,7 @@ class TritonAttentionImpl(AttentionImpl):
             SPLIT=splits > 1, FUSED=fused, NUM_SPLITS_PAD=splits_pad, G_PAD=g_pad,
             MERGE_ROWS=merge_rows, MERGE_SPLITS=merge_splits, IEEE=query.dtype == torch.float32, PDL=pdl,
             KV_FP8=fp8, UNPACK=unpack, ONE_TOKEN=cfg.block_q == 1 and bool(cfg.direct) and md.one_token,
+            HEAD_MAJOR=head_major,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **({"launch_pdl": True} if pdl else {}),
             **self._features(query.device),

@@ -39,6 +39,8 @@ class TileConfig:
     # the H100 A/B (bench/results/reduce-ab-H100-2026-11-21.json) found the cap slower at b1 ctx 8k)
     merge_regs: int = 32  # fp32 values per thread in one load of the fused merge
     max_splits: int = MAX_SPLITS  # most splits per (q block, KV head)
+    head_major: int = 0  # grid (KV heads, q blocks, splits): a request's KV heads run side by side (A/B; q blocks
+    # past 65,535 keep the q-major grid)
     direct: int = 1  # a step of one query token per request maps program to request without the binary search over
     # query_start_loc (0: search anyway, for A/B runs)
     fp8_unpack: int = 0  # how an fp8 cache is read: 0 e4m3 tiles cast (K as [D, keys]); 1 int16 words of

@@ -26,7 +26,8 @@ sc = int(sys.argv[3]) if len(sys.argv) > 3 else 1  # divide every size (a CPU dr
 h, hkv, d, bs = 32 // sc, 8 // sc, 64, 16
 P, N = 512 // sc, 32 // sc
 MIXED = ["default", "block_m=128,block_q=32", "block_m=32,block_q=8", "block_m=16,block_q=4"]
-DECODE = ["default", "direct=0", "num_stages=2", "num_stages=4", "block_n=64", "block_n=64,num_stages=4", "num_warps=2"]
+DECODE = ["default", "direct=0", "head_major=1", "num_stages=2", "num_stages=4", "block_n=64",
+          "block_n=64,num_stages=4", "num_warps=2"]
 B1 = ["default", "direct=0", "min_split=64", "split_target=16"]
 # (name, query lengths, sequence lengths, variants), the offline run's largest share first; HWKV_PROBE_CASES (comma
 # list of name prefixes) picks some
@@ -35,7 +36,7 @@ cases = [("decode 256 x 640", [1] * (256 // sc), [640 // sc] * (256 // sc), DECO
          ("mixed 224 decodes @ 600 + 1 x 512 prefill", [1] * (224 // sc) + [P], [600 // sc] * (224 // sc) + [P], MIXED),
          ("mixed 128 decodes @ 600 + 8 x 512 prefills", [1] * (128 // sc) + [P] * (8 // sc or 1),
           [600 // sc] * (128 // sc) + [P] * (8 // sc or 1), ["default", "block_m=64,block_q=16"]),
-         ("decode 256 x 544", [1] * (256 // sc), [544 // sc] * (256 // sc), DECODE[:3]),
+         ("decode 256 x 544", [1] * (256 // sc), [544 // sc] * (256 // sc), DECODE[:4]),
          ("prefill 32 x 512", [P] * N, [P] * N, ["default", "block_m=64,block_q=16"]),
          ("mixed 32 decodes @ 600 + 31 x 512 prefills", [1] * N + [P] * (N - 1), [600 // sc] * N + [P] * (N - 1),
           ["default", "block_m=64,block_q=16"])]

@@ -48,7 +48,7 @@ def test_attention_matches_naive(name, mode, monkeypatch, variant=""):
         assert max(splits) > 1, "case meant to exercise split-KV ran unsplit"
 
 
-@pytest.mark.parametrize("variant", [",num_stages=1", ",num_stages=3", ",direct=0"])
+@pytest.mark.parametrize("variant", [",num_stages=1", ",num_stages=3", ",direct=0", ",head_major=1"])
 @pytest.mark.parametrize("name", ["decode_mha_split", "mixed_gqa4_split", "decode_head64_block32"])
 def test_attention_variants_match_naive(name, variant, monkeypatch):
     """Pipelined or not (one-tile splits run with one stage): the same results."""

@@ -167,13 +167,17 @@ def attention_kernel(
     MERGE_ROWS: tl.constexpr, MERGE_SPLITS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False,
     KV_FP8: tl.constexpr = False, window=0, cap2=1.0, sinks_ptr=None,
     WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False, SINKS: tl.constexpr = False,
-    UNPACK: tl.constexpr = 0, ONE_TOKEN: tl.constexpr = False,
+    UNPACK: tl.constexpr = 0, ONE_TOKEN: tl.constexpr = False, HEAD_MAJOR: tl.constexpr = False,
 ):
     if PDL:  # launched early beside the previous kernel: wait for its writes before reading anything
         gdc_launch_dependents()  # the next kernel only preloads weights before its own wait
         gdc_wait()
-    pid = tl.num_programs(0) - 1 - tl.program_id(0)  # last (longest causal) q blocks first: shorter tail
-    kvh = tl.program_id(1)
+    # grid (q blocks, KV heads, splits), or (KV heads, q blocks, splits) with HEAD_MAJOR: a request's KV heads
+    # then run side by side, reading the same cache blocks at once (each head is 1/H_kv of every token's row)
+    q_prog = tl.program_id(1) if HEAD_MAJOR else tl.program_id(0)
+    n_kvh = tl.num_programs(0) if HEAD_MAJOR else tl.num_programs(1)
+    pid = (tl.num_programs(1) if HEAD_MAJOR else tl.num_programs(0)) - 1 - q_prog  # last (longest causal) first
+    kvh = tl.program_id(0) if HEAD_MAJOR else tl.program_id(1)
     split = tl.program_id(2)
     HPAD: tl.constexpr = BLOCK_M // BLOCK_Q
 
@@ -283,7 +287,7 @@ def attention_kernel(
         acc = acc * v_scale
     if SPLIT:
         # partials [num_tokens, num_heads, NUM_SPLITS_PAD, (D_PAD | 2)]; empty splits write (-inf, 0)
-        row = (q_idx * (G * tl.num_programs(1)) + head) * NUM_SPLITS_PAD + split
+        row = (q_idx * (G * n_kvh) + head) * NUM_SPLITS_PAD + split
         tl.store(part_acc_ptr + row[:, None] * D_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
         tl.store(part_ml_ptr + row * 2, m_i, mask=row_ok)
         tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=row_ok)
@@ -299,11 +303,11 @@ def attention_kernel(
             # barrier carries that acquire to all of its threads, whose loads bypass L1 (.cg). No
             # program ever waits for another, so there is no deadlock whatever the residency.
             tl.debug_barrier()
-            cnt = counter_ptr + tl.program_id(0) * tl.num_programs(1) + kvh
+            cnt = counter_ptr + q_prog * n_kvh + kvh
             arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
             if arrived == tl.num_programs(2) - 1:
                 tl.debug_barrier()
-                _merge(out_ptr, part_acc_ptr, part_ml_ptr, q_start, q_len, qb, kvh, G * tl.num_programs(1),
+                _merge(out_ptr, part_acc_ptr, part_ml_ptr, q_start, q_len, qb, kvh, G * n_kvh,
                        tl.num_programs(2), stride_ot, stride_oh, G, G_PAD, HEAD_SIZE, D_PAD, BLOCK_Q,
                        NUM_SPLITS_PAD, MERGE_ROWS, MERGE_SPLITS)
                 tl.store(cnt, 0)
