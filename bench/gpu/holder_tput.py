@@ -2,9 +2,11 @@
 4 service threads), read by a tcp client and by a holder-mode client (shared memory), with 1, 2 and
 4 concurrent callers. Prints GB/s (best of 3). Usage: python bench/gpu/holder_tput.py [N] [SIZE] [SEGS]:
 SEGS > 1 splits every value into that many equal segments (the pool connector's values are one
-segment per KV tensor: 2 x layers of them, 16-32 KiB each at one block per chunk)."""
+segment per KV tensor: 2 x layers of them, 16-32 KiB each at one block per chunk). Environment:
+PARS (callers to try, default 1,2,4), HOLDER_THREADS (default 4), NO_TCP=1 (holder mode only)."""
 
 import ctypes
+import os
 import sys
 import threading
 import time
@@ -41,19 +43,25 @@ def timed(store: MooncakeStore, base: int, par: int) -> float:
     return N * SZ / best / 1e9
 
 
-with mooncake_master() as m, mooncake_holder(m, N * SZ + (256 << 20), timeout_s=60.0) as h:
+PARS = [int(x) for x in os.environ.get("PARS", "1,2,4").split(",")]
+TCP = os.environ.get("NO_TCP") != "1"
+with mooncake_master() as m, mooncake_holder(m, N * SZ + (256 << 20), timeout_s=60.0,
+                                             threads=int(os.environ.get("HOLDER_THREADS", "4"))) as h:
     kw = dict(master=m.master, metadata_server=m.metadata_server, global_segment_size=0, timeout_s=30.0)
     shm = MooncakeStore(**kw, holder=f"127.0.0.1:{h.port}", shm_bytes=N * SZ + (64 << 20))
     p = shm.host_buffer(N * SZ)
     ctypes.memset(p, 7, N * SZ)
     shm.register_buffer(p, N * SZ)
     assert all(r.ok for r in shm.put(keys, [split(p + i * SZ) for i in range(N)]))
-    buf = (ctypes.c_uint8 * (N * SZ))()
-    tcp = MooncakeStore(**kw)
-    tcp.register_buffer(ctypes.addressof(buf), N * SZ)
-    for par in (1, 2, 4) if SEGS == 1 else (1,):
+    if TCP:
+        buf = (ctypes.c_uint8 * (N * SZ))()
+        tcp = MooncakeStore(**kw)
+        tcp.register_buffer(ctypes.addressof(buf), N * SZ)
+    for par in PARS:
         what = f"get {N} x {SZ >> 10} KiB in {SEGS} segment(s), {par} caller(s)"
         print(f"{what}: holder mode {timed(shm, p, par):.2f} GB/s", flush=True)  # first: a slow tcp may be cut
-        print(f"{what}: tcp {timed(tcp, ctypes.addressof(buf), par):.2f} GB/s", flush=True)
-    tcp.close()
+        if TCP:
+            print(f"{what}: tcp {timed(tcp, ctypes.addressof(buf), par):.2f} GB/s", flush=True)
+    if TCP:
+        tcp.close()
     shm.close()

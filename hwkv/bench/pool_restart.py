@@ -117,6 +117,23 @@ for name, prompt in (("warm", cfg["warm"]), ("warm_load", cfg["warm"]), ("none",
                  "cached_tokens": out.metrics.num_cached_tokens if out.metrics is not None else None,
                  "timing": {k: round(v - before.get(k, 0.0), 6) for k, v in timing().items()}}
 res["packed_loads"] = (e.stats().get("kv_connector") or {}).get("packed_loads")
+# A/B in this process: the same load with other load_parallel values (best of two rounds each)
+ab = {}
+for _ in range(2):
+    for n in cfg.get("ab_parallel", []):
+        for t in e.connector.worker.transfers:
+            t.load_parallel = n
+        settle(reset=True)
+        before = timing()
+        t0 = time.perf_counter()
+        out = e.generate([cfg["prompt"]], sp, use_tqdm=False)[0]
+        ttft = time.perf_counter() - t0
+        r = {"ttft_s": ttft, "tokens": out.token_ids,
+             "cached_tokens": out.metrics.num_cached_tokens if out.metrics is not None else None,
+             "timing": {k: round(v - before.get(k, 0.0), 6) for k, v in timing().items()}}
+        if str(n) not in ab or ttft < ab[str(n)]["ttft_s"]:
+            ab[str(n)] = r
+res["ab_parallel"] = ab
 print("RESULT " + json.dumps(res), flush=True)
 e.close()
 """
@@ -141,6 +158,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(every pool engine), e.g. '{\"pack\": true}'")
     p.add_argument("--one-process", action="store_true", help="one engine process per --via: recompute, then "
                    "drop the device prefix cache and load the same prompt from the pool (no fill, no restart)")
+    p.add_argument("--ab-parallel", default="", help="--one-process: after the measured load, the same load again "
+                   "with each of these load_parallel values (comma-separated; best of two each), same process")
+    p.add_argument("--holder-threads", type=int, default=8, help="the holder's service threads")
     p.add_argument("--engine-args", default="{}", help="JSON dict of extra Engine kwargs (every process)")
     p.add_argument("--workdir", default="/tmp/hwkv-bench-models")
     p.add_argument("--out-dir", default=None)
@@ -206,7 +226,8 @@ def run(args: argparse.Namespace) -> int:
     out: dict[str, Any] = {}
     with contextlib.ExitStack() as stack:
         m = stack.enter_context(mooncake_master())
-        h = stack.enter_context(mooncake_holder(m, args.capacity_mb << 20, timeout_s=60.0))
+        h = stack.enter_context(mooncake_holder(m, args.capacity_mb << 20, timeout_s=60.0,
+                                                   threads=args.holder_threads))
         tcp = dict(store="mooncake", master=m.master, metadata_server=m.metadata_server, protocol="tcp",
                    global_segment_size=0, staging_bytes=args.staging_mb << 20)
         if args.chunk_size is not None:
@@ -275,7 +296,8 @@ def _one_process(args: argparse.Namespace, base: dict[str, Any], pools: dict[str
         # a prompt of its own per variant: the earlier variant's chunks must not be a hit here
         p = prompt if n == 0 else [(t + 7 * n) % (max(prompt) + 1) or 1 for t in prompt]
         try:
-            r = _child({**base, "pool": pools[v], "prompt": p}, args.timeout, CHILD_ONE)
+            ab = [int(x) for x in args.ab_parallel.split(",") if x.strip()]
+            r = _child({**base, "pool": pools[v], "prompt": p, "ab_parallel": ab}, args.timeout, CHILD_ONE)
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             out[v] = {"error": str(e)[-2000:]}
             failed = True
@@ -308,6 +330,19 @@ def _one_process(args: argparse.Namespace, base: dict[str, Any], pools: dict[str
               f"lookup {1e3 * tm.get('lookup_s', 0):.1f} ms"
               f"{'; packed' if out[v]['packed_loads'] else ''}",
               flush=True)
+        for n, a in r.get("ab_parallel", {}).items():
+            at = a["timing"]
+            ok = a["tokens"] == r[ref]["tokens"] and a["cached_tokens"] == r["pool"]["cached_tokens"]
+            out[v].setdefault("ab_parallel", {})[n] = {"ttft_ms": 1e3 * a["ttft_s"], "speedup": none / a["ttft_s"],
+                                                      "load_store_ms": 1e3 * at.get("load_store_s", 0),
+                                                      "load_wall_ms": 1e3 * at.get("load_wall_s", 0),
+                                                      "tokens_equal": ok}
+            print(f"    load_parallel={n}: from the pool {1e3 * a['ttft_s']:.1f} ms = x{none / a['ttft_s']:.2f}; store "
+                  f"calls {1e3 * at.get('load_store_s', 0):.1f} ms, copy wait {1e3 * at.get('load_copy_wait_s', 0):.1f}"
+                  f" ms, whole get {1e3 * at.get('load_wall_s', 0):.1f} ms; tokens as the reference: {ok}", flush=True)
+            if not ok:
+                failed = True
+                out[v]["error"] = f"load_parallel={n}: tokens or reused tokens differ from the reference"
         write_result(path, {"bench": "pool-restart --one-process", "date": day, "machine": machine(),
                             "commit": os.environ.get("HWKV_COMMIT") or _commit(),
                             "command": "hwkv bench pool-restart " + " ".join(sys.argv[3:]), "args": vars(args),

@@ -24,6 +24,7 @@ import time
 import urllib.error
 import urllib.request
 
+HOLDER_THREADS = 8  # a holder's service threads: concurrent get/put calls it serves (engines' load_parallel)
 _STATS = ("master_key_count", "master_allocated_bytes", "master_total_capacity_bytes", "master_client_count",
           "master_put_start_requests_total", "master_get_replica_list_requests_total",
           "master_exist_key_requests_total", "master_evicted_key_count", "master_evicted_size_bytes",
@@ -66,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--holder-port", type=int, default=50052,
                    help="the holder's client port: engines on this host attach with holder='HOST:PORT' and move "
                         "values through shared memory instead of tcp (default 50052)")
+    m.add_argument("--holder-threads", type=int, default=HOLDER_THREADS,
+                   help=f"the holder's service threads: each serves one get/put call at a time (one memcpy "
+                        f"stream); engines' load_parallel calls run on as many (default {HOLDER_THREADS})")
     m.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this host only; "
                    "0.0.0.0 for engines on other hosts)")
     m.add_argument("--port", type=int, default=50051, help="RPC port engines use as master= (default 50051)")
@@ -84,6 +88,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     h.add_argument("--port", type=int, default=50052,
                    help="client port: engines on this host attach with holder='HOST:PORT' (default 50052)")
     h.add_argument("--protocol", default="tcp", choices=("tcp", "rdma"), help="transfer protocol (default tcp)")
+    h.add_argument("--threads", type=int, default=HOLDER_THREADS,
+                   help=f"service threads, each serving one call at a time (default {HOLDER_THREADS})")
     h.add_argument("--metrics", default=None, help="the master's metrics URL: wait until the memory is mounted")
     s = sub.add_parser("stats", help="print the master's counters")
     s.add_argument("--metrics", default="http://127.0.0.1:9003", help="the master's metrics URL")
@@ -107,6 +113,8 @@ def _bad(args: argparse.Namespace) -> str | None:
         v = getattr(args, name)
         if not 0 < v < 65536:
             return f"--{name.replace('_', '-')}={v} is invalid (allowed: 1..65535)"
+    if not 1 <= args.holder_threads <= 256:
+        return f"--holder-threads={args.holder_threads} is invalid (allowed: 1..256)"
     if len({args.port, args.http_port, args.metrics_port, args.holder_port}) < 4:
         return "--port, --http-port, --metrics-port and --holder-port must differ"
     if not 0 < args.eviction_high_watermark <= 1 or not 0 < args.eviction_ratio <= 1:
@@ -123,7 +131,7 @@ def _bad_capacity(capacity: int, allow_zero: bool) -> str | None:
 
 
 def _start_holder(master: str, metadata: str, capacity: int, host: str, protocol: str, metrics_url: str | None,
-                  port: int = 0):
+                  port: int = 0, threads: int = HOLDER_THREADS):
     """A ``mooncake_client`` holder (dies with this command); waits until mounted if ``metrics_url``."""
     from hwkv.stores.mooncake_service import client_binary, die_with_parent, holder_command, pool_capacity, wait_mounted
 
@@ -131,7 +139,8 @@ def _start_holder(master: str, metadata: str, capacity: int, host: str, protocol
     if binary is None:
         raise RuntimeError("mooncake_client (the pool memory holder) is not in the mooncake package")
     before = pool_capacity(metrics_url) if metrics_url else 0.0
-    proc = subprocess.Popen(holder_command(binary, master, metadata, capacity, host=host, port=port, protocol=protocol),
+    proc = subprocess.Popen(holder_command(binary, master, metadata, capacity, host=host, port=port, protocol=protocol,
+                                           threads=threads),
                             stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
     if metrics_url:
         try:
@@ -176,7 +185,7 @@ def run_master(args: argparse.Namespace) -> int:
     if args.capacity:
         try:
             holder = _start_holder(cfg["master"], cfg["metadata_server"], args.capacity, args.holder_host or host,
-                                   "tcp", metrics_url, args.holder_port)
+                                   "tcp", metrics_url, args.holder_port, args.holder_threads)
         except RuntimeError as e:
             print(f"hwkv pool master: {e}", file=sys.stderr)
             _stop_all([proc])
@@ -223,12 +232,15 @@ def _stop_all(procs: list[subprocess.Popen]) -> None:
 
 
 def run_holder(args: argparse.Namespace) -> int:
+    if not 1 <= args.threads <= 256:
+        print(f"hwkv pool holder: --threads={args.threads} is invalid (allowed: 1..256)", file=sys.stderr)
+        return 2
     if (err := _bad_capacity(args.capacity, allow_zero=False)) is not None:
         print(f"hwkv pool holder: {err}", file=sys.stderr)
         return 2
     try:
         proc = _start_holder(args.master, args.metadata_server, args.capacity, args.host, args.protocol, args.metrics,
-                             args.port)
+                             args.port, args.threads)
     except (RuntimeError, OSError) as e:
         print(f"hwkv pool holder: {e}", file=sys.stderr)
         return 1

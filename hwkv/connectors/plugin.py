@@ -79,6 +79,9 @@ POOL_CONFIG = {
     "retry_s": "float, default 2.0: after a store failure, lookups miss and puts drop this long, then retry",
     "lookup_address": "str, default an IPC socket in a private temp dir: the lookup server's ZMQ address",
     "staging_bytes": "int, default 64 MiB: host staging per thread when the KV cache is not host memory",
+    "load_parallel": "int 1..32, default 4: concurrent get calls per load, each on a share of its chunks (a "
+                     "holder serves one call per thread: `hwkv pool master --holder-threads`); pieces of a "
+                     "multiple of it fill the staging, so staging_bytes should hold 2 x load_parallel chunks",
     "save": "bool, default True: put newly computed chunks (False: load-only)",
     "pack": "bool, default False: with one block per chunk and host staging, a load gets each value as one "
             "segment and scatters it into the blocks on the device (else one segment per KV tensor)",

@@ -177,7 +177,7 @@ class MooncakeStore(Store):
                              f"protocol={protocol!r}) failed ({code_name(rc)}; {LOG_HINT})")
         self._regs = Registrations()
         self._lock = threading.Lock()
-        self._calls = BoundedCalls(f"mooncake-store-{master}")
+        self._calls = BoundedCalls(f"mooncake-store-{master}", workers=16)  # concurrent gets (pool load_parallel)
         self._stats = dict.fromkeys(("puts", "put_full", "gets", "hits", "misses"), 0)
 
     def _live(self):

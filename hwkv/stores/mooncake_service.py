@@ -225,7 +225,7 @@ class MooncakeHolder:
 
 
 def holder_command(binary: str, master: str, metadata_server: str, capacity_bytes: int, host: str = "127.0.0.1",
-                   port: int = 0, protocol: str = "tcp", threads: int = 4) -> list[str]:
+                   port: int = 0, protocol: str = "tcp", threads: int = 8) -> list[str]:
     """The ``mooncake_client`` command line of a holder contributing ``capacity_bytes`` (its own
     staging buffer is 0: it only serves its segment). ``host`` is the address other clients reach
     its segment at; engines on this host attach at ``port`` (holder mode, shared memory), served
@@ -275,7 +275,7 @@ def stop(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
 
 @contextlib.contextmanager
 def mooncake_holder(master: MooncakeMaster, capacity_bytes: int = 64 << 20, *,
-                    timeout_s: float = 15.0) -> Iterator[MooncakeHolder]:
+                    timeout_s: float = 15.0, threads: int = 8) -> Iterator[MooncakeHolder]:
     """Start a memory holder (``mooncake_client``) contributing ``capacity_bytes`` to ``master``'s
     pool, wait until its segment is mounted, yield it, then stop it. Values put by any client
     (engines with ``global_segment_size=0`` included) live in holders' segments, so they outlive
@@ -290,7 +290,7 @@ def mooncake_holder(master: MooncakeMaster, capacity_bytes: int = 64 << 20, *,
         before = pool_capacity(master.metrics)
         with open(log_path, "w") as log:
             proc = subprocess.Popen(holder_command(binary, master.master, master.metadata_server, capacity_bytes,
-                                                   port=port), stdout=log, stderr=subprocess.STDOUT,
+                                                   port=port, threads=threads), stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
         try:
             wait_mounted(proc, master.metrics, before, capacity_bytes, timeout_s, log_path)

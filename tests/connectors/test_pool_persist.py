@@ -182,3 +182,73 @@ def test_replicas_validated():
 
     with pytest.raises(ValueError, match=r"replicas=0 is invalid \(need an int in 1\.\.8"):
         MooncakeStore(master="127.0.0.1:1", replicas=0)
+
+
+def test_parallel_loads_from_a_real_holder(model_dir, expected):
+    """``load_parallel``: a load's get runs as concurrent calls on contiguous shares of its chunks
+    (holder mode, a real master + holder with 4 service threads). Tokens as a plain engine's; a
+    share whose call fails fails the load only after every other share returned (they write into
+    the staging the next load reuses): the request recomputes, no block or pin is held."""
+    skip_unless_mooncake()
+    if client_binary() is None:
+        pytest.skip("the mooncake wheel has no mooncake_client (the pool memory holder)")
+    import threading
+    import time
+
+    from hwkv.interfaces.store import StoreError
+
+    from .test_pool import _settle
+
+    def engine(h, **kw):
+        cfg = dict(store="mooncake", master=m.master, metadata_server=m.metadata_server, global_segment_size=0,
+                   timeout_s=5.0, holder=f"127.0.0.1:{h.port}", staging_bytes=1 << 20, **kw)
+        return hwkv.Engine(model_dir, num_kv_blocks=64, max_model_len=256, block_size=BS, kv_connector="pool",
+                           kv_connector_config=cfg)
+
+    def run(e):
+        return e.generate([PROMPT], SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)[0].token_ids
+
+    with mooncake_master() as m, mooncake_holder(m, 32 << 20, threads=4) as h:
+        engines = [engine(h, load_parallel=4) for _ in range(3)]
+        try:
+            a, b, c = engines
+            assert run(a) == expected
+            assert _settle(a)["stored_chunks"] == 9
+            tr = b.scheduler.connector.worker.transfer
+            assert tr.load_parallel == 4 and not tr.direct
+            calls: list[tuple[int, float, float]] = []  # (chunks, start, end) of each get call
+            orig = tr.handle.call
+
+            def traced(op, *args):
+                t0 = time.monotonic()
+                out = orig(op, *args)
+                if op == "get":
+                    calls.append((len(args[0]), t0, time.monotonic()))
+                return out
+
+            tr.handle.call = traced
+            assert run(b) == expected
+            st = _settle(b)
+            assert st["external_hit_tokens"] == 9 * BS and st["load_failures"] == 0
+            assert sorted(n for n, _, _ in calls) == [2, 2, 2, 3]  # 9 chunks, four shares of one piece
+            # one share fails after the others started: the load fails once all have returned
+            tc, ended = c.scheduler.connector.worker.transfer, []
+            orig_c = tc.handle.call
+
+            def failing(op, *args):
+                if op == "get" and len(args[0]) == 3:
+                    time.sleep(0.05)
+                    raise StoreError("injected: one share's get failed")
+                out = orig_c(op, *args)
+                if op == "get":
+                    ended.append(threading.current_thread().name)
+                return out
+
+            tc.handle.call = failing
+            assert run(c) == expected  # recomputed
+            st = _settle(c)  # asserts every block and pin is back
+            assert st["load_failures"] == 1 and "injected: one share's get failed" in st["last_load_error"]
+            assert len(ended) == 3  # the other shares' calls had returned before the load ended
+        finally:
+            for e in engines:
+                e.scheduler.connector.shutdown()

@@ -61,7 +61,7 @@ class PoolConnector(SplitConnector):
     def __init__(self, store: Any = "embedded", chunk_size: int | None = None, model_id: str | None = None,
                  tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, lookup_timeout_s: float = 1.0,
                  load_timeout_s: float = 10.0, retry_s: float = 2.0, lookup_address: str | None = None,
-                 staging_bytes: int = 64 << 20, save: bool = True, pack: bool = False,
+                 staging_bytes: int = 64 << 20, save: bool = True, pack: bool = False, load_parallel: int = 4,
                  **store_options: Any):
         if chunk_size is not None:
             _positive("chunk_size", chunk_size, integer=True)
@@ -69,6 +69,9 @@ class PoolConnector(SplitConnector):
                         ("retry_s", retry_s)):
             _positive(name, v)
         _positive("staging_bytes", staging_bytes, integer=True)
+        if isinstance(load_parallel, bool) or not isinstance(load_parallel, int) or not 1 <= load_parallel <= 32:
+            raise ValueError(f"pool: load_parallel={load_parallel!r} is invalid (need an int in 1..32: concurrent "
+                             "get calls per load)")
         if not isinstance(pack, bool):
             raise ValueError(f"pool: pack={pack!r} is invalid (need true or false)")
         if model_id is not None and (not isinstance(model_id, str) or not model_id or "@" in model_id):
@@ -83,7 +86,8 @@ class PoolConnector(SplitConnector):
         self.lookup_timeout_s, self.load_timeout_s = float(lookup_timeout_s), float(load_timeout_s)
         self.lookup_address, self.staging_bytes, self.save = lookup_address, staging_bytes, bool(save)
         self.scheduler = PoolScheduler(self.save)
-        self.worker = PoolWorker(self.handle, self.load_timeout_s, staging_bytes, lookup_address, pack)
+        self.worker = PoolWorker(self.handle, self.load_timeout_s, staging_bytes, lookup_address, pack,
+                                 load_parallel)
         # A connector never shut down still flushes its queued puts (bounded) and closes its store
         # client, when it is collected or at the latest at interpreter exit (before the teardown): a
         # Mooncake client left to the wheel's destructors aborts the process (std::terminate).

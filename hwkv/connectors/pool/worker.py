@@ -46,9 +46,9 @@ class PoolWorker(JobWorker):
     fail_details = (0, 0)
 
     def __init__(self, handle: StoreHandle, load_timeout_s: float, staging_bytes: int,
-                 lookup_address: str | None, pack: bool = False) -> None:
+                 lookup_address: str | None, pack: bool = False, load_parallel: int = 1) -> None:
         super().__init__()
-        self.pack = pack
+        self.pack, self.load_parallel = pack, load_parallel
         self.handle, self.load_timeout_s = handle, load_timeout_s
         self.staging_bytes, self.lookup_address = staging_bytes, lookup_address
         self.key: PoolKey | None = None  # group 0's (the only one without groups)
@@ -79,7 +79,8 @@ class PoolWorker(JobWorker):
         alloc = self.handle.host_memory()  # a holder-mode store: staging in its shared memory
         layers = [c.spec.num_layers for c in caches]  # the staging bytes are shared in proportion
         self.transfers = [PoolTransfer(self.handle, self.dev, c, self.key.chunk_blocks,
-                                       max(1, self.staging_bytes * n // sum(layers)), alloc, self.pack)
+                                       max(1, self.staging_bytes * n // sum(layers)), alloc, self.pack,
+                                       self.load_parallel)
                           for c, n in zip(caches, layers)]
         self.transfer = self.transfers[0]
         self.handle.register([b for t in self.transfers for b in t.buffers()])  # connects now if it can
