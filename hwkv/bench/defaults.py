@@ -71,7 +71,11 @@ def run(args: argparse.Namespace) -> int:
     n, n_in, n_out, vocab = args.num_requests, args.input_len, args.output_len, cfg["vocab_size"]
     run_engine(engine, [(p, n_out) for p, _ in workload(n, n_in, n_in, vocab, seed=6)])  # compiles, other tokens
     work = [(p, n_out) for p, _ in workload(n, n_in, n_in, vocab, seed=5)]
+    wait0, steps0 = getattr(engine.runner, "token_wait_s", 0.0), engine.stats()["num_steps"]
     r = run_engine(engine, work)
+    # the host's wait for sampled tokens: near 0 means the GPU waits for the host (host-bound steps)
+    r["token_wait_s"] = getattr(engine.runner, "token_wait_s", 0.0) - wait0
+    r["steps"] = engine.stats()["num_steps"] - steps0
     body, head = linear_params(engine.model)
     kv = kv_bytes_per_token(cfg, torch.empty(0, dtype=getattr(torch, args.dtype)).element_size())
     roof = offline_roofline(cfg, body, head, decode_read_bytes(engine.model), kv, n, n_in, n_out, bw, rate)
@@ -79,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
                           roofline_tok_per_s=roof["tok_per_s"], roofline=roof,
                           roofline_fraction=r["tok_per_s"] / roof["tok_per_s"], stats=engine.stats())
     print(f"[defaults] offline {r['tok_per_s']:.0f} tok/s = {res['offline']['roofline_fraction']:.1%} of the "
-          f"roofline {roof['tok_per_s']:.0f} (non-default args: {extra or 'none'})", flush=True)
+          f"roofline {roof['tok_per_s']:.0f} (non-default args: {extra or 'none'}); {r['steps']} steps in "
+          f"{r['seconds']:.3f} s, host waited {r['token_wait_s']:.3f} s for tokens", flush=True)
     if args.profile:
         if not host:
             res["profile"] = profile_pass(engine, [(p, n_out) for p, _ in workload(n, n_in, n_in, vocab, seed=7)])
