@@ -46,3 +46,26 @@ for m in (256, 64, 1):
         rows.append(row)
         print(json.dumps(row), flush=True)
         Path(out_path).write_text(json.dumps(rows, indent=1))
+
+# The decode step's four GEMMs at the offline batch (1B shape) under each cuBLAS front end: the batch-256 profile
+# had o_proj and down at 310-410 TFLOP/s on 64x64 tiles (one wave, K looped in one CTA), gate_up at ~700.
+GEMMS = [("qkv", 3072, 2048), ("o_proj", 2048, 2048), ("gate_up", 16384, 2048), ("down", 2048, 8192)]
+default_lib = torch.backends.cuda.preferred_blas_library()
+for m in (256, 128):
+    for name, n, k in GEMMS:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        wl = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(8)]
+        for lib in ("cublas", "cublaslt"):
+            try:
+                torch.backends.cuda.preferred_blas_library(lib)
+                t = _time([lambda w=w, x=x: F.linear(x, w) for w in wl], 20)
+            except Exception as e:  # noqa: BLE001
+                print(json.dumps(dict(gemm=name, m=m, lib=lib, error=repr(e)[:200])), flush=True)
+                continue
+            finally:
+                torch.backends.cuda.preferred_blas_library(default_lib)
+            row = dict(gemm=name, m=m, n=n, k=k, lib=lib, us=t * 1e6, TFLOPs=2 * m * n * k / t / 1e12,
+                       TBps=(n * k + m * (n + k)) * 2 / t / 1e12)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            Path(out_path).write_text(json.dumps(rows, indent=1))
