@@ -32,7 +32,7 @@ B1 = ["default", "direct=0", "min_split=64", "split_target=16"]
 # (name, query lengths, sequence lengths, variants), the offline run's largest share first; HWKV_PROBE_CASES (comma
 # list of name prefixes) picks some
 cases = [("decode 256 x 640", [1] * (256 // sc), [640 // sc] * (256 // sc), DECODE),
-         ("decode 1 x 640", [1], [640 // sc], B1),
+         ("decode 1 x 384", [1], [384 // sc], B1),  # the batch-1 bench: 128 + up to 256 tokens
          ("mixed 224 decodes @ 600 + 1 x 512 prefill", [1] * (224 // sc) + [P], [600 // sc] * (224 // sc) + [P], MIXED),
          ("mixed 128 decodes @ 600 + 8 x 512 prefills", [1] * (128 // sc) + [P] * (8 // sc or 1),
           [600 // sc] * (128 // sc) + [P] * (8 // sc or 1), ["default", "block_m=64,block_q=16"]),
