@@ -6,8 +6,9 @@
 # threads, and 1 GiB of staging holds 30 of the 8B's 33.5 MB chunks (pieces of P chunks, up to four
 # in flight). A/B in ONE process per dtype: the same load with load_parallel 1 (the old path: one
 # call per half of the staging) and 4, 8, 16 (best of two each), tokens checked against the
-# device-cache hit. 1. 8B checkpoint (~25 s); 2. bf16; 3. fp8 KV; 4. time left: the raw holder
-# throughput (bench/gpu/holder_tput.py, 64 x 32 MiB values of 64 segments, 1..16 callers).
+# device-cache hit. 1. 8B checkpoint (~25 s); 2. bf16; 3. the raw holder throughput
+# (bench/gpu/holder_tput.py, 32 x 16 MiB values of 32 segments: 1/4/8 callers on one holder-mode
+# client vs spread over 4/8 clients, each its own shared memory and connection); 4. fp8 KV.
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 OMP_NUM_THREADS=4
 export PYTHONPATH=$PWD:$PWD/backends/cuda:${PYTHONPATH:-}
@@ -31,15 +32,15 @@ echo "== 2. llama-8b bf16, 7,937-token prompt, 256-token chunks, holder, load_pa
 mkdir -p "$OUT/8b-bf16"
 timeout "$(left 1)" "${R[@]}" --engine-args '{"enforce_eager": true}' --out-dir "$OUT/8b-bf16" 2>&1 | tee "$OUT/8b-bf16.log" | tail -n 12
 echo "8b-bf16 rc=${PIPESTATUS[0]} ($(date -u +%T))"
+if [[ $(left 0) -ge 52 ]]; then
+  echo "== 3. raw holder throughput: callers on one client vs one client each ($(left 0) s left)"
+  HOLDER_THREADS=16 PARS=1,4,8 CLIENTS=1,4,8 NO_TCP=1 timeout 20 python3 bench/gpu/holder_tput.py 32 16777216 32 2>&1 \
+    | grep -v "^[IWE][0-9]" | tee "$OUT/holder_tput.log" | tail -n 9
+fi
 if [[ $(left 0) -ge 40 ]]; then
-  echo "== 3. llama-8b fp8 KV, as 2 ($(left 0) s left)"
+  echo "== 4. llama-8b fp8 KV, as 2 ($(left 0) s left)"
   mkdir -p "$OUT/8b-fp8"
   timeout "$(left 1)" "${R[@]}" --engine-args '{"enforce_eager": true, "kv_cache_dtype": "fp8"}' \
     --out-dir "$OUT/8b-fp8" 2>&1 | tee "$OUT/8b-fp8.log" | tail -n 12
   echo "8b-fp8 rc=${PIPESTATUS[0]} ($(date -u +%T))"
-fi
-if [[ $(left 0) -ge 12 ]]; then
-  echo "== 4. raw holder throughput ($(left 0) s left)"
-  HOLDER_THREADS=16 PARS=1,2,4,8,16 NO_TCP=1 timeout "$(left 1)" python3 bench/gpu/holder_tput.py 64 33554432 64 2>&1 \
-    | grep -v "^[IWE][0-9]" | tee "$OUT/holder_tput.log" | tail -n 8
 fi

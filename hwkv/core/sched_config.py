@@ -21,6 +21,10 @@ class SchedulerOptions:
     enable_chunked_prefill: bool = True  # split long prompts over steps, mixed with decodes
     long_prefill_token_threshold: int = 0  # >0: cap on one request's prefill chunk per step
     max_num_partial_prefills: int = 1  # requests allowed to be mid-prefill at once
+    # A waiting request whose whole rest fits this step may start while one ahead of it waits for a
+    # partial-prefill slot (vLLM's short prompts jumping the queue, max_long_partial_prefills): with
+    # long_prefill_token_threshold, a prefix-cache hit's few tokens then need not wait out a long miss.
+    short_prefills_first: bool = False
     scheduling_policy: str = "fcfs"  # "fcfs" | "priority" (lower SamplingParams.priority first, preempting)
     # Admit a waiting request only when its whole prompt (after prefix-cache hits) fits in free blocks,
     # not just its first chunk (vLLM's scheduler_reserve_full_isl). Off: larger batches, but more
@@ -41,7 +45,7 @@ class SchedulerOptions:
             raise ValueError(f"long_prefill_token_threshold must be an int >= 0, got {t!r}")
         if self.scheduling_policy not in POLICIES:
             raise ValueError(f"scheduling_policy must be one of {sorted(POLICIES)}, got {self.scheduling_policy!r}")
-        for name in ("enable_chunked_prefill", "reserve_full_prompt"):
+        for name in ("enable_chunked_prefill", "reserve_full_prompt", "short_prefills_first"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 

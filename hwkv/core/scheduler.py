@@ -278,7 +278,11 @@ class Scheduler(SchedulerResults):
                         break
                     n = st.budget
                 if n < remaining and len(st.partial) >= cfg.max_num_partial_prefills:
-                    break
+                    if not cfg.short_prefills_first:
+                        break
+                    # it keeps its place at the front; requests behind it whose whole rest fits go now
+                    skipped.append(waiting.pop_request())
+                    continue
             # blocks to find: this step's tokens, or the whole rest of the prompt with reserve_full_prompt
             want = req.num_tokens - req.num_computed_tokens - num_local if cfg.reserve_full_prompt else n + num_ext
             short = kv.num_blocks_short(req, max(want, n + num_ext), num_local, new_blocks)

@@ -101,6 +101,20 @@ def test_max_num_partial_prefills(limit):
         assert so.num_scheduled_tokens == {"a": 6, "b": 6, "c": 3}
 
 
+def test_short_prefills_first_lets_a_whole_prompt_pass_a_waiting_partial():
+    """``short_prefills_first``: c (whole in this step) starts while b waits for the one partial-prefill
+    slot; b keeps its place at the front and takes the slot as soon as a's prefill ends."""
+    s = make(long_prefill_token_threshold=6, max_num_partial_prefills=1, short_prefills_first=True)
+    add(s, req("a", 20), req("b", 20), req("c", 3), req("d", 20))
+    so, _ = step(s)
+    assert so.num_scheduled_tokens == {"a": 6, "c": 3}
+    assert [r.request_id for r in s.waiting] == ["b", "d"]
+    plan = []
+    while s.requests["b"].status is not RequestStatus.RUNNING:
+        plan.append(step(s)[0].num_scheduled_tokens)
+    assert plan[-1].get("b") == 6 and "d" not in plan[-1]  # a finished its prompt; b before d
+
+
 def test_preemption_newest_first_requeued_at_front():
     s = make(num_blocks=6)  # 24 slots
     add(s, req("a", 7, max_tokens=20), req("b", 7, max_tokens=20), req("c", 7, max_tokens=20))
