@@ -46,7 +46,8 @@ class TileConfig:
     fp8_unpack: int = 0  # how an fp8 cache is read: 0 e4m3 tiles cast (K as [D, keys]); 1 int16 words of
     # two codes unpacked in registers (even head sizes); 2 e4m3 rows cast, K transposed after the cast; 3 as 1,
     # with fp16 dots for a bf16 query (the query scaled by 2^-8 into fp16 once per program); 4 as 0 and 6 as 2,
-    # the tiles cast to fp16 (one cvt.rn.f16x2.e4m3x2 per two codes on sm_89+) with 3's fp16 dots
+    # the tiles cast to fp16 (one cvt.rn.f16x2.e4m3x2 per two codes on sm_89+) with 3's fp16 dots; 7 as 4 with
+    # V cast in its loaded rows before the operand layout change (ldmatrix.trans, not byte gathers)
 
 
 
