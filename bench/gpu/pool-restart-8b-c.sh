@@ -1,12 +1,13 @@
 #!/bin/bash
 # pool (#35), one GPU, LIMIT s (default 145), needs the mooncake wheel. Call 1 (main 8b3214a,
 # pool-restart-8b-b.sh): the 8B load is bound by the store calls - one get call at a time, served by
-# one holder thread (one memcpy stream, ~6 GB/s): bf16 x1.22, fp8 KV x2.03 (goal x4). Now a load's
-# get runs as load_parallel concurrent calls on shares of its chunks, the holder has 16 service
-# threads, and 1 GiB of staging holds 30 of the 8B's 33.5 MB chunks (pieces of P chunks, up to four
-# in flight). A/B in ONE process per dtype: the same load with load_parallel 1 (the old path: one
-# call per half of the staging) and 4, 8, 16 (best of two each), tokens checked against the
-# device-cache hit. 1. 8B checkpoint (~25 s); 2. bf16; 3. the raw holder throughput
+# one holder thread (one memcpy stream, ~6 GB/s): bf16 x1.22, fp8 KV x2.03 (goal x4); session 5 saw
+# no gain from more callers on one client (one connection to the holder?). Now a load's get can run
+# as load_parallel concurrent calls on one client and/or over load_clients holder-mode clients (each
+# its own shared memory, staging and connection); the holder has 16 service threads; 1 GiB of staging
+# holds 30 of the 8B's 33.5 MB chunks. The measured run uses 8 clients; A/B in ONE process per dtype
+# (best of two each): 1 (the old path: one call per half of the staging), 4/8/16 calls on one client,
+# c4/c8 clients, c8p2; tokens checked against the device-cache hit. 1. 8B checkpoint (~25 s); 2. bf16; 3. the raw holder throughput
 # (bench/gpu/holder_tput.py, 32 x 16 MiB values of 32 segments: 1/4/8 callers on one holder-mode
 # client vs spread over 4/8 clients, each its own shared memory and connection); 4. fp8 KV.
 set -u
@@ -27,7 +28,7 @@ print(model_dir(argparse.Namespace(model='llama-8b', dtype='bfloat16', workdir='
 " 2>&1 | tail -n 3; echo "write rc=${PIPESTATUS[0]}"
 R=(python3 -m hwkv bench pool-restart --backend cuda --repeats 1 --capacity-mb 4096 --via holder --one-process
    --workdir "$W" --model llama-8b --prompt-len 7905 --suffix-len 32 --chunk-size 256 --staging-mb 1024 --timeout 60
-   --holder-threads 16 --pool-config '{"load_parallel": 8}' --ab-parallel "${AB:-1,4,8,16}")
+   --holder-threads 16 --pool-config '{"load_parallel": 1, "load_clients": 8}' --ab-parallel "${AB:-1,4,8,16,c4,c8,c8p2}")
 echo "== 2. llama-8b bf16, 7,937-token prompt, 256-token chunks, holder, load_parallel A/B ($(date -u +%T))"
 mkdir -p "$OUT/8b-bf16"
 timeout "$(left 1)" "${R[@]}" --engine-args '{"enforce_eager": true}' --out-dir "$OUT/8b-bf16" 2>&1 | tee "$OUT/8b-bf16.log" | tail -n 12

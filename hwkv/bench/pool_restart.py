@@ -120,9 +120,10 @@ res["packed_loads"] = (e.stats().get("kv_connector") or {}).get("packed_loads")
 # A/B in this process: the same load with other load_parallel values (best of two rounds each)
 ab = {}
 for _ in range(2):
-    for n in cfg.get("ab_parallel", []):
+    for n in cfg.get("ab_parallel", []):  # "P": P calls on one client; "cK" / "cKpP": K clients (P calls each)
+        lanes, _, par = n[1:].partition("p") if n.startswith("c") else ("1", "", n)
         for t in e.connector.worker.transfers:
-            t.load_parallel = n
+            t.load_parallel, t.lanes_active = int(par or 1), int(lanes)
         settle(reset=True)
         before = timing()
         t0 = time.perf_counter()
@@ -159,7 +160,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--one-process", action="store_true", help="one engine process per --via: recompute, then "
                    "drop the device prefix cache and load the same prompt from the pool (no fill, no restart)")
     p.add_argument("--ab-parallel", default="", help="--one-process: after the measured load, the same load again "
-                   "with each of these load_parallel values (comma-separated; best of two each), same process")
+                   "with each of these settings (comma-separated; best of two each), same process: P = load_parallel "
+                   "P on one client, cK = spread over K of the load_clients, cKpP = both")
     p.add_argument("--holder-threads", type=int, default=8, help="the holder's service threads")
     p.add_argument("--engine-args", default="{}", help="JSON dict of extra Engine kwargs (every process)")
     p.add_argument("--workdir", default="/tmp/hwkv-bench-models")
@@ -296,7 +298,7 @@ def _one_process(args: argparse.Namespace, base: dict[str, Any], pools: dict[str
         # a prompt of its own per variant: the earlier variant's chunks must not be a hit here
         p = prompt if n == 0 else [(t + 7 * n) % (max(prompt) + 1) or 1 for t in prompt]
         try:
-            ab = [int(x) for x in args.ab_parallel.split(",") if x.strip()]
+            ab = [x.strip() for x in args.ab_parallel.split(",") if x.strip()]
             r = _child({**base, "pool": pools[v], "prompt": p, "ab_parallel": ab}, args.timeout, CHILD_ONE)
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             out[v] = {"error": str(e)[-2000:]}
@@ -337,12 +339,12 @@ def _one_process(args: argparse.Namespace, base: dict[str, Any], pools: dict[str
                                                       "load_store_ms": 1e3 * at.get("load_store_s", 0),
                                                       "load_wall_ms": 1e3 * at.get("load_wall_s", 0),
                                                       "tokens_equal": ok}
-            print(f"    load_parallel={n}: from the pool {1e3 * a['ttft_s']:.1f} ms = x{none / a['ttft_s']:.2f}; store "
+            print(f"    {n}: from the pool {1e3 * a['ttft_s']:.1f} ms = x{none / a['ttft_s']:.2f}; store "
                   f"calls {1e3 * at.get('load_store_s', 0):.1f} ms, copy wait {1e3 * at.get('load_copy_wait_s', 0):.1f}"
                   f" ms, whole get {1e3 * at.get('load_wall_s', 0):.1f} ms; tokens as the reference: {ok}", flush=True)
             if not ok:
                 failed = True
-                out[v]["error"] = f"load_parallel={n}: tokens or reused tokens differ from the reference"
+                out[v]["error"] = f"{n}: tokens or reused tokens differ from the reference"
         write_result(path, {"bench": "pool-restart --one-process", "date": day, "machine": machine(),
                             "commit": os.environ.get("HWKV_COMMIT") or _commit(),
                             "command": "hwkv bench pool-restart " + " ".join(sys.argv[3:]), "args": vars(args),

@@ -82,6 +82,9 @@ POOL_CONFIG = {
     "load_parallel": "int 1..32, default 4: concurrent get calls per load, each on a share of its chunks (a "
                      "holder serves one call per thread: `hwkv pool master --holder-threads`); pieces of a "
                      "multiple of it fill the staging, so staging_bytes should hold 2 x load_parallel chunks",
+    "load_clients": "int 1..32, default 1: store clients a load's chunks are spread over (contiguous shares, "
+                    "at once); holder mode: one shared memory and holder connection each; every extra client "
+                    "has a get staging of staging_bytes / load_clients",
     "save": "bool, default True: put newly computed chunks (False: load-only)",
     "pack": "bool, default False: with one block per chunk and host staging, a load gets each value as one "
             "segment and scatters it into the blocks on the device (else one segment per KV tensor)",

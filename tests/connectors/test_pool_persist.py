@@ -252,3 +252,65 @@ def test_parallel_loads_from_a_real_holder(model_dir, expected):
         finally:
             for e in engines:
                 e.scheduler.connector.shutdown()
+
+
+def test_loads_spread_over_several_holder_clients(model_dir, expected):
+    """``load_clients``: a load's chunks in contiguous shares over several holder-mode clients at
+    once (each its own shared memory, staging and connection to the holder). Tokens as a plain
+    engine's; a lane whose get fails fails the load once every lane ended; nothing stays held."""
+    skip_unless_mooncake()
+    if client_binary() is None:
+        pytest.skip("the mooncake wheel has no mooncake_client (the pool memory holder)")
+    from hwkv.interfaces.store import StoreError
+
+    from .test_pool import _settle
+
+    def engine(h, **kw):
+        cfg = dict(store="mooncake", master=m.master, metadata_server=m.metadata_server, global_segment_size=0,
+                   timeout_s=5.0, holder=f"127.0.0.1:{h.port}", staging_bytes=1 << 20, **kw)
+        return hwkv.Engine(model_dir, num_kv_blocks=64, max_model_len=256, block_size=BS, kv_connector="pool",
+                           kv_connector_config=cfg)
+
+    def run(e):
+        return e.generate([PROMPT], SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)[0].token_ids
+
+    with mooncake_master() as m, mooncake_holder(m, 32 << 20, threads=4) as h:
+        a = engine(h, load_parallel=1)
+        b = engine(h, load_parallel=1, load_clients=3)
+        c = engine(h, load_parallel=2, load_clients=3)
+        try:
+            assert run(a) == expected
+            assert _settle(a)["stored_chunks"] == 9
+            tb = b.scheduler.connector.worker.transfer
+            assert len(tb._lanes) == 2 and tb.lanes_active == 3
+            seen: list[tuple[int, int]] = []  # (client handle id, chunks) of each get call
+            handles = [tb.handle] + [hh for hh, _ in tb._lanes]
+            for hh in handles:
+                orig = hh.call
+
+                def traced(op, *args, _orig=orig, _hh=hh):
+                    if op == "get":
+                        seen.append((handles.index(_hh), len(args[0])))
+                    return _orig(op, *args)
+
+                hh.call = traced
+            assert run(b) == expected
+            st = _settle(b)
+            assert st["external_hit_tokens"] == 9 * BS and st["load_failures"] == 0
+            assert sorted(seen) == [(0, 3), (1, 3), (2, 3)]  # three clients, a share each
+            # the second lane's client fails: the load fails after all lanes ended, the request recomputes
+            tc = c.scheduler.connector.worker.transfer
+            bad = tc._lanes[0][0]
+
+            def failing(op, *args):
+                if op == "get":
+                    raise StoreError("injected: lane 1's get failed")
+                return bad.__class__.call(bad, op, *args)
+
+            bad.call = failing
+            assert run(c) == expected
+            st = _settle(c)  # asserts every block and pin is back
+            assert st["load_failures"] == 1 and "injected: lane 1's get failed" in st["last_load_error"]
+        finally:
+            for e in (a, b, c):
+                e.scheduler.connector.shutdown()

@@ -62,7 +62,7 @@ class PoolConnector(SplitConnector):
                  tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, lookup_timeout_s: float = 1.0,
                  load_timeout_s: float = 10.0, retry_s: float = 2.0, lookup_address: str | None = None,
                  staging_bytes: int = 64 << 20, save: bool = True, pack: bool = False, load_parallel: int = 4,
-                 **store_options: Any):
+                 load_clients: int = 1, **store_options: Any):
         if chunk_size is not None:
             _positive("chunk_size", chunk_size, integer=True)
         for name, v in (("lookup_timeout_s", lookup_timeout_s), ("load_timeout_s", load_timeout_s),
@@ -72,6 +72,9 @@ class PoolConnector(SplitConnector):
         if isinstance(load_parallel, bool) or not isinstance(load_parallel, int) or not 1 <= load_parallel <= 32:
             raise ValueError(f"pool: load_parallel={load_parallel!r} is invalid (need an int in 1..32: concurrent "
                              "get calls per load)")
+        if isinstance(load_clients, bool) or not isinstance(load_clients, int) or not 1 <= load_clients <= 32:
+            raise ValueError(f"pool: load_clients={load_clients!r} is invalid (need an int in 1..32: store clients "
+                             "a load's chunks are spread over)")
         if not isinstance(pack, bool):
             raise ValueError(f"pool: pack={pack!r} is invalid (need true or false)")
         if model_id is not None and (not isinstance(model_id, str) or not model_id or "@" in model_id):
@@ -80,6 +83,12 @@ class PoolConnector(SplitConnector):
             store_options.setdefault("shm_bytes", 2 * staging_bytes + (64 << 20))  # put + get staging, and slack
         factory, owned = store_factory(store, store_options)
         self.handle = StoreHandle(factory, owned, float(retry_s), owns_memory(store, store_options))
+        lane_options = store_options
+        if store == "mooncake" and store_options.get("holder") is not None:  # a load client's get staging only
+            lane_options = {**store_options, "shm_bytes": staging_bytes // load_clients + (128 << 20)}
+        lane_factory = store_factory(store, lane_options)[0]
+        lanes = [StoreHandle(lane_factory, owned, float(retry_s), owns_memory(store, store_options))
+                 for _ in range(load_clients - 1)]
         self.store_kind = store if isinstance(store, str) else type(store).__name__
         self.chunk_size, self.model_id = chunk_size, model_id
         self.shard = (tp_rank, tp_size, pp_rank)
@@ -87,7 +96,7 @@ class PoolConnector(SplitConnector):
         self.lookup_address, self.staging_bytes, self.save = lookup_address, staging_bytes, bool(save)
         self.scheduler = PoolScheduler(self.save)
         self.worker = PoolWorker(self.handle, self.load_timeout_s, staging_bytes, lookup_address, pack,
-                                 load_parallel)
+                                 load_parallel, lanes)
         # A connector never shut down still flushes its queued puts (bounded) and closes its store
         # client, when it is collected or at the latest at interpreter exit (before the teardown): a
         # Mooncake client left to the wheel's destructors aborts the process (std::terminate).

@@ -180,13 +180,15 @@ class PoolTransfer:
     """Owns the two threads; ``submit_put`` / ``submit_get`` enqueue, ``drain`` collects completions."""
 
     def __init__(self, handle: StoreHandle, dev: Any, kv: Any, chunk_blocks: int, staging_bytes: int,
-                 alloc: Callable[[int], int] | None = None, pack: bool = False, load_parallel: int = 1):
+                 alloc: Callable[[int], int] | None = None, pack: bool = False, load_parallel: int = 1,
+                 lanes: list[tuple[StoreHandle, Callable[[int], int] | None]] | None = None):
         self.handle, self.dev, self.kv, self.chunk_blocks = handle, dev, kv, chunk_blocks
         # concurrent get calls per piece, each on a contiguous share of its keys (disjoint destinations):
         # one call is served by one holder thread (one memcpy stream, ~6 GB/s measured on the H200 host)
         self.load_parallel = load_parallel
         self._pool: ThreadPoolExecutor | None = None  # the extra callers (the receiving thread is one)
         self._pool_size = 0
+        self._pool_lock = threading.Lock()
         self.direct = host_addressable(kv) and alloc is None  # a store with its own memory needs staging
         self.chunk_bytes = chunk_blocks * kv.spec.bytes_per_block
         staging_bytes = max(staging_bytes, 2 * self.chunk_bytes)  # gets alternate between two halves
@@ -194,6 +196,16 @@ class PoolTransfer:
         ops = ("put",) if pack else ("put", "get")  # packed loads have their own staging
         self._stage = {} if self.direct else {op: _Staging(dev, kv, staging_bytes, alloc) for op in ops}
         self._packed = _Packed(dev, kv, staging_bytes, alloc) if pack else None
+        # more store clients for loads (holder mode: one shared memory and one connection each, served
+        # by a holder thread of their own): each with a get staging of staging_bytes / clients; a load
+        # splits its chunks into contiguous shares over the first ``lanes_active`` (this client first)
+        self._lanes: list[tuple[StoreHandle, _Staging]] = []
+        if lanes and not self.direct and not pack:
+            per_lane = max(staging_bytes // (len(lanes) + 1), 2 * self.chunk_bytes)
+            self._lanes = [(h, _Staging(dev, kv, per_lane, a)) for h, a in lanes]
+        self.lanes_active = len(self._lanes) + 1
+        self._lane_pool = ThreadPoolExecutor(len(self._lanes), thread_name_prefix="hwkv-pool-lane") \
+            if self._lanes else None
         # direct loads: where a chunk's leading blocks that the device cache had (-1 ids) are got into
         # (a chunk is got whole); the receiving thread's alone
         self._scratch = dev.allocate_kv_cache(replace(kv.spec, num_blocks=chunk_blocks), kv.layout, host=True) \
@@ -222,6 +234,10 @@ class PoolTransfer:
             return [(t.data_ptr(), t.numel() * t.element_size()) for t in [*self.kv.tensors, *scratch]]
         extra = self._packed.buffers() if self._packed is not None else []
         return [b for s in self._stage.values() for b in s.buffers()] + extra
+
+    def lane_buffers(self, j: int) -> list[tuple[int, int]]:
+        """What load client ``j`` (1...: the ``lanes`` given) reads into: register it with that client."""
+        return self._lanes[j - 1][1].buffers() if self._lanes else []
 
     def submit_put(self, job: PutJob) -> None:
         self._puts.put(job)
@@ -359,7 +375,14 @@ class PoolTransfer:
             half = pk.num_blocks // 2  # its device scratch has two halves
             return self._get_slots(items, half, 2, lambda first, piece: [
                 pk.value(first + i) for i in range(len(piece))], land_packed, pk.stream, landed)
-        st, cb = self._stage["get"], self.chunk_blocks
+        lanes = min(self.lanes_active, len(self._lanes) + 1, len(items))
+        if lanes > 1:
+            return self._get_lanes(items, lanes, landed)
+        return self._get_staged(items, self._stage["get"], self.handle, landed, self.timing)
+
+    def _get_staged(self, items: list, st: _Staging, handle: StoreHandle, landed: list[int],
+                    tm: dict[str, float]) -> str:
+        cb = self.chunk_blocks
 
         def land(h: int, first: int, piece: list) -> None:  # blocks the device cache had (-1) stay as they are
             pairs = [(first * cb + i, b) for i, b in enumerate(b for _, ids in piece for b in ids) if b >= 0]
@@ -368,7 +391,38 @@ class PoolTransfer:
         per, slots = self.piece_plan(st.num_blocks // cb)
         return self._get_slots(items, per, slots, lambda first, piece: [
             st.kv.addresses(list(range((first + i) * cb, (first + i + 1) * cb))) for i in range(len(piece))],
-            land, st.stream, landed)
+            land, st.stream, landed, handle, tm)
+
+    def _get_lanes(self, items: list, lanes: int, landed: list[int]) -> str:
+        """Contiguous shares of ``items`` over ``lanes`` load clients at once, each through its own
+        staging and stream; returns once every lane ended (none still writes). ``landed``: the leading
+        chunks of the whole job that landed (a lane's count counts only if every lane before it landed
+        all of its share); the error: the first lane's (in share order) that failed."""
+        cuts = [len(items) * i // lanes for i in range(lanes + 1)]
+        parts = [(self.handle, self._stage["get"]), *self._lanes][:lanes]
+        got = [[0] for _ in parts]
+        tms = [dict.fromkeys(("load_store_s", "load_copy_wait_s"), 0.0) for _ in parts]
+        futs = [self._lane_pool.submit(self._get_staged, items[cuts[j]:cuts[j + 1]], st, h, got[j], tms[j])
+                for j, (h, st) in enumerate(parts) if j > 0]  # type: ignore[union-attr]
+        errs = [""] * lanes
+        try:
+            errs[0] = self._get_staged(items[:cuts[1]], parts[0][1], parts[0][0], got[0], tms[0])
+        except Exception as e:  # the other lanes still write: wait for them first
+            errs[0] = f"{type(e).__name__}: {e}"[:300]
+        for j, f in enumerate(futs, 1):
+            try:
+                errs[j] = f.result()
+            except Exception as e:
+                errs[j] = f"{type(e).__name__}: {e}"[:300]
+        for k in tms[0]:  # the lanes ran side by side: the slowest one's time
+            self.timing[k] += max(t[k] for t in tms)
+        n = 0
+        for j in range(lanes):
+            n += got[j][0]
+            if got[j][0] < cuts[j + 1] - cuts[j]:
+                break
+        landed[0] = n
+        return next((e for e in errs if e), "")
 
     def piece_plan(self, chunks: int) -> tuple[int, int]:
         """``(chunks per piece, pieces in flight)`` for a staging buffer of ``chunks`` chunks. One
@@ -382,24 +436,28 @@ class PoolTransfer:
             per = p * max(1, chunks // (4 * p))  # up to four pieces in flight
         return per, max(1, chunks // per)
 
-    def _get_call(self, keys: list[str], dests: list[Any]) -> list[Any]:
+    def _get_call(self, keys: list[str], dests: list[Any], handle: StoreHandle | None = None) -> list[Any]:
         """One ``get`` of ``keys`` into ``dests``, as ``load_parallel`` concurrent calls on contiguous
         shares (results in key order). Returns only once every share's call has returned, so no
         store write into the destinations is still running; a whole-call error of any share is
         raised then (the first)."""
+        handle = handle or self.handle
         n = min(self.load_parallel, len(keys))
         if n <= 1:
-            return self.handle.call("get", keys, dests)
-        if self._pool is None or self._pool_size < n - 1:  # only the receiving thread gets here
-            if self._pool is not None:
-                self._pool.shutdown(wait=False)
-            self._pool, self._pool_size = ThreadPoolExecutor(n - 1, thread_name_prefix="hwkv-pool-get"), n - 1
+            return handle.call("get", keys, dests)
+        with self._pool_lock:  # lanes may call at once
+            if self._pool is None or self._pool_size < 4 * (n - 1):
+                if self._pool is not None:
+                    self._pool.shutdown(wait=False)
+                self._pool_size = 4 * (n - 1)
+                self._pool = ThreadPoolExecutor(self._pool_size, thread_name_prefix="hwkv-pool-get")
+            pool = self._pool
         cuts = [len(keys) * i // n for i in range(n + 1)]
-        futs = [self._pool.submit(self.handle.call, "get", keys[a:b], dests[a:b]) for a, b in zip(cuts[1:], cuts[2:])]
+        futs = [pool.submit(handle.call, "get", keys[a:b], dests[a:b]) for a, b in zip(cuts[1:], cuts[2:])]
         out: list[Any] = []
         err: BaseException | None = None
         try:
-            out = list(self.handle.call("get", keys[:cuts[1]], dests[:cuts[1]]))
+            out = list(handle.call("get", keys[:cuts[1]], dests[:cuts[1]]))
         except Exception as e:  # wait for the other shares before raising: they write into dests
             err = e
         for f in futs:
@@ -423,13 +481,13 @@ class PoolTransfer:
         return out
 
     def _get_slots(self, items: list, per: int, slots: int, dests: Any, land: Any, stream: Any,
-                   landed: list[int]) -> str:
+                   landed: list[int], handle: StoreHandle | None = None, tm: dict[str, float] | None = None) -> str:
         """Pieces of ``per`` chunks take turns in ``slots`` slots of a staging buffer: the store fills
         one slot (``dests(first, piece)``: each value's destination, ``first`` the slot's first chunk)
         while ``land(h, first, piece)``, queued on ``stream``, takes the earlier ones to the device.
         Staging (one segment per KV tensor) and packed (one segment per value) differ only there.
         A piece with a failed item still lands its leading good chunks (``landed``)."""
-        tm = self.timing
+        tm = self.timing if tm is None else tm
         copies: list[Any] = [None] * slots  # the event of each slot's last copy out
         done = 0  # chunks whose copies to the device are queued
         try:
@@ -440,7 +498,7 @@ class PoolTransfer:
                     copies[h].synchronize()  # this slot's previous copy to the device has read it
                 t1 = time.perf_counter()
                 first = h * per
-                res = self._get_call([k for k, _ in piece], dests(first, piece))
+                res = self._get_call([k for k, _ in piece], dests(first, piece), handle)
                 tm["load_copy_wait_s"] += t1 - t0
                 tm["load_store_s"] += time.perf_counter() - t1
                 good = _leading_ok(res)
@@ -466,5 +524,6 @@ class PoolTransfer:
         deadline = time.monotonic() + timeout_s
         for t in self._threads:
             t.join(timeout=max(0.0, deadline - time.monotonic()))
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
+        for pool in (self._pool, self._lane_pool):
+            if pool is not None:
+                pool.shutdown(wait=False)

@@ -46,9 +46,11 @@ class PoolWorker(JobWorker):
     fail_details = (0, 0)
 
     def __init__(self, handle: StoreHandle, load_timeout_s: float, staging_bytes: int,
-                 lookup_address: str | None, pack: bool = False, load_parallel: int = 1) -> None:
+                 lookup_address: str | None, pack: bool = False, load_parallel: int = 1,
+                 lane_handles: list[StoreHandle] | None = None) -> None:
         super().__init__()
         self.pack, self.load_parallel = pack, load_parallel
+        self.lane_handles = lane_handles or []  # more store clients for loads (load_clients - 1)
         self.handle, self.load_timeout_s = handle, load_timeout_s
         self.staging_bytes, self.lookup_address = staging_bytes, lookup_address
         self.key: PoolKey | None = None  # group 0's (the only one without groups)
@@ -77,13 +79,16 @@ class PoolWorker(JobWorker):
             raise ValueError(f"pool: {len(self.keys)} keys for {len(caches)} KV-cache groups")
         self.chunk_tokens = self.key.chunk_blocks * caches[0].spec.block_size
         alloc = self.handle.host_memory()  # a holder-mode store: staging in its shared memory
+        lanes = [(h, h.host_memory()) for h in self.lane_handles]
         layers = [c.spec.num_layers for c in caches]  # the staging bytes are shared in proportion
         self.transfers = [PoolTransfer(self.handle, self.dev, c, self.key.chunk_blocks,
                                        max(1, self.staging_bytes * n // sum(layers)), alloc, self.pack,
-                                       self.load_parallel)
+                                       self.load_parallel, lanes)
                           for c, n in zip(caches, layers)]
         self.transfer = self.transfers[0]
         self.handle.register([b for t in self.transfers for b in t.buffers()])  # connects now if it can
+        for j, h in enumerate(self.lane_handles, 1):
+            h.register([b for t in self.transfers for b in t.lane_buffers(j)])
         if self.tp_rank == 0:  # the scheduler side's; the other ranks of a tensor-parallel engine serve none
             self.server = LookupServer(self._count_hits, self.lookup_address,
                                        self._presence if getattr(kv_cache, "caches", None) else None)
@@ -195,3 +200,5 @@ class PoolWorker(JobWorker):
         self.server = self.transfer = None
         self.transfers = []
         self.handle.close()
+        for h in self.lane_handles:
+            h.close()
