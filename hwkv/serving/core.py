@@ -146,6 +146,7 @@ def run(cfg: m.CoreConfig) -> int:
             out.send(m.encode(core.ready()))
             return _loop(core, cfg, inp, out)
         finally:  # on every exit (Shutdown, orphaned, SIGTERM, Dead): workers, connector threads/sockets
+            _begin_unwinding()
             try:
                 core.engine.close()
             except Exception:
@@ -178,6 +179,7 @@ def _loop(core: EngineCore, cfg: m.CoreConfig, inp: Any, out: Any) -> int:
             if not alive:
                 return 0
             if os.getppid() != cfg.parent_pid:  # orphaned: the front end is gone
+                _begin_unwinding()  # the parent-death SIGTERM is on its way: it must not cut the clean-up
                 return 0
             if core.engine.has_unfinished():
                 outs.extend(core.step())
@@ -211,13 +213,25 @@ def _json_config(text: str) -> m.CoreConfig:
 
 
 _terminated = False
+_unwinding = False
+
+
+def _begin_unwinding() -> None:
+    global _unwinding
+    _unwinding = True
 
 
 def _on_sigterm(*_: Any) -> None:
-    """Unwind (sockets closed, the socket directory removed) instead of dying mid-flight."""
+    """Unwind (sockets closed, the socket directory removed) instead of dying mid-flight.
+
+    Once the core is already unwinding (the loop saw its parent gone, or returned), a SIGTERM only
+    marks it: raising again would cut the clean-up short (e.g. between closing the sockets and
+    removing their directory - the parent-death signal races the loop's own orphan check).
+    """
     global _terminated
     _terminated = True
-    sys.exit(0)
+    if not _unwinding:
+        sys.exit(0)
 
 
 def _remove_socket_dir(addr: str) -> None:

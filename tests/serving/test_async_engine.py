@@ -381,3 +381,18 @@ def test_multiprocess_engine_has_the_engine_api(tiny_model, local):
         assert_freed(st)
         proc = eng.engine.client.proc
     assert proc.poll() is not None and not eng._thread.is_alive()
+
+
+def test_sigterm_while_unwinding_does_not_cut_the_clean_up(monkeypatch):
+    """The parent-death SIGTERM races the loop's own orphan check: once unwinding, it only marks."""
+    from hwkv.serving import core as core_mod
+
+    monkeypatch.setattr(core_mod, "_terminated", False)
+    monkeypatch.setattr(core_mod, "_unwinding", False)
+    with pytest.raises(SystemExit):  # mid-loop: unwind now
+        core_mod._on_sigterm()
+    assert core_mod._terminated
+    monkeypatch.setattr(core_mod, "_terminated", False)
+    core_mod._begin_unwinding()
+    core_mod._on_sigterm()  # already unwinding: no second SystemExit into the finally blocks
+    assert core_mod._terminated  # ... but the socket directory is still removed (see run's finally)
