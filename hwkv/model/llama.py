@@ -174,18 +174,16 @@ class LlamaForCausalLM(nn.Module):
             return self._forward_fused(ops, input_ids, positions, kv_cache, attn_metadata, slot_mapping)
         # h is the residual stream; each sublayer's output is added to it inside the next norm
         layers, pf = self.model.layers, self._prefetch
+        halves = self._overlap_halves(input_ids.shape[0])
+        if halves and pf is None:
+            return self._forward_halves(input_ids, positions, kv_cache, attn_metadata, slot_mapping, halves)
         if pf is not None:
             pf([layers[0].self_attn.qkv_proj.weight])
         h = self._embed(input_ids)
         add_norm = self._add_norm
         out = None
-        halves = self._overlap_halves(h.shape[0])
-        pend: list = []  # with halves: each half's MLP output, its all-reduce started
         for i, layer in enumerate(layers):
-            if pend:
-                x, h = self._norm_halves(layer.input_layernorm, pend, h)
-                pend = []
-            elif out is None:
+            if out is None:
                 x = layer.input_layernorm(h)
             else:
                 x, h = add_norm(layer.input_layernorm, out, h)
@@ -197,43 +195,64 @@ class LlamaForCausalLM(nn.Module):
             out = layer.self_attn(x, positions, self.rotary_emb, kv_cache.layer(i), md, sm)
             if hk is not None:
                 hk.save_kv_layer(i, kv_cache.layer(i), attn_metadata)
-            if halves:  # each half's MLP runs while the other half's all-reduce crosses the link
-                comm = self.tp.comm
-                started = [(a, b, comm.all_reduce_start(out[a:b])) for a, b in halves]
-                h_next = torch.empty_like(h)
-                for a, b, wait in started:
-                    xh, h_next[a:b] = layer.post_attention_layernorm(wait(), h[a:b])
-                    oh = layer.mlp(xh)
-                    pend.append((a, b, comm.all_reduce_start(oh)))
-                h, out = h_next, None
-                continue
             x, h = add_norm(layer.post_attention_layernorm, out, h)
             if pf is not None and i + 1 < len(layers):  # the next qkv beside this MLP
                 pf([layers[i + 1].self_attn.qkv_proj.weight])
             out = layer.mlp(x)
         if pf is not None:
             self._join_prefetch()
-        if pend:
-            return torch.cat([h[a:b] + wait() for a, b, wait in pend])
         if out is not None and self.tp is not None:
             out = self.tp.comm.all_reduce(out)
         return h if out is None else h + out
+
+    def _forward_halves(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
+                        attn_metadata: object, slot_mapping: torch.Tensor,
+                        halves: list[tuple[int, int]]) -> torch.Tensor:
+        """The plain forward at tp > 1 in two row halves, each all-reduce beside the other half's work
+        (``Communicator.all_reduce_start``): the o_proj of half 1 runs while half 0's o_proj output
+        crosses the link, each half's MLP while the other half's attention output does, the next
+        layer's norm and qkv projection of half 0 while half 1's MLP output does. Only attention itself
+        (RoPE, KV write, the kernel) takes the whole batch. The same arithmetic per row as the plain
+        forward (projections and norms are row-wise)."""
+        comm, rope, t = self.tp.comm, self.rotary_emb, input_ids.shape[0]
+        h = self._embed(input_ids)
+        pend: list = []  # per half: (rows, wait of its MLP all-reduce) of the layer before
+        for i, layer in enumerate(self.model.layers):
+            a = layer.self_attn
+            if (hk := self.layer_hooks) is not None:
+                hk.wait_for_layer_load(i)
+            if pend:
+                h_next, parts = torch.empty_like(h), []
+                for lo, hi, wait in pend:
+                    xh, h_next[lo:hi] = layer.input_layernorm(wait(), h[lo:hi])
+                    parts.append(a.project(xh))
+                h = h_next
+                q, k, v = (torch.cat(p) for p in zip(*parts))
+            else:
+                q, k, v = a.project(layer.input_layernorm(h))
+            md, sm = layer_metadata(attn_metadata, slot_mapping, i)  # KV-cache groups: the layer's group's
+            q, k = rope(positions, q, k)
+            a.impl.write_kv(k, v, kv_cache.layer(i), sm)
+            out = a.impl.forward(q, k, v, kv_cache.layer(i), md).reshape(t, a.q_size)
+            if hk is not None:
+                hk.save_kv_layer(i, kv_cache.layer(i), attn_metadata)
+            started = [(lo, hi, comm.all_reduce_start(a.o_proj(out[lo:hi]))) for lo, hi in halves]
+            h_next, pend = torch.empty_like(h), []
+            for lo, hi, wait in started:
+                xh, h_next[lo:hi] = layer.post_attention_layernorm(wait(), h[lo:hi])
+                pend.append((lo, hi, comm.all_reduce_start(layer.mlp(xh))))
+            h = h_next
+        return torch.cat([h[lo:hi] + wait() for lo, hi, wait in pend])
 
     def _overlap_halves(self, tokens: int) -> list[tuple[int, int]]:
         """Row halves of a forward of ``tokens`` whose all-reduces overlap the other half's MLP
         (``Communicator.overlap_tokens``), or ``[]``."""
         n = self.tp.comm.overlap_tokens if self.tp is not None else 0
-        if not n or tokens < max(n, 2):
+        if not n or tokens < max(n, 2) or any(type(layer.self_attn).forward is not Attention.forward
+                                              for layer in self.model.layers):
             return []
         mid = tokens // 2
         return [(0, mid), (mid, tokens)]
-
-    def _norm_halves(self, norm: nn.Module, pend: list, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``norm(sum of out, h)`` half by half, each as its all-reduce (started after its MLP) ends."""
-        x, h_next = torch.empty_like(h), torch.empty_like(h)
-        for a, b, wait in pend:
-            x[a:b], h_next[a:b] = norm(wait(), h[a:b])
-        return x, h_next
 
     def _add_norm(self, norm: nn.Module, out: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``norm(out, h)``: the sublayer output joins the residual stream, normalised. Tensor

@@ -350,8 +350,9 @@ def test_tp2_fused_decode_ops_tokens_equal_tp1(tmp_path, monkeypatch, hybrid):
 
 def test_tp2_overlapped_mlp_halves_tokens_equal_tp1(tmp_path, monkeypatch):
     """Communicator.overlap_tokens (HWKV_TP_OVERLAP_TOKENS, every rank's process): forwards of at least
-    that many tokens run each MLP in two row halves whose all-reduces are started before the other
-    half's MLP - the same greedy tokens as tp=1, and the driver started them (4 per layer per prefill)."""
+    that many tokens run in two row halves (o_proj, norms, MLP, the next qkv) whose all-reduces are started
+    before the other half's work - the same greedy tokens as tp=1, and the driver started them (4 per layer
+    per prefill)."""
     monkeypatch.setenv("HWKV_TP_OVERLAP_TOKENS", "8")
     path = add_biases(write_tiny_model(tmp_path, num_heads=4, num_kv_heads=2, vocab_size=515, tokenizer=False))
     kw = {"block_size": 16, "num_kv_blocks": 32, "max_model_len": 128}
