@@ -72,7 +72,7 @@ def pool_engine(model: str, store: Recording, mode: str = "direct", **kw) -> hwk
     """``mode``: how values move - ``direct`` (the store reads and writes the CPU KV cache), ``staged``
     (the accelerator path: 32 KiB of host staging, so a get runs in several pieces) or ``packed``
     (one segment per value, scattered on the device)."""
-    cfg = {"store": store}
+    cfg = {"store": store, "load_parallel": 1}  # Recording loses chunks by their place in the order of get calls
     if mode != "direct":
         cfg.update(staging_bytes=1 << 15, pack=mode == "packed")  # the Llama's: 4 blocks, gets of 2 chunks
     e = engine(model, num_kv_blocks=kw.pop("num_kv_blocks", 32), kv_connector="pool", kv_connector_config=cfg, **kw)
