@@ -1,6 +1,7 @@
 import random
 
 import pytest
+import torch
 
 import hwkv
 from hwkv.model.tiny import write_tiny_model
@@ -88,3 +89,14 @@ def assert_no_leak(e: hwkv.Engine) -> None:
         assert not sched._jobs and not sched._pending and not sched._reqs and not sched._storing
         worker = e.scheduler.connector.worker
         assert not worker._flights and not worker._ending
+
+
+def group_block_bytes(e: hwkv.Engine, rid: str) -> list[list[list[torch.Tensor] | None]]:
+    """Per group, per block of the request's table, the block's data in every KV tensor of the group
+    (``None`` for a null entry)."""
+    out = []
+    for cache, ids, m in zip(e.kv_cache.caches, e.kv_cache_manager.get_group_block_ids(rid),
+                             e.kv_cache_manager.managers):
+        out.append([None if b == 0 and m.block_pool.null_block is not None else [t[b].clone() for t in cache.tensors]
+                    for b in ids])
+    return out

@@ -19,7 +19,7 @@ from hwkv.connectors.pool.store import drop_embedded, embedded_store
 from hwkv.interfaces.store import ItemResult, KeyNotFound
 from hwkv.testing.mooncake import mooncake_available
 
-from .conftest import BS, assert_no_leak, engine, greedy
+from .conftest import BS, assert_no_leak, engine, greedy, group_block_bytes
 from .test_pool import Flaky, _close, _settle
 
 transformers = pytest.importorskip("transformers")
@@ -119,6 +119,17 @@ class LoseSome(Flaky):
         return [ItemResult(k, 0, KeyNotFound(f"key {k!r} not found")) if x else next(res) for k, x in zip(keys, lost)]
 
 
+def _assert_both_groups_loaded(a: hwkv.Engine, b: hwkv.Engine, flaky) -> None:
+    """After ``b`` served from ``a``'s pool chunks with gets lost: it hit and failed, it loaded both groups
+    (the window group, one block of window 16, less than the full one), and neither engine holds anything."""
+    flaky.lose_gets, flaky.p = False, 0.0
+    sb = _settle(b)
+    assert sb["external_hit_tokens"] > 0 and sb["load_failures"] > 0
+    assert 0 < flaky.got["g1-w16"] < flaky.got["g0-full"]
+    for e in (a, b):
+        assert_no_leak(e)
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 def test_pool_groups_with_random_lost_keys(hybrid_dir, plain, seed, request):
     """The pool with KV-cache groups (each group's chunks under its own keys): a second instance hits
@@ -139,13 +150,7 @@ def test_pool_groups_with_random_lost_keys(hybrid_dir, plain, seed, request):
             flaky.lose_gets, flaky.p = r < 0.2, 0.3 if r < 0.6 else 0.0
 
         assert run(b, steps, maybe_lose) == plain[seed]  # a second instance: pool hits, some lost
-        flaky.lose_gets, flaky.p = False, 0.0
-        sb = _settle(b)
-        assert sb["external_hit_tokens"] > 0 and sb["load_failures"] > 0
-        # both groups were loaded, the window group (one block: window 16) less than the full one
-        assert 0 < flaky.got["g1-w16"] < flaky.got["g0-full"]
-        for e in (a, b):
-            assert_no_leak(e)
+        _assert_both_groups_loaded(a, b, flaky)
     finally:
         _close(a, b)
         drop_embedded(name)
@@ -228,17 +233,6 @@ def test_offload_groups_concurrent_requests_preempt_and_match(hybrid_dir, async_
     assert_no_leak(e)
 
 
-def _block_bytes_of(e: hwkv.Engine, rid: str) -> list[list[list[torch.Tensor]]]:
-    """Per group, per block of the request's table, the block's data in every KV tensor of the group
-    (``None`` for a null entry)."""
-    out = []
-    for cache, ids, m in zip(e.kv_cache.caches, e.kv_cache_manager.get_group_block_ids(rid),
-                             e.kv_cache_manager.managers):
-        out.append([None if b == 0 and m.block_pool.null_block is not None else [t[b].clone() for t in cache.tensors]
-                    for b in ids])
-    return out
-
-
 @pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
 def test_offload_loads_every_groups_bytes(hybrid_dir, layerwise):
     """The loaded blocks of each group hold exactly the KV a recompute writes (the full group's 4
@@ -252,12 +246,12 @@ def test_offload_loads_every_groups_bytes(hybrid_dir, layerwise):
     ref = engine(hybrid_dir, num_kv_blocks=64, enable_prefix_caching=False)
     ref.add_request("p", prompt, greedy(4))
     ref.step()
-    want = _block_bytes_of(ref, next(iter(ref.scheduler.requests)))  # the engine's id for the request
+    want = group_block_bytes(ref, next(iter(ref.scheduler.requests)))  # the engine's id for the request
     e, _ = lazy_engine(hybrid_dir, layerwise_load=layerwise)
     run(e, [(prompt, 1), ([rng.randrange(3, 500) for _ in range(118)], 1)])  # stored, then evicted
     e.add_request("p", prompt, greedy(4))
     e.step()  # loads the 4 prefix blocks from the host tier, computes the rest
-    got = _block_bytes_of(e, next(iter(e.scheduler.requests)))
+    got = group_block_bytes(e, next(iter(e.scheduler.requests)))
     assert e.stats()["kv_connector"]["load_jobs"] >= 1
     loaded = {0: range(4), 1: range(3, 4)}  # window 16 = one block: the next query sees block 3 only
     for g, blocks in loaded.items():
@@ -306,12 +300,7 @@ def test_random_trace_harness_with_offload_and_pool_failing_loads(hybrid_dir, se
         for i in range(2):
             flaky.lose_gets = i == 0 and seed == 0  # every get of one pass lost (seed 0), single keys always
             run_random_trace(b, reqs, want, aborts, rng)
-        flaky.lose_gets, flaky.p = False, 0.0
-        sb = _settle(b)
-        assert sb["external_hit_tokens"] > 0 and sb["load_failures"] > 0
-        assert 0 < flaky.got["g1-w16"] < flaky.got["g0-full"]
-        for e in (a, b):
-            assert_no_leak(e)
+        _assert_both_groups_loaded(a, b, flaky)
     finally:
         _close(a, b)
         drop_embedded(name)

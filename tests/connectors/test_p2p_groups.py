@@ -19,8 +19,7 @@ from hwkv.connectors.p2p.protocol import group_mismatch, incompatibility, kv_seg
 from hwkv.interfaces.transfer import TransferError
 from hwkv.testing.mooncake import skip_unless_mooncake
 
-from .conftest import BS, engine, greedy
-from .test_hybrid_differential import _block_bytes_of
+from .conftest import BS, engine, greedy, group_block_bytes
 from .test_p2p_engine import assert_clean, cfg, decode, prefill
 
 skip_unless_mooncake(allow_module_level=True)
@@ -95,7 +94,7 @@ def test_loaded_blocks_of_every_group_equal_a_recompute(hybrid_dir, mode):  # no
     ref = engine(hybrid_dir, num_kv_blocks=64, enable_prefix_caching=False)
     ref.add_request("r", prompt, greedy(4))
     ref.step()
-    want = _block_bytes_of(ref, next(iter(ref.scheduler.requests)))  # the engine's id for the request
+    want = group_block_bytes(ref, next(iter(ref.scheduler.requests)))  # the engine's id for the request
     p, d = pd(hybrid_dir, mode)
     try:
         params = prefill(p, prompt)
@@ -106,7 +105,7 @@ def test_loaded_blocks_of_every_group_equal_a_recompute(hybrid_dir, mode):  # no
             d.step()
             if d.scheduler.requests[rid].num_output_tokens:
                 break
-        got = _block_bytes_of(d, rid)
+        got = group_block_bytes(d, rid)
         first = window_start(len(prompt) - 1, WINDOW, BS) // BS
         assert all(x is None for x in got[1][:first]) and got[1][first] is not None
         assert d.kv_cache_manager.num_live_blocks(rid)[1] == len(got[1]) - first

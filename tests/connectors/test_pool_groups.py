@@ -15,7 +15,7 @@ import hwkv
 from hwkv.connectors.pool.store import drop_embedded, embedded_store
 from hwkv.interfaces.store import ItemResult, KeyNotFound
 
-from .conftest import BS, assert_no_leak, engine, greedy
+from .conftest import BS, assert_no_leak, engine, greedy, group_block_bytes
 from .test_pool import PROMPT, Flaky, _close, _settle
 
 pytest.importorskip("transformers")
@@ -92,22 +92,13 @@ def run(e: hwkv.Engine, prompt: list[int], n: int = 4):
     return e.generate([prompt], greedy(n), use_tqdm=False)[0]
 
 
-def _bytes(e: hwkv.Engine, rid: str) -> list[list[list[torch.Tensor] | None]]:
-    out = []
-    for cache, ids, m in zip(e.kv_cache.caches, e.kv_cache_manager.get_group_block_ids(rid),
-                             e.kv_cache_manager.managers):
-        out.append([None if b == 0 and m.block_pool.null_block is not None else [t[b].clone() for t in cache.tensors]
-                    for b in ids])
-    return out
-
-
 def test_each_groups_chunks_under_its_own_keys_and_the_window_loads_only_its_window(hybrid_dir, store, mode):
     rng = random.Random(4)
     prompt = [rng.randrange(3, 500) for _ in range(4 * BS + 5)]
     ref = engine(hybrid_dir, num_kv_blocks=64, enable_prefix_caching=False)
     ref.add_request("p", prompt, greedy(4))
     ref.step()
-    want = _bytes(ref, next(iter(ref.scheduler.requests)))
+    want = group_block_bytes(ref, next(iter(ref.scheduler.requests)))
     a, b = pool_engine(hybrid_dir, store, mode), pool_engine(hybrid_dir, store, mode)
     try:
         assert [g.window for g in b.config.kv_groups] == [None, 16]
@@ -126,7 +117,7 @@ def test_each_groups_chunks_under_its_own_keys_and_the_window_loads_only_its_win
             rid = next(iter(b.scheduler.requests))
             if b.scheduler.requests[rid].num_computed_tokens >= len(prompt):
                 break
-        got = _bytes(b, rid)
+        got = group_block_bytes(b, rid)
         # the full group's 4 prefix chunks; the window group's last one only (window 16 = one block)
         assert sorted(tag(k) for k in store.got) == ["g0-full"] * 4 + ["g1-w16"]
         for g, blocks in {0: range(4), 1: range(3, 4)}.items():

@@ -18,24 +18,10 @@ whole at the end on both sides.
 from __future__ import annotations
 
 import argparse
-import gc
-import json
 import time
-import traceback
-from pathlib import Path
 from typing import Any
 
-
-def _engine(path: str, a: argparse.Namespace, max_len: int, **kw: Any) -> Any:
-    import hwkv
-
-    return hwkv.Engine(path, backend=a.backend, dtype=a.dtype, max_model_len=max_len, max_num_seqs=4,
-                       num_kv_blocks=a.num_kv_blocks, enforce_eager=True, **kw)
-
-
-def _whole(e: Any) -> bool:
-    return all(m.block_pool.num_free_blocks == m.block_pool.num_usable_blocks
-               for m in getattr(e.kv_cache_manager, "managers", [e.kv_cache_manager]))
+from hwkv_cuda.bench.hybrid_pair import add_args, device_of, engine, pools_whole, run
 
 
 def _settle(*engines: Any, timeout_s: float = 30.0) -> None:
@@ -68,9 +54,9 @@ def run_setup(path: str, setup: str, ps: list[list[int]], plain: list[list[int]]
     offer = "auto"  # every protocol the backend declares (cuda: cuda_ipc, then tcp where Mooncake is installed)
     cfg = {"mode": mode, "transfer_timeout_s": 20.0}
     t0 = time.perf_counter()
-    p = _engine(path, a, max_len, kv_connector="p2p",
+    p = engine(path, a, max_len, kv_connector="p2p",
                 kv_connector_config={**cfg, "role": "producer", "protocol": offer})
-    d = _engine(path, a, max_len, kv_connector="p2p",
+    d = engine(path, a, max_len, kv_connector="p2p",
                 kv_connector_config={**cfg, "role": "consumer", "protocol": protocol})
     res: dict[str, Any] = {"setup": setup, "engines_start_s": round(time.perf_counter() - t0, 1),
                            "kv_groups": groups_of(d), "producer_offers": offer}
@@ -96,8 +82,8 @@ def run_setup(path: str, setup: str, ps: list[list[int]], plain: list[list[int]]
             "identical_to_plain": f"{sum(t == x for t, x in zip(toks, plain))}/{len(ps)}",
             "first_divergence": [next((j for j, (x, y) in enumerate(zip(t, w)) if x != y), None)
                                  for t, w in zip(toks, plain)],
-            "margin_rule": score(hf, ps, toks, "cuda" if a.backend == "cuda" else "cpu"),
-            "pools_whole": _whole(p) and _whole(d),
+            "margin_rule": score(hf, ps, toks, device_of(a)),
+            "pools_whole": pools_whole(p, d),
         })
         res["ok"] = (res["load_failures"] == 0 and res["loaded_bytes"] == grouped and res["pools_whole"]
                      and res["margin_rule"]["passes"] and st["external_hit_tokens"] == sum(len(q) - 1 for q in ps))
@@ -108,63 +94,11 @@ def run_setup(path: str, setup: str, ps: list[list[int]], plain: list[list[int]]
 
 
 def main(argv: list[str] | None = None) -> int:
-    import torch
-
-    from hwkv.sampling_params import SamplingParams
-    from hwkv_cuda.bench.hybrid_parity import build, prompts, score
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="gemma3-1b")
+    add_args(ap, "/dev/shm/hwkv-hybrid-pd")
     ap.add_argument("--setups", default="pull:cuda_ipc,push:cuda_ipc,pull:tcp")
-    ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--prompt-len", type=int, default=600)
-    ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--num-kv-blocks", type=int, default=512)
-    ap.add_argument("--backend", default="cuda")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--workdir", default="/dev/shm/hwkv-hybrid-pd")
-    ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    dev = "cuda" if a.backend == "cuda" else "cpu"
-    doc: dict[str, Any] = {"bench": "hybrid_pd", "device": torch.cuda.get_device_name(0) if dev == "cuda" else dev,
-                           "torch": torch.__version__, "args": vars(a), "setups": []}
-
-    def save() -> None:
-        if a.out:
-            Path(a.out).write_text(json.dumps(doc, indent=1) + "\n")
-
-    t0 = time.perf_counter()
-    path = Path(a.workdir) / a.shape
-    hf = build(a.shape, path, dev)
-    doc["build_s"] = round(time.perf_counter() - t0, 1)
-    window = hf.config.sliding_window
-    ps = prompts(a.prompts, max(window + 24, a.prompt_len), hf.config.vocab_size)
-    doc["prompt_lens"], doc["window"] = [len(q) for q in ps], window
-    max_len = min(1 << (max(len(q) for q in ps) + a.tokens - 1).bit_length(), hf.config.max_position_embeddings)
-    print(f"[{a.shape}] built in {doc['build_s']} s; prompts {doc['prompt_lens']}", flush=True)
-    e = _engine(str(path), a, max_len)
-    try:
-        plain = [list(o.token_ids) for o in e.generate(
-            ps, SamplingParams(temperature=0.0, max_tokens=a.tokens, ignore_eos=True), use_tqdm=False)]
-    finally:
-        e.close()
-    doc["plain_margin_rule"] = score(hf, ps, plain, dev)
-    print(f"[plain] margin rule {doc['plain_margin_rule']}", flush=True)
-    save()
-    ok = True
-    for setup in a.setups.split(","):
-        try:
-            r = run_setup(str(path), setup, ps, plain, hf, a, max_len)
-        except Exception:
-            r = {"setup": setup, "error": traceback.format_exc(), "ok": False}
-        ok &= r["ok"]
-        print(json.dumps(r), flush=True)
-        doc["setups"].append(r)
-        save()
-        gc.collect()
-        if dev == "cuda":
-            torch.cuda.empty_cache()
-    return 0 if ok else 1
+    return run(a, "hybrid_pd", "setups", a.setups.split(","), run_setup)
 
 
 if __name__ == "__main__":

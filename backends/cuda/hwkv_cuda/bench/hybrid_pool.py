@@ -19,24 +19,11 @@ with a window group the hit every group serves decides what is reused); every po
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import time
-import traceback
-from pathlib import Path
 from typing import Any
 
-
-def _engine(path: str, a: argparse.Namespace, max_len: int, **kw: Any) -> Any:
-    import hwkv
-
-    return hwkv.Engine(path, backend=a.backend, dtype=a.dtype, max_model_len=max_len, max_num_seqs=4,
-                       num_kv_blocks=a.num_kv_blocks, block_size=a.block_size, enforce_eager=True, **kw)
-
-
-def _whole(e: Any) -> bool:
-    return all(m.block_pool.num_free_blocks == m.block_pool.num_usable_blocks
-               for m in getattr(e.kv_cache_manager, "managers", [e.kv_cache_manager]))
+from hwkv_cuda.bench.hybrid_pair import add_args, device_of, engine, pools_whole, run
 
 
 def _settle(e: Any, timeout_s: float = 60.0) -> dict[str, Any]:
@@ -119,7 +106,8 @@ def run_mode(path: str, mode: str, ps: list[list[int]], plain: list[list[int]], 
         raise ValueError("direct mode needs host KV caches (--backend cpu)")
     sp = SamplingParams(temperature=0.0, max_tokens=a.tokens, ignore_eos=True)
     t0 = time.perf_counter()
-    engines = [_engine(path, a, max_len, kv_connector="pool", kv_connector_config=dict(cfg)) for _ in range(3)]
+    engines = [engine(path, a, max_len, block_size=a.block_size, kv_connector="pool", kv_connector_config=dict(cfg))
+               for _ in range(3)]
     fill, load, lossy = engines
     res: dict[str, Any] = {"mode": mode, "engines_start_s": round(time.perf_counter() - t0, 1),
                            "kv_groups": groups_of(load)}
@@ -144,7 +132,7 @@ def run_mode(path: str, mode: str, ps: list[list[int]], plain: list[list[int]], 
             "external_hit_tokens": st["external_hit_tokens"], "load_failures": st["load_failures"],
             "identical_to_plain": f"{sum(t == x for t, x in zip(toks, plain))}/{len(ps)}",
             "identical_to_filler": f"{sum(t == x for t, x in zip(toks, filled))}/{len(ps)}",
-            "margin_rule": score(hf, ps, toks, "cuda" if a.backend == "cuda" else "cpu"),
+            "margin_rule": score(hf, ps, toks, device_of(a)),
         })
         print(json.dumps({k: res[k] for k in ("mode", "transfer", "loaded_bytes", "expected_grouped_bytes",
                                               "one_group_bytes", "identical_to_plain")}), flush=True)
@@ -156,9 +144,9 @@ def run_mode(path: str, mode: str, ps: list[list[int]], plain: list[list[int]], 
             "lost_full_group_chunk": nth, "load_failures": sl["load_failures"],
             "cached_tokens_after_failure": lost_out.metrics.num_cached_tokens,
             "identical_to_plain": lost_toks == plain[0],
-            "margin_rule": score(hf, ps[:1], [lost_toks], "cuda" if a.backend == "cuda" else "cpu"),
+            "margin_rule": score(hf, ps[:1], [lost_toks], device_of(a)),
         }
-        res["pools_whole"] = all(_whole(e) for e in engines)
+        res["pools_whole"] = pools_whole(*engines)
         res["ok"] = (res["load_failures"] == 0 and res["loaded_bytes"] == grouped and res["pools_whole"]
                      and res["margin_rule"]["passes"] and res["lost_chunk"]["load_failures"] == 1
                      and res["lost_chunk"]["margin_rule"]["passes"])
@@ -171,66 +159,14 @@ def run_mode(path: str, mode: str, ps: list[list[int]], plain: list[list[int]], 
 
 
 def main(argv: list[str] | None = None) -> int:
-    import torch
-
-    from hwkv.sampling_params import SamplingParams
-    from hwkv_cuda.bench.hybrid_parity import build, prompts, score
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="gemma3-1b")
+    add_args(ap, "/dev/shm/hwkv-hybrid-pool")
     ap.add_argument("--modes", default="staged,packed")
-    ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--prompt-len", type=int, default=600)
-    ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--lose-nth", type=int, default=-1,
                     help="the full-group chunk of the first prompt lost in the failure run (-1: the middle one)")
-    ap.add_argument("--num-kv-blocks", type=int, default=512)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--backend", default="cuda")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--workdir", default="/dev/shm/hwkv-hybrid-pool")
-    ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    dev = "cuda" if a.backend == "cuda" else "cpu"
-    doc: dict[str, Any] = {"bench": "hybrid_pool", "device": torch.cuda.get_device_name(0) if dev == "cuda" else dev,
-                           "torch": torch.__version__, "args": vars(a), "modes": []}
-
-    def save() -> None:
-        if a.out:
-            Path(a.out).write_text(json.dumps(doc, indent=1) + "\n")
-
-    t0 = time.perf_counter()
-    path = Path(a.workdir) / a.shape
-    hf = build(a.shape, path, dev)
-    doc["build_s"] = round(time.perf_counter() - t0, 1)
-    window = hf.config.sliding_window
-    ps = prompts(a.prompts, max(window + 24, a.prompt_len), hf.config.vocab_size)
-    doc["prompt_lens"], doc["window"] = [len(q) for q in ps], window
-    max_len = min(1 << (max(len(q) for q in ps) + a.tokens - 1).bit_length(), hf.config.max_position_embeddings)
-    print(f"[{a.shape}] built in {doc['build_s']} s; prompts {doc['prompt_lens']}", flush=True)
-    e = _engine(str(path), a, max_len)
-    try:
-        plain = [list(o.token_ids) for o in e.generate(
-            ps, SamplingParams(temperature=0.0, max_tokens=a.tokens, ignore_eos=True), use_tqdm=False)]
-    finally:
-        e.close()
-    doc["plain_margin_rule"] = score(hf, ps, plain, dev)
-    print(f"[plain] margin rule {doc['plain_margin_rule']}", flush=True)
-    save()
-    ok = True
-    for mode in a.modes.split(","):
-        try:
-            r = run_mode(str(path), mode, ps, plain, hf, a, max_len)
-        except Exception:
-            r = {"mode": mode, "error": traceback.format_exc(), "ok": False}
-        ok &= r["ok"]
-        print(json.dumps(r), flush=True)
-        doc["modes"].append(r)
-        save()
-        gc.collect()
-        if dev == "cuda":
-            torch.cuda.empty_cache()
-    return 0 if ok else 1
+    return run(a, "hybrid_pool", "modes", a.modes.split(","), run_mode)
 
 
 if __name__ == "__main__":
