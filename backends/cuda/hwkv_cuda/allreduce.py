@@ -217,9 +217,10 @@ class CudaAllReduce:
             self.nflags = self.nbuf[data:].view(torch.int64)
             self.nflag_off = data // 8
             self.nepochs = torch.zeros(rows, dtype=torch.int64, device=self.device)
-        if self.fused:  # [site][rank] slots, then int64 [arrivals per site | finished programs per site]
+        if self.fused:  # [site][rank] slots, then int64 [arrivals per site (one per peer and call) | finished
+            # consumer programs per site | finished producer programs per site]
             data = FUSED_SITES * self.world_size * FUSED_SLOT
-            self.fbuf, self.fpeers = self._peer_buffer(data + 2 * FUSED_SITES * 8, "fused")
+            self.fbuf, self.fpeers = self._peer_buffer(data + 3 * FUSED_SITES * 8, "fused")
             self.fcnt = self.fbuf[data:].view(torch.int64)
             self.fcnt_off = data // 8
             if not hasattr(self, "error"):

@@ -130,7 +130,7 @@ class TritonDecodeOps(DecodeOps):
             if m * n * x.element_size() > FUSED_SLOT:
                 raise ValueError(f"a [{m}, {n}] {x.dtype} output does not fit the fused all-reduce's slot of "
                                  f"{FUSED_SLOT} bytes (HWKV_TP_FUSED_AR=0 runs the push kernel instead)")
-            ar_args = dict(peers_ptr=ar.fpeers, site=site, RANK=ar.rank, WS=ar.world_size,
+            ar_args = dict(peers_ptr=ar.fpeers, cnt_ptr=ar.fcnt, site=site, RANK=ar.rank, WS=ar.world_size,
                            SLOT=FUSED_SLOT // x.element_size(), CNT_OFF=ar.fcnt_off)
         if rs is not None:  # the input is residual + sum over ranks of the pending partial
             ar, pend, res = rs
@@ -139,7 +139,7 @@ class TritonDecodeOps(DecodeOps):
             h_out = torch.empty_like(res)
             ar_args = dict(buf_ptr=ar.fbuf.view(x.dtype), cnt_ptr=ar.fcnt, err_ptr=ar.error, hres_ptr=res,
                            hout_ptr=h_out, stride_hm=res.stride(0), site=pend.site,
-                           expect=pend.programs * (ar.world_size - 1), RANK=ar.rank, RS=ar.world_size,
+                           expect=ar.world_size - 1, RANK=ar.rank, RS=ar.world_size,
                            SLOT=FUSED_SLOT // x.element_size())
         if m == 0:
             if push is not None:
@@ -253,7 +253,7 @@ class TritonRankSum:
         block = 1024
         rank_sum_kernel[(max(1, -(-x.numel() // block)),)](
             x, ar.fbuf.view(x.dtype), h, out, ar.fcnt, ar.error, x.numel(), x.shape[1], s.site,
-            s.programs * (ar.world_size - 1), RANK=ar.rank, RS=ar.world_size, SLOT=FUSED_SLOT // x.element_size(),
+            ar.world_size - 1, RANK=ar.rank, RS=ar.world_size, SLOT=FUSED_SLOT // x.element_size(),
             BLOCK=block, PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}))
         return out
 

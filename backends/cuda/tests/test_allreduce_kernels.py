@@ -217,7 +217,7 @@ def test_fused_self_test_passes_and_names_a_broken_path(monkeypatch):
     monkeypatch.setattr(CudaAllReduce, "fused", True)
     ar = _one_rank(monkeypatch)
     ar._self_test_fused()
-    assert ar.fcnt.tolist() == [0, 0, 0, 0] and int(ar.error.item()) == 0
+    assert ar.fcnt.tolist() == [0] * 6 and int(ar.error.item()) == 0
     total = TritonRankSum.sum
     monkeypatch.setattr(TritonRankSum, "sum", lambda self, s, h: total(self, s, torch.zeros_like(h)))
     with pytest.raises(RuntimeError, match=r"fused all-reduce self-test failed on rank 0: sum$"):

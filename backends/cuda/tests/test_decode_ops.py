@@ -164,7 +164,7 @@ def _rank_sum_pair():
     from hwkv_cuda.allreduce import FUSED_SITES, FUSED_SLOT
 
     data = FUSED_SITES * 2 * FUSED_SLOT
-    bufs = [torch.zeros(data + 2 * FUSED_SITES * 8, dtype=torch.uint8, device=DEV) for _ in range(2)]
+    bufs = [torch.zeros(data + 3 * FUSED_SITES * 8, dtype=torch.uint8, device=DEV) for _ in range(2)]
     peers = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=DEV)
     err = torch.zeros(1, dtype=torch.int32, device=DEV)
     return [SimpleNamespace(rank=r, world_size=2, fused=True, fbuf=bufs[r], fpeers=peers, error=err,
@@ -207,7 +207,7 @@ def test_rank_sum_in_the_gemvs_two_ranks(cfg, monkeypatch):
         assert torch.equal(out[0], out[1]) and torch.equal(out[0], (pend[0].partial + pend[1].partial) + h)
         h = out[0]
         for red in reds:
-            assert red.ar.fcnt.tolist() == [0, 0, 0, 0]
+            assert red.ar.fcnt.tolist() == [0] * 6
     assert int(reds[0].ar.error.item()) == 0
     # a consumer whose peer never pushed gives up (bounded) and says so, instead of hanging
     if DEV == "cpu":

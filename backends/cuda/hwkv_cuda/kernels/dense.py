@@ -15,12 +15,15 @@ Every intermediate is rounded to the activation dtype where the unfused torch op
 
 Tensor parallel (``RS`` = the world size, :class:`hwkv_cuda.decode_ops.TritonRankSum`): the row-parallel all-reduce
 rides in the GEMVs instead of a kernel of its own. The row-parallel projection (``EPILOGUE=3``) stores its partial
-output here and pushes it into its slot of every peer's buffer, then adds one (release, system scope) to the peer's
-counter of the call's site; the next projection (``PROLOGUE=1`` with ``RS``) waits, after its PDL wait, until every
-peer program arrived, and forms its input ``h = residual + sum of the parts`` in rank order (the same bits on every
-rank, rounded as the push all-reduce), program 0 storing ``h`` for the residual stream. The last program to finish
-resets the site's counter; two sites alternate, so a site is written again only after every rank passed the call
-between (as the push all-reduce's parities). A wait that never ends sets ``err`` instead of hanging.
+output here and pushes it into its slot of every peer's buffer, then counts itself on this rank's own counter of the
+call's site (release, system scope); the last program out adds one (release, system scope) to every peer's arrival
+counter of the site - one NVLink atomic per peer and call (one per program, all on one word of the peer, made the path
+slower than the push kernel: 3.468 vs 2.828 ms a tp=2 step on 2 x H200). The next projection (``PROLOGUE=1`` with
+``RS``) waits, after its PDL wait, until every peer arrived (volatile polls, then one acquire), and forms its input
+``h = residual + sum of the parts`` in rank order (the same bits on every rank, rounded as the push all-reduce),
+program 0 storing ``h`` for the residual stream. The last program to finish resets the site's counter; two sites
+alternate, so a site is written again only after every rank passed the call between (as the push all-reduce's
+parities). A wait that never ends sets ``err`` instead of hanging.
 
 A program owns ``BLOCK_N`` output rows as two halves ``a``/``b``: consecutive rows for the plain
 epilogues; for RoPE the pair ``(i, i + D/2)`` of a head, so the rotation stays inside the program.
@@ -114,6 +117,19 @@ def _store_kv(base, rows, val, s_ok, kv_ptr, N, stride_kv, stride_head, scale_pt
 
 
 @triton.jit
+def _wait_arrivals(cnt, expect, err_ptr):
+    """Until ``*cnt >= expect`` (bounded: ``err_ptr`` set instead of a hung device). Polled with plain
+    volatile loads - every resident program of a GEMV polls the same word, and atomics on one address
+    serialise - then one acquire read orders this program's reads of the peers' parts after the arrivals."""
+    spins = 0
+    while (tl.load(cnt, volatile=True) < expect) & (spins < MAX_SPIN):
+        spins += 1
+    if tl.atomic_add(cnt, 0, sem="acquire", scope="sys") < expect:
+        tl.store(err_ptr, 1)
+    tl.debug_barrier()
+
+
+@triton.jit
 def dense_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, nw_ptr, cos_ptr, sin_ptr, pos_ptr, kv_ptr, slot_ptr,
     M, N, K, eps, num_slots,
@@ -150,13 +166,8 @@ def dense_kernel(
         # so they stream those while this kernel (and the one it waits on) runs
         gdc_launch_dependents()
         gdc_wait()  # from here on we read what earlier kernels wrote
-    if RS > 0:  # every peer program's part of this site arrived (bounded: err instead of a hung device)
-        spins = 0
-        while (tl.atomic_add(cnt_ptr + site, 0, sem="acquire", scope="sys") < expect) & (spins < MAX_SPIN):
-            spins += 1
-        if spins >= MAX_SPIN:
-            tl.store(err_ptr, 1)
-        tl.debug_barrier()
+    if RS > 0:  # every peer's part of this site arrived (bounded: err instead of a hung device)
+        _wait_arrivals(cnt_ptr + site, expect, err_ptr)
     m_ok = offs_m[:, None] < M
     # the epilogue's loads go out now, beside the weight stream, not after it
     if EPILOGUE == 1:
@@ -241,10 +252,17 @@ def dense_kernel(
                 tl.store(peer + offs_m[:, None] * N + rows_a[None, :], ya, mask=m_ok & ok_a[None, :])
                 tl.store(peer + offs_m[:, None] * N + rows_b[None, :], yb, mask=m_ok & ok_b[None, :])
         tl.debug_barrier()  # every thread's stores before the arrival
-        for r in tl.static_range(WS):
-            if r != RANK:
-                cnt = tl.load(peers_ptr + r).to(tl.pointer_type(tl.int64)) + CNT_OFF + site
-                tl.atomic_add(cnt, 1, sem="release", scope="sys")
+        # one arrival per program on this rank's own counter (release, system scope: after its peer stores); the
+        # last program (acquire: every other program's stores happen before its own release) carries the whole
+        # call to every peer as one arrival - one NVLink atomic per peer instead of one per program, all on one
+        # address of the peer's memory
+        mine = tl.atomic_add(cnt_ptr + 4 + site, 1, sem="acq_rel", scope="sys")
+        if mine == tl.num_programs(0) - 1:
+            tl.atomic_xchg(cnt_ptr + 4 + site, 0, sem="relaxed", scope="gpu")  # its next use is two calls on
+            for r in tl.static_range(WS):
+                if r != RANK:
+                    cnt = tl.load(peers_ptr + r).to(tl.pointer_type(tl.int64)) + CNT_OFF + site
+                    tl.atomic_add(cnt, 1, sem="release", scope="sys")
     if RS > 0:  # the last program out resets the site's counter (every program is past its wait by then)
         done = tl.atomic_add(cnt_ptr + 2 + site, 1, sem="acq_rel", scope="gpu")
         if done == tl.num_programs(0) - 1:
@@ -260,12 +278,7 @@ def rank_sum_kernel(x_ptr, buf_ptr, hres_ptr, hout_ptr, cnt_ptr, err_ptr, n, K, 
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
-    spins = 0
-    while (tl.atomic_add(cnt_ptr + site, 0, sem="acquire", scope="sys") < expect) & (spins < MAX_SPIN):
-        spins += 1
-    if spins >= MAX_SPIN:
-        tl.store(err_ptr, 1)
-    tl.debug_barrier()
+    _wait_arrivals(cnt_ptr + site, expect, err_ptr)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     acc = tl.zeros([BLOCK], dtype=tl.float32)
