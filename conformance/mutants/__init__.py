@@ -22,21 +22,23 @@ __all__ = ["AREAS", "MUTANTS", "Mutant", "MutantBackend", "control", "controls",
 
 def load() -> dict[str, Mutant]:
     """Every registered mutant, by name (importing the area modules registers them)."""
-    from conformance.mutants import attention, collectives, device, fp8, kv_write, runtime, transfer_store  # noqa: F401
+    from conformance.mutants import attention, collectives, device, elementwise, fp8, kv_write, runtime, transfer_store  # noqa: F401
 
     return MUTANTS
 
 
 def control() -> MutantBackend:
     """Every piece the mutants modify, without a bug: the vendor-style attention, the validating
-    device copy, the pass-through transfer wrapper and store subclass. It certifies, so each mutant
-    fails because of its bug alone."""
+    device copy, the pass-through transfer wrapper and store subclass, the kernel-shaped elementwise
+    ops. It certifies, so each mutant fails because of its bug alone."""
     from conformance.mutants.attention import VendorImpl
     from conformance.mutants.device import _copy, _device
+    from conformance.mutants.elementwise import VendorElementwise
     from conformance.mutants.transfer_store import _Store, _Transfer
 
     return MutantBackend("mutant-control", impl=VendorImpl, device=_device("control", copy_blocks=_copy()),
-                         transfer=_Transfer, store=_Store, spec="mutant:control")
+                         transfer=_Transfer, store=_Store, elementwise=VendorElementwise,
+                         spec="mutant:control")
 
 
 def controls() -> dict[str, MutantBackend]:
@@ -44,8 +46,10 @@ def controls() -> dict[str, MutantBackend]:
     runtime and communicator mutants need: ``control-graphs`` (emulated graphs), ``control-lazy``
     (lazy side streams), ``control-host-copy`` (``to_host_async`` on a lazy copy stream),
     ``control-collectives`` (a correct custom all-reduce), ``control-collectives-graphs`` (the same,
-    captured into emulated graphs)."""
+    captured into emulated graphs), ``control-elementwise-graphs`` (the elementwise ops under emulated
+    graphs)."""
     from conformance.mutants.collectives import collectives_device, graph_collectives_pieces
+    from conformance.mutants.elementwise import graph_pieces
     from conformance.mutants.runtime import AsyncHostCopyDevice, graph_backend, lazy_backend
 
     return {"control": control(), "control-graphs": graph_backend("control-graphs"),
@@ -55,7 +59,9 @@ def controls() -> dict[str, MutantBackend]:
                                                  spec="mutant:control-collectives"),
             "control-collectives-graphs": MutantBackend("mutant-control-collectives-graphs",
                                                         spec="mutant:control-collectives-graphs",
-                                                        **graph_collectives_pieces(stale=False))}
+                                                        **graph_collectives_pieces(stale=False)),
+            "control-elementwise-graphs": MutantBackend("mutant-control-elementwise-graphs",
+                                                        spec="mutant:control-elementwise-graphs", **graph_pieces())}
 
 
 def run_mutant(m: Mutant, quiet: bool = True) -> dict[str, Any]:

@@ -56,7 +56,9 @@ def main(argv: list[str] | None = None) -> int:
         if part:
             print(f"  {area:10} {sum(r['killed'] for r in part)} / {len(part)}")
     if args.markdown:
-        lines = [f"Mutation score: **{killed} / {len(rows)} killed**.", "",
+        per_area = ", ".join(f"{a} {sum(r['killed'] for r in rows if r['area'] == a)} / "
+                             f"{sum(r['area'] == a for r in rows)}" for a in AREAS if any(r["area"] == a for r in rows))
+        lines = [f"Mutation score: **{killed} / {len(rows)} killed**.", "", f"Per interface: {per_area}.", "",
                  "| mutant | area | vendor mistake | killed by |", "| --- | --- | --- | --- |"]
         for r in rows:
             by = (r["by"] or "SURVIVED").split(" (")[0]

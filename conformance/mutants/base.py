@@ -16,7 +16,7 @@ from typing import Any
 from hwkv.interfaces import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, Backend, KVLayoutKind
 from hwkv.reference import CpuBackend, ReferenceAttentionImpl
 
-AREAS = ("device", "attention", "kv_write", "transfer", "store", "communicator")
+AREAS = ("device", "attention", "kv_write", "transfer", "store", "communicator", "elementwise")
 
 
 @dataclass(frozen=True)
@@ -59,12 +59,14 @@ class MutantBackend(CpuBackend):
     ``builder`` (a metadata builder class), ``device`` (a Device class), ``transfer`` (wraps each
     Transfer endpoint ``create_transfer`` returns), ``store`` (an embedded Store class), ``caps``
     (Capabilities fields to replace, e.g. ``graph_capture=True`` for a device that captures),
-    ``layout`` (the KV layout, e.g. ``CROSS_LAYER``: each layer a strided view of one tensor)."""
+    ``layout`` (the KV layout, e.g. ``CROSS_LAYER``: each layer a strided view of one tensor),
+    ``elementwise`` (an ElementwiseOps class ``elementwise_ops()`` returns an instance of)."""
 
     def __init__(self, name: str, impl: type[AttentionImpl] | None = None,
                  builder: type[AttentionMetadataBuilder] | None = None, device: type | None = None,
                  transfer: Callable[[Any], Any] | None = None, store: type | None = None, spec: str | None = None,
-                 caps: dict[str, Any] | None = None, layout: KVLayoutKind | None = None):
+                 caps: dict[str, Any] | None = None, layout: KVLayoutKind | None = None,
+                 elementwise: type | None = None):
         super().__init__()
         if caps:
             self._caps = dataclasses.replace(self._caps, **caps)
@@ -76,6 +78,10 @@ class MutantBackend(CpuBackend):
         if device is not None:
             self._device = device()
         self._wrap_transfer, self._store = transfer, store
+        self._elementwise = elementwise
+
+    def elementwise_ops(self) -> Any:
+        return self._elementwise() if self._elementwise is not None else None
 
     def create_transfer(self, **options: Any) -> Any:
         t = super().create_transfer(**options)
