@@ -154,18 +154,24 @@ def test_matchers_of_their_own_are_reused_and_answer_as_copies(model):
     """Each request gets a matcher with a lexer of its own (not a copy sharing the cached one's lexer
     lock), reset and reused when its request ends (after the worker's next join): no more built than
     ran at once plus those that ended in the same step, none for a second batch, the same answers."""
+    seqs = 6
     sp = [hwkv.SamplingParams(temperature=1.0, seed=i, max_tokens=60, structured_outputs={"json": SCHEMA})
           for i in range(20)]
-    e = hwkv.Engine(model, backend="cpu", num_kv_blocks=128, max_num_seqs=6, async_scheduling=True)
+    e = hwkv.Engine(model, backend="cpu", num_kv_blocks=128, max_num_seqs=seqs, async_scheduling=True)
     so = e.runner.structured
     got = [o.text for o in e.generate(["Give JSON:"] * 20, sp, use_tqdm=False)]
-    assert 1 <= so.num_matchers <= 2 * 6 and so.num_compiled == 1
+    # The first `seqs` requests start in one step with no idle matcher: each builds one. A matcher is reused
+    # only once the worker's next join has retired its request, so a request that starts in the step its
+    # predecessor ended builds one more: at most one per running slot plus one per slot ended in that step.
+    # Which of those happen depends on whether the worker thread's job was done at the drop (timing), so the
+    # count is a range, not one number; without the reuse it would be 20.
+    assert seqs <= so.num_matchers <= 2 * seqs and so.num_compiled == 1
     so.join()  # the last requests' matchers become idle once the worker's last job is joined
     idle = so._entry({"json": SCHEMA})[1]
     assert len(idle) == so.num_matchers and not so.matchers and not so._retired
     assert [o.text for o in e.generate(["Give JSON:"] * 20, sp, use_tqdm=False)] == got
     so.join()
-    assert len(idle) == so.num_matchers <= 2 * 6  # the second run built none
+    assert len(idle) == so.num_matchers <= 2 * seqs  # the second run built none
     so.shared_lexer = True  # the copies' path (llguidance deep_copy): the same answers
     assert [o.text for o in e.generate(["Give JSON:"] * 20, sp, use_tqdm=False)] == got
     e.close()
