@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import hwkv
-from hwkv.connectors.p2p.protocol import group_mismatch, incompatibility, kv_segments, window_start
+from hwkv.connectors.p2p.protocol import group_mismatch, incompatibility, kv_segments, read_pieces, window_start
 from hwkv.interfaces.transfer import TransferError
 from hwkv.testing.mooncake import skip_unless_mooncake
 
@@ -163,6 +163,57 @@ def test_a_failed_window_group_load_recomputes_without_leaks(hybrid_dir, referen
         assert st["external_hit_tokens"] == sum(len(q) - 1 for q in prompts()[0::2])
         again = decode(d, prompts()[5], prefill(p, prompts()[5]))  # a failed prompt again: its recomputed blocks
         assert again == reference[5]
+        assert_clean(p, d)
+    finally:
+        p.close()
+        d.close()
+
+
+def test_read_pieces_are_in_token_order_on_block_boundaries():
+    assert read_pieces(0, 99, 16) == [(0, 32), (32, 64), (64, 96), (96, 99)]
+    assert read_pieces(32, 99, 16) == [(32, 64), (64, 96), (96, 99)]  # after a local hit
+    assert read_pieces(0, 96, 16, pieces=2) == [(0, 48), (48, 96)]
+    assert read_pieces(0, 5, 16) == [(0, 5)] and read_pieces(7, 7, 16) == []
+    for start, end, n in ((0, 1000, 4), (16, 17, 4), (48, 1000, 7), (0, 2048, 1)):
+        parts = read_pieces(start, end, 16, pieces=n)
+        assert parts[0][0] == start and parts[-1][1] == end and len(parts) <= n
+        assert all(b == c and b % 16 == 0 for (_, b), (c, _) in zip(parts, parts[1:]))
+
+
+@pytest.mark.parametrize("model, staging, fail_call, kept, cached", [
+    ("llama", False, 3, 64, 64),  # one group: parts [0,32) [32,64) landed, [64,96) failed
+    ("llama", True, 2, 32, 32),  # the same through tcp staging (the landed parts staged to the device)
+    ("hybrid", False, 4, 96, 96),  # [96,99) failed: the window's blocks 80-95 had landed, a 96-token hit
+    ("hybrid", True, 4, 96, 96),
+    ("hybrid", False, 3, 64, 0),  # [64,96) failed: kept, but no hit - the window before 64 was never loaded
+])
+def test_a_pull_failing_part_way_keeps_what_landed(model_dir, hybrid_dir, model, staging, fail_call, kept,  # noqa: F811
+                                                   cached):
+    """A pull reads its load in parts in token order (`read_pieces`: [0,32) [32,64) [64,96) [96,99) for a
+    100-token prompt) and the ``fail_call``-th read fails: the parts before it stay in the consumer's
+    prefix cache (``load_kept_tokens``), the request re-admits on the hit every group serves from them
+    and recomputes only the rest - the plain engine's tokens, nothing left pinned or held."""
+    path = model_dir if model == "llama" else hybrid_dir
+    q = [random.Random(5).randrange(3, 250) for _ in range(100)]
+    want = engine(path, num_kv_blocks=16, enable_prefix_caching=False).generate([q], greedy(6), use_tqdm=False)[0]
+    p, d = pd(path, "pull", staging=staging)
+    t = d.scheduler.connector.worker.transfer
+    real, calls = t.read, [0]
+
+    def flaky(endpoint, local, remote, ln):
+        calls[0] += 1
+        if calls[0] == fail_call:
+            raise TransferError(f"injected: read {fail_call} failed")
+        return real(endpoint, local, remote, ln)
+
+    t.read = flaky
+    try:
+        sp = hwkv.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, kv_transfer_params=prefill(p, q))
+        out = d.generate([q], sp, use_tqdm=False)[0]
+        assert out.token_ids == want.token_ids
+        st = d.stats()["kv_connector"]
+        assert calls[0] == fail_call and st["load_failures"] == 1 and st["external_hit_tokens"] == 0
+        assert st["load_kept_tokens"] == kept and out.metrics.num_cached_tokens == cached
         assert_clean(p, d)
     finally:
         p.close()

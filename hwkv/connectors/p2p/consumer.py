@@ -26,6 +26,7 @@ from hwkv.connectors.p2p.protocol import (
     Release,
     incompatibility,
     kv_segments,
+    read_pieces,
     read_plan,
 )
 from hwkv.connectors.p2p.state import LoadSpec
@@ -106,6 +107,7 @@ class Consumer:
         from the same rank when both engines split alike), then release the producer's hold."""
         spec, me = load.spec, self.layout
         p, ok, nbytes, settled = spec.params, False, 0, True
+        landed = 0  # the tokens before the part being read: whole in every group (reported on a failure)
         address = f"{p['remote_host']}:{p['remote_port']}"
         try:
             try:
@@ -127,21 +129,27 @@ class Consumer:
             t0 = time.perf_counter()
             try:
                 theirs = [list(p["remote_block_ids"]), *map(list, p.get("remote_group_block_ids") or ())]
-                reads = [(peer, kv_segments(peer, me, theirs, spec.all_block_ids, spec.start, spec.end, heads=sl))
-                         for peer, sl in read_plan(peers, me)]
-                for peer, (sp, dp, ln) in reads:
-                    if time.monotonic() > load.deadline:  # given up (or about to be): no read may start now
-                        raise RuntimeError("the load's deadline passed before all of its reads started")
-                    if ln:
-                        settled = False  # a read that times out may still land: keep the blocks pinned a while
-                        t1 = time.perf_counter()
-                        transfer.read(peer.endpoint, dp, sp, ln)
-                        # the copies alone (transfer_s also has the segment plan): where the time goes
-                        self.counters["copy_s"] = self.counters.get("copy_s", 0.0) + time.perf_counter() - t1
-                    nbytes += sum(ln)
-                ok, settled = True, True
+                plan = read_plan(peers, me)
+                # in parts, in token order: a part that fails keeps every part before it (valid_tokens)
+                for lo, hi in read_pieces(spec.start, spec.end, me.block_size):
+                    landed = lo
+                    for peer, sl in plan:
+                        sp, dp, ln = kv_segments(peer, me, theirs, spec.all_block_ids, lo, hi, load_end=spec.end,
+                                                 heads=sl)
+                        if time.monotonic() > load.deadline:  # given up (or about to be): no read may start now
+                            raise RuntimeError("the load's deadline passed before all of its reads started")
+                        if ln:
+                            settled = False  # a read that times out may still land: keep the blocks pinned a while
+                            t1 = time.perf_counter()
+                            transfer.read(peer.endpoint, dp, sp, ln)
+                            # the copies alone (transfer_s also has the segment plan): where the time goes
+                            self.counters["copy_s"] = self.counters.get("copy_s", 0.0) + time.perf_counter() - t1
+                            settled = True
+                        nbytes += sum(ln)
+                ok, landed = True, spec.end
                 self.counters["transfer_s"] += time.perf_counter() - t0
             except TransferTimeout:
+                settled = False  # the timed-out part may still land: its blocks stay pinned a while
                 raise
             except Exception:
                 settled = True  # failed, not running
@@ -153,7 +161,7 @@ class Consumer:
                     log.info("p2p: release of %s at %s failed: %s", p["remote_request_id"], address, e)
         except Exception as e:
             log.warning("p2p: pull of %s failed (it recomputes): %s", spec.rid, e)
-        self._done("recv", spec.rid, ok, nbytes if ok else 0, settled)
+        self._done("recv", spec.rid, ok, nbytes if ok else 0, settled, landed if landed > spec.start else 0)
 
     def _ask_push(self, load: _Load) -> None:
         spec = load.spec
@@ -176,8 +184,10 @@ class Consumer:
             log.warning("p2p: push into %s not started (it recomputes): %s", spec.rid, e)
             self._done("recv", spec.rid, False, 0)
 
-    def consumer_result(self, rid: str, ok: bool, nbytes: int, settled: bool, recv: set[str],
-                        failed: set[str]) -> None:
+    def consumer_result(self, rid: str, ok: bool, nbytes: int, settled: bool, valid: int, recv: set[str],
+                        failed: set[str], valid_tokens: dict[str, int]) -> None:
+        """A load ended: ``ok``, or failed with its first ``valid`` tokens landed (0: none beyond its
+        local hit), which the scheduler keeps."""
         load = self._reading.get(rid)
         if load is None:
             return
@@ -185,10 +195,18 @@ class Consumer:
         if load.reported:
             return
         load.reported = True
-        if ok and self.host_kv is not None and load.protocol in ("tcp", ""):  # it arrived in the host mirror
-            bs, spec = self.kv_cache.spec.block_size, load.spec
-            self._stage(False, [ids[spec.start // bs:-(-spec.end // bs)] for ids in spec.all_block_ids])
+        spec = load.spec
+        end = spec.end if ok else valid
+        if end > spec.start and self.host_kv is not None and load.protocol in ("tcp", ""):  # in the host mirror
+            bs = self.kv_cache.spec.block_size
+            try:
+                self._stage(False, [ids[spec.start // bs:-(-end // bs)] for ids in spec.all_block_ids])
+            except Exception as e:  # never on the device: nothing of the load is
+                log.warning("p2p: staging the KV of %s to the device failed (it recomputes): %s", rid, e)
+                ok, end = False, 0
         (recv if ok else failed).add(rid)
+        if not ok and end > spec.start:
+            valid_tokens[rid] = end
         self.counters["loaded_bytes"] += nbytes if ok else 0
         if ok and load.protocol:
             key = f"bytes_via_{load.protocol}"

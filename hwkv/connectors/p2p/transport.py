@@ -296,7 +296,8 @@ class Transport:
         rest = [lay for p, lay in self.layouts.items() if p != self.protocol] if self.tp_size == 1 else []
         return HelloReply(self.layout, layouts=self.state.rank_layouts, alternatives=rest, unusable=unusable)
 
-    def _done(self, kind: str, rid: str, ok: bool, nbytes: int, settled: bool = True) -> None:
-        self._results.put((kind, rid, ok, nbytes, settled))
+    def _done(self, kind: str, rid: str, ok: bool, nbytes: int, settled: bool = True, valid: int = 0) -> None:
+        """``valid``: a failed load's first tokens that did land (0: none beyond its local hit)."""
+        self._results.put((kind, rid, ok, nbytes, settled, valid))
         self._wake.set()
 

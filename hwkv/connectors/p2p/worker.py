@@ -50,8 +50,9 @@ class P2PWorker(Transport, Pusher, Producer, Consumer, ConnectorWorker):
         self.layout: Layout | None = None
         self.channel: SideChannel | None = None
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="p2p-transfer")
-        # (kind "recv" | "sent", rid, ok, nbytes, settled): completions from the side channel and transfer threads
-        self._results: queue.Queue[tuple[str, str, bool, int, bool]] = queue.Queue()
+        # (kind "recv" | "sent", rid, ok, nbytes, settled, valid): completions from the side channel and transfer
+        # threads
+        self._results: queue.Queue[tuple[str, str, bool, int, bool, int]] = queue.Queue()
         self._wake = threading.Event()
         self._peers: dict[str, dict[str, Layout]] = {}  # consumer engine id -> its usable layouts (state.lock)
         # consumer
@@ -109,14 +110,15 @@ class P2PWorker(Transport, Pusher, Producer, Consumer, ConnectorWorker):
         recv: set[str] = set()
         failed: set[str] = set()
         sent: set[str] = set()
+        valid: dict[str, int] = {}
         while True:
             try:
-                kind, rid, ok, nbytes, settled = self._results.get_nowait()
+                kind, rid, ok, nbytes, settled, landed = self._results.get_nowait()
             except queue.Empty:
                 break
             self.counters["transfers" if ok else "failed_transfers"] += 1
             if kind == "recv":
-                self.consumer_result(rid, ok, nbytes, settled, recv, failed)
+                self.consumer_result(rid, ok, nbytes, settled, landed, recv, failed, valid)
                 continue
             with self.state.lock:
                 if self.state.held.pop(rid, None) is not None:
@@ -129,4 +131,5 @@ class P2PWorker(Transport, Pusher, Producer, Consumer, ConnectorWorker):
         if not (recv or failed or sent or settled or staged):
             return None
         extra = {k: v for k, v in (("p2p_settled", settled), ("p2p_staged", staged)) if v}
-        return KVConnectorOutput(finished_sending=sent, finished_recving=recv, failed_recving=failed, extra=extra)
+        return KVConnectorOutput(finished_sending=sent, finished_recving=recv, failed_recving=failed,
+                                 valid_tokens=valid, extra=extra)
