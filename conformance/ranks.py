@@ -129,16 +129,65 @@ def collectives(backend: Any, comm: Any, rank: int, world: int, ck: Checks) -> N
                 out = add(t, res)
                 if out is None:
                     continue  # declined
-                parts = [values(dtype, n, r, "a").float() for r in range(world)] + [res.cpu().float()]
+                parts = [values(dtype, n, r, "a").float() for r in range(world)] + [values(dtype, n, 0, "res").float()]
                 want = parts[0]
                 for p in parts[1:]:
                     want = want + p
                 scale = sum(p.abs() for p in parts)
                 ck.close(f"custom all_reduce_add {dn} x{n}", out, want, 2**-22 if dtype == torch.float32 else 2**-7,
                          scale)
+                ck.same(f"custom all_reduce_add {dn} x{n}: residual untouched", res, values(dtype, n, 0, "res"))
+            if getattr(custom, "all_reduce_add_rms_norm", None) is not None:
+                add_norm(custom, dtype, on, rank, world, ck)
     dev.synchronize()
     if caps.graph_capture and comm.capturable:
         captured(backend, comm, rank, world, ck)
+
+
+NORM_HIDDEN, NORM_ROWS, NORM_EPS = 4099, (1, 7, 64), 1e-5  # one hidden size per group: a kernel may fix it
+
+
+def add_norm(custom: Any, dtype: torch.dtype, on: Any, rank: int, world: int, ck: Checks) -> None:
+    """``all_reduce_add_rms_norm(t, residual, weight, eps)``: ``h = residual + (t summed over the ranks)``
+    with the rounding of ``add_rms_norm`` after the all-reduce (the sum rounded, then the add: bit-exact for
+    two ranks), ``rms_norm(h, weight, eps)`` from that ``h``; residual and weight untouched; the same
+    answer on every rank (the digest). Rows with massive activations and a zero sum check the norm."""
+    from hwkv.model.layers import rms_norm
+
+    dn = str(dtype).removeprefix("torch.")
+    w = (1 + 0.2 * values(torch.float32, NORM_HIDDEN, 0, "nw")).to(dtype)
+    for rows in NORM_ROWS:
+        n = rows * NORM_HIDDEN
+        parts = [values(dtype, n, r, f"nt{rows}").reshape(rows, NORM_HIDDEN) for r in range(world)]
+        res = values(dtype, n, 0, f"nres{rows}").reshape(rows, NORM_HIDDEN)
+        if rows > 1:
+            parts = [p.clone() for p in parts]
+            for p in parts:
+                p[0] *= 64  # massive activations: float16 squares overflow past 256
+                p[1] = 0
+            res[1] = 0  # h = 0: finite only with eps inside the root
+        # copies (on a host device .to() would hand back the very tensors the expectation is computed from)
+        t, r_dev, w_dev = (x.to(on, copy=True) for x in (parts[rank], res, w))
+        note("CustomAllReduce.all_reduce_add_rms_norm", t=t, residual=r_dev, weight=w_dev, eps=NORM_EPS)
+        out = custom.all_reduce_add_rms_norm(t, r_dev, w_dev, NORM_EPS)
+        if out is None:
+            continue  # declined: the caller runs all_reduce and its own add + norm
+        y, h = out
+        total = parts[0]
+        for p in parts[1:]:
+            total = total + p
+        want_h = total + res
+        what = f"custom all_reduce_add_rms_norm {dn} [{rows}, {NORM_HIDDEN}]"
+        if world == 2:
+            ck.same(f"{what}: h = residual + sum", h.reshape(-1), want_h.reshape(-1))
+        else:
+            ck.close(f"{what}: h = residual + sum", h.reshape(-1), want_h.reshape(-1), 2**-22 if dtype == torch.float32
+                     else 2**-7, (sum(p.abs().float() for p in parts) + res.abs().float()).reshape(-1))
+        want_y = rms_norm(h.detach().cpu(), w, NORM_EPS)  # from the h it returned: the norm's own error only
+        ck.close(f"{what}: rms_norm(h)", y.reshape(-1), want_y.reshape(-1), 2**-18 if dtype == torch.float32 else 2**-6,
+                 want_y.abs().float().reshape(-1) + 1e-6)
+        ck.same(f"{what}: residual untouched", r_dev.reshape(-1), res.reshape(-1))
+        ck.same(f"{what}: weight untouched", w_dev, w)
 
 
 def captured(backend: Any, comm: Any, rank: int, world: int, ck: Checks) -> None:

@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from conformance.mutants.base import mutant
 from conformance.mutants.runtime import GraphDevice
+from hwkv.model.layers import rms_norm
 from hwkv.reference import CpuDevice
 from hwkv.reference.graphs import StaticAttentionImpl
 
@@ -51,14 +52,38 @@ def _custom(bug: str | None) -> Any:
         def all_reduce_add(t: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
             if bug == "add-before-reduce":  # the residual joins every rank's partial: counted world times
                 return all_reduce(t.add_(residual))
+            if bug == "add-into-residual":  # the residual stream updated in place (the sum lands in it)
+                return residual.add_(all_reduce(t))
             return residual + all_reduce(t)
+
+        def all_reduce_add_rms_norm(t: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+            if bug == "norm-before-peers":  # statistics from this rank's partial: the peers' wait comes late
+                local = t.float() + residual.float()
+                inv = torch.rsqrt(local.pow(2).mean(-1, keepdim=True) + eps)
+                h = all_reduce(t) + residual
+                return weight * (h.float() * inv).to(h.dtype), h
+            if bug == "norm-unrounded-sum":  # the sum kept in float32 into the add: one rounding, not two
+                h = _float32_sum(pg, t.float()).add_(residual.float()).to(t.dtype)
+            else:
+                h = all_reduce(t) + residual
+            if bug == "norm-residual-in-place":  # the fused kernel's residual_out written over its residual input
+                residual.copy_(h)
+                h = residual
+            return rms_norm(h, weight, eps), h
 
         if bug == "out-of-place":  # the sum written to a new tensor; the argument keeps its value
             return lambda t: all_reduce(t.clone())
         all_reduce.all_reduce_add = all_reduce_add
+        all_reduce.all_reduce_add_rms_norm = all_reduce_add_rms_norm
         return all_reduce
 
     return custom_all_reduce
+
+
+def _float32_sum(pg: Any, partial: torch.Tensor) -> torch.Tensor:
+    pg.allreduce([partial]).wait()
+    return partial
 
 
 def collectives_device(bug: str | None) -> type[CpuDevice]:
@@ -73,6 +98,17 @@ mutant("allreduce-half-staging", "communicator", "custom all-reduce stages float
        FIRST, device=collectives_device("half-staging"))
 mutant("allreduce-add-before-reduce", "communicator", "fused all_reduce_add adds the residual before the reduce "
        "(the residual counted once per rank)", FIRST, device=collectives_device("add-before-reduce"))
+mutant("allreduce-add-into-residual", "communicator", "fused all_reduce_add adds the sum into its residual input "
+       "in place (the contract: the residual is never written)", FIRST, device=collectives_device("add-into-residual"))
+mutant("allreduce-norm-residual-in-place", "communicator", "fused all_reduce_add_rms_norm writes h over its "
+       "residual input (a residual_out aliased to the input)", FIRST,
+       device=collectives_device("norm-residual-in-place"))
+mutant("allreduce-norm-unrounded-sum", "communicator", "fused all_reduce_add_rms_norm adds the residual to the "
+       "float32 sum (one rounding where add_rms_norm after an all-reduce rounds twice)", FIRST,
+       device=collectives_device("norm-unrounded-sum"))
+mutant("allreduce-norm-before-peers", "communicator", "fused all_reduce_add_rms_norm takes the RMS statistics from "
+       "this rank's partial sum (before the peers' partials arrived)", FIRST,
+       device=collectives_device("norm-before-peers"))
 mutant("allreduce-out-of-place", "communicator", "custom all-reduce writes the sum to a new tensor and leaves its "
        "argument unreduced (the contract: in place)", FIRST, device=collectives_device("out-of-place"))
 
