@@ -1,5 +1,6 @@
-"""``python -m conformance.mutants [--only NAME ...] [--area AREA] [--markdown FILE] [--list]``:
-certify every mutant, print the mutation score (killed / total); exit 0 when every mutant is killed."""
+"""``python -m conformance.mutants [--only NAME ...] [--area AREA] [--markdown FILE] [--json FILE] [--list]``:
+certify every mutant, print the mutation score (killed / total, and per interface); exit 0 when every
+mutant is killed."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="+", metavar="NAME", help="these mutants only")
     p.add_argument("--area", choices=AREAS, help="mutants of one interface only")
     p.add_argument("--markdown", metavar="FILE", help="write the score table (Markdown) to FILE")
+    p.add_argument("--json", metavar="FILE", help="write the score (total, per interface, per mutant) as JSON to FILE")
     p.add_argument("--list", action="store_true", help="list the mutants and exit")
     p.add_argument("--no-control", action="store_true", help="skip certifying the bug-free control first")
     p.add_argument("-v", "--verbose", action="store_true", help="show each conformance run's output")
@@ -65,6 +67,16 @@ def main(argv: list[str] | None = None) -> int:
             lines.append(f"| `{r['name']}` | {r['area']} | {r['bug']} | `{by}` |")
         with open(args.markdown, "w") as f:
             f.write("\n".join(lines) + "\n")
+    if args.json:
+        import json
+
+        from conformance.tolerances import SUITE_VERSION
+
+        areas = {a: {"killed": sum(r["killed"] for r in rows if r["area"] == a),
+                     "total": sum(r["area"] == a for r in rows)} for a in AREAS if any(r["area"] == a for r in rows)}
+        with open(args.json, "w") as f:
+            json.dump({"suite_version": SUITE_VERSION, "killed": killed, "total": len(rows), "per_interface": areas,
+                       "mutants": rows}, f, indent=1)
     return 0 if killed == len(rows) else 1
 
 
