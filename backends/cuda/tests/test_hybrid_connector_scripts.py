@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 
 @pytest.mark.parametrize("bench, key, case, prompt_len", [
     ("hybrid_pool", "modes", ["--modes", "direct"], 60),
-    ("hybrid_pd", "setups", ["--setups", "pull:tcp"], 40),
+    ("hybrid_pd", "setups", ["--setups", "pull:tcp", "--fail-part", "3"], 40),
 ])
 def test_hybrid_connector_script_runs_on_cpu(tmp_path, bench, key, case, prompt_len):
     if bench == "hybrid_pd":
@@ -30,3 +30,7 @@ def test_hybrid_connector_script_runs_on_cpu(tmp_path, bench, key, case, prompt_
     assert r["identical_to_plain"] == "2/2" and r["margin_rule"]["passes"]
     if bench == "hybrid_pool":
         assert r["lost_chunk"]["load_failures"] == 1 and r["lost_chunk"]["identical_to_plain"]
+    else:  # parts [0,16) [16,32) [32,39): the third fails, the window-16 group's block [16,32) had landed
+        f = r["failed_part"]
+        assert f["parts"] == [[0, 16], [16, 32], [32, 39]] and f["reads"] == 3 and f["identical_to_plain"]
+        assert f["load_kept_tokens"] == f["cached_tokens_after_failure"] == 32

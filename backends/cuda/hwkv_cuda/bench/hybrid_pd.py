@@ -12,7 +12,8 @@ prefills each prompt (longer than the window) on the producer and decodes it on 
 per setup: the groups; the consumer's loaded bytes against what one group of every layer would move
 (the window group moves its live window only); greedy tokens against the plain engine's and scored by
 HF's float32 forward of the same weights under the conformance margin rule; load failures; every pool
-whole at the end on both sides.
+whole at the end on both sides; with ``--fail-part K``, a pull whose K-th part fails (what is kept, what
+is hit on re-admission, the tokens).
 """
 
 from __future__ import annotations
@@ -87,16 +88,63 @@ def run_setup(path: str, setup: str, ps: list[list[int]], plain: list[list[int]]
         })
         res["ok"] = (res["load_failures"] == 0 and res["loaded_bytes"] == grouped and res["pools_whole"]
                      and res["margin_rule"]["passes"] and st["external_hit_tokens"] == sum(len(q) - 1 for q in ps))
+        if a.fail_part and mode == "pull":
+            lossy = engine(path, a, max_len, kv_connector="p2p",
+                           kv_connector_config={**cfg, "role": "consumer", "protocol": protocol})
+            try:
+                res["failed_part"] = failed_part(p, lossy, ps[0], plain[0], hf, a)
+            finally:
+                lossy.close()
+            res["ok"] = res["ok"] and res["failed_part"]["ok"]
     finally:
         p.close()
         d.close()
     return res
 
 
+def failed_part(p: Any, d: Any, q: list[int], want: list[int], hf: Any, a: argparse.Namespace) -> dict[str, Any]:
+    """``q`` prefilled on ``p`` and pulled by a fresh consumer ``d`` whose ``a.fail_part``-th read fails (a
+    pull reads in parts in token order): the parts before it are kept (``load_kept_tokens``), the request
+    re-admits on the hit every group serves from them and recomputes the rest; tokens against ``want``."""
+    from hwkv.connectors.p2p.protocol import read_pieces
+    from hwkv.interfaces.transfer import TransferError
+    from hwkv.sampling_params import SamplingParams
+    from hwkv_cuda.bench.hybrid_parity import score
+
+    calls = [0]
+
+    def failing(read: Any) -> Any:
+        def f(*args: Any) -> Any:
+            calls[0] += 1
+            if calls[0] == a.fail_part:
+                raise TransferError(f"injected: read {a.fail_part} failed")
+            return read(*args)
+        return f
+
+    for t, _ in d.scheduler.connector.worker.transports.values():
+        t.read = failing(t.read)
+    pre = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, kv_transfer_params={"do_remote_decode": True})
+    params = p.generate([q], pre, use_tqdm=False)[0].kv_transfer_params
+    sp = SamplingParams(temperature=0.0, max_tokens=a.tokens, ignore_eos=True, kv_transfer_params=params)
+    out = d.generate([q], sp, use_tqdm=False)[0]
+    _settle(p, d)
+    st, toks = d.stats()["kv_connector"], list(out.token_ids)
+    parts = read_pieces(0, len(q) - 1, d.block_size)
+    r = {"fail_part": a.fail_part, "parts": parts, "reads": calls[0], "load_failures": st["load_failures"],
+         "load_kept_tokens": st["load_kept_tokens"], "cached_tokens_after_failure": out.metrics.num_cached_tokens,
+         "identical_to_plain": toks == want, "margin_rule": score(hf, [q], [toks], device_of(a)),
+         "pools_whole": pools_whole(p, d)}
+    r["ok"] = (r["load_failures"] == 1 and r["load_kept_tokens"] == parts[a.fail_part - 1][0] and r["pools_whole"]
+               and r["margin_rule"]["passes"])
+    return r
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_args(ap, "/dev/shm/hwkv-hybrid-pd")
     ap.add_argument("--setups", default="pull:cuda_ipc,push:cuda_ipc,pull:tcp")
+    ap.add_argument("--fail-part", type=int, default=0,
+                    help="pull setups: then a fresh consumer whose read of this part (1..4) fails (0: none)")
     a = ap.parse_args(argv)
     return run(a, "hybrid_pd", "setups", a.setups.split(","), run_setup)
 
