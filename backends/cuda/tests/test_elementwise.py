@@ -148,3 +148,24 @@ def test_logits_float32_out():
     exact = x.double() @ w.double().t()
     assert (got.double() - exact).abs().max() <= (want.double() - exact).abs().max()  # no bf16 rounding
     assert (got - want).abs().max() <= want.abs().max() * 2**-7
+
+
+@pytest.mark.skipif(DEV == "cuda", reason="on a GPU the real kernels run the section (hwkv conformance --backend cuda)")
+def test_conformance_section_passes_in_the_interpreter():
+    """The suite's elementwise section (conformance/test_elementwise.py: odd widths, strided rows, qkv views,
+    positions past 2^16, inputs untouched, new results) against these kernels under Triton's interpreter;
+    float32 and float16 only (the interpreter's bf16 casts truncate, unlike the hardware's)."""
+    import conformance
+    from hwkv.reference import CpuBackend
+
+    class Interpreted(CpuBackend):
+        name = "cpu-triton-elementwise"
+
+        def elementwise_ops(self):
+            return TritonElementwise("cpu")
+
+    report = conformance.run(Interpreted(), pytest_args=["-q", "-k", "test_elementwise and not bfloat16"])
+    got = {t["id"]: t["status"] for t in report["tests"]}
+    graph = "test_elementwise.py::test_elementwise_in_graph"
+    assert got.pop(graph) == "NOT_SUPPORTED"  # the host device declares no graph capture
+    assert len(got) >= 24 and set(got.values()) == {"PASS"}, {i: s for i, s in got.items() if s != "PASS"}
