@@ -22,7 +22,7 @@ SHOWN = 12  # values listed per argument in the table; the count covers them all
 
 # interface -> recorded methods; "attr: Interface" entries wrap what an attribute or call returns
 INTERFACES: dict[str, tuple[str, ...]] = {
-    "Backend": ("create_transfer", "create_store", "decode_ops"),
+    "Backend": ("create_transfer", "create_store", "decode_ops", "elementwise_ops"),
     "Device": ("allocate_kv_cache", "copy_blocks", "memory_info", "pinned_empty", "host_empty", "to_device",
                "to_host_async"),
     "AttentionBackend": ("make_impl", "metadata_builder"),
@@ -30,12 +30,14 @@ INTERFACES: dict[str, tuple[str, ...]] = {
     "AttentionImpl": ("write_kv", "forward"),
     "Transfer": ("register", "unregister", "submit_write", "submit_read", "write", "read", "poll", "wait"),
     "Store": ("put", "get", "exists", "remove"),
+    "ElementwiseOps": ("rms_norm", "add_rms_norm", "rope", "silu_mul"),
 }
 WRAPS: dict[tuple[str, str], str] = {  # (interface, attribute or method) -> interface of the result
     ("Backend", "device"): "Device",
     ("Backend", "attention"): "AttentionBackend",
     ("Backend", "create_transfer"): "Transfer",
     ("Backend", "create_store"): "Store",
+    ("Backend", "elementwise_ops"): "ElementwiseOps",
     ("AttentionBackend", "make_impl"): "AttentionImpl",
     ("AttentionBackend", "metadata_builder"): "AttentionMetadataBuilder",
 }

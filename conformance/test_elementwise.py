@@ -30,7 +30,7 @@ pytestmark = pytest.mark.capability("elementwise")
 NORM_SIZES = [(1, 64), (7, 96), (5, 4099)]  # (rows, width)
 ROPE_HEADS = [(4, 2), (3, 1)]  # (heads, kv heads): GQA and an odd head count
 MAX_POS = 65_573  # positions beyond 2^15 and 2^16
-EPS = 1e-5
+EPS = 1e-5  # 1e-6 at the widest rows: an ignored eps argument shows in the coverage table as one value
 
 
 def _ops(backend):
@@ -87,21 +87,22 @@ def test_rms_norm(backend, check, gen, dtype, op, rows, n):
     dev = backend.device.torch_device
     x = _hidden(gen, rows, n, dtype)
     w = (1 + 0.2 * randn(gen, n)).to(dtype)
+    eps = 1e-6 if n > 4096 else EPS
     if op == "rms_norm":
         base, view = _wide(x)
         b_base, b_w = _to(dev, base, w)
-        got = ops.rms_norm(b_base[:, :n], b_w, EPS)
+        got = ops.rms_norm(b_base[:, :n], b_w, eps)
         ins = {"x (and its row gaps)": b_base, "weight": b_w}
-        want = rms_norm(view, w, EPS)
+        want = rms_norm(view, w, eps)
     else:
         res = randn(gen, rows, n).to(dtype)
         if rows > 1:
             x[1] = -res[1]  # h = 0 exactly
         base, res_view = _wide(res, extra=5)
         b_x, b_base, b_w = _to(dev, x, base, w)
-        got = ops.add_rms_norm(b_x, b_base[:, :n], b_w, EPS)
+        got = ops.add_rms_norm(b_x, b_base[:, :n], b_w, eps)
         ins = {"x": b_x, "residual (and its row gaps)": b_base, "weight": b_w}
-        want = add_rms_norm(x, res_view, w, EPS)
+        want = add_rms_norm(x, res_view, w, eps)
     if got is None:
         not_supported(f"{op} returns None for {str(dtype).removeprefix('torch.')} [{rows}, {n}] (the compiled "
                       f"function runs)")
@@ -161,10 +162,11 @@ def _qk(qkv: torch.Tensor, heads: int, kv_heads: int, d: int) -> tuple[torch.Ten
 
 @pytest.mark.parametrize("heads,kv_heads", ROPE_HEADS, ids=[f"h{h}kv{k}" for h, k in ROPE_HEADS])
 def test_rope(backend, check, gen, dtype, head_size, heads, kv_heads):
-    """Neox RoPE of q and k (views of the fused qkv output) by the rows ``positions`` of the cos/sin cache."""
+    """Neox RoPE of q and k (views of the fused qkv output) by the rows ``positions`` of the cos/sin cache;
+    7 tokens (a prefill chunk) and 1 (a decode)."""
     check.capability = "elementwise/rope"
     ops = _ops(backend)
-    t = 7
+    t = 7 if heads == 4 else 1
     cos, sin, pos, qkv = _rope_inputs(gen, t, heads, kv_heads, head_size, dtype)
     b_cos, b_sin, b_pos, b_qkv = _to(backend.device.torch_device, cos, sin, pos, qkv)
     got = ops.rope(b_cos, b_sin, b_pos, *_qk(b_qkv, heads, kv_heads, head_size))
