@@ -180,33 +180,37 @@ def test_read_pieces_are_in_token_order_on_block_boundaries():
         assert all(b == c and b % 16 == 0 for (_, b), (c, _) in zip(parts, parts[1:]))
 
 
-@pytest.mark.parametrize("model, staging, fail_call, kept, cached", [
-    ("llama", False, 3, 64, 64),  # one group: parts [0,32) [32,64) landed, [64,96) failed
-    ("llama", True, 2, 32, 32),  # the same through tcp staging (the landed parts staged to the device)
-    ("hybrid", False, 4, 96, 96),  # [96,99) failed: the window's blocks 80-95 had landed, a 96-token hit
-    ("hybrid", True, 4, 96, 96),
-    ("hybrid", False, 3, 64, 0),  # [64,96) failed: kept, but no hit - the window before 64 was never loaded
+@pytest.mark.parametrize("model, mode, staging, fail_call, kept, cached", [
+    ("llama", "pull", False, 3, 64, 64),  # one group: parts [0,32) [32,64) landed, [64,96) failed
+    ("llama", "pull", True, 2, 32, 32),  # the same through tcp staging (the landed parts staged to the device)
+    ("llama", "push", False, 3, 64, 64),
+    ("hybrid", "pull", False, 4, 96, 96),  # [96,99) failed: the window's blocks 80-95 had landed, a 96-token hit
+    ("hybrid", "pull", True, 4, 96, 96),
+    ("hybrid", "push", False, 4, 96, 96),
+    ("hybrid", "pull", False, 3, 64, 0),  # [64,96) failed: kept, but no hit - the window before 64 was never loaded
 ])
-def test_a_pull_failing_part_way_keeps_what_landed(model_dir, hybrid_dir, model, staging, fail_call, kept,  # noqa: F811
-                                                   cached):
-    """A pull reads its load in parts in token order (`read_pieces`: [0,32) [32,64) [64,96) [96,99) for a
-    100-token prompt) and the ``fail_call``-th read fails: the parts before it stay in the consumer's
-    prefix cache (``load_kept_tokens``), the request re-admits on the hit every group serves from them
-    and recomputes only the rest - the plain engine's tokens, nothing left pinned or held."""
+def test_a_load_failing_part_way_keeps_what_landed(model_dir, hybrid_dir, model, mode, staging, fail_call,  # noqa: F811
+                                                   kept, cached):
+    """A load is copied in parts in token order (`read_pieces`: [0,32) [32,64) [64,96) [96,99) for a
+    100-token prompt; pull: the consumer's reads, push: the producer's writes) and the ``fail_call``-th
+    copy fails: the parts before it stay in the consumer's prefix cache (``load_kept_tokens``), the
+    request re-admits on the hit every group serves from them and recomputes only the rest - the plain
+    engine's tokens, nothing left pinned or held."""
     path = model_dir if model == "llama" else hybrid_dir
     q = [random.Random(5).randrange(3, 250) for _ in range(100)]
     want = engine(path, num_kv_blocks=16, enable_prefix_caching=False).generate([q], greedy(6), use_tqdm=False)[0]
-    p, d = pd(path, "pull", staging=staging)
-    t = d.scheduler.connector.worker.transfer
-    real, calls = t.read, [0]
+    p, d = pd(path, mode, staging=staging)
+    t = (d if mode == "pull" else p).scheduler.connector.worker.transfer
+    name = "read" if mode == "pull" else "write"
+    real, calls = getattr(t, name), [0]
 
-    def flaky(endpoint, local, remote, ln):
+    def flaky(endpoint, a, b, ln):
         calls[0] += 1
         if calls[0] == fail_call:
-            raise TransferError(f"injected: read {fail_call} failed")
-        return real(endpoint, local, remote, ln)
+            raise TransferError(f"injected: copy {fail_call} failed")
+        return real(endpoint, a, b, ln)
 
-    t.read = flaky
+    setattr(t, name, flaky)
     try:
         sp = hwkv.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, kv_transfer_params=prefill(p, q))
         out = d.generate([q], sp, use_tqdm=False)[0]

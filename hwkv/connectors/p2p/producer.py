@@ -95,9 +95,9 @@ class Producer:
                 self._pool.submit(self._notify, msg, False, "staging the KV to host memory failed", 0, None)
 
     def _notify(self, msg: PushRequest, ok: bool, why: str, nbytes: int, rid: str | None,
-                settled: bool = True) -> None:
+                settled: bool = True, valid: int = 0) -> None:
         try:
-            done = PushDone(msg.consumer_request_id, ok, why, nbytes, settled)
+            done = PushDone(msg.consumer_request_id, ok, why, nbytes, settled, 0 if ok or valid <= msg.start else valid)
             call(msg.notify, done, self.config.transfer_timeout_s)
         except Exception:
             ok = False  # the consumer times out and recomputes

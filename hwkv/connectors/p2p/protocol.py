@@ -145,6 +145,7 @@ class PushDone(msgspec.Struct, tag=True):
     reason: str = ""
     nbytes: int = 0
     settled: bool = True  # False: a timed-out write may still land (the consumer keeps its blocks pinned)
+    valid: int = 0  # not ok: the consumer's first tokens that did land (0: none beyond its local hit)
 
 
 class PushOrder(msgspec.Struct, tag=True):
@@ -169,6 +170,7 @@ class PushPart(msgspec.Struct, tag=True):
     reason: str = ""
     nbytes: int = 0
     settled: bool = True
+    valid: int = 0  # not ok: the tokens before the part of the write that failed (its parts are in token order)
 
 
 class Ack(msgspec.Struct, tag=True):

@@ -29,6 +29,7 @@ from hwkv.connectors.p2p.protocol import (
     PushRequest,
     kv_segments,
     push_refusal,
+    read_pieces,
     write_plan,
 )
 from hwkv.interfaces.transfer import TransferTimeout
@@ -46,6 +47,7 @@ class _Parts:
     why: str = ""
     nbytes: int = 0
     settled: bool = True
+    valid: int = -1  # the smallest failed part's valid tokens (-1: no part failed)
     t0: float = field(default_factory=time.monotonic)
 
 
@@ -78,29 +80,32 @@ class Pusher:
                 self._part_done(PushPart(key, rank, False, f"rank {rank}: {type(e).__name__}: {e}"))
 
     def _write(self, peer: Layout, src_blocks: list[list[int]], msg: PushRequest, slices: list[HeadSlice],
-               deadline: float) -> tuple[bool, str, int, bool]:
+               deadline: float) -> tuple[bool, str, int, bool, int]:
         """Write this rank's ``slices`` into the consumer's blocks (``src_blocks``: one list per KV-cache
-        group): ``(ok, why, bytes, settled)``.
-        No write starts past ``deadline`` (monotonic): a part queued behind other pushes must not
-        land in blocks the consumer has given up on and unpinned."""
-        nbytes = 0
+        group): ``(ok, why, bytes, settled, valid)``. The write goes in parts in token order
+        (:func:`read_pieces` of the consumer's blocks); a failed one reports the tokens before it as
+        ``valid`` (they landed in every group). No write starts past ``deadline`` (monotonic): a part
+        queued behind other pushes must not land in blocks the consumer has given up on and unpinned."""
+        nbytes, landed = 0, 0
         try:
             t0 = time.perf_counter()
-            for sl in slices:
-                if time.monotonic() > deadline:
-                    return False, "the push's deadline passed before this part was written", 0, True
-                transfer, mine = self.transfer_for(peer.protocol)
-                sp, dp, ln = kv_segments(mine, peer, src_blocks, msg.all_block_ids, msg.start, msg.end,
-                                         heads=HeadSlice(*sl))
-                if ln:
-                    transfer.write(peer.endpoint, sp, dp, ln)
-                nbytes += sum(ln)
+            transfer, mine = self.transfer_for(peer.protocol)
+            for lo, hi in read_pieces(msg.start, msg.end, peer.block_size):
+                landed = lo
+                for sl in slices:
+                    if time.monotonic() > deadline:
+                        return False, "the push's deadline passed before this part was written", 0, True, landed
+                    sp, dp, ln = kv_segments(mine, peer, src_blocks, msg.all_block_ids, lo, hi, load_end=msg.end,
+                                             heads=HeadSlice(*sl))
+                    if ln:
+                        transfer.write(peer.endpoint, sp, dp, ln)
+                    nbytes += sum(ln)
             self.counters["transfer_s"] += time.perf_counter() - t0
-            return True, "", nbytes, True
+            return True, "", nbytes, True, msg.end
         except TransferTimeout as e:
-            return False, f"{type(e).__name__}: {e}", 0, False  # it may still land
+            return False, f"{type(e).__name__}: {e}", 0, False, landed  # it may still land
         except Exception as e:
-            return False, f"{type(e).__name__}: {e}", 0, True
+            return False, f"{type(e).__name__}: {e}", 0, True, landed
 
     def accept_order(self, order: PushOrder) -> Ack:
         """A producer rank other than the driver: write its part in the background."""
@@ -110,9 +115,9 @@ class Pusher:
         return Ack(True)
 
     def _write_part(self, order: PushOrder, deadline: float) -> None:
-        ok, why, nbytes, settled = self._write(order.consumer, order.src_block_ids, order.push,
-                                               [HeadSlice(*s) for s in order.slices], deadline)
-        part = PushPart(order.key, self.tp_rank, ok, why, nbytes, settled)
+        ok, why, nbytes, settled, valid = self._write(order.consumer, order.src_block_ids, order.push,
+                                                      [HeadSlice(*s) for s in order.slices], deadline)
+        part = PushPart(order.key, self.tp_rank, ok, why, nbytes, settled, 0 if ok else valid)
         with contextlib.suppress(Exception):  # else the driver's hold expires; the consumer recomputes
             call(order.reply_to, part, self.config.transfer_timeout_s)
 
@@ -125,8 +130,11 @@ class Pusher:
             p.pending.discard(part.rank)
             p.ok, p.nbytes, p.settled = p.ok and part.ok, p.nbytes + part.nbytes, p.settled and part.settled
             p.why = p.why or part.reason
+            if not part.ok:  # every part writes its slices in token order: the smallest failed one's landed
+                p.valid = part.valid if p.valid < 0 else min(p.valid, part.valid)
             if p.pending:
                 return Ack(True)
             del self._parts[part.key]
-        self._pool.submit(self._notify, p.msg, p.ok, p.why, p.nbytes if p.ok else 0, p.rid, p.settled)
+        self._pool.submit(self._notify, p.msg, p.ok, p.why, p.nbytes if p.ok else 0, p.rid, p.settled,
+                          max(p.valid, 0))
         return Ack(True)

@@ -261,7 +261,7 @@ class Transport:
         if isinstance(msg, PushPart):
             return self._part_done(msg)
         if isinstance(msg, PushDone):
-            self._done("recv", msg.request_id, msg.ok, msg.nbytes, msg.settled)
+            self._done("recv", msg.request_id, msg.ok, msg.nbytes, msg.settled, msg.valid)
             return Ack(True)
         return Ack(False, f"unexpected message {type(msg).__name__}")
 
