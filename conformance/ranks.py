@@ -127,6 +127,7 @@ def collectives(backend: Any, comm: Any, rank: int, world: int, ck: Checks) -> N
                 t, res = values(dtype, n, rank, "a").to(on), values(dtype, n, 0, "res").to(on)
                 note("CustomAllReduce.all_reduce_add", t=t, residual=res)
                 out = add(t, res)
+                note("CustomAllReduce.all_reduce_add", fused=out is not None)
                 if out is None:
                     continue  # declined
                 parts = [values(dtype, n, r, "a").float() for r in range(world)] + [values(dtype, n, 0, "res").float()]
@@ -170,6 +171,7 @@ def add_norm(custom: Any, dtype: torch.dtype, on: Any, rank: int, world: int, ck
         t, r_dev, w_dev = (x.to(on, copy=True) for x in (parts[rank], res, w))
         note("CustomAllReduce.all_reduce_add_rms_norm", t=t, residual=r_dev, weight=w_dev, eps=NORM_EPS)
         out = custom.all_reduce_add_rms_norm(t, r_dev, w_dev, NORM_EPS)
+        note("CustomAllReduce.all_reduce_add_rms_norm", fused=out is not None)  # declined calls show in coverage
         if out is None:
             continue  # declined: the caller runs all_reduce and its own add + norm
         y, h = out
