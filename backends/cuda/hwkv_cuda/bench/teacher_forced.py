@@ -41,9 +41,9 @@ def hwkv_logits(path: Path, backend_name: str, ps: list[list[int]]) -> list[Any]
         meta = AttentionMetadata.build([len(p)], [len(p)], [list(range(n))], bs)
         md = backend.attention.metadata_builder().build(meta)
         dev = kv.device
+        pos = torch.arange(len(p), device=dev)  # blocks 0..n-1 in order: slot = position
         with torch.inference_mode():
-            out.append(model(torch.tensor(p, device=dev), torch.arange(len(p), device=dev), kv, md,
-                             torch.arange(len(p), device=dev)).float())
+            out.append(model(torch.tensor(p, device=dev), pos, kv, md, logits_indices=pos, slot_mapping=pos).float())
         del kv
     del model
     return out
