@@ -140,6 +140,8 @@ def collectives(backend: Any, comm: Any, rank: int, world: int, ck: Checks) -> N
                 ck.same(f"custom all_reduce_add {dn} x{n}: residual untouched", res, values(dtype, n, 0, "res"))
             if getattr(custom, "all_reduce_add_rms_norm", None) is not None:
                 add_norm(custom, dtype, on, rank, world, ck)
+                if caps.graph_capture and comm.capturable and dtype == caps_dtype(backend):
+                    fused_captured(backend, custom, dtype, rank, world, ck)
     dev.synchronize()
     if caps.graph_capture and comm.capturable:
         captured(backend, comm, rank, world, ck)
@@ -190,6 +192,56 @@ def add_norm(custom: Any, dtype: torch.dtype, on: Any, rank: int, world: int, ck
                  want_y.abs().float().reshape(-1) + 1e-6)
         ck.same(f"{what}: residual untouched", r_dev.reshape(-1), res.reshape(-1))
         ck.same(f"{what}: weight untouched", w_dev, w)
+
+
+def fused_captured(backend: Any, custom: Any, dtype: torch.dtype, rank: int, world: int, ck: Checks) -> None:
+    """``all_reduce_add_rms_norm`` and ``all_reduce_add`` captured into one graph (the engine captures its
+    decode steps with them) and replayed after t, residual and weight changed in place: each replay
+    reduces, adds and normalises the new contents. A call declined inside the capture is allowed."""
+    from hwkv.model.layers import rms_norm
+
+    dev, on = backend.device, backend.device.torch_device
+    rows, n = 7, 7 * NORM_HIDDEN
+    t, res, w = (torch.zeros(rows, NORM_HIDDEN, dtype=dtype, device=on) for _ in range(3))
+    t2, res2 = (torch.zeros(4099, dtype=dtype, device=on) for _ in range(2))
+    w.fill_(1)
+    if custom.all_reduce_add_rms_norm(t, res, w, NORM_EPS) is None:  # warm-up outside the capture
+        return
+    add = getattr(custom, "all_reduce_add", None)
+    dev.synchronize()
+
+    def step():
+        return custom.all_reduce_add_rms_norm(t, res, w, NORM_EPS), add(t2, res2) if add is not None else None
+
+    graph, (out, out2) = dev.capture_graph(step, dev.graph_pool(), dev.new_stream())
+    note("CustomAllReduce.all_reduce_add_rms_norm", captured=True, fused=out is not None)
+    for trial in range(2):
+        parts = [values(dtype, n, r, f"cf{trial}").reshape(rows, NORM_HIDDEN) for r in range(world)]
+        r_new, w_new = values(dtype, n, 0, f"cfr{trial}").reshape(rows, NORM_HIDDEN), values(dtype, NORM_HIDDEN, 0,
+                                                                                              f"cfw{trial}")
+        p2 = [values(dtype, 4099, r, f"ca{trial}") for r in range(world)]
+        r2 = values(dtype, 4099, 0, f"car{trial}")
+        for dst, src in ((t, parts[rank]), (res, r_new), (w, w_new), (t2, p2[rank]), (res2, r2)):
+            dst.copy_(src.to(on))
+        graph.replay()
+        dev.synchronize()
+        what = f"captured all_reduce_add_rms_norm {str(dtype).removeprefix('torch.')} [{rows}, {NORM_HIDDEN}], " \
+               f"replay {trial} after its inputs changed in place"
+        if out is not None:
+            y, h = out
+            total = parts[0]
+            for p in parts[1:]:
+                total = total + p
+            if world == 2:
+                ck.same(f"{what}: h", h.reshape(-1), (total + r_new).reshape(-1))
+            want_y = rms_norm(h.detach().cpu(), w_new, NORM_EPS)
+            ck.close(f"{what}: rms_norm(h)", y.reshape(-1), want_y.reshape(-1),
+                     2**-18 if dtype == torch.float32 else 2**-6, want_y.abs().float().reshape(-1) + 1e-6)
+        if out2 is not None:
+            want = sum(p.float() for p in p2) + r2.float()
+            ck.close(f"captured all_reduce_add, replay {trial}", out2, want,
+                     2**-22 if dtype == torch.float32 else 2**-7, sum(p.abs().float() for p in p2) + r2.abs().float())
+    del graph
 
 
 def captured(backend: Any, comm: Any, rank: int, world: int, ck: Checks) -> None:

@@ -118,6 +118,7 @@ class _CollectiveGraphDevice(GraphDevice):
     reduces at once; inside one it adds a step to the graph that reduces the tensor at replay."""
 
     stale = False  # the bug of allreduce-captured-stale
+    stale_residual = False  # the bug of allreduce-norm-captured-stale-residual
     capturing: Any = None  # the graph being captured
 
     def capture_graph(self, fn: Any, pool: Any, stream: Any) -> Any:
@@ -155,19 +156,38 @@ class _CollectiveGraphDevice(GraphDevice):
                 g.ops.append((lambda: reduce(t), (), {}, []))
             return t
 
+        def all_reduce_add(t: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+            return residual + all_reduce(t)  # the add is recorded by the emulated capture like any op
+
+        def all_reduce_add_rms_norm(t: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+            if dev.capturing is not None and dev.stale_residual:
+                # BUG: the residual staged into the kernel's buffer at capture time, outside the graph
+                with _disable_current_modes():
+                    residual = residual.clone()
+            h = all_reduce(t) + residual
+            return rms_norm(h, weight, eps), h
+
+        all_reduce.all_reduce_add = all_reduce_add
+        all_reduce.all_reduce_add_rms_norm = all_reduce_add_rms_norm
         return all_reduce
 
 
-def graph_collectives_device(stale: bool) -> type[CpuDevice]:
-    return type(f"Device_graph_ar_{'stale' if stale else 'ok'}", (_CollectiveGraphDevice,), {"stale": stale})
+def graph_collectives_device(stale: bool, stale_residual: bool = False) -> type[CpuDevice]:
+    return type(f"Device_graph_ar_{'stale' if stale else 'ok'}{'_res' if stale_residual else ''}",
+                (_CollectiveGraphDevice,), {"stale": stale, "stale_residual": stale_residual})
 
 
-def graph_collectives_pieces(stale: bool) -> dict[str, Any]:
+def graph_collectives_pieces(stale: bool, stale_residual: bool = False) -> dict[str, Any]:
     """What :class:`~conformance.mutants.base.MutantBackend` takes for a graph-capturing backend with
     the custom all-reduce above (``impl``: a capture-safe ``write_kv``)."""
-    return {"device": graph_collectives_device(stale), "impl": StaticAttentionImpl, "caps": {"graph_capture": True}}
+    return {"device": graph_collectives_device(stale, stale_residual), "impl": StaticAttentionImpl,
+            "caps": {"graph_capture": True}}
 
 
 mutant("allreduce-captured-stale", "communicator", "custom all-reduce captured into a graph stages its input at "
        "capture time, outside the graph: every replay reduces the capture-time data", FIRST,
        **graph_collectives_pieces(stale=True))
+mutant("allreduce-norm-captured-stale-residual", "communicator", "fused all_reduce_add_rms_norm captured into a "
+       "graph stages its residual at capture time, outside the graph: every replay adds the capture-time residual",
+       FIRST, **graph_collectives_pieces(stale=False, stale_residual=True))
