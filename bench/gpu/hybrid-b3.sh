@@ -15,7 +15,7 @@ timeout $((LIMIT - 4)) python -m hwkv_cuda.bench.teacher_forced --shape gpt-oss-
     --seeds 0,1,2,3,4 --prompts 4 --out "$OUT/gpt-oss-teacher-forced.json" > "$OUT/teacher-forced.log" 2>&1 &
 tf=$!
 timeout $((LIMIT - 4)) python -m hwkv_cuda.bench.hybrid_pd --shape qwen2-window --setups pull:cuda_ipc \
-    --prompts 4 --prompt-len 600 --tokens 32 --fail-part 3 --out "$OUT/hybrid-pd-parts.json" > "$OUT/hybrid-pd.log" 2>&1 &
+    --prompts 4 --prompt-len 600 --tokens 32 --fail-part 3 --part-tokens 128 --out "$OUT/hybrid-pd-parts.json" > "$OUT/hybrid-pd.log" 2>&1 &
 pd=$!
 wait $tf; echo "teacher_forced rc=$? wall=$(( $(date +%s) - t0 ))s"
 wait $pd; echo "hybrid_pd rc=$? wall=$(( $(date +%s) - t0 ))s"

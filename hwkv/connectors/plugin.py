@@ -65,6 +65,8 @@ P2P_CONFIG = {
                       "fetched within this",
     "layerwise": "bool, default False: producer in push mode: write each layer's KV right after its forward wrote "
                  "it, when the consumer announced its blocks first (transfer_id); else one write at the end",
+    "part_tokens": "int, default 1024: a load is copied in up to four token-ordered parts of at least this many "
+                   "tokens (a failed part keeps the parts before it; each part is one more transfer call)",
 }
 
 POOL_CONFIG = {

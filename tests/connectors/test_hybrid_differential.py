@@ -164,9 +164,10 @@ def test_pd_with_random_failed_reads(hybrid_dir, plain, mode):
     from .test_p2p_engine import assert_clean, cfg, decode, prefill
 
     seed = SEEDS[0]
-    p = engine(hybrid_dir, num_kv_blocks=16, kv_connector="p2p", kv_connector_config=cfg("producer", mode))
+    p = engine(hybrid_dir, num_kv_blocks=16, kv_connector="p2p",
+               kv_connector_config=cfg("producer", mode, part_tokens=16))  # loads in parts of a block or more
     d = engine(hybrid_dir, num_kv_blocks=16, kv_connector="p2p",
-               kv_connector_config=cfg("consumer", mode, transfer_timeout_s=0.3))
+               kv_connector_config=cfg("consumer", mode, transfer_timeout_s=0.3, part_tokens=16))
     assert [g.window for g in d.config.kv_groups] == [None, 16]  # KV-cache groups on both sides
     rng = random.Random(seed)
     conn = (d if mode == "pull" else p).scheduler.connector.worker  # the worker side owns the transfer

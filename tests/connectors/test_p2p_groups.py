@@ -38,11 +38,12 @@ def reference(hybrid_dir):  # noqa: F811
     return [o.token_ids for o in e.generate(prompts(), greedy(6), use_tqdm=False)]
 
 
-def pd(hybrid_dir: str, mode: str, staging: bool = False, **consumer_kw) -> tuple[hwkv.Engine, hwkv.Engine]:  # noqa: F811
+def pd(hybrid_dir: str, mode: str, staging: bool = False, part_tokens: int = 1024,  # noqa: F811
+       **consumer_kw) -> tuple[hwkv.Engine, hwkv.Engine]:
     p = engine(hybrid_dir, num_kv_blocks=16, kv_connector="p2p",
-               kv_connector_config=cfg("producer", mode, staging=staging))
+               kv_connector_config=cfg("producer", mode, staging=staging, part_tokens=part_tokens))
     d = engine(hybrid_dir, num_kv_blocks=16, kv_connector="p2p",
-               kv_connector_config=cfg("consumer", mode, staging=staging), **consumer_kw)
+               kv_connector_config=cfg("consumer", mode, staging=staging, part_tokens=part_tokens), **consumer_kw)
     return p, d
 
 
@@ -174,6 +175,13 @@ def test_read_pieces_are_in_token_order_on_block_boundaries():
     assert read_pieces(32, 99, 16) == [(32, 64), (64, 96), (96, 99)]  # after a local hit
     assert read_pieces(0, 96, 16, pieces=2) == [(0, 48), (48, 96)]
     assert read_pieces(0, 5, 16) == [(0, 5)] and read_pieces(7, 7, 16) == []
+    assert read_pieces(0, 3000, 16, min_tokens=1024) == [(0, 1024), (1024, 2048), (2048, 3000)]
+    assert read_pieces(0, 1000, 16, min_tokens=1024) == [(0, 1000)]  # one part: one transfer call
+    from hwkv.connectors.p2p.state import P2PConfig
+
+    for bad in (0, -16, 2.5, True, 1 << 25):
+        with pytest.raises(ValueError, match=r"part_tokens=.* is invalid \(allowed: an int in 1\.\.16777216"):
+            P2PConfig(role="consumer", part_tokens=bad)
     for start, end, n in ((0, 1000, 4), (16, 17, 4), (48, 1000, 7), (0, 2048, 1)):
         parts = read_pieces(start, end, 16, pieces=n)
         assert parts[0][0] == start and parts[-1][1] == end and len(parts) <= n
@@ -199,7 +207,7 @@ def test_a_load_failing_part_way_keeps_what_landed(model_dir, hybrid_dir, model,
     path = model_dir if model == "llama" else hybrid_dir
     q = [random.Random(5).randrange(3, 250) for _ in range(100)]
     want = engine(path, num_kv_blocks=16, enable_prefix_caching=False).generate([q], greedy(6), use_tqdm=False)[0]
-    p, d = pd(path, mode, staging=staging)
+    p, d = pd(path, mode, staging=staging, part_tokens=16)  # parts of one block and more (default: 1024 tokens)
     t = (d if mode == "pull" else p).scheduler.connector.worker.transfer
     name = "read" if mode == "pull" else "write"
     real, calls = getattr(t, name), [0]

@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 
 @pytest.mark.parametrize("bench, key, case, prompt_len", [
     ("hybrid_pool", "modes", ["--modes", "direct"], 60),
-    ("hybrid_pd", "setups", ["--setups", "pull:tcp", "--fail-part", "3"], 40),
+    ("hybrid_pd", "setups", ["--setups", "pull:tcp", "--fail-part", "3", "--part-tokens", "16"], 40),
 ])
 def test_hybrid_connector_script_runs_on_cpu(tmp_path, bench, key, case, prompt_len):
     if bench == "hybrid_pd":

@@ -73,9 +73,9 @@ class P2PConnector(SplitConnector):
     def __init__(self, role: str, mode: str = "pull", host: str = "127.0.0.1", side_channel_port: int = 0,
                  protocol: str = "auto", metadata_server: str = "P2PHANDSHAKE", device_name: str = "",
                  transfer_timeout_s: float = 10.0, hold_timeout_s: float = 60.0, staging: bool | None = None,
-                 layerwise: bool = False):
+                 layerwise: bool = False, part_tokens: int = 1024):
         config = P2PConfig(role, mode, host, side_channel_port, protocol, metadata_server, device_name,
-                           transfer_timeout_s, hold_timeout_s, staging, layerwise)
+                           transfer_timeout_s, hold_timeout_s, staging, layerwise, part_tokens)
         state = DriverState()
         self.scheduler = P2PScheduler(config, state)
         self.worker = self.worker_cls(config, state)

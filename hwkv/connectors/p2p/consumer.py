@@ -131,7 +131,7 @@ class Consumer:
                 theirs = [list(p["remote_block_ids"]), *map(list, p.get("remote_group_block_ids") or ())]
                 plan = read_plan(peers, me)
                 # in parts, in token order: a part that fails keeps every part before it (valid_tokens)
-                for lo, hi in read_pieces(spec.start, spec.end, me.block_size):
+                for lo, hi in read_pieces(spec.start, spec.end, me.block_size, min_tokens=self.config.part_tokens):
                     landed = lo
                     for peer, sl in plan:
                         sp, dp, ln = kv_segments(peer, me, theirs, spec.all_block_ids, lo, hi, load_end=spec.end,

@@ -31,7 +31,7 @@ import numpy as np
 from hwkv.parallel.kv_mapping import HeadSlice, kv_heads_of, map_kv_heads
 
 PER_LAYER, SEPARATE_KV, CROSS_LAYER = "per_layer", "separate_kv", "cross_layer"
-READ_PIECES = 4  # a pull reads a load in this many parts, in token order (a failed part keeps those before it)
+READ_PIECES = 4  # a load is copied in at most this many parts, in token order (a failed part keeps those before)
 
 
 class KVGroup(msgspec.Struct, frozen=True, array_like=True):
@@ -374,12 +374,14 @@ def window_start(end: int, window: int, block_size: int) -> int:
     return max(0, end - window + 1) // block_size * block_size
 
 
-def read_pieces(start: int, end: int, block_size: int, pieces: int = READ_PIECES) -> list[tuple[int, int]]:
+def read_pieces(start: int, end: int, block_size: int, pieces: int = READ_PIECES,
+                min_tokens: int = 1) -> list[tuple[int, int]]:
     """``[start, end)`` as up to ``pieces`` token ranges in order, every boundary between two on a block
-    boundary: a load reads them one after another, so when one fails every token before it has landed
-    (in every group and head slice) and stays - whole blocks - in the prefix cache."""
+    boundary, each but the last at least ``min_tokens`` long (rounded up to blocks): a load copies them
+    one after another, so when one fails every token before it has landed (in every group and head
+    slice) and stays - whole blocks - in the prefix cache."""
     first, last = start // block_size + 1, -(-end // block_size)  # block boundaries strictly inside
-    step = max(1, -(-(last - first + 1) // pieces))
+    step = max(1, -(-(last - first + 1) // pieces), -(-min_tokens // block_size))
     cuts = [b * block_size for b in range(first + step - 1, last, step)]
     bounds = [start, *cuts, end]
     return [(a, b) for a, b in zip(bounds, bounds[1:]) if a < b]

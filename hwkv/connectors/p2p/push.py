@@ -90,7 +90,7 @@ class Pusher:
         try:
             t0 = time.perf_counter()
             transfer, mine = self.transfer_for(peer.protocol)
-            for lo, hi in read_pieces(msg.start, msg.end, peer.block_size):
+            for lo, hi in read_pieces(msg.start, msg.end, peer.block_size, min_tokens=self.config.part_tokens):
                 landed = lo
                 for sl in slices:
                     if time.monotonic() > deadline:

@@ -61,6 +61,9 @@ class P2PConfig:
     hold_timeout_s: float = 60.0
     staging: bool | None = None
     layerwise: bool = False
+    # a load is copied in up to four token-ordered parts of at least this many tokens each (a failed part
+    # keeps those before it; every extra part is one more transfer call)
+    part_tokens: int = 1024
 
     def __post_init__(self) -> None:
         role, mode, port = self.role, self.mode, self.side_channel_port
@@ -75,6 +78,10 @@ class P2PConfig:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 3600:
                 raise ValueError(f"p2p: {key}={v!r} is invalid (allowed: seconds in (0, 3600])")
             object.__setattr__(self, key, float(v))
+        pt = self.part_tokens
+        if isinstance(pt, bool) or not isinstance(pt, int) or not 1 <= pt <= 1 << 24:
+            raise ValueError(f"p2p: part_tokens={pt!r} is invalid (allowed: an int in 1..16777216, the fewest "
+                             "tokens of one part of a load)")
         if self.layerwise and (role, mode) != ("producer", "push"):
             raise ValueError(f"p2p: layerwise=True applies to a producer in mode 'push' (got role={role!r}, "
                              f"mode={mode!r}; allowed: layerwise=False elsewhere)")

@@ -53,7 +53,7 @@ def run_setup(path: str, setup: str, ps: list[list[int]], plain: list[list[int]]
 
     mode, protocol = setup.split(":")
     offer = "auto"  # every protocol the backend declares (cuda: cuda_ipc, then tcp where Mooncake is installed)
-    cfg = {"mode": mode, "transfer_timeout_s": 20.0}
+    cfg = {"mode": mode, "transfer_timeout_s": 20.0, "part_tokens": a.part_tokens}
     t0 = time.perf_counter()
     p = engine(path, a, max_len, kv_connector="p2p",
                 kv_connector_config={**cfg, "role": "producer", "protocol": offer})
@@ -129,7 +129,7 @@ def failed_part(p: Any, d: Any, q: list[int], want: list[int], hf: Any, a: argpa
     out = d.generate([q], sp, use_tqdm=False)[0]
     _settle(p, d)
     st, toks = d.stats()["kv_connector"], list(out.token_ids)
-    parts = read_pieces(0, len(q) - 1, d.block_size)
+    parts = read_pieces(0, len(q) - 1, d.block_size, min_tokens=a.part_tokens)
     r = {"fail_part": a.fail_part, "parts": parts, "reads": calls[0], "load_failures": st["load_failures"],
          "load_kept_tokens": st["load_kept_tokens"], "cached_tokens_after_failure": out.metrics.num_cached_tokens,
          "identical_to_plain": toks == want, "margin_rule": score(hf, [q], [toks], device_of(a)),
@@ -145,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--setups", default="pull:cuda_ipc,push:cuda_ipc,pull:tcp")
     ap.add_argument("--fail-part", type=int, default=0,
                     help="pull setups: then a fresh consumer whose read of this part (1..4) fails (0: none)")
+    ap.add_argument("--part-tokens", type=int, default=1024, help="p2p part_tokens: the fewest tokens of a part")
     a = ap.parse_args(argv)
     return run(a, "hybrid_pd", "setups", a.setups.split(","), run_setup)
 
