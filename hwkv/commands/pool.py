@@ -194,7 +194,9 @@ def run_master(args: argparse.Namespace) -> int:
     # 256-token values: 1.6-2x faster loads than one-block ones (H200 host, docs/connectors.md); every
     # engine of a pool must use the same chunk size (it is part of the keys), so the printed config says it
     cfg["chunk_size"] = 256
-    local = f"\n  engines on this host add \"holder\": \"127.0.0.1:{args.holder_port}\" (shared memory, not tcp)"
+    # 8 clients per load: the best of 1-16 calls / 4-8 clients at the 8B shape on the H200 host (docs/connectors.md)
+    local = (f"\n  engines on this host add \"holder\": \"127.0.0.1:{args.holder_port}\", \"load_clients\": 8 "
+             "(shared memory, not tcp; a load spread over 8 clients)")
     print(f"hwkv pool master: serving{f' {args.capacity} B held' if holder else ''}; engines join with\n"
           f"  kv_connector='pool', kv_connector_config={json.dumps(cfg)}{local if holder else ''}"
           f"\n  stats: hwkv pool stats --metrics {metrics_url}", flush=True)

@@ -85,7 +85,7 @@ def test_master_and_stats():
         assert f'"metadata_server": "http://127.0.0.1:{ports[1]}/metadata"' in m.banner
         assert '"global_segment_size": 0' in m.banner  # the holder holds the values; engines are pure clients
         assert '"chunk_size": 256' in m.banner  # one chunk size for every engine of the pool (part of the keys)
-        assert f'"holder": "127.0.0.1:{m.holder_port}"' in m.banner  # engines on this host: shared memory
+        assert f'"holder": "127.0.0.1:{m.holder_port}", "load_clients": 8' in m.banner  # engines on this host
         out = subprocess.run([sys.executable, "-m", "hwkv", "pool", "stats", "--metrics",
                               f"http://127.0.0.1:{ports[2]}"], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0 and "master_key_count" in out.stdout
