@@ -8,16 +8,11 @@
 #   2:<qkv, gate_up preload=2>           batch 1: the GEMVs after a push all-reduce load their first weight tile
 #                                        before the PDL wait (HBM is idle while the all-reduce crosses NVLink)
 # Most important first; the JSON holds what finished. Greedy tokens (32 x 4) of every run against tp=1's.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export PYTHONFAULTHANDLER=1 OMP_NUM_THREADS=4
-export PYTHONPATH=$PWD:$PWD/backends/cuda:$PYTHONPATH
-OUT=${OUT:-/tmp/hwkv-tp-out}; mkdir -p "$OUT"
 W=/dev/shm/hwkv-models
 source bench/gpu/lib.sh
+gpu_env
 T0=$SECONDS
-echo "commit: $(cat COMMIT 2>/dev/null || git rev-parse --short HEAD)"; date -u
-nvidia-smi --query-gpu=name,utilization.gpu,memory.used --format=csv,noheader
-nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader
+gpu_header
 env | grep HWKV_ || echo "no HWKV_ variable set"
 ckpt_start llama-8b bfloat16 0 60; ckpt_wait; echo "ckpt at $((SECONDS - T0)) s"
 PRE="HWKV_CUDA_DENSE_CONFIG_3072X4096=preload=2+HWKV_CUDA_DENSE_CONFIG_14336X4096=preload=2"

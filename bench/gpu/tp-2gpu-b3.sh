@@ -2,16 +2,11 @@
 # Tensor parallelism (#34), batch 3 of the evening session of 2026-11-28 (<= 150 s, 2 GPUs, alone): main's defaults,
 # no HWKV_ variable set - Llama-3-8B shape bf16, tp=1 vs tp=2 in one process: batch-1 decode, offline 128 x 512/128
 # at the default budget, greedy tokens (32 x 4) of both against each other and the margin rule against HF float32.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export PYTHONFAULTHANDLER=1 OMP_NUM_THREADS=4
-export PYTHONPATH=$PWD:$PWD/backends/cuda:$PYTHONPATH
-OUT=${OUT:-/tmp/hwkv-tp-out}; mkdir -p "$OUT"
 W=/dev/shm/hwkv-models
 source bench/gpu/lib.sh
+gpu_env
 T0=$SECONDS
-echo "commit: $(cat COMMIT 2>/dev/null || git rev-parse --short HEAD)"; date -u
-nvidia-smi --query-gpu=name,utilization.gpu,memory.used --format=csv,noheader
-nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader
+gpu_header
 env | grep -E "HWKV_|NCCL_" || echo "no HWKV_/NCCL_ variable set"
 ckpt_start llama-8b bfloat16 0 60; ckpt_wait; echo "ckpt at $((SECONDS - T0)) s"
 L=$((144 - (SECONDS - T0)))

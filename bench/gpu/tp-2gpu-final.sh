@@ -6,16 +6,12 @@
 # time left a second engine of the same process (the start-up that hung in batches 2 and 3, fixed since) runs the
 # all-reduce inside the decode GEMVs: its batch-1 figure is the clean A/B batch 3 could not give (printed as it
 # goes; the JSON holds what finished). Workers exit with their driver, so nothing is left for the next step.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export PYTHONFAULTHANDLER=1 OMP_NUM_THREADS=4
-export PYTHONPATH=$PWD:$PWD/backends/cuda:$PYTHONPATH
-OUT=${OUT:-/tmp/hwkv-tp-out}; mkdir -p "$OUT"
 W=/dev/shm/hwkv-models
 source bench/gpu/lib.sh
+gpu_env
 T0=$SECONDS
-echo "commit: $(cat COMMIT 2>/dev/null || git rev-parse --short HEAD)"; date -u
-nvidia-smi --query-gpu=name,utilization.gpu,memory.used --format=csv,noheader
-nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader; ps -eo pid,etime,pcpu,args | grep -E "hwkv|python" | grep -v grep | cut -c1-160
+gpu_header
+ps -eo pid,etime,pcpu,args | grep -E "hwkv|python" | grep -v grep | cut -c1-160
 env | grep HWKV_ || echo "no HWKV_ variable set"
 ckpt_start llama-8b bfloat16 0 40; ckpt_wait; echo "at $((SECONDS - T0)) s"
 L=$((74 - (SECONDS - T0)))
