@@ -38,9 +38,9 @@ def hwkv_logits(path: Path, backend_name: str, ps: list[list[int]]) -> list[Any]
         n = -(-len(p) // bs)
         spec = model.kv_cache_spec(num_blocks=n, block_size=bs)
         kv = backend.device.allocate_kv_cache(spec, backend.attention.kv_layout)
-        meta = AttentionMetadata.build([len(p)], [len(p)], [list(range(n))], bs)
+        dev = kv.device  # the metadata lives where the kernels read it (batch 3 passed host tensors)
+        meta = AttentionMetadata.build([len(p)], [len(p)], [list(range(n))], bs, device=dev)
         md = backend.attention.metadata_builder().build(meta)
-        dev = kv.device
         pos = torch.arange(len(p), device=dev)  # blocks 0..n-1 in order: slot = position
         with torch.inference_mode():
             out.append(model(torch.tensor(p, device=dev), pos, kv, md, logits_indices=pos, slot_mapping=pos).float())
