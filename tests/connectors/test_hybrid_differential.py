@@ -136,7 +136,8 @@ def test_pool_groups_with_random_lost_keys(hybrid_dir, plain, seed, request):
     the first one's chunks of both groups while whole gets and single keys are lost at random."""
     name = f"hybrid-diff-{seed}-{request.node.name}"
     flaky = LoseSome(embedded_store(name), seed)
-    kw = dict(num_kv_blocks=16, kv_connector="pool", kv_connector_config={"store": flaky})
+    # one get at a time (load_parallel 1): LoseSome loses keys in the order of get calls
+    kw = dict(num_kv_blocks=16, kv_connector="pool", kv_connector_config={"store": flaky, "load_parallel": 1})
     a, b = engine(hybrid_dir, **kw), engine(hybrid_dir, **kw)
     rng = random.Random(seed)
     try:
@@ -294,7 +295,8 @@ def test_random_trace_harness_with_offload_and_pool_failing_loads(hybrid_dir, se
     name = f"hybrid-harness-{seed}-{request.node.name}"
     flaky = LoseSome(embedded_store(name), seed)
     # chunks of one block (seed 0) or three (seed 1: a window's first chunk starts before the window)
-    pool = dict(kw, kv_connector="pool", kv_connector_config={"store": flaky, "chunk_size": 4 * (1 + 2 * seed)})
+    pool = dict(kw, kv_connector="pool", kv_connector_config={"store": flaky, "chunk_size": 4 * (1 + 2 * seed),
+                                                               "load_parallel": 1})  # losses in get-call order
     a, b = hwkv.Engine(hybrid_dir, **pool), hwkv.Engine(hybrid_dir, **pool)
     try:
         run_random_trace(a, reqs, want, aborts, rng)
