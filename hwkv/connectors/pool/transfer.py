@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 from hwkv.connectors.base.copy import copy_block_pairs
@@ -402,18 +403,10 @@ class PoolTransfer:
         parts = [(self.handle, self._stage["get"]), *self._lanes][:lanes]
         got = [[0] for _ in parts]
         tms = [dict.fromkeys(("load_store_s", "load_copy_wait_s"), 0.0) for _ in parts]
-        futs = [self._lane_pool.submit(self._get_staged, items[cuts[j]:cuts[j + 1]], st, h, got[j], tms[j])
-                for j, (h, st) in enumerate(parts) if j > 0]  # type: ignore[union-attr]
-        errs = [""] * lanes
-        try:
-            errs[0] = self._get_staged(items[:cuts[1]], parts[0][1], parts[0][0], got[0], tms[0])
-        except Exception as e:  # the other lanes still write: wait for them first
-            errs[0] = f"{type(e).__name__}: {e}"[:300]
-        for j, f in enumerate(futs, 1):
-            try:
-                errs[j] = f.result()
-            except Exception as e:
-                errs[j] = f"{type(e).__name__}: {e}"[:300]
+        runs = _side_by_side(self._lane_pool, [  # type: ignore[arg-type]
+            partial(self._get_staged, items[cuts[j]:cuts[j + 1]], st, h, got[j], tms[j])
+            for j, (h, st) in enumerate(parts)])
+        errs = [r if e is None else f"{type(e).__name__}: {e}"[:300] for r, e in runs]
         for k in tms[0]:  # the lanes ran side by side: the slowest one's time
             self.timing[k] += max(t[k] for t in tms)
         n = 0
@@ -453,21 +446,10 @@ class PoolTransfer:
                 self._pool = ThreadPoolExecutor(self._pool_size, thread_name_prefix="hwkv-pool-get")
             pool = self._pool
         cuts = [len(keys) * i // n for i in range(n + 1)]
-        futs = [pool.submit(handle.call, "get", keys[a:b], dests[a:b]) for a, b in zip(cuts[1:], cuts[2:])]
-        out: list[Any] = []
-        err: BaseException | None = None
-        try:
-            out = list(handle.call("get", keys[:cuts[1]], dests[:cuts[1]]))
-        except Exception as e:  # wait for the other shares before raising: they write into dests
-            err = e
-        for f in futs:
-            try:
-                out += f.result()
-            except Exception as e:
-                err = err or e
-        if err is not None:
+        runs = _side_by_side(pool, [partial(handle.call, "get", keys[a:b], dests[a:b]) for a, b in zip(cuts, cuts[1:])])
+        if err := next((e for _, e in runs if e is not None), None):
             raise err
-        return out
+        return [x for r, _ in runs for x in r]
 
     def _direct_dest(self, ids: list[int]) -> list[tuple[int, int]]:
         """A chunk's segments in the KV tensors themselves; its blocks the device cache had (-1 ids,
@@ -527,3 +509,17 @@ class PoolTransfer:
         for pool in (self._pool, self._lane_pool):
             if pool is not None:
                 pool.shutdown(wait=False)
+
+
+def _side_by_side(pool: ThreadPoolExecutor, calls: list[Callable[[], Any]]) -> list[tuple[Any, Exception | None]]:
+    """``calls[0]`` on this thread and the rest on ``pool`` at once; ``(result, error)`` of each in call
+    order, returned only once every call has returned (they write into shared destinations, so none
+    may still run when the caller reuses them or raises)."""
+    futs = [pool.submit(c) for c in calls[1:]]
+    out: list[tuple[Any, Exception | None]] = []
+    for run in (calls[0], *(f.result for f in futs)):
+        try:
+            out.append((run(), None))
+        except Exception as e:
+            out.append((None, e))
+    return out
