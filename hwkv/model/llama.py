@@ -165,10 +165,16 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, attn_metadata: object,
         slot_mapping: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Final hidden states ``[T, hidden]`` before the last norm. ``slot_mapping`` defaults to
-        ``attn_metadata.slot_mapping`` (every backend's metadata carries it)."""
+        """Final hidden states ``[T, hidden]`` before the last norm. Callers that build the metadata through
+        a backend's builder pass ``slot_mapping`` (the model runner does); when it is omitted the metadata must
+        carry one (the reference backend's does, CUDA's does not) or a ``TypeError`` says so."""
         if slot_mapping is None:
-            slot_mapping = attn_metadata.slot_mapping  # type: ignore[attr-defined]
+            slot_mapping = getattr(attn_metadata, "slot_mapping", None)
+            if slot_mapping is None:
+                raise TypeError(
+                    f"forward_hidden needs slot_mapping: {type(attn_metadata).__name__} does not carry one; "
+                    "pass the step's slot mapping (one KV slot per token, -1 for padding)"
+                )
         ops = self.decode_ops
         if ops is not None and input_ids.shape[0] <= ops.use_up_to:
             return self._forward_fused(ops, input_ids, positions, kv_cache, attn_metadata, slot_mapping)

@@ -82,3 +82,10 @@ def test_bad_arguments(tmp_path):
         write_tiny_model(tmp_path, arch="gpt2")
     with pytest.raises(ValueError, match="vocab_size must be >= 320"):
         write_tiny_model(tmp_path, vocab_size=100)
+
+
+def test_forward_hidden_without_a_slot_mapping_says_what_it_needs(tmp_path, cpu_backend):
+    model = load_model(write_tiny_model(tmp_path / "m"), cpu_backend)[0]
+    ids = torch.tensor([1, 2, 3])
+    with pytest.raises(TypeError, match=r"forward_hidden needs slot_mapping: object does not carry one"):
+        model.forward_hidden(ids, torch.arange(3), kv_cache=None, attn_metadata=object())
