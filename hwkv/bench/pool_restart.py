@@ -120,10 +120,12 @@ res["packed_loads"] = (e.stats().get("kv_connector") or {}).get("packed_loads")
 # A/B in this process: the same load with other load_parallel values (best of two rounds each)
 ab = {}
 for _ in range(2):
-    for n in cfg.get("ab_parallel", []):  # "P": P calls on one client; "cK" / "cKpP": K clients (P calls each)
-        lanes, _, par = n[1:].partition("p") if n.startswith("c") else ("1", "", n)
+    for n in cfg.get("ab_parallel", []):  # "P": P calls on one client; "cK" / "cKpP": K clients (P calls each);
+        # "rP": several holders, each value through its holder's clients (P calls each); the others do not route
+        lanes, _, par = n[1:].partition("p") if n.startswith("c") else ("1", "", n.lstrip("r"))
         for t in e.connector.worker.transfers:
             t.load_parallel, t.lanes_active = int(par or 1), int(lanes)
+            t.routed = n.startswith("r") and bool(t.segments and t.locate)
         settle(reset=True)
         before = timing()
         t0 = time.perf_counter()
@@ -147,7 +149,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=8192, help="shared prefix tokens")
     p.add_argument("--suffix-len", type=int, default=32)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--capacity-mb", type=int, default=2048, help="the holder's memory")
+    p.add_argument("--capacity-mb", type=int, default=2048, help="each holder's memory")
+    p.add_argument("--holders", type=int, default=1, help="memory holders (as `hwkv pool master --holders`); "
+                   "with several, --via holder reads each value through the holder that has it")
     p.add_argument("--via", default="holder,tcp", help="pool clients to measure: holder (shared memory with the "
                    "holder on this host) and/or tcp")
     p.add_argument("--staging-mb", type=int, default=64, help="the pool connector's staging_bytes (per direction)")
@@ -203,6 +207,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.dtype is None:
         args.dtype = "float32" if args.backend == "cpu" else "bfloat16"
+    if not 1 <= args.holders <= 64:
+        print(f"hwkv bench pool-restart: --holders={args.holders} is invalid (allowed: 1..64)", file=sys.stderr)
+        return 2
     via = [v.strip() for v in args.via.split(",") if v.strip()]
     if not via or set(via) - {"holder", "tcp"}:
         print(f"hwkv bench pool-restart: --via={args.via!r} is invalid (allowed: holder, tcp, or both)",
@@ -228,14 +235,16 @@ def run(args: argparse.Namespace) -> int:
     out: dict[str, Any] = {}
     with contextlib.ExitStack() as stack:
         m = stack.enter_context(mooncake_master())
-        h = stack.enter_context(mooncake_holder(m, args.capacity_mb << 20, timeout_s=60.0,
-                                                   threads=args.holder_threads))
+        hs = [stack.enter_context(mooncake_holder(m, args.capacity_mb << 20, timeout_s=60.0,
+                                                  threads=args.holder_threads)) for _ in range(args.holders)]
         tcp = dict(store="mooncake", master=m.master, metadata_server=m.metadata_server, protocol="tcp",
                    global_segment_size=0, staging_bytes=args.staging_mb << 20)
         if args.chunk_size is not None:
             tcp["chunk_size"] = args.chunk_size
         tcp.update(json.loads(args.pool_config))
-        pools = {"holder": {**tcp, "holder": f"127.0.0.1:{h.port}"}, "tcp": tcp}
+        local = {"holder": f"127.0.0.1:{hs[0].port}"} if len(hs) == 1 else \
+            {"holders": {f"127.0.0.1:{h.port}": h.segment for h in hs}}
+        pools = {"holder": {**tcp, **local}, "tcp": tcp}
         if args.one_process:
             return _one_process(args, base, pools, via, prefix + suffix[1])
         # the fill puts the warm-up prefix too: each measured process's warm-up loads it (another suffix)
@@ -329,7 +338,8 @@ def _one_process(args: argparse.Namespace, base: dict[str, Any], pools: dict[str
               f"{'hit' if same_split else 'recompute'}, equal to the recompute's: {out[v]['tokens_equal_recompute']}) "
               f"(goal >= 4); load: store calls {1e3 * tm.get('load_store_s', 0):.1f} ms, waiting for device copies "
               f"{1e3 * tm.get('load_copy_wait_s', 0):.1f} ms, whole get {1e3 * tm.get('load_wall_s', 0):.1f} ms, "
-              f"lookup {1e3 * tm.get('lookup_s', 0):.1f} ms"
+              f"lookup {1e3 * tm.get('lookup_s', 0):.1f} ms; loads through their values' holders "
+              f"{tm.get('load_routed_jobs', 0):.0f} of {tm.get('load_jobs', 0):.0f}"
               f"{'; packed' if out[v]['packed_loads'] else ''}",
               flush=True)
         for n, a in r.get("ab_parallel", {}).items():

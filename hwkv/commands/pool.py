@@ -1,12 +1,16 @@
 """``hwkv pool``: run and inspect the Mooncake pool behind the global KV pool connector.
 
-    hwkv pool master [--capacity 1GiB] [--host 127.0.0.1] [--port 50051] [--http-port 8080] [--metrics-port 9003]
-    hwkv pool holder --master HOST:PORT --metadata-server URL --capacity 4GiB [--host ADDR]
+    hwkv pool master [--capacity 1GiB] [--holders 1] [--host 127.0.0.1] [--port 50051] [--http-port 8080]
+                     [--metrics-port 9003]
+    hwkv pool holder --master HOST:PORT --metadata-server URL --capacity 4GiB [--host ADDR] [--segment-port P]
     hwkv pool stats [--metrics http://127.0.0.1:9003] [--json]
 
 ``master`` runs ``mooncake_master`` in the foreground with an HTTP metadata server (no etcd needed)
-and, unless ``--capacity 0``, a memory holder beside it: Mooncake's standalone client service
-(``mooncake_client``) mounting ``--capacity`` bytes into the pool. Values live in holders'
+and, unless ``--capacity 0``, ``--holders`` memory holders beside it: Mooncake's standalone client
+service (``mooncake_client``), each mounting ``--capacity / --holders`` bytes into the pool. One
+holder copies ~5.5 GB/s into engines' shared memory however many call it (H200 host); the master
+spreads values over all holders and engines given ``holders`` read each through its own holder, so
+N holders load up to N times faster. Values live in holders'
 memory, so the pool outlives every engine (engines join with ``global_segment_size=0``: pure
 clients). It prints the ``kv_connector_config`` engines use and stops both on Ctrl-C / SIGTERM.
 ``holder`` runs one more holder (another host's memory) for a running master.
@@ -62,6 +66,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--capacity", type=_size_arg, default=1 << 30,
                    help="memory the holder started beside the master gives the pool (default 1GiB; 0: no holder, "
                         "engines' own segments hold the values and leave with them)")
+    m.add_argument("--holders", type=int, default=1,
+                   help="memory holders sharing --capacity (default 1): a load reads all of them at once; "
+                        "holder j serves engines at --holder-port + j, its segment is --segment-port + j")
+    m.add_argument("--segment-port", type=int, default=50152,
+                   help="the port in the name of holder 0's segment (default 50152; holder j: + j)")
     m.add_argument("--holder-host", default=None,
                    help="address other clients reach the holder's memory at (default: --host, or 127.0.0.1)")
     m.add_argument("--holder-port", type=int, default=50052,
@@ -87,6 +96,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     h.add_argument("--host", default="127.0.0.1", help="address other clients reach this holder's memory at")
     h.add_argument("--port", type=int, default=50052,
                    help="client port: engines on this host attach with holder='HOST:PORT' (default 50052)")
+    h.add_argument("--segment-port", type=int, default=0,
+                   help="the port in this holder's segment name (engines given holders= read its values "
+                        "through it; default: the wheel picks one)")
     h.add_argument("--protocol", default="tcp", choices=("tcp", "rdma"), help="transfer protocol (default tcp)")
     h.add_argument("--threads", type=int, default=HOLDER_THREADS,
                    help=f"service threads, each serving one call at a time (default {HOLDER_THREADS})")
@@ -109,29 +121,45 @@ def master_command(args: argparse.Namespace, binary: str) -> list[str]:
 
 
 def _bad(args: argparse.Namespace) -> str | None:
-    for name in ("port", "http_port", "metrics_port", "holder_port"):
+    if not 1 <= args.holders <= 64:
+        return f"--holders={args.holders} is invalid (allowed: 1..64)"
+    n = args.holders
+    for name in ("port", "http_port", "metrics_port", "holder_port", "segment_port"):
         v = getattr(args, name)
-        if not 0 < v < 65536:
-            return f"--{name.replace('_', '-')}={v} is invalid (allowed: 1..65535)"
+        top = v + n - 1 if name in ("holder_port", "segment_port") else v
+        if v < 1 or top > 65535:
+            return f"--{name.replace('_', '-')}={v} is invalid (allowed: 1..65535{f' - {n - 1}' if top != v else ''})"
     if not 1 <= args.holder_threads <= 256:
         return f"--holder-threads={args.holder_threads} is invalid (allowed: 1..256)"
-    if len({args.port, args.http_port, args.metrics_port, args.holder_port}) < 4:
-        return "--port, --http-port, --metrics-port and --holder-port must differ"
+    ports = [args.port, args.http_port, args.metrics_port, *range(args.holder_port, args.holder_port + n),
+             *range(args.segment_port, args.segment_port + n)]
+    if len(set(ports)) < len(ports):
+        return (f"--port, --http-port, --metrics-port, --holder-port...+{n - 1} and --segment-port...+{n - 1} "
+                "must all differ")
+    if (err := _bad_capacity(args.capacity, allow_zero=True)) is not None:
+        return err
+    if args.capacity and args.capacity // n < _min_segment():
+        return (f"--capacity={args.capacity} B is invalid for --holders={n} (each holder needs >= "
+                f"{_min_segment() >> 20}MiB)")
     if not 0 < args.eviction_high_watermark <= 1 or not 0 < args.eviction_ratio <= 1:
         return "--eviction-high-watermark and --eviction-ratio must be in (0, 1]"
     return _bad_capacity(args.capacity, allow_zero=True)
 
 
-def _bad_capacity(capacity: int, allow_zero: bool) -> str | None:
+def _min_segment() -> int:
     from hwkv.stores.mooncake import MIN_SEGMENT
 
-    if (capacity == 0 and allow_zero) or capacity >= MIN_SEGMENT:
+    return MIN_SEGMENT
+
+
+def _bad_capacity(capacity: int, allow_zero: bool) -> str | None:
+    if (capacity == 0 and allow_zero) or capacity >= _min_segment():
         return None
-    return f"--capacity={capacity} B is invalid (need {'0 or ' if allow_zero else ''}>= {MIN_SEGMENT >> 20}MiB)"
+    return f"--capacity={capacity} B is invalid (need {'0 or ' if allow_zero else ''}>= {_min_segment() >> 20}MiB)"
 
 
 def _start_holder(master: str, metadata: str, capacity: int, host: str, protocol: str, metrics_url: str | None,
-                  port: int = 0, threads: int = HOLDER_THREADS):
+                  port: int = 0, threads: int = HOLDER_THREADS, segment_port: int = 0):
     """A ``mooncake_client`` holder (dies with this command); waits until mounted if ``metrics_url``."""
     from hwkv.stores.mooncake_service import client_binary, die_with_parent, holder_command, pool_capacity, wait_mounted
 
@@ -140,7 +168,7 @@ def _start_holder(master: str, metadata: str, capacity: int, host: str, protocol
         raise RuntimeError("mooncake_client (the pool memory holder) is not in the mooncake package")
     before = pool_capacity(metrics_url) if metrics_url else 0.0
     proc = subprocess.Popen(holder_command(binary, master, metadata, capacity, host=host, port=port, protocol=protocol,
-                                           threads=threads),
+                                           threads=threads, segment_port=segment_port),
                             stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
     if metrics_url:
         try:
@@ -181,26 +209,35 @@ def run_master(args: argparse.Namespace) -> int:
     cfg = {"store": "mooncake", "master": f"{host}:{args.port}",
            "metadata_server": f"http://{host}:{args.http_port}/metadata", "protocol": "tcp"}
     metrics_url = f"http://{host}:{args.metrics_port}"
-    holder = None
+    holders: list[subprocess.Popen] = []
+    hhost = args.holder_host or host
     if args.capacity:
         try:
-            holder = _start_holder(cfg["master"], cfg["metadata_server"], args.capacity, args.holder_host or host,
-                                   "tcp", metrics_url, args.holder_port, args.holder_threads)
+            for j in range(args.holders):
+                holders.append(_start_holder(cfg["master"], cfg["metadata_server"], args.capacity // args.holders,
+                                             hhost, "tcp", metrics_url, args.holder_port + j, args.holder_threads,
+                                             args.segment_port + j))
         except RuntimeError as e:
             print(f"hwkv pool master: {e}", file=sys.stderr)
-            _stop_all([proc])
+            _stop_all([*holders, proc])
             return 1
-        cfg["global_segment_size"] = 0  # the holder holds the values: engines stay pure clients
+        cfg["global_segment_size"] = 0  # the holders hold the values: engines stay pure clients
     # 256-token values: 1.6-2x faster loads than one-block ones (H200 host, docs/connectors.md); every
     # engine of a pool must use the same chunk size (it is part of the keys), so the printed config says it
     cfg["chunk_size"] = 256
     # 8 clients per load: the best of 1-16 calls / 4-8 clients at the 8B shape on the H200 host (docs/connectors.md)
-    local = (f"\n  engines on this host add \"holder\": \"127.0.0.1:{args.holder_port}\", \"load_clients\": 8 "
-             "(shared memory, not tcp; a load spread over 8 clients)")
-    print(f"hwkv pool master: serving{f' {args.capacity} B held' if holder else ''}; engines join with\n"
-          f"  kv_connector='pool', kv_connector_config={json.dumps(cfg)}{local if holder else ''}"
+    if args.holders == 1:
+        local = (f"\n  engines on this host add \"holder\": \"127.0.0.1:{args.holder_port}\", \"load_clients\": 8 "
+                 "(shared memory, not tcp; a load spread over 8 clients)")
+    else:  # every holder's values through that holder: N memcpy streams at once
+        hs = {f"127.0.0.1:{args.holder_port + j}": f"{hhost}:{args.segment_port + j}" for j in range(args.holders)}
+        local = (f"\n  engines on this host add \"holders\": {json.dumps(hs)} (shared memory, not tcp; a load reads "
+                 f"each value through the holder that has it, all {args.holders} at once)")
+    held = f" {args.capacity} B held by {args.holders} holder(s)" if holders else ""
+    print(f"hwkv pool master: serving{held}; engines join with\n"
+          f"  kv_connector='pool', kv_connector_config={json.dumps(cfg)}{local if holders else ''}"
           f"\n  stats: hwkv pool stats --metrics {metrics_url}", flush=True)
-    procs = [p for p in (holder, proc) if p is not None]
+    procs = [*holders, proc]
     rc = _wait_any(procs, stopping)
     _stop_all(procs)
     return 0 if stopping else rc
@@ -242,14 +279,16 @@ def run_holder(args: argparse.Namespace) -> int:
         return 2
     try:
         proc = _start_holder(args.master, args.metadata_server, args.capacity, args.host, args.protocol, args.metrics,
-                             args.port, args.threads)
+                             args.port, args.threads, args.segment_port)
     except (RuntimeError, OSError) as e:
         print(f"hwkv pool holder: {e}", file=sys.stderr)
         return 1
     stopping: list[bool] = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     print(f"hwkv pool holder: {args.capacity} B of {args.host} in the pool of {args.master}; engines on this host "
-          f"attach with holder='{args.host}:{args.port}'", flush=True)
+          f"attach with holder='{args.host}:{args.port}'"
+          + (f" (or list it in holders: {args.host}:{args.port} -> {args.host}:{args.segment_port})"
+             if args.segment_port else ""), flush=True)
     rc = _wait_any([proc], stopping)
     _stop_all([proc])
     return 0 if stopping else rc

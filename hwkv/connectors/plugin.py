@@ -101,6 +101,10 @@ POOL_CONFIG = {
     "replicas": "mooncake: int, default 1: copies of each value, on different holders' segments",
     "holder": "mooncake: 'host:port' of a holder (mooncake_client) on this host: values move through shared "
               "memory with it instead of tcp (`hwkv pool master --holder-port`)",
+    "holders": "mooncake: several holders on this host, {'host:port' to attach at: 'host:port' of its segment} "
+               "(`hwkv pool master --holders N` prints it): puts go through the first, the master spreads the "
+               "values over all; a load reads each value through a client of the holder that has it (all at "
+               "once; load_clients clients per holder). Instead of holder",
     "shm_bytes": "mooncake with holder: int, default 2 x staging_bytes + 64 MiB: the shared memory",
     "local_buffer_size": "mooncake: int, default 0",
     "device_name": "mooncake: rdma device names ('' = auto)",

@@ -357,6 +357,24 @@ class MooncakeStore(Store):
                              f"{len(bad)} key(s) failed; {LOG_HINT})")
         return [c == 1 for c in codes]
 
+    def locate(self, keys: list[str]) -> list[list[str]]:
+        """Per key, the segments (``host:port`` of the holders or clients whose memory has a replica)
+        it lives in; ``[]`` for a key not in the pool. One master RPC. Only a plain client can ask (a
+        holder-mode client's answer is always empty): ``ValueError`` in holder mode."""
+        check_batch("locate", keys)
+        if self.owns_host_memory:
+            raise ValueError("locate: a holder-mode client cannot ask where values live (use a plain client)")
+        store = self._live()
+        desc = self._call("locate", store.batch_get_replica_desc, keys)
+        out = []
+        for k in keys:
+            where = []
+            for r in desc.get(k) or []:
+                with contextlib.suppress(Exception):  # a replica that is not in memory (disk): no segment
+                    where.append(r.get_memory_descriptor().buffer_descriptor.transport_endpoint)
+            out.append(where)
+        return out
+
     def remove(self, keys: list[str]) -> list[ItemResult]:
         check_batch("remove", keys)
         store = self._live()

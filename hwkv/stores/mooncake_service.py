@@ -216,22 +216,28 @@ def _run(
 
 @dataclass(frozen=True)
 class MooncakeHolder:
-    """A running memory holder: its process id, the bytes it contributes, its service port, log."""
+    """A running memory holder: its process id, the bytes it contributes, its service port, log, and
+    ``segment``: the ``host:port`` its memory is known by in the pool (the endpoint a value's replica
+    descriptor names, :meth:`~hwkv.stores.mooncake.MooncakeStore.locate`)."""
 
     pid: int
     capacity_bytes: int
     port: int
     log_path: str
+    segment: str = ""
 
 
 def holder_command(binary: str, master: str, metadata_server: str, capacity_bytes: int, host: str = "127.0.0.1",
-                   port: int = 0, protocol: str = "tcp", threads: int = 8) -> list[str]:
+                   port: int = 0, protocol: str = "tcp", threads: int = 8, segment_port: int = 0) -> list[str]:
     """The ``mooncake_client`` command line of a holder contributing ``capacity_bytes`` (its own
     staging buffer is 0: it only serves its segment). ``host`` is the address other clients reach
     its segment at; engines on this host attach at ``port`` (holder mode, shared memory), served
-    by ``threads`` service threads (one engine per accelerator of the host may call at once)."""
+    by ``threads`` service threads (one engine per accelerator of the host may call at once).
+    ``segment_port`` fixes the port of its segment's name (``host:segment_port``, what replica
+    descriptors name), so engines can tell which holder has a value (else the wheel picks one)."""
+    name = f"{host}:{segment_port}" if segment_port else host
     return [binary, f"--master_server_address={master}", f"--metadata_server={metadata_server}",
-            f"--global_segment_size={capacity_bytes}", "--local_buffer_size=0", f"--host={host}",
+            f"--global_segment_size={capacity_bytes}", "--local_buffer_size=0", f"--host={name}",
             f"--port={port or free_port()}", f"--protocol={protocol}", f"--threads={threads}"]
 
 
@@ -285,16 +291,17 @@ def mooncake_holder(master: MooncakeMaster, capacity_bytes: int = 64 << 20, *,
         raise RuntimeError(f"mooncake_client not found in the mooncake package; install: {INSTALL_HINT}")
     log_fd, log_path = tempfile.mkstemp(prefix="mooncake_holder_", suffix=".log")
     os.close(log_fd)
-    port = free_port()
+    port, segment_port = free_port(), free_port()
     try:
         before = pool_capacity(master.metrics)
         with open(log_path, "w") as log:
             proc = subprocess.Popen(holder_command(binary, master.master, master.metadata_server, capacity_bytes,
-                                                   port=port, threads=threads), stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
+                                                   port=port, threads=threads, segment_port=segment_port),
+                                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    preexec_fn=die_with_parent)
         try:
             wait_mounted(proc, master.metrics, before, capacity_bytes, timeout_s, log_path)
-            yield MooncakeHolder(proc.pid, capacity_bytes, port, log_path)
+            yield MooncakeHolder(proc.pid, capacity_bytes, port, log_path, f"127.0.0.1:{segment_port}")
         finally:
             stop(proc)
     finally:

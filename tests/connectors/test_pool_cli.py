@@ -34,11 +34,12 @@ def _hwkv(*args: str, **kw) -> subprocess.Popen:
 
 class Master:
     def __init__(self, ports: tuple[int, int, int], *extra: str):
-        self.ports, self.holder_port = ports, free_port()
+        self.ports, self.holder_port, self.segment_port = ports, free_port(), free_port()
         p, h, m = ports
         self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (read on failure, closed with the object)
         self.proc = _hwkv("pool", "master", "--port", str(p), "--http-port", str(h), "--metrics-port", str(m),
-                          "--holder-port", str(self.holder_port), *extra, stderr=self.log, start_new_session=True)
+                          "--holder-port", str(self.holder_port), "--segment-port", str(self.segment_port), *extra,
+                          stderr=self.log, start_new_session=True)
         sel = selectors.DefaultSelector()
         sel.register(self.proc.stdout, selectors.EVENT_READ)
         deadline, seen = time.monotonic() + 60, ""
@@ -108,10 +109,32 @@ def test_master_and_stats():
     assert out.returncode == 1 and "is `hwkv pool master` running?" in out.stderr
 
 
+def test_master_with_several_holders():
+    """``--holders 2``: the capacity split over two holders, and the banner's ``holders`` names each
+    holder's attach address and segment (engines read each value through the holder that has it)."""
+    skip_unless_mooncake()
+    ports = (free_port(), free_port(), free_port())
+    m = Master(ports, "--capacity", "64MiB", "--holders", "2")
+    try:
+        assert _capacity(ports[2]) == 64 << 20
+        hs = {f"127.0.0.1:{m.holder_port + j}": f"127.0.0.1:{m.segment_port + j}" for j in range(2)}
+        assert f'"holders": {json.dumps(hs)}' in m.banner and "by 2 holder(s)" in m.banner
+    finally:
+        assert m.stop() == 0
+
+
 def test_bad_master_arguments():
     out = subprocess.run([sys.executable, "-m", "hwkv", "pool", "master", "--port", "7", "--http-port", "7"],
                          capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and "--port, --http-port, --metrics-port and --holder-port must differ" in out.stderr
+    assert out.returncode == 2 and "--port, --http-port, --metrics-port, --holder-port...+0 and --segment-port...+0 " \
+        "must all differ" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "hwkv", "pool", "master", "--holders", "4", "--capacity", "32MiB"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--capacity=33554432 B is invalid for --holders=4 (each holder needs >= 16MiB)" \
+        in out.stderr
+    out = subprocess.run([sys.executable, "-m", "hwkv", "pool", "master", "--holders", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--holders=0 is invalid (allowed: 1..64)" in out.stderr
     out = subprocess.run([sys.executable, "-m", "hwkv", "pool", "master", "--capacity", "1MiB"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--capacity=1048576 B is invalid (need 0 or >= 16MiB)" in out.stderr

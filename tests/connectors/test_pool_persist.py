@@ -314,3 +314,69 @@ def test_loads_spread_over_several_holder_clients(model_dir, expected):
         finally:
             for e in (a, b, c):
                 e.scheduler.connector.shutdown()
+
+
+def test_loads_read_each_value_through_the_holder_that_has_it(model_dir, expected):
+    """``holders`` (several holders on this host, as ``hwkv pool master --holders N`` prints them):
+    values are spread over the holders' segments; a load asks the master where each lives and reads
+    it through a client of that holder (all holders at once). Tokens as a plain engine's. A holder
+    that dies fails the loads of its values: the request recomputes (same tokens), nothing is held."""
+    skip_unless_mooncake()
+    if client_binary() is None:
+        pytest.skip("the mooncake wheel has no mooncake_client (the pool memory holder)")
+    import signal
+
+    from hwkv.stores.mooncake import MooncakeStore
+
+    from .test_pool import _settle
+
+    def engine(hs, **kw):
+        cfg = dict(store="mooncake", master=m.master, metadata_server=m.metadata_server, global_segment_size=0,
+                   timeout_s=3.0, holders={f"127.0.0.1:{h.port}": h.segment for h in hs}, staging_bytes=1 << 20,
+                   load_parallel=1, **kw)
+        return hwkv.Engine(model_dir, num_kv_blocks=64, max_model_len=256, block_size=BS, kv_connector="pool",
+                           kv_connector_config=cfg)
+
+    def run(e):
+        return e.generate([PROMPT], SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)[0].token_ids
+
+    with mooncake_master() as m, mooncake_holder(m, 32 << 20, threads=2) as h1, \
+            mooncake_holder(m, 32 << 20, threads=2) as h2:
+        a, b, c = engine([h1, h2]), engine([h1, h2]), engine([h1, h2])
+        plain = MooncakeStore(master=m.master, metadata_server=m.metadata_server, global_segment_size=0)
+        try:
+            assert run(a) == expected
+            assert _settle(a)["stored_chunks"] == 9
+            tb = b.scheduler.connector.worker.transfer
+            assert tb.routed and tb.segments == [h1.segment, h2.segment] and len(tb._lanes) == 1
+            seen: list[tuple[str, list[str]]] = []  # (the calling client's holder segment, keys) of each get
+            for hh, seg in zip([tb.handle] + [x for x, _ in tb._lanes], tb.segments):
+                orig = hh.call
+
+                def traced(op, *args, _orig=orig, _seg=seg):
+                    if op == "get":
+                        seen.append((_seg, list(args[0])))
+                    return _orig(op, *args)
+
+                hh.call = traced
+            assert run(b) == expected
+            st = _settle(b)
+            assert st["external_hit_tokens"] == 9 * BS and st["load_failures"] == 0
+            keys = [k for _, ks in seen for k in ks]
+            assert len(keys) == 9 and len(set(keys)) == 9
+            where = dict(zip(keys, plain.locate(keys)))
+            assert all(where[k] == [seg] for seg, ks in seen for k in ks)  # each through its own holder
+            assert {s for ws in where.values() for s in ws} <= {h1.segment, h2.segment}
+            # the second holder dies: loads of its values fail, the request recomputes, nothing is held
+            on_h2 = sum(where[k] == [h2.segment] for k in keys)
+            os.kill(h2.pid, signal.SIGKILL)
+            assert run(c) == expected
+            st = _settle(c)  # asserts every block and pin is back
+            if on_h2:
+                assert st["load_failures"] == 1
+            else:  # the master put every value on the first holder: the load does not touch the dead one
+                assert st["load_failures"] == 0 and st["external_hit_tokens"] == 9 * BS
+        finally:
+            for e in (a, b, c):
+                e.scheduler.connector.shutdown()
+            plain.close()

@@ -79,16 +79,30 @@ class PoolConnector(SplitConnector):
             raise ValueError(f"pool: pack={pack!r} is invalid (need true or false)")
         if model_id is not None and (not isinstance(model_id, str) or not model_id or "@" in model_id):
             raise ValueError(f"pool: model_id={model_id!r} is invalid (need a non-empty str without '@')")
+        holders = _holders(store, store_options)  # [(client address, segment)] of several holders, or None
+        if holders:
+            store_options["holder"] = holders[0][0]  # puts go through the first; the master spreads the values
         if store == "mooncake" and store_options.get("holder") is not None:
             store_options.setdefault("shm_bytes", 2 * staging_bytes + (64 << 20))  # put + get staging, and slack
         factory, owned = store_factory(store, store_options)
         self.handle = StoreHandle(factory, owned, float(retry_s), owns_memory(store, store_options))
-        lane_options = store_options
-        if store == "mooncake" and store_options.get("holder") is not None:  # a load client's get staging only
-            lane_options = {**store_options, "shm_bytes": staging_bytes // load_clients + (128 << 20)}
-        lane_factory = store_factory(store, lane_options)[0]
-        lanes = [StoreHandle(lane_factory, owned, float(retry_s), owns_memory(store, store_options))
-                 for _ in range(load_clients - 1)]
+        # load clients: load_clients per holder (the main client is the first holder's first)
+        attach = [h for h, _ in holders for _ in range(load_clients)][1:] if holders else \
+            [store_options.get("holder")] * (load_clients - 1)
+        clients = len(attach) + 1
+        lanes = []
+        for h in attach:
+            lane_options = store_options
+            if store == "mooncake" and h is not None:  # a load client's get staging only
+                lane_options = {**store_options, "holder": h, "shm_bytes": staging_bytes // clients + (128 << 20)}
+            lanes.append(StoreHandle(store_factory(store, lane_options)[0], owned, float(retry_s),
+                                     owns_memory(store, lane_options)))
+        segments = locator = None
+        if holders:
+            segments = [s for _, s in holders for _ in range(load_clients)]
+            plain = {k: v for k, v in store_options.items() if k not in ("holder", "shm_bytes")}
+            plain["global_segment_size"] = 0  # asks the master only; holds nothing
+            locator = StoreHandle(store_factory(store, plain)[0], owned, float(retry_s))
         self.store_kind = store if isinstance(store, str) else type(store).__name__
         self.chunk_size, self.model_id = chunk_size, model_id
         self.shard = (tp_rank, tp_size, pp_rank)
@@ -96,7 +110,7 @@ class PoolConnector(SplitConnector):
         self.lookup_address, self.staging_bytes, self.save = lookup_address, staging_bytes, bool(save)
         self.scheduler = PoolScheduler(self.save)
         self.worker = PoolWorker(self.handle, self.load_timeout_s, staging_bytes, lookup_address, pack,
-                                 load_parallel, lanes)
+                                 load_parallel, lanes, segments, locator)
         # A connector never shut down still flushes its queued puts (bounded) and closes its store
         # client, when it is collected or at the latest at interpreter exit (before the teardown): a
         # Mooncake client left to the wheel's destructors aborts the process (std::terminate).
@@ -143,6 +157,29 @@ class PoolConnector(SplitConnector):
 
     def stats(self) -> dict[str, Any]:
         return {**super().stats(), "store_kind": self.store_kind}
+
+
+def _holders(store: Any, options: dict[str, Any]) -> list[tuple[str, str]] | None:
+    """``holders`` ({client address: segment} of a pool's holders on this host, as ``hwkv pool master
+    --holders N`` prints it), popped from ``options`` and checked; ``None`` when not given."""
+    holders = options.pop("holders", None)
+    if holders is None:
+        return None
+    if store != "mooncake":
+        raise ValueError("pool: holders apply to store='mooncake' only")
+    if options.get("holder") is not None:
+        raise ValueError("pool: give holder= (one holder) or holders= (several), not both")
+    if not isinstance(holders, dict) or not holders:
+        raise ValueError(f"pool: holders={holders!r} is invalid (need a non-empty dict of 'host:port' the engine "
+                         "attaches at -> 'host:port' of that holder's segment, as `hwkv pool master` prints)")
+    for a, s in holders.items():
+        for v in (a, s):
+            host, _, port = v.rpartition(":") if isinstance(v, str) else ("", "", "")
+            if not host or not port.isdigit():
+                raise ValueError(f"pool: holders entry {a!r}: {s!r} is invalid (need 'host:port': 'host:port')")
+    if len(set(holders.values())) != len(holders):
+        raise ValueError("pool: holders name one segment twice (each holder has its own)")
+    return list(holders.items())
 
 
 def _shutdown_sides(scheduler: PoolScheduler, worker: PoolWorker) -> None:

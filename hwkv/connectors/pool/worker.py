@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 from hwkv.connectors.base.jobs import JobWorker
@@ -47,10 +48,14 @@ class PoolWorker(JobWorker):
 
     def __init__(self, handle: StoreHandle, load_timeout_s: float, staging_bytes: int,
                  lookup_address: str | None, pack: bool = False, load_parallel: int = 1,
-                 lane_handles: list[StoreHandle] | None = None) -> None:
+                 lane_handles: list[StoreHandle] | None = None, segments: list[str] | None = None,
+                 locator: StoreHandle | None = None) -> None:
         super().__init__()
         self.pack, self.load_parallel = pack, load_parallel
-        self.lane_handles = lane_handles or []  # more store clients for loads (load_clients - 1)
+        self.lane_handles = lane_handles or []  # more store clients for loads (load_clients - 1, other holders')
+        # several holders: the holder segment of each load client (the main one first) and a plain
+        # client that asks the master where values live; a load reads each through its holder's client
+        self.segments, self.locator = segments, locator
         self.handle, self.load_timeout_s = handle, load_timeout_s
         self.staging_bytes, self.lookup_address = staging_bytes, lookup_address
         self.key: PoolKey | None = None  # group 0's (the only one without groups)
@@ -81,9 +86,10 @@ class PoolWorker(JobWorker):
         alloc = self.handle.host_memory()  # a holder-mode store: staging in its shared memory
         lanes = [(h, h.host_memory()) for h in self.lane_handles]
         layers = [c.spec.num_layers for c in caches]  # the staging bytes are shared in proportion
+        locate = partial(self.locator.call, "locate") if self.locator is not None else None
         self.transfers = [PoolTransfer(self.handle, self.dev, c, self.key.chunk_blocks,
                                        max(1, self.staging_bytes * n // sum(layers)), alloc, self.pack,
-                                       self.load_parallel, lanes)
+                                       self.load_parallel, lanes, self.segments, locate)
                           for c, n in zip(caches, layers)]
         self.transfer = self.transfers[0]
         self.handle.register([b for t in self.transfers for b in t.buffers()])  # connects now if it can
@@ -200,5 +206,5 @@ class PoolWorker(JobWorker):
         self.server = self.transfer = None
         self.transfers = []
         self.handle.close()
-        for h in self.lane_handles:
+        for h in (*self.lane_handles, *([self.locator] if self.locator is not None else [])):
             h.close()
