@@ -28,6 +28,7 @@ class DenseConfig(NamedTuple):
     num_warps: int
     num_stages: int = 3
     preload: int = 0  # 1, 2: the first weight tile loaded before the PDL wait (kernels/dense.py)
+    evict: int = 0  # 1: weight loads evict-first (A/B)
 
 
 # One token, per weight shape [N, K]: the fastest tile of the H200 sweep (dense_probe --model llama-8b-tp2,llama-8b
@@ -67,6 +68,8 @@ def choose_config(m: int, n: int, k: int) -> DenseConfig:
     cfg.update(parse_overrides(f"{CONFIG_ENV}_{n}X{k}", DenseConfig._fields))  # one weight shape only
     if cfg["block_n"] < 2 or cfg["block_n"] & (cfg["block_n"] - 1):
         raise ValueError(f"{CONFIG_ENV}: block_n must be a power of two >= 2, got {cfg['block_n']}")
+    if cfg.get("evict", 0) not in (0, 1):
+        raise ValueError(f"{CONFIG_ENV}: evict must be 0 or 1, got {cfg['evict']}")
     if cfg["preload"] not in (0, 1, 2):
         raise ValueError(f"{CONFIG_ENV}: preload must be 0 (pipelined loop), 1 (each next tile after the dot) or 2 "
                          f"(the first tile before the wait, the rest pipelined), got {cfg['preload']}")
@@ -165,6 +168,7 @@ class TritonDecodeOps(DecodeOps):
             *kv_args, m, n, k, eps, num_slots, x.stride(0), y.stride(0), res.stride(0), stride_cos, *strides,
             PROLOGUE=prologue, EPILOGUE=epilogue, HAS_BIAS=bias is not None, M_PAD=pow2(m),
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=pdl, PRELOAD=cfg.preload, ONE_TILE=cfg.block_k >= k,
+            EVICT=cfg.evict,
             **geo, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
             **ar_args,
         )

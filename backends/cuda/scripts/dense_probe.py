@@ -121,6 +121,9 @@ def main() -> None:
     ap.add_argument("--model", default="llama-1b", help=f"comma list of {sorted(MODELS)} (head size: the first's)")
     ap.add_argument("--quick", action="store_true", help="a 12-config sweep (block_n 4/8/16 x block_k 1024/2048 x "
                     "pipelined or preloaded, num_warps by block_n) instead of 36")
+    ap.add_argument("--evict", action="store_true", help="also time the best three PDL tiles with evict-first weight "
+                    "loads (evict=1)")
+    ap.add_argument("--skip-nopdl", action="store_true", help="do not re-time the best three without PDL")
     ap.add_argument("--pick", default=None, help="write the fastest PDL config per shape here, as shell exports of "
                     "HWKV_CUDA_DENSE_CONFIG_<N>X<K> (only where it beats the engine's own choice by >= 3%%)")
     args = ap.parse_args()
@@ -133,13 +136,16 @@ def main() -> None:
     src, dst = torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda")
     res["copy_TBps"] = 2 * n / time_graph(lambda: [dst.copy_(src) for _ in range(16)], 16) / 1e6
     print(f"copy {res['copy_TBps']:.3f} TB/s", flush=True)
-    sweep = [dict(block_n=bn, block_k=bk, num_warps=wp, num_stages=st, preload=pre)
+    sweep = [dict(block_n=bn, block_k=bk, num_warps=wp, num_stages=st, preload=pre, evict=0)
              for bn, bk, wp, (st, pre) in itertools.product((4, 8, 16), (512, 1024, 2048), (4, 8), ((3, 0), (1, 1)))]
     if args.quick:
         sweep = [c for c in sweep if c["block_k"] != 512 and c["num_warps"] == (4 if c["preload"] else 8)]
     # K of 4096 / 8192 in one preloaded tile (every weight byte of a program in flight before the PDL wait)
-    sweep += [dict(block_n=bn, block_k=bk, num_warps=wp, num_stages=1, preload=1)
+    sweep += [dict(block_n=bn, block_k=bk, num_warps=wp, num_stages=1, preload=1, evict=0)
               for bn, bk, wp in ((2, 4096, 4), (4, 4096, 4), (4, 4096, 8), (2, 8192, 8), (2, 8192, 4))]
+    # one-tile shapes: fewer or more rows a program, fewer warps (every weight byte still in flight before the wait)
+    sweep += [dict(block_n=bn, block_k=bk, num_warps=wp, num_stages=1, preload=1, evict=0)
+              for bn, bk, wp in ((2, 2048, 4), (2, 2048, 2), (4, 2048, 2), (8, 2048, 8), (16, 1024, 8))]
     picks = []
     wanted = set(args.shapes.split(","))
     for name, N, K, copies in SHAPES:
@@ -157,7 +163,10 @@ def main() -> None:
                         cfg["preload"] and cfg["block_n"] * cfg["block_k"] > 16384):
                     seen.append(cfg)
                     run(c, row, cfg, "1")
-            for r in sorted(row["configs"], key=lambda r: r["us"])[:3]:
+            top3 = sorted(row["configs"], key=lambda r: r["us"])[:3]
+            for r in top3 if args.evict else ():
+                run(c, row, {k: r[k] for k in sweep[0]} | {"evict": 1}, "1")
+            for r in () if args.skip_nopdl else top3:
                 run(c, row, {k: r[k] for k in sweep[0]}, "0")
             os.environ.pop(CONFIG_ENV, None)
             os.environ.pop(PDL_ENV, None)
@@ -171,7 +180,7 @@ def main() -> None:
             for pdl in (1, 0):
                 top = sorted((r for r in row["configs"] if r["pdl"] == pdl), key=lambda r: r["us"])[:3]
                 print(f"  pdl={pdl} top3: " + "; ".join(
-                    f"{r['block_n']}/{r['block_k']}/w{r['num_warps']}/s{r['num_stages']}/p{r['preload']} "
+                    f"{r['block_n']}/{r['block_k']}/w{r['num_warps']}/s{r['num_stages']}/p{r['preload']}/e{r['evict']} "
                     f"{r['us']:.2f}us" for r in top), flush=True)
             res["rows"].append(row)
             if chosen and best["pdl"] == 1 and best["us"] < 0.97 * chosen["us"]:

@@ -32,7 +32,8 @@ def _close(got, want, dtype, what):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [1, 3, 8])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("cfg", ["", "block_k=32,preload=0", "block_k=32,preload=1", "block_k=32,preload=2"])
+@pytest.mark.parametrize("cfg", ["", "block_k=32,preload=0", "block_k=32,preload=1", "block_k=32,preload=2",
+                                 "block_k=32,preload=1,evict=1"])
 def test_linear_ops_match_torch(m, bias, dtype, cfg, monkeypatch):
     monkeypatch.setenv("HWKV_CUDA_DENSE_CONFIG", cfg)
     gen = torch.Generator().manual_seed(m + 10 * bias)
@@ -108,14 +109,20 @@ def test_config_env_override(monkeypatch):
     assert choose_config(1, 2048, 2048).block_k == 2048 and choose_config(8, 2048, 8192).block_k == 512
     assert choose_config(1, 2048, 2048).preload and not choose_config(1, 128256, 2048).preload
     # the measured one-token tiles of Llama-3-8B's shapes (tp=1 and a tp=2 rank's); more tokens keep the rule
-    assert choose_config(1, 3072, 4096) == (8, 2048, 8, 3, 0) and choose_config(1, 4096, 2048) == (4, 1024, 4, 1, 1)
+    assert choose_config(1, 3072, 4096) == (8, 2048, 8, 3, 0, 0)
+    assert choose_config(1, 4096, 2048) == (4, 1024, 4, 1, 1, 0)
     assert choose_config(2, 3072, 4096).block_n == 4
-    assert choose_config(1, 2048, 8192) == (4, 2048, 8, 3, 0)  # Llama-3.2-1B's down projection: the rule
-    assert choose_config(1, 3072, 2048) == (8, 2048, 8, 3, 0)  # its qkv: the H200 sweep's tile
+    assert choose_config(1, 2048, 8192) == (4, 2048, 8, 3, 0, 0)  # Llama-3.2-1B's down projection: the rule
+    assert choose_config(1, 3072, 2048) == (8, 2048, 8, 3, 0, 0)  # its qkv: the H200 sweep's tile
     monkeypatch.setenv("HWKV_CUDA_DENSE_CONFIG", "block_n=16,num_warps=2")
     assert choose_config(1, 2048, 2048)[:3:2] == (16, 2)
     monkeypatch.setenv("HWKV_CUDA_DENSE_CONFIG_2048X2048", "block_n=32")  # one shape only, over the global one
     assert choose_config(1, 2048, 2048)[:3:2] == (32, 2) and choose_config(1, 4096, 2048)[:3:2] == (16, 2)
+    monkeypatch.setenv("HWKV_CUDA_DENSE_CONFIG_2048X2048", "evict=1")  # evict-first weight loads (A/B)
+    assert choose_config(1, 2048, 2048).evict == 1 and choose_config(1, 4096, 2048).evict == 0
+    monkeypatch.setenv("HWKV_CUDA_DENSE_CONFIG_2048X2048", "evict=2")
+    with pytest.raises(ValueError, match="evict must be 0 or 1"):
+        choose_config(1, 2048, 2048)
     monkeypatch.setenv("HWKV_CUDA_DENSE_CONFIG", "block_n=6")
     monkeypatch.delenv("HWKV_CUDA_DENSE_CONFIG_2048X2048")
     with pytest.raises(ValueError, match="power of two"):

@@ -92,6 +92,14 @@ def _prologue(x_ptr, nw_ptr, k0, M, K, eps, stride_xm, rstd, offs_m, offs_k, PRO
 
 
 @triton.jit
+def _wload(ptrs, mask, EVICT: tl.constexpr):
+    # weights are read once per step: evict-first keeps them from pushing activations out of L2 (A/B: ``evict``)
+    if EVICT:
+        return tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
 def _rows_dot(w, x, offs_m, acc, M_PAD: tl.constexpr):
     # rows of x (at most 8) one at a time: a [M, N, K] broadcast would not fit the registers
     wf = w.to(tl.float32)
@@ -141,7 +149,7 @@ def dense_kernel(
     PRELOAD: tl.constexpr, ONE_TILE: tl.constexpr, scale_ptr=None, stride_scale=0, KV_FP8: tl.constexpr = False,
     buf_ptr=None, peers_ptr=None, cnt_ptr=None, err_ptr=None, hres_ptr=None, hout_ptr=None, stride_hm=0, site=0,
     expect=0, RANK: tl.constexpr = 0, WS: tl.constexpr = 1, RS: tl.constexpr = 0, SLOT: tl.constexpr = 0,
-    CNT_OFF: tl.constexpr = 0,
+    CNT_OFF: tl.constexpr = 0, EVICT: tl.constexpr = 0,
 ):
     HB: tl.constexpr = BLOCK_N // 2
     pid = tl.program_id(0)
@@ -159,8 +167,8 @@ def dense_kernel(
     w_a = w_ptr + rows_a.to(tl.int64)[:, None] * K + offs_k[None, :]
     w_b = w_ptr + rows_b.to(tl.int64)[:, None] * K + offs_k[None, :]
     if PRELOAD:  # the first weight tile before the wait: it does not depend on the previous kernel
-        wa = tl.load(w_a, mask=ok_a[:, None] & (offs_k[None, :] < K), other=0.0)
-        wb = tl.load(w_b, mask=ok_b[:, None] & (offs_k[None, :] < K), other=0.0)
+        wa = _wload(w_a, ok_a[:, None] & (offs_k[None, :] < K), EVICT)
+        wb = _wload(w_b, ok_b[:, None] & (offs_k[None, :] < K), EVICT)
     if PDL:
         # let the next kernel's programs start now: before their own wait they only load weights,
         # so they stream those while this kernel (and the one it waits on) runs
@@ -208,16 +216,16 @@ def dense_kernel(
     for k0 in range(K0, K, BLOCK_K):
         if PRELOAD != 1:  # plain loads: Triton software-pipelines them num_stages deep
             kk = k0 + offs_k
-            wa = tl.load(w_a + k0, mask=ok_a[:, None] & (kk[None, :] < K), other=0.0)
-            wb = tl.load(w_b + k0, mask=ok_b[:, None] & (kk[None, :] < K), other=0.0)
+            wa = _wload(w_a + k0, ok_a[:, None] & (kk[None, :] < K), EVICT)
+            wb = _wload(w_b + k0, ok_b[:, None] & (kk[None, :] < K), EVICT)
         x = _prologue(x_ptr, nw_ptr, k0, M, K, eps, stride_xm, rstd, offs_m, offs_k, PROLOGUE, ONE_TILE, buf_ptr,
                       hres_ptr, hout_ptr, stride_hm, site, pid == 0, RANK, RS, SLOT)
         acc_a = _rows_dot(wa, x, offs_m, acc_a, M_PAD)
         acc_b = _rows_dot(wb, x, offs_m, acc_b, M_PAD)
         if PRELOAD == 1:  # the next tile (fully masked after the last)
             nk = k0 + BLOCK_K + offs_k
-            wa = tl.load(w_a + k0 + BLOCK_K, mask=ok_a[:, None] & (nk[None, :] < K), other=0.0)
-            wb = tl.load(w_b + k0 + BLOCK_K, mask=ok_b[:, None] & (nk[None, :] < K), other=0.0)
+            wa = _wload(w_a + k0 + BLOCK_K, ok_a[:, None] & (nk[None, :] < K), EVICT)
+            wb = _wload(w_b + k0 + BLOCK_K, ok_b[:, None] & (nk[None, :] < K), EVICT)
 
     dt = y_ptr.dtype.element_ty
     if HAS_BIAS:
