@@ -31,13 +31,13 @@ for d in ${DTYPES:-fp8 bf16}; do
   echo "== llama-8b $d KV, 7,937-token prompt, 256-token chunks, ${HOLDERS:-4} holders ($(left 0) s left, $(date -u +%T))"
   ea='{"enforce_eager": true}'; [[ $d == fp8 ]] && ea='{"enforce_eager": true, "kv_cache_dtype": "fp8"}'
   mkdir -p "$OUT/8b-$d"
-  timeout "$(left 1)" "${R[@]}" --engine-args "$ea" --out-dir "$OUT/8b-$d" 2>&1 | grep -v "^[IWE][0-9]" \
-    | tee "$OUT/8b-$d.log" | tail -n 8
+  timeout "$(left 1)" "${R[@]}" --engine-args "$ea" --out-dir "$OUT/8b-$d" 2>&1 | tee "$OUT/8b-$d.log" \
+    | grep -v "^[IW][0-9]" | tail -n 12
   echo "8b-$d rc=${PIPESTATUS[0]} ($(date -u +%T))"
 done
 if [[ $(left 0) -ge 12 ]]; then
   echo "== raw: holders_tput.py, HOLDERS_RAW=${HOLDERS_RAW:-4,8} ($(left 0) s left)"
   HOLDERS=${HOLDERS_RAW:-4,8} timeout "$(left 1)" python3 bench/gpu/holders_tput.py 32 16777216 32 2>&1 \
-    | grep -v "^[IWE][0-9]" | tee "$OUT/holders_tput.log" | tail -n 4
+    | tee "$OUT/holders_tput.log" | grep -v "^[IW][0-9]" | tail -n 6
 fi
 echo "done ($(date -u +%T))"
