@@ -189,8 +189,8 @@ def main() -> None:
                 print("picked: " + picks[-1], flush=True)
             if args.pick:  # after every shape: a run cut by its time limit keeps what it found
                 Path(args.pick).write_text("".join(p + "\n" for p in picks))
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "dense-probe.json").write_text(json.dumps(res, indent=2))
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "dense-probe.json").write_text(json.dumps(res, indent=2))
 
 
 if __name__ == "__main__":
