@@ -295,7 +295,10 @@ class LlamaForCausalLM(nn.Module):
         red = ops.rank_sum(self.tp.comm) if self.tp is not None else None
         s = None
         zero = torch.zeros_like(h) if ar_add is not None and red is None else None
-        for i, layer in enumerate(self.model.layers):
+        # weight prefetch hints (set_prefetch): the next layer's qkv comes into cache beside this layer's down
+        # projection, whose one wave of programs leaves the bandwidth to spare that the qkv GEMV's short ramp does not
+        layers, pf = self.model.layers, self._prefetch if self.tp is None else None
+        for i, layer in enumerate(layers):
             a, mlp, layer_kv = layer.self_attn, layer.mlp, kv_cache.layer(i)
             if (hk := self.layer_hooks) is not None:
                 hk.wait_for_layer_load(i)
@@ -323,10 +326,14 @@ class LlamaForCausalLM(nn.Module):
             else:
                 h = ar_add(ops.linear(out.reshape(t, a.q_size), a.o_proj.weight, a.o_proj.bias, zero), h)
             x = ops.norm_linear(h, *norm)
+            if pf is not None and i + 1 < len(layers):
+                pf([layers[i + 1].self_attn.qkv_proj.weight])
             if ar_add is None:
                 h = ops.silu_linear(x, mlp.down_proj.weight, mlp.down_proj.bias, h)
             else:
                 h = ar_add(ops.silu_linear(x, mlp.down_proj.weight, mlp.down_proj.bias, zero), h)
+        if pf is not None:
+            self._join_prefetch()
         return h if s is None else red.sum(s, h)
 
     def set_decode_ops(self, ops: DecodeOps | None, kv_dtype: torch.dtype | None = None) -> None:

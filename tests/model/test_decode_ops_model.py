@@ -47,6 +47,30 @@ def test_fused_path_is_bit_identical(tmp_path, cpu_backend, paged_runner, arch):
         assert torch.equal(a, b)
 
 
+def test_fused_path_prefetch_hooks(tmp_path, cpu_backend, paged_runner):
+    """With prefetch hooks (``set_prefetch``) the fused path asks for the next layer's qkv weight once per layer
+    (beside the down projection) and joins once at the end of the forward; logits and KV are unchanged."""
+    path = write_tiny_model(tmp_path / "llama", arch="llama", num_layers=3)
+    toks = list(range(3, 10))
+    runs, calls = [], []
+    for hooks in (False, True):
+        model, *_ = load_model(path, cpu_backend)
+        model.set_decode_ops(TorchDecodeOps())
+        if hooks:
+            model.set_prefetch(lambda ts: calls.append(list(ts)), lambda: calls.append("join"))
+        r = paged_runner(model, cpu_backend, 1, 40)
+        logits = [r.step([(0, toks, 0, 7)]), r.step([(0, toks + [4], 7, 8)])]
+        runs.append((logits, [t.clone() for t in r.kv.tensors]))
+    (want, kv_want), (got, kv_got) = runs
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and all(
+        torch.equal(a, b) for a, b in zip(kv_got, kv_want))
+    layers = model.model.layers
+    one = [[layers[i].self_attn.qkv_proj.weight] for i in (1, 2)] + ["join"]
+    assert len(calls) == 2 * len(one)  # both steps fused (<= 8 tokens)
+    for got_call, want_call in zip(calls, one + one):
+        assert got_call == "join" if want_call == "join" else got_call[0] is want_call[0]
+
+
 class _Refusing(TorchDecodeOps):
     def validate(self, num_heads, num_kv_heads, head_dim, dtype, kv_dtype):
         return [f"head_dim {head_dim} not served"]
