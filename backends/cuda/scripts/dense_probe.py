@@ -146,6 +146,9 @@ def main() -> None:
     # one-tile shapes: fewer or more rows a program, fewer warps (every weight byte still in flight before the wait)
     sweep += [dict(block_n=bn, block_k=bk, num_warps=wp, num_stages=1, preload=1, evict=0)
               for bn, bk, wp in ((2, 2048, 4), (2, 2048, 2), (4, 2048, 2), (8, 2048, 8), (16, 1024, 8))]
+    # several K tiles (down): the first tile before the PDL wait, the rest pipelined (preload=2)
+    sweep += [dict(block_n=bn, block_k=bk, num_warps=8, num_stages=st, preload=2, evict=0)
+              for bn, bk, st in ((4, 2048, 3), (8, 2048, 3), (4, 1024, 4), (8, 1024, 4), (16, 1024, 3))]
     picks = []
     wanted = set(args.shapes.split(","))
     for name, N, K, copies in SHAPES:
@@ -159,7 +162,8 @@ def main() -> None:
             default = choose_config(m, N, K)  # what the engine launches for this shape
             seen: list[dict] = []
             for cfg in [dict(default._asdict()), *sweep]:  # the sweep with PDL, then its best three without
-                if cfg not in seen and cfg["block_k"] <= triton.next_power_of_2(K) and not (
+                if cfg not in seen and cfg["block_k"] <= triton.next_power_of_2(K) and cfg["preload"] < 2 + (
+                        cfg["block_k"] < K) and not (
                         cfg["preload"] and cfg["block_n"] * cfg["block_k"] > 16384):
                     seen.append(cfg)
                     run(c, row, cfg, "1")
