@@ -15,7 +15,7 @@ from hwkv.interfaces import KVCacheSpec
 from hwkv.model.decode_ops import TorchDecodeOps
 
 pytestmark = pytest.mark.capability("decode_ops")
-OPS = ("qkv", "linear", "norm_linear", "silu_linear")
+OPS = ("qkv", "linear", "norm_linear", "silu_linear", "norm_logits")
 HEADS, KV_HEADS, HIDDEN, BLOCK, BLOCKS = 4, 2, 96, 16, 4  # hidden not a power of two
 
 
@@ -50,6 +50,10 @@ def _run(backend, ops, op: str, t: dict, head_size: int, dtype: torch.dtype):
         out = ops.linear(d["x"], d["w"], d["b"], d["res"])
     elif op == "norm_linear":
         out = ops.norm_linear(d["x"], d["nw"], 1e-5, d["w"], d["b"])
+    elif op == "norm_logits":  # the LM head: float32 logits, whether written so or cast after
+        out = ops.norm_logits(d["x"], d["nw"], 1e-5, d["w"])
+        if out.dtype != torch.float32:
+            raise AssertionError(f"norm_logits returned {out.dtype}; the contract is float32 logits")
     else:
         out = ops.silu_linear(d["x"], d["w"], d["b"], d["res"])
     backend.device.synchronize()

@@ -80,3 +80,9 @@ class DecodeOps(ABC):
     def silu_linear(self, gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                     residual: torch.Tensor) -> torch.Tensor:
         """``residual + linear(silu(gate) * up, weight, bias)`` with ``gate_up = [gate | up]``."""
+
+    def norm_logits(self, h: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
+        """The LM head: ``linear(rms_norm(h, norm_weight, eps), weight).float()`` - float32 logits of values rounded
+        to the activation dtype first. A backend may write them as float32 in its projection instead of a cast pass
+        after it (one kernel fewer in a decode step)."""
+        return self.norm_linear(h, norm_weight, eps, weight, None).float()

@@ -367,6 +367,8 @@ class LlamaForCausalLM(nn.Module):
             hidden = hidden.index_select(0, logits_indices)
         ops, norm = self.decode_ops, self.model.norm
         if ops is not None and hidden.shape[0] <= ops.use_up_to:
+            if self.tp is None:  # float32 straight from the projection where the backend writes it so
+                return ops.norm_logits(hidden, norm.weight, norm.eps, self.lm_head_weight)
             logits = ops.norm_linear(hidden, norm.weight, norm.eps, self.lm_head_weight, None)
         else:
             x = norm(hidden)

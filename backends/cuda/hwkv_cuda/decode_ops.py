@@ -105,7 +105,7 @@ class TritonDecodeOps(DecodeOps):
                 prologue: int, epilogue: int, *, residual: torch.Tensor | None = None,
                 norm_weight: torch.Tensor | None = None, eps: float = 0.0, rope: tuple[Any, ...] | None = None,
                 push: tuple[Any, int] | None = None, rs: tuple[Any, Pending, torch.Tensor] | None = None,
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                out_dtype: torch.dtype | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         from hwkv_cuda.kernels.dense import dense_kernel
 
         if weight.dim() != 2 or not weight.is_contiguous():
@@ -125,7 +125,8 @@ class TritonDecodeOps(DecodeOps):
                 if rope is not None else ()):
             if t is not None and t.stride(-1) != 1:
                 raise ValueError(f"{name} must have a unit last stride, got strides {t.stride()}")
-        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        # out_dtype (float32 logits): values rounded to the activation dtype, then stored widened
+        y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
         ar_args: dict[str, Any] = {}
         h_out = None
         if push is not None:  # EPILOGUE 3: this partial into every peer's slot of the site
@@ -206,6 +207,9 @@ class TritonDecodeOps(DecodeOps):
                     residual: torch.Tensor) -> torch.Tensor:
         _same_rows(residual, gate_up, weight.shape[0])
         return self._launch(gate_up, weight, bias, 2, 2, 1, residual=residual)
+
+    def norm_logits(self, h: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
+        return self._launch(h, weight, None, 1, 1, 0, norm_weight=norm_weight, eps=eps, out_dtype=torch.float32)
 
 
 class Pending(NamedTuple):

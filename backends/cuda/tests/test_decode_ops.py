@@ -48,6 +48,22 @@ def test_linear_ops_match_torch(m, bias, dtype, cfg, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 3])
+def test_norm_logits_is_the_widened_norm_linear(m, dtype):
+    """The LM head's float32 logits come from the projection itself: the same bits as its activation-dtype output
+    widened (the kernel rounds first, then stores float32), and close to the torch reference's."""
+    gen = torch.Generator().manual_seed(m)
+    k, n = 96, 40
+    w, x, nw = _rand(n, k, dtype=dtype, scale=0.1, gen=gen), _rand(m, k, dtype=dtype, gen=gen), _rand(k, dtype=dtype,
+                                                                                                        gen=gen)
+    ops = TritonDecodeOps()
+    got = ops.norm_logits(x, nw, 1e-6, w)
+    assert got.dtype == torch.float32 and torch.equal(got, ops.norm_linear(x, nw, 1e-6, w, None).float())
+    _close(got, TorchDecodeOps().norm_logits(x, nw, 1e-6, w), torch.float32 if dtype == torch.float32 else dtype,
+           "norm_logits")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,d", [(4, 2, 16), (2, 2, 32)])
 def test_qkv_rope_and_kv_write_match_torch(heads, kv_heads, d, dtype):
     gen = torch.Generator().manual_seed(heads * d)

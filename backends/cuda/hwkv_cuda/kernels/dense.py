@@ -227,7 +227,7 @@ def dense_kernel(
             wa = _wload(w_a + k0 + BLOCK_K, ok_a[:, None] & (nk[None, :] < K), EVICT)
             wb = _wload(w_b + k0 + BLOCK_K, ok_b[:, None] & (nk[None, :] < K), EVICT)
 
-    dt = y_ptr.dtype.element_ty
+    dt = x_ptr.dtype.element_ty  # the activation dtype (y may be wider: float32 logits, stored widened)
     if HAS_BIAS:
         acc_a += tl.load(b_ptr + rows_a, mask=ok_a, other=0.0).to(tl.float32)[None, :]
         acc_b += tl.load(b_ptr + rows_b, mask=ok_b, other=0.0).to(tl.float32)[None, :]
