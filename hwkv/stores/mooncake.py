@@ -142,6 +142,7 @@ class MooncakeStore(Store):
         self._store = store_mod.MooncakeDistributedStore()
         self._replicate = store_mod.ReplicateConfig()
         self._replicate.replica_num = replicas
+        self._store_mod, self._prefer_cfg = store_mod, {}  # put(prefer=): a config per preferred segment
         # setup() retries a failing client 20 times (meant for port clashes): 3 bound a master that
         # hangs between the probe and setup to 3 RPC deadlines, during which the GIL is held.
         env = {"MC_RPC_TIMEOUT_MS": str(int(self._rpc_timeout_s * 1000)),
@@ -269,14 +270,24 @@ class MooncakeStore(Store):
         """``(ptr, nbytes)`` of every registered buffer (empty after ``close``)."""
         return self._regs.items()
 
-    def put(self, keys: list[str], buffers: list[Buffers]) -> list[ItemResult]:
+    def put(self, keys: list[str], buffers: list[Buffers], prefer: list[str | None] | None = None) -> list[ItemResult]:
+        """The contract's put; ``prefer``: per key, the segment (``host:port`` of a holder, as
+        :meth:`locate` names them) its first replica should go to, ``None`` = the master picks.
+        Mooncake places it elsewhere when that segment has no room."""
         check_batch("put", keys, buffers)
+        if prefer is not None and (not isinstance(prefer, (list, tuple)) or len(prefer) != len(keys)):
+            raise ValueError(f"put: prefer must be a list with one segment (or None) per key ({len(keys)})")
         store = self._live()
         self._check_registered("put", buffers)
-        single = [i for i, segs in enumerate(buffers) if len(segs) == 1]
-        multi = [i for i, segs in enumerate(buffers) if len(segs) > 1]
-        codes = dict(zip(single + multi, self._call("put", self._put, store, keys, buffers, single, multi,
-                                                    self._replicate)))
+        groups: dict[str | None, list[int]] = {}
+        for i in range(len(keys)):
+            groups.setdefault(prefer[i] if prefer is not None else None, []).append(i)
+        codes: dict[int, int] = {}
+        for seg, idx in groups.items():  # one wheel call per preferred segment (a config each)
+            single = [i for i in idx if len(buffers[i]) == 1]
+            multi = [i for i in idx if len(buffers[i]) > 1]
+            codes.update(zip(single + multi, self._call("put", self._put, store, keys, buffers, single, multi,
+                                                        self._config(seg))))
         self._codes("put", list(codes.values()))
         out = []
         for i, (key, segs) in enumerate(zip(keys, buffers)):
@@ -286,6 +297,17 @@ class MooncakeStore(Store):
             self._stats["puts"] += sum(r.ok for r in out)
             self._stats["put_full"] += sum(isinstance(r.error, StoreFull) for r in out)
         return out
+
+    def _config(self, segment: str | None):
+        if segment is None:
+            return self._replicate
+        cfg = self._prefer_cfg.get(segment)
+        if cfg is None:
+            cfg = self._store_mod.ReplicateConfig()
+            cfg.replica_num = self._replicate.replica_num
+            cfg.preferred_segment = segment
+            self._prefer_cfg[segment] = cfg
+        return cfg
 
     @staticmethod
     def _put(store, keys: list[str], buffers: list[Buffers], single: list[int], multi: list[int],

@@ -177,6 +177,39 @@ def test_replicas_outlive_a_holder():
             s.close()
 
 
+def test_put_prefers_a_holder_and_locate_names_it():
+    """``MooncakeStore.put(prefer=)`` places each value on the named holder's segment (through a
+    holder-mode client of another holder too); ``locate`` (a plain client) names where each lives,
+    ``[]`` for a missing key; a holder-mode client cannot locate; a malformed ``prefer`` is refused."""
+    skip_unless_mooncake()
+    if client_binary() is None:
+        pytest.skip("the mooncake wheel has no mooncake_client (the pool memory holder)")
+    from hwkv.stores.mooncake import MooncakeStore
+
+    with mooncake_master() as m, mooncake_holder(m, 16 << 20) as h1, mooncake_holder(m, 16 << 20) as h2:
+        s = MooncakeStore(master=m.master, metadata_server=m.metadata_server, global_segment_size=0,
+                          holder=f"127.0.0.1:{h1.port}", shm_bytes=16 << 20)
+        plain = MooncakeStore(master=m.master, metadata_server=m.metadata_server, global_segment_size=0)
+        try:
+            ptr = s.host_buffer(1 << 20)
+            s.register_buffer(ptr, 1 << 20)
+            keys = [f"k{i}" for i in range(6)]
+            segs = [h2.segment, h1.segment, None, h2.segment, h2.segment, h1.segment]
+            bufs = [[(ptr + i * 8192, 4096), (ptr + i * 8192 + 4096, 4096)] for i in range(6)]
+            assert all(r.ok for r in s.put(keys, bufs, segs))
+            where = plain.locate([*keys, "missing"])
+            assert [w for w, p in zip(where, segs) if p is not None] == [[p] for p in segs if p is not None]
+            assert where[2] in ([h1.segment], [h2.segment]) and where[-1] == []
+            assert all(r.ok for r in s.get(keys, bufs))
+            with pytest.raises(ValueError, match="a holder-mode client cannot ask where values live"):
+                s.locate(keys)
+            with pytest.raises(ValueError, match=r"prefer must be a list with one segment \(or None\) per key"):
+                s.put(keys, bufs, [h1.segment])
+        finally:
+            s.close()
+            plain.close()
+
+
 def test_replicas_validated():
     from hwkv.stores.mooncake import MooncakeStore
 
@@ -319,7 +352,8 @@ def test_loads_spread_over_several_holder_clients(model_dir, expected):
 def test_loads_read_each_value_through_the_holder_that_has_it(model_dir, expected):
     """``holders`` (several holders on this host, as ``hwkv pool master --holders N`` prints them):
     values are spread over the holders' segments; a load asks the master where each lives and reads
-    it through a client of that holder (all holders at once). Tokens as a plain engine's. A holder
+    it through a client of that holder (all holders at once); puts place consecutive chunks on the
+    holders in turn. Tokens as a plain engine's. A holder
     that dies fails the loads of its values: the request recomputes (same tokens), nothing is held."""
     skip_unless_mooncake()
     if client_binary() is None:
@@ -361,21 +395,19 @@ def test_loads_read_each_value_through_the_holder_that_has_it(model_dir, expecte
                 hh.call = traced
             assert run(b) == expected
             st = _settle(b)
-            assert st["external_hit_tokens"] == 9 * BS and st["load_failures"] == 0
+            assert st["external_hit_tokens"] == 9 * BS and st["load_failures"] == 0 and st["load_routed_jobs"] == 1
             keys = [k for _, ks in seen for k in ks]
             assert len(keys) == 9 and len(set(keys)) == 9
             where = dict(zip(keys, plain.locate(keys)))
             assert all(where[k] == [seg] for seg, ks in seen for k in ks)  # each through its own holder
-            assert {s for ws in where.values() for s in ws} <= {h1.segment, h2.segment}
-            # the second holder dies: loads of its values fail, the request recomputes, nothing is held
             on_h2 = sum(where[k] == [h2.segment] for k in keys)
+            assert sum(where[k] == [h1.segment] for k in keys) + on_h2 == 9
+            assert on_h2 in (4, 5)  # the engine put consecutive chunks on the holders in turn: spread evenly
+            # the second holder dies: loads of its values fail, the request recomputes, nothing is held
             os.kill(h2.pid, signal.SIGKILL)
             assert run(c) == expected
             st = _settle(c)  # asserts every block and pin is back
-            if on_h2:
-                assert st["load_failures"] == 1
-            else:  # the master put every value on the first holder: the load does not touch the dead one
-                assert st["load_failures"] == 0 and st["external_hit_tokens"] == 9 * BS
+            assert st["load_failures"] == 1 and st["load_routed_jobs"] == 1
         finally:
             for e in (a, b, c):
                 e.scheduler.connector.shutdown()
