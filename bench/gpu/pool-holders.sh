@@ -5,7 +5,8 @@
 # segment name fixed), the engine is given all of them ("holders") and reads each value through the
 # holder that has it (MooncakeStore.locate: one master RPC per load). --one-process per dtype (an 8B
 # start is ~40 s): recompute, device-cache hit, load from the pool; A/B in the same process: rP = routed,
-# P calls per holder client; P / cK = not routed (one client / K clients in contiguous shares, values of
+# P calls per holder client; h1pP = one holder: another prompt whose chunks all went to the first holder
+# (the 1-holder baseline, same engine and run); P / cK = not routed (one client / K clients in contiguous shares, values of
 # other holders over their tcp transport). LIMIT s (default 120); DTYPES (default "fp8 bf16"), first first.
 set -u
 source bench/gpu/lib.sh
@@ -25,7 +26,7 @@ print(model_dir(argparse.Namespace(model='llama-8b', dtype='bfloat16', workdir='
 R=(python3 -m hwkv bench pool-restart --backend cuda --repeats 1 --capacity-mb "${CAP_MB:-2048}" --via holder --one-process
    --holders "${HOLDERS:-4}" --workdir "$W" --model llama-8b --prompt-len 7905 --suffix-len 32 --chunk-size 256
    --staging-mb 1024 --timeout 60 --holder-threads 8
-   --pool-config "{\"load_parallel\": ${PAR:-2}, \"load_clients\": ${CLIENTS:-1}}" --ab-parallel "${AB:-r1,r4,c4}")
+   --pool-config "{\"load_parallel\": ${PAR:-2}, \"load_clients\": ${CLIENTS:-1}}" --ab-parallel "${AB:-r1,r4,h1p1,h1p4,c4}")
 for d in ${DTYPES:-fp8 bf16}; do
   if [[ $(left 0) -lt 40 ]]; then echo "== skip $d: $(left 0) s left"; continue; fi
   echo "== llama-8b $d KV, 7,937-token prompt, 256-token chunks, ${HOLDERS:-4} holders ($(left 0) s left, $(date -u +%T))"

@@ -119,19 +119,36 @@ for name, prompt in (("warm", cfg["warm"]), ("warm_load", cfg["warm"]), ("none",
 res["packed_loads"] = (e.stats().get("kv_connector") or {}).get("packed_loads")
 # A/B in this process: the same load with other load_parallel values (best of two rounds each)
 ab = {}
+# "h1pP" (several holders): one holder's load in the same engine - another prompt whose chunks are all
+# put on the first holder, its device-cache hit as the reference, then its load (P calls per client)
+h1 = list(cfg["prompt"])
+h1[0] = h1[0] - 1 if h1[0] > 1 else 2  # every chunk's chain hash differs
+h1_ref = None
 for _ in range(2):
     for n in cfg.get("ab_parallel", []):  # "P": P calls on one client; "cK" / "cKpP": K clients (P calls each);
         # "rP": several holders, each value through its holder's clients (P calls each); the others do not route
-        lanes, _, par = n[1:].partition("p") if n.startswith("c") else ("1", "", n.lstrip("r"))
+        lanes, _, par = n[1:].partition("p") if n.startswith(("c", "h1")) else ("1", "", n.lstrip("r"))
+        one = n.startswith("h1")
+        prompt = h1 if one else cfg["prompt"]
         for t in e.connector.worker.transfers:
-            t.load_parallel, t.lanes_active = int(par or 1), int(lanes)
-            t.routed = n.startswith("r") and bool(t.segments and t.locate)
+            t.load_parallel, t.lanes_active = int(par or 1), 1 if one else int(lanes)
+            t.routed = (one or n.startswith("r")) and bool(t.segments and t.locate)
+        if one and h1_ref is None:
+            ring = [(t, t._holder_ring) for t in e.connector.worker.transfers]
+            for t, _ in ring:
+                t._holder_ring = t._holder_ring[:1]
+            settle(reset=True)
+            e.generate([h1], sp, use_tqdm=False)  # recomputed; its chunks go to the first holder
+            settle(reset=False)
+            for t, r0 in ring:
+                t._holder_ring = r0
+            h1_ref = e.generate([h1], sp, use_tqdm=False)[0].token_ids  # a device-cache hit
         settle(reset=True)
         before = timing()
         t0 = time.perf_counter()
-        out = e.generate([cfg["prompt"]], sp, use_tqdm=False)[0]
+        out = e.generate([prompt], sp, use_tqdm=False)[0]
         ttft = time.perf_counter() - t0
-        r = {"ttft_s": ttft, "tokens": out.token_ids,
+        r = {"ttft_s": ttft, "tokens": out.token_ids, "ref_tokens": h1_ref if one else None,
              "cached_tokens": out.metrics.num_cached_tokens if out.metrics is not None else None,
              "timing": {k: round(v - before.get(k, 0.0), 6) for k, v in timing().items()}}
         if str(n) not in ab or ttft < ab[str(n)]["ttft_s"]:
@@ -344,12 +361,14 @@ def _one_process(args: argparse.Namespace, base: dict[str, Any], pools: dict[str
               flush=True)
         for n, a in r.get("ab_parallel", {}).items():
             at = a["timing"]
-            ok = a["tokens"] == r[ref]["tokens"] and a["cached_tokens"] == r["pool"]["cached_tokens"]
+            ok = a["tokens"] == (a.get("ref_tokens") or r[ref]["tokens"]) and \
+                a["cached_tokens"] == r["pool"]["cached_tokens"]
             out[v].setdefault("ab_parallel", {})[n] = {"ttft_ms": 1e3 * a["ttft_s"], "speedup": none / a["ttft_s"],
                                                       "load_store_ms": 1e3 * at.get("load_store_s", 0),
                                                       "load_wall_ms": 1e3 * at.get("load_wall_s", 0),
                                                       "tokens_equal": ok}
-            print(f"    {n}: from the pool {1e3 * a['ttft_s']:.1f} ms = x{none / a['ttft_s']:.2f}; store "
+            print(f"    {n}: from the pool {1e3 * a['ttft_s']:.1f} ms = x{none / a['ttft_s']:.2f}"
+                  f"{' (one holder has every chunk)' if n.startswith('h1') else ''}; store "
                   f"calls {1e3 * at.get('load_store_s', 0):.1f} ms, copy wait {1e3 * at.get('load_copy_wait_s', 0):.1f}"
                   f" ms, whole get {1e3 * at.get('load_wall_s', 0):.1f} ms; tokens as the reference: {ok}", flush=True)
             if not ok:
