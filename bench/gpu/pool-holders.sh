@@ -23,7 +23,7 @@ import argparse, time; t = time.time()
 from hwkv.bench.common import model_dir
 print(model_dir(argparse.Namespace(model='llama-8b', dtype='bfloat16', workdir='$W')), 'written in', round(time.time() - t, 1), 's')
 " 2>&1 | tail -n 3; echo "write rc=${PIPESTATUS[0]} ($(date -u +%T))"
-R=(python3 -m hwkv bench pool-restart --backend cuda --repeats 1 --capacity-mb "${CAP_MB:-2048}" --via holder --one-process
+R=(python3 -m hwkv bench pool-restart --backend cuda --repeats 1 --capacity-mb "${CAP_MB:-3072}" --via holder --one-process
    --holders "${HOLDERS:-4}" --workdir "$W" --model llama-8b --prompt-len 7905 --suffix-len 32 --chunk-size 256
    --staging-mb 1024 --timeout 60 --holder-threads 8
    --pool-config "{\"load_parallel\": ${PAR:-2}, \"load_clients\": ${CLIENTS:-1}}" --ab-parallel "${AB:-r1,r4,h1p1,h1p4,c4}")
