@@ -4,12 +4,13 @@ bench/gpu/holder_tput.py). Here H holders (H in HOLDERS, default 1,2,4) share th
 SIZE bytes (SEGS segments each) are put and land on the holders Mooncake's allocator picks; each
 value is then read by a holder-mode client attached to the holder that has it (its replica's
 segment, from a plain client's batch_get_replica_desc, matched to the port each holder's log names
-its segment by), all holders' clients at once. Prints GB/s (best of 3).
+its segment by; since session 7 the segment names are fixed and MooncakeStore.locate asks), all holders'
+clients at once. PLACE=even (default): value i put on holder i mod H (MooncakeStore.put(prefer=), as the
+pool's puts do); PLACE=master: where the master's allocator puts them. Prints GB/s (best of 3).
 Usage: python bench/gpu/holders_tput.py [N] [SIZE] [SEGS]."""
 
 import ctypes
 import os
-import re
 import sys
 import threading
 import time
@@ -30,7 +31,6 @@ def split(ptr: int) -> list[tuple[int, int]]:
 
 
 for H in [int(x) for x in os.environ.get("HOLDERS", "1,2,4").split(",")]:
-    os.environ["MC_LOG_LEVEL"] = "INFO"  # the holders must log their segment's port (a client set ERROR)
     with ExitStack() as stack:
         m = stack.enter_context(mooncake_master())
         hs = [stack.enter_context(mooncake_holder(m, N * SZ + (256 << 20), timeout_s=60.0, threads=4))
@@ -44,24 +44,15 @@ for H in [int(x) for x in os.environ.get("HOLDERS", "1,2,4").split(",")]:
             ctypes.memset(p, 7, N * SZ)
             s.register_buffer(p, N * SZ)
             cl.append((s, p))
-        assert all(r.ok for r in cl[0][0].put(keys, [split(cl[0][1] + i * SZ) for i in range(N)]))
-        ports = []
-        for h in hs:  # the port in the holder's segment name (its log; glog may flush it late)
-            deadline, found = time.monotonic() + 10, []
-            while not found and time.monotonic() < deadline:
-                with open(h.log_path) as f:
-                    found = re.findall(r"Successfully created client on port (\d+)", f.read())
-                time.sleep(0.1)
-            ports.append(found[-1] if found else "?")
+        segs = [h.segment for h in hs]  # each holder's segment name is fixed (mooncake_holder)
+        if os.environ.get("PLACE", "even") == "even":  # consecutive values on the holders in turn (the pool's puts)
+            prefer = [segs[i % H] for i in range(N)]
+        else:  # where the master's allocator puts them
+            prefer = None
+        assert all(r.ok for r in cl[0][0].put(keys, [split(cl[0][1] + i * SZ) for i in range(N)], prefer))
         meta = MooncakeStore(**kw)
         stack.callback(meta.close)
-        desc = meta._store.batch_get_replica_desc(keys)
-        eps = sorted({d[0].get_memory_descriptor().buffer_descriptor.transport_endpoint for d in desc.values()})
-        if not all(e.rsplit(":", 1)[1] in ports for e in eps):
-            print(f"{H} holder(s): segments {eps} not all among the holders' logged ports {ports}", flush=True)
-            continue
-        where = [ports.index(desc[k][0].get_memory_descriptor().buffer_descriptor.transport_endpoint.rsplit(":", 1)[1])
-                 for k in keys]
+        where = [segs.index(w[0]) for w in meta.locate(keys)]
         share = [[i for i in range(N) if where[i] == j] for j in range(H)]
 
         def part(j: int, cl=cl, share=share) -> None:
