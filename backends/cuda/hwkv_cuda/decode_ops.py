@@ -29,6 +29,7 @@ class DenseConfig(NamedTuple):
     num_stages: int = 3
     preload: int = 0  # 1, 2: the first weight tile loaded before the PDL wait (kernels/dense.py)
     evict: int = 0  # 1: weight loads evict-first (A/B)
+    split_k: int = 1  # > 1: programs per row block, each over 1/split_k of K, summed by the last (plain epilogues)
 
 
 # One token, per weight shape [N, K]: the fastest tile of the H200 sweep (dense_probe --model llama-8b-tp2,llama-8b
@@ -68,6 +69,8 @@ def choose_config(m: int, n: int, k: int) -> DenseConfig:
     cfg.update(parse_overrides(f"{CONFIG_ENV}_{n}X{k}", DenseConfig._fields))  # one weight shape only
     if cfg["block_n"] < 2 or cfg["block_n"] & (cfg["block_n"] - 1):
         raise ValueError(f"{CONFIG_ENV}: block_n must be a power of two >= 2, got {cfg['block_n']}")
+    if cfg.get("split_k", 1) not in (1, 2, 4, 8):
+        raise ValueError(f"{CONFIG_ENV}: split_k must be 1, 2, 4 or 8, got {cfg['split_k']}")
     if cfg.get("evict", 0) not in (0, 1):
         raise ValueError(f"{CONFIG_ENV}: evict must be 0 or 1, got {cfg['evict']}")
     if cfg["preload"] not in (0, 1, 2):
@@ -83,6 +86,24 @@ class TritonDecodeOps(DecodeOps):
     # is _rows_dot's row-by-row reduction, O(M^2 K) per tile). Up to 8 tokens they are correct
     # (conformance) but untuned.
     preferred_tokens = 1
+    SPLIT_COUNTERS = 1 << 16  # row blocks a split-K launch may have (one arrival counter each, per device)
+
+    def __init__(self) -> None:
+        self._split_cnt: dict[torch.device, torch.Tensor] = {}  # zeroed once; each launch leaves them zero
+
+    def _split_k(self, cfg: DenseConfig, x: torch.Tensor, n: int, k: int, epilogue: int, rs: Any) -> int:
+        """``cfg.split_k`` where it applies, else 1: plain epilogues (no RoPE/KV write, no all-reduce), K in whole
+        tiles per split, no next-tile preload, few enough row blocks, and its counters allocated outside a graph
+        capture (the first eager call allocates them)."""
+        sk = cfg.split_k
+        if sk == 1 or epilogue not in (0, 1) or rs is not None or cfg.preload == 1 or k % (sk * cfg.block_k) \
+                or -(-n // cfg.block_n) > self.SPLIT_COUNTERS:
+            return 1
+        if x.device not in self._split_cnt:
+            if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return 1
+            self._split_cnt[x.device] = torch.zeros(self.SPLIT_COUNTERS, dtype=torch.int32, device=x.device)
+        return sk
 
     def validate(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  kv_dtype: torch.dtype) -> list[str]:
@@ -152,6 +173,10 @@ class TritonDecodeOps(DecodeOps):
         pdl = use_pdl(x.device)
         cfg = choose_config(m, n, k)
         res = residual if residual is not None else y
+        sk = self._split_k(cfg, x, n, k, epilogue, rs)
+        if sk > 1:  # float32 partials [split, M_PAD, N] (the graph pool's memory inside a capture)
+            ar_args.update(SPLIT_K=sk, part_ptr=torch.empty((sk, pow2(m), n), dtype=torch.float32, device=x.device),
+                           sk_cnt_ptr=self._split_cnt[x.device])
         if rope is not None:
             cos, sin, pos, layer_kv, slots, heads, kv_heads, d, scales = rope
             nb, _, bs = layer_kv.shape[:3]
@@ -164,7 +189,7 @@ class TritonDecodeOps(DecodeOps):
         else:
             kv_args, strides = (y, y, y, y, y), (0, 0, 0, 0)
             geo, num_slots, stride_cos = dict(HEAD=2, Q_N=0, KV_N=0, BS=1), 0, 0
-        dense_kernel[(-(-n // cfg.block_n),)](
+        dense_kernel[(-(-n // cfg.block_n) * sk,)](
             x, weight, bias if bias is not None else y, y, res, norm_weight if norm_weight is not None else y,
             *kv_args, m, n, k, eps, num_slots, x.stride(0), y.stride(0), res.stride(0), stride_cos, *strides,
             PROLOGUE=prologue, EPILOGUE=epilogue, HAS_BIAS=bias is not None, M_PAD=pow2(m),

@@ -149,11 +149,14 @@ def main() -> None:
     # several K tiles (down): the first tile before the PDL wait, the rest pipelined (preload=2)
     sweep += [dict(block_n=bn, block_k=bk, num_warps=8, num_stages=st, preload=2, evict=0)
               for bn, bk, st in ((4, 2048, 3), (8, 2048, 3), (4, 1024, 4), (8, 1024, 4), (16, 1024, 3))]
+    # split-K (plain epilogues: o_proj, gate_up, down, lm_head): a row block's K over 2-4 programs, each's first tile
+    # before the PDL wait, summed by the last to arrive
+    sweep += [dict(block_n=bn, block_k=bk, num_warps=wp, num_stages=st, preload=2, evict=0, split_k=sk)
+              for bn, bk, wp, st, sk in ((4, 2048, 8, 1, 4), (8, 2048, 8, 1, 4), (4, 1024, 8, 3, 4), (4, 2048, 8, 3, 2),
+                                         (4, 1024, 4, 1, 2), (8, 1024, 8, 1, 2), (16, 1024, 8, 1, 2))]
     picks = []
-    wanted = set(args.shapes.split(","))
-    for name, N, K, copies in SHAPES:
-        if name not in wanted:
-            continue
+    order = args.shapes.split(",")  # in the order asked (a run cut by its time limit has the first)
+    for name, N, K, copies in sorted((sh for sh in SHAPES if sh[0] in order), key=lambda sh: order.index(sh[0])):
         for m in map(int, args.m.split(",")):
             c = Case(name, N, K, copies, m)
             t_cublas = time_graph(partial(c.chain, c.cublas), copies)
@@ -163,20 +166,21 @@ def main() -> None:
             seen: list[dict] = []
             for cfg in [dict(default._asdict()), *sweep]:  # the sweep with PDL, then its best three without
                 if cfg not in seen and cfg["block_k"] <= triton.next_power_of_2(K) and cfg["preload"] < 2 + (
-                        cfg["block_k"] < K) and not (
+                        cfg["block_k"] < K or cfg.get("split_k", 1) > 1) and (cfg.get("split_k", 1) == 1 or K % (cfg[
+                        "split_k"] * cfg["block_k"]) == 0) and not (
                         cfg["preload"] and cfg["block_n"] * cfg["block_k"] > 16384):
                     seen.append(cfg)
                     run(c, row, cfg, "1")
             top3 = sorted(row["configs"], key=lambda r: r["us"])[:3]
             for r in top3 if args.evict else ():
-                run(c, row, {k: r[k] for k in sweep[0]} | {"evict": 1}, "1")
+                run(c, row, {k: v for k, v in r.items() if k not in ("pdl", "us", "TBps")} | {"evict": 1}, "1")
             for r in () if args.skip_nopdl else top3:
                 run(c, row, {k: r[k] for k in sweep[0]}, "0")
             os.environ.pop(CONFIG_ENV, None)
             os.environ.pop(PDL_ENV, None)
             best = min(row["configs"], key=lambda r: r["us"])
             chosen = next((r for r in row["configs"] if r["pdl"] == 1 and all(
-                r[f] == getattr(default, f) for f in sweep[0])), None)
+                r.get(f, 1 if f == "split_k" else 0) == getattr(default, f) for f in default._fields)), None)
             print(json.dumps(dict(shape=name, N=N, K=K, M=m, default=dict(default._asdict()),
                                   default_us=chosen and round(chosen["us"], 2))), flush=True)
             print(json.dumps(dict(shape=name, M=m, cublas_us=round(t_cublas, 2),
@@ -184,11 +188,13 @@ def main() -> None:
             for pdl in (1, 0):
                 top = sorted((r for r in row["configs"] if r["pdl"] == pdl), key=lambda r: r["us"])[:3]
                 print(f"  pdl={pdl} top3: " + "; ".join(
-                    f"{r['block_n']}/{r['block_k']}/w{r['num_warps']}/s{r['num_stages']}/p{r['preload']}/e{r['evict']} "
+                    f"{r['block_n']}/{r['block_k']}/w{r['num_warps']}/s{r['num_stages']}/p{r['preload']}/e{r['evict']}"
+                    f"/k{r.get('split_k', 1)} "
                     f"{r['us']:.2f}us" for r in top), flush=True)
             res["rows"].append(row)
             if chosen and best["pdl"] == 1 and best["us"] < 0.97 * chosen["us"]:
-                picks.append(f"export {CONFIG_ENV}_{N}X{K}=" + ",".join(f"{f}={best[f]}" for f in sweep[0])
+                picks.append(f"export {CONFIG_ENV}_{N}X{K}=" + ",".join(f"{f}={best[f]}" for f in best
+                                                                           if f not in ("pdl", "us", "TBps"))
                              + f"  # {name}: {chosen['us']:.2f} -> {best['us']:.2f} us")
                 print("picked: " + picks[-1], flush=True)
             if args.pick:  # after every shape: a run cut by its time limit keeps what it found

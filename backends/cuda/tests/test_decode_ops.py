@@ -33,7 +33,8 @@ def _close(got, want, dtype, what):
 @pytest.mark.parametrize("m", [1, 3, 8])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("cfg", ["", "block_k=32,preload=0", "block_k=32,preload=1", "block_k=32,preload=2",
-                                 "block_k=32,preload=1,evict=1"])
+                                 "block_k=32,preload=1,evict=1", "block_k=16,split_k=2,preload=2",
+                                 "block_k=16,split_k=2,preload=0"])
 def test_linear_ops_match_torch(m, bias, dtype, cfg, monkeypatch):
     monkeypatch.setenv("HWKV_CUDA_DENSE_CONFIG", cfg)
     gen = torch.Generator().manual_seed(m + 10 * bias)
@@ -45,6 +46,28 @@ def test_linear_ops_match_torch(m, bias, dtype, cfg, monkeypatch):
     _close(fused.linear(x, w, b, res), ref.linear(x, w, b, res), dtype, "linear")
     _close(fused.norm_linear(x, nw, 1e-6, w, b), ref.norm_linear(x, nw, 1e-6, w, b), dtype, "norm_linear")
     _close(fused.silu_linear(gu, w, b, res), ref.silu_linear(gu, w, b, res), dtype, "silu_linear")
+
+
+def test_split_k_applies_where_it_can_and_leaves_its_counters_zero(monkeypatch):
+    """split_k runs a row block as several programs over parts of K (summed in split order by the last one): only
+    with plain epilogues and K in whole tiles per split; the arrival counters are zero again after every launch,
+    and the output is the same bits whichever split arrives last (run twice)."""
+    gen = torch.Generator().manual_seed(5)
+    k, n = 96, 40
+    ops = TritonDecodeOps()
+    w, x, res = _rand(n, k, dtype=torch.float32, scale=0.1, gen=gen), _rand(1, k, dtype=torch.float32, gen=gen), \
+        _rand(1, n, dtype=torch.float32, gen=gen)
+    monkeypatch.setenv("HWKV_CUDA_DENSE_CONFIG", "block_k=16,split_k=2,preload=0")
+    cfg = choose_config(1, n, k)
+    assert ops._split_k(cfg, x, n, k, 1, None) == 2 and ops._split_k(cfg, x, n, k, 2, None) == 1  # no RoPE/KV
+    assert ops._split_k(cfg._replace(split_k=4), x, n, k, 1, None) == 1  # 96 is not 4 splits of whole 16-col tiles
+    assert ops._split_k(cfg._replace(preload=1), x, n, k, 1, None) == 1
+    a, b = ops.linear(x, w, None, res), ops.linear(x, w, None, res)
+    assert torch.equal(a, b) and not ops._split_cnt[x.device].any()
+    _close(a, TorchDecodeOps().linear(x, w, None, res), torch.float32, "split-K linear")
+    monkeypatch.setenv("HWKV_CUDA_DENSE_CONFIG", "split_k=3")
+    with pytest.raises(ValueError, match="split_k must be"):
+        choose_config(1, n, k)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -125,11 +148,11 @@ def test_config_env_override(monkeypatch):
     assert choose_config(1, 2048, 2048).block_k == 2048 and choose_config(8, 2048, 8192).block_k == 512
     assert choose_config(1, 2048, 2048).preload and not choose_config(1, 128256, 2048).preload
     # the measured one-token tiles of Llama-3-8B's shapes (tp=1 and a tp=2 rank's); more tokens keep the rule
-    assert choose_config(1, 3072, 4096) == (8, 2048, 8, 3, 0, 0)
-    assert choose_config(1, 4096, 2048) == (4, 1024, 4, 1, 1, 0)
+    assert choose_config(1, 3072, 4096) == (8, 2048, 8, 3, 0, 0, 1)
+    assert choose_config(1, 4096, 2048) == (4, 1024, 4, 1, 1, 0, 1)
     assert choose_config(2, 3072, 4096).block_n == 4
-    assert choose_config(1, 2048, 8192) == (4, 2048, 8, 3, 0, 0)  # Llama-3.2-1B's down projection: the rule
-    assert choose_config(1, 3072, 2048) == (8, 2048, 8, 3, 0, 0)  # its qkv: the H200 sweep's tile
+    assert choose_config(1, 2048, 8192) == (4, 2048, 8, 3, 0, 0, 1)  # Llama-3.2-1B's down projection: the rule
+    assert choose_config(1, 3072, 2048) == (8, 2048, 8, 3, 0, 0, 1)  # its qkv: the H200 sweep's tile
     monkeypatch.setenv("HWKV_CUDA_DENSE_CONFIG", "block_n=16,num_warps=2")
     assert choose_config(1, 2048, 2048)[:3:2] == (16, 2)
     monkeypatch.setenv("HWKV_CUDA_DENSE_CONFIG_2048X2048", "block_n=32")  # one shape only, over the global one

@@ -149,10 +149,16 @@ def dense_kernel(
     PRELOAD: tl.constexpr, ONE_TILE: tl.constexpr, scale_ptr=None, stride_scale=0, KV_FP8: tl.constexpr = False,
     buf_ptr=None, peers_ptr=None, cnt_ptr=None, err_ptr=None, hres_ptr=None, hout_ptr=None, stride_hm=0, site=0,
     expect=0, RANK: tl.constexpr = 0, WS: tl.constexpr = 1, RS: tl.constexpr = 0, SLOT: tl.constexpr = 0,
-    CNT_OFF: tl.constexpr = 0, EVICT: tl.constexpr = 0,
+    CNT_OFF: tl.constexpr = 0, EVICT: tl.constexpr = 0, SPLIT_K: tl.constexpr = 1, part_ptr=None, sk_cnt_ptr=None,
 ):
     HB: tl.constexpr = BLOCK_N // 2
     pid = tl.program_id(0)
+    sk = 0
+    if SPLIT_K > 1:  # program = (row block, K split); K // SPLIT_K is a multiple of BLOCK_K (the host checks)
+        sk = pid % SPLIT_K
+        pid = pid // SPLIT_K
+    k_lo = sk * (K // SPLIT_K)
+    k_hi = k_lo + K // SPLIT_K
     j = tl.arange(0, HB)
     if EPILOGUE == 2:  # pair g = (head, i): rows head*D + i and head*D + i + D/2
         g = pid * HB + j
@@ -167,8 +173,8 @@ def dense_kernel(
     w_a = w_ptr + rows_a.to(tl.int64)[:, None] * K + offs_k[None, :]
     w_b = w_ptr + rows_b.to(tl.int64)[:, None] * K + offs_k[None, :]
     if PRELOAD:  # the first weight tile before the wait: it does not depend on the previous kernel
-        wa = _wload(w_a, ok_a[:, None] & (offs_k[None, :] < K), EVICT)
-        wb = _wload(w_b, ok_b[:, None] & (offs_k[None, :] < K), EVICT)
+        wa = _wload(w_a + k_lo, ok_a[:, None] & (k_lo + offs_k[None, :] < k_hi), EVICT)
+        wb = _wload(w_b + k_lo, ok_b[:, None] & (k_lo + offs_k[None, :] < k_hi), EVICT)
     if PDL:
         # let the next kernel's programs start now: before their own wait they only load weights,
         # so they stream those while this kernel (and the one it waits on) runs
@@ -209,23 +215,44 @@ def dense_kernel(
     acc_b = tl.zeros([M_PAD, HB], dtype=tl.float32)
     K0: tl.constexpr = (PRELOAD // 2) * BLOCK_K
     if PRELOAD == 2:  # the tile loaded before the wait first, then the pipelined loop over the rest
-        x = _prologue(x_ptr, nw_ptr, 0, M, K, eps, stride_xm, rstd, offs_m, offs_k, PROLOGUE, ONE_TILE, buf_ptr,
+        x = _prologue(x_ptr, nw_ptr, k_lo, M, K, eps, stride_xm, rstd, offs_m, offs_k, PROLOGUE, ONE_TILE, buf_ptr,
                       hres_ptr, hout_ptr, stride_hm, site, pid == 0, RANK, RS, SLOT)
         acc_a = _rows_dot(wa, x, offs_m, acc_a, M_PAD)
         acc_b = _rows_dot(wb, x, offs_m, acc_b, M_PAD)
-    for k0 in range(K0, K, BLOCK_K):
+    for k0 in range(k_lo + K0, k_hi, BLOCK_K):
         if PRELOAD != 1:  # plain loads: Triton software-pipelines them num_stages deep
             kk = k0 + offs_k
-            wa = _wload(w_a + k0, ok_a[:, None] & (kk[None, :] < K), EVICT)
-            wb = _wload(w_b + k0, ok_b[:, None] & (kk[None, :] < K), EVICT)
+            wa = _wload(w_a + k0, ok_a[:, None] & (kk[None, :] < k_hi), EVICT)
+            wb = _wload(w_b + k0, ok_b[:, None] & (kk[None, :] < k_hi), EVICT)
         x = _prologue(x_ptr, nw_ptr, k0, M, K, eps, stride_xm, rstd, offs_m, offs_k, PROLOGUE, ONE_TILE, buf_ptr,
                       hres_ptr, hout_ptr, stride_hm, site, pid == 0, RANK, RS, SLOT)
         acc_a = _rows_dot(wa, x, offs_m, acc_a, M_PAD)
         acc_b = _rows_dot(wb, x, offs_m, acc_b, M_PAD)
         if PRELOAD == 1:  # the next tile (fully masked after the last)
             nk = k0 + BLOCK_K + offs_k
-            wa = _wload(w_a + k0 + BLOCK_K, ok_a[:, None] & (nk[None, :] < K), EVICT)
-            wb = _wload(w_b + k0 + BLOCK_K, ok_b[:, None] & (nk[None, :] < K), EVICT)
+            wa = _wload(w_a + k0 + BLOCK_K, ok_a[:, None] & (nk[None, :] < k_hi), EVICT)
+            wb = _wload(w_b + k0 + BLOCK_K, ok_b[:, None] & (nk[None, :] < k_hi), EVICT)
+
+    out_ok = offs_m[:, None] >= 0  # every row; with SPLIT_K only the row block's last split stores
+    if SPLIT_K > 1:
+        # the float32 partial to the workspace [SPLIT_K, M_PAD, N]; the row block's last split to arrive (acq_rel
+        # counter, reset by it) sums the partials in split order - the same bits whichever split is last
+        tl.store(part_ptr + (sk * M_PAD + offs_m[:, None]) * N + rows_a[None, :], acc_a, mask=ok_a[None, :])
+        tl.store(part_ptr + (sk * M_PAD + offs_m[:, None]) * N + rows_b[None, :], acc_b, mask=ok_b[None, :])
+        tl.debug_barrier()  # every thread's partial stored before the arrival
+        done = tl.atomic_add(sk_cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        tl.debug_barrier()
+        last = (offs_m[:, None] * 0 + done) == SPLIT_K - 1  # [M_PAD, 1]
+        acc_a = tl.zeros([M_PAD, HB], dtype=tl.float32)
+        acc_b = tl.zeros([M_PAD, HB], dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):
+            acc_a += tl.load(part_ptr + (s * M_PAD + offs_m[:, None]) * N + rows_a[None, :],
+                             mask=ok_a[None, :] & last, other=0.0, cache_modifier=".cg")
+            acc_b += tl.load(part_ptr + (s * M_PAD + offs_m[:, None]) * N + rows_b[None, :],
+                             mask=ok_b[None, :] & last, other=0.0, cache_modifier=".cg")
+        if done == SPLIT_K - 1:
+            tl.atomic_xchg(sk_cnt_ptr + pid, 0, sem="relaxed", scope="gpu")
+        out_ok = out_ok & last
 
     dt = x_ptr.dtype.element_ty  # the activation dtype (y may be wider: float32 logits, stored widened)
     if HAS_BIAS:
@@ -251,8 +278,8 @@ def dense_kernel(
                   KV_FP8)
         _store_kv(base, rows_b, yb, s_ok, kv_ptr, N, stride_kv, stride_head, scale_ptr, stride_scale, HEAD, Q_N, KV_N,
                   KV_FP8)
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + rows_a[None, :], ya, mask=m_ok & ok_a[None, :])
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + rows_b[None, :], yb, mask=m_ok & ok_b[None, :])
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + rows_a[None, :], ya, mask=m_ok & ok_a[None, :] & out_ok)
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + rows_b[None, :], yb, mask=m_ok & ok_b[None, :] & out_ok)
     if EPILOGUE == 3:  # the partial into this rank's slot of every peer's buffer, then one arrival on its counter
         for r in tl.static_range(WS):
             if r != RANK:
