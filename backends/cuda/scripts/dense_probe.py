@@ -155,6 +155,7 @@ def main() -> None:
               for bn, bk, wp, st, sk in ((4, 2048, 8, 1, 4), (8, 2048, 8, 1, 4), (4, 1024, 8, 3, 4), (4, 2048, 8, 3, 2),
                                          (4, 1024, 4, 1, 2), (8, 1024, 8, 1, 2), (16, 1024, 8, 1, 2))]
     picks = []
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     order = args.shapes.split(",")  # in the order asked (a run cut by its time limit has the first)
     for name, N, K, copies in sorted((sh for sh in SHAPES if sh[0] in order), key=lambda sh: order.index(sh[0])):
         for m in map(int, args.m.split(",")):
@@ -166,7 +167,7 @@ def main() -> None:
             seen: list[dict] = []
             for cfg in [dict(default._asdict()), *sweep]:  # the sweep with PDL, then its best three without
                 if cfg not in seen and cfg["block_k"] <= triton.next_power_of_2(K) and cfg["preload"] < 2 + (
-                        cfg["block_k"] < K or cfg.get("split_k", 1) > 1) and (cfg.get("split_k", 1) == 1 or K % (cfg[
+                        cfg["block_k"] < K or cfg.get("split_k", 1) > 1) and (cfg.get("split_k", 1) == 1 or name != "qkv" and K % (cfg[
                         "split_k"] * cfg["block_k"]) == 0) and not (
                         cfg["preload"] and cfg["block_n"] * cfg["block_k"] > 16384):
                     seen.append(cfg)
