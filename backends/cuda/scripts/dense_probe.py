@@ -99,6 +99,17 @@ class Case:
         return F.linear(x[:, : self.k], w)
 
 
+def runs_as_named(cfg: dict, name: str, k: int) -> bool:
+    """Whether the engine would launch ``cfg`` as labelled for this shape (no silent fallback, no tile wider than
+    K, no preload of a tile too big for the registers)."""
+    sk = cfg.get("split_k", 1)
+    if cfg["block_k"] > triton.next_power_of_2(k) or (cfg["preload"] and cfg["block_n"] * cfg["block_k"] > 16384):
+        return False
+    if cfg["preload"] == 2 and cfg["block_k"] >= k and sk == 1:  # one tile: the same as preload=1
+        return False
+    return sk == 1 or (name != "qkv" and cfg["preload"] != 1 and k % (sk * cfg["block_k"]) == 0)
+
+
 def run(c: Case, row: dict, cfg: dict, pdl: str) -> None:
     """Time ``c``'s fused op under tile ``cfg`` with PDL on ("1") or off ("0"); append to ``row``."""
     os.environ[CONFIG_ENV] = ",".join(f"{k}={v}" for k, v in cfg.items())
@@ -166,10 +177,7 @@ def main() -> None:
             default = choose_config(m, N, K)  # what the engine launches for this shape
             seen: list[dict] = []
             for cfg in [dict(default._asdict()), *sweep]:  # the sweep with PDL, then its best three without
-                if cfg not in seen and cfg["block_k"] <= triton.next_power_of_2(K) and cfg["preload"] < 2 + (
-                        cfg["block_k"] < K or cfg.get("split_k", 1) > 1) and (cfg.get("split_k", 1) == 1 or name != "qkv" and K % (cfg[
-                        "split_k"] * cfg["block_k"]) == 0) and not (
-                        cfg["preload"] and cfg["block_n"] * cfg["block_k"] > 16384):
+                if cfg not in seen and runs_as_named(cfg, name, K):
                     seen.append(cfg)
                     run(c, row, cfg, "1")
             top3 = sorted(row["configs"], key=lambda r: r["us"])[:3]
