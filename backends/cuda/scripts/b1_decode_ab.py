@@ -25,6 +25,7 @@ import torch
 import hwkv
 from hwkv.bench.common import copy_bandwidth, model_dir, workload
 from hwkv.bench.e2e import batch1, run_engine
+from hwkv.bench.e2e_report import profile
 from hwkv.bench.timeline import graph_timeline
 
 
@@ -140,6 +141,8 @@ def main() -> None:
         if v["name"] in args.trace.split(",") and not host:  # the CUDA profiler: not on a CPU smoke run
             row["trace"] = step_trace(engine, cfg["vocab_size"])
             row["timeline"] = graph_timeline(engine, 1, 128 + args.tokens)
+            row["host_phases_ms"] = profile(engine, cfg["vocab_size"], 1, steps=64)
+            print(f"[b1ab]   host phases (ms per step): {row['host_phases_ms']}", flush=True)
             tr, tl = row["trace"], row["timeline"]
             print(f"[b1ab]   trace: second half span {tr['span_us_second_half']:.0f} us, GPU idle "
                   f"{tr['idle_us_second_half']:.0f} us over {tr['steps'] // 2} steps", flush=True)
