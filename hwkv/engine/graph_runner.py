@@ -72,6 +72,10 @@ def batch_buckets(max_batch: int) -> list[int]:
 # tables instead (three copies instead of one): the full rows of 256 requests at max_model_len 131,072 are 8 MB
 # a step over PCIe, for a few hundred KB the step reads
 COMPACT_MIN = 1 << 16
+# the step's ids / positions / slots (int64 rows of max_batch * query_len) go over whole while they are at most this
+# many bytes: the rows' first b * q columns are not contiguous, and torch copies such a slice through a host-side
+# contiguous temporary and a device-side scatter kernel (two more operations in every decode step's stream)
+IDS_WHOLE_BYTES = 1 << 16
 SMALL_BATCH = 8  # batch buckets up to this many requests are also captured per seq-len bucket
 
 
@@ -322,7 +326,10 @@ class GraphRunner:
         if self.last_only:  # each row's last real token; padded rows their first (any valid row)
             h64[3, :b] = np.arange(0, b * q, q)
             h64[3, :n] += last
-        self.d64[:, : b * q].copy_(self.h64[:, : b * q], non_blocking=True)
+        if self.h64.numel() * self.h64.element_size() <= IDS_WHOLE_BYTES:  # one contiguous DMA
+            self.d64.copy_(self.h64, non_blocking=True)
+        else:
+            self.d64[:, : b * q].copy_(self.h64[:, : b * q], non_blocking=True)
         if packed:  # only the columns this step's requests use: the rest is never read
             self.d32[:mb].copy_(self.h32[:mb], non_blocking=True)
             self.dbt[: b * w].copy_(self.hbt[: b * w], non_blocking=True)

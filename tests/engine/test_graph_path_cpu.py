@@ -63,6 +63,18 @@ def test_packed_block_tables_give_the_same_tokens(model_dir, monkeypatch):
     assert got == want and e.runner.num_graph_steps > 10
 
 
+def test_sliced_id_rows_give_the_same_tokens(model_dir, monkeypatch):
+    """Steps whose ids / positions / slots go over as the step's columns only (wide rows: above
+    graph_runner.IDS_WHOLE_BYTES) replay to the whole-row copies' tokens (the default for small rows)."""
+    from hwkv.engine import graph_runner
+
+    torch.set_num_threads(1)
+    _, want = _run(model_dir)
+    monkeypatch.setattr(graph_runner, "IDS_WHOLE_BYTES", -1)  # every graph step sliced
+    e, got = _run(model_dir)
+    assert got == want and e.runner.num_graph_steps > 10
+
+
 def test_only_a_per_layer_host_connector_keeps_graphs_off(model_dir):
     from hwkv.interfaces.connector import KVConnectorBase
 
