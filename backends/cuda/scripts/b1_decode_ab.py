@@ -14,6 +14,7 @@ path per kernel label (:func:`hwkv.bench.timeline.graph_timeline`).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import time
@@ -91,7 +92,8 @@ def main() -> None:
     ap.add_argument("--workdir", default="/dev/shm/hwkv-b1")
     ap.add_argument("--tokens", type=int, default=256, help="batch-1 decode length per measure")
     ap.add_argument("--repeat", type=int, default=2, help="measures per variant")
-    ap.add_argument("--variants", default='[{"name": "base"}]', help="JSON list of {name, env, prefetch}")
+    ap.add_argument("--variants", default='[{"name": "base"}]', help="JSON list of {name, env, attrs, prefetch}: "
+                    "environment, module constants ('hwkv.engine.graph_runner.IDS_WHOLE_BYTES'), prefetch hooks on")
     ap.add_argument("--trace", default="", help="names of variants to trace (comma list)")
     ap.add_argument("--out", default="/tmp")
     args = ap.parse_args()
@@ -112,6 +114,8 @@ def main() -> None:
     res["copy_bw_TBps"] = bw / 1e12
     print(f"[b1ab] engine {res['engine_init_s']:.1f} s, copy {bw / 1e12:.3f} TB/s", flush=True)
     base_env = {k: os.environ.get(k) for v in variants for k in v.get("env", {})}
+    base_attrs = {k: getattr(importlib.import_module(k.rpartition(".")[0]), k.rpartition(".")[2])
+                  for v in variants for k in v.get("attrs", {})}
     for v in variants + [dict(variants[0], name=variants[0]["name"] + " (again)")]:
         for k, val in base_env.items():  # each variant starts from the process's own environment
             if val is None:
@@ -119,11 +123,14 @@ def main() -> None:
             else:
                 os.environ[k] = val
         os.environ.update({k: str(x) for k, x in v.get("env", {}).items()})
+        for k, val in {**base_attrs, **v.get("attrs", {})}.items():  # module constants (e.g. graph_runner's)
+            setattr(importlib.import_module(k.rpartition(".")[0]), k.rpartition(".")[2], val)
         engine.model.set_prefetch(*((dev.prefetch, dev.join_prefetch) if v.get("prefetch") and not host else ()))
         t1 = time.perf_counter()
         try:
             n = recapture(engine)
-            row: dict[str, Any] = dict(name=v["name"], env=v.get("env", {}), prefetch=bool(v.get("prefetch")),
+            row: dict[str, Any] = dict(name=v["name"], env=v.get("env", {}), attrs=v.get("attrs", {}),
+                                       prefetch=bool(v.get("prefetch")),
                                        graphs=n, capture_s=round(time.perf_counter() - t1, 2), runs=[])
             for _ in range(args.repeat):
                 row["runs"].append(batch1(engine, cfg, cfg["vocab_size"], args.tokens, bw))
