@@ -57,6 +57,16 @@ def recapture(engine: Any, batch: int = 1) -> int:
     return len(keys)
 
 
+def greedy_tokens(engine: Any, vocab: int, n: int = 96) -> list[int]:
+    """``n`` greedy tokens of a fixed 128-token prompt (batch 1, the decode graphs)."""
+    from hwkv.sampling_params import SamplingParams
+
+    prompt = workload(1, 128, 128, vocab, seed=11)[0][0]
+    out = engine.generate([prompt], [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)],
+                          use_tqdm=False)
+    return list(out[0].token_ids)
+
+
 def step_trace(engine: Any, vocab: int, steps: int = 32) -> dict[str, Any]:
     """CUDA time by kernel/copy name over ``steps`` batch-1 decode steps (torch.profiler), and the span and GPU
     idle time of the trace's steady part, per step."""
@@ -134,15 +144,20 @@ def main() -> None:
                                        graphs=n, capture_s=round(time.perf_counter() - t1, 2), runs=[])
             for _ in range(args.repeat):
                 row["runs"].append(batch1(engine, cfg, cfg["vocab_size"], args.tokens, bw))
+            row["tokens"] = greedy_tokens(engine, cfg["vocab_size"])
         except Exception as e:  # a variant that fails is reported, the others still run
             print(f"[b1ab] {v['name']}: {type(e).__name__}: {e}", flush=True)
             res["rows"].append(dict(name=v["name"], error=f"{type(e).__name__}: {e}"))
             continue
         best = max(row["runs"], key=lambda r: r["tok_per_s"])
+        ref = res["rows"][0].get("tokens") if res["rows"] else None
+        if ref is not None:  # greedy tokens against the first variant's (first differing position, -1: none)
+            row["first_divergence"] = next((i for i, (a, b) in enumerate(zip(ref, row["tokens"])) if a != b), -1)
         print(f"[b1ab] {v['name']}: " + "; ".join(
             f"{r['tok_per_s']:.0f} tok/s MBU {r['mbu']:.1%} step {r['step_ms']:.3f} ms replay "
             f"{r.get('gpu_replay_ms_last', float('nan')):.3f} ms" for r in row["runs"])
-            + f" (capture {row['capture_s']} s)", flush=True)
+            + f" (capture {row['capture_s']} s; tokens vs the first variant: first divergence "
+            f"{row.get('first_divergence', '-')})", flush=True)
         row["best"] = best
         res["rows"].append(row)
         if v["name"] in args.trace.split(",") and not host:  # the CUDA profiler: not on a CPU smoke run
