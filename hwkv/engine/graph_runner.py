@@ -74,7 +74,8 @@ def batch_buckets(max_batch: int) -> list[int]:
 COMPACT_MIN = 1 << 16
 # the step's ids / positions / slots (int64 rows of max_batch * query_len) go over whole while they are at most this
 # many bytes: the rows' first b * q columns are not contiguous, and torch copies such a slice through a host-side
-# contiguous temporary and a device-side scatter kernel (two more operations in every decode step's stream)
+# contiguous temporary and a device-side scatter kernel (two more operations in every decode step's stream); with
+# unpacked block tables they go in one DMA with seq_lens and the tables (one staging buffer)
 IDS_WHOLE_BYTES = 1 << 16
 SMALL_BATCH = 8  # batch buckets up to this many requests are also captured per seq-len bucket
 
@@ -193,10 +194,15 @@ class GraphRunner:
         self.max_batch = max_batch
         td, q = device.torch_device, query_len
         rows = 4 if last_only else 3  # last_only: row 3 holds each request's logits index
-        self.h64 = device.host_zeros((rows, mb * q), torch.int64)
-        self.h32 = device.host_zeros(mb + mb * self.max_blocks, torch.int32)
-        self.d64 = torch.zeros((rows, mb * q), dtype=torch.int64, device=td)
-        self.d32 = torch.zeros(mb + mb * self.max_blocks, dtype=torch.int32, device=td)
+        # one staging buffer [int64 rows | int32 seq_lens + block tables] on each side, so that a small step's
+        # inputs go over as ONE contiguous DMA (IDS_WHOLE_BYTES)
+        self._n64 = 2 * rows * mb * q  # the int64 rows in int32 words
+        self.hbuf = device.host_zeros(self._n64 + mb + mb * self.max_blocks, torch.int32)
+        self.dbuf = torch.zeros(self._n64 + mb + mb * self.max_blocks, dtype=torch.int32, device=td)
+        self.h64 = self.hbuf[: self._n64].view(torch.int64).view(rows, mb * q)
+        self.h32 = self.hbuf[self._n64:]
+        self.d64 = self.dbuf[: self._n64].view(torch.int64).view(rows, mb * q)
+        self.d32 = self.dbuf[self._n64:]
         self.seq_lens = self.d32[:mb]
         self.block_tables = self.d32[mb:].view(mb, self.max_blocks)
         # a step's block tables packed [b, width] (COMPACT_MIN): staged, copied, spread into block_tables' rows
@@ -326,17 +332,24 @@ class GraphRunner:
         if self.last_only:  # each row's last real token; padded rows their first (any valid row)
             h64[3, :b] = np.arange(0, b * q, q)
             h64[3, :n] += last
-        if self.h64.numel() * self.h64.element_size() <= IDS_WHOLE_BYTES:  # one contiguous DMA
-            self.d64.copy_(self.h64, non_blocking=True)
+        whole = self.h64.numel() * self.h64.element_size() <= IDS_WHOLE_BYTES
+        if whole and not packed:
+            # ids rows whole, seq_lens, the first b - 1 block-table rows whole and the last one's first w columns
+            # (the kernels read no column past the step's widest table): one contiguous DMA
+            end = self._n64 + mb + (b - 1) * self.max_blocks + max(w, 1)
+            self.dbuf[:end].copy_(self.hbuf[:end], non_blocking=True)
         else:
-            self.d64[:, : b * q].copy_(self.h64[:, : b * q], non_blocking=True)
-        if packed:  # only the columns this step's requests use: the rest is never read
-            self.d32[:mb].copy_(self.h32[:mb], non_blocking=True)
-            self.dbt[: b * w].copy_(self.hbt[: b * w], non_blocking=True)
-            self.block_tables[:b, :w].copy_(self.dbt[: b * w].view(b, w))
-        else:  # seq_lens and the first b block-table rows are contiguous: one copy
-            end = mb + b * self.max_blocks
-            self.d32[:end].copy_(self.h32[:end], non_blocking=True)
+            if whole:
+                self.d64.copy_(self.h64, non_blocking=True)
+            else:
+                self.d64[:, : b * q].copy_(self.h64[:, : b * q], non_blocking=True)
+            if packed:  # only the columns this step's requests use: the rest is never read
+                self.d32[:mb].copy_(self.h32[:mb], non_blocking=True)
+                self.dbt[: b * w].copy_(self.hbt[: b * w], non_blocking=True)
+                self.block_tables[:b, :w].copy_(self.dbt[: b * w].view(b, w))
+            else:  # seq_lens and the first b block-table rows are contiguous: one copy
+                end = mb + b * self.max_blocks
+                self.d32[:end].copy_(self.h32[:end], non_blocking=True)
         self._copied.record()
         if fill is not None:
             fill(self.d64[0, : b * q])
