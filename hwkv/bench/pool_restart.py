@@ -119,36 +119,37 @@ for name, prompt in (("warm", cfg["warm"]), ("warm_load", cfg["warm"]), ("none",
 res["packed_loads"] = (e.stats().get("kv_connector") or {}).get("packed_loads")
 # A/B in this process: the same load with other load_parallel values (best of two rounds each)
 ab = {}
-# "h1pP" (several holders): one holder's load in the same engine - another prompt whose chunks are all
-# put on the first holder, its device-cache hit as the reference, then its load (P calls per client)
-h1 = list(cfg["prompt"])
-h1[0] = h1[0] - 1 if h1[0] > 1 else 2  # every chunk's chain hash differs
-h1_ref = None
+# "hKpP" (several holders): K holders' load in the same engine - another prompt whose chunks were all
+# put on the first K holders (in turn), its device-cache hit as the reference, then its load (P calls per client)
+refs = {}
 for _ in range(2):
     for n in cfg.get("ab_parallel", []):  # "P": P calls on one client; "cK" / "cKpP": K clients (P calls each);
         # "rP": several holders, each value through its holder's clients (P calls each); the others do not route
-        lanes, _, par = n[1:].partition("p") if n.startswith(("c", "h1")) else ("1", "", n.lstrip("r"))
-        one = n.startswith("h1")
-        prompt = h1 if one else cfg["prompt"]
+        hk = int(n[1:].partition("p")[0]) if n.startswith("h") else 0
+        lanes, _, par = n[1:].partition("p") if n.startswith(("c", "h")) else ("1", "", n.lstrip("r"))
+        prompt = cfg["prompt"]
+        if hk:
+            prompt = list(prompt)
+            prompt[0] = prompt[0] - hk if prompt[0] > hk else prompt[0] + hk  # every chunk's chain hash differs
         for t in e.connector.worker.transfers:
-            t.load_parallel, t.lanes_active = int(par or 1), 1 if one else int(lanes)
-            t.routed = (one or n.startswith("r")) and bool(t.segments and t.locate)
-        if one and h1_ref is None:
+            t.load_parallel, t.lanes_active = int(par or 1), 1 if hk else int(lanes)
+            t.routed = (hk > 0 or n.startswith("r")) and bool(t.segments and t.locate)
+        if hk and hk not in refs:
             ring = [(t, t._holder_ring) for t in e.connector.worker.transfers]
             for t, _ in ring:
-                t._holder_ring = t._holder_ring[:1]
+                t._holder_ring = t._holder_ring[:hk]
             settle(reset=True)
-            e.generate([h1], sp, use_tqdm=False)  # recomputed; its chunks go to the first holder
+            e.generate([prompt], sp, use_tqdm=False)  # recomputed; its chunks go to the first hk holders
             settle(reset=False)
             for t, r0 in ring:
                 t._holder_ring = r0
-            h1_ref = e.generate([h1], sp, use_tqdm=False)[0].token_ids  # a device-cache hit
+            refs[hk] = e.generate([prompt], sp, use_tqdm=False)[0].token_ids  # a device-cache hit
         settle(reset=True)
         before = timing()
         t0 = time.perf_counter()
         out = e.generate([prompt], sp, use_tqdm=False)[0]
         ttft = time.perf_counter() - t0
-        r = {"ttft_s": ttft, "tokens": out.token_ids, "ref_tokens": h1_ref if one else None,
+        r = {"ttft_s": ttft, "tokens": out.token_ids, "ref_tokens": refs.get(hk),
              "cached_tokens": out.metrics.num_cached_tokens if out.metrics is not None else None,
              "timing": {k: round(v - before.get(k, 0.0), 6) for k, v in timing().items()}}
         if str(n) not in ab or ttft < ab[str(n)]["ttft_s"]:
@@ -355,7 +356,9 @@ def _one_process(args: argparse.Namespace, base: dict[str, Any], pools: dict[str
               f"{'hit' if same_split else 'recompute'}, equal to the recompute's: {out[v]['tokens_equal_recompute']}) "
               f"(goal >= 4); load: store calls {1e3 * tm.get('load_store_s', 0):.1f} ms, waiting for device copies "
               f"{1e3 * tm.get('load_copy_wait_s', 0):.1f} ms, whole get {1e3 * tm.get('load_wall_s', 0):.1f} ms, "
-              f"lookup {1e3 * tm.get('lookup_s', 0):.1f} ms; loads through their values' holders "
+              f"lookup {1e3 * tm.get('lookup_s', 0):.1f} ms, queueing device copies "
+              f"{1e3 * tm.get('load_land_s', 0):.1f} ms, locate {1e3 * tm.get('load_locate_s', 0):.1f} ms; "
+              f"loads through their values' holders "
               f"{tm.get('load_routed_jobs', 0):.0f} of {tm.get('load_jobs', 0):.0f}"
               f"{'; packed' if out[v]['packed_loads'] else ''}",
               flush=True)
@@ -368,9 +371,11 @@ def _one_process(args: argparse.Namespace, base: dict[str, Any], pools: dict[str
                                                       "load_wall_ms": 1e3 * at.get("load_wall_s", 0),
                                                       "tokens_equal": ok}
             print(f"    {n}: from the pool {1e3 * a['ttft_s']:.1f} ms = x{none / a['ttft_s']:.2f}"
-                  f"{' (one holder has every chunk)' if n.startswith('h1') else ''}; store "
+                  f"{' (only the first ' + n[1:].split('p')[0] + ' holder(s) have its chunks)' if n[0] == 'h' else ''}"
+                  f"; store "
                   f"calls {1e3 * at.get('load_store_s', 0):.1f} ms, copy wait {1e3 * at.get('load_copy_wait_s', 0):.1f}"
-                  f" ms, whole get {1e3 * at.get('load_wall_s', 0):.1f} ms; tokens as the reference: {ok}", flush=True)
+                  f" ms, copy queueing {1e3 * at.get('load_land_s', 0):.1f} ms, whole get "
+                  f"{1e3 * at.get('load_wall_s', 0):.1f} ms; tokens as the reference: {ok}", flush=True)
             if not ok:
                 failed = True
                 out[v]["error"] = f"{n}: tokens or reused tokens differ from the reference"

@@ -228,8 +228,10 @@ class PoolTransfer:
         # compute stream's event, the store's get calls, waiting for the copies to the device, and
         # the whole get from dequeue to completion
         # (load_routed_jobs: loads read through the holders that have their values, ``holders``)
+        # (load_land_s: queueing the staging -> device copies; load_locate_s: asking where values live)
         self.timing = dict.fromkeys(("load_jobs", "load_routed_jobs", "load_event_s", "load_store_s",
-                                     "load_copy_wait_s", "load_wall_s", "put_store_s", "put_copy_s"), 0.0)
+                                     "load_copy_wait_s", "load_land_s", "load_locate_s", "load_wall_s",
+                                     "put_store_s", "put_copy_s"), 0.0)
         self._puts: queue.Queue[PutJob | None] = queue.Queue()
         self._gets: queue.Queue[GetJob | None] = queue.Queue()
         self._threads = [threading.Thread(target=self._send_loop, daemon=True, name="hwkv-pool-send"),
@@ -423,10 +425,13 @@ class PoolTransfer:
         that has a replica of it (a holder's values split into contiguous runs over its clients), a
         value no holder of ours has (or ``locate`` failing: ``None``, contiguous shares then) through
         the least-loaded client."""
+        t0 = time.perf_counter()
         try:
             where = self.locate(keys)  # type: ignore[misc]
         except (StoreError, ValueError):
             return None
+        finally:
+            self.timing["load_locate_s"] += time.perf_counter() - t0
         segs = self.segments or []
         by_seg: dict[str, list[int]] = {}
         for j, s in enumerate(segs):
@@ -460,12 +465,12 @@ class PoolTransfer:
         parts = [(self.handle, self._stage["get"]), *self._lanes]
         use = [j for j, sh in enumerate(shares) if sh]
         got = {j: [0] for j in use}
-        tms = {j: dict.fromkeys(("load_store_s", "load_copy_wait_s"), 0.0) for j in use}
+        tms = {j: dict.fromkeys(("load_store_s", "load_copy_wait_s", "load_land_s"), 0.0) for j in use}
         runs = _side_by_side(self._lane_pool, [  # type: ignore[arg-type]
             partial(self._get_staged, [items[i] for i in shares[j]], parts[j][1], parts[j][0], got[j], tms[j])
             for j in use])
         errs = [r if e is None else f"{type(e).__name__}: {e}"[:300] for r, e in runs]
-        for k in ("load_store_s", "load_copy_wait_s"):  # the clients ran side by side: the slowest one's time
+        for k in ("load_store_s", "load_copy_wait_s", "load_land_s"):  # side by side: the slowest one's time
             self.timing[k] += max(t[k] for t in tms.values())
         ok = [False] * len(items)
         for j in use:
@@ -542,7 +547,9 @@ class PoolTransfer:
                 tm["load_store_s"] += time.perf_counter() - t1
                 good = _leading_ok(res)
                 if good:
+                    t2 = time.perf_counter()
                     land(h, first, piece[:good])
+                    tm["load_land_s"] = tm.get("load_land_s", 0.0) + time.perf_counter() - t2
                     copies[h] = self.dev.new_event()
                     copies[h].record(stream)
                     done += good
