@@ -7,7 +7,9 @@
 # start is ~40 s): recompute, device-cache hit, load from the pool; A/B in the same process: rP = routed,
 # P calls per holder client; h1pP = one holder: another prompt whose chunks all went to the first holder
 # (the 1-holder baseline, same engine and run); P / cK = not routed (one client / K clients in contiguous shares, values of
-# other holders over their tcp transport). LIMIT s (default 120); DTYPES (default "fp8 bf16"), first first.
+# other holders over their tcp transport). LIMIT s (default 120); DTYPES (default "fp8 bf16"), first first; HOLDERS, PAR, CLIENTS, AB, CAP_MB,
+# STAGING_MB, HOLDER_THREADS. A/B suffixes: m = staging -> device copies as memcpy runs, w = one piece per
+# client, s = GIL switch interval 0.2 ms; hKpP = another prompt put on the first K holders only.
 set -u
 source bench/gpu/lib.sh
 gpu_env
@@ -25,7 +27,7 @@ print(model_dir(argparse.Namespace(model='llama-8b', dtype='bfloat16', workdir='
 " 2>&1 | tail -n 3; echo "write rc=${PIPESTATUS[0]} ($(date -u +%T))"
 R=(python3 -m hwkv bench pool-restart --backend cuda --repeats 1 --capacity-mb "${CAP_MB:-3072}" --via holder --one-process
    --holders "${HOLDERS:-4}" --workdir "$W" --model llama-8b --prompt-len 7905 --suffix-len 32 --chunk-size 256
-   --staging-mb 1024 --timeout 60 --holder-threads 8
+   --staging-mb "${STAGING_MB:-1024}" --timeout 60 --holder-threads "${HOLDER_THREADS:-8}"
    --pool-config "{\"load_parallel\": ${PAR:-2}, \"load_clients\": ${CLIENTS:-1}}" --ab-parallel "${AB:-r1,r4,h1p1,h1p4,c4}")
 for d in ${DTYPES:-fp8 bf16}; do
   if [[ $(left 0) -lt 40 ]]; then echo "== skip $d: $(left 0) s left"; continue; fi
