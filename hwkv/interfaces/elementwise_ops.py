@@ -44,3 +44,10 @@ class ElementwiseOps(Protocol):
         ``weight [vocab, hidden]``, both in the model dtype) written as float32 by the product itself, with no
         cast pass over ``[R, vocab]``. The one exception to the rounding rule above: the float32 accumulator is
         not rounded to the model dtype first (the model's path is ``F.linear(x, weight).float()``)."""
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """Optional (a backend may leave it out): ``F.linear(x, weight, bias)`` of a plain projection (``x [T, K]``,
+        ``weight [N, K]``) in the model dtype, for the shapes where the backend's product beats its BLAS (a
+        narrow output at a few hundred tokens). The float32 accumulation may be summed in another order than the
+        BLAS's, so the result may differ from it in the last bit of the model dtype; it is the same bits on every
+        call with the same inputs (no order that depends on scheduling)."""

@@ -7,9 +7,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from hwkv.model.gemma2 import GemmaRMSNorm, gemma_rms_norm
-from hwkv.model.layers import MLP, RMSNorm, add_rms_norm, rms_norm, silu_mul
+from hwkv.model.layers import MLP, Linear, RMSNorm, add_rms_norm, rms_norm, silu_mul
 from hwkv.model.rope import RotaryEmbedding, apply_rope
 
 
@@ -35,6 +36,7 @@ def fuse_elementwise(model: Any, backend: str = "inductor", kernels: Any = None)
     n = 0
     if kernels is not None and getattr(kernels, "logits", None) is not None and hasattr(model, "logits_op"):
         model.logits_op = kernels.logits  # the LM head's float32 logits without a cast pass (compute_logits)
+    lin = getattr(kernels, "linear", None) if kernels is not None else None
     # exact types: a subclass computes something else (Gemma's norms scale by 1 + w, its MLP is GELU)
     for m in model.modules():
         if type(m) is RMSNorm:
@@ -47,10 +49,17 @@ def fuse_elementwise(model: Any, backend: str = "inductor", kernels: Any = None)
             m.forward = lambda positions, q, k, m=m: rope(m.cos, m.sin, positions, q, k)
         elif type(m) is MLP:
             m.forward = lambda x, m=m: m.down_proj(act(m.gate_up_proj(x), m.inter))
+        elif type(m) is Linear and lin is not None:  # the backend's product where it takes the shape
+            m.forward = lambda x, m=m: _linear(lin, x, m.weight, m.bias)
         else:
             continue
         n += 1
     return n
+
+
+def _linear(op: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    y = op(x, weight, bias)
+    return F.linear(x, weight, bias) if y is None else y
 
 
 def _first(kernels: Any, name: str, compiled: Any) -> Any:

@@ -6,7 +6,8 @@ the H100 (issue 36, ``bench/results/issue36-round1-H100-2026-11-28-868af0d.md``)
 batch-256 decode call where its 12 MB need ~4 µs, RoPE 21 µs, and a prefill-sized SiLU·mul 0.53 ms for
 768 MB. Each op returns ``None`` where it does not apply (a dtype, layout or width it does not take); the
 model then runs the compiled function. ``logits`` gives the LM head's float32 logits straight from cuBLAS (no cast
-pass). ``HWKV_CUDA_ELEMENTWISE=0`` turns them all off (A/B runs).
+pass), ``linear`` the narrow projections at a few hundred tokens as split-K (:mod:`hwkv_cuda.gemm`,
+``HWKV_CUDA_GEMM=1``). ``HWKV_CUDA_ELEMENTWISE=0`` turns them all off (A/B runs).
 
 Measured (one H200, main 479d2cf, ``hwkv bench defaults --model llama-1b``, no engine argument: 256 x 512 in /
 256 out): offline 49,798 tok/s = 61.6% of the roofline, against 45,423 = 56.5% at 09915b9 without them (another
@@ -20,6 +21,7 @@ import os
 
 import torch
 
+from hwkv_cuda.gemm import SplitKLinear
 from hwkv_cuda.tiles import pow2
 
 ENV = "HWKV_CUDA_ELEMENTWISE"
@@ -34,6 +36,7 @@ class TritonElementwise:
     def __init__(self, device_type: str = "cuda") -> None:
         self.device_type = device_type
         self._no_fp32_mm = False  # torch.mm(..., out_dtype=float32) raised once (logits)
+        self._linear = SplitKLinear(device_type)  # narrow projections at many tokens (HWKV_CUDA_GEMM=1)
 
     def _ok(self, *ts: torch.Tensor) -> bool:
         return all(t.device.type == self.device_type and t.dtype in DTYPES and t.stride(-1) == 1 for t in ts)
@@ -90,6 +93,10 @@ class TritonElementwise:
         except (RuntimeError, TypeError, NotImplementedError):  # a torch without it: the model's path, from now on
             self._no_fp32_mm = True  # (the first call is an eager warm-up, never inside a graph capture)
             return None
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """The split-K product (:mod:`hwkv_cuda.gemm`) where its tiles fill SMs cuBLAS's leave idle."""
+        return self._linear(x, weight, bias)
 
     def rope(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, q: torch.Tensor,
              k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -1,0 +1,74 @@
+"""The split-K linear (:mod:`hwkv_cuda.gemm`) against cuBLAS (``F.linear``) at the projections of a Llama shape and
+a few token counts: µs per call (``triton.testing.do_bench``: L2 flushed before each call, as a decode step's weights
+are not in L2), the rule's tile (``choose``) and a small sweep around it (``HWKV_CUDA_GEMM_CONFIG``), each checked
+against cuBLAS's result. One JSON line per (shape, tokens, variant); ``--out`` collects them.
+
+    PYTHONPATH=.:backends/cuda python3 backends/cuda/scripts/gemm_probe.py --out gemm-probe.json \\
+        --shapes 1b --tokens 256,128,64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+from hwkv_cuda.gemm import CONFIG_ENV, ENV, SplitKLinear
+
+SHAPES = {  # name: {projection: (N, K)}
+    "1b": {"qkv": (3072, 2048), "o_proj": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)},
+    "8b": {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)},
+}
+SWEEP = ["", "split_k=1", "split_k=2", "split_k=4", "split_k=8", "block_n=64", "num_warps=4", "num_stages=3",
+         "block_m=64", "block_k=128,num_stages=3"]
+
+
+def main() -> None:
+    from triton.testing import do_bench
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="1b,8b")
+    ap.add_argument("--tokens", default="256,128,64")
+    ap.add_argument("--sweep", default=";".join(SWEEP), help="';'-separated HWKV_CUDA_GEMM_CONFIG values ('' = rule)")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    os.environ[ENV] = "1"
+    op = SplitKLinear()
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for shape in args.shapes.split(","):
+        for name, (n, k) in SHAPES[shape].items():
+            w = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(torch.bfloat16)
+            for m in map(int, args.tokens.split(",")):
+                x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+                ref = F.linear(x, w)
+                base = do_bench(lambda x=x, w=w: F.linear(x, w), warmup=10, rep=40)
+                row = dict(shape=shape, proj=name, m=m, n=n, k=k, variant="cublas", us=base * 1e3,
+                           tflops=2 * m * n * k / base / 1e9)
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+                for var in args.sweep.split(";"):
+                    os.environ[CONFIG_ENV] = var
+                    try:
+                        cfg = op.config(x, w)
+                        y = op(x, w)
+                        if y is None:
+                            row = dict(shape=shape, proj=name, m=m, variant=var or "rule", us=None, note="declined")
+                        else:
+                            err = float((y.float() - ref.float()).norm() / ref.float().norm())
+                            t = do_bench(lambda x=x, w=w: op(x, w), warmup=10, rep=40)
+                            row = dict(shape=shape, proj=name, m=m, variant=var or "rule", cfg=cfg._asdict(),
+                                       us=t * 1e3, tflops=2 * m * n * k / t / 1e9, vs_cublas=base / t, rel_err=err)
+                    except Exception as e:  # a tile that does not compile (shared memory): next
+                        row = dict(shape=shape, proj=name, m=m, variant=var, error=repr(e)[:200])
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
+                    os.environ.pop(CONFIG_ENV, None)
+    with open(args.out, "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

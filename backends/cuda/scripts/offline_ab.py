@@ -1,0 +1,142 @@
+"""Offline A/B in ONE engine at the public defaults (``hwkv.Engine(model, backend="cuda", dtype=...)``, no other
+argument): each variant sets its environment (``HWKV_CUDA_GEMM=1``, tile overrides), captures the decode graphs of
+the many-token buckets again (batch > the decode ops' size, up to ``--num-requests``; nothing else is touched: the
+mixed and prefill steps are eager and read the settings per call) and runs ``hwkv bench defaults``'s offline
+workload (256 x 512 in / 256 out, greedy, ignore_eos). Variants alternate in rounds (``--rounds``), so drift shows;
+each row has tok/s, the fraction of the roofline measured in the same run, the host's wait for tokens, and how
+many requests' greedy tokens equal the first variant's.
+
+    PYTHONPATH=.:backends/cuda python3 backends/cuda/scripts/offline_ab.py --out DIR \\
+        --variants '[{"name": "base"}, {"name": "gemm", "env": {"HWKV_CUDA_GEMM": "1"}}]'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import hwkv
+from hwkv.bench.common import copy_bandwidth, decode_read_bytes, model_dir, workload
+from hwkv.bench.e2e import kv_bytes_per_token
+from hwkv.bench.roofline import linear_params, matmul_rate, offline_roofline
+
+
+@torch.inference_mode()
+def recapture(engine: Any, lo: int, hi: int) -> int:
+    """Capture the decode graphs of ``lo < batch <= hi`` again (as ``GraphRunner.capture`` does, those keys only)."""
+    gr = engine.runner.graphs
+    if gr is None:
+        return 0
+    dev = gr.device
+    keys = sorted((k for k in gr.graphs if lo < k[0] <= hi), reverse=True)
+    gr.d64[2].fill_(-1)  # capture-time passes write no KV
+    gr.dg64.fill_(-1)
+    gr.dg32.zero_()
+    gr.seq_lens.fill_(gr.q)
+    gr.block_tables.zero_()
+    stream = dev.new_stream()
+    stream.wait_stream(dev.current_stream())
+    with dev.stream_context(stream):
+        for b, s in keys:
+            md = gr._metadata(b, torch.full((b,), s, dtype=torch.int32))
+            gr._forward(b, md)
+            g, out = dev.capture_graph(lambda b=b, md=md: gr._forward(b, md), gr.pool, stream)
+            gr.graphs[(b, s)] = (g, out, md)
+    dev.current_stream().wait_stream(stream)
+    dev.synchronize()
+    return len(keys)
+
+
+def run(engine: Any, work: list[tuple[list[int], int]]) -> tuple[dict[str, float], list[list[int]]]:
+    from hwkv.sampling_params import SamplingParams
+
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in work]
+    wait0, steps0 = getattr(engine.runner, "token_wait_s", 0.0), engine.stats()["num_steps"]
+    engine.backend.device.synchronize()
+    t0 = time.perf_counter()
+    outs = engine.generate([p for p, _ in work], params, use_tqdm=False)
+    engine.backend.device.synchronize()
+    dt = time.perf_counter() - t0
+    toks = [list(o.token_ids) for o in outs]
+    return dict(seconds=dt, tok_per_s=sum(map(len, toks)) / dt,
+                token_wait_s=getattr(engine.runner, "token_wait_s", 0.0) - wait0,
+                steps=engine.stats()["num_steps"] - steps0), toks
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="llama-1b")
+    ap.add_argument("--backend", default="cuda", help="cpu: a smoke run of the script itself")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--workdir", default="/dev/shm/hwkv-def")
+    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--variants", default='[{"name": "base"}, {"name": "gemm", "env": {"HWKV_CUDA_GEMM": "1"}}]')
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    variants = json.loads(args.variants)
+    mdir = model_dir(argparse.Namespace(model=args.model, dtype=args.dtype, workdir=args.workdir))
+    cfg = json.loads((Path(mdir) / "config.json").read_text())
+    t0 = time.perf_counter()
+    engine = hwkv.Engine(str(mdir), backend=args.backend, dtype=args.dtype)
+    print(f"[offline_ab] engine {time.perf_counter() - t0:.1f} s", flush=True)
+    dev = engine.backend.device
+    host = dev.torch_device.type == "cpu"
+    bw = copy_bandwidth(dev, 1 << 24 if host else 1 << 30)
+    rate = matmul_rate(dev, getattr(torch, args.dtype), n=256 if host else 8192)
+    n, n_in, n_out, vocab = args.num_requests, args.input_len, args.output_len, cfg["vocab_size"]
+    body, head = linear_params(engine.model)
+    kv = kv_bytes_per_token(cfg, torch.empty(0, dtype=getattr(torch, args.dtype)).element_size())
+    roof = offline_roofline(cfg, body, head, decode_read_bytes(engine.model), kv, n, n_in, n_out, bw, rate)
+    lo = engine.model.decode_ops.use_up_to if engine.model.decode_ops is not None else 0
+    base_env = {k: os.environ.get(k) for v in variants for k in v.get("env", {})}
+    work = [(p, n_out) for p, _ in workload(n, n_in, n_in, vocab, seed=5)]
+    first: list[list[int]] | None = None
+    rows = []
+    for rnd in range(args.rounds):
+        for v in variants:
+            for k, old in base_env.items():
+                if old is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = old
+            os.environ.update(v.get("env", {}))
+            c0 = time.perf_counter()
+            ng = recapture(engine, lo, n)
+            cap = time.perf_counter() - c0
+            if rnd == 0:  # compiles the variant's kernels on the eager (mixed) steps too, other tokens
+                run(engine, [(p, n_out) for p, _ in workload(n, n_in, n_in, vocab, seed=6)])
+            r, toks = run(engine, work)
+            first = toks if first is None else first
+            same = sum(a == b for a, b in zip(toks, first))
+            row = dict(variant=v["name"], round=rnd, env=v.get("env", {}), **r,
+                       roofline_fraction=r["tok_per_s"] / roof["tok_per_s"], graphs_recaptured=ng,
+                       recapture_s=cap, requests_tokens_equal_first=same)
+            rows.append(row)
+            print(f"[offline_ab] round {rnd} {v['name']}: {r['tok_per_s']:.0f} tok/s = "
+                  f"{row['roofline_fraction']:.1%} of {roof['tok_per_s']:.0f}; {r['steps']} steps in "
+                  f"{r['seconds']:.3f} s, "
+                  f"host waited {r['token_wait_s']:.3f} s; tokens equal to the first variant's in {same}/{n} "
+                  f"requests ({ng} graphs recaptured in {cap:.1f} s)", flush=True)
+    res = dict(bench="offline_ab", model=args.model, dtype=args.dtype,
+               device="cpu" if host else torch.cuda.get_device_name(),
+               date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), commit=os.environ.get("HWKV_COMMIT", ""),
+               command="python3 backends/cuda/scripts/offline_ab.py " + " ".join(
+                   f"--{k.replace('_', '-')} {json.dumps(v) if k == 'variants' else v}" for k, v in vars(args).items()),
+               workload=f"{n} req x {n_in} in -> {n_out} out (greedy, ignore_eos)", roofline=roof,
+               copy_bw_TBps=bw / 1e12, matmul_TFLOPs=rate / 1e12, rows=rows)
+    (out / f"offline-ab-{args.model}.json").write_text(json.dumps(res, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
