@@ -283,8 +283,11 @@ class TritonAttentionImpl(AttentionImpl):
         scales = self.scales_for(layer_kv) if fp8 else out  # unused unless fp8
         # fp8_unpack: 1 reads int16 words of two codes (even head sizes), 2 casts K rows and transposes them,
         # 3 is 1 with fp16 dots for a bf16 query, 4 / 6 are 0 / 2 cast to fp16 with fp16 dots (TileConfig)
-        words = cfg.fp8_unpack in (1, 3)
+        prefetch = bool(cfg.prefetch) and cfg.block_q == 1
+        words = cfg.fp8_unpack in (1, 3) and not prefetch
         unpack = cfg.fp8_unpack if fp8 and (not words or d % 2 == 0) else 0
+        if fp8 and prefetch:
+            unpack = 7  # its fp16 dots (the query in fp16 once per program); the loop casts rows itself
         kv = layer_kv.view(torch.int16) if fp8 and words and unpack else layer_kv  # two codes per word
         head_major = bool(cfg.head_major) and grid_q <= 65535  # a grid's y and z sizes stop at 65,535
         attention_kernel[(hkv, grid_q, splits) if head_major else (grid_q, hkv, splits)](
@@ -298,7 +301,7 @@ class TritonAttentionImpl(AttentionImpl):
             SPLIT=splits > 1, FUSED=fused, NUM_SPLITS_PAD=splits_pad, G_PAD=g_pad,
             MERGE_ROWS=merge_rows, MERGE_SPLITS=merge_splits, IEEE=query.dtype == torch.float32, PDL=pdl,
             KV_FP8=fp8, UNPACK=unpack, ONE_TOKEN=cfg.block_q == 1 and bool(cfg.direct) and md.one_token,
-            HEAD_MAJOR=head_major,
+            HEAD_MAJOR=head_major, PREFETCH=prefetch,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **({"launch_pdl": True} if pdl else {}),
             **self._features(query.device),

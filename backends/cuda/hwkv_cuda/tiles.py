@@ -48,6 +48,9 @@ class TileConfig:
     # with fp16 dots for a bf16 query (the query scaled by 2^-8 into fp16 once per program); 4 as 0 and 6 as 2,
     # the tiles cast to fp16 (one cvt.rn.f16x2.e4m3x2 per two codes on sm_89+) with 3's fp16 dots; 7 as 4 with
     # V cast in its loaded rows before the operand layout change (ldmatrix.trans, not byte gathers)
+    prefetch: int = 0  # a decode tile (block_q 1) streams K/V software-pipelined by hand: the next tile's K/V rows
+    # load while this tile's dots run, from block ids loaded one tile earlier (kernels/attention.py, PREFETCH);
+    # over an fp8 cache its rows are cast to fp16 for fp16 dots (as fp8_unpack 7)
 
 
 

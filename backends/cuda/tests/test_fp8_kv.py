@@ -59,18 +59,21 @@ def test_write_kv_stores_the_reference_bytes(hkv, d, bs):
 # prefill on a prefix (GQA 4), split decode (MHA), mixed prefill + split decode: every kernel path
 FP8_CASES = ["prefill_on_prefix_gqa4", "decode_mha_split", "mixed_gqa4_split"]
 READS = {"cast": "", "unpack": ",fp8_unpack=1", "rows": ",fp8_unpack=2", "unpack16": ",fp8_unpack=3",
-         "cast16": ",fp8_unpack=4", "rows16": ",fp8_unpack=6", "vrows16": ",fp8_unpack=7"}
+         "cast16": ",fp8_unpack=4", "rows16": ",fp8_unpack=6", "vrows16": ",fp8_unpack=7",
+         "prefetch": ",prefetch=1"}
 
 
 @pytest.mark.parametrize("mode,read", [("fused", "cast"), ("kernel", "cast"), ("fused", "unpack"),
                                        ("kernel", "rows"), ("fused", "unpack16"), ("fused", "cast16"),
-                                       ("kernel", "rows16"), ("fused", "vrows16"), ("kernel", "vrows16")])
+                                       ("kernel", "rows16"), ("fused", "vrows16"), ("kernel", "vrows16"),
+                                       ("fused", "prefetch"), ("kernel", "prefetch")])
 @pytest.mark.parametrize("name", FP8_CASES)
 def test_attention_dequantises_like_the_reference(name, mode, read, monkeypatch):
     """Every way of reading the cache (``fp8_unpack``, an HWKV_CUDA_ATTN_CONFIG field): e4m3 tiles cast
     to the query dtype (0), int16 words of two codes unpacked in registers (1), e4m3 rows cast with K
     transposed after the cast (2), 1 with fp16 dots for bf16 queries (3: fp32 queries here, as 1), 0 and 2
-    with fp16 dots for bf16 queries (4 and 6: as 0 and 2 here), 4 with V cast in its rows (7)."""
+    with fp16 dots for bf16 queries (4 and 6: as 0 and 2 here), 4 with V cast in its rows (7); and the decode
+    loop that prefetches the next tile's rows by hand (``prefetch=1``: the decode case; prefills ignore it)."""
     monkeypatch.setenv("HWKV_CUDA_ATTN_CONFIG", "min_split=32,split_below=1000,part_cap=0" + READS[read])
     monkeypatch.setenv("HWKV_CUDA_SPLIT_REDUCE", mode)
     qlens, slens, h, hkv, d, bs = CASES[name]
@@ -96,7 +99,7 @@ def test_attention_dequantises_like_the_reference(name, mode, read, monkeypatch)
     assert (out1.double() - ref.double()).norm() / ref.double().norm() > 1e-2
 
 
-@pytest.mark.parametrize("read", ["cast", "unpack", "cast16", "rows16", "vrows16"])
+@pytest.mark.parametrize("read", ["cast", "unpack", "cast16", "rows16", "vrows16", "prefetch"])
 @pytest.mark.parametrize("split", [False, True], ids=["one_split", "split"])
 def test_half_decode_over_fp8_takes_double_key_tiles(split, read, monkeypatch):
     """A split 16-bit decode over an fp8 cache runs twice the keys per tile of a 16-bit cache (same bytes
@@ -116,7 +119,8 @@ def test_half_decode_over_fp8_takes_double_key_tiles(split, read, monkeypatch):
     base, _ = built.launch(h, hkv, d, half, True, half)
     # splits of ~300 keys (< LONG_SPLIT): 64 fp8 keys, the bytes of the 16-bit cache's 32; unsplit: 128 each
     assert (cfg.block_n, base.block_n) == ((64, 32) if split else (128, 128)) and (plan.splits > 1) == split
-    assert cfg.fp8_unpack == (int(READS[read][-1]) if READS[read] else 0)
+    assert cfg.fp8_unpack == (int(READS[read][-1]) if READS[read] and read != "prefetch" else 0)
+    assert cfg.prefetch == (read == "prefetch")
     impl = TritonAttentionBackend().make_impl(h, d, hkv, d**-0.5)
     impl.kv_scales = scales
     out = torch.full_like(q, float("nan"), dtype=half, device=DEV)

@@ -222,6 +222,7 @@ FEATURE_CASES = {  # name: (case, window, softcap, sinks)
     "softcap_mixed": ("mixed_gqa4_split", None, 0.5, False),
     "sinks_mixed_split": ("mixed_gqa4_split", None, None, True),
     "sinks_decode_split": ("decode_mha_split", None, None, True),
+    "softcap_decode_split": ("decode_mha_split", None, 1.5, False),
     "all_prefill_no_cache": ("prefill_no_cache_mqa", 7, 2.0, True),
     "all_mixed_split": ("mixed_gqa4_split", 64, 3.0, True),
 }
@@ -234,8 +235,19 @@ def test_window_softcap_sinks_match_naive(name, mode, monkeypatch):
     before the window of a request's first query row is NaN and the table entries of whole blocks
     there point at a NaN block: a kernel that read any of them (a decode reading past the window,
     or a freed block's stale entry) would return NaN."""
+    _check_features(name, mode, monkeypatch)
+
+
+@pytest.mark.parametrize("name", ["window_decode_split", "sinks_decode_split", "softcap_decode_split"])
+def test_prefetched_decode_window_softcap_sinks(name, monkeypatch):
+    """The hand-prefetched decode loop (``prefetch=1``) loads the next tile's rows ahead: it must still read
+    nothing before the window (the NaN keys) and apply the soft-cap and the sinks."""
+    _check_features(name, "fused", monkeypatch, ",prefetch=1")
+
+
+def _check_features(name, mode, monkeypatch, extra=""):
     case, window, softcap, with_sinks = FEATURE_CASES[name]
-    monkeypatch.setenv("HWKV_CUDA_ATTN_CONFIG", "min_split=16,split_below=1000,part_cap=0")
+    monkeypatch.setenv("HWKV_CUDA_ATTN_CONFIG", "min_split=16,split_below=1000,part_cap=0" + extra)
     monkeypatch.setenv("HWKV_CUDA_SPLIT_REDUCE", mode)
     qlens, slens, h, hkv, d, bs = CASES[case]
     q, kv, md, tables = _case(qlens, slens, h, hkv, d, bs, seed=len(name))

@@ -49,6 +49,11 @@ SPLIT_CASES = {  # name: (query lens, seq lens, H, H_kv, D, block size, HWKV_CUD
     "mha_tiny_merge_tiles": ([1, 1], [90, 300], 4, 4, 16, 16,
                              "min_split=16,split_below=1000,split_target=100,merge_regs=1"),
     # group 3 (padded to 4 rows per token), prefill + decode mixed, prefill tiles merged in row groups
+    # the hand-prefetched decode loop (prefetch=1): empty splits, a last tile past the split's end, MHA
+    "gqa4_22_splits_prefetch": ([1, 1, 1], [5, 40, 700], 8, 2, 16, 16,
+                                "min_split=16,split_below=1000,split_target=100,prefetch=1"),
+    "mha_prefetch_block_n_64": ([1, 1], [90, 300], 4, 4, 16, 16,
+                                "min_split=16,split_below=1000,split_target=3,block_n=64,prefetch=1"),
     "mixed_gqa3": ([1, 12, 1, 30], [50, 12, 300, 90], 6, 2, 16, 16,
                    "min_split=16,split_below=1000,part_cap=0,merge_cap=0,merge_regs=2"),
 }

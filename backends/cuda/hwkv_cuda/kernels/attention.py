@@ -120,6 +120,42 @@ def _tile(acc, l_i, m_i, q, qk_scale, kv_ptr, bt_ptr, start, kv_end, q_pos, kvh_
 
 
 @triton.jit
+def _rows(bt_ptr, pos, hi, kvh_off, stride_blk, stride_tok, BS: tl.constexpr):
+    """Cache offsets ``[BLOCK_N]`` of the keys at ``pos`` (masked past ``hi``) through the block table."""
+    n_mask = pos < hi
+    blk = tl.load(bt_ptr + pos // BS, mask=n_mask, other=0).to(tl.int64)
+    return blk * stride_blk + (pos % BS) * stride_tok + kvh_off, n_mask
+
+
+@triton.jit
+def _tile_regs(acc, l_i, m_i, q, qk_scale, k, v, n_mask, d_mask, cap2, IEEE: tl.constexpr, KV_FP8: tl.constexpr,
+               SOFTCAP: tl.constexpr):
+    """One tile of a decode whose K and V rows ``[keys, D]`` are already in registers (``PREFETCH``); keys
+    past the split's end are ``n_mask`` false. fp8 rows are cast in their loaded layout (see ``UNPACK == 7``)."""
+    if KV_FP8:
+        k = tl.where(d_mask[None, :], k.to(q.dtype), 0.0)
+        v = tl.where(d_mask[None, :], v.to(q.dtype), 0.0)
+    if IEEE:
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k))
+    qk = qk * qk_scale
+    if SOFTCAP:
+        qk = cap2 * (1.0 - 2.0 / (tl.math.exp2(qk * (2.0 * 1.4426950408889634 / cap2)) + 1.0))
+    qk = tl.where(n_mask[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(qk - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _merge(out_ptr, part_acc_ptr, part_ml_ptr, q_start, q_len, qb, kvh, num_heads, num_splits, stride_ot, stride_oh,
            G: tl.constexpr, G_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr,
            BLOCK_Q: tl.constexpr, NUM_SPLITS_PAD: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_SPLITS: tl.constexpr):
@@ -176,6 +212,7 @@ def attention_kernel(
     KV_FP8: tl.constexpr = False, window=0, cap2=1.0, sinks_ptr=None,
     WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False, SINKS: tl.constexpr = False,
     UNPACK: tl.constexpr = 0, ONE_TOKEN: tl.constexpr = False, HEAD_MAJOR: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,
 ):
     if PDL:  # launched early beside the previous kernel: wait for its writes before reading anything
         gdc_launch_dependents()  # the next kernel only preloads weights before its own wait
@@ -277,19 +314,47 @@ def attention_kernel(
         m_i = tl.where(split == 0, sink, float("-inf"))
         l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    if WINDOW:  # the band's lower edge: keys some rows of the tile no longer see
-        for start in range(lo_kv, free_lo, BLOCK_N):
-            acc, l_i, m_i = _tile(acc, l_i, m_i, q, qk_scale, kv_ptr, bt_ptr, start, free_lo, q_pos, kvh_off,
+    if PREFETCH:
+        # One query token per program (BLOCK_Q == 1): every key in [lo_kv, hi_kv) is visible (the window's
+        # edge is lo_kv's base), so one masked loop. Software pipelined by hand: while a tile's dots run,
+        # the next tile's K/V loads are in flight, and their block ids were loaded one iteration earlier -
+        # no block id -> K -> V chain of dependent loads in front of any tile's math (Triton's pipeliner
+        # gives such an indirect load one buffer at num_stages <= 4: nothing overlapped).
+        pos = lo_kv + offs_n
+        off, n_mask = _rows(bt_ptr, pos, hi_kv, kvh_off, stride_blk, stride_tok, BS)
+        k = tl.load(kv_ptr + off[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        v = tl.load(kv_ptr + stride_kv + off[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :],
+                    other=0.0)
+        pos1 = pos + BLOCK_N
+        off1, n_mask1 = _rows(bt_ptr, pos1, hi_kv, kvh_off, stride_blk, stride_tok, BS)
+        for _ in range(tl.cdiv(tl.maximum(hi_kv - lo_kv, 0), BLOCK_N)):
+            k1 = tl.load(kv_ptr + off1[:, None] + offs_d[None, :], mask=n_mask1[:, None] & d_mask[None, :],
+                         other=0.0)
+            v1 = tl.load(kv_ptr + stride_kv + off1[:, None] + offs_d[None, :],
+                         mask=n_mask1[:, None] & d_mask[None, :], other=0.0)
+            pos1 = pos1 + BLOCK_N
+            off2, n_mask2 = _rows(bt_ptr, pos1, hi_kv, kvh_off, stride_blk, stride_tok, BS)
+            acc, l_i, m_i = _tile_regs(acc, l_i, m_i, q, qk_scale, k, v, n_mask, d_mask, cap2, IEEE, KV_FP8,
+                                       SOFTCAP)
+            k = k1
+            v = v1
+            n_mask = n_mask1
+            off1 = off2
+            n_mask1 = n_mask2
+    else:
+        if WINDOW:  # the band's lower edge: keys some rows of the tile no longer see
+            for start in range(lo_kv, free_lo, BLOCK_N):
+                acc, l_i, m_i = _tile(acc, l_i, m_i, q, qk_scale, kv_ptr, bt_ptr, start, free_lo, q_pos, kvh_off,
+                                      stride_blk, stride_tok, stride_kv, offs_n, offs_d, d_mask, BS, True, IEEE, KV_FP8,
+                                      window, cap2, WINDOW, SOFTCAP, UNPACK, offs_h, h_mask)
+        for i in range(n_free):
+            acc, l_i, m_i = _tile(acc, l_i, m_i, q, qk_scale, kv_ptr, bt_ptr, free_lo + i * BLOCK_N, hi_kv, q_pos,
+                                  kvh_off, stride_blk, stride_tok, stride_kv, offs_n, offs_d, d_mask, BS, False, IEEE,
+                                  KV_FP8, window, cap2, WINDOW, SOFTCAP, UNPACK, offs_h, h_mask)
+        for start in range(free_lo + n_free * BLOCK_N, hi_kv, BLOCK_N):
+            acc, l_i, m_i = _tile(acc, l_i, m_i, q, qk_scale, kv_ptr, bt_ptr, start, hi_kv, q_pos, kvh_off,
                                   stride_blk, stride_tok, stride_kv, offs_n, offs_d, d_mask, BS, True, IEEE, KV_FP8,
                                   window, cap2, WINDOW, SOFTCAP, UNPACK, offs_h, h_mask)
-    for i in range(n_free):
-        acc, l_i, m_i = _tile(acc, l_i, m_i, q, qk_scale, kv_ptr, bt_ptr, free_lo + i * BLOCK_N, hi_kv, q_pos,
-                              kvh_off, stride_blk, stride_tok, stride_kv, offs_n, offs_d, d_mask, BS, False, IEEE,
-                              KV_FP8, window, cap2, WINDOW, SOFTCAP, UNPACK, offs_h, h_mask)
-    for start in range(free_lo + n_free * BLOCK_N, hi_kv, BLOCK_N):
-        acc, l_i, m_i = _tile(acc, l_i, m_i, q, qk_scale, kv_ptr, bt_ptr, start, hi_kv, q_pos, kvh_off,
-                              stride_blk, stride_tok, stride_kv, offs_n, offs_d, d_mask, BS, True, IEEE, KV_FP8,
-                              window, cap2, WINDOW, SOFTCAP, UNPACK, offs_h, h_mask)
 
     if KV_FP8:
         acc = acc * v_scale
