@@ -48,11 +48,13 @@ def choose(m: int, n: int, k: int, num_sms: int) -> GemmConfig | None:
 class SplitKLinear:
     """``y = x @ weight.T + bias`` (``x [M, K]``, ``weight [N, K]``, 16-bit, contiguous rows), or ``None`` where
     it does not apply (switched off, a shape :func:`choose` leaves to cuBLAS, another dtype or layout, or a graph
-    capture before this device's counters exist: the first eager call allocates them)."""
+    capture before the counters of this device and stream exist: the first eager call on it allocates them)."""
 
     def __init__(self, device_type: str = "cuda") -> None:
         self.device_type = device_type
-        self._cnt: dict[torch.device, torch.Tensor] = {}  # zeroed once; every launch leaves them zero
+        # per device and stream, zeroed once; every launch leaves them zero. Per stream: two split-K launches that
+        # ran at once (streams of one device) would count into each other's tiles
+        self._cnt: dict[tuple[torch.device, int], torch.Tensor] = {}
 
     def config(self, x: torch.Tensor, weight: torch.Tensor) -> GemmConfig | None:
         over = parse_overrides(CONFIG_ENV, GemmConfig._fields)
@@ -76,14 +78,16 @@ class SplitKLinear:
         if cfg is None or k % (cfg.split_k * cfg.block_k):
             return None
         tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+        cnt = None
         if cfg.split_k > 1:
             if tiles > COUNTERS:
                 return None
-            if x.device not in self._cnt:
+            key = (x.device, torch.cuda.current_stream(x.device).cuda_stream if x.device.type == "cuda" else 0)
+            cnt = self._cnt.get(key)
+            if cnt is None:
                 if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                    return None
-                self._cnt[x.device] = torch.zeros(COUNTERS, dtype=torch.int32, device=x.device)
-        cnt = self._cnt.get(x.device)
+                    return None  # (a capture's warm-up pass on its stream allocates them)
+                cnt = self._cnt[key] = torch.zeros(COUNTERS, dtype=torch.int32, device=x.device)
         y = torch.empty((m, n), dtype=x.dtype, device=x.device)
         part = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device) if cfg.split_k > 1 else y
         gemm_kernel[(tiles, cfg.split_k)](
