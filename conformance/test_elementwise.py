@@ -232,3 +232,35 @@ def test_elementwise_in_graph(backend, check, gen):
                         same_dtype_reference=True)
         check.exact(outs[1][1].cpu(), want[1][1], "elementwise_exact", f"add_rms_norm sum, replay {trial}")
     del graph
+
+
+LINEAR_SHAPES = [(256, 2048, 2048, False), (200, 3072, 1024, True), (64, 1024, 4096, False)]  # (tokens, N, K, bias)
+
+
+@pytest.mark.parametrize("m,n,k,bias", LINEAR_SHAPES, ids=[f"{m}x{n}x{k}{'+b' if b else ''}" for m, n, k, b in
+                                                             LINEAR_SHAPES])
+def test_linear(backend, check, gen, dtype, m, n, k, bias):
+    """The optional many-token product (``linear``): ``F.linear`` of a row-strided hidden state within one rounding
+    of the float64 product, the same bits on a second call (a split-K sum in an order set by the scheduling gives
+    other bits from call to call, so a step's tokens would depend on timing), inputs untouched, a new result."""
+    check.capability = "elementwise/linear"
+    ops = _ops(backend)
+    if getattr(ops, "linear", None) is None:
+        not_supported("the backend's ElementwiseOps has no linear (optional)")
+    x = randn(gen, m, k, dtype=dtype)
+    w = (randn(gen, n, k) / k**0.5).to(dtype)
+    b = randn(gen, n, dtype=dtype) if bias else None
+    ins = [x, w] + ([b] if bias else [])
+    dev_ins = _to(backend.device.torch_device, *ins)
+    wide, bx = _wide(dev_ins[0])
+    got = ops.linear(bx, dev_ins[1], dev_ins[2] if bias else None)
+    if got is None:
+        not_supported(f"linear returns None for {str(dtype).removeprefix('torch.')} [{m}, {k}] x [{n}, {k}]")
+    again = ops.linear(bx, dev_ins[1], dev_ins[2] if bias else None)
+    backend.device.synchronize()
+    _untouched(check, {"x": bx, "weight": dev_ins[1]}, {"x": x, "weight": w}, "linear")
+    _fresh(check, (got,), (wide, *dev_ins[1:]), "linear")
+    check.exact(again.cpu(), got.cpu(), "elementwise_exact", "linear: a second call with the same inputs")
+    want = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double()).to(dtype)
+    assert got.dtype == dtype and tuple(got.shape) == (m, n), f"linear: result {got.dtype} {tuple(got.shape)}"
+    check.close(got.cpu(), want, dtype, "elementwise", f"linear [{m}, {k}] x [{n}, {k}]", same_dtype_reference=True)
