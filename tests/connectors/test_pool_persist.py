@@ -383,6 +383,7 @@ def test_loads_read_each_value_through_the_holder_that_has_it(model_dir, expecte
             assert _settle(a)["stored_chunks"] == 9
             tb = b.scheduler.connector.worker.transfer
             assert tb.routed and tb.segments == [h1.segment, h2.segment] and len(tb._lanes) == 1
+            assert b.scheduler.connector.worker.locator.up  # connected at start, not on the first load
             seen: list[tuple[str, list[str]]] = []  # (the calling client's holder segment, keys) of each get
             for hh, seg in zip([tb.handle] + [x for x, _ in tb._lanes], tb.segments):
                 orig = hh.call

@@ -95,6 +95,8 @@ class PoolWorker(JobWorker):
         self.handle.register([b for t in self.transfers for b in t.buffers()])  # connects now if it can
         for j, h in enumerate(self.lane_handles, 1):
             h.register([b for t in self.transfers for b in t.lane_buffers(j)])
+        if self.locator is not None:  # connects now: its setup (~0.14 s) must not land on the first load
+            self.locator.register([])
         if self.tp_rank == 0:  # the scheduler side's; the other ranks of a tensor-parallel engine serve none
             self.server = LookupServer(self._count_hits, self.lookup_address,
                                        self._presence if getattr(kv_cache, "caches", None) else None)
