@@ -194,6 +194,9 @@ mutant("attn-query-contiguous", "attention", "q read with contiguous strides (a 
        impl=_impl("qstride", read_query=lambda self, q: _contiguous_view(q)))
 mutant("attn-tail-block-dropped", "attention", "blocks per request seq_len // block_size: the partial last block is "
        "never read", SMALL, impl=_impl("tail", num_blocks=lambda self, seq, bs: seq // bs))
+mutant("attn-decode-last-tile-skewed", "attention", "a software-pipelined decode loop masks each 64-key tile with the "
+       "next tile's mask: a decode's partial last tile is never read (a request under 64 keys reads nothing)", SMALL,
+       impl=_impl("skew", seq_len=lambda self, seq, ql, md: seq // 64 * 64 if ql == 1 else seq))
 mutant("attn-decode-max-seq", "attention", "decodes use the batch's max_seq_len for every request (padded kernel)",
        SMALL, impl=_impl("maxseq", seq_len=lambda self, seq, ql, md: md.max_seq_len if ql == 1 else seq))
 mutant("attn-stale-metadata", "attention", "metadata builder caches its output by batch shape (stale across steps)",
