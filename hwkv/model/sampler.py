@@ -218,13 +218,33 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
 Logprobs = list[dict[int, float] | None]
 
 
+def _chunks(v: int) -> int:
+    """The most chunks (at most 1024, each at least 128 wide) that split a row of ``v`` evenly; 0 if none (>= 64)."""
+    return next((c for c in range(min(1024, v // 128), 63, -1) if v % c == 0), 0)
+
+
+def argmax_rows(x: torch.Tensor, chunked: bool | None = None) -> torch.Tensor:
+    """``x.argmax(-1)`` of ``[R, V]`` logits. Off the CPU (``chunked`` None) over chunks of each row first: torch
+    reduces a row in one thread block, so the argmax of one row of 128,256 logits took 37 us on an H200 (one SM;
+    batch-1 decode, bench/results/issue36-b1-batch1b-H200-2026-11-29-312154c.md) - as long as two decoder layers.
+    The max of each chunk (first occurrence, NaN as the maximum, as argmax), then the argmax over the chunk maxima:
+    the same index as ``x.argmax(-1)``, in four small launches that spread over the SMs."""
+    r, v = x.shape
+    c = _chunks(v) if (x.device.type != "cpu" if chunked is None else chunked) and x.is_contiguous() else 0
+    if not c:
+        return x.argmax(-1)
+    vals, idx = x.view(r, c, v // c).max(-1)
+    best = vals.argmax(-1, keepdim=True)
+    return (idx.gather(1, best) + best * (v // c)).squeeze(1)
+
+
 def sample_tokens(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, Logprobs | None]:
     """:func:`sample` leaving the tokens on the device (int64 ``[R]``): no host sync unless a row
     asks for logprobs (those are returned as host dicts)."""
     if batch.plain:
         if batch.bitmask is not None:
             logits = apply_token_bitmask(logits, batch.bitmask)
-        return logits.float().argmax(-1), None
+        return argmax_rows(logits.float()), None
     params = batch.params
     x = processed_logits(logits, batch)
     rand = [i for i, sp in enumerate(params) if not sp.greedy]

@@ -197,3 +197,24 @@ def test_sampling_params_defaults_and_normalisation():
     assert SamplingParams(temperature=0).greedy and SamplingParams(presence_penalty=0.1).uses_penalties
     with pytest.raises(ValueError, match=r"stop_token_ids must be a list of token ids in \[0, 100\)"):
         SamplingParams(stop_token_ids=[100]).validate(vocab_size=100)
+
+
+@pytest.mark.parametrize("dev", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("v", [128256, 32000, 8192, 50257])  # 50257: no even split, the plain argmax
+def test_chunked_argmax_is_argmax(v, dev):
+    """argmax_rows over chunks (the device path) gives x.argmax(-1): ties to the first index (within and across
+    chunks), -inf rows, NaN as the maximum (the first NaN)."""
+    from hwkv.model.sampler import argmax_rows
+
+    g = torch.Generator().manual_seed(v)
+    x = torch.randn(6, v, generator=g)
+    x[1, 5] = x[1, v - 3] = x[1].max() + 1  # a tie across chunks: the first wins
+    x[2, 700:702] = 50.0  # a tie inside a chunk
+    x[3] = float("-inf")  # every token masked
+    x[4, 9000 % v] = float("nan")
+    x[4, (9000 % v) + 1] = float("nan")
+    x[5] = x[5].round()  # many ties
+    x = x.to(dev)
+    got, want = argmax_rows(x, chunked=True), x.argmax(-1)
+    assert torch.equal(got, want), (got, want)
+    assert torch.equal(argmax_rows(x[:1], chunked=True), x[:1].argmax(-1))
