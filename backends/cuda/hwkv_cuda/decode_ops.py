@@ -37,7 +37,7 @@ class DenseConfig(NamedTuple):
 # (tp=1) and a rank's shard at tp=2, where it beat the rule below by >= 3 %: 8-row programs for the pipelined K loop
 # (12-18 % faster), 4 x 1024 preloaded for the o_proj shapes (7-12 %). In the engine they took the batch-1 step from
 # 5.00 to 4.33 ms (tp=1) and 3.25 to 2.83 ms (tp=2). Other shapes keep the rule (its sweeps: H100, Llama-3.2-1B).
-M1_TILES: dict[tuple[int, int], tuple[int, int, int, int, int]] = {  # (N, K): block_n, block_k, warps, stages, preload
+M1_TILES: dict[tuple[int, int], tuple[int, ...]] = {  # (N, K): block_n, block_k, warps, stages, preload[, evict]
     (6144, 4096): (8, 2048, 8, 3, 0), (4096, 4096): (4, 1024, 4, 1, 1), (28672, 4096): (8, 2048, 8, 3, 0),
     (4096, 14336): (8, 2048, 8, 3, 0),  # Llama-3-8B: qkv, o_proj, gate_up, down
     (3072, 4096): (8, 2048, 8, 3, 0), (4096, 2048): (4, 1024, 4, 1, 1), (14336, 4096): (8, 2048, 8, 3, 0),
@@ -47,6 +47,12 @@ M1_TILES: dict[tuple[int, int], tuple[int, int, int, int, int]] = {  # (N, K): b
     # rule: the 8-row pipelined tile of the 8B shapes, unswept at 1B, cost the batch-1 step 962 vs 999 tok/s in the
     # same-run A/B of call 1 (bench/results/issue36-call1-H200-2026-11-28-8b3214a.md)
     (3072, 2048): (8, 2048, 8, 3, 0), (2048, 2048): (4, 2048, 4, 1, 1),
+    # gate_up, down and the LM head from this session's H200 sweep (dense_probe --model llama-1b --quick --evict;
+    # bench/results/issue36-b1-batch1-H200-2026-11-29-e784792.md): down's first K tile before the PDL wait 12.26 ->
+    # 10.35 µs, gate_up on 8 warps with evict-first weights 20.73 -> 19.64, the head 4 x 1024 preloaded 139.9 ->
+    # 131.5; in the engine (same-run A/B, one H200, bench/results/issue36-b1-batch1b-H200-2026-11-29-312154c.md)
+    # the batch-1 step went 0.997 -> 0.958 ms (1,003 -> 1,044 tok/s), the replay 0.940 -> 0.900 ms
+    (16384, 2048): (4, 2048, 8, 3, 0, 1), (2048, 8192): (4, 2048, 8, 3, 2), (128256, 2048): (4, 1024, 4, 1, 1),
 }
 
 
