@@ -218,9 +218,13 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
 Logprobs = list[dict[int, float] | None]
 
 
+ARGMAX_CHUNKS = 1024  # most chunks argmax_rows splits a row into (0: the plain argmax everywhere)
+
+
 def _chunks(v: int) -> int:
-    """The most chunks (at most 1024, each at least 128 wide) that split a row of ``v`` evenly; 0 if none (>= 64)."""
-    return next((c for c in range(min(1024, v // 128), 63, -1) if v % c == 0), 0)
+    """The most chunks (at most ARGMAX_CHUNKS, each at least 128 wide) that split a row of ``v`` evenly; 0 if none
+    (>= 64)."""
+    return next((c for c in range(min(ARGMAX_CHUNKS, v // 128), 63, -1) if v % c == 0), 0)
 
 
 def argmax_rows(x: torch.Tensor, chunked: bool | None = None) -> torch.Tensor:
