@@ -118,7 +118,8 @@ def main() -> None:
     host = dev.torch_device.type == "cpu"
     res: dict[str, Any] = dict(device="cpu" if host else torch.cuda.get_device_name(),
                                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                               commit=os.environ.get("COMMIT", ""), model=args.model,
+                               commit=os.environ.get("COMMIT") or (Path("COMMIT").read_text().strip()
+                                                                  if Path("COMMIT").exists() else ""), model=args.model,
                                engine_init_s=time.perf_counter() - t0, rows=[])
     bw = copy_bandwidth(dev, 1 << 24 if host else 1 << 30)
     res["copy_bw_TBps"] = bw / 1e12
