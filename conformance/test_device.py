@@ -15,7 +15,9 @@ from hwkv.interfaces import KVCache, KVCacheSpec
 
 pytestmark = pytest.mark.capability("device")
 NUM_BLOCKS = 9
-COPY_BLOCKS, COPY_PAIRS, RUN = 256, 100, 16  # production-size copies: > 64 pairs, a merged run
+# production-size copies: an 8k-token prompt offloads 512 blocks at block size 16; 300 pairs is past
+# 256 and a multiple of no launch chunk (a kernel that drops the pairs after its last full chunk fails)
+COPY_BLOCKS, COPY_PAIRS, RUN = 1024, 300, 16
 HOST_EXTRA = 64  # a host tier larger than the device pool (caches may differ in num_blocks only)
 MEM_PROBE = 512 << 20  # bytes allocated by the memory_info check (larger than any earlier cache)
 
@@ -171,6 +173,12 @@ def test_host_staging(backend, check, gen, dtype, size):
         event.synchronize()
     assert back.device.type == "cpu", "to_host_async must return a host tensor"
     check.exact(back, buf, "copy_blocks", f"{size} {dtype} through to_device / to_host_async")
+    # (3.2) a strided view with a storage offset (a column slice of a step's outputs): its elements,
+    # not the storage bytes after its first one
+    back, event = dev.to_host_async((on * 1)[1:, 1::2])
+    if event is not None:
+        event.synchronize()
+    check.exact(back, buf[1:, 1::2], "copy_blocks", f"{size} {dtype} strided view [1:, 1::2] through to_host_async")
 
 
 def _copy_pairs(gen: torch.Generator, in_place: bool, n_src: int, n_dst: int) -> list[tuple[int, int]]:
@@ -317,6 +325,65 @@ def test_event_on_side_stream(backend, check, gen):
         y2 = (y2 @ a).mul_(1.0 / 32)
     check.close(final.reshape(1), y2.sum().cpu().reshape(1), torch.float32, "attention",
                 "side-stream result read after event.synchronize()")
+
+
+def _side_work(dev, a: torch.Tensor, side) -> torch.Tensor:
+    """Enough work on ``side`` to still be running when the host moves on; returns its scalar result."""
+    with dev.stream_context(side):
+        y = a.clone()
+        for _ in range(24):
+            y = (y @ a).mul_(1.0 / a.shape[0] ** 0.5)
+        return y.sum()
+
+
+def test_stream_ordering_clauses(backend, check, gen):
+    """The other orderings the engine relies on besides ``wait_event`` (suite 3.2): a read behind
+    ``current_stream().wait_stream(side)`` sees the side stream's work; so does a read after
+    ``Device.synchronize()`` (every stream, not only the current one); ``Event.query()`` True means
+    the work before the record is complete (a read right then sees it); a re-recorded event marks
+    the work before its LAST record. Each read is compared with the same tensor read once everything
+    is synchronized. Vendor bugs: ``wait_stream`` a no-op, ``synchronize`` of the current stream only,
+    ``query`` True once recorded, an event that keeps its first record."""
+    dev = backend.device
+    n = 256 if dev.torch_device.type == "cpu" else 1024  # a host "stream" runs at once: no need to be slow
+    a = randn(gen, n, n).to(dev.torch_device)
+    side = dev.new_stream()
+    dev.synchronize()
+
+    def settled(z: torch.Tensor) -> torch.Tensor:
+        side.synchronize()
+        dev.synchronize()
+        return z.cpu()
+
+    z = _side_work(dev, a, side)
+    dev.current_stream().wait_stream(side)
+    early = (z * 1).cpu()
+    check.exact(early, settled(z), "copy_blocks", "a read ordered behind current_stream().wait_stream(side)")
+    y2 = a.clone()
+    for _ in range(24):
+        y2 = (y2 @ a).mul_(1.0 / a.shape[0] ** 0.5)
+    check.close(early.reshape(1), y2.sum().cpu().reshape(1), torch.float32, "attention",
+                "side-stream result read behind wait_stream")
+
+    z = _side_work(dev, a, side)
+    dev.synchronize()
+    early = z.cpu().clone()  # a copy: on the host .cpu() is the tensor itself
+    check.exact(early, settled(z), "copy_blocks", "a side stream's result read after Device.synchronize()")
+
+    ev = dev.new_event()
+    z = _side_work(dev, a, side)
+    ev.record(side)
+    if ev.query():  # done already: a read now must see the work (query may also be False: then wait)
+        early = z.cpu().clone()
+        check.exact(early, settled(z), "copy_blocks", "a read right after event.query() returned True")
+    ev.synchronize()
+    assert ev.query(), "event.query() must be True after event.synchronize()"
+
+    z = _side_work(dev, a, side)
+    ev.record(side)  # the same event, recorded again: it now marks this work
+    dev.current_stream().wait_event(ev)
+    early = (z * 1).cpu()
+    check.exact(early, settled(z), "copy_blocks", "a read behind wait_event(an event recorded a second time)")
 
 
 def test_graph_captures_side_stream_fork_join(backend, check, gen):

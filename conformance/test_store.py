@@ -6,6 +6,8 @@ offload and pool connectors hand to stores.
 
 from __future__ import annotations
 
+import unicodedata
+
 import pytest
 import torch
 
@@ -173,8 +175,15 @@ def test_keys_sizes_and_mixed_batches(backend, check, gen):
         keys = _keys(24, "k")
         res = store.put(keys, [_block(src, b) for b in range(24)])
         assert [r.key for r in res] == keys and all(r.ok for r in res), f"put of long/non-ASCII keys: {res[:3]}"
-        assert store.exists(keys + [keys[0][:-1], keys[1] + "x", keys[1].encode("utf-8").decode("latin-1")]) == \
-            [True] * 24 + [False] * 3, "exists: a key is its whole string (no truncation, no re-encoding)"
+        # near misses: truncated, extended, re-encoded, and (suite 3.2) differing only in one non-ASCII
+        # character, in Unicode normal form or in case: a store that maps keys to ASCII, normalises or
+        # case-folds them serves another key's value
+        nfc = "café-ключ-" + keys[2]
+        assert store.put([nfc], [_block(src, 24)])[0].ok, "put of a key holding 'é' (NFC)"
+        near = [keys[0][:-1], keys[1] + "x", keys[1].encode("utf-8").decode("latin-1"), keys[1].replace("块", "键"),
+                unicodedata.normalize("NFD", nfc), keys[0].swapcase()]
+        assert store.exists(keys + near) == [True] * 24 + [False] * len(near), \
+            "exists: a key is its whole string (no truncation, no re-encoding, no normalisation)"
         res = store.get(keys, [_block(dst, b) for b in range(24)])
         assert all(r.ok for r in res), f"get of long/non-ASCII keys: {[r for r in res if not r.ok][:3]}"
         for b in range(24):

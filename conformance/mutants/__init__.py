@@ -22,6 +22,7 @@ __all__ = ["AREAS", "MUTANTS", "Mutant", "MutantBackend", "control", "controls",
 
 def load() -> dict[str, Mutant]:
     """Every registered mutant, by name (importing the area modules registers them)."""
+    import conformance.mutants.audit  # noqa: F401  (session 7's adversarial audit)
     from conformance.mutants import attention, collectives, device, elementwise, fp8, kv_write, runtime, transfer_store  # noqa: F401
 
     return MUTANTS
