@@ -245,7 +245,9 @@ class GraphRunner:
 
     def _forward(self, b: int, md: Any) -> torch.Tensor:
         t = b * self.q
-        idx = self.d64[3, :b] if self.last_only else self.logits_indices[:t]
+        # every row's logits in order unless last_only: None rather than the gather of arange(t) - one kernel fewer
+        # before the LM head, which then follows the last layer's projection directly (PDL on CUDA)
+        idx = self.d64[3, :b] if self.last_only else None
         return self.model.forward(self.d64[0, :t], self.d64[1, :t], self.kv_cache, md, idx,
                                   slot_mapping=self.d64[2, :t])
 
