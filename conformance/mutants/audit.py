@@ -521,3 +521,52 @@ class UniformLengths(_Wrap):
 
 mutant("audit-uniform-lengths", "transfer", "every segment of a batch moves lengths[0] bytes", ("test_transfer",),
        transfer=UniformLengths)
+
+# ---------------------------------------------------------------- communicator (two gloo ranks)
+
+
+def _custom_with(bug: str):
+    from conformance.mutants.collectives import _custom
+    from hwkv.model.layers import rms_norm
+
+    base = _custom(None)
+
+    def custom_all_reduce(self, comm):
+        ar = base(self, comm)
+        if ar is None:
+            return None
+        fused = ar.all_reduce_add_rms_norm
+        if bug == "eps-fixed":  # the kernel was written for Qwen: eps 1e-6 whatever the model says
+
+            def norm(t, residual, weight, eps):
+                return fused(t, residual, weight, 1e-6)
+        elif bug == "gemma-weight":  # (1 + weight), Gemma's convention, for every model
+
+            def norm(t, residual, weight, eps):
+                y, h = fused(t, residual, weight, eps)
+                return rms_norm(h, weight + 1, eps), h
+        elif bug == "staging-16mib":  # a 16 MiB staging buffer: bytes past it never reduced
+            flat_ar = ar
+
+            def ar(t):  # noqa: F811
+                n = (16 << 20) // t.element_size()
+                if t.numel() > n:
+                    flat_ar(t.view(-1)[:n])
+                    return t
+                return flat_ar(t)
+
+            ar.all_reduce_add = lambda t, residual: residual + ar(t)
+            norm = fused
+        ar.all_reduce_add_rms_norm = norm
+        return ar
+
+    return type(f"Device_audit_{bug}", (CpuDevice,), {"custom_all_reduce": custom_all_reduce})
+
+
+COLL = ("test_multi_device.py::test_collectives",)
+mutant("audit-ar-norm-eps-fixed", "communicator", "fused all_reduce_add_rms_norm ignores eps (1e-6 always)", COLL,
+       device=_custom_with("eps-fixed"))
+mutant("audit-ar-norm-gemma-weight", "communicator", "fused all_reduce_add_rms_norm scales by (1 + weight)", COLL,
+       device=_custom_with("gemma-weight"))
+mutant("audit-ar-staging-16mib", "communicator", "custom all-reduce reduces only the first 16 MiB", COLL,
+       device=_custom_with("staging-16mib"))
