@@ -286,3 +286,66 @@ def test_capacity_pressure_and_clients(backend, check, gen):
         _same_block(check, src, 20, src, 2, "value fetched under pressure")
     finally:
         store.close()
+
+
+def test_readers_never_see_a_half_written_value(backend, check, gen):
+    """(3.2) A value becomes visible whole: while one client overwrites a key again and again with two
+    values A and B (and puts a new key at the end), another client's gets of it return A or B complete,
+    never a mix, and once ``exists`` says True for the new key a get of it returns its whole value. The
+    vendor bug: the index entry published before the copy of the value's segments finished."""
+    import threading
+    import time
+
+    caps = backend.capabilities
+    head = 64 if caps.head_sizes is None or 64 in caps.head_sizes else caps.head_sizes[0]
+    spec = KVCacheSpec(4, 24, caps.default_block_size, 2, head, caps.dtypes[0])
+    src = backend.device.allocate_kv_cache(spec, backend.attention.kv_layout, host=True)
+    for t in src.tensors:
+        t.copy_(randn(gen, *t.shape, dtype=t.dtype))
+    out = backend.device.allocate_kv_cache(spec, backend.attention.kv_layout, host=True)
+    into = [seg for b in range(12, 16) for seg in _block(out, b)]
+    value = lambda b0: [seg for b in range(b0, b0 + 4) for seg in _block(src, b)]  # noqa: E731  4 blocks, 32+ segments
+    want = {name: [torch.cat([t[b0:b0 + 4].reshape(-1).view(torch.uint8) for t in src.tensors])]
+            for name, b0 in (("A", 0), ("B", 4), ("C", 8))}
+    store = backend.create_store("embedded", capacity_bytes=64 * sum(n for _, n in _block(src, 0)))
+    errors: list[str] = []
+    done = threading.Event()
+    try:
+        assert store.put(["shared"], [value(0)])[0].ok
+
+        def reader() -> None:
+            try:
+                seen_new = False
+                while not done.is_set() or not seen_new:
+                    for key, names in (("shared", ("A", "B")), ("fresh", ("C",))):
+                        if key == "fresh":
+                            if not store.exists(["fresh"])[0]:
+                                if done.is_set():
+                                    errors.append("exists('fresh') False after its put returned")
+                                    return
+                                continue
+                            seen_new = True
+                        g = store.get([key], [into])[0]
+                        if not g.ok:
+                            errors.append(f"get {key!r}: {g.error!r}")
+                            return
+                        got = torch.cat([t[12:16].reshape(-1).view(torch.uint8) for t in out.tensors])
+                        if not any(torch.equal(got, want[n][0]) for n in names):
+                            errors.append(f"get {key!r} returned bytes that are none of {names} whole")
+                            return
+            except Exception as e:  # reported below
+                errors.append(f"reader: {e!r}")
+
+        t = threading.Thread(target=reader)
+        t.start()
+        for i in range(30):
+            assert store.put(["shared"], [value(4 if i % 2 == 0 else 0)])[0].ok
+            time.sleep(0.0005)
+        assert store.put(["fresh"], [value(8)])[0].ok
+        done.set()
+        t.join(timeout=60)
+        assert not t.is_alive(), "reader did not finish in 60 s"
+        assert not errors, errors[0]
+    finally:
+        done.set()
+        store.close()

@@ -570,3 +570,42 @@ mutant("audit-ar-norm-gemma-weight", "communicator", "fused all_reduce_add_rms_n
        device=_custom_with("gemma-weight"))
 mutant("audit-ar-staging-16mib", "communicator", "custom all-reduce reduces only the first 16 MiB", COLL,
        device=_custom_with("staging-16mib"))
+
+
+class PublishFirst(EmbeddedStore):
+    """Vendor AC: put publishes the key's index entry (pointing at the destination memory) and then
+    copies the segments one by one (a DMA per segment): a concurrent get or exists sees the value
+    half-written."""
+
+    def put(self, keys, buffers):
+        import time
+
+        import numpy as np
+
+        from hwkv.stores.embedded import copy_bytes
+
+        out = []
+        for key, segs in zip(keys, buffers):
+            total = sum(n for _, n in segs)
+            if total > self.capacity_bytes:
+                out.append(ItemResult(key, total, StoreFull(f"key {key!r}: {total} B exceeds the capacity")))
+                continue
+            arr = np.zeros(total, dtype=np.uint8)
+            with self._lock:
+                old = self._values.pop(key, None)
+                if old is not None:
+                    self._used -= old.nbytes
+                self._evict(total)
+                self._values[key] = arr
+                self._used += total
+            off = 0
+            for p, n in segs:
+                copy_bytes(arr.ctypes.data + off, p, n)
+                off += n
+                time.sleep(0.0002)
+            out.append(ItemResult(key, total))
+        return out
+
+
+mutant("audit-publish-before-copy", "store", "a put's index entry is visible before its segments are copied",
+       ("test_readers_never_see",), store=PublishFirst)
