@@ -609,3 +609,71 @@ class PublishFirst(EmbeddedStore):
 
 mutant("audit-publish-before-copy", "store", "a put's index entry is visible before its segments are copied",
        ("test_readers_never_see",), store=PublishFirst)
+
+
+class ContiguousRows(ReferenceAttentionImpl):
+    """Vendor AD: the write kernel indexes key/value rows as if contiguous ([T, H_kv, D] packed): a
+    key that is a view of a fused qkv output is read at the wrong offsets."""
+
+    def write_kv(self, key, value, layer_kv, slot_mapping):
+        if not key.is_contiguous():
+            key = torch.as_strided(key, key.shape, torch.empty(key.shape).stride(), key.storage_offset())
+            value = torch.as_strided(value, value.shape, torch.empty(value.shape).stride(), value.storage_offset())
+        super().write_kv(key, value, layer_kv, slot_mapping)
+
+
+class Fp8NoSaturate(ReferenceAttentionImpl):
+    """Vendor AE: the fp8 write converts without saturation: |x / scale| > 448 becomes NaN."""
+
+    def write_kv(self, key, value, layer_kv, slot_mapping):
+        from hwkv.interfaces.kv_quant import FP8_E4M3_MAX
+
+        sc = self._scales(layer_kv)
+        if sc is not None:
+            big = lambda x, s: (x.float() / s[:, None]).abs() > FP8_E4M3_MAX  # noqa: E731
+            key = torch.where(big(key, sc[0].to(key.device)), float("nan"), key.float()).to(key.dtype)
+            value = torch.where(big(value, sc[1].to(value.device)), float("nan"), value.float()).to(value.dtype)
+        super().write_kv(key, value, layer_kv, slot_mapping)
+
+
+class Fp8InverseScale(ReferenceAttentionImpl):
+    """Vendor AF: the fp8 write multiplies by the scale (an inverse-scale convention) instead of dividing."""
+
+    def write_kv(self, key, value, layer_kv, slot_mapping):
+        from hwkv.reference.attention import write_kv
+
+        self._check_cache(layer_kv)
+        sc = self._scales(layer_kv)
+        write_kv(key, value, layer_kv, slot_mapping, None if sc is None else 1.0 / sc)
+
+
+mutant("audit-contiguous-rows", "kv_write", "write kernel reads key/value rows as packed (fused-qkv views wrong)",
+       ("test_kv_write", "test_attention"), impl=ContiguousRows)
+mutant("audit-fp8-no-saturate", "kv_write", "fp8 write without saturation (|x/scale| > 448 -> NaN)", ("test_fp8",),
+       impl=Fp8NoSaturate)
+mutant("audit-fp8-inverse-scale", "kv_write", "fp8 write multiplies by the scale instead of dividing", ("test_fp8",),
+       impl=Fp8InverseScale)
+
+
+class VerifyPeeksAhead(ReferenceAttentionImpl):
+    """Vendor AG: the multi-token decode path (2..8 query rows: spec verify) builds its causal mask
+    with ``<=`` one position late: row i also sees the key of row i + 1."""
+
+    def forward(self, query, key, value, layer_kv, metadata):
+        out = super().forward(query, key, value, layer_kv, metadata)
+        qsl, sl = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
+        for r in range(len(sl)):
+            a, b = int(qsl[r]), int(qsl[r + 1])
+            if not 1 < b - a <= 8:
+                continue
+            n = int(sl[r])
+            for i in range(a, b - 1):
+                md = _one_row(metadata, r)
+                md.query_start_loc_cpu = torch.tensor([0, 1], dtype=qsl.dtype)
+                md.seq_lens_cpu = torch.tensor([n - (b - 1 - i) + 1], dtype=sl.dtype)
+                out[i:i + 1] = super().forward(query[i:i + 1], key[i:i + 1], value[i:i + 1], layer_kv, md)
+        return out
+
+
+mutant("audit-verify-peeks-ahead", "attention", "k+1 verify rows see one key past their position",
+       ("test_attention_verify_queries", "test_long_context"), impl=VerifyPeeksAhead)
