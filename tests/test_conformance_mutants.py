@@ -32,6 +32,7 @@ SUBSET = [
     "audit-chunked-copy",  # only > 128 pairs in one copy_blocks show it (suite 3.2)
     "audit-wait-stream-noop",  # only a read behind wait_stream of a running stream shows it (lazy streams)
     "audit-ascii-keys",  # only keys differing in one non-ASCII character show it
+    "audit-publish-before-copy",  # only a get racing an overwrite of the same key shows it
 ]
 CONTROL_SELECTION = ("(test_attention_production and (bs1 or bs16)) or (test_write_kv and production and bs16) "
                      "or (test_copy_blocks and float32) or test_transfer or test_store or test_memory_info")
