@@ -1,7 +1,8 @@
 """The split-K linear (:mod:`hwkv_cuda.gemm`) against cuBLAS (``F.linear``) at the projections of a Llama shape and
-a few token counts: µs per call (``triton.testing.do_bench``: L2 flushed before each call, as a decode step's weights
-are not in L2), the rule's tile (``choose``) and a small sweep around it (``HWKV_CUDA_GEMM_CONFIG``), each checked
-against cuBLAS's result. One JSON line per (shape, tokens, variant); ``--out`` collects them.
+a few token counts: µs per call (:func:`graph_us`: replayed from a CUDA graph, L2 flushed before each call, as a
+decode step's weights are not in L2), the rule's tile (``choose``) and a small sweep around it
+(``HWKV_CUDA_GEMM_CONFIG``), each checked against cuBLAS's result. One JSON line per (shape, tokens, variant);
+``--out`` collects them.
 
     PYTHONPATH=.:backends/cuda python3 backends/cuda/scripts/gemm_probe.py --out gemm-probe.json \\
         --shapes 1b --tokens 256,128,64
@@ -25,9 +26,37 @@ SWEEP = ["", "split_k=1", "split_k=2", "split_k=4", "split_k=8", "block_n=64", "
          "block_m=64", "block_k=128,num_stages=3"]
 
 
-def main() -> None:
-    from triton.testing import do_bench
+def graph_us(fn, reps: int = 20) -> float:
+    """µs per call of ``fn`` replayed from a CUDA graph of ``reps`` calls, each after an L2 flush (a 256 MB write):
+    the host's launch cost (the Python wrapper, Triton's launcher) is out, as in the engine's decode graphs.
+    (Batch 2 of session 7 timed eager calls with ``do_bench``: the split-K wrapper's host time, not its kernel.)"""
+    flush = torch.empty(1 << 26, dtype=torch.int32, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # the warm-up on the capture's stream (the split-K counters are per stream)
+        fn()
+    torch.cuda.synchronize()
+    g, gf = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=stream):
+        for _ in range(reps):
+            flush.zero_()
+            fn()
+    with torch.cuda.graph(gf, stream=stream):
+        for _ in range(reps):
+            flush.zero_()
+    times = []
+    for graph in (g, gf):
+        graph.replay()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        graph.replay()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return max(0.0, times[0] - times[1]) / reps * 1e3
 
+
+def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="1b,8b")
     ap.add_argument("--tokens", default="256,128,64")
@@ -44,7 +73,7 @@ def main() -> None:
             for m in map(int, args.tokens.split(",")):
                 x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
                 ref = F.linear(x, w)
-                base = do_bench(lambda x=x, w=w: F.linear(x, w), warmup=10, rep=40)
+                base = graph_us(lambda x=x, w=w: F.linear(x, w)) / 1e3
                 row = dict(shape=shape, proj=name, m=m, n=n, k=k, variant="cublas", us=base * 1e3,
                            tflops=2 * m * n * k / base / 1e9)
                 print(json.dumps(row), flush=True)
@@ -58,7 +87,7 @@ def main() -> None:
                             row = dict(shape=shape, proj=name, m=m, variant=var or "rule", us=None, note="declined")
                         else:
                             err = float((y.float() - ref.float()).norm() / ref.float().norm())
-                            t = do_bench(lambda x=x, w=w: op(x, w), warmup=10, rep=40)
+                            t = graph_us(lambda x=x, w=w: op(x, w)) / 1e3
                             row = dict(shape=shape, proj=name, m=m, variant=var or "rule", cfg=cfg._asdict(),
                                        us=t * 1e3, tflops=2 * m * n * k / t / 1e9, vs_cublas=base / t, rel_err=err)
                     except Exception as e:  # a tile that does not compile (shared memory): next

@@ -4,7 +4,7 @@ the many-token buckets again (batch > the decode ops' size, up to ``--num-reques
 mixed and prefill steps are eager and read the settings per call) and runs ``hwkv bench defaults``'s offline
 workload (256 x 512 in / 256 out, greedy, ignore_eos). Variants alternate in rounds (``--rounds``), so drift shows;
 each row has tok/s, the fraction of the roofline measured in the same run, the host's wait for tokens, and how
-many requests' greedy tokens equal the first variant's.
+many requests' greedy tokens equal the first variant's. The prefix cache is reset before every run.
 
     PYTHONPATH=.:backends/cuda python3 backends/cuda/scripts/offline_ab.py --out DIR \\
         --variants '[{"name": "base"}, {"name": "gemm", "env": {"HWKV_CUDA_GEMM": "1"}}]'
@@ -57,6 +57,9 @@ def run(engine: Any, work: list[tuple[list[int], int]]) -> tuple[dict[str, float
     from hwkv.sampling_params import SamplingParams
 
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in work]
+    # every run prefills its prompts whole: the runs before it left them in the prefix cache (batch 2 of session 7
+    # compared a cold base run with warm-cache runs: 264 against 256 steps)
+    assert engine.kv_cache_manager.reset_prefix_cache(), "prefix cache reset refused: requests still hold blocks"
     wait0, steps0 = getattr(engine.runner, "token_wait_s", 0.0), engine.stats()["num_steps"]
     engine.backend.device.synchronize()
     t0 = time.perf_counter()
