@@ -58,13 +58,15 @@ def recapture(engine: Any, batch: int = 1) -> int:
 
 
 def greedy_tokens(engine: Any, vocab: int, n: int = 96) -> list[int]:
-    """``n`` greedy tokens of a fixed 128-token prompt (batch 1, the decode graphs)."""
+    """``n`` greedy tokens of a fixed 128-token prompt (batch 1, the decode graphs), from the second of two runs: the
+    first fills the prefix cache, so every variant's compared run hits it alike (a cold run computes the first
+    token in the prefill, a warm one in a one-token step: other rounding, other tokens on a random-weight model)."""
     from hwkv.sampling_params import SamplingParams
 
     prompt = workload(1, 128, 128, vocab, seed=11)[0][0]
-    out = engine.generate([prompt], [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)],
-                          use_tqdm=False)
-    return list(out[0].token_ids)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)]
+    engine.generate([prompt], params, use_tqdm=False)
+    return list(engine.generate([prompt], params, use_tqdm=False)[0].token_ids)
 
 
 def step_trace(engine: Any, vocab: int, steps: int = 32) -> dict[str, Any]:
