@@ -15,7 +15,7 @@ print(model_dir(argparse.Namespace(model='llama-8b', dtype='bfloat16', workdir='
 " > "$OUT/write.log" 2>&1; echo "write rc=$?" >> "$OUT/write.log") &
 WRITER=$!
 say "1B: python3 -m hwkv bench defaults --model llama-1b --b1-tokens 0 (the 8B checkpoint is being written)"
-timeout -k 2 62 python3 -m hwkv bench defaults --model llama-1b --workdir /dev/shm/hwkv-def --b1-tokens 0 \
+timeout -k 2 66 python3 -m hwkv bench defaults --model llama-1b --workdir /dev/shm/hwkv-def --b1-tokens 0 \
   --out "$OUT/defaults-llama-1b.json" 2>&1 | grep -E "^\[defaults\]|Error|Traceback" | cut -c1-400
 echo "rc=${PIPESTATUS[0]}"
 wait "$WRITER"; tail -n 3 "$OUT/write.log"
