@@ -20,7 +20,7 @@ timeout -k 2 66 python3 -m hwkv bench defaults --model llama-1b --workdir /dev/s
 echo "rc=${PIPESTATUS[0]}"
 wait "$WRITER"; tail -n 3 "$OUT/write.log"
 grep -q "write rc=0" "$OUT/write.log" || rm -rf "$W"
-left=$(( 106 - ($(date +%s) - t0) ))
+left=$(( 106 - ($(date +%s) - t0) )); [ "$left" -gt 5 ] || left=5
 say "8B (${left}s left): python3 -m hwkv bench defaults --model llama-8b --num-requests 128 --input-len 512 --output-len 128 --b1-tokens 0"
 timeout -k 2 "$left" python3 -m hwkv bench defaults --model llama-8b --workdir "$W" --num-requests 128 --input-len 512 \
   --output-len 128 --b1-tokens 0 --out "$OUT/defaults-llama-8b.json" 2>&1 | grep -E "^\[defaults\]|Error|Traceback" | cut -c1-400
