@@ -14,6 +14,7 @@ from hwkv_cuda.launch import parse_overrides
 MAX_SPLITS = 64
 SHORT_SPLIT = 128  # a split of at most this many keys runs as one tile
 LONG_SPLIT = 512  # a split of at least this many keys runs 128-key tiles (fp8: int16 words, see choose_config)
+FP8_LONG_SPLIT = 4096  # an fp8 split decode with splits this long takes the two-warp tile (choose_config)
 OVERRIDE_ENV = "HWKV_CUDA_ATTN_CONFIG"
 FP8_OVERRIDE_ENV = "HWKV_CUDA_ATTN_CONFIG_FP8"  # applied on top for an fp8 (1-byte) cache
 
@@ -91,6 +92,14 @@ def choose_config(max_query_len: int, group: int, head_size: int, dtype: torch.d
     bandwidth. None is bound by bytes (52-57% of the copy bandwidth on half the bytes). An unsplit fp8
     decode keeps 128 keys cast (not measured).
 
+    Splits of >= ``FP8_LONG_SPLIT`` keys at head size <= 64 (a full grid of long requests: 32 x 32k plans splits of
+    6.5k keys) take two warps per program, 64-key tiles with V cast in its rows (``fp8_unpack=7``), five stages,
+    ``split_target=16`` and the head-major grid. H200, one layer of the 1B shape at 32 x 32k (bench/results/
+    fp8-decode-warps-1b-32x32k-H200-2026-11-29-e4ece1f.json): 489 -> 390 µs, 55% -> 69% of the copy bandwidth
+    (bf16 at its default tiles 521 µs, its best of five 505): the 16-row decode tile over 4 warps spends its
+    time in cross-warp reductions and layout changes, not bytes (4 -> 2 warps alone: 497 from 595 µs in the
+    prefetch probe; 8 warps: 855). Shorter splits and head 128 keep the tiles above (not measured with two warps).
+
     A step of many tokens whose q blocks are mostly requests shorter than one block (``short``: decodes beside a
     prefill chunk, see ``CudaAttentionMetadata.mostly_short``) takes 64-row tiles instead of 128: a decode fills
     one token's rows of its tile, so half the rows are half the wasted MMA work and registers. H200, one layer of
@@ -119,6 +128,11 @@ def choose_config(max_query_len: int, group: int, head_size: int, dtype: torch.d
         # one tile has no loop to pipeline: three stages would only take shared memory (residency)
         cfg = dict(block_m=block_m, block_q=1, block_n=block_n, num_warps=4, num_stages=1 if one_tile else 3,
                    fp8_unpack=unpack)
+        if wide_kv and split and head_size <= 64 and seg >= FP8_LONG_SPLIT:
+            # fp8, a full grid of long splits (docstring): two warps per program, 64-key tiles cast in rows,
+            # five stages (two K/V buffers in flight behind the block-table load), twice the splits, the
+            # KV heads of a request side by side
+            cfg.update(block_n=64, fp8_unpack=7, num_warps=2, num_stages=5, split_target=16, head_major=1)
     else:
         block_m = max(64 if narrow or short else 128, hpad)
         if narrow:

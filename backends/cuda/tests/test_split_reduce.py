@@ -153,7 +153,7 @@ def test_short_splits_run_as_one_tile(monkeypatch):
     """Split decodes take 128-key tiles from 512 keys per split, 32-key ones below, one unpipelined
     128-key tile when every split is that short; head 256 and fp32 (shared memory) keep 32; unsplit
     decodes take 128 keys up to head 64, 64 above."""
-    from hwkv_cuda.tiles import SHORT_SPLIT, choose_config
+    from hwkv_cuda.tiles import FP8_LONG_SPLIT, SHORT_SPLIT, choose_config
 
     monkeypatch.delenv("HWKV_CUDA_ATTN_CONFIG", raising=False)
     bf16 = torch.bfloat16
@@ -180,6 +180,13 @@ def test_short_splits_run_as_one_tile(monkeypatch):
     assert choose_config(1, 4, 128, bf16, kv_elem=1).block_n == 128
     fp8 = choose_config(1, 4, 64, bf16, split=True, seg=512, kv_elem=1)
     assert (fp8.block_n, fp8.fp8_unpack) == (256, 6)
+    # splits of >= FP8_LONG_SPLIT keys at head <= 64 (32 x 32k): 2 warps, 64-key rows cast, 5 stages, twice the
+    # splits, head-major; head 128 keeps its tile
+    fp8 = choose_config(1, 4, 64, bf16, split=True, seg=FP8_LONG_SPLIT, kv_elem=1)
+    assert (fp8.block_n, fp8.fp8_unpack, fp8.num_warps, fp8.num_stages, fp8.split_target, fp8.head_major) == (
+        64, 7, 2, 5, 16, 1)
+    assert choose_config(1, 4, 64, bf16, split=True, seg=FP8_LONG_SPLIT - 1, kv_elem=1).block_n == 256
+    assert choose_config(1, 4, 64, bf16, split=True, seg=FP8_LONG_SPLIT).num_warps == 4  # a 16-bit cache
     fp8 = choose_config(1, 4, 128, bf16, split=True, seg=4096, kv_elem=1)
     assert (fp8.block_n, fp8.fp8_unpack) == (128, 4)
     fp8 = choose_config(1, 4, 64, bf16, split=True, seg=256, kv_elem=1)
