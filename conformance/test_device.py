@@ -238,6 +238,38 @@ def test_copy_blocks(backend, check, gen, dtype, direction, on_stream):
             dev.copy_blocks(src, dst, [(1, 2), (2, 3)])
 
 
+@pytest.mark.parametrize("direction", ["device_to_host", "host_to_device"])
+def test_copy_blocks_fp8(backend, check, gen, direction):
+    """(3.2) ``copy_blocks`` of an fp8 (1-byte) KV cache, where ``"fp8_e4m3"`` is declared: the offload
+    tier copies those too (a copy that handles only the 2-byte dtypes left the host tier empty). Bytes
+    compared exactly, every code (NaN codes included) as written."""
+    from hwkv.interfaces.kv_quant import FP8_E4M3
+
+    caps = backend.capabilities
+    if "fp8_e4m3" not in caps.kv_cache_dtypes:
+        not_supported("fp8_e4m3 not in Capabilities.kv_cache_dtypes")
+    spec = _spec(caps, caps.default_block_size, num_layers=2)
+    spec = KVCacheSpec(spec.num_layers, COPY_BLOCKS, spec.block_size, spec.num_kv_heads, spec.head_size, FP8_E4M3)
+    dev, layout = backend.device, backend.attention.kv_layout
+    src_host = direction == "host_to_device"
+    src = dev.allocate_kv_cache(spec, layout, host=src_host)
+    dst = dev.allocate_kv_cache(spec, layout, host=not src_host)
+    for t in src.tensors:
+        t.view(torch.uint8).copy_(torch.randint(0, 256, t.shape, generator=gen, dtype=torch.uint8))
+    for t in dst.tensors:
+        t.view(torch.uint8).zero_()
+    dev.synchronize()
+    pairs = _copy_pairs(gen, False, COPY_BLOCKS, COPY_BLOCKS)
+    dev.copy_blocks(src, dst, pairs)
+    dev.synchronize()
+    s_idx, d_idx = torch.tensor([p[0] for p in pairs]), torch.tensor([p[1] for p in pairs])
+    for i, (s_t, d_t) in enumerate(zip(src.tensors, dst.tensors)):
+        want = torch.zeros_like(d_t.cpu().view(torch.uint8))
+        want[d_idx] = s_t.cpu().view(torch.uint8)[s_idx]
+        check.exact(d_t.cpu().view(torch.uint8), want, "copy_blocks", f"fp8 tensor {i} after copy_blocks {direction} "
+                    f"of {len(pairs)} pairs (uint8 codes)")
+
+
 # -- suite 3.0: the device runtime the engine's graph and copy paths rely on ------------------------
 def _graphs(caps) -> None:
     if not caps.graph_capture:

@@ -237,3 +237,50 @@ def test_transfer_lengths_offsets_and_batches(backend, check, gen, protocol):
         finally:
             a.close()
             b.close()
+
+
+def test_transfer_failure_is_reported(backend, check, gen, protocol):
+    """(3.2) A transfer that cannot complete is never a silent success: a write whose remote range runs
+    past the end of the peer's registered region raises :class:`TransferError` from the blocking
+    ``write``, and from ``submit_write`` or a later ``poll`` (``poll`` never returns True for it); the
+    endpoints work afterwards. The vendor bug: a failed batch that polls as done (the error only logged)."""
+    from hwkv.interfaces.transfer import TransferError
+
+    caps = backend.capabilities
+    if protocol not in caps.transfer_protocols:
+        not_supported(caps.validate(_spec(caps), transfer_protocol=protocol))
+    host = protocol == "tcp"
+    alloc = lambda: backend.device.allocate_kv_cache(_spec(caps, 4), backend.attention.kv_layout, host=host)  # noqa: E731
+    a = backend.create_transfer(protocol=protocol)
+    b = None
+    regs: list[tuple[object, int]] = []
+    try:
+        b = backend.create_transfer(protocol=protocol)
+        src, dst = alloc(), alloc()
+        for t in src.tensors:
+            t.copy_(randn(gen, *t.shape, dtype=t.dtype))
+        for ep, t in ((a, src.tensors[0]), (b, dst.tensors[0])):
+            ep.register(t.data_ptr(), t.numel() * t.element_size())
+            regs.append((ep, t.data_ptr()))
+        backend.device.synchronize()
+        s, d = src.tensors[0], dst.tensors[0]
+        n = s.numel() * s.element_size()
+        past = [d.data_ptr() + n - 4096]  # 4 KiB inside, 4 KiB past the end of the peer's region
+        with pytest.raises(TransferError):
+            a.write(b.endpoint(), [s.data_ptr()], past, [8192])
+        with pytest.raises(TransferError):
+            batch = a.submit_write(b.endpoint(), [s.data_ptr()], past, [8192])
+            deadline = time.monotonic() + 60
+            while not a.poll(batch):
+                assert time.monotonic() < deadline, "poll() of a failing batch neither raised nor completed in 60 s"
+                time.sleep(0.001)
+        a.write(b.endpoint(), [s.data_ptr()], [d.data_ptr()], [n])  # the endpoints still work
+        check.exact(d.cpu(), s.cpu(), "transfer", "a whole-region write after two failed ones")
+    finally:
+        try:
+            for ep, ptr in regs:
+                ep.unregister(ptr)
+        finally:
+            a.close()
+            if b is not None:
+                b.close()

@@ -321,11 +321,11 @@ class _Wrap:
     def _fix(self, a, b, n):
         return a, b, n
 
-    def submit_write(self, peer, src, dst, lengths):
-        return self._t.submit_write(peer, *self._fix(src, dst, lengths))
+    def submit_write(self, peer, src, dst, lengths, **kw):
+        return self._t.submit_write(peer, *self._fix(src, dst, lengths), **kw)
 
-    def submit_read(self, peer, local, remote, lengths):
-        return self._t.submit_read(peer, *self._fix(local, remote, lengths))
+    def submit_read(self, peer, local, remote, lengths, **kw):
+        return self._t.submit_read(peer, *self._fix(local, remote, lengths), **kw)
 
     def write(self, peer, src, dst, lengths):
         self.wait(self.submit_write(peer, src, dst, lengths))
@@ -677,3 +677,56 @@ class VerifyPeeksAhead(ReferenceAttentionImpl):
 
 mutant("audit-verify-peeks-ahead", "attention", "k+1 verify rows see one key past their position",
        ("test_attention_verify_queries", "test_long_context"), impl=VerifyPeeksAhead)
+
+
+class CopySkipsFp8(CpuDevice):
+    """Vendor AH: copy_blocks handles the 2-byte dtypes; a 1-byte (fp8) cache is skipped silently
+    (the offload tier then stores nothing)."""
+
+    def copy_blocks(self, src, dst, pairs, stream=None):
+        if src.tensors and src.tensors[0].element_size() == 1:
+            self.check_copy(src, dst, pairs)
+            return None
+        return super().copy_blocks(src, dst, pairs, stream)
+
+
+mutant("audit-copy-skips-fp8", "device", "copy_blocks silently skips fp8 (1-byte) caches", ("test_copy_blocks", "fp8"),
+       device=CopySkipsFp8)
+
+
+class PollLies(_Wrap):
+    """Vendor AI: poll reports a batch done once it was handed to the NIC (not when it landed)."""
+
+    def poll(self, batch):
+        self._t.poll(batch)
+        return True
+
+    def wait(self, batch, timeout_s=30.0):
+        self.poll(batch)
+
+
+class PollSwallows(_Wrap):
+    """Vendor AJ: a failed batch polls as done (the error is logged, not raised)."""
+
+    def poll(self, batch):
+        from hwkv.interfaces.transfer import TransferError
+
+        try:
+            return self._t.poll(batch)
+        except TransferError:
+            return True
+
+    def wait(self, batch, timeout_s=30.0):
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while not self.poll(batch):
+            if time.monotonic() > deadline:
+                raise TimeoutError(batch)
+            time.sleep(0.0002)
+
+
+mutant("audit-poll-early", "transfer", "poll True once submitted, before the bytes landed", ("test_transfer",),
+       transfer=PollLies)
+mutant("audit-poll-swallows-errors", "transfer", "a failed batch polls as done", ("test_transfer_failure",),
+       transfer=PollSwallows)
