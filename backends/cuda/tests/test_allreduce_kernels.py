@@ -145,16 +145,18 @@ ptrs = ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "res_ptr", "nw_ptr", "cos_ptr", "sin
 ints = ("M", "N", "K", "num_slots", "stride_xm", "stride_ym", "stride_rm", "stride_cos", "stride_blk", "stride_kv",
         "stride_tok", "stride_head")
 consts = ("PROLOGUE", "EPILOGUE", "HAS_BIAS", "M_PAD", "BLOCK_N", "BLOCK_K", "HEAD", "Q_N", "KV_N", "BS", "PDL",
-          "PRELOAD", "ONE_TILE", "KV_FP8", "RANK", "WS", "RS", "SLOT", "CNT_OFF")
-for prologue, epilogue, rs, one, pre in ((0, 3, 0, True, 0), (2, 3, 0, False, 0), (1, 0, 2, False, 2),
-                                        (1, 2, 2, True, 0), (1, 2, 2, False, 2), (2, 3, 0, False, 2)):
+          "PRELOAD", "ONE_TILE", "KV_FP8", "RANK", "WS", "RS", "SLOT", "CNT_OFF", "EVICT", "SPLIT_K")
+for prologue, epilogue, rs, one, pre, sk in ((0, 3, 0, True, 0, 1), (2, 3, 0, False, 0, 1), (1, 0, 2, False, 2, 1),
+                                            (1, 2, 2, True, 0, 1), (1, 2, 2, False, 2, 1), (2, 3, 0, False, 2, 1),
+                                            (0, 0, 0, False, 0, 4)):
     sig = {**{n: "*bf16" for n in ptrs}, "pos_ptr": "*i64", "slot_ptr": "*i64", **{n: "i32" for n in ints},
            "eps": "fp32", "scale_ptr": "constexpr", "stride_scale": "constexpr", "buf_ptr": "*bf16",
            "peers_ptr": "*i64", "cnt_ptr": "*i64", "err_ptr": "*i32", "hres_ptr": "*bf16", "hout_ptr": "*bf16",
-           "stride_hm": "i32", "site": "i32", "expect": "i32", **{n: "constexpr" for n in consts}}
+           "stride_hm": "i32", "site": "i32", "expect": "i32", "part_ptr": "*fp32", "sk_cnt_ptr": "*i32",
+           **{n: "constexpr" for n in consts}}
     vals = dict(PROLOGUE=prologue, EPILOGUE=epilogue, HAS_BIAS=False, M_PAD=1, BLOCK_N=8, BLOCK_K=2048, HEAD=128,
                 Q_N=2048, KV_N=512, BS=16, PDL=True, PRELOAD=pre, ONE_TILE=one, KV_FP8=False, RANK=1, WS=2, RS=rs,
-                SLOT=65536, CNT_OFF=64, scale_ptr=None, stride_scale=0)
+                SLOT=65536, CNT_OFF=64, scale_ptr=None, stride_scale=0, EVICT=int(sk > 1), SPLIT_K=sk)
     compile(ASTSource(d.dense_kernel, sig, vals), target=GPUTarget("cuda", 90, 32))
 sig = dict(x_ptr="*bf16", buf_ptr="*bf16", hres_ptr="*bf16", hout_ptr="*bf16", cnt_ptr="*i64", err_ptr="*i32",
            n="i32", K="i32", site="i32", expect="i32", RANK="constexpr", RS="constexpr", SLOT="constexpr",

@@ -320,5 +320,5 @@ def test_bad_override_names_the_item_and_the_allowed_names(value, bad, monkeypat
     monkeypatch.delenv("HWKV_CUDA_ATTN_CONFIG")
     monkeypatch.setenv("HWKV_CUDA_DENSE_CONFIG", value)
     with pytest.raises(ValueError, match=f"HWKV_CUDA_DENSE_CONFIG: {bad} is not name=integer with a name among "
-                                         "block_n, block_k, num_warps, num_stages, preload$"):
+                                         "block_n, block_k, num_warps, num_stages, preload, evict, split_k$"):
         dense_config(1, 2048, 2048)
