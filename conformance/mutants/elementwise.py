@@ -47,6 +47,11 @@ class VendorElementwise:
     def _halves(self, gate_up: torch.Tensor, inter: int) -> tuple[torch.Tensor, torch.Tensor]:
         return gate_up[:, :inter], gate_up[:, inter:]
 
+    # -- linear (the optional many-token product) ------------------------------------------------------
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = x.float() @ weight.float().t()  # float32 accumulation, one rounding to the activation dtype
+        return (y if bias is None else y + bias.float()).to(x.dtype)
+
     # -- RoPE --------------------------------------------------------------------------------------
     def rope(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, q: torch.Tensor,
              k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
