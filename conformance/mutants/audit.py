@@ -145,7 +145,8 @@ mutant("audit-tail-padding", "kv_write", "write kernel assumes -1 slots only at 
        ("test_kv_write",), impl=TailPadding)
 mutant("audit-no-causal-short-query", "attention", "k+1 verify queries see the whole context (no causal mask)",
        ("test_attention", "test_spec_decode"), impl=NoCausalShortQuery)
-mutant("audit-empty-partition", "attention", "split-KV sizes the last 512-key partition as seq_len % 512 (multiples of 512 lose it)",
+mutant("audit-empty-partition", "attention",
+       "split-KV sizes the last 512-key partition as seq_len % 512 (multiples of 512 lose it)",
        ("test_long_context",), impl=EmptyPartition)
 mutant("audit-per-tensor-scale", "kv_write", "fp8 KV written with head 0's scale for every head",
        ("test_fp8_kv",), impl=PerTensorScale)
