@@ -731,3 +731,27 @@ mutant("audit-poll-early", "transfer", "poll True once submitted, before the byt
        transfer=PollLies)
 mutant("audit-poll-swallows-errors", "transfer", "a failed batch polls as done", ("test_transfer_failure",),
        transfer=PollSwallows)
+
+# ---------------------------------------------------------------- elementwise (written after reading the control)
+
+from conformance.mutants.elementwise import VendorElementwise  # noqa: E402
+
+
+class SwappedHalves(VendorElementwise):
+    """Vendor AK: silu(up) * gate - the checkpoint's gate_up order read the other way round."""
+
+    def _halves(self, gate_up, inter):
+        return gate_up[:, inter:], gate_up[:, :inter]
+
+
+class Int16Positions(VendorElementwise):
+    """Vendor AL: RoPE positions loaded as int16 (positions past 32,767 wrap)."""
+
+    def _angles(self, table, positions):
+        return table[positions.to(torch.int16).long() % table.shape[0]].unsqueeze(1)
+
+
+mutant("audit-ew-swapped-halves", "elementwise", "silu_mul reads (up, gate) instead of (gate, up)",
+       ("test_elementwise",), elementwise=SwappedHalves)
+mutant("audit-ew-int16-positions", "elementwise", "RoPE positions loaded as int16 (wrap past 32,767)",
+       ("test_elementwise",), elementwise=Int16Positions)
