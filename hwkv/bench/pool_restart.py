@@ -126,10 +126,9 @@ for _ in range(2):
     for n in cfg.get("ab_parallel", []):  # "P": P calls on one client; "cK" / "cKpP": K clients (P calls each);
         # "rP": several holders, each value through its holder's clients (P calls each); the others do not route
         # a trailing "m": staging -> device copies as one memcpy per run of blocks; "w": one piece per client;
-        # "s": the GIL switch interval at 0.2 ms during the load (the load's threads take turns with the engine's);
-        # "t": staging -> device as one copy per KV tensor into a device scratch + index_copy_ (torch, no Triton)
-        flags, n0 = set(n[1:]) & {"m", "w", "s", "t"}, n
-        n = n.rstrip("mwst")
+        # "s": the GIL switch interval at 0.2 ms during the load (the load's threads take turns with the engine's)
+        flags, n0 = set(n[1:]) & {"m", "w", "s"}, n
+        n = n.rstrip("mws")
         hk = int(n[1:].partition("p")[0]) if n.startswith("h") else 0
         lanes, _, par = n[1:].partition("p") if n.startswith(("c", "h")) else ("1", "", n.lstrip("r"))
         prompt = cfg["prompt"]
@@ -139,7 +138,7 @@ for _ in range(2):
         for t in e.connector.worker.transfers:
             t.load_parallel, t.lanes_active = int(par or 1), 1 if hk else int(lanes)
             t.routed = (hk > 0 or n.startswith("r")) and bool(t.segments and t.locate)
-            t.land_min_run, t.whole_share, t.land_torch = 1 if "m" in flags else None, "w" in flags, "t" in flags
+            t.land_min_run, t.whole_share = 1 if "m" in flags else None, "w" in flags
         if hk and hk not in refs:
             ring = [(t, t._holder_ring) for t in e.connector.worker.transfers]
             for t, _ in ring:

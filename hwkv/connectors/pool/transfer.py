@@ -196,7 +196,6 @@ class PoolTransfer:
         # knobs for the bench's A/B of where a routed load's time outside the store calls goes
         self.land_min_run: int | None = None
         self.whole_share = False
-        self.land_torch = False
         # puts: consecutive chunks go to the holders in turn (a preference the master honours while there
         # is room), so a prefix's chunks are spread evenly and its load reads every holder equally long
         # (the master's own random placement gave 8/6/7/11 of 32 values on four holders)
@@ -419,9 +418,6 @@ class PoolTransfer:
 
         def land(h: int, first: int, piece: list) -> None:  # blocks the device cache had (-1) stay as they are
             pairs = [(first * cb + i, b) for i, b in enumerate(b for _, ids in piece for b in ids) if b >= 0]
-            if self.land_torch and pairs:
-                self._land_torch(st, h, per, first * cb, len(piece) * cb, pairs)
-                return
             copy_block_pairs(self.dev, st.kv, self.kv, [s for s, _ in pairs], [d for _, d in pairs], st.stream,
                              self.land_min_run)
 
@@ -431,29 +427,6 @@ class PoolTransfer:
         return self._get_slots(items, per, slots, lambda first, piece: [
             st.kv.addresses(list(range((first + i) * cb, (first + i + 1) * cb))) for i in range(len(piece))],
             land, st.stream, landed, handle, tm)
-
-    def _land_torch(self, st: _Staging, h: int, per: int, lo: int, n: int, pairs: list[tuple[int, int]]) -> None:
-        """``land_torch``: staging blocks ``lo...lo + n`` of slot ``h`` -> a device scratch of that slot in one
-        copy per KV tensor, then ``index_copy_`` into the blocks of ``pairs`` (staging, device) - torch ops
-        instead of one Triton launch per KV tensor (an A/B of the launch cost with many load clients).
-        The slot's scratch is reused only after the slot's previous copies ended (``_get_slots`` waits)."""
-        import torch
-
-        cb = self.chunk_blocks
-        scratch = getattr(st, "scratch", None)
-        if scratch is None:
-            scratch = st.scratch = {}
-        where = self.kv.tensors[0].device
-        if h not in scratch or scratch[h][0].shape[0] < n:
-            rows = max(per * cb, n)
-            scratch[h] = [torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device=where) for t in st.kv.tensors]
-        with self.dev.stream_context(st.stream):
-            src = torch.tensor([s - lo for s, _ in pairs], dtype=torch.long).to(where, non_blocking=True)
-            dst = torch.tensor([d for _, d in pairs], dtype=torch.long).to(where, non_blocking=True)
-            whole = len(pairs) == n
-            for sc, ht, dt in zip(scratch[h], st.kv.tensors, self.kv.tensors):
-                sc[:n].copy_(ht[lo:lo + n], non_blocking=True)
-                dt.index_copy_(0, dst, sc[:n] if whole else sc.index_select(0, src))
 
     def _route(self, keys: list[str]) -> list[list[int]] | None:
         """Per load client, the indices of ``keys`` it reads: each value through a client of a holder
