@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from offline_ab import recapture as recapture_range  # this folder is on sys.path when run as a script
 
 import hwkv
 from hwkv.bench.common import copy_bandwidth, model_dir, workload
@@ -30,31 +31,10 @@ from hwkv.bench.e2e_report import profile
 from hwkv.bench.timeline import graph_timeline
 
 
-@torch.inference_mode()
 def recapture(engine: Any, batch: int = 1) -> int:
-    """Capture the decode graphs of ``batch`` requests again (as ``GraphRunner.capture`` does, those keys only), so
-    that tile overrides and hooks set since take effect. Returns how many graphs were captured."""
-    gr = engine.runner.graphs
-    if gr is None:  # a device without graphs (a CPU smoke run): the eager path reads the settings per step
-        return 0
-    dev = gr.device
-    keys = sorted((k for k in gr.graphs if k[0] == batch), reverse=True)
-    gr.d64[2].fill_(-1)  # capture-time passes write no KV
-    gr.dg64.fill_(-1)
-    gr.dg32.zero_()
-    gr.seq_lens.fill_(gr.q)
-    gr.block_tables.zero_()
-    stream = dev.new_stream()
-    stream.wait_stream(dev.current_stream())
-    with dev.stream_context(stream):
-        for b, s in keys:
-            md = gr._metadata(b, torch.full((b,), s, dtype=torch.int32))
-            gr._forward(b, md)
-            g, out = dev.capture_graph(lambda b=b, md=md: gr._forward(b, md), gr.pool, stream)
-            gr.graphs[(b, s)] = (g, out, md)
-    dev.current_stream().wait_stream(stream)
-    dev.synchronize()
-    return len(keys)
+    """Capture the decode graphs of ``batch`` requests again, so that tile overrides and hooks set since take
+    effect (offline_ab.recapture: the same capture for a range of batch sizes)."""
+    return recapture_range(engine, batch - 1, batch)
 
 
 def greedy_tokens(engine: Any, vocab: int, n: int = 96) -> list[int]:
