@@ -28,13 +28,15 @@ VOCAB = 512
 
 def stub_forward(vocab: int) -> Any:
     """A capturable forward whose cost does not grow with the model: logits one-hot at
-    ``(7 * input + 1) % vocab`` for the rows in ``logits_indices``."""
+    ``(7 * input + 1) % vocab`` for the rows in ``logits_indices`` (every row when ``None``, as the
+    model's contract says and the graph runner's every-row graphs pass)."""
     import torch
 
     def forward(input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: Any, md: Any,
-                logits_indices: torch.Tensor, slot_mapping: Any = None) -> torch.Tensor:
-        nxt = (input_ids.index_select(0, logits_indices) * 7 + 1) % vocab
-        return torch.zeros(logits_indices.shape[0], vocab).scatter_(1, nxt.unsqueeze(1), 1.0)
+                logits_indices: torch.Tensor | None, slot_mapping: Any = None) -> torch.Tensor:
+        rows = input_ids if logits_indices is None else input_ids.index_select(0, logits_indices)
+        nxt = (rows * 7 + 1) % vocab
+        return torch.zeros(rows.shape[0], vocab).scatter_(1, nxt.unsqueeze(1), 1.0)
     return forward
 
 
