@@ -8,9 +8,10 @@ backend's Device (``capture_graph``: CUDA graphs on hwkv-cuda, ACL graphs on hwk
 engine turns this path on where the backend declares ``Capabilities.graph_capture``.
 
 Static buffers hold every input the graph reads, so a replay only refreshes their contents:
-``input_ids``/``positions``/``slot_mapping`` (int64 ``[3, max_bs]``, one host→device copy) and
-``seq_lens`` + ``block_tables`` (one int32 buffer, one copy). ``query_start_loc`` is ``arange``
-and ``logits_indices`` is ``arange`` for every decode batch, so they are written once. Padded rows
+``input_ids``/``positions``/``slot_mapping`` (int64 ``[3, max_bs]``) and ``seq_lens`` + ``block_tables``
+(int32) share one staging buffer on each side, so a small step's inputs go over in one host→device copy
+(``IDS_WHOLE_BYTES``). ``query_start_loc`` is ``arange``, written once; a graph that wants every row's logits
+passes no ``logits_indices`` (the model's "all rows"), one gather fewer before the LM head. Padded rows
 write nothing (slot ``-1``) and read valid memory (``seq_len`` 1 over block 0).
 
 Host-side launch parameters: a backend may size its grids from the metadata's host values (hwkv-cuda

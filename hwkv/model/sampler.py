@@ -227,15 +227,15 @@ def _chunks(v: int) -> int:
     return next((c for c in range(min(ARGMAX_CHUNKS, v // 128), 63, -1) if v % c == 0), 0)
 
 
-def argmax_rows(x: torch.Tensor, chunked: bool = True) -> torch.Tensor:
-    """``x.argmax(-1)`` of ``[R, V]`` logits, over chunks of each row first (``chunked=False``: not): torch
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(-1)`` of ``[R, V]`` logits, over chunks of each row first (ARGMAX_CHUNKS = 0: not): torch
     reduces a row in one thread block, so the argmax of one row of 128,256 logits took 37 us on an H200 (one SM;
     batch-1 decode, bench/results/issue36-b1-batch1b-H200-2026-11-29-312154c.md) - as long as two decoder layers.
     The max of each chunk (first occurrence, NaN as the maximum, as argmax), then the argmax over the chunk maxima:
     the same index as ``x.argmax(-1)``, in four small launches that spread over the SMs (~12 us on the H200 in
     batch 2 with one launch more)."""
     r, v = x.shape
-    c = _chunks(v) if chunked and x.is_contiguous() else 0
+    c = _chunks(v) if x.is_contiguous() else 0
     if not c:
         return x.argmax(-1)
     vals, idx = x.view(r, c, v // c).max(-1)

@@ -557,7 +557,7 @@ class PoolTransfer:
                 if good:
                     t2 = time.perf_counter()
                     land(h, first, piece[:good])
-                    tm["load_land_s"] = tm.get("load_land_s", 0.0) + time.perf_counter() - t2
+                    tm["load_land_s"] += time.perf_counter() - t2
                     copies[h] = self.dev.new_event()
                     copies[h].record(stream)
                     done += good
