@@ -84,7 +84,7 @@ e.close()
 # pool, its device prefix cache is dropped, and the same prompt again loads from the pool: what a
 # restarted instance does, without the restart.
 CHILD_ONE = r"""
-import json, sys, time
+import json, os, sys, time
 import hwkv
 from hwkv import SamplingParams
 cfg = json.loads(sys.argv[1])
@@ -126,9 +126,10 @@ for _ in range(2):
     for n in cfg.get("ab_parallel", []):  # "P": P calls on one client; "cK" / "cKpP": K clients (P calls each);
         # "rP": several holders, each value through its holder's clients (P calls each); the others do not route
         # a trailing "m": staging -> device copies as one memcpy per run of blocks; "w": one piece per client;
-        # "s": the GIL switch interval at 0.2 ms during the load (the load's threads take turns with the engine's)
-        flags, n0 = set(n[1:]) & {"m", "w", "s"}, n
-        n = n.rstrip("mws")
+        # "s": the GIL switch interval at 0.2 ms during the load (the load's threads take turns with the engine's);
+        # "o": staging -> device copies as one launch per KV tensor (HWKV_CUDA_COPY_LAUNCH=tensor, before one launch)
+        flags, n0 = set(n[1:]) & {"m", "w", "s", "o"}, n
+        n = n.rstrip("mwso")
         hk = int(n[1:].partition("p")[0]) if n.startswith("h") else 0
         lanes, _, par = n[1:].partition("p") if n.startswith(("c", "h")) else ("1", "", n.lstrip("r"))
         prompt = cfg["prompt"]
@@ -154,10 +155,17 @@ for _ in range(2):
         switch = sys.getswitchinterval()
         if "s" in flags:
             sys.setswitchinterval(0.0002)
+        launch = os.environ.get("HWKV_CUDA_COPY_LAUNCH")
+        if "o" in flags:
+            os.environ["HWKV_CUDA_COPY_LAUNCH"] = "tensor"
         t0 = time.perf_counter()
         out = e.generate([prompt], sp, use_tqdm=False)[0]
         ttft = time.perf_counter() - t0
         sys.setswitchinterval(switch)
+        if launch is None:
+            os.environ.pop("HWKV_CUDA_COPY_LAUNCH", None)
+        else:
+            os.environ["HWKV_CUDA_COPY_LAUNCH"] = launch
         r = {"ttft_s": ttft, "tokens": out.token_ids, "ref_tokens": refs.get(hk),
              "cached_tokens": out.metrics.num_cached_tokens if out.metrics is not None else None,
              "timing": {k: round(v - before.get(k, 0.0), 6) for k, v in timing().items()}}

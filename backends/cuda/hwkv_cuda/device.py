@@ -3,6 +3,7 @@ copies, L2 weight prefetch."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -150,6 +151,8 @@ class CudaDevice(Device):
         from hwkv_cuda.kernels.cache import copy_blocks_kernel
 
         with torch.cuda.stream(stream) if stream is not None else _null():  # type: ignore[arg-type]
+            if _one_launch(src, dst, idx, self.torch_device):
+                return
             # the caching host allocator keeps the pinned index alive until its H2D copy is done
             pairs_dev = idx.pin_memory().to(self.torch_device, non_blocking=True)
             for s_t, d_t in zip(src.tensors, dst.tensors):
@@ -162,6 +165,42 @@ class CudaDevice(Device):
                     if s_t.is_cuda and d_t.is_cuda:
                         raise
                     _copy_runs(s_t, d_t, pairs)  # a Triton that refuses host pointers: merged-run copies
+
+
+def _one_launch(src: KVCache, dst: KVCache, idx: torch.Tensor, where: torch.device) -> bool:
+    """Every tensor's blocks in ONE launch (:func:`copy_blocks_tensors_kernel`) where all tensors have
+    blocks of one size and sit at 16-byte multiples from the first tensor (a staging cache in one
+    allocation, a device cache's tensors); ``False``: not done, copy per tensor. A restart's load lands
+    a piece of every layer from each holder client's thread: one launch instead of one per tensor (64
+    at 8B) keeps those threads from queueing on the GIL. ``HWKV_CUDA_COPY_LAUNCH=tensor`` turns it off
+    (the A/B of ``hwkv bench pool-restart``)."""
+    if os.environ.get("HWKV_CUDA_COPY_LAUNCH", "one") == "tensor" or len(src.tensors) < 2:
+        return False
+    from hwkv_cuda.kernels.cache import copy_blocks_tensors_kernel
+
+    ts, td = src.tensors, dst.tensors
+    unit = _unit_dtype(ts[0])
+    nbytes = ts[0][0].numel() * ts[0].element_size()
+    for t in (*ts, *td):
+        if t[0].numel() * t.element_size() != nbytes or not t.is_contiguous() or _unit_dtype(t) != unit:
+            return False
+    offs = [(a.data_ptr() - ts[0].data_ptr(), b.data_ptr() - td[0].data_ptr()) for a, b in zip(ts, td)]
+    if any(o % 16 for pair in offs for o in pair) or ts[0].data_ptr() % 16 or td[0].data_ptr() % 16:
+        return False
+    # one index for the launch: each tensor's (source, destination) offset in 16-byte units, then the
+    # pairs; the caching host allocator keeps the pinned copy alive until its H2D copy is done
+    table = torch.cat([torch.tensor(offs, dtype=torch.long).reshape(-1) // 16, idx.reshape(-1)])
+    table = table.pin_memory().to(where, non_blocking=True)
+    elems = nbytes // unit.itemsize
+    grid = (len(idx), len(ts), -(-elems // COPY_CHUNK))
+    try:
+        copy_blocks_tensors_kernel[grid](ts[0].view(unit), td[0].view(unit), table, table[2 * len(ts):], elems,
+                                         CHUNK=COPY_CHUNK, PER_16=16 // unit.itemsize)
+    except (ValueError, RuntimeError):
+        if ts[0].is_cuda and td[0].is_cuda:
+            raise
+        return False  # a Triton that refuses host pointers: per tensor, then merged-run copies
+    return True
 
 
 def _copy_runs(s_t: torch.Tensor, d_t: torch.Tensor, pairs: list[tuple[int, int]]) -> None:

@@ -170,6 +170,30 @@ def test_copy_blocks_kernel():
     assert dst[2].abs().sum() == 0 and dst[3].abs().sum() == 0
 
 
+def test_copy_blocks_tensors_kernel_one_launch_for_every_tensor():
+    """Tensors in separate allocations (a device cache) and in one (a staging cache), reached as 16-byte
+    offsets from the first; blocks outside the pairs stay untouched in every tensor."""
+    from hwkv_cuda.kernels.cache import copy_blocks_tensors_kernel
+
+    g = torch.Generator().manual_seed(3)
+    src = [torch.randn(6, 2, 16, 2, 8, generator=g).to(DEV) for _ in range(3)]
+    flat = torch.zeros(3 * 5 * src[0][0].numel() + 64, device=DEV)
+    dst = [flat[64 + i * 5 * src[0][0].numel():][:5 * src[0][0].numel()].view(5, 2, 16, 2, 8) for i in range(3)]
+    pairs = [[0, 4], [5, 1], [2, 0]]
+    offs = [((a.data_ptr() - src[0].data_ptr()) // 16, (b.data_ptr() - dst[0].data_ptr()) // 16)
+            for a, b in zip(src, dst)]
+    table = torch.tensor([o for pair in offs for o in pair] + [x for p in pairs for x in p], dtype=torch.int64,
+                         device=DEV)
+    elems = src[0][0].numel()
+    copy_blocks_tensors_kernel[(3, 3, -(-elems // 64))](src[0].view(torch.int32), dst[0].view(torch.int32), table,
+                                                       table[6:], elems, CHUNK=64, PER_16=4)
+    for s_t, d_t in zip(src, dst):
+        for s, d in pairs:
+            assert torch.equal(d_t[d], s_t[s])
+        assert d_t[2].abs().sum() == 0 and d_t[3].abs().sum() == 0
+    assert flat[:64].abs().sum() == 0
+
+
 def test_bad_inputs_name_the_field():
     impl = TritonAttentionBackend().make_impl(4, 16, 2, 0.25)
     kv = torch.zeros(2, 2, 16, 2, 16)

@@ -63,3 +63,23 @@ def copy_blocks_kernel(src_ptr, dst_ptr, pairs_ptr, block_elems, CHUNK: tl.const
     mask = offs < block_elems
     x = tl.load(src_ptr + s * block_elems + offs, mask=mask)
     tl.store(dst_ptr + d * block_elems + offs, x, mask=mask)
+
+
+@triton.jit
+def copy_blocks_tensors_kernel(src_ptr, dst_ptr, offs_ptr, pairs_ptr, block_elems,
+                               CHUNK: tl.constexpr, PER_16: tl.constexpr):
+    """:func:`copy_blocks_kernel` for every KV tensor of a cache in one launch; grid (pairs, tensors,
+    chunks). Tensor ``t`` starts ``offs[2t]`` (source) / ``offs[2t + 1]`` (destination) 16-byte units
+    from ``src_ptr`` / ``dst_ptr`` (the first tensors: any tensor's address would do, but an offset in
+    16-byte units keeps the loads vectorised, as a loaded pointer would not), ``PER_16`` elements each."""
+    i = tl.program_id(0)
+    t = tl.program_id(1)
+    c = tl.program_id(2)
+    s = tl.load(pairs_ptr + 2 * i).to(tl.int64)
+    d = tl.load(pairs_ptr + 2 * i + 1).to(tl.int64)
+    so = tl.load(offs_ptr + 2 * t) * PER_16
+    do = tl.load(offs_ptr + 2 * t + 1) * PER_16
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    mask = offs < block_elems
+    x = tl.load(src_ptr + so + s * block_elems + offs, mask=mask)
+    tl.store(dst_ptr + do + d * block_elems + offs, x, mask=mask)
