@@ -289,6 +289,7 @@ class TritonAttentionImpl(AttentionImpl):
         if fp8 and prefetch:
             unpack = 7  # its fp16 dots (the query in fp16 once per program); the loop casts rows itself
         kv = layer_kv.view(torch.int16) if fp8 and words and unpack else layer_kv  # two codes per word
+        early = bool(cfg.early) and cfg.block_q == 1 and md.one_token and not fp8 and not prefetch
         head_major = bool(cfg.head_major) and grid_q <= 65535  # a grid's y and z sizes stop at 65,535
         attention_kernel[(hkv, grid_q, splits) if head_major else (grid_q, hkv, splits)](
             query, kv, out, part_acc, part_ml, counters,
@@ -301,7 +302,7 @@ class TritonAttentionImpl(AttentionImpl):
             SPLIT=splits > 1, FUSED=fused, NUM_SPLITS_PAD=splits_pad, G_PAD=g_pad,
             MERGE_ROWS=merge_rows, MERGE_SPLITS=merge_splits, IEEE=query.dtype == torch.float32, PDL=pdl,
             KV_FP8=fp8, UNPACK=unpack, ONE_TOKEN=cfg.block_q == 1 and bool(cfg.direct) and md.one_token,
-            HEAD_MAJOR=head_major, PREFETCH=prefetch,
+            HEAD_MAJOR=head_major, PREFETCH=prefetch, EARLY=early,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **({"launch_pdl": True} if pdl else {}),
             **self._features(query.device),

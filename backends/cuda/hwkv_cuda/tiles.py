@@ -52,6 +52,8 @@ class TileConfig:
     prefetch: int = 0  # a decode tile (block_q 1) streams K/V software-pipelined by hand: the next tile's K/V rows
     # load while this tile's dots run, from block ids loaded one tile earlier (kernels/attention.py, PREFETCH);
     # over an fp8 cache its rows are cast to fp16 for fp16 dots (as fp8_unpack 7)
+    early: int = 0  # a pure decode (one query token per request) over a 16-bit cache loads its first K/V tile before
+    # the PDL wait and only the query and this step's own K/V rows after it (kernels/attention.py, EARLY)
 
 
 

@@ -54,6 +54,11 @@ SPLIT_CASES = {  # name: (query lens, seq lens, H, H_kv, D, block size, HWKV_CUD
                                 "min_split=16,split_below=1000,split_target=100,prefetch=1"),
     "mha_prefetch_block_n_64": ([1, 1], [90, 300], 4, 4, 16, 16,
                                 "min_split=16,split_below=1000,split_target=3,block_n=64,prefetch=1"),
+    # the first tile before the PDL wait (early=1): one-tile and 3-tile splits, empty splits
+    "gqa4_22_splits_early": ([1, 1, 1], [5, 40, 700], 8, 2, 16, 16,
+                             "min_split=16,split_below=1000,split_target=100,early=1"),
+    "mha_early_block_n_16": ([1, 1], [90, 300], 4, 4, 16, 16,
+                             "min_split=48,split_below=1000,split_target=3,block_n=16,early=1"),
     "mixed_gqa3": ([1, 12, 1, 30], [50, 12, 300, 90], 6, 2, 16, 16,
                    "min_split=16,split_below=1000,part_cap=0,merge_cap=0,merge_regs=2"),
 }

@@ -212,11 +212,13 @@ def attention_kernel(
     KV_FP8: tl.constexpr = False, window=0, cap2=1.0, sinks_ptr=None,
     WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False, SINKS: tl.constexpr = False,
     UNPACK: tl.constexpr = 0, ONE_TOKEN: tl.constexpr = False, HEAD_MAJOR: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False, EARLY: tl.constexpr = False,
 ):
+    tl.static_assert(not (EARLY and (KV_FP8 or PREFETCH or BLOCK_Q > 1)), "EARLY: one-token decodes of a 16-bit cache")
     if PDL:  # launched early beside the previous kernel: wait for its writes before reading anything
         gdc_launch_dependents()  # the next kernel only preloads weights before its own wait
-        gdc_wait()
+        if not EARLY:  # EARLY: the wait comes after the first K/V tile's loads (below)
+            gdc_wait()
     # grid (q blocks, KV heads, splits), or (KV heads, q blocks, splits) with HEAD_MAJOR: a request's KV heads
     # then run side by side, reading the same cache blocks at once (each head is 1/H_kv of every token's row)
     q_prog = tl.program_id(1) if HEAD_MAJOR else tl.program_id(0)
@@ -261,8 +263,9 @@ def attention_kernel(
     row_ok = (tok < q_len) & (offs_m % HPAD < G)
     q_pos = ctx_len + tok
     q_idx = (q_start + tok).to(tl.int64)
-    q = tl.load(q_ptr + q_idx[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None] & d_mask[None, :], other=0.0)
+    q_ptrs = q_ptr + q_idx[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    if not EARLY:
+        q = tl.load(q_ptrs, mask=row_ok[:, None] & d_mask[None, :], other=0.0)
 
     # KV range of this program: causal bound of the tile's last token, cut to this split. The segment
     # follows this request's length (>= min_seg keys, whole BLOCK_N tiles), so the splits cover it
@@ -314,7 +317,31 @@ def attention_kernel(
         m_i = tl.where(split == 0, sink, float("-inf"))
         l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    if PREFETCH:
+    if EARLY:
+        # One query token per request (a pure decode; 16-bit cache): what this program reads before the PDL wait
+        # does not depend on the kernels still running before it - query_start_loc, seq_lens and the block table
+        # are the step's inputs, and the first tile's K/V rows were written by earlier steps, except the rows of
+        # this step's token (position ctx_len on), which the previous kernel (the qkv GEMV's KV write) may still be
+        # writing: those are loaded again after the wait. So the block id -> K/V chain of loads overlaps the
+        # previous kernel's tail instead of following it. Every key in [lo_kv, hi_kv) is visible (as PREFETCH).
+        pos = lo_kv + offs_n
+        off, n_mask = _rows(bt_ptr, pos, hi_kv, kvh_off, stride_blk, stride_tok, BS)
+        kv_rows = kv_ptr + off[:, None] + offs_d[None, :]
+        ld = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(kv_rows, mask=ld, other=0.0)
+        v = tl.load(kv_rows + stride_kv, mask=ld, other=0.0)
+        if PDL:
+            gdc_wait()
+        q = tl.load(q_ptrs, mask=row_ok[:, None] & d_mask[None, :], other=0.0)
+        fresh = ld & (pos >= ctx_len)[:, None]
+        k = tl.where(fresh, tl.load(kv_rows, mask=fresh, other=0.0), k)
+        v = tl.where(fresh, tl.load(kv_rows + stride_kv, mask=fresh, other=0.0), v)
+        acc, l_i, m_i = _tile_regs(acc, l_i, m_i, q, qk_scale, k, v, n_mask, d_mask, cap2, IEEE, False, SOFTCAP)
+        for start in range(lo_kv + BLOCK_N, hi_kv, BLOCK_N):  # a split longer than one tile: the plain tiles
+            acc, l_i, m_i = _tile(acc, l_i, m_i, q, qk_scale, kv_ptr, bt_ptr, start, hi_kv, q_pos, kvh_off,
+                                  stride_blk, stride_tok, stride_kv, offs_n, offs_d, d_mask, BS, True, IEEE, False,
+                                  window, cap2, WINDOW, SOFTCAP)
+    elif PREFETCH:
         # One query token per program (BLOCK_Q == 1): every key in [lo_kv, hi_kv) is visible (the window's
         # edge is lo_kv's base), so one masked loop. Software pipelined by hand: while a tile's dots run,
         # the next tile's K/V loads are in flight, and their block ids were loaded one iteration earlier -

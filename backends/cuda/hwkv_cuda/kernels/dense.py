@@ -175,19 +175,9 @@ def dense_kernel(
     if PRELOAD:  # the first weight tile before the wait: it does not depend on the previous kernel
         wa = _wload(w_a + k_lo, ok_a[:, None] & (k_lo + offs_k[None, :] < k_hi), EVICT)
         wb = _wload(w_b + k_lo, ok_b[:, None] & (k_lo + offs_k[None, :] < k_hi), EVICT)
-    if PDL:
-        # let the next kernel's programs start now: before their own wait they only load weights,
-        # so they stream those while this kernel (and the one it waits on) runs
-        gdc_launch_dependents()
-        gdc_wait()  # from here on we read what earlier kernels wrote
-    if RS > 0:  # every peer's part of this site arrived (bounded: err instead of a hung device)
-        _wait_arrivals(cnt_ptr + site, expect, err_ptr)
     m_ok = offs_m[:, None] < M
-    # the epilogue's loads go out now, beside the weight stream, not after it
-    if EPILOGUE == 1:
-        ra = tl.load(res_ptr + offs_m[:, None] * stride_rm + rows_a[None, :], mask=m_ok & ok_a[None, :], other=0.0)
-        rb = tl.load(res_ptr + offs_m[:, None] * stride_rm + rows_b[None, :], mask=m_ok & ok_b[None, :], other=0.0)
-    if EPILOGUE == 2:
+    if EPILOGUE == 2:  # before the wait too: positions, slots (the step's inputs) and the cos/sin tables
+        # are not written by the kernels before this one - the pos -> cos/sin chain leaves the critical path
         pos = tl.load(pos_ptr + offs_m, mask=offs_m < M, other=0).to(tl.int64)
         slot = tl.load(slot_ptr + offs_m, mask=offs_m < M, other=-1).to(tl.int64)
         i_a = rows_a % HEAD
@@ -198,6 +188,17 @@ def dense_kernel(
         sa = tl.load(sin_ptr + c_row + i_a[None, :], mask=cmask, other=0.0).to(tl.float32)
         cb = tl.load(cos_ptr + c_row + i_a[None, :] + HEAD // 2, mask=cmask, other=1.0).to(tl.float32)
         sb = tl.load(sin_ptr + c_row + i_a[None, :] + HEAD // 2, mask=cmask, other=0.0).to(tl.float32)
+    if PDL:
+        # let the next kernel's programs start now: before their own wait they only load weights,
+        # so they stream those while this kernel (and the one it waits on) runs
+        gdc_launch_dependents()
+        gdc_wait()  # from here on we read what earlier kernels wrote
+    if RS > 0:  # every peer's part of this site arrived (bounded: err instead of a hung device)
+        _wait_arrivals(cnt_ptr + site, expect, err_ptr)
+    # the epilogue's loads go out now, beside the weight stream, not after it
+    if EPILOGUE == 1:
+        ra = tl.load(res_ptr + offs_m[:, None] * stride_rm + rows_a[None, :], mask=m_ok & ok_a[None, :], other=0.0)
+        rb = tl.load(res_ptr + offs_m[:, None] * stride_rm + rows_b[None, :], mask=m_ok & ok_b[None, :], other=0.0)
     rstd = tl.zeros([M_PAD], dtype=tl.float32)
     if PROLOGUE == 1 and not ONE_TILE:
         ss = tl.zeros([M_PAD], dtype=tl.float32)
