@@ -8,7 +8,7 @@
 # P calls per holder client; h1pP = one holder: another prompt whose chunks all went to the first holder
 # (the 1-holder baseline, same engine and run); P / cK = not routed (one client / K clients in contiguous shares, values of
 # other holders over their tcp transport). LIMIT s (default 120); DTYPES (default "fp8 bf16"), first first; HOLDERS, PAR, CLIENTS, AB, CAP_MB,
-# STAGING_MB, HOLDER_THREADS. A/B suffixes: m = staging -> device copies as memcpy runs, w = one piece per
+# STAGING_MB, HOLDER_THREADS, RAW (0: no raw holders_tput.py at the end), MIN_RUN_S (skip a dtype with less left, default 40). A/B suffixes: m = staging -> device copies as memcpy runs, w = one piece per
 # client, s = GIL switch interval 0.2 ms; hKpP = another prompt put on the first K holders only.
 set -u
 source bench/gpu/lib.sh
@@ -30,7 +30,7 @@ R=(python3 -m hwkv bench pool-restart --backend cuda --repeats 1 --capacity-mb "
    --staging-mb "${STAGING_MB:-1024}" --timeout 60 --holder-threads "${HOLDER_THREADS:-8}"
    --pool-config "{\"load_parallel\": ${PAR:-2}, \"load_clients\": ${CLIENTS:-1}}" --ab-parallel "${AB:-r1,r4,h1p1,h1p4,c4}")
 for d in ${DTYPES:-fp8 bf16}; do
-  if [[ $(left 0) -lt 40 ]]; then echo "== skip $d: $(left 0) s left"; continue; fi
+  if [[ $(left 0) -lt ${MIN_RUN_S:-40} ]]; then echo "== skip $d: $(left 0) s left"; continue; fi
   echo "== llama-8b $d KV, 7,937-token prompt, 256-token chunks, ${HOLDERS:-4} holders ($(left 0) s left, $(date -u +%T))"
   ea='{"enforce_eager": true}'; [[ $d == fp8 ]] && ea='{"enforce_eager": true, "kv_cache_dtype": "fp8"}'
   mkdir -p "$OUT/8b-$d"
@@ -38,7 +38,7 @@ for d in ${DTYPES:-fp8 bf16}; do
     | grep -v "^[IW][0-9]" | tail -n 12
   echo "8b-$d rc=${PIPESTATUS[0]} ($(date -u +%T))"
 done
-if [[ $(left 0) -ge 12 ]]; then
+if [[ ${RAW:-1} == 1 && $(left 0) -ge 12 ]]; then
   echo "== raw: holders_tput.py, HOLDERS_RAW=${HOLDERS_RAW:-4,8} ($(left 0) s left)"
   HOLDERS=${HOLDERS_RAW:-4,8} timeout "$(left 1)" python3 bench/gpu/holders_tput.py 32 16777216 32 2>&1 \
     | tee "$OUT/holders_tput.log" | grep -v "^[IW][0-9]" | tail -n 6
