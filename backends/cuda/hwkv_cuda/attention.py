@@ -23,6 +23,7 @@ from hwkv.interfaces.layout import KVLayoutKind
 from hwkv_cuda.launch import device_limits, use_pdl
 from hwkv_cuda.splitkv import SplitCounters, merge_tile, reduce_mode
 from hwkv_cuda.tiles import (
+    DECODE_OVERRIDE_ENV,
     FP8_OVERRIDE_ENV,
     MAX_SPLITS,
     OVERRIDE_ENV,
@@ -144,7 +145,7 @@ class CudaAttentionMetadata:
         ``kv_dtype`` is the cache's (None: ``dtype``): an fp8 cache reads half the bytes per key."""
         kv_dtype = kv_dtype or dtype
         key = (num_heads, num_kv_heads, head_size, dtype, kv_dtype, fused, os.environ.get(OVERRIDE_ENV, ""),
-               os.environ.get(FP8_OVERRIDE_ENV, ""))
+               os.environ.get(FP8_OVERRIDE_ENV, ""), os.environ.get(DECODE_OVERRIDE_ENV, ""))
         if key not in self.launches:
             self.launches[key] = self._choose(num_heads, num_kv_heads, head_size, dtype, fused, kv_dtype.itemsize)
         return self.launches[key]

@@ -17,6 +17,7 @@ LONG_SPLIT = 512  # a split of at least this many keys runs 128-key tiles (fp8: 
 FP8_LONG_SPLIT = 4096  # an fp8 split decode with splits this long takes the two-warp tile (choose_config)
 OVERRIDE_ENV = "HWKV_CUDA_ATTN_CONFIG"
 FP8_OVERRIDE_ENV = "HWKV_CUDA_ATTN_CONFIG_FP8"  # applied on top for an fp8 (1-byte) cache
+DECODE_OVERRIDE_ENV = "HWKV_CUDA_ATTN_CONFIG_DECODE"  # applied on top for a decode step over a 16-bit cache
 
 
 def pow2(n: int) -> int:
@@ -143,18 +144,22 @@ def choose_config(max_query_len: int, group: int, head_size: int, dtype: torch.d
         else:  # a small grid has SMs to spare: wider tiles, more warps per program
             cfg = dict(block_m=block_m, block_q=block_m // hpad, block_n=64 if wide else 128,
                        num_warps=4 if wide else 8, num_stages=3)
-    cfg.update(overrides(fp8=(kv_elem or dtype.itemsize) == 1))
+    cfg.update(overrides(fp8=(kv_elem or dtype.itemsize) == 1, decode=max_query_len == 1))
     if cfg["block_m"] // cfg["block_q"] < group:
         raise ValueError(f"tile config {cfg}: block_m // block_q must be >= the GQA group {group}")
     return TileConfig(**cfg)
 
 
-def overrides(fp8: bool = False) -> dict[str, int]:
+def overrides(fp8: bool = False, decode: bool = False) -> dict[str, int]:
     """``HWKV_CUDA_ATTN_CONFIG`` (``"block_n=128,num_warps=8"``) as a dict (read per call); names are
     :class:`TileConfig`'s fields. ``fp8``: a launch over a 1-byte cache, where
-    ``HWKV_CUDA_ATTN_CONFIG_FP8`` is applied on top (one process can time both caches, each with its own)."""
+    ``HWKV_CUDA_ATTN_CONFIG_FP8`` is applied on top (one process can time both caches, each with its own).
+    ``decode``: a step of one query token per request, where ``HWKV_CUDA_ATTN_CONFIG_DECODE`` is applied on top
+    over a 16-bit cache (an engine A/B of decode tiles leaves the prefill and mixed steps' tiles alone)."""
     names = [f.name for f in fields(TileConfig)]
     out = parse_overrides(OVERRIDE_ENV, names)
+    if decode and not fp8:
+        out.update(parse_overrides(DECODE_OVERRIDE_ENV, names))
     if fp8:
         out.update(parse_overrides(FP8_OVERRIDE_ENV, names))
     return out
@@ -175,7 +180,7 @@ def fit_shared_memory(cfg: TileConfig, d_pad: int, elem_size: int, limit: int, k
     labelled with). Raises ``ValueError`` when even the smallest tile does not fit."""
     if limit <= 0:
         return cfg
-    fixed = overrides(fp8=(kv_elem or elem_size) == 1)
+    fixed = overrides(fp8=(kv_elem or elem_size) == 1, decode=cfg.block_q == 1)
     for rule in ("stages", "keys", "one stage"):
         while smem_bytes(cfg, d_pad, elem_size, kv_elem) > limit:
             if rule == "stages" and cfg.num_stages > 2 and "num_stages" not in fixed:

@@ -28,6 +28,8 @@ P, N = 512 // sc, 32 // sc
 MIXED = ["default", "block_m=128,block_q=32", "block_m=32,block_q=8", "block_m=16,block_q=4"]
 DECODE = ["default", "direct=0", "head_major=1", "num_stages=2", "num_stages=4", "block_n=64",
           "block_n=64,num_stages=4", "num_warps=2"]
+if os.environ.get("HWKV_PROBE_DECODE"):  # ";"-separated variants for the decode cases (each a comma list)
+    DECODE = ["default"] + [v for v in os.environ["HWKV_PROBE_DECODE"].split(";") if v and v != "default"]
 B1 = ["default", "direct=0", "min_split=64", "split_target=16"]
 # (name, query lengths, sequence lengths, variants), the offline run's largest share first; HWKV_PROBE_CASES (comma
 # list of name prefixes) picks some
@@ -36,7 +38,8 @@ cases = [("decode 256 x 640", [1] * (256 // sc), [640 // sc] * (256 // sc), DECO
          ("mixed 224 decodes @ 600 + 1 x 512 prefill", [1] * (224 // sc) + [P], [600 // sc] * (224 // sc) + [P], MIXED),
          ("mixed 128 decodes @ 600 + 8 x 512 prefills", [1] * (128 // sc) + [P] * (8 // sc or 1),
           [600 // sc] * (128 // sc) + [P] * (8 // sc or 1), ["default", "block_m=64,block_q=16"]),
-         ("decode 256 x 544", [1] * (256 // sc), [544 // sc] * (256 // sc), DECODE[:4]),
+         ("decode 256 x 544", [1] * (256 // sc), [544 // sc] * (256 // sc), DECODE),
+         ("decode 256 x 768", [1] * (256 // sc), [768 // sc] * (256 // sc), DECODE),
          ("prefill 32 x 512", [P] * N, [P] * N, ["default", "block_m=64,block_q=16"]),
          ("mixed 32 decodes @ 600 + 31 x 512 prefills", [1] * N + [P] * (N - 1), [600 // sc] * N + [P] * (N - 1),
           ["default", "block_m=64,block_q=16"])]
@@ -81,6 +84,8 @@ for name, ql, sl, variants in cases:
         row = dict(case=name, variant=variant, tokens=sum(ql), us=t * 1e6, TFLOPs=4 * h * d * pairs / t / 1e12,
                    kv_GB=sum(sl) * 2 * hkv * d * q.element_size() / 1e9, block_m=cfg.block_m, block_q=cfg.block_q,
                    block_n=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages, splits=plan.splits,
+                   head_major=cfg.head_major, prefetch=cfg.prefetch,
+                   kv_TBps=sum(sl) * 2 * hkv * d * q.element_size() / t / 1e12,
                    rel_err_vs_default=err)
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -131,14 +131,17 @@ def main() -> None:
                   f"{r['seconds']:.3f} s, "
                   f"host waited {r['token_wait_s']:.3f} s; tokens equal to the first variant's in {same}/{n} "
                   f"requests ({ng} graphs recaptured in {cap:.1f} s)", flush=True)
-    res = dict(bench="offline_ab", model=args.model, dtype=args.dtype,
-               device="cpu" if host else torch.cuda.get_device_name(),
-               date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), commit=os.environ.get("HWKV_COMMIT", ""),
-               command="python3 backends/cuda/scripts/offline_ab.py " + " ".join(
-                   f"--{k.replace('_', '-')} {json.dumps(v) if k == 'variants' else v}" for k, v in vars(args).items()),
-               workload=f"{n} req x {n_in} in -> {n_out} out (greedy, ignore_eos)", roofline=roof,
-               copy_bw_TBps=bw / 1e12, matmul_TFLOPs=rate / 1e12, rows=rows)
-    (out / f"offline-ab-{args.model}.json").write_text(json.dumps(res, indent=1, default=str))
+            # written after every row: a run cut by its time limit keeps what it measured
+            res = dict(bench="offline_ab", model=args.model, dtype=args.dtype,
+                       device="cpu" if host else torch.cuda.get_device_name(),
+                       date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                       commit=os.environ.get("HWKV_COMMIT", ""),
+                       command="python3 backends/cuda/scripts/offline_ab.py " + " ".join(
+                           f"--{k.replace('_', '-')} {json.dumps(a) if k == 'variants' else a}"
+                           for k, a in vars(args).items()),
+                       workload=f"{n} req x {n_in} in -> {n_out} out (greedy, ignore_eos)", roofline=roof,
+                       copy_bw_TBps=bw / 1e12, matmul_TFLOPs=rate / 1e12, rows=rows)
+            (out / f"offline-ab-{args.model}.json").write_text(json.dumps(res, indent=1, default=str))
 
 
 if __name__ == "__main__":

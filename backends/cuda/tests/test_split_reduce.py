@@ -264,6 +264,28 @@ def test_fp8_override_applies_only_to_an_fp8_cache(monkeypatch):
         choose_config(1, 4, 64, torch.bfloat16, kv_elem=1)
 
 
+def test_decode_override_applies_only_to_a_16_bit_decode(monkeypatch):
+    """HWKV_CUDA_ATTN_CONFIG_DECODE goes on top of HWKV_CUDA_ATTN_CONFIG for a step of one query token per
+    request over a 16-bit cache: an engine A/B of decode tiles keeps the prefill, mixed and fp8 tiles."""
+    from hwkv_cuda.tiles import choose_config, fit_shared_memory
+
+    monkeypatch.setenv("HWKV_CUDA_ATTN_CONFIG", "num_warps=8")
+    monkeypatch.setenv("HWKV_CUDA_ATTN_CONFIG_DECODE", "block_n=64,prefetch=1")
+    dec = choose_config(1, 4, 64, torch.bfloat16)
+    pre = choose_config(64, 4, 64, torch.bfloat16)
+    fp8 = choose_config(1, 4, 64, torch.bfloat16, kv_elem=1)
+    assert (dec.block_n, dec.prefetch, dec.num_warps) == (64, 1, 8)
+    assert (pre.prefetch, pre.num_warps) == (0, 8) and pre.block_n != 64
+    assert (fp8.prefetch, fp8.block_n) == (0, 128)
+    # the fields it fixes are not shrunk to fit shared memory
+    monkeypatch.setenv("HWKV_CUDA_ATTN_CONFIG_DECODE", "block_n=128,num_stages=8")
+    with pytest.raises(ValueError, match=r"fixes \['block_n', 'num_stages', 'num_warps'\]"):
+        fit_shared_memory(choose_config(1, 4, 64, torch.bfloat16), 64, 2, 166912)
+    monkeypatch.setenv("HWKV_CUDA_ATTN_CONFIG_DECODE", "prefech=1")
+    with pytest.raises(ValueError, match="HWKV_CUDA_ATTN_CONFIG_DECODE: 'prefech=1'"):
+        choose_config(1, 4, 64, torch.bfloat16)
+
+
 @pytest.mark.parametrize("qlens,wide", [([40], False), ([40, 40, 40], True), ([9, 9, 9], False)])
 def test_prefill_tiles_follow_the_program_count(qlens, wide, monkeypatch):
     """The wide-grid decision counts programs with work, two per SM (4 SMs here): fp32 prefill tiles
