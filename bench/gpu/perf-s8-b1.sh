@@ -1,8 +1,10 @@
-# usage (one GPU, repository root): OUT=<dir> bash bench/gpu/perf-s8-b1.sh   (<= 120 s: P 44, AB 72 at most)
+# usage (one GPU, repository root): OUT=<dir> bash bench/gpu/perf-s8-b1.sh   (<= 120 s: P 36, AB the rest)
 # perf (#36) session 8 batch 1, over main: (P) one layer of the offline workload's batch-256 decode attention
 # (1B shape, 256 x 544/640/768 keys, shuffled block tables) at the default tile and decode-tile variants: us and
 # K/V bytes read per second against the copy bandwidth; (AB) the 1B public-defaults offline workload in ONE engine
-# with decode-only tile variants (HWKV_CUDA_ATTN_CONFIG_DECODE), decode graphs recaptured per variant, tokens compared.
+# with the split-K linear (HWKV_CUDA_GEMM=1: last session's A/B of it ran before offline_ab cleared the prefix
+# cache, so it never ran clean) and decode-only tile variants (HWKV_CUDA_ATTN_CONFIG_DECODE), decode graphs
+# recaptured per variant, tokens compared.
 set -u
 source bench/gpu/lib.sh; gpu_env
 t0=$(date +%s); say() { echo "[perf] $(date -u +%T) +$(( $(date +%s) - t0 ))s $*"; }
@@ -10,8 +12,8 @@ say "commit $(cat COMMIT 2>/dev/null); $(python3 -c 'import hwkv, hwkv_cuda; pri
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 say "P: backends/cuda/scripts/attn_step_probe.py (decode 256 x 544/640/768)"
 HWKV_PROBE_CASES="decode 256" \
-HWKV_PROBE_DECODE="head_major=1;prefetch=1;prefetch=1,num_warps=2;prefetch=1,block_n=64;prefetch=1,block_n=64,num_warps=2;num_stages=5,block_n=64,num_warps=2;num_stages=5,block_n=64,num_warps=2,head_major=1;num_stages=4,block_n=32,num_warps=2;num_stages=2;num_warps=2" \
-  timeout -k 2 44 python3 backends/cuda/scripts/attn_step_probe.py "$OUT/attn-decode-probe.json" 2>&1 | python3 -c "
+HWKV_PROBE_DECODE="prefetch=1,block_n=64,num_warps=2;prefetch=1;num_stages=5,block_n=64,num_warps=2,head_major=1;prefetch=1,num_warps=2;num_stages=5,block_n=64,num_warps=2;head_major=1;num_stages=4,block_n=32,num_warps=2;prefetch=1,block_n=64" \
+  timeout -k 2 36 python3 backends/cuda/scripts/attn_step_probe.py "$OUT/attn-decode-probe.json" 2>&1 | python3 -c "
 import json, sys
 for line in sys.stdin:
     try:
@@ -20,9 +22,9 @@ for line in sys.stdin:
     except Exception:
         print(line.rstrip()[:300])
 "
-say "AB: backends/cuda/scripts/offline_ab.py --model llama-1b --rounds 2 (decode tiles: base, pf64w2, s5hm)"
+say "AB: backends/cuda/scripts/offline_ab.py --model llama-1b --rounds 2 (base, split-K linear, decode tiles pf64w2, s5hm)"
 HWKV_COMMIT=$(cat COMMIT 2>/dev/null) timeout -k 3 $(( 116 - ($(date +%s) - t0) )) python3 backends/cuda/scripts/offline_ab.py \
-  --model llama-1b --workdir /dev/shm/hwkv-def --rounds 2 --out "$OUT" --variants '[{"name": "base"},
+  --model llama-1b --workdir /dev/shm/hwkv-def --rounds 2 --out "$OUT" --variants '[{"name": "base"}, {"name": "gemm", "env": {"HWKV_CUDA_GEMM": "1"}},
   {"name": "pf64w2", "env": {"HWKV_CUDA_ATTN_CONFIG_DECODE": "prefetch=1,block_n=64,num_warps=2"}},
   {"name": "s5hm", "env": {"HWKV_CUDA_ATTN_CONFIG_DECODE": "num_stages=5,block_n=64,num_warps=2,head_major=1"}}]' \
   2>&1 | cut -c1-400
