@@ -8,8 +8,8 @@
 # P calls per holder client; h1pP = one holder: another prompt whose chunks all went to the first holder
 # (the 1-holder baseline, same engine and run); P / cK = not routed (one client / K clients in contiguous shares, values of
 # other holders over their tcp transport). LIMIT s (default 120); DTYPES (default "fp8 bf16"), first first; HOLDERS, PAR, CLIENTS, AB, CAP_MB,
-# STAGING_MB, HOLDER_THREADS, RAW (0: no raw holders_tput.py at the end), MIN_RUN_S (skip a dtype with less left, default 40). A/B suffixes: m = staging -> device copies as memcpy runs, w = one piece per
-# client, s = GIL switch interval 0.2 ms; hKpP = another prompt put on the first K holders only.
+# STAGING_MB, HOLDER_THREADS, RAW (0: no raw holders_tput.py at the end), MIN_RUN_S (skip a dtype with less left, default 40), GRAPHS (1: graphs on, max_num_seqs MAX_SEQS). A/B suffixes: o = one landing launch per KV tensor (before: one for all),
+# s = GIL switch interval 0.2 ms; hKpP = another prompt put on the first K holders only.
 set -u
 source bench/gpu/lib.sh
 gpu_env
@@ -31,8 +31,11 @@ R=(python3 -m hwkv bench pool-restart --backend cuda --repeats 1 --capacity-mb "
    --pool-config "{\"load_parallel\": ${PAR:-2}, \"load_clients\": ${CLIENTS:-1}}" --ab-parallel "${AB:-r1,r4,h1p1,h1p4,c4}")
 for d in ${DTYPES:-fp8 bf16}; do
   if [[ $(left 0) -lt ${MIN_RUN_S:-40} ]]; then echo "== skip $d: $(left 0) s left"; continue; fi
-  echo "== llama-8b $d KV, 7,937-token prompt, 256-token chunks, ${HOLDERS:-4} holders ($(left 0) s left, $(date -u +%T))"
-  ea='{"enforce_eager": true}'; [[ $d == fp8 ]] && ea='{"enforce_eager": true, "kv_cache_dtype": "fp8"}'
+  echo "== llama-8b $d KV, 7,937-token prompt, 256-token chunks, ${HOLDERS:-4} holders, GRAPHS=${GRAPHS:-0} ($(left 0) s left, $(date -u +%T))"
+  # GRAPHS=1: the engine's default graphs (a restarted instance's tail - one token after 7,936 loaded - runs as a
+  # captured short-query step instead of an eager forward), max_num_seqs MAX_SEQS (fewer buckets to capture)
+  ea='"enforce_eager": true'; [[ ${GRAPHS:-0} == 1 ]] && ea="\"max_num_seqs\": ${MAX_SEQS:-8}"
+  [[ $d == fp8 ]] && ea="$ea, \"kv_cache_dtype\": \"fp8\""; ea="{$ea}"
   mkdir -p "$OUT/8b-$d"
   timeout "$(left 1)" "${R[@]}" --engine-args "$ea" --out-dir "$OUT/8b-$d" 2>&1 | tee "$OUT/8b-$d.log" \
     | grep -v "^[IW][0-9]" | tail -n 12

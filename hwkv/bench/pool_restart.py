@@ -125,11 +125,10 @@ refs = {}
 for _ in range(2):
     for n in cfg.get("ab_parallel", []):  # "P": P calls on one client; "cK" / "cKpP": K clients (P calls each);
         # "rP": several holders, each value through its holder's clients (P calls each); the others do not route
-        # a trailing "m": staging -> device copies as one memcpy per run of blocks; "w": one piece per client;
-        # "s": the GIL switch interval at 0.2 ms during the load (the load's threads take turns with the engine's);
+        # a trailing "s": the GIL switch interval at 0.2 ms during the load (its threads take turns with the engine's);
         # "o": staging -> device copies as one launch per KV tensor (HWKV_CUDA_COPY_LAUNCH=tensor, before one launch)
-        flags, n0 = set(n[1:]) & {"m", "w", "s", "o"}, n
-        n = n.rstrip("mwso")
+        flags, n0 = set(n[1:]) & {"s", "o"}, n
+        n = n.rstrip("so")
         hk = int(n[1:].partition("p")[0]) if n.startswith("h") else 0
         lanes, _, par = n[1:].partition("p") if n.startswith(("c", "h")) else ("1", "", n.lstrip("r"))
         prompt = cfg["prompt"]
@@ -139,7 +138,6 @@ for _ in range(2):
         for t in e.connector.worker.transfers:
             t.load_parallel, t.lanes_active = int(par or 1), 1 if hk else int(lanes)
             t.routed = (hk > 0 or n.startswith("r")) and bool(t.segments and t.locate)
-            t.land_min_run, t.whole_share = 1 if "m" in flags else None, "w" in flags
         if hk and hk not in refs:
             ring = [(t, t._holder_ring) for t in e.connector.worker.transfers]
             for t, _ in ring:

@@ -191,11 +191,9 @@ class PoolTransfer:
         # transport), and one holder serves ~5.5 GB/s however many clients call (H200 host)
         self.segments, self.locate = segments, locate
         self.routed = bool(segments and locate)  # may be turned off (a bench's A/B)
-        # staging -> device copies: runs from this many blocks are one memcpy per KV tensor (None: the
-        # copy module's default), and (``whole_share``) one piece per client's share instead of halves;
-        # knobs for the bench's A/B of where a routed load's time outside the store calls goes
-        self.land_min_run: int | None = None
-        self.whole_share = False
+        # staging -> device copies go through Device.copy_blocks (one launch for every KV tensor of a piece on
+        # cuda); a memcpy per run of blocks (926 ms for an 8B load from 8 holders) and one piece per client's
+        # share (no change) were measured slower or equal on the H200 (docs/connectors.md)
         # puts: consecutive chunks go to the holders in turn (a preference the master honours while there
         # is room), so a prefix's chunks are spread evenly and its load reads every holder equally long
         # (the master's own random placement gave 8/6/7/11 of 32 values on four holders)
@@ -418,12 +416,9 @@ class PoolTransfer:
 
         def land(h: int, first: int, piece: list) -> None:  # blocks the device cache had (-1) stay as they are
             pairs = [(first * cb + i, b) for i, b in enumerate(b for _, ids in piece for b in ids) if b >= 0]
-            copy_block_pairs(self.dev, st.kv, self.kv, [s for s, _ in pairs], [d for _, d in pairs], st.stream,
-                             self.land_min_run)
+            copy_block_pairs(self.dev, st.kv, self.kv, [s for s, _ in pairs], [d for _, d in pairs], st.stream)
 
         per, slots = self.piece_plan(st.num_blocks // cb)
-        if self.whole_share and len(items) <= st.num_blocks // cb:
-            per, slots = len(items), 1
         return self._get_slots(items, per, slots, lambda first, piece: [
             st.kv.addresses(list(range((first + i) * cb, (first + i + 1) * cb))) for i in range(len(piece))],
             land, st.stream, landed, handle, tm)
