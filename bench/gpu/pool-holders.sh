@@ -27,7 +27,7 @@ print(model_dir(argparse.Namespace(model='llama-8b', dtype='bfloat16', workdir='
 " 2>&1 | tail -n 3; echo "write rc=${PIPESTATUS[0]} ($(date -u +%T))"
 R=(python3 -m hwkv bench pool-restart --backend cuda --repeats 1 --capacity-mb "${CAP_MB:-3072}" --via holder --one-process
    --holders "${HOLDERS:-4}" --workdir "$W" --model llama-8b --prompt-len 7905 --suffix-len 32 --chunk-size 256
-   --staging-mb "${STAGING_MB:-1024}" --timeout 60 --holder-threads "${HOLDER_THREADS:-8}"
+   --staging-mb "${STAGING_MB:-1024}" --timeout "${PROC_S:-90}" --holder-threads "${HOLDER_THREADS:-8}"
    --pool-config "{\"load_parallel\": ${PAR:-2}, \"load_clients\": ${CLIENTS:-1}}" --ab-parallel "${AB:-r1,r4,h1p1,h1p4,c4}")
 for d in ${DTYPES:-fp8 bf16}; do
   if [[ $(left 0) -lt ${MIN_RUN_S:-40} ]]; then echo "== skip $d: $(left 0) s left"; continue; fi
