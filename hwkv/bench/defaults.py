@@ -104,6 +104,7 @@ def profile_pass(engine: Any, work: list[tuple[list[int], int]]) -> dict[str, An
     from torch.profiler import ProfilerActivity, profile
 
     from hwkv.bench.e2e import run_engine
+    from hwkv.bench.timeline import pass_gaps
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         r = run_engine(engine, work)
@@ -117,8 +118,11 @@ def profile_pass(engine: Any, work: list[tuple[list[int], int]]) -> dict[str, An
     busy = sum(us for us, k, _ in rows if not k.startswith(("cudaGraphLaunch", "ProfilerStep"))) / 1e6
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20)
     print(table, flush=True)
+    gaps = pass_gaps(prof)
+    print(f"[defaults] GPU over the profiled pass: span {gaps.get('span_ms')} ms, busy {gaps.get('busy_ms')}, idle "
+          f"{gaps.get('idle_ms')}; gaps {gaps.get('gaps_by_size')}; largest {gaps.get('largest', [])[:4]}", flush=True)
     return dict(wall_s=r["seconds"], tok_per_s=r["tok_per_s"], top_cuda=kernels, cuda_total_s_approx=busy,
-                cpu_table=table)
+                cpu_table=table, gpu_gaps=gaps)
 
 
 def decode_profile(engine: Any, vocab: int, batches: list[int], prompt_len: int, steps: int = 32) -> dict[str, Any]:

@@ -80,3 +80,35 @@ def graph_timeline(engine: Any, batch: int = 1, max_seq_len: int = 512, reps: in
     first = [(labels[i][:48], round(seq[i] / k, 1)) for i in range(min(n, FIRST_KERNELS))]
     return dict(batch=batch, max_seq_len=max_seq_len, kernels=n, span_us=round(span / k, 1),
                 idle_us=round(idle / k, 1), critical_us={name: round(v, 1) for v, name in rows}, first_kernels=first)
+
+
+def pass_gaps(prof: Any, top: int = 8) -> dict[str, Any]:
+    """GPU idle over a whole profiled pass (many steps): the kernels' busy union, the idle time between them by gap
+    size, and the largest gaps with the kernels on either side - whether the GPU waits for the host between steps
+    (async scheduling that does not overlap shows as one gap per step). ``{}`` without kernel records."""
+    import torch
+
+    ks = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    if not ks:
+        return {}
+    edges = (5.0, 20.0, 100.0, 1000.0)  # µs
+    hist = {f">={x:g}us": [0, 0.0] for x in edges}
+    gaps, busy, frontier = [], 0.0, ks[0][0]
+    prev = ks[0][2]
+    for s, e, name in ks:
+        if s > frontier:
+            g = s - frontier
+            gaps.append((g, prev[:40], name[:40]))
+            for x in edges:
+                if g >= x:
+                    hist[f">={x:g}us"][0] += 1
+                    hist[f">={x:g}us"][1] += g
+        busy += max(0.0, e - max(frontier, s))
+        if e > frontier:
+            frontier, prev = e, name
+    span = frontier - ks[0][0]
+    gaps.sort(reverse=True)
+    return dict(span_ms=round(span / 1e3, 3), busy_ms=round(busy / 1e3, 3), idle_ms=round((span - busy) / 1e3, 3),
+                kernels=len(ks), gaps_by_size={k: dict(count=c, ms=round(t / 1e3, 3)) for k, (c, t) in hist.items()},
+                largest=[dict(us=round(g, 1), after=a, before=b) for g, a, b in gaps[:top]])

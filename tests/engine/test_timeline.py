@@ -48,3 +48,24 @@ def test_graph_timeline_charges_the_critical_path(monkeypatch):
     assert got["critical_us"] == {"attention_kernel": 6.0, "qkv": 5.0, "lm_head": 4.0, "embed": 2.0, "argmax": 1.0}
     assert got["first_kernels"] == [("embed", 2.0), ("qkv", 5.0), ("attention_kernel", 6.0), ("lm_head", 4.0),
                                     ("argmax", 1.0)]
+
+
+def test_pass_gaps_counts_idle_between_overlapping_kernels():
+    """pass_gaps: the busy union of overlapping kernels, idle = span - busy, gaps binned by size (a gap counts in
+    every bin it reaches) and the largest named by the kernels around it; no kernel records gives {}."""
+    cuda = torch.autograd.DeviceType.CUDA
+    ev = lambda name, s, e: types.SimpleNamespace(name=name, device_type=cuda,
+                                                  time_range=types.SimpleNamespace(start=s, end=e))
+    # busy 0-10 (a and b overlap), gap 6 us, busy 16-20, gap 150 us, busy 170-171; a CPU event is ignored
+    events = [ev("b", 4, 10), ev("a", 0, 8), ev("c", 16, 20), ev("d", 170, 171),
+              types.SimpleNamespace(name="cpu", device_type=torch.autograd.DeviceType.CPU,
+                                    time_range=types.SimpleNamespace(start=20, end=160))]
+    prof = types.SimpleNamespace(events=lambda: events)
+    g = timeline.pass_gaps(prof)
+    assert (g["span_ms"], g["busy_ms"], g["idle_ms"], g["kernels"]) == (0.171, 0.015, 0.156, 4)
+    assert g["gaps_by_size"][">=5us"] == dict(count=2, ms=0.156)
+    assert g["gaps_by_size"][">=100us"] == dict(count=1, ms=0.15)
+    assert g["gaps_by_size"][">=1000us"] == dict(count=0, ms=0.0)
+    assert g["largest"][0] == dict(us=150.0, after="c", before="d")
+    assert g["largest"][1] == dict(us=6.0, after="b", before="c")
+    assert timeline.pass_gaps(types.SimpleNamespace(events=lambda: [])) == {}
