@@ -78,6 +78,20 @@ def main() -> None:
                            tflops=2 * m * n * k / base / 1e9)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
+                # cuBLASLt's heuristics (with its workspace, split-K algorithms are candidates) for the same call
+                lib = torch.backends.cuda.preferred_blas_library()
+                try:
+                    torch.backends.cuda.preferred_blas_library("cublaslt")
+                    err = float((F.linear(x, w).float() - ref.float()).norm() / ref.float().norm())
+                    t = graph_us(lambda x=x, w=w: F.linear(x, w)) / 1e3
+                    row = dict(shape=shape, proj=name, m=m, variant="cublaslt", us=t * 1e3,
+                               tflops=2 * m * n * k / t / 1e9, vs_cublas=base / t, rel_err=err)
+                except Exception as e:  # noqa: BLE001 - a torch without the switch
+                    row = dict(shape=shape, proj=name, m=m, variant="cublaslt", error=repr(e)[:200])
+                finally:
+                    torch.backends.cuda.preferred_blas_library(lib)
+                print(json.dumps(row), flush=True)
+                rows.append(row)
                 for var in args.sweep.split(";"):
                     os.environ[CONFIG_ENV] = var
                     try:
