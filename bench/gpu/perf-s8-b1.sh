@@ -1,4 +1,4 @@
-# usage (one GPU, repository root): OUT=<dir> bash bench/gpu/perf-s8-b1.sh   (<= 120 s: P 36, AB the rest)
+# usage (one GPU, repository root): OUT=<dir> bash bench/gpu/perf-s8-b1.sh   (<= 120 s: P 40, AB the rest)
 # perf (#36) session 8 batch 1, over main: (P) one layer of the offline workload's batch-256 decode attention
 # (1B shape, 256 x 544/640/768 keys, shuffled block tables) at the default tile and decode-tile variants: us and
 # K/V bytes read per second against the copy bandwidth; (AB) the 1B public-defaults offline workload in ONE engine
@@ -12,8 +12,8 @@ say "commit $(cat COMMIT 2>/dev/null); $(python3 -c 'import hwkv, hwkv_cuda; pri
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 say "P: backends/cuda/scripts/attn_step_probe.py (decode 256 x 544/640/768)"
 HWKV_PROBE_CASES="decode 256" \
-HWKV_PROBE_DECODE="prefetch=1,block_n=64,num_warps=2;prefetch=1;num_stages=5,block_n=64,num_warps=2,head_major=1;prefetch=1,num_warps=2;num_stages=5,block_n=64,num_warps=2;head_major=1;num_stages=4,block_n=32,num_warps=2;prefetch=1,block_n=64" \
-  timeout -k 2 36 python3 backends/cuda/scripts/attn_step_probe.py "$OUT/attn-decode-probe.json" 2>&1 | python3 -c "
+HWKV_PROBE_DECODE="prefetch=1,block_n=64,num_warps=2;prefetch=1;num_stages=5,block_n=64,num_warps=2,head_major=1;prefetch=1,num_warps=2;num_stages=5,block_n=64,num_warps=2;head_major=1;num_warps=1,block_n=64;prefetch=1,block_n=32,num_warps=1;num_stages=4,block_n=32,num_warps=2" \
+  timeout -k 2 40 python3 backends/cuda/scripts/attn_step_probe.py "$OUT/attn-decode-probe.json" 2>&1 | python3 -c "
 import json, sys
 for line in sys.stdin:
     try:
