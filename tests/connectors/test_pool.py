@@ -122,6 +122,28 @@ def test_second_engine_loads_the_first_ones_prefix(model_dir, oracle, store_name
         _close(a, b)
 
 
+def test_a_load_then_its_tail_in_a_graph(model_dir, oracle, store_name):
+    """Graphs on (the engine's default where the backend captures): the pool keeps them and async
+    scheduling, and a restarted engine's load is followed by its one-token tail as a graph replay."""
+    from hwkv.reference.graphs import GraphCpuBackend
+
+    a = _engine(model_dir, store_name=store_name)
+    b = hwkv.Engine(model_dir, num_kv_blocks=64, max_model_len=256, block_size=BS, backend=GraphCpuBackend(),
+                    fuse_elementwise=False, kv_connector="pool", kv_connector_config={"store_name": store_name})
+    try:
+        assert b.runner.graphs is not None and b.async_scheduling
+        assert _run(a, PROMPT) == oracle(PROMPT)
+        _settle(a)
+        before = b.runner.num_tail_graph_steps
+        first = b.generate([PROMPT], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)[0].token_ids
+        assert first == oracle(PROMPT)[:1]
+        sb = _settle(b)
+        assert sb["external_hit_tokens"] == 9 * BS and sb["load_failures"] == 0
+        assert b.runner.num_tail_graph_steps == before + 1  # the tail (6 tokens after 144 loaded): a replay
+    finally:
+        _close(a, b)
+
+
 def test_salted_tenants_never_share(model_dir, oracle, store_name):
     a, b = _engine(model_dir, store_name=store_name), _engine(model_dir, store_name=store_name)
     try:
