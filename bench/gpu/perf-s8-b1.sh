@@ -24,7 +24,7 @@ for line in sys.stdin:
 "
 say "AB: backends/cuda/scripts/offline_ab.py --model llama-1b --rounds 2 (base, split-K linear, decode tiles pf64w2, s5hm)"
 HWKV_COMMIT=$(cat COMMIT 2>/dev/null) timeout -k 3 $(( 116 - ($(date +%s) - t0) )) python3 backends/cuda/scripts/offline_ab.py \
-  --model llama-1b --workdir /dev/shm/hwkv-def --rounds 2 --out "$OUT" --variants '[{"name": "base"}, {"name": "gemm", "env": {"HWKV_CUDA_GEMM": "1"}},
+  --model llama-1b --workdir /dev/shm/hwkv-def --rounds 2 --gaps --out "$OUT" --variants '[{"name": "base"}, {"name": "gemm", "env": {"HWKV_CUDA_GEMM": "1"}},
   {"name": "pf64w2", "env": {"HWKV_CUDA_ATTN_CONFIG_DECODE": "prefetch=1,block_n=64,num_warps=2"}},
   {"name": "s5hm", "env": {"HWKV_CUDA_ATTN_CONFIG_DECODE": "num_stages=5,block_n=64,num_warps=2,head_major=1"}}]' \
   2>&1 | cut -c1-400

@@ -83,6 +83,9 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--variants", default='[{"name": "base"}, {"name": "gemm", "env": {"HWKV_CUDA_GEMM": "1"}}]')
+    ap.add_argument("--gaps", action="store_true",
+                    help="one more run of the first variant in round 0 under torch.profiler: the GPU's idle between "
+                         "kernels over the pass (hwkv.bench.timeline.pass_gaps), not in the timed rows")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     out = Path(args.out)
@@ -106,6 +109,7 @@ def main() -> None:
     work = [(p, n_out) for p, _ in workload(n, n_in, n_in, vocab, seed=5)]
     first: list[list[int]] | None = None
     rows = []
+    gaps: dict[str, Any] = {}
     for rnd in range(args.rounds):
         for v in variants:
             for k, old in base_env.items():
@@ -120,6 +124,15 @@ def main() -> None:
             if rnd == 0:  # compiles the variant's kernels on the eager (mixed) steps too, other tokens
                 run(engine, [(p, n_out) for p, _ in workload(n, n_in, n_in, vocab, seed=6)])
             r, toks = run(engine, work)
+            if args.gaps and not gaps and not host:
+                from torch.profiler import ProfilerActivity, profile
+
+                from hwkv.bench.timeline import pass_gaps
+
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    run(engine, work)
+                gaps = dict(variant=v["name"], **pass_gaps(prof))
+                print(f"[offline_ab] GPU over a profiled pass of {v['name']}: {gaps}", flush=True)
             first = toks if first is None else first
             same = sum(a == b for a, b in zip(toks, first))
             row = dict(variant=v["name"], round=rnd, env=v.get("env", {}), **r,
@@ -140,7 +153,7 @@ def main() -> None:
                            f"--{k.replace('_', '-')} {json.dumps(a) if k == 'variants' else a}"
                            for k, a in vars(args).items()),
                        workload=f"{n} req x {n_in} in -> {n_out} out (greedy, ignore_eos)", roofline=roof,
-                       copy_bw_TBps=bw / 1e12, matmul_TFLOPs=rate / 1e12, rows=rows)
+                       copy_bw_TBps=bw / 1e12, matmul_TFLOPs=rate / 1e12, rows=rows, gpu_gaps=gaps)
             (out / f"offline-ab-{args.model}.json").write_text(json.dumps(res, indent=1, default=str))
 
 
