@@ -92,3 +92,25 @@ def test_decode_op(backend, reference, check, gen, dtype, head_size, op, tokens)
                             same_dtype_reference=True)
             check.exact(g[kept if layer == LAYER else slice(None)], w[kept if layer == LAYER else slice(None)],
                         "kv_write", f"layer {layer} {name}: slots qkv must not touch")
+
+
+@pytest.mark.parametrize("vocab", [1000, 50257])
+def test_decode_argmax(backend, check, gen, vocab):
+    """The optional greedy argmax (``DecodeOps.argmax``): exactly torch's index on float32 logits - the first of
+    equal maxima within a row and across its parts, NaN as the maximum (its first), rows of -inf, -0.0 equal to 0.0."""
+    check.capability = "decode_ops/argmax"
+    ops = backend.decode_ops()
+    if ops is None:
+        not_supported("the backend offers no DecodeOps (optional: Backend.decode_ops() returns None)")
+    x = randn(gen, 6, vocab)
+    x[1, 3] = x[1, vocab - 2] = x[1].max() + 1
+    x[2] = x[2].round()
+    x[3] = float("-inf")
+    x[4, 700] = x[4, 900] = float("nan")
+    x[5] = -1.0
+    x[5, 600], x[5, 40] = 0.0, -0.0
+    got = ops.argmax(x.to(backend.device.torch_device))
+    if got is None:
+        not_supported("DecodeOps.argmax is not offered (optional: the sampler's own argmax runs)")
+    backend.device.synchronize()
+    check.exact(got, x.argmax(-1), "decode_ops", f"argmax of [6, {vocab}] float32 logits")

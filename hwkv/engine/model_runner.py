@@ -246,7 +246,8 @@ class ModelRunner:
                 req_ids: list[str]) -> tuple[torch.Tensor, Any]:
         """``(tokens [S] long on the device, logprobs or None)`` (tensor-parallel runners override:
         the driver samples and broadcasts, the workers receive)."""
-        return sample_tokens(logits, self._sampling_batch(states, req_ids))
+        ops = getattr(self.model, "decode_ops", None)  # a backend's one-launch greedy argmax, where offered
+        return sample_tokens(logits, self._sampling_batch(states, req_ids), ops.argmax if ops is not None else None)
 
     def _forward(self, inp: StepInputs) -> torch.Tensor:
         return self.model.forward(inp.input_ids, inp.positions, self.kv_cache, inp.attn_metadata,

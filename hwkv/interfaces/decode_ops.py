@@ -86,3 +86,9 @@ class DecodeOps(ABC):
         to the activation dtype first. A backend may write them as float32 in its projection instead of a cast pass
         after it (one kernel fewer in a decode step)."""
         return self.norm_linear(h, norm_weight, eps, weight, None).float()
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """Optional, for the greedy sampler: ``logits.argmax(-1)`` of float32 ``[R, V]`` logits as int64 ``[R]`` on
+        their device, without a host sync - the first index of a row's maximum, NaN counting as the maximum, exactly
+        as torch. ``None``: not offered for these logits (the sampler's own argmax runs)."""
+        return None

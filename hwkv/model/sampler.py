@@ -10,7 +10,7 @@ tokens do not depend on which other requests share the batch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -243,13 +243,18 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return idx.gather(1, best).add_(best, alpha=v // c).squeeze(1)  # the chunk's offset added in place
 
 
-def sample_tokens(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, Logprobs | None]:
+def sample_tokens(logits: torch.Tensor, batch: SamplingBatch, argmax: Callable[[torch.Tensor], torch.Tensor | None]
+                  | None = None) -> tuple[torch.Tensor, Logprobs | None]:
     """:func:`sample` leaving the tokens on the device (int64 ``[R]``): no host sync unless a row
-    asks for logprobs (those are returned as host dicts)."""
+    asks for logprobs (those are returned as host dicts). ``argmax``: a backend's argmax of float32 logits
+    (:meth:`hwkv.interfaces.decode_ops.DecodeOps.argmax`) for a batch of plain greedy rows; ``None`` from it, or
+    none given: :func:`argmax_rows`."""
     if batch.plain:
         if batch.bitmask is not None:
             logits = apply_token_bitmask(logits, batch.bitmask)
-        return argmax_rows(logits.float()), None
+        x = logits.float()
+        tokens = argmax(x) if argmax is not None else None
+        return (tokens if tokens is not None else argmax_rows(x)), None
     params = batch.params
     x = processed_logits(logits, batch)
     rand = [i for i, sp in enumerate(params) if not sp.greedy]

@@ -218,3 +218,17 @@ def test_chunked_argmax_is_argmax(v, dev):
     got, want = argmax_rows(x), x.argmax(-1)
     assert torch.equal(got, want), (got, want)
     assert torch.equal(argmax_rows(x[:1]), x[:1].argmax(-1))
+
+
+def test_sample_tokens_takes_a_backends_argmax():
+    """Plain greedy rows go to the backend's argmax where one is given; its None falls back to argmax_rows."""
+    from hwkv.model.sampler import SamplingBatch, sample_tokens
+
+    x = torch.randn(3, 300, generator=torch.Generator().manual_seed(1))
+    batch = SamplingBatch([SamplingParams(temperature=0.0)] * 3, [[]] * 3, plain=True)
+    calls = []
+    marked = torch.tensor([7, 8, 9])
+    tokens, lp = sample_tokens(x, batch, argmax=lambda t: calls.append(t) or marked)
+    assert lp is None and torch.equal(tokens, marked) and len(calls) == 1 and calls[0].dtype == torch.float32
+    tokens, _ = sample_tokens(x, batch, argmax=lambda t: None)
+    assert torch.equal(tokens, x.argmax(-1))

@@ -8,6 +8,7 @@ tuning sweeps, ``HWKV_CUDA_DENSE_CONFIG_<N>X<K>`` (e.g. ``_4096X2048``) for one 
 
 from __future__ import annotations
 
+import os
 from typing import Any, NamedTuple
 
 import torch
@@ -19,6 +20,8 @@ from hwkv_cuda.launch import parse_overrides, use_pdl
 from hwkv_cuda.tiles import pow2
 
 CONFIG_ENV = "HWKV_CUDA_DENSE_CONFIG"
+ARGMAX_ENV = "HWKV_CUDA_ARGMAX"
+ARGMAX_BLOCK = 4096  # logits per program of the argmax (32 programs a row of 128,256)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -92,10 +95,13 @@ class TritonDecodeOps(DecodeOps):
     # is _rows_dot's row-by-row reduction, O(M^2 K) per tile). Up to 8 tokens they are correct
     # (conformance) but untuned.
     preferred_tokens = 1
+    ARGMAX_MAX_ROWS = 64  # rows the one-launch argmax takes (argmax)
     SPLIT_COUNTERS = 1 << 16  # row blocks a split-K launch may have (one arrival counter each, per device)
 
     def __init__(self) -> None:
         self._split_cnt: dict[torch.device, torch.Tensor] = {}  # zeroed once; each launch leaves them zero
+        self._argmax_bufs: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # argmax: (slots, counters)
+        self._argmax_kept: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def _split_k(self, cfg: DenseConfig, x: torch.Tensor, n: int, k: int, epilogue: int, rs: Any) -> int:
         """``cfg.split_k`` where it applies, else 1: plain epilogues (no RoPE/KV write, no all-reduce), K in whole
@@ -241,6 +247,33 @@ class TritonDecodeOps(DecodeOps):
 
     def norm_logits(self, h: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
         return self._launch(h, weight, None, 1, 1, 0, norm_weight=norm_weight, eps=eps, out_dtype=torch.float32)
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """One launch (:mod:`hwkv_cuda.kernels.sampling`) instead of the sampler's five, for up to
+        ``ARGMAX_MAX_ROWS`` rows (larger batches keep the sampler's path: not measured). Offered while
+        ``HWKV_CUDA_ARGMAX=1`` (off until its A/B on the GPU). Its per-row slots and counters are allocated outside a
+        graph capture (None inside one until an eager call has made them), set once and left so by every launch."""
+        from hwkv_cuda.kernels.sampling import EMPTY, argmax_kernel
+
+        if os.environ.get(ARGMAX_ENV, "0") != "1" or logits.dim() != 2 or logits.dtype != torch.float32 \
+                or logits.stride(-1) != 1 or logits.shape[1] >= 1 << 31 or logits.shape[0] > self.ARGMAX_MAX_ROWS:
+            return None
+        r, v = logits.shape
+        out = torch.empty(r, dtype=torch.int64, device=logits.device)
+        if r == 0 or v == 0:
+            return None if v == 0 else out
+        bufs = self._argmax_bufs.get(logits.device)
+        if bufs is None or bufs[0].numel() < r:
+            if logits.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return None
+            n = max(1024, pow2(r))
+            bufs = (torch.full((n,), EMPTY.value, dtype=torch.int64, device=logits.device),
+                    torch.zeros(n, dtype=torch.int32, device=logits.device))
+            self._argmax_bufs[logits.device] = bufs  # a graph captured with the old ones keeps them alive
+            self._argmax_kept.append(bufs)
+        argmax_kernel[(r, -(-v // ARGMAX_BLOCK))](logits, *bufs, out, v, logits.stride(0), BLOCK=ARGMAX_BLOCK,
+                                                 num_warps=4)
+        return out
 
 
 class Pending(NamedTuple):

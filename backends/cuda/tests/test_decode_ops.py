@@ -266,3 +266,37 @@ def test_rank_sum_in_the_gemvs_two_ranks(cfg, monkeypatch):
         late = SimpleNamespace(partial=parts[0], site=0, programs=5)
         reds[0].sum(late, h)
         assert int(reds[0].ar.error.item()) == 1
+
+
+def _argmax_rows_case(v, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(7, v, generator=g)
+    x[1, 5] = x[1, v - 3] = x[1].max() + 1  # a tie across programs: the first wins
+    x[2, 700:702] = 50.0  # a tie inside one program
+    x[3] = float("-inf")  # every token masked
+    x[4, 9000 % v] = x[4, 9000 % v + 1] = float("nan")  # NaN is the maximum, the first one
+    x[5] = x[5].round()  # many ties
+    x[6] = -1.0
+    x[6, v // 2] = 0.0
+    x[6, 3] = -0.0  # -0.0 == 0.0: the first of them
+    return x
+
+
+@pytest.mark.parametrize("v", [128256, 50257, 4096, 1000])
+def test_argmax_is_torch_argmax(v, monkeypatch):
+    """The one-launch greedy argmax: the index torch's argmax gives (ties, NaN, -inf rows, signed zeros, a vocab that
+    is not a multiple of the program's block), twice (the slots and counters come back empty), and not offered
+    where it does not apply."""
+    monkeypatch.setenv("HWKV_CUDA_ARGMAX", "1")
+    ops = TritonDecodeOps()
+    x = _argmax_rows_case(v, v).to(DEV)
+    for _ in range(2):
+        got = ops.argmax(x)
+        assert got is not None and got.dtype == torch.int64 and torch.equal(got, x.argmax(-1)), (got, x.argmax(-1))
+    assert torch.equal(ops.argmax(x[3:5]), x[3:5].argmax(-1))  # a view of rows (offset start)
+    ((keys, counts),) = ops._argmax_bufs.values()
+    assert bool((keys == -(1 << 63)).all()) and int(counts.count_nonzero()) == 0
+    assert ops.argmax(x.to(torch.bfloat16)) is None and ops.argmax(x.t()) is None
+    assert ops.argmax(x[:1].expand(65, v).contiguous()) is None  # more rows than ARGMAX_MAX_ROWS
+    monkeypatch.setenv("HWKV_CUDA_ARGMAX", "0")
+    assert ops.argmax(x) is None
