@@ -4,6 +4,7 @@ copies, L2 weight prefetch."""
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -169,38 +170,53 @@ class CudaDevice(Device):
 
 def _one_launch(src: KVCache, dst: KVCache, idx: torch.Tensor, where: torch.device) -> bool:
     """Every tensor's blocks in ONE launch (:func:`copy_blocks_tensors_kernel`) where all tensors have
-    blocks of one size and sit at 16-byte multiples from the first tensor (a staging cache in one
+    blocks of one size and sit at 16-byte multiples from the first (a staging cache in one
     allocation, a device cache's tensors); ``False``: not done, copy per tensor. A restart's load lands
-    a piece of every layer from each holder client's thread: one launch instead of one per tensor (64
+    a piece of every layer from each holder client's thread: one launch instead of one per tensor (32
     at 8B) keeps those threads from queueing on the GIL. ``HWKV_CUDA_COPY_LAUNCH=tensor`` turns it off
     (the A/B of ``hwkv bench pool-restart``)."""
     if os.environ.get("HWKV_CUDA_COPY_LAUNCH", "one") == "tensor" or len(src.tensors) < 2:
         return False
+    plan = _launch_plan(src, dst)
+    if plan is None:
+        return False
     from hwkv_cuda.kernels.cache import copy_blocks_tensors_kernel
 
-    ts, td = src.tensors, dst.tensors
-    unit = _unit_dtype(ts[0])
-    nbytes = ts[0][0].numel() * ts[0].element_size()
-    for t in (*ts, *td):
-        if t[0].numel() * t.element_size() != nbytes or not t.is_contiguous() or _unit_dtype(t) != unit:
-            return False
-    offs = [(a.data_ptr() - ts[0].data_ptr(), b.data_ptr() - td[0].data_ptr()) for a, b in zip(ts, td)]
-    if any(o % 16 for pair in offs for o in pair) or ts[0].data_ptr() % 16 or td[0].data_ptr() % 16:
-        return False
+    offs, unit, elems = plan
     # one index for the launch: each tensor's (source, destination) offset in 16-byte units, then the
     # pairs; the caching host allocator keeps the pinned copy alive until its H2D copy is done
-    table = torch.cat([torch.tensor(offs, dtype=torch.long).reshape(-1) // 16, idx.reshape(-1)])
-    table = table.pin_memory().to(where, non_blocking=True)
-    elems = nbytes // unit.itemsize
-    grid = (len(idx), len(ts), -(-elems // COPY_CHUNK))
+    table = torch.cat([offs, idx.reshape(-1)]).pin_memory().to(where, non_blocking=True)
+    n = len(src.tensors)
     try:
-        copy_blocks_tensors_kernel[grid](ts[0].view(unit), td[0].view(unit), table, table[2 * len(ts):], elems,
-                                         CHUNK=COPY_CHUNK, PER_16=16 // unit.itemsize)
+        copy_blocks_tensors_kernel[(len(idx), n, -(-elems // COPY_CHUNK))](
+            src.tensors[0].view(unit), dst.tensors[0].view(unit), table, table[2 * n:], elems,
+            CHUNK=COPY_CHUNK, PER_16=16 // unit.itemsize)
     except (ValueError, RuntimeError):
-        if ts[0].is_cuda and td[0].is_cuda:
+        if src.tensors[0].is_cuda and dst.tensors[0].is_cuda:
             raise
         return False  # a Triton that refuses host pointers: per tensor, then merged-run copies
     return True
+
+
+def _launch_plan(src: KVCache, dst: KVCache) -> tuple[torch.Tensor, torch.dtype, int] | None:
+    """``(offsets, unit dtype, elements per block)`` for :func:`_one_launch`, or ``None`` where it does
+    not apply; remembered per (source, destination) pair - a load lands many pieces between the same two
+    caches, and checking 2 x 32 tensors costs a few hundred microseconds of host time each piece."""
+    memo = src.__dict__.setdefault("_hwkv_cuda_launch_plans", {})
+    hit = memo.get(id(dst))
+    if hit is not None and hit[0]() is dst:
+        return hit[1]
+    ts, td = src.tensors, dst.tensors
+    unit = _unit_dtype(ts[0])
+    nbytes = ts[0].stride(0) * ts[0].element_size()
+    ok = all(t.is_contiguous() and t.stride(0) * t.element_size() == nbytes and _unit_dtype(t) == unit
+             for t in (*ts, *td))
+    offs = [(a.data_ptr() - ts[0].data_ptr(), b.data_ptr() - td[0].data_ptr()) for a, b in zip(ts, td)]
+    ok = ok and not any(o % 16 for pair in offs for o in pair) and ts[0].data_ptr() % 16 == 0 \
+        and td[0].data_ptr() % 16 == 0
+    plan = (torch.tensor(offs, dtype=torch.long).reshape(-1) // 16, unit, nbytes // unit.itemsize) if ok else None
+    memo[id(dst)] = (weakref.ref(dst), plan)
+    return plan
 
 
 def _copy_runs(s_t: torch.Tensor, d_t: torch.Tensor, pairs: list[tuple[int, int]]) -> None:

@@ -318,3 +318,26 @@ def test_feature_parameters_are_checked():
         impl._features(torch.device("cpu"))
     impl.sinks = torch.zeros(4, dtype=torch.bfloat16)
     assert impl._features(torch.device("cpu"))["sinks_ptr"].dtype == torch.float32
+
+
+def test_one_launch_plan_applies_only_where_every_tensor_fits():
+    """Offsets in 16-byte units from the first tensor, remembered per cache pair; ``None`` (one launch per
+    tensor) for blocks of different sizes or a non-contiguous tensor (caches as the KVCache checks would
+    not build, duck-typed)."""
+    from types import SimpleNamespace
+
+    from hwkv_cuda.device import _launch_plan
+
+    from hwkv.interfaces.layout import KVCache, KVCacheSpec, KVLayoutKind
+
+    spec = KVCacheSpec(3, 4, 16, 2, 8, torch.float32)
+    a = KVCache.allocate(spec, KVLayoutKind.PER_LAYER, "cpu")
+    b = KVCache.allocate(spec, KVLayoutKind.PER_LAYER, "cpu")
+    offs, unit, elems = _launch_plan(a, b)
+    assert unit == torch.int32 and elems == 2 * 16 * 2 * 8
+    want = [(s.data_ptr() - a.tensors[0].data_ptr()) // 16 for s in a.tensors]
+    assert offs.view(-1, 2)[:, 0].tolist() == want and _launch_plan(a, b) is _launch_plan(a, b)
+    odd = SimpleNamespace(tensors=[a.tensors[0], a.tensors[1], torch.zeros(4, 2, 16, 2, 4)])  # as a hybrid's groups
+    assert _launch_plan(odd, b) is None
+    strided = torch.zeros(4, 2, 16, 2, 16)[..., :8]
+    assert _launch_plan(SimpleNamespace(tensors=[*a.tensors[:2], strided]), b) is None

@@ -503,11 +503,12 @@ class PoolTransfer:
         n = min(self.load_parallel, len(keys))
         if n <= 1:
             return handle.call("get", keys, dests)
-        with self._pool_lock:  # lanes may call at once
-            if self._pool is None or self._pool_size < 4 * (n - 1):
+        with self._pool_lock:  # lanes call at once: room for every client's extra calls
+            size = max(4, len(self._lanes) + 1) * (n - 1)
+            if self._pool is None or self._pool_size < size:
                 if self._pool is not None:
                     self._pool.shutdown(wait=False)
-                self._pool_size = 4 * (n - 1)
+                self._pool_size = size
                 self._pool = ThreadPoolExecutor(self._pool_size, thread_name_prefix="hwkv-pool-get")
             pool = self._pool
         cuts = [len(keys) * i // n for i in range(n + 1)]
