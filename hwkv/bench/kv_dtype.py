@@ -53,11 +53,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-args", default="{}", help="JSON dict of Engine kwargs (default: the public defaults, "
                    "except max_model_len = the decode context + 64 and enforce_eager)")
     p.add_argument("--moved-bytes", action="store_true", help="also measure offload and p2p bytes per KV token")
+    p.add_argument("--profile", action="store_true", help="per-kernel GPU time of the decode step (torch.profiler "
+                   "over graph replays and over eager forwards)")
     p.add_argument("--out", default=None)
 
 
-def decode_step(engine: Any, batch: int, ctx: int, reps: int) -> dict[str, Any]:
-    """Time one decode forward of ``batch`` requests at ``ctx`` tokens over randomly scattered pages."""
+def kernel_table(run: Any, steps: int, sync: Any) -> list[dict[str, Any]]:
+    """GPU kernels of ``steps`` calls of ``run`` under torch.profiler, by name: us per call, launches per
+    call, longest first (kernel events only: no CPU op's device total, which would count them twice)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            run()
+        sync()
+    agg: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type == DeviceType.CUDA:
+            a = agg.setdefault(ev.name, [0.0, 0])
+            a[0] += ev.time_range.elapsed_us()
+            a[1] += 1
+    rows = [dict(name=k[:140], us_per_step=v[0] / steps, launches_per_step=v[1] / steps) for k, v in agg.items()]
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return rows
+
+
+def decode_step(engine: Any, batch: int, ctx: int, reps: int, profile: bool = False) -> dict[str, Any]:
+    """Time one decode forward of ``batch`` requests at ``ctx`` tokens over randomly scattered pages.
+    ``profile``: also the per-kernel table of the graph replay and of the eager forward."""
     import torch
 
     from hwkv.interfaces.attention import AttentionMetadata
@@ -105,12 +130,21 @@ def decode_step(engine: Any, batch: int, ctx: int, reps: int) -> dict[str, Any]:
         times.append(s.elapsed_time(e) / 1e3)
     times.sort()
     step = times[len(times) // 2]
+    prof = {}
+    if profile:
+        prof["graph"] = kernel_table(replay, 5, dev.synchronize)
+        prof["eager"] = kernel_table(fwd, 5, dev.synchronize)
+        for k, rows in prof.items():
+            print(f"[kv-dtype] {kv.spec.dtype} {k}: {sum(r['us_per_step'] for r in rows):.0f} us of kernels a step",
+                  flush=True)
+            for r in rows[:14]:
+                print(f"    {r['us_per_step']:9.1f} us  x{r['launches_per_step']:<5g} {r['name'][:110]}", flush=True)
     kv_bytes = batch * ctx * kv.spec.bytes_per_block // bs
     w = decode_read_bytes(model)
     del graph
     return dict(batch=batch, context=ctx, step_ms=step * 1e3, tok_per_s=batch / step, weight_bytes=w,
                 kv_bytes=kv_bytes, bytes_per_step=w + kv_bytes, read_TBps=(w + kv_bytes) / step / 1e12,
-                min_ms=times[0] * 1e3, max_ms=times[-1] * 1e3)
+                min_ms=times[0] * 1e3, max_ms=times[-1] * 1e3, **({"kernels": prof} if prof else {}))
 
 
 def moved_bytes(mdir: Path, be: Any, dtype: str, kd: str, vocab: int, block_size: int = 16) -> dict[str, Any]:
@@ -189,7 +223,7 @@ def one_kv_dtype(args: argparse.Namespace, mdir: Path, be: Any, kd: str, kw: dic
                              for x, y in zip(base, toks)]
     r["identical_prompts"] = sum(d is None for d in r["first_divergence"])
     if args.decode_batch > 0:
-        r["decode"] = decode_step(e, args.decode_batch, args.decode_context, args.decode_reps)
+        r["decode"] = decode_step(e, args.decode_batch, args.decode_context, args.decode_reps, args.profile)
     if args.moved_bytes:
         e.close()
         r["moved_bytes"] = moved_bytes(mdir, be, args.dtype, kd, e.vocab_size)

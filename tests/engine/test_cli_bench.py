@@ -95,9 +95,11 @@ def test_bench_defaults_and_kv_dtype_on_cpu(tmp_path):
     out = tmp_path / "kv.json"
     assert bench_kv_dtype.run(p.parse_args([*common, "--decode-batch", "2", "--decode-context", "64",
                                             "--agree-prompts", "2", "--agree-prompt-len", "8", "--agree-tokens", "3",
-                                            "--out", str(out)])) == 0
+                                            "--profile", "--out", str(out)])) == 0
     doc = json.loads(out.read_text())
     assert doc["bench"] == "kv-dtype" and set(doc["runs"]) == {"auto", "fp8"}
     assert doc["ratios"]["bytes_per_block"] == 0.5
     assert doc["runs"]["auto"]["first_divergence"] == [None, None]
     assert all(r["decode"]["batch"] == 2 for r in doc["runs"].values())
+    # --profile: kernel tables of the graph replay and the eager forward (no GPU kernels on the CPU)
+    assert all(set(r["decode"]["kernels"]) == {"graph", "eager"} for r in doc["runs"].values())

@@ -7,7 +7,11 @@ randomly scattered pages, for each KV dtype and each tile override in ``--varian
 second against the device's copy bandwidth measured in the same run. ``--batch`` and
 ``--context`` take comma-separated lists (every pair is a shape, timed in one process: the kernels
 compile once); ``--fp8-variants`` gives the fp8 rows their own overrides (``fp8_unpack=1``: the
-int16-word read). Prints one JSON line per row; ``--out`` writes them all.
+int16-word read). ``--pool-gb G``: each cache as large as ``G`` GB (one layer of the engine's pool:
+a 1B engine on an H200 holds ~8 GB a layer, twice the fp8 blocks of bf16) with the step's pages
+scattered over all of it, as the engine's are (default 0: a cache of exactly the step's pages; with a
+pool the fp8 rows read other pages than the bf16 rows, so their ``rel_err_vs_first`` compares
+nothing). Prints one JSON line per row; ``--out`` writes them all.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ def main() -> int:
     ap.add_argument("--variants", default="default", help="';'-separated HWKV_CUDA_ATTN_CONFIG values")
     ap.add_argument("--fp8-variants", default=None, help="the fp8 rows' variants (default: --variants)")
     ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--pool-gb", type=float, default=0.0, help="each cache this large, the pages scattered over it")
     ap.add_argument("--out", default=None)
     ap.add_argument("--query-dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # "cpu": a dry run under the interpreter
@@ -60,18 +65,20 @@ def main() -> int:
     for b in (int(x) for x in a.batch.split(",")):
         for ctx in (int(x) for x in a.context.split(",")):
             nblk = -(-ctx // bs)
-            tables = torch.randperm(b * nblk, device=dev).to(torch.int32).view(b, nblk)
-            md = AttentionMetadata.build([1] * b, [ctx] * b, tables, bs, device=dev)
+            per_block = 2 * bs * hkv * d  # elements of one block (K and V)
+            pool = {k: max(b * nblk, int(a.pool_gb * 2**30) // (per_block * e)) for k, e in (("bf16", 2), ("fp8", 1))}
+            perms = {n: torch.randperm(n, device=dev)[:b * nblk].to(torch.int32).view(b, nblk) for n in pool.values()}
+            mds = {k: AttentionMetadata.build([1] * b, [ctx] * b, perms[n], bs, device=dev) for k, n in pool.items()}
             q = torch.randn(b, h, d, dtype=getattr(torch, a.query_dtype), device=dev)
             out = torch.empty_like(q)
-            base = torch.randn(b * nblk, 2, bs, hkv, d, dtype=q.dtype, device=dev)
-            caches = {"bf16": base, "fp8": (base * 8).to(FP8_E4M3)}
+            base = torch.randn(max(pool.values()), 2, bs, hkv, d, dtype=q.dtype, device=dev)
+            caches = {"fp8": (base * 8).to(FP8_E4M3), "bf16": base[:pool["bf16"]]}
             del base
             scales = torch.full((2, hkv), 0.125, device=dev)
             ref, best = None, {}
             for name in a.kv_dtypes.split(","):
                 kv = caches[name]
-                kv_bytes = kv.numel() * kv.element_size()
+                kv_bytes = b * nblk * per_block * kv.element_size()  # the step's pages
                 same = None  # this cache's first output: every variant reads the same codes
                 for variant in variants[name].split(";"):
                     if variant == "default":
@@ -81,7 +88,7 @@ def main() -> int:
                     try:
                         impl = TritonAttentionBackend().make_impl(h, d, hkv, d**-0.5)
                         impl.kv_scales = scales
-                        built = CudaMetadataBuilder().build(md)
+                        built = CudaMetadataBuilder().build(mds[name])
                         cfg, plan = built.launch(h, hkv, d, q.dtype, True, kv.dtype)
                         run = lambda i=impl, k=kv, m=built, o=out, x=q: i.forward_into(o, x, k, m)  # noqa: E731
                         t = _time([run], a.replays) if dev.type == "cuda" else _cpu_time(run)
@@ -97,7 +104,8 @@ def main() -> int:
                     err_same = ((out.float() - same).norm() / same.norm()).item()
                     row = dict(kv=name, variant=variant, batch=b, context=ctx, block_n=cfg.block_n,
                                num_warps=cfg.num_warps, num_stages=cfg.num_stages, fp8_unpack=cfg.fp8_unpack,
-                               splits=plan.splits, us=t * 1e6, kv_bytes=kv_bytes, TBps=kv_bytes / t / 1e12,
+                               splits=plan.splits, pool_blocks=pool[name], us=t * 1e6, kv_bytes=kv_bytes,
+                               TBps=kv_bytes / t / 1e12,
                                fraction_of_copy_bw=kv_bytes / t / bw, rel_err_vs_first=err,
                                rel_err_vs_same_cache=err_same)
                     rows.append(row)
