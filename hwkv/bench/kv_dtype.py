@@ -51,7 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--agree-prompt-len", type=int, default=256)
     p.add_argument("--agree-tokens", type=int, default=64)
     p.add_argument("--engine-args", default="{}", help="JSON dict of Engine kwargs (default: the public defaults, "
-                   "except max_model_len = the decode context + 64 and enforce_eager)")
+                   "except max_model_len = the decode context + 64, enforce_eager and fuse_elementwise: the forward "
+                   "the default graphs replay, captured by the bench itself)")
     p.add_argument("--moved-bytes", action="store_true", help="also measure offload and p2p bytes per KV token")
     p.add_argument("--profile", action="store_true", help="per-kernel GPU time of the decode step (torch.profiler "
                    "over graph replays and over eager forwards)")
@@ -236,8 +237,14 @@ def run(args: argparse.Namespace) -> int:
 
     eb = engine_bench(args)
     mdir, cfg, be, dev, extra = eb.model_dir, eb.config, eb.backend, eb.device, eb.engine_args
-    # eager: the decode step captures its own graph; graph capture and compiled fusion would only add init time
-    kw = dict(max_model_len=args.decode_context + 64, enforce_eager=True, **extra)
+    # The decode step is the forward the public defaults' graphs replay: fused elementwise ops (what graphs turn
+    # on; on CUDA the backend's Triton kernels, nothing compiled) in a CUDA graph the bench captures itself. The
+    # engine's own capture of every batch bucket is skipped (enforce_eager): it is ~40 s of a 1B engine's start,
+    # twice per run, and the timed step would not replay it.
+    # (fuse_elementwise only where the defaults would capture graphs: on the CPU backend they capture none.)
+    kw = dict(max_model_len=args.decode_context + 64, enforce_eager=True,
+              fuse_elementwise=bool(be.capabilities.graph_capture))
+    kw.update(extra)
     res: dict[str, Any] = eb.header("kv-dtype", args, engine_args=kw, runs={})
     print(f"[kv-dtype] non-default engine arguments: {kw}", flush=True)
     bw = copy_bandwidth(dev) if dev.torch_device.type != "cpu" else None
