@@ -158,43 +158,70 @@ def _tile_regs(acc, l_i, m_i, q, qk_scale, k, v, n_mask, d_mask, cap2, IEEE: tl.
 @triton.jit
 def _merge(out_ptr, part_acc_ptr, part_ml_ptr, q_start, q_len, qb, kvh, num_heads, num_splits, stride_ot, stride_oh,
            G: tl.constexpr, G_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr,
-           BLOCK_Q: tl.constexpr, NUM_SPLITS_PAD: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_SPLITS: tl.constexpr):
+           BLOCK_Q: tl.constexpr, NUM_SPLITS_PAD: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_SPLITS: tl.constexpr,
+           ONE_PASS: tl.constexpr = False):
     """Merge the partials of one (q block, KV head): ``BLOCK_Q x G`` output rows, ``MERGE_ROWS`` at a
     time, splits in chunks of ``MERGE_SPLITS`` (a [rows, splits, D] load keeps many bytes in flight in
     one program). The math is :func:`reduce_kernel`'s: ``m* = max_s m_s``, ``w_s = 2^(m_s - m*)``,
     ``out = sum_s w_s acc_s / sum_s w_s l_s`` in fp32; only the order of the fp32 sums over splits
-    may differ. Loads are ``.cg`` (L2, not L1): the partials were written by other SMs."""
+    may differ. Loads are ``.cg`` (L2, not L1): the partials were written by other SMs. ``ONE_PASS`` (every row
+    and split in one load: ``BLOCK_Q * G_PAD <= MERGE_ROWS``, ``NUM_SPLITS_PAD <= MERGE_SPLITS``): the maxima, sums
+    and accumulators are loaded at once - one round trip to L2 instead of two, the same values and sums."""
     offs_r = tl.arange(0, MERGE_ROWS)
     offs_c = tl.arange(0, MERGE_SPLITS)
     offs_s = tl.arange(0, NUM_SPLITS_PAD)
     offs_d = tl.arange(0, D_PAD)
-    for r0 in range(0, BLOCK_Q * G_PAD, MERGE_ROWS):
-        rr = r0 + offs_r
-        tok = qb * BLOCK_Q + rr // G_PAD
-        h = rr % G_PAD
-        ok = (tok < q_len) & (h < G)
+    if ONE_PASS:
+        tl.static_assert(BLOCK_Q * G_PAD <= MERGE_ROWS and NUM_SPLITS_PAD <= MERGE_SPLITS)
+        tok = qb * BLOCK_Q + offs_r // G_PAD
+        h = offs_r % G_PAD
+        ok = (tok < q_len) & (h < G) & (offs_r < BLOCK_Q * G_PAD)
         head = kvh * G + h
         q_idx = (q_start + tok).to(tl.int64)
-        row = (q_idx * num_heads + head) * NUM_SPLITS_PAD  # partial row of split 0
-        ml = part_ml_ptr + (row[:, None] + offs_s[None, :]) * 2
+        sp = (q_idx * num_heads + head)[:, None] * NUM_SPLITS_PAD + offs_s[None, :]
         s_ok = ok[:, None] & (offs_s[None, :] < num_splits)
-        m = tl.load(ml, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
-        l_s = tl.load(ml + 1, mask=s_ok, other=0.0, cache_modifier=".cg")
+        m = tl.load(part_ml_ptr + sp * 2, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
+        l_s = tl.load(part_ml_ptr + sp * 2 + 1, mask=s_ok, other=0.0, cache_modifier=".cg")
+        a = tl.load(part_acc_ptr + sp[:, :, None] * D_PAD + offs_d[None, None, :], mask=s_ok[:, :, None], other=0.0,
+                    cache_modifier=".cg")
         m_max = tl.max(m, 1)
-        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # rows outside the batch: no NaN
-        l_sum = tl.sum(l_s * tl.math.exp2(m - m_max[:, None]), 1)
+        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+        w = tl.math.exp2(m - m_max[:, None])
+        l_sum = tl.sum(l_s * w, 1)
         o = tl.zeros([MERGE_ROWS, D_PAD], tl.float32)
-        for c0 in range(0, num_splits, MERGE_SPLITS):
-            sp = row[:, None] + c0 + offs_c[None, :]
-            c_ok = ok[:, None] & (c0 + offs_c[None, :] < num_splits)
-            w = tl.math.exp2(tl.load(part_ml_ptr + sp * 2, mask=c_ok, other=float("-inf"), cache_modifier=".cg")
-                             - m_max[:, None])
-            a = tl.load(part_acc_ptr + sp[:, :, None] * D_PAD + offs_d[None, None, :], mask=c_ok[:, :, None],
-                        other=0.0, cache_modifier=".cg")
-            o += tl.sum(a * w[:, :, None], 1)
+        o += tl.sum(a * w[:, :, None], 1)
         l_sum = tl.where(l_sum == 0.0, 1.0, l_sum)
         tl.store(out_ptr + q_idx[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  (o / l_sum[:, None]).to(out_ptr.dtype.element_ty), mask=ok[:, None] & (offs_d[None, :] < HEAD_SIZE))
+    else:
+        for r0 in range(0, BLOCK_Q * G_PAD, MERGE_ROWS):
+            rr = r0 + offs_r
+            tok = qb * BLOCK_Q + rr // G_PAD
+            h = rr % G_PAD
+            ok = (tok < q_len) & (h < G)
+            head = kvh * G + h
+            q_idx = (q_start + tok).to(tl.int64)
+            row = (q_idx * num_heads + head) * NUM_SPLITS_PAD  # partial row of split 0
+            ml = part_ml_ptr + (row[:, None] + offs_s[None, :]) * 2
+            s_ok = ok[:, None] & (offs_s[None, :] < num_splits)
+            m = tl.load(ml, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
+            l_s = tl.load(ml + 1, mask=s_ok, other=0.0, cache_modifier=".cg")
+            m_max = tl.max(m, 1)
+            m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # rows outside the batch: no NaN
+            l_sum = tl.sum(l_s * tl.math.exp2(m - m_max[:, None]), 1)
+            o = tl.zeros([MERGE_ROWS, D_PAD], tl.float32)
+            for c0 in range(0, num_splits, MERGE_SPLITS):
+                sp = row[:, None] + c0 + offs_c[None, :]
+                c_ok = ok[:, None] & (c0 + offs_c[None, :] < num_splits)
+                w = tl.math.exp2(tl.load(part_ml_ptr + sp * 2, mask=c_ok, other=float("-inf"), cache_modifier=".cg")
+                                 - m_max[:, None])
+                a = tl.load(part_acc_ptr + sp[:, :, None] * D_PAD + offs_d[None, None, :], mask=c_ok[:, :, None],
+                            other=0.0, cache_modifier=".cg")
+                o += tl.sum(a * w[:, :, None], 1)
+            l_sum = tl.where(l_sum == 0.0, 1.0, l_sum)
+            tl.store(out_ptr + q_idx[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                     (o / l_sum[:, None]).to(out_ptr.dtype.element_ty),
+                     mask=ok[:, None] & (offs_d[None, :] < HEAD_SIZE))
 
 
 # runtime sizes that vary per batch are not specialised on (%16, ==1): fewer recompiles across batches
@@ -409,7 +436,8 @@ def attention_kernel(
                 tl.debug_barrier()
                 _merge(out_ptr, part_acc_ptr, part_ml_ptr, q_start, q_len, qb, kvh, G * n_kvh,
                        tl.num_programs(2), stride_ot, stride_oh, G, G_PAD, HEAD_SIZE, D_PAD, BLOCK_Q,
-                       NUM_SPLITS_PAD, MERGE_ROWS, MERGE_SPLITS)
+                       NUM_SPLITS_PAD, MERGE_ROWS, MERGE_SPLITS,
+                       EARLY and BLOCK_Q * G_PAD <= MERGE_ROWS and NUM_SPLITS_PAD <= MERGE_SPLITS)
                 tl.store(cnt, 0)
     else:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
