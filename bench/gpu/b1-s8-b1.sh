@@ -15,8 +15,9 @@ V='[{"name": "main"},
  {"name": "gu-4-pre-ev", "env": {"'$GU'": "block_n=4,block_k=2048,num_warps=8,num_stages=1,preload=1,evict=1"}},
  {"name": "down-ev", "env": {"'$DOWN'": "block_n=4,block_k=2048,num_warps=8,num_stages=3,preload=2,evict=1"}},
  {"name": "early+argmax+qkv-4-pre", "env": {"HWKV_CUDA_ATTN_CONFIG": "early=1", "HWKV_CUDA_ARGMAX": "1", "'$QKV'": "block_n=4,block_k=2048,num_warps=4,num_stages=1,preload=1"}},
- {"name": "gu-8-ev", "env": {"'$GU'": "block_n=8,block_k=2048,num_warps=8,num_stages=3,preload=0,evict=1"}},
- {"name": "qkv-8-pre", "env": {"'$QKV'": "block_n=8,block_k=2048,num_warps=8,num_stages=1,preload=1"}}]'
+ {"name": "qkv-4x1024", "env": {"'$QKV'": "block_n=4,block_k=1024,num_warps=8,num_stages=3,preload=0"}},
+ {"name": "gu-4x1024-ev", "env": {"'$GU'": "block_n=4,block_k=1024,num_warps=8,num_stages=3,preload=0,evict=1"}},
+ {"name": "qkv-2-pre", "env": {"'$QKV'": "block_n=2,block_k=2048,num_warps=8,num_stages=1,preload=1"}}]'
 step "b1_decode_ab.py --trace main --variants $V"
 timeout -k 5 78 python3 backends/cuda/scripts/b1_decode_ab.py --out "$OUT" --trace main --variants "$V"
 echo "rc=$?"
