@@ -126,9 +126,10 @@ for _ in range(2):
     for n in cfg.get("ab_parallel", []):  # "P": P calls on one client; "cK" / "cKpP": K clients (P calls each);
         # "rP": several holders, each value through its holder's clients (P calls each); the others do not route
         # a trailing "s": the GIL switch interval at 0.2 ms during the load (its threads take turns with the engine's);
-        # "o": staging -> device copies as one launch per KV tensor (HWKV_CUDA_COPY_LAUNCH=tensor, before one launch)
-        flags, n0 = set(n[1:]) & {"s", "o"}, n
-        n = n.rstrip("so")
+        # "o": staging -> device copies as one launch per KV tensor (HWKV_CUDA_COPY_LAUNCH=tensor, before one launch);
+        # "b": big pieces (min_pieces 1: a client's share in the staging's halves, before at least 4 pieces)
+        flags, n0 = set(n[1:]) & {"s", "o", "b"}, n
+        n = n.rstrip("sob")
         hk = int(n[1:].partition("p")[0]) if n.startswith("h") else 0
         lanes, _, par = n[1:].partition("p") if n.startswith(("c", "h")) else ("1", "", n.lstrip("r"))
         prompt = cfg["prompt"]
@@ -138,6 +139,7 @@ for _ in range(2):
         for t in e.connector.worker.transfers:
             t.load_parallel, t.lanes_active = int(par or 1), 1 if hk else int(lanes)
             t.routed = (hk > 0 or n.startswith("r")) and bool(t.segments and t.locate)
+            t.min_pieces = 1 if "b" in flags else 4
         if hk and hk not in refs:
             ring = [(t, t._holder_ring) for t in e.connector.worker.transfers]
             for t, _ in ring:

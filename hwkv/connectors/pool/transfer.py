@@ -191,6 +191,11 @@ class PoolTransfer:
         # transport), and one holder serves ~5.5 GB/s however many clients call (H200 host)
         self.segments, self.locate = segments, locate
         self.routed = bool(segments and locate)  # may be turned off (a bench's A/B)
+        # a client's share of a load spread over several clients is read in at least this many pieces
+        # (staging room allowing; one client's load keeps piece_plan), so the
+        # copies of one piece to the device run while the store fills the next: with one piece per share
+        # (8 holders: ~4 chunks each) every client's landing waits for its whole read
+        self.min_pieces = 4
         # staging -> device copies go through Device.copy_blocks (one launch for every KV tensor of a piece on
         # cuda); a memcpy per run of blocks (926 ms for an 8B load from 8 holders) and one piece per client's
         # share (no change) were measured slower or equal on the H200 (docs/connectors.md)
@@ -411,7 +416,7 @@ class PoolTransfer:
         return self._get_staged(items, self._stage["get"], self.handle, landed, self.timing)
 
     def _get_staged(self, items: list, st: _Staging, handle: StoreHandle, landed: list[int],
-                    tm: dict[str, float]) -> str:
+                    tm: dict[str, float], share: bool = False) -> str:
         cb = self.chunk_blocks
 
         def land(h: int, first: int, piece: list) -> None:  # blocks the device cache had (-1) stay as they are
@@ -419,6 +424,9 @@ class PoolTransfer:
             copy_block_pairs(self.dev, st.kv, self.kv, [s for s, _ in pairs], [d for _, d in pairs], st.stream)
 
         per, slots = self.piece_plan(st.num_blocks // cb)
+        if share and self.min_pieces > 1 and per > 1 and len(items) > 1:
+            per = min(per, -(-len(items) // self.min_pieces))
+            slots = max(1, st.num_blocks // cb // per)
         return self._get_slots(items, per, slots, lambda first, piece: [
             st.kv.addresses(list(range((first + i) * cb, (first + i + 1) * cb))) for i in range(len(piece))],
             land, st.stream, landed, handle, tm)
@@ -470,7 +478,7 @@ class PoolTransfer:
         got = {j: [0] for j in use}
         tms = {j: dict.fromkeys(("load_store_s", "load_copy_wait_s", "load_land_s"), 0.0) for j in use}
         runs = _side_by_side(self._lane_pool, [  # type: ignore[arg-type]
-            partial(self._get_staged, [items[i] for i in shares[j]], parts[j][1], parts[j][0], got[j], tms[j])
+            partial(self._get_staged, [items[i] for i in shares[j]], parts[j][1], parts[j][0], got[j], tms[j], True)
             for j in use])
         errs = [r if e is None else f"{type(e).__name__}: {e}"[:300] for r, e in runs]
         for k in ("load_store_s", "load_copy_wait_s", "load_land_s"):  # side by side: the slowest one's time
