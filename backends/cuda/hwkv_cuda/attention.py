@@ -290,7 +290,9 @@ class TritonAttentionImpl(AttentionImpl):
         if fp8 and prefetch:
             unpack = 7  # its fp16 dots (the query in fp16 once per program); the loop casts rows itself
         kv = layer_kv.view(torch.int16) if fp8 and words and unpack else layer_kv  # two codes per word
-        early = bool(cfg.early) and cfg.block_q == 1 and md.one_token and not fp8 and not prefetch
+        one_tile = splits > 1 and -(-max(c.max_seq_len, 1) // splits) <= cfg.block_n  # every split one tile
+        early = (one_tile if cfg.early < 0 else bool(cfg.early)) and cfg.block_q == 1 and md.one_token and not fp8 \
+            and not prefetch
         head_major = bool(cfg.head_major) and grid_q <= 65535  # a grid's y and z sizes stop at 65,535
         attention_kernel[(hkv, grid_q, splits) if head_major else (grid_q, hkv, splits)](
             query, kv, out, part_acc, part_ml, counters,

@@ -53,8 +53,11 @@ class TileConfig:
     prefetch: int = 0  # a decode tile (block_q 1) streams K/V software-pipelined by hand: the next tile's K/V rows
     # load while this tile's dots run, from block ids loaded one tile earlier (kernels/attention.py, PREFETCH);
     # over an fp8 cache its rows are cast to fp16 for fp16 dots (as fp8_unpack 7)
-    early: int = 0  # a pure decode (one query token per request) over a 16-bit cache loads its first K/V tile before
-    # the PDL wait and only the query and this step's own K/V rows after it (kernels/attention.py, EARLY)
+    early: int = -1  # a pure decode (one query token per request) over a 16-bit cache loads its first K/V tile before
+    # the PDL wait and only the query and this step's own K/V rows after it, and merges its splits in one pass
+    # (kernels/attention.py, EARLY). -1 (auto): where every split is one tile (a small batch up to ~8k keys); H200,
+    # batch-1 decode of the 1B shape in the engine: replay 0.887 -> 0.839 ms, 1,085 -> 1,143 tok/s (same run,
+    # bench/results/issue36-b1-s8-batch1-H200-2026-11-29-e80f843.md). 0 / 1: off / on wherever it applies
 
 
 

@@ -349,3 +349,35 @@ def test_bad_override_names_the_item_and_the_allowed_names(value, bad, monkeypat
     with pytest.raises(ValueError, match=f"HWKV_CUDA_DENSE_CONFIG: {bad} is not name=integer with a name among "
                                          "block_n, block_k, num_warps, num_stages, preload, evict, split_k$"):
         dense_config(1, 2048, 2048)
+
+
+def test_early_decode_is_auto_for_one_tile_splits(monkeypatch):
+    """``early`` left at auto: a pure decode whose splits are one tile each loads its first tile before the PDL wait
+    (and merges in one pass); longer splits, unsplit launches and prefills do not; ``early=0`` turns it off."""
+    import hwkv_cuda.kernels.attention as kernels
+
+    seen, real = [], kernels.attention_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append(kw["EARLY"])
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(kernels, "attention_kernel", Spy())
+    cases = [  # (query lens, seq lens, config, EARLY)
+        # fp32 takes 32-key tiles: 22 splits of 32 keys
+        ([1, 1, 1], [5, 40, 700], "min_split=16,split_below=1000,split_target=100,part_cap=0", True),
+        ([1, 1, 1], [5, 40, 700], "min_split=16,split_below=1000,split_target=100,part_cap=0,early=0", False),
+        ([1, 1, 1], [5, 40, 700], "min_split=16,split_below=1000,split_target=100", False),  # 11 splits of 64
+        ([1, 1], [90, 300], "min_split=48,split_below=1000,split_target=3,block_n=16", False),  # 3 tiles a split
+        ([1, 1], [90, 300], "split_below=0", False),  # unsplit
+        ([1, 12, 1, 30], [50, 12, 300, 90], "min_split=16,split_below=1000", False),  # a prefill beside decodes
+    ]
+    for qlens, slens, cfg, want in cases:
+        seen.clear()
+        results, _, _ = _run("fused", qlens, slens, 8, 2, 16, 16, cfg, monkeypatch)
+        assert seen == [want], (cfg, seen)
+        for out, ref in results:
+            assert _rel(out, ref) < 1e-5
