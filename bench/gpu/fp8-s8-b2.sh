@@ -1,8 +1,9 @@
-# usage (one GPU, repository root): OUT=<dir> bash bench/gpu/fp8-s8-b2.sh   (<= 120 s: A 55, B 30, C 15, D rest)
+# usage (one GPU, repository root): OUT=<dir> bash bench/gpu/fp8-s8-b2.sh   (<= 120 s: A 55, C 32, B 25, D rest)
 # fp8 (#36 FP8 KV decode) session 8 batch 2, over main. (A) the e2e A/B, all rows of the issue in one run:
 # `hwkv bench kv-dtype --model llama-1b ... --moved-bytes --profile` (its decode step is now the forward the public
 # defaults' graphs replay: fuse_elementwise on). (B) the same step as last session's bench ran it
-# (fuse_elementwise off), to split the ratio's change into its parts. (C) fp8 tile neighbours not swept before.
+# (fuse_elementwise off), to split the ratio's change into its parts. (C) one layer: the FMA decode kernel (fma=1,
+# kernels/decode_fma.py) at a few tiles, and fp8 tile neighbours not swept before.
 # (D) Nsight Compute on one bf16 and one fp8 attention launch, where ncu exists (what bounds the fp8 read).
 set -u
 source bench/gpu/lib.sh; gpu_env
@@ -14,16 +15,16 @@ say "A: hwkv bench kv-dtype --model llama-1b --backend cuda --decode-batch 32 --
 timeout -k 3 55 python3 -m hwkv bench kv-dtype --model llama-1b --backend cuda --decode-batch 32 \
   --decode-context 32768 --moved-bytes --profile --workdir /dev/shm/hwkv-fp8 --out "$OUT/kv-dtype-main.json" 2>&1 | cut -c1-2500
 echo "rc=${PIPESTATUS[0]}"
+say "C: one layer, the FMA decode kernel (fma=1) and fp8 tile neighbours"
+timeout -k 2 $(( $(left) > 60 ? 32 : $(left) )) python3 -m hwkv_cuda.bench.kv_dtype_decode --batch 32 --context 32768 \
+  --heads 32/8 --head-size 64 --replays 20 --variants "default;fma=1,block_n=32,num_warps=4,num_stages=3" \
+  --fp8-variants "default;fma=1,block_n=32,num_warps=4;fma=1,block_n=64,num_warps=4;fma=1,block_n=32,num_warps=2;fma=1,block_n=16,num_warps=1;fma=1,block_n=64,num_warps=8,split_target=8;fma=1,block_n=32,num_warps=4,num_stages=2;num_stages=4;head_major=0" \
+  --out "$OUT/kv-decode-neighbours.json" 2>&1 | cut -c1-420
+echo "rc=${PIPESTATUS[0]}"
 say "B: the same decode step without fuse_elementwise (last session's bench)"
-timeout -k 3 30 python3 -m hwkv bench kv-dtype --model llama-1b --backend cuda --decode-batch 32 \
+timeout -k 3 $(( $(left) > 45 ? 25 : $(left) - 20 )) python3 -m hwkv bench kv-dtype --model llama-1b --backend cuda --decode-batch 32 \
   --decode-context 32768 --agree-prompts 1 --agree-tokens 4 --engine-args '{"fuse_elementwise": false}' \
   --workdir /dev/shm/hwkv-fp8 --out "$OUT/kv-dtype-nofuse.json" 2>&1 | grep -v "^    " | cut -c1-600
-echo "rc=${PIPESTATUS[0]}"
-say "C: one layer, fp8 tile neighbours"
-timeout -k 2 $(( $(left) > 40 ? 20 : $(left) )) python3 -m hwkv_cuda.bench.kv_dtype_decode --batch 32 --context 32768 \
-  --heads 32/8 --head-size 64 --replays 20 --variants "default" \
-  --fp8-variants "default;num_stages=3;num_stages=4;fp8_unpack=6;fp8_unpack=3;head_major=0;num_warps=1,num_stages=4,split_target=32;block_n=32,num_stages=8,split_target=32" \
-  --out "$OUT/kv-decode-neighbours.json" 2>&1 | cut -c1-420
 echo "rc=${PIPESTATUS[0]}"
 NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
 if [[ -n $NCU && $(left) -gt 12 ]]; then

@@ -174,3 +174,42 @@ def test_decode_ops_kv_write_quantises_like_the_reference(heads, kv_heads, d):
     diff = (caches[0].view(torch.uint8).int() - caches[1].view(torch.uint8).int()).abs()
     assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 0.01
     assert caches[0].float().abs().sum() > 0
+
+
+FMA_CASES = {  # pure decodes (the FMA kernel serves only those): MHA, GQA 4 at head 64, GQA 2 over 32-token blocks
+    "decode_mha_split": CASES["decode_mha_split"],
+    "decode_gqa4_head64": ([1, 1, 1], [37, 300, 129], 8, 2, 64, 16),
+    "decode_head64_block32": CASES["decode_head64_block32"],
+}
+
+
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "float"])
+@pytest.mark.parametrize("tiles", ["block_n=16,max_splits=1", "block_n=32,split_below=1000,min_split=32"],
+                         ids=["one", "split"])
+@pytest.mark.parametrize("name", list(FMA_CASES))
+def test_fma_decode_matches_the_reference(name, tiles, fp8, monkeypatch):
+    """``fma=1`` (kernels/decode_fma.py): a pure decode with fp32 FMAs over the GQA group's own rows, its
+    partials merged by reduce_kernel, over an fp8 cache (scales applied: 1.0 gives another result) and a
+    float one; keys past a split's end and a request's last partial tile are masked, empty splits merge to nothing."""
+    monkeypatch.setenv("HWKV_CUDA_ATTN_CONFIG", "fma=1,part_cap=0," + tiles)
+    qlens, slens, h, hkv, d, bs = FMA_CASES[name]
+    q, kv, md, tables = paged_case(qlens, slens, h, hkv, d, bs, seed=len(name), device=DEV)
+    scales = _scales(hkv, len(name))
+    cache = _fp8_cache(kv / 0.05, scales) if fp8 else kv.to(DEV)
+    impl = TritonAttentionBackend().make_impl(h, d, hkv, d**-0.5)
+    impl.kv_scales = scales if fp8 else None
+    built = TritonAttentionBackend().metadata_builder().build(md)
+    out = torch.full_like(q, float("nan"), device=DEV)
+    impl.forward_into(out, q.to(DEV), cache, built)
+    cfg, plan = next(iter(built.launches.values()))
+    assert cfg.fma == 1 and (plan.splits > 1) == ("split_below" in tiles)
+    ref = paged_attention(q.to(DEV), cache, md.query_start_loc_cpu, md.seq_lens_cpu, md.block_tables, d**-0.5,
+                          kv_scales=scales if fp8 else None)
+    assert not out.isnan().any()
+    err = (out.double() - ref.double()).norm() / ref.double().norm()
+    assert err < 1e-5, f"{name}: rel err {err:.2e}"
+    if fp8:
+        impl.kv_scales = torch.ones_like(scales)
+        out1 = torch.empty_like(out)
+        impl.forward_into(out1, q.to(DEV), cache, built)
+        assert (out1.double() - ref.double()).norm() / ref.double().norm() > 1e-2
