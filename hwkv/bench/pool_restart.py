@@ -127,9 +127,10 @@ for _ in range(2):
         # "rP": several holders, each value through its holder's clients (P calls each); the others do not route
         # a trailing "s": the GIL switch interval at 0.2 ms during the load (its threads take turns with the engine's);
         # "o": staging -> device copies as one launch per KV tensor (HWKV_CUDA_COPY_LAUNCH=tensor, before one launch);
-        # "b": big pieces (min_pieces 1: a client's share in the staging's halves, before at least 4 pieces)
-        flags, n0 = set(n[1:]) & {"s", "o", "b"}, n
-        n = n.rstrip("sob")
+        # "b": big pieces (min_pieces 1: a client's share in the staging's halves, before at least 4 pieces);
+        # "l": each client's thread queues its own pieces' copies (before one landing thread)
+        flags, n0 = set(n[1:]) & {"s", "o", "b", "l"}, n
+        n = n.rstrip("sobl")
         hk = int(n[1:].partition("p")[0]) if n.startswith("h") else 0
         lanes, _, par = n[1:].partition("p") if n.startswith(("c", "h")) else ("1", "", n.lstrip("r"))
         prompt = cfg["prompt"]
@@ -140,6 +141,7 @@ for _ in range(2):
             t.load_parallel, t.lanes_active = int(par or 1), 1 if hk else int(lanes)
             t.routed = (hk > 0 or n.startswith("r")) and bool(t.segments and t.locate)
             t.min_pieces = 1 if "b" in flags else 4
+            t.one_lander = "l" not in flags
         if hk and hk not in refs:
             ring = [(t, t._holder_ring) for t in e.connector.worker.transfers]
             for t, _ in ring:

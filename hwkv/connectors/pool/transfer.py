@@ -196,6 +196,11 @@ class PoolTransfer:
         # copies of one piece to the device run while the store fills the next: with one piece per share
         # (8 holders: ~4 chunks each) every client's landing waits for its whole read
         self.min_pieces = 4
+        # a load spread over several clients: the clients' threads only read (store calls, GIL released)
+        # and hand each piece to the receiving thread, which queues every piece's copies to the device
+        # (one thread doing the launches: with each client's thread launching its own, 8 threads took
+        # turns on the GIL for ~18 ms a piece on the H200 host); False: each client's thread lands its own
+        self.one_lander = True
         # staging -> device copies go through Device.copy_blocks (one launch for every KV tensor of a piece on
         # cuda); a memcpy per run of blocks (926 ms for an 8B load from 8 holders) and one piece per client's
         # share (no change) were measured slower or equal on the H200 (docs/connectors.md)
@@ -225,7 +230,7 @@ class PoolTransfer:
             per_lane = max(staging_bytes // (len(lanes) + 1), 2 * self.chunk_bytes)
             self._lanes = [(h, _Staging(dev, kv, per_lane, a)) for h, a in lanes]
         self.lanes_active = len(self._lanes) + 1
-        self._lane_pool = ThreadPoolExecutor(len(self._lanes), thread_name_prefix="hwkv-pool-lane") \
+        self._lane_pool = ThreadPoolExecutor(len(self._lanes) + 1, thread_name_prefix="hwkv-pool-lane") \
             if self._lanes else None
         # direct loads: where a chunk's leading blocks that the device cache had (-1 ids) are got into
         # (a chunk is got whole); the receiving thread's alone
@@ -416,12 +421,20 @@ class PoolTransfer:
         return self._get_staged(items, self._stage["get"], self.handle, landed, self.timing)
 
     def _get_staged(self, items: list, st: _Staging, handle: StoreHandle, landed: list[int],
-                    tm: dict[str, float], share: bool = False) -> str:
+                    tm: dict[str, float], share: bool = False, lander: queue.SimpleQueue | None = None) -> str:
         cb = self.chunk_blocks
 
-        def land(h: int, first: int, piece: list) -> None:  # blocks the device cache had (-1) stay as they are
+        def copy(h: int, first: int, piece: list) -> None:  # blocks the device cache had (-1) stay as they are
             pairs = [(first * cb + i, b) for i, b in enumerate(b for _, ids in piece for b in ids) if b >= 0]
             copy_block_pairs(self.dev, st.kv, self.kv, [s for s, _ in pairs], [d for _, d in pairs], st.stream)
+
+        def land(h: int, first: int, piece: list) -> Any:
+            if lander is None:
+                copy(h, first, piece)
+                return None
+            job = _Landing(partial(copy, h, first, piece), st.stream, self.dev)
+            lander.put(job)
+            return job
 
         per, slots = self.piece_plan(st.num_blocks // cb)
         if share and self.min_pieces > 1 and per > 1 and len(items) > 1:
@@ -477,12 +490,16 @@ class PoolTransfer:
         use = [j for j, sh in enumerate(shares) if sh]
         got = {j: [0] for j in use}
         tms = {j: dict.fromkeys(("load_store_s", "load_copy_wait_s", "load_land_s"), 0.0) for j in use}
-        runs = _side_by_side(self._lane_pool, [  # type: ignore[arg-type]
-            partial(self._get_staged, [items[i] for i in shares[j]], parts[j][1], parts[j][0], got[j], tms[j], True)
-            for j in use])
+        lander: queue.SimpleQueue | None = queue.SimpleQueue() if self.one_lander else None
+        calls = [partial(self._get_staged, [items[i] for i in shares[j]], parts[j][1], parts[j][0], got[j], tms[j],
+                         True, lander) for j in use]
+        if lander is None:
+            runs = _side_by_side(self._lane_pool, calls)  # type: ignore[arg-type]
+        else:
+            runs, land_s = _with_lander(self._lane_pool, calls, lander)  # type: ignore[arg-type]
         errs = [r if e is None else f"{type(e).__name__}: {e}"[:300] for r, e in runs]
         for k in ("load_store_s", "load_copy_wait_s", "load_land_s"):  # side by side: the slowest one's time
-            self.timing[k] += max(t[k] for t in tms.values())
+            self.timing[k] += max(t[k] for t in tms.values()) if k != "load_land_s" or lander is None else land_s
         ok = [False] * len(items)
         for j in use:
             for i in shares[j][:got[j][0]]:
@@ -560,10 +577,12 @@ class PoolTransfer:
                 good = _leading_ok(res)
                 if good:
                     t2 = time.perf_counter()
-                    land(h, first, piece[:good])
+                    ev = land(h, first, piece[:good])  # None: queued here on ``stream``; else its landing
                     tm["load_land_s"] += time.perf_counter() - t2
-                    copies[h] = self.dev.new_event()
-                    copies[h].record(stream)
+                    if ev is None:
+                        ev = self.dev.new_event()
+                        ev.record(stream)
+                    copies[h] = ev
                     done += good
                 if bad := _first_error(res):
                     return bad
@@ -599,3 +618,57 @@ def _side_by_side(pool: ThreadPoolExecutor, calls: list[Callable[[], Any]]) -> l
         except Exception as e:
             out.append((None, e))
     return out
+
+
+class _Landing:
+    """A piece's copies to the device, queued by the landing thread (:func:`_with_lander`) on the
+    reading client's stream; ``synchronize`` (the client, before reusing the piece's staging slot, and
+    before it returns) waits until they were queued, then until they ran - or raises what queueing raised."""
+
+    def __init__(self, copy: Callable[[], None], stream: Any, dev: Any):
+        self.copy, self.stream, self.dev = copy, stream, dev
+        self.queued = threading.Event()
+        self.event: Any = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.copy()
+            self.event = self.dev.new_event()
+            self.event.record(self.stream)
+        except BaseException as e:  # handed to the client that read the piece
+            self.error = e
+        finally:
+            self.queued.set()
+
+    def synchronize(self) -> None:
+        self.queued.wait()
+        if self.error is not None:
+            raise self.error
+        self.event.synchronize()
+
+
+def _with_lander(pool: ThreadPoolExecutor, calls: list[Callable[[], Any]],
+                 lander: queue.SimpleQueue) -> tuple[list[tuple[Any, Exception | None]], float]:
+    """Every call on ``pool`` while this thread queues the pieces' copies they hand over on ``lander``
+    (:class:`_Landing`), until every call returned; ``(result, error)`` of each in call order and the
+    seconds spent queueing copies. A call waits for its landings before it returns, so none is left."""
+    futs = [pool.submit(c) for c in calls]
+    for f in futs:
+        f.add_done_callback(lambda _: lander.put(None))
+    left, land_s = len(futs), 0.0
+    while left:
+        job = lander.get()
+        if job is None:
+            left -= 1
+            continue
+        t0 = time.perf_counter()
+        job.run()
+        land_s += time.perf_counter() - t0
+    out: list[tuple[Any, Exception | None]] = []
+    for f in futs:
+        try:
+            out.append((f.result(), None))
+        except Exception as e:
+            out.append((None, e))
+    return out, land_s
