@@ -1,4 +1,4 @@
-# usage (one GPU, repository root): OUT=<dir> bash bench/gpu/fp8-s8-b2.sh   (<= 120 s: A 55, C 32, B 25, D rest)
+# usage (one GPU, repository root): OUT=<dir> bash bench/gpu/fp8-s8-b2.sh   (<= 120 s: A 55, C 40, B rest)
 # fp8 (#36 FP8 KV decode) session 8 batch 2, over main. (A) the e2e A/B, all rows of the issue in one run:
 # `hwkv bench kv-dtype --model llama-1b ... --moved-bytes --profile` (its decode step is now the forward the public
 # defaults' graphs replay: fuse_elementwise on). (B) the same step as last session's bench ran it
@@ -16,9 +16,9 @@ timeout -k 3 55 python3 -m hwkv bench kv-dtype --model llama-1b --backend cuda -
   --decode-context 32768 --moved-bytes --profile --workdir /dev/shm/hwkv-fp8 --out "$OUT/kv-dtype-main.json" 2>&1 | cut -c1-2500
 echo "rc=${PIPESTATUS[0]}"
 say "C: one layer, the FMA decode kernel (fma=1) and fp8 tile neighbours"
-timeout -k 2 $(( $(left) > 60 ? 32 : $(left) )) python3 -m hwkv_cuda.bench.kv_dtype_decode --batch 32 --context 32768 \
+timeout -k 2 $(( $(left) > 70 ? 40 : $(left) )) python3 -m hwkv_cuda.bench.kv_dtype_decode --batch 32 --context 32768 \
   --heads 32/8 --head-size 64 --replays 20 --variants "default;fma=1,block_n=32,num_warps=4,num_stages=3" \
-  --fp8-variants "default;fma=1,block_n=32,num_warps=4;fma=1,block_n=64,num_warps=4;fma=1,block_n=32,num_warps=2;fma=1,block_n=16,num_warps=1;fma=1,block_n=64,num_warps=8,split_target=8;fma=1,block_n=32,num_warps=4,num_stages=2;num_stages=4;head_major=0" \
+  --fp8-variants "default;fma=1,block_n=32,num_warps=4;fma=2,block_n=32,num_warps=4;fma=3,block_n=32,num_warps=4;fma=1,block_n=64,num_warps=4;fma=2,block_n=64,num_warps=4;fma=1,block_n=16,num_warps=1;fma=2,block_n=32,num_warps=2;fma=1,block_n=64,num_warps=8,split_target=8;num_stages=4" \
   --out "$OUT/kv-decode-neighbours.json" 2>&1 | cut -c1-420
 echo "rc=${PIPESTATUS[0]}"
 say "B: the same decode step without fuse_elementwise (last session's bench)"

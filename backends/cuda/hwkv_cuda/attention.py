@@ -339,7 +339,7 @@ class TritonAttentionImpl(AttentionImpl):
             query.stride(0), query.stride(1), layer_kv.stride(0), layer_kv.stride(1), layer_kv.stride(2),
             layer_kv.stride(3), c.block_tables.stride(0),
             G=group, G_PAD=pow2(group), HEAD_SIZE=d, D_PAD=d_pad, BS=bs, BLOCK_N=cfg.block_n,
-            NUM_SPLITS_PAD=splits_pad, KV_FP8=fp8, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            NUM_SPLITS_PAD=splits_pad, KV_FP8=fp8, MODE=cfg.fma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         reduce_kernel[(query.shape[0], self.num_heads)](
             out, part_acc, part_ml, out.stride(0), out.stride(1), self.num_heads, splits,

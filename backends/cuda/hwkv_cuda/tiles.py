@@ -59,7 +59,8 @@ class TileConfig:
     # batch-1 decode of the 1B shape in the engine: replay 0.887 -> 0.839 ms, 1,085 -> 1,143 tok/s (same run,
     # bench/results/issue36-b1-s8-batch1-H200-2026-11-29-e80f843.md). 0 / 1: off / on wherever it applies
     fma: int = 0  # a pure decode without window / soft-cap / sinks runs kernels/decode_fma.py: fp32 FMAs over the GQA
-    # group's own rows (no padding to 16 MMA rows, no operand layout change), block_n keys a step (A/B; off)
+    # group's own rows (no padding to 16 MMA rows, no operand layout change), block_n keys a step; 1 / 2 / 3: the
+    # tiles' orientation (decode_fma.py's MODE) (A/B; off)
 
 
 

@@ -8,6 +8,9 @@ transposing load on sm_90). Here a program computes its ``G`` rows with fp32 FMA
 ``[G_PAD, BLOCK_N, D_PAD]`` - no padding to 16 rows, no operand layout for an MMA, the cast in registers.
 The query is scaled once per program (``qk_scale`` times the head's K scale), V's scale once at the end.
 Every key below the request's length is visible (the query is its last token), so there is no causal mask.
+``MODE`` (the ``fma`` tile field) picks the tiles' orientation, which decides the layouts Triton gives the
+products and so which reductions stay inside a thread: 1 K and V as ``[keys, D]`` rows, 2 both as
+``[D, keys]``, 3 K as rows and V as ``[D, keys]`` (A/B on the device; the same sums).
 
 Grid ``(H_kv, requests, splits)``; each program writes fp32 ``(acc, max, sum)`` partials in
 :func:`hwkv_cuda.kernels.attention.reduce_kernel`'s layout, which merges them (one split: it normalises).
@@ -23,7 +26,7 @@ def fma_decode_kernel(
     min_seg, qk_scale, stride_scale, num_heads,
     stride_qt, stride_qh, stride_blk, stride_kv, stride_tok, stride_head, stride_bt,
     G: tl.constexpr, G_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS_PAD: tl.constexpr, KV_FP8: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS_PAD: tl.constexpr, KV_FP8: tl.constexpr, MODE: tl.constexpr = 1,
 ):
     kvh = tl.program_id(0)
     seq = tl.program_id(1)
@@ -59,16 +62,26 @@ def fma_decode_kernel(
         blk = tl.load(bt_ptr + pos // BS, mask=n_mask, other=0).to(tl.int64)
         off = blk * stride_blk + (pos % BS) * stride_tok + kvh_off
         ld = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(kv_ptr + off[:, None] + offs_d[None, :], mask=ld, other=0.0).to(tl.float32)
-        s = tl.sum(q[:, None, :] * k[None, :, :], 2)
+        if MODE == 2:  # K as [D, keys]: the reduction over D is the product's middle axis
+            kt = tl.load(kv_ptr + off[None, :] + offs_d[:, None], mask=d_mask[:, None] & n_mask[None, :],
+                         other=0.0).to(tl.float32)
+            s = tl.sum(q[:, :, None] * kt[None, :, :], 1)
+        else:
+            k = tl.load(kv_ptr + off[:, None] + offs_d[None, :], mask=ld, other=0.0).to(tl.float32)
+            s = tl.sum(q[:, None, :] * k[None, :, :], 2)
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(s - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(kv_ptr + stride_kv + off[:, None] + offs_d[None, :], mask=ld, other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], 1)
+        if MODE >= 2:  # V as [D, keys]: the reduction over keys is the product's last axis
+            vt = tl.load(kv_ptr + stride_kv + off[None, :] + offs_d[:, None], mask=d_mask[:, None] & n_mask[None, :],
+                         other=0.0).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.sum(p[:, None, :] * vt[None, :, :], 2)
+        else:
+            v = tl.load(kv_ptr + stride_kv + off[:, None] + offs_d[None, :], mask=ld, other=0.0).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], 1)
         m_i = m_new
     acc = acc * v_scale
     # partials [tokens, num_heads, NUM_SPLITS_PAD, (D_PAD | 2)] (token = request here); an empty split writes (-inf, 0)
