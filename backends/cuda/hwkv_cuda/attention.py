@@ -172,6 +172,10 @@ class CudaAttentionMetadata:
             split_cfg = pick(split=True, seg=-(-max(c.max_seq_len, 1) // p.splits), wide=wide, short=short)
             if split_cfg != cfg:
                 cfg, p = split_cfg, plan(split_cfg)
+        elif c.max_query_len == 1:  # a decode grid that fills the GPU unsplit (the plan's split rule uses no tile)
+            full_cfg = pick(full=True)
+            if full_cfg != cfg:
+                cfg, p = full_cfg, plan(full_cfg)
         return cfg, p
 
 

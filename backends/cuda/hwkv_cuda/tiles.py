@@ -66,7 +66,7 @@ class TileConfig:
 
 def choose_config(max_query_len: int, group: int, head_size: int, dtype: torch.dtype,
                   split: bool = False, seg: int = 0, wide: bool = False, kv_elem: int = 0,
-                  short: bool = False) -> TileConfig:
+                  short: bool = False, full: bool = False) -> TileConfig:
     """Tiles by shape (from H100/H200 sweeps, docs/cuda-backend.md): decodes pack the G heads of a KV
     head into M (>= 16 rows for the MMA) and stream 64-key tiles three stages deep; prefills take
     128-row tiles (keys per tile and warps by grid size, below). Head 256 and fp32 shrink the tiles so
@@ -114,7 +114,14 @@ def choose_config(max_query_len: int, group: int, head_size: int, dtype: torch.d
     one token's rows of its tile, so half the rows are half the wasted MMA work and registers. H200, one layer of
     the 1B shape (bench/results/issue36-call1-H200-2026-11-28-8b3214a.md): 224 decodes at 600 keys + one
     512-token prefill 197 -> 125 µs; a prefill alone (32 x 512) is 8% slower with them (225 -> 242 µs), so only
-    such steps take them."""
+    such steps take them.
+
+    A decode whose unsplit grid fills the GPU (``full``: the plan splits nothing, e.g. the offline workload's 256
+    requests x 8 KV heads) over a 16-bit cache at head size <= 64 runs one warp per program over 64-key tiles, three
+    stages: a quarter of the shared memory of the 128-key tile, so four programs per SM stream their requests' K/V
+    instead of two. H200, one layer of the 1B shape at 256 requests (bench/results/issue36-s8-perf-b1-H200-2026-11-29-
+    e80f843.md): 544 / 640 / 768 keys 87.9 / 99.0 / 111.5 -> 78.3 / 88.4 / 103.4 µs (3.25-3.61 -> 3.64-3.90 TB/s of
+    K/V read; 2 warps with 5 stages 80.0 / 91.6 / 105.3, the hand-pipelined loop 77.6 / 90.5 / 104.1 at 32 keys)."""
     hpad = pow2(group)
     wide_kv = (kv_elem or dtype.itemsize) == 1 and dtype != torch.float32  # fp8 KV read by a 16-bit query
     narrow = head_size > 128 or dtype == torch.float32
@@ -137,6 +144,8 @@ def choose_config(max_query_len: int, group: int, head_size: int, dtype: torch.d
         # one tile has no loop to pipeline: three stages would only take shared memory (residency)
         cfg = dict(block_m=block_m, block_q=1, block_n=block_n, num_warps=4, num_stages=1 if one_tile else 3,
                    fp8_unpack=unpack)
+        if full and not split and not wide_kv and not narrow and head_size <= 64:
+            cfg.update(block_n=64, num_warps=1)  # a full grid of unsplit decodes (docstring)
         if wide_kv and split and head_size <= 64 and seg >= FP8_LONG_SPLIT:
             # fp8, a full grid of long splits (docstring): two warps per program, 64-key tiles cast in rows,
             # five stages (two K/V buffers in flight behind the block-table load), twice the splits, the
