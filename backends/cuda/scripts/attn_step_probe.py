@@ -40,6 +40,7 @@ cases = [("decode 256 x 640", [1] * (256 // sc), [640 // sc] * (256 // sc), DECO
           [600 // sc] * (128 // sc) + [P] * (8 // sc or 1), ["default", "block_m=64,block_q=16"]),
          ("decode 256 x 544", [1] * (256 // sc), [544 // sc] * (256 // sc), DECODE),
          ("decode 256 x 768", [1] * (256 // sc), [768 // sc] * (256 // sc), DECODE),
+         ("decode 64 x 4096", [1] * (64 // sc), [4096 // sc] * (64 // sc), DECODE),  # a full grid of long requests
          ("prefill 32 x 512", [P] * N, [P] * N, ["default", "block_m=64,block_q=16"]),
          ("mixed 32 decodes @ 600 + 31 x 512 prefills", [1] * N + [P] * (N - 1), [600 // sc] * N + [P] * (N - 1),
           ["default", "block_m=64,block_q=16"])]

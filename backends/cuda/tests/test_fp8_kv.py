@@ -117,8 +117,9 @@ def test_half_decode_over_fp8_takes_double_key_tiles(split, read, monkeypatch):
     assert bf16_cfg == built.launch(h, hkv, d, half, True, FP8_E4M3)[0]
     cfg, plan = built.launch(h, hkv, d, half, True, FP8_E4M3)
     base, _ = built.launch(h, hkv, d, half, True, half)
-    # splits of ~300 keys (< LONG_SPLIT): 64 fp8 keys, the bytes of the 16-bit cache's 32; unsplit: 128 each
-    assert (cfg.block_n, base.block_n) == ((64, 32) if split else (128, 128)) and (plan.splits > 1) == split
+    # splits of ~300 keys (< LONG_SPLIT): 64 fp8 keys, the bytes of the 16-bit cache's 32; unsplit: 128 fp8 keys, and
+    # the 16-bit cache takes the full unsplit grid's one-warp 64-key tile (tiles.choose_config, ``full``)
+    assert (cfg.block_n, base.block_n) == ((64, 32) if split else (128, 64)) and (plan.splits > 1) == split
     assert cfg.fp8_unpack == (int(READS[read][-1]) if READS[read] and read != "prefetch" else 0)
     assert cfg.prefetch == (read == "prefetch")
     impl = TritonAttentionBackend().make_impl(h, d, hkv, d**-0.5)
