@@ -90,7 +90,9 @@ from hwkv import SamplingParams
 cfg = json.loads(sys.argv[1])
 kw = dict(backend=cfg["backend"], dtype=cfg["dtype"], block_size=cfg["block_size"], max_model_len=cfg["max_len"],
           num_kv_blocks=cfg["blocks"], kv_connector="pool", kv_connector_config=cfg["pool"], **cfg["engine_args"])
+t_start = time.perf_counter()
 e = hwkv.Engine(cfg["model"], **kw)
+start_s = time.perf_counter() - t_start
 sp = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 def settle(reset):
     deadline = time.monotonic() + 120
@@ -117,6 +119,7 @@ for name, prompt in (("warm", cfg["warm"]), ("warm_load", cfg["warm"]), ("none",
                  "cached_tokens": out.metrics.num_cached_tokens if out.metrics is not None else None,
                  "timing": {k: round(v - before.get(k, 0.0), 6) for k, v in timing().items()}}
 res["packed_loads"] = (e.stats().get("kv_connector") or {}).get("packed_loads")
+res["engine_start_s"] = start_s
 # A/B in this process: the same load with other load_parallel values (best of two rounds each)
 ab = {}
 # "hKpP" (several holders): K holders' load in the same engine - another prompt whose chunks were all
@@ -129,7 +132,9 @@ for _ in range(2):
         # "o": staging -> device copies as one launch per KV tensor (HWKV_CUDA_COPY_LAUNCH=tensor, before one launch);
         # "b": big pieces (min_pieces 1: a client's share in the staging's halves, before at least 4 pieces);
         # "l": each client's thread queues its own pieces' copies (before one landing thread)
-        flags, n0 = set(n[1:]) & {"s", "o", "b", "l"}, n
+        # "#K" at the end: a repeat under a name of its own (the same setting, its own best of two)
+        n0, n = n, n.partition("#")[0]
+        flags = set(n[1:]) & {"s", "o", "b", "l"}
         n = n.rstrip("sobl")
         hk = int(n[1:].partition("p")[0]) if n.startswith("h") else 0
         lanes, _, par = n[1:].partition("p") if n.startswith(("c", "h")) else ("1", "", n.lstrip("r"))
@@ -379,7 +384,7 @@ def _one_process(args: argparse.Namespace, base: dict[str, Any], pools: dict[str
               f"{1e3 * tm.get('load_land_s', 0):.1f} ms, locate {1e3 * tm.get('load_locate_s', 0):.1f} ms; "
               f"loads through their values' holders "
               f"{tm.get('load_routed_jobs', 0):.0f} of {tm.get('load_jobs', 0):.0f}"
-              f"{'; packed' if out[v]['packed_loads'] else ''}",
+              f"{'; packed' if out[v]['packed_loads'] else ''}; engine start {r.get('engine_start_s', 0):.1f} s",
               flush=True)
         for n, a in r.get("ab_parallel", {}).items():
             at = a["timing"]
