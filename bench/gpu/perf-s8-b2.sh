@@ -1,7 +1,7 @@
 # usage (one GPU, repository root): OUT=<dir> bash bench/gpu/perf-s8-b2.sh   (<= 120 s: AB ~70, P ~30, G the rest)
 # perf (#36) session 8 batch 2, over main: (AB) the 1B public-defaults offline workload in ONE engine: main (the
 # one-warp 64-key decode tile for full unsplit grids) against the tile before it and variants around it
-# (HWKV_CUDA_ATTN_CONFIG_DECODE), two rounds, tokens compared, plus one profiled pass of main for the GPU's idle
+# (HWKV_CUDA_ATTN_CONFIG_DECODE) and the model's linears under cuBLASLt (HWKV_CUDA_BLASLT=1), two rounds, tokens compared, plus one profiled pass of main for the GPU's idle
 # between kernels; (P) one layer of the decode attention around the new tile, each row checked against float32
 # attention, at 256 x 544/640/768 and 64 x 4096 keys; (G) cuBLAS vs cuBLASLt at the 1B projections at 256 tokens.
 set -u
@@ -14,7 +14,7 @@ HWKV_COMMIT=$(cat COMMIT 2>/dev/null) timeout -k 3 72 python3 backends/cuda/scri
   --model llama-1b --workdir /dev/shm/hwkv-def --rounds 2 --gaps --out "$OUT" --variants '[{"name": "main"},
   {"name": "old-tile", "env": {"HWKV_CUDA_ATTN_CONFIG_DECODE": "block_n=128,num_warps=4"}},
   {"name": "w1-hm", "env": {"HWKV_CUDA_ATTN_CONFIG_DECODE": "head_major=1"}},
-  {"name": "w1-32pf", "env": {"HWKV_CUDA_ATTN_CONFIG_DECODE": "block_n=32,prefetch=1"}},
+  {"name": "lt", "env": {"HWKV_CUDA_BLASLT": "1"}},
   {"name": "w2-s5-hm", "env": {"HWKV_CUDA_ATTN_CONFIG_DECODE": "num_warps=2,num_stages=5,head_major=1"}}]' \
   2>&1 | cut -c1-600
 echo "rc=${PIPESTATUS[0]}"

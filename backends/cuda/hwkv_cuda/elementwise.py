@@ -25,6 +25,7 @@ from hwkv_cuda.gemm import SplitKLinear
 from hwkv_cuda.tiles import pow2
 
 ENV = "HWKV_CUDA_ELEMENTWISE"
+BLASLT_ENV = "HWKV_CUDA_BLASLT"  # "1": the model's linears through cuBLASLt's heuristics (A/B switch, off)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_ROW = 16384  # widest RMSNorm row kept in one program's registers
 
@@ -95,8 +96,18 @@ class TritonElementwise:
             return None
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-        """The split-K product (:mod:`hwkv_cuda.gemm`) where its tiles fill SMs cuBLAS's leave idle."""
-        return self._linear(x, weight, bias)
+        """The split-K product (:mod:`hwkv_cuda.gemm`) where its tiles fill SMs cuBLAS's leave idle; else, with
+        ``HWKV_CUDA_BLASLT=1``, ``F.linear`` under cuBLASLt's heuristics (``preferred_blas_library``, restored
+        after the call; a graph capture records the kernels it picked). ``None``: the model's ``F.linear``."""
+        y = self._linear(x, weight, bias)
+        if y is None and os.environ.get(BLASLT_ENV, "0") == "1" and x.device.type == "cuda":
+            prev = torch.backends.cuda.preferred_blas_library()
+            torch.backends.cuda.preferred_blas_library("cublaslt")
+            try:
+                y = torch.nn.functional.linear(x, weight, bias)
+            finally:
+                torch.backends.cuda.preferred_blas_library(prev)
+        return y
 
     def rope(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, q: torch.Tensor,
              k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

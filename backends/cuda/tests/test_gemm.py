@@ -82,3 +82,25 @@ def test_choose_splits_only_narrow_grids():
     assert choose(64, 4096, 14336, 132).block_m == 64
     assert choose(128, 4096, 100, 132) is None  # no whole split of K
     assert COUNTERS >= 132
+
+
+def test_blaslt_switch_runs_f_linear_on_cuda_only(monkeypatch):
+    """HWKV_CUDA_BLASLT=1: the elementwise ops' linear is F.linear under cuBLASLt (on a GPU: the product, and the
+    preferred BLAS library restored after the call); off, or on CPU tensors, it declines (None: the model's
+    F.linear)."""
+    from hwkv_cuda.elementwise import BLASLT_ENV, TritonElementwise
+
+    monkeypatch.delenv(ENV, raising=False)
+    x = torch.randn(256, 64, device=DEV).to(DT)
+    w = torch.randn(32, 64, device=DEV).to(DT)
+    b = torch.randn(32, device=DEV).to(DT)
+    ops = TritonElementwise(DEV)
+    monkeypatch.setenv(BLASLT_ENV, "0")
+    assert ops.linear(x, w, b) is None
+    monkeypatch.setenv(BLASLT_ENV, "1")
+    if DEV == "cpu":
+        assert ops.linear(x, w, b) is None
+        return
+    before = torch.backends.cuda.preferred_blas_library()
+    _check(ops.linear(x, w, b), _want(x, w, b), DT)
+    assert torch.backends.cuda.preferred_blas_library() == before
