@@ -2,7 +2,7 @@
 # perf (#36) session 8 batch 2, over main: (AB) the 1B public-defaults offline workload in ONE engine: main (the
 # one-warp 64-key decode tile for full unsplit grids) against the tile before it and variants around it
 # (HWKV_CUDA_ATTN_CONFIG_DECODE) and the model's linears under cuBLASLt (HWKV_CUDA_BLASLT=1), two rounds, tokens compared, plus one profiled pass of main for the GPU's idle
-# between kernels; (P) one layer of the decode attention around the new tile, each row checked against float32
+# between kernels; (P) one layer of the decode attention around the new tile and the FMA decode kernel (fma), each row checked against float32
 # attention, at 256 x 544/640/768 and 64 x 4096 keys; (G) cuBLAS vs cuBLASLt at the 1B projections at 256 tokens.
 set -u
 source bench/gpu/lib.sh; gpu_env
@@ -20,7 +20,7 @@ HWKV_COMMIT=$(cat COMMIT 2>/dev/null) timeout -k 3 72 python3 backends/cuda/scri
 echo "rc=${PIPESTATUS[0]}"
 say "P: backends/cuda/scripts/attn_step_probe.py (decode 256 x 544/640/768, 64 x 4096)"
 HWKV_PROBE_CASES="decode 256,decode 64" \
-HWKV_PROBE_DECODE="block_n=128,num_warps=4;num_stages=4;head_major=1;block_n=32;block_n=32,num_stages=4;prefetch=1,block_n=32;num_stages=2;block_n=128;num_warps=2" \
+HWKV_PROBE_DECODE="block_n=128,num_warps=4;fma=1,block_n=32,num_warps=4;fma=2,block_n=32,num_warps=2;num_stages=4;head_major=1;block_n=32;block_n=32,num_stages=4;prefetch=1,block_n=32;num_stages=2;block_n=128;num_warps=2" \
   timeout -k 2 $(( 104 - ($(date +%s) - t0) )) python3 backends/cuda/scripts/attn_step_probe.py "$OUT/attn-decode-probe.json" 2>&1 | python3 -c "
 import json, sys
 for line in sys.stdin:
