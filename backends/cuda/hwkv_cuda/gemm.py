@@ -1,10 +1,10 @@
 """Split-K linear for forwards of many tokens whose output tiles leave SMs idle (:mod:`hwkv_cuda.kernels.gemm`).
 
 ``HWKV_CUDA_GEMM`` switches it: ``0`` (the default) leaves every projection to cuBLAS, ``1`` takes the shapes
-:func:`choose` accepts. Off because it lost: on one H200 (bench/results/issue36-s7-perf-b2-H200-2026-11-29-e4ece1f.md)
-the 1B offline workload ran 1.086 s with it against 0.953 s with cuBLAS (consecutive runs of one engine), and where
-both are compute-bound the tile is 0.79x cuBLAS (8B gate_up at 256 tokens: 122.7 vs 97.3 µs) - more than the split
-wins back. Kept as the probe's subject for a TMA / warp-specialised tile. ``HWKV_CUDA_GEMM_CONFIG``
+:func:`choose` accepts. Off because it lost: on one H200, the 1B offline workload at the public defaults in one engine,
+two rounds each, prefix cache reset before every run (bench/results/issue36-s8-perf-b1-H200-2026-11-29-e80f843.md):
+1.422 / 1.423 s with it against 1.287 / 1.282 s with cuBLAS (10.6% slower). (Session 7's A/B of it compared runs
+with a warm prefix cache.) Kept as the probe's subject for a TMA / warp-specialised tile. ``HWKV_CUDA_GEMM_CONFIG``
 (``"block_m=128,block_n=128,block_k=64,split_k=4,num_warps=8,num_stages=4"``) overrides the tile for sweeps
 (``backends/cuda/scripts/gemm_probe.py``).
 """
