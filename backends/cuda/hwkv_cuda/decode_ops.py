@@ -33,6 +33,8 @@ class DenseConfig(NamedTuple):
     preload: int = 0  # 1, 2: the first weight tile loaded before the PDL wait (kernels/dense.py)
     evict: int = 0  # 1: weight loads evict-first (A/B)
     split_k: int = 1  # > 1: programs per row block, each over 1/split_k of K, summed by the last (plain epilogues)
+    maxnreg: int = 0  # > 0: registers a thread may use (ptxas spills the rest): more programs per SM - an 8-row
+    # 2048-wide tile takes 168-206 registers at sm_90 (one 8-warp program per SM), 128 two
 
 
 # One token, per weight shape [N, K]: the fastest tile of the H200 sweep (dense_probe --model llama-8b-tp2,llama-8b
@@ -82,6 +84,8 @@ def choose_config(m: int, n: int, k: int) -> DenseConfig:
         raise ValueError(f"{CONFIG_ENV}: split_k must be 1, 2, 4 or 8, got {cfg['split_k']}")
     if cfg.get("evict", 0) not in (0, 1):
         raise ValueError(f"{CONFIG_ENV}: evict must be 0 or 1, got {cfg['evict']}")
+    if not 0 <= cfg.get("maxnreg", 0) <= 255:
+        raise ValueError(f"{CONFIG_ENV}: maxnreg must be 0 (no cap) to 255, got {cfg['maxnreg']}")
     if cfg["preload"] not in (0, 1, 2):
         raise ValueError(f"{CONFIG_ENV}: preload must be 0 (pipelined loop), 1 (each next tile after the dot) or 2 "
                          f"(the first tile before the wait, the rest pipelined), got {cfg['preload']}")
@@ -208,6 +212,7 @@ class TritonDecodeOps(DecodeOps):
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=pdl, PRELOAD=cfg.preload, ONE_TILE=cfg.block_k >= k,
             EVICT=cfg.evict,
             **geo, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
+            **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and x.device.type == "cuda" else {}),
             **ar_args,
         )
         if push is not None:

@@ -347,7 +347,7 @@ def test_bad_override_names_the_item_and_the_allowed_names(value, bad, monkeypat
     monkeypatch.delenv("HWKV_CUDA_ATTN_CONFIG")
     monkeypatch.setenv("HWKV_CUDA_DENSE_CONFIG", value)
     with pytest.raises(ValueError, match=f"HWKV_CUDA_DENSE_CONFIG: {bad} is not name=integer with a name among "
-                                         "block_n, block_k, num_warps, num_stages, preload, evict, split_k$"):
+                                         "block_n, block_k, num_warps, num_stages, preload, evict, split_k, maxnreg$"):
         dense_config(1, 2048, 2048)
 
 
