@@ -1,7 +1,8 @@
 # b1 (#36 batch-1 decode), session 8, GPU batch 2 (110 s): the batch-1 decode A/B at the public defaults in ONE engine
 # (b1_decode_ab.py) at main with the early attention tile on (auto): early off (what it is worth, with its one-pass
 # merge), PDL off (a race check: the same math without overlap must give the same tokens), the one-launch argmax,
-# batch 1's best GEMV tiles (gate_up 8 rows evict-first, qkv 8 rows preloaded) alone and together, more 8-row tiles;
+# batch 1's best GEMV tiles (gate_up 8 rows evict-first, qkv 8 rows preloaded) alone and together, register caps
+# (maxnreg: two 8-row programs per SM instead of one);
 # then the kernel tests (attention, argmax) and the conformance sections of attention and the argmax on the GPU.
 source bench/gpu/lib.sh
 gpu_env
@@ -18,10 +19,10 @@ V='[{"name": "main"},
  {"name": "argmax", "env": {"HWKV_CUDA_ARGMAX": "1"}},
  {"name": "gu8+qkv8+argmax", "env": {'$GU8', '$QKV8', "HWKV_CUDA_ARGMAX": "1"}},
  {"name": "gu-8-ev", "env": {'$GU8'}},
+ {"name": "gu-8-ev-r128", "env": {"'$GU'": "block_n=8,block_k=2048,num_warps=8,num_stages=3,preload=0,evict=1,maxnreg=128"}},
  {"name": "qkv-8-pre", "env": {'$QKV8'}},
- {"name": "gu-8x1024-ev", "env": {"'$GU'": "block_n=8,block_k=1024,num_warps=8,num_stages=3,preload=0,evict=1"}},
- {"name": "down-8", "env": {"'$DOWN'": "block_n=8,block_k=2048,num_warps=8,num_stages=3,preload=2,evict=0"}},
- {"name": "o-8-pre", "env": {"'$O'": "block_n=8,block_k=2048,num_warps=8,num_stages=1,preload=1"}}]'
+ {"name": "gu-4-ev-r80", "env": {"'$GU'": "block_n=4,block_k=2048,num_warps=8,num_stages=3,preload=0,evict=1,maxnreg=80"}},
+ {"name": "down-8-r128", "env": {"'$DOWN'": "block_n=8,block_k=2048,num_warps=8,num_stages=3,preload=2,evict=0,maxnreg=128"}}]'
 step "b1_decode_ab.py --trace main --variants $V"
 timeout -k 5 72 python3 backends/cuda/scripts/b1_decode_ab.py --out "$OUT" --trace main --variants "$V"
 echo "rc=$?"
