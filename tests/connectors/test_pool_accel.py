@@ -136,3 +136,47 @@ def test_bench_waits_for_the_puts_and_reports_it(model_dir, tmp_path, accelerato
     (res,) = tmp_path.glob("pool-*.json")
     r = json.loads(res.read_text())
     assert r["loaded_tokens"] == 64 and r["load_failures"] == 0 and r["store_wait_ms"] >= 0
+
+
+def test_a_load_over_several_clients_lands_from_one_thread(model_dir, store_name, accelerator_like, monkeypatch):
+    """``load_clients``: the clients' threads read and hand their pieces to the receiving thread, which
+    queues every copy to the device (one thread launching); a copy that fails there fails the load
+    with its reason - the request recomputes to the same tokens, nothing stays pinned."""
+    import threading
+
+    def engine(**cfg: Any) -> hwkv.Engine:
+        return hwkv.Engine(model_dir, num_kv_blocks=64, max_model_len=256, block_size=BS, async_scheduling=True,
+                           kv_connector="pool", kv_connector_config=dict(store_name=store_name, **cfg))
+
+    a, b, c = engine(staging_bytes=1), engine(staging_bytes=1 << 20, load_clients=3, load_parallel=1), \
+        engine(staging_bytes=1 << 20, load_clients=3, load_parallel=1)
+    try:
+        want = _run(a)
+        _settle(a)
+        tb = b.scheduler.connector.worker.transfer
+        assert len(tb._lanes) == 2 and tb.one_lander
+        landers: set[str] = set()
+        orig = pool_transfer.copy_block_pairs
+
+        def traced(*args: Any, **kw: Any) -> None:
+            landers.add(threading.current_thread().name)
+            orig(*args, **kw)
+
+        with monkeypatch.context() as m:
+            m.setattr(pool_transfer, "copy_block_pairs", traced)
+            assert _run(b) == want
+            st = _settle(b)
+        assert st["external_hit_tokens"] == 9 * BS and st["load_failures"] == 0
+        assert landers == {"hwkv-pool-recv"}  # three clients read; one thread queued every copy
+
+        def broken(*args: Any, **kw: Any) -> None:
+            raise RuntimeError("injected: copy engine fault")
+
+        with monkeypatch.context() as m:
+            m.setattr(pool_transfer, "copy_block_pairs", broken)
+            assert _run(c) == want  # recomputed
+            st = _settle(c)  # asserts every block and pin is back
+        assert st["load_failures"] == 1 and "RuntimeError: injected: copy engine fault" in st["last_load_error"]
+    finally:
+        for e in (a, b, c):
+            e.scheduler.connector.shutdown()
