@@ -57,7 +57,11 @@ M1_TILES: dict[tuple[int, int], tuple[int, ...]] = {  # (N, K): block_n, block_k
     # 10.35 µs, gate_up on 8 warps with evict-first weights 20.73 -> 19.64, the head 4 x 1024 preloaded 139.9 ->
     # 131.5; in the engine (same-run A/B, one H200, bench/results/issue36-b1-batch1b-H200-2026-11-29-312154c.md)
     # the batch-1 step went 0.997 -> 0.958 ms (1,003 -> 1,044 tok/s), the replay 0.940 -> 0.900 ms
-    (16384, 2048): (4, 2048, 8, 3, 0, 1), (2048, 8192): (4, 2048, 8, 3, 2), (128256, 2048): (4, 1024, 4, 1, 1),
+    # gate_up since session 8's batch 1 (same-run engine A/B,
+    # bench/results/issue36-b1-s8-batch1-H200-2026-11-29-e80f843.md): 8-row programs, 1,085 -> 1,117 tok/s (replay
+    # 0.887 -> 0.861 ms), the same tokens - half the programs, each normalising the input row once (the 8-row tile
+    # at sm_90: one program of 8 warps per SM, 168 registers a thread)
+    (16384, 2048): (8, 2048, 8, 3, 0, 1), (2048, 8192): (4, 2048, 8, 3, 2), (128256, 2048): (4, 1024, 4, 1, 1),
 }
 
 
