@@ -271,9 +271,6 @@ class TritonAttentionImpl(AttentionImpl):
         cfg, (grid_q, splits, min_seg) = md.launch(self.num_heads, hkv, d, query.dtype, fused, layer_kv.dtype)
         fused = fused and splits > 1
         splits_pad = pow2(splits)
-        if cfg.fma and md.one_token and not self._features(query.device):  # opt-in FMA decode (kernels/decode_fma.py)
-            self._forward_fma(out, query, layer_kv, c, cfg, splits, min_seg)
-            return
         g_pad = pow2(group)
         # constant when unused, so the unfused variants do not compile once per merge tile
         merge_rows, merge_splits = (merge_tile(cfg.block_q, g_pad, splits_pad, d_pad, cfg.num_warps, cfg.merge_regs)
@@ -314,6 +311,7 @@ class TritonAttentionImpl(AttentionImpl):
             KV_FP8=fp8, UNPACK=unpack, ONE_TOKEN=cfg.block_q == 1 and bool(cfg.direct) and md.one_token,
             HEAD_MAJOR=head_major, PREFETCH=prefetch, EARLY=early,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
             **({"launch_pdl": True} if pdl else {}),
             **self._features(query.device),
         )
@@ -322,33 +320,6 @@ class TritonAttentionImpl(AttentionImpl):
                 out, part_acc, part_ml, out.stride(0), out.stride(1), self.num_heads, splits,
                 HEAD_SIZE=d, D_PAD=d_pad, NUM_SPLITS_PAD=splits_pad, num_warps=4,
             )
-
-    def _forward_fma(self, out: torch.Tensor, query: torch.Tensor, layer_kv: torch.Tensor, c: AttentionMetadata,
-                     cfg: TileConfig, splits: int, min_seg: int) -> None:
-        """A pure decode through :func:`hwkv_cuda.kernels.decode_fma.fma_decode_kernel` (fp32 FMAs, no MMA),
-        its partials merged by ``reduce_kernel`` (one split included: it normalises)."""
-        from hwkv_cuda.kernels.attention import reduce_kernel
-        from hwkv_cuda.kernels.decode_fma import fma_decode_kernel
-
-        nb, _, bs, hkv, d = layer_kv.shape
-        d_pad, splits_pad, group = max(16, pow2(d)), pow2(splits), self.num_heads // hkv
-        part_acc = torch.empty((query.shape[0], self.num_heads, splits_pad, d_pad), dtype=torch.float32,
-                               device=query.device)
-        part_ml = torch.empty((query.shape[0], self.num_heads, splits_pad, 2), dtype=torch.float32, device=query.device)
-        fp8 = is_quantized(layer_kv.dtype)
-        scales = self.scales_for(layer_kv) if fp8 else out  # unused unless fp8
-        fma_decode_kernel[(hkv, c.num_reqs, splits)](
-            query, layer_kv, part_acc, part_ml, c.seq_lens, c.block_tables, scales,
-            min_seg, self.scale * LOG2E, scales.stride(0) if fp8 else 0, self.num_heads,
-            query.stride(0), query.stride(1), layer_kv.stride(0), layer_kv.stride(1), layer_kv.stride(2),
-            layer_kv.stride(3), c.block_tables.stride(0),
-            G=group, G_PAD=pow2(group), HEAD_SIZE=d, D_PAD=d_pad, BS=bs, BLOCK_N=cfg.block_n,
-            NUM_SPLITS_PAD=splits_pad, KV_FP8=fp8, MODE=cfg.fma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-        reduce_kernel[(query.shape[0], self.num_heads)](
-            out, part_acc, part_ml, out.stride(0), out.stride(1), self.num_heads, splits,
-            HEAD_SIZE=d, D_PAD=d_pad, NUM_SPLITS_PAD=splits_pad, num_warps=4,
-        )
 
 
 def _capturing(device: torch.device) -> bool:

@@ -58,9 +58,8 @@ class TileConfig:
     # (kernels/attention.py, EARLY). -1 (auto): where every split is one tile (a small batch up to ~8k keys); H200,
     # batch-1 decode of the 1B shape in the engine: replay 0.887 -> 0.839 ms, 1,085 -> 1,143 tok/s (same run,
     # bench/results/issue36-b1-s8-batch1-H200-2026-11-29-e80f843.md). 0 / 1: off / on wherever it applies
-    fma: int = 0  # a pure decode without window / soft-cap / sinks runs kernels/decode_fma.py: fp32 FMAs over the GQA
-    # group's own rows (no padding to 16 MMA rows, no operand layout change), block_n keys a step; 1 / 2 / 3: the
-    # tiles' orientation (decode_fma.py's MODE) (A/B; off)
+    maxnreg: int = 0  # registers per thread the attention launch may use (Triton's maxnreg; 0: the compiler's choice).
+    # The fp8 long-split tile takes 138 (Nsight Compute, H200): 6 programs of 2 warps per SM, 18.75% occupancy (A/B)
 
 
 
