@@ -117,10 +117,14 @@ def choose_config(max_query_len: int, group: int, head_size: int, dtype: torch.d
 
     A decode whose unsplit grid fills the GPU (``full``: the plan splits nothing, e.g. the offline workload's 256
     requests x 8 KV heads) over a 16-bit cache at head size <= 64 runs one warp per program over 64-key tiles, three
-    stages: a quarter of the shared memory of the 128-key tile, so four programs per SM stream their requests' K/V
-    instead of two. H200, one layer of the 1B shape at 256 requests (bench/results/issue36-s8-perf-b1-H200-2026-11-29-
-    e80f843.md): 544 / 640 / 768 keys 87.9 / 99.0 / 111.5 -> 78.3 / 88.4 / 103.4 µs (3.25-3.61 -> 3.64-3.90 TB/s of
-    K/V read; 2 warps with 5 stages 80.0 / 91.6 / 105.3, the hand-pipelined loop 77.6 / 90.5 / 104.1 at 32 keys)."""
+    stages, on the head-major grid (a request's KV heads side by side, reading the same cache blocks at once): a
+    quarter of the shared memory of the 128-key tile, so four programs per SM stream their requests' K/V instead of
+    two. H200, one layer of the 1B shape at 256 requests (bench/results/issue36-s8-perf-b1-H200-2026-11-29-e80f843.md):
+    544 / 640 / 768 keys 87.9 / 99.0 / 111.5 -> 78.3 / 88.4 / 103.4 µs with one warp (the best of 10 tiles); the
+    head-major grid on top, another run (bench/results/issue36-s8-perf-b2-H200-2026-11-29-cbca144.md): 88.8 / 101.0 /
+    119.7 -> 79.6 / 91.6 / 104.1 µs, 64 x 4096 keys 156.3 -> 137.7 (3.58-3.90 TB/s of K/V read, 86-94% of the copy
+    bandwidth). The 1B offline workload in one engine, same run: 1.325 s (the 128-key four-warp tile) -> 1.290 (one
+    warp) -> 1.275 (one warp, head-major)."""
     hpad = pow2(group)
     wide_kv = (kv_elem or dtype.itemsize) == 1 and dtype != torch.float32  # fp8 KV read by a 16-bit query
     narrow = head_size > 128 or dtype == torch.float32
@@ -144,7 +148,7 @@ def choose_config(max_query_len: int, group: int, head_size: int, dtype: torch.d
         cfg = dict(block_m=block_m, block_q=1, block_n=block_n, num_warps=4, num_stages=1 if one_tile else 3,
                    fp8_unpack=unpack)
         if full and not split and not wide_kv and not narrow and head_size <= 64:
-            cfg.update(block_n=64, num_warps=1)  # a full grid of unsplit decodes (docstring)
+            cfg.update(block_n=64, num_warps=1, head_major=1)  # a full grid of unsplit decodes (docstring)
         if wide_kv and split and head_size <= 64 and seg >= FP8_LONG_SPLIT:
             # fp8, a full grid of long splits (docstring): two warps per program, 64-key tiles cast in rows,
             # five stages (two K/V buffers in flight behind the block-table load), twice the splits, the

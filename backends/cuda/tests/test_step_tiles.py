@@ -55,15 +55,15 @@ def test_one_token_steps_skip_the_request_search():
 
 def test_a_full_unsplit_decode_grid_takes_one_warp_tiles(monkeypatch):
     """A decode whose grid fills the GPU unsplit (256 requests x 8 KV heads on 132 SMs) at head size <= 64 over a
-    16-bit cache runs one warp over 64-key tiles; a split grid (batch 4), head 128, an fp8 cache and a prefill keep
+    16-bit cache runs one warp over 64-key tiles on the head-major grid; a split grid (batch 4), head 128, an fp8 cache and a prefill keep
     their tiles, and an override wins."""
     monkeypatch.delenv("HWKV_CUDA_ATTN_CONFIG", raising=False)
     monkeypatch.delenv("HWKV_CUDA_ATTN_CONFIG_DECODE", raising=False)
     md, cfg = _tiles([1] * 256, [640] * 256)
     plan = md.launch(32, 8, 64, BF16, True)[1]
-    assert (cfg.block_n, cfg.num_warps, cfg.num_stages, plan.splits) == (64, 1, 3, 1)
+    assert (cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.head_major, plan.splits) == (64, 1, 3, 1, 1)
     md, cfg = _tiles([1] * 4, [4096] * 4)  # split: the split tiles, four warps
-    assert md.launch(32, 8, 64, BF16, True)[1].splits > 1 and cfg.num_warps == 4
+    assert md.launch(32, 8, 64, BF16, True)[1].splits > 1 and (cfg.num_warps, cfg.head_major) == (4, 0)
     assert _tiles([1] * 256, [640] * 256, head_size=128)[1].num_warps == 4
     fp8 = _tiles([1] * 256, [640] * 256)[0].launch(32, 8, 64, BF16, True, torch.float8_e4m3fn)[0]
     assert fp8.num_warps == 4
