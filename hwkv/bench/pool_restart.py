@@ -129,13 +129,11 @@ for _ in range(2):
     for n in cfg.get("ab_parallel", []):  # "P": P calls on one client; "cK" / "cKpP": K clients (P calls each);
         # "rP": several holders, each value through its holder's clients (P calls each); the others do not route
         # a trailing "s": the GIL switch interval at 0.2 ms during the load (its threads take turns with the engine's);
-        # "o": staging -> device copies as one launch per KV tensor (HWKV_CUDA_COPY_LAUNCH=tensor, before one launch);
-        # "b": big pieces (min_pieces 1: a client's share in the staging's halves, before at least 4 pieces);
-        # "l": each client's thread queues its own pieces' copies (before one landing thread)
+        # "o": staging -> device copies as one launch per KV tensor (HWKV_CUDA_COPY_LAUNCH=tensor, before one launch)
         # "#K" at the end: a repeat under a name of its own (the same setting, its own best of two)
         n0, n = n, n.partition("#")[0]
-        flags = set(n[1:]) & {"s", "o", "b", "l"}
-        n = n.rstrip("sobl")
+        flags = set(n[1:]) & {"s", "o"}
+        n = n.rstrip("so")
         hk = int(n[1:].partition("p")[0]) if n.startswith("h") else 0
         lanes, _, par = n[1:].partition("p") if n.startswith(("c", "h")) else ("1", "", n.lstrip("r"))
         prompt = cfg["prompt"]
@@ -145,8 +143,6 @@ for _ in range(2):
         for t in e.connector.worker.transfers:
             t.load_parallel, t.lanes_active = int(par or 1), 1 if hk else int(lanes)
             t.routed = (hk > 0 or n.startswith("r")) and bool(t.segments and t.locate)
-            t.min_pieces = 1 if "b" in flags else 4
-            t.one_lander = "l" not in flags
         if hk and hk not in refs:
             ring = [(t, t._holder_ring) for t in e.connector.worker.transfers]
             for t, _ in ring:

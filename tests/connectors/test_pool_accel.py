@@ -154,7 +154,7 @@ def test_a_load_over_several_clients_lands_from_one_thread(model_dir, store_name
         want = _run(a)
         _settle(a)
         tb = b.scheduler.connector.worker.transfer
-        assert len(tb._lanes) == 2 and tb.one_lander
+        assert len(tb._lanes) == 2
         landers: set[str] = set()
         orig = pool_transfer.copy_block_pairs
 

@@ -144,7 +144,10 @@ class CudaDevice(Device):
         idx = self.check_copy(src, dst, pairs)
         if idx is None:
             return
-        for t in (*src.tensors, *dst.tensors):
+        with torch.cuda.stream(stream) if stream is not None else _null():  # type: ignore[arg-type]
+            if _one_launch(src, dst, idx, self.torch_device):  # its plan checked pinning once for the pair
+                return
+        for t in (*src.tensors, *dst.tensors):  # is_pinned: a driver query per tensor (~10 us each)
             if t.device.type == "cpu" and not t.is_pinned():
                 raise ValueError("copy_blocks to or from the host needs pinned host KV (allocate_kv_cache(host=True))")
         if all(t.device.type == "cpu" for t in (*src.tensors, *dst.tensors)):
@@ -152,8 +155,6 @@ class CudaDevice(Device):
         from hwkv_cuda.kernels.cache import copy_blocks_kernel
 
         with torch.cuda.stream(stream) if stream is not None else _null():  # type: ignore[arg-type]
-            if _one_launch(src, dst, idx, self.torch_device):
-                return
             # the caching host allocator keeps the pinned index alive until its H2D copy is done
             pairs_dev = idx.pin_memory().to(self.torch_device, non_blocking=True)
             for s_t, d_t in zip(src.tensors, dst.tensors):
@@ -200,13 +201,18 @@ def _one_launch(src: KVCache, dst: KVCache, idx: torch.Tensor, where: torch.devi
 
 def _launch_plan(src: KVCache, dst: KVCache) -> tuple[torch.Tensor, torch.dtype, int] | None:
     """``(offsets, unit dtype, elements per block)`` for :func:`_one_launch`, or ``None`` where it does
-    not apply; remembered per (source, destination) pair - a load lands many pieces between the same two
-    caches, and checking 2 x 32 tensors costs a few hundred microseconds of host time each piece."""
+    not apply (also host to host, and unpinned host memory); remembered per (source, destination) pair -
+    a load lands many pieces between the same two caches, and checking 2 x 32 tensors (sizes, offsets,
+    pinning: a driver query each) costs up to a millisecond of host time each piece."""
     memo = src.__dict__.setdefault("_hwkv_cuda_launch_plans", {})
     hit = memo.get(id(dst))
     if hit is not None and hit[0]() is dst:
         return hit[1]
     ts, td = src.tensors, dst.tensors
+    host = [t for t in (*ts, *td) if t.device.type == "cpu"]
+    if len(host) == len(ts) + len(td) or not all(t.is_pinned() for t in host):
+        memo[id(dst)] = (weakref.ref(dst), None)  # host to host, or unpinned (copy_blocks says why)
+        return None
     unit = _unit_dtype(ts[0])
     nbytes = ts[0].stride(0) * ts[0].element_size()
     ok = all(t.is_contiguous() and t.stride(0) * t.element_size() == nbytes and _unit_dtype(t) == unit

@@ -320,24 +320,34 @@ def test_feature_parameters_are_checked():
     assert impl._features(torch.device("cpu"))["sinks_ptr"].dtype == torch.float32
 
 
-def test_one_launch_plan_applies_only_where_every_tensor_fits():
+def test_one_launch_plan_applies_only_where_every_tensor_fits(monkeypatch):
     """Offsets in 16-byte units from the first tensor, remembered per cache pair; ``None`` (one launch per
-    tensor) for blocks of different sizes or a non-contiguous tensor (caches as the KVCache checks would
-    not build, duck-typed)."""
-    from types import SimpleNamespace
-
+    tensor) host to host, from unpinned host memory, for blocks of different sizes or a non-contiguous
+    tensor (caches as the KVCache checks would not build, duck-typed). The device side here: meta tensors
+    (a device type other than the host's; their addresses are all 0)."""
     from hwkv_cuda.device import _launch_plan
 
     from hwkv.interfaces.layout import KVCache, KVCacheSpec, KVLayoutKind
 
     spec = KVCacheSpec(3, 4, 16, 2, 8, torch.float32)
     a = KVCache.allocate(spec, KVLayoutKind.PER_LAYER, "cpu")
-    b = KVCache.allocate(spec, KVLayoutKind.PER_LAYER, "cpu")
+    b = _Tensors([torch.empty(8, 2, 16, 2, 8, device="meta") for _ in range(3)])
+    assert _launch_plan(a, b) is None  # unpinned host memory
+    assert _launch_plan(a, a) is None  # host to host
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)
+    a = KVCache.allocate(spec, KVLayoutKind.PER_LAYER, "cpu")
     offs, unit, elems = _launch_plan(a, b)
     assert unit == torch.int32 and elems == 2 * 16 * 2 * 8
     want = [(s.data_ptr() - a.tensors[0].data_ptr()) // 16 for s in a.tensors]
     assert offs.view(-1, 2)[:, 0].tolist() == want and _launch_plan(a, b) is _launch_plan(a, b)
-    odd = SimpleNamespace(tensors=[a.tensors[0], a.tensors[1], torch.zeros(4, 2, 16, 2, 4)])  # as a hybrid's groups
+    odd = _Tensors([a.tensors[0], a.tensors[1], torch.zeros(4, 2, 16, 2, 4)])  # as a hybrid's groups
     assert _launch_plan(odd, b) is None
     strided = torch.zeros(4, 2, 16, 2, 16)[..., :8]
-    assert _launch_plan(SimpleNamespace(tensors=[*a.tensors[:2], strided]), b) is None
+    assert _launch_plan(_Tensors([*a.tensors[:2], strided]), b) is None
+
+
+class _Tensors:
+    """A cache as far as the copy plan looks: its tensors (weak-referenceable, as a KVCache)."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        self.tensors = tensors

@@ -191,16 +191,12 @@ class PoolTransfer:
         # transport), and one holder serves ~5.5 GB/s however many clients call (H200 host)
         self.segments, self.locate = segments, locate
         self.routed = bool(segments and locate)  # may be turned off (a bench's A/B)
-        # a client's share of a load spread over several clients is read in at least this many pieces
-        # (staging room allowing; one client's load keeps piece_plan), so the
-        # copies of one piece to the device run while the store fills the next: with one piece per share
-        # (8 holders: ~4 chunks each) every client's landing waits for its whole read
-        self.min_pieces = 4
         # a load spread over several clients: the clients' threads only read (store calls, GIL released)
-        # and hand each piece to the receiving thread, which queues every piece's copies to the device
-        # (one thread doing the launches: with each client's thread launching its own, 8 threads took
-        # turns on the GIL for ~18 ms a piece on the H200 host); False: each client's thread lands its own
-        self.one_lander = True
+        # and hand each piece to the receiving thread, which queues every piece's copies to the device. H200,
+        # 8B fp8, 8 holders, same run: 46.0-47.8 ms vs 87.8-96.6 with each client's thread landing its own
+        # pieces (they took turns on the GIL). A client's share is read in the staging's pieces (piece_plan):
+        # pieces of one chunk, so that landing overlaps reading, took 59.8-67.9 ms - ~1.3 ms of host work
+        # per piece on the landing thread outweighed the overlap (docs/connectors.md)
         # staging -> device copies go through Device.copy_blocks (one launch for every KV tensor of a piece on
         # cuda); a memcpy per run of blocks (926 ms for an 8B load from 8 holders) and one piece per client's
         # share (no change) were measured slower or equal on the H200 (docs/connectors.md)
@@ -421,7 +417,7 @@ class PoolTransfer:
         return self._get_staged(items, self._stage["get"], self.handle, landed, self.timing)
 
     def _get_staged(self, items: list, st: _Staging, handle: StoreHandle, landed: list[int],
-                    tm: dict[str, float], share: bool = False, lander: queue.SimpleQueue | None = None) -> str:
+                    tm: dict[str, float], lander: queue.SimpleQueue | None = None) -> str:
         cb = self.chunk_blocks
 
         def copy(h: int, first: int, piece: list) -> None:  # blocks the device cache had (-1) stay as they are
@@ -437,9 +433,6 @@ class PoolTransfer:
             return job
 
         per, slots = self.piece_plan(st.num_blocks // cb)
-        if share and self.min_pieces > 1 and per > 1 and len(items) > 1:
-            per = min(per, -(-len(items) // self.min_pieces))
-            slots = max(1, st.num_blocks // cb // per)
         return self._get_slots(items, per, slots, lambda first, piece: [
             st.kv.addresses(list(range((first + i) * cb, (first + i + 1) * cb))) for i in range(len(piece))],
             land, st.stream, landed, handle, tm)
@@ -490,16 +483,14 @@ class PoolTransfer:
         use = [j for j, sh in enumerate(shares) if sh]
         got = {j: [0] for j in use}
         tms = {j: dict.fromkeys(("load_store_s", "load_copy_wait_s", "load_land_s"), 0.0) for j in use}
-        lander: queue.SimpleQueue | None = queue.SimpleQueue() if self.one_lander else None
-        calls = [partial(self._get_staged, [items[i] for i in shares[j]], parts[j][1], parts[j][0], got[j], tms[j],
-                         True, lander) for j in use]
-        if lander is None:
-            runs = _side_by_side(self._lane_pool, calls)  # type: ignore[arg-type]
-        else:
-            runs, land_s = _with_lander(self._lane_pool, calls, lander)  # type: ignore[arg-type]
+        lander: queue.SimpleQueue = queue.SimpleQueue()
+        runs, land_s = _with_lander(self._lane_pool, [  # type: ignore[arg-type]
+            partial(self._get_staged, [items[i] for i in shares[j]], parts[j][1], parts[j][0], got[j], tms[j], lander)
+            for j in use], lander)
         errs = [r if e is None else f"{type(e).__name__}: {e}"[:300] for r, e in runs]
-        for k in ("load_store_s", "load_copy_wait_s", "load_land_s"):  # side by side: the slowest one's time
-            self.timing[k] += max(t[k] for t in tms.values()) if k != "load_land_s" or lander is None else land_s
+        for k in ("load_store_s", "load_copy_wait_s"):  # side by side: the slowest one's time
+            self.timing[k] += max(t[k] for t in tms.values())
+        self.timing["load_land_s"] += land_s  # the landing thread's
         ok = [False] * len(items)
         for j in use:
             for i in shares[j][:got[j][0]]:
