@@ -8,7 +8,7 @@
 # P calls per holder client; h1pP = one holder: another prompt whose chunks all went to the first holder
 # (the 1-holder baseline, same engine and run); P / cK = not routed (one client / K clients in contiguous shares, values of
 # other holders over their tcp transport). LIMIT s (default 120); DTYPES (default "fp8 bf16"), first first; HOLDERS, PAR, CLIENTS, AB, CAP_MB,
-# STAGING_MB, HOLDER_THREADS, RAW (0: no raw holders_tput.py at the end), MIN_RUN_S (skip a dtype with less left, default 40), GRAPHS (1: graphs on, max_num_seqs MAX_SEQS). A/B suffixes: o = one landing launch per KV tensor (before: one for all),
+# STAGING_MB, HOLDER_THREADS, RAW (0: no raw holders_tput.py at the end), MIN_RUN_S (skip a dtype with less left, default 40), GRAPHS (1: graphs on, max_num_seqs MAX_SEQS; FUSE=0: without fuse_elementwise). A/B suffixes: o = one landing launch per KV tensor (before: one for all),
 # s = GIL switch interval 0.2 ms; hKpP = another prompt put on the first K holders only.
 set -u
 source bench/gpu/lib.sh
@@ -35,6 +35,7 @@ for d in ${DTYPES:-fp8 bf16}; do
   # GRAPHS=1: the engine's default graphs (a restarted instance's tail - one token after 7,936 loaded - runs as a
   # captured short-query step instead of an eager forward), max_num_seqs MAX_SEQS (fewer buckets to capture)
   ea='"enforce_eager": true'; [[ ${GRAPHS:-0} == 1 ]] && ea="\"max_num_seqs\": ${MAX_SEQS:-8}"
+  [[ ${GRAPHS:-0} == 1 && ${FUSE:-1} == 0 ]] && ea="$ea, \"fuse_elementwise\": false"  # no torch.compile at start
   [[ $d == fp8 ]] && ea="$ea, \"kv_cache_dtype\": \"fp8\""; ea="{$ea}"
   mkdir -p "$OUT/8b-$d"
   timeout "$(left 1)" "${R[@]}" --engine-args "$ea" --out-dir "$OUT/8b-$d" 2>&1 | tee "$OUT/8b-$d.log" \
