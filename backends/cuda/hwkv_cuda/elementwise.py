@@ -25,6 +25,7 @@ from hwkv_cuda.gemm import SplitKLinear
 from hwkv_cuda.tiles import pow2
 
 ENV = "HWKV_CUDA_ELEMENTWISE"
+ROPE_QK_ENV = "HWKV_CUDA_ROPE_QK"  # "0": q and k in a launch each (A/B switch; default one launch for both)
 BLASLT_ENV = "HWKV_CUDA_BLASLT"  # "1": the model's linears through cuBLASLt's heuristics (A/B switch, off)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_ROW = 16384  # widest RMSNorm row kept in one program's registers
@@ -117,7 +118,25 @@ class TritonElementwise:
                 or not q.dtype == k.dtype == cos.dtype == sin.dtype or positions.dim() != 1
                 or positions.shape[0] != q.shape[0] or k.shape[0] != q.shape[0]):
             return None
-        return self._rope(cos, sin, positions, q), self._rope(cos, sin, positions, k)
+        if os.environ.get(ROPE_QK_ENV, "1") == "0":
+            return self._rope(cos, sin, positions, q), self._rope(cos, sin, positions, k)
+        return self._rope_qk(cos, sin, positions, q, k)
+
+    def _rope_qk(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, q: torch.Tensor,
+                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from hwkv_cuda.kernels.elementwise import rope_qk_kernel
+
+        t, hq, d = q.shape
+        hk = k.shape[1]
+        qo = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
+        ko = torch.empty((t, hk, d), dtype=k.dtype, device=k.device)
+        block_h = min(pow2(max(hq, hk)), max(1, 2048 // d))  # as _rope's for the wider of the two
+        qb, kb = -(-hq // block_h), -(-hk // block_h)
+        if t:
+            rope_qk_kernel[(t, qb + kb)](q, k, qo, ko, cos, sin, positions, hq, hk, qb, q.stride(0), q.stride(1),
+                                         k.stride(0), k.stride(1), cos.stride(0), HALF=d // 2, HALF_PAD=pow2(d // 2),
+                                         BLOCK_H=block_h, num_warps=4)
+        return qo, ko
 
     def _rope(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         from hwkv_cuda.kernels.elementwise import rope_kernel

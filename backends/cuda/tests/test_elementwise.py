@@ -60,6 +60,29 @@ def test_rope_of_qkv_views_matches_torch(heads, kv_heads, d, dtype):
     assert got_q.is_contiguous() and got_k.is_contiguous()
 
 
+@pytest.mark.parametrize("heads,kv_heads,d", [(4, 2, 16), (3, 1, 40), (32, 8, 64), (2, 64, 32)])
+def test_rope_of_q_and_k_in_one_launch_is_the_two_launches_bits(heads, kv_heads, d, monkeypatch):
+    """The default rope (q and k in one launch, rope_qk_kernel) gives the same bits as a launch each
+    (HWKV_CUDA_ROPE_QK=0), also when k has more head blocks than q."""
+    dtype = torch.float16 if DEV == "cpu" else torch.bfloat16
+    gen = torch.Generator().manual_seed(heads + d)
+    t, max_pos = 6, 64
+    ang = torch.arange(max_pos)[:, None] * (1.0 / 100 ** (torch.arange(0, d, 2) / d))[None, :]
+    ang = torch.cat([ang, ang], dim=-1)
+    cos, sin = ang.cos().to(DEV, dtype), ang.sin().to(DEV, dtype)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=gen).to(DEV, dtype)
+    q, k, _ = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q, k = q.view(t, heads, d), k.view(t, kv_heads, d)
+    pos = torch.tensor([0, 7, 63, 1, 30, 5], device=DEV)
+    ops = TritonElementwise(DEV)
+    monkeypatch.setenv("HWKV_CUDA_ROPE_QK", "1")
+    one_q, one_k = ops.rope(cos, sin, pos, q, k)
+    monkeypatch.setenv("HWKV_CUDA_ROPE_QK", "0")
+    two_q, two_k = ops.rope(cos, sin, pos, q, k)
+    assert torch.equal(one_q, two_q) and torch.equal(one_k, two_k)
+    assert (one_q.shape, one_k.shape) == ((t, heads, d), (t, kv_heads, d))
+
+
 def test_refuses_what_it_does_not_take():
     """None (the compiled function runs) for what the kernels do not cover; never a wrong result."""
     ops = TritonElementwise(DEV)
