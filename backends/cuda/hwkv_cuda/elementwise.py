@@ -26,6 +26,7 @@ from hwkv_cuda.tiles import pow2
 
 ENV = "HWKV_CUDA_ELEMENTWISE"
 ROPE_QK_ENV = "HWKV_CUDA_ROPE_QK"  # "0": q and k in a launch each (A/B switch; default one launch for both)
+PDL_ENV = "HWKV_CUDA_ELEMENTWISE_PDL"  # "1": the kernels launch with programmatic dependent launch (A/B; off)
 BLASLT_ENV = "HWKV_CUDA_BLASLT"  # "1": the model's linears through cuBLASLt's heuristics (A/B switch, off)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_ROW = 16384  # widest RMSNorm row kept in one program's registers
@@ -39,6 +40,16 @@ class TritonElementwise:
         self.device_type = device_type
         self._no_fp32_mm = False  # torch.mm(..., out_dtype=float32) raised once (logits)
         self._linear = SplitKLinear(device_type)  # narrow projections at many tokens (HWKV_CUDA_GEMM=1)
+
+    def _pdl(self, x: torch.Tensor) -> dict:
+        """Launch arguments for programmatic dependent launch where ``HWKV_CUDA_ELEMENTWISE_PDL=1`` and the device
+        has it (the kernel then waits for the previous kernel's writes first): ``{"PDL": True, "launch_pdl": True}``,
+        else ``{}``."""
+        if os.environ.get(PDL_ENV, "0") != "1" or x.device.type != "cuda":
+            return {}
+        from hwkv_cuda.launch import use_pdl
+
+        return {"PDL": True, "launch_pdl": True} if use_pdl(x.device) else {}
 
     def _ok(self, *ts: torch.Tensor) -> bool:
         return all(t.device.type == self.device_type and t.dtype in DTYPES and t.stride(-1) == 1 for t in ts)
@@ -64,7 +75,7 @@ class TritonElementwise:
             rms_norm_kernel[(x.shape[0],)](
                 x, res if res is not None else x, weight, y, h, n, eps, x.stride(0),
                 (res if res is not None else x).stride(0), y.stride(0), h.stride(0), HAS_RES=res is not None,
-                BLOCK=block, num_warps=8 if block >= 4096 else 4)
+                BLOCK=block, num_warps=8 if block >= 4096 else 4, **self._pdl(x))
         return y if res is None else (y, h)
 
     def silu_mul(self, gate_up: torch.Tensor, inter: int) -> torch.Tensor | None:
@@ -77,7 +88,7 @@ class TritonElementwise:
         cols = -(-inter // block)
         if gate_up.shape[0] and cols <= 65535:
             silu_mul_kernel[(gate_up.shape[0], cols)](gate_up, y, inter, gate_up.stride(0), y.stride(0),
-                                                      BLOCK=block, num_warps=4)
+                                                      BLOCK=block, num_warps=4, **self._pdl(gate_up))
         elif gate_up.shape[0]:
             return None
         return y
@@ -135,7 +146,7 @@ class TritonElementwise:
         if t:
             rope_qk_kernel[(t, qb + kb)](q, k, qo, ko, cos, sin, positions, hq, hk, qb, q.stride(0), q.stride(1),
                                          k.stride(0), k.stride(1), cos.stride(0), HALF=d // 2, HALF_PAD=pow2(d // 2),
-                                         BLOCK_H=block_h, num_warps=4)
+                                         BLOCK_H=block_h, num_warps=4, **self._pdl(q))
         return qo, ko
 
     def _rope(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -147,7 +158,7 @@ class TritonElementwise:
         if t:
             rope_kernel[(t, -(-heads // block_h))](x, out, cos, sin, positions, heads, x.stride(0), x.stride(1),
                                                    cos.stride(0), HALF=d // 2, HALF_PAD=pow2(d // 2),
-                                                   BLOCK_H=block_h, num_warps=4)
+                                                   BLOCK_H=block_h, num_warps=4, **self._pdl(x))
         return out
 
 

@@ -196,3 +196,18 @@ def test_conformance_section_passes_in_the_interpreter():
     linear = {i: got.pop(i) for i in [i for i in got if "::test_linear[" in i]}
     assert linear and set(linear.values()) == {"NOT_SUPPORTED"}, linear
     assert len(got) >= 24 and set(got.values()) == {"PASS"}, {i: s for i, s in got.items() if s != "PASS"}
+
+
+def test_pdl_launch_is_opt_in_and_gpu_only(monkeypatch):
+    """HWKV_CUDA_ELEMENTWISE_PDL=1 asks for programmatic dependent launch (the kernels wait for the previous kernel's
+    writes first); off, or on CPU tensors, the kernels launch plainly. With it on, the ops give the same values."""
+    ops = TritonElementwise(DEV)
+    x = torch.randn(4, 64, device=DEV)
+    monkeypatch.setenv("HWKV_CUDA_ELEMENTWISE_PDL", "0")
+    assert ops._pdl(x) == {}
+    w = torch.randn(64, device=DEV)
+    want = ops.rms_norm(x, w, 1e-6)
+    monkeypatch.setenv("HWKV_CUDA_ELEMENTWISE_PDL", "1")
+    if DEV == "cpu":
+        assert ops._pdl(x) == {}
+    assert torch.equal(ops.rms_norm(x, w, 1e-6), want)

@@ -9,12 +9,24 @@ wherever those ops round, as the decode GEMVs do (:mod:`hwkv_cuda.kernels.dense`
 import triton
 import triton.language as tl
 
+from hwkv_cuda.kernels.dense import gdc_launch_dependents, gdc_wait
+
+
+@triton.jit
+def _pdl_start(PDL: tl.constexpr):
+    """Launched with programmatic dependent launch (``PDL``): let the next PDL kernel launch now (it waits for this
+    one's completion before reading anything), then wait for the previous kernel's writes before reading them."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+
 
 @triton.jit
 def rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, N, eps, stride_x, stride_r, stride_y, stride_h,
-                    HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                    HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """One row: ``h = x + r`` (rounded; stored) when ``HAS_RES``, then ``w * (h.float() * rsqrt(mean(h^2) +
     eps)).to(dtype)`` (both products rounded)."""
+    _pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -32,8 +44,9 @@ def rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, N, eps, stride_x, stride_
 
 
 @triton.jit
-def silu_mul_kernel(x_ptr, y_ptr, inter, stride_x, stride_y, BLOCK: tl.constexpr):
+def silu_mul_kernel(x_ptr, y_ptr, inter, stride_x, stride_y, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """``silu(x[:, :inter]) * x[:, inter:]``, the SiLU rounded, then the product."""
+    _pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = col < inter
@@ -73,9 +86,10 @@ def _rope_block(x_ptr, out_ptr, cos_ptr, sin_ptr, pos_ptr, heads, stride_xt, str
 
 @triton.jit
 def rope_kernel(x_ptr, out_ptr, cos_ptr, sin_ptr, pos_ptr, heads, stride_xt, stride_xh, stride_cos,
-                HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr):
+                HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
     """``BLOCK_H`` heads of one token: ``x * c + rotate_half(x) * s`` with ``c, s`` the rows of ``positions``,
     each product rounded, then the sum; out is ``[T, heads, 2 * HALF]`` contiguous."""
+    _pdl_start(PDL)
     _rope_block(x_ptr, out_ptr, cos_ptr, sin_ptr, pos_ptr, heads, stride_xt, stride_xh, stride_cos,
                 tl.program_id(0).to(tl.int64), tl.program_id(1), HALF, HALF_PAD, BLOCK_H)
 
@@ -83,9 +97,10 @@ def rope_kernel(x_ptr, out_ptr, cos_ptr, sin_ptr, pos_ptr, heads, stride_xt, str
 @triton.jit
 def rope_qk_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, pos_ptr, q_heads, k_heads, q_blocks, stride_qt,
                    stride_qh, stride_kt, stride_kh, stride_cos, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-                   BLOCK_H: tl.constexpr):
+                   BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
     """:func:`rope_kernel` of q and k in one launch (the same values): head blocks ``< q_blocks`` of a token are q's,
     the rest k's - one launch less per layer, which at a decode batch is ~1.5-2 µs of a launch that moves ~1 MB."""
+    _pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     if blk < q_blocks:
