@@ -15,7 +15,9 @@ V='[{"name": "main"},
  {"name": "qkv-8-pre", "env": {"'$QKV'": "block_n=8,block_k=2048,num_warps=8,num_stages=1,preload=1"}},
  {"name": "gu-4-ev (previous)", "env": {"'$GU'": "block_n=4,block_k=2048,num_warps=8,num_stages=3,preload=0,evict=1"}},
  {"name": "gu-8-ev-r128", "env": {"'$GU'": "block_n=8,block_k=2048,num_warps=8,num_stages=3,preload=0,evict=1,maxnreg=128"}},
- {"name": "down-8-r128", "env": {"'$DOWN'": "block_n=8,block_k=2048,num_warps=8,num_stages=3,preload=2,evict=0,maxnreg=128"}}]'
+ {"name": "down-8-r128", "env": {"'$DOWN'": "block_n=8,block_k=2048,num_warps=8,num_stages=3,preload=2,evict=0,maxnreg=128"}},
+ {"name": "qkv-4x1024", "env": {"'$QKV'": "block_n=4,block_k=1024,num_warps=8,num_stages=3,preload=0"}},
+ {"name": "gu-8x1024-ev", "env": {"'$GU'": "block_n=8,block_k=1024,num_warps=8,num_stages=3,preload=0,evict=1"}}]'
 step "b1_decode_ab.py --repeat 1 --variants $V"
 timeout -k 5 84 python3 backends/cuda/scripts/b1_decode_ab.py --out "$OUT" --repeat 1 --variants "$V"
 echo "rc=$?"
