@@ -20,6 +20,7 @@ import torch
 from hwkv.interfaces.attention import AttentionBackend, AttentionImpl, AttentionMetadata, AttentionMetadataBuilder
 from hwkv.interfaces.kv_quant import is_quantized
 from hwkv.interfaces.layout import KVLayoutKind
+from hwkv_cuda.elementwise import PDL_ENV as ELEMENTWISE_PDL_ENV
 from hwkv_cuda.launch import device_limits, use_pdl
 from hwkv_cuda.splitkv import SplitCounters, merge_tile, reduce_mode
 from hwkv_cuda.tiles import (
@@ -243,6 +244,8 @@ class TritonAttentionImpl(AttentionImpl):
             layer_kv.stride(0), layer_kv.stride(1), layer_kv.stride(2), layer_kv.stride(3),
             H_KV=hkv, HEAD_SIZE=d, H_PAD=pow2(hkv), D_PAD=max(16, pow2(d)), BS=bs,
             scale_ptr=scales, stride_scale=scales.stride(0) if fp8 else 0, KV_FP8=fp8,
+            **({"PDL": True, "launch_pdl": True} if os.environ.get(ELEMENTWISE_PDL_ENV, "0") == "1"
+               and key.device.type == "cuda" and use_pdl(key.device) else {}),
         )
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_kv: Any,

@@ -26,7 +26,7 @@ from hwkv_cuda.tiles import pow2
 
 ENV = "HWKV_CUDA_ELEMENTWISE"
 ROPE_QK_ENV = "HWKV_CUDA_ROPE_QK"  # "0": q and k in a launch each (A/B switch; default one launch for both)
-PDL_ENV = "HWKV_CUDA_ELEMENTWISE_PDL"  # "1": the kernels launch with programmatic dependent launch (A/B; off)
+PDL_ENV = "HWKV_CUDA_ELEMENTWISE_PDL"  # "1": these kernels and the KV write launch with PDL (A/B switch; off)
 BLASLT_ENV = "HWKV_CUDA_BLASLT"  # "1": the model's linears through cuBLASLt's heuristics (A/B switch, off)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_ROW = 16384  # widest RMSNorm row kept in one program's registers

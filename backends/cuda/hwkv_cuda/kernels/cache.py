@@ -4,6 +4,11 @@ copy that also reaches pinned host memory through unified addressing (one launch
 import triton
 import triton.language as tl
 
+try:  # Hopper's grid dependency control (as kernels/dense.py, which imports this module)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - PDL is then reported unavailable (hwkv_cuda.launch)
+    gdc_launch_dependents = gdc_wait = None
+
 
 @triton.jit
 def to_e4m3_grid(x):
@@ -27,7 +32,11 @@ def write_kv_kernel(key_ptr, value_ptr, kv_ptr, slot_ptr, num_slots,
                     stride_kt, stride_kh, stride_vt, stride_vh,
                     stride_blk, stride_kv, stride_tok, stride_head,
                     H_KV: tl.constexpr, HEAD_SIZE: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr,
-                    BS: tl.constexpr, scale_ptr=None, stride_scale=0, KV_FP8: tl.constexpr = False):
+                    BS: tl.constexpr, scale_ptr=None, stride_scale=0, KV_FP8: tl.constexpr = False,
+                    PDL: tl.constexpr = False):
+    if PDL:  # launched during the previous kernel's tail: the next PDL kernel may launch; wait before any read
+        gdc_launch_dependents()
+        gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)  # int32 slot maps too: offsets past 2^31 elements
     offs_h = tl.arange(0, H_PAD)
