@@ -127,7 +127,8 @@ ab = {}
 refs = {}
 for _ in range(2):
     for n in cfg.get("ab_parallel", []):  # "P": P calls on one client; "cK" / "cKpP": K clients (P calls each);
-        # "rP": several holders, each value through its holder's clients (P calls each); the others do not route
+        # "rP": several holders, each value through its holder's clients (routed loads make one call per client
+        # whatever P); the others do not route
         # a trailing "s": the GIL switch interval at 0.2 ms during the load (its threads take turns with the engine's);
         # "o": staging -> device copies as one launch per KV tensor (HWKV_CUDA_COPY_LAUNCH=tensor, before one launch)
         # "#K" at the end: a repeat under a name of its own (the same setting, its own best of two)

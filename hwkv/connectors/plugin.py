@@ -83,7 +83,8 @@ POOL_CONFIG = {
     "staging_bytes": "int, default 64 MiB: host staging per thread when the KV cache is not host memory",
     "load_parallel": "int 1..32, default 4: concurrent get calls per load, each on a share of its chunks (a "
                      "holder serves one call per thread: `hwkv pool master --holder-threads`); pieces of a "
-                     "multiple of it fill the staging, so staging_bytes should hold 2 x load_parallel chunks",
+                     "multiple of it fill the staging, so staging_bytes should hold 2 x load_parallel chunks; "
+                     "with several `holders` a load reads each holder through its own client, one call each",
     "load_clients": "int 1..32, default 1: store clients a load's chunks are spread over (contiguous shares, "
                     "at once); holder mode: one shared memory and holder connection each; every extra client "
                     "has a get staging of staging_bytes / load_clients",

@@ -405,11 +405,14 @@ class PoolTransfer:
             half = pk.num_blocks // 2  # its device scratch has two halves
             return self._get_slots(items, half, 2, lambda first, piece: [
                 pk.value(first + i) for i in range(len(piece))], land_packed, pk.stream, landed)
+        # routed: one call per client - every holder is read at once already, and more calls per client were
+        # slower on the H200 (8B fp8, 4 holders, same run: x4.22 with one call, x3.25 with four; 8 holders:
+        # x4.06 with one, x3.47 with two); load_parallel applies to loads from one holder
         if self.routed and self._lanes and len(items) > 1:
             shares = self._route([k for k, _ in items])
             if shares is not None:
                 self.timing["load_routed_jobs"] += 1
-                return self._get_shares(items, shares, landed)
+                return self._get_shares(items, shares, landed, par=1)
         lanes = min(self.lanes_active, len(self._lanes) + 1, len(items))
         if lanes > 1:
             cuts = [len(items) * i // lanes for i in range(lanes + 1)]
@@ -417,7 +420,7 @@ class PoolTransfer:
         return self._get_staged(items, self._stage["get"], self.handle, landed, self.timing)
 
     def _get_staged(self, items: list, st: _Staging, handle: StoreHandle, landed: list[int],
-                    tm: dict[str, float], lander: queue.SimpleQueue | None = None) -> str:
+                    tm: dict[str, float], lander: queue.SimpleQueue | None = None, par: int | None = None) -> str:
         cb = self.chunk_blocks
 
         def copy(h: int, first: int, piece: list) -> None:  # blocks the device cache had (-1) stay as they are
@@ -432,10 +435,10 @@ class PoolTransfer:
             lander.put(job)
             return job
 
-        per, slots = self.piece_plan(st.num_blocks // cb)
+        per, slots = self.piece_plan(st.num_blocks // cb, par)
         return self._get_slots(items, per, slots, lambda first, piece: [
             st.kv.addresses(list(range((first + i) * cb, (first + i + 1) * cb))) for i in range(len(piece))],
-            land, st.stream, landed, handle, tm)
+            land, st.stream, landed, handle, tm, par)
 
     def _route(self, keys: list[str]) -> list[list[int]] | None:
         """Per load client, the indices of ``keys`` it reads: each value through a client of a holder
@@ -473,20 +476,20 @@ class PoolTransfer:
             sh.sort()
         return shares
 
-    def _get_shares(self, items: list, shares: list[list[int]], landed: list[int]) -> str:
+    def _get_shares(self, items: list, shares: list[list[int]], landed: list[int], par: int | None = None) -> str:
         """``shares[j]``: the indices of ``items`` load client ``j`` reads (in order; disjoint, all of
-        them), all clients at once, each through its own staging and stream; returns once every client
-        ended (none still writes). ``landed``: the leading chunks of the whole job that landed (an
-        item landed when its client landed every item of its share before it); the error: the first
-        failing client's (in client order)."""
+        them), all clients at once, each through its own staging and stream, in ``par`` calls at once
+        (None: ``load_parallel``); returns once every client ended (none still writes). ``landed``: the
+        leading chunks of the whole job that landed (an item landed when its client landed every item of
+        its share before it); the error: the first failing client's (in client order)."""
         parts = [(self.handle, self._stage["get"]), *self._lanes]
         use = [j for j, sh in enumerate(shares) if sh]
         got = {j: [0] for j in use}
         tms = {j: dict.fromkeys(("load_store_s", "load_copy_wait_s", "load_land_s"), 0.0) for j in use}
         lander: queue.SimpleQueue = queue.SimpleQueue()
         runs, land_s = _with_lander(self._lane_pool, [  # type: ignore[arg-type]
-            partial(self._get_staged, [items[i] for i in shares[j]], parts[j][1], parts[j][0], got[j], tms[j], lander)
-            for j in use], lander)
+            partial(self._get_staged, [items[i] for i in shares[j]], parts[j][1], parts[j][0], got[j], tms[j], lander,
+                    par) for j in use], lander)
         errs = [r if e is None else f"{type(e).__name__}: {e}"[:300] for r, e in runs]
         for k in ("load_store_s", "load_copy_wait_s"):  # side by side: the slowest one's time
             self.timing[k] += max(t[k] for t in tms.values())
@@ -498,25 +501,27 @@ class PoolTransfer:
         landed[0] = next((i for i, x in enumerate(ok) if not x), len(items))
         return next((e for e in errs if e), "")
 
-    def piece_plan(self, chunks: int) -> tuple[int, int]:
+    def piece_plan(self, chunks: int, par: int | None = None) -> tuple[int, int]:
         """``(chunks per piece, pieces in flight)`` for a staging buffer of ``chunks`` chunks. One
         caller: two halves (the store fills one while the other goes to the device). ``load_parallel``
         P > 1: pieces of a multiple of P chunks (every caller gets as many), at least two in flight
-        and as many as fit, so the copy of the last piece, which nothing overlaps, is short."""
-        p = self.load_parallel
+        and as many as fit, so the copy of the last piece, which nothing overlaps, is short. ``par``:
+        instead of ``load_parallel``."""
+        p = self.load_parallel if par is None else par
         if p <= 1 or chunks < 2 * p:
             per = max(1, chunks // 2)
         else:
             per = p * max(1, chunks // (4 * p))  # up to four pieces in flight
         return per, max(1, chunks // per)
 
-    def _get_call(self, keys: list[str], dests: list[Any], handle: StoreHandle | None = None) -> list[Any]:
+    def _get_call(self, keys: list[str], dests: list[Any], handle: StoreHandle | None = None,
+                  par: int | None = None) -> list[Any]:
         """One ``get`` of ``keys`` into ``dests``, as ``load_parallel`` concurrent calls on contiguous
         shares (results in key order). Returns only once every share's call has returned, so no
         store write into the destinations is still running; a whole-call error of any share is
         raised then (the first)."""
         handle = handle or self.handle
-        n = min(self.load_parallel, len(keys))
+        n = min(self.load_parallel if par is None else par, len(keys))
         if n <= 1:
             return handle.call("get", keys, dests)
         with self._pool_lock:  # lanes call at once: room for every client's extra calls
@@ -545,7 +550,8 @@ class PoolTransfer:
         return out
 
     def _get_slots(self, items: list, per: int, slots: int, dests: Any, land: Any, stream: Any,
-                   landed: list[int], handle: StoreHandle | None = None, tm: dict[str, float] | None = None) -> str:
+                   landed: list[int], handle: StoreHandle | None = None, tm: dict[str, float] | None = None,
+                   par: int | None = None) -> str:
         """Pieces of ``per`` chunks take turns in ``slots`` slots of a staging buffer: the store fills
         one slot (``dests(first, piece)``: each value's destination, ``first`` the slot's first chunk)
         while ``land(h, first, piece)``, queued on ``stream``, takes the earlier ones to the device.
@@ -562,7 +568,7 @@ class PoolTransfer:
                     copies[h].synchronize()  # this slot's previous copy to the device has read it
                 t1 = time.perf_counter()
                 first = h * per
-                res = self._get_call([k for k, _ in piece], dests(first, piece), handle)
+                res = self._get_call([k for k, _ in piece], dests(first, piece), handle, par)
                 tm["load_copy_wait_s"] += t1 - t0
                 tm["load_store_s"] += time.perf_counter() - t1
                 good = _leading_ok(res)
