@@ -259,12 +259,14 @@ class TritonDecodeOps(DecodeOps):
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor | None:
         """One launch (:mod:`hwkv_cuda.kernels.sampling`) instead of the sampler's five, for up to
-        ``ARGMAX_MAX_ROWS`` rows (larger batches keep the sampler's path: not measured). Offered while
-        ``HWKV_CUDA_ARGMAX=1`` (off until its A/B on the GPU). Its per-row slots and counters are allocated outside a
-        graph capture (None inside one until an eager call has made them), set once and left so by every launch."""
+        ``ARGMAX_MAX_ROWS`` rows (larger batches keep the sampler's path: not measured); ``HWKV_CUDA_ARGMAX=0``: not
+        offered (A/B). H200, the 1B shape's batch-1 decode in one engine: step 0.842 -> 0.831 ms, the same tokens
+        (bench/results/issue36-b1-s8-batch2b-H200-2026-11-29-cbd2ac3.md). Its per-row slots and counters are
+        allocated outside a graph capture (None inside one until an eager call has made them), set once and left so
+        by every launch."""
         from hwkv_cuda.kernels.sampling import EMPTY, argmax_kernel
 
-        if os.environ.get(ARGMAX_ENV, "0") != "1" or logits.dim() != 2 or logits.dtype != torch.float32 \
+        if os.environ.get(ARGMAX_ENV, "1") == "0" or logits.dim() != 2 or logits.dtype != torch.float32 \
                 or logits.stride(-1) != 1 or logits.shape[1] >= 1 << 31 or logits.shape[0] > self.ARGMAX_MAX_ROWS:
             return None
         r, v = logits.shape
