@@ -9,6 +9,6 @@ T0=$(date +%s)
 step() { echo "[b1] $(date -u +%H:%M:%S) +$(( $(date +%s) - T0 ))s $*"; }
 step "python3 -m hwkv bench defaults --model llama-1b --num-requests 4 --input-len 64 --output-len 8 --b1-tokens 256"
 timeout -k 3 55 python3 -m hwkv bench defaults --model llama-1b --num-requests 4 --input-len 64 --output-len 8 \
-  --b1-tokens 256 --out "$OUT"
+  --b1-tokens 256 --out "$OUT/defaults-llama-1b.json"
 echo "rc=$?"
 step done
