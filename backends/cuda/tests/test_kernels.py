@@ -351,3 +351,23 @@ class _Tensors:
 
     def __init__(self, tensors: list[torch.Tensor]):
         self.tensors = tensors
+
+
+def test_full_grid_decode_tile_matches_naive(monkeypatch):
+    """A decode whose unsplit grid fills the GPU (split_below=0: no split) at head 64 over a 16-bit cache takes the
+    full-grid tile (one warp, 64-key tiles, head-major grid) and equals the naive attention, contexts shorter and
+    longer than one tile, a partial last tile and a block table wider than the longest request included."""
+    monkeypatch.setenv("HWKV_CUDA_ATTN_CONFIG", "split_below=0")
+    monkeypatch.delenv("HWKV_CUDA_ATTN_CONFIG_DECODE", raising=False)
+    qlens, slens, h, hkv, d, bs = [1] * 5, [1, 63, 64, 200, 129], 8, 2, 64, 16
+    q, kv, md, tables = _case(qlens, slens, h, hkv, d, bs, seed=5)
+    dtype = torch.float16 if DEV == "cpu" else torch.bfloat16  # the interpreter's bf16 dots are numpy's
+    impl = TritonAttentionBackend().make_impl(h, d, hkv, d**-0.5)
+    built = TritonAttentionBackend().metadata_builder().build(md)
+    cfg, plan = built.launch(h, hkv, d, dtype, True)
+    assert (cfg.block_n, cfg.num_warps, cfg.head_major, plan.splits) == (64, 1, 1, 1)
+    out = torch.full_like(q, float("nan"), dtype=dtype, device=DEV)
+    impl.forward_into(out, q.to(DEV, dtype), kv.to(DEV, dtype), built)
+    ref = naive_attention(q.to(dtype).double(), kv.to(dtype).double(), qlens, slens, tables, d**-0.5)
+    err = (out.cpu().double() - ref).norm() / ref.norm()
+    assert not out.isnan().any() and err < 2e-3, f"rel err {err:.2e}"
