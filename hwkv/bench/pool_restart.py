@@ -130,11 +130,12 @@ for _ in range(2):
         # "rP": several holders, each value through its holder's clients (routed loads make one call per client
         # whatever P); the others do not route
         # a trailing "s": the GIL switch interval at 0.2 ms during the load (its threads take turns with the engine's);
-        # "o": staging -> device copies as one launch per KV tensor (HWKV_CUDA_COPY_LAUNCH=tensor, before one launch)
+        # "o": staging -> device copies as one launch per KV tensor (HWKV_CUDA_COPY_LAUNCH=tensor, before one launch);
+        # "k": every block through copy_blocks, no memcpy per run (HWKV_POOL_LAND_MEMCPY=0)
         # "#K" at the end: a repeat under a name of its own (the same setting, its own best of two)
         n0, n = n, n.partition("#")[0]
-        flags = set(n[1:]) & {"s", "o"}
-        n = n.rstrip("so")
+        flags = set(n[1:]) & {"s", "o", "k"}
+        n = n.rstrip("sok")
         hk = int(n[1:].partition("p")[0]) if n.startswith("h") else 0
         lanes, _, par = n[1:].partition("p") if n.startswith(("c", "h")) else ("1", "", n.lstrip("r"))
         prompt = cfg["prompt"]
@@ -159,17 +160,20 @@ for _ in range(2):
         switch = sys.getswitchinterval()
         if "s" in flags:
             sys.setswitchinterval(0.0002)
-        launch = os.environ.get("HWKV_CUDA_COPY_LAUNCH")
+        launch, memcpy = os.environ.get("HWKV_CUDA_COPY_LAUNCH"), os.environ.get("HWKV_POOL_LAND_MEMCPY")
         if "o" in flags:
             os.environ["HWKV_CUDA_COPY_LAUNCH"] = "tensor"
+        if "k" in flags:
+            os.environ["HWKV_POOL_LAND_MEMCPY"] = "0"
         t0 = time.perf_counter()
         out = e.generate([prompt], sp, use_tqdm=False)[0]
         ttft = time.perf_counter() - t0
         sys.setswitchinterval(switch)
-        if launch is None:
-            os.environ.pop("HWKV_CUDA_COPY_LAUNCH", None)
-        else:
-            os.environ["HWKV_CUDA_COPY_LAUNCH"] = launch
+        for k, was in (("HWKV_CUDA_COPY_LAUNCH", launch), ("HWKV_POOL_LAND_MEMCPY", memcpy)):
+            if was is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = was
         r = {"ttft_s": ttft, "tokens": out.token_ids, "ref_tokens": refs.get(hk),
              "cached_tokens": out.metrics.num_cached_tokens if out.metrics is not None else None,
              "timing": {k: round(v - before.get(k, 0.0), 6) for k, v in timing().items()}}

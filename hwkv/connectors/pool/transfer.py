@@ -15,6 +15,7 @@ stream then put; get into staging then staging → device. A chunk's bytes are t
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -197,9 +198,11 @@ class PoolTransfer:
         # pieces (they took turns on the GIL). A client's share is read in the staging's pieces (piece_plan):
         # pieces of one chunk, so that landing overlaps reading, took 59.8-67.9 ms - ~1.3 ms of host work
         # per piece on the landing thread outweighed the overlap (docs/connectors.md)
-        # staging -> device copies go through Device.copy_blocks (one launch for every KV tensor of a piece on
-        # cuda); a memcpy per run of blocks (926 ms for an 8B load from 8 holders) and one piece per client's
-        # share (no change) were measured slower or equal on the H200 (docs/connectors.md)
+        # staging -> device copies: runs of >= 2 MiB per KV tensor as a memcpy per tensor (copy engines), the
+        # rest through Device.copy_blocks (connectors/base/copy.py); HWKV_POOL_LAND_MEMCPY=0: every block
+        # through copy_blocks (hwkv-cuda: one launch a piece instead of a memcpy per tensor and run - less host
+        # time on the landing thread; the A/B of `hwkv bench pool-restart`, suffix k)
+        # (a memcpy per run of ANY length took 926 ms for an 8B load from 8 holders: scattered blocks)
         # puts: consecutive chunks go to the holders in turn (a preference the master honours while there
         # is room), so a prefix's chunks are spread evenly and its load reads every holder equally long
         # (the master's own random placement gave 8/6/7/11 of 32 values on four holders)
@@ -425,7 +428,8 @@ class PoolTransfer:
 
         def copy(h: int, first: int, piece: list) -> None:  # blocks the device cache had (-1) stay as they are
             pairs = [(first * cb + i, b) for i, b in enumerate(b for _, ids in piece for b in ids) if b >= 0]
-            copy_block_pairs(self.dev, st.kv, self.kv, [s for s, _ in pairs], [d for _, d in pairs], st.stream)
+            copy_block_pairs(self.dev, st.kv, self.kv, [s for s, _ in pairs], [d for _, d in pairs], st.stream,
+                             None if os.environ.get("HWKV_POOL_LAND_MEMCPY", "1") != "0" else 1 << 62)
 
         def land(h: int, first: int, piece: list) -> Any:
             if lander is None:
