@@ -284,10 +284,10 @@ def test_a_failure_only_when_sampling_a_chunked_prompt_is_contained(model_dir, m
 
     real = mr.sample_tokens
 
-    def sample_tokens(logits, batch):
+    def sample_tokens(logits, batch, argmax=None):
         if any(sp.seed == 4242 for sp in batch.params):
             raise RuntimeError("sampler overflow")
-        return real(logits, batch)
+        return real(logits, batch, argmax)
 
     monkeypatch.setattr(mr, "sample_tokens", sample_tokens)
     e = hwkv.Engine(model_dir, num_kv_blocks=64, max_model_len=128, max_num_batched_tokens=16)

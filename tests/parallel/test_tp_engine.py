@@ -284,10 +284,10 @@ def test_a_driver_side_step_failure_is_contained(tmp_path, monkeypatch, where):
         if where == "sampling":
             real = mr.sample_tokens
 
-            def sample_tokens(logits, batch):
+            def sample_tokens(logits, batch, argmax=None):
                 if any(sp.seed == 4242 for sp in batch.params):
                     raise RuntimeError("sampler overflow")
-                return real(logits, batch)
+                return real(logits, batch, argmax)
 
             monkeypatch.setattr(mr, "sample_tokens", sample_tokens)
         else:
