@@ -1,15 +1,18 @@
 #!/bin/bash
-# pool (#35) session 7: the 8B cold restart read from several holders at once. One holder copies ~5.5 GB/s
+# pool (#35) sessions 7-8: the 8B cold restart read from several holders at once. One holder copies ~5.5 GB/s
 # into engines' shared memory however many clients call it (session 6); 4 holders gave 13.68 GB/s raw
 # (holders_tput.py). Here the pool has HOLDERS holders (hwkv bench pool-restart --holders: each its
 # segment name fixed), the engine is given all of them ("holders") and reads each value through the
 # holder that has it (MooncakeStore.locate: one master RPC per load). --one-process per dtype (an 8B
-# start is ~40 s): recompute, device-cache hit, load from the pool; A/B in the same process: rP = routed,
-# P calls per holder client; h1pP = one holder: another prompt whose chunks all went to the first holder
-# (the 1-holder baseline, same engine and run); P / cK = not routed (one client / K clients in contiguous shares, values of
-# other holders over their tcp transport). LIMIT s (default 120); DTYPES (default "fp8 bf16"), first first; HOLDERS, PAR, CLIENTS, AB, CAP_MB,
-# STAGING_MB, HOLDER_THREADS, RAW (0: no raw holders_tput.py at the end), MIN_RUN_S (skip a dtype with less left, default 40), GRAPHS (1: graphs on, max_num_seqs MAX_SEQS; FUSE=0: without fuse_elementwise). A/B suffixes: o = one landing launch per KV tensor (before: one for all),
-# s = GIL switch interval 0.2 ms; hKpP = another prompt put on the first K holders only.
+# start is ~40 s, ~56 s with graphs): recompute, device-cache hit, load from the pool; A/B in the same process:
+# rP = routed (one call per holder client whatever P); hKpP = another prompt whose chunks all went to the first
+# K holders (the K-holder baseline, same engine and run); P / cK = not routed (one client / K clients in contiguous
+# shares, values of other holders over their tcp transport). Suffixes: o = one landing launch per KV tensor
+# (HWKV_CUDA_COPY_LAUNCH=tensor), k = every block through copy_blocks (HWKV_POOL_LAND_MEMCPY=0), s = GIL switch
+# interval 0.2 ms, #N = a repeat under its own name. Knobs: LIMIT s (default 120); DTYPES (default "fp8 bf16"),
+# first first; HOLDERS, PAR, CLIENTS, AB, CAP_MB, STAGING_MB, HOLDER_THREADS, PROC_S; RAW (0: no raw
+# holders_tput.py at the end); MIN_RUN_S (skip a dtype with less left, default 40); GRAPHS (1: graphs on,
+# max_num_seqs MAX_SEQS; FUSE=0: without fuse_elementwise).
 set -u
 source bench/gpu/lib.sh
 gpu_env
