@@ -55,8 +55,8 @@ def test_one_token_steps_skip_the_request_search():
 
 def test_a_full_unsplit_decode_grid_takes_one_warp_tiles(monkeypatch):
     """A decode whose grid fills the GPU unsplit (256 requests x 8 KV heads on 132 SMs) at head size <= 64 over a
-    16-bit cache runs one warp over 64-key tiles on the head-major grid; a split grid (batch 4), head 128, an fp8 cache and a prefill keep
-    their tiles, and an override wins."""
+    16-bit cache runs one warp over 64-key tiles on the head-major grid; a split grid (batch 4), head 128, an fp8
+    cache and a prefill keep their tiles, and an override wins."""
     monkeypatch.delenv("HWKV_CUDA_ATTN_CONFIG", raising=False)
     monkeypatch.delenv("HWKV_CUDA_ATTN_CONFIG_DECODE", raising=False)
     md, cfg = _tiles([1] * 256, [640] * 256)
