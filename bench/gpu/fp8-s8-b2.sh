@@ -1,4 +1,6 @@
 # usage (one GPU, repository root): OUT=<dir> bash bench/gpu/fp8-s8-b2.sh   (<= 120 s: A 55, C 40, B rest)
+# (Ran at main cbca144. The FMA kernel it sweeps, fma=1/2/3, was removed in 9dcc153 after this run: at a later commit
+# those rows report an error; check out cbca144 to repeat it.)
 # fp8 (#36 FP8 KV decode) session 8 batch 2, over main. (A) the e2e A/B, all rows of the issue in one run:
 # `hwkv bench kv-dtype --model llama-1b ... --moved-bytes --profile` (its decode step is now the forward the public
 # defaults' graphs replay: fuse_elementwise on). (B) the same step as last session's bench ran it
