@@ -59,8 +59,8 @@ class TileConfig:
     # batch-1 decode of the 1B shape in the engine: replay 0.887 -> 0.839 ms, 1,085 -> 1,143 tok/s (same run,
     # bench/results/issue36-b1-s8-batch1-H200-2026-11-29-e80f843.md). 0 / 1: off / on wherever it applies
     maxnreg: int = 0  # registers per thread the attention launch may use (Triton's maxnreg; 0: the compiler's choice).
-    # The fp8 long-split tile takes 138 (Nsight Compute, H200): 6 programs of 2 warps per SM, 18.75% occupancy; capped at
-    # 128 / 112 / 96 it ran slower (450 vs 419 us, 32 x 32k, fp8-decode-maxnreg-1b-32x32k-H200-2026-11-29-cbd2ac3.json)
+    # The fp8 long-split tile takes 138 (Nsight Compute, H200): 6 programs of 2 warps per SM, 18.75% occupancy;
+    # capped at 128 / 112 / 96 it ran slower (450 vs 419 us, 32 x 32k, fp8-decode-maxnreg-1b-32x32k-H200-2026-11-29-cbd2ac3.json)
 
 
 
