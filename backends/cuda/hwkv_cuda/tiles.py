@@ -60,7 +60,8 @@ class TileConfig:
     # bench/results/issue36-b1-s8-batch1-H200-2026-11-29-e80f843.md). 0 / 1: off / on wherever it applies
     maxnreg: int = 0  # registers per thread the attention launch may use (Triton's maxnreg; 0: the compiler's choice).
     # The fp8 long-split tile takes 138 (Nsight Compute, H200): 6 programs of 2 warps per SM, 18.75% occupancy;
-    # capped at 128 / 112 / 96 it ran slower (450 vs 419 us, 32 x 32k, fp8-decode-maxnreg-1b-32x32k-H200-2026-11-29-cbd2ac3.json)
+    # capped at 128 / 112 / 96 it ran slower (450 vs 419 us, 32 x 32k,
+    # fp8-decode-maxnreg-1b-32x32k-H200-2026-11-29-cbd2ac3.json)
 
 
 
