@@ -41,17 +41,22 @@ def test_norms_and_silu_mul_match_torch(rows, n, dtype):
     _close(ops.rms_norm(view, w, 1e-6), rms_norm(view, w, 1e-6), dtype, "rms_norm of a strided view")
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads,kv_heads,d", [(4, 2, 16), (3, 1, 40), (32, 8, 64)])
-def test_rope_of_qkv_views_matches_torch(heads, kv_heads, d, dtype):
-    gen = torch.Generator().manual_seed(heads * d)
-    t, max_pos = 5, 64
-    ang = torch.arange(max_pos)[:, None] * (1.0 / 100 ** (torch.arange(0, d, 2) / d))[None, :]
+def _rope_case(heads: int, kv_heads: int, d: int, t: int, dtype: torch.dtype, seed: int):
+    """``(cos, sin, q, k)``: rotary tables of 64 positions, and q / k as views of one ``[t, qkv]`` row
+    with the qkv row stride (as Attention.project makes them)."""
+    gen = torch.Generator().manual_seed(seed)
+    ang = torch.arange(64)[:, None] * (1.0 / 100 ** (torch.arange(0, d, 2) / d))[None, :]
     ang = torch.cat([ang, ang], dim=-1)
     cos, sin = ang.cos().to(DEV, dtype), ang.sin().to(DEV, dtype)
     qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=gen).to(DEV, dtype)
     q, k, _ = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
-    q, k = q.view(t, heads, d), k.view(t, kv_heads, d)  # as Attention.project: views with the qkv row stride
+    return cos, sin, q.view(t, heads, d), k.view(t, kv_heads, d)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,d", [(4, 2, 16), (3, 1, 40), (32, 8, 64)])
+def test_rope_of_qkv_views_matches_torch(heads, kv_heads, d, dtype):
+    cos, sin, q, k = _rope_case(heads, kv_heads, d, 5, dtype, heads * d)
     pos = torch.tensor([0, 7, 63, 1, 30], device=DEV)
     got_q, got_k = TritonElementwise(DEV).rope(cos, sin, pos, q, k)
     want_q, want_k = apply_rope(cos, sin, pos, q, k)
@@ -65,14 +70,8 @@ def test_rope_of_q_and_k_in_one_launch_is_the_two_launches_bits(heads, kv_heads,
     """The default rope (q and k in one launch, rope_qk_kernel) gives the same bits as a launch each
     (HWKV_CUDA_ROPE_QK=0), also when k has more head blocks than q."""
     dtype = torch.float16 if DEV == "cpu" else torch.bfloat16
-    gen = torch.Generator().manual_seed(heads + d)
-    t, max_pos = 6, 64
-    ang = torch.arange(max_pos)[:, None] * (1.0 / 100 ** (torch.arange(0, d, 2) / d))[None, :]
-    ang = torch.cat([ang, ang], dim=-1)
-    cos, sin = ang.cos().to(DEV, dtype), ang.sin().to(DEV, dtype)
-    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=gen).to(DEV, dtype)
-    q, k, _ = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
-    q, k = q.view(t, heads, d), k.view(t, kv_heads, d)
+    t = 6
+    cos, sin, q, k = _rope_case(heads, kv_heads, d, t, dtype, heads + d)
     pos = torch.tensor([0, 7, 63, 1, 30, 5], device=DEV)
     ops = TritonElementwise(DEV)
     monkeypatch.setenv("HWKV_CUDA_ROPE_QK", "1")
