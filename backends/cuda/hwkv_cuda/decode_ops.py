@@ -21,6 +21,7 @@ from hwkv_cuda.tiles import pow2
 
 CONFIG_ENV = "HWKV_CUDA_DENSE_CONFIG"
 ARGMAX_ENV = "HWKV_CUDA_ARGMAX"
+ARGMAX_ROWS_ENV = "HWKV_CUDA_ARGMAX_ROWS"  # most rows the one-launch argmax takes (A/B; default ARGMAX_MAX_ROWS)
 ARGMAX_BLOCK = 4096  # logits per program of the argmax (32 programs a row of 128,256)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -267,7 +268,8 @@ class TritonDecodeOps(DecodeOps):
         from hwkv_cuda.kernels.sampling import EMPTY, argmax_kernel
 
         if os.environ.get(ARGMAX_ENV, "1") == "0" or logits.dim() != 2 or logits.dtype != torch.float32 \
-                or logits.stride(-1) != 1 or logits.shape[1] >= 1 << 31 or logits.shape[0] > self.ARGMAX_MAX_ROWS:
+                or logits.stride(-1) != 1 or logits.shape[1] >= 1 << 31 \
+                or logits.shape[0] > int(os.environ.get(ARGMAX_ROWS_ENV, self.ARGMAX_MAX_ROWS)):
             return None
         r, v = logits.shape
         out = torch.empty(r, dtype=torch.int64, device=logits.device)

@@ -31,6 +31,9 @@ DECODE = ["default", "direct=0", "head_major=1", "num_stages=2", "num_stages=4",
 if os.environ.get("HWKV_PROBE_DECODE"):  # ";"-separated variants for the decode cases (each a comma list)
     DECODE = ["default"] + [v for v in os.environ["HWKV_PROBE_DECODE"].split(";") if v and v != "default"]
 B1 = ["default", "direct=0", "min_split=64", "split_target=16"]
+PREFILL = ["default", "block_m=64,block_q=16"]
+if os.environ.get("HWKV_PROBE_PREFILL"):  # ";"-separated variants for the prefill case and the 32 + 31 mixed step
+    PREFILL = ["default"] + [v for v in os.environ["HWKV_PROBE_PREFILL"].split(";") if v and v != "default"]
 # (name, query lengths, sequence lengths, variants), the offline run's largest share first; HWKV_PROBE_CASES (comma
 # list of name prefixes) picks some
 cases = [("decode 256 x 640", [1] * (256 // sc), [640 // sc] * (256 // sc), DECODE),
@@ -41,9 +44,9 @@ cases = [("decode 256 x 640", [1] * (256 // sc), [640 // sc] * (256 // sc), DECO
          ("decode 256 x 544", [1] * (256 // sc), [544 // sc] * (256 // sc), DECODE),
          ("decode 256 x 768", [1] * (256 // sc), [768 // sc] * (256 // sc), DECODE),
          ("decode 64 x 4096", [1] * (64 // sc), [4096 // sc] * (64 // sc), DECODE),  # a full grid of long requests
-         ("prefill 32 x 512", [P] * N, [P] * N, ["default", "block_m=64,block_q=16"]),
+         ("prefill 32 x 512", [P] * N, [P] * N, PREFILL),
          ("mixed 32 decodes @ 600 + 31 x 512 prefills", [1] * N + [P] * (N - 1), [600 // sc] * N + [P] * (N - 1),
-          ["default", "block_m=64,block_q=16"])]
+          PREFILL)]
 if os.environ.get("HWKV_PROBE_CASES"):
     cases = [c for c in cases if c[0].startswith(tuple(os.environ["HWKV_PROBE_CASES"].split(",")))]
 rows = []

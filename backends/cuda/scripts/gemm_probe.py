@@ -56,11 +56,25 @@ def graph_us(fn, reps: int = 20) -> float:
     return max(0.0, times[0] - times[1]) / reps * 1e3
 
 
+def bmm_split(x: torch.Tensor, w: torch.Tensor, s: int, fp32: bool) -> torch.Tensor:
+    """``x @ w.T`` as ``s`` K-slices in one strided batched cuBLAS call (``[s, M, N]`` partials: fp32 with ``fp32``,
+    else the input dtype), summed over the slices: split-K without a kernel of ours."""
+    m, k = x.shape
+    n = w.shape[0]
+    xs = x.view(m, s, k // s).transpose(0, 1)  # [s, M, K/s], rows k apart
+    ws = w.view(n, s, k // s).permute(1, 2, 0)  # [s, K/s, N], column-major slices
+    if fp32:
+        return torch.bmm(xs, ws, out_dtype=torch.float32).sum(0).to(x.dtype)
+    return torch.bmm(xs, ws).sum(0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="1b,8b")
     ap.add_argument("--tokens", default="256,128,64")
     ap.add_argument("--sweep", default=";".join(SWEEP), help="';'-separated HWKV_CUDA_GEMM_CONFIG values ('' = rule)")
+    ap.add_argument("--bmm", default="", help="','-separated split counts of bmm_split to time (e.g. '2,4'); each "
+                    "with fp32 and with 16-bit partials")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     os.environ[ENV] = "1"
@@ -92,7 +106,20 @@ def main() -> None:
                     torch.backends.cuda.preferred_blas_library(lib)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
-                for var in args.sweep.split(";"):
+                for sk in [int(x) for x in args.bmm.split(",") if x]:
+                    for fp32 in (True, False):
+                        name_ = f"bmm{sk}" + ("" if fp32 else "h")
+                        try:
+                            y = bmm_split(x, w, sk, fp32)
+                            err = float((y.float() - ref.float()).norm() / ref.float().norm())
+                            t = graph_us(lambda x=x, w=w, sk=sk, fp32=fp32: bmm_split(x, w, sk, fp32)) / 1e3
+                            row = dict(shape=shape, proj=name, m=m, variant=name_, us=t * 1e3,
+                                       tflops=2 * m * n * k / t / 1e9, vs_cublas=base / t, rel_err=err)
+                        except Exception as e:  # noqa: BLE001 - a torch without bmm's out_dtype
+                            row = dict(shape=shape, proj=name, m=m, variant=name_, error=repr(e)[:200])
+                        print(json.dumps(row), flush=True)
+                        rows.append(row)
+                for var in [v for v in args.sweep.split(";") if v != "-"]:
                     os.environ[CONFIG_ENV] = var
                     try:
                         cfg = op.config(x, w)

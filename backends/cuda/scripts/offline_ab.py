@@ -4,7 +4,10 @@ the many-token buckets again (batch > the decode ops' size, up to ``--num-reques
 mixed and prefill steps are eager and read the settings per call) and runs ``hwkv bench defaults``'s offline
 workload (256 x 512 in / 256 out, greedy, ignore_eos). Variants alternate in rounds (``--rounds``), so drift shows;
 each row has tok/s, the fraction of the roofline measured in the same run, the host's wait for tokens, and how
-many requests' greedy tokens equal the first variant's. The prefix cache is reset before every run.
+many requests' greedy tokens equal the first variant's. The prefix cache is reset before every run. A variant's
+``"sched"`` sets scheduler options for its runs (``{"max_num_batched_tokens": 32768}``: the scheduler reads its budget
+per step; the engine itself was built at the public defaults). ``--steps`` times every step on the device (an event
+before and after each step's launches) and reports prefill/mixed steps apart from pure decodes.
 
     PYTHONPATH=.:backends/cuda python3 backends/cuda/scripts/offline_ab.py --out DIR \\
         --variants '[{"name": "base"}, {"name": "gemm", "env": {"HWKV_CUDA_GEMM": "1"}}]'
@@ -53,7 +56,51 @@ def recapture(engine: Any, lo: int, hi: int) -> int:
     return len(keys)
 
 
-def run(engine: Any, work: list[tuple[list[int], int]]) -> tuple[dict[str, float], list[list[int]]]:
+class StepTimer:
+    """Device time of every step: events recorded on the current stream before and after ``execute_async``'s
+    launches (the step's forward and sampling), with the step's shape (prefill tokens, decode rows). A step's time is
+    its own events' span; the GPU runs ahead of the host under async scheduling, so a span also holds any wait of the
+    GPU for the host inside that step's launches."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine, self.rows = engine, []
+        self.orig = engine.runner.execute_async
+
+    def __enter__(self) -> StepTimer:
+        dev = self.engine.backend.device
+
+        def timed(so: Any) -> Any:
+            a, b = dev.new_event(enable_timing=True), dev.new_event(enable_timing=True)
+            a.record()
+            out = self.orig(so)
+            b.record()
+            n = list(so.num_scheduled_tokens.values())
+            self.rows.append((a, b, sum(x for x in n if x > 1), sum(1 for x in n if x == 1)))
+            return out
+
+        self.engine.runner.execute_async = timed
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.engine.runner.execute_async = self.orig
+
+    def summary(self) -> dict[str, Any]:
+        self.engine.backend.device.synchronize()
+        ms = [(a.elapsed_time(b), p, d) for a, b, p, d in self.rows]
+        first = [(t, p, d) for t, p, d in ms if p]  # steps with prompt tokens (prefill or mixed)
+        dec = [(t, p, d) for t, p, d in ms if not p and d]
+        full = [t for t, _, d in dec if d == max((x[2] for x in dec), default=0)]
+        gaps = [self.rows[i][0].elapsed_time(self.rows[i + 1][0]) - ms[i][0] for i in range(len(ms) - 1)]
+        return dict(steps=len(ms), span_ms=round(sum(ms_[0] for ms_ in ms) + sum(gaps), 2),
+                    prompt_steps=dict(n=len(first), ms=round(sum(t for t, _, _ in first), 2),
+                                      each=[dict(ms=round(t, 2), prompt_tokens=p, decodes=d) for t, p, d in first]),
+                    decode_steps=dict(n=len(dec), ms=round(sum(t for t, _, _ in dec), 2),
+                                      full_batch=dict(n=len(full), mean_ms=round(sum(full) / max(1, len(full)), 4)),
+                                      rows=sum(d for _, _, d in dec)),
+                    between_steps_ms=round(sum(gaps), 2))
+
+
+def run(engine: Any, work: list[tuple[list[int], int]], steps: bool = False) -> tuple[dict[str, Any], list[list[int]]]:
     from hwkv.sampling_params import SamplingParams
 
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in work]
@@ -62,14 +109,22 @@ def run(engine: Any, work: list[tuple[list[int], int]]) -> tuple[dict[str, float
     assert engine.kv_cache_manager.reset_prefix_cache(), "prefix cache reset refused: requests still hold blocks"
     wait0, steps0 = getattr(engine.runner, "token_wait_s", 0.0), engine.stats()["num_steps"]
     engine.backend.device.synchronize()
+    timer = StepTimer(engine) if steps else None
     t0 = time.perf_counter()
-    outs = engine.generate([p for p, _ in work], params, use_tqdm=False)
+    if timer is not None:
+        with timer:
+            outs = engine.generate([p for p, _ in work], params, use_tqdm=False)
+    else:
+        outs = engine.generate([p for p, _ in work], params, use_tqdm=False)
     engine.backend.device.synchronize()
     dt = time.perf_counter() - t0
     toks = [list(o.token_ids) for o in outs]
-    return dict(seconds=dt, tok_per_s=sum(map(len, toks)) / dt,
-                token_wait_s=getattr(engine.runner, "token_wait_s", 0.0) - wait0,
-                steps=engine.stats()["num_steps"] - steps0), toks
+    r = dict(seconds=dt, tok_per_s=sum(map(len, toks)) / dt,
+             token_wait_s=getattr(engine.runner, "token_wait_s", 0.0) - wait0,
+             steps=engine.stats()["num_steps"] - steps0)
+    if timer is not None:
+        r["step_times"] = timer.summary()
+    return r, toks
 
 
 def main() -> None:
@@ -86,6 +141,9 @@ def main() -> None:
     ap.add_argument("--gaps", action="store_true",
                     help="one more run of the first variant in round 0 under torch.profiler: the GPU's idle between "
                          "kernels over the pass (hwkv.bench.timeline.pass_gaps), not in the timed rows")
+    ap.add_argument("--steps", action="store_true",
+                    help="time every step on the device (StepTimer) in every run: prefill/mixed steps against pure "
+                         "decodes")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     out = Path(args.out)
@@ -106,6 +164,7 @@ def main() -> None:
     roof = offline_roofline(cfg, body, head, decode_read_bytes(engine.model), kv, n, n_in, n_out, bw, rate)
     lo = engine.model.decode_ops.use_up_to if engine.model.decode_ops is not None else 0
     base_env = {k: os.environ.get(k) for v in variants for k in v.get("env", {})}
+    base_sched = {k: getattr(engine.scheduler.config, k) for v in variants for k in v.get("sched", {})}
     work = [(p, n_out) for p, _ in workload(n, n_in, n_in, vocab, seed=5)]
     first: list[list[int]] | None = None
     rows = []
@@ -118,12 +177,14 @@ def main() -> None:
                 else:
                     os.environ[k] = old
             os.environ.update(v.get("env", {}))
+            for k, val in {**base_sched, **v.get("sched", {})}.items():
+                setattr(engine.scheduler.config, k, val)
             c0 = time.perf_counter()
             ng = recapture(engine, lo, n)
             cap = time.perf_counter() - c0
             if rnd == 0:  # compiles the variant's kernels on the eager (mixed) steps too, other tokens
                 run(engine, [(p, n_out) for p, _ in workload(n, n_in, n_in, vocab, seed=6)])
-            r, toks = run(engine, work)
+            r, toks = run(engine, work, steps=args.steps)
             if args.gaps and not gaps and not host:
                 from torch.profiler import ProfilerActivity, profile
 
@@ -135,7 +196,7 @@ def main() -> None:
                 print(f"[offline_ab] GPU over a profiled pass of {v['name']}: {gaps}", flush=True)
             first = toks if first is None else first
             same = sum(a == b for a, b in zip(toks, first))
-            row = dict(variant=v["name"], round=rnd, env=v.get("env", {}), **r,
+            row = dict(variant=v["name"], round=rnd, env=v.get("env", {}), sched=v.get("sched", {}), **r,
                        roofline_fraction=r["tok_per_s"] / roof["tok_per_s"], graphs_recaptured=ng,
                        recapture_s=cap, requests_tokens_equal_first=same)
             rows.append(row)
@@ -144,6 +205,12 @@ def main() -> None:
                   f"{r['seconds']:.3f} s, "
                   f"host waited {r['token_wait_s']:.3f} s; tokens equal to the first variant's in {same}/{n} "
                   f"requests ({ng} graphs recaptured in {cap:.1f} s)", flush=True)
+            if "step_times" in r:
+                st = r["step_times"]
+                print(f"[offline_ab]   steps on the device: {st['prompt_steps']['n']} prompt steps "
+                      f"{st['prompt_steps']['ms']} ms, {st['decode_steps']['n']} decode steps "
+                      f"{st['decode_steps']['ms']} ms (full batch {st['decode_steps']['full_batch']}), between "
+                      f"{st['between_steps_ms']} ms; prompt steps {st['prompt_steps']['each']}", flush=True)
             # written after every row: a run cut by its time limit keeps what it measured
             res = dict(bench="offline_ab", model=args.model, dtype=args.dtype,
                        device="cpu" if host else torch.cuda.get_device_name(),
