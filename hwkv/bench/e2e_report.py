@@ -99,11 +99,15 @@ def profile(engine: Any, vocab: int, batch: int, steps: int = 64, prompt_len: in
 
 def replay_ms(engine: Any, batch: int, max_seq_len: int, reps: int = 20) -> float | None:
     """GPU ms of one replay of the decode graph serving ``batch`` requests up to ``max_seq_len``
-    (its inputs as the last step left them), or ``None`` without such a graph."""
+    (its inputs pinned to ``batch`` requests of ``max_seq_len`` keys: :func:`hwkv.bench.timeline.pin_decode_inputs`;
+    before session 9, as the last step left them), or ``None`` without such a graph."""
+    from hwkv.bench.timeline import pin_decode_inputs
+
     r, dev = engine.runner, engine.backend.device
     g = r.graphs.graph(batch, max_seq_len) if r.graphs is not None else None
     if g is None:
         return None
+    pin_decode_inputs(engine, batch, max_seq_len)
     s, e = dev.new_event(enable_timing=True), dev.new_event(enable_timing=True)
     g.replay()
     s.record()

@@ -28,9 +28,45 @@ def _label(names: list[str]) -> list[str]:
     return labels
 
 
+def pin_decode_inputs(engine: Any, batch: int, max_seq_len: int) -> bool:
+    """Set the static inputs of the decode graph that serves ``batch`` requests up to ``max_seq_len`` keys to exactly
+    that: ``batch`` requests of ``max_seq_len`` keys each over distinct KV blocks (in order), no KV write (slot -1),
+    the bucket's other rows padded as a real step pads them. Without it a replay runs over whatever the last step (or
+    the capture) left in those buffers: a graph captured at a bound sizes its grid by the bound, but its kernels
+    read each request's length from the static ``seq_lens`` (session 8 saw 51 µs for an attention layer of 256 x 544
+    keys that the probes time at ~80-90 µs). False where the runner has no such buffers (nothing changed)."""
+    import torch
+
+    gr = getattr(engine.runner, "graphs", None)
+    key = gr.key(batch, max_seq_len) if gr is not None and hasattr(gr, "key") else None
+    if key is None or not hasattr(gr, "seq_lens") or not hasattr(gr, "block_tables"):
+        return False
+    b, q, bs = key[0], gr.q, gr.block_size
+    w = -(-max_seq_len // bs)
+    if w > gr.block_tables.shape[1]:
+        return False
+    n = min(batch, b)
+    blocks = max(1, int(engine.kv_cache.spec.num_blocks))
+    ids = (torch.arange(n * w, dtype=torch.int64, device=gr.block_tables.device) % blocks).to(torch.int32).view(n, w)
+    gr.seq_lens[:n].fill_(max_seq_len)
+    gr.seq_lens[n:b].fill_(q)
+    gr.block_tables[:n, :w].copy_(ids)
+    gr.block_tables[n:b, 0] = 0
+    gr.d64[0, : b * q].zero_()
+    gr.d64[1, : n * q].copy_(torch.arange(max_seq_len - q, max_seq_len, device=gr.d64.device).repeat(n))
+    gr.d64[1, n * q: b * q].zero_()
+    gr.d64[2, : b * q].fill_(-1)
+    if len(getattr(gr, "dg64", ())):
+        gr.dg64[:, : b * q].fill_(-1)
+        gr.dg32[:, :n, :w].copy_(ids.expand(gr.dg32.shape[0], n, w))
+        gr.dg32[:, n:b, 0] = 0
+    return True
+
+
 def graph_timeline(engine: Any, batch: int = 1, max_seq_len: int = 512, reps: int = 5) -> dict[str, Any]:
     """Critical-path µs per kernel label for one replay of the decode graph of ``batch`` (mean of
-    ``reps``), its span, idle time and kernel count; ``{}`` without graphs or kernel records."""
+    ``reps``) over ``batch`` requests of ``max_seq_len`` keys (:func:`pin_decode_inputs`), its span, idle time and
+    kernel count; ``{}`` without graphs or kernel records."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -38,6 +74,7 @@ def graph_timeline(engine: Any, batch: int = 1, max_seq_len: int = 512, reps: in
     g = r.graphs.graph(batch, max_seq_len) if r.graphs is not None else None
     if g is None:
         return {}
+    pinned = pin_decode_inputs(engine, batch, max_seq_len)
     sync = engine.backend.device.synchronize
     g.replay()
     sync()
@@ -78,7 +115,7 @@ def graph_timeline(engine: Any, batch: int = 1, max_seq_len: int = 512, reps: in
     # the first kernels in launch order (embedding, layer 0, the start of layer 1): where one layer's
     # time goes when several projections share a kernel name (cuBLAS at larger batches)
     first = [(labels[i][:48], round(seq[i] / k, 1)) for i in range(min(n, FIRST_KERNELS))]
-    return dict(batch=batch, max_seq_len=max_seq_len, kernels=n, span_us=round(span / k, 1),
+    return dict(batch=batch, max_seq_len=max_seq_len, pinned=pinned, kernels=n, span_us=round(span / k, 1),
                 idle_us=round(idle / k, 1), critical_us={name: round(v, 1) for v, name in rows}, first_kernels=first)
 
 

@@ -69,3 +69,28 @@ def test_pass_gaps_counts_idle_between_overlapping_kernels():
     assert g["largest"][0] == dict(us=150.0, after="c", before="d")
     assert g["largest"][1] == dict(us=6.0, after="b", before="c")
     assert timeline.pass_gaps(types.SimpleNamespace(events=lambda: [])) == {}
+
+
+def test_pin_decode_inputs_sets_the_graph_inputs_to_the_asked_lengths():
+    """pin_decode_inputs: the decode graph's static inputs hold `batch` requests of `max_seq_len` keys over distinct
+    blocks (in order, wrapping at the pool's size), no KV write, and the bucket's other rows padded as pad_into pads
+    them; a runner without those buffers (or a bound past the static table) is left alone."""
+    rows, mb, max_blocks = 3, 8, 6
+    gr = types.SimpleNamespace(
+        key=lambda n, s: (8, 1 << 20) if n <= 8 else None, q=1, block_size=16,
+        seq_lens=torch.full((mb,), 99, dtype=torch.int32),
+        block_tables=torch.full((mb, max_blocks), 7, dtype=torch.int32),
+        d64=torch.full((rows, mb), 5, dtype=torch.int64), dg64=torch.zeros((0, mb), dtype=torch.int64),
+        dg32=torch.zeros((0, mb, max_blocks), dtype=torch.int32))
+    engine = types.SimpleNamespace(runner=types.SimpleNamespace(graphs=gr),
+                                   kv_cache=types.SimpleNamespace(spec=types.SimpleNamespace(num_blocks=10)))
+    assert timeline.pin_decode_inputs(engine, batch=6, max_seq_len=40)  # 3 blocks a request
+    assert gr.seq_lens.tolist() == [40] * 6 + [1] * 2
+    assert gr.block_tables[:6, :3].flatten().tolist() == [i % 10 for i in range(18)]
+    assert gr.block_tables[6:, 0].tolist() == [0, 0] and gr.block_tables[0, 3:].tolist() == [7, 7, 7]
+    assert gr.d64[0].tolist() == [0] * 8 and gr.d64[1].tolist() == [39] * 6 + [0] * 2
+    assert gr.d64[2].tolist() == [-1] * 8
+    assert not timeline.pin_decode_inputs(engine, batch=6, max_seq_len=16 * max_blocks + 1)  # wider than the table
+    assert not timeline.pin_decode_inputs(engine, batch=9, max_seq_len=40)  # no graph serves it
+    bare = types.SimpleNamespace(runner=types.SimpleNamespace(graphs=types.SimpleNamespace(graph=lambda b, s: None)))
+    assert not timeline.pin_decode_inputs(bare, batch=1, max_seq_len=40)

@@ -75,6 +75,7 @@ def main() -> None:
     ap.add_argument("--sweep", default=";".join(SWEEP), help="';'-separated HWKV_CUDA_GEMM_CONFIG values ('' = rule)")
     ap.add_argument("--bmm", default="", help="','-separated split counts of bmm_split to time (e.g. '2,4'); each "
                     "with fp32 and with 16-bit partials")
+    ap.add_argument("--swap", action="store_true", help="time W @ x.T (then transposed back) as well")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     os.environ[ENV] = "1"
@@ -106,6 +107,15 @@ def main() -> None:
                     torch.backends.cuda.preferred_blas_library(lib)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
+                if args.swap:  # the transposed problem (W @ x.T) and its transpose copied back: other cuBLAS tiles?
+                    y = torch.mm(w, x.t()).t().contiguous()
+                    err = float((y.float() - ref.float()).norm() / ref.float().norm())
+                    t = graph_us(lambda x=x, w=w: torch.mm(w, x.t()).t().contiguous()) / 1e3
+                    t0 = graph_us(lambda x=x, w=w: torch.mm(w, x.t())) / 1e3
+                    row = dict(shape=shape, proj=name, m=m, variant="swap", us=t * 1e3, us_without_copy=t0 * 1e3,
+                               tflops=2 * m * n * k / t / 1e9, vs_cublas=base / t, rel_err=err)
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
                 for sk in [int(x) for x in args.bmm.split(",") if x]:
                     for fp32 in (True, False):
                         name_ = f"bmm{sk}" + ("" if fp32 else "h")

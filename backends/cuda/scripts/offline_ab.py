@@ -144,6 +144,9 @@ def main() -> None:
     ap.add_argument("--steps", action="store_true",
                     help="time every step on the device (StepTimer) in every run: prefill/mixed steps against pure "
                          "decodes")
+    ap.add_argument("--timeline", default="",
+                    help="after the rounds: ','-separated BATCH:MAX_SEQ_LEN decode graphs whose replay is taken apart "
+                         "(hwkv.bench.timeline.graph_timeline, inputs pinned to that many requests of that many keys)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     out = Path(args.out)
@@ -222,6 +225,25 @@ def main() -> None:
                        workload=f"{n} req x {n_in} in -> {n_out} out (greedy, ignore_eos)", roofline=roof,
                        copy_bw_TBps=bw / 1e12, matmul_TFLOPs=rate / 1e12, rows=rows, gpu_gaps=gaps)
             (out / f"offline-ab-{args.model}.json").write_text(json.dumps(res, indent=1, default=str))
+    if args.timeline and not host:
+        from hwkv.bench.e2e_report import replay_ms
+        from hwkv.bench.timeline import graph_timeline
+
+        for k, v in base_env.items():  # the first variant's settings, as the graphs were last captured for
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        recapture(engine, lo, n)
+        tls = []
+        for spec in args.timeline.split(","):
+            b, s = map(int, spec.split(":"))
+            tl = dict(graph_timeline(engine, b, s), replay_ms=replay_ms(engine, b, s))
+            tls.append(tl)
+            print(f"[offline_ab] timeline {b} x {s}: replay {tl['replay_ms']} ms, span {tl.get('span_us')} us, "
+                  f"pinned {tl.get('pinned')}, critical {tl.get('critical_us')}", flush=True)
+        res["timelines"] = tls
+        (out / f"offline-ab-{args.model}.json").write_text(json.dumps(res, indent=1, default=str))
 
 
 if __name__ == "__main__":
