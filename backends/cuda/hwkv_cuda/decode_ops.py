@@ -104,7 +104,7 @@ class TritonDecodeOps(DecodeOps):
     # is _rows_dot's row-by-row reduction, O(M^2 K) per tile). Up to 8 tokens they are correct
     # (conformance) but untuned.
     preferred_tokens = 1
-    ARGMAX_MAX_ROWS = 64  # rows the one-launch argmax takes (argmax)
+    ARGMAX_MAX_ROWS = 256  # rows the one-launch argmax takes (argmax; measured up to the offline batch of 256)
     SPLIT_COUNTERS = 1 << 16  # row blocks a split-K launch may have (one arrival counter each, per device)
 
     def __init__(self) -> None:
@@ -260,10 +260,13 @@ class TritonDecodeOps(DecodeOps):
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor | None:
         """One launch (:mod:`hwkv_cuda.kernels.sampling`) instead of the sampler's five, for up to
-        ``ARGMAX_MAX_ROWS`` rows (larger batches keep the sampler's path: not measured); ``HWKV_CUDA_ARGMAX=0``: not
-        offered (A/B). H200, the 1B shape's batch-1 decode in one engine: step 0.842 -> 0.831 ms, the same tokens
-        (bench/results/issue36-b1-s8-batch2b-H200-2026-11-29-cbd2ac3.md). Its per-row slots and counters are
-        allocated outside a graph capture (None inside one until an eager call has made them), set once and left so
+        ``ARGMAX_MAX_ROWS`` rows (larger batches keep the sampler's path: not measured; ``HWKV_CUDA_ARGMAX_ROWS``
+        sets the bound for A/B runs); ``HWKV_CUDA_ARGMAX=0``: not offered (A/B). H200, the 1B shape's batch-1 decode
+        in one engine: step 0.842 -> 0.831 ms, the same tokens (bench/results/issue36-b1-s8-batch2b-H200-2026-11-29-
+        cbd2ac3.md). Up to 256 rows since session 9: the 1B offline workload (256 x 512 / 256) in one engine, 1.268 /
+        1.277 s with 64 rows against 1.235 s with 256 (a batch-256 decode step 3.05-3.09 -> 2.98 ms on the device),
+        the same tokens (bench/results/issue36-s9-perf-b1-H200-2026-11-29-869ec68.md). Its per-row slots and counters
+        are allocated outside a graph capture (None inside one until an eager call has made them), set once and left so
         by every launch."""
         from hwkv_cuda.kernels.sampling import EMPTY, argmax_kernel
 

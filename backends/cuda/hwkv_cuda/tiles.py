@@ -83,7 +83,11 @@ def choose_config(max_query_len: int, group: int, head_size: int, dtype: torch.d
     attention-b1b8-stages-H100-2026-11-22.txt). A prefill grid of at least two programs per SM
     (``wide``) runs 4 warps over 64-key tiles, a smaller one 8 warps over 128-key tiles (H100, chunk 2k on
     a 16k prefix 2135 → 1659 µs MHA, 2011 → 1656 GQA; chunk 512 on 4k 151 → 138 µs MHA; square causal
-    512 2-5 % slower; bench/results/attention-prefill-tiles-H100-2026-11-22.txt).
+    512 2-5 % slower; bench/results/attention-prefill-tiles-H100-2026-11-22.txt). At head size <= 64 the wide grid's
+    128-row tiles take 8 warps as well (H200, one layer of the 1B shape, the offline workload's prompt steps: 32 x 512
+    causal 226.1 -> 203.1 µs, 32 decodes + 31 x 512 prompts 249.2 -> 226.4 µs, the same bits; 128-key tiles with 8
+    warps 328 / 353, 256-row tiles 256 / 301; bench/results/issue36-s9-perf-b1-H200-2026-11-29-869ec68.md). Head 128
+    and the 64-row tiles of mostly-decode steps keep 4 (not measured with 8).
 
     Decode tiles since the H200 sweep of 2026-11-28 (bench/results/issue36-round3-H200-2026-11-28-918b7a9.md):
     a split decode whose splits are at least ``LONG_SPLIT`` keys takes 128 keys (the 32-key tile above
@@ -162,8 +166,10 @@ def choose_config(max_query_len: int, group: int, head_size: int, dtype: torch.d
             cfg = dict(block_m=block_m, block_q=block_m // hpad, block_n=32, num_warps=8 if block_m >= 128 else 4,
                        num_stages=2)
         else:  # a small grid has SMs to spare: wider tiles, more warps per program
+            # a wide grid of 128-row tiles at head size <= 64 runs 8 warps too (docstring: H200, session 9)
+            warps8 = not wide or (head_size <= 64 and block_m == 128 and not short)
             cfg = dict(block_m=block_m, block_q=block_m // hpad, block_n=64 if wide else 128,
-                       num_warps=4 if wide else 8, num_stages=3)
+                       num_warps=8 if warps8 else 4, num_stages=3)
     cfg.update(overrides(fp8=(kv_elem or dtype.itemsize) == 1, decode=max_query_len == 1))
     if cfg["block_m"] // cfg["block_q"] < group:
         raise ValueError(f"tile config {cfg}: block_m // block_q must be >= the GQA group {group}")

@@ -302,6 +302,6 @@ def test_argmax_is_torch_argmax(v, monkeypatch):
     ((keys, counts),) = ops._argmax_bufs.values()
     assert bool((keys == -(1 << 63)).all()) and int(counts.count_nonzero()) == 0
     assert ops.argmax(x.to(torch.bfloat16)) is None and ops.argmax(x.t()) is None
-    assert ops.argmax(x[:1].expand(65, v).contiguous()) is None  # more rows than ARGMAX_MAX_ROWS
+    assert ops.argmax(x[:1].expand(ops.ARGMAX_MAX_ROWS + 1, v).contiguous()) is None  # more rows than ARGMAX_MAX_ROWS
     monkeypatch.setenv("HWKV_CUDA_ARGMAX", "0")
     assert ops.argmax(x) is None

@@ -175,6 +175,9 @@ def test_short_splits_run_as_one_tile(monkeypatch):
     small, wide = choose_config(16, 4, 128, bf16), choose_config(16, 4, 128, bf16, wide=True)
     assert (small.block_n, small.num_warps, wide.block_n, wide.num_warps) == (128, 8, 64, 4)
     assert choose_config(16, 4, 256, bf16, wide=True) == choose_config(16, 4, 256, bf16)  # head 256: as before
+    # head <= 64: the wide grid's 128-row tiles take 8 warps too; the 64-row tiles of mostly-decode steps keep 4
+    w64, short64 = choose_config(16, 4, 64, bf16, wide=True), choose_config(16, 4, 64, bf16, wide=True, short=True)
+    assert (w64.block_m, w64.block_n, w64.num_warps, short64.block_m, short64.num_warps) == (128, 64, 8, 64, 4)
     # a one-tile split runs unpipelined; longer splits and full grids keep the three-stage pipeline
     assert choose_config(1, 4, 128, bf16, split=True, seg=SHORT_SPLIT).num_stages == 1
     assert choose_config(1, 4, 128, bf16, split=True, seg=256).num_stages == 3
