@@ -36,6 +36,11 @@ class DenseConfig(NamedTuple):
     split_k: int = 1  # > 1: programs per row block, each over 1/split_k of K, summed by the last (plain epilogues)
     maxnreg: int = 0  # > 0: registers a thread may use (ptxas spills the rest): more programs per SM - an 8-row
     # 2048-wide tile takes 168-206 registers at sm_90 (one 8-warp program per SM), 128 two
+    stream: int = 0  # > 0: the persistent GEMV (kernels/dense.py, dense_stream_kernel) with this many programs per
+    # SM, each looping over block_n-row tiles of the whole K pipelined num_stages deep (plain epilogues, M_PAD x K
+    # <= STREAM_MAX_X; block_k, preload, split_k and maxnreg do not apply)
+    late: int = 0  # 1: with stream, the PDL wait in the loop's first iteration (first weight tiles before it; no
+    # residual epilogue)
 
 
 # One token, per weight shape [N, K]: the fastest tile of the H200 sweep (dense_probe --model llama-8b-tp2,llama-8b
@@ -91,6 +96,9 @@ def choose_config(m: int, n: int, k: int) -> DenseConfig:
         raise ValueError(f"{CONFIG_ENV}: evict must be 0 or 1, got {cfg['evict']}")
     if not 0 <= cfg.get("maxnreg", 0) <= 255:
         raise ValueError(f"{CONFIG_ENV}: maxnreg must be 0 (no cap) to 255, got {cfg['maxnreg']}")
+    if cfg.get("stream", 0) < 0 or cfg.get("late", 0) not in (0, 1):
+        raise ValueError(f"{CONFIG_ENV}: stream must be >= 0 and late 0 or 1, got {cfg.get('stream')}, "
+                         f"{cfg.get('late')}")
     if cfg["preload"] not in (0, 1, 2):
         raise ValueError(f"{CONFIG_ENV}: preload must be 0 (pipelined loop), 1 (each next tile after the dot) or 2 "
                          f"(the first tile before the wait, the rest pipelined), got {cfg['preload']}")
@@ -106,6 +114,7 @@ class TritonDecodeOps(DecodeOps):
     preferred_tokens = 1
     ARGMAX_MAX_ROWS = 256  # rows the one-launch argmax takes (argmax; measured up to the offline batch of 256)
     SPLIT_COUNTERS = 1 << 16  # row blocks a split-K launch may have (one arrival counter each, per device)
+    STREAM_MAX_X = 8192  # input values (M_PAD x pow2(K)) the persistent GEMV holds in registers
 
     def __init__(self) -> None:
         self._split_cnt: dict[torch.device, torch.Tensor] = {}  # zeroed once; each launch leaves them zero
@@ -194,6 +203,19 @@ class TritonDecodeOps(DecodeOps):
         pdl = use_pdl(x.device)
         cfg = choose_config(m, n, k)
         res = residual if residual is not None else y
+        if cfg.stream and epilogue in (0, 1) and rope is None and push is None and rs is None \
+                and pow2(m) * pow2(k) <= self.STREAM_MAX_X:
+            from hwkv_cuda.kernels.dense import dense_stream_kernel
+            from hwkv_cuda.launch import device_limits
+
+            grid = min(-(-n // cfg.block_n), device_limits(x.device)[0] * cfg.stream)
+            dense_stream_kernel[(grid,)](
+                x, weight, bias if bias is not None else y, y, res, norm_weight if norm_weight is not None else y,
+                m, n, k, eps, x.stride(0), y.stride(0), res.stride(0), PROLOGUE=prologue, EPILOGUE=epilogue,
+                HAS_BIAS=bias is not None, M_PAD=pow2(m), BLOCK_N=cfg.block_n, BLOCK_K=pow2(k), PDL=pdl,
+                LATE_WAIT=bool(cfg.late) and epilogue == 0, EVICT=cfg.evict, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}))
+            return y
         sk = self._split_k(cfg, x, n, k, epilogue, rs)
         if sk > 1:  # float32 partials [split, M_PAD, N] (the graph pool's memory inside a capture)
             ar_args.update(SPLIT_K=sk, part_ptr=torch.empty((sk, pow2(m), n), dtype=torch.float32, device=x.device),

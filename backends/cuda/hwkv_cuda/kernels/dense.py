@@ -332,3 +332,54 @@ def rank_sum_kernel(x_ptr, buf_ptr, hres_ptr, hout_ptr, cnt_ptr, err_ptr, n, K, 
         tl.atomic_xchg(cnt_ptr + site, 0, sem="relaxed", scope="sys")
         tl.atomic_xchg(cnt_ptr + 2 + site, 0, sem="relaxed", scope="gpu")
 
+
+
+@triton.jit
+def dense_stream_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, nw_ptr, M, N, K, eps, stride_xm, stride_ym, stride_rm,
+    PROLOGUE: tl.constexpr, EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, LATE_WAIT: tl.constexpr, EVICT: tl.constexpr,
+):
+    """``dense_kernel``'s plain epilogues (``EPILOGUE`` 0 or 1) as a persistent GEMV: a grid of a few programs
+    per SM, each normalising its input row(s) once (the whole K in registers, ``BLOCK_K >= K``) and then looping
+    over row tiles ``pid, pid + programs, ...`` of ``BLOCK_N`` rows x K, which Triton software-pipelines
+    ``num_stages`` deep (async copies into shared memory): the next tiles' weight bytes are in flight while this
+    one's dot runs, instead of one register tile per program and a gap between programs.
+    ``LATE_WAIT`` (``EPILOGUE`` 0 only): the PDL wait and the prologue sit in the loop's first iteration, so the
+    pipeline's first weight loads go out before the wait (the residual load of ``EPILOGUE`` 1 could be hoisted
+    above it by the pipeliner, so that epilogue always waits first)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    ntiles = tl.cdiv(N, BLOCK_N)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_m = tl.arange(0, M_PAD)
+    k_ok = offs_k < K
+    m_ok = offs_m[:, None] < M
+    dt = x_ptr.dtype.element_ty
+    rstd = tl.zeros([M_PAD], dtype=tl.float32)
+    if PDL:
+        gdc_launch_dependents()
+    if LATE_WAIT:
+        x = tl.zeros([M_PAD, BLOCK_K], dtype=tl.float32)
+    else:
+        if PDL:
+            gdc_wait()
+        x = _prologue(x_ptr, nw_ptr, 0, M, K, eps, stride_xm, rstd, offs_m, offs_k, PROLOGUE, True)
+    for t in range(pid, ntiles, nprog):
+        rows = t * BLOCK_N + offs_n
+        ok = rows < N
+        w = _wload(w_ptr + rows.to(tl.int64)[:, None] * K + offs_k[None, :], ok[:, None] & k_ok[None, :], EVICT)
+        if LATE_WAIT:  # noqa: SIM102 - a constexpr branch around a runtime one
+            if t == pid:
+                if PDL:
+                    gdc_wait()
+                x = _prologue(x_ptr, nw_ptr, 0, M, K, eps, stride_xm, rstd, offs_m, offs_k, PROLOGUE, True)
+        acc = _rows_dot(w, x, offs_m, tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32), M_PAD)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rows, mask=ok, other=0.0).to(tl.float32)[None, :]
+        y = acc.to(dt)
+        if EPILOGUE == 1:
+            r = tl.load(res_ptr + offs_m[:, None] * stride_rm + rows[None, :], mask=m_ok & ok[None, :], other=0.0)
+            y = (y.to(tl.float32) + r.to(tl.float32)).to(dt)
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + rows[None, :], y, mask=m_ok & ok[None, :])

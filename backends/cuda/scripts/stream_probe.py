@@ -1,0 +1,76 @@
+"""Probe: the persistent (streaming) GEMV of the decode ops (``stream=N`` in ``HWKV_CUDA_DENSE_CONFIG``,
+kernels/dense.py ``dense_stream_kernel``) against the engine's own tile per Llama-3.2-1B projection at one token.
+
+Timed as dense_probe.py does (CUDA-graph replays of a chain over distinct weight copies, PDL on); prints one line a
+config (µs, TB/s of weight + activation bytes) and writes stream-probe.json.
+
+    PYTHONPATH=.:backends/cuda python3 backends/cuda/scripts/stream_probe.py --out DIR [--shapes gate_up,down]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+from pathlib import Path
+
+import torch
+import triton
+from dense_probe import SHAPES, Case, run, time_graph
+from hwkv_cuda.decode_ops import choose_config
+
+
+def stream_sweep(name: str) -> list[dict]:
+    """Streaming configs per shape: rows a tile, warps, pipeline depth, programs per SM, the late PDL wait."""
+    base = dict(block_k=2048, preload=0, evict=0)
+    bns = (2, 4) if name == "down" else (8, 16) if name in ("gate_up", "lm_head") else (4, 8)
+    wps = (4, 8) if name in ("gate_up", "lm_head") else (8,)
+    out = []
+    for bn, wp, st, per in itertools.product(bns, wps, (3, 4), (1, 2)):
+        tile = bn * (8192 if name == "down" else 2048) * 2
+        if tile * (st - 1) * per > 200 << 10:  # shared memory of the pipeline's buffers
+            continue
+        out.append(dict(base, block_n=bn, num_warps=wp, num_stages=st, stream=per, late=0))
+    if name in ("gate_up", "lm_head"):  # the first tiles before the PDL wait (no residual epilogue)
+        out += [dict(c, late=1) for c in out if c["num_warps"] == 8]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="/tmp")
+    ap.add_argument("--shapes", default="gate_up,down,lm_head,o_proj")
+    ap.add_argument("--limit", type=int, default=0, help="at most this many stream configs a shape (0: all)")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    res: dict = dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), torch=torch.__version__,
+                     triton=triton.__version__, rows=[])
+    n = 1 << 28
+    src, dst = torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda")
+    res["copy_TBps"] = 2 * n / time_graph(lambda: [dst.copy_(src) for _ in range(16)], 16) / 1e6
+    print(f"copy {res['copy_TBps']:.3f} TB/s", flush=True)
+    order = args.shapes.split(",")
+    for name, N, K, copies in sorted((s for s in SHAPES if s[0] in order), key=lambda s: order.index(s[0])):
+        c = Case(name, N, K, copies, 1)
+        row = dict(shape=name, N=N, K=K, M=1, MB=c.bytes / 1e6, configs=[])
+        default = dict(choose_config(1, N, K)._asdict())
+        sweep = stream_sweep(name)
+        for cfg in [default, *(sweep[:args.limit] if args.limit else sweep), default]:
+            t0 = time.time()
+            run(c, row, cfg, "1")
+            if row["configs"] and row["configs"][-1].get("compile_s") is None:
+                row["configs"][-1]["compile_s"] = round(time.time() - t0, 1)
+                r = row["configs"][-1]
+                print(f"{name} {'default' if cfg is default else 'stream'} bn={r['block_n']} w={r['num_warps']} "
+                      f"s={r['num_stages']} stream={r.get('stream', 0)} late={r.get('late', 0)}: {r['us']:.2f} us "
+                      f"{r['TBps']:.3f} TB/s", flush=True)
+        res["rows"].append(row)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "stream-probe.json").write_text(json.dumps(res, indent=2))
+        best = min(row["configs"], key=lambda r: r["us"])
+        print(f"BEST {name}: {json.dumps(best)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
