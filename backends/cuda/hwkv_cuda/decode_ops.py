@@ -37,10 +37,10 @@ class DenseConfig(NamedTuple):
     maxnreg: int = 0  # > 0: registers a thread may use (ptxas spills the rest): more programs per SM - an 8-row
     # 2048-wide tile takes 168-206 registers at sm_90 (one 8-warp program per SM), 128 two
     stream: int = 0  # > 0: the persistent GEMV (kernels/dense.py, dense_stream_kernel) with this many programs per
-    # SM, each looping over block_n-row tiles of the whole K pipelined num_stages deep (plain epilogues, M_PAD x K
-    # <= STREAM_MAX_X; block_k, preload, split_k and maxnreg do not apply)
-    late: int = 0  # 1: with stream, the PDL wait in the loop's first iteration (first weight tiles before it; no
-    # residual epilogue)
+    # SM, each looping over block_n-row tiles of the whole K pipelined num_stages deep (not with the tensor-parallel
+    # sum; M_PAD x K <= STREAM_MAX_X; block_k, preload, split_k and maxnreg do not apply)
+    late: int = 0  # 1: with stream, the PDL wait in the loop's first iteration (first weight tiles before it; not
+    # with the residual epilogue)
 
 
 # One token, per weight shape [N, K]: the fastest tile of the H200 sweep (dense_probe --model llama-8b-tp2,llama-8b
@@ -135,6 +135,11 @@ class TritonDecodeOps(DecodeOps):
             self._split_cnt[x.device] = torch.zeros(self.SPLIT_COUNTERS, dtype=torch.int32, device=x.device)
         return sk
 
+    def _stream(self, cfg: DenseConfig, m: int, k: int, epilogue: int, push: Any, rs: Any) -> bool:
+        """Whether ``cfg.stream`` applies: no tensor-parallel sum in the kernel, the input rows' K in registers."""
+        return bool(cfg.stream) and epilogue in (0, 1, 2) and push is None and rs is None \
+            and pow2(m) * pow2(k) <= self.STREAM_MAX_X
+
     def validate(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  kv_dtype: torch.dtype) -> list[str]:
         reasons = []
@@ -203,20 +208,8 @@ class TritonDecodeOps(DecodeOps):
         pdl = use_pdl(x.device)
         cfg = choose_config(m, n, k)
         res = residual if residual is not None else y
-        if cfg.stream and epilogue in (0, 1) and rope is None and push is None and rs is None \
-                and pow2(m) * pow2(k) <= self.STREAM_MAX_X:
-            from hwkv_cuda.kernels.dense import dense_stream_kernel
-            from hwkv_cuda.launch import device_limits
-
-            grid = min(-(-n // cfg.block_n), device_limits(x.device)[0] * cfg.stream)
-            dense_stream_kernel[(grid,)](
-                x, weight, bias if bias is not None else y, y, res, norm_weight if norm_weight is not None else y,
-                m, n, k, eps, x.stride(0), y.stride(0), res.stride(0), PROLOGUE=prologue, EPILOGUE=epilogue,
-                HAS_BIAS=bias is not None, M_PAD=pow2(m), BLOCK_N=cfg.block_n, BLOCK_K=pow2(k), PDL=pdl,
-                LATE_WAIT=bool(cfg.late) and epilogue == 0, EVICT=cfg.evict, num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}))
-            return y
-        sk = self._split_k(cfg, x, n, k, epilogue, rs)
+        stream = self._stream(cfg, m, k, epilogue, push, rs)
+        sk = 1 if stream else self._split_k(cfg, x, n, k, epilogue, rs)
         if sk > 1:  # float32 partials [split, M_PAD, N] (the graph pool's memory inside a capture)
             ar_args.update(SPLIT_K=sk, part_ptr=torch.empty((sk, pow2(m), n), dtype=torch.float32, device=x.device),
                            sk_cnt_ptr=self._split_cnt[x.device])
@@ -232,6 +225,17 @@ class TritonDecodeOps(DecodeOps):
         else:
             kv_args, strides = (y, y, y, y, y), (0, 0, 0, 0)
             geo, num_slots, stride_cos = dict(HEAD=2, Q_N=0, KV_N=0, BS=1), 0, 0
+        if stream:
+            from hwkv_cuda.kernels.dense import dense_stream_kernel
+            from hwkv_cuda.launch import device_limits
+
+            dense_stream_kernel[(min(-(-n // cfg.block_n), device_limits(x.device)[0] * cfg.stream),)](
+                x, weight, bias if bias is not None else y, y, res, norm_weight if norm_weight is not None else y,
+                *kv_args, m, n, k, eps, num_slots, x.stride(0), y.stride(0), res.stride(0), stride_cos, *strides,
+                PROLOGUE=prologue, EPILOGUE=epilogue, HAS_BIAS=bias is not None, M_PAD=pow2(m), BLOCK_N=cfg.block_n,
+                BLOCK_K=pow2(k), PDL=pdl, LATE_WAIT=bool(cfg.late) and epilogue != 1, EVICT=cfg.evict, **geo,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}))
+            return y
         dense_kernel[(-(-n // cfg.block_n) * sk,)](
             x, weight, bias if bias is not None else y, y, res, norm_weight if norm_weight is not None else y,
             *kv_args, m, n, k, eps, num_slots, x.stride(0), y.stride(0), res.stride(0), stride_cos, *strides,

@@ -89,7 +89,9 @@ def test_norm_logits_is_the_widened_norm_linear(m, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,d", [(4, 2, 16), (2, 2, 32)])
-def test_qkv_rope_and_kv_write_match_torch(heads, kv_heads, d, dtype):
+@pytest.mark.parametrize("cfg", ["", "block_n=8,stream=1,num_stages=3", "block_n=4,stream=2,late=1,num_stages=2"])
+def test_qkv_rope_and_kv_write_match_torch(heads, kv_heads, d, dtype, cfg, monkeypatch):
+    monkeypatch.setenv("HWKV_CUDA_DENSE_CONFIG", cfg)  # the tile loop, and the persistent streaming GEMV
     gen = torch.Generator().manual_seed(heads * d)
     m, k, nb, bs, max_pos = 3, 64, 4, 16, 64
     n = (heads + 2 * kv_heads) * d

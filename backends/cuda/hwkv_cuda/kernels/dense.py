@@ -125,6 +125,57 @@ def _store_kv(base, rows, val, s_ok, kv_ptr, N, stride_kv, stride_head, scale_pt
 
 
 @triton.jit
+def _tile_rows(t, j, EPILOGUE: tl.constexpr, HEAD: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Rows of tile ``t`` as halves ``a``/``b`` (``j`` = arange(BLOCK_N // 2)): consecutive for the plain
+    epilogues; for RoPE (``EPILOGUE == 2``) the pairs g = (head, i): rows head*D + i and head*D + i + D/2."""
+    if EPILOGUE == 2:
+        g = t * (BLOCK_N // 2) + j
+        rows_a = (g // (HEAD // 2)) * HEAD + g % (HEAD // 2)
+        rows_b = rows_a + HEAD // 2
+    else:
+        rows_a = t * BLOCK_N + j
+        rows_b = rows_a + BLOCK_N // 2
+    return rows_a, rows_b
+
+
+@triton.jit
+def _rope_tables(cos_ptr, sin_ptr, pos, rows_a, m_ok, stride_cos, HEAD: tl.constexpr, Q_N: tl.constexpr,
+                 KV_N: tl.constexpr):
+    """cos/sin of the pairs ``(rows_a, rows_a + D/2)`` at the tokens' positions, and which rows rotate (q, k)."""
+    i_a = rows_a % HEAD
+    rot = rows_a < Q_N + KV_N
+    cmask = m_ok & rot[None, :]
+    c_row = pos[:, None] * stride_cos
+    ca = tl.load(cos_ptr + c_row + i_a[None, :], mask=cmask, other=1.0).to(tl.float32)
+    sa = tl.load(sin_ptr + c_row + i_a[None, :], mask=cmask, other=0.0).to(tl.float32)
+    cb = tl.load(cos_ptr + c_row + i_a[None, :] + HEAD // 2, mask=cmask, other=1.0).to(tl.float32)
+    sb = tl.load(sin_ptr + c_row + i_a[None, :] + HEAD // 2, mask=cmask, other=0.0).to(tl.float32)
+    return ca, sa, cb, sb, rot
+
+
+@triton.jit
+def _rope_kv(ya, yb, ca, sa, cb, sb, rot, rows_a, rows_b, slot, m_ok, kv_ptr, num_slots, N, stride_blk, stride_kv,
+             stride_tok, stride_head, scale_ptr, stride_scale, HEAD: tl.constexpr, Q_N: tl.constexpr,
+             KV_N: tl.constexpr, BS: tl.constexpr, KV_FP8: tl.constexpr):
+    """neox RoPE on the q and k rows of the pair halves, op by op as apply_rope (a*c + rotate_half(a)*s, each
+    rounded), and the k and v rows written to the cache slot of their token (slots outside [0, num_slots) skip)."""
+    dt = ya.dtype
+    fa, fb = ya.to(tl.float32), yb.to(tl.float32)
+    ra = ((fa * ca).to(dt).to(tl.float32) - (fb * sa).to(dt).to(tl.float32)).to(dt)
+    rb = ((fb * cb).to(dt).to(tl.float32) + (fa * sb).to(dt).to(tl.float32)).to(dt)
+    ya = tl.where(rot[None, :], ra, ya)
+    yb = tl.where(rot[None, :], rb, yb)
+    s_ok = m_ok & (slot[:, None] >= 0) & (slot[:, None] < num_slots)
+    s0 = tl.maximum(slot, 0)
+    base = kv_ptr + (s0 // BS)[:, None] * stride_blk + (s0 % BS)[:, None] * stride_tok
+    _store_kv(base, rows_a, ya, s_ok, kv_ptr, N, stride_kv, stride_head, scale_ptr, stride_scale, HEAD, Q_N, KV_N,
+              KV_FP8)
+    _store_kv(base, rows_b, yb, s_ok, kv_ptr, N, stride_kv, stride_head, scale_ptr, stride_scale, HEAD, Q_N, KV_N,
+              KV_FP8)
+    return ya, yb
+
+
+@triton.jit
 def _wait_arrivals(cnt, expect, err_ptr):
     """Until ``*cnt >= expect`` (bounded: ``err_ptr`` set instead of a hung device). Polled with plain
     volatile loads - every resident program of a GEMV polls the same word, and atomics on one address
@@ -160,13 +211,7 @@ def dense_kernel(
     k_lo = sk * (K // SPLIT_K)
     k_hi = k_lo + K // SPLIT_K
     j = tl.arange(0, HB)
-    if EPILOGUE == 2:  # pair g = (head, i): rows head*D + i and head*D + i + D/2
-        g = pid * HB + j
-        rows_a = (g // (HEAD // 2)) * HEAD + g % (HEAD // 2)
-        rows_b = rows_a + HEAD // 2
-    else:
-        rows_a = pid * BLOCK_N + j
-        rows_b = rows_a + HB
+    rows_a, rows_b = _tile_rows(pid, j, EPILOGUE, HEAD, BLOCK_N)
     ok_a, ok_b = rows_a < N, rows_b < N
     offs_k = tl.arange(0, BLOCK_K)
     offs_m = tl.arange(0, M_PAD)
@@ -180,14 +225,7 @@ def dense_kernel(
         # are not written by the kernels before this one - the pos -> cos/sin chain leaves the critical path
         pos = tl.load(pos_ptr + offs_m, mask=offs_m < M, other=0).to(tl.int64)
         slot = tl.load(slot_ptr + offs_m, mask=offs_m < M, other=-1).to(tl.int64)
-        i_a = rows_a % HEAD
-        rot = rows_a < Q_N + KV_N
-        cmask = m_ok & rot[None, :]
-        c_row = pos[:, None] * stride_cos
-        ca = tl.load(cos_ptr + c_row + i_a[None, :], mask=cmask, other=1.0).to(tl.float32)
-        sa = tl.load(sin_ptr + c_row + i_a[None, :], mask=cmask, other=0.0).to(tl.float32)
-        cb = tl.load(cos_ptr + c_row + i_a[None, :] + HEAD // 2, mask=cmask, other=1.0).to(tl.float32)
-        sb = tl.load(sin_ptr + c_row + i_a[None, :] + HEAD // 2, mask=cmask, other=0.0).to(tl.float32)
+        ca, sa, cb, sb, rot = _rope_tables(cos_ptr, sin_ptr, pos, rows_a, m_ok, stride_cos, HEAD, Q_N, KV_N)
     if PDL:
         # let the next kernel's programs start now: before their own wait they only load weights,
         # so they stream those while this kernel (and the one it waits on) runs
@@ -265,20 +303,8 @@ def dense_kernel(
         ya = (ya.to(tl.float32) + ra.to(tl.float32)).to(dt)
         yb = (yb.to(tl.float32) + rb.to(tl.float32)).to(dt)
     if EPILOGUE == 2:
-        # neox RoPE on q and k rows, op by op as apply_rope: a*c + rotate_half(a)*s, each rounded
-        fa, fb = ya.to(tl.float32), yb.to(tl.float32)
-        ra = ((fa * ca).to(dt).to(tl.float32) - (fb * sa).to(dt).to(tl.float32)).to(dt)
-        rb = ((fb * cb).to(dt).to(tl.float32) + (fa * sb).to(dt).to(tl.float32)).to(dt)
-        ya = tl.where(rot[None, :], ra, ya)
-        yb = tl.where(rot[None, :], rb, yb)
-        # k and v rows also go to the cache slot of their token; slots outside [0, num_slots) skip
-        s_ok = m_ok & (slot[:, None] >= 0) & (slot[:, None] < num_slots)
-        s0 = tl.maximum(slot, 0)
-        base = kv_ptr + (s0 // BS)[:, None] * stride_blk + (s0 % BS)[:, None] * stride_tok
-        _store_kv(base, rows_a, ya, s_ok, kv_ptr, N, stride_kv, stride_head, scale_ptr, stride_scale, HEAD, Q_N, KV_N,
-                  KV_FP8)
-        _store_kv(base, rows_b, yb, s_ok, kv_ptr, N, stride_kv, stride_head, scale_ptr, stride_scale, HEAD, Q_N, KV_N,
-                  KV_FP8)
+        ya, yb = _rope_kv(ya, yb, ca, sa, cb, sb, rot, rows_a, rows_b, slot, m_ok, kv_ptr, num_slots, N, stride_blk,
+                          stride_kv, stride_tok, stride_head, scale_ptr, stride_scale, HEAD, Q_N, KV_N, BS, KV_FP8)
     tl.store(y_ptr + offs_m[:, None] * stride_ym + rows_a[None, :], ya, mask=m_ok & ok_a[None, :] & out_ok)
     tl.store(y_ptr + offs_m[:, None] * stride_ym + rows_b[None, :], yb, mask=m_ok & ok_b[None, :] & out_ok)
     if EPILOGUE == 3:  # the partial into this rank's slot of every peer's buffer, then one arrival on its counter
@@ -336,28 +362,37 @@ def rank_sum_kernel(x_ptr, buf_ptr, hres_ptr, hout_ptr, cnt_ptr, err_ptr, n, K, 
 
 @triton.jit
 def dense_stream_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, nw_ptr, M, N, K, eps, stride_xm, stride_ym, stride_rm,
+    x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, nw_ptr, cos_ptr, sin_ptr, pos_ptr, kv_ptr, slot_ptr,
+    M, N, K, eps, num_slots, stride_xm, stride_ym, stride_rm, stride_cos, stride_blk, stride_kv, stride_tok,
+    stride_head,
     PROLOGUE: tl.constexpr, EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, LATE_WAIT: tl.constexpr, EVICT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HEAD: tl.constexpr, Q_N: tl.constexpr, KV_N: tl.constexpr,
+    BS: tl.constexpr, PDL: tl.constexpr, LATE_WAIT: tl.constexpr, EVICT: tl.constexpr, scale_ptr=None,
+    stride_scale=0, KV_FP8: tl.constexpr = False,
 ):
-    """``dense_kernel``'s plain epilogues (``EPILOGUE`` 0 or 1) as a persistent GEMV: a grid of a few programs
-    per SM, each normalising its input row(s) once (the whole K in registers, ``BLOCK_K >= K``) and then looping
-    over row tiles ``pid, pid + programs, ...`` of ``BLOCK_N`` rows x K, which Triton software-pipelines
+    """``dense_kernel`` (``EPILOGUE`` 0, 1 or 2; no tensor-parallel sum) as a persistent GEMV: a grid of a few
+    programs per SM, each forming its input row(s) once (the whole K in registers, ``BLOCK_K >= K``) and then
+    looping over row tiles ``pid, pid + programs, ...`` of ``BLOCK_N`` rows x K, which Triton software-pipelines
     ``num_stages`` deep (async copies into shared memory): the next tiles' weight bytes are in flight while this
     one's dot runs, instead of one register tile per program and a gap between programs.
-    ``LATE_WAIT`` (``EPILOGUE`` 0 only): the PDL wait and the prologue sit in the loop's first iteration, so the
-    pipeline's first weight loads go out before the wait (the residual load of ``EPILOGUE`` 1 could be hoisted
-    above it by the pipeliner, so that epilogue always waits first)."""
+    ``LATE_WAIT`` (not with ``EPILOGUE`` 1): the PDL wait and the prologue sit in the loop's first iteration, so the
+    pipeline's first weight loads go out before the wait. The residual load of ``EPILOGUE`` 1 could be hoisted
+    above the wait by the pipeliner, so that epilogue always waits first; RoPE's cos/sin tables, positions and
+    slots are not written by earlier kernels (as in ``dense_kernel``)."""
+    HB: tl.constexpr = BLOCK_N // 2
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     ntiles = tl.cdiv(N, BLOCK_N)
-    offs_n = tl.arange(0, BLOCK_N)
+    j = tl.arange(0, HB)
     offs_k = tl.arange(0, BLOCK_K)
     offs_m = tl.arange(0, M_PAD)
     k_ok = offs_k < K
     m_ok = offs_m[:, None] < M
     dt = x_ptr.dtype.element_ty
     rstd = tl.zeros([M_PAD], dtype=tl.float32)
+    if EPILOGUE == 2:
+        pos = tl.load(pos_ptr + offs_m, mask=offs_m < M, other=0).to(tl.int64)
+        slot = tl.load(slot_ptr + offs_m, mask=offs_m < M, other=-1).to(tl.int64)
     if PDL:
         gdc_launch_dependents()
     if LATE_WAIT:
@@ -367,19 +402,31 @@ def dense_stream_kernel(
             gdc_wait()
         x = _prologue(x_ptr, nw_ptr, 0, M, K, eps, stride_xm, rstd, offs_m, offs_k, PROLOGUE, True)
     for t in range(pid, ntiles, nprog):
-        rows = t * BLOCK_N + offs_n
-        ok = rows < N
-        w = _wload(w_ptr + rows.to(tl.int64)[:, None] * K + offs_k[None, :], ok[:, None] & k_ok[None, :], EVICT)
+        rows_a, rows_b = _tile_rows(t, j, EPILOGUE, HEAD, BLOCK_N)
+        ok_a, ok_b = rows_a < N, rows_b < N
+        wa = _wload(w_ptr + rows_a.to(tl.int64)[:, None] * K + offs_k[None, :], ok_a[:, None] & k_ok[None, :], EVICT)
+        wb = _wload(w_ptr + rows_b.to(tl.int64)[:, None] * K + offs_k[None, :], ok_b[:, None] & k_ok[None, :], EVICT)
         if LATE_WAIT:  # noqa: SIM102 - a constexpr branch around a runtime one
             if t == pid:
                 if PDL:
                     gdc_wait()
                 x = _prologue(x_ptr, nw_ptr, 0, M, K, eps, stride_xm, rstd, offs_m, offs_k, PROLOGUE, True)
-        acc = _rows_dot(w, x, offs_m, tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32), M_PAD)
+        acc_a = _rows_dot(wa, x, offs_m, tl.zeros([M_PAD, HB], dtype=tl.float32), M_PAD)
+        acc_b = _rows_dot(wb, x, offs_m, tl.zeros([M_PAD, HB], dtype=tl.float32), M_PAD)
         if HAS_BIAS:
-            acc += tl.load(b_ptr + rows, mask=ok, other=0.0).to(tl.float32)[None, :]
-        y = acc.to(dt)
+            acc_a += tl.load(b_ptr + rows_a, mask=ok_a, other=0.0).to(tl.float32)[None, :]
+            acc_b += tl.load(b_ptr + rows_b, mask=ok_b, other=0.0).to(tl.float32)[None, :]
+        ya = acc_a.to(dt)
+        yb = acc_b.to(dt)
         if EPILOGUE == 1:
-            r = tl.load(res_ptr + offs_m[:, None] * stride_rm + rows[None, :], mask=m_ok & ok[None, :], other=0.0)
-            y = (y.to(tl.float32) + r.to(tl.float32)).to(dt)
-        tl.store(y_ptr + offs_m[:, None] * stride_ym + rows[None, :], y, mask=m_ok & ok[None, :])
+            ra = tl.load(res_ptr + offs_m[:, None] * stride_rm + rows_a[None, :], mask=m_ok & ok_a[None, :], other=0.0)
+            rb = tl.load(res_ptr + offs_m[:, None] * stride_rm + rows_b[None, :], mask=m_ok & ok_b[None, :], other=0.0)
+            ya = (ya.to(tl.float32) + ra.to(tl.float32)).to(dt)
+            yb = (yb.to(tl.float32) + rb.to(tl.float32)).to(dt)
+        if EPILOGUE == 2:
+            ca, sa, cb, sb, rot = _rope_tables(cos_ptr, sin_ptr, pos, rows_a, m_ok, stride_cos, HEAD, Q_N, KV_N)
+            ya, yb = _rope_kv(ya, yb, ca, sa, cb, sb, rot, rows_a, rows_b, slot, m_ok, kv_ptr, num_slots, N,
+                              stride_blk, stride_kv, stride_tok, stride_head, scale_ptr, stride_scale, HEAD, Q_N,
+                              KV_N, BS, KV_FP8)
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + rows_a[None, :], ya, mask=m_ok & ok_a[None, :])
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + rows_b[None, :], yb, mask=m_ok & ok_b[None, :])
