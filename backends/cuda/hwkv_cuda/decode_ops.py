@@ -37,10 +37,9 @@ class DenseConfig(NamedTuple):
     maxnreg: int = 0  # > 0: registers a thread may use (ptxas spills the rest): more programs per SM - an 8-row
     # 2048-wide tile takes 168-206 registers at sm_90 (one 8-warp program per SM), 128 two
     stream: int = 0  # > 0: the persistent GEMV (kernels/dense.py, dense_stream_kernel) with this many programs per
-    # SM, each looping over block_n-row tiles of the whole K pipelined num_stages deep (not with the tensor-parallel
-    # sum; M_PAD x K <= STREAM_MAX_X; block_k, preload, split_k and maxnreg do not apply)
-    late: int = 0  # 1: with stream, the PDL wait in the loop's first iteration (first weight tiles before it; not
-    # with the residual epilogue)
+    # SM, each looping over block_n-row tiles of the whole K (not with the tensor-parallel sum; M_PAD x K <=
+    # STREAM_MAX_X); preload > 0 there: the first tile before the PDL wait and each next one before the current
+    # one's dot; block_k, split_k and maxnreg do not apply
 
 
 # One token, per weight shape [N, K]: the fastest tile of the H200 sweep (dense_probe --model llama-8b-tp2,llama-8b
@@ -96,9 +95,9 @@ def choose_config(m: int, n: int, k: int) -> DenseConfig:
         raise ValueError(f"{CONFIG_ENV}: evict must be 0 or 1, got {cfg['evict']}")
     if not 0 <= cfg.get("maxnreg", 0) <= 255:
         raise ValueError(f"{CONFIG_ENV}: maxnreg must be 0 (no cap) to 255, got {cfg['maxnreg']}")
-    if cfg.get("stream", 0) < 0 or cfg.get("late", 0) not in (0, 1):
-        raise ValueError(f"{CONFIG_ENV}: stream must be >= 0 and late 0 or 1, got {cfg.get('stream')}, "
-                         f"{cfg.get('late')}")
+    if cfg.get("stream", 0) < 0:
+        raise ValueError(f"{CONFIG_ENV}: stream must be >= 0 (programs per SM of the persistent GEMV), got "
+                         f"{cfg['stream']}")
     if cfg["preload"] not in (0, 1, 2):
         raise ValueError(f"{CONFIG_ENV}: preload must be 0 (pipelined loop), 1 (each next tile after the dot) or 2 "
                          f"(the first tile before the wait, the rest pipelined), got {cfg['preload']}")
@@ -233,7 +232,7 @@ class TritonDecodeOps(DecodeOps):
                 x, weight, bias if bias is not None else y, y, res, norm_weight if norm_weight is not None else y,
                 *kv_args, m, n, k, eps, num_slots, x.stride(0), y.stride(0), res.stride(0), stride_cos, *strides,
                 PROLOGUE=prologue, EPILOGUE=epilogue, HAS_BIAS=bias is not None, M_PAD=pow2(m), BLOCK_N=cfg.block_n,
-                BLOCK_K=pow2(k), PDL=pdl, LATE_WAIT=bool(cfg.late) and epilogue != 1, EVICT=cfg.evict, **geo,
+                BLOCK_K=pow2(k), PDL=pdl, PRE=bool(cfg.preload), EVICT=cfg.evict, **geo,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}))
             return y
         dense_kernel[(-(-n // cfg.block_n) * sk,)](

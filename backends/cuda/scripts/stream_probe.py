@@ -10,7 +10,6 @@ config (µs, TB/s of weight + activation bytes) and writes stream-probe.json.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import time
 from pathlib import Path
@@ -20,27 +19,28 @@ import triton
 from dense_probe import SHAPES, Case, run, time_graph
 from hwkv_cuda.decode_ops import choose_config
 
+# (block_n, num_warps, preload, programs per SM) per shape: light tiles (45-60 registers at sm_90 for 8-16 rows
+# of 2048 on 8 warps, no preload) at several programs per SM, and the two-tile (preload) ones at fewer
+STREAM = {
+    "gate_up": [(8, 8, 0, 2), (8, 8, 0, 3), (8, 8, 0, 4), (8, 8, 0, 5), (8, 8, 1, 1), (8, 8, 1, 2), (16, 8, 0, 2),
+                (16, 8, 0, 3), (16, 8, 0, 4), (16, 8, 1, 1), (4, 4, 0, 4), (4, 4, 0, 8), (8, 4, 0, 3)],
+    "lm_head": [(8, 8, 0, 3), (8, 8, 0, 4), (8, 8, 1, 2), (16, 8, 0, 3), (16, 8, 0, 4), (4, 4, 0, 8)],
+    "qkv": [(4, 8, 0, 2), (4, 8, 0, 4), (8, 8, 0, 2), (8, 8, 0, 3), (8, 8, 1, 1), (4, 4, 0, 4)],
+    "o_proj": [(4, 8, 0, 2), (4, 8, 0, 4), (8, 8, 0, 2), (8, 8, 0, 4), (4, 4, 0, 4), (4, 4, 0, 8)],
+    "down": [(2, 8, 0, 1), (2, 8, 0, 2), (2, 8, 1, 1)],
+}
+
 
 def stream_sweep(name: str) -> list[dict]:
-    """Streaming configs per shape: rows a tile, warps, pipeline depth, programs per SM, the late PDL wait."""
-    base = dict(block_k=2048, preload=0, evict=0)
-    bns = (2, 4) if name == "down" else (8, 16) if name in ("gate_up", "lm_head") else (4, 8)
-    wps = (4, 8) if name in ("gate_up", "lm_head") else (8,)
-    out = []
-    for bn, wp, st, per in itertools.product(bns, wps, (3, 4), (1, 2)):
-        tile = bn * (8192 if name == "down" else 2048) * 2
-        if tile * (st - 1) * per > 200 << 10:  # shared memory of the pipeline's buffers
-            continue
-        out.append(dict(base, block_n=bn, num_warps=wp, num_stages=st, stream=per, late=0))
-    if name in ("gate_up", "lm_head"):  # the first tiles before the PDL wait (no residual epilogue)
-        out += [dict(c, late=1) for c in out if c["num_warps"] == 8]
-    return out
+    """The streaming configs of ``name`` as HWKV_CUDA_DENSE_CONFIG dicts."""
+    return [dict(block_n=bn, block_k=2048, num_warps=wp, num_stages=1, preload=pre, evict=0, stream=per)
+            for bn, wp, pre, per in STREAM[name]]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="/tmp")
-    ap.add_argument("--shapes", default="gate_up,down,lm_head,o_proj")
+    ap.add_argument("--shapes", default="gate_up,qkv,lm_head,o_proj,down")
     ap.add_argument("--limit", type=int, default=0, help="at most this many stream configs a shape (0: all)")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -63,8 +63,8 @@ def main() -> None:
                 row["configs"][-1]["compile_s"] = round(time.time() - t0, 1)
                 r = row["configs"][-1]
                 print(f"{name} {'default' if cfg is default else 'stream'} bn={r['block_n']} w={r['num_warps']} "
-                      f"s={r['num_stages']} stream={r.get('stream', 0)} late={r.get('late', 0)}: {r['us']:.2f} us "
-                      f"{r['TBps']:.3f} TB/s", flush=True)
+                      f"pre={r['preload']} stream={r.get('stream', 0)}: {r['us']:.2f} us {r['TBps']:.3f} TB/s",
+                      flush=True)
         res["rows"].append(row)
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "stream-probe.json").write_text(json.dumps(res, indent=2))

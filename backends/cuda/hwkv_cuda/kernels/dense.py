@@ -361,24 +361,33 @@ def rank_sum_kernel(x_ptr, buf_ptr, hres_ptr, hout_ptr, cnt_ptr, err_ptr, n, K, 
 
 
 @triton.jit
+def _stream_tile(w_ptr, t, j, offs_k, k_ok, N, K, EPILOGUE: tl.constexpr, HEAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                 EVICT: tl.constexpr):
+    """Row tile ``t`` of the weight as halves ``a``/``b`` (rows past N, so every row of a tile past the last: zeros)."""
+    rows_a, rows_b = _tile_rows(t, j, EPILOGUE, HEAD, BLOCK_N)
+    wa = _wload(w_ptr + rows_a.to(tl.int64)[:, None] * K + offs_k[None, :], (rows_a < N)[:, None] & k_ok[None, :],
+                EVICT)
+    wb = _wload(w_ptr + rows_b.to(tl.int64)[:, None] * K + offs_k[None, :], (rows_b < N)[:, None] & k_ok[None, :],
+                EVICT)
+    return wa, wb
+
+
+@triton.jit
 def dense_stream_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, nw_ptr, cos_ptr, sin_ptr, pos_ptr, kv_ptr, slot_ptr,
     M, N, K, eps, num_slots, stride_xm, stride_ym, stride_rm, stride_cos, stride_blk, stride_kv, stride_tok,
     stride_head,
     PROLOGUE: tl.constexpr, EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HEAD: tl.constexpr, Q_N: tl.constexpr, KV_N: tl.constexpr,
-    BS: tl.constexpr, PDL: tl.constexpr, LATE_WAIT: tl.constexpr, EVICT: tl.constexpr, scale_ptr=None,
-    stride_scale=0, KV_FP8: tl.constexpr = False,
+    BS: tl.constexpr, PDL: tl.constexpr, PRE: tl.constexpr, EVICT: tl.constexpr, scale_ptr=None, stride_scale=0,
+    KV_FP8: tl.constexpr = False,
 ):
     """``dense_kernel`` (``EPILOGUE`` 0, 1 or 2; no tensor-parallel sum) as a persistent GEMV: a grid of a few
-    programs per SM, each forming its input row(s) once (the whole K in registers, ``BLOCK_K >= K``) and then
-    looping over row tiles ``pid, pid + programs, ...`` of ``BLOCK_N`` rows x K, which Triton software-pipelines
-    ``num_stages`` deep (async copies into shared memory): the next tiles' weight bytes are in flight while this
-    one's dot runs, instead of one register tile per program and a gap between programs.
-    ``LATE_WAIT`` (not with ``EPILOGUE`` 1): the PDL wait and the prologue sit in the loop's first iteration, so the
-    pipeline's first weight loads go out before the wait. The residual load of ``EPILOGUE`` 1 could be hoisted
-    above the wait by the pipeliner, so that epilogue always waits first; RoPE's cos/sin tables, positions and
-    slots are not written by earlier kernels (as in ``dense_kernel``)."""
+    programs per SM (light: the whole-K input row(s) formed once, ``BLOCK_K >= K``, then one ``BLOCK_N`` x K weight
+    tile at a time, so several programs fit an SM), each looping over row tiles ``pid, pid + programs, ...``
+    instead of one register-heavy program per SM per tile and a gap between programs. ``PRE``: the first tile is
+    loaded before the PDL wait (weights never depend on the previous kernel), and each next tile before the current
+    one's dot (two tiles in flight a program)."""
     HB: tl.constexpr = BLOCK_N // 2
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -389,28 +398,24 @@ def dense_stream_kernel(
     k_ok = offs_k < K
     m_ok = offs_m[:, None] < M
     dt = x_ptr.dtype.element_ty
-    rstd = tl.zeros([M_PAD], dtype=tl.float32)
-    if EPILOGUE == 2:
+    if PRE:
+        wa_n, wb_n = _stream_tile(w_ptr, pid, j, offs_k, k_ok, N, K, EPILOGUE, HEAD, BLOCK_N, EVICT)
+    if EPILOGUE == 2:  # the step's positions and slots, not written by earlier kernels
         pos = tl.load(pos_ptr + offs_m, mask=offs_m < M, other=0).to(tl.int64)
         slot = tl.load(slot_ptr + offs_m, mask=offs_m < M, other=-1).to(tl.int64)
     if PDL:
         gdc_launch_dependents()
-    if LATE_WAIT:
-        x = tl.zeros([M_PAD, BLOCK_K], dtype=tl.float32)
-    else:
-        if PDL:
-            gdc_wait()
-        x = _prologue(x_ptr, nw_ptr, 0, M, K, eps, stride_xm, rstd, offs_m, offs_k, PROLOGUE, True)
+        gdc_wait()
+    x = _prologue(x_ptr, nw_ptr, 0, M, K, eps, stride_xm, tl.zeros([M_PAD], dtype=tl.float32), offs_m, offs_k,
+                  PROLOGUE, True)
     for t in range(pid, ntiles, nprog):
+        if PRE:  # this tile was loaded an iteration ago; the next one goes out before its dot
+            wa, wb = wa_n, wb_n
+            wa_n, wb_n = _stream_tile(w_ptr, t + nprog, j, offs_k, k_ok, N, K, EPILOGUE, HEAD, BLOCK_N, EVICT)
+        else:
+            wa, wb = _stream_tile(w_ptr, t, j, offs_k, k_ok, N, K, EPILOGUE, HEAD, BLOCK_N, EVICT)
         rows_a, rows_b = _tile_rows(t, j, EPILOGUE, HEAD, BLOCK_N)
         ok_a, ok_b = rows_a < N, rows_b < N
-        wa = _wload(w_ptr + rows_a.to(tl.int64)[:, None] * K + offs_k[None, :], ok_a[:, None] & k_ok[None, :], EVICT)
-        wb = _wload(w_ptr + rows_b.to(tl.int64)[:, None] * K + offs_k[None, :], ok_b[:, None] & k_ok[None, :], EVICT)
-        if LATE_WAIT:  # noqa: SIM102 - a constexpr branch around a runtime one
-            if t == pid:
-                if PDL:
-                    gdc_wait()
-                x = _prologue(x_ptr, nw_ptr, 0, M, K, eps, stride_xm, rstd, offs_m, offs_k, PROLOGUE, True)
         acc_a = _rows_dot(wa, x, offs_m, tl.zeros([M_PAD, HB], dtype=tl.float32), M_PAD)
         acc_b = _rows_dot(wb, x, offs_m, tl.zeros([M_PAD, HB], dtype=tl.float32), M_PAD)
         if HAS_BIAS:
