@@ -16,19 +16,20 @@ O=HWKV_CUDA_DENSE_CONFIG_2048X2048 QKV=HWKV_CUDA_DENSE_CONFIG_3072X2048
 S=block_k=2048,num_stages=1,evict=0
 V='[{"name": "main"},
  {"name": "gu-8w8x4", "env": {"'$GU'": "'$S',block_n=8,num_warps=8,preload=0,stream=4"}},
- {"name": "gu-8w8x3", "env": {"'$GU'": "'$S',block_n=8,num_warps=8,preload=0,stream=3"}},
+ {"name": "gu-8w8p2x2", "env": {"'$GU'": "'$S',block_n=8,num_warps=8,preload=2,stream=2"}},
+ {"name": "gu-4w8p2x4", "env": {"'$GU'": "'$S',block_n=4,num_warps=8,preload=2,stream=4"}},
  {"name": "gu-16w8x3", "env": {"'$GU'": "'$S',block_n=16,num_warps=8,preload=0,stream=3"}},
  {"name": "gu-8w8p1x2", "env": {"'$GU'": "'$S',block_n=8,num_warps=8,preload=1,stream=2"}},
- {"name": "gu-4w4x8", "env": {"'$GU'": "'$S',block_n=4,num_warps=4,preload=0,stream=8"}},
  {"name": "lm-8w8x4", "env": {"'$LM'": "'$S',block_n=8,num_warps=8,preload=0,stream=4"}},
- {"name": "lm-16w8x3", "env": {"'$LM'": "'$S',block_n=16,num_warps=8,preload=0,stream=3"}},
+ {"name": "lm-4w8p2x4", "env": {"'$LM'": "'$S',block_n=4,num_warps=8,preload=2,stream=4"}},
  {"name": "qkv-4w8x4", "env": {"'$QKV'": "'$S',block_n=4,num_warps=8,preload=0,stream=4"}},
- {"name": "qkv-8w8x3", "env": {"'$QKV'": "'$S',block_n=8,num_warps=8,preload=0,stream=3"}},
+ {"name": "qkv-4w8p2x4", "env": {"'$QKV'": "'$S',block_n=4,num_warps=8,preload=2,stream=4"}},
+ {"name": "o-4w8p2x4", "env": {"'$O'": "'$S',block_n=4,num_warps=8,preload=2,stream=4"}},
  {"name": "o-4w8x4", "env": {"'$O'": "'$S',block_n=4,num_warps=8,preload=0,stream=4"}},
- {"name": "down-2w8x2", "env": {"'$DOWN'": "'$S',block_n=2,num_warps=8,preload=0,stream=2"}},
+ {"name": "down-2w8p2x1", "env": {"'$DOWN'": "'$S',block_n=2,num_warps=8,preload=2,stream=1"}},
  {"name": "gu+lm+qkv+o", "env": {"'$GU'": "'$S',block_n=8,num_warps=8,preload=0,stream=4",
-   "'$LM'": "'$S',block_n=8,num_warps=8,preload=0,stream=4", "'$QKV'": "'$S',block_n=4,num_warps=8,preload=0,stream=4",
-   "'$O'": "'$S',block_n=4,num_warps=8,preload=0,stream=4"}}]'
+   "'$LM'": "'$S',block_n=8,num_warps=8,preload=0,stream=4", "'$QKV'": "'$S',block_n=4,num_warps=8,preload=2,stream=4",
+   "'$O'": "'$S',block_n=4,num_warps=8,preload=2,stream=4"}}]'
 step "b1_decode_ab.py --repeat 1 --variants $V"
 timeout -k 2 100 python3 backends/cuda/scripts/b1_decode_ab.py --out "$OUT" --repeat 1 --variants "$V"
 echo "rc=$?"

@@ -19,15 +19,16 @@ import triton
 from dense_probe import SHAPES, Case, run, time_graph
 from hwkv_cuda.decode_ops import choose_config
 
-# (block_n, num_warps, preload, programs per SM) per shape: light tiles (45-60 registers at sm_90 for 8-16 rows
-# of 2048 on 8 warps, no preload) at several programs per SM, and the two-tile (preload) ones at fewer
+# (block_n, num_warps, preload, programs per SM) per shape: light tiles (45-64 registers at sm_90 for 4-16 rows of 2048
+# on 8 warps without a preload) at several programs per SM, the preloaded ones (preload 2: ~110 registers at 8 rows,
+# ~64 at 4) at fewer
 STREAM = {
-    "gate_up": [(8, 8, 0, 2), (8, 8, 0, 3), (8, 8, 0, 4), (8, 8, 0, 5), (8, 8, 1, 1), (8, 8, 1, 2), (16, 8, 0, 2),
-                (16, 8, 0, 3), (16, 8, 0, 4), (16, 8, 1, 1), (4, 4, 0, 4), (4, 4, 0, 8), (8, 4, 0, 3)],
-    "lm_head": [(8, 8, 0, 3), (8, 8, 0, 4), (8, 8, 1, 2), (16, 8, 0, 3), (16, 8, 0, 4), (4, 4, 0, 8)],
-    "qkv": [(4, 8, 0, 2), (4, 8, 0, 4), (8, 8, 0, 2), (8, 8, 0, 3), (8, 8, 1, 1), (4, 4, 0, 4)],
-    "o_proj": [(4, 8, 0, 2), (4, 8, 0, 4), (8, 8, 0, 2), (8, 8, 0, 4), (4, 4, 0, 4), (4, 4, 0, 8)],
-    "down": [(2, 8, 0, 1), (2, 8, 0, 2), (2, 8, 1, 1)],
+    "gate_up": [(8, 8, 0, 2), (8, 8, 0, 3), (8, 8, 0, 4), (8, 8, 0, 5), (8, 8, 1, 2), (8, 8, 2, 2), (16, 8, 0, 3),
+                (16, 8, 0, 4), (4, 8, 0, 4), (4, 8, 2, 4), (4, 4, 0, 8), (4, 4, 2, 4)],
+    "lm_head": [(8, 8, 0, 4), (8, 8, 2, 2), (16, 8, 0, 3), (4, 8, 2, 4), (4, 4, 0, 8)],
+    "qkv": [(4, 8, 0, 4), (4, 8, 2, 4), (8, 8, 0, 3), (8, 8, 2, 2), (4, 4, 2, 4)],
+    "o_proj": [(4, 8, 0, 4), (4, 8, 2, 4), (8, 8, 0, 4), (8, 8, 2, 2), (4, 4, 2, 4), (4, 4, 0, 8)],
+    "down": [(2, 8, 0, 2), (2, 8, 2, 1), (2, 8, 1, 1)],
 }
 
 

@@ -373,6 +373,37 @@ def _stream_tile(w_ptr, t, j, offs_k, k_ok, N, K, EPILOGUE: tl.constexpr, HEAD: 
 
 
 @triton.jit
+def _stream_out(t, wa, wb, x, j, offs_m, m_ok, b_ptr, y_ptr, res_ptr, cos_ptr, sin_ptr, pos, slot, kv_ptr, N, num_slots,
+                stride_ym, stride_rm, stride_cos, stride_blk, stride_kv, stride_tok, stride_head, scale_ptr,
+                stride_scale, dt: tl.constexpr, EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr,
+                BLOCK_N: tl.constexpr, HEAD: tl.constexpr, Q_N: tl.constexpr, KV_N: tl.constexpr, BS: tl.constexpr,
+                KV_FP8: tl.constexpr):
+    """Tile ``t`` of the persistent GEMV from its loaded weight halves: the dot, the bias, the epilogue, the store
+    (as ``dense_kernel``'s)."""
+    HB: tl.constexpr = BLOCK_N // 2
+    rows_a, rows_b = _tile_rows(t, j, EPILOGUE, HEAD, BLOCK_N)
+    ok_a, ok_b = rows_a < N, rows_b < N
+    acc_a = _rows_dot(wa, x, offs_m, tl.zeros([M_PAD, HB], dtype=tl.float32), M_PAD)
+    acc_b = _rows_dot(wb, x, offs_m, tl.zeros([M_PAD, HB], dtype=tl.float32), M_PAD)
+    if HAS_BIAS:
+        acc_a += tl.load(b_ptr + rows_a, mask=ok_a, other=0.0).to(tl.float32)[None, :]
+        acc_b += tl.load(b_ptr + rows_b, mask=ok_b, other=0.0).to(tl.float32)[None, :]
+    ya = acc_a.to(dt)
+    yb = acc_b.to(dt)
+    if EPILOGUE == 1:
+        ra = tl.load(res_ptr + offs_m[:, None] * stride_rm + rows_a[None, :], mask=m_ok & ok_a[None, :], other=0.0)
+        rb = tl.load(res_ptr + offs_m[:, None] * stride_rm + rows_b[None, :], mask=m_ok & ok_b[None, :], other=0.0)
+        ya = (ya.to(tl.float32) + ra.to(tl.float32)).to(dt)
+        yb = (yb.to(tl.float32) + rb.to(tl.float32)).to(dt)
+    if EPILOGUE == 2:
+        ca, sa, cb, sb, rot = _rope_tables(cos_ptr, sin_ptr, pos, rows_a, m_ok, stride_cos, HEAD, Q_N, KV_N)
+        ya, yb = _rope_kv(ya, yb, ca, sa, cb, sb, rot, rows_a, rows_b, slot, m_ok, kv_ptr, num_slots, N, stride_blk,
+                          stride_kv, stride_tok, stride_head, scale_ptr, stride_scale, HEAD, Q_N, KV_N, BS, KV_FP8)
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + rows_a[None, :], ya, mask=m_ok & ok_a[None, :])
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + rows_b[None, :], yb, mask=m_ok & ok_b[None, :])
+
+
+@triton.jit
 def dense_stream_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, nw_ptr, cos_ptr, sin_ptr, pos_ptr, kv_ptr, slot_ptr,
     M, N, K, eps, num_slots, stride_xm, stride_ym, stride_rm, stride_cos, stride_blk, stride_kv, stride_tok,
@@ -385,21 +416,23 @@ def dense_stream_kernel(
     """``dense_kernel`` (``EPILOGUE`` 0, 1 or 2; no tensor-parallel sum) as a persistent GEMV: a grid of a few
     programs per SM (light: the whole-K input row(s) formed once, ``BLOCK_K >= K``, then one ``BLOCK_N`` x K weight
     tile at a time, so several programs fit an SM), each looping over row tiles ``pid, pid + programs, ...``
-    instead of one register-heavy program per SM per tile and a gap between programs. ``PRE``: the first tile is
-    loaded before the PDL wait (weights never depend on the previous kernel), and each next tile before the current
-    one's dot (two tiles in flight a program)."""
-    HB: tl.constexpr = BLOCK_N // 2
+    instead of one register-heavy program per SM per tile and a gap between programs. ``PRE`` 1: the first tile is
+    loaded before the PDL wait (weights never depend on the previous kernel) and each next tile before the current
+    one's dot (two tiles in registers); 2: only the first tile before the wait (its iteration peeled off the loop,
+    one tile in registers); 0: every tile after the wait."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     ntiles = tl.cdiv(N, BLOCK_N)
-    j = tl.arange(0, HB)
+    j = tl.arange(0, BLOCK_N // 2)
     offs_k = tl.arange(0, BLOCK_K)
     offs_m = tl.arange(0, M_PAD)
     k_ok = offs_k < K
     m_ok = offs_m[:, None] < M
-    dt = x_ptr.dtype.element_ty
-    if PRE:
+    dt: tl.constexpr = x_ptr.dtype.element_ty
+    if PRE > 0:
         wa_n, wb_n = _stream_tile(w_ptr, pid, j, offs_k, k_ok, N, K, EPILOGUE, HEAD, BLOCK_N, EVICT)
+    pos = offs_m.to(tl.int64)
+    slot = pos
     if EPILOGUE == 2:  # the step's positions and slots, not written by earlier kernels
         pos = tl.load(pos_ptr + offs_m, mask=offs_m < M, other=0).to(tl.int64)
         slot = tl.load(slot_ptr + offs_m, mask=offs_m < M, other=-1).to(tl.int64)
@@ -408,30 +441,18 @@ def dense_stream_kernel(
         gdc_wait()
     x = _prologue(x_ptr, nw_ptr, 0, M, K, eps, stride_xm, tl.zeros([M_PAD], dtype=tl.float32), offs_m, offs_k,
                   PROLOGUE, True)
-    for t in range(pid, ntiles, nprog):
-        if PRE:  # this tile was loaded an iteration ago; the next one goes out before its dot
+    t0 = pid
+    if PRE == 2:  # the first tile's iteration, peeled: the loop's tiles load after the wait, one at a time
+        _stream_out(pid, wa_n, wb_n, x, j, offs_m, m_ok, b_ptr, y_ptr, res_ptr, cos_ptr, sin_ptr, pos, slot, kv_ptr, N,
+                    num_slots, stride_ym, stride_rm, stride_cos, stride_blk, stride_kv, stride_tok, stride_head,
+                    scale_ptr, stride_scale, dt, EPILOGUE, HAS_BIAS, M_PAD, BLOCK_N, HEAD, Q_N, KV_N, BS, KV_FP8)
+        t0 = pid + nprog
+    for t in range(t0, ntiles, nprog):
+        if PRE == 1:  # this tile was loaded an iteration ago; the next one goes out before its dot
             wa, wb = wa_n, wb_n
             wa_n, wb_n = _stream_tile(w_ptr, t + nprog, j, offs_k, k_ok, N, K, EPILOGUE, HEAD, BLOCK_N, EVICT)
         else:
             wa, wb = _stream_tile(w_ptr, t, j, offs_k, k_ok, N, K, EPILOGUE, HEAD, BLOCK_N, EVICT)
-        rows_a, rows_b = _tile_rows(t, j, EPILOGUE, HEAD, BLOCK_N)
-        ok_a, ok_b = rows_a < N, rows_b < N
-        acc_a = _rows_dot(wa, x, offs_m, tl.zeros([M_PAD, HB], dtype=tl.float32), M_PAD)
-        acc_b = _rows_dot(wb, x, offs_m, tl.zeros([M_PAD, HB], dtype=tl.float32), M_PAD)
-        if HAS_BIAS:
-            acc_a += tl.load(b_ptr + rows_a, mask=ok_a, other=0.0).to(tl.float32)[None, :]
-            acc_b += tl.load(b_ptr + rows_b, mask=ok_b, other=0.0).to(tl.float32)[None, :]
-        ya = acc_a.to(dt)
-        yb = acc_b.to(dt)
-        if EPILOGUE == 1:
-            ra = tl.load(res_ptr + offs_m[:, None] * stride_rm + rows_a[None, :], mask=m_ok & ok_a[None, :], other=0.0)
-            rb = tl.load(res_ptr + offs_m[:, None] * stride_rm + rows_b[None, :], mask=m_ok & ok_b[None, :], other=0.0)
-            ya = (ya.to(tl.float32) + ra.to(tl.float32)).to(dt)
-            yb = (yb.to(tl.float32) + rb.to(tl.float32)).to(dt)
-        if EPILOGUE == 2:
-            ca, sa, cb, sb, rot = _rope_tables(cos_ptr, sin_ptr, pos, rows_a, m_ok, stride_cos, HEAD, Q_N, KV_N)
-            ya, yb = _rope_kv(ya, yb, ca, sa, cb, sb, rot, rows_a, rows_b, slot, m_ok, kv_ptr, num_slots, N,
-                              stride_blk, stride_kv, stride_tok, stride_head, scale_ptr, stride_scale, HEAD, Q_N,
-                              KV_N, BS, KV_FP8)
-        tl.store(y_ptr + offs_m[:, None] * stride_ym + rows_a[None, :], ya, mask=m_ok & ok_a[None, :])
-        tl.store(y_ptr + offs_m[:, None] * stride_ym + rows_b[None, :], yb, mask=m_ok & ok_b[None, :])
+        _stream_out(t, wa, wb, x, j, offs_m, m_ok, b_ptr, y_ptr, res_ptr, cos_ptr, sin_ptr, pos, slot, kv_ptr, N,
+                    num_slots, stride_ym, stride_rm, stride_cos, stride_blk, stride_kv, stride_tok, stride_head,
+                    scale_ptr, stride_scale, dt, EPILOGUE, HAS_BIAS, M_PAD, BLOCK_N, HEAD, Q_N, KV_N, BS, KV_FP8)
