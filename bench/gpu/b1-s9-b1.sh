@@ -1,5 +1,5 @@
 # b1 (#36 batch-1 decode), session 9, GPU batch 1 (150 s): the persistent GEMV (stream=N, kernels/dense.py
-# dense_stream_kernel: N light programs per SM looping over row tiles, the input row normalised once a program).
+# dense_kernel_stream: N light programs per SM looping over row tiles, the input row normalised once a program).
 # 1) stream_probe.py: gate_up, qkv, o_proj, the LM head alone (PDL chains in graphs, 42 s); 2) the engine A/B at the public defaults
 # (b1_decode_ab.py, one engine, one measure per row): stream tiles for gate_up, the LM head, down, o_proj and qkv (RoPE/KV epilogue), alone
 # and together; greedy tokens against main's.

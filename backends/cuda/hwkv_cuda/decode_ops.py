@@ -36,7 +36,7 @@ class DenseConfig(NamedTuple):
     split_k: int = 1  # > 1: programs per row block, each over 1/split_k of K, summed by the last (plain epilogues)
     maxnreg: int = 0  # > 0: registers a thread may use (ptxas spills the rest): more programs per SM - an 8-row
     # 2048-wide tile takes 168-206 registers at sm_90 (one 8-warp program per SM), 128 two
-    stream: int = 0  # > 0: the persistent GEMV (kernels/dense.py, dense_stream_kernel) with this many programs per
+    stream: int = 0  # > 0: the persistent GEMV (kernels/dense.py, dense_kernel_stream) with this many programs per
     # SM, each looping over block_n-row tiles of the whole K (not with the tensor-parallel sum; M_PAD x K <=
     # STREAM_MAX_X); preload there: 1 the first tile before the PDL wait and each next one before the current one's
     # dot, 2 the first tile alone before the wait; block_k, split_k and maxnreg do not apply
@@ -225,10 +225,10 @@ class TritonDecodeOps(DecodeOps):
             kv_args, strides = (y, y, y, y, y), (0, 0, 0, 0)
             geo, num_slots, stride_cos = dict(HEAD=2, Q_N=0, KV_N=0, BS=1), 0, 0
         if stream:
-            from hwkv_cuda.kernels.dense import dense_stream_kernel
+            from hwkv_cuda.kernels.dense import dense_kernel_stream
             from hwkv_cuda.launch import device_limits
 
-            dense_stream_kernel[(min(-(-n // cfg.block_n), device_limits(x.device)[0] * cfg.stream),)](
+            dense_kernel_stream[(min(-(-n // cfg.block_n), device_limits(x.device)[0] * cfg.stream),)](
                 x, weight, bias if bias is not None else y, y, res, norm_weight if norm_weight is not None else y,
                 *kv_args, m, n, k, eps, num_slots, x.stride(0), y.stride(0), res.stride(0), stride_cos, *strides,
                 PROLOGUE=prologue, EPILOGUE=epilogue, HAS_BIAS=bias is not None, M_PAD=pow2(m), BLOCK_N=cfg.block_n,

@@ -1,5 +1,5 @@
 """Probe: the persistent (streaming) GEMV of the decode ops (``stream=N`` in ``HWKV_CUDA_DENSE_CONFIG``,
-kernels/dense.py ``dense_stream_kernel``) against the engine's own tile per Llama-3.2-1B projection at one token.
+kernels/dense.py ``dense_kernel_stream``) against the engine's own tile per Llama-3.2-1B projection at one token.
 
 Timed as dense_probe.py does (CUDA-graph replays of a chain over distinct weight copies, PDL on); prints one line a
 config (µs, TB/s of weight + activation bytes) and writes stream-probe.json.

@@ -404,7 +404,7 @@ def _stream_out(t, wa, wb, x, j, offs_m, m_ok, b_ptr, y_ptr, res_ptr, cos_ptr, s
 
 
 @triton.jit
-def dense_stream_kernel(
+def dense_kernel_stream(  # named dense_kernel*: hwkv.bench.timeline labels the decode GEMVs by that prefix
     x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, nw_ptr, cos_ptr, sin_ptr, pos_ptr, kv_ptr, slot_ptr,
     M, N, K, eps, num_slots, stride_xm, stride_ym, stride_rm, stride_cos, stride_blk, stride_kv, stride_tok,
     stride_head,
