@@ -39,7 +39,8 @@ class DenseConfig(NamedTuple):
     stream: int = 0  # > 0: the persistent GEMV (kernels/dense.py, dense_kernel_stream) with this many programs per
     # SM, each looping over block_n-row tiles of the whole K (not with the tensor-parallel sum; M_PAD x K <=
     # STREAM_MAX_X); preload there: 1 the first tile before the PDL wait and each next one before the current one's
-    # dot, 2 the first tile alone before the wait; block_k, split_k and maxnreg do not apply
+    # dot, 2 the first tile alone before the wait; num_stages > 1 asks Triton to pipeline the tile loop; block_k,
+    # split_k and maxnreg do not apply
 
 
 # One token, per weight shape [N, K]: the fastest tile of the H200 sweep (dense_probe --model llama-8b-tp2,llama-8b
@@ -233,7 +234,8 @@ class TritonDecodeOps(DecodeOps):
                 *kv_args, m, n, k, eps, num_slots, x.stride(0), y.stride(0), res.stride(0), stride_cos, *strides,
                 PROLOGUE=prologue, EPILOGUE=epilogue, HAS_BIAS=bias is not None, M_PAD=pow2(m), BLOCK_N=cfg.block_n,
                 BLOCK_K=pow2(k), PDL=pdl, PRE=cfg.preload, EVICT=cfg.evict, **geo,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}))
+                STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                **({"launch_pdl": True} if pdl else {}))
             return y
         dense_kernel[(-(-n // cfg.block_n) * sk,)](
             x, weight, bias if bias is not None else y, y, res, norm_weight if norm_weight is not None else y,

@@ -24,7 +24,8 @@ from hwkv_cuda.decode_ops import choose_config
 # ~64 at 4) at fewer
 STREAM = {
     "gate_up": [(8, 8, 0, 2), (8, 8, 0, 3), (8, 8, 0, 4), (8, 8, 0, 5), (8, 8, 1, 2), (8, 8, 2, 2), (16, 8, 0, 3),
-                (16, 8, 0, 4), (4, 8, 0, 4), (4, 8, 2, 4), (4, 4, 0, 8), (4, 4, 2, 4)],
+                (16, 8, 0, 4), (4, 8, 0, 4), (4, 8, 2, 4), (4, 4, 0, 8), (4, 4, 2, 4),
+                (8, 8, 0, 1, 4), (8, 8, 0, 2, 3), (16, 8, 0, 1, 3)],  # num_stages: the pipeliner, where it works
     "lm_head": [(8, 8, 0, 4), (8, 8, 2, 2), (16, 8, 0, 3), (4, 8, 2, 4), (4, 4, 0, 8)],
     "qkv": [(4, 8, 0, 4), (4, 8, 2, 4), (8, 8, 0, 3), (8, 8, 2, 2), (4, 4, 2, 4)],
     "o_proj": [(4, 8, 0, 4), (4, 8, 2, 4), (8, 8, 0, 4), (8, 8, 2, 2), (4, 4, 2, 4), (4, 4, 0, 8)],
@@ -34,8 +35,8 @@ STREAM = {
 
 def stream_sweep(name: str) -> list[dict]:
     """The streaming configs of ``name`` as HWKV_CUDA_DENSE_CONFIG dicts."""
-    return [dict(block_n=bn, block_k=2048, num_warps=wp, num_stages=1, preload=pre, evict=0, stream=per)
-            for bn, wp, pre, per in STREAM[name]]
+    return [dict(block_n=bn, block_k=2048, num_warps=wp, num_stages=st[0] if st else 1, preload=pre, evict=0,
+                 stream=per) for bn, wp, pre, per, *st in STREAM[name]]
 
 
 def main() -> None:
@@ -64,13 +65,32 @@ def main() -> None:
                 row["configs"][-1]["compile_s"] = round(time.time() - t0, 1)
                 r = row["configs"][-1]
                 print(f"{name} {'default' if cfg is default else 'stream'} bn={r['block_n']} w={r['num_warps']} "
-                      f"pre={r['preload']} stream={r.get('stream', 0)}: {r['us']:.2f} us {r['TBps']:.3f} TB/s",
-                      flush=True)
+                      f"pre={r['preload']} s={r['num_stages']} stream={r.get('stream', 0)}: {r['us']:.2f} us "
+                      f"{r['TBps']:.3f} TB/s", flush=True)
         res["rows"].append(row)
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "stream-probe.json").write_text(json.dumps(res, indent=2))
         best = min(row["configs"], key=lambda r: r["us"])
         print(f"BEST {name}: {json.dumps(best)}", flush=True)
+    res["compiled"] = compiled_report()
+    (Path(args.out) / "stream-probe.json").write_text(json.dumps(res, indent=2))
+
+
+def compiled_report() -> list[dict]:
+    """Every compiled variant of the stream kernel in this process: registers, spills, shared memory, and whether
+    the tile loop was software-pipelined (async copies in the TTGIR)."""
+    from hwkv_cuda.kernels.dense import dense_kernel_stream
+
+    out = []
+    for cache in dense_kernel_stream.device_caches.values():
+        for key, k in cache[0].items():
+            ttgir = k.asm.get("ttgir", "")
+            r = dict(key=str(key)[-160:], num_warps=k.metadata.num_warps, num_stages=k.metadata.num_stages,
+                     shared=k.metadata.shared, regs=getattr(k, "n_regs", None), spills=getattr(k, "n_spills", None),
+                     async_copies=ttgir.count("async_copy"), tma=ttgir.count("async_tma"))
+            print("compiled: " + json.dumps(r), flush=True)
+            out.append(r)
+    return out
 
 
 if __name__ == "__main__":

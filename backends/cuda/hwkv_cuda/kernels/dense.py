@@ -411,7 +411,7 @@ def dense_kernel_stream(  # named dense_kernel*: hwkv.bench.timeline labels the 
     PROLOGUE: tl.constexpr, EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HEAD: tl.constexpr, Q_N: tl.constexpr, KV_N: tl.constexpr,
     BS: tl.constexpr, PDL: tl.constexpr, PRE: tl.constexpr, EVICT: tl.constexpr, scale_ptr=None, stride_scale=0,
-    KV_FP8: tl.constexpr = False,
+    KV_FP8: tl.constexpr = False, STAGES: tl.constexpr = 1,
 ):
     """``dense_kernel`` (``EPILOGUE`` 0, 1 or 2; no tensor-parallel sum) as a persistent GEMV: a grid of a few
     programs per SM (light: the whole-K input row(s) formed once, ``BLOCK_K >= K``, then one ``BLOCK_N`` x K weight
@@ -419,7 +419,9 @@ def dense_kernel_stream(  # named dense_kernel*: hwkv.bench.timeline labels the 
     instead of one register-heavy program per SM per tile and a gap between programs. ``PRE`` 1: the first tile is
     loaded before the PDL wait (weights never depend on the previous kernel) and each next tile before the current
     one's dot (two tiles in registers); 2: only the first tile before the wait (its iteration peeled off the loop,
-    one tile in registers); 0: every tile after the wait."""
+    one tile in registers); 0: every tile after the wait. ``STAGES`` > 1 asks Triton to software-pipeline the tile
+    loop (``tl.range(num_stages=)``: async copies through shared memory, where the compiler does it for a loop
+    without a dot - Triton 3.9 at sm_90 leaves it as is)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     ntiles = tl.cdiv(N, BLOCK_N)
@@ -447,7 +449,7 @@ def dense_kernel_stream(  # named dense_kernel*: hwkv.bench.timeline labels the 
                     num_slots, stride_ym, stride_rm, stride_cos, stride_blk, stride_kv, stride_tok, stride_head,
                     scale_ptr, stride_scale, dt, EPILOGUE, HAS_BIAS, M_PAD, BLOCK_N, HEAD, Q_N, KV_N, BS, KV_FP8)
         t0 = pid + nprog
-    for t in range(t0, ntiles, nprog):
+    for t in tl.range(t0, ntiles, nprog, num_stages=STAGES):
         if PRE == 1:  # this tile was loaded an iteration ago; the next one goes out before its dot
             wa, wb = wa_n, wb_n
             wa_n, wb_n = _stream_tile(w_ptr, t + nprog, j, offs_k, k_ok, N, K, EPILOGUE, HEAD, BLOCK_N, EVICT)
