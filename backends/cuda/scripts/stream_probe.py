@@ -78,15 +78,15 @@ def main() -> None:
 
 
 def compiled_report() -> list[dict]:
-    """Every compiled variant of the stream kernel in this process: registers, spills, shared memory, and whether
-    the tile loop was software-pipelined (async copies in the TTGIR)."""
-    from hwkv_cuda.kernels.dense import dense_kernel_stream
+    """Every compiled variant of the decode GEMV kernels in this process: registers, spills, shared memory, and
+    whether a loop was software-pipelined (async copies in the TTGIR)."""
+    from hwkv_cuda.kernels.dense import dense_kernel, dense_kernel_stream
 
     out = []
-    for cache in dense_kernel_stream.device_caches.values():
+    for name, cache in [(f.__name__, c) for f in (dense_kernel, dense_kernel_stream) for c in f.device_caches.values()]:
         for key, k in cache[0].items():
             ttgir = k.asm.get("ttgir", "")
-            r = dict(key=str(key)[-160:], num_warps=k.metadata.num_warps, num_stages=k.metadata.num_stages,
+            r = dict(kernel=name, key=str(key)[-300:], num_warps=k.metadata.num_warps, num_stages=k.metadata.num_stages,
                      shared=k.metadata.shared, regs=getattr(k, "n_regs", None), spills=getattr(k, "n_spills", None),
                      async_copies=ttgir.count("async_copy"), tma=ttgir.count("async_tma"))
             print("compiled: " + json.dumps(r), flush=True)
