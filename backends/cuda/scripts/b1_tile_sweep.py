@@ -1,0 +1,155 @@
+"""Batch-1 decode tile sweep in ONE engine at the public defaults (``hwkv.Engine(model, backend="cuda", dtype=...)``,
+no other argument), greedy per weight shape: for each shape in turn every candidate tile
+(``HWKV_CUDA_DENSE_CONFIG_<N>X<K>``) is set over the winners so far, the batch-1 decode graphs are captured again, and
+one graph replay's GPU time is measured (the min of ``--reps`` means of 20 replays, inputs pinned to 1 request of 384
+keys: :func:`hwkv.bench.e2e_report.replay_ms`); a candidate is kept when it beats the shape's current tile by
+``--keep``. Then the batch-1 measure (``hwkv bench e2e``'s :func:`hwkv.bench.e2e.batch1`: tok/s, MBU, step, replay) and
+96 greedy tokens for main, the winners together, each winner alone, and main again. The sweep stops at ``--deadline``
+seconds from the start (the final rows keep their time). Writes b1-tile-sweep.json.
+
+    PYTHONPATH=.:backends/cuda python3 backends/cuda/scripts/b1_tile_sweep.py --out DIR --deadline 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from b1_decode_ab import greedy_tokens, recapture  # this folder is on sys.path when run as a script
+
+import hwkv
+from hwkv.bench.common import copy_bandwidth, model_dir
+from hwkv.bench.e2e import batch1
+from hwkv.bench.e2e_report import replay_ms
+
+ENV = "HWKV_CUDA_DENSE_CONFIG_"
+S = "block_k=2048,num_stages=1,evict=0"
+
+
+def stream(bn: int, wp: int, pre: int, per: int) -> str:
+    return f"{S},block_n={bn},num_warps={wp},preload={pre},stream={per}"
+
+
+# Llama-3.2-1B's weight shapes [N, K], biggest lever first; candidates: the persistent GEMV (kernels/dense.py,
+# dense_kernel_stream) at several rows a tile, warps, preloads and programs per SM
+SWEEP: list[tuple[str, str, list[str]]] = [
+    ("gate_up", "16384X2048", [stream(*c) for c in (
+        (8, 8, 0, 3), (8, 8, 0, 4), (8, 8, 0, 5), (8, 8, 0, 6), (8, 8, 2, 2), (8, 8, 2, 3), (8, 8, 1, 2),
+        (16, 8, 0, 2), (16, 8, 0, 3), (16, 8, 0, 4), (16, 8, 2, 1), (16, 8, 2, 2), (4, 8, 0, 4), (4, 8, 0, 6),
+        (4, 8, 0, 8), (4, 8, 2, 3), (4, 8, 2, 4), (4, 8, 2, 6), (4, 4, 0, 6), (4, 4, 0, 8), (4, 4, 0, 12),
+        (4, 4, 2, 4), (4, 4, 2, 6), (8, 4, 0, 3), (8, 4, 0, 4), (2, 4, 0, 12), (2, 4, 2, 8))]),
+    ("qkv", "3072X2048", [stream(*c) for c in (
+        (4, 8, 0, 2), (4, 8, 0, 4), (4, 8, 2, 2), (4, 8, 2, 3), (4, 8, 2, 4), (8, 8, 0, 2), (8, 8, 0, 3),
+        (8, 8, 2, 1), (8, 8, 2, 2), (4, 4, 0, 4), (4, 4, 2, 4), (4, 4, 2, 6), (2, 4, 2, 6), (8, 4, 2, 2))]),
+    ("down", "2048X8192", [stream(*c) for c in (
+        (2, 8, 0, 1), (2, 8, 0, 2), (2, 8, 0, 3), (2, 8, 2, 1), (2, 8, 2, 2), (4, 8, 0, 1), (4, 8, 2, 1),
+        (2, 4, 0, 2), (2, 4, 2, 2))]),
+    ("o_proj", "2048X2048", [stream(*c) for c in (
+        (4, 8, 0, 2), (4, 8, 0, 4), (4, 8, 2, 2), (4, 8, 2, 4), (8, 8, 0, 2), (8, 8, 2, 2), (4, 4, 0, 4),
+        (4, 4, 2, 4), (2, 4, 2, 4), (2, 4, 2, 8))]),
+    ("lm_head", "128256X2048", [stream(*c) for c in (
+        (8, 8, 0, 4), (8, 8, 0, 5), (8, 8, 2, 2), (16, 8, 0, 3), (4, 8, 0, 6), (4, 8, 2, 4), (4, 4, 0, 8),
+        (4, 4, 2, 6), (8, 4, 0, 4))]),
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama-1b")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--workdir", default="/dev/shm/hwkv-b1")
+    ap.add_argument("--out", default="/tmp")
+    ap.add_argument("--deadline", type=float, default=100.0, help="seconds from the start after which no candidate "
+                    "is tried (the final rows run after it)")
+    ap.add_argument("--final-s", type=float, default=28.0, help="seconds kept for the final rows")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--keep", type=float, default=0.005, help="a candidate is kept when this much faster")
+    ap.add_argument("--shapes", default=",".join(s[0] for s in SWEEP))
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    mdir = model_dir(argparse.Namespace(model=args.model, dtype=args.dtype, workdir=args.workdir))
+    cfg = json.loads((mdir / "config.json").read_text())
+    engine = hwkv.Engine(str(mdir), backend="cuda", dtype=args.dtype)  # the public defaults: nothing else
+    import torch
+
+    bw = copy_bandwidth(engine.backend.device, 1 << 30)
+    res: dict[str, Any] = dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d %H:%M UTC",
+                                                                                      time.gmtime()),
+                               commit=Path("COMMIT").read_text().strip() if Path("COMMIT").exists() else "",
+                               engine_init_s=round(time.perf_counter() - t0, 1), copy_bw_TBps=bw / 1e12, trials=[],
+                               winners={}, rows=[])
+    print(f"[sweep] engine {res['engine_init_s']} s, copy {bw / 1e12:.3f} TB/s", flush=True)
+    keys = [ENV + k for _, k, _ in SWEEP]
+
+    def apply(env: dict[str, str]) -> None:
+        for k in keys:
+            os.environ.pop(k, None)
+        os.environ.update(env)
+        recapture(engine)
+
+    def replay(env: dict[str, str]) -> float:
+        apply(env)
+        return min(replay_ms(engine, 1, 128 + 256) for _ in range(args.reps))
+
+    win: dict[str, str] = {}
+    cur = replay(win)
+    res["main_replay_ms"] = cur
+    print(f"[sweep] main: replay {cur:.4f} ms", flush=True)
+    stop = False
+    for name, shape, cands in SWEEP:
+        if name not in args.shapes.split(",") or stop:
+            continue
+        best = (cur, None)
+        for c in cands:
+            if time.perf_counter() - t0 > args.deadline - args.final_s:
+                stop = True
+                print("[sweep] deadline: no more candidates", flush=True)
+                break
+            try:
+                t = replay({**win, ENV + shape: c})
+            except Exception as e:  # a tile that does not compile or launch
+                print(f"[sweep] {name} {c}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+                res["trials"].append(dict(shape=name, cfg=c, error=f"{type(e).__name__}: {e}"[:300]))
+                continue
+            res["trials"].append(dict(shape=name, cfg=c, replay_ms=t))
+            print(f"[sweep] {name} {c.removeprefix(S + ',')}: {t:.4f} ms ({(t / cur - 1) * 100:+.1f}%)", flush=True)
+            if t < best[0]:
+                best = (t, c)
+        if best[1] is not None and best[0] < cur * (1 - args.keep):
+            win[ENV + shape] = best[1]
+            res["winners"][name] = dict(cfg=best[1], replay_ms=best[0], before_ms=cur)
+            print(f"[sweep] KEEP {name}: {best[1]} {cur:.4f} -> {best[0]:.4f} ms", flush=True)
+            cur = best[0]
+        (out / "b1-tile-sweep.json").write_text(json.dumps(res, indent=1))
+    variants = [("main", {}), ("winners", dict(win))]
+    if len(win) > 1:
+        variants += [(f"{k.removeprefix(ENV)} alone", {k: v}) for k, v in win.items()]
+    variants.append(("main (again)", {}))
+    ref = None
+    for name, env in variants:
+        if name.endswith("alone") and time.perf_counter() - t0 > args.deadline:
+            continue
+        apply(env)
+        row: dict[str, Any] = dict(name=name, env=env, run=batch1(engine, cfg, cfg["vocab_size"], 256, bw),
+                                   tokens=greedy_tokens(engine, cfg["vocab_size"]))
+        if ref is None:
+            ref = row["tokens"]
+        row["first_divergence"] = next((i for i, (a, b) in enumerate(zip(ref, row["tokens"])) if a != b), -1)
+        r = row["run"]
+        print(f"[sweep] {name}: {r['tok_per_s']:.0f} tok/s MBU {r['mbu']:.1%} step {r['step_ms']:.3f} ms replay "
+              f"{r.get('gpu_replay_ms_last', float('nan')):.3f} ms; tokens vs main: first divergence "
+              f"{row['first_divergence']}", flush=True)
+        res["rows"].append(row)
+        (out / "b1-tile-sweep.json").write_text(json.dumps(res, indent=1))
+    if win:
+        print("[sweep] winners as exports: " + " ".join(f"{k}='{v}'" for k, v in win.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
