@@ -61,6 +61,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama-1b")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--backend", default="cuda", help="cpu: a smoke run of the control flow (no graphs, replay 0)")
     ap.add_argument("--workdir", default="/dev/shm/hwkv-b1")
     ap.add_argument("--out", default="/tmp")
     ap.add_argument("--deadline", type=float, default=100.0, help="seconds from the start after which no candidate "
@@ -75,12 +76,13 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     mdir = model_dir(argparse.Namespace(model=args.model, dtype=args.dtype, workdir=args.workdir))
     cfg = json.loads((mdir / "config.json").read_text())
-    engine = hwkv.Engine(str(mdir), backend="cuda", dtype=args.dtype)  # the public defaults: nothing else
+    engine = hwkv.Engine(str(mdir), backend=args.backend, dtype=args.dtype)  # the public defaults: nothing else
     import torch
 
-    bw = copy_bandwidth(engine.backend.device, 1 << 30)
-    res: dict[str, Any] = dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d %H:%M UTC",
-                                                                                      time.gmtime()),
+    host = args.backend == "cpu"
+    bw = copy_bandwidth(engine.backend.device, 1 << 24 if host else 1 << 30)
+    res: dict[str, Any] = dict(device="cpu" if host else torch.cuda.get_device_name(),
+                               date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                                commit=Path("COMMIT").read_text().strip() if Path("COMMIT").exists() else "",
                                engine_init_s=round(time.perf_counter() - t0, 1), copy_bw_TBps=bw / 1e12, trials=[],
                                winners={}, rows=[])
@@ -95,7 +97,7 @@ def main() -> None:
 
     def replay(env: dict[str, str]) -> float:
         apply(env)
-        return min(replay_ms(engine, 1, 128 + 256) for _ in range(args.reps))
+        return min(replay_ms(engine, 1, 128 + 256) or 0.0 for _ in range(args.reps))
 
     win: dict[str, str] = {}
     cur = replay(win)
@@ -118,7 +120,8 @@ def main() -> None:
                 res["trials"].append(dict(shape=name, cfg=c, error=f"{type(e).__name__}: {e}"[:300]))
                 continue
             res["trials"].append(dict(shape=name, cfg=c, replay_ms=t))
-            print(f"[sweep] {name} {c.removeprefix(S + ',')}: {t:.4f} ms ({(t / cur - 1) * 100:+.1f}%)", flush=True)
+            rel = (t / cur - 1) * 100 if cur else 0.0
+            print(f"[sweep] {name} {c.removeprefix(S + ',')}: {t:.4f} ms ({rel:+.1f}%)", flush=True)
             if t < best[0]:
                 best = (t, c)
         if best[1] is not None and best[0] < cur * (1 - args.keep):
