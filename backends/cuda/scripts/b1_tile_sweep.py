@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from b1_decode_ab import greedy_tokens, recapture  # this folder is on sys.path when run as a script
+from stream_probe import compiled_report
 
 import hwkv
 from hwkv.bench.common import copy_bandwidth, model_dir
@@ -156,6 +157,12 @@ def main() -> None:
               f"{r.get('gpu_replay_ms_last', float('nan')):.3f} ms; tokens vs main: first divergence "
               f"{row['first_divergence']}", flush=True)
         res["rows"].append(row)
+        (out / "b1-tile-sweep.json").write_text(json.dumps(res, indent=1))
+    if not host:  # registers, spills, shared memory, pipelined loops of every GEMV variant compiled here
+        try:
+            res["compiled"] = compiled_report()
+        except Exception as e:  # a report only: Triton's cache layout differs between versions
+            res["compiled"] = f"{type(e).__name__}: {e}"
         (out / "b1-tile-sweep.json").write_text(json.dumps(res, indent=1))
     if win:
         print("[sweep] winners as exports: " + " ".join(f"{k}='{v}'" for k, v in win.items()), flush=True)
