@@ -48,7 +48,7 @@ class DenseConfig(NamedTuple):
 # (tp=1) and a rank's shard at tp=2, where it beat the rule below by >= 3 %: 8-row programs for the pipelined K loop
 # (12-18 % faster), 4 x 1024 preloaded for the o_proj shapes (7-12 %). In the engine they took the batch-1 step from
 # 5.00 to 4.33 ms (tp=1) and 3.25 to 2.83 ms (tp=2). Other shapes keep the rule (its sweeps: H100, Llama-3.2-1B).
-M1_TILES: dict[tuple[int, int], tuple[int, ...]] = {  # (N, K): block_n, block_k, warps, stages, preload[, evict]
+M1_TILES: dict[tuple[int, int], tuple[int, ...]] = {  # (N, K): block_n, block_k, warps, stages, preload[, evict, ...]
     (6144, 4096): (8, 2048, 8, 3, 0), (4096, 4096): (4, 1024, 4, 1, 1), (28672, 4096): (8, 2048, 8, 3, 0),
     (4096, 14336): (8, 2048, 8, 3, 0),  # Llama-3-8B: qkv, o_proj, gate_up, down
     (3072, 4096): (8, 2048, 8, 3, 0), (4096, 2048): (4, 1024, 4, 1, 1), (14336, 4096): (8, 2048, 8, 3, 0),
@@ -67,7 +67,14 @@ M1_TILES: dict[tuple[int, int], tuple[int, ...]] = {  # (N, K): block_n, block_k
     # bench/results/issue36-b1-s8-batch1-H200-2026-11-29-e80f843.md): 8-row programs, 1,085 -> 1,117 tok/s (replay
     # 0.887 -> 0.861 ms), the same tokens - half the programs, each normalising the input row once (the 8-row tile
     # at sm_90: one program of 8 warps per SM, 168 registers a thread)
-    (16384, 2048): (8, 2048, 8, 3, 0, 1), (2048, 8192): (4, 2048, 8, 3, 2), (128256, 2048): (4, 1024, 4, 1, 1),
+    # gate_up and the LM head since session 9 (greedy per-shape sweep in one public-defaults engine,
+    # backends/cuda/scripts/b1_tile_sweep.py; bench/results/issue36-s9-b1-b1b-H200-2026-11-29-97cfb38.md): the
+    # persistent GEMV (stream=N programs per SM; kernels/dense.py, dense_kernel_stream), each program forming the
+    # normalised input row once and looping over tiles - gate_up 8 rows on 8 warps, 4 a SM, evict-first (replay 0.812
+    # -> 0.797 ms alone), the LM head 4 rows on 4 warps, 6 a SM, its first tile before the PDL wait, evict-first
+    # (0.812 -> 0.801 alone); both give main's greedy tokens. The tuple's fields: DenseConfig's
+    (16384, 2048): (8, 2048, 8, 1, 0, 1, 1, 0, 4), (2048, 8192): (4, 2048, 8, 3, 2),
+    (128256, 2048): (4, 2048, 4, 1, 2, 1, 1, 0, 6),
 }
 
 

@@ -103,6 +103,8 @@ def runs_as_named(cfg: dict, name: str, k: int) -> bool:
     """Whether the engine would launch ``cfg`` as labelled for this shape (no silent fallback, no tile wider than
     K, no preload of a tile too big for the registers)."""
     sk = cfg.get("split_k", 1)
+    if cfg.get("stream"):  # the persistent GEMV: the whole K a tile, block_k and split_k unused
+        return True
     if cfg["block_k"] > triton.next_power_of_2(k) or (cfg["preload"] and cfg["block_n"] * cfg["block_k"] > 16384):
         return False
     if cfg["preload"] == 2 and cfg["block_k"] >= k and sk == 1:  # one tile: the same as preload=1

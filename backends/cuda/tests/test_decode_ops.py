@@ -159,8 +159,9 @@ def test_config_env_override(monkeypatch):
     # Llama-3.2-1B's gate_up, down and LM head: the H200 sweep's tiles (first K tile before the wait, evict-first)
     assert choose_config(1, 2048, 8192) == (4, 2048, 8, 3, 2, 0, 1, 0, 0)
     assert choose_config(2, 2048, 8192).preload == 0
-    assert choose_config(1, 16384, 2048) == (8, 2048, 8, 3, 0, 1, 1, 0, 0)
-    assert choose_config(1, 128256, 2048) == (4, 1024, 4, 1, 1, 0, 1, 0, 0)
+    # gate_up and the LM head: the persistent GEMV since session 9 (light programs, several a SM)
+    assert choose_config(1, 16384, 2048) == (8, 2048, 8, 1, 0, 1, 1, 0, 4)
+    assert choose_config(1, 128256, 2048) == (4, 2048, 4, 1, 2, 1, 1, 0, 6)
     assert choose_config(1, 3072, 2048) == (8, 2048, 8, 3, 0, 0, 1, 0, 0)  # its qkv: the H200 sweep's tile
     monkeypatch.setenv("HWKV_CUDA_DENSE_CONFIG", "block_n=16,num_warps=2")
     assert choose_config(1, 2048, 2048)[:3:2] == (16, 2)
