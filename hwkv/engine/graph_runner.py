@@ -45,6 +45,14 @@ verify graphs' shape, so backends that capture verify graphs capture these) and 
 logits of each row's last real token only: ``logits_indices`` is a static buffer refreshed per replay
 (``[n, vocab]`` out, not ``[n·q, vocab]``). An eager forward of a 16-layer model costs milliseconds of
 host time even for a few tokens; the replay costs a few copies.
+
+Greedy tokens inside the graph (decode graphs of up to ``SAMPLE_MAX_BATCH`` requests, where the runner
+passes ``sample``): the graph also runs the plain greedy sampler (``sample(logits)``: the runner's
+argmax, the same functions as its eager sampler) into a static token buffer and copies those tokens into
+its own ``input_ids`` row. The runner takes them as the step's tokens when every request held is plain
+greedy (no penalties, logprobs, bitmask), and the next step, when its rows are the same requests in the
+same order (steady decoding), passes ``ids_ready=True``: the host→device copy then leaves the ids row
+out and no device-side fill runs, so a step is one copy, one replay and the tokens' read-back.
 """
 
 from __future__ import annotations
@@ -79,6 +87,10 @@ COMPACT_MIN = 1 << 16
 # unpacked block tables they go in one DMA with seq_lens and the tables (one staging buffer)
 IDS_WHOLE_BYTES = 1 << 16
 SMALL_BATCH = 8  # batch buckets up to this many requests are also captured per seq-len bucket
+# decode graphs of up to this many requests run the greedy sampler too (module doc): at small batches the two
+# launches it saves are a visible share of the step, while at large ones a sampling (non-greedy) step would pay
+# for an unused argmax over every row's logits
+SAMPLE_MAX_BATCH = 8
 
 
 def seq_buckets(max_model_len: int, first: int = 512) -> list[int]:
@@ -177,12 +189,16 @@ class GraphRunner:
 
     def __init__(self, model: Any, kv_cache: Any, meta_builder: Any, device: Device, block_size: int,
                  max_batch: int, max_model_len: int, use_graphs: bool = True, query_len: int = 1,
-                 last_only: bool = False, per_layer_hooks: bool = False):
+                 last_only: bool = False, per_layer_hooks: bool = False,
+                 sample: Callable[[torch.Tensor], torch.Tensor] | None = None):
         if not isinstance(query_len, int) or not 1 <= query_len <= max_model_len:
             raise ValueError(f"query_len must be an int in [1, max_model_len={max_model_len}], got {query_len!r}")
         self.model, self.kv_cache, self.meta_builder = model, kv_cache, meta_builder
         self.block_size, self.max_model_len, self.device = block_size, max_model_len, device
         self.use_graphs, self.q, self.last_only = use_graphs, query_len, last_only
+        # the greedy sampler captured in decode graphs of up to SAMPLE_MAX_BATCH rows (module doc)
+        self.sample = sample if query_len == 1 and not last_only else None
+        self.tokens: torch.Tensor | None = None  # the last run's in-graph tokens [n] (None: it sampled none)
         # A KV connector's per-layer load waits cost a graph node each (~6 us per replay on an H100):
         # where the connector allows it, graphs leave them out and wait for all loads before replay,
         # unless captured for the steps that load layer by layer (``per_layer_hooks``).
@@ -222,6 +238,8 @@ class GraphRunner:
         # (batch, seq-len bound) -> (graph, logits, metadata): the metadata must outlive the graph,
         # since it owns tensors the backend built outside the capture (hwkv-cuda's cached plan)
         self.graphs: dict[tuple[int, int], tuple[Graph, torch.Tensor, Any]] = {}
+        # (batch, seq-len bound) -> (graph, its in-graph greedy tokens) where it samples (module doc)
+        self.graph_tokens: dict[tuple[int, int], tuple[Graph, torch.Tensor]] = {}
         self.pool: Any = None
         self._before_replay = getattr(meta_builder, "before_replay", None)  # optional hook (module doc)
 
@@ -252,6 +270,20 @@ class GraphRunner:
         return self.model.forward(self.d64[0, :t], self.d64[1, :t], self.kv_cache, md, idx,
                                   slot_mapping=self.d64[2, :t])
 
+    def samples(self, b: int) -> bool:
+        """Whether the graphs of batch bucket ``b`` run the greedy sampler (module doc)."""
+        return self.sample is not None and b <= SAMPLE_MAX_BATCH
+
+    def _forward_sample(self, b: int, md: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The captured step: logits, and where ``samples(b)`` the greedy tokens of every row, also written
+        into the input ids (the next steady step's inputs)."""
+        logits = self._forward(b, md)
+        if not self.samples(b):
+            return logits, None
+        tokens = self.sample(logits)  # type: ignore[misc]
+        self.d64[0, :b].copy_(tokens)
+        return logits, tokens
+
     def keys(self) -> list[tuple[int, int]]:
         """(batch bucket, seq-len bound) of every graph: small batches at each seq-len bucket (their
         attention grid may be sized by the bound: short contexts must not pay for the longest),
@@ -273,9 +305,10 @@ class GraphRunner:
         return None if entry is None else entry[0]
 
     @torch.inference_mode()
-    def capture(self, pool: Any = None) -> None:
+    def capture(self, pool: Any = None, batches: Any = None) -> None:
         """Capture every key, largest first (smaller graphs reuse its memory pool); ``pool``: another
-        runner's pool to share (graphs of one engine replay one at a time)."""
+        runner's pool to share (graphs of one engine replay one at a time). ``batches``: only the keys of
+        these batch buckets, again (benchmarks' A/B of what a graph holds, e.g. ``sample``)."""
         if not self.use_graphs:
             return
         dev = self.device
@@ -294,23 +327,34 @@ class GraphRunner:
         try:
             with dev.stream_context(stream):
                 for b, s in sorted(self.keys(), reverse=True):  # s >= q: the bound covers the query
+                    if batches is not None and b not in batches:
+                        continue
                     md = self._metadata(b, torch.full((b,), s, dtype=torch.int32))
-                    self._forward(b, md)  # warm-up: kernels compile, the allocator settles
-                    g, out = dev.capture_graph(lambda b=b, md=md: self._forward(b, md), self.pool, stream)
+                    self._forward_sample(b, md)  # warm-up: kernels compile, the allocator settles
+                    g, (out, tok) = dev.capture_graph(lambda b=b, md=md: self._forward_sample(b, md), self.pool,
+                                                      stream)
                     self.graphs[(b, s)] = (g, out, md)
+                    self.graph_tokens.pop((b, s), None)
+                    if tok is not None:
+                        self.graph_tokens[(b, s)] = (g, tok)
         finally:
             if self.hooks_left_out is not None:
                 self.model.set_layer_hooks(self.hooks_left_out)
         dev.current_stream().wait_stream(stream)
         dev.synchronize()
 
-    def run(self, batch: StepBatch, fill: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor | None:
+    def run(self, batch: StepBatch, fill: Callable[[torch.Tensor], None] | None = None,
+            ids_ready: bool = False) -> torch.Tensor | None:
         """float32 logits ``[n·q, vocab]`` of one step of ``n`` requests with ``q`` query tokens each (a
         pure decode: ``[n, vocab]``; a verify step: every query token's, request-major; ``last_only``:
         ``[n, vocab]`` of rows with ``1..q`` tokens, each row's last token's), or ``None`` when
         ``n`` exceeds every bucket or the block table is wider than the static one (the caller runs
         eagerly). ``fill(input_ids)`` runs after the inputs are copied in and before the forward: it
-        patches ids that are still on the device (async stepping)."""
+        patches ids that are still on the device (async stepping). ``ids_ready``: every row's input id is
+        already in the ids row - the previous step was a sampling replay of these graphs over the same rows
+        in the same order (module doc) - so neither the ids row nor ``fill`` goes over. ``self.tokens``: the
+        step's in-graph greedy tokens (int64 ``[n]``, valid until the next replay), or ``None``."""
+        self.tokens = None
         n, q = batch.seq_lens.shape[0], self.q
         if self.last_only:
             last = batch.query_start_loc[1:].astype(np.int64) - batch.query_start_loc[:-1] - 1
@@ -335,17 +379,18 @@ class GraphRunner:
         if self.last_only:  # each row's last real token; padded rows their first (any valid row)
             h64[3, :b] = np.arange(0, b * q, q)
             h64[3, :n] += last
+        r0 = 1 if ids_ready else 0  # the first int64 row that goes over
         whole = self.h64.numel() * self.h64.element_size() <= IDS_WHOLE_BYTES
         if whole and not packed:
             # ids rows whole, seq_lens, the first b - 1 block-table rows whole and the last one's first w columns
             # (the kernels read no column past the step's widest table): one contiguous DMA
-            end = self._n64 + mb + (b - 1) * self.max_blocks + max(w, 1)
-            self.dbuf[:end].copy_(self.hbuf[:end], non_blocking=True)
+            start, end = r0 * 2 * mb * q, self._n64 + mb + (b - 1) * self.max_blocks + max(w, 1)
+            self.dbuf[start:end].copy_(self.hbuf[start:end], non_blocking=True)
         else:
             if whole:
-                self.d64.copy_(self.h64, non_blocking=True)
+                self.d64[r0:].copy_(self.h64[r0:], non_blocking=True)
             else:
-                self.d64[:, : b * q].copy_(self.h64[:, : b * q], non_blocking=True)
+                self.d64[r0:, : b * q].copy_(self.h64[r0:, : b * q], non_blocking=True)
             if packed:  # only the columns this step's requests use: the rest is never read
                 self.d32[:mb].copy_(self.h32[:mb], non_blocking=True)
                 self.dbt[: b * w].copy_(self.hbt[: b * w], non_blocking=True)
@@ -354,10 +399,12 @@ class GraphRunner:
                 end = mb + b * self.max_blocks
                 self.d32[:end].copy_(self.h32[:end], non_blocking=True)
         self._copied.record()
-        if fill is not None:
+        if fill is not None and not ids_ready:
             fill(self.d64[0, : b * q])
         if self.use_graphs:
             g, out, md = self.graphs[key]
+            gt = self.graph_tokens.get(key)
+            tok = gt[1] if gt is not None and gt[0] is g else None
             if self._before_replay is not None:  # each KV-cache group's captured launches (same lengths)
                 common = self._common(b, torch.from_numpy(h32[:b].copy()))
                 for gmd, _ in md.per_group if type(md) is GroupedMetadata else ((md, None),):
@@ -365,6 +412,9 @@ class GraphRunner:
             if self.hooks_left_out is not None:
                 self.hooks_left_out.wait_for_all_layer_loads()
             g.replay()
+            self.tokens = None if tok is None else tok[:n]
             return out[: n if self.last_only else n * q]
         seq_cpu = torch.from_numpy(h32[:b].copy())
-        return self._forward(b, self._metadata(b, seq_cpu))[: n if self.last_only else n * q]
+        out, tok = self._forward_sample(b, self._metadata(b, seq_cpu))
+        self.tokens = None if tok is None else tok[:n]
+        return out[: n if self.last_only else n * q]

@@ -33,7 +33,7 @@ from hwkv.engine.graph_runner import GraphRunner, multi_token_graphs
 from hwkv.engine.inputs import StepBatch, StepInputs, build_batch, group_inputs, to_device
 from hwkv.engine.pending import EMPTY, Pending, fill_tokens
 from hwkv.interfaces.connector import KVConnectorBase
-from hwkv.model.sampler import SamplingBatch, draw_uniforms, make_generator, sample_tokens
+from hwkv.model.sampler import SamplingBatch, argmax_rows, draw_uniforms, make_generator, sample_tokens
 
 
 @dataclass
@@ -97,7 +97,8 @@ class ModelRunner:
         where the backend captures multi-token queries, steps of up to ``TAIL_MAX_BATCH`` requests of
         at most one block of query tokens each (a prompt's tail after a prefix hit, beside decodes)."""
         self.graphs = GraphRunner(self.model, self.kv_cache, self.meta_builder, self.dev, self.block_size,
-                                  max_batch, self.max_model_len, use_graphs)
+                                  max_batch, self.max_model_len, use_graphs,
+                                  sample=self._greedy if self.samples_in_graphs else None)
         self.graphs.capture()
         q = min(self.block_size, self.TAIL_MAX_QUERY, self.max_model_len)
         if self.serves_tail_graphs and q > 1 and multi_token_graphs(self.meta_builder):
@@ -111,6 +112,10 @@ class ModelRunner:
                 self.loading_tail_graphs.capture(pool=self.graphs.pool)
 
     serves_tail_graphs = True  # a subclass whose step does not go through execute_async turns this off
+    # small decode graphs also take the greedy argmax and feed it to the next step's inputs (graph_runner's
+    # module doc); off in subclasses that sample otherwise (tensor parallel: the driver broadcasts) or step
+    # synchronously (speculative decoding)
+    samples_in_graphs = True
     serves_prompt_logprobs = True  # a subclass with its own execute_async turns this off (refused by name)
 
     # ---- persistent state ---------------------------------------------------------------------
@@ -242,6 +247,14 @@ class ModelRunner:
                                                     [st.slot for st in states])
         return batch
 
+    def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        """The sampler's plain greedy tokens of ``logits`` (:func:`sample_tokens` with ``plain`` and no
+        bitmask: the same functions), as captured in the decode graphs."""
+        ops = getattr(self.model, "decode_ops", None)
+        x = logits.float()
+        tokens = ops.argmax(x) if ops is not None else None
+        return tokens if tokens is not None else argmax_rows(x)
+
     def _sample(self, logits: torch.Tensor, states: list[_ReqState],
                 req_ids: list[str]) -> tuple[torch.Tensor, Any]:
         """``(tokens [S] long on the device, logprobs or None)`` (tensor-parallel runners override:
@@ -283,7 +296,7 @@ class ModelRunner:
         # fill(input_ids, at=...) copies the unread tokens into the inputs on the device
         fill = partial(fill_tokens, src=src, tokens=pend.tokens, device=self.dev) if len(rows) else None  # type: ignore[union-attr]
         out, sampled, sampled_ids, logits = ModelRunnerOutput(), [], [], None
-        plp = None
+        plp, tokens, in_graph = None, None, False
         if states:
             batch = self.build_inputs(so, states, ahead)
             req_ids = list(so.num_scheduled_tokens)
@@ -297,8 +310,14 @@ class ModelRunner:
                 out.prompt_logprobs = self._prompt_logprobs(logits[len(batch.logits_indices):], plp[1])
                 logits = logits[: len(batch.logits_indices)]
             elif self.graphs is not None and batch.pure_decode:
-                logits = self.graphs.run(batch, partial(fill, at=rows) if fill else None)  # type: ignore[union-attr]
+                # steady decoding after a step whose graph fed its tokens to the ids row: nothing to copy in
+                ready = pend is not None and pend.ids_in_graph and len(rows) == len(states) \
+                    and rows[-1] == len(rows) - 1 and np.array_equal(rows, src)
+                logits = self.graphs.run(batch, partial(fill, at=rows) if fill else None, ids_ready=ready)  # type: ignore[union-attr]
                 self.num_graph_steps += logits is not None
+                if logits is not None and self.graphs.tokens is not None and not self._num_special \
+                        and not (self.structured is not None and self.structured.matchers):
+                    tokens, in_graph = self.graphs.tokens, True  # every row plain greedy: the graph's argmax
             elif self.tail_graphs is not None and batch.max_query_len <= self.tail_graphs.q:
                 logits = self._run_tail(batch, fill, rows)
             if logits is None:
@@ -313,10 +332,12 @@ class ModelRunner:
                 sampled, sampled_ids = [states[i] for i in idx], [req_ids[i] for i in idx]
         prev = self._resolve(pend) if pend is not None else None
         if sampled:
-            tokens, logprobs = self._sample(logits, sampled, sampled_ids)
+            logprobs = None
+            if tokens is None:
+                tokens, logprobs = self._sample(logits, sampled, sampled_ids)
             if logprobs is not None:
                 out.logprobs = {rid: [lp] for rid, lp in zip(sampled_ids, logprobs) if lp is not None}
-            new = Pending(out, sampled, sampled_ids, tokens, num_drops=self._num_drops)
+            new = Pending(out, sampled, sampled_ids, tokens, num_drops=self._num_drops, ids_in_graph=in_graph)
             new.host, new.event = self.dev.to_host_async(tokens)
             if self.structured is not None and self.structured.matchers:  # the next step's masks, overlapped
                 self.structured.prefetch(sampled_ids, [st.slot for st in sampled],

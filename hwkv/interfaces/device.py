@@ -146,9 +146,10 @@ class Device(ABC):
 
     def to_host_async(self, t: torch.Tensor) -> tuple[torch.Tensor, Event | None]:
         """Start copying device tensor ``t`` to the host: ``(host tensor, event)``; the host tensor
-        is valid once ``event`` has fired (``None``: valid at once)."""
+        is valid once ``event`` has fired (``None``: valid at once) and is never ``t`` itself (a graph's
+        static output is rewritten by its next replay while the copy is still to be read)."""
         if not self.async_copies:
-            return t.cpu(), None
+            return t.to("cpu", copy=True), None
         host = self.host_empty(tuple(t.shape), t.dtype)
         host.copy_(t, non_blocking=True)
         event = self.new_event()

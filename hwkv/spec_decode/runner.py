@@ -60,6 +60,7 @@ SMALL_VERIFY_ROWS = 4  # verify inputs of up to this many requests: built row by
 
 class SpecModelRunner(ModelRunner):
     serves_tail_graphs = False  # its steps do not run through execute_async
+    samples_in_graphs = False  # verify steps sample outside the graphs
     serves_prompt_logprobs = False
 
     def __init__(self, *args: Any, spec_config: SpeculativeConfig, proposer: Proposer, **kwargs: Any):

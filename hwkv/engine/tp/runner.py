@@ -60,6 +60,7 @@ class DriverRunner(ModelRunner):
     """Rank 0: forwards every call to the workers (``executor.send``), then runs it."""
 
     serves_prompt_logprobs = False
+    samples_in_graphs = False  # the driver samples and broadcasts (or every rank takes the argmax): not in a graph
 
     def __init__(self, *args: Any, executor: Any, fuse: bool, **kw: Any):
         super().__init__(*args, **kw)
@@ -142,6 +143,7 @@ class WorkerRunner(ModelRunner):
     """Ranks > 0: the same steps, tokens received from the driver's broadcast."""
 
     serves_prompt_logprobs = False
+    samples_in_graphs = False
 
     def __init__(self, *args: Any, comm: Any, report: Any = None, **kw: Any):
         super().__init__(*args, **kw)
