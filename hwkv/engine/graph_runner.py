@@ -199,6 +199,7 @@ class GraphRunner:
         # the greedy sampler captured in decode graphs of up to SAMPLE_MAX_BATCH rows (module doc)
         self.sample = sample if query_len == 1 and not last_only else None
         self.tokens: torch.Tensor | None = None  # the last run's in-graph tokens [n] (None: it sampled none)
+        self.num_ids_ready = 0  # runs whose ids were already in the ids row (stats / tests)
         # A KV connector's per-layer load waits cost a graph node each (~6 us per replay on an H100):
         # where the connector allows it, graphs leave them out and wait for all loads before replay,
         # unless captured for the steps that load layer by layer (``per_layer_hooks``).
@@ -380,6 +381,7 @@ class GraphRunner:
             h64[3, :b] = np.arange(0, b * q, q)
             h64[3, :n] += last
         r0 = 1 if ids_ready else 0  # the first int64 row that goes over
+        self.num_ids_ready += r0
         whole = self.h64.numel() * self.h64.element_size() <= IDS_WHOLE_BYTES
         if whole and not packed:
             # ids rows whole, seq_lens, the first b - 1 block-table rows whole and the last one's first w columns

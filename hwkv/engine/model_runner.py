@@ -73,6 +73,7 @@ class ModelRunner:
         self.loading_tail_graphs: GraphRunner | None = None  # the same with per-layer load waits
         self.max_model_len = max_model_len
         self.num_graph_steps = 0  # pure-decode steps served by the graph path (stats / tests)
+        self.num_graph_sampled_steps = 0  # of those, steps whose tokens are the graph's own greedy argmax
         # seconds the host waited for sampled tokens: a step's wall time less this is the host's own
         # work (`hwkv bench tp` holds the driver's at tp=2 against tp=1's)
         self.token_wait_s = 0.0
@@ -318,6 +319,7 @@ class ModelRunner:
                 if logits is not None and self.graphs.tokens is not None and not self._num_special \
                         and not (self.structured is not None and self.structured.matchers):
                     tokens, in_graph = self.graphs.tokens, True  # every row plain greedy: the graph's argmax
+                    self.num_graph_sampled_steps += 1
             elif self.tail_graphs is not None and batch.max_query_len <= self.tail_graphs.q:
                 logits = self._run_tail(batch, fill, rows)
             if logits is None:

@@ -12,12 +12,14 @@ def test_bench_host_phases_add_up(tmp_path):
     p = argparse.ArgumentParser()
     host.add_arguments(p)
     out = tmp_path / "host.json"
-    assert host.run(p.parse_args(["--batches", "2,8", "--steps", "4", "--repeat", "1", "--out", str(out)])) == 0
+    assert host.run(p.parse_args(["--batches", "2,16", "--steps", "4", "--repeat", "1", "--out", str(out)])) == 0
     res = json.loads(out.read_text())
-    for b in ("batch 2", "batch 8"):
+    for b in ("batch 2", "batch 16"):
         prof = res["profile"][b]
-        for phase in ("schedule", "prep_inputs", "graph_copy_replay", "sample", "read_tokens", "update", "outputs"):
+        for phase in ("schedule", "prep_inputs", "graph_copy_replay", "read_tokens", "update", "outputs"):
             assert prof[phase] > 0, (b, phase)
+        # up to graph_runner.SAMPLE_MAX_BATCH requests the decode graph takes the greedy argmax itself
+        assert (prof.get("sample", 0) > 0) is (b == "batch 16"), (b, prof)
         assert "eager_forward" not in prof  # every timed step is a pure decode: the graph path
         parts = sum(v for k, v in prof.items() if k != "step_wall")
         assert abs(parts - prof["step_wall"]) < 1e-3  # exclusive phases + other = the step

@@ -75,6 +75,59 @@ def test_sliced_id_rows_give_the_same_tokens(model_dir, monkeypatch):
     assert got == want and e.runner.num_graph_steps > 10
 
 
+def _outs(e, prompts, params):
+    return [(o.token_ids, o.finish_reason, o.stop_reason, o.text) for o in e.generate(prompts, params, use_tqdm=False)]
+
+
+def test_greedy_tokens_from_the_graph_feed_the_next_step(model_dir):
+    """Small decode graphs take the greedy argmax and write it into their ids row (graph_runner's module doc): a plain
+    greedy batch's tokens come from the graph, and a steady step (same rows, same order) copies no ids in - the eager
+    engine's tokens, finish reasons and texts, also where stop tokens, stop strings and max_tokens end requests
+    between steps (one at batch 1)."""
+    torch.set_num_threads(1)
+    make = lambda **kw: hwkv.Engine(model_dir, backend=GraphCpuBackend(), num_kv_blocks=64, max_model_len=128,  # noqa: E731
+                                    max_num_batched_tokens=64, max_num_seqs=8, fuse_elementwise=False, **kw)
+    rng = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 500, (int(n),), generator=rng).tolist() for n in (7, 3, 21, 12)]
+    base = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)] * 4
+    first = _outs(make(enforce_eager=True), prompts, base)
+    params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop_token_ids=[first[0][0][9]]),
+              SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[first[1][3][6:9]]),
+              SamplingParams(temperature=0.0, max_tokens=17, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=30)]
+    want = _outs(make(enforce_eager=True), prompts, params)
+    assert want[0][1] == want[1][1] == "stop" and want[2][1] == "length"
+    e = make()
+    assert _outs(e, prompts, params) == want
+    r = e.runner
+    assert r.num_graph_sampled_steps == r.num_graph_steps > 20 and r.graphs.num_ids_ready > 15
+    one = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop_token_ids=[first[2][0][25]])]
+    ready = r.graphs.num_ids_ready
+    assert _outs(e, prompts[2:3], one) == _outs(make(enforce_eager=True), prompts[2:3], one)
+    assert r.graphs.num_ids_ready - ready >= 20  # batch 1: every decode step after the first two
+
+
+def test_a_non_greedy_request_keeps_the_sampler_outside_the_graph(model_dir):
+    """While a request with penalties (or sampling) is held, no step takes the graph's argmax (the sampler runs on
+    the logits for every row); greedy rows get the eager engine's tokens either way."""
+    torch.set_num_threads(1)
+    make = lambda **kw: hwkv.Engine(model_dir, backend=GraphCpuBackend(), num_kv_blocks=64, max_model_len=128,  # noqa: E731
+                                    max_num_batched_tokens=64, max_num_seqs=8, fuse_elementwise=False, **kw)
+    rng = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 500, (int(n),), generator=rng).tolist() for n in (9, 4, 15)]
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, repetition_penalty=1.5),
+              SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)]
+    want = _outs(make(enforce_eager=True), prompts, params)
+    e = make()
+    assert _outs(e, prompts, params) == want
+    r = e.runner
+    assert 0 < r.num_graph_sampled_steps < r.num_graph_steps  # after the penalised request finished only
+    e2 = make()
+    assert _outs(e2, prompts[1:2], params[1:2]) == want[1:2]
+    assert e2.runner.num_graph_sampled_steps == 0 and e2.runner.graphs.num_ids_ready == 0
+
+
 def test_only_a_per_layer_host_connector_keeps_graphs_off(model_dir):
     from hwkv.interfaces.connector import KVConnectorBase
 
@@ -111,7 +164,7 @@ def test_host_device_defaults():
     t = torch.arange(5)
     assert dev.to_device(t) is t  # the host is the device: zero-copy
     host, ev = dev.to_host_async(t)
-    assert ev is None and host.tolist() == t.tolist()
+    assert ev is None and host.tolist() == t.tolist() and host is not t  # a copy: t may be a graph's static output
     assert not dev.host_empty((2, 3), torch.int32).is_pinned()
     with pytest.raises(NotSupported, match="graph_capture"):
         dev.capture_graph(lambda: t, dev.graph_pool, dev.current_stream())
