@@ -16,6 +16,7 @@ before and after each step's launches) and reports prefill/mixed steps apart fro
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import time
@@ -38,6 +39,13 @@ def recapture(engine: Any, lo: int, hi: int) -> int:
         return 0
     dev = gr.device
     keys = sorted((k for k in gr.graphs if lo < k[0] <= hi), reverse=True)
+    # the old graphs go first: their memory in the shared pool is then reused by the new captures (kept until the
+    # new ones replaced them, every recapture added ~0.4 GiB to the pool, and batches 1-2 of session 9 ran out of
+    # memory after 8-10 variant runs)
+    dev.synchronize()
+    old = [gr.graphs.pop(k) for k in keys]
+    del old
+    gc.collect()
     gr.d64[2].fill_(-1)  # capture-time passes write no KV
     gr.dg64.fill_(-1)
     gr.dg32.zero_()
@@ -169,6 +177,17 @@ def main() -> None:
     base_env = {k: os.environ.get(k) for v in variants for k in v.get("env", {})}
     base_sched = {k: getattr(engine.scheduler.config, k) for v in variants for k in v.get("sched", {})}
     work = [(p, n_out) for p, _ in workload(n, n_in, n_in, vocab, seed=5)]
+    timelines: list[dict[str, Any]] = []
+    if args.timeline and not host:  # the graphs the engine captured at its start (its environment), before any run
+        from hwkv.bench.e2e_report import replay_ms
+        from hwkv.bench.timeline import graph_timeline
+
+        for spec in args.timeline.split(","):
+            b, s_len = map(int, spec.split(":"))
+            tl = dict(graph_timeline(engine, b, s_len), replay_ms=replay_ms(engine, b, s_len))
+            timelines.append(tl)
+            print(f"[offline_ab] timeline {b} x {s_len}: replay {tl['replay_ms']} ms, span {tl.get('span_us')} us, "
+                  f"pinned {tl.get('pinned')}, critical {tl.get('critical_us')}", flush=True)
     first: list[list[int]] | None = None
     rows = []
     gaps: dict[str, Any] = {}
@@ -223,27 +242,9 @@ def main() -> None:
                            f"--{k.replace('_', '-')} {json.dumps(a) if k == 'variants' else a}"
                            for k, a in vars(args).items()),
                        workload=f"{n} req x {n_in} in -> {n_out} out (greedy, ignore_eos)", roofline=roof,
-                       copy_bw_TBps=bw / 1e12, matmul_TFLOPs=rate / 1e12, rows=rows, gpu_gaps=gaps)
+                       copy_bw_TBps=bw / 1e12, matmul_TFLOPs=rate / 1e12, rows=rows, gpu_gaps=gaps,
+                       timelines=timelines)
             (out / f"offline-ab-{args.model}.json").write_text(json.dumps(res, indent=1, default=str))
-    if args.timeline and not host:
-        from hwkv.bench.e2e_report import replay_ms
-        from hwkv.bench.timeline import graph_timeline
-
-        for k, v in base_env.items():  # the first variant's settings, as the graphs were last captured for
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        recapture(engine, lo, n)
-        tls = []
-        for spec in args.timeline.split(","):
-            b, s = map(int, spec.split(":"))
-            tl = dict(graph_timeline(engine, b, s), replay_ms=replay_ms(engine, b, s))
-            tls.append(tl)
-            print(f"[offline_ab] timeline {b} x {s}: replay {tl['replay_ms']} ms, span {tl.get('span_us')} us, "
-                  f"pinned {tl.get('pinned')}, critical {tl.get('critical_us')}", flush=True)
-        res["timelines"] = tls
-        (out / f"offline-ab-{args.model}.json").write_text(json.dumps(res, indent=1, default=str))
 
 
 if __name__ == "__main__":
