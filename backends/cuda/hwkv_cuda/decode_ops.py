@@ -20,6 +20,10 @@ from hwkv_cuda.launch import parse_overrides, use_pdl
 from hwkv_cuda.tiles import pow2
 
 CONFIG_ENV = "HWKV_CUDA_DENSE_CONFIG"
+# the persistent GEMV's grid: "balanced" (default) takes the fewest programs that give each the same number of tiles
+# (+-1) - gate_up's 2,048 tiles on 4 x 132 slots: 512 programs of 4 tiles, not 528 of which 64 take 3; "full": every
+# slot (A/B)
+STREAM_GRID_ENV = "HWKV_CUDA_STREAM_GRID"
 ARGMAX_ENV = "HWKV_CUDA_ARGMAX"
 ARGMAX_ROWS_ENV = "HWKV_CUDA_ARGMAX_ROWS"  # most rows the one-launch argmax takes (A/B; default ARGMAX_MAX_ROWS)
 ARGMAX_BLOCK = 4096  # logits per program of the argmax (32 programs a row of 128,256)
@@ -241,7 +245,11 @@ class TritonDecodeOps(DecodeOps):
             from hwkv_cuda.kernels.dense import dense_kernel_stream
             from hwkv_cuda.launch import device_limits
 
-            dense_kernel_stream[(min(-(-n // cfg.block_n), device_limits(x.device)[0] * cfg.stream),)](
+            tiles = -(-n // cfg.block_n)
+            grid = min(tiles, device_limits(x.device)[0] * cfg.stream)
+            if os.environ.get(STREAM_GRID_ENV, "balanced") != "full":  # as few programs as take the same tiles each
+                grid = -(-tiles // -(-tiles // grid))
+            dense_kernel_stream[(grid,)](
                 x, weight, bias if bias is not None else y, y, res, norm_weight if norm_weight is not None else y,
                 *kv_args, m, n, k, eps, num_slots, x.stride(0), y.stride(0), res.stride(0), stride_cos, *strides,
                 PROLOGUE=prologue, EPILOGUE=epilogue, HAS_BIAS=bias is not None, M_PAD=pow2(m), BLOCK_N=cfg.block_n,

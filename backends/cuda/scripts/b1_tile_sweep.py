@@ -35,26 +35,27 @@ def stream(bn: int, wp: int, pre: int, per: int) -> str:
     return f"{S},block_n={bn},num_warps={wp},preload={pre},stream={per}"
 
 
-# Llama-3.2-1B's weight shapes [N, K], biggest lever first; candidates: the persistent GEMV (kernels/dense.py,
-# dense_kernel_stream) at several rows a tile, warps, preloads and programs per SM - at most as many programs as fit an
-# SM by the registers sm_90 ptxas gives them (Triton 3.9 compiled here: 45 a thread at 8 rows x 2048 on 8 warps, 5 a
-# SM; 110 with preload=2, 2 a SM; 4 rows: 60/64, 4 a SM; down's 2 x 8192: 122, 2 a SM)
+def dense(bn: int, bk: int, wp: int, st: int, pre: int, ev: int = 0) -> str:
+    return f"block_n={bn},block_k={bk},num_warps={wp},num_stages={st},preload={pre},evict={ev},stream=0"
+
+
+# Llama-3.2-1B's weight shapes [N, K] around main's tiles since session 9's batch 1b (gate_up, qkv and the LM head on
+# the persistent GEMV, kernels/dense.py dense_kernel_stream; o_proj and down on dense_kernel): o_proj and down first
+# (stream tiles at as many programs per SM as fit by sm_90 registers; down's dense_kernel tiles too), then neighbours
+# of the three stream tiles under the balanced grid (HWKV_CUDA_STREAM_GRID)
 SWEEP: list[tuple[str, str, list[str]]] = [
-    ("gate_up", "16384X2048", [stream(*c) for c in (
-        (8, 8, 0, 3), (8, 8, 0, 4), (8, 8, 0, 5), (8, 8, 2, 2), (8, 8, 1, 2), (16, 8, 0, 2), (16, 8, 0, 3),
-        (16, 8, 0, 4), (16, 8, 2, 1), (4, 8, 0, 3), (4, 8, 0, 4), (4, 8, 2, 3), (4, 8, 2, 4), (4, 4, 0, 4),
-        (4, 4, 0, 5), (4, 4, 2, 4), (8, 4, 0, 3), (8, 4, 0, 4), (2, 4, 0, 8), (2, 4, 2, 6))]),
-    ("qkv", "3072X2048", [stream(*c) for c in (
-        (4, 8, 0, 2), (4, 8, 0, 3), (4, 8, 0, 4), (4, 8, 2, 2), (4, 8, 2, 3), (4, 8, 2, 4), (8, 8, 0, 2),
-        (8, 8, 2, 1), (8, 8, 2, 2), (4, 4, 0, 4), (4, 4, 2, 4), (2, 4, 2, 5), (8, 4, 2, 2))]),
-    ("down", "2048X8192", [stream(*c) for c in (
-        (2, 8, 0, 1), (2, 8, 0, 2), (2, 8, 2, 1), (4, 8, 0, 1), (4, 8, 2, 1), (2, 4, 0, 2))]),
     ("o_proj", "2048X2048", [stream(*c) for c in (
-        (4, 8, 0, 2), (4, 8, 0, 4), (4, 8, 2, 2), (4, 8, 2, 4), (8, 8, 0, 2), (8, 8, 0, 4), (8, 8, 2, 2),
-        (4, 4, 0, 4), (4, 4, 2, 4), (2, 4, 2, 4), (2, 4, 2, 7))]),
+        (4, 4, 2, 4), (4, 4, 2, 3), (4, 4, 2, 5), (2, 4, 2, 7), (4, 8, 2, 4), (8, 8, 2, 2), (4, 4, 0, 5))]),
+    ("down", "2048X8192", [stream(*c) for c in ((4, 8, 2, 1), (2, 8, 2, 2))] + [dense(*c) for c in (
+        (4, 2048, 8, 1, 1), (4, 2048, 8, 3, 2, 1), (2, 2048, 4, 1, 1), (4, 4096, 8, 1, 1), (2, 8192, 8, 1, 1),
+        (8, 2048, 8, 3, 2), (4, 1024, 4, 1, 1), (2, 4096, 4, 1, 1))]),
+    ("gate_up", "16384X2048", [stream(*c) for c in (
+        (8, 8, 0, 3), (8, 8, 1, 2), (8, 8, 2, 3), (16, 8, 0, 2), (16, 8, 0, 3), (4, 4, 0, 8), (4, 4, 2, 6),
+        (4, 8, 2, 4))]),
+    ("qkv", "3072X2048", [stream(*c) for c in (
+        (4, 4, 2, 5), (4, 4, 2, 8), (2, 4, 2, 6), (4, 4, 0, 6), (8, 4, 2, 2), (4, 8, 2, 4))]),
     ("lm_head", "128256X2048", [stream(*c) for c in (
-        (8, 8, 0, 4), (8, 8, 0, 5), (8, 8, 2, 2), (16, 8, 0, 3), (16, 8, 0, 4), (4, 8, 0, 4), (4, 8, 2, 4),
-        (4, 4, 0, 5), (4, 4, 2, 4), (8, 4, 0, 4))]),
+        (8, 8, 0, 4), (4, 4, 2, 5), (4, 4, 2, 7), (4, 4, 0, 6), (16, 8, 0, 3))]),
 ]
 
 
@@ -71,6 +72,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--keep", type=float, default=0.005, help="a candidate is kept when this much faster")
     ap.add_argument("--shapes", default=",".join(s[0] for s in SWEEP))
+    ap.add_argument("--rows", default="[]", help="JSON list of {name, env}: more final rows (batch-1 measure, tokens), "
+                    "each over main's defaults")
     args = ap.parse_args()
     t0 = time.perf_counter()
     out = Path(args.out)
@@ -88,7 +91,8 @@ def main() -> None:
                                engine_init_s=round(time.perf_counter() - t0, 1), copy_bw_TBps=bw / 1e12, trials=[],
                                winners={}, rows=[])
     print(f"[sweep] engine {res['engine_init_s']} s, copy {bw / 1e12:.3f} TB/s", flush=True)
-    keys = [ENV + k for _, k, _ in SWEEP]
+    extra = json.loads(args.rows)
+    keys = {ENV + k for _, k, _ in SWEEP} | {k for r in extra for k in r.get("env", {})}
 
     def apply(env: dict[str, str]) -> None:
         for k in keys:
@@ -138,7 +142,7 @@ def main() -> None:
             print(f"[sweep] KEEP {name}: {best[1]} {cur:.4f} -> {best[0]:.4f} ms", flush=True)
             cur = best[0]
         (out / "b1-tile-sweep.json").write_text(json.dumps(res, indent=1))
-    variants = [("main", {}), ("winners", dict(win))]
+    variants = [("main", {})] + ([("winners", dict(win))] if win else []) + [(r["name"], r["env"]) for r in extra]
     if len(win) > 1:
         variants += [(f"{k.removeprefix(ENV)} alone", {k: v}) for k, v in win.items()]
     variants.append(("main (again)", {}))

@@ -72,6 +72,23 @@ def test_split_k_applies_where_it_can_and_leaves_its_counters_zero(monkeypatch):
         choose_config(1, n, k)
 
 
+@pytest.mark.parametrize("cfg", ["block_n=4,stream=1,preload=0", "block_n=2,stream=2,preload=2"])
+def test_stream_grid_full_or_balanced_same_bits(cfg, monkeypatch):
+    """The persistent GEMV's grid (every slot, or the fewest programs with the same tiles each) only moves tiles
+    between programs: the same bits, RMSNorm and residual epilogues alike."""
+    gen = torch.Generator().manual_seed(3)
+    k, n = 96, 40  # 10 or 20 tiles over 4 or 8 slots of the interpreter's 4 "SMs"
+    w, x, res, nw = (_rand(n, k, dtype=torch.float32, scale=0.1, gen=gen), _rand(1, k, dtype=torch.float32, gen=gen),
+                     _rand(1, n, dtype=torch.float32, gen=gen), _rand(k, dtype=torch.float32, gen=gen))
+    monkeypatch.setenv("HWKV_CUDA_DENSE_CONFIG", cfg)
+    ops, got = TritonDecodeOps(), {}
+    for grid in ("full", "balanced"):
+        monkeypatch.setenv("HWKV_CUDA_STREAM_GRID", grid)
+        got[grid] = (ops.norm_linear(x, nw, 1e-6, w, None), ops.linear(x, w, None, res))
+    assert all(torch.equal(a, b) for a, b in zip(got["full"], got["balanced"]))
+    _close(got["full"][1], TorchDecodeOps().linear(x, w, None, res), torch.float32, "stream linear")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [1, 3])
 def test_norm_logits_is_the_widened_norm_linear(m, dtype):
