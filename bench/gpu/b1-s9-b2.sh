@@ -1,8 +1,8 @@
 # b1 (#36 batch-1 decode), session 9, GPU batch 2 (175 s, more than a usual slot: one engine start ~40 s, then a greedy
 # sweep of ~45 tile candidates at ~1 s each and eight final batch-1 rows with greedy tokens; one engine instead of a
 # probe + A/B pair). Main since batch 1b: gate_up, qkv and the LM head on the persistent GEMV; this branch adds the
-# balanced grid (HWKV_CUDA_STREAM_GRID). Rows: main, the sweep's winners (o_proj, down, neighbours of the stream
-# tiles), the full grid, session 8's tiles for the three shapes (the whole change in one run) and for qkv alone (its
+# balanced grid (HWKV_CUDA_STREAM_GRID) and bulk L2 prefetches (l2pf). Rows: main, the sweep's winners (neighbours of the stream
+# tiles with l2pf, o_proj, down), the full grid, session 8's tiles for the three shapes (the whole change in one run) and for qkv alone (its
 # tokens), each winner alone, main again. Then GPU tests of the stream kernels (bf16) and the production tiles.
 source bench/gpu/lib.sh
 gpu_env

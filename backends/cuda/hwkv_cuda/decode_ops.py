@@ -45,6 +45,8 @@ class DenseConfig(NamedTuple):
     # STREAM_MAX_X); preload there: 1 the first tile before the PDL wait and each next one before the current one's
     # dot, 2 the first tile alone before the wait; num_stages > 1 asks Triton to pipeline the tile loop; block_k,
     # split_k and maxnreg do not apply
+    l2pf: int = 0  # with stream, on sm_90+: 1 a bulk L2 prefetch of the first tile before the PDL wait (no registers
+    # held), 2 as well of the next tile at the top of every iteration
 
 
 # One token, per weight shape [N, K]: the fastest tile of the H200 sweep (dense_probe --model llama-8b-tp2,llama-8b
@@ -112,6 +114,8 @@ def choose_config(m: int, n: int, k: int) -> DenseConfig:
         raise ValueError(f"{CONFIG_ENV}: evict must be 0 or 1, got {cfg['evict']}")
     if not 0 <= cfg.get("maxnreg", 0) <= 255:
         raise ValueError(f"{CONFIG_ENV}: maxnreg must be 0 (no cap) to 255, got {cfg['maxnreg']}")
+    if cfg.get("l2pf", 0) not in (0, 1, 2):
+        raise ValueError(f"{CONFIG_ENV}: l2pf must be 0, 1 or 2, got {cfg['l2pf']}")
     if cfg.get("stream", 0) < 0:
         raise ValueError(f"{CONFIG_ENV}: stream must be >= 0 (programs per SM of the persistent GEMV), got "
                          f"{cfg['stream']}")
@@ -254,7 +258,8 @@ class TritonDecodeOps(DecodeOps):
                 *kv_args, m, n, k, eps, num_slots, x.stride(0), y.stride(0), res.stride(0), stride_cos, *strides,
                 PROLOGUE=prologue, EPILOGUE=epilogue, HAS_BIAS=bias is not None, M_PAD=pow2(m), BLOCK_N=cfg.block_n,
                 BLOCK_K=pow2(k), PDL=pdl, PRE=cfg.preload, EVICT=cfg.evict, **geo,
-                STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                STAGES=cfg.num_stages, L2PF=cfg.l2pf if x.device.type == "cuda" and pdl else 0,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                 **({"launch_pdl": True} if pdl else {}))
             return y
         dense_kernel[(-(-n // cfg.block_n) * sk,)](

@@ -31,8 +31,8 @@ ENV = "HWKV_CUDA_DENSE_CONFIG_"
 S = "block_k=2048,num_stages=1,evict=0"
 
 
-def stream(bn: int, wp: int, pre: int, per: int) -> str:
-    return f"{S},block_n={bn},num_warps={wp},preload={pre},stream={per}"
+def stream(bn: int, wp: int, pre: int, per: int, l2pf: int = 0) -> str:
+    return f"{S},block_n={bn},num_warps={wp},preload={pre},stream={per}" + (f",l2pf={l2pf}" if l2pf else "")
 
 
 def dense(bn: int, bk: int, wp: int, st: int, pre: int, ev: int = 0) -> str:
@@ -40,22 +40,22 @@ def dense(bn: int, bk: int, wp: int, st: int, pre: int, ev: int = 0) -> str:
 
 
 # Llama-3.2-1B's weight shapes [N, K] around main's tiles since session 9's batch 1b (gate_up, qkv and the LM head on
-# the persistent GEMV, kernels/dense.py dense_kernel_stream; o_proj and down on dense_kernel): o_proj and down first
-# (stream tiles at as many programs per SM as fit by sm_90 registers; down's dense_kernel tiles too), then neighbours
-# of the three stream tiles under the balanced grid (HWKV_CUDA_STREAM_GRID)
+# the persistent GEMV, kernels/dense.py dense_kernel_stream; o_proj and down on dense_kernel): neighbours of the stream
+# tiles under the balanced grid (HWKV_CUDA_STREAM_GRID) and with bulk L2 prefetches (l2pf), stream tiles for o_proj,
+# stream and dense_kernel tiles for down
 SWEEP: list[tuple[str, str, list[str]]] = [
-    ("o_proj", "2048X2048", [stream(*c) for c in (
-        (4, 4, 2, 4), (4, 4, 2, 3), (4, 4, 2, 5), (2, 4, 2, 7), (4, 8, 2, 4), (8, 8, 2, 2), (4, 4, 0, 5))]),
-    ("down", "2048X8192", [stream(*c) for c in ((4, 8, 2, 1), (2, 8, 2, 2))] + [dense(*c) for c in (
-        (4, 2048, 8, 1, 1), (4, 2048, 8, 3, 2, 1), (2, 2048, 4, 1, 1), (4, 4096, 8, 1, 1), (2, 8192, 8, 1, 1),
-        (8, 2048, 8, 3, 2), (4, 1024, 4, 1, 1), (2, 4096, 4, 1, 1))]),
     ("gate_up", "16384X2048", [stream(*c) for c in (
-        (8, 8, 0, 3), (8, 8, 1, 2), (8, 8, 2, 3), (16, 8, 0, 2), (16, 8, 0, 3), (4, 4, 0, 8), (4, 4, 2, 6),
-        (4, 8, 2, 4))]),
+        (8, 8, 0, 4, 1), (8, 8, 0, 4, 2), (8, 8, 0, 2, 2), (16, 8, 0, 3, 1), (8, 8, 1, 2), (8, 8, 2, 3),
+        (16, 8, 0, 2), (4, 4, 0, 8), (4, 4, 2, 6))]),
     ("qkv", "3072X2048", [stream(*c) for c in (
-        (4, 4, 2, 5), (4, 4, 2, 8), (2, 4, 2, 6), (4, 4, 0, 6), (8, 4, 2, 2), (4, 8, 2, 4))]),
+        (8, 8, 0, 2, 1), (4, 8, 0, 4, 1), (4, 4, 0, 6, 1), (4, 4, 2, 5), (4, 4, 2, 8), (2, 4, 2, 6), (8, 4, 2, 2))]),
+    ("down", "2048X8192", [stream(*c) for c in ((4, 8, 2, 1), (2, 8, 0, 2, 2), (4, 8, 0, 1, 2))] + [dense(*c) for c in (
+        (4, 2048, 8, 1, 1), (4, 2048, 8, 3, 2, 1), (2, 2048, 4, 1, 1), (4, 4096, 8, 1, 1), (2, 8192, 8, 1, 1),
+        (8, 2048, 8, 3, 2))]),
+    ("o_proj", "2048X2048", [stream(*c) for c in (
+        (4, 4, 2, 4), (4, 4, 2, 5), (2, 4, 2, 7), (4, 8, 2, 4), (8, 8, 2, 2), (4, 8, 0, 4, 1), (8, 8, 0, 4, 1))]),
     ("lm_head", "128256X2048", [stream(*c) for c in (
-        (8, 8, 0, 4), (4, 4, 2, 5), (4, 4, 2, 7), (4, 4, 0, 6), (16, 8, 0, 3))]),
+        (8, 8, 0, 4, 2), (4, 4, 0, 6, 2), (8, 8, 0, 4), (4, 4, 2, 5), (4, 4, 2, 7))]),
 ]
 
 

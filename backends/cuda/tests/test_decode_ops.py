@@ -36,7 +36,7 @@ def _close(got, want, dtype, what):
                                  "block_k=32,preload=1,evict=1", "block_k=16,split_k=2,preload=2",
                                  "block_k=16,split_k=2,preload=0", "block_k=32,maxnreg=64",
                                  "block_n=8,stream=1,preload=0", "block_n=4,stream=2,preload=1",
-                                 "block_n=4,stream=1,preload=2"])
+                                 "block_n=4,stream=1,preload=2", "block_n=8,stream=2,l2pf=2"])
 def test_linear_ops_match_torch(m, bias, dtype, cfg, monkeypatch):
     monkeypatch.setenv("HWKV_CUDA_DENSE_CONFIG", cfg)
     gen = torch.Generator().manual_seed(m + 10 * bias)
@@ -108,7 +108,7 @@ def test_norm_logits_is_the_widened_norm_linear(m, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,d", [(4, 2, 16), (2, 2, 32)])
 @pytest.mark.parametrize("cfg", ["", "block_n=8,stream=1,preload=0", "block_n=4,stream=2,preload=1",
-                                 "block_n=4,stream=1,preload=2"])
+                                 "block_n=4,stream=1,preload=2,l2pf=2"])
 def test_qkv_rope_and_kv_write_match_torch(heads, kv_heads, d, dtype, cfg, monkeypatch):
     monkeypatch.setenv("HWKV_CUDA_DENSE_CONFIG", cfg)  # the tile loop, and the persistent streaming GEMV
     gen = torch.Generator().manual_seed(heads * d)
@@ -170,16 +170,16 @@ def test_config_env_override(monkeypatch):
     assert choose_config(1, 2048, 2048).block_k == 2048 and choose_config(8, 2048, 8192).block_k == 512
     assert choose_config(1, 2048, 2048).preload and not choose_config(2, 128256, 2048).preload  # the rule's LM head
     # the measured one-token tiles of Llama-3-8B's shapes (tp=1 and a tp=2 rank's); more tokens keep the rule
-    assert choose_config(1, 3072, 4096) == (8, 2048, 8, 3, 0, 0, 1, 0, 0)
-    assert choose_config(1, 4096, 2048) == (4, 1024, 4, 1, 1, 0, 1, 0, 0)
+    assert choose_config(1, 3072, 4096) == (8, 2048, 8, 3, 0, 0, 1, 0, 0, 0)
+    assert choose_config(1, 4096, 2048) == (4, 1024, 4, 1, 1, 0, 1, 0, 0, 0)
     assert choose_config(2, 3072, 4096).block_n == 4
     # Llama-3.2-1B's gate_up, down and LM head: the H200 sweep's tiles (first K tile before the wait, evict-first)
-    assert choose_config(1, 2048, 8192) == (4, 2048, 8, 3, 2, 0, 1, 0, 0)
+    assert choose_config(1, 2048, 8192) == (4, 2048, 8, 3, 2, 0, 1, 0, 0, 0)
     assert choose_config(2, 2048, 8192).preload == 0
     # gate_up and the LM head: the persistent GEMV since session 9 (light programs, several a SM)
-    assert choose_config(1, 16384, 2048) == (8, 2048, 8, 1, 0, 1, 1, 0, 4)
-    assert choose_config(1, 128256, 2048) == (4, 2048, 4, 1, 2, 1, 1, 0, 6)
-    assert choose_config(1, 3072, 2048) == (4, 2048, 4, 1, 2, 0, 1, 0, 6)  # its qkv: the persistent GEMV too
+    assert choose_config(1, 16384, 2048) == (8, 2048, 8, 1, 0, 1, 1, 0, 4, 0)
+    assert choose_config(1, 128256, 2048) == (4, 2048, 4, 1, 2, 1, 1, 0, 6, 0)
+    assert choose_config(1, 3072, 2048) == (4, 2048, 4, 1, 2, 0, 1, 0, 6, 0)  # its qkv: the persistent GEMV too
     monkeypatch.setenv("HWKV_CUDA_DENSE_CONFIG", "block_n=16,num_warps=2")
     assert choose_config(1, 2048, 2048)[:3:2] == (16, 2)
     monkeypatch.setenv("HWKV_CUDA_DENSE_CONFIG_2048X2048", "block_n=32")  # one shape only, over the global one
@@ -190,6 +190,9 @@ def test_config_env_override(monkeypatch):
     assert choose_config(1, 2048, 2048).maxnreg == 128 and choose_config(1, 4096, 2048).maxnreg == 0
     monkeypatch.setenv("HWKV_CUDA_DENSE_CONFIG_2048X2048", "maxnreg=256")
     with pytest.raises(ValueError, match="maxnreg must be 0"):
+        choose_config(1, 2048, 2048)
+    monkeypatch.setenv("HWKV_CUDA_DENSE_CONFIG_2048X2048", "l2pf=3")  # the persistent GEMV's L2 prefetch: 0-2
+    with pytest.raises(ValueError, match="l2pf must be"):
         choose_config(1, 2048, 2048)
     monkeypatch.setenv("HWKV_CUDA_DENSE_CONFIG_2048X2048", "evict=2")
     with pytest.raises(ValueError, match="evict must be 0 or 1"):

@@ -373,6 +373,32 @@ def _stream_tile(w_ptr, t, j, offs_k, k_ok, N, K, EPILOGUE: tl.constexpr, HEAD: 
 
 
 @triton.jit
+def _prefetch_l2(ptr, nbytes):
+    """One bulk L2 prefetch (``cp.async.bulk.prefetch.L2``, sm_90+) of ``nbytes`` (a multiple of 16, 16-byte aligned)
+    from ``ptr``, issued by the program's first thread: the bytes head for L2 without a register."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_tile(w_ptr, t, N, K, EPILOGUE: tl.constexpr, HEAD: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Tile ``t``'s weight rows toward L2: one prefetch per half (each half's rows are contiguous: consecutive rows,
+    or for RoPE ``HB`` pairs inside one head's half); nothing past the last row."""
+    rows_a, rows_b = _tile_rows(t, tl.arange(0, 1), EPILOGUE, HEAD, BLOCK_N)
+    ra = tl.min(rows_a, axis=0)
+    rb = tl.min(rows_b, axis=0)
+    na = tl.minimum(N - ra, BLOCK_N // 2)
+    nb = tl.minimum(N - rb, BLOCK_N // 2)
+    row_bytes = K * (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
+    if na > 0:
+        _prefetch_l2(w_ptr + ra.to(tl.int64) * K, (na * row_bytes).to(tl.int32))
+    if nb > 0:
+        _prefetch_l2(w_ptr + rb.to(tl.int64) * K, (nb * row_bytes).to(tl.int32))
+
+
+@triton.jit
 def _stream_out(t, wa, wb, x, j, offs_m, m_ok, b_ptr, y_ptr, res_ptr, cos_ptr, sin_ptr, pos, slot, kv_ptr, N, num_slots,
                 stride_ym, stride_rm, stride_cos, stride_blk, stride_kv, stride_tok, stride_head, scale_ptr,
                 stride_scale, dt: tl.constexpr, EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr,
@@ -411,7 +437,7 @@ def dense_kernel_stream(  # named dense_kernel*: hwkv.bench.timeline labels the 
     PROLOGUE: tl.constexpr, EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HEAD: tl.constexpr, Q_N: tl.constexpr, KV_N: tl.constexpr,
     BS: tl.constexpr, PDL: tl.constexpr, PRE: tl.constexpr, EVICT: tl.constexpr, scale_ptr=None, stride_scale=0,
-    KV_FP8: tl.constexpr = False, STAGES: tl.constexpr = 1,
+    KV_FP8: tl.constexpr = False, STAGES: tl.constexpr = 1, L2PF: tl.constexpr = 0,
 ):
     """``dense_kernel`` (``EPILOGUE`` 0, 1 or 2; no tensor-parallel sum) as a persistent GEMV: a grid of a few
     programs per SM (light: the whole-K input row(s) formed once, ``BLOCK_K >= K``, then one ``BLOCK_N`` x K weight
@@ -419,9 +445,11 @@ def dense_kernel_stream(  # named dense_kernel*: hwkv.bench.timeline labels the 
     instead of one register-heavy program per SM per tile and a gap between programs. ``PRE`` 1: the first tile is
     loaded before the PDL wait (weights never depend on the previous kernel) and each next tile before the current
     one's dot (two tiles in registers); 2: only the first tile before the wait (its iteration peeled off the loop,
-    one tile in registers); 0: every tile after the wait. ``STAGES`` > 1 asks Triton to software-pipeline the tile
-    loop (``tl.range(num_stages=)``: async copies through shared memory, where the compiler does it for a loop
-    without a dot - Triton 3.9 at sm_90 leaves it as is)."""
+    one tile in registers); 0: every tile after the wait. ``L2PF`` (sm_90+, not interpreted): 1 the first tile's
+    rows go toward L2 by a bulk prefetch before the wait (no registers held), 2 as well the next tile's at the top of
+    every iteration (the loop then reads from L2 what was prefetched an iteration earlier). ``STAGES`` > 1 asks
+    Triton to software-pipeline the tile loop (``tl.range(num_stages=)``: async copies through shared memory, where
+    the compiler does it for a loop without a dot - Triton 3.9 at sm_90 leaves it as is)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     ntiles = tl.cdiv(N, BLOCK_N)
@@ -433,6 +461,8 @@ def dense_kernel_stream(  # named dense_kernel*: hwkv.bench.timeline labels the 
     dt: tl.constexpr = x_ptr.dtype.element_ty
     if PRE > 0:
         wa_n, wb_n = _stream_tile(w_ptr, pid, j, offs_k, k_ok, N, K, EPILOGUE, HEAD, BLOCK_N, EVICT)
+    if L2PF > 0:
+        _prefetch_tile(w_ptr, pid, N, K, EPILOGUE, HEAD, BLOCK_N)
     pos = offs_m.to(tl.int64)
     slot = pos
     if EPILOGUE == 2:  # the step's positions and slots, not written by earlier kernels
@@ -450,6 +480,8 @@ def dense_kernel_stream(  # named dense_kernel*: hwkv.bench.timeline labels the 
                     scale_ptr, stride_scale, dt, EPILOGUE, HAS_BIAS, M_PAD, BLOCK_N, HEAD, Q_N, KV_N, BS, KV_FP8)
         t0 = pid + nprog
     for t in tl.range(t0, ntiles, nprog, num_stages=STAGES):
+        if L2PF > 1:  # the next tile toward L2 while this one loads and its dot runs
+            _prefetch_tile(w_ptr, t + nprog, N, K, EPILOGUE, HEAD, BLOCK_N)
         if PRE == 1:  # this tile was loaded an iteration ago; the next one goes out before its dot
             wa, wb = wa_n, wb_n
             wa_n, wb_n = _stream_tile(w_ptr, t + nprog, j, offs_k, k_ok, N, K, EPILOGUE, HEAD, BLOCK_N, EVICT)
