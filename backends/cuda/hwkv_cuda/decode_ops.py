@@ -22,7 +22,8 @@ from hwkv_cuda.tiles import pow2
 CONFIG_ENV = "HWKV_CUDA_DENSE_CONFIG"
 # the persistent GEMV's grid: "balanced" (default) takes the fewest programs that give each the same number of tiles
 # (+-1) - gate_up's 2,048 tiles on 4 x 132 slots: 512 programs of 4 tiles, not 528 of which 64 take 3; "full": every
-# slot (A/B)
+# slot (A/B: H200, public-defaults engine, replay 0.772 full vs 0.770 ms balanced, the same bits; bench/results/
+# issue36-s9-b1-b2-H200-2026-11-29-96753bc.md)
 STREAM_GRID_ENV = "HWKV_CUDA_STREAM_GRID"
 ARGMAX_ENV = "HWKV_CUDA_ARGMAX"
 ARGMAX_ROWS_ENV = "HWKV_CUDA_ARGMAX_ROWS"  # most rows the one-launch argmax takes (A/B; default ARGMAX_MAX_ROWS)
@@ -63,7 +64,7 @@ M1_TILES: dict[tuple[int, int], tuple[int, ...]] = {  # (N, K): block_n, block_k
     # 5.94 and 3.55 -> 3.41 µs; bench/results/issue36-batch2-H200-2026-11-28-479d2cf.md). gate_up and down keep the
     # rule: the 8-row pipelined tile of the 8B shapes, unswept at 1B, cost the batch-1 step 962 vs 999 tok/s in the
     # same-run A/B of call 1 (bench/results/issue36-call1-H200-2026-11-28-8b3214a.md)
-    (2048, 2048): (4, 2048, 4, 1, 1),  # qkv's 1B tile of then: (8, 2048, 8, 3, 0), replaced below
+    # (qkv's 1B tile of then: (8, 2048, 8, 3, 0); o_proj's: (4, 2048, 4, 1, 1); both replaced below)
     # gate_up, down and the LM head from this session's H200 sweep (dense_probe --model llama-1b --quick --evict;
     # bench/results/issue36-b1-batch1-H200-2026-11-29-e784792.md): down's first K tile before the PDL wait 12.26 ->
     # 10.35 µs, gate_up on 8 warps with evict-first weights 20.73 -> 19.64, the head 4 x 1024 preloaded 139.9 ->
@@ -86,6 +87,10 @@ M1_TILES: dict[tuple[int, int], tuple[int, ...]] = {  # (N, K): block_n, block_k
     # three together 0.812 -> 0.772 ms, step 0.833 -> 0.793 ms. Another reduction order than the 8-warp tile: the
     # random-weight 1B model's greedy tokens part from main's at position 10 (no 8-warp stream tile beat main)
     (3072, 2048): (4, 2048, 4, 1, 2, 0, 1, 0, 6),
+    # o_proj since session 9's batch 2 (the same sweep over the three above, balanced grid): 4 rows on 4 warps, 4 a
+    # SM, first tile before the PDL wait, evict-first - replay 0.7681 -> 0.7629 ms, step 0.791 -> 0.787 ms, 1,264 ->
+    # 1,270 tok/s, main's greedy tokens (bench/results/issue36-s9-b1-b2-H200-2026-11-29-96753bc.md)
+    (2048, 2048): (4, 2048, 4, 1, 2, 1, 1, 0, 4),
 }
 
 

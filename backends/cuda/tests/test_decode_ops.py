@@ -180,6 +180,7 @@ def test_config_env_override(monkeypatch):
     assert choose_config(1, 16384, 2048) == (8, 2048, 8, 1, 0, 1, 1, 0, 4, 0)
     assert choose_config(1, 128256, 2048) == (4, 2048, 4, 1, 2, 1, 1, 0, 6, 0)
     assert choose_config(1, 3072, 2048) == (4, 2048, 4, 1, 2, 0, 1, 0, 6, 0)  # its qkv: the persistent GEMV too
+    assert choose_config(1, 2048, 2048) == (4, 2048, 4, 1, 2, 1, 1, 0, 4, 0)  # and its o_proj
     monkeypatch.setenv("HWKV_CUDA_DENSE_CONFIG", "block_n=16,num_warps=2")
     assert choose_config(1, 2048, 2048)[:3:2] == (16, 2)
     monkeypatch.setenv("HWKV_CUDA_DENSE_CONFIG_2048X2048", "block_n=32")  # one shape only, over the global one
