@@ -2,15 +2,17 @@
 sampler inside the decode graphs, in ONE engine at the public defaults (``hwkv.Engine(model, backend="cuda",
 dtype=...)``, no other argument).
 
-Variants (the batch-1 decode graphs, every seq-len bucket, captured again for each; nothing else changes):
-``graph`` - the default: the greedy argmax runs inside the graph and feeds the next step's ids
-(hwkv/engine/graph_runner.py); ``host`` - the graphs without it (the sampler's argmax launched after the replay, the
-next step's ids copied in by a device-side fill: the path before this change). Per variant: greedy tokens of a fixed
+Variants (the small decode graphs, every seq-len bucket, captured again for each; nothing else changes):
+``graph2`` - the default: the greedy argmax runs inside the graph and feeds the next step's ids, two sets of graphs
+and buffers take turns, a steady step's inputs go over on a side stream while the previous step runs
+(hwkv/engine/graph_runner.py); ``graph1`` - the argmax inside, one set (inputs copied between two replays);
+``host`` - the graphs without it (the sampler's argmax launched after the replay, the next step's ids copied in by a
+device-side fill: the path before this change). Per variant: greedy tokens of a fixed
 prompt (must be equal), ``hwkv bench e2e``'s batch-1 measure (:func:`hwkv.bench.e2e.batch1`) twice, the wall time of
 every ``engine.step()`` of a 300-token decode (median / mean / p90 / p99 / max: jitter vs a fixed cost), and a
 torch.profiler trace (CUDA activity only) of 200 steady steps: per step (token read-back to token read-back) its
 span, GPU busy and idle time, the idle time by the pair of operations around each gap, and the operations outside
-the replay's kernels (copies, sampler) by name. The ``graph`` variant runs again at the end, then once more after
+the replay's kernels (copies, sampler) by name. The ``graph2`` variant runs again at the end, then once more after
 ``gc.freeze()`` (whether Python's collector stalls the host).
 
     PYTHONPATH=.:backends/cuda python3 bench/gpu/host_step_gaps.py --out DIR
@@ -34,13 +36,21 @@ from hwkv.sampling_params import SamplingParams
 
 
 def set_variant(engine: Any, name: str) -> float:
-    """Capture the batch-1 decode graphs again with (``graph``) or without (``host``) the in-graph sampler."""
+    """Capture the small decode graphs (1, 2, 4, 8 requests, every seq-len bucket) of the first set again for
+    variant ``name``: ``graph2`` - the greedy argmax inside, two sets taking turns (the default); ``graph1`` - the
+    argmax inside, one set; ``host`` - no argmax inside, one set (the path before)."""
     r = engine.runner
-    gr = r.graphs
-    gr.sample = r._greedy if name.startswith("graph") else None
+    a = r.graphs
+    if not hasattr(r, "_bench_b"):
+        r._bench_b = r.graphs_b
+    b = r._bench_b
+    a.sample = None if name.startswith("host") else r._greedy
+    pingpong = name.startswith("graph2") and b is not None
+    a.feed(b if pingpong else a)
+    r.graphs_b = b if pingpong else None
     t0 = time.perf_counter()
     with torch.inference_mode():
-        gr.capture(pool=gr.pool, batches={1})
+        a.capture(pool=a.pool, batches={1, 2, 4, 8})
     return time.perf_counter() - t0
 
 
@@ -118,8 +128,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--workdir", default="/tmp/hwkv-bench-models")
     ap.add_argument("--out", default=".")
-    ap.add_argument("--variants", default="graph,host,graph,graph-gcfreeze")
-    ap.add_argument("--trace", default="graph,host")
+    ap.add_argument("--variants", default="graph2,host,graph1,graph2,graph2-gcfreeze")
+    ap.add_argument("--trace", default="graph2,host,graph1")
     ap.add_argument("--backend", default="cuda", help="cuda, or graph-cpu (a CPU smoke run of this script)")
     ap.add_argument("--engine-args", default="{}", help="JSON Engine kwargs (the GPU run passes none)")
     args = ap.parse_args()

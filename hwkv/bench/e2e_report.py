@@ -13,7 +13,8 @@ PHASES = (("scheduler", "schedule", "schedule"), ("runner", "update_states", "ru
           ("runner", "build_inputs", "prep_inputs"), ("runner", "device_inputs", "prep_inputs"),
           ("runner", "_forward", "eager_forward"), ("runner", "_sample", "sample"),
           ("runner", "_resolve", "read_tokens"), ("scheduler", "update_from_output", "update"),
-          ("_stats", "record_step", "stats"), ("", "_apply", "outputs"), ("runner.graphs", "run", "graph_copy_replay"))
+          ("_stats", "record_step", "stats"), ("", "_apply", "outputs"), ("runner.graphs", "run", "graph_copy_replay"),
+          ("runner.graphs_b", "run", "graph_copy_replay"))  # the second set of small decode graphs (pingpong)
 
 
 def timed_phases(engine: Any, acc: dict[str, float], clock: Any = time.perf_counter) -> list[tuple[Any, str]]:
@@ -27,10 +28,10 @@ def timed_phases(engine: Any, acc: dict[str, float], clock: Any = time.perf_coun
         for part in filter(None, path.split(".")):
             obj = getattr(obj, part, None)
         targets.append((obj, name, key))
-    g = engine.runner.graphs
-    if g is not None:  # inside graph_copy_replay: the wait for the staging buffers, the graph launch call
-        targets.append((g._copied, "synchronize", "graph_staging_wait"))
-        targets += [(entry[0], "replay", "graph_launch") for entry in g.graphs.values()]
+    for g in (engine.runner.graphs, getattr(engine.runner, "graphs_b", None)):
+        if g is not None:  # inside graph_copy_replay: the wait for the staging buffers, the graph launch call
+            targets.append((g._copied, "synchronize", "graph_staging_wait"))
+            targets += [(entry[0], "replay", "graph_launch") for entry in g.graphs.values()]
     for obj, name, key in targets:
         fn = getattr(obj, name, None) if obj is not None else None
         if fn is None:

@@ -53,6 +53,15 @@ its own ``input_ids`` row. The runner takes them as the step's tokens when every
 greedy (no penalties, logprobs, bitmask), and the next step, when its rows are the same requests in the
 same order (steady decoding), passes ``ids_ready=True``: the host→device copy then leaves the ids row
 out and no device-side fill runs, so a step is one copy, one replay and the tokens' read-back.
+
+Two sets (the runner's ``pingpong``): a second runner over its own static buffers, with graphs of the same
+small buckets, takes every other steady step. Each set's sampling graphs feed the *other* set's ids row
+(:meth:`GraphRunner.feed`), so a steady step's inputs (positions, slots, lengths, block tables: the ids
+are already there) go over on a side stream into buffers that no queued replay reads - the previous
+step's replay reads the other set's - and the replay waits for that copy only: the copy overlaps the
+previous step on the device instead of standing between two replays. The tokens' read-back goes on a
+second side stream after the replay; the next replay of the same graph (which rewrites them) comes at
+the earliest two steps later, after the host has read them.
 """
 
 from __future__ import annotations
@@ -200,6 +209,7 @@ class GraphRunner:
         self.sample = sample if query_len == 1 and not last_only else None
         self.tokens: torch.Tensor | None = None  # the last run's in-graph tokens [n] (None: it sampled none)
         self.num_ids_ready = 0  # runs whose ids were already in the ids row (stats / tests)
+        self.num_side_copies = 0  # runs whose inputs went over on a side stream (stats / tests)
         # A KV connector's per-layer load waits cost a graph node each (~6 us per replay on an H100):
         # where the connector allows it, graphs leave them out and wait for all loads before replay,
         # unless captured for the steps that load layer by layer (``per_layer_hooks``).
@@ -236,6 +246,9 @@ class GraphRunner:
         self.dg64 = torch.zeros((ng, mb * q), dtype=torch.int64, device=td)
         self.dg32 = torch.zeros((ng, mb, self.max_blocks), dtype=torch.int32, device=td)
         self._copied = device.new_event()
+        # the runner whose ids row the sampling graphs feed (``feed``: a second set of buffers and graphs)
+        self.feeds: GraphRunner = self
+        self.next_ids = self.d64[0]
         # (batch, seq-len bound) -> (graph, logits, metadata): the metadata must outlive the graph,
         # since it owns tensors the backend built outside the capture (hwkv-cuda's cached plan)
         self.graphs: dict[tuple[int, int], tuple[Graph, torch.Tensor, Any]] = {}
@@ -271,6 +284,10 @@ class GraphRunner:
         return self.model.forward(self.d64[0, :t], self.d64[1, :t], self.kv_cache, md, idx,
                                   slot_mapping=self.d64[2, :t])
 
+    def feed(self, other: GraphRunner) -> None:
+        """Sampling graphs (captured after this call) write their tokens into ``other``'s ids row (module doc)."""
+        self.feeds, self.next_ids = other, other.d64[0]
+
     def samples(self, b: int) -> bool:
         """Whether the graphs of batch bucket ``b`` run the greedy sampler (module doc)."""
         return self.sample is not None and b <= SAMPLE_MAX_BATCH
@@ -282,7 +299,7 @@ class GraphRunner:
         if not self.samples(b):
             return logits, None
         tokens = self.sample(logits)  # type: ignore[misc]
-        self.d64[0, :b].copy_(tokens)
+        self.next_ids[:b].copy_(tokens)
         return logits, tokens
 
     def keys(self) -> list[tuple[int, int]]:
@@ -345,7 +362,7 @@ class GraphRunner:
         dev.synchronize()
 
     def run(self, batch: StepBatch, fill: Callable[[torch.Tensor], None] | None = None,
-            ids_ready: bool = False) -> torch.Tensor | None:
+            ids_ready: bool = False, copy_stream: Any = None) -> torch.Tensor | None:
         """float32 logits ``[n·q, vocab]`` of one step of ``n`` requests with ``q`` query tokens each (a
         pure decode: ``[n, vocab]``; a verify step: every query token's, request-major; ``last_only``:
         ``[n, vocab]`` of rows with ``1..q`` tokens, each row's last token's), or ``None`` when
@@ -354,7 +371,9 @@ class GraphRunner:
         patches ids that are still on the device (async stepping). ``ids_ready``: every row's input id is
         already in the ids row - the previous step was a sampling replay of these graphs over the same rows
         in the same order (module doc) - so neither the ids row nor ``fill`` goes over. ``self.tokens``: the
-        step's in-graph greedy tokens (int64 ``[n]``, valid until the next replay), or ``None``."""
+        step's in-graph greedy tokens (int64 ``[n]``, valid until the next replay), or ``None``.
+        ``copy_stream``: copy the inputs in on that stream and let the replay wait for the copies only (the
+        caller knows that no queued work reads or writes these buffers: module doc)."""
         self.tokens = None
         n, q = batch.seq_lens.shape[0], self.q
         if self.last_only:
@@ -375,32 +394,19 @@ class GraphRunner:
         pad_into(batch, b, h64, h32[:mb], bt, q)
         if batch.groups:
             pad_groups(batch, b, self.g64.numpy(), self.g32.numpy(), q)
-            self.dg64[:, : b * q].copy_(self.g64[:, : b * q], non_blocking=True)
-            self.dg32[:, :b].copy_(self.g32[:, :b], non_blocking=True)
         if self.last_only:  # each row's last real token; padded rows their first (any valid row)
             h64[3, :b] = np.arange(0, b * q, q)
             h64[3, :n] += last
         r0 = 1 if ids_ready else 0  # the first int64 row that goes over
         self.num_ids_ready += r0
-        whole = self.h64.numel() * self.h64.element_size() <= IDS_WHOLE_BYTES
-        if whole and not packed:
-            # ids rows whole, seq_lens, the first b - 1 block-table rows whole and the last one's first w columns
-            # (the kernels read no column past the step's widest table): one contiguous DMA
-            start, end = r0 * 2 * mb * q, self._n64 + mb + (b - 1) * self.max_blocks + max(w, 1)
-            self.dbuf[start:end].copy_(self.hbuf[start:end], non_blocking=True)
+        dev = self.device
+        if copy_stream is not None:
+            self.num_side_copies += 1
+            with dev.stream_context(copy_stream):
+                self._copy_in(b, w, packed, r0)
+            dev.current_stream().wait_event(self._copied)
         else:
-            if whole:
-                self.d64[r0:].copy_(self.h64[r0:], non_blocking=True)
-            else:
-                self.d64[r0:, : b * q].copy_(self.h64[r0:, : b * q], non_blocking=True)
-            if packed:  # only the columns this step's requests use: the rest is never read
-                self.d32[:mb].copy_(self.h32[:mb], non_blocking=True)
-                self.dbt[: b * w].copy_(self.hbt[: b * w], non_blocking=True)
-                self.block_tables[:b, :w].copy_(self.dbt[: b * w].view(b, w))
-            else:  # seq_lens and the first b block-table rows are contiguous: one copy
-                end = mb + b * self.max_blocks
-                self.d32[:end].copy_(self.h32[:end], non_blocking=True)
-        self._copied.record()
+            self._copy_in(b, w, packed, r0)
         if fill is not None and not ids_ready:
             fill(self.d64[0, : b * q])
         if self.use_graphs:
@@ -420,3 +426,30 @@ class GraphRunner:
         out, tok = self._forward_sample(b, self._metadata(b, seq_cpu))
         self.tokens = None if tok is None else tok[:n]
         return out[: n if self.last_only else n * q]
+
+    def _copy_in(self, b: int, w: int, packed: bool, r0: int) -> None:
+        """The staged inputs of a step of bucket ``b`` (block tables ``w`` wide) to the device, int64 rows from
+        ``r0`` on; the event ``_copied`` recorded after them (on the current stream)."""
+        q, mb = self.q, self.max_batch
+        if self.dg64.shape[0]:  # KV-cache groups 1..: their slot mappings and tables (pad_groups)
+            self.dg64[:, : b * q].copy_(self.g64[:, : b * q], non_blocking=True)
+            self.dg32[:, :b].copy_(self.g32[:, :b], non_blocking=True)
+        whole = self.h64.numel() * self.h64.element_size() <= IDS_WHOLE_BYTES
+        if whole and not packed:
+            # ids rows whole, seq_lens, the first b - 1 block-table rows whole and the last one's first w columns
+            # (the kernels read no column past the step's widest table): one contiguous DMA
+            start, end = r0 * 2 * mb * q, self._n64 + mb + (b - 1) * self.max_blocks + max(w, 1)
+            self.dbuf[start:end].copy_(self.hbuf[start:end], non_blocking=True)
+        else:
+            if whole:
+                self.d64[r0:].copy_(self.h64[r0:], non_blocking=True)
+            else:
+                self.d64[r0:, : b * q].copy_(self.h64[r0:, : b * q], non_blocking=True)
+            if packed:  # only the columns this step's requests use: the rest is never read
+                self.d32[:mb].copy_(self.h32[:mb], non_blocking=True)
+                self.dbt[: b * w].copy_(self.hbt[: b * w], non_blocking=True)
+                self.block_tables[:b, :w].copy_(self.dbt[: b * w].view(b, w))
+            else:  # seq_lens and the first b block-table rows are contiguous: one copy
+                end = mb + b * self.max_blocks
+                self.d32[:end].copy_(self.h32[:end], non_blocking=True)
+        self._copied.record()

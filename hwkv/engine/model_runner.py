@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from hwkv.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
-from hwkv.engine.graph_runner import GraphRunner, multi_token_graphs
+from hwkv.engine.graph_runner import SAMPLE_MAX_BATCH, GraphRunner, multi_token_graphs
 from hwkv.engine.inputs import StepBatch, StepInputs, build_batch, group_inputs, to_device
 from hwkv.engine.pending import EMPTY, Pending, fill_tokens
 from hwkv.interfaces.connector import KVConnectorBase
@@ -69,6 +69,9 @@ class ModelRunner:
         # preempted-and-recomputed request draws the same tokens as one that never was.
         self.generators: dict[str, torch.Generator] = {}
         self.graphs: GraphRunner | None = None
+        self.graphs_b: GraphRunner | None = None  # the second set of small decode graphs (pingpong)
+        self._copy_stream: Any = None  # pingpong's side streams: a steady step's inputs, tokens' read-back
+        self._readback_stream: Any = None
         self.tail_graphs: GraphRunner | None = None  # short-query steps (enable_graphs)
         self.loading_tail_graphs: GraphRunner | None = None  # the same with per-layer load waits
         self.max_model_len = max_model_len
@@ -97,10 +100,19 @@ class ModelRunner:
         one device graph per bucket (``use_graphs=False``: the same path run eagerly, for tests); and,
         where the backend captures multi-token queries, steps of up to ``TAIL_MAX_BATCH`` requests of
         at most one block of query tokens each (a prompt's tail after a prefix hit, beside decodes)."""
+        sample = self._greedy if self.samples_in_graphs else None
         self.graphs = GraphRunner(self.model, self.kv_cache, self.meta_builder, self.dev, self.block_size,
-                                  max_batch, self.max_model_len, use_graphs,
-                                  sample=self._greedy if self.samples_in_graphs else None)
+                                  max_batch, self.max_model_len, use_graphs, sample=sample)
+        if self.graphs.sample is not None and self.pingpong:  # a second set for every other steady step
+            self.graphs_b = GraphRunner(self.model, self.kv_cache, self.meta_builder, self.dev, self.block_size,
+                                        min(max_batch, SAMPLE_MAX_BATCH), self.max_model_len, use_graphs,
+                                        sample=sample)
+            self.graphs.feed(self.graphs_b)
+            self.graphs_b.feed(self.graphs)
+            self._copy_stream, self._readback_stream = self.dev.new_stream(), self.dev.new_stream()
         self.graphs.capture()
+        if self.graphs_b is not None:
+            self.graphs_b.capture(pool=self.graphs.pool)
         q = min(self.block_size, self.TAIL_MAX_QUERY, self.max_model_len)
         if self.serves_tail_graphs and q > 1 and multi_token_graphs(self.meta_builder):
             tail = partial(GraphRunner, self.model, self.kv_cache, self.meta_builder, self.dev, self.block_size,
@@ -117,6 +129,9 @@ class ModelRunner:
     # module doc); off in subclasses that sample otherwise (tensor parallel: the driver broadcasts) or step
     # synchronously (speculative decoding)
     samples_in_graphs = True
+    # ... and take turns with a second set of those graphs and buffers, so that a steady step's inputs go over
+    # while the previous step runs (graph_runner's module doc)
+    pingpong = True
     serves_prompt_logprobs = True  # a subclass with its own execute_async turns this off (refused by name)
 
     # ---- persistent state ---------------------------------------------------------------------
@@ -297,7 +312,7 @@ class ModelRunner:
         # fill(input_ids, at=...) copies the unread tokens into the inputs on the device
         fill = partial(fill_tokens, src=src, tokens=pend.tokens, device=self.dev) if len(rows) else None  # type: ignore[union-attr]
         out, sampled, sampled_ids, logits = ModelRunnerOutput(), [], [], None
-        plp, tokens, in_graph = None, None, False
+        plp, tokens, made_by = None, None, None
         if states:
             batch = self.build_inputs(so, states, ahead)
             req_ids = list(so.num_scheduled_tokens)
@@ -311,14 +326,13 @@ class ModelRunner:
                 out.prompt_logprobs = self._prompt_logprobs(logits[len(batch.logits_indices):], plp[1])
                 logits = logits[: len(batch.logits_indices)]
             elif self.graphs is not None and batch.pure_decode:
-                # steady decoding after a step whose graph fed its tokens to the ids row: nothing to copy in
-                ready = pend is not None and pend.ids_in_graph and len(rows) == len(states) \
-                    and rows[-1] == len(rows) - 1 and np.array_equal(rows, src)
-                logits = self.graphs.run(batch, partial(fill, at=rows) if fill else None, ids_ready=ready)  # type: ignore[union-attr]
+                gr, ready, side = self._decode_graphs(pend, len(states), rows, src)
+                logits = gr.run(batch, partial(fill, at=rows) if fill else None, ids_ready=ready,  # type: ignore[union-attr]
+                                copy_stream=side)
                 self.num_graph_steps += logits is not None
-                if logits is not None and self.graphs.tokens is not None and not self._num_special \
+                if logits is not None and gr.tokens is not None and not self._num_special \
                         and not (self.structured is not None and self.structured.matchers):
-                    tokens, in_graph = self.graphs.tokens, True  # every row plain greedy: the graph's argmax
+                    tokens, made_by = gr.tokens, gr  # every row plain greedy: the graph's argmax
                     self.num_graph_sampled_steps += 1
             elif self.tail_graphs is not None and batch.max_query_len <= self.tail_graphs.q:
                 logits = self._run_tail(batch, fill, rows)
@@ -339,8 +353,15 @@ class ModelRunner:
                 tokens, logprobs = self._sample(logits, sampled, sampled_ids)
             if logprobs is not None:
                 out.logprobs = {rid: [lp] for rid, lp in zip(sampled_ids, logprobs) if lp is not None}
-            new = Pending(out, sampled, sampled_ids, tokens, num_drops=self._num_drops, ids_in_graph=in_graph)
-            new.host, new.event = self.dev.to_host_async(tokens)
+            new = Pending(out, sampled, sampled_ids, tokens, num_drops=self._num_drops, made_by=made_by,
+                          ids_in=None if made_by is None else made_by.feeds)
+            if made_by is not None and made_by.feeds is not made_by:  # pingpong: read back beside the next step
+                rb = self._readback_stream
+                rb.wait_stream(self.dev.current_stream())
+                with self.dev.stream_context(rb):
+                    new.host, new.event = self.dev.to_host_async(tokens)
+            else:
+                new.host, new.event = self.dev.to_host_async(tokens)
             if self.structured is not None and self.structured.matchers:  # the next step's masks, overlapped
                 self.structured.prefetch(sampled_ids, [st.slot for st in sampled],
                                          [len(st.output_token_ids) for st in sampled], new.host, new.event)
@@ -349,6 +370,20 @@ class ModelRunner:
         self.finish_step(so, out)
         self._pending = new
         return prev
+
+    def _decode_graphs(self, pend: Pending | None, n: int, rows: np.ndarray,
+                       src: np.ndarray) -> tuple[GraphRunner, bool, Any]:
+        """``(runner, ids_ready, copy stream)`` of a pure-decode step of ``n`` rows whose pending inputs are
+        ``pend``'s tokens ``src`` at ``rows``. After a step whose graph took the greedy argmax, the runner
+        whose ids row holds those tokens serves it where it can (with pingpong the other set: the replay just
+        queued rewrites none of its buffers, and its own tokens stay untouched until read back); its ids are
+        ready when the rows are the same requests in the same order, and then the other set's inputs go over
+        on the side stream."""
+        to = pend.ids_in if pend is not None else None
+        if to is None or n > to.max_batch:
+            return self.graphs, False, None  # type: ignore[return-value]
+        ready = len(rows) == n and rows[-1] == n - 1 and np.array_equal(rows, src)
+        return to, ready, self._copy_stream if ready and to is not pend.made_by else None  # type: ignore[union-attr]
 
     def _prompt_logprob_rows(self, states: list[_ReqState], req_ids: list[str],
                              batch: StepBatch) -> tuple[np.ndarray, list[tuple[str, int, int, int, int]]] | None:

@@ -28,8 +28,10 @@ class Pending:
     host: torch.Tensor | None = None  # host copy of ``tokens`` (Device.to_host_async), valid once ``event`` fired
     event: Any = None
     num_drops: int = -1  # the runner's drop count at launch (equal later: every state is still held)
-    # the tokens came from a decode graph that also wrote them into its ids row, row j at j (graph_runner)
-    ids_in_graph: bool = False
+    # the tokens came from a decode graph of the runner ``made_by`` that also wrote them into the ids row of the
+    # runner ``ids_in``, row j at j (hwkv.engine.graph_runner); ``None``: not so
+    made_by: Any = None
+    ids_in: Any = None
 
     def rows(self, states: list[Any]) -> tuple[np.ndarray, np.ndarray]:
         """``(batch rows, token rows)`` of the states whose next input is one of these unread tokens."""

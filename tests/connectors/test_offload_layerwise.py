@@ -235,7 +235,7 @@ def test_per_layer_waits_are_captured_only_in_the_graphs_of_loading_steps(tmp_pa
     assert run_one_by_one(e, prompts) == want
     loading = sum(g.replays for g, _, _ in r.loading_tail_graphs.graphs.values())
     plain = sum(g.replays for g, _, _ in r.tail_graphs.graphs.values())
-    decode = sum(g.replays for g, _, _ in r.graphs.graphs.values())
+    decode = sum(g.replays for gr in (r.graphs, r.graphs_b) if gr is not None for g, _, _ in gr.graphs.values())
     assert conn.layered_steps == loading == 2 and plain > 0  # the two loads' tails, and other tails
     assert conn.calls.count("all") == decode + plain == r.num_graph_steps + r.num_tail_graph_steps - loading
     assert e.stats()["kv_connector"]["external_hit_tokens"] == 2 * 4 * 16

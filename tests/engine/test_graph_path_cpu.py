@@ -46,8 +46,10 @@ def test_declared_graph_capture_turns_on_graphs_and_replays_match_eager(model_di
     assert sorted({b for b, _ in g.graphs}) == [1, 2, 4, 8]
     assert got == want
     replays = sum(gr.replays for gr in e.backend.device.captured)
-    decode_replays = sum(gr.replays for gr, _, _ in g.graphs.values())
-    assert decode_replays == e.runner.num_graph_steps > 10
+    b = e.runner.graphs_b  # the second set of small decode graphs (pingpong): every other steady step
+    assert b is not None and sorted({k for k, _ in b.graphs}) == [1, 2, 4, 8] and b.feeds is g and g.feeds is b
+    decode_replays = sum(gr.replays for gr, _, _ in [*g.graphs.values(), *b.graphs.values()])
+    assert decode_replays == e.runner.num_graph_steps > 10 and sum(gr.replays for gr, _, _ in b.graphs.values()) > 3
     assert replays == decode_replays + e.runner.num_tail_graph_steps  # the rest: short-query steps' graphs
 
 
@@ -100,11 +102,14 @@ def test_greedy_tokens_from_the_graph_feed_the_next_step(model_dir):
     e = make()
     assert _outs(e, prompts, params) == want
     r = e.runner
-    assert r.num_graph_sampled_steps == r.num_graph_steps > 20 and r.graphs.num_ids_ready > 15
+    sets = (r.graphs, r.graphs_b)  # pingpong: the two sets take turns
+    ready = lambda: sum(g.num_ids_ready for g in sets)  # noqa: E731
+    side = lambda: sum(g.num_side_copies for g in sets)  # noqa: E731
+    assert r.num_graph_sampled_steps == r.num_graph_steps > 20 and ready() > 15 and side() > 15
     one = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop_token_ids=[first[2][0][25]])]
-    ready = r.graphs.num_ids_ready
+    n0, s0 = ready(), side()
     assert _outs(e, prompts[2:3], one) == _outs(make(enforce_eager=True), prompts[2:3], one)
-    assert r.graphs.num_ids_ready - ready >= 20  # batch 1: every decode step after the first two
+    assert ready() - n0 >= 20 and side() - s0 == ready() - n0  # batch 1: every decode step after the first two
 
 
 def test_a_non_greedy_request_keeps_the_sampler_outside_the_graph(model_dir):
@@ -125,7 +130,8 @@ def test_a_non_greedy_request_keeps_the_sampler_outside_the_graph(model_dir):
     assert 0 < r.num_graph_sampled_steps < r.num_graph_steps  # after the penalised request finished only
     e2 = make()
     assert _outs(e2, prompts[1:2], params[1:2]) == want[1:2]
-    assert e2.runner.num_graph_sampled_steps == 0 and e2.runner.graphs.num_ids_ready == 0
+    assert e2.runner.num_graph_sampled_steps == 0
+    assert e2.runner.graphs.num_ids_ready == e2.runner.graphs_b.num_ids_ready == 0
 
 
 def test_only_a_per_layer_host_connector_keeps_graphs_off(model_dir):

@@ -105,9 +105,11 @@ def test_engine_graph_decode_through_ascend_device(npu, runtime, tmp_path):
     e, got = run()
     assert got == want
     keys = sorted(e.runner.graphs.graphs)
+    second = e.runner.graphs_b.graphs  # the second set of small decode graphs (pingpong), the same keys
     tail = e.runner.tail_graphs.graphs  # short-query steps' graphs (static attention captures them)
-    assert [k[0] for k in keys] == [1, 2, 4] and len(runtime.captures) == len(keys) + len(tail)
+    assert [k[0] for k in keys] == [1, 2, 4] and sorted(second) == keys
+    assert len(runtime.captures) == len(keys) + len(second) + len(tail)
     assert {id(p) for _, p, _ in runtime.captures} == {id(runtime.pools[0])}  # one pool shared by all graphs
-    decode_replays = sum(g.replays for g, _, _ in e.runner.graphs.graphs.values())
+    decode_replays = sum(g.replays for g, _, _ in [*e.runner.graphs.graphs.values(), *second.values()])
     assert decode_replays == e.runner.num_graph_steps > 5
     assert sum(g.replays for g, _, _ in runtime.captures) == decode_replays + e.runner.num_tail_graph_steps
