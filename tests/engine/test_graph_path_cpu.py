@@ -112,6 +112,36 @@ def test_greedy_tokens_from_the_graph_feed_the_next_step(model_dir):
     assert ready() - n0 >= 20 and side() - s0 == ready() - n0  # batch 1: every decode step after the first two
 
 
+def test_graph_greedy_tokens_through_preemption_and_abort(model_dir):
+    """Preemptions (a small KV pool) and an abort while a step is in flight change the rows between two steps of the
+    graph path: every step after such a change copies its ids in, and the tokens stay the eager engine's."""
+    torch.set_num_threads(1)
+    kw = dict(backend=GraphCpuBackend(), num_kv_blocks=14, block_size=16, max_model_len=128, max_num_batched_tokens=64,
+              max_num_seqs=6, fuse_elementwise=False)
+    rng = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 500, (int(n),), generator=rng).tolist() for n in (20, 9, 30, 14, 3, 25)]
+    params = [SamplingParams(temperature=0.0, max_tokens=20 + 3 * i, ignore_eos=True) for i in range(len(prompts))]
+    want = _outs(hwkv.Engine(model_dir, enforce_eager=True, **kw), prompts, params)
+    e = hwkv.Engine(model_dir, **kw)
+    assert _outs(e, prompts, params) == want and e.scheduler.num_preemptions > 0
+    r = e.runner
+    assert r.num_graph_sampled_steps > 10 and r.graphs.num_ids_ready + r.graphs_b.num_ids_ready > 5
+    for i, (p, sp) in enumerate(zip(prompts, params)):  # an abort lands while the next step is already launched
+        e.add_request(f"a{i}", p, sp)
+    got: dict[str, list[int]] = {}
+    for step in range(400):
+        for o in e.step():
+            got[o.request_id] = list(o.token_ids)
+        if step == 12:
+            e.abort("a2")
+        if not e.has_unfinished():
+            break
+    assert not e.has_unfinished() and not r.reqs
+    for i, w in enumerate(want):
+        if i != 2:
+            assert got[f"a{i}"] == w[0], i
+
+
 def test_a_non_greedy_request_keeps_the_sampler_outside_the_graph(model_dir):
     """While a request with penalties (or sampling) is held, no step takes the graph's argmax (the sampler runs on
     the logits for every row); greedy rows get the eager engine's tokens either way."""
