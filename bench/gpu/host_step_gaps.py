@@ -13,7 +13,9 @@ every ``engine.step()`` of a 300-token decode (median / mean / p90 / p99 / max: 
 torch.profiler trace (CUDA activity only) of 200 steady steps: per step (token read-back to token read-back) its
 span, GPU busy and idle time, the idle time by the pair of operations around each gap, and the operations outside
 the replay's kernels (copies, sampler) by name. The ``graph2`` variant runs again at the end, then once more after
-``gc.freeze()`` (whether Python's collector stalls the host).
+``gc.freeze()`` (whether Python's collector stalls the host). The offline workload (256 x 512 -> 256, greedy,
+once warm, as ``hwkv bench defaults``) runs in the first ``graph2`` and the ``host`` variant: large batches must not
+lose.
 
     PYTHONPATH=.:backends/cuda python3 bench/gpu/host_step_gaps.py --out DIR
 """
@@ -130,6 +132,8 @@ def main() -> None:
     ap.add_argument("--out", default=".")
     ap.add_argument("--variants", default="graph2,host,graph1,graph2,graph2-gcfreeze")
     ap.add_argument("--trace", default="graph2,host,graph1")
+    ap.add_argument("--offline", default="graph2,host", help="variants that also time the offline workload")
+    ap.add_argument("--offline-shape", default="256,512,256", help="requests, input, output tokens")
     ap.add_argument("--backend", default="cuda", help="cuda, or graph-cpu (a CPU smoke run of this script)")
     ap.add_argument("--engine-args", default="{}", help="JSON Engine kwargs (the GPU run passes none)")
     args = ap.parse_args()
@@ -164,6 +168,10 @@ def main() -> None:
         row["tokens_equal_first"] = toks == want
         row["batch1"] = [batch1(engine, cfg, vocab, 256, bw) for _ in range(2)]
         row["step_walls"] = step_walls(engine, vocab)
+        if v in args.offline.split(","):  # the large batches must not lose: the offline workload, once warm
+            n, n_in, n_out = (int(x) for x in args.offline_shape.split(","))
+            run_engine(engine, [(p, n_out) for p, _ in workload(n, n_in, n_in, vocab, seed=6)])
+            row["offline"] = run_engine(engine, [(p, n_out) for p, _ in workload(n, n_in, n_in, vocab, seed=5)])
         base = v.split("-")[0]
         if base in args.trace.split(",") and base not in traced:
             traced.add(base)
@@ -173,6 +181,9 @@ def main() -> None:
             x["tok_per_s"], x["step_ms"], x.get("gpu_replay_ms_last", 0.0), x.get("mbu", 0.0)) for x in row["batch1"])
         print(f"[host] {v}: tokens equal {row['tokens_equal_first']}; batch-1 {b1}; step walls {row['step_walls']}",
               flush=True)
+        if "offline" in row:
+            print(f"[host]   offline {args.offline_shape}: {row['offline']['tok_per_s']:.0f} tok/s in "
+                  f"{row['offline']['seconds']:.3f} s", flush=True)
         if "trace" in row:
             print(f"[host]   trace {json.dumps(row['trace'])}", flush=True)
         (out / "host_step_gaps.json").write_text(json.dumps(res, indent=1, default=str))
