@@ -9,9 +9,9 @@ gpu_header
 T0=$(date +%s)
 step() { echo "[host] $(date -u +%H:%M:%S) +$(( $(date +%s) - T0 ))s $*"; }
 step "python3 bench/gpu/host_step_gaps.py --out \$OUT"
-HWKV_PLUGIN_MODULES=hwkv_cuda.plugin timeout -k 3 65 python3 bench/gpu/host_step_gaps.py --out "$OUT"
+HWKV_PLUGIN_MODULES=hwkv_cuda.plugin timeout -k 3 75 python3 bench/gpu/host_step_gaps.py --out "$OUT"
 echo "rc=$?"
 step "python3 -m hwkv bench defaults --model llama-1b --b1-tokens 256"
-timeout -k 3 72 python3 -m hwkv bench defaults --model llama-1b --b1-tokens 256 --out "$OUT/defaults-llama-1b.json"
+timeout -k 3 65 python3 -m hwkv bench defaults --model llama-1b --b1-tokens 256 --out "$OUT/defaults-llama-1b.json"
 echo "rc=$?"
 step done
