@@ -101,6 +101,7 @@ class ModelRunner:
         where the backend captures multi-token queries, steps of up to ``TAIL_MAX_BATCH`` requests of
         at most one block of query tokens each (a prompt's tail after a prefix hit, beside decodes)."""
         sample = self._greedy if self.samples_in_graphs else None
+        self.graphs_b = None  # (enabled again: both sets anew)
         self.graphs = GraphRunner(self.model, self.kv_cache, self.meta_builder, self.dev, self.block_size,
                                   max_batch, self.max_model_len, use_graphs, sample=sample)
         if self.graphs.sample is not None and self.pingpong:  # a second set for every other steady step
