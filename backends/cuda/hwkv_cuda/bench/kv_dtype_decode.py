@@ -74,6 +74,8 @@ def main() -> int:
             base = torch.randn(max(pool.values()), 2, bs, hkv, d, dtype=q.dtype, device=dev)
             caches = {"fp8": (base * 8).to(FP8_E4M3), "bf16": base[:pool["bf16"]]}
             del base
+            if any(_v_transposed(v) for v in variants["fp8"].split(";")):
+                caches["fp8-vt"] = v_transposed(caches["fp8"])
             scales = torch.full((2, hkv), 0.125, device=dev)
             ref, best = None, {}
             for name in a.kv_dtypes.split(","):
@@ -85,6 +87,7 @@ def main() -> int:
                         os.environ.pop(OVERRIDE_ENV, None)
                     else:
                         os.environ[OVERRIDE_ENV] = variant
+                    kv = caches["fp8-vt"] if name == "fp8" and _v_transposed(variant) else caches[name]
                     try:
                         impl = TritonAttentionBackend().make_impl(h, d, hkv, d**-0.5)
                         impl.kv_scales = scales
@@ -124,6 +127,22 @@ def main() -> int:
                 print(json.dumps({"fp8_speedup": {f"{b}x{ctx}": sp}}), flush=True)
     save()
     return 0
+
+
+def _v_transposed(variant: str) -> bool:
+    """The variant reads V pages stored transposed (``fp8_unpack=8`` / ``9``)."""
+    return any(f.replace(" ", "") in ("fp8_unpack=8", "fp8_unpack=9") for f in variant.split(","))
+
+
+def v_transposed(kv):
+    """A copy of ``[blocks, 2, BS, H_kv, D]`` whose V halves hold the same codes as ``[H_kv, D, BS]``."""
+    import torch
+
+    nb, _, bs, hkv, d = kv.shape
+    raw = kv.view(torch.uint8)
+    out = raw.clone()
+    out[:, 1] = raw[:, 1].permute(0, 2, 3, 1).contiguous().view(nb, bs, hkv, d)
+    return out.view(kv.dtype)
 
 
 def _cpu_time(fn) -> float:

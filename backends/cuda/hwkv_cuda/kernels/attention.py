@@ -89,7 +89,21 @@ def _tile(acc, l_i, m_i, q, qk_scale, kv_ptr, bt_ptr, start, kv_end, q_pos, kvh_
     p = tl.math.exp2(qk - m_safe[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if UNPACK == 1 or UNPACK == 3:
+    if UNPACK == 8 or UNPACK == 9:
+        # V pages stored transposed: a block's V half is [H_kv, D, BS] (each head's codes key-contiguous per
+        # dim), so the [D, keys] tile is K-major for the PV dot, as K's tile is for QK^T: one shared-memory
+        # crossing (cp.async, then the operand's own loads), no 16-bit store and ldmatrix.trans round trip
+        voff = blk * stride_blk + stride_kv + kvh_off * BS + kv_pos % BS
+        if MASKED:
+            vt = tl.load(kv_ptr + voff[None, :] + offs_d[:, None] * BS, mask=n_mask[None, :] & d_mask[:, None],
+                         other=0.0)
+        else:
+            vt = tl.load(kv_ptr + voff[None, :] + offs_d[:, None] * BS, mask=d_mask[:, None], other=0.0)
+        if UNPACK == 9:  # P and V both e4m3 for the PV dot (P in [0, 1]: e4m3's 3 mantissa bits)
+            v = tl.trans(vt)
+        else:
+            v = tl.trans(vt.to(q.dtype))
+    elif UNPACK == 1 or UNPACK == 3:
         if MASKED:
             vw = tl.load(kv_ptr + stride_kv + off[:, None] + offs_h[None, :], mask=n_mask[:, None] & h_mask[None, :],
                          other=0)
@@ -114,6 +128,8 @@ def _tile(acc, l_i, m_i, q, qk_scale, kv_ptr, bt_ptr, start, kv_end, q_pos, kvh_
             v = v.to(q.dtype)
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    elif UNPACK == 9:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=tl.float32)
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return acc, l_i, m_new
