@@ -130,8 +130,8 @@ def main() -> int:
 
 
 def _v_transposed(variant: str) -> bool:
-    """The variant reads V pages stored transposed (``fp8_unpack=8`` / ``9``)."""
-    return any(f.replace(" ", "") in ("fp8_unpack=8", "fp8_unpack=9") for f in variant.split(","))
+    """The variant reads V pages stored transposed (``fp8_unpack=8``)."""
+    return any(f.replace(" ", "") == "fp8_unpack=8" for f in variant.split(","))
 
 
 def v_transposed(kv):

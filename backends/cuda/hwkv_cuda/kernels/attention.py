@@ -89,20 +89,21 @@ def _tile(acc, l_i, m_i, q, qk_scale, kv_ptr, bt_ptr, start, kv_end, q_pos, kvh_
     p = tl.math.exp2(qk - m_safe[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if UNPACK == 8 or UNPACK == 9:
+    if UNPACK == 8:
         # V pages stored transposed: a block's V half is [H_kv, D, BS] (each head's codes key-contiguous per
         # dim), so the [D, keys] tile is K-major for the PV dot, as K's tile is for QK^T: one shared-memory
         # crossing (cp.async, then the operand's own loads), no 16-bit store and ldmatrix.trans round trip
         voff = blk * stride_blk + stride_kv + kvh_off * BS + kv_pos % BS
+        VC: tl.constexpr = min(BS, offs_n.shape[0])
+        if not WINDOW:  # every tile starts at a multiple of BLOCK_N (lo_kv: whole tiles per split), so a block's
+            # keys are runs of VC consecutive, 16-aligned bytes: vector copies, not byte loads
+            voff = tl.max_contiguous(tl.multiple_of(voff, VC), VC)
         if MASKED:
             vt = tl.load(kv_ptr + voff[None, :] + offs_d[:, None] * BS, mask=n_mask[None, :] & d_mask[:, None],
                          other=0.0)
         else:
             vt = tl.load(kv_ptr + voff[None, :] + offs_d[:, None] * BS, mask=d_mask[:, None], other=0.0)
-        if UNPACK == 9:  # P and V both e4m3 for the PV dot (P in [0, 1]: e4m3's 3 mantissa bits)
-            v = tl.trans(vt)
-        else:
-            v = tl.trans(vt.to(q.dtype))
+        v = tl.trans(vt).to(q.dtype)  # transposed first: the cast then runs on the dot operand's own registers
     elif UNPACK == 1 or UNPACK == 3:
         if MASKED:
             vw = tl.load(kv_ptr + stride_kv + off[:, None] + offs_h[None, :], mask=n_mask[:, None] & h_mask[None, :],
@@ -128,8 +129,6 @@ def _tile(acc, l_i, m_i, q, qk_scale, kv_ptr, bt_ptr, start, kv_end, q_pos, kvh_
             v = v.to(q.dtype)
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    elif UNPACK == 9:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=tl.float32)
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return acc, l_i, m_new
