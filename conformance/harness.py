@@ -23,6 +23,7 @@ from hwkv.interfaces import (
     KVCache,
     KVCacheSpec,
 )
+from hwkv.interfaces.kv_quant import is_quantized, v_token_view
 from hwkv.testing.paged import random_block_tables
 
 NUM_LAYERS = 2
@@ -83,6 +84,8 @@ def read_tokens(kv: KVCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     s = kv.spec
     lk = kv.layer(layer)
     k, v = lk if isinstance(lk, tuple) else (lk[:, 0], lk[:, 1])
+    if is_quantized(v.dtype):  # fp8 V pages are stored [H_kv, D, block_size] (hwkv.interfaces.kv_quant)
+        v = v_token_view(v)
     n = s.num_blocks * s.block_size
     return k.reshape(n, s.num_kv_heads, s.head_size).cpu(), v.reshape(n, s.num_kv_heads, s.head_size).cpu()
 

@@ -4,7 +4,8 @@
 The contract (:mod:`hwkv.interfaces.kv_quant`): ``write_kv`` stores ``clamp(x / scale, -448, 448)``
 rounded to nearest-even, per KV head scale, K and V each their own; ``forward`` reads ``q * scale``.
 * KV write: the stored bytes must equal the reference's **exactly** (the same fp32 division and
-  rounding), with per-head scales that are not 1.0 and values that saturate.
+  rounding), with per-head scales that are not 1.0 and values that saturate, in the page layout the
+  contract declares (V pages ``[H_kv, D, block_size]``: the pages are compared as stored too).
 * Attention over an fp8 cache: compared with the reference reading the same fp8 cache in float32,
   at the query dtype's attention tolerance (the dequantised values are identical on both sides, so
   fp8 adds no error between backend and oracle; fp8's own error against unquantised KV is a
@@ -66,8 +67,11 @@ def test_fp8_write_kv(backend, reference, check, gen, dtype, block_size, pattern
         impl.write_kv(k[: len(slots)].to(dev), v[: len(slots)].to(dev), kv.layer(LAYER), slots.to(dev))
         b.device.synchronize()
         out.extend(t.contiguous().view(torch.uint8) for layer in range(NUM_LAYERS) for t in read_tokens(kv, layer))
+        # and the pages byte for byte as stored: V's are [H_kv, D, block_size] (hwkv.interfaces.kv_quant)
+        out.extend(t.cpu().contiguous().view(torch.uint8) for layer in range(NUM_LAYERS)
+                   for t in (kv.layer(layer) if isinstance(kv.layer(layer), tuple) else (kv.layer(layer),)))
     check.close(torch.cat([t.flatten() for t in got]).float(), torch.cat([t.flatten() for t in want]).float(),
-                dtype, "kv_write", "fp8 KV bytes (K, V of every layer; uint8 codes)")
+                dtype, "kv_write", "fp8 KV bytes (K, V of every layer by token, then the pages as stored; uint8 codes)")
 
 
 @pytest.mark.parametrize("gqa", ["4", "mqa"], ids=["gqa4", "mqa"])

@@ -160,3 +160,27 @@ def test_paired_addresses_rejects_mismatches():
     two = KVCache.allocate(KVCacheSpec(2, 4, 4, 2, 8, torch.float16), KVLayoutKind.PER_LAYER)
     with pytest.raises(ValueError, match="1 KV tensors here but 2 at the destination"):
         a.paired_addresses(two, [0], [0])
+
+
+def test_fp8_v_pages_are_stored_transposed():
+    """The fp8 page format (hwkv.interfaces.kv_quant): K token-major, V ``[H_kv, D, block_size]`` per block.
+    The reference write puts V's code of (token t, head h, dim d) at byte ``h * D * bs + d * bs + t`` of the
+    block's V half, and ``v_token_view`` reads it back token-major."""
+    from hwkv.interfaces.kv_quant import FP8_E4M3, quantize, v_token_view
+    from hwkv.reference.attention import write_kv
+
+    nb, bs, hkv, d = 3, 4, 2, 8
+    kv = torch.zeros(nb, 2, bs, hkv, d, dtype=FP8_E4M3)
+    g = torch.Generator().manual_seed(0)
+    key, value = torch.randn(2, hkv, d, generator=g), torch.randn(2, hkv, d, generator=g)
+    write_kv(key, value, kv, torch.tensor([6, 1]))  # block 1 token 2, block 0 token 1
+    raw = kv.view(torch.uint8)
+    want_v = quantize(value, 1.0).view(torch.uint8)
+    for row, (blk, t) in enumerate(((1, 2), (0, 1))):
+        assert torch.equal(raw[blk, 0, t], quantize(key[row], 1.0).view(torch.uint8))  # K token-major
+        page = raw[blk, 1].flatten()
+        for h in range(hkv):
+            for dim in range(d):
+                assert page[h * d * bs + dim * bs + t] == want_v[row, h, dim]
+        assert torch.equal(v_token_view(kv[:, 1])[blk, t].view(torch.uint8), want_v[row])
+    assert int((raw[:, 1] != 0).sum()) == int((want_v != 0).sum())  # nothing else written

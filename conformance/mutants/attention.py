@@ -10,7 +10,7 @@ import torch
 
 from conformance.mutants.base import mutant
 from hwkv.interfaces import AttentionMetadata, AttentionMetadataBuilder
-from hwkv.interfaces.kv_quant import is_quantized
+from hwkv.interfaces.kv_quant import is_quantized, v_token_view
 from hwkv.reference import ReferenceAttentionImpl
 from hwkv.reference.attention import split_kv
 
@@ -24,6 +24,8 @@ class VendorImpl(ReferenceAttentionImpl):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_kv: Any,
                 metadata: Any) -> torch.Tensor:
         k_cache, v_cache = split_kv(layer_kv)
+        if is_quantized(v_cache.dtype):  # fp8 V pages are stored [H_kv, D, block_size] (hwkv.interfaces.kv_quant)
+            v_cache = v_token_view(v_cache)
         bs = k_cache.shape[1]
         q_all = self.read_query(query)
         out = torch.zeros(query.shape, dtype=query.dtype)

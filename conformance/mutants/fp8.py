@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from conformance.mutants.base import mutant
-from hwkv.interfaces.kv_quant import FP8_E4M3_MAX
+from hwkv.interfaces.kv_quant import FP8_E4M3_MAX, v_token_view
 from hwkv.reference import ReferenceAttentionImpl
 from hwkv.reference.attention import paged_attention, split_kv
 
@@ -25,7 +25,7 @@ def _writer(name: str, quant: Any) -> type[ReferenceAttentionImpl]:
         bs = k_cache.shape[1]
         keep = slots >= 0
         s = slots[keep]
-        for cache, x, scale in ((k_cache, key, sc[0]), (v_cache, value, sc[1])):
+        for cache, x, scale in ((k_cache, key, sc[0]), (v_token_view(v_cache), value, sc[1])):
             cache[s // bs, s % bs] = quant(x[: slots.numel()][keep].float(), scale).to(cache.dtype)
 
     return type(f"FP8Write_{name}", (ReferenceAttentionImpl,), {"write_kv": write_kv})

@@ -152,7 +152,8 @@ def moved_bytes(mdir: Path, be: Any, dtype: str, kd: str, vocab: int, block_size
     """Bytes per KV token the offload and the p2p connector moved for ``kv_cache_dtype=kd``, from their
     counters. Offload: a 4-block prefix, evicted from an 8-block device pool by a filler, comes back
     from the host tier for its 2nd and 3rd user. p2p (pull, tcp on loopback, needs Mooncake's
-    transfer engine): a producer prefills 3 prompts, a consumer loads their full blocks and decodes."""
+    transfer engine): a producer prefills 3 prompts, a consumer loads their full blocks and decodes (an fp8
+    cache's V pages move whole: a load's last, partial block carries its page, hwkv.connectors.p2p.protocol)."""
     import random
 
     import hwkv
@@ -199,7 +200,8 @@ def moved_bytes(mdir: Path, be: Any, dtype: str, kd: str, vocab: int, block_size
             cons.generate([p], sp, use_tqdm=False)
         st = cons.stats()["kv_connector"]
         out["p2p"] = dict(loaded_bytes=st["loaded_bytes"], loaded_tokens=st["external_hit_tokens"],
-                          loaded_bytes_per_token=st["loaded_bytes"] / max(1, st["external_hit_tokens"]))
+                          loaded_bytes_per_token=st["loaded_bytes"] / max(1, st["external_hit_tokens"]),
+                          loads=len(work[1::2]))
     finally:
         prod.close()
         cons.close()

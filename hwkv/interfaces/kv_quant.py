@@ -9,6 +9,11 @@ They default to 1.0 (vLLM's default when a checkpoint carries none); a checkpoin
 ``v_scale`` tensors are used when present, and ``Engine(kv_cache_scales=...)`` sets calibrated ones.
 ``"auto"`` stores KV in the model's dtype. These functions are the oracle every
 backend's kernels are compared against (conformance, ``docs/fp8-kv-cache.md``).
+
+Page layout: a quantised cache's K pages are token-major like a 16-bit cache's (``[block_size, H_kv, D]``
+per block), its V pages are stored **transposed**, ``[H_kv, D, block_size]`` in the same bytes: each
+head's codes key-contiguous per dimension, so the P.V product reads V with the keys (its reduction
+dim) contiguous, as an 8-bit operand needs (:func:`v_token_view` is the token-major view of them).
 """
 
 from __future__ import annotations
@@ -33,6 +38,17 @@ def kv_storage_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
 
 def is_quantized(dtype: torch.dtype) -> bool:
     return dtype in QUANTIZED
+
+
+def v_token_view(v_pages: torch.Tensor) -> torch.Tensor:
+    """The V half of a quantised cache, ``[num_blocks, block_size, H_kv, D]`` by shape but stored
+    ``[H_kv, D, block_size]`` per block (module docstring), as a token-major view ``[num_blocks,
+    block_size, H_kv, D]`` of the same memory: ``view[b, t, h, d]`` is the code of token ``t``, head ``h``,
+    dim ``d``. Reads and (indexed) writes through it land on the transposed bytes."""
+    nb, bs, hkv, d = v_pages.shape
+    if v_pages.stride()[1:] != (hkv * d, d, 1):
+        raise ValueError(f"V pages must be contiguous within a block, got strides {v_pages.stride()}")
+    return v_pages.as_strided((nb, bs, hkv, d), (v_pages.stride(0), 1, d * bs, bs))
 
 
 def kv_dtype_name(dtype: torch.dtype) -> str:

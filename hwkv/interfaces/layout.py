@@ -146,14 +146,16 @@ class KVCache:
     def format_key(self) -> str:
         """What the bytes of a block mean beyond its shape: the storage dtype and, when quantised, a
         digest of the scales. Two caches may exchange blocks only when their keys are equal (pool
-        keys and P/D handshakes include it): ``"bfloat16"``, or ``"fp8_e4m3-s<16 hex of the scales' sha256>"``."""
+        keys and P/D handshakes include it): ``"bfloat16"``, or ``"fp8_e4m3-vt-s<16 hex of the scales' sha256>"``
+        (``vt``: V pages stored ``[H_kv, D, block_size]``, :mod:`hwkv.interfaces.kv_quant`; a cache of the earlier
+        token-major fp8 pages had no ``vt`` and never matches)."""
         name = kv_dtype_name(self.spec.dtype)
         if self.scales is None:
             return name
         import hashlib
 
         digest = hashlib.sha256(self.scales.detach().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
-        return f"{name}-s{digest}"  # no ':' or '@' (pool keys use them as separators)
+        return f"{name}-vt-s{digest}"  # no ':' or '@' (pool keys use them as separators)
 
     @classmethod
     def allocate(

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from hwkv.interfaces.attention import AttentionBackend, AttentionImpl
-from hwkv.interfaces.kv_quant import is_quantized, quantize
+from hwkv.interfaces.kv_quant import is_quantized, quantize, v_token_view
 from hwkv.interfaces.layout import KVLayoutKind
 
 SCORE_BUDGET = 1 << 24  # elements of one group's padded score tensor (64 MiB in float32)
@@ -64,10 +64,10 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, layer_kv: Any, slot_mapping
         keep = slot_mapping >= 0
         slots, k_new, v_new = slot_mapping[keep].long(), key[:n][keep], value[:n][keep]
     blk, off = slots // bs, slots % bs
-    if is_quantized(k_cache.dtype):
+    if is_quantized(k_cache.dtype):  # V pages stored [H_kv, D, block_size] (hwkv.interfaces.kv_quant)
         ks, vs = (scales[0], scales[1]) if scales is not None else (1.0, 1.0)
         k_cache[blk, off] = quantize(k_new, ks, k_cache.dtype)
-        v_cache[blk, off] = quantize(v_new, vs, v_cache.dtype)
+        v_token_view(v_cache)[blk, off] = quantize(v_new, vs, v_cache.dtype)
         return
     k_cache[blk, off] = k_new.to(k_cache.dtype)
     v_cache[blk, off] = v_new.to(v_cache.dtype)
@@ -225,7 +225,10 @@ def paged_attention(
     dev = k_cache.device
     group = h // hkv
     interleaved = isinstance(layer_kv, torch.Tensor)
-    if interleaved:
+    if is_quantized(k_cache.dtype):  # V pages stored transposed: gather whole blocks through the token view
+        v_cache = v_token_view(v_cache)
+        rows = v_rows = None
+    elif interleaved:
         rows = layer_kv.view(-1, d) if layer_kv.is_contiguous() else None
         v_rows = None
     elif k_cache.is_contiguous() and v_cache.is_contiguous():

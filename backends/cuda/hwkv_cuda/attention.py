@@ -297,8 +297,9 @@ class TritonAttentionImpl(AttentionImpl):
         if fp8 and prefetch:
             unpack = 7  # its fp16 dots (the query in fp16 once per program); the loop casts rows itself
         kv = layer_kv.view(torch.int16) if fp8 and words and unpack else layer_kv  # two codes per word
-        if unpack == 8 and (kv.stride(3) != d or kv.stride(2) != hkv * d):
-            raise ValueError("fp8_unpack 8 reads V pages stored [H_kv, D, block_size]: a contiguous block is needed")
+        if fp8 and (layer_kv.stride(3) != d or layer_kv.stride(2) != hkv * d):
+            raise ValueError("an fp8 cache's V pages are [H_kv, D, block_size] (hwkv.interfaces.kv_quant): its blocks "
+                             f"must be contiguous, got strides {layer_kv.stride()}")
         one_tile = splits > 1 and -(-max(c.max_seq_len, 1) // splits) <= cfg.block_n  # every split one tile
         early = (one_tile if cfg.early < 0 else bool(cfg.early)) and cfg.block_q == 1 and md.one_token and not fp8 \
             and not prefetch

@@ -45,14 +45,15 @@ class TileConfig:
     # past 65,535 keep the q-major grid)
     direct: int = 1  # a step of one query token per request maps program to request without the binary search over
     # query_start_loc (0: search anyway, for A/B runs)
-    fp8_unpack: int = 0  # how an fp8 cache is read: 0 e4m3 tiles cast (K as [D, keys]); 1 int16 words of
-    # two codes unpacked in registers (even head sizes); 2 e4m3 rows cast, K transposed after the cast; 3 as 1,
-    # with fp16 dots for a bf16 query (the query scaled by 2^-8 into fp16 once per program); 4 as 0 and 6 as 2,
-    # the tiles cast to fp16 (one cvt.rn.f16x2.e4m3x2 per two codes on sm_89+) with 3's fp16 dots; 7 as 4 with
-    # V cast in its loaded rows before the operand layout change (ldmatrix.trans, not byte gathers)
+    fp8_unpack: int = 0  # how an fp8 cache's K is read (V always as [D, keys] tiles of its transposed pages,
+    # hwkv.interfaces.kv_quant): 0 e4m3 tiles cast (K as [D, keys]); 1 int16 words of two codes unpacked in
+    # registers (even head sizes); 2 e4m3 rows cast, K transposed after the cast; 3 as 1, with fp16 dots for a
+    # bf16 query (the query scaled by 2^-8 into fp16 once per program); 4 as 0 and 6 as 2, the tiles cast to fp16
+    # (one cvt.rn.f16x2.e4m3x2 per two codes on sm_89+) with 3's fp16 dots; 7 as 4 (it cast token-major V in its
+    # loaded rows, before V's pages were transposed)
     prefetch: int = 0  # a decode tile (block_q 1) streams K/V software-pipelined by hand: the next tile's K/V rows
     # load while this tile's dots run, from block ids loaded one tile earlier (kernels/attention.py, PREFETCH);
-    # over an fp8 cache its rows are cast to fp16 for fp16 dots (as fp8_unpack 7)
+    # over an fp8 cache its tiles are cast to fp16 for fp16 dots (as fp8_unpack 7)
     early: int = -1  # a pure decode (one query token per request) over a 16-bit cache loads its first K/V tile before
     # the PDL wait and only the query and this step's own K/V rows after it, and merges its splits in one pass
     # (kernels/attention.py, EARLY). -1 (auto): where every split is one tile (a small batch up to ~8k keys); H200,
@@ -113,6 +114,12 @@ def choose_config(max_query_len: int, group: int, head_size: int, dtype: torch.d
     (bf16 at its default tiles 521 µs, its best of five 505): the 16-row decode tile over 4 warps spends its
     time in cross-warp reductions and layout changes, not bytes (4 -> 2 warps alone: 497 from 595 µs in the
     prefetch probe; 8 warps: 855). Shorter splits and head 128 keep the tiles above (not measured with two warps).
+    Since V pages are stored transposed (hwkv.interfaces.kv_quant, session 9) that tile takes **one warp** and
+    ``split_target=15``: 8 splits of the 256 (request, KV head) pairs at 32 x 32k, 2,048 programs in two whole waves of
+    8 per SM (246 registers), no cross-warp softmax. H200, one layer at 32 x 32k, same run (bench/results/
+    issue36-s9-fp8-b2-H200-2026-11-29-26c4c8a.json): token-major V at the two-warp tile 420 / 418 µs, transposed V
+    at the same tile 445 (batch 1), at one warp 410 (9 splits), **395** (8 splits), 400 (4 splits), two warps with
+    6 splits 405; bf16 535.
 
     A step of many tokens whose q blocks are mostly requests shorter than one block (``short``: decodes beside a
     prefill chunk, see ``CudaAttentionMetadata.mostly_short``) takes 64-row tiles instead of 128: a decode fills
@@ -156,10 +163,10 @@ def choose_config(max_query_len: int, group: int, head_size: int, dtype: torch.d
         if full and not split and not wide_kv and not narrow and head_size <= 64:
             cfg.update(block_n=64, num_warps=1, head_major=1)  # a full grid of unsplit decodes (docstring)
         if wide_kv and split and head_size <= 64 and seg >= FP8_LONG_SPLIT:
-            # fp8, a full grid of long splits (docstring): two warps per program, 64-key tiles cast in rows,
-            # five stages (two K/V buffers in flight behind the block-table load), twice the splits, the
-            # KV heads of a request side by side
-            cfg.update(block_n=64, fp8_unpack=7, num_warps=2, num_stages=5, split_target=16, head_major=1)
+            # fp8, a full grid of long splits (docstring): one warp per program, 64-key tiles, five stages (two
+            # K/V buffers in flight behind the block-table load), 15 programs per SM's worth of splits (whole
+            # waves at 8 programs per SM), the KV heads of a request side by side
+            cfg.update(block_n=64, fp8_unpack=7, num_warps=1, num_stages=5, split_target=15, head_major=1)
     else:
         block_m = max(64 if narrow or short else 128, hpad)
         if narrow:

@@ -13,7 +13,7 @@ from hwkv_cuda.decode_ops import TritonDecodeOps  # noqa: E402
 from naive import paged_case  # noqa: E402
 from test_kernels import CASES  # noqa: E402
 
-from hwkv.interfaces.kv_quant import FP8_E4M3  # noqa: E402
+from hwkv.interfaces.kv_quant import FP8_E4M3, v_token_view  # noqa: E402
 from hwkv.model.decode_ops import TorchDecodeOps  # noqa: E402
 from hwkv.reference.attention import ReferenceAttentionBackend, paged_attention  # noqa: E402
 from hwkv.reference.attention import write_kv as ref_write_kv  # noqa: E402
@@ -138,7 +138,9 @@ def test_reference_impl_reads_what_it_wrote():
     q, kv, md, tables = paged_case(qlens, slens, h, hkv, d, bs, seed=5, device=DEV)
     scales = _scales(hkv, 5)
     cache = _fp8_cache(kv, scales)
-    deq = cache.float() * torch.stack([scales[0], scales[1]])[None, :, None, :, None]
+    # token-major values: the V pages' codes through their token view ([H_kv, D, block_size] stored)
+    deq = torch.stack([cache[:, 0].float(), v_token_view(cache[:, 1]).float()], 1)
+    deq = deq * torch.stack([scales[0], scales[1]])[None, :, None, :, None]
     impl = ReferenceAttentionBackend().make_impl(h, d, hkv, d**-0.5)
     impl.kv_scales = scales
     got = impl.forward(q.to(DEV), None, None, cache, md)

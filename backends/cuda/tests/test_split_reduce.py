@@ -188,11 +188,11 @@ def test_short_splits_run_as_one_tile(monkeypatch):
     assert choose_config(1, 4, 128, bf16, kv_elem=1).block_n == 128
     fp8 = choose_config(1, 4, 64, bf16, split=True, seg=512, kv_elem=1)
     assert (fp8.block_n, fp8.fp8_unpack) == (256, 6)
-    # splits of >= FP8_LONG_SPLIT keys at head <= 64 (32 x 32k): 2 warps, 64-key rows cast, 5 stages, twice the
-    # splits, head-major; head 128 keeps its tile
+    # splits of >= FP8_LONG_SPLIT keys at head <= 64 (32 x 32k): 1 warp, 64-key tiles, 5 stages, split_target 15
+    # (whole waves of 8 programs per SM), head-major; head 128 keeps its tile
     fp8 = choose_config(1, 4, 64, bf16, split=True, seg=FP8_LONG_SPLIT, kv_elem=1)
     assert (fp8.block_n, fp8.fp8_unpack, fp8.num_warps, fp8.num_stages, fp8.split_target, fp8.head_major) == (
-        64, 7, 2, 5, 16, 1)
+        64, 7, 1, 5, 15, 1)
     assert choose_config(1, 4, 64, bf16, split=True, seg=FP8_LONG_SPLIT - 1, kv_elem=1).block_n == 256
     assert choose_config(1, 4, 64, bf16, split=True, seg=FP8_LONG_SPLIT).num_warps == 4  # a 16-bit cache
     fp8 = choose_config(1, 4, 128, bf16, split=True, seg=4096, kv_elem=1)

@@ -255,6 +255,10 @@ def incompatibility(mine: Layout, theirs: Layout) -> str:
     why = group_mismatch(mine, theirs)
     if why:
         return why
+    if _v_pages(mine) and mine.block_size != theirs.block_size:
+        return (f"block sizes differ ({mine.block_size} at engine {mine.engine_id}, {theirs.block_size} at engine "
+                f"{theirs.engine_id}) and an fp8 cache's V pages are [H_kv, D, block_size] (whole pages move; allowed: "
+                "the same block size)")
     if mine.total_heads != theirs.total_heads:
         return (f"the models' KV heads differ: {mine.total_heads} at engine {mine.engine_id}, {theirs.total_heads} "
                 f"at engine {theirs.engine_id}")
@@ -308,13 +312,19 @@ def _unit(lay: Layout, layer: int, kv: int, block: int) -> int:
     return lay.bases[0] + block * lay.block_nbytes[0] + (2 * layer + kv) * unit
 
 
+def _v_pages(lay: Layout) -> bool:
+    """The layout's V units are stored ``[H_kv, D, block_size]`` (an fp8 cache, :mod:`hwkv.interfaces.kv_quant`;
+    its format key carries ``-vt-``), not token-major."""
+    return "-vt-" in lay.dtype
+
+
 def _elem(lay: Layout) -> int:
     unit_bytes = lay.block_nbytes[0] // (lay.block_size * lay.num_kv_heads * lay.head_size)
     return unit_bytes // {PER_LAYER: 2, SEPARATE_KV: 1, CROSS_LAYER: 2 * lay.num_layers}[lay.layout]
 
 
 def pair_segments(src: Layout, dst: Layout, src_blocks: list[int], dst_blocks: list[int], start: int, end: int,
-                  layers: Sequence[int] | None = None, heads: HeadSlice | None = None
+                  layers: Sequence[int] | None = None, heads: HeadSlice | None = None, last: int | None = None
                   ) -> tuple[list[int], list[int], list[int]]:
     """``(src_ptrs, dst_ptrs, lengths)`` moving the KV of tokens ``[start, end)`` (positions in the
     request; ``src_blocks``/``dst_blocks`` are each side's block ids of the request in order) of
@@ -323,6 +333,10 @@ def pair_segments(src: Layout, dst: Layout, src_blocks: list[int], dst_blocks: l
     ``heads`` (heterogeneous tensor parallelism, a :func:`hwkv.parallel.kv_mapping.map_kv_heads`
     slice): only those heads, from their index in the source's blocks to theirs in the
     destination's; each token is then its own range unless the slice spans both sides' heads.
+
+    An fp8 cache's V pages (``[H_kv, D, block_size]``, :mod:`hwkv.interfaces.kv_quant`) move whole: each
+    block's page with the run holding its last token before ``last`` (the whole load's end; default ``end``),
+    so a load cut into runs (parts, chunked layerwise writes) moves every page once, after all its tokens exist.
 
     Vectorized (numpy): an 8k-token prompt of a 32-layer model in 16-token blocks is ~32k pieces,
     which a Python loop took tens of milliseconds to list — more than the NVLink copy itself."""
@@ -350,6 +364,12 @@ def pair_segments(src: Layout, dst: Layout, src_blocks: list[int], dst_blocks: l
     d_off = np.asarray(dst_blocks, np.int64)[db], do * d_tok + h_dst * head
     su, ss = _units(src, layers)
     du, ds = _units(dst, layers)
+    pages = _v_pages(src)
+    if pages:  # V units hold [H_kv, D, block_size] pages: whole pages of every block the tokens touch, below
+        if src.block_size != dst.block_size:
+            raise ValueError(f"fp8 V pages move whole: block sizes {src.block_size} and {dst.block_size} differ")
+        vu = (su[1::2], ss[1::2], du[1::2], ds[1::2])
+        su, ss, du, ds = su[0::2], ss[0::2], du[0::2], ds[0::2]
     # [unit, run] addresses: unit base + block * block stride + offset in the block
     s0 = (su[:, None] + ss[:, None] * s_off[0][None, :] + s_off[1][None, :]).ravel()
     d0 = (du[:, None] + ds[:, None] * d_off[0][None, :] + d_off[1][None, :]).ravel()
@@ -360,6 +380,17 @@ def pair_segments(src: Layout, dst: Layout, src_blocks: list[int], dst_blocks: l
         tok = np.arange(int(runs.sum()), dtype=np.int64) - np.repeat(np.cumsum(runs) - runs, runs)
         s0, d0 = np.repeat(s0, runs) + tok * s_tok, np.repeat(d0, runs) + tok * d_tok
         ln = np.full(len(s0), nh * head, np.int64)
+    if pages:
+        # a head's V page is head * block_size contiguous bytes: the slice's heads are one piece per block. The
+        # first and last blocks' tokens outside [start, end) move too: at the destination those positions are
+        # either this request's own earlier tokens (the same prompt, already there) or not yet written
+        page, bs = head * src.block_size, src.block_size
+        blk = np.arange(start // bs, -(-end // bs))
+        blk = blk[(np.minimum((blk + 1) * bs, max(end, last or end)) - 1 < end) & ((blk + 1) * bs > start)]
+        sb_v, db_v = np.asarray(src_blocks, np.int64)[blk], np.asarray(dst_blocks, np.int64)[blk]
+        s0 = np.concatenate((s0, (vu[0][:, None] + vu[1][:, None] * sb_v[None, :]).ravel() + h_src * page))
+        d0 = np.concatenate((d0, (vu[2][:, None] + vu[3][:, None] * db_v[None, :]).ravel() + h_dst * page))
+        ln = np.concatenate((ln, np.full(len(vu[0]) * len(blk), nh * page, np.int64)))
     order = np.argsort(s0, kind="stable")  # source address order: runs contiguous on both sides become neighbours
     s0, d0, ln = s0[order], d0[order], ln[order]
     joins = (s0[1:] == s0[:-1] + ln[:-1]) & (d0[1:] == d0[:-1] + ln[:-1])
@@ -396,7 +427,7 @@ def kv_segments(src: Layout, dst: Layout, src_blocks: list[list[int]], dst_block
     (the consumer's) blocks; a block it needs that the source no longer holds (its null block, id 0)
     is an error. ``layers``: the model's layers (a layerwise write: the one its group holds)."""
     if not src.groups:
-        return pair_segments(src, dst, src_blocks[0], dst_blocks[0], start, end, layers, heads)
+        return pair_segments(src, dst, src_blocks[0], dst_blocks[0], start, end, layers, heads, load_end)
     if len(src_blocks) != len(src.groups) or len(dst_blocks) != len(src.groups):
         raise ValueError(f"block ids for {len(src_blocks)} and {len(dst_blocks)} KV-cache groups, the layout has "
                          f"{len(src.groups)}")
@@ -416,7 +447,7 @@ def kv_segments(src: Layout, dst: Layout, src_blocks: list[list[int]], dst_block
                 if 0 in need:
                     raise ValueError(f"engine {lay.engine_id} no longer holds window-{grp.window} group blocks of "
                                      f"tokens [{lo}, {end}) (they left the window)")
-        seg = pair_segments(src.group(g), dst.group(g), src_blocks[g], dst_blocks[g], lo, end, mine, heads)
+        seg = pair_segments(src.group(g), dst.group(g), src_blocks[g], dst_blocks[g], lo, end, mine, heads, load_end)
         for acc, part in zip(out, seg):
             acc += part
     return out

@@ -89,49 +89,51 @@ def _tile(acc, l_i, m_i, q, qk_scale, kv_ptr, bt_ptr, start, kv_end, q_pos, kvh_
     p = tl.math.exp2(qk - m_safe[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if UNPACK == 8:
-        # V pages stored transposed: a block's V half is [H_kv, D, BS] (each head's codes key-contiguous per
-        # dim), so the [D, keys] tile is K-major for the PV dot, as K's tile is for QK^T: one shared-memory
-        # crossing (cp.async, then the operand's own loads), no 16-bit store and ldmatrix.trans round trip
-        voff = blk * stride_blk + stride_kv + kvh_off * BS + kv_pos % BS
-        VC: tl.constexpr = min(BS, offs_n.shape[0])
-        if not WINDOW:  # every tile starts at a multiple of BLOCK_N (lo_kv: whole tiles per split), so a block's
-            # keys are runs of VC consecutive, 16-aligned bytes: vector copies, not byte loads
+    if KV_FP8:
+        # V pages are stored transposed (hwkv.interfaces.kv_quant): a block's V half is [H_kv, D, BS], each
+        # head's codes key-contiguous per dim, so the [D, keys] tile is K-major for the PV dot, as K's tile is
+        # for QK^T: one shared-memory crossing (cp.async, then the operand's own loads and a register cast),
+        # where token-major V rows took three (the copy, a cast and 16-bit store, ldmatrix.trans)
+        if UNPACK == 1 or UNPACK == 3:  # kv_ptr is an int16 view: its offsets count words
+            kv8_ptr = kv_ptr.to(tl.pointer_type(tl.float8e4nv), bitcast=True)
+            voff = 2 * (blk * stride_blk + stride_kv + kvh_off * BS) + kv_pos % BS
+        else:
+            kv8_ptr = kv_ptr  # (a cast pointer would lose its 16-byte alignment: byte loads)
+            voff = blk * stride_blk + stride_kv + kvh_off * BS + kv_pos % BS
+        # Every tile starts at a multiple of BLOCK_N without a window (lo_kv: whole tiles per split), so the keys
+        # run in groups of gcd(BS, BLOCK_N) consecutive bytes of one page, as aligned: vector copies, not byte loads
+        N: tl.constexpr = offs_n.shape[0]  # (block sizes and key tiles are multiples of 16 here: 16 divides the gcd)
+        VC: tl.constexpr = (BS if N % BS == 0 else (N if BS % N == 0 else 16)) if BS % 16 == 0 and N % 16 == 0 else 1
+        if not WINDOW and VC > 1:
             voff = tl.max_contiguous(tl.multiple_of(voff, VC), VC)
         if MASKED:
-            vt = tl.load(kv_ptr + voff[None, :] + offs_d[:, None] * BS, mask=n_mask[None, :] & d_mask[:, None],
-                         other=0.0)
+            v = _vt_tile(kv8_ptr, voff, offs_d, d_mask, n_mask, BS, True)
         else:
-            vt = tl.load(kv_ptr + voff[None, :] + offs_d[:, None] * BS, mask=d_mask[:, None], other=0.0)
-        v = tl.trans(vt).to(q.dtype)  # transposed first: the cast then runs on the dot operand's own registers
-    elif UNPACK == 1 or UNPACK == 3:
-        if MASKED:
-            vw = tl.load(kv_ptr + stride_kv + off[:, None] + offs_h[None, :], mask=n_mask[:, None] & h_mask[None, :],
-                         other=0)
-        else:
-            vw = tl.load(kv_ptr + stride_kv + off[:, None] + offs_h[None, :], mask=h_mask[None, :], other=0)
-        v = _unpack_e4m3(vw, q.dtype)
+            v = _vt_tile(kv8_ptr, voff, offs_d, d_mask, None, BS, False)
+        v = v.to(q.dtype)  # transposed first: the cast then runs on the dot operand's own registers
     else:
         if MASKED:
             v = tl.load(kv_ptr + stride_kv + off[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :],
                         other=0.0)
         else:
             v = tl.load(kv_ptr + stride_kv + off[:, None] + offs_d[None, :], mask=d_mask[None, :], other=0.0)
-        if KV_FP8 and UNPACK == 7:
-            # V is the dot's B operand with the keys as its K dimension, but each key's D codes are the
-            # contiguous bytes: cast in the loaded row layout (16-byte shared loads, cvt.rn.f16x2.e4m3x2),
-            # and the 16-bit tile then reaches the MMA by ldmatrix.trans. Without the select (a no-op:
-            # lanes past HEAD_SIZE were loaded as 0), Triton moves the cast after the operand layout
-            # change, which gathers V's codes from shared memory one byte at a time (sm_90, 128 keys: 64
-            # LDS.U8 per thread a tile, 717 instructions a warp against 569, 154 registers against 104)
-            v = tl.where(d_mask[None, :], v.to(q.dtype), 0.0)
-        elif KV_FP8:
-            v = v.to(q.dtype)
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return acc, l_i, m_new
+
+
+@triton.jit
+def _vt_tile(kv8_ptr, voff, offs_d, d_mask, n_mask, BS: tl.constexpr, MASKED: tl.constexpr):
+    """V's ``[keys, D]`` e4m3 tile from transposed pages: ``voff`` ``[keys]`` is each key's byte in its
+    block's ``[H_kv, D, BS]`` V half at dim 0 (dim ``d`` is ``d * BS`` further). Loaded as ``[D, keys]``.
+    The caller gives ``voff``'s contiguity hints (made in here they did not reach the load: byte loads)."""
+    if MASKED:
+        vt = tl.load(kv8_ptr + voff[None, :] + offs_d[:, None] * BS, mask=n_mask[None, :] & d_mask[:, None], other=0.0)
+    else:
+        vt = tl.load(kv8_ptr + voff[None, :] + offs_d[:, None] * BS, mask=d_mask[:, None], other=0.0)
+    return tl.trans(vt)
 
 
 @triton.jit
@@ -339,9 +341,8 @@ def attention_kernel(
     if KV_FP8:  # this KV head's dequantisation scales: K's multiplies the scores, V's the output
         qk_scale = qk_scale * tl.load(kv_scale_ptr + kvh)
         v_scale = tl.load(kv_scale_ptr + stride_scale + kvh)
-        if UNPACK == 1 or UNPACK == 3:  # the unpacked values are 2^-8 times the codes' (_e4m3_to_f16)
+        if UNPACK == 1 or UNPACK == 3:  # the unpacked K values are 2^-8 times the codes' (_e4m3_to_f16)
             qk_scale = qk_scale * 256.0
-            v_scale = v_scale * 256.0
         if UNPACK >= 3 and q.dtype == tl.bfloat16:
             # fp16 dots with a bf16 query: no per-tile conversion to bf16 at all (3: the words' codes in
             # fp16 by bit arithmetic; 4 and 6: e4m3 tiles cast to fp16, which sm_89+ does two codes per
@@ -392,15 +393,29 @@ def attention_kernel(
         pos = lo_kv + offs_n
         off, n_mask = _rows(bt_ptr, pos, hi_kv, kvh_off, stride_blk, stride_tok, BS)
         k = tl.load(kv_ptr + off[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-        v = tl.load(kv_ptr + stride_kv + off[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :],
-                    other=0.0)
+        VC: tl.constexpr = (BS if BLOCK_N % BS == 0 else (BLOCK_N if BS % BLOCK_N == 0 else 16)) \
+            if BS % 16 == 0 and BLOCK_N % 16 == 0 else 1  # as in _tile
+        if KV_FP8:  # V pages stored [H_kv, D, BS]: from the row offset to the key's byte in its head's V^T page
+            voff = off + stride_kv + kvh_off * (BS - 1) + (pos % BS) * (1 - stride_tok)
+            if not WINDOW and VC > 1:  # whole tiles from lo_kv (as in _tile)
+                voff = tl.max_contiguous(tl.multiple_of(voff, VC), VC)
+            v = _vt_tile(kv_ptr, voff, offs_d, d_mask, n_mask, BS, True)
+        else:
+            v = tl.load(kv_ptr + stride_kv + off[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :],
+                        other=0.0)
         pos1 = pos + BLOCK_N
         off1, n_mask1 = _rows(bt_ptr, pos1, hi_kv, kvh_off, stride_blk, stride_tok, BS)
         for _ in range(tl.cdiv(tl.maximum(hi_kv - lo_kv, 0), BLOCK_N)):
             k1 = tl.load(kv_ptr + off1[:, None] + offs_d[None, :], mask=n_mask1[:, None] & d_mask[None, :],
                          other=0.0)
-            v1 = tl.load(kv_ptr + stride_kv + off1[:, None] + offs_d[None, :],
-                         mask=n_mask1[:, None] & d_mask[None, :], other=0.0)
+            if KV_FP8:
+                voff = off1 + stride_kv + kvh_off * (BS - 1) + (pos1 % BS) * (1 - stride_tok)
+                if not WINDOW and VC > 1:
+                    voff = tl.max_contiguous(tl.multiple_of(voff, VC), VC)
+                v1 = _vt_tile(kv_ptr, voff, offs_d, d_mask, n_mask1, BS, True)
+            else:
+                v1 = tl.load(kv_ptr + stride_kv + off1[:, None] + offs_d[None, :],
+                             mask=n_mask1[:, None] & d_mask[None, :], other=0.0)
             pos1 = pos1 + BLOCK_N
             off2, n_mask2 = _rows(bt_ptr, pos1, hi_kv, kvh_off, stride_blk, stride_tok, BS)
             acc, l_i, m_i = _tile_regs(acc, l_i, m_i, q, qk_scale, k, v, n_mask, d_mask, cap2, IEEE, KV_FP8,

@@ -58,7 +58,12 @@ def write_kv_kernel(key_ptr, value_ptr, kv_ptr, slot_ptr, num_slots,
         k = to_e4m3_grid(tl.fdiv(k.to(tl.float32), ks, ieee_rounding=True))
         v = to_e4m3_grid(tl.fdiv(v.to(tl.float32), vs, ieee_rounding=True))
     tl.store(dst, k.to(kv_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + stride_kv, v.to(kv_ptr.dtype.element_ty), mask=mask)
+    if KV_FP8:  # V pages stored [H_kv, D, BS] (hwkv.interfaces.kv_quant): keys contiguous per head and dim
+        dst = kv_ptr + blk * stride_blk + stride_kv + tl.maximum(slot, 0) % BS \
+            + offs_h[:, None] * (stride_head * BS) + offs_d[None, :] * BS
+        tl.store(dst, v.to(kv_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(dst + stride_kv, v.to(kv_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

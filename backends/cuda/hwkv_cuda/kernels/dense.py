@@ -112,13 +112,18 @@ def _rows_dot(w, x, offs_m, acc, M_PAD: tl.constexpr):
 
 @triton.jit
 def _store_kv(base, rows, val, s_ok, kv_ptr, N, stride_kv, stride_head, scale_ptr, stride_scale,
-              HEAD: tl.constexpr, Q_N: tl.constexpr, KV_N: tl.constexpr, KV_FP8: tl.constexpr):
+              HEAD: tl.constexpr, Q_N: tl.constexpr, KV_N: tl.constexpr, KV_FP8: tl.constexpr, tok=None,
+              stride_tok=0, BS: tl.constexpr = 1):
     r = rows - Q_N
     is_kv = (r >= 0) & (r < 2 * KV_N) & (rows < N)
     which = tl.where(r >= KV_N, 1, 0)
     rr = tl.where(is_kv, r - which * KV_N, 0)
     dst = base + (which * stride_kv + (rr // HEAD) * stride_head + rr % HEAD)[None, :]
     if KV_FP8:  # as write_kv_kernel: IEEE division by the head's K or V scale, saturated, RNE
+        # V pages stored [H_kv, D, BS] (hwkv.interfaces.kv_quant): V's code of (token t, head h, dim d) at
+        # h * D * BS + d * BS + t of the block's V half, where base holds t * stride_tok
+        vt = (rr // HEAD) * stride_head * (BS - 1) + (rr % HEAD) * (BS - 1)
+        dst += (which * vt)[None, :] + (which[None, :] * (tok * (1 - stride_tok))[:, None])
         s = tl.load(scale_ptr + which * stride_scale + rr // HEAD, mask=is_kv, other=1.0)
         val = to_e4m3_grid(tl.fdiv(val.to(tl.float32), s[None, :], ieee_rounding=True))
     tl.store(dst, val.to(kv_ptr.dtype.element_ty), mask=s_ok & is_kv[None, :])
@@ -169,9 +174,9 @@ def _rope_kv(ya, yb, ca, sa, cb, sb, rot, rows_a, rows_b, slot, m_ok, kv_ptr, nu
     s0 = tl.maximum(slot, 0)
     base = kv_ptr + (s0 // BS)[:, None] * stride_blk + (s0 % BS)[:, None] * stride_tok
     _store_kv(base, rows_a, ya, s_ok, kv_ptr, N, stride_kv, stride_head, scale_ptr, stride_scale, HEAD, Q_N, KV_N,
-              KV_FP8)
+              KV_FP8, s0 % BS, stride_tok, BS)
     _store_kv(base, rows_b, yb, s_ok, kv_ptr, N, stride_kv, stride_head, scale_ptr, stride_scale, HEAD, Q_N, KV_N,
-              KV_FP8)
+              KV_FP8, s0 % BS, stride_tok, BS)
     return ya, yb
 
 
