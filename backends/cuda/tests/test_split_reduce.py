@@ -340,6 +340,7 @@ def test_tiles_are_chosen_once_per_step(monkeypatch):
 @pytest.mark.parametrize("value,bad", [("blockn=64", "'blockn=64'"), ("block_n=wide", "'block_n=wide'"),
                                        ("num_warps", "'num_warps'")])
 def test_bad_override_names_the_item_and_the_allowed_names(value, bad, monkeypatch):
+    from hwkv_cuda.decode_ops import DenseConfig
     from hwkv_cuda.decode_ops import choose_config as dense_config
     from hwkv_cuda.tiles import choose_config
 
@@ -349,8 +350,10 @@ def test_bad_override_names_the_item_and_the_allowed_names(value, bad, monkeypat
         choose_config(1, 4, 128, torch.bfloat16)
     monkeypatch.delenv("HWKV_CUDA_ATTN_CONFIG")
     monkeypatch.setenv("HWKV_CUDA_DENSE_CONFIG", value)
+    names = ", ".join(DenseConfig._fields)  # every field, in order (the list grows with the GEMV's options)
+    assert names.startswith("block_n, block_k, num_warps, num_stages, preload, evict, split_k, maxnreg")
     with pytest.raises(ValueError, match=f"HWKV_CUDA_DENSE_CONFIG: {bad} is not name=integer with a name among "
-                                         "block_n, block_k, num_warps, num_stages, preload, evict, split_k, maxnreg$"):
+                                         f"{names}$"):
         dense_config(1, 2048, 2048)
 
 
