@@ -64,19 +64,38 @@ def greedy_tokens(engine: Any, vocab: int, n: int = 96) -> list[int]:
 
 
 def step_walls(engine: Any, vocab: int, n: int = 300) -> dict[str, Any]:
-    """Wall ms of every ``engine.step()`` of one request's steady decode (first 8 and last 2 steps left out)."""
+    """Wall ms of every ``engine.step()`` of one request's steady decode (first 8 and last 2 steps left out), the
+    host's own work per step (wall less its wait for the sampled tokens), and Python's collections meanwhile (count and
+    ms per generation)."""
     prompt = workload(1, 128, 128, vocab, seed=12)[0][0]
     engine.add_request("walls", prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-    ts = []
-    while engine.has_unfinished():
-        t0 = time.perf_counter()
-        engine.step()
-        ts.append((time.perf_counter() - t0) * 1e3)
-    ts = sorted(ts[8:-2])
+    ts, own = [], []
+    counts, ms, t_gc = [0, 0, 0], [0.0, 0.0, 0.0], [0.0]
+
+    def on_gc(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            t_gc[0] = time.perf_counter()
+        else:
+            counts[info["generation"]] += 1
+            ms[info["generation"]] += (time.perf_counter() - t_gc[0]) * 1e3
+
+    gc.callbacks.append(on_gc)
+    r = engine.runner
+    try:
+        while engine.has_unfinished():
+            w0, t0 = r.token_wait_s, time.perf_counter()
+            engine.step()
+            dt = time.perf_counter() - t0
+            ts.append(dt * 1e3)
+            own.append((dt - (r.token_wait_s - w0)) * 1e3)
+    finally:
+        gc.callbacks.remove(on_gc)
+    ts, own = sorted(ts[8:-2]), sorted(own[8:-2])
     k = len(ts)
     return dict(steps=k, median_ms=round(ts[k // 2], 4), mean_ms=round(sum(ts) / k, 4),
                 p90_ms=round(ts[int(k * 0.9)], 4), p99_ms=round(ts[int(k * 0.99)], 4), max_ms=round(ts[-1], 4),
-                over_1ms=sum(t > 1.0 for t in ts))
+                over_1ms=sum(t > 1.0 for t in ts), host_own_median_ms=round(own[k // 2], 4),
+                host_own_p90_ms=round(own[int(k * 0.9)], 4), gc_counts=counts, gc_ms=[round(x, 3) for x in ms])
 
 
 def trace(engine: Any, vocab: int, steps: int = 200) -> dict[str, Any]:
@@ -159,6 +178,20 @@ def main() -> None:
     want = None
     traced: set[str] = set()
     for v in args.variants.split(","):
+        if v in ("offline", "collect", "freeze"):  # actions between variants (--variants)
+            t0 = time.perf_counter()
+            if v == "offline":  # the offline workload once, prompts not seen before (no prefix hits)
+                n, n_in, n_out = (int(x) for x in args.offline_shape.split(","))
+                seed = len(res["rows"]) + 20
+                off = run_engine(engine, [(p, n_out) for p, _ in workload(n, n_in, n_in, vocab, seed=seed)])
+                res["rows"].append(dict(action=v, offline=off))
+            else:
+                gc.collect()
+                if v == "freeze":
+                    gc.freeze()
+                res["rows"].append(dict(action=v))
+            print(f"[host] {v} ({time.perf_counter() - t0:.2f} s)", flush=True)
+            continue
         if v.endswith("gcfreeze"):
             gc.collect()
             gc.freeze()
