@@ -18,5 +18,5 @@ echo "rc=$?"
 step "pytest tests/engine/test_cuda_graphs.py -k 'greedy_identical_to_eager and plain'"
 timeout -k 3 28 python3 -m pytest -q -x -p no:cacheprovider tests/engine/test_cuda_graphs.py \
   -k "greedy_identical_to_eager and plain" 2>&1 | tail -5
-echo "rc=$?"
+echo "rc=${PIPESTATUS[0]}"
 step done
