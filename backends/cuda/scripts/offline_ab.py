@@ -39,9 +39,9 @@ def recapture(engine: Any, lo: int, hi: int) -> int:
         return 0
     dev = gr.device
     keys = sorted((k for k in gr.graphs if lo < k[0] <= hi), reverse=True)
-    # the old graphs go first: their memory in the shared pool is then reused by the new captures (kept until the
-    # new ones replaced them, every recapture added ~0.4 GiB to the pool, and batches 1-2 of session 9 ran out of
-    # memory after 8-10 variant runs)
+    # the old graphs go first, so that the new captures may reuse their memory in the shared pool. This did not stop
+    # the pool's growth: session 9's batches 1, 2 and 2b ran out of memory after 8-10 variant runs (graph pools at
+    # 11.2 GiB beside the 90 % KV pool) - keep an A/B under ~8 recaptures
     dev.synchronize()
     old = [gr.graphs.pop(k) for k in keys]
     del old
