@@ -1,7 +1,8 @@
 # b1 (#36 batch-1 decode), session 9, GPU batch 2b (110 s): main has gate_up, qkv, o_proj and the LM head on the
-# persistent GEMV (balanced grid). One public-defaults engine (~40-50 s to start), then b1_tile_sweep.py over 16
+# persistent GEMV (balanced grid). One public-defaults engine (~40-50 s to start), then b1_tile_sweep.py over 19
 # candidates with bulk L2 prefetches (l2pf=1: the first tile before the PDL wait; 2: also the next tile every
-# iteration), greedy per shape, no evict-first reruns; final rows main / winners / main again with greedy tokens.
+# iteration) and down on the stream kernel with K in chunks, greedy per shape, no evict-first reruns; final rows
+# main / winners / main again with greedy tokens.
 # Then the l2pf GPU tests (bf16).
 source bench/gpu/lib.sh
 gpu_env

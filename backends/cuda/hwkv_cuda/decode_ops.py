@@ -43,9 +43,10 @@ class DenseConfig(NamedTuple):
     # 2048-wide tile takes 168-206 registers at sm_90 (one 8-warp program per SM), 128 two
     stream: int = 0  # > 0: the persistent GEMV (kernels/dense.py, dense_kernel_stream) with this many programs per
     # SM, each looping over block_n-row tiles of the whole K (not with the tensor-parallel sum; M_PAD x K <=
-    # STREAM_MAX_X); preload there: 1 the first tile before the PDL wait and each next one before the current one's
-    # dot, 2 the first tile alone before the wait; num_stages > 1 asks Triton to pipeline the tile loop; block_k,
-    # split_k and maxnreg do not apply
+    # STREAM_MAX_X), or of K in block_k chunks where block_k < K (M_PAD x block_k <= STREAM_MAX_X; no preload);
+    # preload there: 1 the first tile before the PDL wait and each next one before the current one's dot, 2 the
+    # first tile alone before the wait; num_stages > 1 asks Triton to pipeline the tile loop; split_k and maxnreg do
+    # not apply
     l2pf: int = 0  # with stream, on sm_90+: 1 a bulk L2 prefetch of the first tile before the PDL wait (no registers
     # held), 2 as well of the next tile at the top of every iteration
 
@@ -163,7 +164,7 @@ class TritonDecodeOps(DecodeOps):
     def _stream(self, cfg: DenseConfig, m: int, k: int, epilogue: int, push: Any, rs: Any) -> bool:
         """Whether ``cfg.stream`` applies: no tensor-parallel sum in the kernel, the input rows' K in registers."""
         return bool(cfg.stream) and epilogue in (0, 1, 2) and push is None and rs is None \
-            and pow2(m) * pow2(k) <= self.STREAM_MAX_X
+            and pow2(m) * min(pow2(k), pow2(cfg.block_k)) <= self.STREAM_MAX_X
 
     def validate(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  kv_dtype: torch.dtype) -> list[str]:
@@ -262,7 +263,8 @@ class TritonDecodeOps(DecodeOps):
                 x, weight, bias if bias is not None else y, y, res, norm_weight if norm_weight is not None else y,
                 *kv_args, m, n, k, eps, num_slots, x.stride(0), y.stride(0), res.stride(0), stride_cos, *strides,
                 PROLOGUE=prologue, EPILOGUE=epilogue, HAS_BIAS=bias is not None, M_PAD=pow2(m), BLOCK_N=cfg.block_n,
-                BLOCK_K=pow2(k), PDL=pdl, PRE=cfg.preload, EVICT=cfg.evict, **geo,
+                BLOCK_K=min(pow2(k), pow2(cfg.block_k)), CHUNKED=cfg.block_k < k, PDL=pdl,
+                PRE=0 if cfg.block_k < k else cfg.preload, EVICT=cfg.evict, **geo,
                 STAGES=cfg.num_stages, L2PF=cfg.l2pf if x.device.type == "cuda" and pdl else 0,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                 **({"launch_pdl": True} if pdl else {}))

@@ -43,12 +43,14 @@ def dense(bn: int, bk: int, wp: int, st: int, pre: int, ev: int = 0) -> str:
 # Llama-3.2-1B's weight shapes [N, K] around main's tiles since session 9's batch 2 (gate_up, qkv, o_proj and the LM
 # head on the persistent GEMV, kernels/dense.py dense_kernel_stream, balanced grid; down on dense_kernel): the bulk
 # L2 prefetches (l2pf: 1 the first tile before the PDL wait, 2 also the next tile every iteration), evict-first where
-# main's tile has it
+# main's tile has it; down on the stream kernel with K in chunks
 SWEEP: list[tuple[str, str, list[str]]] = [
     ("gate_up", "16384X2048", [stream(*c, ev=1) for c in (
         (8, 8, 0, 4, 1), (8, 8, 0, 4, 2), (8, 8, 0, 2, 2), (16, 8, 0, 3, 1), (4, 4, 0, 8, 2))]),
     ("lm_head", "128256X2048", [stream(*c, ev=1) for c in ((8, 8, 0, 4, 2), (4, 4, 0, 6, 2), (4, 4, 2, 6, 2))]),
-    ("down", "2048X8192", [stream(*c, ev=1) for c in ((2, 8, 0, 2, 2), (4, 8, 0, 1, 2))]),
+    ("down", "2048X8192", [stream(*c, ev=1).replace("block_k=2048", f"block_k={bk}") for bk, c in (
+        (2048, (4, 8, 0, 3, 2)), (2048, (4, 8, 0, 3)), (1024, (4, 8, 0, 4, 2)), (2048, (2, 4, 0, 6, 2)),
+        (2048, (8, 8, 0, 2, 2)))]),  # K (8192) in chunks: the stream kernel's CHUNKED path
     ("qkv", "3072X2048", [stream(*c) for c in ((4, 4, 2, 6, 2), (4, 4, 0, 6, 1), (4, 8, 0, 4, 1), (8, 8, 0, 2, 1))]),
     ("o_proj", "2048X2048", [stream(*c, ev=1) for c in ((4, 4, 0, 4, 1), (4, 4, 2, 4, 2))]),
 ]

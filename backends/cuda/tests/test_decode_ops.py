@@ -36,7 +36,8 @@ def _close(got, want, dtype, what):
                                  "block_k=32,preload=1,evict=1", "block_k=16,split_k=2,preload=2",
                                  "block_k=16,split_k=2,preload=0", "block_k=32,maxnreg=64",
                                  "block_n=8,stream=1,preload=0", "block_n=4,stream=2,preload=1",
-                                 "block_n=4,stream=1,preload=2", "block_n=8,stream=2,l2pf=2"])
+                                 "block_n=4,stream=1,preload=2", "block_n=8,stream=2,l2pf=2",
+                                 "block_n=4,block_k=32,stream=2,l2pf=2"])
 def test_linear_ops_match_torch(m, bias, dtype, cfg, monkeypatch):
     monkeypatch.setenv("HWKV_CUDA_DENSE_CONFIG", cfg)
     gen = torch.Generator().manual_seed(m + 10 * bias)
@@ -108,7 +109,7 @@ def test_norm_logits_is_the_widened_norm_linear(m, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,d", [(4, 2, 16), (2, 2, 32)])
 @pytest.mark.parametrize("cfg", ["", "block_n=8,stream=1,preload=0", "block_n=4,stream=2,preload=1",
-                                 "block_n=4,stream=1,preload=2,l2pf=2"])
+                                 "block_n=4,stream=1,preload=2,l2pf=2", "block_n=4,block_k=16,stream=1"])
 def test_qkv_rope_and_kv_write_match_torch(heads, kv_heads, d, dtype, cfg, monkeypatch):
     monkeypatch.setenv("HWKV_CUDA_DENSE_CONFIG", cfg)  # the tile loop, and the persistent streaming GEMV
     gen = torch.Generator().manual_seed(heads * d)

@@ -404,18 +404,21 @@ def _prefetch_tile(w_ptr, t, N, K, EPILOGUE: tl.constexpr, HEAD: tl.constexpr, B
 
 
 @triton.jit
-def _stream_out(t, wa, wb, x, j, offs_m, m_ok, b_ptr, y_ptr, res_ptr, cos_ptr, sin_ptr, pos, slot, kv_ptr, N, num_slots,
-                stride_ym, stride_rm, stride_cos, stride_blk, stride_kv, stride_tok, stride_head, scale_ptr,
-                stride_scale, dt: tl.constexpr, EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr,
+def _tile_dot(wa, wb, x, offs_m, M_PAD: tl.constexpr, HB: tl.constexpr):
+    return (_rows_dot(wa, x, offs_m, tl.zeros([M_PAD, HB], dtype=tl.float32), M_PAD),
+            _rows_dot(wb, x, offs_m, tl.zeros([M_PAD, HB], dtype=tl.float32), M_PAD))
+
+
+@triton.jit
+def _stream_out(t, acc_a, acc_b, j, offs_m, m_ok, b_ptr, y_ptr, res_ptr, cos_ptr, sin_ptr, pos, slot, kv_ptr, N,
+                num_slots, stride_ym, stride_rm, stride_cos, stride_blk, stride_kv, stride_tok, stride_head, scale_ptr,
+                stride_scale, dt: tl.constexpr, EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
                 BLOCK_N: tl.constexpr, HEAD: tl.constexpr, Q_N: tl.constexpr, KV_N: tl.constexpr, BS: tl.constexpr,
                 KV_FP8: tl.constexpr):
-    """Tile ``t`` of the persistent GEMV from its loaded weight halves: the dot, the bias, the epilogue, the store
-    (as ``dense_kernel``'s)."""
-    HB: tl.constexpr = BLOCK_N // 2
+    """Tile ``t`` of the persistent GEMV from its float32 dot products: the bias, the epilogue, the store (as
+    ``dense_kernel``'s)."""
     rows_a, rows_b = _tile_rows(t, j, EPILOGUE, HEAD, BLOCK_N)
     ok_a, ok_b = rows_a < N, rows_b < N
-    acc_a = _rows_dot(wa, x, offs_m, tl.zeros([M_PAD, HB], dtype=tl.float32), M_PAD)
-    acc_b = _rows_dot(wb, x, offs_m, tl.zeros([M_PAD, HB], dtype=tl.float32), M_PAD)
     if HAS_BIAS:
         acc_a += tl.load(b_ptr + rows_a, mask=ok_a, other=0.0).to(tl.float32)[None, :]
         acc_b += tl.load(b_ptr + rows_b, mask=ok_b, other=0.0).to(tl.float32)[None, :]
@@ -442,7 +445,7 @@ def dense_kernel_stream(  # named dense_kernel*: hwkv.bench.timeline labels the 
     PROLOGUE: tl.constexpr, EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HEAD: tl.constexpr, Q_N: tl.constexpr, KV_N: tl.constexpr,
     BS: tl.constexpr, PDL: tl.constexpr, PRE: tl.constexpr, EVICT: tl.constexpr, scale_ptr=None, stride_scale=0,
-    KV_FP8: tl.constexpr = False, STAGES: tl.constexpr = 1, L2PF: tl.constexpr = 0,
+    KV_FP8: tl.constexpr = False, STAGES: tl.constexpr = 1, L2PF: tl.constexpr = 0, CHUNKED: tl.constexpr = False,
 ):
     """``dense_kernel`` (``EPILOGUE`` 0, 1 or 2; no tensor-parallel sum) as a persistent GEMV: a grid of a few
     programs per SM (light: the whole-K input row(s) formed once, ``BLOCK_K >= K``, then one ``BLOCK_N`` x K weight
@@ -454,7 +457,9 @@ def dense_kernel_stream(  # named dense_kernel*: hwkv.bench.timeline labels the 
     rows go toward L2 by a bulk prefetch before the wait (no registers held), 2 as well the next tile's at the top of
     every iteration (the loop then reads from L2 what was prefetched an iteration earlier). ``STAGES`` > 1 asks
     Triton to software-pipeline the tile loop (``tl.range(num_stages=)``: async copies through shared memory, where
-    the compiler does it for a loop without a dot - Triton 3.9 at sm_90 leaves it as is)."""
+    the compiler does it for a loop without a dot - Triton 3.9 at sm_90 leaves it as is). ``CHUNKED`` (``BLOCK_K <
+    K``, ``PRE`` 0): each tile's K in ``BLOCK_K`` chunks, the input chunk formed again for each (RMSNorm's mean square
+    once a program) - the registers of one chunk instead of the whole row (down's 8192)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     ntiles = tl.cdiv(N, BLOCK_N)
@@ -476,22 +481,43 @@ def dense_kernel_stream(  # named dense_kernel*: hwkv.bench.timeline labels the 
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
-    x = _prologue(x_ptr, nw_ptr, 0, M, K, eps, stride_xm, tl.zeros([M_PAD], dtype=tl.float32), offs_m, offs_k,
-                  PROLOGUE, True)
+    rstd = tl.zeros([M_PAD], dtype=tl.float32)
+    if CHUNKED:
+        if PROLOGUE == 1:  # the RMSNorm's mean square over the whole row, once a program
+            ss = tl.zeros([M_PAD], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                xs = tl.load(x_ptr + offs_m[:, None] * stride_xm + k0 + offs_k[None, :],
+                             mask=m_ok & (k0 + offs_k[None, :] < K), other=0.0).to(tl.float32)
+                ss += tl.sum(xs * xs, axis=1)
+            rstd = tl.rsqrt(ss / K + eps)
+        x = tl.zeros([M_PAD, BLOCK_K], dtype=tl.float32)
+    else:
+        x = _prologue(x_ptr, nw_ptr, 0, M, K, eps, stride_xm, rstd, offs_m, offs_k, PROLOGUE, True)
     t0 = pid
     if PRE == 2:  # the first tile's iteration, peeled: the loop's tiles load after the wait, one at a time
-        _stream_out(pid, wa_n, wb_n, x, j, offs_m, m_ok, b_ptr, y_ptr, res_ptr, cos_ptr, sin_ptr, pos, slot, kv_ptr, N,
+        acc_a, acc_b = _tile_dot(wa_n, wb_n, x, offs_m, M_PAD, BLOCK_N // 2)
+        _stream_out(pid, acc_a, acc_b, j, offs_m, m_ok, b_ptr, y_ptr, res_ptr, cos_ptr, sin_ptr, pos, slot, kv_ptr, N,
                     num_slots, stride_ym, stride_rm, stride_cos, stride_blk, stride_kv, stride_tok, stride_head,
-                    scale_ptr, stride_scale, dt, EPILOGUE, HAS_BIAS, M_PAD, BLOCK_N, HEAD, Q_N, KV_N, BS, KV_FP8)
+                    scale_ptr, stride_scale, dt, EPILOGUE, HAS_BIAS, BLOCK_N, HEAD, Q_N, KV_N, BS, KV_FP8)
         t0 = pid + nprog
     for t in tl.range(t0, ntiles, nprog, num_stages=STAGES):
         if L2PF > 1:  # the next tile toward L2 while this one loads and its dot runs
             _prefetch_tile(w_ptr, t + nprog, N, K, EPILOGUE, HEAD, BLOCK_N)
-        if PRE == 1:  # this tile was loaded an iteration ago; the next one goes out before its dot
-            wa, wb = wa_n, wb_n
-            wa_n, wb_n = _stream_tile(w_ptr, t + nprog, j, offs_k, k_ok, N, K, EPILOGUE, HEAD, BLOCK_N, EVICT)
+        if CHUNKED:  # K in BLOCK_K chunks, the input chunk formed again for each (from L1/L2; RMSNorm's rstd above)
+            acc_a = tl.zeros([M_PAD, BLOCK_N // 2], dtype=tl.float32)
+            acc_b = tl.zeros([M_PAD, BLOCK_N // 2], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                xk = _prologue(x_ptr, nw_ptr, k0, M, K, eps, stride_xm, rstd, offs_m, offs_k, PROLOGUE, False)
+                wa, wb = _stream_tile(w_ptr + k0, t, j, offs_k, k0 + offs_k < K, N, K, EPILOGUE, HEAD, BLOCK_N, EVICT)
+                acc_a = _rows_dot(wa, xk, offs_m, acc_a, M_PAD)
+                acc_b = _rows_dot(wb, xk, offs_m, acc_b, M_PAD)
         else:
-            wa, wb = _stream_tile(w_ptr, t, j, offs_k, k_ok, N, K, EPILOGUE, HEAD, BLOCK_N, EVICT)
-        _stream_out(t, wa, wb, x, j, offs_m, m_ok, b_ptr, y_ptr, res_ptr, cos_ptr, sin_ptr, pos, slot, kv_ptr, N,
+            if PRE == 1:  # this tile was loaded an iteration ago; the next one goes out before its dot
+                wa, wb = wa_n, wb_n
+                wa_n, wb_n = _stream_tile(w_ptr, t + nprog, j, offs_k, k_ok, N, K, EPILOGUE, HEAD, BLOCK_N, EVICT)
+            else:
+                wa, wb = _stream_tile(w_ptr, t, j, offs_k, k_ok, N, K, EPILOGUE, HEAD, BLOCK_N, EVICT)
+            acc_a, acc_b = _tile_dot(wa, wb, x, offs_m, M_PAD, BLOCK_N // 2)
+        _stream_out(t, acc_a, acc_b, j, offs_m, m_ok, b_ptr, y_ptr, res_ptr, cos_ptr, sin_ptr, pos, slot, kv_ptr, N,
                     num_slots, stride_ym, stride_rm, stride_cos, stride_blk, stride_kv, stride_tok, stride_head,
-                    scale_ptr, stride_scale, dt, EPILOGUE, HAS_BIAS, M_PAD, BLOCK_N, HEAD, Q_N, KV_N, BS, KV_FP8)
+                    scale_ptr, stride_scale, dt, EPILOGUE, HAS_BIAS, BLOCK_N, HEAD, Q_N, KV_N, BS, KV_FP8)
