@@ -9,11 +9,11 @@ gpu_env
 gpu_header
 T0=$(date +%s)
 step() { echo "[b1] $(date -u +%H:%M:%S) +$(( $(date +%s) - T0 ))s $*"; }
-step "b1_tile_sweep.py --deadline 94 --final-s 20 --keep 0.003 --evict-rerun 0"
-timeout -k 2 96 python3 backends/cuda/scripts/b1_tile_sweep.py --out "$OUT" --deadline 94 --final-s 20 --keep 0.003 \
+step "b1_tile_sweep.py --deadline 92 --final-s 20 --keep 0.003 --evict-rerun 0"
+timeout -k 2 94 python3 backends/cuda/scripts/b1_tile_sweep.py --out "$OUT" --deadline 92 --final-s 20 --keep 0.003 \
   --evict-rerun 0
 echo "rc=$?"
 step "GPU tests: l2pf (bf16)"
-timeout -k 2 10 python3 -m pytest -q -x -p no:cacheprovider backends/cuda/tests/test_decode_ops.py \
+timeout -k 2 12 python3 -m pytest -q -x -p no:cacheprovider backends/cuda/tests/test_decode_ops.py \
   -k "l2pf and dtype1" 2>&1 | tail -3
 step done
