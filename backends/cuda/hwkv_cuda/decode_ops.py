@@ -48,7 +48,8 @@ class DenseConfig(NamedTuple):
     # first tile alone before the wait; num_stages > 1 asks Triton to pipeline the tile loop; split_k and maxnreg do
     # not apply
     l2pf: int = 0  # with stream, on sm_90+: 1 a bulk L2 prefetch of the first tile before the PDL wait (no registers
-    # held), 2 as well of the next tile at the top of every iteration
+    # held), 2 as well of the next tile at the top of every iteration. A/B only: slower on every 1B shape (H200,
+    # bench/results/issue36-s9-b1-b2b-H200-2026-11-29-a6d94db.md), as is a stream tile's K in chunks (block_k < K)
 
 
 # One token, per weight shape [N, K]: the fastest tile of the H200 sweep (dense_probe --model llama-8b-tp2,llama-8b
