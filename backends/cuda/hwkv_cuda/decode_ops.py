@@ -100,7 +100,9 @@ def choose_config(m: int, n: int, k: int) -> DenseConfig:
     """Tiles by shape, from the H100 sweeps at M=1 (bench/results/dense-probe-*-H100-2026-11-22.json):
     a K tile of up to 2048, shrinking with the token count so the weight tile and the fp32 inputs
     stay in registers; see the branches for the rest. (A persistent variant streaming row tiles
-    through a pipelined loop measured 5-20% slower on every shape and was dropped.)"""
+    through a pipelined loop measured 5-20% slower on every shape and was dropped on the H100; since session 9 a
+    persistent variant of light programs, several per SM, is the one-token tile of the 1B gate_up, qkv, o_proj and
+    LM head: ``stream`` in ``M1_TILES``.)"""
     block_k = min(max(16, pow2(k)), 2048 // min(pow2(m), 4))
     if k > block_k:  # several K tiles (the down projection): a pipelined loop on 4-row programs
         cfg = {"block_n": 4, "block_k": block_k, "num_warps": 8, "num_stages": 3, "preload": 0}

@@ -7,8 +7,11 @@ the residual add (``EPILOGUE=1``) or RoPE on q/k plus the k/v write into the pag
 and is launched with programmatic dependent launch (``PDL``): its programs start during the previous
 kernel's tail and wait (``gdc_wait``) only before reading activations; with ``PRELOAD`` the first
 weight tile is loaded before that wait (weights never depend on the previous kernel), then (``1``) each
-next tile after the current one's dot, or (``2``) the first tile's dot and a pipelined loop over the
-rest; otherwise (``0``) the K loop is a plain one that Triton software-pipelines ``num_stages`` deep.
+next tile after the current one's dot, or (``2``) the first tile's dot and a plain loop over the
+rest; otherwise (``0``) the K loop is a plain one. (``num_stages`` does not pipeline these loops, which
+have no dot: no async copies in any variant's TTGIR at sm_90 with Triton 3.6,
+bench/results/issue36-s9-b1-b2-H200-2026-11-29-96753bc.md - so a K loop has one tile in flight a
+program; ``dense_kernel_stream`` below gets its bytes in flight from several light programs.)
 
 Every intermediate is rounded to the activation dtype where the unfused torch ops round
 (hwkv/model/llama.py, rope.py), so only the dot product's summation order differs from them.
@@ -258,13 +261,13 @@ def dense_kernel(
     acc_a = tl.zeros([M_PAD, HB], dtype=tl.float32)
     acc_b = tl.zeros([M_PAD, HB], dtype=tl.float32)
     K0: tl.constexpr = (PRELOAD // 2) * BLOCK_K
-    if PRELOAD == 2:  # the tile loaded before the wait first, then the pipelined loop over the rest
+    if PRELOAD == 2:  # the tile loaded before the wait first, then the loop over the rest
         x = _prologue(x_ptr, nw_ptr, k_lo, M, K, eps, stride_xm, rstd, offs_m, offs_k, PROLOGUE, ONE_TILE, buf_ptr,
                       hres_ptr, hout_ptr, stride_hm, site, pid == 0, RANK, RS, SLOT)
         acc_a = _rows_dot(wa, x, offs_m, acc_a, M_PAD)
         acc_b = _rows_dot(wb, x, offs_m, acc_b, M_PAD)
     for k0 in range(k_lo + K0, k_hi, BLOCK_K):
-        if PRELOAD != 1:  # plain loads: Triton software-pipelines them num_stages deep
+        if PRELOAD != 1:  # plain loads (not software-pipelined: no dot in the loop, see the module doc)
             kk = k0 + offs_k
             wa = _wload(w_a + k0, ok_a[:, None] & (kk[None, :] < k_hi), EVICT)
             wb = _wload(w_b + k0, ok_b[:, None] & (kk[None, :] < k_hi), EVICT)
