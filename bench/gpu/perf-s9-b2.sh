@@ -1,4 +1,6 @@
 # usage (one GPU, repository root): OUT=<dir> bash bench/gpu/perf-s9-b2.sh   (<= 140 s: AB ~70, D ~35)
+# note: HWKV_CUDA_ROPE_KV (ElementwiseOps.rope_write_kv) existed only on the perf branch for these runs; it was removed after
+# batch 2b (no measurable gain) and never landed: on main the variable does nothing.
 # perf (#36) session 9 batch 2, over main + perf: (AB) the 1B public-defaults offline workload in ONE engine, three
 # rounds, tokens compared, every step timed on the device: main (argmax in one launch up to 256 rows, 8 warps on the
 # wide prefill tile - both landed after batch 1 - and RoPE + KV write in one launch, HWKV_CUDA_ROPE_KV) against RoPE

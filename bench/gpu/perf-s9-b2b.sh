@@ -1,4 +1,6 @@
 # usage (one GPU, repository root): OUT=<dir> bash bench/gpu/perf-s9-b2b.sh   (<= 105 s)
+# note: HWKV_CUDA_ROPE_KV (ElementwiseOps.rope_write_kv) existed only on the perf branch for these runs; it was removed after
+# batch 2b (no measurable gain) and never landed: on main the variable does nothing.
 # perf (#36) session 9 batch 2b, over main + perf: the 1B public-defaults offline workload in ONE engine, main (RoPE +
 # KV write in one launch, HWKV_CUDA_ROPE_KV) against rk0 (HWKV_CUDA_ROPE_KV=0: RoPE and the KV write in a launch
 # each), six alternating rounds (batch 2 had them within noise in two), tokens compared, every step timed on the
