@@ -54,7 +54,7 @@ class DenseConfig(NamedTuple):
 
 # One token, per weight shape [N, K]: the fastest tile of the H200 sweep (dense_probe --model llama-8b-tp2,llama-8b
 # --quick, PDL chains in a graph; bench/results/tp-H200x2-2026-11-28-bf27901.md) at Llama-3-8B's projections, whole
-# (tp=1) and a rank's shard at tp=2, where it beat the rule below by >= 3 %: 8-row programs for the pipelined K loop
+# (tp=1) and a rank's shard at tp=2, where it beat the rule below by >= 3 %: 8-row programs for the K loop
 # (12-18 % faster), 4 x 1024 preloaded for the o_proj shapes (7-12 %). In the engine they took the batch-1 step from
 # 5.00 to 4.33 ms (tp=1) and 3.25 to 2.83 ms (tp=2). Other shapes keep the rule (its sweeps: H100, Llama-3.2-1B).
 M1_TILES: dict[tuple[int, int], tuple[int, ...]] = {  # (N, K): block_n, block_k, warps, stages, preload[, evict, ...]
@@ -104,7 +104,7 @@ def choose_config(m: int, n: int, k: int) -> DenseConfig:
     persistent variant of light programs, several per SM, is the one-token tile of the 1B gate_up, qkv, o_proj and
     LM head: ``stream`` in ``M1_TILES``.)"""
     block_k = min(max(16, pow2(k)), 2048 // min(pow2(m), 4))
-    if k > block_k:  # several K tiles (the down projection): a pipelined loop on 4-row programs
+    if k > block_k:  # several K tiles (the down projection): a K loop on 4-row programs
         cfg = {"block_n": 4, "block_k": block_k, "num_warps": 8, "num_stages": 3, "preload": 0}
     elif n * k > 64 << 20:  # the LM head: many waves, so a pre-wait load helps only the first
         cfg = {"block_n": 8, "block_k": block_k, "num_warps": 8, "num_stages": 3, "preload": 0}
@@ -129,8 +129,8 @@ def choose_config(m: int, n: int, k: int) -> DenseConfig:
         raise ValueError(f"{CONFIG_ENV}: stream must be >= 0 (programs per SM of the persistent GEMV), got "
                          f"{cfg['stream']}")
     if cfg["preload"] not in (0, 1, 2):
-        raise ValueError(f"{CONFIG_ENV}: preload must be 0 (pipelined loop), 1 (each next tile after the dot) or 2 "
-                         f"(the first tile before the wait, the rest pipelined), got {cfg['preload']}")
+        raise ValueError(f"{CONFIG_ENV}: preload must be 0 (a plain K loop), 1 (each next tile after the dot) or 2 "
+                         f"(the first tile before the wait, then the loop), got {cfg['preload']}")
     return DenseConfig(**cfg)
 
 

@@ -161,7 +161,7 @@ def main() -> None:
               f"{row['first_divergence']}", flush=True)
         res["rows"].append(row)
         (out / "b1-tile-sweep.json").write_text(json.dumps(res, indent=1))
-    if not host:  # registers, spills, shared memory, pipelined loops of every GEMV variant compiled here
+    if not host:  # registers, spills, shared memory, async copies of every GEMV variant compiled here
         try:
             res["compiled"] = compiled_report()
         except Exception as e:  # a report only: Triton's cache layout differs between versions

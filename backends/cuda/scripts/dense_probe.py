@@ -159,7 +159,7 @@ def main() -> None:
     # one-tile shapes: fewer or more rows a program, fewer warps (every weight byte still in flight before the wait)
     sweep += [dict(block_n=bn, block_k=bk, num_warps=wp, num_stages=1, preload=1, evict=0)
               for bn, bk, wp in ((2, 2048, 4), (2, 2048, 2), (4, 2048, 2), (8, 2048, 8), (16, 1024, 8))]
-    # several K tiles (down): the first tile before the PDL wait, the rest pipelined (preload=2)
+    # several K tiles (down): the first tile before the PDL wait, then the loop (preload=2)
     sweep += [dict(block_n=bn, block_k=bk, num_warps=8, num_stages=st, preload=2, evict=0)
               for bn, bk, st in ((4, 2048, 3), (8, 2048, 3), (4, 1024, 4), (8, 1024, 4), (16, 1024, 3))]
     # split-K (plain epilogues: o_proj, gate_up, down, lm_head): a row block's K over 2-4 programs, each's first tile

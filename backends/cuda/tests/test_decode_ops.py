@@ -222,7 +222,7 @@ MODEL_SHAPES = {  # (projection, N, K); the qkv bias flag (Qwen2 has one)
 @pytest.mark.parametrize("m", [1, 2, 5, 8])
 @pytest.mark.parametrize("model", list(MODEL_SHAPES))
 def test_production_tiles_on_model_shapes(model, m):
-    """The configs choose_config picks for the bench's models (pipelined K loop for down, the LM
+    """The configs choose_config picks for the bench's models (the K loop for down, the LM
     head's, the preloaded ones), bf16, against the torch ops."""
     gen, dt, ops, ref = torch.Generator().manual_seed(m), torch.bfloat16, TritonDecodeOps(), TorchDecodeOps()
     shapes, qkv_bias = MODEL_SHAPES[model]
