@@ -52,6 +52,10 @@ def test_decode_gemvs_named_by_their_order():
     assert s["kinds"]["gemm"]["calls"] == 9.0
     # a count that is not 4 x layers + 1 per step stays unnamed
     assert summarize(k[:4], steps=1)["top"][0]["name"] in ("dense_kernel", "attention_kernel")
+    # the persistent variant (dense_kernel_stream: the 1B's gate_up, qkv, o_proj, LM head) counts in the same order
+    mixed = [(a, b, "dense_kernel" if i % 8 == 6 else n.replace("dense_kernel", "dense_kernel_stream"))
+             for i, (a, b, n) in enumerate(k)]
+    assert {r["name"] for r in summarize(mixed, steps=2)["top"]} == set(top)
 
 
 def test_profile_message_round_trip():

@@ -74,16 +74,17 @@ DENSE_ORDER = ("qkv", "o_proj", "gate_up", "down")  # a decoder layer's fused GE
 
 
 def _label_dense(kernels: list[tuple[float, float, str]], steps: int) -> list[tuple[float, float, str]]:
-    """The fused decode GEMVs all carry one kernel name; where every step launched the same number,
+    """The fused decode GEMVs carry one kernel name (``dense_kernel``, or its persistent variant's
+    ``dense_kernel_stream``); where every step launched the same number,
     ``4 x layers + 1`` (a decode step of a dense model: four per layer, the LM head last), their order
     names them (``dense_kernel:o_proj``, ...)."""
-    count = sum(k[2] == DENSE for k in kernels)
+    count = sum(k[2].startswith(DENSE) for k in kernels)  # dense_kernel and its persistent dense_kernel_stream
     per = count // steps
     if per < 5 or count % steps or (per - 1) % 4:
         return kernels
     out, i = [], 0
     for s, e, name in kernels:
-        if name == DENSE:
+        if name.startswith(DENSE):
             j = i % per
             name = f"{DENSE}:{'lm_head' if j == per - 1 else DENSE_ORDER[j % 4]}"
             i += 1
