@@ -49,8 +49,9 @@ host time even for a few tokens; the replay costs a few copies.
 Greedy tokens inside the graph (decode graphs of up to ``SAMPLE_MAX_BATCH`` requests, where the runner
 passes ``sample``): the graph also runs the plain greedy sampler (``sample(logits)``: the runner's
 argmax, the same functions as its eager sampler) into a static token buffer and copies those tokens into
-its own ``input_ids`` row. The runner takes them as the step's tokens when every request held is plain
-greedy (no penalties, logprobs, bitmask), and the next step, when its rows are the same requests in the
+an ``input_ids`` row (its own, or the other set's: below). The runner takes them as the step's tokens
+when every request held is plain greedy (no penalties, logprobs, bitmask), and the next step, when its
+rows are the same requests in the
 same order (steady decoding), passes ``ids_ready=True``: the host→device copy then leaves the ids row
 out and no device-side fill runs, so a step is one copy, one replay and the tokens' read-back.
 
