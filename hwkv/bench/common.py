@@ -223,9 +223,10 @@ def stop_process(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
 def free_engine(engine: Any, device: Any) -> None:
     """Drop ``engine``'s captured graphs (they pin the graph memory pool) and return cached device
     memory, so the next engine of the same bench process gets it (``engine`` may be ``None``)."""
-    for name in ("graphs", "tail_graphs", "loading_tail_graphs"):
+    for name in ("graphs", "graphs_b", "tail_graphs", "loading_tail_graphs"):
         if engine is not None and getattr(engine.runner, name, None) is not None:
             getattr(engine.runner, name).graphs.clear()
+            getattr(engine.runner, name).graph_tokens.clear()  # the sampling graphs' (graph, tokens)
     del engine
     gc.collect()
     device.empty_cache()
