@@ -33,35 +33,25 @@ from hwkv.bench.roofline import linear_params, matmul_rate, offline_roofline
 
 @torch.inference_mode()
 def recapture(engine: Any, lo: int, hi: int) -> int:
-    """Capture the decode graphs of ``lo < batch <= hi`` again (as ``GraphRunner.capture`` does, those keys only)."""
-    gr = engine.runner.graphs
-    if gr is None:
+    """Capture the decode graphs of ``lo < batch <= hi`` again (``GraphRunner.capture`` of those keys only), in both
+    sets of small decode graphs where the runner holds two (``runner.graphs_b``: they take turns on steady steps, and
+    their graphs take the greedy argmax - a recapture of the first set alone would measure the path before them)."""
+    runners = [r for r in (engine.runner.graphs, getattr(engine.runner, "graphs_b", None)) if r is not None]
+    if not runners:
         return 0
-    dev = gr.device
-    keys = sorted((k for k in gr.graphs if lo < k[0] <= hi), reverse=True)
+    dev = runners[0].device
+    keys = [sorted((k for k in r.graphs if lo < k[0] <= hi), reverse=True) for r in runners]
     # the old graphs go first, so that the new captures may reuse their memory in the shared pool. This did not stop
     # the pool's growth: session 9's batches 1, 2 and 2b ran out of memory after 8-10 variant runs (graph pools at
     # 11.2 GiB beside the 90 % KV pool) - keep an A/B under ~8 recaptures
     dev.synchronize()
-    old = [gr.graphs.pop(k) for k in keys]
+    old = [(r.graphs.pop(k), r.graph_tokens.pop(k, None)) for r, ks in zip(runners, keys) for k in ks]
     del old
     gc.collect()
-    gr.d64[2].fill_(-1)  # capture-time passes write no KV
-    gr.dg64.fill_(-1)
-    gr.dg32.zero_()
-    gr.seq_lens.fill_(gr.q)
-    gr.block_tables.zero_()
-    stream = dev.new_stream()
-    stream.wait_stream(dev.current_stream())
-    with dev.stream_context(stream):
-        for b, s in keys:
-            md = gr._metadata(b, torch.full((b,), s, dtype=torch.int32))
-            gr._forward(b, md)
-            g, out = dev.capture_graph(lambda b=b, md=md: gr._forward(b, md), gr.pool, stream)
-            gr.graphs[(b, s)] = (g, out, md)
-    dev.current_stream().wait_stream(stream)
-    dev.synchronize()
-    return len(keys)
+    for r, ks in zip(runners, keys):
+        if ks:
+            r.capture(pool=runners[0].pool, batches={b for b, _ in ks})
+    return sum(len(ks) for ks in keys)
 
 
 class StepTimer:
