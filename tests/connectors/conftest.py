@@ -100,3 +100,20 @@ def group_block_bytes(e: hwkv.Engine, rid: str) -> list[list[list[torch.Tensor] 
         out.append([None if b == 0 and m.block_pool.null_block is not None else [t[b].clone() for t in cache.tensors]
                     for b in ids])
     return out
+
+
+def move_head_slices(prod: list, cons: list, total_heads: int, p_tp: int, d_tp: int, sb: list[int], db: list[int],
+                     n: int) -> None:
+    """Copy tokens ``[0, n)`` of blocks ``sb`` of the producer ranks' caches ``prod`` into blocks ``db`` of the
+    consumer ranks' ``cons``, one ``pair_segments`` list per head slice (``map_kv_heads``), as the p2p
+    connector's transfer would (a memmove per segment)."""
+    import ctypes
+
+    from hwkv.connectors.p2p.protocol import layout_of, pair_segments
+    from hwkv.parallel.kv_mapping import map_kv_heads
+
+    for sl in map_kv_heads(total_heads, p_tp, d_tp):
+        a = layout_of(prod[sl.src_rank], "p", "x", "tcp", tp_rank=sl.src_rank, tp_size=p_tp)
+        b = layout_of(cons[sl.dst_rank], "d", "y", "tcp", tp_rank=sl.dst_rank, tp_size=d_tp)
+        for s, d, k in zip(*pair_segments(a, b, sb, db, 0, n, heads=sl)):
+            ctypes.memmove(d, s, k)

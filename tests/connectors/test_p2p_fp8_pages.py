@@ -14,6 +14,8 @@ from hwkv.connectors.p2p.protocol import incompatibility, layout_of, pair_segmen
 from hwkv.interfaces.kv_quant import FP8_E4M3, v_token_view
 from hwkv.interfaces.layout import KVCache, KVCacheSpec, KVLayoutKind
 
+from .conftest import move_head_slices
+
 
 def _cache(layout: KVLayoutKind, heads: int, bs: int = 4, blocks: int = 12, fill: bool = False) -> KVCache:
     kv = KVCache.allocate(KVCacheSpec(3, blocks, bs, heads, 4, FP8_E4M3), layout)
@@ -64,7 +66,7 @@ def test_runs_move_every_token_and_each_v_page_once(src_l, dst_l, runs):
 
 @pytest.mark.parametrize("total_heads, p_tp, d_tp", [(4, 2, 1), (4, 1, 2), (2, 1, 2)])
 def test_head_slices_move_v_pages_per_head(total_heads, p_tp, d_tp):
-    from hwkv.parallel.kv_mapping import kv_heads_of, map_kv_heads
+    from hwkv.parallel.kv_mapping import kv_heads_of
 
     n = 11
     full = _cache(KVLayoutKind.PER_LAYER, total_heads, fill=True)
@@ -78,11 +80,7 @@ def test_head_slices_move_v_pages_per_head(total_heads, p_tp, d_tp):
             v_token_view(mine[:, 1]).view(torch.uint8).copy_(
                 v_token_view(glob[:, 1])[:, :, hs.start:hs.stop].view(torch.uint8))
     sb, db = [3, 4, 0], [1, 5, 2]
-    for sl in map_kv_heads(total_heads, p_tp, d_tp):
-        a = layout_of(prod[sl.src_rank], "p", "x", "tcp", tp_rank=sl.src_rank, tp_size=p_tp)
-        b = layout_of(cons[sl.dst_rank], "d", "y", "tcp", tp_rank=sl.dst_rank, tp_size=d_tp)
-        for s, d, k in zip(*pair_segments(a, b, sb, db, 0, n, heads=sl)):
-            ctypes.memmove(d, s, k)
+    move_head_slices(prod, cons, total_heads, p_tp, d_tp, sb, db, n)
     for r, c in enumerate(cons):
         hs = kv_heads_of(total_heads, d_tp, r)
         for layer in range(3):

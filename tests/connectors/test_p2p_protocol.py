@@ -23,6 +23,8 @@ from hwkv.connectors.p2p.protocol import (
 )
 from hwkv.interfaces.layout import KVCache, KVCacheSpec, KVLayoutKind
 
+from .conftest import move_head_slices
+
 LAYOUTS = list(KVLayoutKind)
 
 
@@ -109,7 +111,7 @@ def _kv_views(kv: KVCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
 def test_head_slices_assemble_heterogeneous_tensor_parallel_kv(total_heads, p_tp, d_tp):
     """Each consumer rank's blocks, filled from the producer ranks' head slices
     (``map_kv_heads``), equal the consumer's share of the global KV."""
-    from hwkv.parallel.kv_mapping import kv_heads_of, map_kv_heads
+    from hwkv.parallel.kv_mapping import kv_heads_of
 
     bs, n, blocks = 4, 11, 6
 
@@ -128,11 +130,7 @@ def test_head_slices_assemble_heterogeneous_tensor_parallel_kv(total_heads, p_tp
             for mine, glob in zip(_kv_views(c, layer), _kv_views(full, layer)):
                 mine.copy_(glob[:, :, hs.start:hs.stop])
     sb, db = [3, 4, 0], [1, 5, 2]
-    for sl in map_kv_heads(total_heads, p_tp, d_tp):
-        a = layout_of(prod[sl.src_rank], "p", "x", "tcp", tp_rank=sl.src_rank, tp_size=p_tp)
-        b = layout_of(cons[sl.dst_rank], "d", "y", "tcp", tp_rank=sl.dst_rank, tp_size=d_tp)
-        for s, d, k in zip(*pair_segments(a, b, sb, db, 0, n, heads=sl)):
-            ctypes.memmove(d, s, k)
+    move_head_slices(prod, cons, total_heads, p_tp, d_tp, sb, db, n)
     for r, c in enumerate(cons):
         hs = kv_heads_of(total_heads, d_tp, r)
         for layer in range(2):
