@@ -3,7 +3,7 @@ pickle (a socket peer must not be able to run code in the other process).
 
 Driver → worker (one PUSH socket per worker): ``Setup`` once, then every call the engine makes on
 its runner, in order — ``DecodeOps``, ``Execute`` (one step's scheduler output, without sampling parameters:
-workers do not sample), ``Flush``, ``Release``, ``Preempt``, ``Rollback``, ``Graphs`` — and
+workers do not sample), ``Flush``, ``Release``, ``Preempt``, ``Rollback``, ``Graphs``, ``Recapture`` — and
 ``Shutdown``. Worker → driver (one PULL socket): ``Hello`` once the worker process is up (before
 it joins the group, so a worker that cannot start is reported instead of timing out the join),
 with a KV connector ``ConnectorInfo`` once after ``Setup`` (its ``tp_worker_info``) and ``KVOut``
@@ -127,6 +127,17 @@ class Profile(msgspec.Struct, tag=True, array_like=True):
     path: str = ""
 
 
+class Recapture(msgspec.Struct, tag=True, array_like=True):
+    """Set ``env`` (``HWKV_`` variables only; an empty value unsets one) and capture the decode graphs of
+    ``lo < batch <= hi`` again: A/B runs of kernel and tile variants in one engine (bench tools,
+    :func:`hwkv.engine.tp.runner.recapture`). Every rank does it at the same point of the call stream (a capture runs
+    the forward's collectives)."""
+
+    env: dict[str, str]
+    lo: int
+    hi: int
+
+
 class KVOut(msgspec.Struct, tag=True):
     """A rank's connector output of forward step ``step`` (msgpack of a KVConnectorOutput, or None)."""
 
@@ -142,5 +153,6 @@ class ConnectorInfo(msgspec.Struct, tag=True):
     info: bytes
 
 
-ToWorker = Setup | DecodeOps | Graphs | Execute | Flush | Release | Preempt | Rollback | Shutdown | Profile
+ToWorker = (Setup | DecodeOps | Graphs | Execute | Flush | Release | Preempt | Rollback | Shutdown | Profile
+            | Recapture)
 FromWorker = Hello | Failed | KVOut | ConnectorInfo

@@ -17,6 +17,8 @@ with its own (:class:`~hwkv.engine.tp.kv_output.KVOutputAggregator`) before the 
 from __future__ import annotations
 
 import contextlib
+import gc
+import os
 from typing import Any
 
 import msgspec
@@ -39,6 +41,39 @@ def encode_step(so: SchedulerOutput, forward: bool = True, step: int = 0, argmax
         so.total_num_scheduled_tokens, list(so.finished_req_ids), list(so.preempted_req_ids), forward, step,
         None if meta is None else msgspec.msgpack.encode(meta), argmax, so.group_block_ids,
     )
+
+
+def _hwkv_env(env: dict[str, str] | None) -> dict[str, str]:
+    bad = [k for k in env or {} if not k.startswith("HWKV_")]
+    if bad:
+        raise ValueError(f"recapture sets HWKV_ variables only, not {bad}")
+    return dict(env or {})
+
+
+def recapture(runner: ModelRunner, lo: int, hi: int, env: dict[str, str] | None = None) -> int:
+    """Set ``env`` (``HWKV_`` names only, so a message cannot steer anything else; an empty value unsets one),
+    then capture ``runner``'s decode graphs of ``lo < batch <= hi`` again (``GraphRunner.capture`` of those keys,
+    in every set of decode graphs it holds), so that tile or kernel choices read from the environment at launch
+    take effect. Returns the graphs captured. A tensor-parallel driver does it on every rank
+    (:meth:`DriverRunner.recapture`)."""
+    for k, v in _hwkv_env(env).items():
+        if v:
+            os.environ[k] = v
+        else:
+            os.environ.pop(k, None)
+    sets = [g for g in (runner.graphs, runner.graphs_b) if g is not None]
+    if not sets:
+        return 0
+    keys = [sorted((k for k in g.graphs if lo < k[0] <= hi), reverse=True) for g in sets]
+    sets[0].device.synchronize()
+    # the old graphs go first, so that the new captures may reuse their memory in the shared pool
+    old = [(g.graphs.pop(k), g.graph_tokens.pop(k, None)) for g, ks in zip(sets, keys) for k in ks]
+    del old
+    gc.collect()
+    for g, ks in zip(sets, keys):
+        if ks:
+            g.capture(pool=sets[0].pool, batches={b for b, _ in ks})
+    return sum(len(ks) for ks in keys)
 
 
 _UNSAMPLED = SamplingParams()  # workers never sample: a placeholder (no seed: no generator)
@@ -79,6 +114,11 @@ class DriverRunner(ModelRunner):
     def enable_graphs(self, max_batch: int, use_graphs: bool = True) -> None:
         self.executor.send(m.Graphs(max_batch, use_graphs))  # capture runs collectives: all ranks at once
         super().enable_graphs(max_batch, use_graphs)
+
+    def recapture(self, lo: int, hi: int, env: dict[str, str] | None = None) -> int:
+        """:func:`recapture` on every rank (the workers first: the capture's collectives pair up)."""
+        self.executor.send(m.Recapture(_hwkv_env(env), lo, hi))  # refused here before any rank changes
+        return recapture(self, lo, hi, env)
 
     def update_states(self, so: SchedulerOutput) -> list[Any]:
         # The step goes to the workers only once the driver's own state changes succeeded: were it

@@ -28,7 +28,7 @@ from hwkv.engine.build import set_kv_scales
 from hwkv.engine.config import EngineArgs
 from hwkv.engine.kv_groups import GroupedKVCache
 from hwkv.engine.tp import messages as m
-from hwkv.engine.tp.runner import WorkerRunner, decode_step
+from hwkv.engine.tp.runner import WorkerRunner, decode_step, recapture
 from hwkv.interfaces.kv_quant import kv_storage_dtype
 from hwkv.model import load_model
 from hwkv.model.fuse import fuse_elementwise
@@ -108,6 +108,8 @@ def _run(cfg: m.WorkerConfig, cmd: Any, out: Any) -> None:
                 model.set_decode_ops(backend.decode_ops() if msg.on else None, kv_cache.spec.dtype)  # type: ignore[union-attr]
             elif isinstance(msg, m.Graphs):
                 runner.enable_graphs(msg.max_batch, msg.use_graphs)  # type: ignore[union-attr]
+            elif isinstance(msg, m.Recapture):
+                recapture(runner, msg.lo, msg.hi, msg.env)  # type: ignore[arg-type]
             elif isinstance(msg, m.Profile):
                 from hwkv.engine.tp import profile
 
