@@ -47,6 +47,12 @@ NORM_MAX = 2 * 1024 * 1024  # all_reduce_add_rms_norm: rows of hidden states up 
 FUSED_SLOT = 8 * 16384 * 4
 FUSED_SITES = 2
 MIN_ROW_BYTES = 512
+# the low-latency push (kernels/allreduce.py push_ll_kernel: each 8-byte word carries two 16-bit elements and the
+# call's epoch, no fence, flag or barrier round): 16-bit messages up to this many bytes (a decode step's hidden
+# states, 8 KB a row at 4096); its own 2 parities x world size x 2 LL_MAX of peer buffer per rank.
+# HWKV_PUSH_LL=1 takes it (read per call: an A/B recaptures the graphs); off by default until measured
+LL_MAX = 64 * 1024
+LL_ENV = "HWKV_PUSH_LL"
 
 
 def make_custom_all_reduce(comm: Any) -> CudaAllReduce | None:
@@ -81,6 +87,8 @@ class CudaAllReduce:
     pdl = False  # the push kernels launched with programmatic dependent launch (set in __init__)
     fused = False  # the buffers of the all-reduce inside the decode GEMVs set up (set in __init__)
     fused_error = ""  # why that path was turned off
+    ll_max = 0  # bytes up to which the low-latency push may run (set in __init__; 0: never)
+    ll_error = ""  # why it was turned off
 
     def __init__(self, comm: Any, push: bool = True, symm: bool = True, push_max: int = PUSH_MAX,
                  one_shot_max: int = ONE_SHOT_MAX, two_shot_max: int = TWO_SHOT_MAX, norm_max: int = NORM_MAX):
@@ -90,6 +98,7 @@ class CudaAllReduce:
         self.name = ""
         self.push_max = push_max if push else 0
         self.norm_max = norm_max if push else 0
+        self.ll_max = LL_MAX if push else 0
         # the row-parallel all-reduce inside the decode GEMVs (TritonRankSum); HWKV_TP_FUSED_AR=0: off (A/B)
         self.fused = push and os.environ.get("HWKV_TP_FUSED_AR", "0") != "0"
         self._norm_key: tuple[int, torch.dtype] | None = None  # (hidden size, dtype): fixed at the first call
@@ -145,6 +154,19 @@ class CudaAllReduce:
                 self.fused_error = self.fused_error or "another rank's fused all-reduce failed its self-test"
                 warnings.warn(f"all-reduce inside the decode GEMVs off (the push kernel instead): {self.fused_error}",
                               stacklevel=2)
+        if self.ll_max:  # optional too: a failure turns only it off, on every rank
+            ok = 1
+            try:
+                with torch.cuda.device(self.device):
+                    self._self_test_ll()
+            except Exception as e:  # noqa: BLE001 - agreed below
+                ok, self.ll_error = 0, f"{type(e).__name__}: {e}"
+            if comm.all_reduce_min(ok) == 0:
+                import warnings
+
+                self.ll_max = 0
+                self.ll_error = self.ll_error or "another rank's low-latency push failed its self-test"
+                warnings.warn(f"low-latency push off: {self.ll_error}", stacklevel=2)
         if (self.one_shot_max or self.two_shot_max) and _same_device_index(comm, self.device):
             # every rank sees its GPU at the same index (a tensor-parallel engine's workers each see one GPU
             # as cuda:0): symmetric memory's rendezvous refuses that ("allocations from overlapping devices"),
@@ -217,6 +239,13 @@ class CudaAllReduce:
             self.nflags = self.nbuf[data:].view(torch.int64)
             self.nflag_off = data // 8
             self.nepochs = torch.zeros(rows, dtype=torch.int64, device=self.device)
+        if self.ll_max:  # [2 parities][rank] slots of int64 words (two 16-bit elements + the epoch each)
+            from hwkv_cuda.kernels.allreduce import REGION
+
+            self.ll_programs = -(-self.ll_max // REGION)
+            self.ll_slot_w = self.ll_programs * REGION // 4
+            self.lbuf, self.lpeers = self._peer_buffer(2 * self.world_size * self.ll_slot_w * 8, "ll")
+            self.lepochs = torch.zeros(self.ll_programs, dtype=torch.int64, device=self.device)
         if self.fused:  # [site][rank] slots, then int64 [arrivals per site (one per peer and call) | finished
             # consumer programs per site | finished producer programs per site]
             data = FUSED_SITES * self.world_size * FUSED_SLOT
@@ -258,6 +287,27 @@ class CudaAllReduce:
             problems.append("a peer's flag never came")
         if problems:
             raise RuntimeError(f"push all-reduce self-test failed on rank {self.rank}: {', '.join(problems)}")
+
+    def _self_test_ll(self) -> None:
+        """The low-latency push on known values (small integers: every sum exact), plain and with the residual,
+        bf16 and fp16, over more than one program (the epochs of every program advance alike on every rank)."""
+        from hwkv_cuda.kernels.allreduce import REGION
+
+        ws, dev = self.world_size, self.device
+        n = min(self.ll_max // 2, 3 * REGION // 4 + 5)  # a ragged last program
+        base = torch.arange(n, device=dev, dtype=torch.float32) % 13
+        want = ws * base + ws * (ws - 1) // 2
+        problems = []
+        for dt in (torch.bfloat16, torch.float16):
+            if not torch.equal(self._push((base + self.rank).to(dt), None, ll=True).float(), want):
+                problems.append(f"{dt} push")
+            one = torch.ones_like(base, dtype=dt)
+            if not torch.equal(self._push((base + self.rank).to(dt), one, ll=True).float(), want + 1):
+                problems.append(f"{dt} push + residual")
+        if int(self.error.item()):
+            problems.append("a peer's words never came")
+        if problems:
+            raise RuntimeError(f"low-latency push self-test failed on rank {self.rank}: {', '.join(problems)}")
 
     def _self_test_fused(self) -> None:
         """The all-reduce inside the decode GEMVs on known values (an identity weight, small integers:
@@ -314,12 +364,24 @@ class CudaAllReduce:
         with torch.cuda.device(self.device):
             symm_mem.rendezvous(self.staging, self.name)
 
-    def _push(self, t: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        from hwkv_cuda.kernels.allreduce import REGION, push_all_reduce_kernel
+    def _use_ll(self, t: torch.Tensor) -> bool:
+        return bool(self.ll_max) and t.element_size() == 2 and t.numel() * 2 <= self.ll_max \
+            and os.environ.get(LL_ENV, "0") == "1"
+
+    def _push(self, t: torch.Tensor, residual: torch.Tensor | None, ll: bool | None = None) -> torch.Tensor:
+        """The push all-reduce (+ ``residual``); ``ll``: the low-latency form (None: where it applies and is on)."""
+        from hwkv_cuda.kernels.allreduce import REGION, push_all_reduce_kernel, push_ll_kernel
 
         flat = t.view(-1)
         out = flat if residual is None else torch.empty_like(flat)
         block = REGION // t.element_size()
+        if self._use_ll(t) if ll is None else ll:
+            push_ll_kernel[(-(-flat.numel() // block),)](
+                flat, residual.view(-1) if residual is not None else flat, out, self.lbuf.view(torch.int64),
+                self.lpeers, self.lepochs, self.error, flat.numel(), RANK=self.rank, WS=self.world_size,
+                SLOT_W=self.ll_slot_w, BLOCK=block, HAS_RES=residual is not None, PDL=self.pdl, num_warps=4,
+                **({"launch_pdl": True} if self.pdl else {}))
+            return out.view(t.shape)
         push_all_reduce_kernel[(-(-flat.numel() // block),)](
             flat, residual.view(-1) if residual is not None else flat, out, self.buf.view(t.dtype), self.flags,
             self.peers, self.epochs, self.error, flat.numel(), RANK=self.rank, WS=self.world_size,

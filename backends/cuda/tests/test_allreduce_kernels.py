@@ -121,6 +121,57 @@ def test_push_all_reduce_add_rms_norm_two_ranks(dtype):
             _check(got[0][0], want_out, 4 * (scale / rms + 1) * w.float().abs())
 
 
+def _ll_words(x: torch.Tensor, epoch: int) -> torch.Tensor:
+    """The low-latency push's int64 words of ``x`` (16-bit): elements 2i and 2i + 1 in the low 32 bits, the epoch
+    in the high 32."""
+    b = x.view(torch.int16).to(torch.int64) & 0xFFFF
+    return b[0::2] | (b[1::2] << 16) | ((epoch & 0xFFFFFFFF) << 32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("residual", [False, True])
+def test_push_ll_two_ranks(dtype, residual):
+    """The low-latency push: rank 1's words put into rank 0's buffer by hand, rank 0's kernel (which writes its own
+    into rank 1's buffer), then rank 1's; over three calls (both parities; a slot's old words carry the old epoch)
+    the same bits on both ranks as the push kernel's sum."""
+    from hwkv_cuda.kernels.allreduce import push_ll_kernel
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    block = REGION // 2
+    n = 2 * block + 6  # a ragged last program
+    programs = -(-n // block)
+    slot_w = programs * block // 2
+    bufs = [torch.zeros(2 * 2 * slot_w, dtype=torch.int64, device=dev) for _ in range(2)]
+    peers = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=dev)
+    epochs = [torch.zeros(programs, dtype=torch.int64, device=dev) for _ in range(2)]
+    err = torch.zeros(1, dtype=torch.int32, device=dev)
+    g = torch.Generator().manual_seed(2)
+    for call in (1, 2, 3):
+        xs = [torch.randn(n, generator=g).to(dtype).to(dev) for _ in range(2)]
+        res = torch.randn(n, generator=g).to(dtype).to(dev)
+        want = (xs[0].float() + xs[1].float()).to(dtype)
+        if residual:
+            want = (want.float() + res.float()).to(dtype)
+        padded = torch.zeros(programs * block, dtype=dtype, device=dev)
+        padded[:n] = xs[1]
+        base = (call % 2) * 2 * slot_w
+        bufs[0][base + slot_w: base + 2 * slot_w] = _ll_words(padded, call)  # rank 1's push into rank 0
+        outs = []
+        for rank in (0, 1):
+            x = xs[rank].clone()
+            out = torch.empty_like(x) if residual else x
+            push_ll_kernel[(programs,)](x, res if residual else x, out, bufs[rank], peers, epochs[rank], err, n,
+                                        RANK=rank, WS=2, SLOT_W=slot_w, BLOCK=block, HAS_RES=residual)
+            outs.append(out)
+        assert int(err.item()) == 0
+        assert torch.equal(outs[0], outs[1])
+        _check(outs[0], want, (xs[0].float().abs() + xs[1].float().abs() + res.float().abs()) * 2)
+        assert epochs[0].tolist() == [call] * programs == epochs[1].tolist()
+        # rank 0's words in rank 1's buffer: its elements, this call's epoch, padding zeros
+        padded[:n] = xs[0]
+        assert torch.equal(bufs[1][base: base + slot_w], _ll_words(padded, call))
+
+
 COMPILE = """
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
@@ -139,6 +190,14 @@ for dt in ("bf16", "fp32"):
     for pdl in (False, True):
         compile(ASTSource(k.push_all_reduce_norm_kernel, sig, dict(RANK=0, WS=2, SLOT=8192, FLAG_OFF=64, BLOCK=4096,
                                                                    PDL=pdl)), target=GPUTarget("cuda", 90, 32))
+for dt in ("bf16", "fp16"):
+    p = f"*{dt}"
+    sig = dict(x_ptr=p, res_ptr=p, out_ptr=p, buf_ptr="*i64", peers_ptr="*i64", epochs_ptr="*i64", err_ptr="*i32",
+               n="i32", RANK="constexpr", WS="constexpr", SLOT_W="constexpr", BLOCK="constexpr", HAS_RES="constexpr",
+               PDL="constexpr")
+    for res, pdl in ((False, False), (True, True)):
+        compile(ASTSource(k.push_ll_kernel, sig, dict(RANK=1, WS=2, SLOT_W=16384, BLOCK=2048, HAS_RES=res, PDL=pdl)),
+                target=GPUTarget("cuda", 90, 32))
 from hwkv_cuda.kernels import dense as d  # the all-reduce inside the decode GEMVs (push epilogue, rank-sum prologue)
 
 ptrs = ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "res_ptr", "nw_ptr", "cos_ptr", "sin_ptr", "pos_ptr", "kv_ptr", "slot_ptr")
@@ -180,14 +239,14 @@ def test_push_kernels_compile_for_sm90():
     assert p.returncode == 0 and "compiled" in p.stdout, p.stderr[-3000:]
 
 
-def _one_rank(monkeypatch):
+def _one_rank(monkeypatch, ll_max=0):
     """A one-rank CudaAllReduce on this device (its peer table: its own buffer), for the self-test."""
     from hwkv_cuda.allreduce import CudaAllReduce
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     ar = CudaAllReduce.__new__(CudaAllReduce)
     ar.rank, ar.world_size, ar.device, ar._bufs = 0, 1, dev, []
-    ar.push_max, ar.norm_max, ar._norm_key = 16 * 1024, 4 * 1024, None
+    ar.push_max, ar.norm_max, ar._norm_key, ar.ll_max = 16 * 1024, 4 * 1024, None, ll_max
 
     def peer_buffer(nbytes, tag):
         buf = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
@@ -208,6 +267,16 @@ def test_self_test_passes_and_names_a_broken_path(monkeypatch):
     monkeypatch.setattr(ar, "_push", lambda t, residual: push(t, None))  # a kernel that drops the residual
     with pytest.raises(RuntimeError, match=r"self-test failed on rank 0: push \+ residual$"):
         ar._self_test()
+
+
+def test_ll_self_test_passes_and_names_a_broken_path(monkeypatch):
+    ar = _one_rank(monkeypatch, ll_max=16 * 1024)
+    ar._self_test_ll()
+    assert ar.lepochs.tolist()[:2] == [4, 4] and int(ar.error.item()) == 0  # 2 dtypes x (plain, residual)
+    push = ar._push
+    monkeypatch.setattr(ar, "_push", lambda t, residual, ll=None: push(t, None, ll))  # drops the residual
+    with pytest.raises(RuntimeError, match=r"push self-test failed on rank 0: torch.bfloat16 push \+ residual, "):
+        ar._self_test_ll()
 
 
 def test_fused_self_test_passes_and_names_a_broken_path(monkeypatch):

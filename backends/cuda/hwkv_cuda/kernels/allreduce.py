@@ -115,3 +115,61 @@ def push_all_reduce_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, buf_ptr, 
     y = (hf * tl.rsqrt(var + eps)).to(dt)
     w = tl.load(w_ptr + cols, mask=mask)
     tl.store(out_ptr + offs, (w.to(tl.float32) * y.to(tl.float32)).to(dt), mask=mask)
+
+
+@triton.jit
+def _ll_wait(ptr, tag, err_ptr):
+    """This rank's words at ``ptr`` once every one carries ``tag`` in its upper half (volatile polls, bounded)."""
+    v = tl.load(ptr, volatile=True)
+    spins = 0
+    while (tl.max((((v >> 32) & 0xFFFFFFFF) != tag).to(tl.int32), axis=0) > 0) & (spins < MAX_SPIN):
+        v = tl.load(ptr, volatile=True)
+        spins += 1
+    if spins >= MAX_SPIN:
+        tl.store(err_ptr, 1)
+    return v
+
+
+@triton.jit
+def push_ll_kernel(x_ptr, res_ptr, out_ptr, buf_ptr, peers_ptr, epochs_ptr, err_ptr, n, RANK: tl.constexpr,
+                   WS: tl.constexpr, SLOT_W: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr,
+                   PDL: tl.constexpr = False):
+    """``push_all_reduce_kernel`` for 16-bit dtypes in the low-latency form (NCCL's LL protocol): every 8-byte word
+    pushed into a peer's slot holds two elements and the call's epoch, so a word is its own flag - no system-scope
+    fence after the stores, no flag store, no flag wait: the reader polls its words until each carries the epoch
+    (an aligned 8-byte store lands whole). Program ``p`` owns ``BLOCK`` elements (``BLOCK / 2`` words of every
+    slot); calls alternate between two parities of slots as in the push kernel (a slot is rewritten two calls
+    later, after every rank passed the call between), the epoch tag tells this call's words from the last ones.
+    The sum is the push kernel's (float32, rank order, this rank's part from registers): the same bits."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    pid = tl.program_id(0)
+    HALF: tl.constexpr = BLOCK // 2
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    epoch = tl.load(epochs_ptr + pid) + 1
+    tag = epoch & 0xFFFFFFFF
+    words = (epoch % 2) * (WS * SLOT_W) + pid * HALF + tl.arange(0, HALF)
+    bits = (x.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF).to(tl.int64)
+    lo, hi = tl.split(tl.reshape(bits, [HALF, 2]))
+    word = lo | (hi << 16) | (tag << 32)
+    for r in tl.static_range(WS):
+        if r != RANK:
+            peer = tl.load(peers_ptr + r).to(tl.pointer_type(tl.int64))
+            tl.store(peer + RANK * SLOT_W + words, word)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for r in tl.static_range(WS):
+        if r == RANK:
+            acc += x.to(tl.float32)
+        else:
+            v = _ll_wait(buf_ptr + r * SLOT_W + words, tag, err_ptr)
+            a = (v & 0xFFFF).to(tl.int16).to(x.dtype, bitcast=True)
+            b = ((v >> 16) & 0xFFFF).to(tl.int16).to(x.dtype, bitcast=True)
+            acc += tl.reshape(tl.join(a, b), [BLOCK]).to(tl.float32)
+    tl.store(epochs_ptr + pid, epoch)
+    y = acc.to(out_ptr.dtype.element_ty)
+    if HAS_RES:  # the sum rounded first, then the add (as all_reduce then h + out)
+        y = (y.to(tl.float32) + tl.load(res_ptr + offs, mask=mask).to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offs, y, mask=mask)
