@@ -14,9 +14,10 @@ import json
 import time
 from pathlib import Path
 
+import dense_probe
 import torch
 import triton
-from dense_probe import SHAPES, Case, run, time_graph
+from dense_probe import MODELS, Case, run, time_graph
 from hwkv_cuda.decode_ops import choose_config
 
 # (block_n, num_warps, preload, programs per SM) per shape: light tiles (45-64 registers at sm_90 for 4-16 rows of 2048
@@ -45,7 +46,12 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp")
     ap.add_argument("--shapes", default="gate_up,qkv,lm_head,o_proj,down")
     ap.add_argument("--limit", type=int, default=0, help="at most this many stream configs a shape (0: all)")
+    ap.add_argument("--model", default="llama-1b", help=f"one of {sorted(MODELS)} (dense_probe's shapes)")
+    ap.add_argument("--configs", default="", help="JSON {shape: [HWKV_CUDA_DENSE_CONFIG strings]} instead of STREAM "
+                    "(for the shapes it names)")
     args = ap.parse_args()
+    shapes, dense_probe.H, dense_probe.HKV, dense_probe.D = MODELS[args.model]
+    given = json.loads(args.configs) if args.configs else {}
     torch.manual_seed(0)
     res: dict = dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), torch=torch.__version__,
                      triton=triton.__version__, rows=[])
@@ -54,11 +60,13 @@ def main() -> None:
     res["copy_TBps"] = 2 * n / time_graph(lambda: [dst.copy_(src) for _ in range(16)], 16) / 1e6
     print(f"copy {res['copy_TBps']:.3f} TB/s", flush=True)
     order = args.shapes.split(",")
-    for name, N, K, copies in sorted((s for s in SHAPES if s[0] in order), key=lambda s: order.index(s[0])):
+    for name, N, K, copies in sorted((s for s in shapes if s[0] in order), key=lambda s: order.index(s[0])):
         c = Case(name, N, K, copies, 1)
         row = dict(shape=name, N=N, K=K, M=1, MB=c.bytes / 1e6, configs=[])
         default = dict(choose_config(1, N, K)._asdict())
-        sweep = stream_sweep(name)
+        sweep = [dict(kv.split("=") for kv in c.split(",")) for c in given[name]] if name in given \
+            else stream_sweep(name)
+        sweep = [{k: int(v) for k, v in c.items()} for c in sweep]
         for cfg in [default, *(sweep[:args.limit] if args.limit else sweep), default]:
             t0 = time.time()
             run(c, row, cfg, "1")

@@ -43,15 +43,11 @@ def dense(bn: int, bk: int, wp: int, st: int, pre: int, ev: int = 0) -> str:
 # persistent GEMV around the 1B winners of session 9 (qkv 4/4/2/6, o_proj 4/4/2/4 evict, gate_up 8/8/0/4 evict,
 # LM head 4/4/2/6 evict), whose shapes are of the same size as these
 SWEEP: list[tuple[str, str, list[str]]] = [
-    ("qkv", "3072X4096", [stream(4, 4, 2, 6), stream(4, 4, 2, 4), stream(4, 8, 2, 4), stream(8, 8, 2, 2),
-                          stream(4, 4, 0, 6)]),
-    ("o_proj", "4096X2048", [stream(4, 4, 2, 4, 1, 2048), stream(4, 4, 2, 6, 1, 2048), stream(8, 8, 2, 2, 1, 2048),
-                             stream(4, 4, 0, 4, 1, 2048)]),
-    ("down", "4096X7168", [stream(4, 8, 2, 2, 1, 8192), stream(2, 8, 2, 4, 1, 8192), stream(4, 8, 0, 2, 1, 8192),
-                           stream(4, 8, 0, 3, 1, 1024), dense(4, 2048, 8, 3, 2, 1)]),
-    ("gate_up", "14336X4096", [stream(8, 8, 0, 4, 1), stream(8, 8, 0, 2, 1), stream(4, 4, 2, 6, 1),
-                               stream(16, 8, 0, 2, 1)]),
-    ("lm_head", "64128X4096", [stream(4, 4, 2, 6, 1), stream(8, 8, 0, 4, 1), dense(4, 1024, 4, 1, 1, 1)]),
+    ("qkv", "3072X4096", [stream(4, 4, 2, 6), stream(4, 8, 2, 4), stream(8, 8, 2, 2)]),
+    ("gate_up", "14336X4096", [stream(8, 8, 0, 4, 1), stream(8, 8, 0, 2, 1), stream(4, 4, 2, 6, 1)]),
+    ("down", "4096X7168", [stream(4, 8, 2, 2, 1, 8192), stream(2, 8, 2, 4, 1, 8192), stream(4, 8, 0, 3, 1, 1024)]),
+    ("o_proj", "4096X2048", [stream(4, 4, 2, 4, 1, 2048), stream(4, 4, 2, 6, 1, 2048)]),
+    ("lm_head", "64128X4096", [stream(4, 4, 2, 6, 1), stream(8, 8, 0, 4, 1)]),
 ]
 
 
@@ -71,7 +67,8 @@ def main() -> None:
     ap.add_argument("--final-s", type=float, default=30.0, help="seconds kept for the final rows")
     ap.add_argument("--keep", type=float, default=0.005)
     ap.add_argument("--sweep", default="", help="comma list of shapes to sweep greedily ('' none; 'all')")
-    ap.add_argument("--rows", default="[]", help="JSON list of {name, env}: rows over main's defaults")
+    ap.add_argument("--rows", default="[]", help="JSON list of {name, env[, over_winners]}: rows over main's defaults "
+                    "(over the sweep's winners with over_winners true)")
     args = ap.parse_args()
     t0 = time.perf_counter()
     out = Path(args.out)
@@ -144,7 +141,8 @@ def main() -> None:
             print(f"[tpsweep] KEEP {name}: {best[1]} {cur:.4f} -> {best[0]:.4f} ms", flush=True)
             cur = best[0]
         save()
-    rows = [("main", {})] + ([("winners", dict(win))] if win else []) + [(r["name"], r["env"]) for r in extra]
+    rows = [("main", {})] + ([("winners", dict(win))] if win else []) + [
+        (r["name"], {**(win if r.get("over_winners") else {}), **r["env"]}) for r in extra]
     if len(win) > 1:
         rows += [(f"{k.removeprefix(ENV)} alone", {k: v}) for k, v in win.items()]
     rows.append(("main (again)", {}))
