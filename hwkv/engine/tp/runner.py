@@ -210,7 +210,9 @@ class WorkerRunner(ModelRunner):
         self._pending = self._before
 
     def _sample(self, logits: torch.Tensor, states: list[Any], req_ids: list[str]) -> tuple[torch.Tensor, Any]:
-        if self.argmax:
-            return logits.float().argmax(-1), None  # the driver's sampler fast path, on the same logits
+        if self.argmax:  # the driver's sampler fast path (the backend's one-launch argmax where offered), on the
+            # same logits: torch's argmax of a 128,256-logit row took 27 us on an H200 against the driver's 3 us, and
+            # the driver waited that out in the next step's first all-reduce (2 x H200, Llama-3-8B shape, batch 1)
+            return self._greedy(logits), None
         tokens = torch.empty(len(states), dtype=torch.long, device=self.device)
         return self.comm.broadcast(tokens), None

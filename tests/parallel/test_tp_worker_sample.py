@@ -1,0 +1,31 @@
+"""A worker's tokens on a plain greedy step: the driver's sampler fast path (the backend's argmax where offered)."""
+
+from types import SimpleNamespace
+
+import torch
+
+from hwkv.engine.model_runner import ModelRunner
+from hwkv.engine.tp.runner import WorkerRunner
+
+
+def _worker(ops):
+    fake = SimpleNamespace(argmax=True, model=SimpleNamespace(decode_ops=ops))
+    fake._greedy = lambda logits: ModelRunner._greedy(fake, logits)
+    return fake
+
+
+def test_worker_greedy_takes_the_backend_argmax():
+    calls = []
+    ops = SimpleNamespace(argmax=lambda x: calls.append(x.dtype) or x.argmax(-1))
+    logits = torch.randn(3, 50).to(torch.bfloat16)
+    tokens, logprobs = WorkerRunner._sample(_worker(ops), logits, [None] * 3, ["a", "b", "c"])
+    assert calls == [torch.float32]  # one call, on the float32 logits (as the driver's sample_tokens)
+    assert torch.equal(tokens, logits.float().argmax(-1)) and logprobs is None
+
+
+def test_worker_greedy_without_backend_argmax_is_argmax_rows():
+    logits = torch.randn(2, 300)
+    logits[1, 7] = logits[1, 200] = 99.0  # a tie: the first index, as torch.argmax
+    for ops in (None, SimpleNamespace(argmax=lambda x: None)):
+        tokens, _ = WorkerRunner._sample(_worker(ops), logits, [None] * 2, ["a", "b"])
+        assert torch.equal(tokens, logits.argmax(-1)) and int(tokens[1]) == 7
