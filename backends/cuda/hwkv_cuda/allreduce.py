@@ -50,7 +50,8 @@ MIN_ROW_BYTES = 512
 # the low-latency push (kernels/allreduce.py push_ll_kernel: each 8-byte word carries two 16-bit elements and the
 # call's epoch, no fence, flag or barrier round): 16-bit messages up to this many bytes (a decode step's hidden
 # states, 8 KB a row at 4096); its own 2 parities x world size x 2 LL_MAX of peer buffer per rank.
-# HWKV_PUSH_LL=1 takes it (read per call: an A/B recaptures the graphs); off by default until measured
+# Set up (its buffer and setup self-test) only where HWKV_PUSH_LL is set when the group starts; taken where it is "1"
+# (read per call: an A/B recaptures the graphs with "0" / "1"). Off by default until measured
 LL_MAX = 64 * 1024
 LL_ENV = "HWKV_PUSH_LL"
 
@@ -98,7 +99,7 @@ class CudaAllReduce:
         self.name = ""
         self.push_max = push_max if push else 0
         self.norm_max = norm_max if push else 0
-        self.ll_max = LL_MAX if push else 0
+        self.ll_max = LL_MAX if push and os.environ.get(LL_ENV) else 0
         # the row-parallel all-reduce inside the decode GEMVs (TritonRankSum); HWKV_TP_FUSED_AR=0: off (A/B)
         self.fused = push and os.environ.get("HWKV_TP_FUSED_AR", "0") != "0"
         self._norm_key: tuple[int, torch.dtype] | None = None  # (hidden size, dtype): fixed at the first call
