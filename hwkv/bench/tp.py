@@ -124,13 +124,14 @@ def measure(mdir: Path, tp: int, a: argparse.Namespace, bw: float, vocab: int, r
                 "custom_all_reduce": type(custom).__name__ if e._tp else None})
     if custom is not None:
         res["custom_paths"] = {k: getattr(custom, k, None) for k in (
-            "push_max", "norm_max", "one_shot_max", "two_shot_max", "symm_error", "fused", "fused_error")}
+            "push_max", "norm_max", "one_shot_max", "two_shot_max", "symm_error", "fused", "fused_error", "ce_min",
+            "ce_signal", "ce_error")}
     print(f"tp={tp} engine up in {res['start_s']} s: {res['custom_all_reduce']} {res.get('custom_paths', '')}",
           flush=True)
     try:
         short, long = (int(x) for x in a.decode.split(","))
         wbytes = e.model.param_bytes()
-        for batch in (int(x) for x in a.decode_batch.split(",")):
+        for batch in (int(x) for x in a.decode_batch.split(",") if x):  # '': none
             prompts = _prompts(batch, 32, vocab, 1)
             _generate(e, prompts, short)  # warm
             c0 = _host_counters(e)

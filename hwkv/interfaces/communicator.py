@@ -20,7 +20,8 @@ import torch
 # current stream, capturable, bitwise identical on every rank). The callable may also have
 # ``all_reduce_add(t, residual)``: ``residual + sum of t over the ranks`` as a new tensor, or
 # ``None`` to decline (it may overwrite ``t`` either way), for a fused kernel; and
-# ``all_reduce_add_rms_norm(t, residual, weight, eps)`` as the Communicator method of that name.
+# ``all_reduce_add_rms_norm(t, residual, weight, eps)`` as the Communicator method of that name; and
+# ``all_reduce_start(t)``: a ``wait()`` as ``Communicator.all_reduce_start`` returns, or ``None`` to decline.
 CustomAllReduce = Callable[[torch.Tensor], "torch.Tensor | None"]
 
 

@@ -124,6 +124,9 @@ class TorchDistCommunicator(Communicator):
         return t
 
     def all_reduce_start(self, t: torch.Tensor) -> Callable[[], torch.Tensor]:
+        start = getattr(self._custom, "all_reduce_start", None)
+        if start is not None and (wait := start(t)) is not None:  # the backend's, beside what follows
+            return wait
         if self._custom is not None and self._custom(t) is not None:
             return lambda: t
         work = self._group().allreduce([t])  # on the group's own stream (NCCL), after what is enqueued here

@@ -90,6 +90,10 @@ class CudaAllReduce:
     fused_error = ""  # why that path was turned off
     ll_max = 0  # bytes up to which the low-latency push may run (set in __init__; 0: never)
     ll_error = ""  # why it was turned off
+    _ce: Any = None
+    ce_min = 0  # messages of at least this many bytes take the copy-engine all-reduce (0: off; set in __init__)
+    ce_error = ""  # why the copy-engine path was turned off
+    ce_signal = ""  # how its flags are written and waited for ("memop" or "kernel")
 
     def __init__(self, comm: Any, push: bool = True, symm: bool = True, push_max: int = PUSH_MAX,
                  one_shot_max: int = ONE_SHOT_MAX, two_shot_max: int = TWO_SHOT_MAX, norm_max: int = NORM_MAX):
@@ -168,6 +172,10 @@ class CudaAllReduce:
                 self.ll_max = 0
                 self.ll_error = self.ll_error or "another rank's low-latency push failed its self-test"
                 warnings.warn(f"low-latency push off: {self.ll_error}", stacklevel=2)
+        from hwkv_cuda.ce_allreduce import ce_enabled
+
+        if ce_enabled():  # optional: a failure turns only it off, on every rank
+            self._setup_ce(comm)
         if (self.one_shot_max or self.two_shot_max) and _same_device_index(comm, self.device):
             # every rank sees its GPU at the same index (a tensor-parallel engine's workers each see one GPU
             # as cuda:0): symmetric memory's rendezvous refuses that ("allocations from overlapping devices"),
@@ -189,6 +197,126 @@ class CudaAllReduce:
                     self.one_shot_max = self.two_shot_max = 0
                     self.symm_error = self.symm_error or "another rank could not set up symmetric memory"
                     break
+
+    def _setup_ce(self, comm: Any) -> None:
+        """The copy-engine all-reduce (:mod:`hwkv_cuda.ce_allreduce`) for messages of at least ``ce_min``
+        bytes: its buffers mapped, then its flag path probed without any device wait (each rank writes a
+        scratch flag into its peers' buffers, every rank checks what arrived after a host barrier: a
+        driver that refuses stream memory operations on peer memory cannot leave a rank waiting), then
+        one self-test all-reduce on small integers. Memory operations first, one-thread kernels if they
+        fail; every step agreed by all ranks."""
+        import warnings
+
+        from hwkv_cuda import ce_allreduce as ce
+
+        ok, err = 1, ""
+        try:
+            with torch.cuda.device(self.device):
+                self._ce, self._ce_stream = ce.make_ce(self.rank, self.world_size, torch.device(self.device),
+                                                       self._peer_buffer,
+                                                       int(os.environ.get("HWKV_CE_CHUNK_MAX", ce.CHUNK_MAX)))
+                torch.cuda.synchronize(self.device)
+        except Exception as e:  # noqa: BLE001 - agreed below
+            ok, err = 0, f"{type(e).__name__}: {e}"
+        if comm.all_reduce_min(ok) == 0:
+            self.ce_error = err or "another rank could not map the copy-engine buffers"
+            warnings.warn(f"copy-engine all-reduce off: {self.ce_error}", stacklevel=3)
+            return
+        modes = [os.environ["HWKV_CE_SIGNAL"]] if os.environ.get("HWKV_CE_SIGNAL") else ["memop", "kernel"]
+        for i, mode in enumerate(modes):
+            self._ce.t.mode = mode
+            ok, err = 1, ""
+            try:
+                with torch.cuda.device(self.device):
+                    self._probe_ce_flags(comm, 1000 + i)
+            except Exception as e:  # noqa: BLE001 - agreed below
+                ok, err = 0, f"{mode}: {type(e).__name__}: {e}"
+            if comm.all_reduce_min(ok) == 1:
+                break
+            self.ce_error = err or f"{mode}: another rank's flag probe failed"
+        else:
+            warnings.warn(f"copy-engine all-reduce off: {self.ce_error}", stacklevel=3)
+            return
+        ok, err = 1, ""
+        try:
+            with torch.cuda.device(self.device):
+                self._self_test_ce()
+        except Exception as e:  # noqa: BLE001 - agreed below
+            ok, err = 0, f"{type(e).__name__}: {e}"
+        if comm.all_reduce_min(ok) == 0:
+            self.ce_error = err or "another rank's copy-engine self-test failed"
+            warnings.warn(f"copy-engine all-reduce off: {self.ce_error}", stacklevel=3)
+            return
+        self.ce_min, self.ce_signal, self.ce_error = int(os.environ.get("HWKV_CE_MIN", ce.CE_MIN)), mode, ""
+
+    def _probe_ce_flags(self, comm: Any, value: int) -> None:
+        """Each rank raises its reduce-scatter flag in every peer's buffer to ``value`` and waits on its own
+        flags only once they are known to hold it (never blocking): checks that flag writes reach the
+        peers and that the wait returns, with no rank able to hang. The flags are reset after."""
+        c, t = self._ce, self._ce.t
+        t.stream.wait_stream(torch.cuda.current_stream(self.device))
+        for j in range(self.world_size):
+            if j != self.rank:
+                t.signal(c._flag(j, 0, self.rank), value)
+        t.stream.synchronize()
+        comm.all_reduce_min(1)  # every rank's writes are done
+        flags = c.local[c.ws * c.chunk_max:].view(torch.int64)
+        got = [int(v) for v in flags[: c.ws].tolist()]
+        bad = [j for j in range(self.world_size) if j != self.rank and got[j] != value]
+        if bad:
+            raise RuntimeError(f"flags from ranks {bad} did not arrive ({got})")
+        for j in range(self.world_size):
+            if j != self.rank:
+                t.wait(c._flag(self.rank, 0, j), value)
+        t.stream.synchronize()
+        comm.all_reduce_min(1)  # every rank read its flags before they are reset
+        flags.zero_()
+        torch.cuda.synchronize(self.device)
+        comm.all_reduce_min(1)
+
+    def _self_test_ce(self) -> None:
+        """One copy-engine all-reduce on small integers (every sum exact), over a ragged length and two
+        rounds (a message longer than one round's buffers), and one through ``all_reduce_start``."""
+        ws, dev = self.world_size, self.device
+        per_round = ws * self._ce.chunk_max // 2
+        n = per_round + 3 * 4096 + 7 if per_round <= (8 << 20) else 3 * 4096 + 7
+        base = torch.arange(n, device=dev, dtype=torch.float32) % 13
+        want = ws * base + ws * (ws - 1) // 2
+        problems = []
+        got = self._ce_run((base + self.rank).to(torch.bfloat16))
+        if not torch.equal(got.float(), want):
+            problems.append("sum")
+        x = (base[: 4096 * 3] + self.rank).to(torch.bfloat16)
+        got = self._ce_start(x)()
+        if not torch.equal(got.float(), want[: 4096 * 3]):
+            problems.append("sum started and waited for")
+        if problems:
+            raise RuntimeError(f"copy-engine all-reduce self-test failed on rank {self.rank}: {', '.join(problems)}")
+
+    def _ce_start(self, t: torch.Tensor) -> Any:
+        """Start the copy-engine all-reduce of ``t`` on its side stream (after what the current stream
+        enqueued); the returned ``wait()`` orders the current stream after it and returns ``t``."""
+        cur, side = torch.cuda.current_stream(self.device), self._ce_stream
+        side.wait_stream(cur)
+        self._ce.all_reduce(t)
+        done = torch.cuda.Event()
+        done.record(side)
+
+        def wait() -> torch.Tensor:
+            torch.cuda.current_stream(self.device).wait_event(done)
+            return t
+
+        return wait
+
+    def _ce_run(self, t: torch.Tensor) -> torch.Tensor:
+        return self._ce_start(t)()
+
+    def _ce_eligible(self, t: torch.Tensor) -> bool:
+        return bool(self.ce_min) and self._eligible(t) >= self.ce_min and not torch.cuda.is_current_stream_capturing()
+
+    def all_reduce_start(self, t: torch.Tensor) -> Any:
+        """``Communicator.all_reduce_start`` for what the copy engines take (else ``None``: the caller's)."""
+        return self._ce_start(t) if self._ce_eligible(t) else None
 
     def _peer_buffer(self, nbytes: int, tag: str) -> tuple[torch.Tensor, torch.Tensor]:
         """A zeroed local buffer of ``nbytes`` and the int64 tensor of every rank's buffer address as
@@ -403,6 +531,8 @@ class CudaAllReduce:
         if nbytes <= self.push_max:
             self._push(t, None)
             return t
+        if self._ce_eligible(t):
+            return self._ce_run(t)
         if nbytes <= self.one_shot_max and nbytes % 16 == 0:
             flat = t.view(-1)
             buf = self.staging[:nbytes].view(t.dtype)
@@ -470,6 +600,7 @@ class CudaAllReduce:
         self._tokens = []
         self._bufs.clear()
         self.staging = self.buf = self.nbuf = self.fbuf = None  # type: ignore[assignment]
+        self._ce = self._ce_stream = None
 
 
 def _register_group(name: str, comm: Any, store: Any) -> Any:

@@ -198,6 +198,12 @@ for dt in ("bf16", "fp16"):
     for res, pdl in ((False, False), (True, True)):
         compile(ASTSource(k.push_ll_kernel, sig, dict(RANK=1, WS=2, SLOT_W=16384, BLOCK=2048, HAS_RES=res, PDL=pdl)),
                 target=GPUTarget("cuda", 90, 32))
+for dt in ("bf16", "fp32"):  # the copy-engine all-reduce's sum and its fallback flag kernels
+    sig = dict(x_ptr=f"*{dt}", slot_ptr=f"*{dt}", out_ptr=f"*{dt}", n="i64", stride="i64", RANK="constexpr",
+               WS="constexpr", BLOCK="constexpr")
+    compile(ASTSource(k.ce_sum_kernel, sig, dict(RANK=1, WS=2, BLOCK=4096)), target=GPUTarget("cuda", 90, 32))
+compile(ASTSource(k.ce_signal_kernel, dict(addr="i64", value="i64"), {}), target=GPUTarget("cuda", 90, 32))
+compile(ASTSource(k.ce_wait_kernel, dict(addr="i64", value="i64"), {}), target=GPUTarget("cuda", 90, 32))
 from hwkv_cuda.kernels import dense as d  # the all-reduce inside the decode GEMVs (push epilogue, rank-sum prologue)
 
 ptrs = ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "res_ptr", "nw_ptr", "cos_ptr", "sin_ptr", "pos_ptr", "kv_ptr", "slot_ptr")

@@ -173,3 +173,42 @@ def push_ll_kernel(x_ptr, res_ptr, out_ptr, buf_ptr, peers_ptr, epochs_ptr, err_
     if HAS_RES:  # the sum rounded first, then the add (as all_reduce then h + out)
         y = (y.to(tl.float32) + tl.load(res_ptr + offs, mask=mask).to(tl.float32)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + offs, y, mask=mask)
+
+
+@triton.jit
+def ce_sum_kernel(x_ptr, slot_ptr, out_ptr, n, stride, RANK: tl.constexpr, WS: tl.constexpr, BLOCK: tl.constexpr):
+    """The copy-engine all-reduce's sum of this rank's chunk (:mod:`hwkv_cuda.ce_allreduce`): ``x`` (this
+    rank's part) and the peers' parts (``WS - 1`` slots ``stride`` elements apart, in rank order without
+    ``RANK``) summed in rank order in float32, rounded once, stored into ``x`` and ``out``."""
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    acc = tl.zeros([BLOCK], tl.float32)
+    for r in tl.static_range(WS):
+        if r == RANK:
+            acc += tl.load(x_ptr + offs, mask=mask).to(tl.float32)
+        else:
+            slot = r if r < RANK else r - 1
+            acc += tl.load(slot_ptr + slot * stride + offs, mask=mask).to(tl.float32)
+    y = acc.to(out_ptr.dtype.element_ty)
+    tl.store(x_ptr + offs, y, mask=mask)
+    tl.store(out_ptr + offs, y, mask=mask)
+
+
+@triton.jit
+def ce_signal_kernel(addr, value):
+    """A flag write to (peer) memory at ``addr`` (release, system scope): the fallback of a stream memory
+    operation."""
+    v = tl.zeros([], tl.int64) + value
+    tl.atomic_xchg(addr.to(tl.pointer_type(tl.int64)), v, sem="release", scope="sys")
+
+
+@triton.jit
+def ce_wait_kernel(addr, value):
+    """Spin until the local flag at ``addr`` is ``>= value`` (acquire, system scope): the fallback of
+    ``cuStreamWaitValue64``."""
+    p = addr.to(tl.pointer_type(tl.int64))
+    v = tl.zeros([], tl.int64) + value
+    spins = 0
+    while tl.atomic_add(p, 0, sem="acquire", scope="sys") < v:
+        spins += 1
