@@ -1,4 +1,5 @@
-"""One layer of the offline workload's attention (Llama-3.2-1B: 32/8 heads of 64, blocks of 16) at the steps that
+"""One layer of the offline workload's attention (Llama-3.2-1B: 32/8 heads of 64, blocks of 16; ``HWKV_PROBE_SHAPE``
+another, e.g. ``16,4,128``: a tp=2 rank of Llama-3-8B) at the steps that
 workload runs: the prefill step (32 x 512 causal), mixed steps (decodes first, then prefills, as the scheduler
 orders them), the batch-256 decode; median of CUDA-graph replays, µs and causal TFLOP/s, for the default tiles and
 a few ``HWKV_CUDA_ATTN_CONFIG`` variants (each row's error against the default's output).
@@ -24,6 +25,8 @@ out_path = sys.argv[1]
 dev = torch.device(sys.argv[2] if len(sys.argv) > 2 else "cuda")
 sc = int(sys.argv[3]) if len(sys.argv) > 3 else 1  # divide every size (a CPU dry run under the interpreter)
 h, hkv, d, bs = 32 // sc, 8 // sc, 64, 16
+if os.environ.get("HWKV_PROBE_SHAPE"):  # "heads,kv_heads,head_size": e.g. 16,4,128 (a tp=2 rank of Llama-3-8B)
+    h, hkv, d = (int(x) // (sc if i < 2 else 1) for i, x in enumerate(os.environ["HWKV_PROBE_SHAPE"].split(",")))
 P, N = 512 // sc, 32 // sc
 MIXED = ["default", "block_m=128,block_q=32", "block_m=32,block_q=8", "block_m=16,block_q=4"]
 DECODE = ["default", "direct=0", "head_major=1", "num_stages=2", "num_stages=4", "block_n=64",
@@ -36,7 +39,8 @@ if os.environ.get("HWKV_PROBE_PREFILL"):  # ";"-separated variants for the prefi
     PREFILL = ["default"] + [v for v in os.environ["HWKV_PROBE_PREFILL"].split(";") if v and v != "default"]
 # (name, query lengths, sequence lengths, variants), the offline run's largest share first; HWKV_PROBE_CASES (comma
 # list of name prefixes) picks some
-cases = [("decode 256 x 640", [1] * (256 // sc), [640 // sc] * (256 // sc), DECODE),
+cases = [("decode 128 x 600", [1] * (128 // sc), [600 // sc] * (128 // sc), DECODE),  # 8B offline: 128 running
+         ("decode 256 x 640", [1] * (256 // sc), [640 // sc] * (256 // sc), DECODE),
          ("decode 1 x 384", [1], [384 // sc], B1),  # the batch-1 bench: 128 + up to 256 tokens
          ("mixed 224 decodes @ 600 + 1 x 512 prefill", [1] * (224 // sc) + [P], [600 // sc] * (224 // sc) + [P], MIXED),
          ("mixed 128 decodes @ 600 + 8 x 512 prefills", [1] * (128 // sc) + [P] * (8 // sc or 1),
