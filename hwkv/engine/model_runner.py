@@ -264,6 +264,12 @@ class ModelRunner:
                                                     [st.slot for st in states])
         return batch
 
+    def _graph_tokens_ok(self) -> bool:
+        """Whether a graph step's tokens are the graph's own greedy argmax: every request held plain (the sampler's
+        fast path) and no grammar mask (a tensor-parallel worker, whose requests carry no sampling parameters, takes
+        the driver's word for it)."""
+        return not self._num_special and not (self.structured is not None and self.structured.matchers)
+
     def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
         """The sampler's plain greedy tokens of ``logits`` (:func:`sample_tokens` with ``plain`` and no
         bitmask: the same functions), as captured in the decode graphs."""
@@ -331,8 +337,7 @@ class ModelRunner:
                 logits = gr.run(batch, partial(fill, at=rows) if fill else None, ids_ready=ready,  # type: ignore[union-attr]
                                 copy_stream=side)
                 self.num_graph_steps += logits is not None
-                if logits is not None and gr.tokens is not None and not self._num_special \
-                        and not (self.structured is not None and self.structured.matchers):
+                if logits is not None and gr.tokens is not None and self._graph_tokens_ok():
                     tokens, made_by = gr.tokens, gr  # every row plain greedy: the graph's argmax
                     self.num_graph_sampled_steps += 1
             elif self.tail_graphs is not None and batch.max_query_len <= self.tail_graphs.q:

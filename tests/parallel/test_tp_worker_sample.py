@@ -29,3 +29,21 @@ def test_worker_greedy_without_backend_argmax_is_argmax_rows():
     for ops in (None, SimpleNamespace(argmax=lambda x: None)):
         tokens, _ = WorkerRunner._sample(_worker(ops), logits, [None] * 2, ["a", "b"])
         assert torch.equal(tokens, logits.argmax(-1)) and int(tokens[1]) == 7
+
+
+def test_graph_tokens_follow_the_driver_word_and_the_switch(monkeypatch):
+    """A worker takes a graph step's own argmax exactly when the driver says every request is plain (its requests
+    carry placeholder sampling parameters); the tp runners sample in their graphs only with HWKV_TP_GRAPH_SAMPLE=1."""
+    from hwkv.engine.tp.runner import DriverRunner
+
+    w = SimpleNamespace(argmax=True)
+    assert WorkerRunner._graph_tokens_ok(w) is True
+    w.argmax = False
+    assert WorkerRunner._graph_tokens_ok(w) is False
+    monkeypatch.delenv("HWKV_TP_GRAPH_SAMPLE", raising=False)
+    for cls in (DriverRunner, WorkerRunner):
+        assert cls.samples_in_graphs.fget(None) is False
+    monkeypatch.setenv("HWKV_TP_GRAPH_SAMPLE", "1")
+    for cls in (DriverRunner, WorkerRunner):
+        assert cls.samples_in_graphs.fget(None) is True
+    assert ModelRunner.samples_in_graphs is True  # one device: always

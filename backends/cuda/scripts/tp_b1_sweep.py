@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from functools import partial
 from pathlib import Path
@@ -44,10 +45,10 @@ def dense(bn: int, bk: int, wp: int, st: int, pre: int, ev: int = 0) -> str:
 # LM head 4/4/2/6 evict), whose shapes are of the same size as these
 SWEEP: list[tuple[str, str, list[str]]] = [
     ("qkv", "3072X4096", [stream(4, 4, 2, 6), stream(4, 8, 2, 4), stream(8, 8, 2, 2)]),
-    ("gate_up", "14336X4096", [stream(8, 8, 0, 4, 1), stream(8, 8, 0, 2, 1), stream(4, 4, 2, 6, 1)]),
-    ("down", "4096X7168", [stream(4, 8, 2, 2, 1, 8192), stream(2, 8, 2, 4, 1, 8192), stream(4, 8, 0, 3, 1, 1024)]),
-    ("o_proj", "4096X2048", [stream(4, 4, 2, 4, 1, 2048), stream(4, 4, 2, 6, 1, 2048)]),
-    ("lm_head", "64128X4096", [stream(4, 4, 2, 6, 1), stream(8, 8, 0, 4, 1)]),
+    ("gate_up", "14336X4096", [stream(8, 8, 0, 4, 1), stream(8, 8, 0, 2, 1)]),
+    ("down", "4096X7168", [stream(4, 8, 2, 2, 1, 8192), stream(4, 8, 0, 3, 1, 1024)]),
+    ("o_proj", "4096X2048", [stream(4, 4, 2, 4, 1, 2048)]),
+    ("lm_head", "64128X4096", [stream(4, 4, 2, 6, 1)]),
 ]
 
 
@@ -69,6 +70,11 @@ def main() -> None:
     ap.add_argument("--sweep", default="", help="comma list of shapes to sweep greedily ('' none; 'all')")
     ap.add_argument("--rows", default="[]", help="JSON list of {name, env[, over_winners]}: rows over main's defaults "
                     "(over the sweep's winners with over_winners true)")
+    ap.add_argument("--second-env", default="", help="JSON {VAR: VALUE}: then a second engine started with this "
+                    "environment (read at start-up), main and the winners again")
+    ap.add_argument("--second-s", type=float, default=45.0, help="seconds the second engine needs (skipped when "
+                    "fewer are left of --total-s)")
+    ap.add_argument("--total-s", type=float, default=1e9, help="seconds this script may take in all")
     args = ap.parse_args()
     t0 = time.perf_counter()
     out = Path(args.out)
@@ -169,6 +175,36 @@ def main() -> None:
     t1 = time.perf_counter()
     engine.close()
     print(f"[tpsweep] closed in {time.perf_counter() - t1:.1f} s; total {time.perf_counter() - t0:.1f} s", flush=True)
+    second = json.loads(args.second_env) if args.second_env else {}
+    if second and args.total_s - (time.perf_counter() - t0) < args.second_s:
+        print("[tpsweep] no time left for the second engine", flush=True)
+        second = {}
+    if second:  # another engine with an environment read at start-up (every rank inherits it): main and the winners
+        os.environ.update(second)
+        t2 = time.perf_counter()
+        engine = hwkv.Engine(str(mdir), backend=args.backend, dtype=args.dtype, max_model_len=args.max_model_len,
+                             tensor_parallel_size=args.tp)
+        rc = getattr(engine.runner, "recapture", None) or partial(recapture, engine.runner)
+        res["second_env"], res["second_init_s"] = second, round(time.perf_counter() - t2, 1)
+        print(f"[tpsweep] second engine ({second}) up in {res['second_init_s']} s", flush=True)
+        for name, env in [("main", {}), *([("winners", dict(win))] if win else [])]:
+            name = f"{name} [{' '.join(f'{k}={v}' for k, v in second.items())}]"
+            try:
+                ms = step_ms(env)
+                toks = [_generate(engine, [p], 32)[1][0] for p in checked]
+            except Exception as e:
+                print(f"[tpsweep] row {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                res["rows"].append(dict(name=name, env=env, error=f"{type(e).__name__}: {e}"[:300]))
+                save()
+                continue
+            div = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), -1) for x, y in zip(ref or toks, toks)]
+            res["rows"].append(dict(name=name, env={**second, **env}, step_ms=ms, tok_per_s=1e3 / ms, tokens=toks,
+                                    first_divergence=div))
+            print(f"[tpsweep] {name}: {ms:.4f} ms a step ({1e3 / ms:.1f} tok/s); tokens vs main: first divergence "
+                  f"{div}", flush=True)
+            save()
+        engine.close()
+        print(f"[tpsweep] total {time.perf_counter() - t0:.1f} s", flush=True)
 
 
 if __name__ == "__main__":

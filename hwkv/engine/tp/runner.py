@@ -43,6 +43,18 @@ def encode_step(so: SchedulerOutput, forward: bool = True, step: int = 0, argmax
     )
 
 
+GRAPH_SAMPLE_ENV = "HWKV_TP_GRAPH_SAMPLE"
+
+
+def graph_sample() -> bool:
+    """Whether the small decode graphs of a tensor-parallel runner take the greedy argmax themselves and feed it to the
+    next step's inputs, in two sets taking turns (``ModelRunner.samples_in_graphs``, ``pingpong``), as at one device:
+    every rank replays the same graphs over the same all-gathered logits, so every rank's argmax is the same, and a
+    step whose requests are all plain greedy (the driver's ``argmax`` word) takes it on every rank; other steps still
+    sample on the driver and broadcast. ``HWKV_TP_GRAPH_SAMPLE=1``, read when the graphs are built (A/B)."""
+    return os.environ.get(GRAPH_SAMPLE_ENV, "0") == "1"
+
+
 def _hwkv_env(env: dict[str, str] | None) -> dict[str, str]:
     bad = [k for k in env or {} if not k.startswith("HWKV_")]
     if bad:
@@ -95,7 +107,7 @@ class DriverRunner(ModelRunner):
     """Rank 0: forwards every call to the workers (``executor.send``), then runs it."""
 
     serves_prompt_logprobs = False
-    samples_in_graphs = False  # the driver samples and broadcasts (or every rank takes the argmax): not in a graph
+    samples_in_graphs = property(lambda self: graph_sample())  # type: ignore[assignment]
 
     def __init__(self, *args: Any, executor: Any, fuse: bool, **kw: Any):
         super().__init__(*args, **kw)
@@ -183,7 +195,7 @@ class WorkerRunner(ModelRunner):
     """Ranks > 0: the same steps, tokens received from the driver's broadcast."""
 
     serves_prompt_logprobs = False
-    samples_in_graphs = False
+    samples_in_graphs = property(lambda self: graph_sample())  # type: ignore[assignment]
 
     def __init__(self, *args: Any, comm: Any, report: Any = None, **kw: Any):
         super().__init__(*args, **kw)
@@ -208,6 +220,9 @@ class WorkerRunner(ModelRunner):
 
     def rollback(self) -> None:
         self._pending = self._before
+
+    def _graph_tokens_ok(self) -> bool:
+        return self.argmax  # the driver's word: its own test of every request plain and no grammar
 
     def _sample(self, logits: torch.Tensor, states: list[Any], req_ids: list[str]) -> tuple[torch.Tensor, Any]:
         if self.argmax:  # the driver's sampler fast path (the backend's one-launch argmax where offered), on the
