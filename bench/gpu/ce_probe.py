@@ -16,6 +16,7 @@ import time
 import torch.multiprocessing as mp
 
 SIZES_MB = [4, 16, 64, 128]
+EXTRA = os.environ.get("CE_PROBE_EXTRA") == "1"
 
 
 def _worker(rank: int, world: int, q, res_q, args) -> None:
@@ -49,10 +50,20 @@ def _worker(rank: int, world: int, q, res_q, args) -> None:
                 else:
                     os.environ[k] = v
 
-    comm = make("ce-main", {"HWKV_CE_ALLREDUCE": "1", "HWKV_CE_MIN": str(4 << 20)})
+    for mode in args.modes.split(","):
+        _probe_mode(rank, mode, make, out)
+    res_q.put(out)
+    os._exit(0)
+
+
+def _probe_mode(rank, mode, make, out) -> None:
+    import torch
+
+    comm = make(f"ce-{mode}", {"HWKV_CE_ALLREDUCE": mode, "HWKV_CE_MIN": str(4 << 20)})
     ar = comm._custom
-    out["ce_min"], out["ce_signal"], out["ce_error"] = ar.ce_min, ar.ce_signal, ar.ce_error
-    print(f"rank {rank}: ce_min={ar.ce_min} signal={ar.ce_signal!r} error={ar.ce_error!r}", flush=True)
+    out = out.setdefault(f"mode{mode}", {})
+    out["ce_min"], out["ce_signal"], out["ce_error"], out["ce_mode"] = ar.ce_min, ar.ce_signal, ar.ce_error, ar.ce_mode
+    print(f"rank {rank} mode {mode}: ce_min={ar.ce_min} signal={ar.ce_signal!r} error={ar.ce_error!r}", flush=True)
     pg = comm._group()
 
     def nccl(t):
@@ -120,14 +131,34 @@ def _worker(rank: int, world: int, q, res_q, args) -> None:
             wait()
 
         ov["ce_beside_gemm_us"] = timeit(ce_overlap, 10)
+        if ar.ce_mode == "oneshot":  # the sum fused into the next RMSNorm (the prefill halves' sites)
+            from hwkv.model.layers import add_rms_norm
+
+            t2, res = t.view(8192, 4096), torch.randn(8192, 4096, device="cuda").to(torch.bfloat16)
+            w = torch.ones(4096, device="cuda", dtype=torch.bfloat16)
+            ov["nccl_then_norm_us"] = timeit(lambda: add_rms_norm(nccl(t2), res, w, 1e-5), 10)
+            ov["ce_fused_norm_us"] = timeit(lambda: ar.all_reduce_add_rms_norm_start(t2, res, w, 1e-5)(), 10)
+
+            def ce_norm_overlap():
+                wait = ar.all_reduce_add_rms_norm_start(t2, res, w, 1e-5)
+                gemm()
+                wait()
+
+            ov["ce_fused_norm_beside_gemm_us"] = timeit(ce_norm_overlap, 10)
+            a2, b2 = t2.clone(), t2.clone()
+            want = add_rms_norm(nccl(a2), res, w, 1e-5)
+            got = ar.all_reduce_add_rms_norm_start(b2, res, w, 1e-5)()
+            torch.cuda.synchronize()
+            ov["fused_h_equal"] = bool(torch.equal(got[1], want[1]))
+            ov["fused_out_max_diff"] = float((got[0].float() - want[0].float()).abs().max())
     print(f"rank {rank}: overlap {ov}", flush=True)
     out["overlap"] = ov
 
     # several rounds (small buffers) and the kernel flags, bit-equal to NCCL
     extra = {}
-    for name, env in () if not args.extra else (("rounds_4MB", {"HWKV_CE_CHUNK_MAX": str(4 << 20)}),
+    for name, env in () if not EXTRA else (("rounds_4MB", {"HWKV_CE_CHUNK_MAX": str(4 << 20)}),
                       ("kernel_flags", {"HWKV_CE_SIGNAL": "kernel"})):
-        c2 = make(f"ce-{name}", {"HWKV_CE_ALLREDUCE": "1", "HWKV_CE_MIN": str(4 << 20), **env})
+        c2 = make(f"ce-{name}-{mode}", {"HWKV_CE_ALLREDUCE": mode, "HWKV_CE_MIN": str(4 << 20), **env})
         a2 = c2._custom
         x = torch.randn(3 * (8 << 20) + 4096 * 3 + 7, device="cuda").to(torch.bfloat16)
         a, b = x.clone(), x.clone()
@@ -150,16 +181,17 @@ def _worker(rank: int, world: int, q, res_q, args) -> None:
         extra[name] = info
         c2.close()
     out["extra"] = extra
-    res_q.put(out)
     comm.close()
-    os._exit(0)
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="ce.json")
     p.add_argument("--extra", action="store_true", help="also several rounds (4 MB buffers) and the kernel flags")
+    p.add_argument("--modes", default="2,1", help="HWKV_CE_ALLREDUCE values to probe")
     args = p.parse_args()
+    if args.extra:
+        os.environ["CE_PROBE_EXTRA"] = "1"
     ctx = mp.get_context("spawn")
     q, res_q = ctx.Queue(), ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, 2, q, res_q, args)) for r in range(2)]

@@ -86,6 +86,14 @@ class Communicator(ABC):
         call. ``t`` may be overwritten. Default: ``None``."""
         return None
 
+    def all_reduce_add_rms_norm_start(self, t: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                      eps: float) -> Callable[[], tuple[torch.Tensor, torch.Tensor]] | None:
+        """:meth:`all_reduce_add_rms_norm` started as :meth:`all_reduce_start` is: work enqueued before
+        ``wait()`` may run beside the sum, ``wait()`` returns ``(rms_norm(h, weight, eps), h)`` (``t``,
+        ``residual`` untouched until then). ``None`` where not offered for this tensor (every rank the
+        same answer) — the caller then runs :meth:`all_reduce_start` and its own add + norm. Default: ``None``."""
+        return None
+
     def all_reduce_min(self, value: int) -> int:
         """The smallest ``value`` over the ranks (a host int; setup only, e.g. the KV pool size
         every rank can hold). Synchronises with the host."""

@@ -230,7 +230,7 @@ class LlamaForCausalLM(nn.Module):
             if pend:
                 h_next, parts = torch.empty_like(h), []
                 for lo, hi, wait in pend:
-                    xh, h_next[lo:hi] = layer.input_layernorm(wait(), h[lo:hi])
+                    xh, h_next[lo:hi] = wait()
                     parts.append(a.project(xh))
                 h = h_next
                 q, k, v = (torch.cat(p) for p in zip(*parts))
@@ -242,11 +242,17 @@ class LlamaForCausalLM(nn.Module):
             out = a.impl.forward(q, k, v, kv_cache.layer(i), md).reshape(t, a.q_size)
             if hk is not None:
                 hk.save_kv_layer(i, kv_cache.layer(i), attn_metadata)
-            started = [(lo, hi, comm.all_reduce_start(a.o_proj(out[lo:hi]))) for lo, hi in halves]
+            started = [(lo, hi, _start_add_norm(comm, a.o_proj(out[lo:hi]), h[lo:hi], layer.post_attention_layernorm))
+                       for lo, hi in halves]
             h_next, pend = torch.empty_like(h), []
+            nxt = self.model.layers[i + 1].input_layernorm if i + 1 < len(self.model.layers) else None
             for lo, hi, wait in started:
-                xh, h_next[lo:hi] = layer.post_attention_layernorm(wait(), h[lo:hi])
-                pend.append((lo, hi, comm.all_reduce_start(layer.mlp(xh))))
+                xh, h_next[lo:hi] = wait()
+                out_mlp = layer.mlp(xh)
+                if nxt is None:  # the last layer: the plain sum (the final norm is compute_logits')
+                    pend.append((lo, hi, comm.all_reduce_start(out_mlp)))
+                else:
+                    pend.append((lo, hi, _start_add_norm(comm, out_mlp, h_next[lo:hi], nxt)))
             h = h_next
         return torch.cat([h[lo:hi] + wait() for lo, hi, wait in pend])
 
@@ -465,6 +471,16 @@ class LlamaForCausalLM(nn.Module):
 def _llama_config(f: ConfigFields, common: dict[str, Any]) -> dict[str, Any]:
     # Mistral attends through sliding_window in every layer; Llama has no window (a stray key is ignored, as HF)
     return {} if common["architecture"] == "MistralForCausalLM" else {"sliding_window": None}
+
+
+def _start_add_norm(comm: Any, t: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> Any:
+    """``wait()`` of ``norm(sum of t over the ranks, residual)`` started now: the communicator's fused form where
+    it offers one, else its started sum and the norm at the wait."""
+    fused = comm.all_reduce_add_rms_norm_start(t, residual, norm.weight, norm.eps)
+    if fused is not None:
+        return fused
+    wait = comm.all_reduce_start(t)
+    return lambda: norm(wait(), residual)
 
 
 register(ModelFamily("llama", ("LlamaForCausalLM", "MistralForCausalLM"), LlamaForCausalLM, _llama_config))

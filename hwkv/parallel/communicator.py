@@ -148,6 +148,11 @@ class TorchDistCommunicator(Communicator):
         fused = getattr(self._custom, "all_reduce_add_rms_norm", None)
         return fused(t, residual, weight, eps) if fused is not None else None
 
+    def all_reduce_add_rms_norm_start(self, t: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                      eps: float) -> Callable[[], tuple[torch.Tensor, torch.Tensor]] | None:
+        start = getattr(self._custom, "all_reduce_add_rms_norm_start", None)
+        return start(t, residual, weight, eps) if start is not None else None
+
     def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
         parts = [torch.empty_like(t) for _ in range(self.world_size)]
         self._group().allgather([parts], [t.contiguous()]).wait()

@@ -366,6 +366,22 @@ def test_tp2_overlapped_mlp_halves_tokens_equal_tp1(tmp_path, monkeypatch):
         assert _tokens(eng) == ref
         layers = eng.model.config.num_layers
         assert starts and len(starts) % (4 * layers) == 0  # every layer: two halves, twice
+        # a communicator that fuses the sum into the next norm (CUDA's one-shot copy-engine path): the halves take
+        # it at every site followed by a norm (two a layer but the last's MLP, per half); the workers' plain
+        # start + norm makes the same collectives, so the tokens stay tp=1's
+        from hwkv.model.layers import add_rms_norm
+
+        fused, starts[:] = [], []
+
+        def fused_start(t, residual, weight, eps):
+            fused.append(t.shape[0])
+            wait = real(t)
+            return lambda: add_rms_norm(wait(), residual, weight, eps)
+
+        comm.all_reduce_add_rms_norm_start = fused_start
+        assert _tokens(eng) == ref
+        per_forward = 2 * (2 * layers - 1)
+        assert fused and len(fused) % per_forward == 0 and len(starts) == 2 * len(fused) // per_forward
     finally:
         eng.close()
 

@@ -94,6 +94,7 @@ class CudaAllReduce:
     ce_min = 0  # messages of at least this many bytes take the copy-engine all-reduce (0: off; set in __init__)
     ce_error = ""  # why the copy-engine path was turned off
     ce_signal = ""  # how its flags are written and waited for ("memop" or "kernel")
+    ce_mode = ""  # "rsag" (reduce-scatter + all-gather) or "oneshot" (HWKV_CE_ALLREDUCE=1 / 2)
 
     def __init__(self, comm: Any, push: bool = True, symm: bool = True, push_max: int = PUSH_MAX,
                  one_shot_max: int = ONE_SHOT_MAX, two_shot_max: int = TWO_SHOT_MAX, norm_max: int = NORM_MAX):
@@ -214,7 +215,9 @@ class CudaAllReduce:
             with torch.cuda.device(self.device):
                 self._ce, self._ce_stream = ce.make_ce(self.rank, self.world_size, torch.device(self.device),
                                                        self._peer_buffer,
-                                                       int(os.environ.get("HWKV_CE_CHUNK_MAX", ce.CHUNK_MAX)))
+                                                       int(os.environ.get("HWKV_CE_CHUNK_MAX", ce.CHUNK_MAX)),
+                                                       mode=ce.ce_mode())
+                self.ce_mode = ce.ce_mode()
                 torch.cuda.synchronize(self.device)
         except Exception as e:  # noqa: BLE001 - agreed below
             ok, err = 0, f"{type(e).__name__}: {e}"
@@ -254,13 +257,14 @@ class CudaAllReduce:
         flags only once they are known to hold it (never blocking): checks that flag writes reach the
         peers and that the wait returns, with no rank able to hang. The flags are reset after."""
         c, t = self._ce, self._ce.t
+        t.stream = self._ce_stream
         t.stream.wait_stream(torch.cuda.current_stream(self.device))
         for j in range(self.world_size):
             if j != self.rank:
                 t.signal(c._flag(j, 0, self.rank), value)
         t.stream.synchronize()
         comm.all_reduce_min(1)  # every rank's writes are done
-        flags = c.local[c.ws * c.chunk_max:].view(torch.int64)
+        flags = c.local[c.flags_offset:].view(torch.int64)
         got = [int(v) for v in flags[: c.ws].tolist()]
         bad = [j for j in range(self.world_size) if j != self.rank and got[j] != value]
         if bad:
@@ -290,12 +294,29 @@ class CudaAllReduce:
         got = self._ce_start(x)()
         if not torch.equal(got.float(), want[: 4096 * 3]):
             problems.append("sum started and waited for")
+        if self.ce_mode == "oneshot":  # three rounds in flight at once (both parities, the consumed flags)
+            from hwkv.model.layers import add_rms_norm
+
+            rows = [(base[i * 1024: (i + 2) * 1024] + self.rank).to(torch.bfloat16).view(2, 1024) for i in range(3)]
+            res, w = torch.ones_like(rows[0]), torch.full((1024,), 0.5, dtype=torch.bfloat16, device=dev)
+            waits = [self._ce.start(r, norm=(res, w, 1e-5)) for r in rows[:2]]
+            got = [waits[0]()]
+            waits.append(self._ce.start(rows[2], norm=(res, w, 1e-5)))
+            got += [waits[1](), waits[2]()]
+            for i, (o, h) in enumerate(got):
+                want_out, want_h = add_rms_norm(want[i * 1024: (i + 2) * 1024].view(2, 1024).to(torch.bfloat16),
+                                                res, w, 1e-5)
+                if not torch.equal(h, want_h) or not torch.allclose(o.float(), want_out.float(), rtol=2e-2,
+                                                                    atol=1e-2):
+                    problems.append(f"sum + residual + RMSNorm, call {i}")
         if problems:
             raise RuntimeError(f"copy-engine all-reduce self-test failed on rank {self.rank}: {', '.join(problems)}")
 
     def _ce_start(self, t: torch.Tensor) -> Any:
         """Start the copy-engine all-reduce of ``t`` on its side stream (after what the current stream
         enqueued); the returned ``wait()`` orders the current stream after it and returns ``t``."""
+        if self.ce_mode == "oneshot":
+            return self._ce.start(t)
         cur, side = torch.cuda.current_stream(self.device), self._ce_stream
         side.wait_stream(cur)
         self._ce.all_reduce(t)
@@ -317,6 +338,16 @@ class CudaAllReduce:
     def all_reduce_start(self, t: torch.Tensor) -> Any:
         """``Communicator.all_reduce_start`` for what the copy engines take (else ``None``: the caller's)."""
         return self._ce_start(t) if self._ce_eligible(t) else None
+
+    def all_reduce_add_rms_norm_start(self, t: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                      eps: float) -> Any:
+        """``Communicator.all_reduce_add_rms_norm_start``: the one-shot copy-engine path's sum fused into the
+        norm when the caller waits (else ``None``)."""
+        if self.ce_mode != "oneshot" or not self._ce_eligible(t) or t.dim() != 2 or residual.shape != t.shape \
+                or residual.dtype != t.dtype or not residual.is_contiguous() or weight.shape != (t.shape[1],) \
+                or not weight.is_contiguous() or t.shape[1] > 16384:
+            return None
+        return self._ce.start(t, norm=(residual, weight, eps))
 
     def _peer_buffer(self, nbytes: int, tag: str) -> tuple[torch.Tensor, torch.Tensor]:
         """A zeroed local buffer of ``nbytes`` and the int64 tensor of every rank's buffer address as

@@ -44,12 +44,17 @@ CE_MIN = 16 * 1024 * 1024  # messages of at least this many bytes take the copy 
 ALIGN = 256  # chunk boundaries in bytes (copy engines and the sum kernel like aligned runs)
 
 
-def ce_enabled() -> bool:
-    """``HWKV_CE_ALLREDUCE``: ``1`` on, ``0`` off (the default until measured)."""
+def ce_mode() -> str:
+    """``HWKV_CE_ALLREDUCE``: ``1`` the reduce-scatter + all-gather form, ``2`` the one-shot form
+    (:class:`CopyEngineOneShot`), ``0`` off (the default until measured)."""
     v = os.environ.get("HWKV_CE_ALLREDUCE", "0")
-    if v not in ("0", "1"):
-        raise ValueError(f"HWKV_CE_ALLREDUCE={v!r} (allowed: 0, 1)")
-    return v == "1"
+    if v not in ("0", "1", "2"):
+        raise ValueError(f"HWKV_CE_ALLREDUCE={v!r} (allowed: 0, 1, 2)")
+    return {"0": "", "1": "rsag", "2": "oneshot"}[v]
+
+
+def ce_enabled() -> bool:
+    return bool(ce_mode())
 
 
 class Transport:
@@ -57,6 +62,19 @@ class Transport:
     ``signal(addr, value)`` (a flag write ordered after everything before it on the stream, visible
     to the peer with the data before it), ``wait(addr, value)`` (the stream waits until the local
     flag at ``addr`` is ``>= value``), ``sum(x, recv_slots, out)``."""
+
+    def begin_side(self, side: Any, main: Any) -> None:
+        """The copies, signals and waits that follow go to ``side``, ordered after ``main``'s work so far."""
+
+    def end_side(self) -> Any:
+        """A mark of the side stream's work enqueued so far (an event), for :meth:`begin_wait`."""
+        return None
+
+    def begin_wait(self, sent: Any) -> None:
+        """What follows goes to the waiting (current) stream, after ``sent`` (a mark of :meth:`end_side`)."""
+
+    def end_wait(self) -> None:
+        """The waiting stream's part is enqueued."""
 
     def copy(self, dst: int, src: int, nbytes: int) -> None:
         raise NotImplementedError
@@ -67,17 +85,32 @@ class Transport:
     def wait(self, addr: int, value: int) -> None:
         raise NotImplementedError
 
-    def sum(self, x: torch.Tensor, slots: list[torch.Tensor], rank: int, out: torch.Tensor) -> None:
-        """``x = out = x + slots`` summed in rank order (``slots[i]``: the peers' parts, in rank
-        order without ``rank``), in float32, rounded once."""
-        acc = None
-        peers = iter(slots)
-        for r in range(len(slots) + 1):
-            part = x if r == rank else next(peers)
-            acc = part.float() if acc is None else acc + part.float()
-        y = acc.to(x.dtype)
+    def sum(self, x: torch.Tensor, slots: list[torch.Tensor], rank: int, out: torch.Tensor | None) -> None:
+        """``x`` (and ``out``, if given) ``= x + slots`` summed in rank order (``slots[i]``: the peers'
+        parts, in rank order without ``rank``), in float32, rounded once."""
+        y = _rank_sum(x, slots, rank)
         x.copy_(y)
-        out.copy_(y)
+        if out is not None:
+            out.copy_(y)
+
+    def add_norm(self, x: torch.Tensor, slots: list[torch.Tensor], rank: int, residual: torch.Tensor,
+                 weight: torch.Tensor, eps: float, out: torch.Tensor, h: torch.Tensor) -> None:
+        """Rows ``[R, H]``: ``h = residual + (x + slots in rank order, rounded)``, ``out = rms_norm(h) * weight``
+        with ``hwkv.model.layers.add_rms_norm``'s rounding."""
+        from hwkv.model.layers import add_rms_norm
+
+        o, hh = add_rms_norm(_rank_sum(x, slots, rank), residual, weight, eps)
+        out.copy_(o)
+        h.copy_(hh)
+
+
+def _rank_sum(x: torch.Tensor, slots: list[torch.Tensor], rank: int) -> torch.Tensor:
+    acc = None
+    peers = iter(slots)
+    for r in range(len(slots) + 1):
+        part = x if r == rank else next(peers)
+        acc = part.float() if acc is None else acc + part.float()
+    return acc.to(x.dtype)
 
 
 class CopyEngineAllReduce:
@@ -89,6 +122,7 @@ class CopyEngineAllReduce:
                  transport: Transport):
         self.rank, self.ws, self.bufs, self.local = rank, ws, bufs, local
         self.chunk_max = chunk_max
+        self.flags_offset = ws * chunk_max  # rs[ws], ag[ws] (int64) from here
         self.t = transport
         self.epoch = 0
 
@@ -151,6 +185,98 @@ class CopyEngineAllReduce:
                 self.t.copy(base + lo * es, self._out(j), (hi - lo) * es)
 
 
+class CopyEngineOneShot:
+    """The one-shot form (``HWKV_CE_ALLREDUCE=2``): each rank's whole tensor crosses to every peer by DMA on the
+    side stream as soon as it is ready, and the sum runs on the caller's stream when it waits — fused into the
+    next RMSNorm where the caller asks (:meth:`start` with ``norm``): no SM work on the side stream, so nothing
+    waits for SMs a GEMM holds, and one barrier a round. For two ranks the bytes are the reduce-scatter +
+    all-gather's (each rank sends its whole tensor once); more ranks send ``ws - 1`` times more.
+
+    Round ``e`` (parity ``p = e % 2``): the side stream waits until every peer consumed this rank's round
+    ``e - 2`` (flag ``consumed``, written by the peer's stream after its sum), copies the tensor into this
+    rank's slot of every peer's ``recv[p]`` and raises ``arrived = e`` there; the waiting stream waits for
+    this rank's copy of the round (an event: the in-place sum overwrites what it reads) and its own
+    ``arrived`` flags (``cuStreamWaitValue64``), sums (or sums, adds and norms) and raises ``consumed = e``
+    on every peer. Rounds are waited for one at a time: a round's copy may wait for the peers' sums of the
+    round two before, so waiting for every copy of a message before its first sum could deadlock. Buffer:
+    ``recv`` of 2 parities x ``(ws - 1)`` slots of ``slot_max`` bytes, then ``arrived`` and ``consumed``
+    (``ws`` int64 each). Messages above ``slot_max`` run as several rounds."""
+
+    def __init__(self, rank: int, ws: int, bufs: list[int], local: torch.Tensor, slot_max: int,
+                 transport: Transport, side: Any = None):
+        self.rank, self.ws, self.bufs, self.local = rank, ws, bufs, local
+        self.slot_max, self.t, self.side = slot_max, transport, side
+        self.chunk_max = slot_max
+        self.flags_offset = 2 * (ws - 1) * slot_max  # arrived[ws], consumed[ws] (int64) from here
+        self.epoch = 0
+
+    @staticmethod
+    def buffer_bytes(ws: int, slot_max: int) -> int:
+        return 2 * (ws - 1) * slot_max + 2 * ws * 8
+
+    def _flag(self, rank: int, kind: int, src: int) -> int:
+        """Flag ``kind`` (0: arrived, 1: consumed) that rank ``src`` raises in rank ``rank``'s buffer."""
+        return self.bufs[rank] + 2 * (self.ws - 1) * self.slot_max + (kind * self.ws + src) * 8
+
+    def _slot_off(self, rank: int, src: int, parity: int) -> int:
+        return (parity * (self.ws - 1) + (src if src < rank else src - 1)) * self.slot_max
+
+    def _pieces(self, t: torch.Tensor) -> list[tuple[int, int]]:
+        """Row ranges of ``t`` (its first dimension; a flat tensor: elements) of at most ``slot_max`` bytes."""
+        row = t[0].numel() * t.element_size() if t.dim() > 1 else t.element_size()
+        per = max(1, self.slot_max // row)
+        if t.dim() > 1 and row > self.slot_max:
+            raise ValueError(f"a row of {row} bytes exceeds the copy-engine slot ({self.slot_max})")
+        return [(lo, min(lo + per, t.shape[0])) for lo in range(0, t.shape[0], per)]
+
+    def start(self, t: torch.Tensor, norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+              main: Any = None) -> Callable[[], Any]:
+        """Send ``t`` (contiguous) to every peer on the side stream; ``wait()`` (on the stream current when it is
+        called) sums in place and returns ``t`` — or with ``norm = (residual, weight, eps)`` returns
+        ``(rms_norm(h) * weight, h)``, ``h = residual + sum``, new tensors. ``main``: the stream the side
+        stream orders after (CUDA: the current one)."""
+        ws, me = self.ws, self.rank
+        peers = [j for j in range(ws) if j != me]
+        rounds = []
+        self.t.begin_side(self.side, main)
+        for lo, hi in self._pieces(t):
+            self.epoch += 1
+            e, p = self.epoch, self.epoch % 2
+            piece = t[lo:hi]
+            nbytes = piece.numel() * piece.element_size()
+            if e > 2:
+                for j in peers:
+                    self.t.wait(self._flag(me, 1, j), e - 2)
+            for j in peers:
+                self.t.copy(self.bufs[j] + self._slot_off(j, me, p), piece.data_ptr(), nbytes)
+            for j in peers:
+                self.t.signal(self._flag(j, 0, me), e)
+            rounds.append((lo, hi, e, p, nbytes, self.t.end_side()))
+
+        def wait() -> Any:
+            out = h = None
+            if norm is not None:
+                out, h = torch.empty_like(t), torch.empty_like(t)
+            for lo, hi, e, p, nbytes, sent in rounds:
+                # after this rank's own copy of the piece (the sum below overwrites it; a wait for every
+                # round's copy first would deadlock: a later round's copy waits for the peers' sums of this one)
+                self.t.begin_wait(sent)
+                for j in peers:
+                    self.t.wait(self._flag(me, 0, j), e)
+                slots = [self.local[self._slot_off(me, j, p):][:nbytes].view(t.dtype).view(t[lo:hi].shape)
+                         for j in peers]
+                if norm is None:
+                    self.t.sum(t[lo:hi], slots, me, None)
+                else:
+                    self.t.add_norm(t[lo:hi], slots, me, norm[0][lo:hi], norm[1], norm[2], out[lo:hi], h[lo:hi])
+                for j in peers:
+                    self.t.signal(self._flag(j, 1, me), e)
+            self.t.end_wait()
+            return t if norm is None else (out, h)
+
+        return wait
+
+
 class _Driver:
     """``cuStreamWriteValue64`` / ``cuStreamWaitValue64`` and ``cudaMemcpyAsync`` through ctypes."""
 
@@ -194,6 +320,33 @@ class CudaTransport(Transport):
     def _s(self) -> int:
         return self.stream.cuda_stream
 
+    def begin_side(self, side: Any, main: Any) -> None:
+        main = main if main is not None else torch.cuda.current_stream(self.device)
+        side.wait_stream(main)
+        self.stream = side
+
+    def end_side(self) -> Any:
+        ev = torch.cuda.Event()
+        ev.record(self.stream)
+        return ev
+
+    def begin_wait(self, sent: Any) -> None:
+        cur = torch.cuda.current_stream(self.device)
+        if sent is not None:
+            cur.wait_event(sent)
+        self.stream = cur
+
+    def add_norm(self, x: torch.Tensor, slots: list[torch.Tensor], rank: int, residual: torch.Tensor,
+                 weight: torch.Tensor, eps: float, out: torch.Tensor, h: torch.Tensor) -> None:
+        from hwkv_cuda.kernels.allreduce import ce_add_norm_kernel
+
+        rows, hid, ws = x.shape[0], x.shape[1], len(slots) + 1
+        stride = (slots[1].data_ptr() - slots[0].data_ptr()) // x.element_size() if len(slots) > 1 else 0
+        block = 1 << (hid - 1).bit_length()
+        with torch.cuda.stream(self.stream):
+            ce_add_norm_kernel[(rows,)](x, slots[0], residual, weight, out, h, hid, eps, stride, RANK=rank, WS=ws,
+                                        BLOCK=block, num_warps=8 if hid >= 4096 else 4)
+
     def copy(self, dst: int, src: int, nbytes: int) -> None:
         rc = self.drv.memcpy(ctypes.c_void_p(dst), ctypes.c_void_p(src), nbytes, 4, ctypes.c_void_p(self._s()))
         if rc != 0:
@@ -217,24 +370,30 @@ class CudaTransport(Transport):
         with torch.cuda.stream(self.stream):
             ce_wait_kernel[(1,)](addr, value)
 
-    def sum(self, x: torch.Tensor, slots: list[torch.Tensor], rank: int, out: torch.Tensor) -> None:
+    def sum(self, x: torch.Tensor, slots: list[torch.Tensor], rank: int, out: torch.Tensor | None) -> None:
         from hwkv_cuda.kernels.allreduce import ce_sum_kernel
 
         n, ws = x.numel(), len(slots) + 1
-        base = slots[0] if slots else out
         stride = (slots[1].data_ptr() - slots[0].data_ptr()) // x.element_size() if len(slots) > 1 else 0
         block = 4096
         with torch.cuda.stream(self.stream):
-            ce_sum_kernel[(-(-n // block),)](x, base, out, n, stride, RANK=rank, WS=ws, BLOCK=block, num_warps=8)
+            ce_sum_kernel[(-(-n // block),)](x, slots[0], x if out is None else out, n, stride, RANK=rank, WS=ws,
+                                             BLOCK=block, HAS_OUT=out is not None, num_warps=8)
 
 
 def make_ce(rank: int, ws: int, device: torch.device, peer_buffer: Callable[[int, str], tuple[torch.Tensor, Any]],
-            chunk_max: int = CHUNK_MAX, signal: str | None = None) -> tuple[CopyEngineAllReduce, torch.cuda.Stream]:
-    """The CUDA copy-engine all-reduce of this rank and its side stream (a high-priority stream: its sums
-    start as soon as SMs free up beside a GEMM). ``peer_buffer(nbytes, tag)``: a zeroed local buffer and
-    every rank's address (CUDA IPC; ``CudaAllReduce._peer_buffer``)."""
-    buf, ptrs = peer_buffer(CopyEngineAllReduce.buffer_bytes(ws, chunk_max), "ce")
+            chunk_max: int = CHUNK_MAX, signal: str | None = None,
+            mode: str = "rsag") -> tuple[Any, torch.cuda.Stream]:
+    """The CUDA copy-engine all-reduce of this rank (``mode``: ``rsag`` or ``oneshot``) and its side stream (a
+    high-priority stream: its sums start as soon as SMs free up beside a GEMM). ``peer_buffer(nbytes, tag)``:
+    a zeroed local buffer and every rank's address (CUDA IPC; ``CudaAllReduce._peer_buffer``). ``chunk_max``:
+    the rsag form's chunk per rank, the one-shot form's slot."""
+    cls = CopyEngineOneShot if mode == "oneshot" else CopyEngineAllReduce
+    buf, ptrs = peer_buffer(cls.buffer_bytes(ws, chunk_max), "ce")
     addrs = [int(p) for p in ptrs.tolist()]
     transport = CudaTransport(device, signal or os.environ.get("HWKV_CE_SIGNAL", "memop"))
-    transport.stream = torch.cuda.Stream(device, priority=-1)
-    return CopyEngineAllReduce(rank, ws, addrs, buf, chunk_max, transport), transport.stream
+    side = torch.cuda.Stream(device, priority=-1)
+    transport.stream = side
+    if mode == "oneshot":
+        return CopyEngineOneShot(rank, ws, addrs, buf, chunk_max, transport, side), side
+    return CopyEngineAllReduce(rank, ws, addrs, buf, chunk_max, transport), side

@@ -201,7 +201,14 @@ for dt in ("bf16", "fp16"):
 for dt in ("bf16", "fp32"):  # the copy-engine all-reduce's sum and its fallback flag kernels
     sig = dict(x_ptr=f"*{dt}", slot_ptr=f"*{dt}", out_ptr=f"*{dt}", n="i64", stride="i64", RANK="constexpr",
                WS="constexpr", BLOCK="constexpr")
-    compile(ASTSource(k.ce_sum_kernel, sig, dict(RANK=1, WS=2, BLOCK=4096)), target=GPUTarget("cuda", 90, 32))
+    for has_out in (False, True):
+        compile(ASTSource(k.ce_sum_kernel, {**sig, "HAS_OUT": "constexpr"}, dict(RANK=1, WS=2, BLOCK=4096,
+                                                                               HAS_OUT=has_out)),
+                target=GPUTarget("cuda", 90, 32))
+    p = f"*{dt}"
+    sig = dict(x_ptr=p, slot_ptr=p, res_ptr=p, w_ptr=p, out_ptr=p, h_ptr=p, H="i32", eps="fp32", stride="i64",
+               RANK="constexpr", WS="constexpr", BLOCK="constexpr")
+    compile(ASTSource(k.ce_add_norm_kernel, sig, dict(RANK=0, WS=2, BLOCK=4096)), target=GPUTarget("cuda", 90, 32))
 compile(ASTSource(k.ce_signal_kernel, dict(addr="i64", value="i64"), {}), target=GPUTarget("cuda", 90, 32))
 compile(ASTSource(k.ce_wait_kernel, dict(addr="i64", value="i64"), {}), target=GPUTarget("cuda", 90, 32))
 from hwkv_cuda.kernels import dense as d  # the all-reduce inside the decode GEMVs (push epilogue, rank-sum prologue)

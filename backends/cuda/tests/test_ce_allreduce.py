@@ -1,6 +1,6 @@
-"""The copy-engine all-reduce's schedule (hwkv_cuda.ce_allreduce.CopyEngineAllReduce) on CPU: every rank a
-thread, the buffers host tensors, the copies memmoves and the flags int64 words a rank spins on — the same
-chunks, slots, flags and epochs the CUDA transport drives on the copy engines. Every rank must end with the
+"""The copy-engine all-reduce's schedules (hwkv_cuda.ce_allreduce: CopyEngineAllReduce, CopyEngineOneShot) on
+CPU: every rank a thread, the buffers host tensors, the copies memmoves and the flags int64 words a rank spins
+on — the same chunks, slots, flags and epochs the CUDA transport drives on the copy engines. Every rank must end with the
 sum in rank order (float32, rounded once) of every rank's tensor, bit for bit, over ragged lengths, several
 rounds (messages longer than the buffers) and calls back to back (the single-buffer reuse argument)."""
 
@@ -87,3 +87,150 @@ def test_the_sum_is_in_rank_order():
     want = (vals[0] + vals[1]) + vals[2]
     for r in range(3):
         assert torch.equal(got[r][0], want)
+
+
+class _Stream:
+    """A CUDA stream's order on the host: a thread running the functions put on it, in order."""
+
+    def __init__(self, stop: threading.Event):
+        import queue
+
+        self.q: queue.Queue = queue.Queue()
+        self.stop = stop
+        self.error: BaseException | None = None
+        self.th = threading.Thread(target=self._run, daemon=True)
+        self.th.start()
+
+    def _run(self) -> None:
+        while True:
+            fn = self.q.get()
+            if fn is None:
+                return
+            try:
+                if self.error is None:
+                    fn()
+            except BaseException as e:  # noqa: BLE001 - reported by sync
+                self.error = e
+                self.stop.set()
+
+    def put(self, fn) -> None:
+        self.q.put(fn)
+
+    def record(self) -> threading.Event:
+        ev = threading.Event()
+        self.put(ev.set)
+        return ev
+
+    def wait_event(self, ev: threading.Event) -> None:
+        def w():
+            while not ev.wait(0.05):
+                if self.stop.is_set():
+                    raise TimeoutError("an event never came")
+
+        self.put(w)
+
+    def sync(self) -> None:
+        self.record().wait(60)
+        self.put(None)
+        self.th.join(5)
+        if self.error is not None:
+            raise self.error
+
+
+class _StreamTransport(_HostTransport):
+    """The host transport with the one-shot form's two streams: the side stream's copies and flags and the
+    waiting stream's waits and sums run on threads of their own, as on a GPU (a rank's host never blocks)."""
+
+    def __init__(self, stop: threading.Event):
+        super().__init__(stop)
+        self.side, self.main = _Stream(stop), _Stream(stop)
+        self.cur = self.main
+
+    def begin_side(self, side, main) -> None:
+        self.side.wait_event(self.main.record())
+        self.cur = self.side
+
+    def end_side(self):
+        return self.side.record()
+
+    def begin_wait(self, sent) -> None:
+        self.main.wait_event(sent)
+        self.cur = self.main
+
+    def copy(self, dst, src, nbytes) -> None:
+        self.cur.put(lambda: _HostTransport.copy(self, dst, src, nbytes))
+
+    def signal(self, addr, value) -> None:
+        self.cur.put(lambda: _HostTransport.signal(self, addr, value))
+
+    def wait(self, addr, value) -> None:
+        self.cur.put(lambda: _HostTransport.wait(self, addr, value))
+
+    def sum(self, x, slots, rank, out) -> None:
+        self.cur.put(lambda: Transport.sum(self, x, slots, rank, out))
+
+    def add_norm(self, *args) -> None:
+        self.cur.put(lambda: Transport.add_norm(self, *args))
+
+
+def _run_oneshot(ws: int, slot_max: int, calls: list[list[tuple]], outstanding: int = 2) -> list[list]:
+    """Every rank starts its calls in order with up to ``outstanding`` started and not waited for (the prefill
+    halves keep two), each ``(tensor, norm or None)``; returns every rank's results in call order."""
+    from hwkv_cuda.ce_allreduce import CopyEngineOneShot
+
+    bufs = [torch.zeros(CopyEngineOneShot.buffer_bytes(ws, slot_max), dtype=torch.uint8) for _ in range(ws)]
+    addrs = [b.data_ptr() for b in bufs]
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    results: list[list] = [[] for _ in range(ws)]
+
+    def rank(r: int) -> None:
+        tr = _StreamTransport(stop)
+        ce = CopyEngineOneShot(r, ws, addrs, bufs[r], slot_max, tr)
+        try:
+            waits = []
+            for t, norm in calls[r]:
+                waits.append(ce.start(t, norm=norm))
+                if len(waits) == outstanding:
+                    results[r].append(waits.pop(0)())
+            results[r] += [w() for w in waits]
+            tr.side.sync()
+            tr.main.sync()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+            stop.set()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(ws)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert not errors, errors
+    return results
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_one_shot_sums_and_norms_with_two_calls_in_flight(ws):
+    """The one-shot form: plain sums (flat and rows) and sums fused into the residual add + RMSNorm, five calls
+    with two in flight (both parities and the consumed flags), messages of several rounds (rows over a small
+    slot): every rank holds the rank-order sum bit for bit, and h / the norm as add_rms_norm gives them."""
+    from hwkv.model.layers import add_rms_norm
+
+    g = torch.Generator().manual_seed(10 + ws)
+    hid, slot_max = 64, 64 * 2 * 5  # five bf16 rows per round
+    shapes = [(12, hid), (3, hid), (1000,), (7, hid), (12, hid)]
+    norms = [True, False, False, True, True]
+    w = (torch.rand(hid, generator=g) + 0.5).to(torch.bfloat16)
+    res = {i: (torch.randn(s, generator=g)).to(torch.bfloat16) for i, s in enumerate(shapes) if norms[i]}
+    parts = [[(torch.randn(s, generator=g) * 3).to(torch.bfloat16) for s in shapes] for _ in range(ws)]
+    calls = [[(parts[r][i].clone(), (res[i], w, 1e-5) if norms[i] else None) for i in range(len(shapes))]
+             for r in range(ws)]
+    got = _run_oneshot(ws, slot_max, calls)
+    for i in range(len(shapes)):
+        s = _want([parts[r][i] for r in range(ws)])
+        want = add_rms_norm(s, res[i], w, 1e-5) if norms[i] else s
+        for r in range(ws):
+            if norms[i]:
+                assert torch.equal(got[r][i][1], want[1]) and torch.equal(got[r][i][0], want[0]), (r, i)
+            else:
+                assert torch.equal(got[r][i], want), (r, i)

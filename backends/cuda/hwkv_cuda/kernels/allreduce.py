@@ -176,10 +176,11 @@ def push_ll_kernel(x_ptr, res_ptr, out_ptr, buf_ptr, peers_ptr, epochs_ptr, err_
 
 
 @triton.jit
-def ce_sum_kernel(x_ptr, slot_ptr, out_ptr, n, stride, RANK: tl.constexpr, WS: tl.constexpr, BLOCK: tl.constexpr):
+def ce_sum_kernel(x_ptr, slot_ptr, out_ptr, n, stride, RANK: tl.constexpr, WS: tl.constexpr, BLOCK: tl.constexpr,
+                  HAS_OUT: tl.constexpr = True):
     """The copy-engine all-reduce's sum of this rank's chunk (:mod:`hwkv_cuda.ce_allreduce`): ``x`` (this
     rank's part) and the peers' parts (``WS - 1`` slots ``stride`` elements apart, in rank order without
-    ``RANK``) summed in rank order in float32, rounded once, stored into ``x`` and ``out``."""
+    ``RANK``) summed in rank order in float32, rounded once, stored into ``x`` (and ``out``)."""
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -192,7 +193,37 @@ def ce_sum_kernel(x_ptr, slot_ptr, out_ptr, n, stride, RANK: tl.constexpr, WS: t
             acc += tl.load(slot_ptr + slot * stride + offs, mask=mask).to(tl.float32)
     y = acc.to(out_ptr.dtype.element_ty)
     tl.store(x_ptr + offs, y, mask=mask)
-    tl.store(out_ptr + offs, y, mask=mask)
+    if HAS_OUT:
+        tl.store(out_ptr + offs, y, mask=mask)
+
+
+@triton.jit
+def ce_add_norm_kernel(x_ptr, slot_ptr, res_ptr, w_ptr, out_ptr, h_ptr, H, eps, stride, RANK: tl.constexpr,
+                       WS: tl.constexpr, BLOCK: tl.constexpr):
+    """The one-shot copy-engine all-reduce's sum fused into the next RMSNorm, one program per row of ``H``:
+    ``s`` = this rank's row and the peers' (``WS - 1`` slots ``stride`` elements apart, rank order) in
+    float32, rounded; ``h = residual + s`` and ``out = rms_norm(h) * w`` with the model's rounding (as
+    ``push_all_reduce_norm_kernel``)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    offs = row * H + cols
+    acc = tl.zeros([BLOCK], tl.float32)
+    for r in tl.static_range(WS):
+        if r == RANK:
+            acc += tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        else:
+            slot = r if r < RANK else r - 1
+            acc += tl.load(slot_ptr + slot * stride + offs, mask=mask, other=0.0).to(tl.float32)
+    dt = out_ptr.dtype.element_ty
+    s = acc.to(dt).to(tl.float32)
+    h = (s + tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(dt)
+    tl.store(h_ptr + offs, h, mask=mask)
+    hf = h.to(tl.float32)
+    var = tl.sum(hf * hf, axis=0) / H
+    y = (hf * tl.rsqrt(var + eps)).to(dt)
+    w = tl.load(w_ptr + cols, mask=mask)
+    tl.store(out_ptr + offs, (w.to(tl.float32) * y.to(tl.float32)).to(dt), mask=mask)
 
 
 @triton.jit
