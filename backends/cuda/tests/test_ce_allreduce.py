@@ -1,7 +1,7 @@
 """The copy-engine all-reduce's schedules (hwkv_cuda.ce_allreduce: CopyEngineAllReduce, CopyEngineOneShot) on
 CPU: every rank a thread, the buffers host tensors, the copies memmoves and the flags int64 words a rank spins
-on — the same chunks, slots, flags and epochs the CUDA transport drives on the copy engines. Every rank must end with the
-sum in rank order (float32, rounded once) of every rank's tensor, bit for bit, over ragged lengths, several
+on — the same chunks, slots, flags and epochs the CUDA transport drives on the copy engines. Every rank must end
+with the sum in rank order (float32, rounded once) of every rank's tensor, bit for bit, over ragged lengths, several
 rounds (messages longer than the buffers) and calls back to back (the single-buffer reuse argument)."""
 
 from __future__ import annotations
