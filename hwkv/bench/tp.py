@@ -124,8 +124,8 @@ def measure(mdir: Path, tp: int, a: argparse.Namespace, bw: float, vocab: int, r
                 "custom_all_reduce": type(custom).__name__ if e._tp else None})
     if custom is not None:
         res["custom_paths"] = {k: getattr(custom, k, None) for k in (
-            "push_max", "norm_max", "one_shot_max", "two_shot_max", "symm_error", "fused", "fused_error", "ce_min",
-            "ce_signal", "ce_error")}
+            "push_max", "norm_max", "one_shot_max", "two_shot_max", "symm_error", "fused", "fused_error", "ce_mode",
+            "ce_min", "ce_signal", "ce_error")}
     print(f"tp={tp} engine up in {res['start_s']} s: {res['custom_all_reduce']} {res.get('custom_paths', '')}",
           flush=True)
     try:
