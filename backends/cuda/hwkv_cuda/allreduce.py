@@ -589,7 +589,10 @@ class CudaAllReduce:
     def all_reduce_add_rms_norm(self, t: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                                 eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(rms_norm(h) * weight, h)`` with ``h = residual + sum of t``, one kernel (rows of one
-        hidden size per group: the first call fixes it, other sizes are declined)."""
+        hidden size per group: the first call fixes it, other sizes are declined). Messages the one-shot
+        copy-engine path takes: its sum fused into the norm, in stream order."""
+        if (wait := self.all_reduce_add_rms_norm_start(t, residual, weight, eps)) is not None:
+            return wait()
         nbytes = self._eligible(t)
         if not nbytes or nbytes > self.norm_max or t.dim() != 2 or residual.shape != t.shape \
                 or residual.dtype != t.dtype or not residual.is_contiguous() or weight.shape != (t.shape[1],) \
