@@ -193,7 +193,9 @@ def test_config_env_override(monkeypatch):
     monkeypatch.setenv("HWKV_CUDA_DENSE_CONFIG_2048X2048", "maxnreg=256")
     with pytest.raises(ValueError, match="maxnreg must be 0"):
         choose_config(1, 2048, 2048)
-    monkeypatch.setenv("HWKV_CUDA_DENSE_CONFIG_2048X2048", "l2pf=3")  # the persistent GEMV's L2 prefetch: 0-2
+    monkeypatch.setenv("HWKV_CUDA_DENSE_CONFIG_2048X2048", "l2pf=3")  # the persistent GEMV's L2 prefetch: 0-3
+    assert choose_config(1, 2048, 2048).l2pf == 3
+    monkeypatch.setenv("HWKV_CUDA_DENSE_CONFIG_2048X2048", "l2pf=4")
     with pytest.raises(ValueError, match="l2pf must be"):
         choose_config(1, 2048, 2048)
     monkeypatch.setenv("HWKV_CUDA_DENSE_CONFIG_2048X2048", "evict=2")
@@ -334,3 +336,41 @@ def test_argmax_is_torch_argmax(v, monkeypatch):
     assert ops.argmax(x[:1].expand(ops.ARGMAX_MAX_ROWS + 1, v).contiguous()) is None  # more rows than ARGMAX_MAX_ROWS
     monkeypatch.setenv("HWKV_CUDA_ARGMAX", "0")
     assert ops.argmax(x) is None
+
+
+STREAM_COMPILE = """
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+from hwkv_cuda.kernels.dense import dense_kernel_stream as k
+
+vals = dict(PROLOGUE=1, EPILOGUE=2, HAS_BIAS=False, M_PAD=1, BLOCK_N=4, BLOCK_K=4096, HEAD=128, Q_N=2048, KV_N=512,
+            BS=16, PDL=True, PRE=2, EVICT=0, scale_ptr=None, stride_scale=0, KV_FP8=False, STAGES=1, L2PF=3,
+            CHUNKED=False)
+sig = {}
+for p in k.params:
+    n = p.name
+    if p.is_constexpr or n in ("scale_ptr", "stride_scale"):
+        sig[n] = "constexpr"
+    elif n in ("pos_ptr", "slot_ptr"):
+        sig[n] = "*i64"
+    elif n.endswith("_ptr"):
+        sig[n] = "*bf16"
+    else:
+        sig[n] = "fp32" if n == "eps" else "i32"
+for l2pf, epi in ((3, 2), (3, 0), (1, 1)):
+    compile(ASTSource(k, sig, dict(vals, L2PF=l2pf, EPILOGUE=epi)), target=GPUTarget("cuda", 90, 32))
+print("compiled")
+"""
+
+
+def test_stream_l2_prefetch_compiles_for_sm90():
+    """The persistent GEMV's bulk L2 prefetches (inline PTX, never run by the interpreter) compile for sm_90: every
+    tile of a program before the PDL wait (l2pf=3, RoPE and plain epilogues) and the first tile (l2pf=1)."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-c", STREAM_COMPILE], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "compiled" in p.stdout, p.stderr[-3000:]
