@@ -21,6 +21,7 @@ from hwkv_cuda.gemm import CONFIG_ENV, ENV, SplitKLinear
 SHAPES = {  # name: {projection: (N, K)}
     "1b": {"qkv": (3072, 2048), "o_proj": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)},
     "8b": {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)},
+    "8b-tp2": {"qkv": (3072, 4096), "o_proj": (4096, 2048), "gate_up": (14336, 4096), "down": (4096, 7168)},  # a rank's
 }
 SWEEP = ["", "split_k=1", "split_k=2", "split_k=4", "split_k=8", "block_n=64", "num_warps=4", "num_stages=3",
          "block_m=64", "block_k=128,num_stages=3"]
