@@ -222,17 +222,19 @@ class LlamaForCausalLM(nn.Module):
         forward (projections and norms are row-wise)."""
         comm, rope, t = self.tp.comm, self.rotary_emb, input_ids.shape[0]
         h = self._embed(input_ids)
-        pend: list = []  # per half: (rows, wait of its MLP all-reduce) of the layer before
-        for i, layer in enumerate(self.model.layers):
+        # the residual stream per half (each site's fused norm returns a half's new h: no copy into a whole one)
+        hs = [h[lo:hi] for lo, hi in halves]
+        pend: list = []  # per half: the wait of its MLP all-reduce (+ the next input norm) of the layer before
+        layers = self.model.layers
+        for i, layer in enumerate(layers):
             a = layer.self_attn
             if (hk := self.layer_hooks) is not None:
                 hk.wait_for_layer_load(i)
             if pend:
-                h_next, parts = torch.empty_like(h), []
-                for lo, hi, wait in pend:
-                    xh, h_next[lo:hi] = wait()
+                parts = []
+                for j, wait in enumerate(pend):
+                    xh, hs[j] = wait()
                     parts.append(a.project(xh))
-                h = h_next
                 q, k, v = (torch.cat(p) for p in zip(*parts))
             else:
                 q, k, v = a.project(layer.input_layernorm(h))
@@ -242,19 +244,18 @@ class LlamaForCausalLM(nn.Module):
             out = a.impl.forward(q, k, v, kv_cache.layer(i), md).reshape(t, a.q_size)
             if hk is not None:
                 hk.save_kv_layer(i, kv_cache.layer(i), attn_metadata)
-            started = [(lo, hi, _start_add_norm(comm, a.o_proj(out[lo:hi]), h[lo:hi], layer.post_attention_layernorm))
-                       for lo, hi in halves]
-            h_next, pend = torch.empty_like(h), []
-            nxt = self.model.layers[i + 1].input_layernorm if i + 1 < len(self.model.layers) else None
-            for lo, hi, wait in started:
-                xh, h_next[lo:hi] = wait()
+            started = [_start_add_norm(comm, a.o_proj(out[lo:hi]), hs[j], layer.post_attention_layernorm)
+                       for j, (lo, hi) in enumerate(halves)]
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else None
+            pend = []
+            for j, wait in enumerate(started):
+                xh, hs[j] = wait()
                 out_mlp = layer.mlp(xh)
                 if nxt is None:  # the last layer: the plain sum (the final norm is compute_logits')
-                    pend.append((lo, hi, comm.all_reduce_start(out_mlp)))
+                    pend.append(comm.all_reduce_start(out_mlp))
                 else:
-                    pend.append((lo, hi, _start_add_norm(comm, out_mlp, h_next[lo:hi], nxt)))
-            h = h_next
-        return torch.cat([h[lo:hi] + wait() for lo, hi, wait in pend])
+                    pend.append(_start_add_norm(comm, out_mlp, hs[j], nxt))
+        return torch.cat([hs[j] + wait() for j, wait in enumerate(pend)])
 
     def _overlap_halves(self, tokens: int) -> list[tuple[int, int]]:
         """Row halves of a forward of ``tokens`` whose all-reduces overlap the other half's MLP
