@@ -4,8 +4,9 @@
 # rank's Llama-3-8B shard (stream_probe.py, PDL chains of distinct weight copies). Then ONE tp=2 engine at the public
 # defaults: a greedy per-shape sweep of stream tiles (tp_b1_sweep.py: every variant recaptured on both ranks, batch-1
 # step time as hwkv bench tp), the low-latency push all-reduce (HWKV_PUSH_LL=1) over main and over the winners
-# (HWKV_PUSH_LL=0 at the start: its buffer set up and self-tested, not taken until a row sets 1); then, time
-# permitting, a second tp=2 engine with the greedy argmax inside the decode graphs (HWKV_TP_GRAPH_SAMPLE=1).
+# (HWKV_PUSH_LL=0 at the start: its buffer set up and self-tested, not taken until a row sets 1); then a second
+# tp=2 engine with the greedy argmax inside the decode graphs (HWKV_TP_GRAPH_SAMPLE=1): main and the winners, then
+# the sweep goes on there over the shapes the first engine had no time for.
 source bench/gpu/lib.sh
 gpu_env
 W=/dev/shm/hwkv-models; T0=$SECONDS
@@ -24,8 +25,8 @@ ckpt_wait; wait $PROBE; echo "ckpt + probe at $((SECONDS - T0)) s"
 grep -E "default|stream|BEST" $OUT/stream-probe.log | grep -v "^compiled" | head -n 30
 L=$((172 - (SECONDS - T0)))
 HWKV_PUSH_LL=0 timeout -k 2 -s ABRT $L python3 backends/cuda/scripts/tp_b1_sweep.py --tp 2 --workdir $W --out $OUT --sweep all \
-  --deadline $((L - 45)) --final-s 25 --total-s $((L - 3)) --second-s 38 --decode 16,208 --reps 2 \
-  --rows '[{"name": "ll", "env": {"HWKV_PUSH_LL": "1"}}, {"name": "winners + ll", "env": {"HWKV_PUSH_LL": "1"}, "over_winners": true}]' \
+  --deadline 75 --final-s 16 --total-s $((L - 3)) --second-s 36 --final2-s 9 --decode 16,144 --reps 2 \
+  --rows '[{"name": "winners + ll", "env": {"HWKV_PUSH_LL": "1"}, "over_winners": true}]' \
   --second-env '{"HWKV_TP_GRAPH_SAMPLE": "1"}' \
   > $OUT/tp-b1-sweep.log 2>&1; echo "sweep rc=$? at $((SECONDS - T0)) s"
 grep -v "^ \|^\[W" $OUT/tp-b1-sweep.log | tail -n 40

@@ -79,6 +79,7 @@ def main() -> None:
     ap.add_argument("--second-s", type=float, default=45.0, help="seconds the second engine needs (skipped when "
                     "fewer are left of --total-s)")
     ap.add_argument("--total-s", type=float, default=1e9, help="seconds this script may take in all")
+    ap.add_argument("--final2-s", type=float, default=12.0, help="seconds kept for the second engine's last row")
     args = ap.parse_args()
     t0 = time.perf_counter()
     out = Path(args.out)
@@ -130,48 +131,40 @@ def main() -> None:
     def save() -> None:
         (out / "tp-b1-sweep.json").write_text(json.dumps(res, indent=1))
 
-    win: dict[str, str] = {}
-    todo = [s for s in SWEEP if args.sweep == "all" or s[0] in args.sweep.split(",")]
-    cur = step_ms(win) if todo else 0.0
-    res["main_step_ms"] = cur
-    print(f"[tpsweep] main: {cur:.4f} ms a step", flush=True)
-    stop = False
-    for name, shape, cands in todo:
-        if stop:
-            break
-        best = (cur, None)
-        for c in cands:
-            if time.perf_counter() - t0 > args.deadline - args.final_s:
-                stop = True
-                print("[tpsweep] deadline: no more candidates", flush=True)
-                break
-            try:
-                t = step_ms({**win, ENV + shape: c})
-            except Exception as e:  # a tile that does not compile or launch
-                print(f"[tpsweep] {name} {c}: {type(e).__name__}: {str(e)[:160]}", flush=True)
-                res["trials"].append(dict(shape=name, cfg=c, error=f"{type(e).__name__}: {e}"[:300]))
+    def sweep(todo: list[tuple[str, str, list[str]]], win: dict[str, str], cur: float,
+              until: float) -> tuple[float, list[tuple[str, str, list[str]]]]:
+        """Greedy over ``todo``'s shapes (``win`` grows in place); returns the step with the winners and the shapes
+        not finished by ``until`` (seconds from the start)."""
+        for i, (name, shape, cands) in enumerate(todo):
+            best = (cur, None)
+            for c in cands:
+                if time.perf_counter() - t0 > until:
+                    print("[tpsweep] deadline: no more candidates", flush=True)
+                    return cur, todo[i:]
+                try:
+                    t = step_ms({**win, ENV + shape: c})
+                except Exception as e:  # a tile that does not compile or launch
+                    print(f"[tpsweep] {name} {c}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+                    res["trials"].append(dict(shape=name, cfg=c, error=f"{type(e).__name__}: {e}"[:300]))
+                    save()
+                    continue
+                res["trials"].append(dict(shape=name, cfg=c, step_ms=t, over=dict(win)))
+                print(f"[tpsweep] {name} {c}: {t:.4f} ms ({(t / cur - 1) * 100:+.1f}%)", flush=True)
+                if t < best[0]:
+                    best = (t, c)
                 save()
-                continue
-            res["trials"].append(dict(shape=name, cfg=c, step_ms=t))
-            print(f"[tpsweep] {name} {c}: {t:.4f} ms ({(t / cur - 1) * 100:+.1f}%)", flush=True)
-            if t < best[0]:
-                best = (t, c)
+            if best[1] is not None and best[0] < cur * (1 - args.keep):
+                win[ENV + shape] = best[1]
+                res["winners"][name] = dict(cfg=best[1], step_ms=best[0], before_ms=cur)
+                print(f"[tpsweep] KEEP {name}: {best[1]} {cur:.4f} -> {best[0]:.4f} ms", flush=True)
+                cur = best[0]
             save()
-        if best[1] is not None and best[0] < cur * (1 - args.keep):
-            win[ENV + shape] = best[1]
-            res["winners"][name] = dict(cfg=best[1], step_ms=best[0], before_ms=cur)
-            print(f"[tpsweep] KEEP {name}: {best[1]} {cur:.4f} -> {best[0]:.4f} ms", flush=True)
-            cur = best[0]
-        save()
-    rows = [("main", {})] + ([("winners", dict(win))] if win else []) + [
-        (r["name"], {**(win if r.get("over_winners") else {}), **r["env"]}) for r in extra]
-    if len(win) > 1:
-        rows += [(f"{k.removeprefix(ENV)} alone", {k: v}) for k, v in win.items()]
-    rows.append(("main (again)", {}))
-    ref = None
-    for name, env in rows:
-        if name.endswith("alone") and time.perf_counter() - t0 > args.deadline:
-            continue
+        return cur, []
+
+    ref: list[list[int]] = []
+
+    def row(name: str, env: dict[str, str], tag: dict[str, str] | None = None) -> float | None:
+        """One row: the step, the driver's host work, greedy tokens of the checked prompts alone against main's."""
         try:
             ms = step_ms(env)
             toks = [_generate(engine, [p], 32)[1][0] for p in checked]
@@ -179,24 +172,43 @@ def main() -> None:
             print(f"[tpsweep] row {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
             res["rows"].append(dict(name=name, env=env, error=f"{type(e).__name__}: {e}"[:300]))
             save()
-            continue
-        ref = toks if ref is None else ref
+            return None
+        if not ref:
+            ref.extend(toks)
         div = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), -1) for x, y in zip(ref, toks)]
-        res["rows"].append(dict(name=name, env=env, step_ms=ms, tok_per_s=1e3 / ms, host_ms=host.get("ms"), tokens=toks,
-                                first_divergence=div))
+        res["rows"].append(dict(name=name, env={**(tag or {}), **env}, step_ms=ms, tok_per_s=1e3 / ms,
+                                host_ms=host.get("ms"), tokens=toks, first_divergence=div))
         print(f"[tpsweep] {name}: {ms:.4f} ms a step ({1e3 / ms:.1f} tok/s), driver host {host.get('ms', 0):.3f} ms; "
               f"tokens vs main: first divergence {div}", flush=True)
         save()
+        return ms
+
+    second = json.loads(args.second_env) if args.second_env else {}
+    win: dict[str, str] = {}
+    todo = [s for s in SWEEP if args.sweep == "all" or s[0] in args.sweep.split(",")]
+    cur = step_ms(win) if todo else 0.0
+    res["main_step_ms"] = cur
+    print(f"[tpsweep] main: {cur:.4f} ms a step", flush=True)
+    cur, left = sweep(todo, win, cur, args.deadline - args.final_s)
+    rows = [("main", {})] + ([("winners", dict(win))] if win else []) + [
+        (r["name"], {**(win if r.get("over_winners") else {}), **r["env"]}) for r in extra]
+    if len(win) > 1 and not second:
+        rows += [(f"{k.removeprefix(ENV)} alone", {k: v}) for k, v in win.items()]
+    rows.append(("main (again)", {}))
+    for name, env in rows:
+        if name.endswith("alone") and time.perf_counter() - t0 > args.deadline:
+            continue
+        row(name, env)
     if win:
         print("[tpsweep] winners as exports: " + " ".join(f"{k}='{v}'" for k, v in win.items()), flush=True)
     t1 = time.perf_counter()
     engine.close()
     print(f"[tpsweep] closed in {time.perf_counter() - t1:.1f} s; total {time.perf_counter() - t0:.1f} s", flush=True)
-    second = json.loads(args.second_env) if args.second_env else {}
     if second and args.total_s - (time.perf_counter() - t0) < args.second_s:
         print("[tpsweep] no time left for the second engine", flush=True)
         second = {}
-    if second:  # another engine with an environment read at start-up (every rank inherits it): main and the winners
+    if second:  # another engine with an environment read at start-up (every rank inherits it): main and the winners,
+        # then the shapes the first engine had no time for, over the winners
         os.environ.update(second)
         t2 = time.perf_counter()
         engine = hwkv.Engine(str(mdir), backend=args.backend, dtype=args.dtype, max_model_len=args.max_model_len,
@@ -204,22 +216,15 @@ def main() -> None:
         rc = getattr(engine.runner, "recapture", None) or partial(recapture, engine.runner)
         res["second_env"], res["second_init_s"] = second, round(time.perf_counter() - t2, 1)
         print(f"[tpsweep] second engine ({second}) up in {res['second_init_s']} s", flush=True)
-        for name, env in [("main", {}), *([("winners", dict(win))] if win else [])]:
-            name = f"{name} [{' '.join(f'{k}={v}' for k, v in second.items())}]"
-            try:
-                ms = step_ms(env)
-                toks = [_generate(engine, [p], 32)[1][0] for p in checked]
-            except Exception as e:
-                print(f"[tpsweep] row {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-                res["rows"].append(dict(name=name, env=env, error=f"{type(e).__name__}: {e}"[:300]))
-                save()
-                continue
-            div = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), -1) for x, y in zip(ref or toks, toks)]
-            res["rows"].append(dict(name=name, env={**second, **env}, step_ms=ms, tok_per_s=1e3 / ms,
-                                    host_ms=host.get("ms"), tokens=toks, first_divergence=div))
-            print(f"[tpsweep] {name}: {ms:.4f} ms a step ({1e3 / ms:.1f} tok/s), driver host {host.get('ms', 0):.3f} "
-                  f"ms; tokens vs main: first divergence {div}", flush=True)
-            save()
+        tag = " [" + " ".join(f"{k}={v}" for k, v in second.items()) + "]"
+        row("main" + tag, {}, second)
+        cur2 = row("winners" + tag, dict(win), second) if win else None
+        if left and cur2:
+            n = len(win)
+            _, left = sweep(left, win, cur2, args.total_s - args.final2_s)
+            if len(win) > n:
+                row("winners, all" + tag, dict(win), second)
+                print("[tpsweep] winners as exports: " + " ".join(f"{k}='{v}'" for k, v in win.items()), flush=True)
         engine.close()
         print(f"[tpsweep] total {time.perf_counter() - t0:.1f} s", flush=True)
 
