@@ -47,10 +47,12 @@ def dense(bn: int, bk: int, wp: int, st: int, pre: int, ev: int = 0) -> str:
 SWEEP: list[tuple[str, str, list[str]]] = [
     # l2pf=3: every tile of a program sent toward L2 before the PDL wait (qkv's 25 MB and o_proj's 17 MB fit L2), read
     # while the all-reduce (qkv) or the attention (o_proj) before leaves HBM idle
-    ("qkv", "3072X4096", [stream(4, 4, 2, 6), stream(4, 8, 0, 2, l2pf=3), stream(4, 8, 2, 4), stream(8, 8, 2, 2)]),
+    ("qkv", "3072X4096", [stream(4, 4, 2, 6), stream(4, 8, 0, 2, l2pf=3), stream(8, 8, 2, 2)]),
+    # down (K 7168): main's 8-row K loop has 32 KB a SM in flight (one program a SM); whole-K tiles of 2-4 rows from
+    # 2-4 light programs a SM hold 100+ KB
+    ("down", "4096X7168", [stream(4, 8, 2, 2, 1, 8192), stream(2, 4, 2, 4, 1, 8192)]),
     # gate_up and qkv follow an all-reduce: weights loaded (or sent toward L2) before the PDL wait hide some of it
     ("gate_up", "14336X4096", [stream(8, 8, 0, 4, 1), stream(8, 8, 2, 2, 1), stream(8, 8, 0, 4, 1, l2pf=1)]),
-    ("down", "4096X7168", [stream(4, 8, 2, 2, 1, 8192), stream(4, 8, 0, 3, 1, 1024)]),
     ("o_proj", "4096X2048", [stream(4, 4, 2, 4, 1, 2048), stream(4, 4, 0, 2, 0, 2048, l2pf=3)]),
     ("lm_head", "64128X4096", [stream(4, 4, 2, 6, 1)]),
 ]
