@@ -16,10 +16,10 @@ ckpt_start llama-8b bfloat16 0 70
 S="block_k=4096,num_stages=1,num_warps=4,preload=2"
 CFG='{"qkv": ["'$S',block_n=4,stream=6", "'$S',block_n=4,stream=4", "block_k=4096,num_stages=1,num_warps=8,preload=2,block_n=8,stream=2"],
  "o_proj": ["block_k=2048,num_stages=1,num_warps=4,preload=2,evict=1,block_n=4,stream=4", "block_k=2048,num_stages=1,num_warps=4,preload=2,evict=1,block_n=4,stream=6"],
- "down": ["block_k=8192,num_stages=1,num_warps=8,preload=2,evict=1,block_n=4,stream=2", "block_k=8192,num_stages=1,num_warps=8,preload=2,evict=1,block_n=2,stream=4"],
+ "down": ["block_k=8192,num_stages=1,num_warps=8,preload=2,evict=1,block_n=4,stream=2", "block_k=8192,num_stages=1,num_warps=4,preload=2,evict=1,block_n=2,stream=4"],
  "gate_up": ["block_k=4096,num_stages=1,num_warps=8,preload=0,evict=1,block_n=8,stream=4", "block_k=4096,num_stages=1,num_warps=8,preload=0,evict=1,block_n=8,stream=2"]}'
 (CUDA_VISIBLE_DEVICES=1 timeout -k 2 35 python3 backends/cuda/scripts/stream_probe.py --model llama-8b-tp2 \
-  --shapes qkv,o_proj,down,gate_up --configs "$CFG" --out $OUT > $OUT/stream-probe.log 2>&1; echo "probe rc=$?") &
+  --shapes qkv,down,o_proj,gate_up --configs "$CFG" --out $OUT > $OUT/stream-probe.log 2>&1; echo "probe rc=$?") &
 PROBE=$!
 ckpt_wait; wait $PROBE; echo "ckpt + probe at $((SECONDS - T0)) s"
 grep -E "default|stream|BEST" $OUT/stream-probe.log | grep -v "^compiled" | head -n 30
