@@ -59,6 +59,9 @@ class TileConfig:
     # (kernels/attention.py, EARLY). -1 (auto): where every split is one tile (a small batch up to ~8k keys); H200,
     # batch-1 decode of the 1B shape in the engine: replay 0.887 -> 0.839 ms, 1,085 -> 1,143 tok/s (same run,
     # bench/results/issue36-b1-s8-batch1-H200-2026-11-29-e80f843.md). 0 / 1: off / on wherever it applies
+    keys_m: int = 0  # a one-token tile (block_q 1) runs the keys in the MMA's M dimension, the heads in N
+    # (S^T = K Q^T, O^T = V^T P^T: kernels/attention.py, KEYS_M): a GQA group pads to max(8, pow2(G)) columns of N,
+    # not 16 rows of M (block_m is then unused), and K rows and fp8 V's transposed pages are the A operands as stored
     maxnreg: int = 0  # registers per thread the attention launch may use (Triton's maxnreg; 0: the compiler's choice).
     # The fp8 long-split tile takes 138 (Nsight Compute, H200): 6 programs of 2 warps per SM, 18.75% occupancy;
     # capped at 128 / 112 / 96 it ran slower (450 vs 419 us, 32 x 32k,
