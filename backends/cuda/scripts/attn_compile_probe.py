@@ -70,7 +70,8 @@ def main() -> None:
         else:
             sig[n] = "fp32"
     k = compile(ASTSource(attention_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+                options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                             **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {})))
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])
@@ -85,7 +86,7 @@ def main() -> None:
         m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
         if m:
             ops[m.group(1)] += 1
-    # the loops: a branch back to an earlier address (the first, longest is the unmasked key loop)
+    # the loops: a branch back to an earlier address (the first is the unmasked key loop)
     lines = [(int(m.group(1), 16), m.group(2)) for m in
              (re.match(r"\s*/\*([0-9a-f]+)\*/\s+(.*?);", ln) for ln in sass.splitlines()) if m]
     loops = []
@@ -108,9 +109,11 @@ def main() -> None:
                 m = re.match(r"(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", ins)
                 if m:
                     body[m.group(1)] += 1
-    keep = ("HMMA", "F2FP", "F2F", "I2F", "MUFU", "SHFL", "LDS", "LDSM", "LDGSTS", "LDG", "STS", "PRMT", "FMUL",
-            "FADD", "FFMA", "FMNMX", "BAR", "IMAD", "LOP3", "IADD3", "LEA", "SHF", "BRA")
+    keep = ("LDL", "STL", "HMMA", "F2FP", "F2F", "I2F", "MUFU", "SHFL", "LDS", "LDSM", "LDGSTS", "LDG", "STS", "PRMT",
+            "FMUL", "FADD", "FFMA", "FMNMX", "BAR", "IMAD", "LOP3", "IADD3", "LEA", "SHF", "BRA")
+    spill = re.search(r"STACK:(\d+)", res)
     print(json.dumps(dict(set=a.set, kv=a.kv, regs=int(regs.group(1)) if regs else None,
+                          stack=int(spill.group(1)) if spill else None,
                           shared=k.metadata.shared, total=sum(ops.values()),
                           ops={o: ops[o] for o in keep if ops[o]}, loop_total=sum(body.values()),
                           loop={o: body[o] for o in keep if body[o]}, triton=triton.__version__)))
