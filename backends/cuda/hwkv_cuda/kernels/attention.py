@@ -135,14 +135,22 @@ def _tile_t(acc, l_i, m_i, qt, qk_scale, kv_ptr, bt_ptr, start, hi, kvh_off, str
     the cache's rows ``[keys, D]`` (the A operand as stored), V of an fp8 cache as its transposed pages ``[D, keys]``
     (hwkv.interfaces.kv_quant: the A operand as stored too)."""
     pos = start + offs_n
+    N: tl.constexpr = offs_n.shape[0]
+    if not WINDOW and N % BS == 0:  # tiles start at multiples of BLOCK_N (lo_kv: whole tiles per split), so of BS:
+        # each key's block and slot follow from its place in the tile (no signed division per key and tile)
+        idx = start // BS + offs_n // BS
+        slot = offs_n % BS
+    else:
+        idx = pos // BS
+        slot = pos % BS
     if MASKED:
         n_mask = pos < hi
-        blk = tl.load(bt_ptr + pos // BS, mask=n_mask, other=0).to(tl.int64)
-        k = tl.load(kv_ptr + (blk * stride_blk + (pos % BS) * stride_tok + kvh_off)[:, None] + offs_d[None, :],
+        blk = tl.load(bt_ptr + idx, mask=n_mask, other=0).to(tl.int64)
+        k = tl.load(kv_ptr + (blk * stride_blk + slot * stride_tok + kvh_off)[:, None] + offs_d[None, :],
                     mask=n_mask[:, None] & d_mask[None, :], other=0.0)
     else:
-        blk = tl.load(bt_ptr + pos // BS).to(tl.int64)
-        k = tl.load(kv_ptr + (blk * stride_blk + (pos % BS) * stride_tok + kvh_off)[:, None] + offs_d[None, :],
+        blk = tl.load(bt_ptr + idx).to(tl.int64)
+        k = tl.load(kv_ptr + (blk * stride_blk + slot * stride_tok + kvh_off)[:, None] + offs_d[None, :],
                     mask=d_mask[None, :], other=0.0)
     k = k.to(qt.dtype)  # e4m3 is exact in fp16 / bf16 / fp32 (the K scale is folded into qk_scale)
     if IEEE:
@@ -160,8 +168,7 @@ def _tile_t(acc, l_i, m_i, qt, qk_scale, kv_ptr, bt_ptr, start, hi, kvh_off, str
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 0)
     if KV_FP8:  # the key's byte at dim 0 of its head's [D, BS] V page; dim d is d * BS further
-        voff = blk * stride_blk + stride_kv + kvh_off * BS + pos % BS
-        N: tl.constexpr = offs_n.shape[0]
+        voff = blk * stride_blk + stride_kv + kvh_off * BS + slot
         VC: tl.constexpr = (BS if N % BS == 0 else (N if BS % N == 0 else 16)) if BS % 16 == 0 and N % 16 == 0 else 1
         if not WINDOW and VC > 1:  # whole tiles from lo_kv (as in _tile)
             voff = tl.max_contiguous(tl.multiple_of(voff, VC), VC)
@@ -171,7 +178,7 @@ def _tile_t(acc, l_i, m_i, qt, qk_scale, kv_ptr, bt_ptr, start, hi, kvh_off, str
         else:
             vt = tl.load(kv_ptr + voff[None, :] + offs_d[:, None] * BS, mask=d_mask[:, None], other=0.0)
     else:  # token-major V rows, read as [D, keys]
-        voff = blk * stride_blk + stride_kv + (pos % BS) * stride_tok + kvh_off
+        voff = blk * stride_blk + stride_kv + slot * stride_tok + kvh_off
         if MASKED:
             vt = tl.load(kv_ptr + voff[None, :] + offs_d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0)
         else:
