@@ -91,6 +91,7 @@ class CudaAllReduce:
     ll_max = 0  # bytes up to which the low-latency push may run (set in __init__; 0: never)
     ll_error = ""  # why it was turned off
     _ce: Any = None
+    norm_warps = 0  # warps per row of the push + RMSNorm kernel (0: 8 from 4096 columns on, else 4; probes set it)
     ce_min = 0  # messages of at least this many bytes take the copy-engine all-reduce (0: off; set in __init__)
     ce_error = ""  # why the copy-engine path was turned off
     ce_signal = ""  # how its flags are written and waited for ("memop" or "kernel")
@@ -614,7 +615,7 @@ class CudaAllReduce:
             t, residual, weight, out, h, self.nbuf.view(t.dtype), self.nflags, self.npeers, self.nepochs, self.error,
             t.shape[1], eps, RANK=self.rank, WS=self.world_size, SLOT=self.norm_max // t.element_size(),
             FLAG_OFF=self.nflag_off, BLOCK=triton_next_pow2(t.shape[1]), PDL=self.pdl,
-            num_warps=8 if t.shape[1] >= 4096 else 4, **({"launch_pdl": True} if self.pdl else {}))
+            num_warps=self.norm_warps or (8 if t.shape[1] >= 4096 else 4), **({"launch_pdl": True} if self.pdl else {}))
         return out, h
 
     def failed(self) -> bool:
