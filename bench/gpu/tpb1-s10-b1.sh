@@ -25,8 +25,8 @@ ckpt_wait; wait $PROBE; echo "ckpt + probe at $((SECONDS - T0)) s"
 grep -E "default|stream|BEST" $OUT/stream-probe.log | grep -v "^compiled" | head -n 30
 L=$((172 - (SECONDS - T0)))
 HWKV_PUSH_LL=0 timeout -k 2 -s ABRT $L python3 backends/cuda/scripts/tp_b1_sweep.py --tp 2 --workdir $W --out $OUT --sweep all \
-  --deadline 75 --final-s 16 --total-s $((L - 3)) --second-s 36 --final2-s 9 --decode 16,144 --reps 2 \
-  --rows '[{"name": "winners + ll", "env": {"HWKV_PUSH_LL": "1"}, "over_winners": true}]' \
+  --deadline 75 --final-s 20 --total-s $((L - 3)) --second-s 36 --final2-s 9 --decode 16,144 --reps 2 \
+  --rows '[{"name": "winners + ll", "env": {"HWKV_PUSH_LL": "1"}, "over_winners": true}, {"name": "winners + ll + gather", "env": {"HWKV_PUSH_LL": "1", "HWKV_PUSH_GATHER": "1"}, "over_winners": true}]' \
   --second-env '{"HWKV_TP_GRAPH_SAMPLE": "1"}' \
   > $OUT/tp-b1-sweep.log 2>&1; echo "sweep rc=$? at $((SECONDS - T0)) s"
 grep -v "^ \|^\[W" $OUT/tp-b1-sweep.log | tail -n 40

@@ -21,7 +21,8 @@ import torch
 # ``all_reduce_add(t, residual)``: ``residual + sum of t over the ranks`` as a new tensor, or
 # ``None`` to decline (it may overwrite ``t`` either way), for a fused kernel; and
 # ``all_reduce_add_rms_norm(t, residual, weight, eps)`` as the Communicator method of that name; and
-# ``all_reduce_start(t)``: a ``wait()`` as ``Communicator.all_reduce_start`` returns, or ``None`` to decline.
+# ``all_reduce_start(t)``: a ``wait()`` as ``Communicator.all_reduce_start`` returns, or ``None`` to decline; and
+# ``all_gather(t, dim)``: as the Communicator method of that name, or ``None`` to decline.
 CustomAllReduce = Callable[[torch.Tensor], "torch.Tensor | None"]
 
 

@@ -64,11 +64,14 @@ def test_fused_add_hook_is_used():
 
             fn.all_reduce_add = lambda t, residual: t + residual + 100  # marks its result
             fn.all_reduce_add_rms_norm = lambda t, residual, weight, eps: (weight, t + residual)
+            fn.all_gather = lambda t, dim: t + 7 if t.dim() == 2 else None  # takes 2-D tensors, marks them
             return fn
 
     c = TorchDistCommunicator(Fused(), 0, 1, 0, timeout_s=10, store=open_store(1, 10))
     try:
         assert c.all_reduce_add(torch.ones(2), torch.ones(2)).tolist() == [102.0, 102.0]
+        assert c.all_gather(torch.ones(1, 2), dim=-1).tolist() == [[8.0, 8.0]]  # the hook's
+        assert c.all_gather(torch.ones(2), dim=-1).tolist() == [1.0, 1.0]  # declined: the group's gather
         x, h = c.all_reduce_add_rms_norm(torch.ones(2), torch.ones(2), torch.full((2,), 5.0), 1e-6)
         assert x.tolist() == [5.0, 5.0] and h.tolist() == [2.0, 2.0]
     finally:

@@ -127,9 +127,9 @@ def test_tp2_cuda_graph_sampling_tokens_equal_tp1(tmp_path, monkeypatch):
 
 
 def test_tp2_cuda_low_latency_push_same_tokens_as_the_push_kernel(tmp_path, monkeypatch):
-    """The low-latency push (HWKV_PUSH_LL=1: the epoch in every word, no flag round) against the push kernel (=0,
-    set up but not taken): each prompt generated alone, bf16, the same sums - the same tokens; it passed its setup
-    self-test and no wait gave up."""
+    """The low-latency push (HWKV_PUSH_LL=1: the epoch in every word, no flag round) and all-gather of the logits
+    (HWKV_PUSH_GATHER=1) against the push kernel and NCCL's gather (=0, set up but not taken): each prompt generated
+    alone, bf16, the same sums - the same tokens; it passed its setup self-test and no wait gave up."""
     _cuda()
     path = str(write_tiny_model(tmp_path, hidden_size=256, num_heads=8, num_kv_heads=2, vocab_size=1000,
                                 tokenizer=False))
@@ -139,6 +139,7 @@ def test_tp2_cuda_low_latency_push_same_tokens_as_the_push_kernel(tmp_path, monk
     got = {}
     for ll in ("0", "1"):
         monkeypatch.setenv("HWKV_PUSH_LL", ll)  # set: set up at start-up; "1": taken
+        monkeypatch.setenv("HWKV_PUSH_GATHER", ll)  # the logits' low-latency all-gather beside it
         eng = Engine(path, tensor_parallel_size=2, **kw)
         try:
             ar = eng._tp.comm._custom

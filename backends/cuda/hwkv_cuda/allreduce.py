@@ -54,6 +54,11 @@ MIN_ROW_BYTES = 512
 # (read per call: an A/B recaptures the graphs with "0" / "1"). Off by default until measured
 LL_MAX = 64 * 1024
 LL_ENV = "HWKV_PUSH_LL"
+# the low-latency all-gather (kernels/allreduce.py push_ll_gather_kernel): a rank's part of [rows, S] 16-bit up to this
+# many bytes (the LM head's logits at tp=2 of a 128,256 vocabulary: 125 KB a row), set up with the low-latency push;
+# HWKV_PUSH_GATHER=1 takes it (read per call), off by default until measured
+GATHER_MAX = 1024 * 1024
+GATHER_ENV = "HWKV_PUSH_GATHER"
 
 
 def make_custom_all_reduce(comm: Any) -> CudaAllReduce | None:
@@ -407,6 +412,10 @@ class CudaAllReduce:
             self.ll_slot_w = self.ll_programs * REGION // 4
             self.lbuf, self.lpeers = self._peer_buffer(2 * self.world_size * self.ll_slot_w * 8, "ll")
             self.lepochs = torch.zeros(self.ll_programs, dtype=torch.int64, device=self.device)
+            self.g_programs = -(-GATHER_MAX // REGION)
+            self.g_slot_w = self.g_programs * REGION // 4
+            self.gbuf, self.gpeers = self._peer_buffer(2 * self.world_size * self.g_slot_w * 8, "llg")
+            self.gepochs = torch.zeros(self.g_programs, dtype=torch.int64, device=self.device)
         if self.fused:  # [site][rank] slots, then int64 [arrivals per site (one per peer and call) | finished
             # consumer programs per site | finished producer programs per site]
             data = FUSED_SITES * self.world_size * FUSED_SLOT
@@ -449,6 +458,30 @@ class CudaAllReduce:
         if problems:
             raise RuntimeError(f"push all-reduce self-test failed on rank {self.rank}: {', '.join(problems)}")
 
+    def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
+        """Every rank's ``[R, S]`` ``t`` side by side along the last dim (``Communicator.all_gather``) by the
+        low-latency gather, or ``None`` to decline: not set up, not taken (``HWKV_PUSH_GATHER``), not a contiguous 2-D
+        16-bit tensor gathered along its last dim, or a part over ``GATHER_MAX`` bytes."""
+        if not self.ll_max or os.environ.get(GATHER_ENV, "0") != "1" or t.dim() != 2 or dim not in (-1, 1) \
+                or t.element_size() != 2 or t.dtype not in DTYPES or not t.is_cuda or not t.is_contiguous() \
+                or t.numel() * 2 > GATHER_MAX:
+            return None
+        return self._gather(t)
+
+    def _gather(self, t: torch.Tensor) -> torch.Tensor:
+        from hwkv_cuda.kernels.allreduce import REGION, push_ll_gather_kernel
+
+        r, s = t.shape
+        out = torch.empty((r, s * self.world_size), dtype=t.dtype, device=t.device)
+        if t.numel() == 0:
+            return out
+        block = REGION // 2
+        push_ll_gather_kernel[(-(-t.numel() // block),)](
+            t, out, self.gbuf.view(torch.int64), self.gpeers, self.gepochs, self.error, t.numel(), s, RANK=self.rank,
+            WS=self.world_size, SLOT_W=self.g_slot_w, BLOCK=block, PDL=self.pdl, num_warps=4,
+            **({"launch_pdl": True} if self.pdl else {}))
+        return out
+
     def _self_test_ll(self) -> None:
         """The low-latency push on known values (small integers: every sum exact), plain and with the residual,
         bf16 and fp16, over more than one program (the epochs of every program advance alike on every rank)."""
@@ -465,6 +498,11 @@ class CudaAllReduce:
             one = torch.ones_like(base, dtype=dt)
             if not torch.equal(self._push((base + self.rank).to(dt), one, ll=True).float(), want + 1):
                 problems.append(f"{dt} push + residual")
+        x = (torch.arange(2 * 1537, device=dev, dtype=torch.float32).view(2, 1537) % 11 + 16 * self.rank)
+        want_g = torch.cat([x - 16 * self.rank + 16 * r for r in range(ws)], dim=1)
+        for dt in (torch.bfloat16, torch.float16):
+            if not torch.equal(self._gather(x.to(dt)).float(), want_g):
+                problems.append(f"{dt} gather")
         if int(self.error.item()):
             problems.append("a peer's words never came")
         if problems:

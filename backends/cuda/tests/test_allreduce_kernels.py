@@ -172,6 +172,40 @@ def test_push_ll_two_ranks(dtype, residual):
         assert torch.equal(bufs[1][base: base + slot_w], _ll_words(padded, call))
 
 
+def test_push_ll_gather_two_ranks():
+    """The low-latency all-gather of [R, S] rows (a ragged last program, S not a multiple of a program's block): rank
+    1's words into rank 0's buffer by hand, rank 0's kernel, then rank 1's; both parities; every rank the same bytes,
+    the parts side by side in rank order."""
+    from hwkv_cuda.kernels.allreduce import push_ll_gather_kernel
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    block = REGION // 2
+    rows, s = 2, 1500
+    n = rows * s
+    programs = -(-n // block)
+    slot_w = programs * block // 2
+    bufs = [torch.zeros(2 * 2 * slot_w, dtype=torch.int64, device=dev) for _ in range(2)]
+    peers = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=dev)
+    epochs = [torch.zeros(programs, dtype=torch.int64, device=dev) for _ in range(2)]
+    err = torch.zeros(1, dtype=torch.int32, device=dev)
+    g = torch.Generator().manual_seed(3)
+    for call in (1, 2, 3):
+        xs = [torch.randn(rows, s, generator=g).to(torch.bfloat16).to(dev) for _ in range(2)]
+        padded = torch.zeros(programs * block, dtype=torch.bfloat16, device=dev)
+        padded[:n] = xs[1].reshape(-1)
+        base = (call % 2) * 2 * slot_w
+        bufs[0][base + slot_w: base + 2 * slot_w] = _ll_words(padded, call)
+        outs = []
+        for rank in (0, 1):
+            out = torch.full((rows, 2 * s), float("nan"), dtype=torch.bfloat16, device=dev)
+            push_ll_gather_kernel[(programs,)](xs[rank], out, bufs[rank], peers, epochs[rank], err, n, s, RANK=rank,
+                                               WS=2, SLOT_W=slot_w, BLOCK=block)
+            outs.append(out)
+        assert int(err.item()) == 0
+        assert torch.equal(outs[0], torch.cat(xs, dim=1)) and torch.equal(outs[1], outs[0])
+        assert epochs[0].tolist() == [call] * programs == epochs[1].tolist()
+
+
 COMPILE = """
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
@@ -211,6 +245,10 @@ for dt in ("bf16", "fp32"):  # the copy-engine all-reduce's sum and its fallback
     compile(ASTSource(k.ce_add_norm_kernel, sig, dict(RANK=0, WS=2, BLOCK=4096)), target=GPUTarget("cuda", 90, 32))
 compile(ASTSource(k.ce_signal_kernel, dict(addr="i64", value="i64"), {}), target=GPUTarget("cuda", 90, 32))
 compile(ASTSource(k.ce_wait_kernel, dict(addr="i64", value="i64"), {}), target=GPUTarget("cuda", 90, 32))
+sig = dict(x_ptr="*bf16", out_ptr="*bf16", buf_ptr="*i64", peers_ptr="*i64", epochs_ptr="*i64", err_ptr="*i32",
+           n="i32", S="i32", RANK="constexpr", WS="constexpr", SLOT_W="constexpr", BLOCK="constexpr", PDL="constexpr")
+compile(ASTSource(k.push_ll_gather_kernel, sig, dict(RANK=0, WS=2, SLOT_W=65536, BLOCK=2048, PDL=True)),
+        target=GPUTarget("cuda", 90, 32))
 from hwkv_cuda.kernels import dense as d  # the all-reduce inside the decode GEMVs (push epilogue, rank-sum prologue)
 
 ptrs = ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "res_ptr", "nw_ptr", "cos_ptr", "sin_ptr", "pos_ptr", "kv_ptr", "slot_ptr")
@@ -286,6 +324,7 @@ def test_ll_self_test_passes_and_names_a_broken_path(monkeypatch):
     ar = _one_rank(monkeypatch, ll_max=16 * 1024)
     ar._self_test_ll()
     assert ar.lepochs.tolist()[:2] == [4, 4] and int(ar.error.item()) == 0  # 2 dtypes x (plain, residual)
+    assert ar.gepochs.tolist()[:2] == [2, 2]  # the gather: 2 dtypes
     push = ar._push
     monkeypatch.setattr(ar, "_push", lambda t, residual, ll=None: push(t, None, ll))  # drops the residual
     with pytest.raises(RuntimeError, match=r"push self-test failed on rank 0: torch.bfloat16 push \+ residual, "):

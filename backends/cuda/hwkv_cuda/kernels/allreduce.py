@@ -243,3 +243,41 @@ def ce_wait_kernel(addr, value):
     spins = 0
     while tl.atomic_add(p, 0, sem="acquire", scope="sys") < v:
         spins += 1
+
+
+@triton.jit
+def push_ll_gather_kernel(x_ptr, out_ptr, buf_ptr, peers_ptr, epochs_ptr, err_ptr, n, S, RANK: tl.constexpr,
+                          WS: tl.constexpr, SLOT_W: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """All-gather of ``[R, S]`` 16-bit rows along the last dim in the low-latency form (``push_ll_kernel``'s words:
+    two elements and the call's epoch each): program ``p`` pushes its ``BLOCK`` elements of the flattened rows into
+    this rank's slot of every peer, writes them into its own columns ``[RANK S, (RANK + 1) S)`` of ``out [R, WS S]``,
+    then polls each peer's words and writes them into that peer's columns - every rank the same bytes."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    pid = tl.program_id(0)
+    HALF: tl.constexpr = BLOCK // 2
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    epoch = tl.load(epochs_ptr + pid) + 1
+    tag = epoch & 0xFFFFFFFF
+    words = (epoch % 2) * (WS * SLOT_W) + pid * HALF + tl.arange(0, HALF)
+    bits = (x.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF).to(tl.int64)
+    lo, hi = tl.split(tl.reshape(bits, [HALF, 2]))
+    word = lo | (hi << 16) | (tag << 32)
+    for r in tl.static_range(WS):
+        if r != RANK:
+            peer = tl.load(peers_ptr + r).to(tl.pointer_type(tl.int64))
+            tl.store(peer + RANK * SLOT_W + words, word)
+    row = offs // S
+    col = offs % S
+    dst = out_ptr + row.to(tl.int64) * (WS * S) + col
+    tl.store(dst + RANK * S, x, mask=mask)
+    for r in tl.static_range(WS):
+        if r != RANK:
+            v = _ll_wait(buf_ptr + r * SLOT_W + words, tag, err_ptr)
+            a = (v & 0xFFFF).to(tl.int16).to(x.dtype, bitcast=True)
+            b = ((v >> 16) & 0xFFFF).to(tl.int16).to(x.dtype, bitcast=True)
+            tl.store(dst + r * S, tl.reshape(tl.join(a, b), [BLOCK]), mask=mask)
+    tl.store(epochs_ptr + pid, epoch)
