@@ -38,6 +38,12 @@ SHAPES: dict[str, dict[str, Any]] = {
     "llama-8b": dict(arch="llama", hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
                      intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False,
                      rope_theta=500000.0, max_position_embeddings=8192),
+    # One rank of Llama-3-8B at tp=2 as a model of its own: 16 q / 4 kv heads of 128, ffn 7168, vocab 64128. At tp=1
+    # its decode GEMVs are a tp=2 rank's (qkv 3072 x 4096, o_proj 4096 x 2048, gate_up 14336 x 4096, down 4096 x 7168,
+    # LM head 64128 x 4096) and so is its attention, without the all-reduces: per-rank tile A/Bs on one GPU.
+    "llama-8b-tp2-rank": dict(arch="llama", hidden_size=4096, num_layers=32, num_heads=16, num_kv_heads=4,
+                              head_dim=128, intermediate_size=7168, vocab_size=64128, tie_word_embeddings=False,
+                              rope_theta=500000.0, max_position_embeddings=8192),
     # Qwen2.5-0.5B: 24 layers, hidden 896, 14 q / 2 kv heads, head 64, ffn 4864, vocab 151936, tied.
     "qwen-0.5b": dict(arch="qwen2", hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
                       intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
