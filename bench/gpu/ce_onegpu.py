@@ -1,8 +1,9 @@
 """The one-shot copy-engine all-reduce's device mechanics on ONE GPU: two ranks in one process, each with its own
 "current" stream and side stream, their buffers both on this GPU (the copies are device-to-device on the copy
 engines, not NVLink), flags by stream memory operations. Checks every rank's sums and fused add + RMSNorm against
-the reference over many rounds with two in flight (the prefill halves' pattern) and messages of several rounds,
-that nothing deadlocks, and times a round (local copies). Where two GPUs are not lent, this is what can run.
+the reference over many calls, each started with the one before in flight (the prefill halves' pattern), that
+nothing deadlocks although the four streams may share hardware queues (a stuck device is reported after 5 s), and
+times a call (local copies). Where two GPUs are not lent, this is what can run.
 
     python3 bench/gpu/ce_onegpu.py --out ce-onegpu.json
 """
@@ -10,7 +11,9 @@ that nothing deadlocks, and times a round (local copies). Where two GPUs are not
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
+import os
 import time
 
 import torch
@@ -22,9 +25,11 @@ from hwkv.model.layers import add_rms_norm
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--slot-mb", type=int, default=64)
+    ap.add_argument("--slot-mb", type=int, default=128)
     ap.add_argument("--signal", default="memop")
     args = ap.parse_args()
+    faulthandler.dump_traceback_later(20, exit=True)  # where the host is, if anything hangs
+    print(f"start: signal {args.signal}, slot {args.slot_mb} MB", flush=True)
     dev = torch.device("cuda", 0)
     ws, slot = 2, args.slot_mb << 20
     bufs = [torch.zeros(CopyEngineOneShot.buffer_bytes(ws, slot), dtype=torch.uint8, device=dev) for _ in range(ws)]
@@ -52,6 +57,15 @@ def main() -> None:
         for r in range(ws):
             with torch.cuda.stream(mains[r]):
                 res[r] += [w() for w in waits[r]]
+        done = [torch.cuda.Event() for _ in range(ws)]
+        for r in range(ws):
+            done[r].record(mains[r])
+        t0 = time.monotonic()
+        while not all(d.query() for d in done):  # a device-side deadlock is reported, not waited for forever
+            if time.monotonic() - t0 > 5:
+                print("DEVICE STUCK: the ranks' streams did not finish within 5 s", flush=True)
+                os._exit(3)
+            time.sleep(0.001)
         torch.cuda.synchronize()
         return res
 

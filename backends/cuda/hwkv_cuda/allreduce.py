@@ -289,7 +289,7 @@ class CudaAllReduce:
         rounds (a message longer than one round's buffers), and one through ``all_reduce_start``."""
         ws, dev = self.world_size, self.device
         per_round = ws * self._ce.chunk_max // 2
-        n = per_round + 3 * 4096 + 7 if per_round <= (8 << 20) else 3 * 4096 + 7
+        n = per_round + 3 * 4096 + 7 if per_round <= (8 << 20) and self.ce_mode != "oneshot" else 3 * 4096 + 7
         base = torch.arange(n, device=dev, dtype=torch.float32) % 13
         want = ws * base + ws * (ws - 1) // 2
         problems = []
@@ -300,14 +300,14 @@ class CudaAllReduce:
         got = self._ce_start(x)()
         if not torch.equal(got.float(), want[: 4096 * 3]):
             problems.append("sum started and waited for")
-        if self.ce_mode == "oneshot":  # three rounds in flight at once (both parities, the consumed flags)
+        if self.ce_mode == "oneshot":  # two calls in flight (both parities, the consumed flags)
             from hwkv.model.layers import add_rms_norm
 
             rows = [(base[i * 1024: (i + 2) * 1024] + self.rank).to(torch.bfloat16).view(2, 1024) for i in range(3)]
             res, w = torch.ones_like(rows[0]), torch.full((1024,), 0.5, dtype=torch.bfloat16, device=dev)
             waits = [self._ce.start(r, norm=(res, w, 1e-5)) for r in rows[:2]]
             got = [waits[0]()]
-            waits.append(self._ce.start(rows[2], norm=(res, w, 1e-5)))
+            waits.append(self._ce.start(rows[2], norm=(res, w, 1e-5)))  # with the call before in flight
             got += [waits[1](), waits[2]()]
             for i, (o, h) in enumerate(got):
                 want_out, want_h = add_rms_norm(want[i * 1024: (i + 2) * 1024].view(2, 1024).to(torch.bfloat16),
@@ -339,7 +339,12 @@ class CudaAllReduce:
         return self._ce_start(t)()
 
     def _ce_eligible(self, t: torch.Tensor) -> bool:
-        return bool(self.ce_min) and self._eligible(t) >= self.ce_min and not torch.cuda.is_current_stream_capturing()
+        """Whether the copy-engine path takes ``t`` (the same answer on every rank: sizes, capture and the calls
+        in flight are the same on all). The one-shot form: a message within its slot, at most one call in flight
+        (its module doc: no deadlock)."""
+        if not self.ce_min or self._eligible(t) < self.ce_min or torch.cuda.is_current_stream_capturing():
+            return False
+        return self.ce_mode != "oneshot" or (self._ce.fits(t) and self._ce.can_start())
 
     def all_reduce_start(self, t: torch.Tensor) -> Any:
         """``Communicator.all_reduce_start`` for what the copy engines take (else ``None``: the caller's)."""

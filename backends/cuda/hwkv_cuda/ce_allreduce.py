@@ -38,8 +38,10 @@ from typing import Any
 
 import torch
 
-# a round's chunk per rank is at most this many bytes (the recv + out buffers: ws x CHUNK_MAX per rank)
-CHUNK_MAX = 64 * 1024 * 1024
+# the rs+ag form: a round's chunk per rank (recv + out buffers: ws x CHUNK_MAX per rank); the one-shot form: its
+# slot, the largest message it takes (2 x (ws - 1) x CHUNK_MAX per rank: 256 MB for two ranks; a prefill step of
+# the default 16,384 tokens x 4096 bf16 is 128 MB)
+CHUNK_MAX = 128 * 1024 * 1024
 CE_MIN = 16 * 1024 * 1024  # messages of at least this many bytes take the copy engines (eager only)
 ALIGN = 256  # chunk boundaries in bytes (copy engines and the sum kernel like aligned runs)
 
@@ -189,18 +191,24 @@ class CopyEngineOneShot:
     """The one-shot form (``HWKV_CE_ALLREDUCE=2``): each rank's whole tensor crosses to every peer by DMA on the
     side stream as soon as it is ready, and the sum runs on the caller's stream when it waits — fused into the
     next RMSNorm where the caller asks (:meth:`start` with ``norm``): no SM work on the side stream, so nothing
-    waits for SMs a GEMM holds, and one barrier a round. For two ranks the bytes are the reduce-scatter +
+    waits for SMs a GEMM holds, and one barrier a call. For two ranks the bytes are the reduce-scatter +
     all-gather's (each rank sends its whole tensor once); more ranks send ``ws - 1`` times more.
 
-    Round ``e`` (parity ``p = e % 2``): the side stream waits until every peer consumed this rank's round
-    ``e - 2`` (flag ``consumed``, written by the peer's stream after its sum), copies the tensor into this
-    rank's slot of every peer's ``recv[p]`` and raises ``arrived = e`` there; the waiting stream waits for
-    this rank's copy of the round (an event: the in-place sum overwrites what it reads) and its own
-    ``arrived`` flags (``cuStreamWaitValue64``), sums (or sums, adds and norms) and raises ``consumed = e``
-    on every peer. Rounds are waited for one at a time: a round's copy may wait for the peers' sums of the
-    round two before, so waiting for every copy of a message before its first sum could deadlock. Buffer:
-    ``recv`` of 2 parities x ``(ws - 1)`` slots of ``slot_max`` bytes, then ``arrived`` and ``consumed``
-    (``ws`` int64 each). Messages above ``slot_max`` run as several rounds."""
+    Call ``e`` (parity ``p = e % 2``; one message of at most ``slot_max`` bytes, :meth:`fits`): the side stream
+    waits until every peer consumed this rank's call ``e - 2`` (flag ``consumed``, written by the peer's stream
+    after its sum), copies the tensor into this rank's slot of every peer's ``recv[p]`` and raises
+    ``arrived = e`` there; the waiting stream waits for this rank's own copy (an event: an in-place sum
+    overwrites what it reads) and its ``arrived`` flags (``cuStreamWaitValue64``), sums (or sums, adds and
+    norms) and raises ``consumed = e`` on every peer. Buffer: ``recv`` of 2 parities x ``(ws - 1)`` slots of
+    ``slot_max`` bytes, then ``arrived`` and ``consumed`` (``ws`` int64 each).
+
+    No deadlock, even where a rank's streams share one hardware queue (a blocked stream-memory wait then holds
+    up every command queued behind it): every wait is for a command the peer enqueued before the matching
+    point of the same program — ``arrived = e`` at the peer's start of ``e``, before its wait of ``e``;
+    ``consumed = e - 2`` at the peer's wait of ``e - 2``, which must come before this start of ``e``
+    (:meth:`can_start`: the caller keeps at most the call before in flight, as the prefill halves do). A first
+    version split messages into several rounds per start and deadlocked on one GPU that way: a later round's
+    copy waited for the peers' sums of a call not yet waited for."""
 
     def __init__(self, rank: int, ws: int, bufs: list[int], local: torch.Tensor, slot_max: int,
                  transport: Transport, side: Any = None):
@@ -209,6 +217,7 @@ class CopyEngineOneShot:
         self.chunk_max = slot_max
         self.flags_offset = 2 * (ws - 1) * slot_max  # arrived[ws], consumed[ws] (int64) from here
         self.epoch = 0
+        self.pending: set[int] = set()  # calls started and not waited for
 
     @staticmethod
     def buffer_bytes(ws: int, slot_max: int) -> int:
@@ -221,57 +230,52 @@ class CopyEngineOneShot:
     def _slot_off(self, rank: int, src: int, parity: int) -> int:
         return (parity * (self.ws - 1) + (src if src < rank else src - 1)) * self.slot_max
 
-    def _pieces(self, t: torch.Tensor) -> list[tuple[int, int]]:
-        """Row ranges of ``t`` (its first dimension; a flat tensor: elements) of at most ``slot_max`` bytes."""
-        row = t[0].numel() * t.element_size() if t.dim() > 1 else t.element_size()
-        per = max(1, self.slot_max // row)
-        if t.dim() > 1 and row > self.slot_max:
-            raise ValueError(f"a row of {row} bytes exceeds the copy-engine slot ({self.slot_max})")
-        return [(lo, min(lo + per, t.shape[0])) for lo in range(0, t.shape[0], per)]
+    def fits(self, t: torch.Tensor) -> bool:
+        return t.numel() * t.element_size() <= self.slot_max
+
+    def can_start(self) -> bool:
+        """Whether the call two before the next one was waited for (module doc: no deadlock otherwise)."""
+        return self.epoch - 1 not in self.pending
 
     def start(self, t: torch.Tensor, norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
               main: Any = None) -> Callable[[], Any]:
-        """Send ``t`` (contiguous) to every peer on the side stream; ``wait()`` (on the stream current when it is
-        called) sums in place and returns ``t`` — or with ``norm = (residual, weight, eps)`` returns
-        ``(rms_norm(h) * weight, h)``, ``h = residual + sum``, new tensors. ``main``: the stream the side
-        stream orders after (CUDA: the current one)."""
+        """Send ``t`` (contiguous, :meth:`fits`; :meth:`can_start`) to every peer on the side stream; ``wait()``
+        (on the stream current when it is called) sums in place and returns ``t`` — or with ``norm =
+        (residual, weight, eps)`` returns ``(rms_norm(h) * weight, h)``, ``h = residual + sum``, new tensors.
+        ``main``: the stream the side stream orders after (CUDA: the current one)."""
+        if not self.fits(t) or not self.can_start():
+            raise ValueError("copy-engine one-shot: a message over the slot or a third call in flight")
         ws, me = self.ws, self.rank
         peers = [j for j in range(ws) if j != me]
-        rounds = []
+        nbytes = t.numel() * t.element_size()
+        self.epoch += 1
+        e, p = self.epoch, self.epoch % 2
+        self.pending.add(e)
         self.t.begin_side(self.side, main)
-        for lo, hi in self._pieces(t):
-            self.epoch += 1
-            e, p = self.epoch, self.epoch % 2
-            piece = t[lo:hi]
-            nbytes = piece.numel() * piece.element_size()
-            if e > 2:
-                for j in peers:
-                    self.t.wait(self._flag(me, 1, j), e - 2)
+        if e > 2:
             for j in peers:
-                self.t.copy(self.bufs[j] + self._slot_off(j, me, p), piece.data_ptr(), nbytes)
-            for j in peers:
-                self.t.signal(self._flag(j, 0, me), e)
-            rounds.append((lo, hi, e, p, nbytes, self.t.end_side()))
+                self.t.wait(self._flag(me, 1, j), e - 2)
+        for j in peers:
+            self.t.copy(self.bufs[j] + self._slot_off(j, me, p), t.data_ptr(), nbytes)
+        for j in peers:
+            self.t.signal(self._flag(j, 0, me), e)
+        sent = self.t.end_side()
 
         def wait() -> Any:
+            self.t.begin_wait(sent)
+            for j in peers:
+                self.t.wait(self._flag(me, 0, j), e)
+            slots = [self.local[self._slot_off(me, j, p):][:nbytes].view(t.dtype).view(t.shape) for j in peers]
             out = h = None
-            if norm is not None:
+            if norm is None:
+                self.t.sum(t, slots, me, None)
+            else:
                 out, h = torch.empty_like(t), torch.empty_like(t)
-            for lo, hi, e, p, nbytes, sent in rounds:
-                # after this rank's own copy of the piece (the sum below overwrites it; a wait for every
-                # round's copy first would deadlock: a later round's copy waits for the peers' sums of this one)
-                self.t.begin_wait(sent)
-                for j in peers:
-                    self.t.wait(self._flag(me, 0, j), e)
-                slots = [self.local[self._slot_off(me, j, p):][:nbytes].view(t.dtype).view(t[lo:hi].shape)
-                         for j in peers]
-                if norm is None:
-                    self.t.sum(t[lo:hi], slots, me, None)
-                else:
-                    self.t.add_norm(t[lo:hi], slots, me, norm[0][lo:hi], norm[1], norm[2], out[lo:hi], h[lo:hi])
-                for j in peers:
-                    self.t.signal(self._flag(j, 1, me), e)
+                self.t.add_norm(t, slots, me, norm[0], norm[1], norm[2], out, h)
+            for j in peers:
+                self.t.signal(self._flag(j, 1, me), e)
             self.t.end_wait()
+            self.pending.discard(e)
             return t if norm is None else (out, h)
 
         return wait

@@ -139,22 +139,26 @@ class _Stream:
 
 class _StreamTransport(_HostTransport):
     """The host transport with the one-shot form's two streams: the side stream's copies and flags and the
-    waiting stream's waits and sums run on threads of their own, as on a GPU (a rank's host never blocks)."""
+    waiting stream's waits and sums run on threads of their own, as on a GPU (a rank's host never blocks).
+    ``side`` and ``main`` may be one :class:`_Stream`: one FIFO, as two CUDA streams sharing a hardware queue
+    (a blocked wait then holds up everything queued behind it, whichever stream it came from)."""
 
-    def __init__(self, stop: threading.Event):
+    def __init__(self, stop: threading.Event, side: _Stream, main: _Stream):
         super().__init__(stop)
-        self.side, self.main = _Stream(stop), _Stream(stop)
+        self.side, self.main = side, main
         self.cur = self.main
 
     def begin_side(self, side, main) -> None:
-        self.side.wait_event(self.main.record())
+        if self.side is not self.main:
+            self.side.wait_event(self.main.record())
         self.cur = self.side
 
     def end_side(self):
         return self.side.record()
 
     def begin_wait(self, sent) -> None:
-        self.main.wait_event(sent)
+        if self.side is not self.main:
+            self.main.wait_event(sent)
         self.cur = self.main
 
     def copy(self, dst, src, nbytes) -> None:
@@ -173,9 +177,11 @@ class _StreamTransport(_HostTransport):
         self.cur.put(lambda: Transport.add_norm(self, *args))
 
 
-def _run_oneshot(ws: int, slot_max: int, calls: list[list[tuple]], outstanding: int = 2) -> list[list]:
-    """Every rank starts its calls in order with up to ``outstanding`` started and not waited for (the prefill
-    halves keep two), each ``(tensor, norm or None)``; returns every rank's results in call order."""
+def _run_oneshot(ws: int, slot_max: int, calls: list[list[tuple]], sharing: str) -> list[list]:
+    """Every rank starts its calls in order with the call before still in flight (the prefill halves' pattern),
+    each ``(tensor, norm or None)``; returns every rank's results in call order. ``sharing``: ``none`` (every
+    rank's two streams apart, a host thread per rank), ``rank`` (a rank's streams one FIFO), ``all`` (every
+    stream of every rank one FIFO, one host thread interleaving the ranks call by call: one GPU, one process)."""
     from hwkv_cuda.ce_allreduce import CopyEngineOneShot
 
     bufs = [torch.zeros(CopyEngineOneShot.buffer_bytes(ws, slot_max), dtype=torch.uint8) for _ in range(ws)]
@@ -183,49 +189,71 @@ def _run_oneshot(ws: int, slot_max: int, calls: list[list[tuple]], outstanding: 
     stop = threading.Event()
     errors: list[BaseException] = []
     results: list[list] = [[] for _ in range(ws)]
+    one = _Stream(stop) if sharing == "all" else None
+    trs = []
+    for _ in range(ws):
+        side = one or _Stream(stop)
+        trs.append(_StreamTransport(stop, side, side if sharing != "none" else _Stream(stop)))
+    ces = [CopyEngineOneShot(r, ws, addrs, bufs[r], slot_max, trs[r]) for r in range(ws)]
+    waits: list[list] = [[] for _ in range(ws)]
+
+    def step(r: int, i: int) -> None:
+        t, norm = calls[r][i]
+        waits[r].append(ces[r].start(t, norm=norm))
+        if len(waits[r]) == 2:
+            results[r].append(waits[r].pop(0)())
 
     def rank(r: int) -> None:
-        tr = _StreamTransport(stop)
-        ce = CopyEngineOneShot(r, ws, addrs, bufs[r], slot_max, tr)
         try:
-            waits = []
-            for t, norm in calls[r]:
-                waits.append(ce.start(t, norm=norm))
-                if len(waits) == outstanding:
-                    results[r].append(waits.pop(0)())
-            results[r] += [w() for w in waits]
-            tr.side.sync()
-            tr.main.sync()
+            for i in range(len(calls[r])):
+                step(r, i)
+            results[r] += [w() for w in waits[r]]
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
             stop.set()
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(ws)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(60)
+    if sharing == "all":
+        for i in range(len(calls[0])):
+            for r in range(ws):
+                step(r, i)
+        for r in range(ws):
+            results[r] += [w() for w in waits[r]]
+    else:
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(ws)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+    streams = {id(s): s for tr in trs for s in (tr.side, tr.main)}
+    for st in streams.values():
+        try:
+            st.sync()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
     assert not errors, errors
     return results
 
 
+@pytest.mark.parametrize("sharing", ["none", "rank", "all"])
 @pytest.mark.parametrize("ws", [2, 3])
-def test_one_shot_sums_and_norms_with_two_calls_in_flight(ws):
-    """The one-shot form: plain sums (flat and rows) and sums fused into the residual add + RMSNorm, five calls
-    with two in flight (both parities and the consumed flags), messages of several rounds (rows over a small
-    slot): every rank holds the rank-order sum bit for bit, and h / the norm as add_rms_norm gives them."""
+def test_one_shot_sums_and_norms_with_a_call_in_flight(ws, sharing):
+    """The one-shot form: plain sums (flat and rows) and sums fused into the residual add + RMSNorm, six calls each
+    started with the call before in flight (both parities, the consumed flags): every rank holds the rank-order
+    sum bit for bit, and h / the norm as add_rms_norm gives them - also where a rank's streams, or every stream,
+    are one FIFO (CUDA streams sharing a hardware queue): no deadlock."""
     from hwkv.model.layers import add_rms_norm
 
     g = torch.Generator().manual_seed(10 + ws)
-    hid, slot_max = 64, 64 * 2 * 5  # five bf16 rows per round
-    shapes = [(12, hid), (3, hid), (1000,), (7, hid), (12, hid)]
-    norms = [True, False, False, True, True]
+    hid = 64
+    shapes = [(12, hid), (3, hid), (1000,), (7, hid), (12, hid), (5, hid)]
+    norms = [True, False, False, True, True, True]
+    slot_max = 1000 * 2
     w = (torch.rand(hid, generator=g) + 0.5).to(torch.bfloat16)
     res = {i: (torch.randn(s, generator=g)).to(torch.bfloat16) for i, s in enumerate(shapes) if norms[i]}
     parts = [[(torch.randn(s, generator=g) * 3).to(torch.bfloat16) for s in shapes] for _ in range(ws)]
     calls = [[(parts[r][i].clone(), (res[i], w, 1e-5) if norms[i] else None) for i in range(len(shapes))]
              for r in range(ws)]
-    got = _run_oneshot(ws, slot_max, calls)
+    got = _run_oneshot(ws, slot_max, calls, sharing)
     for i in range(len(shapes)):
         s = _want([parts[r][i] for r in range(ws)])
         want = add_rms_norm(s, res[i], w, 1e-5) if norms[i] else s
@@ -234,3 +262,22 @@ def test_one_shot_sums_and_norms_with_two_calls_in_flight(ws):
                 assert torch.equal(got[r][i][1], want[1]) and torch.equal(got[r][i][0], want[0]), (r, i)
             else:
                 assert torch.equal(got[r][i], want), (r, i)
+
+
+def test_one_shot_refuses_what_could_deadlock():
+    """A message over the slot, or a start while the call two before is still in flight: refused (the CUDA
+    all-reduce then declines the tensor on every rank alike)."""
+    from hwkv_cuda.ce_allreduce import CopyEngineOneShot
+
+    stop = threading.Event()
+    buf = torch.zeros(CopyEngineOneShot.buffer_bytes(2, 256), dtype=torch.uint8)
+    st = _Stream(stop)
+    ce = CopyEngineOneShot(0, 2, [buf.data_ptr(), buf.data_ptr()], buf, 256, _StreamTransport(stop, st, st))
+    assert not ce.fits(torch.zeros(129, dtype=torch.bfloat16)) and ce.fits(torch.zeros(128, dtype=torch.bfloat16))
+    ce.start(torch.zeros(8))
+    assert ce.can_start()  # one call in flight
+    ce.start(torch.zeros(8))
+    assert not ce.can_start()  # the call two before the next is still in flight
+    with pytest.raises(ValueError, match="in flight"):
+        ce.start(torch.zeros(8))
+    st.sync()  # the copies queued above ran (into buf) before it is freed
