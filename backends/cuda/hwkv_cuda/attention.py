@@ -256,7 +256,7 @@ class TritonAttentionImpl(AttentionImpl):
         return out
 
     def forward_into(self, out: torch.Tensor, query: torch.Tensor, layer_kv: torch.Tensor, metadata: Any) -> None:
-        from hwkv_cuda.kernels.attention import attention_kernel, reduce_kernel
+        from hwkv_cuda.kernels.attention import attention_kernel, decode_heads_kernel, reduce_kernel
 
         md = metadata if isinstance(metadata, CudaAttentionMetadata) else CudaMetadataBuilder().build(metadata)
         c = md.common
@@ -309,23 +309,41 @@ class TritonAttentionImpl(AttentionImpl):
         early = (one_tile if cfg.early < 0 else bool(cfg.early)) and cfg.block_q == 1 and md.one_token and not fp8 \
             and not prefetch and not keys_m
         head_major = bool(cfg.head_major) and grid_q <= 65535  # a grid's y and z sizes stop at 65,535
-        attention_kernel[(hkv, grid_q, splits) if head_major else (grid_q, hkv, splits)](
-            query, kv, out, part_acc, part_ml, counters,
-            c.query_start_loc, c.seq_lens, c.block_tables, scales,
-            c.num_reqs, min_seg, self.scale * LOG2E, scales.stride(0) if fp8 else 0,
-            query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-            kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), c.block_tables.stride(0),
-            G=group, HEAD_SIZE=d, D_PAD=d_pad, BS=bs,
-            BLOCK_M=max(8, g_pad) if keys_m else cfg.block_m, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n,
-            SPLIT=splits > 1, FUSED=fused, NUM_SPLITS_PAD=splits_pad, G_PAD=g_pad,
-            MERGE_ROWS=merge_rows, MERGE_SPLITS=merge_splits, IEEE=query.dtype == torch.float32, PDL=pdl,
-            KV_FP8=fp8, UNPACK=unpack, ONE_TOKEN=cfg.block_q == 1 and bool(cfg.direct) and md.one_token,
-            HEAD_MAJOR=head_major, PREFETCH=prefetch, EARLY=early, KEYS_M=keys_m,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
-            **({"launch_pdl": True} if pdl else {}),
-            **self._features(query.device),
-        )
+        features = self._features(query.device)
+        if cfg.all_heads and cfg.block_q == 1 and md.one_token and not features:
+            # every KV head of a request in one program (TileConfig.all_heads)
+            decode_heads_kernel[(c.num_reqs, splits)](
+                query, layer_kv, out, part_acc, part_ml, counters, c.seq_lens, c.block_tables, scales,
+                min_seg, self.scale * LOG2E, scales.stride(0) if fp8 else 0,
+                query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+                layer_kv.stride(0), layer_kv.stride(1), layer_kv.stride(2), layer_kv.stride(3),
+                c.block_tables.stride(0),
+                HKV=hkv, H_PAD=pow2(hkv), G=group, GN=max(8, g_pad), HEAD_SIZE=d, D_PAD=d_pad, BS=bs,
+                BLOCK_N=cfg.block_n, SPLIT=splits > 1, FUSED=fused, NUM_SPLITS_PAD=splits_pad, G_PAD=g_pad,
+                MERGE_ROWS=merge_rows, MERGE_SPLITS=merge_splits, IEEE=query.dtype == torch.float32, PDL=pdl,
+                KV_FP8=fp8, F16=fp8 and query.dtype == torch.bfloat16,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
+                **({"launch_pdl": True} if pdl else {}),
+            )
+        else:
+            attention_kernel[(hkv, grid_q, splits) if head_major else (grid_q, hkv, splits)](
+                query, kv, out, part_acc, part_ml, counters,
+                c.query_start_loc, c.seq_lens, c.block_tables, scales,
+                c.num_reqs, min_seg, self.scale * LOG2E, scales.stride(0) if fp8 else 0,
+                query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+                kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), c.block_tables.stride(0),
+                G=group, HEAD_SIZE=d, D_PAD=d_pad, BS=bs,
+                BLOCK_M=max(8, g_pad) if keys_m else cfg.block_m, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n,
+                SPLIT=splits > 1, FUSED=fused, NUM_SPLITS_PAD=splits_pad, G_PAD=g_pad,
+                MERGE_ROWS=merge_rows, MERGE_SPLITS=merge_splits, IEEE=query.dtype == torch.float32, PDL=pdl,
+                KV_FP8=fp8, UNPACK=unpack, ONE_TOKEN=cfg.block_q == 1 and bool(cfg.direct) and md.one_token,
+                HEAD_MAJOR=head_major, PREFETCH=prefetch, EARLY=early, KEYS_M=keys_m,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
+                **({"launch_pdl": True} if pdl else {}),
+                **features,
+            )
         if splits > 1 and not fused:
             reduce_kernel[(query.shape[0], self.num_heads)](
                 out, part_acc, part_ml, out.stride(0), out.stride(1), self.num_heads, splits,

@@ -62,6 +62,9 @@ class TileConfig:
     keys_m: int = 0  # a one-token tile (block_q 1) runs the keys in the MMA's M dimension, the heads in N
     # (S^T = K Q^T, O^T = V^T P^T: kernels/attention.py, KEYS_M): a GQA group pads to max(8, pow2(G)) columns of N,
     # not 16 rows of M (block_m is then unused), and K rows and fp8 V's transposed pages are the A operands as stored
+    all_heads: int = 0  # a pure decode (one query token per request, no window / soft-cap / sinks) runs every KV head
+    # of a request in one program (kernels/attention.py, decode_heads_kernel): a block's K rows are read whole, not
+    # in head_size-wide pieces by one program per KV head; num_warps and block_n are that kernel's
     maxnreg: int = 0  # registers per thread the attention launch may use (Triton's maxnreg; 0: the compiler's choice).
     # The fp8 long-split tile takes 138 (Nsight Compute, H200): 6 programs of 2 warps per SM, 18.75% occupancy;
     # capped at 128 / 112 / 96 it ran slower (450 vs 419 us, 32 x 32k,

@@ -18,7 +18,7 @@ import tempfile
 def main() -> None:
     os.environ.pop("TRITON_INTERPRET", None)
     import triton
-    from hwkv_cuda.kernels.attention import attention_kernel
+    from hwkv_cuda.kernels.attention import attention_kernel, decode_heads_kernel
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
@@ -69,7 +69,28 @@ def main() -> None:
                 attrs[(names.index(n),)] = [["tt.divisibility", 16]]
         else:
             sig[n] = "fp32"
-    k = compile(ASTSource(attention_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+    fn = attention_kernel
+    if cfg.get("all_heads"):  # decode_heads_kernel: every KV head of a request in one program
+        fn = decode_heads_kernel
+        names = fn.arg_names
+        consts = dict(HKV=hkv, H_PAD=hkv, G=g, GN=max(8, gp), HEAD_SIZE=d, D_PAD=d, BS=bs, BLOCK_N=cfg["block_n"],
+                      SPLIT=a.splits > 1, FUSED=a.splits > 1, NUM_SPLITS_PAD=sp, G_PAD=gp,
+                      MERGE_ROWS=cfg.get("merge_rows", 4), MERGE_SPLITS=cfg.get("merge_splits", sp), IEEE=False,
+                      PDL=True, KV_FP8=fp8, F16=fp8)
+        sig, attrs = {}, {}
+        for n in names:
+            if n in consts:
+                sig[n] = "constexpr"
+            elif n in ptrs:
+                sig[n] = ptrs[n]
+                attrs[(names.index(n),)] = [["tt.divisibility", 16]]
+            elif n in ints:
+                sig[n] = "i32"
+                if ints[n] % 16 == 0 and ints[n] and n not in ("min_seg", "stride_bt"):
+                    attrs[(names.index(n),)] = [["tt.divisibility", 16]]
+            else:
+                sig[n] = "fp32"
+    k = compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                 options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                              **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {})))
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")

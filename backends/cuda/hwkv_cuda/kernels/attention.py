@@ -577,3 +577,155 @@ def reduce_kernel(out_ptr, part_acc_ptr, part_ml_ptr, stride_ot, stride_oh, num_
     out = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
              mask=offs_d < HEAD_SIZE)
+
+
+@triton.jit
+def _heads_tile(acc, l_i, m_i, qt, scale_h, kv_ptr, bt_ptr, start, hi, stride_blk, stride_kv, stride_tok, stride_head,
+                offs_n, h3, d_mid, d_last, hd_ok, HKV: tl.constexpr, HEAD_SIZE: tl.constexpr, BS: tl.constexpr,
+                MASKED: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr):
+    """One key tile of :func:`decode_heads_kernel`: every KV head's keys ``[start, start + BLOCK_N)``, those from
+    ``hi`` on masked (``MASKED``; whole tiles load without a key mask, so V's runs of keys load as vectors)."""
+    BLOCK_N: tl.constexpr = offs_n.shape[0]
+    pos = start + offs_n
+    n_ok = pos < hi
+    if BLOCK_N % BS == 0:  # tiles start at multiples of BLOCK_N (whole tiles per split), so of BS
+        idx = start // BS + offs_n // BS
+        slot = offs_n % BS
+    else:
+        idx = pos // BS
+        slot = pos % BS
+    if MASKED:
+        blk = tl.load(bt_ptr + idx, mask=n_ok, other=0).to(tl.int64)
+    else:
+        blk = tl.load(bt_ptr + idx).to(tl.int64)
+    row = blk * stride_blk + slot * stride_tok  # [keys]: the token's K row (every head)
+    kmask = (h3 < HKV) & (d_last < HEAD_SIZE)
+    if MASKED:
+        kmask = kmask & n_ok[None, :, None]
+    k = tl.load(kv_ptr + row[None, :, None] + h3 * stride_head + d_last, mask=kmask, other=0.0)
+    k = k.to(qt.dtype)
+    if IEEE:
+        st = tl.dot(k, qt, input_precision="ieee")
+    else:
+        st = tl.dot(k, qt)
+    st = st * scale_h[:, None, None]
+    if MASKED:
+        st = tl.where(n_ok[None, :, None], st, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(st, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(st - m_safe[:, None, :])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    vmask = hd_ok
+    if MASKED:
+        vmask = vmask & n_ok[None, None, :]
+    if KV_FP8:  # V pages [H_kv, D, BS]: a block's V half is every head's [D, BS] page
+        vrow = blk * stride_blk + stride_kv + slot
+        if BLOCK_N % BS == 0 and BS % 16 == 0:  # keys in runs of BS consecutive bytes, aligned (as _tile)
+            vrow = tl.max_contiguous(tl.multiple_of(vrow, BS), BS)
+        vt = tl.load(kv_ptr + vrow[None, None, :] + h3 * (HEAD_SIZE * BS) + d_mid * BS, mask=vmask, other=0.0)
+    else:
+        vrow = blk * stride_blk + stride_kv + slot * stride_tok
+        vt = tl.load(kv_ptr + vrow[None, None, :] + h3 * stride_head + d_mid, mask=vmask, other=0.0)
+    vt = vt.to(qt.dtype)
+    if IEEE:
+        acc = acc * alpha[:, None, :] + tl.dot(vt, p.to(vt.dtype), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None, :] + tl.dot(vt, p.to(vt.dtype))
+    return acc, l_i, m_new
+
+
+@triton.jit(do_not_specialize=["min_seg"])
+def decode_heads_kernel(
+    q_ptr, kv_ptr, out_ptr, part_acc_ptr, part_ml_ptr, counter_ptr, seq_lens_ptr, block_tables_ptr, kv_scale_ptr,
+    min_seg, qk_scale, stride_scale, stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_blk, stride_kv, stride_tok, stride_head, stride_bt,
+    HKV: tl.constexpr, H_PAD: tl.constexpr, G: tl.constexpr, GN: tl.constexpr, HEAD_SIZE: tl.constexpr,
+    D_PAD: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr,
+    NUM_SPLITS_PAD: tl.constexpr, G_PAD: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_SPLITS: tl.constexpr,
+    IEEE: tl.constexpr, PDL: tl.constexpr = False, KV_FP8: tl.constexpr = False, F16: tl.constexpr = False,
+):
+    """A pure decode (one query token per request, no window / soft-cap / sinks) whose program owns one request's
+    split with **every KV head** (``TileConfig.all_heads``): a tile is ``[H_kv, keys, D]``, the K rows of all heads
+    of a token side by side as they are stored, so each block's K half (and an fp8 cache's whole V half) is read
+    at once by one program instead of in 64-byte pieces by H_kv programs at unrelated times. Per head the keys run
+    in the MMA's M dimension (as ``KEYS_M``): batched dots ``S^T = K Q^T`` ``[H_kv, keys, GN]`` and
+    ``O^T += V^T P^T`` ``[H_kv, D, GN]``, the G heads of a KV head padded to ``GN >= 8`` columns. Grid
+    ``(requests, splits)``; partials and the fused merge as :func:`attention_kernel`'s (the last split merges
+    every KV head's rows). ``F16``: a bf16 query runs fp16 dots (as ``UNPACK >= 3``)."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    seq = tl.program_id(0)
+    split = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    if SPLIT:
+        seg = (seq_len + tl.num_programs(1) - 1) // tl.num_programs(1)
+        seg = tl.maximum((seg + BLOCK_N - 1) // BLOCK_N * BLOCK_N, min_seg)
+    else:
+        seg = seq_len
+    lo_kv = split * seg
+    hi_kv = tl.minimum(lo_kv + seg, seq_len)
+
+    offs_h = tl.arange(0, H_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    offs_g = tl.arange(0, GN)
+    offs_n = tl.arange(0, BLOCK_N)
+    h3 = offs_h[:, None, None]
+    d_mid = offs_d[None, :, None]
+    g_last = offs_g[None, None, :]
+    hd_ok = (h3 < HKV) & (d_mid < HEAD_SIZE)
+    # the query transposed per KV head: [H_kv, D, GN], column g = query head h * G + g
+    q_idx = seq.to(tl.int64)
+    qt = tl.load(q_ptr + q_idx * stride_qt + (h3 * G + g_last) * stride_qh + d_mid, mask=hd_ok & (g_last < G),
+                 other=0.0)
+    h_ok = offs_h < HKV
+    scale_h = tl.full([H_PAD], 1.0, tl.float32) * qk_scale
+    v_scale = tl.full([H_PAD], 1.0, tl.float32)
+    if KV_FP8:
+        scale_h = scale_h * tl.load(kv_scale_ptr + offs_h, mask=h_ok, other=1.0)
+        v_scale = tl.load(kv_scale_ptr + stride_scale + offs_h, mask=h_ok, other=1.0)
+    if F16:  # the query 2^-8 times itself in fp16 (attention_kernel, UNPACK >= 3)
+        qt = (qt.to(tl.float32) * 0.00390625).to(tl.float16)
+        scale_h = scale_h * 256.0
+    bt_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    m_i = tl.full([H_PAD, GN], float("-inf"), tl.float32)
+    l_i = tl.zeros([H_PAD, GN], tl.float32)
+    acc = tl.zeros([H_PAD, D_PAD, GN], tl.float32)
+    d_last = offs_d[None, None, :]
+    n_whole = tl.maximum(hi_kv - lo_kv, 0) // BLOCK_N
+    for i in range(n_whole):  # whole tiles unmasked (V's runs of keys load as vectors), then one masked tail
+        acc, l_i, m_i = _heads_tile(acc, l_i, m_i, qt, scale_h, kv_ptr, bt_ptr, lo_kv + i * BLOCK_N, hi_kv,
+                                    stride_blk, stride_kv, stride_tok, stride_head, offs_n, h3, d_mid, d_last, hd_ok,
+                                    HKV, HEAD_SIZE, BS, False, IEEE, KV_FP8)
+    for start in range(lo_kv + n_whole * BLOCK_N, hi_kv, BLOCK_N):
+        acc, l_i, m_i = _heads_tile(acc, l_i, m_i, qt, scale_h, kv_ptr, bt_ptr, start, hi_kv, stride_blk, stride_kv,
+                                    stride_tok, stride_head, offs_n, h3, d_mid, d_last, hd_ok, HKV, HEAD_SIZE, BS,
+                                    True, IEEE, KV_FP8)
+    acc = acc * v_scale[:, None, None]
+    num_heads = HKV * G
+    head2 = offs_h[:, None] * G + offs_g[None, :]  # [H_kv, GN]
+    ok2 = h_ok[:, None] & (offs_g[None, :] < G)
+    head3 = h3 * G + g_last
+    ok3 = (h3 < HKV) & (g_last < G) & (d_mid < HEAD_SIZE)
+    if SPLIT:
+        prow2 = (q_idx * num_heads + head2) * NUM_SPLITS_PAD + split
+        prow3 = (q_idx * num_heads + head3) * NUM_SPLITS_PAD + split
+        tl.store(part_acc_ptr + prow3 * D_PAD + d_mid, acc, mask=(h3 < HKV) & (g_last < G))
+        tl.store(part_ml_ptr + prow2 * 2, m_i, mask=ok2)
+        tl.store(part_ml_ptr + prow2 * 2 + 1, l_i, mask=ok2)
+        if FUSED:  # as attention_kernel: one counter per request; the last split merges every KV head's rows
+            tl.debug_barrier()
+            cnt = counter_ptr + seq
+            arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+            if arrived == tl.num_programs(1) - 1:
+                tl.debug_barrier()
+                for kvh in range(HKV):
+                    _merge(out_ptr, part_acc_ptr, part_ml_ptr, seq, 1, 0, kvh, num_heads, tl.num_programs(1),
+                           stride_ot, stride_oh, G, G_PAD, HEAD_SIZE, D_PAD, 1, NUM_SPLITS_PAD, MERGE_ROWS,
+                           MERGE_SPLITS)
+                tl.store(cnt, 0)
+    else:
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_safe[:, None, :]
+        tl.store(out_ptr + q_idx * stride_ot + head3 * stride_oh + d_mid, out.to(out_ptr.dtype.element_ty), mask=ok3)
