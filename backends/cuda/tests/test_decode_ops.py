@@ -1,6 +1,8 @@
 """The fused decode ops (Triton GEMV with norm / SiLU prologues and residual / RoPE+KV epilogues)
 against their torch reference, op by op: interpreter mode on CPU, the real kernels on a GPU."""
 
+import os
+
 import pytest
 import torch
 
@@ -374,3 +376,20 @@ def test_stream_l2_prefetch_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     p = subprocess.run([sys.executable, "-c", STREAM_COMPILE], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0 and "compiled" in p.stdout, p.stderr[-3000:]
+
+
+# one-token tiles of tp=1's Llama-3.2-1B and Llama-3-8B shapes as of session 10: a tp=2 rank's tiles (other M1_TILES
+# keys) must leave them as they are (the per-rank A/Bs run on a rank's shapes alone)
+TP1_TILES = {
+    (3072, 2048): (4, 2048, 4, 1, 2, 0, 1, 0, 6, 0), (2048, 2048): (4, 2048, 4, 1, 2, 1, 1, 0, 4, 0),
+    (16384, 2048): (8, 2048, 8, 1, 0, 1, 1, 0, 4, 0), (2048, 8192): (4, 2048, 8, 3, 2, 0, 1, 0, 0, 0),
+    (128256, 2048): (4, 2048, 4, 1, 2, 1, 1, 0, 6, 0), (6144, 4096): (8, 2048, 8, 3, 0, 0, 1, 0, 0, 0),
+    (4096, 4096): (4, 1024, 4, 1, 1, 0, 1, 0, 0, 0), (28672, 4096): (8, 2048, 8, 3, 0, 0, 1, 0, 0, 0),
+    (4096, 14336): (8, 2048, 8, 3, 0, 0, 1, 0, 0, 0), (128256, 4096): (4, 2048, 8, 3, 0, 0, 1, 0, 0, 0),
+}
+
+
+def test_tp1_one_token_tiles_unchanged(monkeypatch):
+    for k in [k for k in os.environ if k.startswith("HWKV_CUDA_DENSE_CONFIG")]:
+        monkeypatch.delenv(k)
+    assert {nk: tuple(choose_config(1, *nk)) for nk in TP1_TILES} == TP1_TILES
