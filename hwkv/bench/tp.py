@@ -292,8 +292,8 @@ def run(a: argparse.Namespace) -> int:
             # a variant against the first run of its tp size (the same sums: the same tokens)
             **{f"identical_to_{q['label']}": sum(x == y for x, y in zip(q["tokens"], r["tokens"]))
                for q in [next(u for u in runs if u["tp"] == r["tp"])] if q is not r}} for r in runs[1:]}
-        if a.reference == "hf":
-            doc["margin_rule"] = margin_check(mdir, _prompts(4, 24, vocab, 3), runs)
+    if a.check_tokens and a.reference == "hf":  # a single run is scored too
+        doc["margin_rule"] = margin_check(mdir, _prompts(4, 24, vocab, 3), runs)
     print(json.dumps({k: v for k, v in doc.items() if k != "runs"}, indent=1), flush=True)
     if a.out:
         Path(a.out).write_text(json.dumps(doc, indent=1) + "\n")

@@ -143,7 +143,13 @@ def choose_config(max_query_len: int, group: int, head_size: int, dtype: torch.d
     head-major grid on top, another run (bench/results/issue36-s8-perf-b2-H200-2026-11-29-cbca144.md): 88.8 / 101.0 /
     119.7 -> 79.6 / 91.6 / 104.1 µs, 64 x 4096 keys 156.3 -> 137.7 (3.58-3.90 TB/s of K/V read, 86-94% of the copy
     bandwidth). The 1B offline workload in one engine, same run: 1.325 s (the 128-key four-warp tile) -> 1.290 (one
-    warp) -> 1.275 (one warp, head-major)."""
+    warp) -> 1.275 (one warp, head-major).
+
+    The same unsplit decode at head size 65-128 (Llama-3-8B's 128) runs **two** warps over its 64-key tiles. H200,
+    one layer, 128 requests x 600 keys (bench/results/issue34-s10-tpoff-b2-H200-2026-11-29-e0ca6ab.md): a tp=2
+    rank's heads (16/4) 72.4 -> 47.8 µs, tp=1's (32/8) 111.8 -> 84.3, 256 x 640 at the tp=2 rank's heads 116.9 ->
+    90.6 (one warp 55.0 / 105.5 / 103.0, eight 68.4 / 105.5 / 109.5, 32-key tiles with two warps 51.8 / 110.8 / 119.4);
+    the 8B offline workload at tp=1 in one engine, same run: 6,251 -> 6,410 output tok/s."""
     hpad = pow2(group)
     wide_kv = (kv_elem or dtype.itemsize) == 1 and dtype != torch.float32  # fp8 KV read by a 16-bit query
     narrow = head_size > 128 or dtype == torch.float32
@@ -168,6 +174,8 @@ def choose_config(max_query_len: int, group: int, head_size: int, dtype: torch.d
                    fp8_unpack=unpack)
         if full and not split and not wide_kv and not narrow and head_size <= 64:
             cfg.update(block_n=64, num_warps=1, head_major=1)  # a full grid of unsplit decodes (docstring)
+        elif full and not split and not wide_kv and not narrow:
+            cfg.update(num_warps=2)  # head 65-128, unsplit: two warps over the 64-key tiles (docstring)
         if wide_kv and split and head_size <= 64 and seg >= FP8_LONG_SPLIT:
             # fp8, a full grid of long splits (docstring): one warp per program, 64-key tiles, five stages (two
             # K/V buffers in flight behind the block-table load), 15 programs per SM's worth of splits (whole
