@@ -69,17 +69,18 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--keep", type=float, default=0.005, help="a candidate is kept when this much faster")
     ap.add_argument("--evict-rerun", type=int, default=3, help="each shape's fastest this many again evict-first")
-    ap.add_argument("--set", default="1b", choices=["1b", "8b-tp2"], help="the candidate set: Llama-3.2-1B's shapes, "
-                    "or a tp=2 rank's of Llama-3-8B (tp_b1_sweep.SWEEP; --model llama-8b-tp2-rank)")
+    ap.add_argument("--set", default="1b", choices=["1b", "8b-tp2", "8b-tp2-dense"], help="the candidate set: "
+                    "Llama-3.2-1B's shapes, or a tp=2 rank's of Llama-3-8B (tp_b1_sweep.SWEEP or SWEEP_DENSE; --model "
+                    "llama-8b-tp2-rank)")
     ap.add_argument("--shapes", default="")
     ap.add_argument("--rows", default="[]", help="JSON list of {name, env}: more final rows (batch-1 measure, tokens), "
                     "each over main's defaults")
     args = ap.parse_args()
     global SWEEP
-    if args.set == "8b-tp2":
-        from tp_b1_sweep import SWEEP as TP2
+    if args.set.startswith("8b-tp2"):
+        import tp_b1_sweep
 
-        SWEEP = TP2
+        SWEEP = tp_b1_sweep.SWEEP_DENSE if args.set.endswith("dense") else tp_b1_sweep.SWEEP
     args.shapes = args.shapes or ",".join(s[0] for s in SWEEP)
     t0 = time.perf_counter()
     out = Path(args.out)

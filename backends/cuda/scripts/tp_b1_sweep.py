@@ -57,6 +57,19 @@ SWEEP: list[tuple[str, str, list[str]]] = [
     ("lm_head", "64128X4096", [stream(4, 4, 2, 6, 1)]),
 ]
 
+# dense_kernel (one program a row block) around main's per-rank tiles: the next K tile loaded during the current one's
+# dot (preload=1: two tiles in flight a program), evict-first weights, wider row blocks; the persistent GEMV above lost
+# at every per-rank shape on one H200 (llama-8b-tp2-rank, +1.7 to +11 %: its whole-K input row takes 148-228
+# registers a thread, main's 8-row tiles 64-76)
+SWEEP_DENSE: list[tuple[str, str, list[str]]] = [
+    ("gate_up", "14336X4096", [dense(8, 2048, 8, 1, 1), dense(8, 2048, 8, 3, 0, 1), dense(16, 2048, 8, 3, 0)]),
+    ("down", "4096X7168", [dense(8, 2048, 8, 1, 1), dense(8, 2048, 8, 3, 0, 1), dense(16, 1024, 8, 3, 0),
+                           dense(4, 2048, 8, 3, 2)]),
+    ("qkv", "3072X4096", [dense(8, 2048, 8, 1, 1), dense(4, 4096, 8, 1, 1)]),
+    ("o_proj", "4096X2048", [dense(4, 2048, 4, 1, 1), dense(8, 2048, 8, 1, 1)]),
+    ("lm_head", "64128X4096", [dense(8, 2048, 8, 3, 0, 1)]),
+]
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
