@@ -48,9 +48,10 @@ class DenseConfig(NamedTuple):
     # first tile alone before the wait; num_stages > 1 asks Triton to pipeline the tile loop; split_k and maxnreg do
     # not apply
     l2pf: int = 0  # with stream, on sm_90+: 1 a bulk L2 prefetch of the first tile before the PDL wait (no registers
-    # held), 2 as well of the next tile at the top of every iteration, 3 of every tile of the program before the wait.
-    # A/B only: 1 and 2 slower on every 1B shape (H200, bench/results/issue36-s9-b1-b2b-H200-2026-11-29-a6d94db.md), as
-    # is a stream tile's K in chunks (block_k < K)
+    # held), 2 as well of the next tile at the top of every iteration. A/B only: slower on every 1B shape (H200,
+    # bench/results/issue36-s9-b1-b2b-H200-2026-11-29-a6d94db.md), as is a stream tile's K in chunks (block_k < K).
+    # (Every tile of a program toward L2 before the wait, for qkv / o_proj of a tp=2 rank of Llama-3-8B, lost too:
+    # +5.3 / +7.2 % a replay, bench/results/issue34-s10-tpb1-b2-H200-2026-11-29-e5d88f8.md; removed)
 
 
 # One token, per weight shape [N, K]: the fastest tile of the H200 sweep (dense_probe --model llama-8b-tp2,llama-8b
@@ -124,8 +125,8 @@ def choose_config(m: int, n: int, k: int) -> DenseConfig:
         raise ValueError(f"{CONFIG_ENV}: evict must be 0 or 1, got {cfg['evict']}")
     if not 0 <= cfg.get("maxnreg", 0) <= 255:
         raise ValueError(f"{CONFIG_ENV}: maxnreg must be 0 (no cap) to 255, got {cfg['maxnreg']}")
-    if cfg.get("l2pf", 0) not in (0, 1, 2, 3):
-        raise ValueError(f"{CONFIG_ENV}: l2pf must be 0, 1, 2 or 3, got {cfg['l2pf']}")
+    if cfg.get("l2pf", 0) not in (0, 1, 2):
+        raise ValueError(f"{CONFIG_ENV}: l2pf must be 0, 1 or 2, got {cfg['l2pf']}")
     if cfg.get("stream", 0) < 0:
         raise ValueError(f"{CONFIG_ENV}: stream must be >= 0 (programs per SM of the persistent GEMV), got "
                          f"{cfg['stream']}")

@@ -45,15 +45,13 @@ def dense(bn: int, bk: int, wp: int, st: int, pre: int, ev: int = 0) -> str:
 # persistent GEMV around the 1B winners of session 9 (qkv 4/4/2/6, o_proj 4/4/2/4 evict, gate_up 8/8/0/4 evict,
 # LM head 4/4/2/6 evict), whose shapes are of the same size as these
 SWEEP: list[tuple[str, str, list[str]]] = [
-    # l2pf=3: every tile of a program sent toward L2 before the PDL wait (qkv's 25 MB and o_proj's 17 MB fit L2), read
-    # while the all-reduce (qkv) or the attention (o_proj) before leaves HBM idle
-    ("qkv", "3072X4096", [stream(4, 4, 2, 6), stream(4, 8, 0, 2, l2pf=3), stream(8, 8, 2, 2)]),
+    ("qkv", "3072X4096", [stream(4, 4, 2, 6), stream(8, 8, 2, 2)]),
     # down (K 7168): main's 8-row K loop has 32 KB a SM in flight (one program a SM); whole-K tiles of 2-4 rows from
     # 2-4 light programs a SM hold 100+ KB
     ("down", "4096X7168", [stream(4, 8, 2, 2, 1, 8192), stream(2, 4, 2, 4, 1, 8192)]),
     # gate_up and qkv follow an all-reduce: weights loaded (or sent toward L2) before the PDL wait hide some of it
     ("gate_up", "14336X4096", [stream(8, 8, 0, 4, 1), stream(8, 8, 2, 2, 1), stream(8, 8, 0, 4, 1, l2pf=1)]),
-    ("o_proj", "4096X2048", [stream(4, 4, 2, 4, 1, 2048), stream(4, 4, 0, 2, 0, 2048, l2pf=3)]),
+    ("o_proj", "4096X2048", [stream(4, 4, 2, 4, 1, 2048)]),
     ("lm_head", "64128X4096", [stream(4, 4, 2, 6, 1)]),
 ]
 
@@ -87,6 +85,8 @@ def main() -> None:
     ap.add_argument("--final-s", type=float, default=30.0, help="seconds kept for the final rows")
     ap.add_argument("--keep", type=float, default=0.005)
     ap.add_argument("--sweep", default="", help="comma list of shapes to sweep greedily ('' none; 'all')")
+    ap.add_argument("--set", default="dense", choices=["dense", "stream"], help="the candidates: SWEEP_DENSE (main's "
+                    "dense_kernel tiles varied) or SWEEP (the persistent GEMV: lost at every per-rank shape, one GPU)")
     ap.add_argument("--rows", default="[]", help="JSON list of {name, env[, over_winners]}: rows over main's defaults "
                     "(over the sweep's winners with over_winners true)")
     ap.add_argument("--second-env", default="", help="JSON {VAR: VALUE}: then a second engine started with this "
@@ -116,7 +116,8 @@ def main() -> None:
     prompt = _prompts(1, 32, vocab, 1)
     checked = _prompts(args.check, 24, vocab, 3)
     extra = json.loads(args.rows)
-    keys = {ENV + k for _, k, _ in SWEEP} | {k for r in extra for k in r.get("env", {})}
+    cands = SWEEP_DENSE if args.set == "dense" else SWEEP
+    keys = {ENV + k for _, k, _ in cands} | {k for r in extra for k in r.get("env", {})}
 
     def apply(env: dict[str, str]) -> None:
         rc(0, 1, {k: env.get(k, "") for k in keys | set(env)})
@@ -200,7 +201,7 @@ def main() -> None:
 
     second = json.loads(args.second_env) if args.second_env else {}
     win: dict[str, str] = {}
-    todo = [s for s in SWEEP if args.sweep == "all" or s[0] in args.sweep.split(",")]
+    todo = [s for s in cands if args.sweep == "all" or s[0] in args.sweep.split(",")]
     cur = step_ms(win) if todo else 0.0
     res["main_step_ms"] = cur
     print(f"[tpsweep] main: {cur:.4f} ms a step", flush=True)

@@ -458,9 +458,7 @@ def dense_kernel_stream(  # named dense_kernel*: hwkv.bench.timeline labels the 
     one's dot (two tiles in registers); 2: only the first tile before the wait (its iteration peeled off the loop,
     one tile in registers); 0: every tile after the wait. ``L2PF`` (sm_90+, not interpreted): 1 the first tile's
     rows go toward L2 by a bulk prefetch before the wait (no registers held), 2 as well the next tile's at the top of
-    every iteration (the loop then reads from L2 what was prefetched an iteration earlier), 3 every tile of the program
-    before the wait (a weight that fits L2, read while the kernels before it - an all-reduce, attention - leave HBM
-    idle). ``STAGES`` > 1 asks
+    every iteration (the loop then reads from L2 what was prefetched an iteration earlier). ``STAGES`` > 1 asks
     Triton to software-pipeline the tile loop (``tl.range(num_stages=)``: async copies through shared memory, where
     the compiler does it for a loop without a dot - Triton 3.9 at sm_90 leaves it as is). ``CHUNKED`` (``BLOCK_K <
     K``, ``PRE`` 0): each tile's K in ``BLOCK_K`` chunks, the input chunk formed again for each (RMSNorm's mean square
@@ -476,10 +474,7 @@ def dense_kernel_stream(  # named dense_kernel*: hwkv.bench.timeline labels the 
     dt: tl.constexpr = x_ptr.dtype.element_ty
     if PRE > 0:
         wa_n, wb_n = _stream_tile(w_ptr, pid, j, offs_k, k_ok, N, K, EPILOGUE, HEAD, BLOCK_N, EVICT)
-    if L2PF == 3:  # every tile of this program toward L2 before the wait (a weight that fits L2 beside the rest)
-        for tp in range(pid, ntiles, nprog):
-            _prefetch_tile(w_ptr, tp, N, K, EPILOGUE, HEAD, BLOCK_N)
-    elif L2PF > 0:
+    if L2PF > 0:
         _prefetch_tile(w_ptr, pid, N, K, EPILOGUE, HEAD, BLOCK_N)
     pos = offs_m.to(tl.int64)
     slot = pos
