@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any, NamedTuple
 
@@ -25,6 +25,7 @@ from hwkv_cuda.elementwise import PDL_ENV as ELEMENTWISE_PDL_ENV
 from hwkv_cuda.launch import device_limits, use_pdl
 from hwkv_cuda.splitkv import SplitCounters, merge_tile, reduce_mode
 from hwkv_cuda.tiles import (
+    ALL_HEADS_FALLBACK,
     DECODE_OVERRIDE_ENV,
     FP8_OVERRIDE_ENV,
     MAX_SPLITS,
@@ -276,6 +277,10 @@ class TritonAttentionImpl(AttentionImpl):
         d_pad = max(16, pow2(d))
         fused = reduce_mode() == "fused"
         cfg, (grid_q, splits, min_seg) = md.launch(self.num_heads, hkv, d, query.dtype, fused, layer_kv.dtype)
+        features = self._features(query.device)
+        all_heads = bool(cfg.all_heads) and cfg.block_q == 1 and md.one_token and not features
+        if cfg.all_heads and not all_heads:  # a window, soft-cap or sinks: the tile the all-heads kernel replaces
+            cfg = replace(cfg, all_heads=0, **ALL_HEADS_FALLBACK)
         fused = fused and splits > 1
         splits_pad = pow2(splits)
         g_pad = pow2(group)
@@ -296,10 +301,9 @@ class TritonAttentionImpl(AttentionImpl):
         # fp8_unpack: 1 reads int16 words of two codes (even head sizes), 2 casts K rows and transposes them,
         # 3 is 1 with fp16 dots for a bf16 query, 4 / 6 are 0 / 2 cast to fp16 with fp16 dots (TileConfig)
         prefetch = bool(cfg.prefetch) and cfg.block_q == 1
-        keys_m = bool(cfg.keys_m) and cfg.block_q == 1 and not prefetch
-        words = cfg.fp8_unpack in (1, 3) and not (prefetch or keys_m)
+        words = cfg.fp8_unpack in (1, 3) and not prefetch
         unpack = cfg.fp8_unpack if fp8 and (not words or d % 2 == 0) else 0
-        if fp8 and (prefetch or keys_m):
+        if fp8 and prefetch:
             unpack = 7  # its fp16 dots (the query in fp16 once per program); the loop casts rows itself
         kv = layer_kv.view(torch.int16) if fp8 and words and unpack else layer_kv  # two codes per word
         if fp8 and (layer_kv.stride(3) != d or layer_kv.stride(2) != hkv * d):
@@ -307,11 +311,9 @@ class TritonAttentionImpl(AttentionImpl):
                              f"must be contiguous, got strides {layer_kv.stride()}")
         one_tile = splits > 1 and -(-max(c.max_seq_len, 1) // splits) <= cfg.block_n  # every split one tile
         early = (one_tile if cfg.early < 0 else bool(cfg.early)) and cfg.block_q == 1 and md.one_token and not fp8 \
-            and not prefetch and not keys_m
+            and not prefetch
         head_major = bool(cfg.head_major) and grid_q <= 65535  # a grid's y and z sizes stop at 65,535
-        features = self._features(query.device)
-        if cfg.all_heads and cfg.block_q == 1 and md.one_token and not features:
-            # every KV head of a request in one program (TileConfig.all_heads)
+        if all_heads:  # every KV head of a request in one program (TileConfig.all_heads)
             decode_heads_kernel[(c.num_reqs, splits)](
                 query, layer_kv, out, part_acc, part_ml, counters, c.seq_lens, c.block_tables, scales,
                 min_seg, self.scale * LOG2E, scales.stride(0) if fp8 else 0,
@@ -334,11 +336,11 @@ class TritonAttentionImpl(AttentionImpl):
                 query.stride(0), query.stride(1), out.stride(0), out.stride(1),
                 kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), c.block_tables.stride(0),
                 G=group, HEAD_SIZE=d, D_PAD=d_pad, BS=bs,
-                BLOCK_M=max(8, g_pad) if keys_m else cfg.block_m, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n,
+                BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n,
                 SPLIT=splits > 1, FUSED=fused, NUM_SPLITS_PAD=splits_pad, G_PAD=g_pad,
                 MERGE_ROWS=merge_rows, MERGE_SPLITS=merge_splits, IEEE=query.dtype == torch.float32, PDL=pdl,
                 KV_FP8=fp8, UNPACK=unpack, ONE_TOKEN=cfg.block_q == 1 and bool(cfg.direct) and md.one_token,
-                HEAD_MAJOR=head_major, PREFETCH=prefetch, EARLY=early, KEYS_M=keys_m,
+                HEAD_MAJOR=head_major, PREFETCH=prefetch, EARLY=early,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                 **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
                 **({"launch_pdl": True} if pdl else {}),

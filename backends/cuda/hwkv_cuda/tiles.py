@@ -18,6 +18,9 @@ FP8_LONG_SPLIT = 4096  # an fp8 split decode with splits this long takes the two
 OVERRIDE_ENV = "HWKV_CUDA_ATTN_CONFIG"
 FP8_OVERRIDE_ENV = "HWKV_CUDA_ATTN_CONFIG_FP8"  # applied on top for an fp8 (1-byte) cache
 DECODE_OVERRIDE_ENV = "HWKV_CUDA_ATTN_CONFIG_DECODE"  # applied on top for a decode step over a 16-bit cache
+# the fp8 long-split decode tile where the all-heads kernel does not apply (a window, soft-cap or sinks): one warp
+# per (request, KV head, split), 64 keys, five stages (choose_config's docstring, session 9)
+ALL_HEADS_FALLBACK = dict(block_n=64, num_warps=1, num_stages=5, maxnreg=0)
 
 
 def pow2(n: int) -> int:
@@ -59,12 +62,10 @@ class TileConfig:
     # (kernels/attention.py, EARLY). -1 (auto): where every split is one tile (a small batch up to ~8k keys); H200,
     # batch-1 decode of the 1B shape in the engine: replay 0.887 -> 0.839 ms, 1,085 -> 1,143 tok/s (same run,
     # bench/results/issue36-b1-s8-batch1-H200-2026-11-29-e80f843.md). 0 / 1: off / on wherever it applies
-    keys_m: int = 0  # a one-token tile (block_q 1) runs the keys in the MMA's M dimension, the heads in N
-    # (S^T = K Q^T, O^T = V^T P^T: kernels/attention.py, KEYS_M): a GQA group pads to max(8, pow2(G)) columns of N,
-    # not 16 rows of M (block_m is then unused), and K rows and fp8 V's transposed pages are the A operands as stored
     all_heads: int = 0  # a pure decode (one query token per request, no window / soft-cap / sinks) runs every KV head
     # of a request in one program (kernels/attention.py, decode_heads_kernel): a block's K rows are read whole, not
-    # in head_size-wide pieces by one program per KV head; num_warps and block_n are that kernel's
+    # in head_size-wide pieces by one program per KV head; num_warps, block_n and num_stages are that kernel's, and
+    # a layer it does not apply to runs these fields replaced by ALL_HEADS_FALLBACK
     maxnreg: int = 0  # registers per thread the attention launch may use (Triton's maxnreg; 0: the compiler's choice).
     # The fp8 long-split tile takes 138 (Nsight Compute, H200): 6 programs of 2 warps per SM, 18.75% occupancy;
     # capped at 128 / 112 / 96 it ran slower (450 vs 419 us, 32 x 32k,
@@ -126,6 +127,17 @@ def choose_config(max_query_len: int, group: int, head_size: int, dtype: torch.d
     issue36-s9-fp8-b2-H200-2026-11-29-26c4c8a.json): token-major V at the two-warp tile 420 / 418 µs, transposed V
     at the same tile 445 (batch 1), at one warp 410 (9 splits), **395** (8 splits), 400 (4 splits), two warps with
     6 splits 405; bf16 535.
+    Since session 10 a pure decode there (one query token per request, no window / soft-cap / sinks) runs
+    ``decode_heads_kernel`` (``all_heads=1``): one program per request and split reads every KV head, each block's K
+    half as whole token rows (the one-warp tile read it as 64-byte head rows, 512 bytes apart, by 8 programs at
+    unrelated times) and its V half as whole head pages; per head the keys run in the MMA's M dimension (the
+    4-head group padded to 8 columns, not 16 rows). Four warps, 32-key tiles, three stages, 8 splits. H200, one
+    layer at 32 x 32k, same run (bench/results/issue36-s10-fp8-b2-H200-2026-11-29-144b5b1.md): 397 -> **373** µs
+    (8 warps capped at 128 registers 376, five stages 377, 16 splits 387; bf16 532); the engine's decode step with it
+    7.05 ms against bf16's 9.49 (1.35x). Layers with a window, soft-cap or sinks keep the one-warp tile
+    (``ALL_HEADS_FALLBACK``). The keys-in-M one-warp tile alone (one program per KV head; 488 instead of 775
+    instructions a warp per 64 keys, twice the programs per SM) ran as fast as that tile (390-402 vs 391 µs, batch
+    1, bench/results/issue36-s10-fp8-b1-H200-2026-11-29-0d465d5.md) and was removed.
 
     A step of many tokens whose q blocks are mostly requests shorter than one block (``short``: decodes beside a
     prefill chunk, see ``CudaAttentionMetadata.mostly_short``) takes 64-row tiles instead of 128: a decode fills
@@ -181,6 +193,8 @@ def choose_config(max_query_len: int, group: int, head_size: int, dtype: torch.d
             # K/V buffers in flight behind the block-table load), 15 programs per SM's worth of splits (whole
             # waves at 8 programs per SM), the KV heads of a request side by side
             cfg.update(block_n=64, fp8_unpack=7, num_warps=1, num_stages=5, split_target=15, head_major=1)
+            # since session 10 a pure decode there runs every KV head of a request in one program (docstring)
+            cfg.update(all_heads=1, block_n=32, num_warps=4, num_stages=3)
     else:
         block_m = max(64 if narrow or short else 128, hpad)
         if narrow:

@@ -1,6 +1,6 @@
 """Compile the attention kernel's one-token decode for sm_90 on a machine without a GPU and print what its
 SASS costs: registers, spills, shared memory and the instruction mix (``python backends/cuda/scripts/
-attn_compile_probe.py --kv fp8 --set keys_m=1 --set block_n=32``). The launch mirrors
+attn_compile_probe.py --kv fp8 --set all_heads=1 --set num_warps=4 --set block_n=32``). The launch mirrors
 ``TritonAttentionImpl.forward_into`` for a split, fused decode (defaults: the 1B shape at 32 x 32k, 8 splits,
 the fp8 long-split tile); ints that are multiples of 16 get the divisibility hint the runtime gives them."""
 
@@ -32,19 +32,17 @@ def main() -> None:
     fp8 = a.kv == "fp8"
     g, d, hkv, bs = a.group, a.head_size, 8, 16
     h = g * hkv
-    cfg = dict(block_n=64, num_warps=1, num_stages=5, fp8_unpack=7 if fp8 else 0, keys_m=0, block_m=16,
-               head_major=1)
+    cfg = dict(block_n=64, num_warps=1, num_stages=5, fp8_unpack=7 if fp8 else 0, block_m=16, head_major=1)
     for kv in a.set:
         k, v = kv.split("=")
         cfg[k] = int(v)
-    keys_m = bool(cfg["keys_m"])
     gp = 1 << (g - 1).bit_length()
     sp = 1 << (a.splits - 1).bit_length()
-    consts = dict(G=g, HEAD_SIZE=d, D_PAD=d, BS=bs, BLOCK_M=max(8, gp) if keys_m else cfg["block_m"], BLOCK_Q=1,
+    consts = dict(G=g, HEAD_SIZE=d, D_PAD=d, BS=bs, BLOCK_M=cfg["block_m"], BLOCK_Q=1,
                   BLOCK_N=cfg["block_n"], SPLIT=a.splits > 1, FUSED=a.splits > 1, NUM_SPLITS_PAD=sp, G_PAD=gp,
                   MERGE_ROWS=cfg.get("merge_rows", 4), MERGE_SPLITS=cfg.get("merge_splits", sp), IEEE=False, PDL=True,
-                  KV_FP8=fp8, UNPACK=7 if fp8 and keys_m else (cfg["fp8_unpack"] if fp8 else 0), ONE_TOKEN=True,
-                  HEAD_MAJOR=bool(cfg["head_major"]), PREFETCH=False, EARLY=False, KEYS_M=keys_m, WINDOW=False,
+                  KV_FP8=fp8, UNPACK=cfg["fp8_unpack"] if fp8 else 0, ONE_TOKEN=True,
+                  HEAD_MAJOR=bool(cfg["head_major"]), PREFETCH=False, EARLY=False, WINDOW=False,
                   SOFTCAP=False, SINKS=False, sinks_ptr=None)
     kvt = "*fp8e4nv" if fp8 else "*bf16"
     ptrs = dict(q_ptr="*bf16", kv_ptr=kvt, out_ptr="*bf16", part_acc_ptr="*fp32", part_ml_ptr="*fp32",

@@ -60,15 +60,15 @@ def test_write_kv_stores_the_reference_bytes(hkv, d, bs):
 FP8_CASES = ["prefill_on_prefix_gqa4", "decode_mha_split", "mixed_gqa4_split"]
 READS = {"cast": "", "unpack": ",fp8_unpack=1", "rows": ",fp8_unpack=2", "unpack16": ",fp8_unpack=3",
          "cast16": ",fp8_unpack=4", "rows16": ",fp8_unpack=6", "vrows16": ",fp8_unpack=7",
-         "prefetch": ",prefetch=1", "keys_m": ",keys_m=1", "all_heads": ",all_heads=1,num_warps=8",
+         "prefetch": ",prefetch=1", "all_heads": ",all_heads=1,num_warps=8",
          "all_heads32": ",all_heads=1,num_warps=8,block_n=32"}
 
 
 @pytest.mark.parametrize("mode,read", [("fused", "cast"), ("kernel", "cast"), ("fused", "unpack"),
                                        ("kernel", "rows"), ("fused", "unpack16"), ("fused", "cast16"),
                                        ("kernel", "rows16"), ("fused", "vrows16"), ("kernel", "vrows16"),
-                                       ("fused", "prefetch"), ("kernel", "prefetch"), ("fused", "keys_m"),
-                                       ("kernel", "keys_m"), ("fused", "all_heads"), ("kernel", "all_heads32")])
+                                       ("fused", "prefetch"), ("kernel", "prefetch"), ("fused", "all_heads"),
+                                       ("kernel", "all_heads32")])
 @pytest.mark.parametrize("name", FP8_CASES)
 def test_attention_dequantises_like_the_reference(name, mode, read, monkeypatch):
     """Every way of reading the cache (``fp8_unpack``, an HWKV_CUDA_ATTN_CONFIG field): e4m3 tiles cast
@@ -101,7 +101,7 @@ def test_attention_dequantises_like_the_reference(name, mode, read, monkeypatch)
     assert (out1.double() - ref.double()).norm() / ref.double().norm() > 1e-2
 
 
-@pytest.mark.parametrize("read", ["cast", "unpack", "cast16", "rows16", "vrows16", "prefetch", "keys_m", "all_heads"])
+@pytest.mark.parametrize("read", ["cast", "unpack", "cast16", "rows16", "vrows16", "prefetch", "all_heads"])
 @pytest.mark.parametrize("split", [False, True], ids=["one_split", "split"])
 def test_half_decode_over_fp8_takes_double_key_tiles(split, read, monkeypatch):
     """A split 16-bit decode over an fp8 cache runs twice the keys per tile of a 16-bit cache (same bytes
@@ -124,8 +124,7 @@ def test_half_decode_over_fp8_takes_double_key_tiles(split, read, monkeypatch):
     assert (cfg.block_n, base.block_n) == ((64, 32) if split else (128, 64)) and (plan.splits > 1) == split
     assert cfg.fp8_unpack == (int(READS[read][-1]) if READS[read] and read in ("unpack", "cast16", "rows16",
                                                                                "vrows16") else 0)
-    assert cfg.prefetch == (read == "prefetch") and cfg.keys_m == (read == "keys_m")
-    assert cfg.all_heads == (read == "all_heads")
+    assert cfg.prefetch == (read == "prefetch") and cfg.all_heads == (read == "all_heads")
     impl = TritonAttentionBackend().make_impl(h, d, hkv, d**-0.5)
     impl.kv_scales = scales
     out = torch.full_like(q, float("nan"), dtype=half, device=DEV)

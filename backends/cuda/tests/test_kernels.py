@@ -49,14 +49,14 @@ def test_attention_matches_naive(name, mode, monkeypatch, variant=""):
 
 
 @pytest.mark.parametrize("variant", [",num_stages=1", ",num_stages=3", ",direct=0", ",head_major=1", ",early=1",
-                                     ",early=1,block_n=16", ",keys_m=1", ",keys_m=1,block_n=16",
-                                     ",all_heads=1,num_warps=8", ",all_heads=1,num_warps=4,block_n=16"])
+                                     ",early=1,block_n=16", ",all_heads=1,num_warps=8",
+                                     ",all_heads=1,num_warps=4,block_n=16"])
 @pytest.mark.parametrize("name", ["decode_mha_split", "mixed_gqa4_split", "decode_head64_block32"])
 def test_attention_variants_match_naive(name, variant, monkeypatch):
     """Pipelined or not (one-tile splits run with one stage), the first tile before the PDL wait or not (``early``;
-    16-key tiles: splits of several tiles), the keys in the MMA's M dimension or not (``keys_m``; 16-key tiles over
-    32-token blocks take each key's block from its position), every KV head of a request in one program or not
-    (``all_heads``; steps with prompts run the plain kernel): the same results."""
+    16-key tiles: splits of several tiles), every KV head of a request in one program or not (``all_heads``; 16-key
+    tiles over 32-token blocks take each key's block from its position; steps with prompts run the plain kernel):
+    the same results."""
     test_attention_matches_naive(name, "fused", monkeypatch, variant)
 
 
@@ -267,14 +267,13 @@ def test_window_softcap_sinks_match_naive(name, mode, monkeypatch):
     _check_features(name, mode, monkeypatch)
 
 
-@pytest.mark.parametrize("extra", [",prefetch=1", ",early=1", ",early=1,block_n=16", ",keys_m=1",
-                                   ",keys_m=1,block_n=16", ",all_heads=1"])
+@pytest.mark.parametrize("extra", [",prefetch=1", ",early=1", ",early=1,block_n=16", ",all_heads=1"])
 @pytest.mark.parametrize("name", ["window_decode_split", "sinks_decode_split", "softcap_decode_split"])
 def test_prefetched_decode_window_softcap_sinks(name, extra, monkeypatch):
     """The hand-prefetched decode loop (``prefetch=1``) loads the next tile's rows ahead, the early decode
-    (``early=1``) its first tile before the PDL wait, the keys-in-M tile (``keys_m=1``) starts a window's range
-    off the block grid: they must still read nothing before the window (the NaN keys) and apply the soft-cap and
-    the sinks."""
+    (``early=1``) its first tile before the PDL wait: they must still read nothing before the window (the NaN keys)
+    and apply the soft-cap and the sinks. ``all_heads=1`` does not apply to these layers: the one-warp tile runs
+    (``hwkv_cuda.tiles.ALL_HEADS_FALLBACK``)."""
     _check_features(name, "fused", monkeypatch, extra)
 
 

@@ -158,7 +158,9 @@ def test_short_splits_run_as_one_tile(monkeypatch):
     """Split decodes take 128-key tiles from 512 keys per split, 32-key ones below, one unpipelined
     128-key tile when every split is that short; head 256 and fp32 (shared memory) keep 32; unsplit
     decodes take 128 keys up to head 64, 64 above."""
-    from hwkv_cuda.tiles import FP8_LONG_SPLIT, SHORT_SPLIT, choose_config
+    from dataclasses import replace
+
+    from hwkv_cuda.tiles import ALL_HEADS_FALLBACK, FP8_LONG_SPLIT, SHORT_SPLIT, choose_config
 
     monkeypatch.delenv("HWKV_CUDA_ATTN_CONFIG", raising=False)
     bf16 = torch.bfloat16
@@ -188,11 +190,15 @@ def test_short_splits_run_as_one_tile(monkeypatch):
     assert choose_config(1, 4, 128, bf16, kv_elem=1).block_n == 128
     fp8 = choose_config(1, 4, 64, bf16, split=True, seg=512, kv_elem=1)
     assert (fp8.block_n, fp8.fp8_unpack) == (256, 6)
-    # splits of >= FP8_LONG_SPLIT keys at head <= 64 (32 x 32k): 1 warp, 64-key tiles, 5 stages, split_target 15
-    # (whole waves of 8 programs per SM), head-major; head 128 keeps its tile
+    # splits of >= FP8_LONG_SPLIT keys at head <= 64 (32 x 32k): every KV head of a request in one program
+    # (all_heads: 4 warps, 32-key tiles, 3 stages), split_target 15; where it does not apply (window, soft-cap,
+    # sinks) the one-warp tile of 64 keys and 5 stages (ALL_HEADS_FALLBACK); head 128 keeps its tile
     fp8 = choose_config(1, 4, 64, bf16, split=True, seg=FP8_LONG_SPLIT, kv_elem=1)
-    assert (fp8.block_n, fp8.fp8_unpack, fp8.num_warps, fp8.num_stages, fp8.split_target, fp8.head_major) == (
-        64, 7, 1, 5, 15, 1)
+    assert (fp8.all_heads, fp8.block_n, fp8.fp8_unpack, fp8.num_warps, fp8.num_stages, fp8.split_target,
+            fp8.head_major) == (1, 32, 7, 4, 3, 15, 1)
+    back = replace(fp8, all_heads=0, **ALL_HEADS_FALLBACK)
+    assert (back.block_n, back.num_warps, back.num_stages, back.fp8_unpack, back.maxnreg) == (64, 1, 5, 7, 0)
+    assert choose_config(1, 4, 128, bf16, split=True, seg=FP8_LONG_SPLIT, kv_elem=1).all_heads == 0
     assert choose_config(1, 4, 64, bf16, split=True, seg=FP8_LONG_SPLIT - 1, kv_elem=1).block_n == 256
     assert choose_config(1, 4, 64, bf16, split=True, seg=FP8_LONG_SPLIT).num_warps == 4  # a 16-bit cache
     fp8 = choose_config(1, 4, 128, bf16, split=True, seg=4096, kv_elem=1)

@@ -125,73 +125,6 @@ def _tile(acc, l_i, m_i, q, qk_scale, kv_ptr, bt_ptr, start, kv_end, q_pos, kvh_
 
 
 @triton.jit
-def _tile_t(acc, l_i, m_i, qt, qk_scale, kv_ptr, bt_ptr, start, hi, kvh_off, stride_blk, stride_tok, stride_kv,
-            offs_n, offs_d, d_mask, BS: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr,
-            WINDOW: tl.constexpr, cap2, SOFTCAP: tl.constexpr):
-    """One key tile of a one-token program with the keys in the MMA's M dimension (``KEYS_M``): the scores
-    transposed, ``S^T = K Q^T`` ``[keys, heads]``, and ``O^T += V^T P^T`` into ``acc`` ``[D, heads]``; ``qt`` is the
-    query ``[D, heads]``, the heads padded to the MMA's N (8) instead of its M (16). Every key below ``hi`` is visible
-    (a one-token program's range is its causal and window bound); past it (``MASKED``) they score -inf. K is read as
-    the cache's rows ``[keys, D]`` (the A operand as stored), V of an fp8 cache as its transposed pages ``[D, keys]``
-    (hwkv.interfaces.kv_quant: the A operand as stored too)."""
-    pos = start + offs_n
-    N: tl.constexpr = offs_n.shape[0]
-    if not WINDOW and N % BS == 0:  # tiles start at multiples of BLOCK_N (lo_kv: whole tiles per split), so of BS:
-        # each key's block and slot follow from its place in the tile (no signed division per key and tile)
-        idx = start // BS + offs_n // BS
-        slot = offs_n % BS
-    else:
-        idx = pos // BS
-        slot = pos % BS
-    if MASKED:
-        n_mask = pos < hi
-        blk = tl.load(bt_ptr + idx, mask=n_mask, other=0).to(tl.int64)
-        k = tl.load(kv_ptr + (blk * stride_blk + slot * stride_tok + kvh_off)[:, None] + offs_d[None, :],
-                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-    else:
-        blk = tl.load(bt_ptr + idx).to(tl.int64)
-        k = tl.load(kv_ptr + (blk * stride_blk + slot * stride_tok + kvh_off)[:, None] + offs_d[None, :],
-                    mask=d_mask[None, :], other=0.0)
-    k = k.to(qt.dtype)  # e4m3 is exact in fp16 / bf16 / fp32 (the K scale is folded into qk_scale)
-    if IEEE:
-        st = tl.dot(k, qt, input_precision="ieee")
-    else:
-        st = tl.dot(k, qt)
-    st = st * qk_scale
-    if SOFTCAP:
-        st = cap2 * (1.0 - 2.0 / (tl.math.exp2(st * (2.0 * 1.4426950408889634 / cap2)) + 1.0))
-    if MASKED:
-        st = tl.where(n_mask[:, None], st, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(st, 0))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(st - m_safe[None, :])
-    alpha = tl.math.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 0)
-    if KV_FP8:  # the key's byte at dim 0 of its head's [D, BS] V page; dim d is d * BS further
-        voff = blk * stride_blk + stride_kv + kvh_off * BS + slot
-        VC: tl.constexpr = (BS if N % BS == 0 else (N if BS % N == 0 else 16)) if BS % 16 == 0 and N % 16 == 0 else 1
-        if not WINDOW and VC > 1:  # whole tiles from lo_kv (as in _tile)
-            voff = tl.max_contiguous(tl.multiple_of(voff, VC), VC)
-        if MASKED:
-            vt = tl.load(kv_ptr + voff[None, :] + offs_d[:, None] * BS, mask=n_mask[None, :] & d_mask[:, None],
-                         other=0.0)
-        else:
-            vt = tl.load(kv_ptr + voff[None, :] + offs_d[:, None] * BS, mask=d_mask[:, None], other=0.0)
-    else:  # token-major V rows, read as [D, keys]
-        voff = blk * stride_blk + stride_kv + slot * stride_tok + kvh_off
-        if MASKED:
-            vt = tl.load(kv_ptr + voff[None, :] + offs_d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0)
-        else:
-            vt = tl.load(kv_ptr + voff[None, :] + offs_d[:, None], mask=d_mask[:, None], other=0.0)
-    vt = vt.to(qt.dtype)
-    if IEEE:
-        acc = acc * alpha[None, :] + tl.dot(vt, p.to(vt.dtype), input_precision="ieee")
-    else:
-        acc = acc * alpha[None, :] + tl.dot(vt, p.to(vt.dtype))
-    return acc, l_i, m_new
-
-
-@triton.jit
 def _vt_tile(kv8_ptr, voff, offs_d, d_mask, n_mask, BS: tl.constexpr, MASKED: tl.constexpr):
     """V's ``[keys, D]`` e4m3 tile from transposed pages: ``voff`` ``[keys]`` is each key's byte in its
     block's ``[H_kv, D, BS]`` V half at dim 0 (dim ``d`` is ``d * BS`` further). Loaded as ``[D, keys]``.
@@ -323,10 +256,9 @@ def attention_kernel(
     KV_FP8: tl.constexpr = False, window=0, cap2=1.0, sinks_ptr=None,
     WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False, SINKS: tl.constexpr = False,
     UNPACK: tl.constexpr = 0, ONE_TOKEN: tl.constexpr = False, HEAD_MAJOR: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False, EARLY: tl.constexpr = False, KEYS_M: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False, EARLY: tl.constexpr = False,
 ):
     tl.static_assert(not (EARLY and (KV_FP8 or PREFETCH or BLOCK_Q > 1)), "EARLY: one-token decodes of a 16-bit cache")
-    tl.static_assert(not (KEYS_M and (EARLY or PREFETCH or BLOCK_Q > 1)), "KEYS_M: one token per program")
     if PDL:  # launched early beside the previous kernel: wait for its writes before reading anything
         gdc_launch_dependents()  # the next kernel only preloads weights before its own wait
         if not EARLY:  # EARLY: the wait comes after the first K/V tile's loads (below)
@@ -428,23 +360,7 @@ def attention_kernel(
         m_i = tl.where(split == 0, sink, float("-inf"))
         l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    if KEYS_M:
-        # One query token per program (BLOCK_Q == 1; every key in [lo_kv, hi_kv) visible, as PREFETCH): the keys
-        # run in the MMA's M dimension and the G heads in N (tiles.TileConfig.keys_m), whole tiles unmasked, then
-        # one masked tail
-        qt = tl.trans(q)
-        acc_t = tl.zeros([D_PAD, BLOCK_M], tl.float32)
-        n_whole = tl.maximum(hi_kv - lo_kv, 0) // BLOCK_N
-        for i in range(n_whole):
-            acc_t, l_i, m_i = _tile_t(acc_t, l_i, m_i, qt, qk_scale, kv_ptr, bt_ptr, lo_kv + i * BLOCK_N, hi_kv,
-                                      kvh_off, stride_blk, stride_tok, stride_kv, offs_n, offs_d, d_mask, BS, False,
-                                      IEEE, KV_FP8, WINDOW, cap2, SOFTCAP)
-        for start in range(lo_kv + n_whole * BLOCK_N, hi_kv, BLOCK_N):
-            acc_t, l_i, m_i = _tile_t(acc_t, l_i, m_i, qt, qk_scale, kv_ptr, bt_ptr, start, hi_kv, kvh_off,
-                                      stride_blk, stride_tok, stride_kv, offs_n, offs_d, d_mask, BS, True, IEEE,
-                                      KV_FP8, WINDOW, cap2, SOFTCAP)
-        acc = tl.trans(acc_t)
-    elif EARLY:
+    if EARLY:
         # One query token per request (a pure decode; 16-bit cache): what this program reads before the PDL wait
         # does not depend on the kernels still running before it - query_start_loc, seq_lens and the block table
         # are the step's inputs, and the first tile's K/V rows were written by earlier steps, except the rows of
@@ -649,7 +565,7 @@ def decode_heads_kernel(
     split with **every KV head** (``TileConfig.all_heads``): a tile is ``[H_kv, keys, D]``, the K rows of all heads
     of a token side by side as they are stored, so each block's K half (and an fp8 cache's whole V half) is read
     at once by one program instead of in 64-byte pieces by H_kv programs at unrelated times. Per head the keys run
-    in the MMA's M dimension (as ``KEYS_M``): batched dots ``S^T = K Q^T`` ``[H_kv, keys, GN]`` and
+    in the MMA's M dimension: batched dots ``S^T = K Q^T`` ``[H_kv, keys, GN]`` and
     ``O^T += V^T P^T`` ``[H_kv, D, GN]``, the G heads of a KV head padded to ``GN >= 8`` columns. Grid
     ``(requests, splits)``; partials and the fused merge as :func:`attention_kernel`'s (the last split merges
     every KV head's rows). ``F16``: a bf16 query runs fp16 dots (as ``UNPACK >= 3``)."""
