@@ -29,6 +29,7 @@ def test_summarize_charges_overlap_once_and_counts_idle():
 def test_kinds_and_empty_window():
     assert kind_of("nvjet_tst_128x256_64x4_2x1_v_bz_coopB_TNT") == "gemm"
     assert kind_of("attention_kernel") == "attention"
+    assert kind_of("decode_heads_kernel") == "attention"  # the cuda backend's all-heads fp8 decode
     assert kind_of("Memcpy DtoD (Device -> Device)") == "memcpy"
     assert kind_of("triton_poi_fused_add_0") == "other"
     assert summarize([], steps=3) == {"steps": 3, "kernels": 0}

@@ -18,7 +18,7 @@ KINDS = (  # (kind, name fragments), first match wins; names lower-cased
     ("nccl", ("nccl",)),
     ("push_allreduce", ("push_all_reduce",)),
     ("gemm", ("dense_kernel", "gemm", "nvjet", "cutlass", "xmma", "matmul", "cublas", "splitk", "sm90_", "gemv")),
-    ("attention", ("attention_kernel", "reduce_kernel", "flash", "fmha", "attn")),
+    ("attention", ("attention_kernel", "decode_heads_kernel", "reduce_kernel", "flash", "fmha", "attn")),
     ("kv_write", ("write_kv", "reshape_and_cache")),
     ("memcpy", ("memcpy", "memset")),
 )
