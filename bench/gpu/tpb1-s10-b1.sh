@@ -2,8 +2,9 @@
 # #34 batch-1 decode at tp=2, session 10 batch 1 (tpb1; 180 s, 2 GPUs: the 8B checkpoint write ~30 s and a tp=2
 # engine start ~50 s leave ~90 s of sweep). While GPU 0 writes the checkpoint, GPU 1 probes the persistent GEMV at a
 # rank's Llama-3-8B shard (stream_probe.py, PDL chains of distinct weight copies). Then ONE tp=2 engine at the public
-# defaults: a greedy per-shape sweep of stream tiles (tp_b1_sweep.py: every variant recaptured on both ranks, batch-1
-# step time as hwkv bench tp), the low-latency push all-reduce (HWKV_PUSH_LL=1) over main and over the winners
+# defaults: a greedy per-shape sweep of dense_kernel tiles around main's (tp_b1_sweep.py --set dense, the default since
+# the stream tiles lost on one GPU: every variant recaptured on both ranks, batch-1 step time as hwkv bench tp), the
+# low-latency push all-reduce (HWKV_PUSH_LL=1) and logits gather (HWKV_PUSH_GATHER=1) over the winners
 # (HWKV_PUSH_LL=0 at the start: its buffer set up and self-tested, not taken until a row sets 1); then a second
 # tp=2 engine with the greedy argmax inside the decode graphs (HWKV_TP_GRAPH_SAMPLE=1): main and the winners, then
 # the sweep goes on there over the shapes the first engine had no time for.
