@@ -71,6 +71,12 @@ def test_fp8t_prefetch_and_row_sums_equal_the_reference(splits, read, monkeypatc
     test_fp8t_decode_equals_the_reference(splits, (8, 2, 64, 16), "fused", torch.float16, monkeypatch, "," + read)
 
 
+@pytest.mark.parametrize("bs", [1, 8])
+def test_fp8t_small_blocks_equal_the_reference(bs, monkeypatch):
+    """Blocks of fewer than 16 keys (V's codes no longer run 16 bytes at a time): still the reference."""
+    test_fp8t_decode_equals_the_reference("min_split=128", (8, 2, 64, bs), "fused", torch.float16, monkeypatch)
+
+
 def test_fp8t_takes_only_plain_fp8_decodes(monkeypatch):
     """Prefill steps, 16-bit caches, fp32 queries and windowed layers keep the unified kernel (and stay right)."""
     monkeypatch.setenv(fp8t.ENV, "1")
