@@ -1,11 +1,11 @@
-# usage (repository root, two GPUs): OUT=<dir> bash bench/gpu/fp8b-s10-b1.sh   (<= 150 s)
+# usage (repository root, two GPUs): OUT=<dir> bash bench/gpu/fp8b-s10-b1.sh   (<= 170 s)
 # fp8b (#36 FP8 KV decode, the transposed plain-Triton route) session 10 batch 1. First GPU run of
 # hwkv_cuda/kernels/attention_fp8t.py (HWKV_CUDA_FP8T=1): keys in the MMA's M dimension, K and V^T tiles cast from
 # e4m3 in registers for wgmma with A from registers (the CPU compile for sm_90 shows it: cp.async -> ld.shared in the
 # dot-operand layout -> cvt -> wgmma {A regs}, 154 registers at block_n 128).
 # (S) the sm_90 compile of the device's Triton (CPU only, beside the rest): wgmma with register A, registers.
 # (A, GPU 0) one layer of the 1B shape at 32 x 32k: bf16 and fp8 at their default tiles vs the fp8t kernel at
-#     13 tiles (keys per tile, stages, split targets, the hand prefetch, per-row sums, 8 warps).
+#     15 tiles (keys per tile, stages, split targets and counts, the hand prefetch, per-row sums, 8 warps).
 # (T, GPU 1) the fp8t kernel tests compiled; (B, GPU 1) the 8B shape (head 128), 32 x 32k, 4 tiles.
 # (C, GPU 0) only if a fp8t tile beat the unified fp8 tile in A: the engine's decode step, bf16 vs fp8 with
 #     HWKV_CUDA_FP8T=1 and that tile (python3 -m hwkv bench kv-dtype, the session-9 lead command).
@@ -26,8 +26,8 @@ say "T+B on GPU 1 in the background"
 G1=$!
 say "A: one layer, 1B shape, 32 x 32k (GPU 0)"
 V="default;split_target=2;split_target=8;split_target=16;num_stages=3;num_stages=7;block_n=64;block_n=64,num_stages=7"
-V="$V;block_n=256,num_stages=3;lacc=1;prefetch=1,num_stages=1;prefetch=1,lacc=1,num_stages=1;num_warps=8"
-CUDA_VISIBLE_DEVICES=0 timeout -k 2 75 python3 backends/cuda/scripts/fp8t_ab.py --batch 32 --context 32768 \
+V="$V;block_n=256,num_stages=3;lacc=1;prefetch=1,num_stages=1;prefetch=1,lacc=1,num_stages=1;num_warps=8;splits=4;splits=6"
+CUDA_VISIBLE_DEVICES=0 timeout -k 2 85 python3 backends/cuda/scripts/fp8t_ab.py --batch 32 --context 32768 \
   --heads 32/8 --head-size 64 --variants "$V" --out "$OUT/fp8t-1b-32x32k.json" 2>&1 | cut -c1-400
 echo "rc=${PIPESTATUS[0]}"
 BEST=$(python3 - "$OUT/fp8t-1b-32x32k.json" <<'PY'
@@ -43,7 +43,7 @@ say "best fp8t tile: $BEST"
 if [[ $BEST != NONE ]]; then
   [[ $BEST == default ]] && BEST=""
   say "C: engine decode step, HWKV_CUDA_FP8T=1 HWKV_CUDA_FP8T_CONFIG='$BEST' (GPU 0)"
-  CUDA_VISIBLE_DEVICES=0 HWKV_CUDA_FP8T=1 HWKV_CUDA_FP8T_CONFIG="$BEST" timeout -k 2 "$(( 145 - ($(date +%s) - t0) ))" \
+  CUDA_VISIBLE_DEVICES=0 HWKV_CUDA_FP8T=1 HWKV_CUDA_FP8T_CONFIG="$BEST" timeout -k 2 "$(( 165 - ($(date +%s) - t0) ))" \
     python3 -m hwkv bench kv-dtype --model llama-1b --backend cuda --decode-batch 32 --decode-context 32768 \
     --profile --workdir /dev/shm/hwkv-fp8b --out "$OUT/kv-dtype-fp8t.json" > "$OUT/kv-dtype-fp8t.log" 2>&1
   echo "kv-dtype rc=$?"; grep "kv-dtype\]" "$OUT/kv-dtype-fp8t.log" | tail -n 12
