@@ -7,7 +7,8 @@ a power-of-two head size of 16-128, no sliding window, soft-cap or sinks; every 
 (a multiple of 64: M of one wgmma per warpgroup), ``num_warps``, ``num_stages``, ``split_target`` programs per SM
 the splits aim at, ``splits`` (a fixed count; 0: from ``split_target``), ``min_split`` fewest keys per split,
 ``prefetch`` (the next tile's K/V loaded into registers by hand while this tile's dots run) and ``lacc`` (the softmax
-sum kept per key row, reduced once after the loop) - the kernel's ``PREFETCH`` and ``LACC``.
+sum kept per key row, reduced once after the loop) - the kernel's ``PREFETCH`` and ``LACC`` - and ``maxnreg`` (Triton's
+register cap per thread; 0: none).
 Splits follow :meth:`hwkv_cuda.attention.CudaAttentionMetadata.plan`'s rounding: whole tiles, no empty split for
 the longest request; the reduction is the unified kernel's (fused or a second launch, ``HWKV_CUDA_SPLIT_REDUCE``).
 """
@@ -25,7 +26,8 @@ from hwkv_cuda.tiles import MAX_SPLITS, pow2
 
 ENV = "HWKV_CUDA_FP8T"
 CONFIG_ENV = "HWKV_CUDA_FP8T_CONFIG"
-DEFAULTS = dict(block_n=128, num_warps=4, num_stages=5, split_target=4, splits=0, min_split=512, prefetch=0, lacc=0)
+DEFAULTS = dict(block_n=128, num_warps=4, num_stages=5, split_target=4, splits=0, min_split=512, prefetch=0, lacc=1,
+                maxnreg=0)
 LOG2E = 1.4426950408889634
 
 
@@ -95,6 +97,7 @@ def forward_fp8t(impl: Any, out: torch.Tensor, query: torch.Tensor, layer_kv: to
         NUM_SPLITS_PAD=splits_pad, G_PAD=g_pad, MERGE_ROWS=merge_rows, MERGE_SPLITS=merge_splits, PDL=pdl,
         PREFETCH=bool(cfg["prefetch"]), LACC=bool(cfg["lacc"]),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"launch_pdl": True} if pdl else {}),
+        **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {}),
     )
     if splits > 1 and not fused:
         reduce_kernel[(n, impl.num_heads)](
