@@ -3,12 +3,11 @@ issue #36 behind ``HWKV_CUDA_FP8T=1`` (off by default).
 
 It takes a step only where it applies: an fp8 cache, a pure decode (one query token per request), a 16-bit query,
 a power-of-two head size of 16-128, no sliding window, soft-cap or sinks; every other step keeps the unified kernel.
-``HWKV_CUDA_FP8T_CONFIG`` (``"block_n=128,num_stages=5"``, read per call) tunes it: ``block_n`` keys per tile
-(a multiple of 64: M of one wgmma per warpgroup), ``num_warps``, ``num_stages``, ``split_target`` programs per SM
-the splits aim at, ``splits`` (a fixed count; 0: from ``split_target``), ``min_split`` fewest keys per split,
-``prefetch`` (the next tile's K/V loaded into registers by hand while this tile's dots run) and ``lacc`` (the softmax
-sum kept per key row, reduced once after the loop) - the kernel's ``PREFETCH`` and ``LACC`` - and ``maxnreg`` (Triton's
-register cap per thread; 0: none).
+``HWKV_CUDA_FP8T_CONFIG`` (``"num_warps=4,block_n=128"``, read per call) tunes it: ``block_n`` keys per tile (a power
+of two >= 16; at 4 warps a multiple of 64, M of one wgmma per warpgroup), ``num_warps``, ``num_stages``,
+``split_target`` programs per SM the splits aim at, ``splits`` (a fixed count; 0: from ``split_target``),
+``min_split`` fewest keys per split, ``lacc`` (the softmax sum kept per key row, reduced once after the loop: the
+kernel's ``LACC``) and ``maxnreg`` (Triton's register cap per thread; 0: none).
 Splits follow :meth:`hwkv_cuda.attention.CudaAttentionMetadata.plan`'s rounding: whole tiles, no empty split for
 the longest request; the reduction is the unified kernel's (fused or a second launch, ``HWKV_CUDA_SPLIT_REDUCE``).
 """
@@ -26,8 +25,9 @@ from hwkv_cuda.tiles import MAX_SPLITS, pow2
 
 ENV = "HWKV_CUDA_FP8T"
 CONFIG_ENV = "HWKV_CUDA_FP8T_CONFIG"
-DEFAULTS = dict(block_n=128, num_warps=4, num_stages=5, split_target=4, splits=0, min_split=512, prefetch=0, lacc=1,
-                maxnreg=0)
+# one warp, 64 keys, 5 stages, split_target 15 (8 splits of the 256 (request, KV head) pairs at 32 x 32k): the fastest
+# of 28 tiles on an H200 (docs/fp8-kv-cache.md, session 10); the 4-warp wgmma tiles were 491-1000 us against 396 at 1B
+DEFAULTS = dict(block_n=64, num_warps=1, num_stages=5, split_target=15, splits=0, min_split=512, lacc=1, maxnreg=0)
 LOG2E = 1.4426950408889634
 
 
@@ -38,8 +38,8 @@ def enabled() -> bool:
 def config() -> dict[str, int]:
     cfg = dict(DEFAULTS)
     cfg.update(parse_overrides(CONFIG_ENV, DEFAULTS))
-    if cfg["block_n"] < 64 or cfg["block_n"] % 64 or cfg["block_n"] != pow2(cfg["block_n"]):
-        raise ValueError(f"{CONFIG_ENV}: block_n must be a power of two >= 64, got {cfg['block_n']}")
+    if cfg["block_n"] < 16 or cfg["block_n"] != pow2(cfg["block_n"]):
+        raise ValueError(f"{CONFIG_ENV}: block_n must be a power of two >= 16, got {cfg['block_n']}")
     return cfg
 
 
@@ -95,7 +95,7 @@ def forward_fp8t(impl: Any, out: torch.Tensor, query: torch.Tensor, layer_kv: to
         layer_kv.stride(0), layer_kv.stride(1), layer_kv.stride(2), layer_kv.stride(3), c.block_tables.stride(0),
         G=group, HEAD_SIZE=d, BS=bs, BLOCK_N=cfg["block_n"], N_PAD=16, SPLIT=splits > 1, FUSED=fused,
         NUM_SPLITS_PAD=splits_pad, G_PAD=g_pad, MERGE_ROWS=merge_rows, MERGE_SPLITS=merge_splits, PDL=pdl,
-        PREFETCH=bool(cfg["prefetch"]), LACC=bool(cfg["lacc"]),
+        LACC=bool(cfg["lacc"]),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"launch_pdl": True} if pdl else {}),
         **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {}),
     )

@@ -3,7 +3,7 @@ how its dots lowered: wgmma instructions and whether their A operand comes from 
 or a shared-memory descriptor, the shared-memory traffic in the TTGIR (local_alloc / local_load / convert_layout),
 and the registers and spills ptxas reports. Writes the TTGIR and PTX of each variant to OUT_DIR.
 
-    PYTHONPATH=.:backends/cuda python3 backends/cuda/scripts/fp8t_asm.py OUT_DIR [BN,WARPS,STAGES,PREFETCH,LACC ...]
+    PYTHONPATH=.:backends/cuda python3 backends/cuda/scripts/fp8t_asm.py OUT_DIR [BN,WARPS,STAGES,LACC ...]
 """
 import json
 import re
@@ -17,20 +17,20 @@ from triton.compiler import ASTSource, compile
 
 out_dir = Path(sys.argv[1])
 out_dir.mkdir(parents=True, exist_ok=True)
-variants = sys.argv[2:] or ["128,4,5,1,1", "128,4,5,0,0", "128,4,3,0,1", "64,4,5,1,1", "256,4,3,1,1", "128,8,3,1,1"]
+variants = sys.argv[2:] or ["64,1,5,1", "128,4,5,1", "128,4,5,0"]
 ptrs = dict(q_ptr="*bf16", kv_ptr="*fp8e4nv", out_ptr="*bf16", part_acc_ptr="*fp32", part_ml_ptr="*fp32",
             counter_ptr="*i32", seq_lens_ptr="*i32", block_tables_ptr="*i32", kv_scale_ptr="*fp32")
 ints = ("stride_scale", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_blk", "stride_kv", "stride_tok",
         "stride_head", "stride_bt")
 consts = ("G", "HEAD_SIZE", "BS", "BLOCK_N", "N_PAD", "SPLIT", "FUSED", "NUM_SPLITS_PAD", "G_PAD", "MERGE_ROWS",
-          "MERGE_SPLITS", "PDL", "PREFETCH", "LACC")
+          "MERGE_SPLITS", "PDL", "LACC")
 sig = {**ptrs, "qk_scale": "fp32", **{n: "i32" for n in ints}, **{n: "constexpr" for n in consts}}
 rows = []
 for v in variants:
-    bn, nw, ns, pf, la = (int(x) for x in v.split(","))
+    bn, nw, ns, la = (int(x) for x in v.split(","))
     vals = dict(G=4, HEAD_SIZE=64, BS=16, BLOCK_N=bn, N_PAD=16, SPLIT=True, FUSED=True, NUM_SPLITS_PAD=8, G_PAD=4,
                 MERGE_ROWS=4, MERGE_SPLITS=8, PDL=True,
-                PREFETCH=bool(pf), LACC=bool(la))
+                LACC=bool(la))
     # the 1B shape's strides (blocks of 16 x 8 heads x 64) as the engine passes them (i32; 16-divisible)
     # what the launch specialises on at the 1B shape: every pointer and every stride but the scales' (8) a multiple
     # of 16 (the JIT's tt.divisibility; without it the loads compile to byte loads)
@@ -39,7 +39,7 @@ for v in variants:
     c = compile(ASTSource(k.fp8t_decode_kernel, sig, vals, attrs), target=GPUTarget("cuda", 90, 32),
                 options=dict(num_warps=nw, num_stages=ns))
     ttgir, ptx = c.asm["ttgir"], c.asm["ptx"]
-    name = f"bn{bn}-w{nw}-s{ns}-p{pf}-l{la}"
+    name = f"bn{bn}-w{nw}-s{ns}-l{la}"
     (out_dir / f"{name}.ttgir").write_text(ttgir)
     (out_dir / f"{name}.ptx").write_text(ptx)
     wg = re.findall(r"wgmma\.mma_async[^\n]*", ptx)

@@ -63,11 +63,12 @@ def test_fp8t_decode_equals_the_reference(splits, shape, mode, qdtype, monkeypat
     assert (out1.double() - ref.double()).norm() / ref.double().norm() > 1e-2
 
 
-@pytest.mark.parametrize("read", ["prefetch=1", "lacc=1", "prefetch=1,lacc=1,block_n=64", "prefetch=1,block_n=256"])
+@pytest.mark.parametrize("read", ["lacc=0", "num_warps=4,block_n=128", "num_warps=4,block_n=64,lacc=0",
+                                  "num_warps=2,block_n=256"])
 @pytest.mark.parametrize("splits", ["splits=1", "min_split=128"])
-def test_fp8t_prefetch_and_row_sums_equal_the_reference(splits, read, monkeypatch):
-    """The hand-pipelined loop (``prefetch``: a split of 0, 1 and several whole tiles) and the per-key-row softmax
-    sums (``lacc``) read and sum the same as the plain loop."""
+def test_fp8t_tiles_equal_the_reference(splits, read, monkeypatch):
+    """The tiles beside the default (one warp, 64 keys): the 4-warp wgmma tiles, two warps over 256 keys, and the
+    softmax sum reduced per tile (``lacc=0``) read and sum the same."""
     test_fp8t_decode_equals_the_reference(splits, (8, 2, 64, 16), "fused", torch.float16, monkeypatch, "," + read)
 
 

@@ -9,8 +9,11 @@ its keys, and runs the attention transposed: the keys sit in the MMA's M dimensi
 * ``O^T = V^T . P^T``: A is the ``[D, BLOCK_N]`` tile straight from the transposed V pages (``[H_kv, D, block_size]``
   per block, hwkv.interfaces.kv_quant: already K-major for this product), cast to fp16 in registers; B is ``P^T``.
 
-On sm_90 a ``tl.dot`` whose A is a register tensor lowers to wgmma with A from registers, so the dequantised
-K and V never cross shared memory; a program is one warpgroup (4 warps, M = 64 keys per wgmma). The dots run in
+At 4 warps (one warpgroup) a ``tl.dot`` whose A is a register tensor lowers on sm_90 to wgmma with A from registers
+(cp.async -> ld.shared in the dot-operand layout -> cvt.rn.f16x2.e4m3x2 -> wgmma: the dequantised K and V never
+cross shared memory), but the softmax down M then reduces across the 4 warps every tile (shared memory and a
+barrier); measured slower than one warp (docs/fp8-kv-cache.md, session 10), where the dots are mma.sync and the
+softmax stays in the warp: the default (:mod:`hwkv_cuda.attention_fp8t`). The dots run in
 fp16: the query, scaled by 2^-8 into fp16 once per program (bf16 queries up to 2^24 fit), and the scale folded into
 ``qk_scale``; every e4m3 code is exact in fp16. Partials and the fused last-split merge are the unified kernel's
 (:mod:`hwkv_cuda.kernels.attention`), so the reduction is bit for bit the same code.
@@ -21,13 +24,6 @@ import triton.language as tl
 
 from hwkv_cuda.kernels.attention import _merge
 from hwkv_cuda.kernels.dense import gdc_launch_dependents, gdc_wait
-
-
-@triton.jit
-def _uniform(ok, shape: tl.constexpr):
-    """Scalar ``ok`` as a mask of ``shape``, uniform (the loads keep their vector widths; the interpreter takes no
-    broadcast scalar bool)."""
-    return (tl.zeros(shape, tl.int32) + ok.to(tl.int32)) != 0
 
 
 @triton.jit
@@ -89,14 +85,12 @@ def fp8t_decode_kernel(
     G: tl.constexpr, HEAD_SIZE: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, N_PAD: tl.constexpr,
     SPLIT: tl.constexpr, FUSED: tl.constexpr, NUM_SPLITS_PAD: tl.constexpr, G_PAD: tl.constexpr,
     MERGE_ROWS: tl.constexpr, MERGE_SPLITS: tl.constexpr, PDL: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False, LACC: tl.constexpr = False,
+    LACC: tl.constexpr = False,
 ):
     """Grid ``(H_kv, requests, splits)``: a request's KV heads side by side. Every request has one query token
     (token ``i`` is request ``i``), sees all of its ``seq_len`` keys, and split ``s`` covers
     ``[s * seg, (s + 1) * seg)`` with ``seg`` from its own length in whole ``BLOCK_N`` tiles (a graph captured at an
-    upper bound still spreads a short request over the splits). ``HEAD_SIZE`` is a power of two >= 16.
-    ``PREFETCH``: the whole tiles are software pipelined by hand - the next tile's K and V load into registers while
-    this tile's dots run, from block ids loaded a tile earlier still (Triton's pipeliner need not apply)."""
+    upper bound still spreads a short request over the splits). ``HEAD_SIZE`` is a power of two >= 16."""
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -135,35 +129,9 @@ def fp8t_decode_kernel(
     else:
         l_i = tl.zeros([N_PAD], tl.float32)
     acc = tl.zeros([HEAD_SIZE, N_PAD], tl.float32)
-    if PREFETCH:
-        # registers hold tile i's K/V and tile i + 1's block ids while tile i + 1's K/V and tile i + 2's ids load;
-        # loads past the split's whole tiles are off by a broadcast scalar mask (uniform: the vector widths stay)
-        pos = lo + offs_n
-        ok = n_full > 0
-        blk = tl.load(bt_ptr + pos // BS, mask=_uniform(ok, (BLOCK_N,)), other=0).to(tl.int64)
-        koff, voff = _offsets(blk, pos, k_base, v_base, stride_blk, stride_tok, BS)
-        k = tl.load(kv_ptr + koff[:, None] + offs_d[None, :], mask=_uniform(ok, (BLOCK_N, HEAD_SIZE)),
-                    other=0.0)
-        vt = tl.load(kv_ptr + voff[None, :] + offs_d[:, None] * BS, mask=_uniform(ok, (HEAD_SIZE, BLOCK_N)),
-                     other=0.0)
-        pos1 = pos + BLOCK_N
-        blk1 = tl.load(bt_ptr + pos1 // BS, mask=_uniform(n_full > 1, (BLOCK_N,)), other=0).to(tl.int64)
-        for i in range(n_full):
-            ok1 = i + 1 < n_full
-            koff, voff = _offsets(blk1, pos1, k_base, v_base, stride_blk, stride_tok, BS)
-            k1 = tl.load(kv_ptr + koff[:, None] + offs_d[None, :], mask=_uniform(ok1, (BLOCK_N, HEAD_SIZE)),
-                         other=0.0)
-            vt1 = tl.load(kv_ptr + voff[None, :] + offs_d[:, None] * BS,
-                          mask=_uniform(ok1, (HEAD_SIZE, BLOCK_N)), other=0.0)
-            pos1 = pos1 + BLOCK_N
-            blk1 = tl.load(bt_ptr + pos1 // BS, mask=_uniform(i + 2 < n_full, (BLOCK_N,)), other=0).to(tl.int64)
-            acc, l_i, m_i = _math_t(acc, l_i, m_i, qt, qk_scale, k, vt, offs_n, False, LACC)
-            k = k1
-            vt = vt1
-    else:
-        for i in range(n_full):
-            acc, l_i, m_i = _tile_t(acc, l_i, m_i, qt, qk_scale, kv_ptr, bt_ptr, lo + i * BLOCK_N, hi, k_base,
-                                    v_base, stride_blk, stride_tok, offs_n, offs_d, BS, False, LACC)
+    for i in range(n_full):
+        acc, l_i, m_i = _tile_t(acc, l_i, m_i, qt, qk_scale, kv_ptr, bt_ptr, lo + i * BLOCK_N, hi, k_base,
+                                v_base, stride_blk, stride_tok, offs_n, offs_d, BS, False, LACC)
     for start in range(lo + n_full * BLOCK_N, hi, BLOCK_N):  # the request's last, partial tile
         acc, l_i, m_i = _tile_t(acc, l_i, m_i, qt, qk_scale, kv_ptr, bt_ptr, start, hi, k_base, v_base,
                                 stride_blk, stride_tok, offs_n, offs_d, BS, True, LACC)
