@@ -72,6 +72,11 @@ def test_fp8t_tiles_equal_the_reference(splits, read, monkeypatch):
     test_fp8t_decode_equals_the_reference(splits, (8, 2, 64, 16), "fused", torch.float16, monkeypatch, "," + read)
 
 
+def test_fp8t_head128_equals_the_reference(monkeypatch):
+    """Head 128 (the 8B shape's), both query dtypes' fp16 dots, split."""
+    test_fp8t_decode_equals_the_reference("min_split=128", (8, 2, 128, 16), "fused", torch.float16, monkeypatch)
+
+
 @pytest.mark.parametrize("bs", [1, 8])
 def test_fp8t_small_blocks_equal_the_reference(bs, monkeypatch):
     """Blocks of fewer than 16 keys (V's codes no longer run 16 bytes at a time): still the reference."""
