@@ -131,13 +131,16 @@ def choose_config(max_query_len: int, group: int, head_size: int, dtype: torch.d
     ``decode_heads_kernel`` (``all_heads=1``): one program per request and split reads every KV head, each block's K
     half as whole token rows (the one-warp tile read it as 64-byte head rows, 512 bytes apart, by 8 programs at
     unrelated times) and its V half as whole head pages; per head the keys run in the MMA's M dimension (the
-    4-head group padded to 8 columns, not 16 rows). Four warps, 32-key tiles, three stages, 8 splits. H200, one
-    layer at 32 x 32k, same run (bench/results/issue36-s10-fp8-b2-H200-2026-11-29-144b5b1.md): 397 -> **373** µs
-    (8 warps capped at 128 registers 376, five stages 377, 16 splits 387; bf16 532); the engine's decode step with it
-    7.05 ms against bf16's 9.49 (1.35x). Layers with a window, soft-cap or sinks keep the one-warp tile
-    (``ALL_HEADS_FALLBACK``). The keys-in-M one-warp tile alone (one program per KV head; 488 instead of 775
-    instructions a warp per 64 keys, twice the programs per SM) ran as fast as that tile (390-402 vs 391 µs, batch
-    1, bench/results/issue36-s10-fp8-b1-H200-2026-11-29-0d465d5.md) and was removed.
+    4-head group padded to 8 columns, not 16 rows). Four warps, 32-key tiles, five stages, 8 splits. H200, one
+    layer at 32 x 32k, same run (bench/results/issue36-s10-fp8-b2-H200-2026-11-29-144b5b1.md): 397 -> 373 µs at three
+    stages (8 warps capped at 128 registers 376, five stages 377, 16 splits 387; bf16 532); the engine's decode step
+    with it 7.05 ms against bf16's 9.49 (1.35x). Batch 3, same run (bench/results/issue36-s10-fp8-b3-H200-2026-11-29-
+    f8638ba.md): three stages 376 / 375, **five 370**, the one-warp tile 398, 6 / 12 splits 467 / 521; bf16 539. At
+    head 128 (the 8B shape) it lost (8 warps 919-928 µs against that shape's fp8 tile, 890): head 128 keeps its tile.
+    Layers with a window, soft-cap or sinks keep the one-warp tile (``ALL_HEADS_FALLBACK``). The keys-in-M one-warp
+    tile alone (one program per KV head; 488 instead of 775 instructions a warp per 64 keys, twice the programs per
+    SM) ran as fast as that tile (390-402 vs 391 µs, batch 1, bench/results/issue36-s10-fp8-b1-H200-2026-11-29-
+    0d465d5.md) and was removed.
 
     A step of many tokens whose q blocks are mostly requests shorter than one block (``short``: decodes beside a
     prefill chunk, see ``CudaAttentionMetadata.mostly_short``) takes 64-row tiles instead of 128: a decode fills
@@ -194,7 +197,7 @@ def choose_config(max_query_len: int, group: int, head_size: int, dtype: torch.d
             # waves at 8 programs per SM), the KV heads of a request side by side
             cfg.update(block_n=64, fp8_unpack=7, num_warps=1, num_stages=5, split_target=15, head_major=1)
             # since session 10 a pure decode there runs every KV head of a request in one program (docstring)
-            cfg.update(all_heads=1, block_n=32, num_warps=4, num_stages=3)
+            cfg.update(all_heads=1, block_n=32, num_warps=4, num_stages=5)
     else:
         block_m = max(64 if narrow or short else 128, hpad)
         if narrow:

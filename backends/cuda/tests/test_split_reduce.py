@@ -191,11 +191,11 @@ def test_short_splits_run_as_one_tile(monkeypatch):
     fp8 = choose_config(1, 4, 64, bf16, split=True, seg=512, kv_elem=1)
     assert (fp8.block_n, fp8.fp8_unpack) == (256, 6)
     # splits of >= FP8_LONG_SPLIT keys at head <= 64 (32 x 32k): every KV head of a request in one program
-    # (all_heads: 4 warps, 32-key tiles, 3 stages), split_target 15; where it does not apply (window, soft-cap,
+    # (all_heads: 4 warps, 32-key tiles, 5 stages), split_target 15; where it does not apply (window, soft-cap,
     # sinks) the one-warp tile of 64 keys and 5 stages (ALL_HEADS_FALLBACK); head 128 keeps its tile
     fp8 = choose_config(1, 4, 64, bf16, split=True, seg=FP8_LONG_SPLIT, kv_elem=1)
     assert (fp8.all_heads, fp8.block_n, fp8.fp8_unpack, fp8.num_warps, fp8.num_stages, fp8.split_target,
-            fp8.head_major) == (1, 32, 7, 4, 3, 15, 1)
+            fp8.head_major) == (1, 32, 7, 4, 5, 15, 1)
     back = replace(fp8, all_heads=0, **ALL_HEADS_FALLBACK)
     assert (back.block_n, back.num_warps, back.num_stages, back.fp8_unpack, back.maxnreg) == (64, 1, 5, 7, 0)
     assert choose_config(1, 4, 128, bf16, split=True, seg=FP8_LONG_SPLIT, kv_elem=1).all_heads == 0
