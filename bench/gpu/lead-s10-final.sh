@@ -1,9 +1,9 @@
 # usage (one GPU, repository root): OUT=<dir> bash bench/gpu/lead-s10-final.sh   (<= 480 s)
 # lead (#36) session 10, the final figures over main, public defaults (no engine argument anywhere):
 #   1. python3 -m hwkv bench kv-dtype --model llama-1b --backend cuda --decode-batch 32 --decode-context 32768 --moved-bytes --profile
-#   2. (RUN_1B=1) python3 -m hwkv bench defaults --model llama-1b            (offline 256 x 512/256 + batch-1 decode)
-#   3. (RUN_8B=1) python3 -m hwkv bench defaults --model llama-8b --num-requests 128 --input-len 512 --output-len 128 --b1-tokens 0
-#   4. (RUN_CERT=1) bash bench/gpu/certify-1gpu.sh   (= hwkv conformance --backend cuda --certify, one GPU)
+#   2. (RUN_CERT=1) bash bench/gpu/certify-1gpu.sh   (= hwkv conformance --backend cuda --certify, one GPU)
+#   3. (RUN_1B=1) python3 -m hwkv bench defaults --model llama-1b            (offline 256 x 512/256 + batch-1 decode)
+#   4. (RUN_8B=1) python3 -m hwkv bench defaults --model llama-8b --num-requests 128 --input-len 512 --output-len 128 --b1-tokens 0
 set -u
 source bench/gpu/lib.sh; gpu_env; gpu_header
 t0=$(date +%s); say() { echo "[lead] $(date -u +%T) +$(( $(date +%s) - t0 ))s $*"; }
@@ -14,6 +14,10 @@ run() { local limit=$1 name=$2; shift 2; say "($limit s) $*"
 run 110 kv-dtype python3 -m hwkv bench kv-dtype --model llama-1b --backend cuda --decode-batch 32 \
   --decode-context 32768 --moved-bytes --profile --workdir /dev/shm/hwkv-fp8
 rm -rf /dev/shm/hwkv-fp8
+if [[ ${RUN_CERT:-0} == 1 ]]; then
+  say "certify (one GPU)"
+  HWKV_CONFORMANCE_WORKDIR=/tmp/certwork CERTIFY_TIMEOUT=${CERT_S:-230} bash bench/gpu/certify-1gpu.sh
+fi
 if [[ ${RUN_1B:-0} == 1 ]]; then
   run 90 defaults-llama-1b python3 -m hwkv bench defaults --model llama-1b --workdir /dev/shm/hwkv-def
 fi
@@ -22,9 +26,5 @@ if [[ ${RUN_8B:-0} == 1 ]]; then
   run 130 defaults-llama-8b python3 -m hwkv bench defaults --model llama-8b --workdir "$W" --num-requests 128 \
     --input-len 512 --output-len 128 --b1-tokens 0
   rm -rf "$W"
-fi
-if [[ ${RUN_CERT:-0} == 1 ]]; then
-  say "certify (one GPU)"
-  HWKV_CONFORMANCE_WORKDIR=/tmp/certwork CERTIFY_TIMEOUT=${CERT_S:-230} bash bench/gpu/certify-1gpu.sh
 fi
 say done
