@@ -131,6 +131,37 @@ def _ll_wait(ptr, tag, err_ptr):
 
 
 @triton.jit
+def _ll_push(x, pid, peers_ptr, epochs_ptr, RANK: tl.constexpr, WS: tl.constexpr, SLOT_W: tl.constexpr,
+             BLOCK: tl.constexpr):
+    """Program ``pid``'s ``BLOCK`` 16-bit elements ``x`` as low-latency words (two elements and the call's epoch in
+    8 bytes, so a word is its own flag) into this rank's slot of every peer, in this call's parity of slots.
+    Returns ``(epoch, tag, words)``: the call's epoch (the program stores it when done), the tag a word of this call
+    carries, and the program's word offsets inside a slot pair."""
+    HALF: tl.constexpr = BLOCK // 2
+    epoch = tl.load(epochs_ptr + pid) + 1
+    tag = epoch & 0xFFFFFFFF
+    words = (epoch % 2) * (WS * SLOT_W) + pid * HALF + tl.arange(0, HALF)
+    bits = (x.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF).to(tl.int64)
+    lo, hi = tl.split(tl.reshape(bits, [HALF, 2]))
+    word = lo | (hi << 16) | (tag << 32)
+    for r in tl.static_range(WS):
+        if r != RANK:
+            peer = tl.load(peers_ptr + r).to(tl.pointer_type(tl.int64))
+            tl.store(peer + RANK * SLOT_W + words, word)
+    return epoch, tag, words
+
+
+@triton.jit
+def _ll_read(slot_ptr, words, tag, err_ptr, x, BLOCK: tl.constexpr):
+    """A peer's ``BLOCK`` elements of this call (``x``'s dtype) from its slot ``slot_ptr`` of this rank's buffer,
+    once every word carries ``tag`` (:func:`_ll_wait`)."""
+    v = _ll_wait(slot_ptr + words, tag, err_ptr)
+    a = (v & 0xFFFF).to(tl.int16).to(x.dtype, bitcast=True)
+    b = ((v >> 16) & 0xFFFF).to(tl.int16).to(x.dtype, bitcast=True)
+    return tl.reshape(tl.join(a, b), [BLOCK])
+
+
+@triton.jit
 def push_ll_kernel(x_ptr, res_ptr, out_ptr, buf_ptr, peers_ptr, epochs_ptr, err_ptr, n, RANK: tl.constexpr,
                    WS: tl.constexpr, SLOT_W: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr,
                    PDL: tl.constexpr = False):
@@ -145,29 +176,16 @@ def push_ll_kernel(x_ptr, res_ptr, out_ptr, buf_ptr, peers_ptr, epochs_ptr, err_
         gdc_launch_dependents()
         gdc_wait()
     pid = tl.program_id(0)
-    HALF: tl.constexpr = BLOCK // 2
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    epoch = tl.load(epochs_ptr + pid) + 1
-    tag = epoch & 0xFFFFFFFF
-    words = (epoch % 2) * (WS * SLOT_W) + pid * HALF + tl.arange(0, HALF)
-    bits = (x.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF).to(tl.int64)
-    lo, hi = tl.split(tl.reshape(bits, [HALF, 2]))
-    word = lo | (hi << 16) | (tag << 32)
-    for r in tl.static_range(WS):
-        if r != RANK:
-            peer = tl.load(peers_ptr + r).to(tl.pointer_type(tl.int64))
-            tl.store(peer + RANK * SLOT_W + words, word)
+    epoch, tag, words = _ll_push(x, pid, peers_ptr, epochs_ptr, RANK, WS, SLOT_W, BLOCK)
     acc = tl.zeros([BLOCK], tl.float32)
     for r in tl.static_range(WS):
         if r == RANK:
             acc += x.to(tl.float32)
         else:
-            v = _ll_wait(buf_ptr + r * SLOT_W + words, tag, err_ptr)
-            a = (v & 0xFFFF).to(tl.int16).to(x.dtype, bitcast=True)
-            b = ((v >> 16) & 0xFFFF).to(tl.int16).to(x.dtype, bitcast=True)
-            acc += tl.reshape(tl.join(a, b), [BLOCK]).to(tl.float32)
+            acc += _ll_read(buf_ptr + r * SLOT_W, words, tag, err_ptr, x, BLOCK).to(tl.float32)
     tl.store(epochs_ptr + pid, epoch)
     y = acc.to(out_ptr.dtype.element_ty)
     if HAS_RES:  # the sum rounded first, then the add (as all_reduce then h + out)
@@ -256,28 +274,15 @@ def push_ll_gather_kernel(x_ptr, out_ptr, buf_ptr, peers_ptr, epochs_ptr, err_pt
         gdc_launch_dependents()
         gdc_wait()
     pid = tl.program_id(0)
-    HALF: tl.constexpr = BLOCK // 2
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    epoch = tl.load(epochs_ptr + pid) + 1
-    tag = epoch & 0xFFFFFFFF
-    words = (epoch % 2) * (WS * SLOT_W) + pid * HALF + tl.arange(0, HALF)
-    bits = (x.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF).to(tl.int64)
-    lo, hi = tl.split(tl.reshape(bits, [HALF, 2]))
-    word = lo | (hi << 16) | (tag << 32)
-    for r in tl.static_range(WS):
-        if r != RANK:
-            peer = tl.load(peers_ptr + r).to(tl.pointer_type(tl.int64))
-            tl.store(peer + RANK * SLOT_W + words, word)
+    epoch, tag, words = _ll_push(x, pid, peers_ptr, epochs_ptr, RANK, WS, SLOT_W, BLOCK)
     row = offs // S
     col = offs % S
     dst = out_ptr + row.to(tl.int64) * (WS * S) + col
     tl.store(dst + RANK * S, x, mask=mask)
     for r in tl.static_range(WS):
         if r != RANK:
-            v = _ll_wait(buf_ptr + r * SLOT_W + words, tag, err_ptr)
-            a = (v & 0xFFFF).to(tl.int16).to(x.dtype, bitcast=True)
-            b = ((v >> 16) & 0xFFFF).to(tl.int16).to(x.dtype, bitcast=True)
-            tl.store(dst + r * S, tl.reshape(tl.join(a, b), [BLOCK]), mask=mask)
+            tl.store(dst + r * S, _ll_read(buf_ptr + r * SLOT_W, words, tag, err_ptr, x, BLOCK), mask=mask)
     tl.store(epochs_ptr + pid, epoch)
