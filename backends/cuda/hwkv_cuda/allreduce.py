@@ -30,6 +30,8 @@ import contextlib
 import os
 import struct
 import uuid
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -80,8 +82,6 @@ def make_custom_all_reduce(comm: Any) -> CudaAllReduce | None:
         if ar is not None:
             ar.close()
         if ok == 0:
-            import warnings
-
             warnings.warn(f"custom all-reduce off (NCCL for every size): {reason}", stacklevel=2)
         return None
     return ar
@@ -152,33 +152,15 @@ class CudaAllReduce:
         if comm.all_reduce_min(ok) == 0:
             self.close()
             raise err or RuntimeError("another rank's push kernels failed their self-test")
-        if self.fused:  # optional as well: a failure turns only it off, on every rank
-            ok = 1
-            try:
-                with torch.cuda.device(self.device):
-                    self._self_test_fused()
-            except Exception as e:  # noqa: BLE001 - agreed below
-                ok, self.fused_error = 0, f"{type(e).__name__}: {e}"
-            if comm.all_reduce_min(ok) == 0:
-                import warnings
-
-                self.fused = False
-                self.fused_error = self.fused_error or "another rank's fused all-reduce failed its self-test"
-                warnings.warn(f"all-reduce inside the decode GEMVs off (the push kernel instead): {self.fused_error}",
-                              stacklevel=2)
-        if self.ll_max:  # optional too: a failure turns only it off, on every rank
-            ok = 1
-            try:
-                with torch.cuda.device(self.device):
-                    self._self_test_ll()
-            except Exception as e:  # noqa: BLE001 - agreed below
-                ok, self.ll_error = 0, f"{type(e).__name__}: {e}"
-            if comm.all_reduce_min(ok) == 0:
-                import warnings
-
-                self.ll_max = 0
-                self.ll_error = self.ll_error or "another rank's low-latency push failed its self-test"
-                warnings.warn(f"low-latency push off: {self.ll_error}", stacklevel=2)
+        # the optional paths: a failure turns only that one off, on every rank
+        if self.fused and (why := self._agreed(comm, self._self_test_fused,
+                                               "another rank's fused all-reduce failed its self-test")):
+            self.fused, self.fused_error = False, why
+            warnings.warn(f"all-reduce inside the decode GEMVs off (the push kernel instead): {why}", stacklevel=2)
+        if self.ll_max and (why := self._agreed(comm, self._self_test_ll,
+                                                "another rank's low-latency push failed its self-test")):
+            self.ll_max, self.ll_error = 0, why
+            warnings.warn(f"low-latency push off: {why}", stacklevel=2)
         from hwkv_cuda.ce_allreduce import ce_enabled
 
         if ce_enabled():  # optional: a failure turns only it off, on every rank
@@ -205,6 +187,18 @@ class CudaAllReduce:
                     self.symm_error = self.symm_error or "another rank could not set up symmetric memory"
                     break
 
+    def _agreed(self, comm: Any, step: Callable[[], Any], peer_failed: str) -> str:
+        """Run ``step`` on this rank's device, then agree with every rank: ``""`` when it passed on all of them,
+        else why not (this rank's exception, or ``peer_failed`` when only another rank's step failed) - every rank
+        gets a non-empty answer together, so all turn the same path off."""
+        ok, err = 1, ""
+        try:
+            with torch.cuda.device(self.device):
+                step()
+        except Exception as e:  # noqa: BLE001 - agreed below
+            ok, err = 0, f"{type(e).__name__}: {e}"
+        return "" if comm.all_reduce_min(ok) == 1 else (err or peer_failed)
+
     def _setup_ce(self, comm: Any) -> None:
         """The copy-engine all-reduce (:mod:`hwkv_cuda.ce_allreduce`) for messages of at least ``ce_min``
         bytes: its buffers mapped, then its flag path probed without any device wait (each rank writes a
@@ -212,8 +206,6 @@ class CudaAllReduce:
         driver that refuses stream memory operations on peer memory cannot leave a rank waiting), then
         one self-test all-reduce on small integers. Memory operations first, one-thread kernels if they
         fail; every step agreed by all ranks."""
-        import warnings
-
         from hwkv_cuda import ce_allreduce as ce
 
         ok, err = 1, ""
@@ -234,27 +226,17 @@ class CudaAllReduce:
         modes = [os.environ["HWKV_CE_SIGNAL"]] if os.environ.get("HWKV_CE_SIGNAL") else ["memop", "kernel"]
         for i, mode in enumerate(modes):
             self._ce.t.mode = mode
-            ok, err = 1, ""
-            try:
-                with torch.cuda.device(self.device):
-                    self._probe_ce_flags(comm, 1000 + i)
-            except Exception as e:  # noqa: BLE001 - agreed below
-                ok, err = 0, f"{mode}: {type(e).__name__}: {e}"
-            if comm.all_reduce_min(ok) == 1:
+            why = self._agreed(comm, lambda v=1000 + i: self._probe_ce_flags(comm, v),
+                               "another rank's flag probe failed")
+            if not why:
                 break
-            self.ce_error = err or f"{mode}: another rank's flag probe failed"
+            self.ce_error = f"{mode}: {why}"
         else:
             warnings.warn(f"copy-engine all-reduce off: {self.ce_error}", stacklevel=3)
             return
-        ok, err = 1, ""
-        try:
-            with torch.cuda.device(self.device):
-                self._self_test_ce()
-        except Exception as e:  # noqa: BLE001 - agreed below
-            ok, err = 0, f"{type(e).__name__}: {e}"
-        if comm.all_reduce_min(ok) == 0:
-            self.ce_error = err or "another rank's copy-engine self-test failed"
-            warnings.warn(f"copy-engine all-reduce off: {self.ce_error}", stacklevel=3)
+        if why := self._agreed(comm, self._self_test_ce, "another rank's copy-engine self-test failed"):
+            self.ce_error = why
+            warnings.warn(f"copy-engine all-reduce off: {why}", stacklevel=3)
             return
         self.ce_min, self.ce_signal, self.ce_error = int(os.environ.get("HWKV_CE_MIN", ce.CE_MIN)), mode, ""
 
