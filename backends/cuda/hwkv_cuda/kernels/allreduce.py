@@ -89,6 +89,22 @@ def push_all_reduce_kernel(x_ptr, res_ptr, out_ptr, buf_ptr, flags_ptr, peers_pt
 
 
 @triton.jit
+def _add_rms_norm_store(acc, res_ptr, w_ptr, out_ptr, h_ptr, offs, cols, mask, H, eps):
+    """A row's sum over the ranks (``acc``, float32) rounded to the model's dtype, then ``h = residual + sum`` and
+    ``out = rms_norm(h) * w`` with the model's rounding (the plain forward's ``norm(all_reduce(out) + h)``), both
+    stored; masked lanes count as zeros."""
+    dt = out_ptr.dtype.element_ty
+    s = acc.to(dt).to(tl.float32)
+    h = (s + tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(dt)
+    tl.store(h_ptr + offs, h, mask=mask)
+    hf = h.to(tl.float32)
+    var = tl.sum(hf * hf, axis=0) / H
+    y = (hf * tl.rsqrt(var + eps)).to(dt)
+    w = tl.load(w_ptr + cols, mask=mask)
+    tl.store(out_ptr + offs, (w.to(tl.float32) * y.to(tl.float32)).to(dt), mask=mask)
+
+
+@triton.jit
 def push_all_reduce_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, buf_ptr, flags_ptr, peers_ptr, epochs_ptr,
                                 err_ptr, H, eps, RANK: tl.constexpr, WS: tl.constexpr, SLOT: tl.constexpr,
                                 FLAG_OFF: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
@@ -106,15 +122,7 @@ def push_all_reduce_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, buf_ptr, 
     x = tl.load(x_ptr + offs, mask=mask)
     acc = _push_sum(x, offs, mask, pid, buf_ptr, flags_ptr, peers_ptr, epochs_ptr, err_ptr, RANK, WS, SLOT, FLAG_OFF,
                     BLOCK)
-    dt = out_ptr.dtype.element_ty
-    s = acc.to(dt).to(tl.float32)
-    h = (s + tl.load(res_ptr + offs, mask=mask).to(tl.float32)).to(dt)
-    tl.store(h_ptr + offs, h, mask=mask)
-    hf = h.to(tl.float32)
-    var = tl.sum(hf * hf, axis=0) / H
-    y = (hf * tl.rsqrt(var + eps)).to(dt)
-    w = tl.load(w_ptr + cols, mask=mask)
-    tl.store(out_ptr + offs, (w.to(tl.float32) * y.to(tl.float32)).to(dt), mask=mask)
+    _add_rms_norm_store(acc, res_ptr, w_ptr, out_ptr, h_ptr, offs, cols, mask, H, eps)
 
 
 @triton.jit
@@ -233,15 +241,7 @@ def ce_add_norm_kernel(x_ptr, slot_ptr, res_ptr, w_ptr, out_ptr, h_ptr, H, eps, 
         else:
             slot = r if r < RANK else r - 1
             acc += tl.load(slot_ptr + slot * stride + offs, mask=mask, other=0.0).to(tl.float32)
-    dt = out_ptr.dtype.element_ty
-    s = acc.to(dt).to(tl.float32)
-    h = (s + tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(dt)
-    tl.store(h_ptr + offs, h, mask=mask)
-    hf = h.to(tl.float32)
-    var = tl.sum(hf * hf, axis=0) / H
-    y = (hf * tl.rsqrt(var + eps)).to(dt)
-    w = tl.load(w_ptr + cols, mask=mask)
-    tl.store(out_ptr + offs, (w.to(tl.float32) * y.to(tl.float32)).to(dt), mask=mask)
+    _add_rms_norm_store(acc, res_ptr, w_ptr, out_ptr, h_ptr, offs, cols, mask, H, eps)
 
 
 @triton.jit
