@@ -219,13 +219,16 @@ def test_unknown_model_is_404(client):
 
 
 def test_metrics_parse(server, client):
-    client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=3, **GREEDY)
-    client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=3, **GREEDY)  # a prefix-cache hit
+    # 40 prompt tokens: two full blocks of 16 to cache. PROMPTS[0] is shorter than one block, so this test passed
+    # only when an earlier test on the same server (and pytest-xdist worker) had made a hit.
+    prompt = list(range(5, 45))
+    client.completions.create(model="tiny", prompt=prompt, max_tokens=3, **GREEDY)
+    client.completions.create(model="tiny", prompt=prompt, max_tokens=3, **GREEDY)  # a prefix-cache hit
     m = wait_idle(server)
     for name in ("hwkv_num_requests_running", "hwkv_num_requests_waiting", "hwkv_kv_cache_usage_perc",
                  "hwkv_num_preemptions_total", "hwkv_prefix_cache_hit_rate"):
         assert name in m
-    assert m["hwkv_prefix_cache_hits_total"] > 0 and 0 < m["hwkv_prefix_cache_hit_rate"] <= 1
+    assert m["hwkv_prefix_cache_hits_total"] >= 32 and 0 < m["hwkv_prefix_cache_hit_rate"] <= 1
     assert m["hwkv_generation_tokens_total"] >= 6 and m["hwkv_prompt_tokens_total"] > 0
     for h in ("hwkv_time_to_first_token_seconds", "hwkv_inter_token_latency_seconds",
               "hwkv_e2e_request_latency_seconds"):
