@@ -16,7 +16,6 @@ before and after each step's launches) and reports prefill/mixed steps apart fro
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import time
@@ -33,25 +32,14 @@ from hwkv.bench.roofline import linear_params, matmul_rate, offline_roofline
 
 @torch.inference_mode()
 def recapture(engine: Any, lo: int, hi: int) -> int:
-    """Capture the decode graphs of ``lo < batch <= hi`` again (``GraphRunner.capture`` of those keys only), in both
-    sets of small decode graphs where the runner holds two (``runner.graphs_b``: they take turns on steady steps, and
-    their graphs take the greedy argmax - a recapture of the first set alone would measure the path before them)."""
-    runners = [r for r in (engine.runner.graphs, getattr(engine.runner, "graphs_b", None)) if r is not None]
-    if not runners:
-        return 0
-    dev = runners[0].device
-    keys = [sorted((k for k in r.graphs if lo < k[0] <= hi), reverse=True) for r in runners]
-    # the old graphs go first, so that the new captures may reuse their memory in the shared pool. This did not stop
-    # the pool's growth: session 9's batches 1, 2 and 2b ran out of memory after 8-10 variant runs (graph pools at
-    # 11.2 GiB beside the 90 % KV pool) - keep an A/B under ~8 recaptures
-    dev.synchronize()
-    old = [(r.graphs.pop(k), r.graph_tokens.pop(k, None)) for r, ks in zip(runners, keys) for k in ks]
-    del old
-    gc.collect()
-    for r, ks in zip(runners, keys):
-        if ks:
-            r.capture(pool=runners[0].pool, batches={b for b, _ in ks})
-    return sum(len(ks) for ks in keys)
+    """Capture the decode graphs of ``lo < batch <= hi`` again, in both sets of small decode graphs where the runner
+    holds two (they take turns on steady steps, and their graphs take the greedy argmax - a recapture of the first
+    set alone would measure the path before them): :func:`hwkv.engine.tp.runner.recapture`. The old graphs go first,
+    which did not stop the graph pool's growth: session 9's batches ran out of memory after 8-10 variant runs (graph
+    pools at 11.2 GiB beside the 90 % KV pool) - keep an A/B under ~8 recaptures."""
+    from hwkv.engine.tp.runner import recapture as recapture_runner
+
+    return recapture_runner(engine.runner, lo, hi)
 
 
 class StepTimer:
