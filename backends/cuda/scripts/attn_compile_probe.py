@@ -136,6 +136,9 @@ def main() -> None:
                           shared=k.metadata.shared, total=sum(ops.values()),
                           ops={o: ops[o] for o in keep if ops[o]}, loop_total=sum(body.values()),
                           loop={o: body[o] for o in keep if body[o]}, triton=triton.__version__)))
+    if os.environ.get("TTGIR_OUT"):
+        with open(os.environ["TTGIR_OUT"], "w") as f:
+            f.write(k.asm["ttgir"])
     if os.environ.get("SASS_OUT"):
         with open(os.environ["SASS_OUT"], "w") as f:
             f.write(sass)

@@ -3,7 +3,8 @@
 ``python -m hwkv_cuda.bench.kv_dtype_decode --batch 32 --context 32768 --heads 32/8 --head-size 64``
 times ``TritonAttentionImpl.forward_into`` for one decode step (one query token per request) over
 randomly scattered pages, for each KV dtype and each tile override in ``--variants`` (an
-``HWKV_CUDA_ATTN_CONFIG`` value, ``default`` = the chosen tiles), and reports the KV bytes read per
+``HWKV_CUDA_ATTN_CONFIG`` value, ``default`` = the chosen tiles; ``HWKV_CUDA_FP8G=1+...`` parts set other
+variables for that row), and reports the KV bytes read per
 second against the device's copy bandwidth measured in the same run. ``--batch`` and
 ``--context`` take comma-separated lists (every pair is a shape, timed in one process: the kernels
 compile once); ``--fp8-variants`` gives the fp8 rows their own overrides (``fp8_unpack=1``: the
@@ -82,10 +83,12 @@ def main() -> int:
                 kv_bytes = b * nblk * per_block * kv.element_size()  # the step's pages
                 same = None  # this cache's first output: every variant reads the same codes
                 for variant in variants[name].split(";"):
-                    if variant == "default":
-                        os.environ.pop(OVERRIDE_ENV, None)
+                    envs, tiles = _variant(variant)
+                    if tiles:
+                        os.environ[OVERRIDE_ENV] = tiles
                     else:
-                        os.environ[OVERRIDE_ENV] = variant
+                        os.environ.pop(OVERRIDE_ENV, None)
+                    os.environ.update(envs)
                     try:
                         impl = TritonAttentionBackend().make_impl(h, d, hkv, d**-0.5)
                         impl.kv_scales = scales
@@ -97,6 +100,9 @@ def main() -> int:
                         print(json.dumps(dict(kv=name, variant=variant, batch=b, context=ctx, error=repr(e))),
                               flush=True)
                         continue
+                    finally:
+                        for k in envs:
+                            os.environ.pop(k, None)
                     if ref is None:
                         ref = out.float().clone()
                     err = ((out.float() - ref).norm() / ref.norm()).item()
@@ -125,6 +131,20 @@ def main() -> int:
                 print(json.dumps({"fp8_speedup": {f"{b}x{ctx}": sp}}), flush=True)
     save()
     return 0
+
+
+def _variant(variant: str) -> tuple[dict[str, str], str]:
+    """``--variants`` item as (environment, tile override): ``+``-separated parts, each ``HWKV_NAME=value`` (set for
+    that row only, e.g. ``HWKV_CUDA_FP8G=1`` to time another route) or an ``HWKV_CUDA_ATTN_CONFIG`` value;
+    ``default`` is no part."""
+    envs, tiles = {}, []
+    for part in filter(None, (p.strip() for p in variant.split("+"))):
+        name, eq, value = part.partition("=")
+        if eq and name.startswith("HWKV_"):
+            envs[name] = value
+        elif part != "default":
+            tiles.append(part)
+    return envs, ",".join(tiles)
 
 
 def v_transposed(kv):
