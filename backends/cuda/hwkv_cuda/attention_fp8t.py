@@ -52,12 +52,15 @@ def applies(impl: Any, query: torch.Tensor, layer_kv: torch.Tensor, md: Any) -> 
 
 
 def splits_for(md: Any, hkv: int, block_n: int, split_target: int, min_split: int, fixed: int = 0) -> int:
-    """Splits per (request, KV head): ``fixed``, or enough for ``split_target`` programs per SM, at most one per
-    ``min_split`` keys of the longest request and ``MAX_SPLITS``; then whole tiles per split and no empty split."""
+    """Splits per (request, KV head): ``fixed``, or enough for ``split_target`` programs per SM (a negative value:
+    at most ``-split_target`` per SM, rounded down), at most one per ``min_split`` keys of the longest request and
+    ``MAX_SPLITS``; then whole tiles per split and no empty split."""
     c = md.common
     max_len = max(c.max_seq_len, 1)
     programs = max(1, c.num_reqs * hkv)
-    splits = fixed or min(-(-split_target * md.num_sms // programs), max_len // max(min_split, 1))
+    # a negative split_target: that many programs per SM as a ceiling on the grid (whole waves), not a goal
+    per_sm = (-split_target * md.num_sms // programs) if split_target < 0 else -(-split_target * md.num_sms // programs)
+    splits = fixed or min(per_sm, max_len // max(min_split, 1))
     splits = max(1, min(MAX_SPLITS, splits))
     seg = -(-max_len // splits)
     seg = -(-seg // block_n) * block_n
