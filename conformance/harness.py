@@ -54,6 +54,8 @@ def scenario(state: str, bs: int, gen: torch.Generator) -> list[tuple[int, int]]
         reqs = [(2 * bs, 1), (5, 1), (3 * bs + 1, 1), (max(bs - 1, 1), 1), (0, 1)]
     elif state == "mixed":
         reqs = [(bs + 1, 1), (0, min(bs + 2, 40)), (2 * bs + 3, 4), (7, 1), (0, 3)]
+    elif state == "long_decode":  # not in STATES: ~18k keys, the split decodes a GPU runs at long context
+        reqs = [(9000, 1), (6100, 1), (2100, 1), (700, 1)]
     else:
         raise ValueError(f"state {state!r} not in {STATES}")
     order = torch.randperm(len(reqs), generator=gen).tolist()

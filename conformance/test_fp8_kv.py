@@ -9,7 +9,9 @@ rounded to nearest-even, per KV head scale, K and V each their own; ``forward`` 
 * Attention over an fp8 cache: compared with the reference reading the same fp8 cache in float32,
   at the query dtype's attention tolerance (the dequantised values are identical on both sides, so
   fp8 adds no error between backend and oracle; fp8's own error against unquantised KV is a
-  property of the format, reported in docs/fp8-kv-cache.md, not a conformance bound).
+  property of the format, reported in docs/fp8-kv-cache.md, not a conformance bound). Since 3.3.0 also
+  a decode of four requests over ~18k keys at the default block size (``test_fp8_long_decode``): the
+  long split decodes a GPU backend routes to kernels of their own (the cuda backend's Gluon kernel).
 """
 
 from __future__ import annotations
@@ -91,3 +93,18 @@ def test_fp8_attention(backend, reference, check, gen, dtype, block_size, state,
     out = run_attention(backend, case, dtype, FP8_E4M3, scales)
     expected = run_attention(reference, case, torch.float32, FP8_E4M3, scales)
     check.close(out, expected, dtype, "attention", f"attention over an fp8 KV cache, {state} [tokens, heads, head]")
+
+
+@pytest.mark.parametrize("shape", ["gqa4_d64", "gqa8_d128"])
+def test_fp8_long_decode(backend, reference, check, gen, dtype, shape):
+    """Four decodes at contexts 9,000 / 6,100 / 2,100 / 700 (~18k keys) over an fp8 cache of the backend's default
+    block size: the long-context split decode, as an engine runs it at batch x context in the tens of thousands."""
+    (num_heads, num_kv_heads), head_size = {"gqa4_d64": (GQA["4"], 64), "gqa8_d128": (GQA["8"], 128)}[shape]
+    bs = backend.capabilities.default_block_size
+    case = make_case("long_decode", bs, num_heads, num_kv_heads, head_size, dtype, gen)
+    check.capability = "fp8_kv/attention/long_decode"
+    _refuse_unless_declared(backend, case.spec(FP8_E4M3), num_heads)
+    scales = _scales(num_kv_heads, gen) / 8  # as test_fp8_attention's
+    out = run_attention(backend, case, dtype, FP8_E4M3, scales)
+    expected = run_attention(reference, case, torch.float32, FP8_E4M3, scales)
+    check.close(out, expected, dtype, "attention", f"attention over an fp8 KV cache, long decode {shape}")

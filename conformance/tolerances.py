@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-SUITE_VERSION = "3.2.0"
+SUITE_VERSION = "3.3.0"
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
