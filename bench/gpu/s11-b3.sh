@@ -2,28 +2,29 @@
 # session 11, batch 3 (#36 fp8 decode): the Gluon one-warp kernel (HWKV_CUDA_FP8G=1, kernels/attention_fp8g.py).
 # (A) one layer of the 1B shape at 32 x 32k in one process: the fp8 default, bt_ahead=1,num_stages=4, and fp8g at
 # several pipeline depths / split targets (rel_err_vs_same_cache: each row against the fp8 default's output);
-# (T) test_fp8g.py compiled (the kernel against the reference oracle); (N) Nsight Compute of fp8g stages=4;
-# (E) the engine's kv-dtype bench with HWKV_CUDA_FP8G=1.
+# (T) test_fp8g.py compiled (the kernel against the reference oracle); (N) Nsight Compute of fp8g at its defaults;
+# (E) the engine's kv-dtype bench with HWKV_CUDA_FP8G=1. V1B / V8B (the fp8 rows' variants of A / A2) default to
+# batch 3's; bench/gpu/s11-b4.sh sets its own.
 set -u
 source bench/gpu/lib.sh; gpu_env; gpu_header
 t0=$(date +%s); say() { echo "[s11] $(date -u +%T) +$(( $(date +%s) - t0 ))s $*"; }
 left() { echo $(( 390 - ($(date +%s) - t0) )); }
 G="HWKV_CUDA_FP8G=1+HWKV_CUDA_FP8G_CONFIG"
-V="default;bt_ahead=1,num_stages=4;$G=stages=4;$G=stages=3;$G=stages=5;$G=stages=6;$G=stages=4,split_target=6"
-V="$V;$G=stages=4,split_target=8;$G=stages=4,split_target=14;$G=stages=3,split_target=14"
+V=${V1B:-"default;bt_ahead=1,num_stages=4;$G=stages=4;$G=stages=3;$G=stages=5;$G=stages=6;$G=stages=4,split_target=6\
+;$G=stages=4,split_target=8;$G=stages=4,split_target=14;$G=stages=3,split_target=14"}
 say "A: 1B layer 32 x 32k"
 timeout -k 2 120 python3 -m hwkv_cuda.bench.kv_dtype_decode --batch 32 --context 32768 --heads 32/8 --head-size 64 \
   --kv-dtypes bf16,fp8 --variants default --fp8-variants "$V" --out "$OUT/layer-1b.json" 2>&1 | cut -c1-420
 echo "rc=${PIPESTATUS[0]}"
 say "A2: 8B shape layer (head 128)"
 timeout -k 2 60 python3 -m hwkv_cuda.bench.kv_dtype_decode --batch 32 --context 32768 --heads 32/8 --head-size 128 \
-  --kv-dtypes bf16,fp8 --variants default --fp8-variants "default;$G=stages=4;$G=stages=3" \
+  --kv-dtypes bf16,fp8 --variants default --fp8-variants "${V8B:-default;$G=stages=4;$G=stages=3}" \
   --out "$OUT/layer-8b.json" 2>&1 | cut -c1-420
 echo "rc=${PIPESTATUS[0]}"
 say "T: test_fp8g.py (compiled)"
 timeout -k 2 70 python3 -m pytest -q -x -p no:cacheprovider backends/cuda/tests/test_fp8g.py 2>&1 \
   | tee "$OUT/pytest.txt" | tail -n 12
-say "N: ncu fp8g stages=4"
+say "N: ncu fp8g (its defaults)"
 NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -n 1)
 HWKV_CUDA_FP8G=1 timeout -k 2 60 "$NCU" --kernel-name fp8g_decode_kernel \
   --launch-skip 2 --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \

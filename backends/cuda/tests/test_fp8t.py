@@ -10,22 +10,7 @@ pytest.importorskip("triton")
 from hwkv_cuda import attention_fp8t as fp8t  # noqa: E402
 from hwkv_cuda.attention import TritonAttentionBackend  # noqa: E402
 from naive import paged_case  # noqa: E402
-from test_fp8_kv import DEV, _fp8_cache, _scales  # noqa: E402
-
-from hwkv.interfaces.attention import AttentionMetadata  # noqa: E402
-from hwkv.reference.attention import paged_attention  # noqa: E402
-
-
-def _spy(monkeypatch):
-    calls = []
-    real = fp8t.forward_fp8t
-
-    def spy(*a, **k):
-        calls.append(1)
-        return real(*a, **k)
-
-    monkeypatch.setattr(fp8t, "forward_fp8t", spy)
-    return calls
+from test_fp8_kv import DEV, _fp8_cache, _route_matches_reference, _route_refusals, _scales, _spy_route  # noqa: E402
 
 
 @pytest.mark.parametrize("qdtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
@@ -36,7 +21,7 @@ def test_fp8t_decode_equals_the_reference(splits, shape, mode, qdtype, monkeypat
     monkeypatch.setenv(fp8t.ENV, "1")
     monkeypatch.setenv(fp8t.CONFIG_ENV, splits + read)
     monkeypatch.setenv("HWKV_CUDA_SPLIT_REDUCE", mode)
-    calls = _spy(monkeypatch)
+    calls = _spy_route(monkeypatch, fp8t, "forward_fp8t")
     h, hkv, d, bs = shape
     qlens, slens = [1, 1, 1], [70, 900, 130]  # partial last tiles
     q, kv, md, tables = paged_case(qlens, slens, h, hkv, d, bs, seed=h * d + bs, device=DEV)
@@ -48,19 +33,7 @@ def test_fp8t_decode_equals_the_reference(splits, shape, mode, qdtype, monkeypat
     # min_split=128: 2-4 splits of 256-512 keys (4 interpreter SMs), the short requests' later ones empty
     assert 2 <= fp8t.splits_for(built, hkv, 128, 4, 128) <= 4 and fp8t.splits_for(built, hkv, 128, 4, 512) == 1
     qd = q.to(DEV, qdtype)
-    out = torch.full_like(qd, float("nan"))
-    impl.forward_into(out, qd, cache, built)
-    assert calls == [1]
-    ref = paged_attention(qd.float(), cache, md.query_start_loc_cpu, md.seq_lens_cpu, md.block_tables, d**-0.5,
-                          kv_scales=scales)
-    assert not out.isnan().any()
-    err = (out.double() - ref.double()).norm() / ref.double().norm()
-    # fp16 P in the P.V product (~2^-11 relative) and the output's own 16-bit rounding (bf16: 2^-9)
-    assert err < (2e-3 if qdtype == torch.float16 else 5e-3), f"rel err {err:.2e}"
-    impl.kv_scales = torch.ones_like(scales)  # the scales are really applied
-    out1 = torch.empty_like(out)
-    impl.forward_into(out1, qd, cache, built)
-    assert (out1.double() - ref.double()).norm() / ref.double().norm() > 1e-2
+    _route_matches_reference(impl, qd, cache, built, md, scales, calls)
 
 
 @pytest.mark.parametrize("read", ["lacc=0", "num_warps=4,block_n=128", "num_warps=4,block_n=64,lacc=0",
@@ -86,31 +59,14 @@ def test_fp8t_small_blocks_equal_the_reference(bs, monkeypatch):
 def test_fp8t_takes_only_plain_fp8_decodes(monkeypatch):
     """Prefill steps, 16-bit caches, fp32 queries and windowed layers keep the unified kernel (and stay right)."""
     monkeypatch.setenv(fp8t.ENV, "1")
-    calls = _spy(monkeypatch)
-    h, hkv, d, bs = 8, 2, 64, 16
-    q, kv, md, _ = paged_case([3, 1], [40, 70], h, hkv, d, bs, seed=3, device=DEV)  # a prefill chunk beside a decode
-    scales = _scales(hkv, 3)
-    cache = _fp8_cache(kv / 0.05, scales)
-    impl = TritonAttentionBackend().make_impl(h, d, hkv, d**-0.5)
-    impl.kv_scales = scales
-    b = TritonAttentionBackend().metadata_builder()
-    out = torch.empty_like(q.to(DEV, torch.float16))
-    impl.forward_into(out, q.to(DEV, torch.float16), cache, b.build(md))
-    ref = paged_attention(q.to(DEV, torch.float16).float(), cache, md.query_start_loc_cpu, md.seq_lens_cpu,
-                          md.block_tables, d**-0.5, kv_scales=scales)
+    calls = _spy_route(monkeypatch, fp8t, "forward_fp8t")
+    impl, dmd, qd, cache, out, ref = _route_refusals()
     assert (out.double() - ref.double()).norm() / ref.double().norm() < 2e-3
-    dmd = AttentionMetadata.build([1, 1], [40, 70], md.block_tables, bs, device=DEV)
-    qd = q[:2].to(DEV, torch.float16)
-    impl.forward_into(torch.empty_like(qd), qd.float(), cache, b.build(dmd))  # fp32 query
-    impl.forward_into(torch.empty_like(qd), qd, kv.to(DEV, torch.float16), b.build(dmd))  # 16-bit cache
-    impl.window = 16
-    impl.forward_into(torch.empty_like(qd), qd, cache, b.build(dmd))
     assert calls == []
-    impl.window = None
-    impl.forward_into(torch.empty_like(qd), qd, cache, b.build(dmd))
+    impl.forward_into(torch.empty_like(qd), qd, cache, dmd)
     assert calls == [1]
     monkeypatch.setenv(fp8t.ENV, "0")
-    impl.forward_into(torch.empty_like(qd), qd, cache, b.build(dmd))
+    impl.forward_into(torch.empty_like(qd), qd, cache, dmd)
     assert calls == [1]
 
 
