@@ -17,6 +17,7 @@ the smallest decode it takes. The partials are merged by the unified kernel's ``
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -47,11 +48,22 @@ def config() -> dict[str, int]:
     return cfg
 
 
+@functools.cache
+def gluon_available() -> bool:
+    """Whether this Triton has the Gluon names the kernel uses (``triton>=3.4`` is declared; Gluon is experimental
+    and its API moved between releases): without them every step keeps the unified kernel."""
+    try:
+        import hwkv_cuda.kernels.attention_fp8g  # noqa: F401
+    except (ImportError, AttributeError):
+        return False
+    return True
+
+
 def applies(impl: Any, query: torch.Tensor, layer_kv: torch.Tensor, md: Any) -> bool:
     """Whether this step may take the Gluon kernel (module doc), ``HWKV_CUDA_FP8G`` aside."""
     _, _, bs, hkv, d = layer_kv.shape
     c = md.common
-    return (query.is_cuda and md.one_token and c.num_reqs * c.max_seq_len >= config()["min_keys"]
+    return (query.is_cuda and gluon_available() and md.one_token and c.num_reqs * c.max_seq_len >= config()["min_keys"]
             and query.dtype in (torch.float16, torch.bfloat16) and d in (64, 128) and bs == 16
             and hkv % HEADS == 0 and impl.num_heads // hkv <= 8 and layer_kv.stride(3) == d
             and layer_kv.stride(2) == hkv * d and query.stride(-1) == 1 and query.stride(1) == d

@@ -1,5 +1,6 @@
 """Launch of the transposed fp8-KV decode kernel (:mod:`hwkv_cuda.kernels.attention_fp8t`), an A/B route for
-issue #36 behind ``HWKV_CUDA_FP8T=1`` (off by default).
+issue #36 behind ``HWKV_CUDA_FP8T=1`` (off by default). The Gluon kernel (:mod:`hwkv_cuda.attention_fp8g`) is
+checked first: where it applies, time this route with ``HWKV_CUDA_FP8G=0`` as well.
 
 It takes a step only where it applies: an fp8 cache, a pure decode (one query token per request), a 16-bit query,
 a power-of-two head size of 16-128, no sliding window, soft-cap or sinks; every other step keeps the unified kernel.

@@ -40,8 +40,8 @@ def test_fp8g_decode_equals_the_reference(splits, shape, qdtype, monkeypatch):
 
 def test_fp8g_takes_only_the_decodes_it_supports(monkeypatch):
     """Prefill steps, 16-bit caches, fp32 queries, windowed layers, odd KV head counts, 8-token blocks and decodes
-    under ``min_keys`` keep the unified kernel; ``HWKV_CUDA_FP8G=0`` turns the route off; on a CPU (the unified
-    kernel under the interpreter) it is never taken."""
+    under ``min_keys`` keep the unified kernel, as does a Triton without Gluon; ``HWKV_CUDA_FP8G=0`` turns the
+    route off; on a CPU (the unified kernel under the interpreter) it is never taken."""
     calls = []
     monkeypatch.setattr(fp8g, "forward_fp8g", lambda *a, **k: calls.append(1))
     monkeypatch.delenv(fp8g.ENV, raising=False)
@@ -59,6 +59,11 @@ def test_fp8g_takes_only_the_decodes_it_supports(monkeypatch):
     impl.forward_into(torch.empty_like(qd), qd, cache, dmd)
     assert calls == taken
     monkeypatch.delenv(fp8g.ENV)
+    gluon = fp8g.gluon_available
+    monkeypatch.setattr(fp8g, "gluon_available", lambda: False)  # a Triton without the Gluon names it uses
+    impl.forward_into(torch.empty_like(qd), qd, cache, dmd)
+    assert calls == taken
+    monkeypatch.setattr(fp8g, "gluon_available", gluon)
     q3, kv3, md3, _ = paged_case([1, 1], [40, 70], 6, 3, 64, 8, seed=5, device=DEV)  # 3 KV heads, 8-token blocks
     impl3 = TritonAttentionBackend().make_impl(6, 64, 3, 64**-0.5)
     impl3.kv_scales = _scales(3, 5)
