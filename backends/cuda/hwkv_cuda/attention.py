@@ -21,7 +21,6 @@ from hwkv.interfaces.attention import AttentionBackend, AttentionImpl, Attention
 from hwkv.interfaces.kv_quant import is_quantized
 from hwkv.interfaces.layout import KVLayoutKind
 from hwkv_cuda import attention_fp8g as fp8g
-from hwkv_cuda import attention_fp8t as fp8t
 from hwkv_cuda.elementwise import PDL_ENV as ELEMENTWISE_PDL_ENV
 from hwkv_cuda.launch import device_limits, use_pdl
 from hwkv_cuda.splitkv import SplitCounters, merge_tile, reduce_mode
@@ -273,9 +272,6 @@ class TritonAttentionImpl(AttentionImpl):
             raise ValueError(f"KV block size {bs} differs from metadata block_size {c.block_size}")
         if fp8g.enabled() and is_quantized(layer_kv.dtype) and fp8g.applies(self, query, layer_kv, md):
             fp8g.forward_fp8g(self, out, query, layer_kv, md)  # the Gluon fp8 decode (HWKV_CUDA_FP8G=0: off)
-            return
-        if fp8t.enabled() and is_quantized(layer_kv.dtype) and fp8t.applies(self, query, layer_kv, md):
-            fp8t.forward_fp8t(self, out, query, layer_kv, md)  # HWKV_CUDA_FP8T=1: the transposed fp8 decode (A/B)
             return
         group = self.num_heads // hkv
         d_pad = max(16, pow2(d))

@@ -23,9 +23,8 @@ from typing import Any
 
 import torch
 
-from hwkv_cuda.attention_fp8t import LOG2E, splits_for
 from hwkv_cuda.launch import parse_overrides
-from hwkv_cuda.tiles import pow2
+from hwkv_cuda.tiles import MAX_SPLITS, pow2
 
 ENV = "HWKV_CUDA_FP8G"
 CONFIG_ENV = "HWKV_CUDA_FP8G_CONFIG"
@@ -34,6 +33,7 @@ HEADS = 2  # KV heads a program (the kernel's NH)
 BLOCK_N = 32  # keys a tile: two 16-token blocks (the kernel's NB * BS)
 SM_SHARED = 233472  # shared memory of an sm_90 SM (228 KiB); 1 KiB of it per resident block is the driver's
 MAX_WARPS_BY_REGS = 16  # 65,536 registers an SM over the kernel's 128 a thread
+LOG2E = 1.4426950408889634  # the softmax runs in base 2 (as the unified kernel's)
 
 
 def enabled() -> bool:
@@ -77,6 +77,22 @@ def resident(stages: int, head_bytes: int) -> int:
     return max(1, min(SM_SHARED // (smem + 1024), MAX_WARPS_BY_REGS))
 
 
+def splits_for(md: Any, per_request: int, block_n: int, split_target: int, min_split: int, fixed: int = 0) -> int:
+    """Splits of each of a request's ``per_request`` programs: ``fixed``, or enough for ``split_target`` programs per
+    SM (a negative value: at most ``-split_target`` per SM, rounded down - whole waves), at most one per ``min_split``
+    keys of the longest request and ``MAX_SPLITS``; then whole tiles of ``block_n`` keys per split and no empty split
+    of the longest request."""
+    c = md.common
+    max_len = max(c.max_seq_len, 1)
+    programs = max(1, c.num_reqs * per_request)
+    per_sm = (-split_target * md.num_sms // programs) if split_target < 0 else -(-split_target * md.num_sms // programs)
+    splits = fixed or min(per_sm, max_len // max(min_split, 1))
+    splits = max(1, min(MAX_SPLITS, splits))
+    seg = -(-max_len // splits)
+    seg = -(-seg // block_n) * block_n
+    return -(-max_len // seg)
+
+
 def forward_fp8g(impl: Any, out: torch.Tensor, query: torch.Tensor, layer_kv: torch.Tensor, md: Any) -> None:
     from hwkv_cuda.kernels.attention import reduce_kernel
     from hwkv_cuda.kernels.attention_fp8g import fp8g_decode_kernel
@@ -85,8 +101,7 @@ def forward_fp8g(impl: Any, out: torch.Tensor, query: torch.Tensor, layer_kv: to
     cfg = config()
     _, _, bs, hkv, d = layer_kv.shape
     group = impl.num_heads // hkv
-    # splits_for counts programs per (request, KV head); a program here owns HEADS of them
-    target = cfg["split_target"] or -resident(cfg["stages"], HEADS * d)  # negative: whole programs, one wave
+    target = cfg["split_target"] or -resident(cfg["stages"], HEADS * d)  # negative: a ceiling, one wave
     splits = splits_for(md, hkv // HEADS, BLOCK_N, target, cfg["min_split"], cfg["splits"])
     splits_pad = pow2(splits)
     n = query.shape[0]

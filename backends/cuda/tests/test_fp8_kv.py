@@ -13,7 +13,6 @@ from hwkv_cuda.decode_ops import TritonDecodeOps  # noqa: E402
 from naive import paged_case  # noqa: E402
 from test_kernels import CASES  # noqa: E402
 
-from hwkv.interfaces.attention import AttentionMetadata  # noqa: E402
 from hwkv.interfaces.kv_quant import FP8_E4M3, v_token_view  # noqa: E402
 from hwkv.model.decode_ops import TorchDecodeOps  # noqa: E402
 from hwkv.reference.attention import ReferenceAttentionBackend, paged_attention  # noqa: E402
@@ -35,64 +34,6 @@ def _fp8_cache(kv, scales):
     flat = kv.to(DEV).transpose(1, 2).reshape(nb * bs, 2, hkv, d)
     ref_write_kv(flat[:, 0], flat[:, 1], cache, slots, scales)
     return cache
-
-
-def _spy_route(monkeypatch, module, name):
-    """The calls of ``module.name`` (a decode route's launch), still running it: a list that grows by one a call."""
-    calls = []
-    real = getattr(module, name)
-
-    def spy(*a, **k):
-        calls.append(1)
-        return real(*a, **k)
-
-    monkeypatch.setattr(module, name, spy)
-    return calls
-
-
-def _route_refusals():
-    """A GQA-4 head-64 fp8 case with 16-token blocks, run through the steps a decode route must leave to the unified
-    kernel: a prefill chunk beside a decode, an fp32 query, a 16-bit cache, a windowed layer. Returns ``(impl,
-    decode metadata, fp16 decode query, fp8 cache, the prefill step's output, its reference)``; the impl's window is
-    cleared again."""
-    h, hkv, d, bs = 8, 2, 64, 16
-    q, kv, md, _ = paged_case([3, 1], [40, 70], h, hkv, d, bs, seed=3, device=DEV)  # a prefill chunk beside a decode
-    scales = _scales(hkv, 3)
-    cache = _fp8_cache(kv / 0.05, scales)
-    impl = TritonAttentionBackend().make_impl(h, d, hkv, d**-0.5)
-    impl.kv_scales = scales
-    b = TritonAttentionBackend().metadata_builder()
-    out = torch.empty_like(q.to(DEV, torch.float16))
-    impl.forward_into(out, q.to(DEV, torch.float16), cache, b.build(md))
-    ref = paged_attention(q.to(DEV, torch.float16).float(), cache, md.query_start_loc_cpu, md.seq_lens_cpu,
-                          md.block_tables, d**-0.5, kv_scales=scales)
-    dmd = b.build(AttentionMetadata.build([1, 1], [40, 70], md.block_tables, bs, device=DEV))  # 2 x 70 = 140 keys
-    qd = q[:2].to(DEV, torch.float16)
-    impl.forward_into(torch.empty_like(qd), qd.float(), cache, dmd)  # fp32 query
-    impl.forward_into(torch.empty_like(qd), qd, kv.to(DEV, torch.float16), dmd)  # 16-bit cache
-    impl.window = 16
-    impl.forward_into(torch.empty_like(qd), qd, cache, dmd)
-    impl.window = None
-    return impl, dmd, qd, cache, out, ref
-
-
-def _route_matches_reference(impl, qd, cache, built, md, scales, calls):
-    """A decode route's one call (``calls``, its spy) for ``qd`` over the fp8 ``cache`` equals the reference within
-    its fp16 dots' error, and reads the scales (all-ones scales land far off)."""
-    d = impl.head_size
-    out = torch.full_like(qd, float("nan"))
-    impl.forward_into(out, qd, cache, built)
-    assert calls == [1]
-    ref = paged_attention(qd.float(), cache, md.query_start_loc_cpu, md.seq_lens_cpu, md.block_tables, d**-0.5,
-                          kv_scales=scales)
-    assert not out.isnan().any()
-    err = (out.double() - ref.double()).norm() / ref.double().norm()
-    # fp16 P in the P.V product (~2^-11 relative) and the output's own 16-bit rounding (bf16: 2^-9)
-    assert err < (2e-3 if qd.dtype == torch.float16 else 5e-3), f"rel err {err:.2e}"
-    impl.kv_scales = torch.ones_like(scales)  # the scales are really applied
-    out1 = torch.empty_like(out)
-    impl.forward_into(out1, qd, cache, built)
-    assert (out1.double() - ref.double()).norm() / ref.double().norm() > 1e-2
 
 
 @pytest.mark.parametrize("hkv,d,bs", [(2, 32, 16), (3, 64, 32)])
